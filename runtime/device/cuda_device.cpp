@@ -1,0 +1,219 @@
+#include "runtime/device/cuda_device.h"
+
+#include <cuda_runtime_api.h>
+
+#include <string>
+
+#include "runtime/core/error.h"
+
+#define TIDAL_CUDA_CHECK(expr)                                                                \
+  do {                                                                                        \
+    const cudaError_t tidal_cuda_status = (expr);                                            \
+    TIDAL_CHECK_RUNTIME(tidal_cuda_status == cudaSuccess, "CUDA error in `", #expr, "`: ",   \
+                        cudaGetErrorName(tidal_cuda_status), ": ",                           \
+                        cudaGetErrorString(tidal_cuda_status));                               \
+  } while (false)
+
+namespace tidal {
+namespace {
+
+// Makes `ordinal` the current device for the calling thread while in scope.
+class DeviceGuard {
+ public:
+  explicit DeviceGuard(int ordinal) {
+    TIDAL_CUDA_CHECK(cudaGetDevice(&previous_));
+    if (previous_ != ordinal) TIDAL_CUDA_CHECK(cudaSetDevice(ordinal));
+    changed_ = previous_ != ordinal;
+  }
+  ~DeviceGuard() {
+    if (changed_) cudaSetDevice(previous_);
+  }
+
+ private:
+  int previous_ = 0;
+  bool changed_ = false;
+};
+
+class CudaStream final : public Stream {
+ public:
+  CudaStream(std::shared_ptr<Device> device, std::string name, int ordinal)
+      : Stream(std::move(device), std::move(name)), ordinal_(ordinal) {
+    DeviceGuard guard(ordinal_);
+    TIDAL_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
+  }
+  ~CudaStream() override {
+    // Unlike cudaStreamDestroy alone, wait for pending work: the contract
+    // promises that destroying a stream completes what was queued on it.
+    DeviceGuard guard(ordinal_);
+    cudaStreamSynchronize(stream_);
+    cudaStreamDestroy(stream_);
+  }
+
+  void wait(const Event& event) override;
+  void synchronize() override { TIDAL_CUDA_CHECK(cudaStreamSynchronize(stream_)); }
+  bool query() override {
+    const cudaError_t status = cudaStreamQuery(stream_);
+    if (status == cudaErrorNotReady) return false;
+    TIDAL_CUDA_CHECK(status);
+    return true;
+  }
+
+  cudaStream_t handle() const { return stream_; }
+
+ private:
+  int ordinal_;
+  cudaStream_t stream_ = nullptr;
+};
+
+class CudaEvent final : public Event {
+ public:
+  CudaEvent(std::shared_ptr<Device> device, int ordinal, bool timing)
+      : Event(std::move(device)), ordinal_(ordinal), timing_(timing) {
+    DeviceGuard guard(ordinal_);
+    TIDAL_CUDA_CHECK(cudaEventCreateWithFlags(
+        &event_, timing ? cudaEventDefault : cudaEventDisableTiming));
+  }
+  ~CudaEvent() override { cudaEventDestroy(event_); }
+
+  void record(Stream& stream) override {
+    auto* cuda = dynamic_cast<CudaStream*>(&stream);
+    TIDAL_CHECK(cuda != nullptr && &stream.device() == &device(), "Event::record: stream '",
+                stream.name(), "' belongs to another device");
+    TIDAL_CUDA_CHECK(cudaEventRecord(event_, cuda->handle()));
+  }
+  bool query() const override {
+    const cudaError_t status = cudaEventQuery(event_);
+    if (status == cudaErrorNotReady) return false;
+    TIDAL_CUDA_CHECK(status);
+    return true;
+  }
+  void synchronize() const override { TIDAL_CUDA_CHECK(cudaEventSynchronize(event_)); }
+  double elapsed_seconds_since(const Event& start) const override {
+    const auto* other = dynamic_cast<const CudaEvent*>(&start);
+    TIDAL_CHECK(other != nullptr && &start.device() == &device(),
+                "elapsed_seconds_since: the start event belongs to another device");
+    TIDAL_CHECK(timing_ && other->timing_,
+                "elapsed_seconds_since: both events must be created with enable_timing=true");
+    float ms = 0;
+    TIDAL_CUDA_CHECK(cudaEventElapsedTime(&ms, other->event_, event_));
+    return ms * 1e-3;
+  }
+
+  cudaEvent_t handle() const { return event_; }
+
+ private:
+  int ordinal_;
+  bool timing_;
+  cudaEvent_t event_ = nullptr;
+};
+
+void CudaStream::wait(const Event& event) {
+  const auto* cuda = dynamic_cast<const CudaEvent*>(&event);
+  TIDAL_CHECK(cuda != nullptr && &event.device() == &device(),
+              "Stream::wait: the event belongs to another device");
+  TIDAL_CUDA_CHECK(cudaStreamWaitEvent(stream_, cuda->handle(), 0));
+}
+
+std::size_t total_memory(int ordinal) {
+  DeviceGuard guard(ordinal);
+  std::size_t free_bytes = 0;
+  std::size_t total_bytes = 0;
+  TIDAL_CUDA_CHECK(cudaMemGetInfo(&free_bytes, &total_bytes));
+  return total_bytes;
+}
+
+class CudaDevice final : public Device {
+ public:
+  CudaDevice(int ordinal, std::size_t total, std::size_t capacity)
+      : Device(DeviceBackend::kCuda, total, capacity), ordinal_(ordinal) {
+    TIDAL_CUDA_CHECK(cudaGetDeviceProperties(&props_, ordinal_));
+  }
+
+  DeviceInfo info() const override {
+    DeviceInfo out;
+    out.backend = DeviceBackend::kCuda;
+    out.name = props_.name;
+    out.ordinal = ordinal_;
+    out.total_memory_bytes = physical_bytes();
+    out.capacity_bytes = capacity();
+    out.pinned_host_memory = true;
+    out.copy_bandwidth_bytes_per_s = 0;
+    return out;
+  }
+
+  void synchronize() override {
+    DeviceGuard guard(ordinal_);
+    TIDAL_CUDA_CHECK(cudaDeviceSynchronize());
+  }
+
+  bool register_host(void* ptr, std::size_t bytes) override {
+    TIDAL_CUDA_CHECK(cudaHostRegister(ptr, bytes, cudaHostRegisterDefault));
+    return true;
+  }
+  void unregister_host(void* ptr) override { TIDAL_CUDA_CHECK(cudaHostUnregister(ptr)); }
+
+ protected:
+  void* do_allocate(std::size_t bytes) override {
+    DeviceGuard guard(ordinal_);
+    void* ptr = nullptr;
+    const cudaError_t status = cudaMalloc(&ptr, bytes);
+    if (status == cudaErrorMemoryAllocation) {
+      cudaGetLastError();  // clear the sticky-free error state
+      return nullptr;
+    }
+    TIDAL_CUDA_CHECK(status);
+    return ptr;
+  }
+  void do_free(void* ptr) override {
+    DeviceGuard guard(ordinal_);
+    TIDAL_CUDA_CHECK(cudaFree(ptr));
+  }
+  std::unique_ptr<Stream> do_create_stream(std::string name) override {
+    return std::make_unique<CudaStream>(shared_from_this(), std::move(name), ordinal_);
+  }
+  std::unique_ptr<Event> do_create_event(bool enable_timing) override {
+    return std::make_unique<CudaEvent>(shared_from_this(), ordinal_, enable_timing);
+  }
+  void do_copy_async(void* dst, const void* src, std::size_t bytes, CopyKind kind,
+                     Stream& stream) override {
+    auto* cuda = dynamic_cast<CudaStream*>(&stream);
+    TIDAL_INTERNAL_ASSERT(cuda != nullptr, "stream of a CUDA device is not a CudaStream");
+    const cudaMemcpyKind cuda_kind = kind == CopyKind::kHostToDevice   ? cudaMemcpyHostToDevice
+                                     : kind == CopyKind::kDeviceToHost ? cudaMemcpyDeviceToHost
+                                                                       : cudaMemcpyDeviceToDevice;
+    DeviceGuard guard(ordinal_);
+    TIDAL_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cuda_kind, cuda->handle()));
+  }
+
+ private:
+  int ordinal_;
+  cudaDeviceProp props_{};
+};
+
+}  // namespace
+
+int count_cuda_devices(std::string* why_none) {
+  int count = 0;
+  const cudaError_t status = cudaGetDeviceCount(&count);
+  if (status != cudaSuccess) {
+    if (why_none != nullptr) {
+      *why_none = std::string("cudaGetDeviceCount failed: ") + cudaGetErrorName(status) + ": " +
+                  cudaGetErrorString(status);
+    }
+    cudaGetLastError();
+    return 0;
+  }
+  if (count == 0 && why_none != nullptr) *why_none = "the CUDA driver reports no GPU";
+  return count;
+}
+
+std::shared_ptr<Device> make_cuda_device(int ordinal, std::size_t capacity_bytes) {
+  std::string why;
+  const int count = count_cuda_devices(&why);
+  TIDAL_CHECK(ordinal >= 0 && ordinal < count, "CUDA device ", ordinal, " does not exist: ",
+              count == 0 ? why : std::to_string(count) + " device(s) present");
+  const std::size_t total = total_memory(ordinal);
+  return std::make_shared<CudaDevice>(ordinal, total, capacity_bytes == 0 ? total : capacity_bytes);
+}
+
+}  // namespace tidal

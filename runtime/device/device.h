@@ -1,0 +1,220 @@
+// The device layer: the one interface through which tidal touches device
+// memory, copies and ordering. Two backends implement it (cuda_device.cpp and
+// sim_device.cpp); select.h picks one. See Note [Device layer contract].
+//
+// Note [Device layer contract]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// * Memory: allocate() hands out device memory up to capacity(); asking for
+//   more throws OutOfMemoryError stating the request, the bytes in use and the
+//   capacity. Capacity is a budget that may be lowered below the physical
+//   memory (set_capacity) but never below what is in use. The base class does
+//   the accounting, so both backends report the same numbers.
+// * Copies are asynchronous: copy_async() returns at once and the copy runs
+//   on the given stream in issue order. Data is only guaranteed to have
+//   arrived once an event recorded after the copy has completed (or the
+//   stream/device was synchronized). Reading early is a bug that the
+//   simulated device makes visible: its copies land at the end of their
+//   simulated transfer time.
+// * Events follow CUDA semantics: record() captures the work issued so far on
+//   a stream; query()/synchronize() observe the most recent record; an event
+//   never recorded counts as complete; Stream::wait(event) makes later work
+//   on the stream wait for the record captured at the time of the call.
+// * Lifetimes: streams, events and buffers hold a shared_ptr to their Device,
+//   so a Device lives until the last of them is gone. Destroying a stream
+//   blocks until its queued work has finished.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+
+namespace tidal {
+
+enum class DeviceBackend { kCuda, kSimulated };
+const char* to_string(DeviceBackend backend);
+
+enum class CopyKind { kHostToDevice, kDeviceToHost, kDeviceToDevice };
+const char* to_string(CopyKind kind);
+
+struct DeviceInfo {
+  DeviceBackend backend = DeviceBackend::kSimulated;
+  std::string name;                     // "NVIDIA H100 80GB HBM3", "simulated device"
+  int ordinal = 0;                      // CUDA device ordinal; 0 for the simulated device
+  std::size_t total_memory_bytes = 0;   // physical memory (CUDA) or arena size (simulated)
+  std::size_t capacity_bytes = 0;       // what allocate() may hand out in total (the budget)
+  bool pinned_host_memory = false;      // whether register_host() really pins pages
+  double copy_bandwidth_bytes_per_s = 0;  // simulated: configured limit, 0 = unlimited; CUDA: 0
+};
+
+struct DeviceMemoryStats {
+  std::size_t in_use_bytes = 0;
+  std::size_t peak_in_use_bytes = 0;
+  std::size_t capacity_bytes = 0;
+  std::size_t live_allocations = 0;
+  std::uint64_t allocations = 0;  // total allocate() calls that succeeded
+  std::uint64_t frees = 0;
+  std::uint64_t failed_allocations = 0;  // OutOfMemoryError thrown
+};
+
+class Device;
+class Event;
+
+// An in-order queue of asynchronous work on one device.
+class Stream {
+ public:
+  virtual ~Stream() = default;
+  Stream(const Stream&) = delete;
+  Stream& operator=(const Stream&) = delete;
+
+  const std::string& name() const { return name_; }
+  Device& device() const { return *device_; }
+
+  // Work issued on this stream after this call waits for the most recent
+  // record of `event` (as of this call) to complete. The host does not block.
+  virtual void wait(const Event& event) = 0;
+  // Blocks the calling thread until all work issued so far has finished.
+  virtual void synchronize() = 0;
+  // True when all work issued so far has finished.
+  virtual bool query() = 0;
+
+ protected:
+  Stream(std::shared_ptr<Device> device, std::string name)
+      : device_(std::move(device)), name_(std::move(name)) {}
+
+ private:
+  std::shared_ptr<Device> device_;
+  std::string name_;
+};
+
+class Event {
+ public:
+  virtual ~Event() = default;
+  Event(const Event&) = delete;
+  Event& operator=(const Event&) = delete;
+
+  Device& device() const { return *device_; }
+
+  // Captures the work issued on `stream` so far; completes when it has run.
+  virtual void record(Stream& stream) = 0;
+  // True when the most recent record has completed (or there was none).
+  virtual bool query() const = 0;
+  // Blocks the calling thread until the most recent record has completed.
+  virtual void synchronize() const = 0;
+  // Seconds between the completion of `start` and of this event. Both must
+  // have been created with timing enabled, recorded and completed.
+  virtual double elapsed_seconds_since(const Event& start) const = 0;
+
+ protected:
+  explicit Event(std::shared_ptr<Device> device) : device_(std::move(device)) {}
+
+ private:
+  std::shared_ptr<Device> device_;
+};
+
+// Device memory owned by one holder; frees itself on destruction.
+class DeviceBuffer {
+ public:
+  DeviceBuffer() = default;
+  DeviceBuffer(std::shared_ptr<Device> device, void* data, std::size_t bytes)
+      : device_(std::move(device)), data_(data), bytes_(bytes) {}
+  DeviceBuffer(DeviceBuffer&& other) noexcept { swap(other); }
+  DeviceBuffer& operator=(DeviceBuffer&& other) noexcept {
+    DeviceBuffer(std::move(other)).swap(*this);
+    return *this;
+  }
+  DeviceBuffer(const DeviceBuffer&) = delete;
+  DeviceBuffer& operator=(const DeviceBuffer&) = delete;
+  ~DeviceBuffer() { reset(); }
+
+  void* data() const { return data_; }
+  std::size_t size() const { return bytes_; }
+  bool empty() const { return data_ == nullptr; }
+  const std::shared_ptr<Device>& device() const { return device_; }
+  // Frees the memory now (the buffer becomes empty).
+  void reset();
+
+ private:
+  void swap(DeviceBuffer& other) noexcept {
+    std::swap(device_, other.device_);
+    std::swap(data_, other.data_);
+    std::swap(bytes_, other.bytes_);
+  }
+
+  std::shared_ptr<Device> device_;
+  void* data_ = nullptr;
+  std::size_t bytes_ = 0;
+};
+
+class Device : public std::enable_shared_from_this<Device> {
+ public:
+  virtual ~Device() = default;
+  Device(const Device&) = delete;
+  Device& operator=(const Device&) = delete;
+
+  virtual DeviceInfo info() const = 0;
+  DeviceBackend backend() const { return backend_; }
+
+  // ---- memory -------------------------------------------------------------
+  // Throws OutOfMemoryError (requested, in use, capacity) when the request
+  // does not fit the capacity or the backend has no memory left.
+  DeviceBuffer allocate(std::size_t bytes);
+  void* allocate_raw(std::size_t bytes);
+  // `ptr` must come from allocate_raw() of this device.
+  void free_raw(void* ptr);
+
+  std::size_t capacity() const;
+  // Lowers (or raises, up to the physical memory) the budget allocate()
+  // enforces. Throws ValueError if `bytes` is below what is in use now.
+  void set_capacity(std::size_t bytes);
+  DeviceMemoryStats memory_stats() const;
+  // Resets the peak to the bytes in use now.
+  void reset_peak_memory();
+  // True if [ptr, ptr + bytes) lies inside one live allocation of this device.
+  bool owns(const void* ptr, std::size_t bytes) const;
+
+  // ---- streams, events, copies -------------------------------------------
+  std::unique_ptr<Stream> create_stream(std::string name);
+  std::unique_ptr<Event> create_event(bool enable_timing = false);
+  // Enqueues a copy on `stream`. The device side of the copy must lie inside
+  // one live allocation of this device; violations throw ValueError.
+  void copy_async(void* dst, const void* src, std::size_t bytes, CopyKind kind, Stream& stream);
+  // Blocks until all work on all streams of this device has finished.
+  virtual void synchronize() = 0;
+
+  // ---- host memory --------------------------------------------------------
+  // Page-locks host memory for fast asynchronous copies. Returns true if the
+  // backend pinned it (CUDA), false if pinning does not apply (simulated).
+  virtual bool register_host(void* ptr, std::size_t bytes) = 0;
+  virtual void unregister_host(void* ptr) = 0;
+
+ protected:
+  Device(DeviceBackend backend, std::size_t physical_bytes, std::size_t capacity_bytes);
+
+  // Backend hooks. do_allocate returns nullptr when the backend itself is out
+  // of memory; the base turns that into OutOfMemoryError.
+  virtual void* do_allocate(std::size_t bytes) = 0;
+  virtual void do_free(void* ptr) = 0;
+  virtual std::unique_ptr<Stream> do_create_stream(std::string name) = 0;
+  virtual std::unique_ptr<Event> do_create_event(bool enable_timing) = 0;
+  virtual void do_copy_async(void* dst, const void* src, std::size_t bytes, CopyKind kind,
+                             Stream& stream) = 0;
+
+  std::size_t physical_bytes() const { return physical_bytes_; }
+
+ private:
+  [[noreturn]] void throw_out_of_memory(std::size_t requested, const char* reason);
+  void check_device_range(const void* ptr, std::size_t bytes, const char* role, CopyKind kind) const;
+
+  const DeviceBackend backend_;
+  const std::size_t physical_bytes_;
+
+  mutable std::mutex mutex_;
+  std::size_t capacity_;
+  std::map<std::uintptr_t, std::size_t> live_;  // allocation start -> size
+  DeviceMemoryStats stats_;
+};
+
+}  // namespace tidal

@@ -1,0 +1,409 @@
+#include "runtime/device/sim_device.h"
+
+#include <sys/mman.h>
+
+#include <algorithm>
+#include <chrono>
+#include <condition_variable>
+#include <cstdlib>
+#include <cstring>
+#include <deque>
+#include <functional>
+#include <map>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "runtime/core/error.h"
+#include "runtime/core/units.h"
+
+#if defined(__SANITIZE_ADDRESS__)
+#include <sanitizer/asan_interface.h>
+#define TIDAL_POISON(p, n) ASAN_POISON_MEMORY_REGION(p, n)
+#define TIDAL_UNPOISON(p, n) ASAN_UNPOISON_MEMORY_REGION(p, n)
+#else
+#define TIDAL_POISON(p, n) ((void)(p), (void)(n))
+#define TIDAL_UNPOISON(p, n) ((void)(p), (void)(n))
+#endif
+
+namespace tidal {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+// Same alignment cudaMalloc guarantees, so code tested here keeps working there.
+constexpr std::size_t kArenaAlignment = 256;
+
+// First-fit allocator over one reserved range of address space. Pages are
+// committed by the OS on first touch (MAP_NORESERVE), so a large simulated
+// device costs host memory only for what is used. Freed blocks coalesce with
+// their neighbours. Under AddressSanitizer every byte not handed out is
+// poisoned, so a use after free() of simulated device memory is reported.
+class SimArena {
+ public:
+  explicit SimArena(std::size_t bytes) : size_(bytes) {
+    TIDAL_CHECK(bytes > 0, "simulated device: expected a positive capacity, got 0");
+    void* base = ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE,
+                        MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+    TIDAL_CHECK_WITH(OutOfMemoryError, base != MAP_FAILED,
+                     "simulated device: could not reserve ", format_bytes(bytes),
+                     " of address space for the arena: ", std::strerror(errno));
+    base_ = static_cast<char*>(base);
+    free_.emplace(0, bytes);
+    TIDAL_POISON(base_, size_);
+  }
+  ~SimArena() {
+    TIDAL_UNPOISON(base_, size_);
+    ::munmap(base_, size_);
+  }
+  SimArena(const SimArena&) = delete;
+  SimArena& operator=(const SimArena&) = delete;
+
+  std::size_t size() const { return size_; }
+
+  void* allocate(std::size_t bytes) {
+    const std::size_t rounded = (bytes + kArenaAlignment - 1) / kArenaAlignment * kArenaAlignment;
+    std::lock_guard<std::mutex> lock(mutex_);
+    for (auto it = free_.begin(); it != free_.end(); ++it) {
+      if (it->second < rounded) continue;
+      const std::size_t offset = it->first;
+      const std::size_t remaining = it->second - rounded;
+      free_.erase(it);
+      if (remaining > 0) free_.emplace(offset + rounded, remaining);
+      used_.emplace(offset, rounded);
+      TIDAL_UNPOISON(base_ + offset, bytes);
+      return base_ + offset;
+    }
+    return nullptr;  // fragmented or full: the Device base reports it
+  }
+
+  void free(void* ptr) {
+    const std::size_t offset = static_cast<std::size_t>(static_cast<char*>(ptr) - base_);
+    std::lock_guard<std::mutex> lock(mutex_);
+    auto used = used_.find(offset);
+    TIDAL_INTERNAL_ASSERT(used != used_.end(), "arena free of unknown offset ", offset);
+    std::size_t start = offset;
+    std::size_t size = used->second;
+    used_.erase(used);
+    TIDAL_POISON(base_ + start, size);
+    auto next = free_.lower_bound(start);
+    if (next != free_.end() && next->first == start + size) {
+      size += next->second;
+      next = free_.erase(next);
+    }
+    if (next != free_.begin()) {
+      auto prev = std::prev(next);
+      if (prev->first + prev->second == start) {
+        start = prev->first;
+        size += prev->second;
+        free_.erase(prev);
+      }
+    }
+    free_.emplace(start, size);
+  }
+
+ private:
+  const std::size_t size_;
+  char* base_ = nullptr;
+  std::mutex mutex_;
+  std::map<std::size_t, std::size_t> free_;  // offset -> size, coalesced
+  std::map<std::size_t, std::size_t> used_;  // offset -> rounded size
+};
+
+// The simulated PCIe link: one engine per direction, shared by all streams.
+class CopyEngines {
+ public:
+  CopyEngines(double bandwidth, double latency) : bandwidth_(bandwidth), latency_(latency) {}
+
+  // Blocks the calling worker for the transfer time of `bytes` in direction
+  // `kind`, queueing behind transfers already booked on that engine.
+  void transfer(CopyKind kind, std::size_t bytes) {
+    if (kind == CopyKind::kDeviceToDevice) return;  // device-internal: not the link
+    if (bandwidth_ <= 0 && latency_ <= 0) return;
+    const double seconds = latency_ + (bandwidth_ > 0 ? static_cast<double>(bytes) / bandwidth_ : 0);
+    Clock::time_point end;
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      auto& free_at = kind == CopyKind::kHostToDevice ? h2d_free_at_ : d2h_free_at_;
+      const Clock::time_point start = std::max(Clock::now(), free_at);
+      end = start + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(seconds));
+      free_at = end;
+    }
+    std::this_thread::sleep_until(end);
+  }
+
+ private:
+  const double bandwidth_;
+  const double latency_;
+  std::mutex mutex_;
+  Clock::time_point h2d_free_at_{};
+  Clock::time_point d2h_free_at_{};
+};
+
+// Shared by an event and the stream operations that complete or wait on it,
+// so either may outlive the other.
+struct EventState {
+  std::mutex mutex;
+  std::condition_variable cv;
+  std::uint64_t recorded = 0;   // number of record() calls
+  std::uint64_t completed = 0;  // highest record sequence that has run
+  Clock::time_point completed_at{};
+
+  void complete(std::uint64_t seq) {
+    {
+      std::lock_guard<std::mutex> lock(mutex);
+      if (seq > completed) {
+        completed = seq;
+        completed_at = Clock::now();
+      }
+    }
+    cv.notify_all();
+  }
+  void wait_for(std::uint64_t seq) {
+    std::unique_lock<std::mutex> lock(mutex);
+    cv.wait(lock, [&] { return completed >= seq; });
+  }
+};
+
+class SimDevice;
+
+class SimStream final : public Stream {
+ public:
+  SimStream(std::shared_ptr<Device> device, std::string name);
+  ~SimStream() override;
+
+  void wait(const Event& event) override;
+  void synchronize() override {
+    std::unique_lock<std::mutex> lock(mutex_);
+    const std::uint64_t target = issued_;
+    done_cv_.wait(lock, [&] { return done_ >= target; });
+  }
+  bool query() override {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return done_ == issued_;
+  }
+
+  void enqueue(std::function<void()> op) {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      queue_.push_back(std::move(op));
+      ++issued_;
+    }
+    work_cv_.notify_one();
+  }
+
+ private:
+  void run() {
+    for (;;) {
+      std::function<void()> op;
+      {
+        std::unique_lock<std::mutex> lock(mutex_);
+        work_cv_.wait(lock, [&] { return stop_ || !queue_.empty(); });
+        if (queue_.empty()) return;  // stop_ and drained
+        op = std::move(queue_.front());
+        queue_.pop_front();
+      }
+      op();
+      {
+        std::lock_guard<std::mutex> lock(mutex_);
+        ++done_;
+      }
+      done_cv_.notify_all();
+    }
+  }
+
+  std::mutex mutex_;
+  std::condition_variable work_cv_;
+  std::condition_variable done_cv_;
+  std::deque<std::function<void()>> queue_;
+  std::uint64_t issued_ = 0;
+  std::uint64_t done_ = 0;
+  bool stop_ = false;
+  std::thread worker_;  // last: starts after every member it uses exists
+};
+
+class SimEvent final : public Event {
+ public:
+  SimEvent(std::shared_ptr<Device> device, bool timing)
+      : Event(std::move(device)), timing_(timing), state_(std::make_shared<EventState>()) {}
+
+  void record(Stream& stream) override {
+    auto* sim = dynamic_cast<SimStream*>(&stream);
+    TIDAL_CHECK(sim != nullptr && &stream.device() == &device(), "Event::record: stream '",
+                stream.name(), "' belongs to another device");
+    std::uint64_t seq;
+    {
+      std::lock_guard<std::mutex> lock(state_->mutex);
+      seq = ++state_->recorded;
+    }
+    sim->enqueue([state = state_, seq] { state->complete(seq); });
+  }
+  bool query() const override {
+    std::lock_guard<std::mutex> lock(state_->mutex);
+    return state_->completed >= state_->recorded;
+  }
+  void synchronize() const override {
+    std::uint64_t target;
+    {
+      std::lock_guard<std::mutex> lock(state_->mutex);
+      target = state_->recorded;
+    }
+    state_->wait_for(target);
+  }
+  double elapsed_seconds_since(const Event& start) const override {
+    const auto* other = dynamic_cast<const SimEvent*>(&start);
+    TIDAL_CHECK(other != nullptr && &start.device() == &device(),
+                "elapsed_seconds_since: the start event belongs to another device");
+    TIDAL_CHECK(timing_ && other->timing_,
+                "elapsed_seconds_since: both events must be created with enable_timing=true");
+    const auto end_time = completed_time("end");
+    const auto start_time = other->completed_time("start");
+    return std::chrono::duration<double>(end_time - start_time).count();
+  }
+
+  const std::shared_ptr<EventState>& state() const { return state_; }
+
+ private:
+  Clock::time_point completed_time(const char* role) const {
+    std::lock_guard<std::mutex> lock(state_->mutex);
+    TIDAL_CHECK(state_->recorded > 0 && state_->completed >= state_->recorded,
+                "elapsed_seconds_since: the ", role, " event has not been recorded and completed");
+    return state_->completed_at;
+  }
+
+  const bool timing_;
+  std::shared_ptr<EventState> state_;
+};
+
+class SimDevice final : public Device {
+ public:
+  explicit SimDevice(const SimDeviceOptions& options)
+      : Device(DeviceBackend::kSimulated, options.capacity_bytes, options.capacity_bytes),
+        options_(options),
+        arena_(options.capacity_bytes),
+        engines_(options.copy_bandwidth_bytes_per_s, options.copy_latency_s) {}
+
+  DeviceInfo info() const override {
+    DeviceInfo out;
+    out.backend = DeviceBackend::kSimulated;
+    out.name = "simulated device";
+    out.ordinal = 0;
+    out.total_memory_bytes = arena_.size();
+    out.capacity_bytes = capacity();
+    out.pinned_host_memory = false;
+    out.copy_bandwidth_bytes_per_s = options_.copy_bandwidth_bytes_per_s;
+    return out;
+  }
+
+  void synchronize() override {
+    std::lock_guard<std::mutex> lock(streams_mutex_);
+    for (SimStream* stream : streams_) stream->synchronize();
+  }
+
+  bool register_host(void*, std::size_t) override { return false; }
+  void unregister_host(void*) override {}
+
+  void add_stream(SimStream* stream) {
+    std::lock_guard<std::mutex> lock(streams_mutex_);
+    streams_.push_back(stream);
+  }
+  void remove_stream(SimStream* stream) {
+    std::lock_guard<std::mutex> lock(streams_mutex_);
+    streams_.erase(std::remove(streams_.begin(), streams_.end(), stream), streams_.end());
+  }
+
+  CopyEngines& engines() { return engines_; }
+
+ protected:
+  void* do_allocate(std::size_t bytes) override { return arena_.allocate(bytes); }
+  void do_free(void* ptr) override { arena_.free(ptr); }
+
+  std::unique_ptr<Stream> do_create_stream(std::string name) override {
+    return std::make_unique<SimStream>(shared_from_this(), std::move(name));
+  }
+  std::unique_ptr<Event> do_create_event(bool enable_timing) override {
+    return std::make_unique<SimEvent>(shared_from_this(), enable_timing);
+  }
+  void do_copy_async(void* dst, const void* src, std::size_t bytes, CopyKind kind,
+                     Stream& stream) override {
+    auto* sim = dynamic_cast<SimStream*>(&stream);
+    TIDAL_INTERNAL_ASSERT(sim != nullptr, "stream of a simulated device is not a SimStream");
+    // See Note [Simulated copies land late].
+    sim->enqueue([this, dst, src, bytes, kind] {
+      engines_.transfer(kind, bytes);
+      std::memcpy(dst, src, bytes);
+    });
+  }
+
+ private:
+  const SimDeviceOptions options_;
+  SimArena arena_;
+  CopyEngines engines_;
+  std::mutex streams_mutex_;
+  std::vector<SimStream*> streams_;
+};
+
+SimStream::SimStream(std::shared_ptr<Device> device, std::string name)
+    : Stream(std::move(device), std::move(name)), worker_([this] { run(); }) {
+  static_cast<SimDevice&>(this->device()).add_stream(this);
+}
+
+SimStream::~SimStream() {
+  // Pending work completes before the stream goes (Note [Device layer contract]).
+  static_cast<SimDevice&>(device()).remove_stream(this);
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    stop_ = true;
+  }
+  work_cv_.notify_one();
+  worker_.join();
+}
+
+void SimStream::wait(const Event& event) {
+  const auto* sim = dynamic_cast<const SimEvent*>(&event);
+  TIDAL_CHECK(sim != nullptr && &event.device() == &device(),
+              "Stream::wait: the event belongs to another device");
+  std::uint64_t target;
+  {
+    std::lock_guard<std::mutex> lock(sim->state()->mutex);
+    target = sim->state()->recorded;
+  }
+  if (target == 0) return;  // never recorded: complete by definition
+  enqueue([state = sim->state(), target] { state->wait_for(target); });
+}
+
+double env_double(const char* name, double fallback) {
+  const char* value = std::getenv(name);
+  if (value == nullptr || *value == '\0') return fallback;
+  char* end = nullptr;
+  const double parsed = std::strtod(value, &end);
+  TIDAL_CHECK(end != value && *end == '\0' && parsed >= 0, name, "=\"", value,
+              "\": expected a non-negative number");
+  return parsed;
+}
+
+}  // namespace
+
+SimDeviceOptions sim_device_options_from_env() {
+  SimDeviceOptions options;
+  if (const char* v = std::getenv("TIDAL_SIM_CAPACITY"); v != nullptr && *v != '\0') {
+    options.capacity_bytes = parse_bytes(v);
+  }
+  if (const char* v = std::getenv("TIDAL_SIM_BANDWIDTH"); v != nullptr && *v != '\0') {
+    options.copy_bandwidth_bytes_per_s = parse_bandwidth(v);
+  }
+  options.copy_latency_s = env_double("TIDAL_SIM_LATENCY_US", 0) * 1e-6;
+  return options;
+}
+
+std::shared_ptr<Device> make_sim_device(const SimDeviceOptions& options) {
+  TIDAL_CHECK(options.copy_bandwidth_bytes_per_s >= 0,
+              "simulated device: copy bandwidth must be >= 0 bytes/s (0 = unlimited), got ",
+              options.copy_bandwidth_bytes_per_s);
+  TIDAL_CHECK(options.copy_latency_s >= 0, "simulated device: copy latency must be >= 0 s, got ",
+              options.copy_latency_s);
+  return std::make_shared<SimDevice>(options);
+}
+
+}  // namespace tidal

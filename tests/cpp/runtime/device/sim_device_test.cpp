@@ -1,0 +1,153 @@
+// Behaviour of the simulated device beyond the shared contract: its arena,
+// its copy timing model and its environment options.
+#include "runtime/device/sim_device.h"
+
+#include <gtest/gtest.h>
+
+#include <chrono>
+#include <cstdint>
+#include <cstdlib>
+#include <string>
+
+#include "runtime/core/error.h"
+#include "runtime/memory/host_buffer.h"
+
+namespace tidal {
+namespace {
+
+constexpr std::size_t kMiB = std::size_t{1} << 20;
+using Clock = std::chrono::steady_clock;
+
+TEST(SimDevice, ReportsItsOptions) {
+  auto device = make_sim_device({.capacity_bytes = 64 * kMiB, .copy_bandwidth_bytes_per_s = 1e9});
+  const DeviceInfo info = device->info();
+  EXPECT_EQ(info.backend, DeviceBackend::kSimulated);
+  EXPECT_EQ(info.total_memory_bytes, 64 * kMiB);
+  EXPECT_EQ(info.capacity_bytes, 64 * kMiB);
+  EXPECT_FALSE(info.pinned_host_memory);
+  EXPECT_DOUBLE_EQ(info.copy_bandwidth_bytes_per_s, 1e9);
+}
+
+TEST(SimDevice, AllocationsAreAlignedLikeCudaMalloc) {
+  auto device = make_sim_device({.capacity_bytes = 4 * kMiB});
+  std::vector<DeviceBuffer> buffers;
+  for (std::size_t size : {1, 3, 255, 257, 1000}) {
+    buffers.push_back(device->allocate(size));
+    EXPECT_EQ(reinterpret_cast<std::uintptr_t>(buffers.back().data()) % 256, 0u) << size;
+  }
+}
+
+TEST(SimDevice, ArenaFragmentsAndCoalesces) {
+  auto device = make_sim_device({.capacity_bytes = 4 * kMiB});
+  DeviceBuffer a = device->allocate(kMiB);
+  DeviceBuffer b = device->allocate(kMiB);
+  DeviceBuffer c = device->allocate(kMiB);
+  DeviceBuffer d = device->allocate(kMiB);
+  a.reset();
+  c.reset();
+  // 2 MiB are free, but not in one piece: the error says so.
+  try {
+    device->allocate(2 * kMiB);
+    FAIL() << "allocation across a hole succeeded";
+  } catch (const OutOfMemoryError& e) {
+    EXPECT_NE(e.message().find("fragmentation"), std::string::npos) << e.message();
+  }
+  b.reset();  // a, b, c coalesce into 3 MiB
+  DeviceBuffer big = device->allocate(3 * kMiB);
+  EXPECT_FALSE(big.empty());
+  d.reset();
+  big.reset();
+  DeviceBuffer all = device->allocate(4 * kMiB);  // everything coalesced back
+  EXPECT_FALSE(all.empty());
+}
+
+// With a finite bandwidth a copy takes bytes/bandwidth before it lands, and
+// host-to-device copies on two streams share one engine, as on PCIe.
+TEST(SimDevice, CopiesTakeTheirTransferTimeAndShareTheEngine) {
+  constexpr double kBandwidth = 200e6;  // 200 MB/s: 4 MiB take ~21 ms
+  constexpr std::size_t kSize = 4 * kMiB;
+  auto device = make_sim_device({.capacity_bytes = 64 * kMiB, .copy_bandwidth_bytes_per_s = kBandwidth});
+  auto s1 = device->create_stream("s1");
+  auto s2 = device->create_stream("s2");
+  HostBuffer src(kSize);
+  DeviceBuffer d1 = device->allocate(kSize);
+  DeviceBuffer d2 = device->allocate(kSize);
+  auto e1 = device->create_event();
+  auto e2 = device->create_event();
+  const auto start = Clock::now();
+  device->copy_async(d1.data(), src.data(), kSize, CopyKind::kHostToDevice, *s1);
+  e1->record(*s1);
+  device->copy_async(d2.data(), src.data(), kSize, CopyKind::kHostToDevice, *s2);
+  e2->record(*s2);
+  EXPECT_FALSE(e1->query());  // asynchronous: the copy is still in flight
+  e1->synchronize();
+  e2->synchronize();
+  const double seconds = std::chrono::duration<double>(Clock::now() - start).count();
+  // Two copies on one engine cannot finish faster than their summed time.
+  EXPECT_GE(seconds, 2 * kSize / kBandwidth * 0.99);
+}
+
+TEST(SimDevice, TimingEventsMeasureTheSimulatedTransfer) {
+  constexpr double kBandwidth = 400e6;
+  constexpr std::size_t kSize = 8 * kMiB;
+  auto device = make_sim_device({.capacity_bytes = 64 * kMiB, .copy_bandwidth_bytes_per_s = kBandwidth});
+  auto stream = device->create_stream("timed");
+  auto start = device->create_event(true);
+  auto end = device->create_event(true);
+  HostBuffer src(kSize);
+  DeviceBuffer dst = device->allocate(kSize);
+  start->record(*stream);
+  device->copy_async(dst.data(), src.data(), kSize, CopyKind::kHostToDevice, *stream);
+  end->record(*stream);
+  end->synchronize();
+  EXPECT_GE(end->elapsed_seconds_since(*start), kSize / kBandwidth * 0.99);
+}
+
+TEST(SimDevice, RejectsNegativeOptions) {
+  EXPECT_THROW(make_sim_device({.capacity_bytes = kMiB, .copy_bandwidth_bytes_per_s = -1}), ValueError);
+  EXPECT_THROW(make_sim_device({.capacity_bytes = kMiB, .copy_latency_s = -1}), ValueError);
+  EXPECT_THROW(make_sim_device({.capacity_bytes = 0}), ValueError);
+}
+
+class ScopedEnv {
+ public:
+  ScopedEnv(const char* name, const char* value) : name_(name) {
+    if (const char* old = std::getenv(name)) old_ = old, had_ = true;
+    ::setenv(name, value, 1);
+  }
+  ~ScopedEnv() {
+    if (had_) {
+      ::setenv(name_, old_.c_str(), 1);
+    } else {
+      ::unsetenv(name_);
+    }
+  }
+
+ private:
+  const char* name_;
+  std::string old_;
+  bool had_ = false;
+};
+
+TEST(SimDevice, OptionsFromTheEnvironment) {
+  ScopedEnv capacity("TIDAL_SIM_CAPACITY", "256MiB");
+  ScopedEnv bandwidth("TIDAL_SIM_BANDWIDTH", "12GB/s");
+  ScopedEnv latency("TIDAL_SIM_LATENCY_US", "5");
+  const SimDeviceOptions options = sim_device_options_from_env();
+  EXPECT_EQ(options.capacity_bytes, 256 * kMiB);
+  EXPECT_DOUBLE_EQ(options.copy_bandwidth_bytes_per_s, 12e9);
+  EXPECT_DOUBLE_EQ(options.copy_latency_s, 5e-6);
+}
+
+TEST(SimDevice, BadEnvironmentValuesNameTheVariable) {
+  ScopedEnv bandwidth("TIDAL_SIM_BANDWIDTH", "fast");
+  try {
+    sim_device_options_from_env();
+    FAIL() << "accepted TIDAL_SIM_BANDWIDTH=fast";
+  } catch (const ValueError& e) {
+    EXPECT_NE(e.message().find("\"fast\""), std::string::npos) << e.message();
+  }
+}
+
+}  // namespace
+}  // namespace tidal
