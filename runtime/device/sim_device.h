@@ -6,9 +6,10 @@
 //
 // Note [Simulated copies land late]
 // ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-// A copy on a simulated stream first waits out its transfer time
-// (latency + bytes / bandwidth, with host-to-device and device-to-host each
-// one shared "copy engine", as on a PCIe GPU), and only then moves the bytes.
+// A copy on a simulated stream takes its transfer time (latency + bytes /
+// bandwidth, with host-to-device and device-to-host each one shared "copy
+// engine", as on a PCIe GPU), and moves the bytes in the last part of it:
+// the memcpy starts its estimated duration before the transfer's deadline.
 // So code that reads a destination before waiting on an event sees stale
 // data, and ThreadSanitizer reports the race: a missing wait cannot pass
 // unnoticed. With bandwidth 0 (unlimited) copies run at memcpy speed, still

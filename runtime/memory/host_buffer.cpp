@@ -1,6 +1,5 @@
 #include "runtime/memory/host_buffer.h"
 
-#include <mimalloc.h>
 #include <sys/mman.h>
 
 #include <algorithm>
@@ -10,6 +9,7 @@
 
 #include "runtime/core/error.h"
 #include "runtime/device/device.h"
+#include "runtime/memory/mimalloc_api.h"
 
 namespace tidal {
 namespace {
@@ -60,7 +60,7 @@ HostBuffer::HostBuffer(std::size_t bytes, std::size_t alignment) {
               alignment);
   const bool huge = bytes >= kHugePageBytes;
   if (huge) alignment = std::max(alignment, kHugePageBytes);
-  void* ptr = mi_malloc_aligned(bytes, alignment);
+  void* ptr = mimalloc().malloc_aligned(bytes, alignment);
   TIDAL_CHECK_WITH(OutOfMemoryError, ptr != nullptr, "host out of memory: could not allocate ",
                    format_bytes(bytes), " aligned to ", alignment, " bytes (",
                    format_bytes(host_memory_stats().allocated_bytes), " already held by tidal)");
@@ -125,7 +125,7 @@ void HostBuffer::unpin() {
 void HostBuffer::reset() {
   if (data_ == nullptr) return;
   unpin();
-  mi_free(data_);
+  mimalloc().free(data_);
   count_free(bytes_, huge_pages_);
   data_ = nullptr;
   bytes_ = 0;

@@ -1,0 +1,125 @@
+"""What every tidal benchmark records next to its numbers (see ../shared/BENCHMARKS.md).
+
+Result files are ``benchmarks/results/<name>-<machine>.json`` and hold the
+command, git commit, date, a machine description, every raw sample, and the
+medians with their min-max spread.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import pathlib
+import platform
+import re
+import shutil
+import statistics
+import subprocess
+import sys
+from typing import Dict, Iterable, Optional
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benchmarks" / "results"
+
+__all__ = ["ROOT", "RESULTS", "git_commit", "machine_info", "machine_tag", "summarize", "write_result"]
+
+
+def git_commit() -> str:
+    """HEAD's hash, with "-dirty" when the work tree differs from it."""
+    try:
+        head = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True,
+                              text=True, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "-C", str(ROOT), "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True, check=True).stdout.strip()
+        return head + ("-dirty" if dirty else "")
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def _cpu_model() -> str:
+    try:
+        for line in pathlib.Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def _memory_bytes() -> Optional[int]:
+    try:
+        for line in pathlib.Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemTotal:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def _gpus() -> list:
+    if shutil.which("nvidia-smi") is None:
+        return []
+    try:
+        out = subprocess.run(
+            ["nvidia-smi", "--query-gpu=name,memory.total,driver_version", "--format=csv,noheader,nounits"],
+            capture_output=True, text=True, timeout=30, check=True).stdout
+    except (OSError, subprocess.SubprocessError):
+        return []
+    gpus = []
+    for line in out.strip().splitlines():
+        name, mem_mib, driver = (part.strip() for part in line.split(","))
+        gpus.append({"name": name, "memory_bytes": int(float(mem_mib)) * 2**20, "driver": driver})
+    return gpus
+
+
+def machine_info() -> Dict:
+    info = {
+        "cpu_model": _cpu_model(),
+        "cpu_cores": os.cpu_count(),
+        "memory_bytes": _memory_bytes(),
+        "gpus": _gpus(),
+        "python": sys.version.split()[0],
+        "platform": platform.platform(),
+    }
+    try:
+        import torch
+
+        info["torch"] = torch.__version__
+        info["torch_cuda"] = torch.version.cuda
+    except ImportError:
+        info["torch"] = None
+    return info
+
+
+def machine_tag(info: Optional[Dict] = None) -> str:
+    """Short name of the machine for file names: "nvidia-h100-80gb-hbm3" or "cpu-2c"."""
+    info = info or machine_info()
+    if info["gpus"]:
+        return re.sub(r"[^a-z0-9]+", "-", info["gpus"][0]["name"].lower()).strip("-")
+    return f"cpu-{info['cpu_cores']}c"
+
+
+def summarize(samples: Iterable[float]) -> Dict[str, float]:
+    values = list(samples)
+    return {"median": statistics.median(values), "min": min(values), "max": max(values), "n": len(values)}
+
+
+def write_result(name: str, payload: Dict, output: Optional[os.PathLike] = None,
+                 info: Optional[Dict] = None) -> pathlib.Path:
+    """Writes the result JSON with the standard header; returns its path."""
+    info = info or machine_info()
+    record = {
+        "benchmark": name,
+        "command": " ".join([pathlib.Path(sys.executable).name] + sys.argv),
+        "git_commit": git_commit(),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "machine": info,
+        **payload,
+    }
+    path = pathlib.Path(output) if output else RESULTS / f"{name}-{machine_tag(info)}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(json.dumps(record, indent=2) + "\n")
+    tmp.replace(path)
+    return path

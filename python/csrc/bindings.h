@@ -1,0 +1,14 @@
+// Each binding file defines one bind_*() that module.cpp calls. Only files
+// that need tensors include torch headers; the rest use plain pybind11.
+#pragma once
+
+#include <pybind11/pybind11.h>
+
+namespace tidal::python {
+
+namespace py = pybind11;
+
+void bind_errors(py::module_& m);
+void bind_device(py::module_& m);
+
+}  // namespace tidal::python

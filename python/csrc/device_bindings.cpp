@@ -1,0 +1,212 @@
+// Python bindings of the device layer and host memory: real classes whose
+// lifetimes follow the Python objects (a Stream, Event or buffer keeps its
+// Device alive through the C++ shared_ptr it holds).
+#include <pybind11/stl.h>
+
+#include <optional>
+#include <string>
+#include <variant>
+
+#include "cpu_adam/simd_target.h"
+#include "python/csrc/bindings.h"
+#include "runtime/core/error.h"
+#include "runtime/core/units.h"
+#include "runtime/device/select.h"
+#include "runtime/memory/host_buffer.h"
+
+namespace tidal::python {
+namespace {
+
+using ByteSize = std::variant<std::size_t, std::string>;
+
+std::size_t to_bytes(const ByteSize& value) {
+  if (const auto* n = std::get_if<std::size_t>(&value)) return *n;
+  return parse_bytes(std::get<std::string>(value));
+}
+
+py::dict info_dict(const DeviceInfo& info) {
+  py::dict d;
+  d["backend"] = to_string(info.backend);
+  d["name"] = info.name;
+  d["ordinal"] = info.ordinal;
+  d["total_memory"] = info.total_memory_bytes;
+  d["capacity"] = info.capacity_bytes;
+  d["pinned_memory"] = info.pinned_host_memory;
+  d["sim_copy_bandwidth"] = info.copy_bandwidth_bytes_per_s;
+  return d;
+}
+
+py::dict memory_stats_dict(const DeviceMemoryStats& s) {
+  py::dict d;
+  d["in_use"] = s.in_use_bytes;
+  d["peak_in_use"] = s.peak_in_use_bytes;
+  d["capacity"] = s.capacity_bytes;
+  d["live_allocations"] = s.live_allocations;
+  d["allocations"] = s.allocations;
+  d["frees"] = s.frees;
+  d["failed_allocations"] = s.failed_allocations;
+  return d;
+}
+
+py::dict host_stats_dict(const HostMemoryStats& s) {
+  py::dict d;
+  d["allocated"] = s.allocated_bytes;
+  d["peak_allocated"] = s.peak_allocated_bytes;
+  d["pinned"] = s.pinned_bytes;
+  d["huge_page"] = s.huge_page_bytes;
+  d["live_buffers"] = s.live_buffers;
+  return d;
+}
+
+// [offset, offset + nbytes) must lie inside a buffer of `size` bytes.
+void check_range(const char* what, std::size_t offset, std::size_t nbytes, std::size_t size) {
+  TIDAL_CHECK(offset <= size && nbytes <= size - offset, what, ": range [", offset, ", ",
+              offset + nbytes, ") is outside the buffer of ", size, " bytes");
+}
+
+char* at(void* base, std::size_t offset) { return static_cast<char*>(base) + offset; }
+
+void copy(Device& device, void* dst, std::size_t dst_size, std::size_t dst_offset, const void* src,
+          std::size_t src_size, std::size_t src_offset, std::optional<std::size_t> nbytes,
+          CopyKind kind, Stream& stream) {
+  const std::size_t n = nbytes.value_or(std::min(dst_size - std::min(dst_offset, dst_size),
+                                                 src_size - std::min(src_offset, src_size)));
+  check_range("copy destination", dst_offset, n, dst_size);
+  check_range("copy source", src_offset, n, src_size);
+  py::gil_scoped_release release;
+  device.copy_async(at(dst, dst_offset), at(const_cast<void*>(src), src_offset), n, kind, stream);
+}
+
+}  // namespace
+
+void bind_device(py::module_& m) {
+  m.def("parse_bytes", [](const std::string& text) { return parse_bytes(text); }, py::arg("text"),
+        "Bytes in a size such as '64MiB' or '5GB' (KB/MB/GB: powers of 1000; KiB/MiB/GiB: 1024).");
+  m.def("cpu_simd_target", &cpu_adam::chosen_simd_target,
+        "The SIMD target the CPU kernels dispatch to on this machine.");
+  m.def("runnable_simd_targets", &cpu_adam::runnable_simd_targets,
+        "Compiled SIMD targets this CPU can run, best first.");
+  m.def("cuda_backend_compiled", &cuda_backend_compiled);
+  m.def("cuda_device_count", [] {
+    std::string why;
+    const int n = cuda_device_count(&why);
+    return py::make_tuple(n, why);
+  }, "(number of GPUs, reason when 0)");
+  m.def("host_memory_stats", [] { return host_stats_dict(host_memory_stats()); });
+  m.def("reset_host_memory_peak", &reset_host_memory_peak);
+
+  py::class_<Device, std::shared_ptr<Device>> device(m, "Device", R"doc(
+A device tidal moves memory to: a CUDA GPU or the simulated device.
+Create one with tidal.set_device() / tidal.get_device(); not constructible directly.)doc");
+  device.def("info", [](const Device& d) { return info_dict(d.info()); })
+      .def_property_readonly("backend", [](const Device& d) { return to_string(d.backend()); })
+      .def("memory_stats", [](const Device& d) { return memory_stats_dict(d.memory_stats()); })
+      .def("reset_peak_memory", &Device::reset_peak_memory)
+      .def_property("capacity", &Device::capacity,
+                    [](Device& d, const ByteSize& bytes) { d.set_capacity(to_bytes(bytes)); },
+                    "Bytes allocate() may hand out in total; settable (int or '4GiB').")
+      .def("allocate", [](Device& d, const ByteSize& nbytes) {
+             return std::make_unique<DeviceBuffer>(d.allocate(to_bytes(nbytes)));
+           }, py::arg("nbytes"), "Device memory; raises tidal.OutOfMemoryError past capacity.")
+      .def("create_stream", &Device::create_stream, py::arg("name"))
+      .def("create_event", &Device::create_event, py::arg("enable_timing") = false)
+      .def("synchronize", &Device::synchronize, py::call_guard<py::gil_scoped_release>())
+      .def("copy_h2d",
+           [](Device& d, DeviceBuffer& dst, const HostBuffer& src, Stream& stream,
+              std::optional<std::size_t> nbytes, std::size_t dst_offset, std::size_t src_offset) {
+             copy(d, dst.data(), dst.size(), dst_offset, src.data(), src.size(), src_offset, nbytes,
+                  CopyKind::kHostToDevice, stream);
+           },
+           py::arg("dst"), py::arg("src"), py::arg("stream"), py::arg("nbytes") = py::none(),
+           py::arg("dst_offset") = 0, py::arg("src_offset") = 0,
+           "Asynchronous host-to-device copy on `stream` (nbytes defaults to what fits).")
+      .def("copy_d2h",
+           [](Device& d, HostBuffer& dst, const DeviceBuffer& src, Stream& stream,
+              std::optional<std::size_t> nbytes, std::size_t dst_offset, std::size_t src_offset) {
+             copy(d, dst.data(), dst.size(), dst_offset, src.data(), src.size(), src_offset, nbytes,
+                  CopyKind::kDeviceToHost, stream);
+           },
+           py::arg("dst"), py::arg("src"), py::arg("stream"), py::arg("nbytes") = py::none(),
+           py::arg("dst_offset") = 0, py::arg("src_offset") = 0)
+      .def("copy_d2d",
+           [](Device& d, DeviceBuffer& dst, const DeviceBuffer& src, Stream& stream,
+              std::optional<std::size_t> nbytes, std::size_t dst_offset, std::size_t src_offset) {
+             copy(d, dst.data(), dst.size(), dst_offset, src.data(), src.size(), src_offset, nbytes,
+                  CopyKind::kDeviceToDevice, stream);
+           },
+           py::arg("dst"), py::arg("src"), py::arg("stream"), py::arg("nbytes") = py::none(),
+           py::arg("dst_offset") = 0, py::arg("src_offset") = 0)
+      .def("__repr__", [](const Device& d) {
+        const DeviceInfo info = d.info();
+        return "<tidal.Device " + std::string(to_string(info.backend)) + " '" + info.name +
+               "' capacity=" + format_bytes(info.capacity_bytes) + ">";
+      });
+
+  py::class_<Stream, std::unique_ptr<Stream>>(m, "Stream", "An in-order queue of asynchronous work.")
+      .def_property_readonly("name", &Stream::name)
+      .def("wait", &Stream::wait, py::arg("event"),
+           "Later work on this stream waits for the event's latest record.")
+      .def("synchronize", &Stream::synchronize, py::call_guard<py::gil_scoped_release>())
+      .def("query", &Stream::query);
+
+  py::class_<Event, std::unique_ptr<Event>>(m, "Event", "Marks a point in a stream's work.")
+      .def("record", &Event::record, py::arg("stream"))
+      .def("query", &Event::query)
+      .def("synchronize", &Event::synchronize, py::call_guard<py::gil_scoped_release>())
+      .def("elapsed_seconds_since", &Event::elapsed_seconds_since, py::arg("start"));
+
+  py::class_<DeviceBuffer, std::unique_ptr<DeviceBuffer>>(m, "DeviceBuffer",
+                                                           "Device memory; freed when collected.")
+      .def_property_readonly("nbytes", &DeviceBuffer::size)
+      .def_property_readonly("data_ptr",
+                             [](const DeviceBuffer& b) { return reinterpret_cast<std::uintptr_t>(b.data()); })
+      .def("__repr__", [](const DeviceBuffer& b) {
+        return "<tidal.DeviceBuffer " + format_bytes(b.size()) + ">";
+      });
+
+  py::class_<HostBuffer, std::unique_ptr<HostBuffer>>(m, "HostBuffer", py::buffer_protocol(), R"doc(
+Aligned host memory (mimalloc), on huge pages when large, pinned when given a
+CUDA device. Supports the buffer protocol: memoryview(buf), numpy.frombuffer,
+torch.frombuffer see its bytes without a copy.)doc")
+      .def(py::init([](const ByteSize& nbytes, std::shared_ptr<Device> pin_with, std::size_t alignment) {
+             if (pin_with) return std::make_unique<HostBuffer>(to_bytes(nbytes), std::move(pin_with), alignment);
+             return std::make_unique<HostBuffer>(to_bytes(nbytes), alignment);
+           }),
+           py::arg("nbytes"), py::arg("pin_with") = nullptr,
+           py::arg("alignment") = HostBuffer::kDefaultAlignment)
+      .def_property_readonly("nbytes", &HostBuffer::size)
+      .def_property_readonly("pinned", &HostBuffer::pinned)
+      .def_property_readonly("huge_pages", &HostBuffer::huge_pages)
+      .def_property_readonly("alignment", &HostBuffer::alignment)
+      .def_property_readonly("data_ptr",
+                             [](const HostBuffer& b) { return reinterpret_cast<std::uintptr_t>(b.data()); })
+      .def_buffer([](HostBuffer& b) {
+        return py::buffer_info(b.data(), 1, py::format_descriptor<std::uint8_t>::format(), 1,
+                               {static_cast<py::ssize_t>(b.size())}, {1});
+      })
+      .def("__repr__", [](const HostBuffer& b) {
+        return "<tidal.HostBuffer " + format_bytes(b.size()) + (b.pinned() ? " pinned" : "") + ">";
+      });
+
+  m.def("create_device",
+        [](const std::string& kind, std::optional<ByteSize> capacity, std::optional<std::string> bandwidth,
+           std::optional<double> latency_us) {
+          SimDeviceOptions sim = sim_device_options_from_env();
+          if (capacity) sim.capacity_bytes = to_bytes(*capacity);
+          if (bandwidth) sim.copy_bandwidth_bytes_per_s = parse_bandwidth(*bandwidth);
+          if (latency_us) {
+            TIDAL_CHECK(*latency_us >= 0, "latency_us must be >= 0, got ", *latency_us);
+            sim.copy_latency_s = *latency_us * 1e-6;
+          }
+          std::shared_ptr<Device> device = create_device(parse_device_kind(kind), sim);
+          // On CUDA, capacity is a budget below the GPU's memory.
+          if (capacity && device->backend() == DeviceBackend::kCuda) device->set_capacity(to_bytes(*capacity));
+          return device;
+        },
+        py::arg("kind") = "auto", py::arg("capacity") = py::none(), py::arg("bandwidth") = py::none(),
+        py::arg("latency_us") = py::none());
+  m.def("default_device", &default_device);
+  m.def("set_default_device", &set_default_device, py::arg("device"));
+}
+
+}  // namespace tidal::python

@@ -1,0 +1,38 @@
+// Maps tidal's C++ error types to Python exceptions. See Note [Two tiers of checks].
+#include <exception>
+
+#include "python/csrc/bindings.h"
+#include "runtime/core/error.h"
+
+namespace tidal::python {
+
+void bind_errors(py::module_& m) {
+  // tidal.OutOfMemoryError is a RuntimeError, like torch.OutOfMemoryError,
+  // so code catching either keeps working.
+  static py::handle oom_type =
+      py::exception<OutOfMemoryError>(m, "OutOfMemoryError", PyExc_RuntimeError).release();
+  static py::handle internal_type =
+      py::exception<InternalError>(m, "InternalError", PyExc_RuntimeError).release();
+  py::register_exception_translator([](std::exception_ptr p) {
+    if (!p) return;
+    try {
+      std::rethrow_exception(p);
+    } catch (const OutOfMemoryError& e) {
+      PyErr_SetString(oom_type.ptr(), e.what());
+    } catch (const InternalError& e) {
+      PyErr_SetString(internal_type.ptr(), e.what());
+    } catch (const ValueError& e) {
+      PyErr_SetString(PyExc_ValueError, e.what());
+    } catch (const TypeError& e) {
+      PyErr_SetString(PyExc_TypeError, e.what());
+    } catch (const IndexError& e) {
+      PyErr_SetString(PyExc_IndexError, e.what());
+    } catch (const NotImplementedError& e) {
+      PyErr_SetString(PyExc_NotImplementedError, e.what());
+    } catch (const Error& e) {
+      PyErr_SetString(PyExc_RuntimeError, e.what());
+    }
+  });
+}
+
+}  // namespace tidal::python

@@ -1,0 +1,40 @@
+"""tidal: train models far larger than one GPU's memory.
+
+Model states live in fixed-size chunks that move between host and device,
+Adam runs on the CPU at memory-bandwidth speed, and activations are dropped
+and recomputed inside the device memory the chunks leave free.
+"""
+
+import torch  # noqa: F401  -- loads libtorch before tidal._C links against it
+
+from tidal._version import __version__
+from tidal import _C
+from tidal._C import InternalError, OutOfMemoryError
+from tidal.device import (
+    Device,
+    DeviceBuffer,
+    Event,
+    HostBuffer,
+    Stream,
+    device_info,
+    get_device,
+    parse_bytes,
+    set_device,
+    stats,
+)
+
+__all__ = [
+    "__version__",
+    "Device",
+    "DeviceBuffer",
+    "Event",
+    "HostBuffer",
+    "InternalError",
+    "OutOfMemoryError",
+    "Stream",
+    "device_info",
+    "get_device",
+    "parse_bytes",
+    "set_device",
+    "stats",
+]

@@ -1,0 +1,66 @@
+#!/usr/bin/env bash
+# Idempotent set-up: Debian packages, the .venv (torch 2.13.0 CPU wheel + test
+# tools) and the editable build of tidal. Quick when everything is in place.
+# Sourced by scripts/train.sh and scripts/test.sh; also runnable on its own.
+set -euo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$ROOT"
+
+DEB_PACKAGES=(build-essential cmake ninja-build libtbb-dev libmimalloc-dev libhwy-dev
+              libgtest-dev libgmock-dev pybind11-dev)
+PY_PACKAGES=(torch==2.13.0 numpy pytest scikit-build-core)
+VENV="$ROOT/.venv"
+PY="$VENV/bin/python"
+
+log() { printf '[setup] %s\n' "$*" >&2; }
+
+# --- Debian packages ---------------------------------------------------------
+missing=()
+for pkg in "${DEB_PACKAGES[@]}"; do
+  dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q "install ok installed" || missing+=("$pkg")
+done
+if ((${#missing[@]})); then
+  log "installing Debian packages: ${missing[*]}"
+  SUDO=""
+  if [ "$(id -u)" -ne 0 ]; then
+    command -v sudo >/dev/null || { log "need root or sudo to install: ${missing[*]}"; exit 1; }
+    SUDO=sudo
+  fi
+  # Lists are fetched once; a failed install retries after a refresh.
+  if ! DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -q "${missing[@]}" >/dev/null; then
+    $SUDO apt-get update -q >/dev/null
+    DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -q "${missing[@]}" >/dev/null
+  fi
+fi
+
+# --- the virtual environment ---------------------------------------------------
+if [ ! -x "$PY" ]; then
+  log "creating $VENV"
+  python3 -m venv "$VENV"
+fi
+if ! "$PY" - <<'PYCHECK' 2>/dev/null; then
+import importlib.metadata as md
+assert md.version("torch").split("+")[0] == "2.13.0", md.version("torch")
+for name in ("numpy", "pytest", "scikit-build-core"):
+    md.version(name)
+PYCHECK
+  log "installing Python packages: ${PY_PACKAGES[*]}"
+  "$PY" -m pip install -q --disable-pip-version-check "${PY_PACKAGES[@]}" 2>&1 | grep -v "^WARNING: Location" >&2 || true
+  "$PY" -c "import torch, numpy, pytest" # fail loudly if the install did not work
+fi
+
+# --- the build -------------------------------------------------------------------
+# An editable install: Python sources are used in place, tidal._C is rebuilt
+# incrementally in build/wheel-* when a C++ file changed. Skipped entirely when
+# nothing changed since the last build.
+STAMP="$VENV/.tidal-build-stamp"
+newest=$(find CMakeLists.txt pyproject.toml chunk runtime cpu_adam hooks python -newer "$STAMP" \
+         -type f \( -name '*.cpp' -o -name '*.h' -o -name '*.txt' -o -name '*.toml' -o -name '*.cu' \) \
+         -print -quit 2>/dev/null || true)
+if [ ! -f "$STAMP" ] || [ -n "$newest" ] || ! "$PY" -c "import tidal" 2>/dev/null; then
+  log "building tidal (pip install -e . --no-build-isolation)"
+  "$PY" -m pip install -q --disable-pip-version-check --no-build-isolation -e . 2>&1 \
+    | grep -v "^WARNING: Location" >&2 || true
+  "$PY" -c "import tidal" # fail loudly if the build did not work
+  touch "$STAMP"
+fi
