@@ -8,7 +8,7 @@ cd "$ROOT"
 
 DEB_PACKAGES=(build-essential cmake ninja-build libtbb-dev libmimalloc-dev libhwy-dev
               libgtest-dev libgmock-dev pybind11-dev)
-PY_PACKAGES=(torch==2.13.0 numpy pytest scikit-build-core)
+PY_PACKAGES=(torch==2.13.0 numpy pytest scikit-build-core==1.1.2)
 VENV="$ROOT/.venv"
 PY="$VENV/bin/python"
 
