@@ -1,6 +1,7 @@
 #include "runtime/memory/host_buffer.h"
 
 #include <sys/mman.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <cstdio>
@@ -58,16 +59,22 @@ HostBuffer::HostBuffer(std::size_t bytes, std::size_t alignment) {
   TIDAL_CHECK(alignment >= kDefaultAlignment && (alignment & (alignment - 1)) == 0,
               "host buffer: alignment must be a power of two >= ", kDefaultAlignment, ", got ",
               alignment);
+  // NB: every buffer owns whole pages. cudaHostRegister pins pages, and two
+  // buffers sharing a page could not both be pinned (the second registration
+  // fails with cudaErrorHostMemoryAlreadyRegistered).
+  static const std::size_t page = static_cast<std::size_t>(::sysconf(_SC_PAGESIZE));
   const bool huge = bytes >= kHugePageBytes;
-  if (huge) alignment = std::max(alignment, kHugePageBytes);
-  void* ptr = mimalloc().malloc_aligned(bytes, alignment);
+  alignment = std::max({alignment, page, huge ? kHugePageBytes : std::size_t{0}});
+  const std::size_t reserved = (bytes + page - 1) / page * page;
+  void* ptr = mimalloc().malloc_aligned(reserved, alignment);
   TIDAL_CHECK_WITH(OutOfMemoryError, ptr != nullptr, "host out of memory: could not allocate ",
                    format_bytes(bytes), " aligned to ", alignment, " bytes (",
                    format_bytes(host_memory_stats().allocated_bytes), " already held by tidal)");
   // Transparent huge pages where the kernel offers them; a refusal is fine.
-  huge_pages_ = huge && ::madvise(ptr, bytes / kHugePageBytes * kHugePageBytes, MADV_HUGEPAGE) == 0;
+  huge_pages_ = huge && ::madvise(ptr, reserved / kHugePageBytes * kHugePageBytes, MADV_HUGEPAGE) == 0;
   data_ = ptr;
   bytes_ = bytes;
+  reserved_ = reserved;
   alignment_ = alignment;
   count_allocation(bytes_, huge_pages_);
 }
@@ -97,6 +104,7 @@ HostBuffer::~HostBuffer() {
 void HostBuffer::swap(HostBuffer& other) noexcept {
   std::swap(data_, other.data_);
   std::swap(bytes_, other.bytes_);
+  std::swap(reserved_, other.reserved_);
   std::swap(alignment_, other.alignment_);
   std::swap(huge_pages_, other.huge_pages_);
   std::swap(pinned_, other.pinned_);
@@ -108,7 +116,7 @@ bool HostBuffer::pin(std::shared_ptr<Device> device) {
   TIDAL_CHECK(data_ != nullptr, "HostBuffer::pin: the buffer is empty");
   TIDAL_CHECK(registered_with_ == nullptr, "HostBuffer::pin: the buffer of ", format_bytes(bytes_),
               " is already registered with a device");
-  pinned_ = device->register_host(data_, bytes_);
+  pinned_ = device->register_host(data_, reserved_);
   registered_with_ = std::move(device);
   if (pinned_) count_pinned(bytes_, true);
   return pinned_;
@@ -129,6 +137,7 @@ void HostBuffer::reset() {
   count_free(bytes_, huge_pages_);
   data_ = nullptr;
   bytes_ = 0;
+  reserved_ = 0;
   alignment_ = 0;
   huge_pages_ = false;
 }

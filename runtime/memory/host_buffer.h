@@ -32,7 +32,8 @@ class HostBuffer {
   static constexpr std::size_t kHugePageBytes = std::size_t{2} << 20;
 
   HostBuffer() = default;
-  // Allocates `bytes` (> 0) aligned to `alignment` (a power of two, >= 64).
+  // Allocates `bytes` (> 0) aligned to `alignment` (a power of two, >= 64;
+  // raised to the page size: a buffer owns whole pages so it can be pinned).
   // Throws OutOfMemoryError if the host cannot provide them.
   explicit HostBuffer(std::size_t bytes, std::size_t alignment = kDefaultAlignment);
   // Allocates and pins through `device` (a no-op pin on the simulated device).
@@ -64,6 +65,7 @@ class HostBuffer {
 
   void* data_ = nullptr;
   std::size_t bytes_ = 0;
+  std::size_t reserved_ = 0;  // bytes_ rounded up to whole pages: what is allocated and pinned
   std::size_t alignment_ = 0;
   bool huge_pages_ = false;
   bool pinned_ = false;

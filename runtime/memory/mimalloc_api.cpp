@@ -15,8 +15,9 @@ namespace {
 
 MimallocApi load() {
   // RTLD_LOCAL: mimalloc's malloc/new overrides stay out of the global scope.
-  // RTLD_DEEPBIND: its own references resolve inside it first.
-  void* handle = ::dlopen(TIDAL_MIMALLOC_SONAME, RTLD_NOW | RTLD_LOCAL | RTLD_DEEPBIND);
+  // (No RTLD_DEEPBIND: the sanitizer runtimes refuse it, and mimalloc's own
+  // code calls its mi_* functions directly.)
+  void* handle = ::dlopen(TIDAL_MIMALLOC_SONAME, RTLD_NOW | RTLD_LOCAL);
   TIDAL_CHECK_RUNTIME(handle != nullptr, "could not load mimalloc (", TIDAL_MIMALLOC_SONAME,
                       "): ", ::dlerror(), ". Install Debian's libmimalloc2.0 or put the library on "
                       "LD_LIBRARY_PATH.");

@@ -4,6 +4,7 @@
 
 #include <cstdint>
 #include <cstring>
+#include <unistd.h>
 #include <utility>
 
 #include "runtime/core/error.h"
@@ -27,6 +28,19 @@ TEST(HostBuffer, SmallBuffersAreCacheLineAligned) {
   }
   HostBuffer page(100, 4096);
   EXPECT_TRUE(aligned(page.data(), 4096));
+}
+
+// cudaHostRegister pins whole pages: two buffers sharing one could not both
+// be pinned, so each buffer starts on its own page.
+TEST(HostBuffer, SmallBuffersOwnTheirPages) {
+  const auto page = static_cast<std::uintptr_t>(::sysconf(_SC_PAGESIZE));
+  HostBuffer a(10);
+  HostBuffer b(10);
+  const auto pa = reinterpret_cast<std::uintptr_t>(a.data());
+  const auto pb = reinterpret_cast<std::uintptr_t>(b.data());
+  EXPECT_EQ(pa % page, 0u);
+  EXPECT_EQ(pb % page, 0u);
+  EXPECT_GE(pa > pb ? pa - pb : pb - pa, page);
 }
 
 TEST(HostBuffer, LargeBuffersAreHugePageAligned) {
