@@ -49,7 +49,7 @@ class CudaStream final : public Stream {
     cudaStreamDestroy(stream_);
   }
 
-  void wait(const Event& event) override;
+  void do_wait(const Event& event) override;
   void synchronize() override { TIDAL_CUDA_CHECK(cudaStreamSynchronize(stream_)); }
   bool query() override {
     const cudaError_t status = cudaStreamQuery(stream_);
@@ -68,17 +68,16 @@ class CudaStream final : public Stream {
 class CudaEvent final : public Event {
  public:
   CudaEvent(std::shared_ptr<Device> device, int ordinal, bool timing)
-      : Event(std::move(device)), ordinal_(ordinal), timing_(timing) {
+      : Event(std::move(device), timing), ordinal_(ordinal) {
     DeviceGuard guard(ordinal_);
     TIDAL_CUDA_CHECK(cudaEventCreateWithFlags(
         &event_, timing ? cudaEventDefault : cudaEventDisableTiming));
   }
   ~CudaEvent() override { cudaEventDestroy(event_); }
 
-  void record(Stream& stream) override {
+  void do_record(Stream& stream) override {
     auto* cuda = dynamic_cast<CudaStream*>(&stream);
-    TIDAL_CHECK(cuda != nullptr && &stream.device() == &device(), "Event::record: stream '",
-                stream.name(), "' belongs to another device");
+    TIDAL_INTERNAL_ASSERT(cuda != nullptr, "stream of a CUDA device is not a CudaStream");
     TIDAL_CUDA_CHECK(cudaEventRecord(event_, cuda->handle()));
   }
   bool query() const override {
@@ -88,12 +87,9 @@ class CudaEvent final : public Event {
     return true;
   }
   void synchronize() const override { TIDAL_CUDA_CHECK(cudaEventSynchronize(event_)); }
-  double elapsed_seconds_since(const Event& start) const override {
+  double do_elapsed_seconds_since(const Event& start) const override {
     const auto* other = dynamic_cast<const CudaEvent*>(&start);
-    TIDAL_CHECK(other != nullptr && &start.device() == &device(),
-                "elapsed_seconds_since: the start event belongs to another device");
-    TIDAL_CHECK(timing_ && other->timing_,
-                "elapsed_seconds_since: both events must be created with enable_timing=true");
+    TIDAL_INTERNAL_ASSERT(other != nullptr, "event of a CUDA device is not a CudaEvent");
     float ms = 0;
     TIDAL_CUDA_CHECK(cudaEventElapsedTime(&ms, other->event_, event_));
     return ms * 1e-3;
@@ -103,14 +99,12 @@ class CudaEvent final : public Event {
 
  private:
   int ordinal_;
-  bool timing_;
   cudaEvent_t event_ = nullptr;
 };
 
-void CudaStream::wait(const Event& event) {
+void CudaStream::do_wait(const Event& event) {
   const auto* cuda = dynamic_cast<const CudaEvent*>(&event);
-  TIDAL_CHECK(cuda != nullptr && &event.device() == &device(),
-              "Stream::wait: the event belongs to another device");
+  TIDAL_INTERNAL_ASSERT(cuda != nullptr, "event of a CUDA device is not a CudaEvent");
   TIDAL_CUDA_CHECK(cudaStreamWaitEvent(stream_, cuda->handle(), 0));
 }
 

@@ -28,6 +28,26 @@ const char* to_string(CopyKind kind) {
   return "unknown";
 }
 
+void Stream::wait(const Event& event) {
+  TIDAL_CHECK(&event.device() == &device(), "Stream::wait: stream '", name(),
+              "' cannot wait on an event of another device");
+  do_wait(event);
+}
+
+void Event::record(Stream& stream) {
+  TIDAL_CHECK(&stream.device() == &device(), "Event::record: stream '", stream.name(),
+              "' belongs to another device");
+  do_record(stream);
+}
+
+double Event::elapsed_seconds_since(const Event& start) const {
+  TIDAL_CHECK(&start.device() == &device(),
+              "elapsed_seconds_since: the start event belongs to another device");
+  TIDAL_CHECK(timing_ && start.timing_,
+              "elapsed_seconds_since: both events must be created with enable_timing=true");
+  return do_elapsed_seconds_since(start);
+}
+
 void DeviceBuffer::reset() {
   if (data_ != nullptr) {
     device_->free_raw(data_);

@@ -74,7 +74,8 @@ class Stream {
 
   // Work issued on this stream after this call waits for the most recent
   // record of `event` (as of this call) to complete. The host does not block.
-  virtual void wait(const Event& event) = 0;
+  // The event must belong to the same device.
+  void wait(const Event& event);
   // Blocks the calling thread until all work issued so far has finished.
   virtual void synchronize() = 0;
   // True when all work issued so far has finished.
@@ -83,6 +84,9 @@ class Stream {
  protected:
   Stream(std::shared_ptr<Device> device, std::string name)
       : device_(std::move(device)), name_(std::move(name)) {}
+
+  // Backend hook; `event` is known to belong to this stream's device.
+  virtual void do_wait(const Event& event) = 0;
 
  private:
   std::shared_ptr<Device> device_;
@@ -97,21 +101,30 @@ class Event {
 
   Device& device() const { return *device_; }
 
-  // Captures the work issued on `stream` so far; completes when it has run.
-  virtual void record(Stream& stream) = 0;
+  // Captures the work issued on `stream` (of the same device) so far;
+  // completes when it has run.
+  void record(Stream& stream);
   // True when the most recent record has completed (or there was none).
   virtual bool query() const = 0;
   // Blocks the calling thread until the most recent record has completed.
   virtual void synchronize() const = 0;
   // Seconds between the completion of `start` and of this event. Both must
-  // have been created with timing enabled, recorded and completed.
-  virtual double elapsed_seconds_since(const Event& start) const = 0;
+  // belong to one device, have been created with timing enabled, recorded
+  // and completed.
+  double elapsed_seconds_since(const Event& start) const;
+  bool timing_enabled() const { return timing_; }
 
  protected:
-  explicit Event(std::shared_ptr<Device> device) : device_(std::move(device)) {}
+  Event(std::shared_ptr<Device> device, bool timing) : device_(std::move(device)), timing_(timing) {}
+
+  // Backend hooks; arguments are known to belong to this event's device (and,
+  // for elapsed time, both events to have timing enabled).
+  virtual void do_record(Stream& stream) = 0;
+  virtual double do_elapsed_seconds_since(const Event& start) const = 0;
 
  private:
   std::shared_ptr<Device> device_;
+  bool timing_;
 };
 
 // Device memory owned by one holder; frees itself on destruction.

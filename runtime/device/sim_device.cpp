@@ -201,7 +201,7 @@ class SimStream final : public Stream {
   SimStream(std::shared_ptr<Device> device, std::string name);
   ~SimStream() override;
 
-  void wait(const Event& event) override;
+  void do_wait(const Event& event) override;
   void synchronize() override {
     std::unique_lock<std::mutex> lock(mutex_);
     const std::uint64_t target = issued_;
@@ -254,12 +254,11 @@ class SimStream final : public Stream {
 class SimEvent final : public Event {
  public:
   SimEvent(std::shared_ptr<Device> device, bool timing)
-      : Event(std::move(device)), timing_(timing), state_(std::make_shared<EventState>()) {}
+      : Event(std::move(device), timing), state_(std::make_shared<EventState>()) {}
 
-  void record(Stream& stream) override {
+  void do_record(Stream& stream) override {
     auto* sim = dynamic_cast<SimStream*>(&stream);
-    TIDAL_CHECK(sim != nullptr && &stream.device() == &device(), "Event::record: stream '",
-                stream.name(), "' belongs to another device");
+    TIDAL_INTERNAL_ASSERT(sim != nullptr, "stream of a simulated device is not a SimStream");
     std::uint64_t seq;
     {
       std::lock_guard<std::mutex> lock(state_->mutex);
@@ -279,12 +278,9 @@ class SimEvent final : public Event {
     }
     state_->wait_for(target);
   }
-  double elapsed_seconds_since(const Event& start) const override {
+  double do_elapsed_seconds_since(const Event& start) const override {
     const auto* other = dynamic_cast<const SimEvent*>(&start);
-    TIDAL_CHECK(other != nullptr && &start.device() == &device(),
-                "elapsed_seconds_since: the start event belongs to another device");
-    TIDAL_CHECK(timing_ && other->timing_,
-                "elapsed_seconds_since: both events must be created with enable_timing=true");
+    TIDAL_INTERNAL_ASSERT(other != nullptr, "event of a simulated device is not a SimEvent");
     const auto end_time = completed_time("end");
     const auto start_time = other->completed_time("start");
     return std::chrono::duration<double>(end_time - start_time).count();
@@ -300,7 +296,6 @@ class SimEvent final : public Event {
     return state_->completed_at;
   }
 
-  const bool timing_;
   std::shared_ptr<EventState> state_;
 };
 
@@ -385,10 +380,9 @@ SimStream::~SimStream() {
   worker_.join();
 }
 
-void SimStream::wait(const Event& event) {
+void SimStream::do_wait(const Event& event) {
   const auto* sim = dynamic_cast<const SimEvent*>(&event);
-  TIDAL_CHECK(sim != nullptr && &event.device() == &device(),
-              "Stream::wait: the event belongs to another device");
+  TIDAL_INTERNAL_ASSERT(sim != nullptr, "event of a simulated device is not a SimEvent");
   std::uint64_t target;
   {
     std::lock_guard<std::mutex> lock(sim->state()->mutex);

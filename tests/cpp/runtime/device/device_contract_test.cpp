@@ -261,6 +261,13 @@ TEST_P(DeviceContract, CopiesOutsideDeviceAllocationsAreRejected) {
   EXPECT_THROW(device_->copy_async(buf.data(), host.data(), 16, CopyKind::kHostToDevice,
                                    *foreign_stream),
                ValueError);
+  // Events and streams of different devices do not mix either.
+  auto foreign_event = foreign->create_event();
+  EXPECT_THROW(foreign_event->record(*stream), ValueError);
+  EXPECT_THROW(stream->wait(*foreign_event), ValueError);
+  auto timed = device_->create_event(true);
+  auto foreign_timed = foreign->create_event(true);
+  EXPECT_THROW(timed->elapsed_seconds_since(*foreign_timed), ValueError);
   stream->synchronize();
 }
 
