@@ -1,0 +1,87 @@
+// Where each tensor sits: chunk index and offset, shared by the four chunk
+// lists. See Note [One layout, four lists].
+//
+// Note [One layout, four lists]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// The store keeps four chunk lists: 16-bit parameters (the gradient is
+// written into the same slot after backward), fp32 master parameters, Adam m
+// and Adam v. One ChunkLayout places every tensor once, in elements, and all
+// four lists use it: tensor i sits in chunk c at element offset o in every
+// list. So the optimizer finds a tensor's master copy, m and v by index
+// arithmetic, and chunk c of every list holds the same tensors. A list's
+// chunk holds the same number of elements as in every other list; only the
+// bytes differ (2 per element in the 16-bit list, 4 in the fp32 lists).
+//
+// Placement (append in registration order, which is first-use order):
+// * The next tensor goes into the last chunk at the first offset that is a
+//   multiple of alignment_elements, if it fits there.
+// * Otherwise a new chunk of chunk_elements opens and the tensor sits at 0.
+// * A tensor larger than chunk_elements gets a dedicated chunk sized to it
+//   (rounded up to the alignment). Nothing else joins a dedicated chunk: the
+//   next tensor opens a new regular chunk, so chunk order stays first-use
+//   order.
+// The chunk-size advisor runs this same code over candidate sizes, so its
+// waste figure is the waste the store will have.
+#pragma once
+
+#include <cstddef>
+#include <vector>
+
+#include "chunk/chunk_id.h"
+
+namespace tidal {
+
+struct TensorPlacement {
+  ChunkIndex chunk = 0;
+  std::size_t offset = 0;  // elements from the start of the chunk
+  std::size_t numel = 0;
+};
+
+struct ChunkExtent {
+  std::size_t capacity = 0;  // elements
+  std::size_t used = 0;      // elements up to the end of the last tensor
+  TensorId first_tensor = kNoTensor;
+  std::size_t num_tensors = 0;
+  bool dedicated = false;  // holds one tensor larger than chunk_elements
+};
+
+class ChunkLayout {
+ public:
+  // chunk_elements must be a positive multiple of alignment_elements, which
+  // must be a power of two; ValueError otherwise.
+  ChunkLayout(std::size_t chunk_elements, std::size_t alignment_elements);
+
+  // Places a tensor of `numel` (> 0) elements after every tensor placed so far.
+  TensorPlacement append(std::size_t numel);
+
+  std::size_t chunk_elements() const { return chunk_elements_; }
+  std::size_t alignment_elements() const { return alignment_; }
+  std::size_t num_tensors() const { return placements_.size(); }
+  std::size_t num_chunks() const { return extents_.size(); }
+  const TensorPlacement& placement(TensorId tensor) const { return placements_[tensor]; }
+  const ChunkExtent& extent(ChunkIndex chunk) const { return extents_[chunk]; }
+  const std::vector<ChunkExtent>& extents() const { return extents_; }
+
+  std::size_t total_numel() const { return total_numel_; }
+  // Sum of the capacities of all chunks, in elements (of one list).
+  std::size_t total_capacity() const { return total_capacity_; }
+  // Elements allocated but holding no tensor: alignment padding and the
+  // unused tails of chunks.
+  std::size_t waste_elements() const { return total_capacity_ - total_numel_; }
+  std::size_t dedicated_chunks() const { return dedicated_chunks_; }
+
+ private:
+  std::size_t chunk_elements_;
+  std::size_t alignment_;
+  std::vector<TensorPlacement> placements_;
+  std::vector<ChunkExtent> extents_;
+  std::size_t total_numel_ = 0;
+  std::size_t total_capacity_ = 0;
+  std::size_t dedicated_chunks_ = 0;
+};
+
+constexpr std::size_t round_up(std::size_t value, std::size_t multiple) {
+  return (value + multiple - 1) / multiple * multiple;
+}
+
+}  // namespace tidal

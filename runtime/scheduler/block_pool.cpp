@@ -1,0 +1,100 @@
+#include "runtime/scheduler/block_pool.h"
+
+#include <utility>
+
+#include "runtime/core/error.h"
+
+namespace tidal {
+
+BlockPool::BlockPool(std::shared_ptr<Device> device, bool pin_host)
+    : device_(std::move(device)), pin_host_(pin_host) {}
+
+BlockPool::~BlockPool() {
+  for (MemorySpace space : {MemorySpace::kHost, MemorySpace::kDevice}) trim_all(space);
+}
+
+BlockPtr BlockPool::take_cached(MemorySpace space, std::size_t bytes) {
+  auto& by_size = cache_[index_of(space)];
+  auto it = by_size.find(bytes);
+  if (it == by_size.end() || it->second.empty()) return nullptr;
+  BlockPtr block = std::move(it->second.back());
+  it->second.pop_back();
+  if (it->second.empty()) by_size.erase(it);
+  cached_[index_of(space)] -= bytes;
+  return block;
+}
+
+bool BlockPool::has_cached(MemorySpace space, std::size_t bytes) const {
+  const auto& by_size = cache_[index_of(space)];
+  auto it = by_size.find(bytes);
+  return it != by_size.end() && !it->second.empty();
+}
+
+BlockPtr BlockPool::allocate(MemorySpace space, std::size_t bytes) {
+  TIDAL_INTERNAL_ASSERT(space == MemorySpace::kHost || space == MemorySpace::kDevice,
+                        "block in space ", to_string(space));
+  auto block = std::make_unique<Block>();
+  block->space = space;
+  block->bytes = bytes;
+  if (space == MemorySpace::kHost) {
+    block->host = pin_host_ ? HostBuffer(bytes, device_) : HostBuffer(bytes);
+    block->data = block->host.data();
+  } else {
+    block->device = device_->allocate(bytes);
+    block->data = block->device.data();
+  }
+  block->fence = device_->create_event();
+  held_[index_of(space)] += bytes;
+  return block;
+}
+
+void BlockPool::give_back(BlockPtr block) {
+  TIDAL_INTERNAL_ASSERT(block != nullptr, "give_back of no block");
+  const std::size_t space = index_of(block->space);
+  cached_[space] += block->bytes;
+  cache_[space][block->bytes].push_back(std::move(block));
+}
+
+bool BlockPool::trim_one(MemorySpace space) {
+  auto& by_size = cache_[index_of(space)];
+  if (by_size.empty()) return false;
+  auto largest = std::prev(by_size.end());
+  BlockPtr block = std::move(largest->second.back());
+  largest->second.pop_back();
+  if (largest->second.empty()) by_size.erase(largest);
+  cached_[index_of(space)] -= block->bytes;
+  held_[index_of(space)] -= block->bytes;
+  // See Note [Block fences]: memory is freed only once no work touches it.
+  block->wait_on_host();
+  return true;
+}
+
+void BlockPool::trim_all(MemorySpace space) {
+  while (trim_one(space)) {
+  }
+}
+
+std::size_t BlockPool::cached_blocks(MemorySpace space) const {
+  std::size_t n = 0;
+  for (const auto& [bytes, blocks] : cache_[index_of(space)]) n += blocks.size();
+  return n;
+}
+
+void BlockPool::validate() const {
+  for (std::size_t s = 0; s < kNumMemorySpaces; ++s) {
+    std::size_t bytes = 0;
+    for (const auto& [size, blocks] : cache_[s]) {
+      TIDAL_INTERNAL_ASSERT(!blocks.empty(), "empty cache bucket of ", size, " bytes");
+      for (const BlockPtr& block : blocks) {
+        TIDAL_INTERNAL_ASSERT(block->bytes == size && index_of(block->space) == s,
+                              "cached block filed under the wrong size or space");
+        bytes += block->bytes;
+      }
+    }
+    TIDAL_INTERNAL_ASSERT(bytes == cached_[s], "cache holds ", bytes, " bytes, recorded ",
+                          cached_[s]);
+    TIDAL_INTERNAL_ASSERT(cached_[s] <= held_[s], "cached ", cached_[s], " > held ", held_[s]);
+  }
+}
+
+}  // namespace tidal

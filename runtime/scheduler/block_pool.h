@@ -1,0 +1,110 @@
+// Payload memory of the chunk scheduler: host and device blocks, each with a
+// fence event, and a cache of free blocks by size. Internal to the
+// scheduler. See Note [Block fences].
+//
+// Note [Block fences]
+// ~~~~~~~~~~~~~~~~~~~
+// Every block owns one event, its fence, that completes when all
+// asynchronous work issued on the block so far has run. Whoever issues work
+// on a block first makes that work wait for the fence (Stream::wait, or the
+// host blocks on it), then re-records the fence after the work. Because each
+// new piece of work waits for the previous fence, the latest record implies
+// all earlier ones, so one event per block is enough however many streams
+// touch it (the copy streams, the compute stream). A block therefore goes
+// back to the cache at once when its chunk moves away; the next user waits
+// for its fence, and a block is only freed (returned to the device or the
+// host allocator) after its fence completed.
+//
+// Why a cache: cudaMalloc and cudaFree synchronize the device, and pinning
+// host memory costs milliseconds per 64 MiB, so chunk moves reuse blocks of
+// the same size instead (chunks are fixed-size, so nearly all blocks are).
+// Cached blocks count against the budget of their memory space; the
+// scheduler frees them before it evicts a chunk.
+#pragma once
+
+#include <array>
+#include <cstddef>
+#include <map>
+#include <memory>
+#include <vector>
+
+#include "chunk/memory_space.h"
+#include "runtime/device/device.h"
+#include "runtime/memory/host_buffer.h"
+
+namespace tidal {
+
+struct Block {
+  MemorySpace space = MemorySpace::kNone;
+  std::size_t bytes = 0;
+  void* data = nullptr;
+  HostBuffer host;      // set when space == kHost
+  DeviceBuffer device;  // set when space == kDevice
+  std::unique_ptr<Event> fence;
+  // The fence may still be pending (it was recorded since it was last seen
+  // complete). Lets the hot path skip event queries.
+  bool maybe_pending = false;
+  // The stream of the fence's latest record, or null.
+  Stream* fenced_on = nullptr;
+
+  // Records the fence on `stream` after work issued there.
+  void record_fence(Stream& stream) {
+    fence->record(stream);
+    maybe_pending = true;
+    fenced_on = &stream;
+  }
+  // Makes work issued next on `stream` wait for the fence.
+  void order_before(Stream& stream) const {
+    if (maybe_pending && fenced_on != &stream) stream.wait(*fence);
+  }
+  // Blocks the calling thread until the fence completed. Returns whether it
+  // had to wait.
+  bool wait_on_host() {
+    if (!maybe_pending) return false;
+    const bool pending = !fence->query();
+    if (pending) fence->synchronize();
+    maybe_pending = false;
+    fenced_on = nullptr;
+    return pending;
+  }
+  bool ready() const { return !maybe_pending || fence->query(); }
+};
+
+using BlockPtr = std::unique_ptr<Block>;
+
+class BlockPool {
+ public:
+  BlockPool(std::shared_ptr<Device> device, bool pin_host);
+  ~BlockPool();
+  BlockPool(const BlockPool&) = delete;
+  BlockPool& operator=(const BlockPool&) = delete;
+
+  // A cached block of exactly `bytes` in `space`, or null.
+  BlockPtr take_cached(MemorySpace space, std::size_t bytes);
+  bool has_cached(MemorySpace space, std::size_t bytes) const;
+  // A new block. Throws OutOfMemoryError when the space has no memory left.
+  BlockPtr allocate(MemorySpace space, std::size_t bytes);
+  // Puts a block no chunk uses any more into the cache.
+  void give_back(BlockPtr block);
+  // Frees one cached block of `space` (the largest), after its fence.
+  // Returns false when the cache of that space is empty.
+  bool trim_one(MemorySpace space);
+  void trim_all(MemorySpace space);
+
+  // Bytes of all live blocks of `space` (in use by chunks + cached).
+  std::size_t held_bytes(MemorySpace space) const { return held_[index_of(space)]; }
+  std::size_t cached_bytes(MemorySpace space) const { return cached_[index_of(space)]; }
+  std::size_t cached_blocks(MemorySpace space) const;
+
+  // InternalError unless the cache's byte counts add up.
+  void validate() const;
+
+ private:
+  std::shared_ptr<Device> device_;
+  bool pin_host_;
+  std::array<std::map<std::size_t, std::vector<BlockPtr>>, kNumMemorySpaces> cache_;
+  std::array<std::size_t, kNumMemorySpaces> held_{};
+  std::array<std::size_t, kNumMemorySpaces> cached_{};
+};
+
+}  // namespace tidal

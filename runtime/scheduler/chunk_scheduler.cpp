@@ -1,0 +1,582 @@
+#include "runtime/scheduler/chunk_scheduler.h"
+
+#include <algorithm>
+#include <utility>
+
+#include "runtime/core/error.h"
+
+namespace tidal {
+namespace {
+
+std::shared_ptr<Device> checked_device(std::shared_ptr<Device> device) {
+  TIDAL_CHECK(device != nullptr, "chunk scheduler: expected a device, got null");
+  return device;
+}
+
+bool is_placeable(MemorySpace space) {
+  return space == MemorySpace::kHost || space == MemorySpace::kDevice;
+}
+
+}  // namespace
+
+ChunkScheduler::ChunkScheduler(ChunkStore store, std::shared_ptr<Device> device,
+                               ChunkSchedulerOptions options)
+    : device_(checked_device(std::move(device))),
+      options_(std::move(options)),
+      store_(std::move(store)),
+      policy_(options_.policy ? options_.policy : std::make_shared<OptPolicy>()),
+      h2d_stream_(device_->create_stream("tidal.chunk.h2d")),
+      d2h_stream_(device_->create_stream("tidal.chunk.d2h")),
+      pool_(device_, options_.pin_host_memory) {
+  TIDAL_CHECK(store_.chunks_in(MemorySpace::kHost) == 0 && store_.chunks_in(MemorySpace::kDevice) == 0,
+              "chunk scheduler: the store already has chunks with payloads (",
+              store_.chunks_in(MemorySpace::kHost), " on host, ",
+              store_.chunks_in(MemorySpace::kDevice),
+              " on device) that nobody owns; give the scheduler a fresh store");
+  TIDAL_CHECK(!options_.prefetch || options_.prefetch_depth > 0,
+              "chunk scheduler: prefetch_depth must be at least 1 when prefetch is on, got 0");
+  budget_[index_of(MemorySpace::kHost)] = options_.host_budget_bytes;
+  budget_[index_of(MemorySpace::kDevice)] =
+      options_.device_budget_bytes > 0 ? options_.device_budget_bytes : device_->capacity();
+  sync_slots();
+  debug_validate();
+}
+
+ChunkScheduler::~ChunkScheduler() {
+  // Every copy lands before any memory goes (Note [Block fences]).
+  for (Slot& slot : slots_) {
+    if (slot.block) slot.block->wait_on_host();
+  }
+  h2d_stream_->synchronize();
+  d2h_stream_->synchronize();
+}
+
+TensorId ChunkScheduler::register_tensor(std::string name, std::size_t numel) {
+  const TensorId tensor = store_.register_tensor(std::move(name), numel);
+  sync_slots();
+  return tensor;
+}
+
+void ChunkScheduler::sync_slots() {
+  const std::size_t n = store_.chunk_id_limit();
+  if (slots_.size() < n) {
+    slots_.resize(n);
+    last_use_.resize(n, 0);
+  }
+}
+
+// ---- access / release -------------------------------------------------------
+
+void* ChunkScheduler::access(TensorRef ref, MemorySpace space) {
+  TIDAL_CHECK(is_placeable(space), "chunk scheduler: access of tensor ", ref.tensor,
+              " to memory space '", to_string(space), "'; expected host or device");
+  store_.check_transition(ref, TensorState::kCompute);
+  const ChunkId id = store_.chunk_of(ref);
+  const std::int64_t moment = moment_ + 1;
+  if (options_.use_trace) follow(moment, TraceEntry{id, space});
+
+  RoomRequest request;
+  request.space = space;
+  request.bytes = store_.chunk(id).capacity_bytes();
+  request.chunk = id;
+  request.tensor = ref;
+  request.has_tensor = true;
+  place(id, space, request);  // throws with nothing committed
+
+  moment_ = moment;
+  if (options_.use_trace && !following_) recording_.push_back(TraceEntry{id, space});
+  Block& block = *slots_[id].block;
+  if (options_.compute_stream != nullptr && space == MemorySpace::kDevice) {
+    block.order_before(*options_.compute_stream);
+  } else if (block.wait_on_host()) {
+    ++stats_.copy_waits;
+  }
+  store_.set_state(ref, TensorState::kCompute);
+  last_use_[id] = ++tick_;
+  ++stats_.accesses;
+  if (options_.prefetch && following_) prefetch();
+  debug_validate();
+  return store_.tensor_data(ref);
+}
+
+void ChunkScheduler::release(TensorRef ref, TensorState state) {
+  const TensorState from = store_.state(ref);
+  TIDAL_CHECK(from == TensorState::kCompute, "chunk scheduler: release of tensor '",
+              store_.tensor_name(ref.tensor), "' (", to_string(ref.kind), " slot), which is ",
+              to_string(from), ", not COMPUTE; release() ends an access()");
+  store_.set_state(ref, state);
+  const ChunkId id = store_.chunk_of(ref);
+  const Chunk& chunk = store_.chunk(id);
+  if (chunk.movable()) {
+    if (options_.compute_stream != nullptr && chunk.space() == MemorySpace::kDevice) {
+      // A later copy out of this block waits for the compute issued so far.
+      slots_[id].block->record_fence(*options_.compute_stream);
+    }
+    if (options_.drop_free_chunks && chunk.all_free() && chunk.has_payload()) drop_payload(id);
+  }
+  ++stats_.releases;
+  // The chunk may have been what held a prefetch back.
+  if (prefetch_blocked_ && following_ && chunk.movable()) prefetch();
+  debug_validate();
+}
+
+void ChunkScheduler::set_state(TensorRef ref, TensorState state) {
+  const TensorState from = store_.state(ref);
+  TIDAL_CHECK(from != TensorState::kCompute && state != TensorState::kCompute,
+              "chunk scheduler: set_state of tensor '", store_.tensor_name(ref.tensor), "' (",
+              to_string(ref.kind), " slot) from ", to_string(from), " to ", to_string(state),
+              "; COMPUTE is entered by access() and left by release()");
+  store_.set_state(ref, state);
+  const ChunkId id = store_.chunk_of(ref);
+  const Chunk& chunk = store_.chunk(id);
+  if (options_.drop_free_chunks && chunk.all_free() && chunk.has_payload()) drop_payload(id);
+  debug_validate();
+}
+
+// ---- trace ------------------------------------------------------------------
+
+void ChunkScheduler::follow(std::int64_t moment, TraceEntry entry) {
+  if (!following_) return;
+  const auto length = static_cast<std::int64_t>(trace_.size());
+  if (moment < length && trace_.entries()[static_cast<std::size_t>(moment)] == entry) return;
+  // The step departs from the trace: LRU from here, and record the step
+  // (its prefix is the trace's) to adopt at end_step().
+  following_ = false;
+  ++stats_.trace_divergences;
+  recording_.assign(trace_.entries().begin(),
+                    trace_.entries().begin() + std::min(moment, length));
+}
+
+void ChunkScheduler::end_step() {
+  ++stats_.steps;
+  if (options_.use_trace && moment_ >= 0) {
+    const auto length = static_cast<std::size_t>(moment_ + 1);
+    if (following_ && length != trace_.size()) {
+      // Ended early: a departure too.
+      following_ = false;
+      ++stats_.trace_divergences;
+      recording_.assign(trace_.entries().begin(), trace_.entries().begin() + length);
+    }
+    if (!following_) {
+      trace_ = AccessTrace(std::move(recording_));
+      ++stats_.trace_adoptions;
+      clear_all_prefetched();
+      prefetch_cursor_ = 0;
+    } else {
+      prefetch_cursor_ = std::max<std::int64_t>(0, prefetch_cursor_ - static_cast<std::int64_t>(length));
+    }
+  }
+  recording_.clear();
+  moment_ = -1;
+  following_ = options_.use_trace && !trace_.empty();
+  if (options_.prefetch && following_) prefetch();
+  debug_validate();
+}
+
+// ---- placement ----------------------------------------------------------------
+
+bool ChunkScheduler::place(ChunkId id, MemorySpace space, const RoomRequest& request) {
+  const Chunk& chunk = store_.chunk(id);
+  Slot& slot = slots_[id];
+  if (chunk.space() == space) {
+    if (!request.prefetch) {
+      if (slot.prefetched) {
+        ++stats_.prefetch_hits;
+        clear_prefetched(id, /*wasted=*/false);
+      } else {
+        ++stats_.hits;
+      }
+    }
+    return true;
+  }
+  if (!chunk.has_payload()) {
+    BlockPtr block = acquire_block(request);
+    if (!block) return false;
+    attach(id, std::move(block));
+    if (!request.prefetch) ++stats_.materializations;
+    return true;
+  }
+  TIDAL_CHECK(chunk.movable(), "chunk scheduler: ",
+              request.has_tensor
+                  ? detail::str_cat("tensor '", store_.tensor_name(request.tensor.tensor), "' (",
+                                    to_string(request.tensor.kind), " slot) is wanted on ")
+                  : std::string("a chunk is wanted on "),
+              to_string(space), ", but its ", store_.describe_chunk(id),
+              " is pinned there by COMPUTE tensors ",
+              store_.describe_tensors(store_.tensors_in_state(id, TensorState::kCompute)),
+              "; release them before using the chunk on ", to_string(space));
+  BlockPtr block = acquire_block(request);
+  if (!block) return false;
+  move(id, space, std::move(block));
+  if (!request.prefetch) ++stats_.misses;
+  return true;
+}
+
+bool ChunkScheduler::make_room(const RoomRequest& request) {
+  const MemorySpace space = request.space;
+  const std::size_t budget = budget_[index_of(space)];
+  for (;;) {
+    if (pool_.has_cached(space, request.bytes)) return true;
+    const std::size_t held = pool_.held_bytes(space);
+    if (held <= budget && request.bytes <= budget - held) return true;
+    if (pool_.trim_one(space)) continue;
+    const ChunkId victim = choose_victim(request);
+    if (victim == kNoChunk) {
+      if (request.prefetch) return false;
+      throw_no_room(request, nullptr);
+    }
+    if (!evict(victim, request)) return false;
+  }
+}
+
+BlockPtr ChunkScheduler::acquire_block(const RoomRequest& request) {
+  for (;;) {
+    if (!make_room(request)) return nullptr;
+    if (BlockPtr block = pool_.take_cached(request.space, request.bytes)) return block;
+    try {
+      return pool_.allocate(request.space, request.bytes);
+    } catch (const OutOfMemoryError& e) {
+      // The budget had room but the memory space did not (its capacity is
+      // below the budget, others use it, or it is fragmented): free what
+      // can be freed and try again.
+      if (pool_.trim_one(request.space)) continue;
+      const ChunkId victim = choose_victim(request);
+      if (victim != kNoChunk) {
+        if (!evict(victim, request)) return nullptr;
+        continue;
+      }
+      if (request.prefetch) return nullptr;
+      throw_no_room(request, e.message().c_str());
+    }
+  }
+}
+
+ChunkId ChunkScheduler::choose_victim(const RoomRequest& request) {
+  // Host chunks have nowhere to go (Note [Chunk budgets]).
+  if (request.space != MemorySpace::kDevice) return kNoChunk;
+  candidates_.clear();
+  for (ChunkId id : resident_[index_of(MemorySpace::kDevice)]) {
+    if (id == request.chunk) continue;
+    // A prefetch decides as a demand access would at the moment the chunk is
+    // needed, when the chunks in use now may be free again: see Note [Prefetch].
+    if (request.prefetch || store_.chunk(id).movable()) candidates_.push_back(id);
+  }
+  if (candidates_.empty()) return kNoChunk;
+  const std::int64_t moment = request.prefetch ? request.needed_at - 1 : moment_;
+  const EvictionContext context(store_, request.prefetch ? &trace_ : live_trace(), moment, last_use_);
+  const ChunkId victim = policy_->choose_victim(context, request.space, candidates_);
+  TIDAL_CHECK(std::find(candidates_.begin(), candidates_.end(), victim) != candidates_.end(),
+              "eviction policy '", policy_->name(), "' chose chunk ", victim,
+              ", which is not one of the ", candidates_.size(), " candidates it was given");
+  if (request.prefetch) {
+    // Evict now only what the access at needed_at would evict anyway, and
+    // only if nothing before it still uses it; otherwise wait.
+    if (!store_.chunk(victim).movable() || trace_.next_use(victim, moment_) <= request.needed_at) {
+      return kNoChunk;
+    }
+  }
+  return victim;
+}
+
+bool ChunkScheduler::evict(ChunkId victim, const RoomRequest& request) {
+  const Chunk& chunk = store_.chunk(victim);
+  if (chunk.all_free()) {
+    drop_payload(victim);  // no data to keep
+    return true;
+  }
+  RoomRequest host;
+  host.space = MemorySpace::kHost;
+  host.bytes = chunk.capacity_bytes();
+  host.chunk = victim;
+  host.evicting_for = request.chunk;
+  host.prefetch = request.prefetch;
+  BlockPtr block = acquire_block(host);
+  if (!block) return false;
+  move(victim, MemorySpace::kHost, std::move(block));
+  ++stats_.evictions;
+  return true;
+}
+
+void ChunkScheduler::move(ChunkId id, MemorySpace to, BlockPtr destination) {
+  const bool h2d = to == MemorySpace::kDevice;
+  Stream& stream = h2d ? *h2d_stream_ : *d2h_stream_;
+  BlockPtr source = detach(id);
+  const std::size_t bytes = source->bytes;
+  TIDAL_INTERNAL_ASSERT(destination->bytes == bytes && destination->space == to,
+                        "destination block of ", destination->bytes, " bytes in ",
+                        to_string(destination->space), " for a chunk of ", bytes);
+  // Note [Block fences]: the copy waits for whatever touched either block
+  // last, and both fences then cover the copy.
+  source->order_before(stream);
+  destination->order_before(stream);
+  device_->copy_async(destination->data, source->data, bytes,
+                      h2d ? CopyKind::kHostToDevice : CopyKind::kDeviceToHost, stream);
+  source->record_fence(stream);
+  destination->record_fence(stream);
+  attach(id, std::move(destination));
+  pool_.give_back(std::move(source));
+  if (h2d) {
+    ++stats_.moves_host_to_device;
+    stats_.bytes_host_to_device += bytes;
+  } else {
+    ++stats_.moves_device_to_host;
+    stats_.bytes_device_to_host += bytes;
+  }
+  if (slots_[id].prefetched) clear_prefetched(id, /*wasted=*/true);
+}
+
+void ChunkScheduler::drop_payload(ChunkId id) {
+  BlockPtr block = detach(id);
+  store_.set_payload(id, nullptr, MemorySpace::kNone);
+  pool_.give_back(std::move(block));
+  ++stats_.payload_drops;
+  if (slots_[id].prefetched) clear_prefetched(id, /*wasted=*/true);
+}
+
+void ChunkScheduler::attach(ChunkId id, BlockPtr block) {
+  const MemorySpace space = block->space;
+  store_.set_payload(id, block->data, space);
+  Slot& slot = slots_[id];
+  slot.block = std::move(block);
+  auto& resident = resident_[index_of(space)];
+  slot.resident_pos = static_cast<std::uint32_t>(resident.size());
+  resident.push_back(id);
+  auto& peak = stats_.peak_resident_bytes[index_of(space)];
+  peak = std::max(peak, store_.bytes_in(space));
+}
+
+BlockPtr ChunkScheduler::detach(ChunkId id) {
+  Slot& slot = slots_[id];
+  TIDAL_INTERNAL_ASSERT(slot.block != nullptr, "detach of chunk ", id, " without payload");
+  auto& resident = resident_[index_of(slot.block->space)];
+  const ChunkId last = resident.back();
+  resident[slot.resident_pos] = last;
+  slots_[last].resident_pos = slot.resident_pos;
+  resident.pop_back();
+  return std::move(slot.block);
+}
+
+// ---- prefetch -------------------------------------------------------------------
+
+void ChunkScheduler::prefetch() {
+  const auto length = static_cast<std::int64_t>(trace_.size());
+  prefetch_blocked_ = false;
+  if (length == 0) return;
+  prefetch_cursor_ = std::max(prefetch_cursor_, moment_ + 1);
+  const std::int64_t limit = moment_ + 1 + length;  // at most one step ahead
+  while (prefetch_cursor_ < limit && outstanding_prefetches_ < options_.prefetch_depth) {
+    const TraceEntry& entry = trace_.at(prefetch_cursor_);
+    const Chunk& chunk = store_.chunk(entry.chunk);
+    if (chunk.space() == entry.space || !chunk.has_payload()) {
+      ++prefetch_cursor_;  // in place, or nothing to copy (access materializes it)
+      continue;
+    }
+    // An earlier use still to come wants the chunk where it is, or it is in
+    // use now: wait, keeping the order.
+    if (trace_.next_use(entry.chunk, moment_) != prefetch_cursor_ || !chunk.movable()) {
+      prefetch_blocked_ = true;
+      return;
+    }
+    RoomRequest request;
+    request.space = entry.space;
+    request.bytes = chunk.capacity_bytes();
+    request.chunk = entry.chunk;
+    request.prefetch = true;
+    request.needed_at = prefetch_cursor_;
+    if (!place(entry.chunk, entry.space, request)) {
+      prefetch_blocked_ = true;
+      return;
+    }
+    slots_[entry.chunk].prefetched = true;
+    ++outstanding_prefetches_;
+    ++stats_.prefetches;
+    ++prefetch_cursor_;
+  }
+}
+
+void ChunkScheduler::clear_prefetched(ChunkId id, bool wasted) {
+  Slot& slot = slots_[id];
+  TIDAL_INTERNAL_ASSERT(slot.prefetched && outstanding_prefetches_ > 0, "chunk ", id,
+                        " was not prefetched");
+  slot.prefetched = false;
+  --outstanding_prefetches_;
+  if (wasted) ++stats_.prefetches_wasted;
+}
+
+void ChunkScheduler::clear_all_prefetched() {
+  if (outstanding_prefetches_ == 0) return;
+  for (ChunkId id = 0; id < slots_.size(); ++id) {
+    if (slots_[id].prefetched) clear_prefetched(id, /*wasted=*/true);
+  }
+}
+
+// ---- budgets, errors, stats -------------------------------------------------------
+
+void ChunkScheduler::set_budget(MemorySpace space, std::size_t bytes) {
+  TIDAL_CHECK(is_placeable(space), "chunk scheduler: set_budget of memory space '",
+              to_string(space), "'; expected host or device");
+  const std::size_t old = budget_[index_of(space)];
+  budget_[index_of(space)] = bytes;
+  try {
+    while (pool_.held_bytes(space) > bytes) {
+      if (pool_.trim_one(space)) continue;
+      RoomRequest request;
+      request.space = space;
+      const ChunkId victim = choose_victim(request);
+      if (victim == kNoChunk) throw_no_room(request, "shrinking the budget");
+      evict(victim, request);
+    }
+  } catch (...) {
+    budget_[index_of(space)] = old;
+    throw;
+  }
+  debug_validate();
+}
+
+void ChunkScheduler::throw_no_room(const RoomRequest& request, const char* why) const {
+  const MemorySpace space = request.space;
+  const std::size_t budget = budget_[index_of(space)];
+  std::string message = detail::str_cat("chunk scheduler: no room on ", to_string(space));
+  if (request.chunk != kNoChunk) {
+    message += detail::str_cat(" for ", store_.describe_chunk(request.chunk));
+  }
+  if (request.has_tensor) {
+    message += detail::str_cat(", needed by tensor '", store_.tensor_name(request.tensor.tensor),
+                               "' (", to_string(request.tensor.kind), " slot)");
+  }
+  if (request.evicting_for != kNoChunk) {
+    message += detail::str_cat(", which is being evicted from the device to make room for ",
+                               store_.describe_chunk(request.evicting_for));
+  }
+  message += detail::str_cat(": ", to_string(space), " budget ", format_bytes(budget),
+                             ", resident ", format_bytes(store_.bytes_in(space)), " in ",
+                             store_.chunks_in(space), " chunks");
+  if (why != nullptr) message += detail::str_cat(" (", why, ")");
+  if (request.bytes > budget) {
+    message += detail::str_cat("; the chunk alone (", format_bytes(request.bytes),
+                               ") is larger than the budget");
+  }
+  std::size_t pinned_bytes = 0;
+  std::string pinned;
+  for (ChunkId id : resident_[index_of(space)]) {
+    const Chunk& chunk = store_.chunk(id);
+    if (chunk.movable()) continue;
+    pinned_bytes += chunk.capacity_bytes();
+    pinned += detail::str_cat(pinned.empty() ? "" : "; ", store_.describe_chunk(id), " by ",
+                              store_.describe_tensors(store_.tensors_in_state(id, TensorState::kCompute)));
+  }
+  if (space == MemorySpace::kHost) {
+    message += "; chunks on the host have nowhere to be evicted to";
+  } else {
+    message += detail::str_cat("; nothing left to evict: pinned in COMPUTE: ",
+                               pinned.empty() ? std::string("nothing") : pinned);
+  }
+  message += detail::str_cat(". Tip: raise the ", to_string(space), " budget");
+  if (space == MemorySpace::kDevice && request.bytes > 0) {
+    message += detail::str_cat(" to at least ", format_bytes(pinned_bytes + request.bytes),
+                               " (the chunks in use at once plus this one)");
+  }
+  message += ", release tensors sooner, or lower the chunk size";
+  TIDAL_THROW(OutOfMemoryError, message);
+}
+
+bool ChunkScheduler::chunk_ready(ChunkId id) const {
+  TIDAL_CHECK_INDEX(id < slots_.size(), "chunk scheduler: chunk id ", id, " out of range");
+  const Slot& slot = slots_[id];
+  return slot.block == nullptr || slot.block->ready();
+}
+
+ChunkSchedulerStats ChunkScheduler::stats() const {
+  ChunkSchedulerStats out = stats_;
+  for (MemorySpace space : {MemorySpace::kHost, MemorySpace::kDevice}) {
+    const std::size_t s = index_of(space);
+    out.resident_bytes[s] = store_.bytes_in(space);
+    out.held_bytes[s] = pool_.held_bytes(space);
+    out.budget_bytes[s] = budget_[s];
+  }
+  return out;
+}
+
+void ChunkScheduler::reset_stats() {
+  stats_ = ChunkSchedulerStats{};
+  for (MemorySpace space : {MemorySpace::kHost, MemorySpace::kDevice}) {
+    stats_.peak_resident_bytes[index_of(space)] = store_.bytes_in(space);
+  }
+}
+
+void ChunkScheduler::debug_validate() const {
+#if defined(TIDAL_DEBUG_FULL)
+  validate();
+#endif
+}
+
+void ChunkScheduler::validate() const {
+  store_.validate();
+  pool_.validate();
+  trace_.validate();
+  TIDAL_INTERNAL_ASSERT(slots_.size() == store_.chunk_id_limit() && last_use_.size() == slots_.size(),
+                        slots_.size(), " slots for ", store_.chunk_id_limit(), " chunks");
+  std::size_t prefetched = 0;
+  for (ChunkId id = 0; id < slots_.size(); ++id) {
+    const Chunk& chunk = store_.chunk(id);
+    const Slot& slot = slots_[id];
+    if (slot.block == nullptr) {
+      TIDAL_INTERNAL_ASSERT(!chunk.has_payload(), "chunk ", id,
+                            " has a payload in the store but no block");
+      TIDAL_INTERNAL_ASSERT(!slot.prefetched, "chunk ", id, " prefetched without payload");
+      continue;
+    }
+    const Block& block = *slot.block;
+    TIDAL_INTERNAL_ASSERT(block.space == chunk.space() && block.data == chunk.payload(), "chunk ",
+                          id, " payload ", chunk.payload(), " in ", to_string(chunk.space()),
+                          " but its block is ", block.data, " in ", to_string(block.space));
+    TIDAL_INTERNAL_ASSERT(block.bytes == chunk.capacity_bytes(), "chunk ", id, " of ",
+                          chunk.capacity_bytes(), " bytes in a block of ", block.bytes);
+    const auto& resident = resident_[index_of(block.space)];
+    TIDAL_INTERNAL_ASSERT(slot.resident_pos < resident.size() && resident[slot.resident_pos] == id,
+                          "chunk ", id, " missing from the resident list of ",
+                          to_string(block.space));
+    if (block.space == MemorySpace::kDevice) {
+      TIDAL_INTERNAL_ASSERT(device_->owns(block.data, block.bytes), "chunk ", id,
+                            " payload is not a live device allocation");
+    } else {
+      TIDAL_INTERNAL_ASSERT(block.host.data() == block.data && block.host.size() == block.bytes,
+                            "chunk ", id, " host payload is not its host buffer");
+    }
+    if (slot.prefetched) ++prefetched;
+  }
+  for (MemorySpace space : {MemorySpace::kHost, MemorySpace::kDevice}) {
+    const std::size_t s = index_of(space);
+    TIDAL_INTERNAL_ASSERT(resident_[s].size() == store_.chunks_in(space), "resident list of ",
+                          to_string(space), " has ", resident_[s].size(), " chunks, the store ",
+                          store_.chunks_in(space));
+    TIDAL_INTERNAL_ASSERT(pool_.held_bytes(space) == store_.bytes_in(space) + pool_.cached_bytes(space),
+                          to_string(space), ": held ", pool_.held_bytes(space), " != resident ",
+                          store_.bytes_in(space), " + cached ", pool_.cached_bytes(space),
+                          " (a block leaked)");
+    TIDAL_INTERNAL_ASSERT(pool_.held_bytes(space) <= budget_[s], to_string(space), ": held ",
+                          pool_.held_bytes(space), " bytes over the budget of ", budget_[s]);
+    TIDAL_INTERNAL_ASSERT(stats_.peak_resident_bytes[s] >= store_.bytes_in(space),
+                          "peak below resident");
+  }
+  TIDAL_INTERNAL_ASSERT(resident_[index_of(MemorySpace::kNone)].empty(), "resident list of none");
+  TIDAL_INTERNAL_ASSERT(prefetched == outstanding_prefetches_, prefetched,
+                        " chunks flagged prefetched, counted ", outstanding_prefetches_);
+  TIDAL_INTERNAL_ASSERT(options_.prefetch ? outstanding_prefetches_ <= options_.prefetch_depth
+                                           : outstanding_prefetches_ == 0,
+                        outstanding_prefetches_, " prefetches outstanding, depth ",
+                        options_.prefetch_depth);
+  if (!options_.use_trace) {
+    TIDAL_INTERNAL_ASSERT(trace_.empty() && !following_ && recording_.empty(),
+                          "trace kept with use_trace off");
+  } else if (following_) {
+    TIDAL_INTERNAL_ASSERT(!trace_.empty() && moment_ < static_cast<std::int64_t>(trace_.size()) &&
+                              recording_.empty(),
+                          "following a trace of ", trace_.size(), " at moment ", moment_);
+  } else {
+    TIDAL_INTERNAL_ASSERT(static_cast<std::int64_t>(recording_.size()) == moment_ + 1,
+                          "recorded ", recording_.size(), " moments at moment ", moment_);
+  }
+}
+
+}  // namespace tidal

@@ -1,0 +1,246 @@
+// The chunk scheduler: moves chunks between host and device memory as
+// tensors are used, within a memory budget per space, evicting by a
+// pluggable policy (OPT from the access trace, LRU without one) and
+// prefetching the next chunks of the trace on a copy stream.
+//
+// Note [Moments and the trace]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// Every access() is one moment; moments count from 0 in each step and
+// end_step() closes a step. The scheduler records the (chunk, space)
+// sequence of a step and, at end_step(), adopts it as the trace when there
+// was none or when the step departed from the trace (another chunk at some
+// moment, or another length). While a step follows the trace, OPT knows each
+// chunk's next use and prefetch knows what comes next; the moment it
+// departs, eviction falls back to LRU and prefetch stops until the next step
+// starts on the newly adopted trace. Following costs a comparison per
+// access; recording starts only on departure (the prefix is the trace's).
+//
+// Note [Chunk budgets]
+// ~~~~~~~~~~~~~~~~~~~~
+// A budget bounds all chunk memory the scheduler holds in a space: payloads
+// of resident chunks, blocks still being copied from, and free blocks kept
+// for reuse (Note [Block fences] in block_pool.h). Before it grows, the
+// scheduler frees cached blocks and then evicts chunks (device -> host) in
+// the policy's order; resident bytes never exceed the budget. Host chunks
+// have nowhere to go, so a full host budget is an error at once. When no
+// chunk is movable (all pinned by COMPUTE slots), access() throws
+// OutOfMemoryError naming the chunk it needed, the budget, the resident
+// bytes and what is pinned.
+//
+// Note [Prefetch]
+// ~~~~~~~~~~~~~~~
+// After each access that follows the trace, a cursor walks the trace ahead
+// (into the next step, at most one step ahead) and starts the move of each
+// chunk that is not where its next use wants it, in order, while fewer than
+// prefetch_depth prefetched chunks wait for their access. A prefetch uses
+// free budget, or evicts now the chunk that the access needing the
+// prefetched chunk would evict then: the policy chooses among all resident
+// chunks as of that moment, and the prefetch goes ahead only if the choice
+// is movable now and not used before that moment. So it never evicts
+// anything needed sooner, and with OPT it moves the same chunks as demand
+// paging would, only earlier (evicting "anything used later" instead would
+// shrink the cache the steady working set lives in, and move more). It stops
+// at the first chunk it cannot place: order is kept, nothing is skipped. The
+// copy runs on the scheduler's copy stream; the chunk's block fence records
+// its end, and access() waits only on the fence of the chunk it returns.
+//
+// Thread safety: none; one thread drives a scheduler (the hooks run on the
+// Python thread). The device's copy streams run concurrently, ordered by
+// block fences.
+#pragma once
+
+#include <array>
+#include <cstddef>
+#include <cstdint>
+#include <limits>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "chunk/chunk_store.h"
+#include "runtime/device/device.h"
+#include "runtime/scheduler/access_trace.h"
+#include "runtime/scheduler/block_pool.h"
+#include "runtime/scheduler/eviction_policy.h"
+
+namespace tidal {
+
+struct ChunkSchedulerOptions {
+  // See Note [Chunk budgets]. 0 for the device means its capacity().
+  std::size_t device_budget_bytes = 0;
+  std::size_t host_budget_bytes = std::numeric_limits<std::size_t>::max();
+  // Record each step's access sequence and follow it (OPT, prefetch).
+  bool use_trace = true;
+  // See Note [Prefetch]. Needs use_trace.
+  bool prefetch = true;
+  // Prefetched chunks that may wait for their access at a time.
+  std::size_t prefetch_depth = 4;
+  // Pin host payloads through the device (CUDA: cudaHostRegister).
+  bool pin_host_memory = true;
+  // Give a chunk's payload back when all of its slots become FREE.
+  bool drop_free_chunks = true;
+  // Non-owning; must outlive the scheduler. When set, device work after
+  // access() is ordered after the chunk's copy by making this stream wait
+  // (CUDA: the stream torch computes on), and release() records there when
+  // a chunk stops being pinned, so a later copy out waits for that compute.
+  // When null the host computes: access() blocks until the copy has landed.
+  Stream* compute_stream = nullptr;
+  // Null: OptPolicy.
+  std::shared_ptr<EvictionPolicy> policy;
+};
+
+struct ChunkSchedulerStats {
+  std::uint64_t accesses = 0;
+  std::uint64_t releases = 0;
+  // accesses = hits + prefetch_hits + misses + materializations.
+  std::uint64_t hits = 0;              // chunk already in place, not by prefetch
+  std::uint64_t prefetch_hits = 0;     // chunk in place because a prefetch moved it
+  std::uint64_t misses = 0;            // access moved the chunk itself (a prefetch miss)
+  std::uint64_t materializations = 0;  // access gave a chunk without payload a fresh one
+  std::uint64_t prefetches = 0;        // moves started by prefetch
+  std::uint64_t prefetches_wasted = 0; // prefetched chunks evicted or dropped before use
+  std::uint64_t evictions = 0;         // chunks moved off the device to make room
+  std::uint64_t payload_drops = 0;     // payloads given back (all slots FREE)
+  std::uint64_t copy_waits = 0;        // accesses that waited for a copy (timing-dependent)
+  std::uint64_t moves_host_to_device = 0;
+  std::uint64_t moves_device_to_host = 0;
+  std::uint64_t bytes_host_to_device = 0;
+  std::uint64_t bytes_device_to_host = 0;
+  std::uint64_t steps = 0;
+  std::uint64_t trace_adoptions = 0;   // end_step() took a new trace (first one included)
+  std::uint64_t trace_divergences = 0; // steps that departed from the trace
+  // Indexed by index_of(MemorySpace); the kNone entry stays 0.
+  std::array<std::size_t, kNumMemorySpaces> resident_bytes{};
+  std::array<std::size_t, kNumMemorySpaces> peak_resident_bytes{};
+  std::array<std::size_t, kNumMemorySpaces> held_bytes{};  // resident + cached blocks
+  std::array<std::size_t, kNumMemorySpaces> budget_bytes{};
+};
+
+class ChunkScheduler {
+ public:
+  // Takes the store; its chunks must hold no payload yet (a fresh store).
+  ChunkScheduler(ChunkStore store, std::shared_ptr<Device> device,
+                 ChunkSchedulerOptions options = {});
+  ~ChunkScheduler();
+  ChunkScheduler(const ChunkScheduler&) = delete;
+  ChunkScheduler& operator=(const ChunkScheduler&) = delete;
+
+  const ChunkStore& store() const { return store_; }
+  Device& device() const { return *device_; }
+  const ChunkSchedulerOptions& options() const { return options_; }
+
+  // Registers a tensor in the store (ChunkStore::register_tensor); allowed
+  // at any time, e.g. while a model is built straight into chunks.
+  TensorId register_tensor(std::string name, std::size_t numel);
+  // The store's warning channel (ChunkStore::set_warning_handler, take_warnings).
+  void set_warning_handler(WarningHandler handler) { store_.set_warning_handler(std::move(handler)); }
+  std::vector<std::string> take_warnings() { return store_.take_warnings(); }
+
+  // Makes the chunk of `ref` resident in `space` (kHost or kDevice), moving
+  // it and evicting others as needed, marks the slot COMPUTE and returns the
+  // address of its first element, valid until the slot is released. The
+  // state must allow COMPUTE (Note [Chunk state machine]); a slot that was
+  // FREE has undefined contents for the caller to write. Throws
+  // OutOfMemoryError when no room can be made (Note [Chunk budgets]) and
+  // ValueError when the chunk is pinned by COMPUTE in the other space;
+  // nothing changes state then.
+  void* access(TensorRef ref, MemorySpace space);
+  // Ends the use of a COMPUTE slot; `state` is any legal successor (FREE,
+  // HOLD, HOLD_AFTER_FWD, HOLD_AFTER_BWD).
+  void release(TensorRef ref, TensorState state);
+  // Transitions between states outside COMPUTE (HOLD_AFTER_* -> HOLD,
+  // anything -> FREE); access()/release() enter and leave COMPUTE.
+  void set_state(TensorRef ref, TensorState state);
+  // Closes a step. See Note [Moments and the trace].
+  void end_step();
+
+  // Changes a budget; shrinking evicts (device) or frees cached blocks until
+  // the held bytes fit, and throws OutOfMemoryError, leaving the budget as it
+  // was, when they cannot.
+  void set_budget(MemorySpace space, std::size_t bytes);
+  std::size_t budget(MemorySpace space) const { return budget_[index_of(space)]; }
+
+  // Moment of the latest access in this step (-1 before the first).
+  std::int64_t moment() const { return moment_; }
+  bool following_trace() const { return following_; }
+  const AccessTrace& trace() const { return trace_; }
+  // Whether chunk `id`'s payload has no copy pending (true without payload).
+  bool chunk_ready(ChunkId id) const;
+
+  ChunkSchedulerStats stats() const;
+  // Zeroes the counters; peaks restart from what is resident now.
+  void reset_stats();
+
+  // Checks the store's invariants and the scheduler's own: every payload is
+  // one live block of the chunk's size in the chunk's space, resident lists
+  // match the store, held bytes = resident + cached <= budget in each space,
+  // the prefetch count matches the flags, the trace bookkeeping is in step.
+  // Runs after every operation under TIDAL_DEBUG_FULL.
+  void validate() const;
+
+ private:
+  struct Slot {
+    BlockPtr block;          // the payload; null without one
+    std::uint32_t resident_pos = 0;  // index in resident_[space]
+    bool prefetched = false; // moved by prefetch, not accessed since
+  };
+  // Who needs room: for messages and for the prefetch rule.
+  struct RoomRequest {
+    MemorySpace space = MemorySpace::kNone;
+    std::size_t bytes = 0;
+    ChunkId chunk = kNoChunk;         // the chunk that will take the room
+    TensorRef tensor{};               // the accessed tensor, if any
+    bool has_tensor = false;
+    ChunkId evicting_for = kNoChunk;  // set when making room on the host for an eviction
+    bool prefetch = false;            // give up (return false) instead of throwing
+    std::int64_t needed_at = 0;       // prefetch: the moment the chunk is needed
+  };
+
+  void sync_slots();
+  const AccessTrace* live_trace() const { return following_ && !trace_.empty() ? &trace_ : nullptr; }
+  void follow(std::int64_t moment, TraceEntry entry);
+  // Returns false (prefetch only) when room could not be made.
+  bool place(ChunkId id, MemorySpace space, const RoomRequest& request);
+  bool make_room(const RoomRequest& request);
+  BlockPtr acquire_block(const RoomRequest& request);
+  ChunkId choose_victim(const RoomRequest& request);
+  // Moves a victim off the device (or drops it when all FREE). False only
+  // for a prefetch that could not make room on the host.
+  bool evict(ChunkId victim, const RoomRequest& request);
+  void move(ChunkId id, MemorySpace to, BlockPtr destination);
+  void drop_payload(ChunkId id);
+  void attach(ChunkId id, BlockPtr block);
+  BlockPtr detach(ChunkId id);
+  void clear_prefetched(ChunkId id, bool wasted);
+  void prefetch();
+  void clear_all_prefetched();
+  [[noreturn]] void throw_no_room(const RoomRequest& request, const char* why) const;
+  void debug_validate() const;
+
+  std::shared_ptr<Device> device_;
+  ChunkSchedulerOptions options_;
+  ChunkStore store_;
+  std::shared_ptr<EvictionPolicy> policy_;
+  std::unique_ptr<Stream> h2d_stream_;
+  std::unique_ptr<Stream> d2h_stream_;
+  BlockPool pool_;
+  std::array<std::size_t, kNumMemorySpaces> budget_{};
+
+  std::vector<Slot> slots_;                   // by ChunkId
+  std::vector<std::uint64_t> last_use_;       // by ChunkId
+  std::array<std::vector<ChunkId>, kNumMemorySpaces> resident_;
+  std::vector<ChunkId> candidates_;           // scratch for victim choice
+  std::uint64_t tick_ = 0;
+
+  AccessTrace trace_;
+  std::vector<TraceEntry> recording_;  // this step's sequence while not following
+  bool following_ = false;
+  std::int64_t moment_ = -1;
+  std::int64_t prefetch_cursor_ = 0;   // next trace moment prefetch looks at
+  std::size_t outstanding_prefetches_ = 0;
+  bool prefetch_blocked_ = false;      // the cursor waits for a chunk to become movable
+
+  ChunkSchedulerStats stats_;
+};
+
+}  // namespace tidal

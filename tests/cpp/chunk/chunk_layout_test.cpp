@@ -1,0 +1,74 @@
+// Placement: Note [One layout, four lists].
+#include "chunk/chunk_layout.h"
+
+#include <gtest/gtest.h>
+
+#include "runtime/core/error.h"
+
+namespace tidal {
+namespace {
+
+TEST(ChunkLayout, AppendsInRegistrationOrderAtAlignedOffsets) {
+  ChunkLayout layout(/*chunk_elements=*/128, /*alignment_elements=*/32);
+  const TensorPlacement a = layout.append(10);   // [0, 10)
+  const TensorPlacement b = layout.append(33);   // [32, 65)
+  const TensorPlacement c = layout.append(40);   // [96, 136) does not fit: new chunk
+  const TensorPlacement d = layout.append(64);   // [64, 128) after c's [0, 40)
+  EXPECT_EQ(a.chunk, 0u);
+  EXPECT_EQ(a.offset, 0u);
+  EXPECT_EQ(b.chunk, 0u);
+  EXPECT_EQ(b.offset, 32u);
+  EXPECT_EQ(c.chunk, 1u);
+  EXPECT_EQ(c.offset, 0u);
+  EXPECT_EQ(d.chunk, 1u);
+  EXPECT_EQ(d.offset, 64u);
+  EXPECT_EQ(layout.num_chunks(), 2u);
+  EXPECT_EQ(layout.extent(0).first_tensor, 0u);
+  EXPECT_EQ(layout.extent(0).num_tensors, 2u);
+  EXPECT_EQ(layout.extent(0).used, 65u);
+  EXPECT_EQ(layout.extent(1).first_tensor, 2u);
+  EXPECT_EQ(layout.extent(1).num_tensors, 2u);
+  EXPECT_EQ(layout.extent(1).used, 128u);
+  EXPECT_EQ(layout.total_numel(), 10u + 33 + 40 + 64);
+  EXPECT_EQ(layout.total_capacity(), 256u);
+  EXPECT_EQ(layout.waste_elements(), 256u - 147);
+}
+
+TEST(ChunkLayout, ExactFitFillsAChunk) {
+  ChunkLayout layout(64, 32);
+  layout.append(32);
+  const TensorPlacement b = layout.append(32);
+  EXPECT_EQ(b.chunk, 0u);
+  EXPECT_EQ(b.offset, 32u);
+  EXPECT_EQ(layout.append(1).chunk, 1u);
+  EXPECT_EQ(layout.waste_elements(), 63u);
+}
+
+TEST(ChunkLayout, OversizeTensorGetsADedicatedChunkAndClosesTheOpenOne) {
+  ChunkLayout layout(64, 32);
+  layout.append(8);                                // chunk 0, room left
+  const TensorPlacement big = layout.append(100);  // dedicated chunk 1 of 128
+  const TensorPlacement after = layout.append(8);  // a new chunk 2, not chunk 0
+  EXPECT_EQ(big.chunk, 1u);
+  EXPECT_EQ(big.offset, 0u);
+  EXPECT_TRUE(layout.extent(1).dedicated);
+  EXPECT_EQ(layout.extent(1).capacity, 128u);
+  EXPECT_EQ(layout.extent(1).num_tensors, 1u);
+  EXPECT_EQ(after.chunk, 2u);
+  EXPECT_FALSE(layout.extent(2).dedicated);
+  EXPECT_EQ(layout.dedicated_chunks(), 1u);
+  // A tensor of exactly the chunk size is not oversize.
+  EXPECT_FALSE(layout.extent(layout.append(64).chunk).dedicated);
+}
+
+TEST(ChunkLayout, RejectsBadSizes) {
+  EXPECT_THROW(ChunkLayout(100, 32), ValueError);  // not a multiple of the alignment
+  EXPECT_THROW(ChunkLayout(96, 24), ValueError);   // alignment not a power of two
+  EXPECT_THROW(ChunkLayout(0, 32), ValueError);
+  ChunkLayout layout(64, 32);
+  EXPECT_THROW(layout.append(0), ValueError);
+  EXPECT_EQ(layout.num_tensors(), 0u);
+}
+
+}  // namespace
+}  // namespace tidal

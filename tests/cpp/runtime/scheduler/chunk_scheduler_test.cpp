@@ -1,0 +1,471 @@
+// The chunk scheduler's behaviour case by case on the simulated device:
+// placement and moves, payload drops, misuse errors, budgets and their
+// error text, OPT against LRU on a known sequence, waiting for copies, the
+// trace life cycle, and memory returning to baseline.
+#include "runtime/scheduler/chunk_scheduler.h"
+
+#include <gtest/gtest.h>
+
+#include <string>
+
+#include "runtime/core/error.h"
+#include "runtime/memory/host_buffer.h"
+#include "scheduler_test_util.h"
+
+namespace tidal {
+namespace {
+
+using testing::has_pattern;
+using testing::kKiB;
+using testing::make_device;
+using testing::make_store;
+using testing::write_pattern;
+
+constexpr MemorySpace kHost = MemorySpace::kHost;
+constexpr MemorySpace kDev = MemorySpace::kDevice;
+constexpr std::size_t kChunk = 4 * kKiB;  // 2048 fp16 elements
+constexpr std::size_t kFull = 2048;       // a tensor that fills a chunk
+
+TensorRef p16(TensorId t) { return {ChunkKind::kParam16, t}; }
+
+ChunkSchedulerOptions no_prefetch(std::size_t device_budget) {
+  ChunkSchedulerOptions options;
+  options.device_budget_bytes = device_budget;
+  options.prefetch = false;
+  return options;
+}
+
+TEST(ChunkScheduler, AccessPlacesTheChunkAndMovesItBetweenSpaces) {
+  auto device = make_device(kKiB * kKiB);
+  ChunkScheduler s(make_store({1000, 1000, kFull}, kChunk), device, no_prefetch(16 * kChunk));
+  void* a = s.access(p16(0), kDev);
+  EXPECT_TRUE(device->owns(a, 2000));
+  EXPECT_EQ(s.store().state(p16(0)), TensorState::kCompute);
+  write_pattern(a, 2000, 1);
+  s.release(p16(0), TensorState::kHoldAfterFwd);
+  EXPECT_EQ(s.store().state(p16(0)), TensorState::kHoldAfterFwd);
+
+  void* b = s.access(p16(1), kDev);  // same chunk: a hit at the next aligned offset
+  EXPECT_EQ(static_cast<char*>(b), static_cast<char*>(a) + 1024 * 2);
+  write_pattern(b, 2000, 2);
+  s.release(p16(1), TensorState::kHoldAfterFwd);
+
+  void* a_host = s.access(p16(0), kHost);  // the chunk moves device -> host
+  EXPECT_FALSE(device->owns(a_host, 1));
+  EXPECT_TRUE(has_pattern(a_host, 2000, 1));
+  EXPECT_EQ(s.store().chunk(s.store().chunk_of(p16(0))).space(), kHost);
+  s.release(p16(0), TensorState::kHold);
+  void* a_dev = s.access(p16(0), kDev);  // and back
+  EXPECT_TRUE(device->owns(a_dev, 2000));
+  EXPECT_TRUE(has_pattern(a_dev, 2000, 1));
+  EXPECT_TRUE(has_pattern(static_cast<char*>(a_dev) + 2048, 2000, 2));
+  s.release(p16(0), TensorState::kHold);
+
+  const ChunkSchedulerStats st = s.stats();
+  EXPECT_EQ(st.accesses, 4u);
+  EXPECT_EQ(st.releases, 4u);
+  EXPECT_EQ(st.materializations, 1u);
+  EXPECT_EQ(st.hits, 1u);
+  EXPECT_EQ(st.misses, 2u);
+  EXPECT_EQ(st.moves_device_to_host, 1u);
+  EXPECT_EQ(st.moves_host_to_device, 1u);
+  EXPECT_EQ(st.bytes_device_to_host, kChunk);
+  EXPECT_EQ(st.bytes_host_to_device, kChunk);
+  EXPECT_EQ(st.evictions, 0u);
+  EXPECT_EQ(st.resident_bytes[index_of(kDev)], kChunk);
+  EXPECT_EQ(st.peak_resident_bytes[index_of(kDev)], kChunk);
+  EXPECT_EQ(st.peak_resident_bytes[index_of(kHost)], kChunk);
+  s.validate();
+}
+
+TEST(ChunkScheduler, AllFreeChunksDropTheirPayload) {
+  auto device = make_device(kKiB * kKiB);
+  {
+    ChunkScheduler s(make_store({100, 100}, kChunk), device, no_prefetch(4 * kChunk));
+    s.access(p16(0), kDev);
+    s.release(p16(0), TensorState::kHold);
+    s.access(p16(1), kDev);
+    s.release(p16(1), TensorState::kFree);  // t0 still holds data: the payload stays
+    EXPECT_TRUE(s.store().chunk(0).has_payload());
+    s.set_state(p16(0), TensorState::kFree);
+    EXPECT_FALSE(s.store().chunk(0).has_payload());
+    const ChunkSchedulerStats st = s.stats();
+    EXPECT_EQ(st.payload_drops, 1u);
+    EXPECT_EQ(st.resident_bytes[index_of(kDev)], 0u);
+    EXPECT_EQ(st.held_bytes[index_of(kDev)], kChunk) << "the block stays cached for reuse";
+    s.access(p16(1), kDev);  // a fresh payload from the cache
+    EXPECT_EQ(s.stats().materializations, 2u);
+    EXPECT_EQ(device->memory_stats().allocations, 1u);
+    s.release(p16(1), TensorState::kHold);
+    s.validate();
+  }
+  ChunkSchedulerOptions keep = no_prefetch(4 * kChunk);
+  keep.drop_free_chunks = false;
+  ChunkScheduler s(make_store({100}, kChunk), device, keep);
+  s.access(p16(0), kDev);
+  s.release(p16(0), TensorState::kFree);
+  EXPECT_TRUE(s.store().chunk(0).has_payload());
+  EXPECT_EQ(s.stats().payload_drops, 0u);
+  s.validate();
+}
+
+TEST(ChunkScheduler, MisuseIsAnErrorThatChangesNothing) {
+  auto device = make_device(kKiB * kKiB);
+  ChunkScheduler s(make_store({100, kFull}, kChunk), device, no_prefetch(4 * kChunk));
+  try {
+    s.release(p16(0), TensorState::kHold);
+    FAIL() << "released a FREE tensor";
+  } catch (const ValueError& e) {
+    EXPECT_NE(e.message().find("'t0'"), std::string::npos) << e.message();
+    EXPECT_NE(e.message().find("FREE, not COMPUTE"), std::string::npos) << e.message();
+  }
+  s.access(p16(0), kDev);
+  EXPECT_THROW(s.release(p16(0), TensorState::kCompute), ValueError);
+  EXPECT_EQ(s.store().state(p16(0)), TensorState::kCompute);
+  try {
+    s.access(p16(0), kDev);
+    FAIL() << "nested access accepted";
+  } catch (const ValueError& e) {
+    EXPECT_NE(e.message().find("COMPUTE -> COMPUTE"), std::string::npos) << e.message();
+  }
+  EXPECT_EQ(s.stats().accesses, 1u);
+  EXPECT_EQ(s.moment(), 0);
+  EXPECT_THROW(s.set_state(p16(0), TensorState::kHold), ValueError);
+  s.release(p16(0), TensorState::kHold);
+  EXPECT_THROW(s.set_state(p16(0), TensorState::kCompute), ValueError);
+  EXPECT_THROW(s.set_state(p16(0), TensorState::kHoldAfterBwd), ValueError);
+  EXPECT_THROW(s.access(p16(1), MemorySpace::kNone), ValueError);
+  EXPECT_THROW(s.access({ChunkKind::kParam16, 9}, kDev), IndexError);
+  EXPECT_EQ(s.store().state(p16(0)), TensorState::kHold);
+  s.validate();
+}
+
+TEST(ChunkScheduler, EvictsToStayWithinTheBudgetAndKeepsTheData) {
+  auto device = make_device(kKiB * kKiB);
+  ChunkScheduler s(make_store(std::vector<std::size_t>(6, kFull), kChunk), device,
+                   no_prefetch(3 * kChunk));
+  for (TensorId t = 0; t < 6; ++t) {
+    write_pattern(s.access(p16(t), kDev), kFull * 2, 100 + t);
+    s.release(p16(t), TensorState::kHold);
+    const ChunkSchedulerStats st = s.stats();
+    EXPECT_LE(st.resident_bytes[index_of(kDev)], 3 * kChunk);
+    EXPECT_LE(st.held_bytes[index_of(kDev)], 3 * kChunk);
+    s.validate();
+  }
+  EXPECT_EQ(s.stats().evictions, 3u);
+  EXPECT_EQ(s.stats().peak_resident_bytes[index_of(kDev)], 3 * kChunk);
+  EXPECT_LE(device->memory_stats().peak_in_use_bytes, 3 * kChunk);
+  for (TensorId t = 0; t < 6; ++t) {
+    EXPECT_TRUE(has_pattern(s.access(p16(t), kHost), kFull * 2, 100 + t)) << t;
+    s.release(p16(t), TensorState::kHold);
+  }
+  s.validate();
+}
+
+TEST(ChunkScheduler, BudgetTooSmallErrorNamesTheChunkTheBudgetAndWhatIsPinned) {
+  auto device = make_device(kKiB * kKiB);
+  ChunkStore store({.chunk_bytes = kChunk});
+  store.register_tensor("embed.weight", kFull);
+  store.register_tensor("blocks.0.attn.qkv", kFull);
+  store.register_tensor("blocks.0.mlp.fc", kFull);
+  ChunkScheduler s(std::move(store), device, no_prefetch(2 * kChunk));
+  s.access(p16(0), kDev);
+  s.access(p16(1), kDev);
+  try {
+    s.access(p16(2), kDev);
+    FAIL() << "access beyond the budget succeeded";
+  } catch (const OutOfMemoryError& e) {
+    const std::string msg = e.message();
+    for (const char* part :
+         {"no room on device for chunk 8 (param16 #2", "needed by tensor 'blocks.0.mlp.fc'",
+          "device budget 8.00 KiB (8192 bytes)", "resident 8.00 KiB (8192 bytes) in 2 chunks",
+          "nothing left to evict: pinned in COMPUTE:", "chunk 0 (param16 #0",
+          "by 'embed.weight'", "chunk 4 (param16 #1", "by 'blocks.0.attn.qkv'",
+          "Tip: raise the device budget to at least 12.00 KiB (12288 bytes)"}) {
+      EXPECT_NE(msg.find(part), std::string::npos) << "missing \"" << part << "\" in: " << msg;
+    }
+  }
+  EXPECT_EQ(s.store().state(p16(2)), TensorState::kFree);
+  EXPECT_EQ(s.stats().accesses, 2u);
+  s.validate();
+  // Releasing one makes room: the other stays, the released one is evicted.
+  s.release(p16(1), TensorState::kHoldAfterFwd);
+  s.access(p16(2), kDev);
+  EXPECT_EQ(s.store().chunk(s.store().chunk_of(p16(1))).space(), kHost);
+  EXPECT_EQ(s.store().chunk(s.store().chunk_of(p16(0))).space(), kDev);
+  s.validate();
+}
+
+TEST(ChunkScheduler, AChunkLargerThanTheBudgetSaysSo) {
+  auto device = make_device(kKiB * kKiB);
+  ChunkScheduler s(make_store({2 * kFull}, kChunk), device, no_prefetch(6 * kKiB));
+  try {
+    s.access(p16(0), kDev);
+    FAIL() << "access beyond the budget succeeded";
+  } catch (const OutOfMemoryError& e) {
+    EXPECT_NE(e.message().find("dedicated"), std::string::npos) << e.message();
+    EXPECT_NE(e.message().find("the chunk alone (8.00 KiB (8192 bytes)) is larger than the budget"),
+              std::string::npos)
+        << e.message();
+    EXPECT_NE(e.message().find("pinned in COMPUTE: nothing"), std::string::npos) << e.message();
+  }
+  s.validate();
+}
+
+TEST(ChunkScheduler, AChunkPinnedInTheOtherSpaceCannotMove) {
+  auto device = make_device(kKiB * kKiB);
+  ChunkScheduler s(make_store({100, 100}, kChunk), device, no_prefetch(4 * kChunk));
+  s.access(p16(0), kDev);
+  try {
+    s.access(p16(1), kHost);
+    FAIL() << "moved a chunk with a COMPUTE tensor";
+  } catch (const ValueError& e) {
+    EXPECT_NE(e.message().find("tensor 't1'"), std::string::npos) << e.message();
+    EXPECT_NE(e.message().find("pinned there by COMPUTE tensors 't0'"), std::string::npos)
+        << e.message();
+  }
+  EXPECT_EQ(s.store().state(p16(1)), TensorState::kFree);
+  EXPECT_NO_THROW(s.access(p16(1), kDev));
+  s.validate();
+}
+
+TEST(ChunkScheduler, AFullHostBudgetFailsTheEvictionWithAClearError) {
+  auto device = make_device(kKiB * kKiB);
+  ChunkSchedulerOptions options = no_prefetch(kChunk);
+  options.host_budget_bytes = kChunk;
+  ChunkScheduler s(make_store({kFull, kFull, kFull}, kChunk), device, options);
+  s.access(p16(0), kDev);
+  s.release(p16(0), TensorState::kHold);
+  s.access(p16(1), kDev);  // t0 goes to the host, which is now full
+  s.release(p16(1), TensorState::kHold);
+  try {
+    s.access(p16(2), kDev);
+    FAIL() << "host budget exceeded";
+  } catch (const OutOfMemoryError& e) {
+    const std::string msg = e.message();
+    EXPECT_NE(msg.find("no room on host for chunk 4"), std::string::npos) << msg;
+    EXPECT_NE(msg.find("being evicted from the device to make room for chunk 8"), std::string::npos)
+        << msg;
+    EXPECT_NE(msg.find("host budget 4.00 KiB"), std::string::npos) << msg;
+    EXPECT_NE(msg.find("nowhere to be evicted to"), std::string::npos) << msg;
+  }
+  EXPECT_EQ(s.store().state(p16(2)), TensorState::kFree);
+  EXPECT_LE(s.stats().held_bytes[index_of(kHost)], kChunk);
+  s.validate();
+}
+
+// Step: A B C A with room for two chunks. In step 2, at B, OPT evicts A
+// (next used at moment 3) and keeps C (moment 2); LRU evicts C, the least
+// recently used, and then misses C right away.
+TEST(ChunkScheduler, OptEvictsTheFarthestNextUseWhereLruEvictsTheOldest) {
+  auto run = [](const char* policy, ChunkId* evicted_at_b) {
+    auto device = make_device(kKiB * kKiB);
+    ChunkSchedulerOptions options = no_prefetch(2 * kChunk);
+    options.policy = make_eviction_policy(policy);
+    ChunkScheduler s(make_store({kFull, kFull, kFull}, kChunk), device, options);
+    const TensorId sequence[] = {0, 1, 2, 0};
+    std::uint64_t misses_step2 = 0;
+    for (int step = 0; step < 2; ++step) {
+      s.reset_stats();
+      for (int m = 0; m < 4; ++m) {
+        s.access(p16(sequence[m]), kDev);
+        if (step == 1 && m == 1) {
+          *evicted_at_b = kNoChunk;
+          for (TensorId t : {0u, 2u}) {
+            if (s.store().chunk(s.store().chunk_of(p16(t))).space() == kHost) {
+              *evicted_at_b = s.store().chunk_of(p16(t));
+            }
+          }
+        }
+        s.release(p16(sequence[m]), TensorState::kHold);
+      }
+      misses_step2 = s.stats().misses;
+      s.end_step();
+      s.validate();
+    }
+    return misses_step2;
+  };
+  ChunkId opt_victim = kNoChunk;
+  ChunkId lru_victim = kNoChunk;
+  const std::uint64_t opt_misses = run("opt", &opt_victim);
+  const std::uint64_t lru_misses = run("lru", &lru_victim);
+  EXPECT_EQ(opt_victim, make_chunk_id(ChunkKind::kParam16, 0));  // A
+  EXPECT_EQ(lru_victim, make_chunk_id(ChunkKind::kParam16, 2));  // C
+  EXPECT_EQ(opt_misses, 2u);
+  EXPECT_EQ(lru_misses, 3u);
+}
+
+TEST(ChunkScheduler, AccessReturnsOnlyOnceTheCopyHasLanded) {
+  // 4 KiB at 2 MB/s: each copy takes about 2 ms.
+  auto device = make_device(kKiB * kKiB, 2e6);
+  ChunkScheduler s(make_store({kFull}, kChunk), device, no_prefetch(4 * kChunk));
+  write_pattern(s.access(p16(0), kHost), kFull * 2, 5);
+  s.release(p16(0), TensorState::kHold);
+  for (int round = 0; round < 3; ++round) {
+    void* d = s.access(p16(0), kDev);
+    EXPECT_TRUE(s.chunk_ready(s.store().chunk_of(p16(0))));
+    EXPECT_TRUE(has_pattern(d, kFull * 2, 5 + round));
+    write_pattern(d, kFull * 2, 6 + round);
+    s.release(p16(0), TensorState::kHold);
+    void* h = s.access(p16(0), kHost);
+    EXPECT_TRUE(has_pattern(h, kFull * 2, 6 + round));
+    s.release(p16(0), TensorState::kHold);
+  }
+  EXPECT_EQ(s.stats().misses, 6u);
+  s.validate();
+}
+
+TEST(ChunkScheduler, AComputeStreamWaitsForCopiesInsteadOfTheHost) {
+  auto device = make_device(kKiB * kKiB, 1e6);  // 4 KiB take about 4 ms
+  auto compute = device->create_stream("compute");
+  ChunkSchedulerOptions options = no_prefetch(4 * kChunk);
+  options.compute_stream = compute.get();
+  ChunkScheduler s(make_store({kFull, kFull}, kChunk), device, options);
+  write_pattern(s.access(p16(0), kHost), kFull * 2, 21);
+  s.release(p16(0), TensorState::kHold);
+  void* d = s.access(p16(0), kDev);
+  // Device work runs on `compute`; the host may look once it synchronized.
+  compute->synchronize();
+  EXPECT_TRUE(has_pattern(d, kFull * 2, 21));
+  write_pattern(d, kFull * 2, 22);
+  s.release(p16(0), TensorState::kHold);
+  // The copy back waits for the compute stream's record at the release.
+  EXPECT_TRUE(has_pattern(s.access(p16(0), kHost), kFull * 2, 22));
+  s.release(p16(0), TensorState::kHold);
+  s.validate();
+}
+
+TEST(ChunkScheduler, SetBudgetShrinksByEvictingAndRefusesBelowWhatIsPinned) {
+  auto device = make_device(kKiB * kKiB);
+  ChunkScheduler s(make_store(std::vector<std::size_t>(4, kFull), kChunk), device,
+                   no_prefetch(4 * kChunk));
+  for (TensorId t = 0; t < 4; ++t) {
+    write_pattern(s.access(p16(t), kDev), kFull * 2, 40 + t);
+    s.release(p16(t), TensorState::kHold);
+  }
+  s.set_budget(kDev, 2 * kChunk);
+  EXPECT_EQ(s.budget(kDev), 2 * kChunk);
+  EXPECT_EQ(s.stats().evictions, 2u);
+  EXPECT_LE(s.stats().held_bytes[index_of(kDev)], 2 * kChunk);
+  s.access(p16(2), kDev);
+  s.access(p16(3), kDev);
+  EXPECT_THROW(s.set_budget(kDev, kChunk), OutOfMemoryError);
+  EXPECT_EQ(s.budget(kDev), 2 * kChunk) << "a failed shrink keeps the old budget";
+  s.release(p16(2), TensorState::kHold);
+  s.release(p16(3), TensorState::kHold);
+  for (TensorId t = 0; t < 4; ++t) {
+    EXPECT_TRUE(has_pattern(s.access(p16(t), kHost), kFull * 2, 40 + t));
+    s.release(p16(t), TensorState::kHold);
+  }
+  EXPECT_THROW(s.set_budget(MemorySpace::kNone, 0), ValueError);
+  s.validate();
+}
+
+TEST(ChunkScheduler, TraceIsAdoptedFollowedAndReplacedWhenTheStepChanges) {
+  auto device = make_device(kKiB * kKiB);
+  ChunkScheduler s(make_store({kFull, kFull, kFull}, kChunk), device, no_prefetch(8 * kChunk));
+  auto step = [&](std::vector<TensorId> order) {
+    for (TensorId t : order) {
+      s.access(p16(t), kDev);
+      s.release(p16(t), TensorState::kHold);
+    }
+    const bool followed = s.following_trace();
+    s.end_step();
+    s.validate();
+    return followed;
+  };
+  EXPECT_FALSE(step({0, 1, 2}));  // recorded
+  EXPECT_EQ(s.stats().trace_adoptions, 1u);
+  ASSERT_EQ(s.trace().size(), 3u);
+  EXPECT_EQ(s.trace().entries()[1], (TraceEntry{make_chunk_id(ChunkKind::kParam16, 1), kDev}));
+  EXPECT_TRUE(step({0, 1, 2}));  // followed to the end
+  EXPECT_EQ(s.stats().trace_divergences, 0u);
+  EXPECT_EQ(s.stats().trace_adoptions, 1u);
+  EXPECT_FALSE(step({0, 2, 1}));  // departs at moment 1
+  EXPECT_EQ(s.stats().trace_divergences, 1u);
+  EXPECT_EQ(s.stats().trace_adoptions, 2u);
+  EXPECT_EQ(s.trace().entries()[1].chunk, make_chunk_id(ChunkKind::kParam16, 2));
+  EXPECT_TRUE(step({0, 2, 1}));
+  step({0, 2});  // ends early: a departure too
+  EXPECT_EQ(s.stats().trace_divergences, 2u);
+  EXPECT_EQ(s.trace().size(), 2u);
+  EXPECT_EQ(s.stats().steps, 5u);
+}
+
+TEST(ChunkScheduler, WithoutTraceNothingIsRecorded) {
+  auto device = make_device(kKiB * kKiB);
+  ChunkSchedulerOptions options = no_prefetch(8 * kChunk);
+  options.use_trace = false;
+  ChunkScheduler s(make_store({kFull, kFull}, kChunk), device, options);
+  for (int step = 0; step < 2; ++step) {
+    for (TensorId t : {0u, 1u}) {
+      s.access(p16(t), kDev);
+      s.release(p16(t), TensorState::kHold);
+    }
+    s.end_step();
+  }
+  EXPECT_TRUE(s.trace().empty());
+  EXPECT_EQ(s.stats().trace_adoptions, 0u);
+  s.validate();
+}
+
+TEST(ChunkScheduler, TensorsRegisteredWhileRunningGetChunks) {
+  auto device = make_device(kKiB * kKiB);
+  ChunkScheduler s(make_store({1000}, kChunk), device, no_prefetch(8 * kChunk));
+  write_pattern(s.access(p16(0), kDev), 2000, 9);
+  const TensorId late = s.register_tensor("late", 1000);  // joins the open chunk
+  const TensorId later = s.register_tensor("later", kFull);  // a new chunk
+  EXPECT_TRUE(s.take_warnings().empty());
+  std::vector<std::string> warnings;
+  s.set_warning_handler([&](const std::string& message) { warnings.push_back(message); });
+  s.register_tensor("huge", 3 * kFull);
+  ASSERT_EQ(warnings.size(), 1u);
+  EXPECT_NE(warnings[0].find("'huge'"), std::string::npos) << warnings[0];
+  EXPECT_EQ(s.store().placement(late).chunk, 0u);
+  EXPECT_EQ(s.store().placement(later).chunk, 1u);
+  write_pattern(s.access(p16(late), kDev), 2000, 10);
+  write_pattern(s.access({ChunkKind::kVariance, later}, kHost), kFull * 4, 11);
+  s.release(p16(0), TensorState::kHold);
+  s.release(p16(late), TensorState::kHold);
+  s.release({ChunkKind::kVariance, later}, TensorState::kHold);
+  EXPECT_TRUE(has_pattern(s.access(p16(late), kHost), 2000, 10));
+  EXPECT_TRUE(has_pattern(s.store().tensor_data(p16(0)), 2000, 9));
+  s.release(p16(late), TensorState::kHold);
+  s.validate();
+}
+
+TEST(ChunkScheduler, MemoryReturnsToBaselineWhenTheSchedulerGoes) {
+  auto device = make_device(kKiB * kKiB, 50e6);
+  const HostMemoryStats host_before = host_memory_stats();
+  {
+    ChunkSchedulerOptions options;
+    options.device_budget_bytes = 2 * kChunk;
+    ChunkScheduler s(make_store(std::vector<std::size_t>(5, kFull), kChunk), device, options);
+    for (int step = 0; step < 3; ++step) {
+      for (TensorId t = 0; t < 5; ++t) {
+        s.access(p16(t), kDev);
+        s.release(p16(t), TensorState::kHold);
+      }
+      s.end_step();
+    }
+    EXPECT_GT(device->memory_stats().in_use_bytes, 0u);
+    EXPECT_GT(host_memory_stats().allocated_bytes, host_before.allocated_bytes);
+    // Goes with prefetches still in flight.
+  }
+  EXPECT_EQ(device->memory_stats().in_use_bytes, 0u);
+  EXPECT_EQ(device->memory_stats().live_allocations, 0u);
+  EXPECT_EQ(host_memory_stats().allocated_bytes, host_before.allocated_bytes);
+  EXPECT_EQ(host_memory_stats().live_buffers, host_before.live_buffers);
+}
+
+TEST(ChunkScheduler, RejectsAStoreThatAlreadyHasPayloads) {
+  ChunkStore store({.chunk_bytes = kChunk});
+  store.register_tensor("w", 10);
+  std::vector<unsigned char> bytes(kChunk);
+  store.set_payload(0, bytes.data(), kHost);
+  EXPECT_THROW(ChunkScheduler(std::move(store), make_device(kKiB * kKiB)), ValueError);
+  EXPECT_THROW(ChunkScheduler(ChunkStore{}, nullptr), ValueError);
+}
+
+}  // namespace
+}  // namespace tidal
