@@ -24,20 +24,17 @@ logic at a configured link speed; only --device cuda measures a GPU.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
-import os
-import platform
-import re
 import shlex
-import shutil
 import subprocess
 import sys
 from pathlib import Path
 
-__all__ = ["main", "machine_info", "find_binary"]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import ROOT, write_result  # noqa: E402
 
-ROOT = Path(__file__).resolve().parent.parent
+__all__ = ["main", "find_binary"]
+
 PROGRAM = "tidal_bench_chunk_bookkeeping"
 # Build folders searched for the program, fastest build first.
 BUILD_DIRS = ["build/release", "build/chunk-release", "build/cpp", "build/chunk"]
@@ -61,64 +58,6 @@ def find_binary(explicit: str | None) -> Path:
     raise SystemExit(
         f"{PROGRAM} not found under {', '.join(BUILD_DIRS)}; build it first "
         "(cmake --build <build dir> --target tidal_bench_chunk_bookkeeping) or pass --binary")
-
-
-def _read(path: str) -> str:
-    try:
-        return Path(path).read_text()
-    except OSError:
-        return ""
-
-
-def _run(cmd: list[str]) -> str:
-    try:
-        return subprocess.run(cmd, capture_output=True, text=True, check=True, timeout=60).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        return ""
-
-
-def machine_info() -> dict:
-    """CPU, cores, memory, GPU (name, memory, driver) and torch version."""
-    cpuinfo = _read("/proc/cpuinfo")
-    model = re.search(r"^model name\s*:\s*(.+)$", cpuinfo, re.M)
-    meminfo = _read("/proc/meminfo")
-    mem_kb = re.search(r"^MemTotal:\s*(\d+) kB", meminfo, re.M)
-    info = {
-        "cpu_model": model.group(1).strip() if model else platform.processor(),
-        "logical_cores": os.cpu_count(),
-        "memory_bytes": int(mem_kb.group(1)) * 1024 if mem_kb else None,
-        "os": platform.platform(),
-        "python": platform.python_version(),
-        "gpu": None,
-        "torch": None,
-    }
-    if shutil.which("nvidia-smi"):
-        out = _run(["nvidia-smi", "--query-gpu=name,memory.total,driver_version",
-                    "--format=csv,noheader"])
-        if out:
-            name, memory, driver = [x.strip() for x in out.splitlines()[0].split(",")]
-            info["gpu"] = {"name": name, "memory": memory, "driver": driver}
-    try:
-        import torch  # noqa: PLC0415 - optional, only for the record
-
-        info["torch"] = torch.__version__
-    except Exception:  # noqa: BLE001 - torch is optional here
-        pass
-    return info
-
-
-def git_info() -> dict:
-    commit = _run(["git", "-C", str(ROOT), "rev-parse", "HEAD"])
-    dirty = bool(_run(["git", "-C", str(ROOT), "status", "--porcelain", "--untracked-files=no"]))
-    return {"commit": commit or None, "dirty": dirty}
-
-
-def machine_slug(info: dict, result: dict) -> str:
-    if not result.get("simulated", True) and info.get("gpu"):
-        name = info["gpu"]["name"]
-    else:
-        name = "sim-" + (info.get("cpu_model") or "cpu")
-    return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")[:60]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -145,15 +84,10 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"{binary} is a debug build ({build}); its times are not the library's. "
                          "Use a Release build or pass --allow-debug-build")
 
-    info = machine_info()
-    record = {
-        "benchmark": "chunk_bookkeeping",
-        "command": shlex.join([sys.executable, *sys.argv]) if argv is None else shlex.join(argv),
+    payload = {
         "program_command": shlex.join(cmd),
-        "git": git_info(),
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "machine": info,
         "quick": args.quick,
+        "simulated": bool(result.get("simulated")),
         "note": ("simulated device: the bookkeeping figure is the scheduler's own CPU cost; the "
                  "moves and prefetch figures check scheduling logic at a simulated link speed and "
                  "are not GPU claims") if result.get("simulated") else "measured on a GPU",
@@ -173,15 +107,11 @@ def main(argv: list[str] | None = None) -> int:
     if result.get("prefetch"):
         print(f"prefetch: on/off speedup {result['prefetch']['speedup_on_over_off']:.3f}", file=sys.stderr)
 
-    output = args.output
-    if output is None and not args.quick:
-        output = ROOT / "benchmarks" / "results" / f"chunk_bookkeeping-{machine_slug(info, result)}.json"
-    if output is not None:
-        Path(output).parent.mkdir(parents=True, exist_ok=True)
-        Path(output).write_text(json.dumps(record, indent=2) + "\n")
-        print(f"wrote {output}", file=sys.stderr)
+    if args.quick and args.output is None:
+        print(json.dumps(payload, indent=2))  # a smoke run writes no result file
     else:
-        print(json.dumps(record, indent=2))
+        path = write_result("chunk_bookkeeping", payload, output=args.output)
+        print(f"wrote {path}", file=sys.stderr)
     return 0
 
 

@@ -50,8 +50,59 @@ def _device_bandwidth(r: Dict, name: str) -> List[List[str]]:
     return rows
 
 
+def _chunk_bookkeeping(r: Dict, name: str) -> List[List[str]]:
+    book = r["result"]["bookkeeping"]
+    where = "simulated device" if r["simulated"] else r["result"]["device"]["name"]
+    rows = []
+    for key, label in (("resident_trace_opt_prefetch", "trace followed, OPT + prefetch checks"),
+                       ("resident_no_trace_lru", "no trace, LRU")):
+        t, floor = book[key], book["peer_floor"]
+        rows.append([
+            f"chunk bookkeeping per access+release, {book['tensors']} tensors in {book['chunks']} chunks, "
+            f"{label}, {where}",
+            _machine(r),
+            f"{t['median']:.1f} ns ({t['min']:.1f}-{t['max']:.1f})",
+            f"{floor['median']:.2f} ns, {book['peer']}",
+            f"{t['median'] / floor['median']:.0f}",
+            f"`{name}`",
+        ])
+    return rows
+
+
+def _dtr(r: Dict, name: str) -> List[List[str]]:
+    rows = []
+    for w in r["workloads"].values():
+        plain = w["plain_pytorch_s"]
+        for b in w["budgets"]:
+            if b["fraction"] not in (0.5, 0.3):
+                continue
+            rows.append([
+                f"DTR training step at {b['fraction']:.0%} of the no-DTR peak, {w['shape']} "
+                f"(CPU proxy, {b['recomputes']} recomputes)",
+                _machine(r),
+                f"{b['median']:.2f} s ({b['min']:.2f}-{b['max']:.2f})",
+                f"{plain['median']:.2f} s, plain PyTorch without DTR",
+                f"{b['slowdown_vs_plain']:.2f}",
+                f"`{name}`",
+            ])
+        m = w["matched_memory"]
+        rows.append([
+            f"DTR vs torch.utils.checkpoint per block at the same memory "
+            f"({m['checkpoint_fraction_of_no_dtr_peak']:.0%} of the no-DTR peak), {w['shape']} (CPU proxy)",
+            _machine(r),
+            f"{m['dtr_at_checkpoint_peak_s']['median']:.2f} s",
+            f"{m['checkpoint_per_block_s']['median']:.2f} s, torch.utils.checkpoint",
+            f"{m['dtr_over_checkpoint']:.2f}",
+            f"`{name}`",
+        ])
+    return rows
+
+
 ROWS: Dict[str, Callable[[Dict, str], List[List[str]]]] = {
     "device_bandwidth": _device_bandwidth,
+    "chunk_bookkeeping": _chunk_bookkeeping,
+    "dtr-resnet50": _dtr,
+    "dtr-gpt2_small": _dtr,
 }
 
 
@@ -66,8 +117,10 @@ def table() -> str:
     lines += ["| " + " | ".join(row) + " |" for row in rows]
     if not rows:
         lines.append("| (no results yet) |" + " |" * (len(HEADER) - 1))
-    notes = ("Simulated-device rows check the copy machinery against a plain memcpy; they are no GPU "
-             "performance claim. Ranges are min-max over the samples.")
+    notes = ("Simulated-device rows check the machinery against a plain memcpy or a floor loop; they are no "
+             "GPU performance claim. CPU-proxy rows ran on a 2-core machine shared with builds: their "
+             "min-max ranges are wide. Ranges are min-max over the samples; the ratio column is "
+             "tidal's median over the peer's (for times, above 1 means slower).")
     return "\n".join(lines) + "\n\n" + notes
 
 

@@ -5,4 +5,6 @@ PYBIND11_MODULE(_C, m) {
   m.attr("__version__") = TIDAL_VERSION;
   tidal::python::bind_errors(m);  // first: later bindings may raise them
   tidal::python::bind_device(m);
+  tidal::python::bind_cpu_adam(m);
+  tidal::python::bind_dtr(m);
 }

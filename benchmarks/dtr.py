@@ -1,0 +1,364 @@
+"""DTR benchmark: per-op interception overhead, slowdown vs budget, and DTR vs
+torch.utils.checkpoint at matched memory.
+
+    python benchmarks/dtr.py --quick      # seconds: proves it runs (tiny models)
+    python benchmarks/dtr.py              # the measurement (minutes on 2 cores)
+
+On a machine without a GPU this is a CPU proxy: budgets are enforced by DTR's
+own accounting (tracked bytes: storages made while DTR is on: activations,
+temporaries, gradients, optimizer-free), times are CPU times. The result file
+says so. "No-DTR peak" is the peak of tracked bytes with an unlimited
+threshold, i.e. what the same step keeps alive without eviction.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import copy
+import math
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.overrides import TorchFunctionMode
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import machine_info, summarize, write_result  # noqa: E402
+
+import tidal.dtr as dtr  # noqa: E402
+
+
+# --------------------------------------------------------------------------- models
+
+class Bottleneck(nn.Module):
+    expansion = 4
+
+    def __init__(self, cin, width, stride):
+        super().__init__()
+        cout = width * self.expansion
+        self.conv1 = nn.Conv2d(cin, width, 1, bias=False)
+        self.bn1 = nn.BatchNorm2d(width)
+        self.conv2 = nn.Conv2d(width, width, 3, stride=stride, padding=1, bias=False)
+        self.bn2 = nn.BatchNorm2d(width)
+        self.conv3 = nn.Conv2d(width, cout, 1, bias=False)
+        self.bn3 = nn.BatchNorm2d(cout)
+        self.relu = nn.ReLU(inplace=True)
+        self.down = None
+        if stride != 1 or cin != cout:
+            self.down = nn.Sequential(nn.Conv2d(cin, cout, 1, stride=stride, bias=False), nn.BatchNorm2d(cout))
+
+    def forward(self, x):
+        y = self.relu(self.bn1(self.conv1(x)))
+        y = self.relu(self.bn2(self.conv2(y)))
+        y = self.bn3(self.conv3(y))
+        return self.relu(y + (x if self.down is None else self.down(x)))
+
+
+class ResNet50(nn.Module):
+    """torchvision's ResNet-50 layout (3-4-6-3 bottlenecks, 64..2048 channels), random init."""
+
+    def __init__(self, layers=(3, 4, 6, 3), classes=1000, base=64):
+        super().__init__()
+        self.stem = nn.Sequential(nn.Conv2d(3, base, 7, 2, 3, bias=False), nn.BatchNorm2d(base),
+                                  nn.ReLU(inplace=True), nn.MaxPool2d(3, 2, 1))
+        blocks, cin = [], base
+        for i, n in enumerate(layers):
+            width = base * 2**i
+            for j in range(n):
+                blocks.append(Bottleneck(cin, width, 2 if (j == 0 and i > 0) else 1))
+                cin = width * 4
+        self.blocks = nn.ModuleList(blocks)
+        self.head = nn.Linear(cin, classes)
+
+    def forward(self, x, checkpoint=False):
+        x = self.stem(x)
+        for b in self.blocks:
+            x = torch.utils.checkpoint.checkpoint(b, x, use_reentrant=False) if checkpoint else b(x)
+        return self.head(torch.flatten(F.adaptive_avg_pool2d(x, 1), 1))
+
+
+class GPTBlock(nn.Module):
+    def __init__(self, d, heads, dropout):
+        super().__init__()
+        self.heads, self.dropout = heads, dropout
+        self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
+        self.qkv, self.proj = nn.Linear(d, 3 * d), nn.Linear(d, d)
+        self.fc, self.out = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
+
+    def forward(self, x):
+        b, t, d = x.shape
+        q, k, v = self.qkv(self.ln1(x)).split(d, dim=2)
+        q, k, v = (z.view(b, t, self.heads, d // self.heads).transpose(1, 2) for z in (q, k, v))
+        att = (q @ k.transpose(-2, -1)) / math.sqrt(d // self.heads)
+        mask = torch.ones(t, t, dtype=torch.bool, device=x.device).tril()
+        att = F.dropout(att.masked_fill(~mask, float("-inf")).softmax(-1), self.dropout, self.training)
+        y = (att @ v).transpose(1, 2).reshape(b, t, d)
+        x = x + F.dropout(self.proj(y), self.dropout, self.training)
+        return x + F.dropout(self.out(F.gelu(self.fc(self.ln2(x)))), self.dropout, self.training)
+
+
+class GPT(nn.Module):
+    """GPT-2 small's shape (12 layers, d=768, 12 heads, 4x MLP, dropout 0.1)."""
+
+    def __init__(self, vocab=8192, d=768, layers=12, heads=12, ctx=1024, dropout=0.1):
+        super().__init__()
+        self.tok, self.pos = nn.Embedding(vocab, d), nn.Embedding(ctx, d)
+        self.blocks = nn.ModuleList(GPTBlock(d, heads, dropout) for _ in range(layers))
+        self.ln = nn.LayerNorm(d)
+        self.head = nn.Linear(d, vocab, bias=False)
+        self.head.weight = self.tok.weight
+
+    def forward(self, idx, checkpoint=False):
+        x = self.tok(idx) + self.pos(torch.arange(idx.shape[1], device=idx.device))
+        for b in self.blocks:
+            x = torch.utils.checkpoint.checkpoint(b, x, use_reentrant=False) if checkpoint else b(x)
+        return self.head(self.ln(x))
+
+
+def workloads(quick):
+    if quick:
+        return {
+            "resnet50": dict(make=lambda: ResNet50(layers=(1, 1, 1, 1), classes=10, base=8),
+                             data=lambda: (torch.randn(2, 3, 32, 32), torch.randint(0, 10, (2,))),
+                             shape="ResNet layout (1,1,1,1), base 8, batch 2, 32x32 (quick)"),
+            "gpt2_small": dict(make=lambda: GPT(vocab=256, d=64, layers=2, heads=4, ctx=64),
+                               data=lambda: (torch.randint(0, 256, (2, 32)), None),
+                               shape="GPT 2 layers d=64 (quick)"),
+        }
+    return {
+        "resnet50": dict(make=lambda: ResNet50(),
+                         data=lambda: (torch.randn(16, 3, 96, 96), torch.randint(0, 1000, (16,))),
+                         shape="ResNet-50 (3,4,6,3 bottlenecks, 25.6M params), batch 16, 96x96"),
+        "gpt2_small": dict(make=lambda: GPT(),
+                           data=lambda: (torch.randint(0, 8192, (2, 256)), None),
+                           shape="GPT-2 small shape (12x768, 12 heads), vocab 8192, batch 2, seq 256"),
+    }
+
+
+def step_fn(model, data, checkpoint=False):
+    x, y = data
+
+    def step():
+        model.zero_grad(set_to_none=True)
+        out = model(x, checkpoint=checkpoint)
+        if y is None:  # language model: next-token loss
+            loss = F.cross_entropy(out[:, :-1].reshape(-1, out.shape[-1]), x[:, 1:].reshape(-1))
+        else:
+            loss = F.cross_entropy(out, y)
+        loss.backward()
+        return loss.item()
+    return step
+
+
+def timed(step, repeat, warmup=1):
+    for _ in range(warmup):
+        step()
+    samples = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        step()
+        samples.append(time.perf_counter() - t0)
+    return samples
+
+
+# --------------------------------------------------------------------------- per-op overhead
+
+class _PassDispatch(TorchDispatchMode):
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        return func(*args, **(kwargs or {}))
+
+
+class _PassFunction(TorchFunctionMode):
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        return func(*args, **(kwargs or {}))
+
+
+class _Wrapper(torch.Tensor):
+    """A wrapper subclass holding its payload (the CheckpointTensor shape of the DTR prototype)."""
+
+    @staticmethod
+    def __new__(cls, inner):
+        return torch.Tensor._make_wrapper_subclass(cls, inner.shape, dtype=inner.dtype, device=inner.device,
+                                                   strides=inner.stride(), requires_grad=inner.requires_grad)
+
+    def __init__(self, inner):
+        self.inner = inner
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        unwrap = lambda a: a.inner if isinstance(a, _Wrapper) else a  # noqa: E731
+        out = func(*[unwrap(a) for a in args], **{k: unwrap(v) for k, v in (kwargs or {}).items()})
+        return _Wrapper(out) if isinstance(out, torch.Tensor) else out
+
+
+def overhead(n_ops):
+    results = {}
+    for name, shape in (("add_4", (4,)), ("mm_64", (64, 64))):
+        a = torch.randn(*shape)
+        b = torch.randn(*shape)
+        op = (lambda x, y: x + y) if name == "add_4" else (lambda x, y: x @ y)
+        n = n_ops if name == "add_4" else max(n_ops // 20, 50)
+
+        def loop(x, y):
+            for _ in range(n):
+                op(x, y)
+
+        variants = {
+            "plain": (contextlib.nullcontext, a, b),
+            "torch_function_mode": (_PassFunction, a, b),
+            "torch_dispatch_mode": (_PassDispatch, a, b),
+            "wrapper_subclass": (contextlib.nullcontext, _Wrapper(a), _Wrapper(b)),
+            "tidal_dtr": (lambda: dtr.enabled(eviction_threshold=1 << 50), a, b),
+        }
+        per = {}
+        for vname, (ctx, x, y) in variants.items():
+            samples = []
+            with ctx():
+                loop(x, y)  # warm-up
+                for _ in range(5):
+                    t0 = time.perf_counter()
+                    loop(x, y)
+                    samples.append((time.perf_counter() - t0) / n * 1e6)
+            per[vname] = {"us_per_op": summarize(samples), "samples_us": samples}
+        base = per["plain"]["us_per_op"]["median"]
+        for vname, v in per.items():
+            v["overhead_us_per_op"] = v["us_per_op"]["median"] - base
+        results[name] = per
+    return results
+
+
+# --------------------------------------------------------------------------- budgets
+
+def measure_peak(make, data, checkpoint=False):
+    torch.manual_seed(0)
+    model = make()
+    step = step_fn(model, data, checkpoint)
+    with dtr.enabled(eviction_threshold=1 << 50, evictee_minimum_size=dtr.evictee_minimum_size):
+        step()
+        dtr.reset_peak()
+        step()
+        return dtr.stats()["peak_tracked_bytes"]
+
+
+def run_workload(name, spec, fractions, repeat):
+    """Every configuration runs one step per round, round-robin, on one model (no
+    optimizer step, so the parameters never change): load drift on a shared
+    machine hits all configurations alike."""
+    data = spec["data"]()
+    peak = measure_peak(spec["make"], data)
+    ck_peak = measure_peak(spec["make"], data, checkpoint=True)
+    torch.manual_seed(0)
+    model = spec["make"]()
+    out = {"shape": spec["shape"], "params": sum(p.numel() for p in model.parameters()),
+           "no_dtr_peak_tracked_bytes": peak}
+    configs = [("plain", None, False)] + [(f"dtr_{int(f * 100)}", int(peak * f), False) for f in fractions]
+    configs += [("checkpoint_per_block", None, True), ("dtr_at_checkpoint_peak", ck_peak, False)]
+    samples = {c[0]: [] for c in configs}
+    stats = {}
+
+    def one(cfg):
+        label, threshold, ckpt = cfg
+        step = step_fn(model, data, checkpoint=ckpt)
+        if threshold is None:
+            t0 = time.perf_counter()
+            step()
+            return time.perf_counter() - t0
+        with dtr.enabled(eviction_threshold=threshold, evictee_minimum_size=dtr.evictee_minimum_size):
+            t0 = time.perf_counter()
+            step()
+            dt = time.perf_counter() - t0
+            stats[label] = dtr.stats()
+        return dt
+
+    for cfg in configs:  # warm-up round
+        one(cfg)
+    for r in range(repeat):
+        for cfg in configs:
+            samples[cfg[0]].append(one(cfg))
+            if r == repeat - 1 and cfg[1] is not None:
+                s = stats[cfg[0]]
+                print(f"  {name} {cfg[0]}: {statistics.median(samples[cfg[0]]):.3f}s "
+                      f"(plain {statistics.median(samples['plain']):.3f}s) "
+                      f"peak {s['peak_tracked_bytes'] / 2**20:.1f} MiB / no-DTR {peak / 2**20:.1f} MiB, "
+                      f"recomputes {s['recomputes']}", flush=True)
+    t_plain = statistics.median(samples["plain"])
+    out["plain_pytorch_s"] = {"samples": samples["plain"], **summarize(samples["plain"])}
+    rows = []
+    for frac in fractions:
+        label = f"dtr_{int(frac * 100)}"
+        s = stats[label]
+        rows.append({"fraction": frac, "eviction_threshold": int(peak * frac), "samples_s": samples[label],
+                     **summarize(samples[label]),
+                     "slowdown_vs_plain": statistics.median(samples[label]) / t_plain,
+                     "peak_tracked_bytes": s["peak_tracked_bytes"], "max_op_working_set": s["max_op_working_set"],
+                     "evictions": s["evictions"], "recomputes": s["recomputes"],
+                     "recompute_seconds": s["recompute_seconds"], "stats_of": "last timed step"})
+    full = next((r for r in rows if r["fraction"] == 1.0), None)
+    if full is not None:
+        for r in rows:
+            r["slowdown_vs_dtr_100"] = r["median"] / full["median"]
+    out["budgets"] = rows
+    ck, matched = samples["checkpoint_per_block"], samples["dtr_at_checkpoint_peak"]
+    s = stats["dtr_at_checkpoint_peak"]
+    out["matched_memory"] = {
+        "checkpoint_per_block_s": {"samples": ck, **summarize(ck)},
+        "checkpoint_peak_tracked_bytes": ck_peak,
+        "checkpoint_fraction_of_no_dtr_peak": ck_peak / peak,
+        "dtr_at_checkpoint_peak_s": {"samples": matched, **summarize(matched)},
+        "dtr_peak_tracked_bytes": s["peak_tracked_bytes"],
+        "dtr_recomputes": s["recomputes"],
+        "dtr_over_checkpoint": statistics.median(matched) / statistics.median(ck),
+        "checkpoint_over_plain": statistics.median(ck) / t_plain,
+    }
+    return out
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="tiny models, one repeat (seconds)")
+    parser.add_argument("--output", default=None, help="result path (default benchmarks/results/dtr-<machine>.json)")
+    parser.add_argument("--only", default=None, help="run one workload: resnet50 or gpt2_small")
+    parser.add_argument("--repeat", type=int, default=3, help="timed rounds (full mode)")
+    parser.add_argument("--skip-overhead", action="store_true", help="skip the per-op overhead part")
+    parser.add_argument("--evictee-minimum-size", default=None,
+                        help="DTR's evictee_minimum_size (default 1MiB; --quick uses 1KiB for its tiny tensors)")
+    args = parser.parse_args()
+    dtr.evictee_minimum_size = args.evictee_minimum_size or ("1KiB" if args.quick else "1MiB")
+    torch.manual_seed(0)
+    repeat = 1 if args.quick else args.repeat
+    fractions = [1.0, 0.7, 0.5, 0.3]
+    info = machine_info()
+    payload = {
+        "proxy_note": ("CPU proxy: no GPU on this machine. Budgets are DTR's own accounting of tracked bytes "
+                       "(storages produced while DTR is on); times are CPU step times, so recompute is far "
+                       "more expensive relative to memory traffic than on a GPU.") if not info["gpus"] else
+                      "GPU run",
+        "quick": args.quick,
+        "torch_threads": torch.get_num_threads(),
+        "options": {"evictee_minimum_size": dtr.evictee_minimum_size, "scorer": dtr.scorer,
+                    "enable_sqrt_sampling": dtr.enable_sqrt_sampling},
+    }
+    payload["per_op_overhead"] = {} if args.skip_overhead else overhead(300 if args.quick else 10000)
+    for k, v in payload["per_op_overhead"].items():
+        print("  " + k + ": " + ", ".join(f"{n} {x['us_per_op']['median']:.1f}us" for n, x in v.items()))
+    payload["workloads"] = {}
+    for name, spec in workloads(args.quick).items():
+        if args.only and name != args.only:
+            continue
+        print(f"{name} ...", flush=True)
+        payload["workloads"][name] = run_workload(name, spec, fractions, repeat)
+    name = "dtr-quick" if args.quick else "dtr"
+    if args.only:
+        name += "-" + args.only
+    path = write_result(name, payload, args.output, info)
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,207 @@
+// Adam and AdamW on the CPU over raw buffers, at memory-bandwidth speed.
+//
+// The caller owns every buffer; these functions only read and write the
+// elements they are given. One call updates a list of spans (the tensors of
+// a parameter group, or the slices of a chunk) with one set of
+// hyperparameters; oneTBB spreads fixed blocks of every span over the cores.
+// See Note [CPU Adam passes] for how overflow checks and clipping fit in, and
+// Note [Deterministic blocks] for why the results do not depend on the
+// thread count.
+//
+// Note [CPU Adam passes]
+// ~~~~~~~~~~~~~~~~~~~~~~
+// A mixed-precision step needs two facts about *all* gradients before it may
+// change *any* parameter: whether one is inf/nan (then the step is skipped
+// and params, m and v stay bit-for-bit untouched) and the global gradient
+// norm (the clip coefficient scales every update). So a step is two passes:
+//   1. grad_stats(): reads the gradients only (2 bytes/param for fp16) and
+//      returns finite-ness and the sum of squares;
+//   2. adam_update(): the update, which reads and writes everything once
+//      (28 bytes/param for fp16 grads, fp32 master/m/v and an fp16 copy).
+// Pass 1 is 2/28 = 7% of pass 2's traffic, but it is a single read stream
+// per thread, which gets less bandwidth than the update's eight streams: on
+// the 2-core machine of benchmarks/results/cpu_adam-cpu-2c.json the pass runs
+// at about half the update's GB/s and a two-pass step takes 1.07-1.25x the
+// update alone ("step_over_update"). That is the most a single fused pass
+// could save, and a fused pass cannot keep the contract: blocks updated
+// before an inf is met cannot be undone, and the clip coefficient is not
+// known until the last gradient has been read. So tidal keeps two passes.
+// When neither check nor clipping is asked for (fp32/bf16 grads without a
+// loss scale), adam_step() skips pass 1 entirely.
+//
+// Note [Deterministic blocks]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// Every span is cut into blocks of kBlockElements from its own start,
+// independently of the thread count; threads take whole blocks. The update
+// is elementwise, so its results cannot depend on the schedule. The sum of
+// squares is accumulated per block (in a fixed lane order inside the block),
+// stored per block, and the per-block partials are added in block order in
+// double precision after the parallel loop. Results are therefore bitwise
+// identical for any thread count, though they may differ between SIMD
+// targets (different lane counts sum in a different order).
+//
+// Note [16-bit optimizer state]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// exp_avg and exp_avg_sq may be stored as bf16 (DType::kBFloat16) to save
+// 4 of the 12 bytes/param of fp32 state and 8 of the 28 bytes/param of
+// traffic. The arithmetic stays fp32: each element is widened, updated, and
+// rounded back to nearest even. bf16 keeps fp32's exponent range (fp16 would
+// flush the second moment of small gradients, g^2 < 6e-8, to zero) but only
+// 8 significant bits: an exp_avg_sq update smaller than 2^-9 of its value
+// (1 - beta2 = 1e-3 of a steady gradient, say) rounds away, so v follows the
+// gradient scale only coarsely. It is an opt-in memory/bandwidth trade, not
+// a default; torch.optim.AdamW has no equivalent to compare against.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <optional>
+#include <span>
+#include <string>
+#include <string_view>
+#include <vector>
+
+namespace tidal::cpu_adam {
+
+enum class DType : std::uint8_t { kFloat32, kFloat16, kBFloat16 };
+
+// "float32", "float16", "bfloat16".
+const char* dtype_name(DType dtype);
+std::size_t dtype_size(DType dtype);
+
+// Elements per block of the fixed decomposition (Note [Deterministic blocks]).
+// 32768 elements are 512 KiB of fp32 param/m/v + fp16 grad + fp16 copy: a
+// block's working set fits in a core's L2 (its gradients, 64 KiB, in L1/L2
+// for a check-then-update of the same block), and a block is long enough
+// (tens of microseconds) to amortize the scheduling of a task.
+inline constexpr std::size_t kBlockElements = std::size_t{1} << 15;
+
+// The same numbers torch.optim.Adam/AdamW take. Validated on every call
+// (ValueError naming the value): lr >= 0, 0 <= beta < 1, eps >= 0,
+// weight_decay >= 0, all finite.
+struct AdamHyperParams {
+  double lr = 1e-3;
+  double beta1 = 0.9;
+  double beta2 = 0.999;
+  double eps = 1e-8;
+  double weight_decay = 0.0;
+  // true: AdamW, decoupled decay p *= 1 - lr * weight_decay before the step.
+  // false: Adam with L2, g += weight_decay * p.
+  bool adamw_mode = true;
+  // false: no bias correction (step size lr, denominator sqrt(v) + eps).
+  bool bias_correction = true;
+};
+
+// Element types shared by every span of one call.
+struct AdamDTypes {
+  DType grad = DType::kFloat32;   // any of the three
+  DType state = DType::kFloat32;  // exp_avg and exp_avg_sq: kFloat32 or kBFloat16
+                                  // (Note [16-bit optimizer state])
+  // kFloat16 or kBFloat16 when every span carries a param_copy destination
+  // that receives the updated fp32 param rounded to nearest even.
+  std::optional<DType> param_copy;
+};
+
+// One contiguous run of `count` elements: param[i], exp_avg[i], exp_avg_sq[i],
+// grad[i] and param_copy[i] belong together. Any alignment is fine. The
+// buffers of one span must not overlap each other, with one exception:
+// param_copy may be exactly grad (same address and dtype), the 16-bit chunk
+// that holds the gradients and receives the updated params; each element is
+// read before it is overwritten.
+struct AdamSpan {
+  float* param = nullptr;           // fp32 master weights, updated in place
+  void* exp_avg = nullptr;          // AdamDTypes::state, updated in place
+  void* exp_avg_sq = nullptr;       // AdamDTypes::state, updated in place
+  const void* grad = nullptr;       // AdamDTypes::grad
+  void* param_copy = nullptr;       // AdamDTypes::param_copy, written; else null
+  std::size_t count = 0;
+  // The step this update makes, counting from 1: torch's state['step'] after
+  // its increment. Only bias correction uses it.
+  std::int64_t step = 1;
+};
+
+struct ExecOptions {
+  // Upper bound on the threads one call uses; 0 uses the calling oneTBB
+  // arena, which is every core unless the caller limited it. A value > 0 runs
+  // the call in an arena of that size kept for later calls; a caller that
+  // runs its own parallel work between steps should rather call with 0 from
+  // inside its own tbb::task_arena, so oneTBB's workers need not change
+  // arenas on every call (see arena_for() in adam.cpp).
+  int max_threads = 0;
+};
+
+// One update pass (pass 2 of Note [CPU Adam passes]) over every span. The
+// gradient the update sees is grad * grad_scale, computed in fp32: pass
+// (1 / loss_scale) * clip_coef to unscale and clip in the same pass.
+// grad_scale must be finite and > 0. No inf/nan check: a non-finite gradient
+// propagates into param, m and v (run grad_stats() first, or adam_step()).
+void adam_update(const AdamHyperParams& hyper, const AdamDTypes& dtypes,
+                 std::span<const AdamSpan> spans, double grad_scale = 1.0,
+                 const ExecOptions& exec = {});
+
+struct GradSpan {
+  const void* grad = nullptr;
+  std::size_t count = 0;
+};
+
+struct GradStats {
+  // false when any gradient element is inf or nan.
+  bool finite = true;
+  // Sum over elements of (grad * grad_scale)^2: squares in fp32, summed in
+  // fp32 lanes over runs of 256 elements and in double above that (relative
+  // error below 2e-5, about 1e-6 on SIMD targets). Only meaningful when
+  // finite; may be +inf for huge finite fp32 gradients.
+  double sum_squares = 0.0;
+};
+
+// Pass 1 of Note [CPU Adam passes]: reads the gradients only.
+GradStats grad_stats(DType grad_dtype, std::span<const GradSpan> spans, double grad_scale = 1.0,
+                     const ExecOptions& exec = {});
+
+struct AdamStepOptions {
+  // Gradients are stored multiplied by this (dynamic loss scaling); > 0.
+  double loss_scale = 1.0;
+  // > 0: scale the unscaled gradients by min(1, max_grad_norm / (norm + 1e-6))
+  // as torch.nn.utils.clip_grad_norm_ does, with norm over every span of
+  // this call. <= 0: no clipping.
+  double max_grad_norm = 0.0;
+  // Skip the whole step, leaving every buffer untouched, when any gradient
+  // is inf or nan.
+  bool check_overflow = true;
+};
+
+struct AdamStepResult {
+  bool overflow = false;    // true: nothing was written
+  double grad_norm = -1.0;  // L2 norm of the unscaled gradients; -1 when not computed
+  double clip_coef = 1.0;   // the factor applied to the unscaled gradients
+};
+
+// Both passes for one buffer set: grad_stats() when check_overflow or
+// clipping asks for it, then adam_update() unless an overflow was found.
+// A caller with several calls' worth of spans (gradients on two devices, say)
+// runs grad_stats() on each, combines, and calls adam_update() itself.
+AdamStepResult adam_step(const AdamHyperParams& hyper, const AdamDTypes& dtypes,
+                         std::span<const AdamSpan> spans, const AdamStepOptions& options = {},
+                         const ExecOptions& exec = {});
+
+// --- kernel targets -----------------------------------------------------------
+// The kernels exist once per SIMD target Highway compiled (AVX3, AVX2, SSE4,
+// SSSE3 and the one-lane fallback, SCALAR or EMU128 depending on the
+// compiler, on x86; NEON, SVE on Arm) plus "reference", the plain C++ scalar
+// reference kernel (cpu_adam/reference.h). By default the best target this
+// CPU runs is used; the environment variable TIDAL_CPU_ADAM_TARGET (read at
+// the first call) or set_kernel_target() selects another, so CI can run
+// everything on the scalar reference or on Highway's baseline.
+
+// Targets this build holds and this CPU runs, best first; "reference" last.
+std::vector<std::string> available_kernel_targets();
+// Selects the kernels for every later call in the process. Case-insensitive
+// target names, or: "auto" (or "") for the best, "baseline" for Highway's
+// fallback target (the last before "reference"), "reference" for the scalar
+// reference. Throws ValueError naming the available targets for an unknown
+// or unrunnable one.
+void set_kernel_target(std::string_view name);
+// The target calls use now, spelled as in available_kernel_targets().
+std::string kernel_target();
+
+}  // namespace tidal::cpu_adam

@@ -1,0 +1,308 @@
+// tidal._C.cpu_adam: CPU Adam over CPU tensors. Two entry points:
+//   * adam_update_tensors(): one call per parameter group of
+//     tidal.optim.CPUAdam (every tensor its own span and step);
+//   * adam_update() / adam_step() / grad_stats(): the low-level entries the
+//     chunk engine calls on flat chunk buffers, addressed by element
+//     offset and count (see the docstrings below).
+// The kernels take raw pointers (cpu_adam/adam.h); this file only checks the
+// tensors, takes their pointers with the GIL held, and releases the GIL
+// around the kernels.
+#include <ATen/core/Tensor.h>
+#include <torch/csrc/utils/pybind.h>
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "cpu_adam/adam.h"
+#include "python/csrc/bindings.h"
+#include "runtime/core/error.h"
+
+namespace tidal::python {
+namespace {
+
+namespace ca = tidal::cpu_adam;
+
+// torch's Python spelling of a dtype, for error messages.
+std::string torch_dtype_name(at::ScalarType t) {
+  switch (t) {
+    case at::kFloat: return "torch.float32";
+    case at::kHalf: return "torch.float16";
+    case at::kBFloat16: return "torch.bfloat16";
+    case at::kDouble: return "torch.float64";
+    case at::kByte: return "torch.uint8";
+    case at::kChar: return "torch.int8";
+    case at::kShort: return "torch.int16";
+    case at::kInt: return "torch.int32";
+    case at::kLong: return "torch.int64";
+    case at::kBool: return "torch.bool";
+    case at::kComplexFloat: return "torch.complex64";
+    case at::kComplexDouble: return "torch.complex128";
+    default: return std::string("torch.") + c10::toString(t);
+  }
+}
+
+ca::DType to_dtype(const at::Tensor& t, const std::string& name) {
+  switch (t.scalar_type()) {
+    case at::kFloat: return ca::DType::kFloat32;
+    case at::kHalf: return ca::DType::kFloat16;
+    case at::kBFloat16: return ca::DType::kBFloat16;
+    default:
+      TIDAL_THROW(TypeError, name, " has dtype ", torch_dtype_name(t.scalar_type()),
+                  "; CPU Adam takes torch.float32, torch.float16 or torch.bfloat16");
+  }
+}
+
+// A checked view of elements [offset, offset + count) of a CPU tensor.
+struct Flat {
+  void* data = nullptr;
+  std::size_t count = 0;
+  ca::DType dtype = ca::DType::kFloat32;
+};
+
+Flat flat(const at::Tensor& t, const std::string& name, std::int64_t offset = 0,
+          std::int64_t count = -1) {
+  TIDAL_CHECK(t.defined(), name, " is an undefined tensor");
+  TIDAL_CHECK(t.device().is_cpu(), name, " is on ", t.device().str(),
+              "; CPU Adam updates CPU tensors only (keep master params and optimizer state "
+              "in host memory, or use torch.optim.AdamW for device tensors)");
+  TIDAL_CHECK(t.layout() == at::kStrided, name, " has layout ", t.layout(),
+              "; CPU Adam takes dense (strided) tensors");
+  TIDAL_CHECK(t.is_contiguous(), name, " is not contiguous (shape ", t.sizes(), ", strides ",
+              t.strides(), "); CPU Adam walks memory linearly. Tip: keep the tensor "
+              "contiguous, e.g. param.data = param.data.contiguous()");
+  const ca::DType dtype = to_dtype(t, name);
+  const std::int64_t numel = t.numel();
+  if (count < 0) count = numel - offset;
+  TIDAL_CHECK(offset >= 0 && count >= 0 && offset + count <= numel, name, ": elements [", offset,
+              ", ", offset + count, ") are out of range for ", numel, " elements");
+  Flat f;
+  f.dtype = dtype;
+  f.count = static_cast<std::size_t>(count);
+  f.data = count == 0 ? nullptr
+                      : static_cast<char*>(t.data_ptr()) + offset * static_cast<std::int64_t>(
+                                                                     ca::dtype_size(dtype));
+  return f;
+}
+
+ca::AdamHyperParams hyper(double lr, double beta1, double beta2, double eps, double weight_decay,
+                          bool adamw_mode, bool bias_correction) {
+  ca::AdamHyperParams h;
+  h.lr = lr;
+  h.beta1 = beta1;
+  h.beta2 = beta2;
+  h.eps = eps;
+  h.weight_decay = weight_decay;
+  h.adamw_mode = adamw_mode;
+  h.bias_correction = bias_correction;
+  return h;
+}
+
+// The buffers of one low-level call, checked against each other.
+struct SpanArgs {
+  ca::AdamDTypes dtypes;
+  ca::AdamSpan span;
+};
+
+SpanArgs span_args(const at::Tensor& param, const at::Tensor& exp_avg, const at::Tensor& exp_avg_sq,
+                   const at::Tensor& grad, const std::optional<at::Tensor>& param_copy,
+                   std::int64_t step, std::int64_t offset, std::int64_t count) {
+  const Flat p = flat(param, "param", offset, count);
+  TIDAL_CHECK_TYPE(p.dtype == ca::DType::kFloat32, "param must be torch.float32 (the fp32 master), got ",
+                   ca::dtype_name(p.dtype));
+  const std::int64_t n = static_cast<std::int64_t>(p.count);
+  const Flat m = flat(exp_avg, "exp_avg", offset, n);
+  const Flat v = flat(exp_avg_sq, "exp_avg_sq", offset, n);
+  const Flat g = flat(grad, "grad", offset, n);
+  TIDAL_CHECK_TYPE(m.dtype == v.dtype, "exp_avg is ", ca::dtype_name(m.dtype), " but exp_avg_sq is ",
+                   ca::dtype_name(v.dtype), "; they must match");
+  SpanArgs a;
+  a.dtypes.grad = g.dtype;
+  a.dtypes.state = m.dtype;
+  a.span.param = static_cast<float*>(p.data);
+  a.span.exp_avg = m.data;
+  a.span.exp_avg_sq = v.data;
+  a.span.grad = g.data;
+  a.span.count = p.count;
+  a.span.step = step;
+  if (param_copy.has_value() && param_copy->defined()) {
+    const Flat c = flat(*param_copy, "param_copy", offset, n);
+    a.dtypes.param_copy = c.dtype;
+    a.span.param_copy = c.data;
+  }
+  return a;
+}
+
+void bind_classes(py::module_& m) {
+  py::class_<ca::GradStats>(m, "GradStats", "Result of grad_stats().")
+      .def_readonly("finite", &ca::GradStats::finite, "False when any gradient is inf or nan.")
+      .def_readonly("sum_squares", &ca::GradStats::sum_squares,
+                    "Sum of (grad * grad_scale)**2; meaningful only when finite.")
+      .def("__repr__", [](const ca::GradStats& s) {
+        return "GradStats(finite=" + std::string(s.finite ? "True" : "False") +
+               ", sum_squares=" + std::to_string(s.sum_squares) + ")";
+      });
+  py::class_<ca::AdamStepResult>(m, "AdamStepResult", "Result of adam_step().")
+      .def_readonly("overflow", &ca::AdamStepResult::overflow,
+                    "True when an inf/nan gradient was found and nothing was written.")
+      .def_readonly("grad_norm", &ca::AdamStepResult::grad_norm,
+                    "L2 norm of the unscaled gradients, -1.0 when not computed.")
+      .def_readonly("clip_coef", &ca::AdamStepResult::clip_coef,
+                    "Factor applied to the unscaled gradients (1.0: not clipped).")
+      .def("__repr__", [](const ca::AdamStepResult& r) {
+        return "AdamStepResult(overflow=" + std::string(r.overflow ? "True" : "False") +
+               ", grad_norm=" + std::to_string(r.grad_norm) +
+               ", clip_coef=" + std::to_string(r.clip_coef) + ")";
+      });
+}
+
+}  // namespace
+
+void bind_cpu_adam(py::module_& parent) {
+  py::module_ m = parent.def_submodule("cpu_adam", R"doc(
+SIMD Adam/AdamW on CPU tensors (see cpu_adam/adam.h for the contracts).
+
+Every tensor must be a contiguous CPU tensor. params are float32 (the fp32
+master weights); exp_avg/exp_avg_sq float32 or bfloat16 (both the same);
+grads float32, float16 or bfloat16; param_copy, where given, float16 or
+bfloat16 and receives the updated params rounded to nearest even. The GIL is
+released while the kernels run.)doc");
+  bind_classes(m);
+  m.attr("block_elements") = ca::kBlockElements;
+
+  m.def(
+      "adam_update_tensors",
+      [](const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& grads,
+         const std::vector<at::Tensor>& exp_avgs, const std::vector<at::Tensor>& exp_avg_sqs,
+         const std::vector<std::int64_t>& steps, double lr, double beta1, double beta2, double eps,
+         double weight_decay, bool adamw_mode, bool bias_correction, int num_threads) {
+        const std::size_t n = params.size();
+        TIDAL_CHECK(grads.size() == n && exp_avgs.size() == n && exp_avg_sqs.size() == n &&
+                        steps.size() == n,
+                    "params, grads, exp_avgs, exp_avg_sqs and steps must have one entry per "
+                    "param; got lengths ",
+                    n, ", ", grads.size(), ", ", exp_avgs.size(), ", ", exp_avg_sqs.size(), ", ",
+                    steps.size());
+        std::vector<ca::AdamSpan> spans(n);
+        ca::AdamDTypes dtypes;
+        for (std::size_t i = 0; i < n; ++i) {
+          const std::string idx = "[" + std::to_string(i) + "]";
+          const Flat p = flat(params[i], "params" + idx);
+          TIDAL_CHECK_TYPE(p.dtype == ca::DType::kFloat32, "params", idx,
+                           " must be torch.float32, got ", ca::dtype_name(p.dtype));
+          const Flat g = flat(grads[i], "grads" + idx);
+          const Flat m = flat(exp_avgs[i], "exp_avgs" + idx);
+          const Flat v = flat(exp_avg_sqs[i], "exp_avg_sqs" + idx);
+          for (const Flat* f : {&g, &m, &v}) {
+            TIDAL_CHECK_TYPE(f->dtype == ca::DType::kFloat32, "grads, exp_avgs and exp_avg_sqs",
+                             idx, " must be torch.float32 like their param, got ",
+                             ca::dtype_name(f->dtype));
+            TIDAL_CHECK(f->count == p.count, "grads, exp_avgs and exp_avg_sqs", idx,
+                        " must have as many elements as params", idx, " (", p.count, "), got ",
+                        f->count);
+          }
+          spans[i] = ca::AdamSpan{static_cast<float*>(p.data), m.data, v.data, g.data, nullptr,
+                                  p.count, steps[i]};
+        }
+        const ca::AdamHyperParams h =
+            hyper(lr, beta1, beta2, eps, weight_decay, adamw_mode, bias_correction);
+        py::gil_scoped_release no_gil;
+        ca::adam_update(h, dtypes, spans, 1.0, ca::ExecOptions{num_threads});
+      },
+      py::arg("params"), py::arg("grads"), py::arg("exp_avgs"), py::arg("exp_avg_sqs"),
+      py::arg("steps"), py::kw_only(), py::arg("lr"), py::arg("beta1"), py::arg("beta2"),
+      py::arg("eps"), py::arg("weight_decay"), py::arg("adamw_mode") = true,
+      py::arg("bias_correction") = true, py::arg("num_threads") = 0,
+      R"doc(One Adam/AdamW step over fp32 tensors, one span per param, all in one
+parallel pass. steps[i] is the step this update makes (torch's state['step']
+after its increment). Used by tidal.optim.CPUAdam.)doc");
+
+  m.def(
+      "adam_update",
+      [](const at::Tensor& param, const at::Tensor& exp_avg, const at::Tensor& exp_avg_sq,
+         const at::Tensor& grad, const std::optional<at::Tensor>& param_copy, std::int64_t step,
+         double lr, double beta1, double beta2, double eps, double weight_decay, bool adamw_mode,
+         bool bias_correction, double grad_scale, std::int64_t offset, std::int64_t count,
+         int num_threads) {
+        const SpanArgs a = span_args(param, exp_avg, exp_avg_sq, grad, param_copy, step, offset, count);
+        const ca::AdamHyperParams h =
+            hyper(lr, beta1, beta2, eps, weight_decay, adamw_mode, bias_correction);
+        py::gil_scoped_release no_gil;
+        ca::adam_update(h, a.dtypes, {&a.span, 1}, grad_scale, ca::ExecOptions{num_threads});
+      },
+      py::arg("param"), py::arg("exp_avg"), py::arg("exp_avg_sq"), py::arg("grad"),
+      py::arg("param_copy") = py::none(), py::kw_only(), py::arg("step"), py::arg("lr"),
+      py::arg("beta1") = 0.9, py::arg("beta2") = 0.999, py::arg("eps") = 1e-8,
+      py::arg("weight_decay") = 0.0, py::arg("adamw_mode") = true,
+      py::arg("bias_correction") = true, py::arg("grad_scale") = 1.0, py::arg("offset") = 0,
+      py::arg("count") = -1, py::arg("num_threads") = 0,
+      R"doc(The update pass over elements [offset, offset + count) of flat buffers.
+
+The chunk engine's entry: param, exp_avg, exp_avg_sq and grad are the
+chunks of the four chunk lists (tensor i sits at the same offset in each);
+param_copy, when given, receives the updated params as float16/bfloat16 and
+may be the very tensor that holds the 16-bit grads (each element is read
+before it is overwritten). Any memory the process owns can take part through
+a zero-copy tensor view, e.g. torch.frombuffer(host_buffer, dtype=...).
+
+The update sees grad * grad_scale: pass clip_coef / loss_scale to unscale
+and clip in the same pass. No inf/nan check here; see adam_step() and
+grad_stats(). count=-1 means to the end of param.)doc");
+
+  m.def(
+      "adam_step",
+      [](const at::Tensor& param, const at::Tensor& exp_avg, const at::Tensor& exp_avg_sq,
+         const at::Tensor& grad, const std::optional<at::Tensor>& param_copy, std::int64_t step,
+         double lr, double beta1, double beta2, double eps, double weight_decay, bool adamw_mode,
+         bool bias_correction, double loss_scale, double max_grad_norm, bool check_overflow,
+         std::int64_t offset, std::int64_t count, int num_threads) {
+        const SpanArgs a = span_args(param, exp_avg, exp_avg_sq, grad, param_copy, step, offset, count);
+        const ca::AdamHyperParams h =
+            hyper(lr, beta1, beta2, eps, weight_decay, adamw_mode, bias_correction);
+        ca::AdamStepOptions opt;
+        opt.loss_scale = loss_scale;
+        opt.max_grad_norm = max_grad_norm;
+        opt.check_overflow = check_overflow;
+        py::gil_scoped_release no_gil;
+        return ca::adam_step(h, a.dtypes, {&a.span, 1}, opt, ca::ExecOptions{num_threads});
+      },
+      py::arg("param"), py::arg("exp_avg"), py::arg("exp_avg_sq"), py::arg("grad"),
+      py::arg("param_copy") = py::none(), py::kw_only(), py::arg("step"), py::arg("lr"),
+      py::arg("beta1") = 0.9, py::arg("beta2") = 0.999, py::arg("eps") = 1e-8,
+      py::arg("weight_decay") = 0.0, py::arg("adamw_mode") = true,
+      py::arg("bias_correction") = true, py::arg("loss_scale") = 1.0,
+      py::arg("max_grad_norm") = 0.0, py::arg("check_overflow") = true, py::arg("offset") = 0,
+      py::arg("count") = -1, py::arg("num_threads") = 0,
+      R"doc(Both passes over one buffer set: the gradient pass (inf/nan check and
+sum of squares, when check_overflow or max_grad_norm > 0 asks for it), then
+the update with grad / loss_scale * clip_coef, where clip_coef =
+min(1, max_grad_norm / (norm + 1e-6)) as in torch.nn.utils.clip_grad_norm_.
+On an inf/nan gradient (check_overflow) nothing is written and the result
+says overflow=True. Returns an AdamStepResult.)doc");
+
+  m.def(
+      "grad_stats",
+      [](const at::Tensor& grad, double grad_scale, std::int64_t offset, std::int64_t count,
+         int num_threads) {
+        const Flat g = flat(grad, "grad", offset, count);
+        const ca::GradSpan span{g.data, g.count};
+        py::gil_scoped_release no_gil;
+        return ca::grad_stats(g.dtype, {&span, 1}, grad_scale, ca::ExecOptions{num_threads});
+      },
+      py::arg("grad"), py::kw_only(), py::arg("grad_scale") = 1.0, py::arg("offset") = 0,
+      py::arg("count") = -1, py::arg("num_threads") = 0,
+      R"doc(The gradient pass alone: GradStats(finite, sum_squares of grad * grad_scale).
+For a global norm over many buffers, add the sum_squares of each.)doc");
+
+  m.def("available_targets", &ca::available_kernel_targets,
+        "Kernel targets this build and CPU run, best first; 'reference' (plain C++) last.");
+  m.def(
+      "set_target", [](const std::string& name) { ca::set_kernel_target(name); }, py::arg("name"),
+      "Selects the kernels process-wide: a name from available_targets(), 'auto', "
+      "'baseline' (Highway's fallback) or 'reference'. The environment variable "
+      "TIDAL_CPU_ADAM_TARGET sets the initial choice.");
+  m.def("target", &ca::kernel_target, "The kernel target in use.");
+}
+
+}  // namespace tidal::python

@@ -1,0 +1,501 @@
+"""tidal.dtr: dynamic tensor rematerialization (DTR) of activations.
+
+Two lines turn it on, with MegEngine's names and meanings::
+
+    tidal.dtr.eviction_threshold = "5GB"   # evict while tracked memory is above this
+    tidal.dtr.enable()
+
+or, restoring the previous state on exit::
+
+    with tidal.dtr.enabled(eviction_threshold="5GB"):
+        loss = model(x).sum(); loss.backward()
+
+Every aten op is intercepted by a ``TorchDispatchMode``; the C++ core
+(runtime/dtr) records how each storage was computed, evicts the storage with
+the lowest h_DTR^eq score when tracked bytes exceed the threshold, and
+rematerializes evicted storages in place when an op needs them again (see
+docs/dtr.md). Tracked bytes are the storages produced while DTR is on;
+parameters and inputs made before are not counted and never evicted.
+
+Options (module attributes; assigning a bad value raises ValueError/TypeError):
+    eviction_threshold: bytes (int or "5GB"); 0 = evict only when an
+        allocation fails (CUDA ``OutOfMemoryError`` raised by an op).
+    evictee_minimum_size: tensors smaller than this are never evicted
+        (default 1 MiB).
+    enable_sqrt_sampling: score sqrt(n) random candidates instead of all.
+    scorer: "dtr_eq" (default), "local", "lru" or "size".
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+import time
+import types
+import warnings
+from typing import Any, Dict, Iterator, List, Optional, Union
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode
+
+from tidal import _C
+from tidal.device import parse_bytes
+
+__all__ = [
+    "enable",
+    "disable",
+    "enabled",
+    "is_enabled",
+    "stats",
+    "configure",
+    "from_config",
+    "reset_peak",
+    "eviction_threshold",
+    "evictee_minimum_size",
+    "enable_sqrt_sampling",
+    "scorer",
+]
+
+ByteSize = Union[int, str]
+
+_SCORERS = ("dtr_eq", "local", "lru", "size")
+# >= 0 while the autograd engine runs a backward pass on this thread.
+_graph_task_id = torch._C._current_graph_task_id
+
+# Ops whose outputs must never be recomputed: collectives and ops that read
+# data out of the tensor world. Their outputs are locked (never evicted).
+_NEVER_REPLAY_NAMESPACES = ("c10d", "_c10d_functional", "c10d_functional", "_dtensor")
+_NEVER_REPLAY_OPS = frozenset({"aten._local_scalar_dense.default", "aten.set_.source_Storage",
+                               "aten.set_.source_Storage_storage_offset", "aten.set_.source_Tensor"})
+# Batch norm in training mode updates running_mean/var in place (native_batch_norm
+# does not even declare it) but its outputs do not depend on them: replays get
+# scratch copies so the update is not applied twice.
+_BATCH_NORM_OPS = frozenset({"aten.native_batch_norm.default", "aten._native_batch_norm_legit.default",
+                             "aten._batch_norm_with_update.default", "aten.cudnn_batch_norm.default",
+                             "aten.miopen_batch_norm.default"})
+
+
+def _check_bytes(name: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, str)):
+        raise TypeError(f"tidal.dtr.{name} takes an int or a size string such as '5GB', "
+                        f"got {type(value).__name__} {value!r}")
+    try:
+        return parse_bytes(value)
+    except ValueError as e:
+        raise ValueError(f"tidal.dtr.{name}: {value!r} is not a byte size ({e}). "
+                         f"Tip: write it like 5GB, 512MiB or 1073741824.") from None
+
+
+def _check_scorer(value: Any) -> str:
+    if value not in _SCORERS:
+        raise ValueError(f"tidal.dtr.scorer: expected one of {_SCORERS}, got {value!r}")
+    return value
+
+
+class _Slot:
+    """Stands for the i-th tensor input in a recorded recipe."""
+
+    __slots__ = ("i",)
+
+    def __init__(self, i: int):
+        self.i = i
+
+
+class _Scratch:
+    """A running statistic that a replayed batch norm writes into: replays get a copy."""
+
+    __slots__ = ("t",)
+
+    def __init__(self, t: torch.Tensor):
+        self.t = t
+
+
+def _template(x: Any, inputs: List[torch.Tensor]) -> Any:
+    if isinstance(x, torch.Tensor):
+        inputs.append(x)
+        return _Slot(len(inputs) - 1)
+    if isinstance(x, (list, tuple)) and x:
+        out = [_template(y, inputs) for y in x]
+        return out if isinstance(x, list) else tuple(out)
+    return x
+
+
+def _fill(x: Any, tensors: List[torch.Tensor]) -> Any:
+    if isinstance(x, _Slot):
+        return tensors[x.i]
+    if isinstance(x, _Scratch):
+        return x.t.clone()
+    if isinstance(x, (list, tuple)) and x:
+        out = [_fill(y, tensors) for y in x]
+        return out if isinstance(x, list) else tuple(out)
+    return x
+
+
+def _flat_outputs(out: Any) -> List[torch.Tensor]:
+    if isinstance(out, torch.Tensor):
+        return [out]
+    flat: List[torch.Tensor] = []
+    if isinstance(out, (list, tuple)):
+        for o in out:
+            if isinstance(o, torch.Tensor):
+                flat.append(o)
+            elif isinstance(o, (list, tuple)):
+                flat.extend(t for t in o if isinstance(t, torch.Tensor))
+    return flat
+
+
+class _OpInfo:
+    """What DTR needs to know about one OpOverload, computed once."""
+
+    __slots__ = ("name", "written", "random", "replayable", "batch_norm", "alias_only")
+
+    def __init__(self, func):
+        schema = func._schema
+        self.name = str(func)
+        self.written = [(i, a.name) for i, a in enumerate(schema.arguments)
+                        if a.alias_info is not None and a.alias_info.is_write]
+        self.random = torch.Tag.nondeterministic_seeded in func.tags
+        ns = func.namespace
+        self.replayable = ns not in _NEVER_REPLAY_NAMESPACES and self.name not in _NEVER_REPLAY_OPS
+        self.batch_norm = self.name in _BATCH_NORM_OPS
+        # An in-place op whose results all alias its arguments has no fresh output.
+        self.alias_only = all(r.alias_info is not None for r in schema.returns)
+
+
+def _rng_get(args, kwargs, inputs):
+    gen = kwargs.get("generator")
+    if gen is None:
+        gen = next((a for a in args if isinstance(a, torch.Generator)), None)
+    if gen is not None:
+        return (gen, gen.get_state())
+    device = next((t.device for t in inputs if t.device.type != "meta"), None)
+    if device is None:
+        device = kwargs.get("device")
+        device = torch.device(device) if device is not None else torch.device("cpu")
+    if device.type == "cuda":
+        return (device, torch.cuda.get_rng_state(device))
+    return (None, torch.get_rng_state())
+
+
+def _rng_set(saved) -> Any:
+    """Installs a saved generator state; returns what to restore afterwards."""
+    where, state = saved
+    if isinstance(where, torch.Generator):
+        old = (where, where.get_state())
+        where.set_state(state)
+    elif isinstance(where, torch.device):
+        old = (where, torch.cuda.get_rng_state(where))
+        torch.cuda.set_rng_state(state, where)
+    else:
+        old = (None, torch.get_rng_state())
+        torch.set_rng_state(state)
+    return old
+
+
+class _DtrMode(TorchDispatchMode):
+    """Routes every aten op through the rematerializer."""
+
+    def __init__(self, runtime):
+        super().__init__()
+        self.rt = runtime
+        self.info: Dict[Any, _OpInfo] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        info = self.info.get(func)
+        if info is None:
+            info = self.info[func] = _OpInfo(func)
+        rt = self.rt
+        scratch: List[torch.Tensor] = []
+        recorded_args = args
+        if info.batch_norm and len(args) > 5 and args[5] is True and args[3] is not None:
+            # Running stats are written, not read: not inputs of the recipe.
+            scratch = [args[3], args[4]]
+            recorded_args = (*args[:3], _Scratch(args[3]), _Scratch(args[4]), *args[5:])
+        inputs: List[torch.Tensor] = []
+        targs = _template(recorded_args, inputs)
+        tkw = _template(kwargs, inputs) if kwargs else kwargs
+        ids, missing = rt.begin_op(inputs)
+        try:
+            if missing:
+                self.regenerate(missing)
+            mutations = []
+            declared = self._written(info, recorded_args, kwargs)
+            written = declared + scratch
+            if written:
+                rt.set_hold_evictions(True)  # released by end_op, after commit_mutation
+                wids = []
+                for w in written:
+                    wid = next((ids[i] for i, t in enumerate(inputs) if t is w), -1)
+                    if wid < 0:
+                        wid = rt.lookup(w)
+                    if wid >= 0 and wid not in wids:
+                        wids.append(wid)
+                chain_ok = info.replayable and info.alias_only and len(wids) == 1 and not scratch
+                regen: List[int] = []
+                for wid in wids:
+                    chain, todo = rt.prepare_mutation(wid, chain_ok)
+                    mutations.append((wid, chain))
+                    regen.extend(todo)
+                if regen:
+                    self.regenerate(regen)
+            rng = _rng_get(args, kwargs, inputs) if info.random else None
+            t0 = time.perf_counter()
+            while True:
+                try:
+                    out = func(*args, **kwargs)
+                    break
+                except torch.OutOfMemoryError:
+                    # The allocator ran out (CUDA): free the best candidate and retry.
+                    if not rt.evict_one():
+                        raise
+            seconds = time.perf_counter() - t0
+            recipe = (func, targs, tkw, rng)
+            outs = _flat_outputs(out)
+            if outs:
+                # Fresh outputs of an op that updates its arguments are not replayed
+                # (the update would be applied twice), except batch norm's (scratch).
+                rt.record(inputs, ids, outs, seconds, info.replayable and not declared, recipe,
+                          _graph_task_id() != -1)
+            for wid, chain in mutations:
+                rt.commit_mutation(wid, chain, inputs, ids, seconds, recipe if chain else None)
+        except BaseException:
+            rt.set_hold_evictions(False)
+            with contextlib.suppress(Exception):
+                rt.end_op(info.name)
+            raise
+        rt.set_hold_evictions(False)
+        rt.end_op(info.name)
+        return out
+
+    @staticmethod
+    def _written(info: _OpInfo, args, kwargs) -> List[torch.Tensor]:
+        out: List[torch.Tensor] = []
+        for i, name in info.written:
+            v = args[i] if i < len(args) else kwargs.get(name)
+            if isinstance(v, torch.Tensor):
+                out.append(v)
+            elif isinstance(v, (list, tuple)):
+                out.extend(t for t in v if isinstance(t, torch.Tensor))
+        return out
+
+    def regenerate(self, targets: List[int]) -> None:
+        """Replays recipes until every target is resident (rt.plan uses an explicit stack)."""
+        rt = self.rt
+        try:
+            for op, recipe, chained in rt.plan(targets):
+                func, targs, tkw, rng = recipe
+                tensors = rt.replay_inputs(op)
+                a = _fill(targs, tensors)
+                k = _fill(tkw, tensors) if tkw else {}
+                old = _rng_set(rng) if rng is not None else None
+                t0 = time.perf_counter()
+                try:
+                    while True:
+                        try:
+                            out = func(*a, **k)
+                            break
+                        except torch.OutOfMemoryError:
+                            if not rt.evict_one():  # never takes what the plan pinned
+                                raise
+                finally:
+                    if old is not None:
+                        _rng_set(old)
+                seconds = time.perf_counter() - t0
+                del a, k, tensors  # inputs no later step needs can be dropped at once
+                rt.replayed(op, chained, _flat_outputs(out), seconds)
+                del out
+        finally:
+            rt.end_plan()
+
+
+# ---------------------------------------------------------------------------
+# Module state and the public switch.
+
+_options: Dict[str, Any] = {
+    "eviction_threshold": 0,
+    "evictee_minimum_size": 1 << 20,
+    "enable_sqrt_sampling": False,
+    "scorer": "dtr_eq",
+}
+_runtime = None
+_mode: Optional[_DtrMode] = None
+_last_stats: Dict[str, Any] = {}
+
+
+def configure(eviction_threshold: Optional[ByteSize] = None, evictee_minimum_size: Optional[ByteSize] = None,
+              enable_sqrt_sampling: Optional[bool] = None, scorer: Optional[str] = None) -> None:
+    """Sets options (all checked before any is applied). The threshold applies at once
+    to a running session; the others from the next ``enable()``.
+
+    Args:
+        eviction_threshold: bytes, int or a string such as "5GB"; 0 = no threshold.
+        evictee_minimum_size: bytes; smaller tensors are never evicted.
+        enable_sqrt_sampling: score sqrt(n) sampled candidates.
+        scorer: "dtr_eq", "local", "lru" or "size".
+    """
+    new = dict(_options)
+    if eviction_threshold is not None:
+        new["eviction_threshold"] = _check_bytes("eviction_threshold", eviction_threshold)
+    if evictee_minimum_size is not None:
+        new["evictee_minimum_size"] = _check_bytes("evictee_minimum_size", evictee_minimum_size)
+    if enable_sqrt_sampling is not None:
+        if not isinstance(enable_sqrt_sampling, bool):
+            raise TypeError(f"tidal.dtr.enable_sqrt_sampling takes a bool, got {enable_sqrt_sampling!r}")
+        new["enable_sqrt_sampling"] = enable_sqrt_sampling
+    if scorer is not None:
+        new["scorer"] = _check_scorer(scorer)
+    _options.update(new)
+    if _runtime is not None:
+        _runtime.set_eviction_threshold(_options["eviction_threshold"])
+
+
+_CONFIG_KEYS = ("enabled", "eviction_threshold", "evictee_minimum_size", "enable_sqrt_sampling", "scorer")
+
+
+def from_config(block: Dict[str, Any]) -> None:
+    """Applies a config file's ``tidal.dtr`` block, e.g.
+    ``{"enabled": true, "eviction_threshold": "5GB"}``. A key DTR does not know is
+    an error, never silently ignored.
+
+    Args:
+        block: the mapping under ``tidal`` -> ``dtr``.
+    """
+    if not isinstance(block, dict):
+        raise TypeError(f"the tidal.dtr config block must be a mapping, got {type(block).__name__}")
+    unknown = sorted(set(block) - set(_CONFIG_KEYS))
+    if unknown:
+        raise ValueError(f"unknown key(s) {unknown} in the tidal.dtr config block; "
+                         f"expected some of {list(_CONFIG_KEYS)}")
+    options = {k: v for k, v in block.items() if k != "enabled"}
+    on = block.get("enabled", True)
+    if not isinstance(on, bool):
+        raise TypeError(f"tidal.dtr.enabled in the config must be true or false, got {on!r}")
+    if on:
+        enable(**options)
+    else:
+        configure(**options)
+        disable()
+
+
+def is_enabled() -> bool:
+    """Whether DTR intercepts ops now."""
+    return _mode is not None
+
+
+def enable(**options) -> None:
+    """Turns DTR on for this thread (after ``configure(**options)``).
+
+    Calling it while enabled restarts the session with the new options
+    (evicted tensors are brought back first).
+    """
+    global _runtime, _mode
+    configure(**options)
+    if _mode is not None:
+        disable()
+    _runtime = _C.dtr.Runtime(_options["eviction_threshold"], _options["evictee_minimum_size"],
+                              _options["enable_sqrt_sampling"], _options["scorer"])
+    _mode = _DtrMode(_runtime)
+    _mode.__enter__()
+
+
+def disable() -> None:
+    """Turns DTR off: brings back every evicted tensor that is still reachable,
+    then forgets all records. A no-op when DTR is off."""
+    global _runtime, _mode, _last_stats
+    if _mode is None:
+        return
+    mode, rt = _mode, _runtime
+    if _get_current_dispatch_mode() is not mode:
+        raise RuntimeError("tidal.dtr.disable(): another TorchDispatchMode was entered after "
+                           "tidal.dtr.enable() and is still active; exit it first")
+    mode.__exit__(None, None, None)
+    _mode = None
+    try:
+        rt.set_eviction_threshold(0)  # bringing tensors back must not evict others
+        with torch.no_grad():
+            todo = rt.evicted_alive()
+            if todo:
+                mode.regenerate(todo)
+        left = rt.evicted_alive()
+        if left:
+            raise _C.InternalError(f"tidal.dtr.disable(): tensors {left} are still evicted")
+        _last_stats = rt.stats()
+        rt.clear()
+    finally:
+        _runtime = None
+
+
+@contextlib.contextmanager
+def enabled(**options) -> Iterator[None]:
+    """``with tidal.dtr.enabled(eviction_threshold="2GB"):`` runs the block with DTR on
+    and restores the previous options and on/off state afterwards, also on error."""
+    saved = dict(_options)
+    was_on = is_enabled()
+    enable(**options)
+    try:
+        yield
+    except BaseException:
+        # The block's error wins over one from bringing tensors back.
+        try:
+            disable()
+        except Exception as e:  # noqa: BLE001
+            warnings.warn(f"tidal.dtr.disable() failed after an error in the block: {e}", stacklevel=3)
+            _force_off()
+        raise
+    else:
+        disable()
+    finally:
+        _options.clear()
+        _options.update(saved)
+        if was_on and not is_enabled():
+            enable()
+
+
+def _force_off() -> None:
+    global _runtime, _mode
+    if _mode is not None and _get_current_dispatch_mode() is _mode:
+        _mode.__exit__(None, None, None)
+    if _runtime is not None:
+        _runtime.clear()
+    _runtime, _mode = None, None
+
+
+def stats() -> Dict[str, Any]:
+    """Live counters of the session (or of the last one when DTR is off):
+    evictions, recomputes (ops replayed), recompute_seconds, tracked_bytes,
+    peak_tracked_bytes, max_op_working_set, live_tensors, live_ops,
+    fake_deleted, locked_bytes, held_storages, recipes."""
+    out = dict(_runtime.stats() if _runtime is not None else _last_stats)
+    out["enabled"] = is_enabled()
+    return out
+
+
+def reset_peak() -> None:
+    """Restarts peak_tracked_bytes and max_op_working_set from now."""
+    if _runtime is not None:
+        _runtime.reset_peak()
+
+
+def _validate() -> None:
+    """Checks every invariant of the records (tests)."""
+    if _runtime is not None:
+        _runtime.validate()
+
+
+class _DtrModule(types.ModuleType):
+    """Makes ``tidal.dtr.eviction_threshold = "5GB"`` a checked assignment."""
+
+    def __getattr__(self, name):
+        if name in _options:
+            return _options[name]
+        raise AttributeError(f"module 'tidal.dtr' has no attribute {name!r}")
+
+    def __setattr__(self, name, value):
+        if name in _options:
+            configure(**{name: value})
+        else:
+            super().__setattr__(name, value)
+
+
+sys.modules[__name__].__class__ = _DtrModule

@@ -1,0 +1,112 @@
+// CPU Adam's multi-threaded contracts (Note [Deterministic blocks] and the
+// all-or-nothing overflow of Note [CPU Adam passes]) with the default kernel
+// target. Labelled "threaded": ThreadSanitizer runs this executable (see
+// Note [ThreadSanitizer and oneTBB] in cpu_adam/adam.cpp).
+#include <gtest/gtest.h>
+#include <tbb/global_control.h>
+
+#include <cstring>
+#include <limits>
+#include <vector>
+
+#include "cpu_adam/adam.h"
+#include "cpu_adam/reference.h"
+#include "tests/cpp/cpu_adam/adam_test_util.h"
+
+namespace tidal::cpu_adam {
+namespace {
+
+using namespace test_util;  // NOLINT: test helpers
+
+// Lets oneTBB run more threads than this (possibly 2-core) machine has.
+class ManyThreads {
+ public:
+  ManyThreads() : control_(tbb::global_control::max_allowed_parallelism, 8) {}
+
+ private:
+  tbb::global_control control_;
+};
+
+TEST(AdamThreads, ManySpansInOneCallMatchReferencePerSpan) {
+  ManyThreads allow;
+  const AdamDTypes d{DType::kFloat16, DType::kFloat32, DType::kBFloat16};
+  const AdamHyperParams h = non_default_hyper(true, true);
+  const std::size_t lengths[] = {1, 70000, 3, kBlockElements, kBlockElements + 1, 0, 17, 100000};
+  std::vector<SpanData> got, want;
+  for (std::size_t i = 0; i < std::size(lengths); ++i) {
+    got.emplace_back(d, lengths[i], i % 3, static_cast<std::uint32_t>(i));
+  }
+  want = got;
+  std::vector<AdamSpan> spans;
+  for (std::size_t i = 0; i < got.size(); ++i) {
+    spans.push_back(got[i].span(static_cast<std::int64_t>(i + 1)));  // a step per span
+    reference::adam_update(h, d, want[i].span(static_cast<std::int64_t>(i + 1)));
+  }
+  adam_update(h, d, spans, 1.0, ExecOptions{3});
+  for (std::size_t i = 0; i < got.size(); ++i) {
+    ASSERT_TRUE(span_close(got[i], want[i])) << "target " << kernel_target() << ", span " << i;
+  }
+}
+
+// Note [Deterministic blocks]: bitwise equal results for any thread count.
+TEST(AdamThreads, ResultsDoNotDependOnTheThreadCount) {
+  ManyThreads allow;
+  const AdamDTypes d{DType::kFloat16, DType::kFloat32, DType::kFloat16};
+  const AdamHyperParams h = non_default_hyper(true, true);
+  const std::size_t lengths[] = {(std::size_t{1} << 19) + 3, 5, 70001};
+  std::vector<SpanData> initial;
+  for (std::size_t i = 0; i < std::size(lengths); ++i) {
+    initial.emplace_back(d, lengths[i], i, static_cast<std::uint32_t>(50 + i));
+    initial.back().set_grads(static_cast<std::uint32_t>(60 + i), 1000.0f);
+  }
+  std::vector<SpanData> first;
+  GradStats first_stats;
+  for (int threads : {1, 2, 3, 4, 7}) {
+    std::vector<SpanData> run = initial;
+    std::vector<AdamSpan> spans;
+    std::vector<GradSpan> grads;
+    for (SpanData& s : run) {
+      spans.push_back(s.span(4));
+      grads.push_back({s.gp(), s.count});
+    }
+    const GradStats stats = grad_stats(d.grad, grads, 1.0 / 1000, ExecOptions{threads});
+    adam_update(h, d, spans, 1.0 / 1000, ExecOptions{threads});
+    if (first.empty()) {
+      first = run;
+      first_stats = stats;
+      continue;
+    }
+    EXPECT_EQ(std::memcmp(&stats.sum_squares, &first_stats.sum_squares, sizeof(double)), 0)
+        << threads << " threads: sum of squares " << stats.sum_squares << " vs "
+        << first_stats.sum_squares;
+    for (std::size_t i = 0; i < run.size(); ++i) {
+      EXPECT_TRUE(same_bytes(run[i], first[i])) << threads << " threads, span " << i;
+    }
+  }
+}
+
+// One NaN in any block of any span stops the whole step, whichever thread
+// meets it and whenever.
+TEST(AdamThreads, AnOverflowInAnyBlockLeavesEverySpanUntouched) {
+  ManyThreads allow;
+  const AdamDTypes d{DType::kFloat16, DType::kFloat32, DType::kFloat16};
+  const std::size_t n = 5 * kBlockElements + 9;
+  for (std::size_t pos : {std::size_t{3}, 2 * kBlockElements + 1, n - 1}) {
+    SpanData a(d, 1000, 1, 81);
+    SpanData b(d, n, 2, 82);
+    encode(DType::kFloat16, b.gp(), pos, std::numeric_limits<float>::infinity());
+    const SpanData a0 = a, b0 = b;
+    const AdamSpan spans[] = {a.span(2), b.span(2)};
+    AdamStepOptions opt;
+    opt.loss_scale = 1024.0;
+    const AdamStepResult r = adam_step(non_default_hyper(true, true), d, spans, opt, ExecOptions{3});
+    EXPECT_TRUE(r.overflow) << "inf at " << pos;
+    EXPECT_TRUE(same_bytes(a, a0));
+    EXPECT_TRUE(same_bytes(b, b0));
+    const GradSpan grads[] = {{a.gp(), a.count}, {b.gp(), b.count}};
+    EXPECT_FALSE(grad_stats(d.grad, grads, 1.0, ExecOptions{3}).finite);
+  }
+}
+
+}  // namespace
+}  // namespace tidal::cpu_adam

@@ -1,0 +1,564 @@
+"""tidal.optim.CPUAdam and tidal._C.cpu_adam against torch.optim.Adam/AdamW.
+
+Every comparison is elementwise (torch.testing.assert_close or torch.equal),
+never a norm. Tests that compare numbers run once per kernel target this
+build and CPU offer, the scalar "reference" included.
+"""
+
+import copy
+import json
+import math
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+import tidal  # noqa: F401  -- loads torch, then tidal._C
+from tidal import _C
+from tidal.optim import CPUAdam
+
+ROOT = Path(__file__).resolve().parents[2]
+TARGETS = _C.cpu_adam.available_targets()
+# Subprocesses import this checkout's tidal, keeping the caller's path after it.
+SUBPROCESS_PYTHONPATH = os.pathsep.join(
+    [str(ROOT / "python")] + ([os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else []))
+HYPER = dict(lr=3e-3, betas=(0.8, 0.95), eps=1e-6, weight_decay=0.05)
+SHAPES = [(37,), (8, 13), (1,), (), (3, 5, 7), (4099,)]
+# fp32 kernels do torch's operations in torch's order (no FMA); what remains
+# is a few ulps per step (torch's lerp uses FMA), compounded over 100 steps.
+RTOL, ATOL = 1e-5, 1e-6
+
+
+@pytest.fixture
+def target(request):
+    """Selects a kernel target for the test and restores the previous one."""
+    previous = _C.cpu_adam.target()
+    _C.cpu_adam.set_target(request.param)
+    try:
+        yield request.param
+    finally:
+        _C.cpu_adam.set_target(previous)
+
+
+def same_bits(a, b):
+    """Bitwise equality (torch.equal is False for NaN == NaN)."""
+    return a.dtype == b.dtype and torch.equal(a.reshape(-1).view(torch.uint8),
+                                              b.reshape(-1).view(torch.uint8))
+
+
+def make_params(seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randn(s, generator=gen) for s in SHAPES]
+
+
+def twin_params(seed=0):
+    base = make_params(seed)
+    ours = [torch.nn.Parameter(t.clone()) for t in base]
+    theirs = [torch.nn.Parameter(t.clone()) for t in base]
+    return ours, theirs
+
+
+def set_grads(gen, *param_lists, scale=1.0):
+    for ps in zip(*param_lists):
+        g = torch.randn(ps[0].shape, generator=gen) * scale
+        for p in ps:
+            p.grad = g.clone()
+
+
+def assert_states_close(ours, theirs, opt, ref):
+    for a, b in zip(ours, theirs):
+        torch.testing.assert_close(a, b, rtol=RTOL, atol=ATOL)
+        sa, sb = opt.state[a], ref.state[b]
+        assert float(sa["step"]) == float(sb["step"])
+        torch.testing.assert_close(sa["exp_avg"], sb["exp_avg"], rtol=RTOL, atol=ATOL)
+        torch.testing.assert_close(sa["exp_avg_sq"], sb["exp_avg_sq"], rtol=RTOL, atol=ATOL)
+
+
+# --- CPUAdam against torch ---------------------------------------------------
+
+
+@pytest.mark.parametrize("target", TARGETS, indirect=True)
+@pytest.mark.parametrize("adamw_mode", [True, False], ids=["AdamW", "Adam-L2"])
+def test_matches_torch_over_100_steps(target, adamw_mode):
+    ours, theirs = twin_params()
+    opt = CPUAdam(ours, adamw_mode=adamw_mode, **HYPER)
+    ref = (torch.optim.AdamW if adamw_mode else torch.optim.Adam)(theirs, **HYPER)
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(100):
+        set_grads(gen, ours, theirs)
+        opt.step()
+        ref.step()
+    assert_states_close(ours, theirs, opt, ref)
+
+
+@pytest.mark.parametrize("target", TARGETS, indirect=True)
+def test_without_bias_correction_matches_the_formula(target):
+    # torch has no switch for it: the reference is Adam written in torch ops.
+    ours, theirs = twin_params()
+    opt = CPUAdam(ours, bias_correction=False, **HYPER)
+    lr, (b1, b2), eps, wd = HYPER["lr"], HYPER["betas"], HYPER["eps"], HYPER["weight_decay"]
+    m = [torch.zeros_like(p) for p in theirs]
+    v = [torch.zeros_like(p) for p in theirs]
+    gen = torch.Generator().manual_seed(2)
+    with torch.no_grad():
+        for _ in range(100):
+            set_grads(gen, ours, theirs)
+            opt.step()
+            for p, mi, vi in zip(theirs, m, v):
+                p.mul_(1 - lr * wd)
+                mi.lerp_(p.grad, 1 - b1)
+                vi.mul_(b2).addcmul_(p.grad, p.grad, value=1 - b2)
+                p.addcdiv_(mi, vi.sqrt().add_(eps), value=-lr)
+    for a, b, mi, vi in zip(ours, theirs, m, v):
+        torch.testing.assert_close(a, b, rtol=RTOL, atol=ATOL)
+        torch.testing.assert_close(opt.state[a]["exp_avg"], mi, rtol=RTOL, atol=ATOL)
+        torch.testing.assert_close(opt.state[a]["exp_avg_sq"], vi, rtol=RTOL, atol=ATOL)
+
+
+def test_param_groups_and_params_without_grads():
+    ours, theirs = twin_params()
+    groups = lambda ps: [  # noqa: E731
+        {"params": ps[:3], "lr": 1e-2},
+        {"params": ps[3:], "weight_decay": 0.2, "betas": (0.5, 0.9)},
+    ]
+    opt = CPUAdam(groups(ours), **HYPER)
+    ref = torch.optim.AdamW(groups(theirs), **HYPER)
+    gen = torch.Generator().manual_seed(3)
+    for i in range(20):
+        set_grads(gen, ours, theirs)
+        if i % 3 == 0:  # a param without a grad is skipped, its step not counted
+            ours[1].grad = None
+            theirs[1].grad = None
+        opt.step()
+        ref.step()
+    assert_states_close(ours, theirs, opt, ref)
+    assert float(opt.state[ours[1]]["step"]) == 13
+
+
+def test_closure_is_called_with_grad_enabled():
+    p = torch.nn.Parameter(torch.tensor([1.0, -2.0]))
+    opt = CPUAdam([p], lr=0.1)
+
+    def closure():
+        opt.zero_grad()
+        loss = (p * p).sum()
+        loss.backward()
+        return loss
+
+    loss = opt.step(closure)
+    assert loss.item() == pytest.approx(5.0)
+    assert torch.all(p.detach().abs() < torch.tensor([1.0, 2.0]))
+
+
+# --- the low-level entry (chunk buffers) ----------------------------------------
+
+
+@pytest.mark.parametrize("target", TARGETS, indirect=True)
+@pytest.mark.parametrize("grad_dtype", [torch.float16, torch.bfloat16])
+def test_16bit_grads_match_torch_fed_the_upcast_grads(target, grad_dtype):
+    n = 10007
+    gen = torch.Generator().manual_seed(4)
+    master = torch.randn(n, generator=gen)
+    exp_avg, exp_avg_sq = torch.zeros(n), torch.zeros(n)
+    copy16 = torch.empty(n, dtype=grad_dtype)
+    p = torch.nn.Parameter(master.clone())
+    ref = torch.optim.AdamW([p], **HYPER)
+    b1, b2 = HYPER["betas"]
+    for step in range(1, 101):
+        g16 = torch.randn(n, generator=gen).to(grad_dtype)
+        _C.cpu_adam.adam_update(master, exp_avg, exp_avg_sq, g16, copy16, step=step, lr=HYPER["lr"],
+                                beta1=b1, beta2=b2, eps=HYPER["eps"],
+                                weight_decay=HYPER["weight_decay"])
+        p.grad = g16.float()
+        ref.step()
+    torch.testing.assert_close(master, p.detach(), rtol=RTOL, atol=ATOL)
+    torch.testing.assert_close(exp_avg, ref.state[p]["exp_avg"], rtol=RTOL, atol=ATOL)
+    torch.testing.assert_close(exp_avg_sq, ref.state[p]["exp_avg_sq"], rtol=RTOL, atol=ATOL)
+    # The 16-bit copy is torch's own round-to-nearest-even of the fp32 master.
+    assert torch.equal(copy16, master.to(grad_dtype))
+
+
+@pytest.mark.parametrize("target", TARGETS, indirect=True)
+def test_loss_scale_and_clipping_match_torch_clip_grad_norm(target):
+    n, loss_scale, max_norm = 5000, 1024.0, 20.0
+    gen = torch.Generator().manual_seed(5)
+    master = torch.randn(n, generator=gen)
+    exp_avg, exp_avg_sq = torch.zeros(n), torch.zeros(n)
+    copy16 = torch.empty(n, dtype=torch.float16)
+    p = torch.nn.Parameter(master.clone())
+    ref = torch.optim.AdamW([p], **HYPER)
+    b1, b2 = HYPER["betas"]
+    for step in range(1, 31):
+        scaled = (torch.randn(n, generator=gen) * loss_scale).half()  # what fp16 backward leaves
+        r = _C.cpu_adam.adam_step(master, exp_avg, exp_avg_sq, scaled, copy16, step=step,
+                                  lr=HYPER["lr"], beta1=b1, beta2=b2, eps=HYPER["eps"],
+                                  weight_decay=HYPER["weight_decay"], loss_scale=loss_scale,
+                                  max_grad_norm=max_norm)
+        p.grad = scaled.float() / loss_scale
+        total = torch.nn.utils.clip_grad_norm_([p], max_norm)
+        ref.step()
+        assert not r.overflow
+        assert r.grad_norm == pytest.approx(total.item(), rel=1e-5)
+        assert r.clip_coef == pytest.approx(max_norm / (total.item() + 1e-6), rel=1e-5)
+    torch.testing.assert_close(master, p.detach(), rtol=RTOL, atol=ATOL)
+    torch.testing.assert_close(exp_avg_sq, ref.state[p]["exp_avg_sq"], rtol=1e-4, atol=ATOL)
+    assert torch.equal(copy16, master.half())
+
+
+@pytest.mark.parametrize("target", TARGETS, indirect=True)
+@pytest.mark.parametrize("bad", [math.inf, -math.inf, math.nan])
+def test_overflow_leaves_every_buffer_unchanged_and_is_reported(target, bad):
+    n = 3 * _C.cpu_adam.block_elements + 11
+    gen = torch.Generator().manual_seed(6)
+    master = torch.randn(n, generator=gen)
+    exp_avg, exp_avg_sq = torch.randn(n, generator=gen), torch.rand(n, generator=gen)
+    grad = (torch.randn(n, generator=gen) * 100).half()
+    copy16 = torch.full((n,), 7.0, dtype=torch.float16)
+    for pos in (0, n // 2, n - 1):
+        g = grad.clone()
+        g[pos] = bad
+        before = [t.clone() for t in (master, exp_avg, exp_avg_sq, g, copy16)]
+        r = _C.cpu_adam.adam_step(master, exp_avg, exp_avg_sq, g, copy16, step=3, lr=1e-3,
+                                  loss_scale=128.0, max_grad_norm=1.0)
+        assert r.overflow
+        for t, t0 in zip((master, exp_avg, exp_avg_sq, g, copy16), before):
+            assert same_bits(t, t0)
+        assert not _C.cpu_adam.grad_stats(g).finite
+    assert _C.cpu_adam.grad_stats(grad).finite
+
+
+def test_offsets_address_one_tensor_inside_a_chunk():
+    # Two "tensors" packed in one flat chunk per list, updated one at a time.
+    n0, n1 = 1000, 777
+    gen = torch.Generator().manual_seed(7)
+    master = torch.randn(n0 + n1, generator=gen)
+    m, v = torch.zeros(n0 + n1), torch.zeros(n0 + n1)
+    g16 = torch.randn(n0 + n1, generator=gen).half()
+    copy16 = torch.zeros(n0 + n1, dtype=torch.float16)
+    whole = [t.clone() for t in (master, m, v, copy16)]
+    _C.cpu_adam.adam_update(*whole[:3], g16, whole[3], step=1, lr=1e-2)
+    _C.cpu_adam.adam_update(master, m, v, g16, copy16, step=1, lr=1e-2, offset=0, count=n0)
+    assert not torch.equal(master[n0:], whole[0][n0:])  # the second tensor is not updated yet
+    _C.cpu_adam.adam_update(master, m, v, g16, copy16, step=1, lr=1e-2, offset=n0, count=n1)
+    for a, b in zip((master, m, v, copy16), whole):
+        assert torch.equal(a, b)
+
+
+def test_host_buffers_take_part_through_zero_copy_tensor_views():
+    # Chunk memory that is not a tensor (tidal.HostBuffer) is viewed with
+    # torch.frombuffer, without a copy, and updated in place.
+    host_buffer = getattr(tidal, "HostBuffer", None)
+    if host_buffer is None:
+        pytest.skip("tidal.HostBuffer is not exposed in this build")
+    n = 2048
+    bufs = [host_buffer(n * 4) for _ in range(3)] + [host_buffer(n * 2) for _ in range(2)]
+    master, m, v = (torch.frombuffer(b, dtype=torch.float32) for b in bufs[:3])
+    g16, copy16 = (torch.frombuffer(b, dtype=torch.float16) for b in bufs[3:])
+    gen = torch.Generator().manual_seed(23)
+    master.copy_(torch.randn(n, generator=gen))
+    m.zero_()
+    v.zero_()
+    g16.copy_(torch.randn(n, generator=gen))
+    expected = [master.clone(), torch.zeros(n), torch.zeros(n)]
+    _C.cpu_adam.adam_update(*expected, g16.clone(), step=1, lr=1e-2, offset=100, count=1000)
+    _C.cpu_adam.adam_update(master, m, v, g16, copy16, step=1, lr=1e-2, offset=100, count=1000)
+    for a, b in zip((master, m, v), expected):
+        assert torch.equal(a, b)
+    assert torch.equal(copy16[100:1100], master[100:1100].half())
+    # The memory behind the views is the buffers' own.
+    assert master.data_ptr() == bufs[0].data_ptr
+
+
+def test_the_copy_may_overwrite_the_16bit_grads_in_place():
+    n = 4099
+    gen = torch.Generator().manual_seed(8)
+    master = torch.randn(n, generator=gen)
+    g16 = torch.randn(n, generator=gen).half()
+    sep = [master.clone(), torch.zeros(n), torch.zeros(n)]
+    copy16 = torch.empty(n, dtype=torch.float16)
+    _C.cpu_adam.adam_update(*sep, g16, copy16, step=1, lr=1e-2)
+    inplace = [master.clone(), torch.zeros(n), torch.zeros(n)]
+    chunk16 = g16.clone()  # grads in, params out
+    _C.cpu_adam.adam_update(*inplace, chunk16, chunk16, step=1, lr=1e-2)
+    for a, b in zip(sep, inplace):
+        assert torch.equal(a, b)
+    assert torch.equal(chunk16, copy16)
+
+
+def test_bf16_optimizer_state_rounds_like_torch():
+    # Note [16-bit optimizer state]: fp32 arithmetic, m and v rounded to bf16.
+    n = 3001
+    gen = torch.Generator().manual_seed(9)
+    master = torch.randn(n, generator=gen)
+    m16, v16 = torch.zeros(n, dtype=torch.bfloat16), torch.zeros(n, dtype=torch.bfloat16)
+    pr, mr, vr = master.clone(), torch.zeros(n), torch.zeros(n)
+    lr, b1, b2, eps = 1e-2, 0.9, 0.99, 1e-8
+    for step in range(1, 21):
+        g = torch.randn(n, generator=gen)
+        _C.cpu_adam.adam_update(master, m16, v16, g, step=step, lr=lr, beta1=b1, beta2=b2, eps=eps)
+        # This step's update uses the fp32 moments; only what is stored is rounded.
+        m32 = mr.lerp(g, 1 - b1)
+        v32 = vr * b2 + (1 - b2) * g * g
+        denom = v32.sqrt() / math.sqrt(1 - b2**step) + eps
+        pr = pr - (lr / (1 - b1**step)) * m32 / denom
+        mr, vr = m32.bfloat16().float(), v32.bfloat16().float()
+    torch.testing.assert_close(m16.float(), mr, rtol=1e-2, atol=1e-6)
+    torch.testing.assert_close(v16.float(), vr, rtol=1e-2, atol=1e-8)
+    torch.testing.assert_close(master, pr, rtol=1e-4, atol=1e-5)
+
+
+def test_results_do_not_depend_on_the_thread_count():
+    n = (1 << 20) + 3
+    gen = torch.Generator().manual_seed(10)
+    init = [torch.randn(n, generator=gen), torch.randn(n, generator=gen) * 0.1,
+            torch.rand(n, generator=gen)]
+    g16 = (torch.randn(n, generator=gen) * 512).half()
+    results = []
+    for threads in (1, 2, 3):
+        bufs = [t.clone() for t in init] + [torch.empty(n, dtype=torch.float16)]
+        r = _C.cpu_adam.adam_step(bufs[0], bufs[1], bufs[2], g16, bufs[3], step=5, lr=1e-3,
+                                  loss_scale=512.0, max_grad_norm=100.0, num_threads=threads)
+        results.append((bufs, r.grad_norm))
+    for bufs, norm in results[1:]:
+        assert norm == results[0][1]  # bitwise: fixed blocks, fixed-order reduction
+        for a, b in zip(bufs, results[0][0]):
+            assert torch.equal(a, b)
+
+
+# --- state dicts -------------------------------------------------------------------
+
+
+def run_steps(opt, params, gen, k):
+    for _ in range(k):
+        set_grads(gen, params)
+        opt.step()
+
+
+def test_state_dict_round_trip_with_torch_adamw():
+    # CPUAdam -> AdamW
+    ours = [torch.nn.Parameter(t) for t in make_params(11)]
+    opt = CPUAdam(ours, **HYPER)
+    run_steps(opt, ours, torch.Generator().manual_seed(12), 5)
+    sd = copy.deepcopy(opt.state_dict())
+    ref_sd = torch.optim.AdamW([torch.nn.Parameter(t) for t in make_params(11)], **HYPER)
+    run_steps(ref_sd, list(ref_sd.param_groups[0]["params"]), torch.Generator().manual_seed(12), 5)
+    torch_layout = ref_sd.state_dict()
+    assert set(sd["state"]) == set(torch_layout["state"])
+    for i, st in sd["state"].items():
+        assert set(st) == set(torch_layout["state"][i]) == {"step", "exp_avg", "exp_avg_sq"}
+        assert st["step"].dtype == torch_layout["state"][i]["step"].dtype
+        assert st["step"].shape == () and float(st["step"]) == 5
+
+    theirs = [torch.nn.Parameter(p.detach().clone()) for p in ours]
+    ref = torch.optim.AdamW(theirs, **HYPER)
+    ref.load_state_dict(sd)
+    gen_a, gen_b = torch.Generator().manual_seed(13), torch.Generator().manual_seed(13)
+    run_steps(opt, ours, gen_a, 5)
+    run_steps(ref, theirs, gen_b, 5)
+    assert_states_close(ours, theirs, opt, ref)
+
+    # AdamW -> CPUAdam
+    theirs2 = [torch.nn.Parameter(t) for t in make_params(14)]
+    ref2 = torch.optim.AdamW(theirs2, **HYPER)
+    run_steps(ref2, theirs2, torch.Generator().manual_seed(15), 5)
+    ours2 = [torch.nn.Parameter(p.detach().clone()) for p in theirs2]
+    opt2 = CPUAdam(ours2, lr=1.0)  # hyperparameters come from the state dict
+    opt2.load_state_dict(copy.deepcopy(ref2.state_dict()))
+    assert opt2.param_groups[0]["adamw_mode"] is True
+    assert opt2.param_groups[0]["lr"] == HYPER["lr"]
+    run_steps(opt2, ours2, torch.Generator().manual_seed(16), 5)
+    run_steps(ref2, theirs2, torch.Generator().manual_seed(16), 5)
+    assert_states_close(ours2, theirs2, opt2, ref2)
+
+
+def test_state_dict_from_torch_adam_keeps_l2_mode_and_cpuadam_to_adam():
+    theirs = [torch.nn.Parameter(t) for t in make_params(17)]
+    ref = torch.optim.Adam(theirs, **HYPER)
+    run_steps(ref, theirs, torch.Generator().manual_seed(18), 3)
+    ours = [torch.nn.Parameter(p.detach().clone()) for p in theirs]
+    opt = CPUAdam(ours)
+    opt.load_state_dict(copy.deepcopy(ref.state_dict()))
+    assert opt.param_groups[0]["adamw_mode"] is False
+    run_steps(opt, ours, torch.Generator().manual_seed(19), 3)
+    run_steps(ref, theirs, torch.Generator().manual_seed(19), 3)
+    assert_states_close(ours, theirs, opt, ref)
+    # and back: CPUAdam(adamw_mode=True) into torch.optim.Adam stays decoupled
+    opt3 = CPUAdam([torch.nn.Parameter(torch.ones(3))], adamw_mode=True)
+    back = torch.optim.Adam([torch.nn.Parameter(torch.ones(3))])
+    back.load_state_dict(opt3.state_dict())
+    assert back.param_groups[0]["decoupled_weight_decay"] is True
+
+
+def test_state_dict_round_trip_cpuadam_to_cpuadam_is_exact():
+    ours = [torch.nn.Parameter(t) for t in make_params(20)]
+    opt = CPUAdam(ours, adamw_mode=False, bias_correction=False, **HYPER)
+    run_steps(opt, ours, torch.Generator().manual_seed(21), 4)
+    clone = [torch.nn.Parameter(p.detach().clone()) for p in ours]
+    opt2 = CPUAdam(clone)
+    opt2.load_state_dict(copy.deepcopy(opt.state_dict()))
+    assert opt2.param_groups[0]["bias_correction"] is False
+    run_steps(opt, ours, torch.Generator().manual_seed(22), 4)
+    run_steps(opt2, clone, torch.Generator().manual_seed(22), 4)
+    for a, b in zip(ours, clone):
+        assert torch.equal(a, b)
+
+
+def test_amsgrad_state_dicts_are_refused():
+    theirs = [torch.nn.Parameter(torch.ones(3))]
+    ref = torch.optim.AdamW(theirs, amsgrad=True)
+    opt = CPUAdam([torch.nn.Parameter(torch.ones(3))])
+    with pytest.raises(NotImplementedError, match="amsgrad"):
+        opt.load_state_dict(ref.state_dict())
+
+
+# --- errors ------------------------------------------------------------------------
+
+
+def test_a_param_not_on_the_cpu_is_a_clear_error():
+    p = torch.nn.Parameter(torch.empty(4, device="meta"))
+    with pytest.raises(ValueError, match="CPU tensors only"):
+        CPUAdam([p])
+
+
+def test_a_param_of_another_dtype_is_a_type_error():
+    with pytest.raises(TypeError, match="torch.float64"):
+        CPUAdam([torch.nn.Parameter(torch.ones(3, dtype=torch.float64))])
+    with pytest.raises(TypeError, match="torch.float16"):
+        CPUAdam([torch.nn.Parameter(torch.ones(3, dtype=torch.float16))])
+
+
+def test_non_contiguous_params_and_grads_are_clear_errors():
+    p = torch.nn.Parameter(torch.randn(4, 3).t())
+    with pytest.raises(ValueError, match="contiguous"):
+        CPUAdam([p])
+    q = torch.nn.Parameter(torch.randn(3, 4))
+    opt = CPUAdam([q])
+    q.grad = torch.randn(4, 3).t()
+    with pytest.raises(ValueError, match="contiguous"):
+        opt.step()
+    assert len(opt.state) == 0 or float(opt.state[q]["step"]) == 0
+
+
+def test_bad_hyperparameters_are_value_errors():
+    p = [torch.nn.Parameter(torch.ones(2))]
+    for kwargs, word in [({"lr": -1.0}, "learning rate"), ({"eps": -1.0}, "epsilon"),
+                         ({"betas": (1.0, 0.9)}, "index 0"), ({"betas": (0.9, -0.1)}, "index 1"),
+                         ({"weight_decay": -1.0}, "weight_decay")]:
+        with pytest.raises(ValueError, match=word):
+            CPUAdam(p, **kwargs)
+
+
+def test_low_level_errors_name_the_argument():
+    n = 16
+    f32 = lambda: torch.zeros(n)  # noqa: E731
+    with pytest.raises(ValueError, match=r"grad: elements \[0, 16\) are out of range for 8"):
+        _C.cpu_adam.adam_update(f32(), f32(), f32(), torch.zeros(8), step=1, lr=1e-3)
+    with pytest.raises(ValueError, match="out of range"):
+        _C.cpu_adam.adam_update(f32(), f32(), f32(), f32(), step=1, lr=1e-3, offset=10, count=10)
+    with pytest.raises(TypeError, match="torch.int32"):
+        _C.cpu_adam.adam_update(f32(), f32(), f32(), torch.zeros(n, dtype=torch.int32), step=1,
+                                lr=1e-3)
+    with pytest.raises(TypeError, match="param must be torch.float32"):
+        _C.cpu_adam.adam_update(torch.zeros(n, dtype=torch.half), f32(), f32(), f32(), step=1,
+                                lr=1e-3)
+    with pytest.raises(TypeError, match="exp_avg is bfloat16 but exp_avg_sq is float32"):
+        _C.cpu_adam.adam_update(f32(), torch.zeros(n, dtype=torch.bfloat16), f32(), f32(), step=1,
+                                lr=1e-3)
+    with pytest.raises(NotImplementedError, match="float16"):
+        h = lambda: torch.zeros(n, dtype=torch.half)  # noqa: E731
+        _C.cpu_adam.adam_update(f32(), h(), h(), f32(), step=1, lr=1e-3)
+    with pytest.raises(NotImplementedError, match="param_copy must be float16 or bfloat16"):
+        _C.cpu_adam.adam_update(f32(), f32(), f32(), f32(), f32(), step=1, lr=1e-3)
+    with pytest.raises(ValueError, match="lr must be finite and >= 0, got -1"):
+        _C.cpu_adam.adam_update(f32(), f32(), f32(), f32(), step=1, lr=-1.0)
+    with pytest.raises(ValueError, match="step must be >= 1"):
+        _C.cpu_adam.adam_update(f32(), f32(), f32(), f32(), step=0, lr=1e-3)
+    with pytest.raises(ValueError, match="loss_scale"):
+        _C.cpu_adam.adam_step(f32(), f32(), f32(), f32(), step=1, lr=1e-3, loss_scale=0.0)
+    with pytest.raises(ValueError, match="meta"):
+        _C.cpu_adam.grad_stats(torch.zeros(n, device="meta"))
+    with pytest.raises(ValueError, match="not contiguous"):
+        _C.cpu_adam.grad_stats(torch.zeros(4, 4).t())
+    with pytest.raises(ValueError, match="reference"):
+        _C.cpu_adam.set_target("no-such-isa")
+
+
+# --- GIL, targets ------------------------------------------------------------------
+
+
+def test_step_releases_the_gil():
+    # While another thread is inside the C++ step, this thread must keep
+    # running Python. A step that held the GIL would let it tick only between
+    # steps (one or two ticks per step), not every millisecond. 2^24 params
+    # make a step of 10-30 ms on one thread: many ticks each when released.
+    n = 1 << 24
+    p = torch.nn.Parameter(torch.randn(n))
+    p.grad = torch.randn(n)
+    opt = CPUAdam([p], num_threads=1)
+    opt.step()  # allocate the state outside the measurement
+    t0 = time.perf_counter()
+    opt.step()
+    one_step = time.perf_counter() - t0
+    steps = max(3, int(0.3 / max(one_step, 1e-4)))
+    done = threading.Event()
+
+    def worker():
+        for _ in range(steps):
+            opt.step()
+        done.set()
+
+    ticks = 0
+    thread = threading.Thread(target=worker)
+    thread.start()
+    while not done.is_set():
+        time.sleep(0.001)
+        ticks += 1
+    thread.join()
+    # About 1 tick per ms of stepping with the GIL released; at most about
+    # 2 per step with it held.
+    assert ticks > 4 * steps, f"{ticks} ticks during {steps} steps of {one_step * 1e3:.1f} ms"
+
+
+def test_targets_are_listed_best_first_with_the_reference_last():
+    assert TARGETS[-1] == "reference"
+    assert _C.cpu_adam.target() in TARGETS
+
+
+def test_environment_variable_forces_a_target():
+    code = "import tidal; from tidal import _C; print(_C.cpu_adam.target())"
+    env = dict(os.environ, TIDAL_CPU_ADAM_TARGET="reference", PYTHONPATH=SUBPROCESS_PYTHONPATH)
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         check=True)
+    assert out.stdout.strip() == "reference"
+    env["TIDAL_CPU_ADAM_TARGET"] = "avx9000"
+    code = ("import torch, tidal; from tidal.optim import CPUAdam\n"
+            "p = torch.nn.Parameter(torch.ones(2)); p.grad = torch.ones(2)\n"
+            "CPUAdam([p]).step()")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert out.returncode != 0
+    assert "ValueError" in out.stderr and "TIDAL_CPU_ADAM_TARGET" in out.stderr
+
+
+def test_benchmark_quick_mode_runs_and_writes_its_result(tmp_path):
+    out = tmp_path / "cpu_adam-test.json"
+    subprocess.run([sys.executable, str(ROOT / "benchmarks" / "cpu_adam.py"), "--quick",
+                    "--output", str(out)],
+                   env=dict(os.environ, PYTHONPATH=SUBPROCESS_PYTHONPATH), check=True,
+                   capture_output=True, text=True, timeout=300)
+    result = json.loads(out.read_text())
+    assert result["quick"] is True
+    for key in ("command", "git_commit", "date", "machine", "sizes"):
+        assert key in result
+    size = result["sizes"][0]
+    assert size["tidal"]["update"]["median_s"] > 0
+    assert size["tidal_python_update"]["copy_matches_master"]
+    assert "ratio_vs_foreach" in size
+    if "rows" in size["cxx"]:  # tidal_bench_cpu_adam was built: the limits were measured
+        assert size["cxx"]["sane"]
+        assert size["triad"]["median_GBps"] > 0 and size["streams"]["median_GBps"] > 0
+        assert 0 < size["fraction_of_triad"]
