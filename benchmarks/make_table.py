@@ -98,7 +98,43 @@ def _dtr(r: Dict, name: str) -> List[List[str]]:
     return rows
 
 
+def _cpu_adam(r: Dict, name: str) -> List[List[str]]:
+    rows = []
+    for sz in r["sizes"]:
+        t = sz["tidal"]["update"]
+        n = f"2^{sz['params'].bit_length() - 1}" if sz["params"] & (sz["params"] - 1) == 0 else str(sz["params"])
+        ours = (f"{t['params_per_s'] / 1e9:.2f} G params/s, {t['median_GBps']:.1f} GB/s "
+                f"({t['min_max_GBps'][0]:.1f}-{t['min_max_GBps'][1]:.1f})")
+        peers = [("torch_adamw_foreach", "torch.optim.AdamW(foreach=True)", "ratio_vs_foreach"),
+                 ("torch_adamw_fused", "torch.optim.AdamW(fused=True)", "ratio_vs_fused"),
+                 ("deepspeed_cpu_adam", "DeepSpeedCPUAdam", "ratio_vs_deepspeed")]
+        for key, label, ratio in peers:
+            peer = sz.get(key)
+            if not isinstance(peer, dict) or "params_per_s" not in peer:
+                continue
+            rows.append([
+                f"CPU Adam step, {n} params, fp16 grads + fp16 write-back, {sz['tidal']['kernel_target']}, "
+                f"{sz['tidal']['threads']} threads (params/s; higher is better)",
+                _machine(r), ours,
+                f"{peer['params_per_s'] / 1e9:.2f} G params/s, {label}",
+                f"{sz[ratio]:.2f}",
+                f"`{name}`",
+            ])
+        streams = sz["streams"]
+        rows.append([
+            f"CPU Adam step, {n} params, vs the memory-bandwidth limit "
+            f"({r['bytes_per_param']['update']} B/param moved)",
+            _machine(r), f"{t['median_GBps']:.1f} GB/s",
+            f"{streams['median_GBps']:.1f} GB/s, same-shape streaming kernel (limit); triad "
+            f"{sz['triad']['median_GBps']:.1f} GB/s",
+            f"{sz['fraction_of_streams']:.2f}",
+            f"`{name}`",
+        ])
+    return rows
+
+
 ROWS: Dict[str, Callable[[Dict, str], List[List[str]]]] = {
+    "cpu_adam": _cpu_adam,
     "device_bandwidth": _device_bandwidth,
     "chunk_bookkeeping": _chunk_bookkeeping,
     "dtr-resnet50": _dtr,

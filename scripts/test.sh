@@ -26,6 +26,10 @@ log "C++ tests (RelWithDebInfo, CUDA backend compiled where nvcc is found)"
 build build/cpp -DCMAKE_BUILD_TYPE=RelWithDebInfo
 ctest --test-dir build/cpp -j "$JOBS" --output-on-failure --no-tests=error
 
+log "CPU Adam suites again with Highway's baseline (scalar) target forced"
+TIDAL_CPU_ADAM_TARGET=baseline ctest --test-dir build/cpp -j "$JOBS" -L cpu_adam --output-on-failure \
+  --no-tests=error
+
 if [ "${TIDAL_TEST_QUICK:-0}" != "1" ]; then
   log "C++ tests under AddressSanitizer + UndefinedBehaviorSanitizer"
   build build/asan -DCMAKE_BUILD_TYPE=RelWithDebInfo -DTIDAL_SANITIZE="address;undefined" \
@@ -40,6 +44,9 @@ if [ "${TIDAL_TEST_QUICK:-0}" != "1" ]; then
   TSAN_OPTIONS=halt_on_error=1:second_deadlock_stack=1 \
     ctest --test-dir build/tsan -j "$JOBS" -L threaded --output-on-failure --no-tests=error
 fi
+
+log "Python CPU Adam tests with the baseline (scalar) target forced"
+TIDAL_CPU_ADAM_TARGET=baseline .venv/bin/python -m pytest -q tests/python/test_cpu_adam.py
 
 log "Python tests"
 TIDAL_CPP_BUILD="$ROOT/build/cpp" .venv/bin/python -m pytest -q tests/python

@@ -10,7 +10,7 @@ import torch  # noqa: F401  -- loads libtorch before tidal._C links against it
 from tidal._version import __version__
 from tidal import _C
 from tidal._C import InternalError, OutOfMemoryError
-from tidal import dtr
+from tidal import dtr, optim
 from tidal.device import (
     Device,
     DeviceBuffer,
@@ -27,6 +27,7 @@ from tidal.device import (
 __all__ = [
     "__version__",
     "dtr",
+    "optim",
     "Device",
     "DeviceBuffer",
     "Event",
