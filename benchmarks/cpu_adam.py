@@ -38,7 +38,6 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import math
 import os
 import statistics
 import subprocess
@@ -342,34 +341,6 @@ def bench_size(n: int, repeats: int, warmup: int, thread_counts: List[int], args
                       ("ratio_vs_deepspeed", "deepspeed_cpu_adam")):
         out[key] = out[peer].get("ratio_to_tidal_paired")
     return out
-
-
-def table_rows(record: Dict, name: str) -> List[List[str]]:
-    """Rows for benchmarks/make_table.py (register as ROWS["cpu_adam"])."""
-    if record.get("quick"):
-        return []
-    m = record["machine"]
-    machine = f"{m['cpu_model']} ({m['cpu_cores']} cores, {m['memory_bytes'] / 2**30:.0f} GiB)"
-    rows = []
-    for size in record["sizes"]:
-        u = size["tidal"]["update"]
-        label = f"CPU Adam, 2^{int(math.log2(size['params']))} params, fp16 grads + fp16 copy"
-        limit = ""
-        if "triad" in size:
-            limit = (f"; {100 * size['fraction_of_triad']:.0f}% of triad "
-                     f"{size['triad']['median_GBps']:.1f} GB/s, {100 * size['fraction_of_streams']:.0f}% "
-                     f"of Adam-pattern streams {size['streams']['median_GBps']:.1f} GB/s")
-        tidal = (f"{u['params_per_s'] / 1e9:.2f} Gparam/s = {u['median_GBps']:.1f} GB/s "
-                 f"({u['min_max_GBps'][0]:.1f}-{u['min_max_GBps'][1]:.1f}){limit}")
-        for key, ratio, peer in (("torch_adamw_foreach", "ratio_vs_foreach", "torch AdamW(foreach=True)"),
-                                 ("torch_adamw_fused", "ratio_vs_fused", "torch AdamW(fused=True)"),
-                                 ("deepspeed_cpu_adam", "ratio_vs_deepspeed", "DeepSpeedCPUAdam")):
-            if size.get(ratio) is None:
-                continue
-            p = size[key]
-            rows.append([label, machine, tidal, f"{p['params_per_s'] / 1e9:.2f} Gparam/s, {peer}",
-                         f"{size[ratio]:.2f}", f"`{name}`"])
-    return rows
 
 
 def main() -> int:

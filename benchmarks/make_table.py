@@ -105,9 +105,10 @@ def _cpu_adam(r: Dict, name: str) -> List[List[str]]:
         n = f"2^{sz['params'].bit_length() - 1}" if sz["params"] & (sz["params"] - 1) == 0 else str(sz["params"])
         ours = (f"{t['params_per_s'] / 1e9:.2f} G params/s, {t['median_GBps']:.1f} GB/s "
                 f"({t['min_max_GBps'][0]:.1f}-{t['min_max_GBps'][1]:.1f})")
-        peers = [("torch_adamw_foreach", "torch.optim.AdamW(foreach=True)", "ratio_vs_foreach"),
-                 ("torch_adamw_fused", "torch.optim.AdamW(fused=True)", "ratio_vs_fused"),
-                 ("deepspeed_cpu_adam", "DeepSpeedCPUAdam", "ratio_vs_deepspeed")]
+        # The peers take fp32 grads and write no 16-bit copy: the same 28 bytes per param.
+        peers = [("torch_adamw_foreach", "torch.optim.AdamW(foreach=True), fp32 grads", "ratio_vs_foreach"),
+                 ("torch_adamw_fused", "torch.optim.AdamW(fused=True), fp32 grads", "ratio_vs_fused"),
+                 ("deepspeed_cpu_adam", "DeepSpeedCPUAdam 0.19.8, fp32 grads", "ratio_vs_deepspeed")]
         for key, label, ratio in peers:
             peer = sz.get(key)
             if not isinstance(peer, dict) or "params_per_s" not in peer:
