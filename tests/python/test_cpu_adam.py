@@ -252,9 +252,7 @@ def test_offsets_address_one_tensor_inside_a_chunk():
 def test_host_buffers_take_part_through_zero_copy_tensor_views():
     # Chunk memory that is not a tensor (tidal.HostBuffer) is viewed with
     # torch.frombuffer, without a copy, and updated in place.
-    host_buffer = getattr(tidal, "HostBuffer", None)
-    if host_buffer is None:
-        pytest.skip("tidal.HostBuffer is not exposed in this build")
+    host_buffer = tidal.HostBuffer
     n = 2048
     bufs = [host_buffer(n * 4) for _ in range(3)] + [host_buffer(n * 2) for _ in range(2)]
     master, m, v = (torch.frombuffer(b, dtype=torch.float32) for b in bufs[:3])

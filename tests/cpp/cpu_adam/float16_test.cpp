@@ -111,7 +111,7 @@ TEST(Float16, NarrowingRoundsToNearestEvenLikeTheCompiler) {
   }
 }
 #else
-TEST(Float16, WideningIsExactForEveryBitPattern) { GTEST_SKIP() << "no _Float16 oracle"; }
+TEST(Float16, WideningIsExactForEveryBitPattern) { GTEST_SKIP() << "this compiler has no _Float16 type to serve as the independent oracle"; }
 #endif
 
 TEST(Float16, NarrowingSpecialValues) {
