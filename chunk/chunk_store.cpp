@@ -12,8 +12,10 @@ DType dtype_of(ChunkKind kind, DType param_dtype) {
 }
 
 std::size_t checked_chunk_elements(const ChunkStoreOptions& options) {
-  TIDAL_CHECK(options.param_dtype == DType::kFloat16 || options.param_dtype == DType::kBFloat16,
-              "chunk store: the parameter list holds float16 or bfloat16, got ",
+  // float32 is the engine's exactness mode: the compute copy is fp32 too.
+  TIDAL_CHECK(options.param_dtype == DType::kFloat16 || options.param_dtype == DType::kBFloat16 ||
+                  options.param_dtype == DType::kFloat32,
+              "chunk store: the parameter list holds float16, bfloat16 or float32, got ",
               to_string(options.param_dtype));
   const std::size_t elem = element_size(options.param_dtype);
   TIDAL_CHECK(options.chunk_bytes > 0 && options.chunk_bytes % elem == 0,

@@ -35,9 +35,11 @@ inline constexpr std::size_t kDefaultChunkBytes = std::size_t{64} << 20;
 
 struct ChunkStoreOptions {
   // Capacity of a chunk of the 16-bit list. Chunks of the fp32 lists hold the
-  // same number of elements in twice the bytes (Note [One layout, four lists]).
+  // same number of elements in twice the bytes (Note [One layout, four lists]);
+  // with a float32 parameter list, in the same bytes.
   std::size_t chunk_bytes = kDefaultChunkBytes;
-  // fp16 or bf16: the dtype of the 16-bit parameter list.
+  // fp16 or bf16: the dtype of the 16-bit parameter list. float32 is the
+  // engine's exactness mode (compute in fp32; the list is "16-bit" by role).
   DType param_dtype = DType::kFloat16;
   // Every tensor starts at a multiple of this many elements (64 bytes of
   // fp16, a cache line, so SIMD code and device kernels see aligned data).

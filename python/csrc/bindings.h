@@ -12,5 +12,6 @@ void bind_errors(py::module_& m);
 void bind_device(py::module_& m);
 void bind_cpu_adam(py::module_& m);
 void bind_dtr(py::module_& m);
+void bind_chunks(py::module_& m);
 
 }  // namespace tidal::python

@@ -41,7 +41,12 @@ class CudaStream final : public Stream {
     DeviceGuard guard(ordinal_);
     TIDAL_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
   }
+  // Non-owning: wraps a stream created elsewhere (torch's compute stream).
+  CudaStream(std::shared_ptr<Device> device, std::string name, int ordinal, cudaStream_t external)
+      : Stream(std::move(device), std::move(name)), ordinal_(ordinal), stream_(external),
+        owned_(false) {}
   ~CudaStream() override {
+    if (!owned_) return;
     // Unlike cudaStreamDestroy alone, wait for pending work: the contract
     // promises that destroying a stream completes what was queued on it.
     DeviceGuard guard(ordinal_);
@@ -63,6 +68,7 @@ class CudaStream final : public Stream {
  private:
   int ordinal_;
   cudaStream_t stream_ = nullptr;
+  bool owned_ = true;
 };
 
 class CudaEvent final : public Event {
@@ -164,6 +170,11 @@ class CudaDevice final : public Device {
   }
   std::unique_ptr<Stream> do_create_stream(std::string name) override {
     return std::make_unique<CudaStream>(shared_from_this(), std::move(name), ordinal_);
+  }
+  std::unique_ptr<Stream> do_wrap_external_stream(std::uintptr_t handle, std::string name) override {
+    // 0 is CUDA's legacy default stream, a valid stream to order against.
+    return std::make_unique<CudaStream>(shared_from_this(), std::move(name), ordinal_,
+                                        reinterpret_cast<cudaStream_t>(handle));
   }
   std::unique_ptr<Event> do_create_event(bool enable_timing) override {
     return std::make_unique<CudaEvent>(shared_from_this(), ordinal_, enable_timing);

@@ -158,6 +158,11 @@ std::unique_ptr<Stream> Device::create_stream(std::string name) {
   return do_create_stream(std::move(name));
 }
 
+std::unique_ptr<Stream> Device::wrap_external_stream(std::uintptr_t handle, std::string name) {
+  TIDAL_CHECK(!name.empty(), "wrap_external_stream: expected a non-empty stream name");
+  return do_wrap_external_stream(handle, std::move(name));
+}
+
 std::unique_ptr<Event> Device::create_event(bool enable_timing) {
   return do_create_event(enable_timing);
 }

@@ -190,6 +190,12 @@ class Device : public std::enable_shared_from_this<Device> {
 
   // ---- streams, events, copies -------------------------------------------
   std::unique_ptr<Stream> create_stream(std::string name);
+  // A non-owning Stream over a stream someone else created, e.g. the CUDA
+  // stream torch computes on (`handle` is its cudaStream_t). Destroying the
+  // wrapper neither synchronizes nor destroys the stream. The simulated
+  // device has no foreign streams (torch computes on the host there) and
+  // throws NotImplementedError.
+  std::unique_ptr<Stream> wrap_external_stream(std::uintptr_t handle, std::string name);
   std::unique_ptr<Event> create_event(bool enable_timing = false);
   // Enqueues a copy on `stream`. The device side of the copy must lie inside
   // one live allocation of this device; violations throw ValueError.
@@ -211,6 +217,7 @@ class Device : public std::enable_shared_from_this<Device> {
   virtual void* do_allocate(std::size_t bytes) = 0;
   virtual void do_free(void* ptr) = 0;
   virtual std::unique_ptr<Stream> do_create_stream(std::string name) = 0;
+  virtual std::unique_ptr<Stream> do_wrap_external_stream(std::uintptr_t handle, std::string name) = 0;
   virtual std::unique_ptr<Event> do_create_event(bool enable_timing) = 0;
   virtual void do_copy_async(void* dst, const void* src, std::size_t bytes, CopyKind kind,
                              Stream& stream) = 0;

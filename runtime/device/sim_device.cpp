@@ -345,6 +345,11 @@ class SimDevice final : public Device {
   std::unique_ptr<Stream> do_create_stream(std::string name) override {
     return std::make_unique<SimStream>(shared_from_this(), std::move(name));
   }
+  std::unique_ptr<Stream> do_wrap_external_stream(std::uintptr_t handle, std::string name) override {
+    TIDAL_CHECK_SUPPORTED(false, "the simulated device has no external streams to wrap (stream '",
+                          name, "', handle ", handle,
+                          "): torch computes on the host there, so pass no compute stream");
+  }
   std::unique_ptr<Event> do_create_event(bool enable_timing) override {
     return std::make_unique<SimEvent>(shared_from_this(), enable_timing);
   }

@@ -58,7 +58,10 @@ TEST(ChunkStore, RejectsBadRegistrations) {
 TEST(ChunkStore, RejectsBadOptions) {
   EXPECT_THROW(ChunkStore({.chunk_bytes = 1023}), ValueError);  // odd bytes of fp16
   EXPECT_THROW(ChunkStore({.chunk_bytes = 1000}), ValueError);  // 500 elements, not /32
-  EXPECT_THROW(ChunkStore({.chunk_bytes = 1024, .param_dtype = DType::kFloat32}), ValueError);
+  // float32 (the exactness mode) needs chunk_bytes in whole 4-byte elements.
+  EXPECT_THROW(ChunkStore({.chunk_bytes = 1026, .param_dtype = DType::kFloat32}), ValueError);
+  ChunkStore fp32({.chunk_bytes = 1024, .param_dtype = DType::kFloat32});
+  EXPECT_EQ(fp32.chunk_elements(), 256u);
   EXPECT_NO_THROW(ChunkStore({.chunk_bytes = 1024, .param_dtype = DType::kBFloat16}));
   EXPECT_EQ(ChunkStore().chunk_elements(), kDefaultChunkBytes / 2);
   EXPECT_EQ(kDefaultChunkBytes, std::size_t{64} << 20);

@@ -1,0 +1,269 @@
+// tidal._C.chunks: the chunk scheduler and parameter binding for the
+// training engine (python/tidal/engine/). Kinds, spaces and states cross as
+// their lower-case names ("param16", "device", "hold_after_fwd"), tensors as
+// zero-copy views of chunk slots.
+#include <ATen/ATen.h>
+#include <torch/csrc/utils/pybind.h>
+
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "python/csrc/bindings.h"
+#include "chunk/chunk_store.h"
+#include "hooks/host_allocation_counter.h"
+#include "hooks/param_binding.h"
+#include "runtime/core/error.h"
+#include "runtime/device/device.h"
+#include "runtime/scheduler/chunk_scheduler.h"
+
+namespace tidal::python {
+namespace {
+
+ChunkKind parse_kind(const std::string& name) {
+  for (ChunkKind k : kAllChunkKinds) {
+    if (name == to_string(k)) return k;
+  }
+  TIDAL_CHECK(false, "unknown chunk kind '", name,
+              "'; expected one of 'param16', 'param32', 'momentum', 'variance'");
+}
+
+MemorySpace parse_space(const std::string& name) {
+  if (name == "device") return MemorySpace::kDevice;
+  if (name == "host") return MemorySpace::kHost;
+  TIDAL_CHECK(false, "unknown memory space '", name, "'; expected 'device' or 'host'");
+}
+
+TensorState parse_state(const std::string& name) {
+  static const std::pair<const char*, TensorState> kNames[] = {
+      {"free", TensorState::kFree},
+      {"compute", TensorState::kCompute},
+      {"hold", TensorState::kHold},
+      {"hold_after_fwd", TensorState::kHoldAfterFwd},
+      {"hold_after_bwd", TensorState::kHoldAfterBwd}};
+  for (const auto& [n, s] : kNames) {
+    if (name == n) return s;
+  }
+  TIDAL_CHECK(false, "unknown tensor state '", name,
+              "'; expected one of 'free', 'compute', 'hold', 'hold_after_fwd', 'hold_after_bwd'");
+}
+
+std::string state_name(TensorState s) {
+  std::string out = to_string(s);
+  for (char& c : out) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+  return out;
+}
+
+DType parse_dtype(const std::string& name) {
+  if (name == "float16") return DType::kFloat16;
+  if (name == "bfloat16") return DType::kBFloat16;
+  if (name == "float32") return DType::kFloat32;
+  TIDAL_CHECK_TYPE(false, "unsupported parameter dtype '", name,
+                   "'; tidal keeps parameters as float16, bfloat16 or float32");
+}
+
+// The scheduler, the stream it orders against and the parameter binding, in
+// destruction order: binding, scheduler, then the stream it points to.
+class Chunks {
+ public:
+  Chunks(std::shared_ptr<Device> device, std::size_t chunk_bytes, const std::string& param_dtype,
+         std::size_t device_budget, std::size_t host_budget, bool prefetch,
+         std::size_t prefetch_depth, const std::string& policy, bool pin_host_memory,
+         std::optional<std::uintptr_t> compute_stream, const std::string& torch_device) {
+    TIDAL_CHECK(device != nullptr, "Chunks: device is None");
+    if (compute_stream) {
+      compute_stream_ = device->wrap_external_stream(*compute_stream, "torch-compute");
+    }
+    ChunkStoreOptions store_options;
+    store_options.chunk_bytes = chunk_bytes;
+    store_options.param_dtype = parse_dtype(param_dtype);
+    ChunkSchedulerOptions options;
+    options.device_budget_bytes = device_budget;
+    options.host_budget_bytes = host_budget == 0 ? options.host_budget_bytes : host_budget;
+    options.use_trace = true;
+    options.prefetch = prefetch;
+    options.prefetch_depth = prefetch_depth;
+    options.pin_host_memory = pin_host_memory;
+    options.compute_stream = compute_stream_.get();
+    options.policy = make_eviction_policy(policy);
+    scheduler_ = std::make_unique<ChunkScheduler>(ChunkStore(store_options), std::move(device),
+                                                  options);
+    binding_ = std::make_unique<hooks::ParamBinding>(*scheduler_, at::Device(torch_device));
+  }
+
+  ChunkScheduler& scheduler() { return *scheduler_; }
+  hooks::ParamBinding& binding() { return *binding_; }
+
+ private:
+  std::unique_ptr<Stream> compute_stream_;
+  std::unique_ptr<ChunkScheduler> scheduler_;
+  std::unique_ptr<hooks::ParamBinding> binding_;
+};
+
+py::dict stats_dict(const ChunkSchedulerStats& s) {
+  py::dict d;
+#define TIDAL_FIELD(name) d[#name] = s.name
+  TIDAL_FIELD(accesses);
+  TIDAL_FIELD(releases);
+  TIDAL_FIELD(hits);
+  TIDAL_FIELD(prefetch_hits);
+  TIDAL_FIELD(misses);
+  TIDAL_FIELD(materializations);
+  TIDAL_FIELD(prefetches);
+  TIDAL_FIELD(prefetches_wasted);
+  TIDAL_FIELD(evictions);
+  TIDAL_FIELD(payload_drops);
+  TIDAL_FIELD(copy_waits);
+  TIDAL_FIELD(moves_host_to_device);
+  TIDAL_FIELD(moves_device_to_host);
+  TIDAL_FIELD(bytes_host_to_device);
+  TIDAL_FIELD(bytes_device_to_host);
+  TIDAL_FIELD(steps);
+  TIDAL_FIELD(trace_adoptions);
+  TIDAL_FIELD(trace_divergences);
+#undef TIDAL_FIELD
+  for (MemorySpace space : {MemorySpace::kHost, MemorySpace::kDevice}) {
+    const std::string n = to_string(space);
+    d[py::str("resident_bytes_" + n)] = s.resident_bytes[index_of(space)];
+    d[py::str("peak_resident_bytes_" + n)] = s.peak_resident_bytes[index_of(space)];
+    d[py::str("held_bytes_" + n)] = s.held_bytes[index_of(space)];
+    d[py::str("budget_bytes_" + n)] = s.budget_bytes[index_of(space)];
+  }
+  return d;
+}
+
+}  // namespace
+
+void bind_chunks(py::module_& parent) {
+  py::module_ m = parent.def_submodule("chunks", R"doc(
+The chunk scheduler and the parameter binding the training engine drives
+(see runtime/scheduler/chunk_scheduler.h and hooks/param_binding.h). One
+Python thread drives a Chunks object.)doc");
+
+  py::class_<Chunks>(m, "Chunks")
+      .def(py::init<std::shared_ptr<Device>, std::size_t, const std::string&, std::size_t,
+                    std::size_t, bool, std::size_t, const std::string&, bool,
+                    std::optional<std::uintptr_t>, const std::string&>(),
+           py::arg("device"), py::kw_only(), py::arg("chunk_bytes"), py::arg("param_dtype"),
+           py::arg("device_budget"), py::arg("host_budget") = 0, py::arg("prefetch") = true,
+           py::arg("prefetch_depth") = 4, py::arg("policy") = "opt",
+           py::arg("pin_host_memory") = true, py::arg("compute_stream") = py::none(),
+           py::arg("torch_device") = "cpu")
+      .def("register", [](Chunks& c, std::string name, std::size_t numel) {
+             return c.scheduler().register_tensor(std::move(name), numel);
+           }, py::arg("name"), py::arg("numel"))
+      .def("attach",
+           [](Chunks& c, const std::vector<at::Tensor>& params, const std::vector<TensorId>& ids,
+              const std::vector<std::vector<std::int64_t>>& shapes, const std::string& kind,
+              const std::string& space) {
+             c.binding().attach(params, ids, shapes, parse_kind(kind), parse_space(space));
+           },
+           py::arg("params"), py::arg("ids"), py::arg("shapes"), py::arg("kind"), py::arg("space"))
+      .def("detach",
+           [](Chunks& c, const std::vector<at::Tensor>& params, const std::vector<TensorId>& ids,
+              const std::string& kind, const std::string& state, const std::string& space) {
+             c.binding().detach(params, ids, parse_kind(kind), parse_state(state),
+                                parse_space(space));
+           },
+           py::arg("params"), py::arg("ids"), py::arg("kind"), py::arg("state"), py::arg("space"))
+      .def("access",
+           [](Chunks& c, TensorId id, const std::string& kind, const std::string& space,
+              const std::vector<std::int64_t>& shape) {
+             return c.binding().access(id, parse_kind(kind), parse_space(space), shape);
+           },
+           py::arg("id"), py::arg("kind"), py::arg("space"), py::arg("shape"),
+           "Access (COMPUTE) one slot and return a view of it; release() ends the use.")
+      .def("chunk_view",
+           [](Chunks& c, std::uint32_t chunk, const std::string& kind_name) {
+             // The whole payload of a chunk, flat, wherever it is: for the
+             // optimizer, which works on whole chunks while their slots are
+             // accessed (COMPUTE), so the payload cannot move meanwhile.
+             const ChunkKind kind = parse_kind(kind_name);
+             const ChunkStore& store = c.scheduler().store();
+             const Chunk& ch = store.chunk(make_chunk_id(kind, chunk));
+             TIDAL_CHECK(ch.has_payload(), "chunk_view: ", store.describe_chunk(make_chunk_id(kind, chunk)),
+                         " has no payload");
+             const auto numel = static_cast<std::int64_t>(ch.capacity_bytes() / element_size(ch.dtype()));
+             return hooks::slot_view(ch.payload(), {numel}, hooks::scalar_type_of(ch.dtype()),
+                                     c.binding().torch_device(ch.space()));
+           },
+           py::arg("chunk"), py::arg("kind"))
+      .def("release",
+           [](Chunks& c, TensorId id, const std::string& kind, const std::string& state) {
+             c.scheduler().release(TensorRef{parse_kind(kind), id}, parse_state(state));
+           },
+           py::arg("id"), py::arg("kind"), py::arg("state"))
+      .def("set_state",
+           [](Chunks& c, TensorId id, const std::string& kind, const std::string& state) {
+             c.scheduler().set_state(TensorRef{parse_kind(kind), id}, parse_state(state));
+           },
+           py::arg("id"), py::arg("kind"), py::arg("state"))
+      .def("state",
+           [](Chunks& c, TensorId id, const std::string& kind) {
+             return state_name(c.scheduler().store().state(TensorRef{parse_kind(kind), id}));
+           },
+           py::arg("id"), py::arg("kind"))
+      .def("placement",
+           [](Chunks& c, TensorId id) {
+             const TensorPlacement& p = c.scheduler().store().placement(id);
+             return py::make_tuple(p.chunk, p.offset, p.numel);
+           },
+           py::arg("id"), "(chunk index, offset in elements, numel) of a tensor.")
+      .def("chunk_space",
+           [](Chunks& c, std::uint32_t chunk, const std::string& kind) {
+             return std::string(
+                 to_string(c.scheduler().store().chunk(make_chunk_id(parse_kind(kind), chunk)).space()));
+           },
+           py::arg("chunk"), py::arg("kind"))
+      .def("chunk_bytes",
+           [](Chunks& c, const std::string& kind) {
+             return c.scheduler().store().chunk_elements() *
+                    element_size(c.scheduler().store().list(parse_kind(kind)).dtype());
+           },
+           py::arg("kind"), "Bytes of a regular chunk of a list.")
+      .def("chunk_capacity_bytes",
+           [](Chunks& c, std::uint32_t chunk, const std::string& kind) {
+             return c.scheduler().store().chunk(make_chunk_id(parse_kind(kind), chunk)).capacity_bytes();
+           },
+           py::arg("chunk"), py::arg("kind"))
+      .def("describe_chunk",
+           [](Chunks& c, std::uint32_t chunk, const std::string& kind) {
+             return c.scheduler().store().describe_chunk(make_chunk_id(parse_kind(kind), chunk));
+           },
+           py::arg("chunk"), py::arg("kind"))
+      .def_property_readonly("num_chunks", [](Chunks& c) { return c.scheduler().store().num_chunks(); })
+      .def_property_readonly("num_tensors", [](Chunks& c) { return c.scheduler().store().num_tensors(); })
+      .def_property_readonly("chunk_elements",
+                             [](Chunks& c) { return c.scheduler().store().chunk_elements(); })
+      .def_property_readonly("moment", [](Chunks& c) { return c.scheduler().moment(); })
+      .def_property_readonly("following_trace", [](Chunks& c) { return c.scheduler().following_trace(); })
+      .def("end_step", [](Chunks& c) { c.scheduler().end_step(); })
+      .def("set_budget",
+           [](Chunks& c, const std::string& space, std::size_t bytes) {
+             c.scheduler().set_budget(parse_space(space), bytes);
+           },
+           py::arg("space"), py::arg("bytes"))
+      .def("budget", [](Chunks& c, const std::string& space) { return c.scheduler().budget(parse_space(space)); },
+           py::arg("space"))
+      .def("stats", [](Chunks& c) { return stats_dict(c.scheduler().stats()); })
+      .def("reset_stats", [](Chunks& c) { c.scheduler().reset_stats(); })
+      .def("validate", [](Chunks& c) { c.scheduler().validate(); })
+      .def("take_warnings", [](Chunks& c) { return c.scheduler().take_warnings(); });
+
+  m.def("set_host_allocation_counting", &hooks::set_host_allocation_counting, py::arg("enabled"),
+        "Counts torch's CPU allocations (Note [Counting CPU allocations]).");
+  m.def("host_allocation_counting", &hooks::host_allocation_counting);
+  m.def("host_allocation_counts", [] {
+    const hooks::HostAllocationCounts c = hooks::host_allocation_counts();
+    py::dict d;
+    d["live_bytes"] = c.live_bytes;
+    d["peak_bytes"] = c.peak_bytes;
+    d["allocations"] = c.allocations;
+    return d;
+  });
+  m.def("reset_host_allocation_peak", &hooks::reset_host_allocation_peak);
+}
+
+}  // namespace tidal::python
