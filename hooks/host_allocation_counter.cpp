@@ -6,29 +6,43 @@
 #include <atomic>
 #include <cstring>
 #include <mutex>
+#include <unordered_map>
 
 namespace tidal::hooks {
 namespace {
 
+// torch requires CPU data pointers to be "simple" (context == data: copy on
+// write and other paths assert it), so the size of a counted allocation is
+// kept in a side table keyed by its address rather than in a context object,
+// and our deleter frees through the base allocator's raw deleter.
 class CountingAllocator final : public c10::Allocator {
  public:
-  explicit CountingAllocator(c10::Allocator* base) : base_(base) {}
+  explicit CountingAllocator(c10::Allocator* base) : base_(base), base_free_(base->raw_deleter()) {}
 
   c10::DataPtr allocate(std::size_t bytes) override {
     c10::DataPtr inner = base_->allocate(bytes);
-    if (!enabled_.load(std::memory_order_relaxed)) return inner;
-    void* data = inner.get();
+    if (!enabled_.load(std::memory_order_relaxed) || base_free_ == nullptr || inner.get() == nullptr ||
+        inner.get() != inner.get_context()) {
+      return inner;
+    }
+    void* data = inner.release_context();
     const c10::Device device = inner.device();
-    auto* context = new Context{std::move(inner), static_cast<std::int64_t>(bytes), this};
-    const std::int64_t live = live_.fetch_add(context->bytes, std::memory_order_relaxed) + context->bytes;
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      sizes_[data] = static_cast<std::int64_t>(bytes);
+    }
+    const auto n = static_cast<std::int64_t>(bytes);
+    const std::int64_t live = live_.fetch_add(n, std::memory_order_relaxed) + n;
     allocations_.fetch_add(1, std::memory_order_relaxed);
     std::int64_t peak = peak_.load(std::memory_order_relaxed);
     while (live > peak && !peak_.compare_exchange_weak(peak, live, std::memory_order_relaxed)) {
     }
-    return c10::DataPtr(data, context, &CountingAllocator::release, device);
+    return c10::DataPtr(data, data, &CountingAllocator::release, device);
   }
 
-  c10::DeleterFnPtr raw_deleter() const override { return nullptr; }
+  // Only allocations this allocator counted carry release(); raw frees of
+  // others go to the base.
+  c10::DeleterFnPtr raw_deleter() const override { return base_free_; }
 
   void copy_data(void* dest, const void* src, std::size_t count) const override {
     std::memcpy(dest, src, count);
@@ -46,22 +60,16 @@ class CountingAllocator final : public c10::Allocator {
   }
 
  private:
-  struct Context {
-    c10::DataPtr inner;  // frees the memory through the base allocator's deleter
-    std::int64_t bytes;
-    CountingAllocator* owner;
-  };
-  static void release(void* raw) {
-    auto* context = static_cast<Context*>(raw);
-    context->owner->live_.fetch_sub(context->bytes, std::memory_order_relaxed);
-    delete context;
-  }
+  static void release(void* data);
 
   c10::Allocator* base_;
+  c10::DeleterFnPtr base_free_;
   std::atomic<bool> enabled_{false};
   std::atomic<std::int64_t> live_{0};
   std::atomic<std::int64_t> peak_{0};
   std::atomic<std::int64_t> allocations_{0};
+  std::mutex mutex_;
+  std::unordered_map<void*, std::int64_t> sizes_;
 };
 
 CountingAllocator& counter() {
@@ -73,6 +81,21 @@ CountingAllocator& counter() {
     return a;
   }();
   return *instance;
+}
+
+void CountingAllocator::release(void* data) {
+  CountingAllocator& self = counter();
+  std::int64_t bytes = 0;
+  {
+    std::lock_guard<std::mutex> lock(self.mutex_);
+    auto it = self.sizes_.find(data);
+    if (it != self.sizes_.end()) {
+      bytes = it->second;
+      self.sizes_.erase(it);
+    }
+  }
+  self.live_.fetch_sub(bytes, std::memory_order_relaxed);
+  self.base_free_(data);
 }
 
 }  // namespace

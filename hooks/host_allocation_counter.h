@@ -7,8 +7,8 @@
 // ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 // install() puts a wrapper in front of torch's CPU allocator (c10's
 // allocator registry, one priority above the default). While enabled, each
-// allocation is wrapped in a small context that remembers its size, and the
-// context's deleter subtracts it again, so the count is live bytes exactly,
+// allocation's size goes into a table keyed by its address and its deleter
+// becomes one that subtracts it again, so the count is live bytes exactly,
 // including tensors autograd saved whose Python objects are long gone. While
 // disabled the wrapper passes allocations through untouched (one virtual
 // call). Allocations made while disabled are never counted, also not when

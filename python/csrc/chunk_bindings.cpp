@@ -23,9 +23,10 @@ namespace tidal::python {
 namespace {
 
 ChunkKind parse_kind(const std::string& name) {
-  for (ChunkKind k : kAllChunkKinds) {
-    if (name == to_string(k)) return k;
-  }
+  if (name == "param16") return ChunkKind::kParam16;
+  if (name == "param32") return ChunkKind::kParam32;
+  if (name == "momentum") return ChunkKind::kMomentum;
+  if (name == "variance") return ChunkKind::kVariance;
   TIDAL_CHECK(false, "unknown chunk kind '", name,
               "'; expected one of 'param16', 'param32', 'momentum', 'variance'");
 }

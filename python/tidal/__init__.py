@@ -11,6 +11,8 @@ from tidal._version import __version__
 from tidal import _C
 from tidal._C import InternalError, OutOfMemoryError
 from tidal import dtr, optim
+from tidal.config import Config, ConfigError
+from tidal.engine import Engine, init_context, initialize
 from tidal.device import (
     Device,
     DeviceBuffer,
@@ -27,6 +29,11 @@ from tidal.device import (
 __all__ = [
     "__version__",
     "dtr",
+    "Config",
+    "ConfigError",
+    "Engine",
+    "init_context",
+    "initialize",
     "optim",
     "Device",
     "DeviceBuffer",

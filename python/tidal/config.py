@@ -1,0 +1,337 @@
+"""The engine's configuration: a DeepSpeed-comparable JSON dict.
+
+Keys that mean the same as in a DeepSpeed config use DeepSpeed's names and
+semantics; what is tidal's own lives in the "tidal" section. Every key is
+checked: an unknown key is a ValueError naming the closest valid key, a
+wrong type or an out-of-range value names the key, the value and what is
+allowed, and a DeepSpeed key that tidal does not honour is reported (a
+warning saying what tidal does instead), never silently ignored.
+
+    config = tidal.Config.load({"train_micro_batch_size_per_gpu": 4,
+                                "fp16": {"enabled": True},
+                                "tidal": {"device_memory_budget": "6GB"}})
+"""
+from __future__ import annotations
+
+import difflib
+import json
+import math
+import os
+import warnings
+from dataclasses import dataclass, field
+from typing import Any
+
+from . import _C
+
+__all__ = ["Config", "ConfigError", "SCHEMA"]
+
+
+class ConfigError(ValueError):
+    """A config value tidal cannot use; the message names the key."""
+
+
+# ---------------------------------------------------------------------------
+# The schema: key -> (kind, default, doc). kind is a type tuple, "bytes", a
+# tuple of choices (strings), or a nested dict. Documented in docs/config.md.
+# ---------------------------------------------------------------------------
+_OPTIMIZER_PARAMS = {
+    "lr": ((float, int), 1e-3, "learning rate"),
+    "betas": ((list, tuple), [0.9, 0.999], "Adam's (beta1, beta2)"),
+    "eps": ((float, int), 1e-8, "Adam's epsilon"),
+    "weight_decay": ((float, int), 0.0, "weight decay (decoupled for AdamW)"),
+    "adam_w_mode": (bool, None, "AdamW (decoupled) weight decay; default by type"),
+    "bias_correction": (bool, True, "Adam's bias correction"),
+}
+
+SCHEMA: dict[str, Any] = {
+    "train_batch_size": (int, None, "samples per optimizer step (micro batch x accumulation)"),
+    "train_micro_batch_size_per_gpu": (int, None, "samples per forward/backward"),
+    "gradient_accumulation_steps": (int, None, "micro batches per optimizer step"),
+    "gradient_clipping": ((float, int), 0.0, "clip gradients to this global L2 norm; 0 = off"),
+    "steps_per_print": (int, 10, "log every N optimizer steps"),
+    "optimizer": {
+        "type": (("Adam", "AdamW"), "AdamW", "Adam or AdamW"),
+        "params": _OPTIMIZER_PARAMS,
+    },
+    "fp16": {
+        "enabled": (bool, False, "16-bit float parameters with dynamic loss scaling"),
+        "loss_scale": ((float, int), 0.0, "static loss scale; 0 = dynamic"),
+        "initial_scale_power": (int, 16, "dynamic scaling starts at 2**this"),
+        "loss_scale_window": (int, 1000, "steps without overflow before the scale doubles"),
+        "hysteresis": (int, 2, "overflows tolerated before the scale halves"),
+        "min_loss_scale": ((float, int), 1.0, "the scale never drops below this"),
+    },
+    "bf16": {"enabled": (bool, False, "bfloat16 parameters, no loss scaling")},
+    "zero_optimization": {
+        "stage": (int, 0, "accepted for compatibility; tidal's chunks place every state"),
+        "offload_optimizer": {
+            "device": (("cpu", "none", "nvme"), "cpu", "where optimizer states may live"),
+            "pin_memory": (bool, True, "pin host chunks"),
+        },
+        "offload_param": {
+            "device": (("cpu", "none", "nvme"), "cpu", "where parameters may live"),
+            "pin_memory": (bool, True, "pin host chunks"),
+        },
+    },
+    "tidal": {
+        "device": (("auto", "cuda", "sim"), "auto", "device backend"),
+        "chunk_size": ("bytes", 64 << 20, "bytes of a 16-bit parameter chunk"),
+        "device_memory_budget": ("bytes", 0, "device bytes tidal may use in all; 0 = device capacity"),
+        "host_memory_budget": ("bytes", 0, "host bytes for chunks; 0 = unlimited"),
+        "device_margin": ("bytes", 0, "device bytes kept free for surprises; 0 = 5% of the budget"),
+        "prefetch": (bool, True, "prefetch chunks ahead of use along the trace"),
+        "prefetch_depth": (int, 4, "prefetched chunks that may wait for their use"),
+        "eviction_policy": (("opt", "lru"), "opt", "OPT over the trace, or LRU"),
+        "hybrid_adam": (bool, True, "update chunks resident on the device there"),
+        "cpu_adam_threads": (int, 0, "CPU Adam threads; 0 = all cores"),
+        "dtr": (dict, {}, "DTR options (tidal.dtr.from_config)"),
+    },
+}
+
+# DeepSpeed keys that are accepted but that tidal does not honour, with what
+# tidal does instead (reported as a warning).
+_NOT_HONOURED = {
+    ("zero_optimization", "stage"): "tidal has no ZeRO stages on one GPU; chunks decide placement",
+    ("zero_optimization", "offload_optimizer", "device"):
+        "tidal keeps optimizer states in chunks in host memory and on the device as the budget allows",
+    ("zero_optimization", "offload_param", "device"):
+        "tidal moves parameter chunks between host and device as the budget requires",
+}
+
+
+def _fail(path: str, message: str) -> None:
+    raise ConfigError(f"config key '{path}': {message}")
+
+
+def _check_value(path: str, kind: Any, value: Any) -> Any:
+    if kind == "bytes":
+        if isinstance(value, bool) or not isinstance(value, (int, str)):
+            _fail(path, f"expected a byte count (int or a string like '5GB'), got {value!r}")
+        if isinstance(value, int):
+            if value < 0:
+                _fail(path, f"expected a byte count >= 0, got {value}")
+            return value
+        try:
+            return int(_C.parse_bytes(value))
+        except ValueError as e:
+            _fail(path, str(e))
+    if kind is dict:
+        if not isinstance(value, dict):
+            _fail(path, f"expected an object, got {type(value).__name__} {value!r}")
+        return dict(value)
+    if isinstance(kind, tuple) and all(isinstance(k, str) for k in kind):
+        if value not in kind:
+            near = difflib.get_close_matches(str(value), kind, n=1)
+            hint = f" (did you mean '{near[0]}'?)" if near else ""
+            _fail(path, f"expected one of {', '.join(repr(k) for k in kind)}, got {value!r}{hint}")
+        return value
+    types = kind if isinstance(kind, tuple) else (kind,)
+    if isinstance(value, bool) and bool not in types:
+        _fail(path, f"expected {'/'.join(t.__name__ for t in types)}, got bool {value!r}")
+    if not isinstance(value, types):
+        _fail(path, f"expected {'/'.join(t.__name__ for t in types)}, got "
+                    f"{type(value).__name__} {value!r}")
+    return value
+
+
+def _resolve(schema: dict, given: dict, path: str) -> dict:
+    if not isinstance(given, dict):
+        _fail(path or "<root>", f"expected an object, got {type(given).__name__} {given!r}")
+    out: dict[str, Any] = {}
+    for key, value in given.items():
+        full = f"{path}.{key}" if path else key
+        if key not in schema:
+            near = difflib.get_close_matches(key, list(schema), n=1, cutoff=0.5)
+            hint = f"; did you mean '{near[0]}'?" if near else ""
+            where = f"section '{path}'" if path else "the top level"
+            raise ConfigError(f"unknown config key '{full}'{hint} (valid keys in {where}: "
+                              f"{', '.join(sorted(schema))})")
+        spec = schema[key]
+        if isinstance(spec, dict):
+            out[key] = _resolve(spec, value, full)
+        else:
+            out[key] = _check_value(full, spec[0], value)
+    for key, spec in schema.items():
+        if key in out:
+            continue
+        out[key] = _resolve(spec, {}, f"{path}.{key}" if path else key) if isinstance(spec, dict) \
+            else spec[1]
+    return out
+
+
+@dataclass
+class Config:
+    """A validated config. `raw` keeps the resolved nested dict."""
+
+    raw: dict = field(default_factory=dict)
+    micro_batch_size: int | None = None
+    train_batch_size: int | None = None
+    gradient_accumulation_steps: int = 1
+    gradient_clipping: float = 0.0
+    steps_per_print: int = 10
+    optimizer_type: str = "AdamW"
+    lr: float = 1e-3
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    weight_decay: float = 0.0
+    adam_w_mode: bool = True
+    bias_correction: bool = True
+    precision: str = "fp32"  # "fp16", "bf16" or "fp32"
+    loss_scale: float = 0.0
+    initial_scale_power: int = 16
+    loss_scale_window: int = 1000
+    hysteresis: int = 2
+    min_loss_scale: float = 1.0
+    device: str = "auto"
+    chunk_size: int = 64 << 20
+    device_memory_budget: int = 0
+    host_memory_budget: int = 0
+    device_margin: int = 0
+    prefetch: bool = True
+    prefetch_depth: int = 4
+    eviction_policy: str = "opt"
+    hybrid_adam: bool = True
+    cpu_adam_threads: int = 0
+    pin_memory: bool = True
+    dtr: dict = field(default_factory=dict)
+
+    @classmethod
+    def load(cls, config: "Config | dict | str | os.PathLike | None") -> "Config":
+        """From a Config, a dict, or a path to a JSON file (None: defaults)."""
+        if isinstance(config, Config):
+            return config
+        if config is None:
+            config = {}
+        elif isinstance(config, (str, os.PathLike)):
+            try:
+                with open(config, encoding="utf-8") as f:
+                    config = json.load(f)
+            except OSError as e:
+                raise ConfigError(f"cannot read config file '{config}': {e.strerror}") from None
+            except json.JSONDecodeError as e:
+                raise ConfigError(f"config file '{config}' is not valid JSON: {e}") from None
+        r = _resolve(SCHEMA, config, "")
+        c = cls(raw=r)
+        c._batch_sizes(r)
+        c.gradient_clipping = float(r["gradient_clipping"])
+        if c.gradient_clipping < 0:
+            _fail("gradient_clipping", f"expected a norm >= 0 (0 = off), got {c.gradient_clipping}")
+        c.steps_per_print = r["steps_per_print"]
+        if c.steps_per_print < 1:
+            _fail("steps_per_print", f"expected an integer >= 1, got {c.steps_per_print}")
+        c._optimizer(r["optimizer"])
+        c._precision(r["fp16"], r["bf16"])
+        c._zero(r["zero_optimization"], config.get("zero_optimization", {}))
+        t = r["tidal"]
+        c.device = t["device"]
+        c.chunk_size = t["chunk_size"]
+        if c.chunk_size < 4096 or c.chunk_size % 256:
+            _fail("tidal.chunk_size", f"expected at least 4 KiB and a multiple of 256 bytes, got "
+                                      f"{c.chunk_size}")
+        c.device_memory_budget = t["device_memory_budget"]
+        c.host_memory_budget = t["host_memory_budget"]
+        c.device_margin = t["device_margin"]
+        c.prefetch = t["prefetch"]
+        c.prefetch_depth = t["prefetch_depth"]
+        if c.prefetch_depth < 1:
+            _fail("tidal.prefetch_depth", f"expected an integer >= 1, got {c.prefetch_depth}")
+        c.eviction_policy = t["eviction_policy"]
+        c.hybrid_adam = t["hybrid_adam"]
+        c.cpu_adam_threads = t["cpu_adam_threads"]
+        if c.cpu_adam_threads < 0:
+            _fail("tidal.cpu_adam_threads", f"expected an integer >= 0, got {c.cpu_adam_threads}")
+        c.dtr = t["dtr"]
+        return c
+
+    def _batch_sizes(self, r: dict) -> None:
+        tb, mb, ga = r["train_batch_size"], r["train_micro_batch_size_per_gpu"], \
+            r["gradient_accumulation_steps"]
+        for key, v in (("train_batch_size", tb), ("train_micro_batch_size_per_gpu", mb),
+                       ("gradient_accumulation_steps", ga)):
+            if v is not None and v < 1:
+                _fail(key, f"expected an integer >= 1, got {v}")
+        # DeepSpeed's rule on one GPU: train_batch_size = micro batch x accumulation.
+        if tb is not None and mb is not None and ga is not None:
+            if tb != mb * ga:
+                raise ConfigError(
+                    f"inconsistent batch sizes: train_batch_size={tb} but "
+                    f"train_micro_batch_size_per_gpu * gradient_accumulation_steps = {mb} * {ga} "
+                    f"= {mb * ga} (one GPU)")
+        elif tb is not None and mb is not None:
+            if tb % mb:
+                raise ConfigError(f"train_batch_size={tb} is not a multiple of "
+                                  f"train_micro_batch_size_per_gpu={mb}")
+            ga = tb // mb
+        elif tb is not None and ga is not None:
+            if tb % ga:
+                raise ConfigError(f"train_batch_size={tb} is not a multiple of "
+                                  f"gradient_accumulation_steps={ga}")
+            mb = tb // ga
+        elif tb is not None:
+            mb, ga = tb, 1
+        elif mb is not None:
+            ga = ga or 1
+            tb = mb * ga
+        self.train_batch_size, self.micro_batch_size = tb, mb
+        self.gradient_accumulation_steps = ga or 1
+
+    def _optimizer(self, o: dict) -> None:
+        p = o["params"]
+        self.optimizer_type = o["type"]
+        self.lr = float(p["lr"])
+        if not (self.lr >= 0 and math.isfinite(self.lr)):
+            _fail("optimizer.params.lr", f"expected a finite learning rate >= 0, got {p['lr']!r}")
+        betas = p["betas"]
+        if len(betas) != 2 or not all(isinstance(b, (int, float)) and 0 <= b < 1 for b in betas):
+            _fail("optimizer.params.betas", f"expected two numbers in [0, 1), got {betas!r}")
+        self.betas = (float(betas[0]), float(betas[1]))
+        self.eps = float(p["eps"])
+        if not self.eps > 0:
+            _fail("optimizer.params.eps", f"expected eps > 0, got {p['eps']!r}")
+        self.weight_decay = float(p["weight_decay"])
+        if self.weight_decay < 0:
+            _fail("optimizer.params.weight_decay", f"expected >= 0, got {p['weight_decay']!r}")
+        mode = p["adam_w_mode"]
+        self.adam_w_mode = (self.optimizer_type == "AdamW") if mode is None else mode
+        self.bias_correction = p["bias_correction"]
+
+    def _precision(self, fp16: dict, bf16: dict) -> None:
+        if fp16["enabled"] and bf16["enabled"]:
+            raise ConfigError("config keys 'fp16.enabled' and 'bf16.enabled' are both true; "
+                              "enable at most one")
+        self.precision = "fp16" if fp16["enabled"] else "bf16" if bf16["enabled"] else "fp32"
+        self.loss_scale = float(fp16["loss_scale"])
+        if self.loss_scale < 0:
+            _fail("fp16.loss_scale", f"expected >= 0 (0 = dynamic), got {self.loss_scale}")
+        self.initial_scale_power = fp16["initial_scale_power"]
+        if not 0 <= self.initial_scale_power <= 64:
+            _fail("fp16.initial_scale_power", f"expected 0..64, got {self.initial_scale_power}")
+        self.loss_scale_window = fp16["loss_scale_window"]
+        if self.loss_scale_window < 1:
+            _fail("fp16.loss_scale_window", f"expected >= 1, got {self.loss_scale_window}")
+        self.hysteresis = fp16["hysteresis"]
+        if self.hysteresis < 1:
+            _fail("fp16.hysteresis", f"expected >= 1, got {self.hysteresis}")
+        self.min_loss_scale = float(fp16["min_loss_scale"])
+        if not self.min_loss_scale > 0:
+            _fail("fp16.min_loss_scale", f"expected > 0, got {self.min_loss_scale}")
+
+    def _zero(self, z: dict, given: dict) -> None:
+        if not isinstance(given, dict):
+            return
+        if "stage" in given and z["stage"] not in (0, 1, 2, 3):
+            _fail("zero_optimization.stage", f"expected 0, 1, 2 or 3, got {z['stage']}")
+        for sub in ("offload_optimizer", "offload_param"):
+            if z[sub]["device"] == "nvme":
+                _fail(f"zero_optimization.{sub}.device",
+                      "NVMe offload is not supported by tidal; use 'cpu' (chunks in host memory)")
+        pins = [z[s]["pin_memory"] for s in ("offload_optimizer", "offload_param")
+                if "pin_memory" in given.get(s, {})]
+        self.pin_memory = all(pins) if pins else True
+        for path, what in _NOT_HONOURED.items():
+            node = given
+            for k in path:
+                node = node.get(k) if isinstance(node, dict) else None
+            if node is not None:
+                warnings.warn(f"config key 'zero_optimization.{'.'.join(path[1:])}' = {node!r} "
+                              f"is not used by tidal: {what}", stacklevel=4)

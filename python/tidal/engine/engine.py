@@ -1,0 +1,561 @@
+"""The training engine: tidal.initialize(model, config) -> Engine.
+
+See ../shared/ARCHITECTURE.md, "Data flow of one training step", and
+python/tidal/engine/hooks.py for the hook protocol. One step:
+
+    loss = engine(batch)        # forward: chunks come to the device per module
+    engine.backward(loss)       # gradients land in the 16-bit slots
+    engine.step()               # Adam per chunk: on the device (hybrid) or CPU
+
+Note [The memory tracer]
+~~~~~~~~~~~~~~~~~~~~~~~~
+Every hook is a trace point. At each one the engine measures non-chunk
+device memory: torch.cuda.memory_allocated() on CUDA; on the simulated
+device, torch's CPU allocations counted by hooks/host_allocation_counter
+(there, torch's "device" tensors are CPU tensors). It also reads the peak
+since the previous point. The first step (the warm-up) records the peak of
+every interval between two points; from then on, at point k the chunk
+budget is device budget - margin - max(live now, recorded peak of interval
+k), so chunks give way before activations need the room, and OPT eviction
+plus prefetch follow the scheduler's trace. While a step has more points
+than the recorded trace (the model's path changed), the budget uses the
+largest recorded peak; the step's own record replaces the trace at its end.
+During warm-up the budget follows the live measurement alone.
+"""
+from __future__ import annotations
+
+import collections
+import math
+import time
+
+import torch
+
+from .. import _C
+from ..config import Config
+from . import hooks as _hooks
+from .loss_scaler import DynamicLossScaler, StaticLossScaler
+from .store import ParamStore, uncounted
+
+OutOfMemoryError = _C.OutOfMemoryError
+
+
+def _fmt(n: int) -> str:
+    return _C.format_bytes(n) if hasattr(_C, "format_bytes") else f"{n / 2**20:.2f} MiB"
+
+
+class Engine:
+    """Trains `module` with its model states in chunks. Build with tidal.initialize()."""
+
+    def __init__(self, model: torch.nn.Module, config=None):
+        if not isinstance(model, torch.nn.Module):
+            raise TypeError(f"tidal.initialize expects a torch.nn.Module, got {type(model).__name__}")
+        cfg = Config.load(config)
+        self.config = cfg
+        self.module = model
+        params = list(model.parameters())
+        store = ParamStore.owning(params)
+        if store is None:
+            store = ParamStore(cfg)
+        elif config is not None and cfg.raw != store.config.raw:
+            raise ValueError("the model was built in tidal.init_context with another config; "
+                             "pass the same config to tidal.initialize, or none")
+        else:
+            cfg = self.config = store.config
+        store.adopted()
+        self.store = store
+        self.chunks = store.chunks
+        self.dtype = store.dtype
+        self.precision = store.precision
+
+        # Registration in module order (the first use order of most models);
+        # names are the qualified names of the first module owning a param.
+        self._module_records: dict[torch.nn.Module, list] = {}
+        self._names: dict[torch.nn.Module, str] = {}
+        for mname, m in model.named_modules(remove_duplicate=True):
+            self._names[m] = mname or type(m).__name__
+            recs = []
+            for pname, p in m.named_parameters(recurse=False):
+                full = f"{mname}.{pname}" if mname else pname
+                rec = store.by_param.get(id(p))
+                if rec is None:
+                    if p.numel() == 0:
+                        continue  # nothing to keep; stays an ordinary tensor
+                    rec = store.add(p, full)
+                elif rec.provisional:
+                    rec.name, rec.provisional = full, False
+                recs.append(rec)
+            if recs:
+                self._module_records[m] = recs
+        mine = {id(r) for recs in self._module_records.values() for r in recs}
+        self.records = [r for r in store.records if id(r) in mine]
+        # Buffers are ordinary tensors on the compute device (16-bit like the
+        # params in mixed precision, as DeepSpeed's module.half()).
+        with torch.no_grad():
+            for m in model.modules():
+                for bname, b in list(m._buffers.items()):
+                    if b is None:
+                        continue
+                    if b.is_floating_point() and self.precision != "fp32":
+                        b = b.to(self.dtype)
+                    m._buffers[bname] = b.to(store.torch_device)
+        self._check_budget()
+
+        # Optimizer, loss scaling.
+        self.lr = cfg.lr
+        self.global_steps = 0
+        self.micro_steps = 0
+        self.skipped_steps = 0
+        if self.precision == "fp16":
+            self.scaler = StaticLossScaler(cfg.loss_scale) if cfg.loss_scale > 0 else \
+                DynamicLossScaler(cfg.initial_scale_power, cfg.loss_scale_window, cfg.hysteresis,
+                                  cfg.min_loss_scale)
+        else:
+            self.scaler = StaticLossScaler(1.0)
+
+        # Hook state.
+        self._attached_by_ptr: dict[int, object] = {}
+        self._bwd_attached: list = []
+        self._grad_norms: list[torch.Tensor] = []
+        self._saved_hooks = None
+        self._handles = []
+        self._install_hooks()
+
+        # Memory tracer (Note [The memory tracer]).
+        self._cuda = store.backend == "cuda"
+        self._baseline = 0 if self._cuda else _C.chunks.host_allocation_counts()["live_bytes"]
+        self._trace: list[int] | None = None   # interval peaks of the adopted trace
+        self._recording: list[int] = []
+        self._point = 0
+        self._peak_nonchunk = 0
+        self._peak_total = 0
+        self._budget_overruns = 0
+        self._stats_at_step = self.chunks.stats()
+        self._bytes_per_step: list[tuple[int, int]] = []
+        self._adam_seconds = 0.0
+        self._adam_device_chunks = 0
+        self._adam_host_chunks = 0
+        self._reset_peak()
+
+    # ------------------------------------------------------------------ setup
+    def _check_budget(self):
+        limit = self.store.device_budget - self.store.margin
+        for m, recs in self._module_records.items():
+            chunks = {r.chunk for r in recs}
+            need = sum(self.chunks.chunk_capacity_bytes(c, "param16") for c in chunks)
+            if need > limit:
+                raise OutOfMemoryError(
+                    f"module '{self._names[m]}' ({type(m).__name__}) needs its parameters on the "
+                    f"device at once: {len(recs)} parameters in {len(chunks)} chunk(s) of "
+                    f"{need} bytes, but the device budget leaves {limit} bytes for chunks "
+                    f"(budget {self.store.device_budget} - margin {self.store.margin}); raise "
+                    f"tidal.device_memory_budget or lower tidal.chunk_size")
+
+    def _install_hooks(self):
+        root = self.module
+        self._handles.append(root.register_forward_pre_hook(self._root_pre))
+        self._handles.append(root.register_forward_hook(self._root_post, always_call=True))
+        for m in self._module_records:
+            self._handles.append(m.register_forward_pre_hook(self._pre_forward))
+            self._handles.append(m.register_forward_hook(self._post_forward))
+        seen = set()
+        for r in self.records:
+            if r.trainable and id(r.param) not in seen:
+                seen.add(id(r.param))
+                self._handles.append(r.param.register_post_accumulate_grad_hook(self._grad_ready))
+
+    def remove_hooks(self):
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+
+    # ------------------------------------------------------------- the tracer
+    def _measure(self) -> tuple[int, int]:
+        if self._cuda:
+            return (torch.cuda.memory_allocated(self.store.torch_device),
+                    torch.cuda.max_memory_allocated(self.store.torch_device))
+        c = _C.chunks.host_allocation_counts()
+        return max(0, c["live_bytes"] - self._baseline), max(0, c["peak_bytes"] - self._baseline)
+
+    def _reset_peak(self):
+        if self._cuda:
+            torch.cuda.reset_peak_memory_stats(self.store.torch_device)
+        else:
+            _C.chunks.reset_host_allocation_peak()
+
+    def _trace_point(self):
+        live, peak = self._measure()
+        self._reset_peak()
+        held = self.chunks.stats()["held_bytes_device"]
+        self._peak_nonchunk = max(self._peak_nonchunk, peak)
+        self._peak_total = max(self._peak_total, held + peak)
+        self._recording.append(peak)  # the interval that ends here
+        k = self._point
+        self._point += 1
+        upcoming = live
+        if self._trace is not None:
+            upcoming = max(live, self._trace[k + 1] if k + 1 < len(self._trace) else max(self._trace))
+        budget = self.store.device_budget - self.store.margin - upcoming
+        if budget != self.chunks.budget("device"):
+            try:
+                self.chunks.set_budget("device", max(budget, 0))
+            except OutOfMemoryError:
+                # Chunks in use (COMPUTE) hold more than that; the budget
+                # stays, and the next access still cannot exceed it.
+                self._budget_overruns += 1
+
+    def _end_trace_step(self):
+        self._trace_point()
+        self._trace = self._recording
+        self._recording = []
+        self._point = 0
+
+    # ----------------------------------------------------------------- hooks
+    def _count(self, on: bool):
+        # Simulated device: torch's CPU allocations during forward and
+        # backward are the non-chunk "device" memory (Note [The memory tracer]).
+        if not self._cuda:
+            _C.chunks.set_host_allocation_counting(on)
+
+    def _root_pre(self, module, args):
+        self._count(True)
+        if self._saved_hooks is None:
+            self._saved_hooks = torch.autograd.graph.saved_tensors_hooks(
+                lambda t: _hooks.pack(self, t), lambda o: _hooks.unpack(self, o))
+            self._saved_hooks.__enter__()
+
+    def _root_post(self, module, args, output):
+        if not torch.is_grad_enabled():
+            self._count(False)
+        if self._saved_hooks is not None:
+            hooks, self._saved_hooks = self._saved_hooks, None
+            hooks.__exit__(None, None, None)
+
+    def _attach(self, records, module):
+        if not records:
+            return
+        params = [r.param for r in records]
+        ids = [r.id for r in records]
+        shapes = [r.shape for r in records]
+        try:
+            self.chunks.attach(params, ids, shapes, "param16", "device")
+        except OutOfMemoryError as e:
+            if self._cuda:
+                torch.cuda.empty_cache()
+                try:
+                    self.chunks.attach(params, ids, shapes, "param16", "device")
+                except OutOfMemoryError as e2:
+                    e = e2
+                else:
+                    e = None
+            if e is not None:
+                where = f"module '{self._names.get(module, '?')}'" if module is not None else \
+                    f"parameter '{records[0].name}'"
+                raise OutOfMemoryError(
+                    f"tidal could not bring the parameters of {where} onto the device: {e}") from None
+        for r in records:
+            r.attached = True
+            self._attached_by_ptr[r.param.data_ptr()] = r
+
+    def _detach(self, records, state):
+        if not records:
+            return
+        for r in records:
+            self._attached_by_ptr.pop(r.param.data_ptr(), None)
+            r.attached = False
+        self.chunks.detach([r.param for r in records], [r.id for r in records], "param16", state,
+                           "device")
+
+    def _pre_forward(self, module, args):
+        self._trace_point()
+        recs = self._module_records[module]
+        need = [r for r in recs if not r.attached]
+        for r in recs:
+            r.refs += 1
+        try:
+            self._attach(need, module)
+        except BaseException:
+            for r in recs:
+                r.refs -= 1
+            raise
+
+    def _post_forward(self, module, args, output):
+        recs = self._module_records[module]
+        done = []
+        for r in recs:
+            r.refs -= 1
+            if r.refs == 0 and r.attached and r not in done:
+                done.append(r)
+        grad = torch.is_grad_enabled()
+        self._detach(done, "hold_after_fwd" if grad else "hold")
+        if grad:
+            return _hooks.wrap_outputs(self, module, output)
+        return output
+
+    def _pre_backward(self, module):
+        self._trace_point()
+        self._attach_for_backward(self._module_records[module], module)
+
+    def _attach_for_backward(self, records, module):
+        need = [r for r in records if not r.attached]
+        self._attach(need, module)
+        self._bwd_attached.extend(need)
+
+    def _grad_ready(self, param):
+        r = self.store.by_param[id(param)]
+        g = param.grad
+        if g is None:
+            return
+        self._trace_point()
+        if self.config.gradient_accumulation_steps > 1:
+            with uncounted(), torch.no_grad():
+                if r.acc is None:
+                    r.acc = torch.zeros(r.numel, dtype=torch.float32,
+                                        pin_memory=self._cuda)
+                r.acc.add_(g.detach().reshape(-1).to("cpu", torch.float32))
+            if r.attached:
+                self._detach([r], "hold")
+        else:
+            self._grad_norms.append(torch.linalg.vector_norm(g.detach(), dtype=torch.float32))
+            with torch.no_grad():
+                if r.attached:
+                    r.param.data.copy_(g)
+                    self._detach([r], "hold_after_bwd")
+                else:
+                    view = self.chunks.access(r.id, "param16", "device", r.shape)
+                    view.copy_(g)
+                    self.chunks.release(r.id, "param16", "hold_after_bwd")
+        r.has_grad = True
+        param.grad = None
+
+    # ------------------------------------------------------------- user API
+    def __call__(self, *args, **kwargs):
+        if self.precision != "fp32":
+            def cast(t):
+                if isinstance(t, torch.Tensor) and t.is_floating_point():
+                    return t.to(self.dtype)
+                return t
+            args = torch.utils._pytree.tree_map(cast, args)
+            kwargs = torch.utils._pytree.tree_map(cast, kwargs)
+        return self.module(*args, **kwargs)
+
+    forward = __call__
+
+    def train(self, mode: bool = True):
+        self.module.train(mode)
+        return self
+
+    def eval(self):
+        return self.train(False)
+
+    @property
+    def loss_scale(self) -> float:
+        return self.scaler.scale
+
+    def backward(self, loss: torch.Tensor):
+        """Backpropagates `loss` (scaled for fp16, divided by the accumulation steps)."""
+        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+            raise ValueError(f"engine.backward expects a scalar loss tensor, got "
+                             f"{type(loss).__name__} {getattr(loss, 'shape', '')}")
+        scale = self.scaler.scale / self.config.gradient_accumulation_steps
+        scaled = loss.float() * scale if scale != 1.0 else loss
+        self._count(True)
+        try:
+            scaled.backward()
+        finally:
+            self._count(False)
+            rest = [r for r in self._bwd_attached if r.attached]
+            self._bwd_attached.clear()
+            self._detach(rest, "hold")
+        self.micro_steps += 1
+
+    def is_gradient_accumulation_boundary(self) -> bool:
+        return self.micro_steps % self.config.gradient_accumulation_steps == 0
+
+    def zero_grad(self):
+        """Drops pending gradients (those in 16-bit slots are restored from fp32)."""
+        pending = [r for r in self.records if r.has_grad]
+        if pending and self.config.gradient_accumulation_steps == 1:
+            self._restore_params(pending)
+        for r in pending:
+            r.has_grad = False
+            if r.acc is not None:
+                r.acc.zero_()
+        self._grad_norms.clear()
+        for r in self.records:
+            r.param.grad = None
+
+    def step(self):
+        """The optimizer step, at gradient accumulation boundaries (as DeepSpeed)."""
+        if self.micro_steps == 0 or not self.is_gradient_accumulation_boundary():
+            return
+        pending = [r for r in self.records if r.has_grad]
+        norm, finite = self._grad_norm(pending)
+        scale = self.scaler.scale
+        overflow = not finite
+        if self.precision == "fp16":
+            self.scaler.update(overflow)
+        if overflow:
+            self.skipped_steps += 1
+            if self.config.gradient_accumulation_steps == 1:
+                self._restore_params(pending)
+        else:
+            clip = 1.0
+            if self.config.gradient_clipping > 0:
+                clip = min(1.0, self.config.gradient_clipping / (norm + 1e-6))
+            self._adam(pending, clip / scale)
+        for r in pending:
+            r.has_grad = False
+            if r.acc is not None:
+                r.acc.zero_()
+        self._grad_norms.clear()
+        self._last_grad_norm = norm
+        self.global_steps += 1
+        self.chunks.end_step()
+        self._end_trace_step()
+        now = self.chunks.stats()
+        self._bytes_per_step.append(
+            (now["bytes_host_to_device"] - self._stats_at_step["bytes_host_to_device"],
+             now["bytes_device_to_host"] - self._stats_at_step["bytes_device_to_host"]))
+        self._stats_at_step = now
+        return not overflow
+
+    # ----------------------------------------------------------- optimizer
+    def _grad_norm(self, pending) -> tuple[float, bool]:
+        """Global L2 norm of the unscaled gradients and whether all are finite."""
+        scale = self.scaler.scale
+        if self.config.gradient_accumulation_steps > 1:
+            total = 0.0
+            finite = True
+            for r in pending:
+                s = _C.cpu_adam.grad_stats(r.acc)
+                finite &= s.finite
+                total += s.sum_squares
+            total = math.sqrt(total) if finite else float("inf")
+            return total / scale, finite and math.isfinite(total)
+        if not self._grad_norms:
+            return 0.0, True
+        total = float(torch.linalg.vector_norm(torch.stack(self._grad_norms)))
+        return total / scale, math.isfinite(total)
+
+    def _restore_params(self, records):
+        """Gradients overwrote the 16-bit params: copy them back from fp32."""
+        c = self.chunks
+        with torch.no_grad(), uncounted():
+            for r in records:
+                if not r.trainable:
+                    continue
+                dst = c.access(r.id, "param16", "host", [r.numel])
+                src = c.access(r.id, "param32", "host", [r.numel])
+                dst.copy_(src)
+                c.release(r.id, "param32", "hold")
+                c.release(r.id, "param16", "hold")
+
+    def _adam(self, pending, grad_scale: float):
+        cfg = self.config
+        c = self.chunks
+        by_chunk = collections.defaultdict(list)
+        for r in pending:
+            by_chunk[r.chunk].append(r)
+        b1, b2 = cfg.betas
+        fp32_chunk = c.chunk_bytes("param32")
+        t0 = time.perf_counter()
+        with torch.no_grad(), uncounted():
+            for chunk in sorted(by_chunk):
+                recs = by_chunk[chunk]
+                on_device = False
+                if cfg.hybrid_adam and c.chunk_space(chunk, "param16") == "device":
+                    s = c.stats()
+                    on_device = s["budget_bytes_device"] - s["held_bytes_device"] >= 3 * fp32_chunk
+                space = "device" if on_device else "host"
+                if on_device:
+                    self._adam_device_chunks += 1
+                else:
+                    self._adam_host_chunks += 1
+                for r in recs:
+                    r.step += 1
+                    g16 = c.access(r.id, "param16", space, [r.numel])
+                    w = c.access(r.id, "param32", space, [r.numel])
+                    m = c.access(r.id, "momentum", space, [r.numel])
+                    v = c.access(r.id, "variance", space, [r.numel])
+                    grad = r.acc if r.acc is not None else g16
+                    if space == "host":
+                        _C.cpu_adam.adam_update(
+                            w, m, v, grad, g16 if self.precision != "fp32" else None,
+                            step=r.step, lr=self.lr, beta1=b1, beta2=b2, eps=cfg.eps,
+                            weight_decay=cfg.weight_decay, adamw_mode=cfg.adam_w_mode,
+                            bias_correction=cfg.bias_correction, grad_scale=grad_scale,
+                            num_threads=cfg.cpu_adam_threads)
+                        if self.precision == "fp32":
+                            g16.copy_(w)
+                    else:
+                        self._device_adam(w, m, v, grad.to(w.device), r.step, grad_scale)
+                        g16.copy_(w)
+                    for kind in ("param16", "param32", "momentum", "variance"):
+                        c.release(r.id, kind, "hold")
+        self._adam_seconds += time.perf_counter() - t0
+
+    def _device_adam(self, w, m, v, g, step, grad_scale):
+        """torch.optim.AdamW's single-tensor update on device tensors."""
+        cfg = self.config
+        b1, b2 = cfg.betas
+        g = g.float()
+        if grad_scale != 1.0:
+            g = g * grad_scale
+        if cfg.weight_decay:
+            if cfg.adam_w_mode:
+                w.mul_(1 - self.lr * cfg.weight_decay)
+            else:
+                g = g.add(w, alpha=cfg.weight_decay)
+        m.lerp_(g, 1 - b1)
+        v.mul_(b2).addcmul_(g, g, value=1 - b2)
+        if cfg.bias_correction:
+            bc1 = 1 - b1 ** step
+            bc2 = 1 - b2 ** step
+        else:
+            bc1 = bc2 = 1.0
+        denom = (v.sqrt() / math.sqrt(bc2)).add_(cfg.eps)
+        w.addcdiv_(m, denom, value=-self.lr / bc1)
+
+    # -------------------------------------------------------------- reports
+    def parameters_fp32(self) -> dict[str, torch.Tensor]:
+        """Host copies of the fp32 master weights (16-bit values for frozen params), by name."""
+        return {r.name: self.store.gather(r) for r in self.records}
+
+    def memory_report(self) -> dict:
+        s = self.chunks.stats()
+        hits = s["prefetch_hits"]
+        misses = s["misses"]
+        steps = self._bytes_per_step
+        return {
+            "backend": self.store.backend,
+            "device_budget": self.store.device_budget,
+            "device_margin": self.store.margin,
+            "peak_chunk_device_bytes": s["peak_resident_bytes_device"],
+            "peak_nonchunk_device_bytes": self._peak_nonchunk,
+            "peak_device_bytes": self._peak_total,
+            "peak_chunk_host_bytes": s["peak_resident_bytes_host"],
+            "host": _C.host_memory_stats(),
+            "bytes_host_to_device_last_step": steps[-1][0] if steps else 0,
+            "bytes_device_to_host_last_step": steps[-1][1] if steps else 0,
+            "evictions": s["evictions"],
+            "prefetches": s["prefetches"],
+            "prefetch_hit_rate": hits / (hits + misses) if hits + misses else 0.0,
+            "budget_overruns": self._budget_overruns,
+            "cpu_adam_seconds": self._adam_seconds,
+            "adam_chunks_on_device": self._adam_device_chunks,
+            "adam_chunks_on_host": self._adam_host_chunks,
+            "trace_adoptions": s["trace_adoptions"],
+            "trace_divergences": s["trace_divergences"],
+            "steps": self.global_steps,
+            "skipped_steps": self.skipped_steps,
+            "loss_scale": self.scaler.scale,
+            "scheduler": s,
+        }
+
+
+def initialize(model: torch.nn.Module, config=None) -> Engine:
+    """Puts `model`'s parameters into chunks and returns the Engine that trains it.
+
+    config: a dict, a path to a JSON file, or a tidal.Config (see docs/config.md).
+    """
+    return Engine(model, config)

@@ -1,0 +1,72 @@
+"""Module and autograd hooks that move parameters in and out of use.
+
+Forward: a module's pre-hook attaches its parameters (their chunks come to
+the device, COMPUTE), its post-hook detaches them (HOLD_AFTER_FWD, or HOLD
+under no_grad) and wraps the outputs in _PreBackward. Backward: _PreBackward
+runs before the module's own backward and attaches its parameters again; a
+parameter's post-accumulate-grad hook, which fires once its gradient is
+final, writes the gradient into the parameter's 16-bit slot and detaches it
+(HOLD_AFTER_BWD). Whatever is still attached when backward returns is
+detached by engine.backward().
+
+Saved tensors: a tensor autograd saves for backward that aliases a
+parameter's slot (the parameter, or a view like weight.t()) is packed as
+(record, geometry) and rebuilt from the parameter's data when backward
+unpacks it, so nothing keeps a chunk address across a move (Note [Parameters
+keep their TensorImpl] in hooks/param_binding.h).
+"""
+from __future__ import annotations
+
+import torch
+from torch.utils._pytree import tree_map
+
+
+class _PreBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, engine, module, tensor):
+        ctx.engine = engine
+        ctx.module = module
+        return tensor.view_as(tensor)
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.engine._pre_backward(ctx.module)
+        return None, None, grad
+
+
+def wrap_outputs(engine, module, output):
+    def wrap(t):
+        if isinstance(t, torch.Tensor) and t.requires_grad and t.is_floating_point():
+            return _PreBackward.apply(engine, module, t)
+        return t
+    return tree_map(wrap, output)
+
+
+class _Packed:
+    __slots__ = ("record", "size", "stride", "offset")
+
+    def __init__(self, record, size, stride, offset):
+        self.record, self.size, self.stride, self.offset = record, size, stride, offset
+
+
+def pack(engine, t):
+    attached = engine._attached_by_ptr
+    if not attached or not isinstance(t, torch.Tensor) or t.layout != torch.strided:
+        return t
+    try:
+        ptr = t.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError):
+        return t
+    record = attached.get(ptr)
+    if record is None:
+        return t
+    return _Packed(record, tuple(t.size()), tuple(t.stride()), t.storage_offset())
+
+
+def unpack(engine, obj):
+    if type(obj) is not _Packed:
+        return obj
+    record = obj.record
+    if not record.attached:
+        engine._attach_for_backward([record], None)
+    return record.param.data.as_strided(obj.size, obj.stride, obj.offset)

@@ -1,0 +1,87 @@
+"""tidal.init_context(config): build a model straight into chunks.
+
+Inside the context every nn.Module's __init__ is wrapped: when the outermost
+__init__ of a module returns, its own parameters are registered in the
+context's ParamStore, their values copied into host chunk slots and their
+data replaced by a placeholder. So at most one module's parameters exist as
+ordinary tensors at a time, and a model larger than device memory can be
+constructed. tidal.initialize(model) adopts the store.
+
+Limit: code that re-initialises parameters in place after their module's
+__init__ returned (Hugging Face's post_init()/init_weights()) writes to the
+placeholders and is lost; such models are better built normally and passed
+to tidal.initialize(). Such writes change nothing and raise no error.
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+
+import torch
+
+from ..config import Config
+from .store import ParamStore
+
+
+def _subclasses(cls):
+    out, todo = [], [cls]
+    while todo:
+        c = todo.pop()
+        out.append(c)
+        todo.extend(c.__subclasses__())
+    return out
+
+
+@contextlib.contextmanager
+def init_context(config=None):
+    """Models built inside keep their parameters in chunks (host memory).
+
+    Yields the ParamStore; pass the model to tidal.initialize() afterwards.
+    """
+    store = ParamStore(Config.load(config))
+    ParamStore._unadopted.append(store)
+    depth: dict[int, int] = {}
+    originals = {}
+
+    def wrap(cls):
+        if "__init__" not in cls.__dict__ or cls in originals:
+            return
+        original = cls.__dict__["__init__"]
+
+        @functools.wraps(original)
+        def __init__(self, *args, **kwargs):
+            key = id(self)
+            depth[key] = depth.get(key, 0) + 1
+            try:
+                original(self, *args, **kwargs)
+            finally:
+                depth[key] -= 1
+                if depth[key] == 0:
+                    del depth[key]
+            if key not in depth:
+                for name, p in self.named_parameters(recurse=False):
+                    if id(p) not in store.by_param and p.numel() > 0:
+                        store.add(p, f"{type(self).__name__}.{name}", provisional=True)
+
+        originals[cls] = original
+        cls.__init__ = __init__
+
+    original_init_subclass = torch.nn.Module.__dict__.get("__init_subclass__")
+
+    @classmethod
+    def __init_subclass__(cls, **kwargs):
+        super(torch.nn.Module, cls).__init_subclass__(**kwargs)
+        wrap(cls)
+
+    for cls in _subclasses(torch.nn.Module):
+        wrap(cls)
+    torch.nn.Module.__init_subclass__ = __init_subclass__
+    try:
+        yield store
+    finally:
+        for cls, original in originals.items():
+            cls.__init__ = original
+        if original_init_subclass is None:
+            del torch.nn.Module.__init_subclass__
+        else:
+            torch.nn.Module.__init_subclass__ = original_init_subclass

@@ -1,0 +1,160 @@
+"""Parameters in chunks: registration, initial data, the parameter records.
+
+A ParamStore owns the chunk scheduler (tidal._C.chunks.Chunks) of one model.
+init_context() creates one before the model exists and fills it module by
+module; initialize() adopts that store, or creates one for an already-built
+model. Each registered parameter keeps its Python object (module attributes,
+autograd and user references stay valid); its data becomes a 0-element
+placeholder while it is not in use (Note [Parameters keep their TensorImpl]
+in hooks/param_binding.h).
+"""
+from __future__ import annotations
+
+import contextlib
+import weakref
+
+import torch
+
+from .. import _C
+from ..config import Config, ConfigError
+from ..device import get_device, set_device
+
+_TORCH_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
+_CHUNK_DTYPES = {"fp16": "float16", "bf16": "bfloat16", "fp32": "float32"}
+
+
+@contextlib.contextmanager
+def uncounted():
+    """Allocations in this block are not non-chunk device memory (sim device)."""
+    was = _C.chunks.host_allocation_counting()
+    _C.chunks.set_host_allocation_counting(False)
+    try:
+        yield
+    finally:
+        _C.chunks.set_host_allocation_counting(was)
+
+
+class ParamRecord:
+    """One parameter in chunks."""
+
+    __slots__ = ("param", "name", "id", "shape", "numel", "trainable", "chunk", "refs",
+                 "attached", "has_grad", "step", "acc", "provisional", "__weakref__")
+
+    def __init__(self, param: torch.nn.Parameter, name: str, tensor_id: int, chunk: int):
+        self.param = param
+        self.name = name
+        self.id = tensor_id
+        self.shape = list(param.shape)
+        self.numel = param.numel()
+        self.trainable = param.requires_grad
+        self.chunk = chunk
+        self.refs = 0          # forward uses in flight (nested or shared modules)
+        self.attached = False  # param.data is a view of its slot (COMPUTE)
+        self.has_grad = False  # a gradient waits for the optimizer step
+        self.step = 0          # Adam steps taken (torch's state['step'])
+        self.acc = None        # fp32 host gradient accumulator (accumulation > 1)
+        self.provisional = False  # named by init_context; initialize() renames it
+
+
+class ParamStore:
+    _live: "weakref.WeakSet[ParamStore]" = weakref.WeakSet()
+    # Stores filled by init_context() that no engine has adopted yet: the
+    # model's parameters do not reference their store, so this does.
+    _unadopted: "list[ParamStore]" = []
+
+    def __init__(self, config: Config):
+        self.config = config
+        if config.device != "auto" or get_device().info()["backend"] not in ("sim", "cuda"):
+            set_device(config.device)
+        device = get_device()
+        info = device.info()
+        self.device = device
+        self.backend = info["backend"]
+        self.torch_device = torch.device(f"cuda:{info['ordinal']}") if self.backend == "cuda" \
+            else torch.device("cpu")
+        capacity = info["capacity"]
+        budget = config.device_memory_budget or capacity
+        if budget > capacity:
+            raise ConfigError(
+                f"config key 'tidal.device_memory_budget': {budget} bytes is more than the "
+                f"{self.backend} device has ({capacity} bytes)")
+        self.device_budget = budget
+        self.margin = config.device_margin or max(budget // 20, 1 << 20)
+        if self.margin >= budget:
+            raise ConfigError(
+                f"config key 'tidal.device_margin': {self.margin} bytes leaves nothing of the "
+                f"device budget of {budget} bytes for chunks")
+        self.precision = config.precision
+        self.dtype = _TORCH_DTYPES[config.precision]
+        stream = None
+        if self.backend == "cuda":
+            stream = torch.cuda.current_stream(self.torch_device).cuda_stream
+        self.chunks = _C.chunks.Chunks(
+            device, chunk_bytes=config.chunk_size, param_dtype=_CHUNK_DTYPES[config.precision],
+            device_budget=budget - self.margin, host_budget=config.host_memory_budget,
+            prefetch=config.prefetch, prefetch_depth=config.prefetch_depth,
+            policy=config.eviction_policy, pin_host_memory=config.pin_memory,
+            compute_stream=stream, torch_device=str(self.torch_device))
+        self.records: list[ParamRecord] = []
+        self.by_param: dict[int, ParamRecord] = {}
+        ParamStore._live.add(self)
+
+    @classmethod
+    def owning(cls, params) -> "ParamStore | None":
+        for store in list(cls._live):
+            for p in params:
+                record = store.by_param.get(id(p))
+                if record is not None and record.param is p:
+                    return store
+        return None
+
+    def adopted(self) -> None:
+        if self in ParamStore._unadopted:
+            ParamStore._unadopted.remove(self)
+
+    def placeholder(self) -> torch.Tensor:
+        return torch.empty(0, dtype=self.dtype, device=self.torch_device)
+
+    def add(self, param: torch.nn.Parameter, name: str, provisional: bool = False) -> ParamRecord:
+        """Registers `param`, copies its values into its chunk slots (host) and
+        leaves a placeholder as its data."""
+        if not param.is_floating_point():
+            raise TypeError(f"parameter '{name}' has dtype {param.dtype}; tidal keeps floating-"
+                            f"point parameters (float16/bfloat16/float32) in chunks")
+        if param.dtype == torch.float64:
+            raise TypeError(f"parameter '{name}' is float64; tidal supports float32, float16 and "
+                            f"bfloat16 parameters (convert the model with .float() first)")
+        tensor_id = self.chunks.register(f"{len(self.records)}:{name}", param.numel())
+        record = ParamRecord(param, name, tensor_id, self.chunks.placement(tensor_id)[0])
+        src = param.detach().reshape(-1)
+        c = self.chunks
+        with uncounted(), torch.no_grad():
+            view = c.access(tensor_id, "param16", "host", [record.numel])
+            view.copy_(src)
+            c.release(tensor_id, "param16", "hold")
+            if record.trainable:
+                view = c.access(tensor_id, "param32", "host", [record.numel])
+                view.copy_(src)
+                c.release(tensor_id, "param32", "hold")
+                for kind in ("momentum", "variance"):
+                    c.access(tensor_id, kind, "host", [record.numel]).zero_()
+                    c.release(tensor_id, kind, "hold")
+        param.data = self.placeholder()
+        record.provisional = provisional
+        self.records.append(record)
+        self.by_param[id(param)] = record
+        return record
+
+    def rename(self, param: torch.nn.Parameter, name: str) -> None:
+        self.by_param[id(param)].name = name
+
+    def gather(self, record: ParamRecord, kind: str = "param32") -> torch.Tensor:
+        """A host copy of one slot, shaped like the parameter (fp32 for the master)."""
+        if kind == "param32" and not record.trainable:
+            kind = "param16"
+        view = self.chunks.access(record.id, kind, "host", record.shape)
+        try:
+            with uncounted():
+                return view.clone()
+        finally:
+            self.chunks.release(record.id, kind, "hold")

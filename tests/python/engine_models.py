@@ -1,0 +1,74 @@
+"""Small models for the engine tests (random init, no downloads)."""
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+class Block(nn.Module):
+    def __init__(self, d, heads, dropout=0.0):
+        super().__init__()
+        self.ln1 = nn.LayerNorm(d)
+        # No qkv bias: the key bias has a gradient of exactly zero in exact
+        # arithmetic (softmax ignores a shift), so Adam turns its rounding
+        # noise into lr-sized steps that no two implementations share.
+        self.qkv = nn.Linear(d, 3 * d, bias=False)
+        self.proj = nn.Linear(d, d)
+        self.ln2 = nn.LayerNorm(d)
+        self.fc = nn.Linear(d, 4 * d)
+        self.out = nn.Linear(4 * d, d)
+        self.heads = heads
+        self.drop = nn.Dropout(dropout)
+
+    def forward(self, x):
+        b, t, d = x.shape
+        q, k, v = self.qkv(self.ln1(x)).split(d, dim=2)
+        q, k, v = (z.view(b, t, self.heads, d // self.heads).transpose(1, 2) for z in (q, k, v))
+        att = (q @ k.transpose(-2, -1)) / math.sqrt(d // self.heads)
+        mask = torch.ones(t, t, dtype=torch.bool, device=x.device).tril()
+        att = att.masked_fill(~mask, float("-inf")).softmax(-1)
+        y = (att @ v).transpose(1, 2).reshape(b, t, d)
+        x = x + self.drop(self.proj(y))
+        return x + self.drop(self.out(F.gelu(self.fc(self.ln2(x)))))
+
+
+class TinyGPT(nn.Module):
+    def __init__(self, vocab=96, d=32, layers=4, heads=4, seq=16, tied=True, dropout=0.0):
+        super().__init__()
+        self.wte = nn.Embedding(vocab, d)
+        self.wpe = nn.Embedding(seq, d)
+        self.blocks = nn.ModuleList(Block(d, heads, dropout) for _ in range(layers))
+        self.ln_f = nn.LayerNorm(d)
+        self.lm_head = nn.Linear(d, vocab, bias=False)
+        if tied:
+            self.lm_head.weight = self.wte.weight
+
+    def forward(self, idx, targets=None):
+        t = idx.shape[1]
+        pos = torch.arange(t, device=idx.device)
+        x = self.wte(idx) + self.wpe(pos)
+        for blk in self.blocks:
+            x = blk(x)
+        logits = self.lm_head(self.ln_f(x))
+        if targets is None:
+            return logits
+        return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+
+class TinyResNet(nn.Module):
+    def __init__(self, width=8, classes=10):
+        super().__init__()
+        self.stem = nn.Conv2d(3, width, 3, padding=1, bias=False)
+        self.bn0 = nn.BatchNorm2d(width)
+        self.c1 = nn.Conv2d(width, width, 3, padding=1, bias=False)
+        self.bn1 = nn.BatchNorm2d(width)
+        self.c2 = nn.Conv2d(width, width, 3, padding=1, bias=False)
+        self.bn2 = nn.BatchNorm2d(width)
+        self.head = nn.Linear(width, classes)
+
+    def forward(self, x, y=None):
+        x = F.relu(self.bn0(self.stem(x)))
+        x = F.relu(x + self.bn2(self.c2(F.relu(self.bn1(self.c1(x))))))
+        logits = self.head(x.mean((2, 3)))
+        return logits if y is None else F.cross_entropy(logits, y)

@@ -1,0 +1,272 @@
+"""The training engine against plain PyTorch (simulated device, small models).
+
+Every test trains a reference copy with torch.optim.AdamW first, then the same
+model under tidal with a device budget below its state size, and compares
+losses and the fp32 master weights. Parameter agreement is measured as the
+relative L2 error per tensor: elementwise, Adam amplifies last-bit
+differences (tidal's CPU Adam rounds like DeepSpeed's, not like torch) on
+elements whose gradient is near zero.
+"""
+import copy
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import tidal
+
+sys.path.insert(0, str(Path(__file__).parent))
+from engine_models import TinyGPT, TinyResNet  # noqa: E402
+
+LR = 2e-3
+
+
+def config(budget="600KiB", chunk=16384, **tidal_keys):
+    t = {"chunk_size": chunk, "device_memory_budget": budget, "device_margin": 1024}
+    t.update(tidal_keys)
+    return {"optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.01}},
+            "tidal": t}
+
+
+def gpt_batches(n, vocab=96, seq=8, batch=2, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randint(0, vocab, (batch, seq), generator=g),
+             torch.randint(0, vocab, (batch, seq), generator=g)) for _ in range(n)]
+
+
+def train_reference(model, batches, clip=0.0, accumulation=1):
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=LR,
+                            weight_decay=0.01)
+    losses = []
+    for i, (x, y) in enumerate(batches):
+        loss = model(x, y)
+        (loss / accumulation).backward()
+        losses.append(loss.item())
+        if (i + 1) % accumulation == 0:
+            if clip:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+            opt.step()
+            opt.zero_grad()
+    return losses
+
+
+def train_tidal(engine, batches):
+    losses = []
+    for x, y in batches:
+        loss = engine(x, y)
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    return losses
+
+
+def assert_close(engine, ref, ref_losses, losses, rtol=1e-5):
+    for a, b in zip(ref_losses, losses):
+        assert abs(a - b) <= rtol * abs(a), (ref_losses, losses)
+    weights = engine.parameters_fp32()
+    for name, p in ref.named_parameters():
+        got = weights[name]
+        err = (got - p.detach()).norm() / p.detach().norm().clamp_min(1e-12)
+        assert err <= rtol, f"{name}: relative L2 error {err:.3g}"
+
+
+def state_bytes(model):
+    return 16 * sum(p.numel() for p in model.parameters())
+
+
+@pytest.mark.parametrize("hybrid", [False, True])
+def test_gpt_fp32_matches_adamw_under_a_small_budget(hybrid):
+    torch.manual_seed(0)
+    ref = TinyGPT(d=64, seq=8)
+    model = copy.deepcopy(ref)
+    batches = gpt_batches(20)
+    ref_losses = train_reference(ref, batches)
+    engine = tidal.initialize(model, config(hybrid_adam=hybrid))
+    losses = train_tidal(engine, batches)
+    assert_close(engine, ref, ref_losses, losses)
+    report = engine.memory_report()
+    assert report["device_budget"] < state_bytes(ref) / 4
+    assert report["evictions"] > 0 and report["prefetches"] > 0
+    # The budget holds: chunk bytes never above it, chunk + measured
+    # non-chunk bytes at every hook never above it after the warm-up.
+    assert report["peak_chunk_device_bytes"] <= report["device_budget"] - report["device_margin"]
+    if hybrid:
+        assert report["adam_chunks_on_device"] > 0
+
+
+def test_resnet_with_batchnorm_fp32_matches_adamw():
+    torch.manual_seed(0)
+    ref = TinyResNet()
+    model = copy.deepcopy(ref)
+    g = torch.Generator().manual_seed(3)
+    batches = [(torch.randn(4, 3, 8, 8, generator=g), torch.randint(0, 10, (4,), generator=g))
+               for _ in range(20)]
+    ref_losses = train_reference(ref, batches)
+    engine = tidal.initialize(model, config(budget="512KiB", chunk=4096))
+    losses = train_tidal(engine, batches)
+    assert_close(engine, ref, ref_losses, losses)
+    # Running statistics stay ordinary buffers and match.
+    torch.testing.assert_close(model.bn1.running_mean, ref.bn1.running_mean, rtol=1e-5, atol=1e-6)
+
+
+def test_eval_under_no_grad_matches_and_leaves_no_gradients():
+    torch.manual_seed(0)
+    ref = TinyGPT(d=64, seq=8)
+    model = copy.deepcopy(ref)
+    engine = tidal.initialize(model, config())
+    x, _ = gpt_batches(1)[0]
+    engine.eval()
+    with torch.no_grad():
+        got = engine(x)
+    torch.testing.assert_close(got, ref(x), rtol=0, atol=0)
+    assert all(p.numel() == 0 for p in model.parameters())  # back in chunks
+    engine.train()
+
+
+def test_untied_frozen_and_unused_parameters():
+    torch.manual_seed(0)
+    ref = TinyGPT(d=64, seq=8, tied=False)
+    ref.unused = torch.nn.Linear(4, 4)       # never called: no gradient, no update
+    ref.blocks[0].qkv.weight.requires_grad_(False)  # frozen
+    model = copy.deepcopy(ref)
+    batches = gpt_batches(10)
+    ref_losses = train_reference(ref, batches)
+    engine = tidal.initialize(model, config())
+    losses = train_tidal(engine, batches)
+    assert_close(engine, ref, ref_losses, losses)
+
+
+def test_shared_module_called_twice():
+    class Twice(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = torch.nn.Embedding(50, 32)
+            self.layer = torch.nn.Linear(32, 32)
+            self.head = torch.nn.Linear(32, 50)
+
+        def forward(self, x, y):
+            h = self.emb(x)
+            h = torch.tanh(self.layer(torch.tanh(self.layer(h))))
+            return torch.nn.functional.cross_entropy(self.head(h).reshape(-1, 50), y.reshape(-1))
+
+    torch.manual_seed(0)
+    ref = Twice()
+    model = copy.deepcopy(ref)
+    batches = gpt_batches(10, vocab=50)
+    ref_losses = train_reference(ref, batches)
+    engine = tidal.initialize(model, config(budget="40KiB", chunk=4096))
+    assert_close(engine, ref, ref_losses, train_tidal(engine, batches))
+
+
+def test_gradient_accumulation_and_clipping():
+    torch.manual_seed(0)
+    ref = TinyGPT(d=64, seq=8)
+    model = copy.deepcopy(ref)
+    batches = gpt_batches(12)
+    ref_losses = train_reference(ref, batches, clip=0.05, accumulation=3)
+    cfg = config()
+    cfg.update(gradient_accumulation_steps=3, gradient_clipping=0.05)
+    engine = tidal.initialize(model, cfg)
+    losses = train_tidal(engine, batches)
+    assert engine.global_steps == 4
+    assert_close(engine, ref, ref_losses, losses)
+
+
+def test_clipping_without_accumulation():
+    torch.manual_seed(0)
+    ref = TinyGPT(d=64, seq=8)
+    model = copy.deepcopy(ref)
+    batches = gpt_batches(8)
+    ref_losses = train_reference(ref, batches, clip=0.1)
+    cfg = config()
+    cfg["gradient_clipping"] = 0.1
+    engine = tidal.initialize(model, cfg)
+    assert_close(engine, ref, ref_losses, train_tidal(engine, batches))
+
+
+@pytest.mark.parametrize("precision", ["fp16", "bf16"])
+def test_mixed_precision_tracks_autocast_reference(precision):
+    dtype = torch.float16 if precision == "fp16" else torch.bfloat16
+    torch.manual_seed(0)
+    ref = TinyGPT(d=64, seq=8)
+    model = copy.deepcopy(ref)
+    batches = gpt_batches(20)
+    opt = torch.optim.AdamW(ref.parameters(), lr=LR, weight_decay=0.01)
+    ref_losses = []
+    for x, y in batches:
+        with torch.autocast("cpu", dtype=dtype):
+            loss = ref(x, y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        ref_losses.append(loss.item())
+    cfg = config()
+    cfg[precision] = {"enabled": True}
+    if precision == "fp16":
+        cfg["fp16"]["initial_scale_power"] = 8  # no overflow at the start
+    engine = tidal.initialize(model, cfg)
+    losses = train_tidal(engine, batches)
+    # All-16-bit compute (DeepSpeed's module.half()) vs autocast: the loss
+    # curves agree to the 16-bit format's precision.
+    tol = 2e-2 if precision == "fp16" else 5e-2
+    for a, b in zip(ref_losses, losses):
+        assert abs(a - b) <= tol * abs(a), (ref_losses, losses)
+    assert losses[-1] < losses[0]
+    assert engine.skipped_steps == 0
+
+
+def test_fp16_overflow_skips_the_step_and_halves_the_scale():
+    torch.manual_seed(0)
+    model = TinyGPT(d=64, seq=8)
+    cfg = config()
+    cfg["fp16"] = {"enabled": True, "initial_scale_power": 8, "hysteresis": 1}
+    engine = tidal.initialize(model, cfg)
+    batches = gpt_batches(3)
+    train_tidal(engine, batches[:1])
+    before = {k: v.clone() for k, v in engine.parameters_fp32().items()}
+    scale = engine.loss_scale
+    x, y = batches[1]
+    loss = engine(x, y)
+    engine.backward(loss * float("inf"))   # every gradient inf/nan
+    assert engine.step() is False
+    assert engine.skipped_steps == 1
+    assert engine.loss_scale == scale / 2
+    after = engine.parameters_fp32()
+    for k in before:
+        torch.testing.assert_close(after[k], before[k], rtol=0, atol=0)
+    # The 16-bit params were restored from fp32: training goes on normally.
+    losses = train_tidal(engine, batches[2:])
+    assert all(torch.isfinite(torch.tensor(losses)))
+
+
+def test_impossible_budget_names_the_module():
+    model = TinyGPT(d=64, seq=8)
+    # wte (a 24 KiB chunk) fits; the first block's qkv weight (a dedicated 48 KiB
+    # chunk) does not.
+    with pytest.raises(tidal.OutOfMemoryError, match=r"module 'blocks\.0\.qkv' \(Linear\)"):
+        tidal.initialize(model, config(budget="40KiB", chunk=16384))
+
+
+def test_bad_config_is_a_clear_error():
+    with pytest.raises(tidal.ConfigError, match="did you mean 'gradient_clipping'"):
+        tidal.initialize(TinyGPT(), {"gradient_clip": 1.0})
+    with pytest.raises(tidal.ConfigError, match="tidal.device_memory_budget"):
+        tidal.initialize(TinyGPT(), {"tidal": {"device_memory_budget": "5 gigs"}})
+    with pytest.raises(tidal.ConfigError, match="train_batch_size=8 but"):
+        tidal.Config.load({"train_batch_size": 8, "train_micro_batch_size_per_gpu": 3,
+                           "gradient_accumulation_steps": 2})
+
+
+def test_init_context_builds_into_chunks_and_trains():
+    torch.manual_seed(0)
+    ref = TinyGPT(d=64, seq=8)
+    cfg = config()
+    torch.manual_seed(0)
+    with tidal.init_context(cfg):
+        model = TinyGPT(d=64, seq=8)
+    assert all(p.numel() == 0 for p in model.parameters())
+    engine = tidal.initialize(model)
+    batches = gpt_batches(5)
+    ref_losses = train_reference(ref, batches)
+    assert_close(engine, ref, ref_losses, train_tidal(engine, batches))
