@@ -70,6 +70,9 @@ if has_step bench; then
   before=$(date +%s)
   PYTHONPATH="$ROOT/python" TIDAL_CPP_BUILD="$BUILD" "$PY" benchmarks/device_bandwidth.py --device cuda \
     2>&1 | tee -a "$OUT/bench.log" || status=1
+  log "engine benchmark (plain PyTorch vs tidal, largest GPT tried)"
+  PYTHONPATH="$ROOT/python" timeout "${GPU_ENGINE_TIMEOUT:-420}" "$PY" benchmarks/engine_gpu.py \
+    ${GPU_ENGINE_ARGS:-} 2>&1 | tee -a "$OUT/engine.log" || status=1
   # Every result file this run wrote comes back.
   for f in benchmarks/results/*.json; do
     [ "$(stat -c %Y "$f")" -ge "$before" ] && cp "$f" "$OUT/"

@@ -1,6 +1,5 @@
-"""Small models for the engine tests (random init, no downloads)."""
-import math
-
+"""Small GPT and ResNet models (torch.nn, random init, no downloads): the
+main job, the engine tests and the benchmarks use them."""
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -25,10 +24,8 @@ class Block(nn.Module):
         b, t, d = x.shape
         q, k, v = self.qkv(self.ln1(x)).split(d, dim=2)
         q, k, v = (z.view(b, t, self.heads, d // self.heads).transpose(1, 2) for z in (q, k, v))
-        att = (q @ k.transpose(-2, -1)) / math.sqrt(d // self.heads)
-        mask = torch.ones(t, t, dtype=torch.bool, device=x.device).tril()
-        att = att.masked_fill(~mask, float("-inf")).softmax(-1)
-        y = (att @ v).transpose(1, 2).reshape(b, t, d)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        y = y.transpose(1, 2).reshape(b, t, d)
         x = x + self.drop(self.proj(y))
         return x + self.drop(self.out(F.gelu(self.fc(self.ln2(x)))))
 
@@ -43,6 +40,9 @@ class TinyGPT(nn.Module):
         self.lm_head = nn.Linear(d, vocab, bias=False)
         if tied:
             self.lm_head.weight = self.wte.weight
+        # GPT-2's embedding scale, so the tied head starts with small logits.
+        nn.init.normal_(self.wte.weight, std=0.02)
+        nn.init.normal_(self.wpe.weight, std=0.02)
 
     def forward(self, idx, targets=None):
         t = idx.shape[1]

@@ -1,0 +1,1 @@
+"""Models tidal trains out of the box."""
