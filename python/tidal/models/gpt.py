@@ -33,16 +33,16 @@ class Block(nn.Module):
 class TinyGPT(nn.Module):
     def __init__(self, vocab=96, d=32, layers=4, heads=4, seq=16, tied=True, dropout=0.0):
         super().__init__()
-        self.wte = nn.Embedding(vocab, d)
-        self.wpe = nn.Embedding(seq, d)
+        # GPT-2's embedding scale (std 0.02), so the tied head starts with small
+        # logits. Passed at construction, not set afterwards: tidal.init_context
+        # registers a module's parameters when its __init__ returns.
+        self.wte = nn.Embedding(vocab, d, _weight=torch.randn(vocab, d) * 0.02)
+        self.wpe = nn.Embedding(seq, d, _weight=torch.randn(seq, d) * 0.02)
         self.blocks = nn.ModuleList(Block(d, heads, dropout) for _ in range(layers))
         self.ln_f = nn.LayerNorm(d)
         self.lm_head = nn.Linear(d, vocab, bias=False)
         if tied:
             self.lm_head.weight = self.wte.weight
-        # GPT-2's embedding scale, so the tied head starts with small logits.
-        nn.init.normal_(self.wte.weight, std=0.02)
-        nn.init.normal_(self.wpe.weight, std=0.02)
 
     def forward(self, idx, targets=None):
         t = idx.shape[1]
