@@ -248,6 +248,11 @@ Python thread drives a Chunks object.)doc");
            py::arg("space"), py::arg("bytes"))
       .def("budget", [](Chunks& c, const std::string& space) { return c.scheduler().budget(parse_space(space)); },
            py::arg("space"))
+      .def("held_bytes",
+           [](Chunks& c, const std::string& space) {
+             return c.scheduler().stats().held_bytes[index_of(parse_space(space))];
+           },
+           py::arg("space"), "Chunk bytes held in a space (resident + cached blocks); for hooks.")
       .def("stats", [](Chunks& c) { return stats_dict(c.scheduler().stats()); })
       .def("reset_stats", [](Chunks& c) { c.scheduler().reset_stats(); })
       .def("validate", [](Chunks& c) { c.scheduler().validate(); })

@@ -39,10 +39,6 @@ from .store import ParamStore, uncounted
 OutOfMemoryError = _C.OutOfMemoryError
 
 
-def _fmt(n: int) -> str:
-    return _C.format_bytes(n) if hasattr(_C, "format_bytes") else f"{n / 2**20:.2f} MiB"
-
-
 class Engine:
     """Trains `module` with its model states in chunks. Build with tidal.initialize()."""
 
@@ -185,7 +181,7 @@ class Engine:
     def _trace_point(self):
         live, peak = self._measure()
         self._reset_peak()
-        held = self.chunks.stats()["held_bytes_device"]
+        held = self.chunks.held_bytes("device")
         self._peak_nonchunk = max(self._peak_nonchunk, peak)
         self._peak_total = max(self._peak_total, held + peak)
         self._recording.append(peak)  # the interval that ends here
@@ -283,7 +279,7 @@ class Engine:
         done = []
         for r in recs:
             r.refs -= 1
-            if r.refs == 0 and r.attached and r not in done:
+            if r.refs == 0 and r.attached:
                 done.append(r)
         grad = torch.is_grad_enabled()
         self._detach(done, "hold_after_fwd" if grad else "hold")
@@ -464,8 +460,8 @@ class Engine:
                 recs = by_chunk[chunk]
                 on_device = False
                 if cfg.hybrid_adam and c.chunk_space(chunk, "param16") == "device":
-                    s = c.stats()
-                    on_device = s["budget_bytes_device"] - s["held_bytes_device"] >= 3 * fp32_chunk
+                    free = c.budget("device") - c.held_bytes("device")
+                    on_device = free >= 3 * fp32_chunk
                 space = "device" if on_device else "host"
                 if on_device:
                     self._adam_device_chunks += 1

@@ -145,9 +145,6 @@ class ParamStore:
         self.by_param[id(param)] = record
         return record
 
-    def rename(self, param: torch.nn.Parameter, name: str) -> None:
-        self.by_param[id(param)].name = name
-
     def gather(self, record: ParamRecord, kind: str = "param32") -> torch.Tensor:
         """A host copy of one slot, shaped like the parameter (fp32 for the master)."""
         if kind == "param32" and not record.trainable:
