@@ -84,6 +84,8 @@ class Engine:
                 self._module_records[m] = recs
         mine = {id(r) for recs in self._module_records.values() for r in recs}
         self.records = [r for r in store.records if id(r) in mine]
+        self._record_set = set(self.records)
+        store.flush_warnings()
         # Buffers are ordinary tensors on the compute device (16-bit like the
         # params in mixed precision, as DeepSpeed's module.half()).
         with torch.no_grad():
@@ -126,6 +128,10 @@ class Engine:
         self._peak_total = 0
         self._budget_overruns = 0
         self._stats_at_step = self.chunks.stats()
+        self._retired_stats: dict | None = None  # counters of a scheduler replaced by relayout
+        self._first_use: dict[int, object] = {}  # id(record) -> record, in first-use order
+        self._relayout_done = False
+        self.relayouts = 0
         self._bytes_per_step: list[tuple[int, int]] = []
         self._adam_seconds = 0.0
         self._adam_device_chunks = 0
@@ -246,11 +252,18 @@ class Engine:
             if e is not None:
                 where = f"module '{self._names.get(module, '?')}'" if module is not None else \
                     f"parameter '{records[0].name}'"
+                live, _ = self._measure()
                 raise OutOfMemoryError(
-                    f"tidal could not bring the parameters of {where} onto the device: {e}") from None
+                    f"tidal could not bring the parameters of {where} onto the device: {e}. "
+                    f"Non-chunk device memory (activations and other torch tensors) is "
+                    f"{live} bytes now, of the device budget of {self.store.device_budget} bytes "
+                    f"(margin {self.store.margin}); chunks get what is left") from None
         for r in records:
             r.attached = True
             self._attached_by_ptr[r.param.data_ptr()] = r
+        if not self._relayout_done:
+            for r in records:
+                self._first_use.setdefault(id(r), r)
 
     def _detach(self, records, state):
         if not records:
@@ -413,7 +426,42 @@ class Engine:
             (now["bytes_host_to_device"] - self._stats_at_step["bytes_host_to_device"],
              now["bytes_device_to_host"] - self._stats_at_step["bytes_device_to_host"]))
         self._stats_at_step = now
+        if not self._relayout_done:
+            self._relayout()
         return not overflow
+
+    def _relayout(self):
+        """After the warm-up step: chunks in first-use order (Note [Chunks in first-use order])."""
+        self._relayout_done = True
+        used = list(self._first_use.values())
+        self._first_use = {}
+        seen = {id(r) for r in used}
+        order = used + [r for r in self.store.records if id(r) not in seen]
+        if [r.id for r in order] == [r.id for r in self.store.records]:
+            return  # registration order was already the first-use order
+        self._retired_stats = self._scheduler_stats()
+        self.store.relayout(order)
+        self.chunks = self.store.chunks
+        self.records = [r for r in self.store.records if r in self._record_set]
+        self._stats_at_step = self.chunks.stats()
+        self._check_budget()
+        self.relayouts += 1
+
+    def _scheduler_stats(self) -> dict:
+        """The scheduler's counters, including those of schedulers replaced by relayout."""
+        s = self.chunks.stats()
+        old = self._retired_stats
+        if old is None:
+            return s
+        out = {}
+        for k, v in s.items():
+            if k.startswith("peak_"):
+                out[k] = max(v, old[k])
+            elif k.startswith(("resident_", "held_", "budget_")):
+                out[k] = v
+            else:
+                out[k] = v + old[k]
+        return out
 
     # ----------------------------------------------------------- optimizer
     def _grad_norm(self, pending) -> tuple[float, bool]:
@@ -518,7 +566,7 @@ class Engine:
         return {r.name: self.store.gather(r) for r in self.records}
 
     def memory_report(self) -> dict:
-        s = self.chunks.stats()
+        s = self._scheduler_stats()
         hits = s["prefetch_hits"]
         misses = s["misses"]
         steps = self._bytes_per_step

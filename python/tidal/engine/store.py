@@ -11,6 +11,7 @@ in hooks/param_binding.h).
 from __future__ import annotations
 
 import contextlib
+import warnings
 import weakref
 
 import torch
@@ -86,18 +87,58 @@ class ParamStore:
                 f"device budget of {budget} bytes for chunks")
         self.precision = config.precision
         self.dtype = _TORCH_DTYPES[config.precision]
+        self.chunks = self._new_chunks()
+        self.records: list[ParamRecord] = []
+        self._warnings: list[str] = []
+        self.by_param: dict[int, ParamRecord] = {}
+        ParamStore._live.add(self)
+
+    def _new_chunks(self):
+        config = self.config
         stream = None
         if self.backend == "cuda":
             stream = torch.cuda.current_stream(self.torch_device).cuda_stream
-        self.chunks = _C.chunks.Chunks(
-            device, chunk_bytes=config.chunk_size, param_dtype=_CHUNK_DTYPES[config.precision],
-            device_budget=budget - self.margin, host_budget=config.host_memory_budget,
+        return _C.chunks.Chunks(
+            self.device, chunk_bytes=config.chunk_size,
+            param_dtype=_CHUNK_DTYPES[config.precision],
+            device_budget=self.device_budget - self.margin, host_budget=config.host_memory_budget,
             prefetch=config.prefetch, prefetch_depth=config.prefetch_depth,
             policy=config.eviction_policy, pin_host_memory=config.pin_memory,
             compute_stream=stream, torch_device=str(self.torch_device))
-        self.records: list[ParamRecord] = []
-        self.by_param: dict[int, ParamRecord] = {}
-        ParamStore._live.add(self)
+
+    def relayout(self, order: "list[ParamRecord]") -> None:
+        """Moves every parameter into new chunks, registered in `order`.
+
+        Note [Chunks in first-use order]: registration decides which tensors
+        share a chunk. Module order is a guess; the warm-up step learns the
+        order in which forward first uses each parameter, and placing them in
+        that order makes each chunk's tensors be needed together, so a chunk
+        comes to the device once per pass instead of once per user. Every slot
+        (16-bit, fp32 master, momentum, variance) is copied on the host; an old
+        slot is released FREE as soon as it is copied, so an old chunk's memory
+        goes when its last tensor has moved and at most the chunks in flight
+        exist twice. The new scheduler has no trace yet: the next step records
+        one. Call only between steps (no slot in use).
+        """
+        assert sorted(id(r) for r in order) == sorted(id(r) for r in self.records), \
+            "relayout: the order must hold every record once"
+        old, new = self.chunks, self._new_chunks()
+        ids = [new.register(f"{i}:{r.name}", r.numel) for i, r in enumerate(order)]
+        new.take_warnings()  # said once, at the first registration
+        with uncounted(), torch.no_grad():
+            for r, new_id in zip(order, ids):
+                kinds = ("param16", "param32", "momentum", "variance") if r.trainable \
+                    else ("param16",)
+                for kind in kinds:
+                    src = old.access(r.id, kind, "host", [r.numel])
+                    new.access(new_id, kind, "host", [r.numel]).copy_(src)
+                    new.release(new_id, kind, "hold")
+                    old.release(r.id, kind, "free")
+        for r, new_id in zip(order, ids):
+            r.id = new_id
+            r.chunk = new.placement(new_id)[0]
+        self.records = list(order)
+        self.chunks = new
 
     @classmethod
     def owning(cls, params) -> "ParamStore | None":
@@ -125,6 +166,7 @@ class ParamStore:
             raise TypeError(f"parameter '{name}' is float64; tidal supports float32, float16 and "
                             f"bfloat16 parameters (convert the model with .float() first)")
         tensor_id = self.chunks.register(f"{len(self.records)}:{name}", param.numel())
+        self._warnings.extend(self.chunks.take_warnings())  # e.g. a tensor larger than a chunk
         record = ParamRecord(param, name, tensor_id, self.chunks.placement(tensor_id)[0])
         src = param.detach().reshape(-1)
         c = self.chunks
@@ -144,6 +186,16 @@ class ParamStore:
         self.records.append(record)
         self.by_param[id(param)] = record
         return record
+
+    def flush_warnings(self) -> None:
+        """Says what registration found (e.g. tensors larger than a chunk), once."""
+        pending, self._warnings = self._warnings, []
+        if not pending:
+            return
+        message = pending[0]
+        if len(pending) > 1:
+            message += f" [and {len(pending) - 1} more such warning(s) for this model]"
+        warnings.warn(f"tidal: {message}", stacklevel=3)
 
     def gather(self, record: ParamRecord, kind: str = "param32") -> torch.Tensor:
         """A host copy of one slot, shaped like the parameter (fp32 for the master)."""
