@@ -32,6 +32,7 @@ import torch
 
 from .. import _C
 from ..config import Config
+from . import checkpoint as _checkpoint
 from . import hooks as _hooks
 from .loss_scaler import DynamicLossScaler, StaticLossScaler
 from .store import ParamStore, uncounted
@@ -100,6 +101,7 @@ class Engine:
 
         # Optimizer, loss scaling.
         self.lr = cfg.lr
+        self.lr_scheduler = None
         self.global_steps = 0
         self.micro_steps = 0
         self.skipped_steps = 0
@@ -559,6 +561,31 @@ class Engine:
             bc1 = bc2 = 1.0
         denom = (v.sqrt() / math.sqrt(bc2)).add_(cfg.eps)
         w.addcdiv_(m, denom, value=-self.lr / bc1)
+
+    # ---------------------------------------------------------- checkpoints
+    def save_checkpoint(self, save_dir, tag=None, client_state=None, save_latest=True):
+        """Writes model, fp32 master, Adam state, loss scaler, LR scheduler, step
+        and RNG state to <save_dir>/<tag>/ atomically (Note [Checkpoint format])."""
+        return _checkpoint.save_checkpoint(self, save_dir, tag, client_state, save_latest)
+
+    def load_checkpoint(self, load_dir, tag=None, load_optimizer_states=True,
+                        load_lr_scheduler_states=True):
+        """Restores a save_checkpoint(); tag None reads <load_dir>/latest.
+        Returns (path, client_state), as DeepSpeed's."""
+        return _checkpoint.load_checkpoint(self, load_dir, tag, load_optimizer_states,
+                                           load_lr_scheduler_states)
+
+    def state_dict(self) -> dict:
+        """fp32 weights and buffers keyed like the model's own state_dict."""
+        return _checkpoint.state_dict(self)
+
+    def load_state_dict(self, state_dict, strict: bool = True):
+        """Loads weights (fp32 master and 16-bit copy); Adam state is kept."""
+        return _checkpoint.load_state_dict(self, state_dict, strict)
+
+    def load_pretrained(self, path, strict: bool = True):
+        """Loads Hugging Face save_pretrained weights, tensor by tensor."""
+        return _checkpoint.load_pretrained(self, path, strict)
 
     # -------------------------------------------------------------- reports
     def parameters_fp32(self) -> dict[str, torch.Tensor]:

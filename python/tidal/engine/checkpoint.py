@@ -1,0 +1,384 @@
+"""Checkpoints and state dicts of an Engine, streamed chunk slot by slot.
+
+Note [Checkpoint format]
+~~~~~~~~~~~~~~~~~~~~~~~~
+A checkpoint is a directory <save_dir>/<tag>/ with
+  states.bin   every chunk slot's bytes, one after another (16-bit params,
+               fp32 master, momentum, variance; frozen params: 16-bit only)
+  meta.json    format version, the model's fingerprint (names, shapes,
+               trainable), per slot: name, kind, dtype, offset, bytes, CRC-32;
+               the engine's counters, the loss scaler and LR scheduler state
+  extra.pt     small torch-saved objects: buffers, RNG states, client_state
+and <save_dir>/latest holds the newest tag (DeepSpeed's layout and names).
+
+Saving never gathers the model anywhere: each slot is accessed on the host
+(a device-resident chunk is copied down, as eviction would), written, and
+released, so the extra memory is one chunk. Loading writes each slot in
+place the same way.
+
+Atomicity: everything is written into a temporary sibling directory, flushed
+with fsync, and then renamed into place. Replacing an existing tag renames
+it aside first, then renames the new one in, then deletes the old one; a
+kill between the two renames leaves the old copy under its aside name, which
+load_checkpoint finds. `latest` is replaced by rename too. So a save killed
+at any moment leaves the previous checkpoint loadable.
+"""
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import os
+import pathlib
+import shutil
+import uuid
+import zlib
+
+import torch
+
+from .store import uncounted
+
+FORMAT = "tidal-checkpoint-1"
+_STATES, _META, _EXTRA, _LATEST = "states.bin", "meta.json", "extra.pt", "latest"
+_KINDS = ("param16", "param32", "momentum", "variance")
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be loaded into this engine; the message says why."""
+
+
+def _kinds(record):
+    return _KINDS if record.trainable else ("param16",)
+
+
+def _unique(records):
+    seen, out = set(), []
+    for r in records:
+        if id(r) not in seen:
+            seen.add(id(r))
+            out.append(r)
+    return out
+
+
+def _fingerprint(engine) -> list:
+    return [[r.name, list(r.shape), bool(r.trainable)] for r in _unique(engine.records)]
+
+
+def _bytes_of(view: torch.Tensor) -> memoryview:
+    return memoryview(view.view(torch.uint8).numpy())
+
+
+def _fsync_dir(path: pathlib.Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_atomic(path: pathlib.Path, data: bytes) -> None:
+    tmp = path.with_name(f".{path.name}.tmp-{uuid.uuid4().hex[:8]}")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    _fsync_dir(path.parent)
+
+
+def _rng_state() -> dict:
+    state = {"cpu": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def save_checkpoint(engine, save_dir, tag=None, client_state=None, save_latest=True) -> pathlib.Path:
+    if any(r.has_grad for r in engine.records):
+        raise RuntimeError(
+            "save_checkpoint: gradients of an unfinished step are pending (backward ran, step() did "
+            "not); save between optimizer steps")
+    tag = str(tag) if tag is not None else f"global_step{engine.global_steps}"
+    if not tag or "/" in tag or tag.startswith("."):
+        raise ValueError(f"save_checkpoint: tag {tag!r} must be a plain, non-hidden directory name")
+    root = pathlib.Path(save_dir)
+    root.mkdir(parents=True, exist_ok=True)
+    target = root / tag
+    tmp = root / f".{tag}.tmp-{uuid.uuid4().hex[:8]}"
+    tmp.mkdir()
+    try:
+        entries = []
+        chunks = engine.chunks
+        offset = 0
+        with open(tmp / _STATES, "wb") as f, torch.no_grad(), uncounted():
+            for r in _unique(engine.records):
+                for kind in _kinds(r):
+                    view = chunks.access(r.id, kind, "host", [r.numel])
+                    try:
+                        data = _bytes_of(view)
+                        f.write(data)
+                        entries.append({"name": r.name, "kind": kind, "dtype": str(view.dtype),
+                                        "offset": offset, "bytes": data.nbytes,
+                                        "crc32": zlib.crc32(data)})
+                        offset += data.nbytes
+                    finally:
+                        chunks.release(r.id, kind, "hold")
+            f.flush()
+            os.fsync(f.fileno())
+        meta = {
+            "format": FORMAT,
+            "tag": tag,
+            "precision": engine.precision,
+            "model": _fingerprint(engine),
+            "states_bytes": offset,
+            "slots": entries,
+            "steps": {r.name: r.step for r in _unique(engine.records)},
+            "engine": {"global_steps": engine.global_steps, "micro_steps": engine.micro_steps,
+                       "skipped_steps": engine.skipped_steps, "lr": engine.lr},
+            "loss_scaler": engine.scaler.state_dict(),
+            "lr_scheduler": engine.lr_scheduler.state_dict() if engine.lr_scheduler else None,
+        }
+        buf = io.BytesIO()
+        torch.save({"buffers": {k: v.detach().cpu() for k, v in engine.module.named_buffers()},
+                    "rng": _rng_state(), "client_state": client_state}, buf)
+        _write_atomic(tmp / _EXTRA, buf.getvalue())
+        _write_atomic(tmp / _META, json.dumps(meta, indent=1).encode())
+        _fsync_dir(tmp)
+        aside = None
+        if target.exists():
+            aside = root / f".{tag}.old-{uuid.uuid4().hex[:8]}"
+            os.replace(target, aside)
+        os.replace(tmp, target)
+        _fsync_dir(root)
+        if aside is not None:
+            shutil.rmtree(aside, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    if save_latest:
+        _write_atomic(root / _LATEST, tag.encode())
+    return target
+
+
+def _find(load_dir, tag) -> pathlib.Path:
+    root = pathlib.Path(load_dir)
+    if tag is None:
+        latest = root / _LATEST
+        if not latest.is_file():
+            raise CheckpointError(f"load_checkpoint: no tag given and no '{_LATEST}' file in {root}")
+        tag = latest.read_text().strip()
+    path = root / str(tag)
+    if not (path / _META).is_file():
+        # A save killed between its two renames left the old copy aside.
+        aside = sorted(root.glob(f".{tag}.old-*"), key=lambda p: p.stat().st_mtime)
+        if aside and (aside[-1] / _META).is_file():
+            return aside[-1]
+        raise CheckpointError(f"load_checkpoint: {path} is not a tidal checkpoint (no {_META})")
+    return path
+
+
+def load_checkpoint(engine, load_dir, tag=None, load_optimizer_states=True,
+                    load_lr_scheduler_states=True):
+    """Returns (path, client_state)."""
+    path = _find(load_dir, tag)
+    try:
+        meta = json.loads((path / _META).read_text())
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"load_checkpoint: {path / _META} is unreadable or corrupt: {e}") from None
+    if meta.get("format") != FORMAT:
+        raise CheckpointError(f"load_checkpoint: {path} has format {meta.get('format')!r}; "
+                              f"expected {FORMAT!r}")
+    mine = _fingerprint(engine)
+    if meta["model"] != mine:
+        theirs = {n: (s, t) for n, s, t in meta["model"]}
+        ours = {n: (s, t) for n, s, t in mine}
+        why = [f"'{n}' missing from the checkpoint" for n in ours if n not in theirs]
+        why += [f"'{n}' in the checkpoint but not in the model" for n in theirs if n not in ours]
+        why += [f"'{n}': shape/trainable {theirs[n]} in the checkpoint, {ours[n]} in the model"
+                for n in ours if n in theirs and theirs[n] != ours[n]]
+        raise CheckpointError(f"load_checkpoint: {path} holds a different model: "
+                              + "; ".join(why[:5] or ["parameter order differs"])
+                              + (f" (and {len(why) - 5} more)" if len(why) > 5 else ""))
+    if meta["precision"] != engine.precision:
+        raise CheckpointError(f"load_checkpoint: {path} was saved in {meta['precision']}, the engine "
+                              f"runs {engine.precision}")
+    states = path / _STATES
+    size = states.stat().st_size if states.exists() else -1
+    if size != meta["states_bytes"]:
+        raise CheckpointError(f"load_checkpoint: {states} has {size} bytes, expected "
+                              f"{meta['states_bytes']} (truncated or corrupt)")
+    try:
+        extra = torch.load(path / _EXTRA, weights_only=False)
+    except Exception as e:  # noqa: BLE001 -- any unpickling failure is a corrupt file
+        raise CheckpointError(f"load_checkpoint: {path / _EXTRA} is unreadable or corrupt: {e}") from None
+
+    by_name = {r.name: r for r in _unique(engine.records)}
+    wanted = set(_KINDS) if load_optimizer_states else {"param16", "param32"}
+    chunks = engine.chunks
+    with open(states, "rb") as f, torch.no_grad(), uncounted():
+        for e in meta["slots"]:
+            if e["kind"] not in wanted:
+                continue
+            r = by_name[e["name"]]
+            view = chunks.access(r.id, e["kind"], "host", [r.numel])
+            try:
+                dst = _bytes_of(view)
+                if dst.nbytes != e["bytes"]:
+                    raise CheckpointError(f"load_checkpoint: slot {e['name']}/{e['kind']} has "
+                                          f"{e['bytes']} bytes in {path}, {dst.nbytes} in the model")
+                f.seek(e["offset"])
+                if f.readinto(dst) != e["bytes"] or zlib.crc32(dst) != e["crc32"]:
+                    raise CheckpointError(
+                        f"load_checkpoint: slot {e['name']}/{e['kind']} in {states} fails its CRC-32 "
+                        f"check (corrupt file); the engine's state is now partly overwritten: load "
+                        f"another checkpoint")
+            finally:
+                chunks.release(r.id, e["kind"], "hold")
+    if load_optimizer_states:
+        for name, step in meta["steps"].items():
+            by_name[name].step = int(step)
+        engine.scaler.load_state_dict(meta["loss_scaler"])
+    eng = meta["engine"]
+    engine.global_steps = int(eng["global_steps"])
+    engine.micro_steps = int(eng["micro_steps"])
+    engine.skipped_steps = int(eng["skipped_steps"])
+    engine.lr = float(eng["lr"])
+    if load_lr_scheduler_states and engine.lr_scheduler is not None and meta["lr_scheduler"]:
+        engine.lr_scheduler.load_state_dict(meta["lr_scheduler"])
+    buffers = dict(engine.module.named_buffers())
+    with torch.no_grad():
+        for k, v in extra["buffers"].items():
+            if k in buffers:
+                buffers[k].copy_(v)
+    rng = extra["rng"]
+    torch.set_rng_state(rng["cpu"])
+    if "cuda" in rng and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(rng["cuda"])
+    return path, extra["client_state"]
+
+
+# ---------------------------------------------------------------- state dicts
+def state_dict(engine) -> dict:
+    """An ordinary state_dict of fp32 tensors keyed like engine.module's own."""
+    out = {}
+    for key, value in engine.module.state_dict(keep_vars=True).items():
+        record = engine.store.by_param.get(id(value))
+        if record is not None and record.param is value:
+            out[key] = engine.store.gather(record).float()
+        else:
+            t = value.detach()
+            out[key] = (t.float() if t.is_floating_point() else t).cpu().clone()
+    return out
+
+
+def load_state_dict(engine, state, strict=True):
+    """Loads fp32 (or any float) weights into the chunks: fp32 master and 16-bit copy.
+
+    Tied parameters need only one of their keys (Hugging Face checkpoints omit
+    the tied lm_head). Returns torch's (missing_keys, unexpected_keys).
+    """
+    return _load_tensors(engine, list(state), state.__getitem__, lambda k: list(state[k].shape),
+                         strict, "load_state_dict")
+
+
+def _load_tensors(engine, keys, get, shape_of, strict, who):
+    """Loads tensor `get(key)` for each key, one at a time (streaming)."""
+    own = engine.module.state_dict(keep_vars=True)
+    given = set(keys)
+    unexpected = [k for k in keys if k not in own]
+    covered, shape_errors = set(), []
+
+    def ident(key, value):
+        record = engine.store.by_param.get(id(value))
+        if record is not None and record.param is value:
+            return record
+        return None
+
+    # Check every shape before writing anything: a mismatch loses nothing.
+    plan = []
+    for key, value in own.items():
+        if key not in given:
+            continue
+        record = ident(key, value)
+        plan.append((key, value, record))
+    for key, value, record in plan:
+        given_shape = list(shape_of(key))
+        shape = list(record.shape) if record is not None else list(value.shape)
+        if given_shape != shape:
+            shape_errors.append(f"'{key}': {given_shape} given, {shape} in the model")
+    missing = []
+    for key, value in own.items():
+        record = ident(key, value)
+        if key in given:
+            covered.add(id(record) if record is not None else key)
+    for key, value in own.items():
+        record = ident(key, value)
+        if (id(record) if record is not None else key) not in covered:
+            missing.append(key)
+    problems = list(shape_errors)
+    if strict:
+        if missing:
+            problems.append(f"missing keys: {', '.join(missing[:8])}" + (" ..." if len(missing) > 8 else ""))
+        if unexpected:
+            problems.append(f"unexpected keys: {', '.join(unexpected[:8])}"
+                            + (" ..." if len(unexpected) > 8 else ""))
+    if problems:
+        raise CheckpointError(f"{who}: " + "; ".join(problems) + " (nothing was loaded)")
+    for key, value, record in plan:
+        src = get(key)
+        if record is not None:
+            _write_param(engine, record, src)
+        else:
+            with torch.no_grad():
+                value.copy_(src)
+    return torch.nn.modules.module._IncompatibleKeys(missing, unexpected)
+
+
+def _write_param(engine, record, src: torch.Tensor) -> None:
+    c = engine.chunks
+    flat = src.detach().reshape(-1).cpu()
+    with torch.no_grad(), uncounted():
+        kinds = ("param32", "param16") if record.trainable else ("param16",)
+        for kind in kinds:
+            c.access(record.id, kind, "host", [record.numel]).copy_(flat)
+            c.release(record.id, kind, "hold")
+
+
+def load_pretrained(engine, path, strict=True):
+    """Loads Hugging Face `save_pretrained` weights (model.safetensors, sharded
+    safetensors with an index, or pytorch_model.bin) into the chunks, one
+    tensor at a time where the format allows."""
+    path = pathlib.Path(path)
+    files = []
+    if path.is_file():
+        files = [path]
+    else:
+        for index in ("model.safetensors.index.json", "pytorch_model.bin.index.json"):
+            if (path / index).is_file():
+                shards = sorted(set(json.loads((path / index).read_text())["weight_map"].values()))
+                files = [path / s for s in shards]
+                break
+        else:
+            for name in ("model.safetensors", "pytorch_model.bin"):
+                if (path / name).is_file():
+                    files = [path / name]
+                    break
+    if not files:
+        raise CheckpointError(f"load_pretrained: no model.safetensors or pytorch_model.bin (or their "
+                              f"index) in {path}")
+    if all(f.suffix == ".safetensors" for f in files):
+        from safetensors import safe_open
+        with contextlib.ExitStack() as stack:
+            handles = [stack.enter_context(safe_open(str(f), framework="pt")) for f in files]
+            where = {k: h for h in handles for k in h.keys()}
+            return _load_tensors(engine, list(where), lambda k: where[k].get_tensor(k),
+                                 lambda k: where[k].get_slice(k).get_shape(), strict,
+                                 "load_pretrained")
+    state = {}
+    for f in files:
+        state.update(torch.load(f, map_location="cpu", weights_only=True, mmap=True))
+    return _load_tensors(engine, list(state), state.__getitem__, lambda k: list(state[k].shape),
+                         strict, "load_pretrained")
