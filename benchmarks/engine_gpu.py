@@ -18,16 +18,17 @@ sys.path.insert(0, os.path.dirname(__file__))
 import common  # noqa: E402
 import tidal  # noqa: E402
 from tidal import train as ttrain  # noqa: E402
+from tidal.data import synthetic_batches  # noqa: E402
 from tidal.models.gpt import TinyGPT  # noqa: E402
 
 
 def plain(preset, steps, batch):
     layers, d, heads, seq, vocab = ttrain.PRESETS[preset]
-    n = ttrain.params_of(layers, d, vocab, seq)
+    n = ttrain.ModelShape(layers, d, heads, seq, vocab).params()
     torch.manual_seed(0)
     model = TinyGPT(vocab=vocab, d=d, layers=layers, heads=heads, seq=seq).cuda()
     opt = torch.optim.AdamW(model.parameters(), lr=3e-4, weight_decay=0.01, fused=True)
-    data = ttrain.synthetic_batches(vocab, seq, batch, "cuda")
+    data = synthetic_batches(vocab, seq, batch, "cuda")
     torch.cuda.reset_peak_memory_stats()
     times, losses = [], []
     for _ in range(steps):
@@ -83,10 +84,11 @@ def main():
         torch.cuda.empty_cache()
 
     def tidal_run(preset, budget=None):
-        argv = ["--preset", preset, "--steps", str(args.steps), "--batch", str(args.batch)]
+        argv = ["--preset", preset, "--steps", str(args.steps), "--batch", str(args.batch),
+                "--data", "synthetic", "--no-progress"]
         if budget:
             argv += ["--budget", budget]
-        r = ttrain.main(argv)
+        r = ttrain.run(argv)
         r["budget"] = budget
         return r
 

@@ -10,6 +10,11 @@ warning saying what tidal does instead), never silently ignored.
     config = tidal.Config.load({"train_micro_batch_size_per_gpu": 4,
                                 "fp16": {"enabled": True},
                                 "tidal": {"device_memory_budget": "6GB"}})
+
+Besides tidal's own keys, the schema accepts the DeepSpeed keys that
+DeepSpeed's tutorial configs use (ZeRO, communication and profiling
+switches), so such a config loads as it is; each one tidal does not honour
+is named in one warning per reason (Note [Keys tidal does not honour]).
 """
 from __future__ import annotations
 
@@ -17,11 +22,14 @@ import difflib
 import json
 import math
 import os
+import sys
 import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
 from . import _C
+from .lr_schedules import PARAMS as _SCHEDULER_PARAMS
+from .lr_schedules import REQUIRED
 
 __all__ = ["Config", "ConfigError", "SCHEMA"]
 
@@ -43,12 +51,22 @@ _OPTIMIZER_PARAMS = {
     "bias_correction": (bool, True, "Adam's bias correction"),
 }
 
+_NONE = type(None)
+_COUNT = (int, float)  # DeepSpeed's element counts; JSON configs write them as 5e8
+
 SCHEMA: dict[str, Any] = {
     "train_batch_size": (int, None, "samples per optimizer step (micro batch x accumulation)"),
     "train_micro_batch_size_per_gpu": (int, None, "samples per forward/backward"),
     "gradient_accumulation_steps": (int, None, "micro batches per optimizer step"),
     "gradient_clipping": ((float, int), 0.0, "clip gradients to this global L2 norm; 0 = off"),
     "steps_per_print": (int, 10, "log every N optimizer steps"),
+    "wall_clock_breakdown": (bool, False, "DeepSpeed's per-phase timers (not in tidal)"),
+    "memory_breakdown": (bool, False, "DeepSpeed's memory logging (engine.memory_report() instead)"),
+    "prescale_gradients": (bool, False, "data parallel: scale gradients before the all-reduce"),
+    "gradient_predivide_factor": ((float, int), 1.0, "data parallel: divide before the all-reduce"),
+    # A permission DeepSpeed needs for client optimizers under ZeRO; tidal
+    # always runs its own Adam, so either value means the same here.
+    "zero_allow_untested_optimizer": (bool, False, "accepted; tidal always uses its own Adam"),
     "optimizer": {
         "type": (("Adam", "AdamW"), "AdamW", "Adam or AdamW"),
         "params": _OPTIMIZER_PARAMS,
@@ -60,6 +78,9 @@ SCHEMA: dict[str, Any] = {
         "loss_scale_window": (int, 1000, "steps without overflow before the scale doubles"),
         "hysteresis": (int, 2, "overflows tolerated before the scale halves"),
         "min_loss_scale": ((float, int), 1.0, "the scale never drops below this"),
+        "consecutive_hysteresis": (bool, False, "refill the hysteresis on every good step"),
+        "auto_cast": (bool, False, "cast the module's floating-point inputs to fp16"),
+        "fp16_master_weights_and_grads": (bool, False, "fp16 master weights (tidal keeps fp32)"),
     },
     "bf16": {"enabled": (bool, False, "bfloat16 parameters, no loss scaling")},
     "zero_optimization": {
@@ -67,11 +88,49 @@ SCHEMA: dict[str, Any] = {
         "offload_optimizer": {
             "device": (("cpu", "none", "nvme"), "cpu", "where optimizer states may live"),
             "pin_memory": (bool, True, "pin host chunks"),
+            "nvme_path": ((str, _NONE), None, "NVMe offload folder (not supported)"),
+            "buffer_count": (int, 4, "NVMe offload buffers"),
+            "pipeline_read": (bool, False, "NVMe offload read pipelining"),
+            "pipeline_write": (bool, False, "NVMe offload write pipelining"),
+            "fast_init": (bool, False, "NVMe offload fast initialisation"),
+            "ratio": ((float, int), 1.0, "share of optimizer states offloaded"),
         },
         "offload_param": {
             "device": (("cpu", "none", "nvme"), "cpu", "where parameters may live"),
             "pin_memory": (bool, True, "pin host chunks"),
+            "nvme_path": ((str, _NONE), None, "NVMe offload folder (not supported)"),
+            "buffer_count": (int, 5, "NVMe offload buffers"),
+            "buffer_size": (_COUNT, 1e8, "NVMe offload buffer elements"),
+            "max_in_cpu": (_COUNT, 1e9, "parameter elements kept in host memory with NVMe"),
         },
+        "cpu_offload": (bool, False, "deprecated DeepSpeed spelling of offload_optimizer.device=cpu"),
+        "contiguous_gradients": (bool, True, "data parallel: gradients into one buffer"),
+        "overlap_comm": (bool, False, "data parallel: overlap reduction with backward"),
+        "reduce_scatter": (bool, True, "data parallel: reduce-scatter gradients"),
+        "reduce_bucket_size": (_COUNT, 5e8, "data parallel: elements reduced at once"),
+        "allgather_partitions": (bool, True, "data parallel: all-gather the updated partitions"),
+        "allgather_bucket_size": (_COUNT, 5e8, "data parallel: elements all-gathered at once"),
+        "round_robin_gradients": (bool, False, "data parallel: gradient copy partitioning"),
+        "sub_group_size": (_COUNT, 1e9, "ZeRO-3 optimizer step tile"),
+        "stage3_prefetch_bucket_size": (_COUNT, 5e7, "ZeRO-3 parameter prefetch size"),
+        "stage3_param_persistence_threshold": (_COUNT, 1e5, "ZeRO-3: params kept whole below this"),
+        "stage3_max_live_parameters": (_COUNT, 1e9, "ZeRO-3 resident parameter limit"),
+        "stage3_max_reuse_distance": (_COUNT, 1e9, "ZeRO-3 release distance"),
+        "stage3_gather_16bit_weights_on_model_save": (bool, False, "ZeRO-3 checkpoint gathering"),
+    },
+    "scheduler": {
+        "type": (tuple(_SCHEDULER_PARAMS), None, "learning-rate schedule (tidal.lr_schedules)"),
+        "params": (dict, {}, "the schedule's parameters, DeepSpeed's names"),
+    },
+    # DeepSpeed's activation checkpointing block, validated here and
+    # interpreted by tidal.recompute.
+    "activation_checkpointing": {
+        "partition_activations": (bool, False, "split checkpoints across model-parallel ranks"),
+        "cpu_checkpointing": (bool, False, "keep checkpoints in host memory"),
+        "contiguous_memory_optimization": (bool, False, "checkpoints in one contiguous buffer"),
+        "number_checkpoints": ((int, _NONE), None, "checkpoints per forward (for the buffer)"),
+        "synchronize_checkpoint_boundary": (bool, False, "synchronize at checkpoint boundaries"),
+        "profile": (bool, False, "time the checkpointed forward and recomputation"),
     },
     "tidal": {
         "device": (("auto", "cuda", "sim"), "auto", "device backend"),
@@ -88,15 +147,87 @@ SCHEMA: dict[str, Any] = {
     },
 }
 
-# DeepSpeed keys that are accepted but that tidal does not honour, with what
-# tidal does instead (reported as a warning).
-_NOT_HONOURED = {
-    ("zero_optimization", "stage"): "tidal has no ZeRO stages on one GPU; chunks decide placement",
-    ("zero_optimization", "offload_optimizer", "device"):
-        "tidal keeps optimizer states in chunks in host memory and on the device as the budget allows",
-    ("zero_optimization", "offload_param", "device"):
-        "tidal moves parameter chunks between host and device as the budget requires",
+# Note [Keys tidal does not honour]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# DeepSpeed keys that are accepted but that tidal does not act on: (path,
+# values that ask for nothing tidal lacks, what tidal does instead). A key
+# given with another value is reported; the keys of one reason share one
+# warning. A key's default is never reported: only what the config file says.
+_STAGE = "tidal has no ZeRO stages on one GPU; chunks decide placement"
+_COMM = "they tune data-parallel communication, and tidal trains on one GPU without collectives"
+_ZERO3 = ("tidal's chunk scheduler decides what stays on the device (OPT eviction over the step's "
+          "trace, prefetch), so ZeRO-3's fetch and persistence thresholds do not apply")
+_NVME = ("they configure NVMe offload, which tidal does not have; host buffering follows "
+         "tidal.chunk_size and tidal.host_memory_budget")
+_NOT_HONOURED: list[tuple[tuple[str, ...], tuple | None, str]] = [
+    (("zero_optimization", "stage"), None, _STAGE),
+    (("zero_optimization", "offload_optimizer", "device"), None,
+     "tidal keeps optimizer states in chunks in host memory and on the device as the budget allows"),
+    (("zero_optimization", "offload_param", "device"), None,
+     "tidal moves parameter chunks between host and device as the budget requires"),
+    (("zero_optimization", "cpu_offload"), (False,),
+     "tidal keeps optimizer states in chunks in host memory and on the device as the budget allows"),
+    *[(("zero_optimization", k), None, _COMM) for k in (
+        "contiguous_gradients", "overlap_comm", "reduce_scatter", "reduce_bucket_size",
+        "allgather_partitions", "allgather_bucket_size", "round_robin_gradients")],
+    *[(("zero_optimization", k), None, _ZERO3) for k in (
+        "sub_group_size", "stage3_prefetch_bucket_size", "stage3_param_persistence_threshold",
+        "stage3_max_live_parameters", "stage3_max_reuse_distance")],
+    (("zero_optimization", "stage3_gather_16bit_weights_on_model_save"), (False,),
+     "tidal gathers whole weights from its chunks (engine.parameters_fp32()); there are no shards"),
+    *[(("zero_optimization", sub, k), None, _NVME)
+      for sub in ("offload_optimizer", "offload_param")
+      for k in ("nvme_path", "buffer_count", "buffer_size", "max_in_cpu", "pipeline_read",
+                "pipeline_write", "fast_init")],
+    (("zero_optimization", "offload_optimizer", "ratio"), (1, 1.0),
+     "tidal offloads optimizer states by chunk as the device budget requires, not by a fixed share"),
+    (("prescale_gradients",), (False,), _COMM),
+    (("gradient_predivide_factor",), (1, 1.0), _COMM),
+    (("wall_clock_breakdown",), (False,),
+     "tidal has no per-phase timers; engine.memory_report() gives cpu_adam_seconds"),
+    (("memory_breakdown",), (False,), "engine.memory_report() gives tidal's memory figures"),
+    (("fp16", "consecutive_hysteresis"), (False,),
+     "tidal's loss scaler refills the hysteresis only when the scale grows (DeepSpeed's default)"),
+    (("fp16", "auto_cast"), (False,),
+     "tidal casts floating-point inputs to the parameters' 16-bit dtype already"),
+    (("fp16", "fp16_master_weights_and_grads"), (False,),
+     "tidal keeps fp32 master weights and Adam states in chunks"),
+]
+
+# Keys DeepSpeed itself rejects, with its advice.
+_REJECTED = {
+    "optimizer.params.max_grad_norm":
+        "'max_grad_norm' is not an optimizer parameter (DeepSpeed rejects it too); use the "
+        "top-level 'gradient_clipping' instead",
 }
+
+_PKG_DIR = os.path.dirname(os.path.abspath(__file__))
+
+
+def _stacklevel() -> int:
+    """warnings.warn's stacklevel, in the caller of this, that names the first frame outside tidal."""
+    frame = sys._getframe(1)
+    level = 1
+    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(_PKG_DIR):
+        frame = frame.f_back
+        level += 1
+    return level
+
+
+def _report_not_honoured(given: dict) -> None:
+    groups: dict[str, list[str]] = {}
+    for path, quiet, what in _NOT_HONOURED:
+        node: Any = given
+        for k in path:
+            node = node.get(k) if isinstance(node, dict) else None
+        # Types are checked before this runs: a bool here is a bool key's value.
+        if node is None or (quiet is not None and node in quiet):
+            continue
+        groups.setdefault(what, []).append(f"'{'.'.join(path)}' = {node!r}")
+    for what, keys in groups.items():
+        subject = f"config key {keys[0]} is" if len(keys) == 1 else \
+            f"config keys {', '.join(keys)} are"
+        warnings.warn(f"{subject} not used by tidal: {what}", stacklevel=_stacklevel())
 
 
 def _fail(path: str, message: str) -> None:
@@ -121,16 +252,17 @@ def _check_value(path: str, kind: Any, value: Any) -> Any:
         return dict(value)
     if isinstance(kind, tuple) and all(isinstance(k, str) for k in kind):
         if value not in kind:
-            near = difflib.get_close_matches(str(value), kind, n=1)
+            same = [k for k in kind if isinstance(value, str) and k.lower() == value.lower()]
+            near = same or difflib.get_close_matches(str(value), kind, n=1)
             hint = f" (did you mean '{near[0]}'?)" if near else ""
             _fail(path, f"expected one of {', '.join(repr(k) for k in kind)}, got {value!r}{hint}")
         return value
     types = kind if isinstance(kind, tuple) else (kind,)
+    expected = " or ".join("null" if t is _NONE else t.__name__ for t in types)
     if isinstance(value, bool) and bool not in types:
-        _fail(path, f"expected {'/'.join(t.__name__ for t in types)}, got bool {value!r}")
+        _fail(path, f"expected {expected}, got bool {value!r}")
     if not isinstance(value, types):
-        _fail(path, f"expected {'/'.join(t.__name__ for t in types)}, got "
-                    f"{type(value).__name__} {value!r}")
+        _fail(path, f"expected {expected}, got {type(value).__name__} {value!r}")
     return value
 
 
@@ -140,6 +272,8 @@ def _resolve(schema: dict, given: dict, path: str) -> dict:
     out: dict[str, Any] = {}
     for key, value in given.items():
         full = f"{path}.{key}" if path else key
+        if full in _REJECTED:
+            raise ConfigError(f"config key '{full}': {_REJECTED[full]}")
         if key not in schema:
             near = difflib.get_close_matches(key, list(schema), n=1, cutoff=0.5)
             hint = f"; did you mean '{near[0]}'?" if near else ""
@@ -194,6 +328,12 @@ class Config:
     cpu_adam_threads: int = 0
     pin_memory: bool = True
     dtr: dict = field(default_factory=dict)
+    # {"type": name, "params": {every parameter resolved}} or None; see
+    # tidal.lr_schedules.build_scheduler.
+    scheduler: dict | None = None
+    # DeepSpeed's six activation_checkpointing keys, defaults filled in.
+    activation_checkpointing: dict = field(default_factory=lambda: {
+        k: spec[1] for k, spec in SCHEMA["activation_checkpointing"].items()})
 
     @classmethod
     def load(cls, config: "Config | dict | str | os.PathLike | None") -> "Config":
@@ -210,6 +350,9 @@ class Config:
                 raise ConfigError(f"cannot read config file '{config}': {e.strerror}") from None
             except json.JSONDecodeError as e:
                 raise ConfigError(f"config file '{config}' is not valid JSON: {e}") from None
+        if not isinstance(config, dict):
+            _fail("<root>", f"expected an object, got {type(config).__name__} {config!r}")
+        config = _legacy_zero(config)
         r = _resolve(SCHEMA, config, "")
         c = cls(raw=r)
         c._batch_sizes(r)
@@ -222,6 +365,12 @@ class Config:
         c._optimizer(r["optimizer"])
         c._precision(r["fp16"], r["bf16"])
         c._zero(r["zero_optimization"], config.get("zero_optimization", {}))
+        c._scheduler(r, config)
+        c.activation_checkpointing = dict(r["activation_checkpointing"])
+        n = c.activation_checkpointing["number_checkpoints"]
+        if n is not None and n < 1:
+            _fail("activation_checkpointing.number_checkpoints",
+                  f"expected an integer >= 1 or null, got {n}")
         t = r["tidal"]
         c.device = t["device"]
         c.chunk_size = t["chunk_size"]
@@ -241,6 +390,7 @@ class Config:
         if c.cpu_adam_threads < 0:
             _fail("tidal.cpu_adam_threads", f"expected an integer >= 0, got {c.cpu_adam_threads}")
         c.dtr = t["dtr"]
+        _report_not_honoured(config)
         return c
 
     def _batch_sizes(self, r: dict) -> None:
@@ -328,10 +478,73 @@ class Config:
         pins = [z[s]["pin_memory"] for s in ("offload_optimizer", "offload_param")
                 if "pin_memory" in given.get(s, {})]
         self.pin_memory = all(pins) if pins else True
-        for path, what in _NOT_HONOURED.items():
-            node = given
-            for k in path:
-                node = node.get(k) if isinstance(node, dict) else None
-            if node is not None:
-                warnings.warn(f"config key 'zero_optimization.{'.'.join(path[1:])}' = {node!r} "
-                              f"is not used by tidal: {what}", stacklevel=4)
+
+    def _scheduler(self, r: dict, given: dict) -> None:
+        s = r["scheduler"]
+        if "scheduler" not in given:
+            self.scheduler = None
+            return
+        kind = s["type"]
+        if kind is None:
+            _fail("scheduler.type", f"missing; expected one of {', '.join(_SCHEDULER_PARAMS)}")
+        schema = _SCHEDULER_PARAMS[kind]
+        for key in s["params"]:
+            owners = [t for t, params in _SCHEDULER_PARAMS.items() if key in params]
+            if key not in schema and owners:
+                _fail(f"scheduler.params.{key}",
+                      f"not a parameter of {kind} (it is one of {', '.join(owners)}); {kind} "
+                      f"takes {', '.join(sorted(schema))}")
+        p = _resolve(schema, s["params"], "scheduler.params")
+        for key, value in p.items():
+            if value is REQUIRED:
+                _fail(f"scheduler.params.{key}", f"required by {kind} ({schema[key][2]}), missing")
+            _check_scheduler_range(f"scheduler.params.{key}", value)
+        total, warm = p.get("total_num_steps"), p.get("warmup_num_steps")
+        if total is not None and warm is not None and total < warm:
+            # DeepSpeed logs the same and goes on: the schedule is still defined.
+            warnings.warn(f"config key 'scheduler.params.total_num_steps' = {total} is less than "
+                          f"'scheduler.params.warmup_num_steps' = {warm}: the {kind} schedule "
+                          f"ends before its warm-up does", stacklevel=_stacklevel())
+        s["params"] = p  # resolved, so raw compares equal across equivalent configs
+        self.scheduler = {"type": kind, "params": dict(p)}
+
+
+# Ranges of the schedules' parameters, by name (names are shared across types).
+_AT_LEAST_1 = {"warmup_num_steps", "total_num_steps", "cycle_first_step_size",
+               "cycle_second_step_size", "lr_range_test_step_size"}
+_AT_LEAST_0 = {"cycle_first_stair_count", "cycle_second_stair_count", "decay_step_size"}
+_UNIT = {"warmup_min_ratio", "cos_min_ratio"}
+_MOMENTUM = {"cycle_min_mom", "cycle_max_mom"}
+_RATE = {"decay_lr_rate", "decay_mom_rate", "lr_range_test_step_rate"}
+
+
+def _check_scheduler_range(path: str, value: Any) -> None:
+    name = path.rsplit(".", 1)[1]
+    if value is None or isinstance(value, bool):
+        return
+    if name.endswith("_lr"):
+        if not (math.isfinite(value) and value >= 0):
+            _fail(path, f"expected a finite learning rate >= 0, got {value!r}")
+    elif name in _AT_LEAST_1 and value < 1:
+        _fail(path, f"expected an integer >= 1, got {value}")
+    elif name in _AT_LEAST_0 and value < 0:
+        _fail(path, f"expected an integer >= 0, got {value}")
+    elif name == "last_batch_iteration" and value < -1:
+        _fail(path, f"expected -1 (start) or a step >= 0, got {value}")
+    elif name in _UNIT and not 0 <= value <= 1:
+        _fail(path, f"expected a ratio in [0, 1], got {value!r}")
+    elif name in _MOMENTUM and not 0 <= value < 1:
+        _fail(path, f"expected a momentum (Adam's beta1) in [0, 1), got {value!r}")
+    elif name in _RATE and not (math.isfinite(value) and value >= 0):
+        _fail(path, f"expected a finite rate >= 0, got {value!r}")
+
+
+def _legacy_zero(config: dict) -> dict:
+    """DeepSpeed's old "zero_optimization": true/false, as DeepSpeed reads it (stage 1 or 0)."""
+    z = config.get("zero_optimization")
+    if not isinstance(z, bool):
+        return config
+    warnings.warn(f"config key 'zero_optimization' = {z!r} is DeepSpeed's deprecated form; read as "
+                  f"{{\"stage\": {int(z)}}} (write an object such as {{\"stage\": 2}})",
+                  stacklevel=_stacklevel())
+    return {**config, "zero_optimization": {"stage": 1 if z else 0}}

@@ -1,128 +1,481 @@
-"""python -m tidal.train: train a GPT-style model with tidal (the main job).
+"""tidal-train (or python -m tidal.train): train a GPT-style model with tidal.
 
-On a GPU it trains a GPT of the chosen preset in bf16; without one it trains a
-small GPT on the simulated device with a device budget below the model's
-state size, so chunks move and the CPU Adam runs. Data: synthetic tokens from
-a fixed random bigram table, so the loss has something to learn and falls.
+The model is tidal's TinyGPT (pre-norm GPT-2 blocks, learned positions, tied
+embeddings) with the shape of a preset, or with the shape read from a Hugging
+Face config file. The training config is a DeepSpeed-style JSON file; the
+defaults ship in configs/ at the repository root:
 
-    python -m tidal.train                      # auto: GPU preset 'gpt-350m', else 'tiny'
-    python -m tidal.train --preset gpt-1.3b --steps 20
+    configs/gpt_gpu.json    on a GPU: bf16, 64 MiB chunks, the whole GPU as budget
+    configs/gpt_sim.json    without one: the simulated device with an 8 MiB budget,
+                            below the tiny model's 13 MB of fp32 state, so chunks
+                            move both ways and CPU Adam runs
+    configs/gpt_quick.json  --quick: a 2-layer model on the simulated device
+
+Data (--data): 'text' (default), byte-level tokens of a corpus made at run time
+from the Python standard library's docstrings; or 'synthetic', a fixed random
+bigram table (see tidal.data). Neither downloads anything.
+
+    tidal-train                          # GPU: preset gpt-350m; else preset tiny, 30 steps
+    tidal-train --quick                  # a few dozen steps of a tiny model, < 1 min on CPU
+    tidal-train --preset gpt-1.3b --steps 20 --budget 20GB
+    tidal-train --hf-config gpt2-config.json --seq 256
+    tidal-train --quick --plot memory.png --json report.json
+
+Progress shows loss, tokens/s, model TFLOPS (6 x parameters x tokens / time,
+attention not counted), peak device memory against the budget and the host
+memory of the chunks; the end prints the memory report.
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import difflib
 import json
+import math
+import sys
 import time
+from pathlib import Path
 
 import torch
 
 import tidal
+from tidal.data import DATA_KINDS, batches
 from tidal.models.gpt import TinyGPT
 
+__all__ = ["PRESETS", "ModelShape", "shape_from_hf_config", "default_config_path",
+           "plot_memory_timeline", "run", "main"]
+
 PRESETS = {
-    # name: (layers, hidden, heads, seq, vocab)
-    "tiny": (4, 128, 4, 64, 512),
+    # name: (layers, hidden, heads, seq, vocab). Parameters ~ 12 * layers * hidden^2.
+    "nano": (2, 64, 4, 64, 256),          # --quick
+    "tiny": (4, 128, 4, 64, 256),         # the simulated-device default
     "gpt-125m": (12, 768, 12, 1024, 50304),
     "gpt-350m": (24, 1024, 16, 1024, 50304),
     "gpt-1.3b": (24, 2048, 16, 1024, 50304),
     "gpt-2.7b": (32, 2560, 32, 1024, 50304),
     "gpt-4b": (36, 3072, 24, 1024, 50304),
     "gpt-6.7b": (32, 4096, 32, 1024, 50304),
+    "gpt-13b": (40, 5120, 40, 1024, 50304),
+    "gpt-20b": (44, 6144, 64, 1024, 50304),
+    "gpt-30b": (48, 7168, 56, 1024, 50304),
 }
 
-
-def synthetic_batches(vocab, seq, batch, device, seed=0):
-    """Tokens from a random sparse bigram table: learnable, no download."""
-    g = torch.Generator().manual_seed(seed)
-    nxt = torch.randint(0, vocab, (vocab, 4), generator=g)
-    while True:
-        start = torch.randint(0, vocab, (batch,), generator=g)
-        toks = [start]
-        for _ in range(seq):
-            choice = torch.randint(0, 4, (batch,), generator=g)
-            toks.append(nxt[toks[-1], choice])
-        t = torch.stack(toks, 1)
-        yield t[:, :-1].to(device), t[:, 1:].to(device)
+CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs"
+_QUICK_STEPS = 40
 
 
-def params_of(layers, d, vocab, seq):
-    return 12 * layers * d * d + (vocab + seq) * d
+@dataclasses.dataclass
+class ModelShape:
+    """The shape of the TinyGPT to train, and where it came from."""
+
+    layers: int
+    hidden: int
+    heads: int
+    positions: int
+    vocab: int
+    tied: bool = True
+    source: str = ""
+    note: str = ""  # what differs from the model the shape came from
+
+    def params(self) -> int:
+        """TinyGPT's parameter count (qkv without bias, as tidal.models.gpt)."""
+        d = self.hidden
+        block = 3 * d * d + (d * d + d) + (4 * d * d + 4 * d) + (4 * d * d + d) + 4 * d
+        head = 0 if self.tied else self.vocab * d
+        return self.layers * block + (self.vocab + self.positions) * d + 2 * d + head
 
 
-def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--preset", choices=sorted(PRESETS), default=None)
-    ap.add_argument("--steps", type=int, default=None)
-    ap.add_argument("--batch", type=int, default=None, help="micro batch size")
-    ap.add_argument("--budget", default=None, help="device memory budget, e.g. 20GB")
-    ap.add_argument("--config", default=None, help="JSON config file (overrides the defaults)")
-    ap.add_argument("--json", default=None, help="write the final report here")
+def _need(cfg: dict, keys: tuple[str, ...], origin: str, what: str) -> int:
+    for k in keys:
+        if k in cfg and cfg[k] is not None:
+            v = cfg[k]
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"{origin}: '{k}' ({what}) must be a positive integer, got {v!r}")
+            return v
+    raise ValueError(f"{origin}: missing '{keys[0]}' ({what}); a GPT-2 config has n_layer, n_embd, "
+                     f"n_head, n_positions and vocab_size, a LLaMA config num_hidden_layers, "
+                     f"hidden_size, num_attention_heads, max_position_embeddings and vocab_size")
+
+
+def shape_from_hf_config(cfg: dict, origin: str = "the Hugging Face config") -> ModelShape:
+    """The TinyGPT shape of a Hugging Face GPT-2 or LLaMA-style config.
+
+    GPT-2 (n_layer, n_embd, n_head, n_positions or n_ctx, vocab_size, n_inner)
+    maps onto TinyGPT's blocks one to one, except that TinyGPT's qkv
+    projection has no bias (GPT-2's c_attn has one) and uses exact GELU.
+
+    LLaMA-style configs (num_hidden_layers, hidden_size, num_attention_heads,
+    max_position_embeddings, vocab_size) give *LLaMA shapes with GPT blocks*:
+    LayerNorm instead of RMSNorm, a 4 x hidden GELU MLP instead of SwiGLU of
+    intermediate_size, learned positions instead of rotary, every head with
+    its own keys and values (no grouped-query attention). The parameter count
+    therefore differs from the LLaMA's; `note` says by how much.
+
+    Args:
+        cfg: the parsed config.json.
+        origin: how errors name the config.
+    """
+    if not isinstance(cfg, dict):
+        raise ValueError(f"{origin}: expected a JSON object, got {type(cfg).__name__}")
+    model_type = cfg.get("model_type")
+    llama_like = "num_hidden_layers" in cfg or "hidden_size" in cfg
+    if model_type == "gpt2" or (model_type is None and not llama_like):
+        layers = _need(cfg, ("n_layer",), origin, "layers")
+        d = _need(cfg, ("n_embd",), origin, "hidden size")
+        heads = _need(cfg, ("n_head",), origin, "attention heads")
+        positions = _need(cfg, ("n_positions", "n_ctx"), origin, "positions")
+        vocab = _need(cfg, ("vocab_size",), origin, "vocabulary")
+        inner = cfg.get("n_inner")
+        if inner is not None and inner != 4 * d:
+            raise ValueError(f"{origin}: n_inner = {inner}, but TinyGPT's MLP is 4 x n_embd = "
+                             f"{4 * d} wide; remove n_inner or set it to {4 * d}")
+        shape = ModelShape(layers, d, heads, positions, vocab,
+                           tied=bool(cfg.get("tie_word_embeddings", True)), source=f"GPT-2 config {origin}",
+                           note="TinyGPT blocks: no qkv bias, exact GELU")
+    else:
+        layers = _need(cfg, ("num_hidden_layers",), origin, "layers")
+        d = _need(cfg, ("hidden_size",), origin, "hidden size")
+        heads = _need(cfg, ("num_attention_heads",), origin, "attention heads")
+        positions = _need(cfg, ("max_position_embeddings",), origin, "positions")
+        vocab = _need(cfg, ("vocab_size",), origin, "vocabulary")
+        tied = bool(cfg.get("tie_word_embeddings", False))
+        shape = ModelShape(layers, d, heads, positions, vocab, tied=tied,
+                           source=f"{model_type or 'LLaMA-style'} config {origin}")
+        inter = cfg.get("intermediate_size") or 4 * d
+        kv_heads = cfg.get("num_key_value_heads") or heads
+        kv = d // heads * kv_heads
+        llama = layers * (2 * d * d + 2 * d * kv + 3 * d * inter + 2 * d) + vocab * d + d + \
+            (0 if tied else vocab * d)
+        shape.note = (f"LLaMA shapes with GPT blocks: LayerNorm, 4 x {d} GELU MLP (the config's "
+                      f"SwiGLU is {inter} wide), learned positions, {heads} key/value heads "
+                      f"(config: {kv_heads}); {shape.params() / 1e6:.1f}M parameters here vs "
+                      f"{llama / 1e6:.1f}M in the {model_type or 'LLaMA'} model")
+    if shape.hidden % shape.heads:
+        raise ValueError(f"{origin}: the hidden size {shape.hidden} is not a multiple of the "
+                         f"{shape.heads} attention heads")
+    return shape
+
+
+def default_config_path(quick: bool, gpu: bool) -> Path:
+    name = "gpt_quick.json" if quick else "gpt_gpu.json" if gpu else "gpt_sim.json"
+    path = CONFIG_DIR / name
+    if not path.is_file():
+        raise FileNotFoundError(
+            f"the default config {path} is missing (tidal installed without its source tree?); "
+            f"pass --config FILE")
+    return path
+
+
+def _fmt_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"
+
+
+def plot_memory_timeline(timeline, path, title: str = "device memory over one training step"):
+    """Writes a PNG of device memory at each trace point of one step.
+
+    Args:
+        timeline: what Engine.memory_timeline() returns, one entry per trace
+            point in step order: (moment, hook, chunk_bytes, non_chunk_bytes,
+            budget) tuples, or dicts with those keys. chunk_bytes: chunk
+            bytes resident on the device; non_chunk_bytes: the peak of
+            everything else (activations, workspaces) since the previous
+            point; budget: the whole device budget.
+        path: the PNG to write.
+        title: the figure's title.
+    Returns:
+        {"points", "peak_chunk_bytes", "peak_non_chunk_bytes", "budget"}.
+    """
+    keys = ("moment", "hook", "chunk_bytes", "non_chunk_bytes", "budget")
+    rows = [tuple(p[k] for k in keys) if isinstance(p, dict) else tuple(p) for p in timeline]
+    if not rows:
+        raise ValueError("the memory timeline is empty: train at least one step before plotting")
+    for row in rows:
+        if len(row) != 5:
+            raise ValueError(f"a timeline entry must be {keys}, got {row!r}")
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise RuntimeError("--plot needs matplotlib: pip install matplotlib") from None
+
+    mib = float(1 << 20)
+    # One bar per point: the last point gets a width too (step="post" drops it otherwise).
+    x = [r[0] for r in rows]
+    x = x + [x[-1] + 1]
+    chunk = [r[2] / mib for r in rows]
+    other = [r[3] / mib for r in rows]
+    budget = [r[4] / mib for r in rows]
+    free = [max(0.0, b - c - o) for b, c, o in zip(budget, chunk, other)]
+    ext = lambda v: v + [v[-1]]  # noqa: E731
+    fig, ax = plt.subplots(figsize=(12, 4.8), dpi=100)
+    ax.stackplot(x, ext(chunk), ext(other), ext(free), step="post",
+                 labels=["chunks (params, grads, Adam states)", "non-chunk (activations, other)",
+                         "free"],
+                 colors=["#3b75af", "#ef8636", "#d9e8d3"])
+    ax.step(x, ext(budget), where="post", color="black", linewidth=1.2, label="device budget")
+    # Phase boundaries: forward, backward (module or gradient hooks), the optimizer step.
+    hooks = [str(r[1]) for r in rows]
+    kinds = [h.split(" ")[0] for h in hooks]
+    top = max(max(budget), max(c + o for c, o in zip(chunk, other))) * 1.1
+    for names, label in ((("fwd",), "forward"), (("bwd", "grad"), "backward"),
+                         (("step",), "optimizer step")):
+        first = next((r[0] for r, k in zip(rows, kinds) if k in names), None)
+        if first is not None:
+            ax.axvline(first, color="grey", linestyle="--", linewidth=0.8)
+            end = label == "optimizer step"
+            ax.text(first, top * 0.985, f"{label} " if end else f" {label}", fontsize=8,
+                    va="top", ha="right" if end else "left")
+    n = len(rows)
+    every = max(1, math.ceil(n / 24))
+    ax.set_xticks([v + 0.5 for v in x[:-1][::every]])
+    ax.set_xticklabels([h if len(h) <= 28 else h[:27] + "…" for h in hooks[::every]],
+                       rotation=60, ha="right", fontsize=7)
+    ax.set_ylabel("MiB")
+    ax.set_xlabel("trace point (module hook) in step order")
+    ax.set_title(title)
+    ax.set_ylim(0, top)
+    ax.set_xlim(x[0], x[-1])
+    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, format="png")
+    plt.close(fig)
+    return {"points": n, "peak_chunk_bytes": max(r[2] for r in rows),
+            "peak_non_chunk_bytes": max(r[3] for r in rows), "budget": max(r[4] for r in rows)}
+
+
+def _parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="tidal-train", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    model = ap.add_mutually_exclusive_group()
+    model.add_argument("--preset", default=None,
+                       help=f"model shape: {', '.join(PRESETS)} (default: gpt-350m on a GPU, "
+                            f"tiny otherwise, nano with --quick)")
+    model.add_argument("--hf-config", default=None, metavar="JSON",
+                       help="take the model shape from a Hugging Face GPT-2 (or LLaMA) config.json")
+    ap.add_argument("--quick", action="store_true",
+                    help=f"smoke run: preset nano, {_QUICK_STEPS} steps, configs/gpt_quick.json "
+                         f"(simulated device)")
+    ap.add_argument("--config", default=None, metavar="JSON",
+                    help="DeepSpeed-style config file (default: configs/gpt_gpu.json or gpt_sim.json)")
+    ap.add_argument("--steps", type=int, default=None, help="optimizer steps")
+    ap.add_argument("--batch", type=int, default=None,
+                    help="micro batch size (overrides train_micro_batch_size_per_gpu)")
+    ap.add_argument("--seq", type=int, default=None, help="tokens per sequence (at most the "
+                                                          "model's positions)")
+    ap.add_argument("--lr", type=float, default=None, help="learning rate (overrides optimizer.params.lr)")
+    ap.add_argument("--budget", default=None, help="device memory budget, e.g. 20GB "
+                                                   "(overrides tidal.device_memory_budget)")
+    ap.add_argument("--data", choices=DATA_KINDS, default="text",
+                    help="text: byte tokens of Python's docstrings; synthetic: a random bigram table")
+    ap.add_argument("--seed", type=int, default=0, help="seed of the model init and the data")
+    ap.add_argument("--json", default=None, metavar="FILE", help="write the final report here")
+    ap.add_argument("--plot", default=None, metavar="PNG",
+                    help="write a PNG of device memory over the last step (needs matplotlib)")
+    ap.add_argument("--no-progress", action="store_true",
+                    help="plain log lines instead of a progress bar")
+    return ap
+
+
+def _positive(ap, name, value):
+    if value is not None and value < 1:
+        ap.error(f"{name} must be at least 1, got {value}")
+
+
+def run(argv=None) -> dict:
+    """Trains as the command line says and returns the final report (what --json writes).
+
+    Args:
+        argv: the arguments (default: sys.argv[1:]). Argument errors raise
+            SystemExit(2) after printing the usage and the error, as argparse does.
+    """
+    ap = _parser()
     args = ap.parse_args(argv)
+    for name in ("steps", "batch", "seq"):
+        _positive(ap, f"--{name}", getattr(args, name))
+    if args.lr is not None and not (math.isfinite(args.lr) and args.lr >= 0):
+        ap.error(f"--lr must be a finite number >= 0, got {args.lr}")
+    if args.preset is not None and args.preset not in PRESETS:
+        near = difflib.get_close_matches(args.preset, list(PRESETS), n=1, cutoff=0.5)
+        hint = f"; did you mean '{near[0]}'?" if near else ""
+        ap.error(f"unknown preset '{args.preset}'{hint} (presets: {', '.join(PRESETS)})")
+    if args.plot is not None:
+        if not hasattr(tidal.Engine, "memory_timeline"):
+            ap.error("--plot needs Engine.memory_timeline() (device memory per trace point of a "
+                     "step), which this build of tidal does not have yet")
+        try:
+            import matplotlib  # noqa: F401  -- fail before training, not after
+        except ImportError:
+            ap.error("--plot needs matplotlib: pip install matplotlib")
 
     info = tidal.get_device().info()
     gpu = info["backend"] == "cuda"
-    preset = args.preset or ("gpt-350m" if gpu else "tiny")
-    layers, d, heads, seq, vocab = PRESETS[preset]
-    steps = args.steps or (20 if gpu else 30)
-    batch = args.batch or (8 if gpu else 2)
-    n_params = params_of(layers, d, vocab, seq)
-    if args.config:
-        config = json.load(open(args.config))
+
+    # The model's shape.
+    if args.hf_config:
+        try:
+            with open(args.hf_config, encoding="utf-8") as f:
+                hf = json.load(f)
+            shape = shape_from_hf_config(hf, args.hf_config)
+        except (OSError, ValueError) as e:  # json.JSONDecodeError is a ValueError
+            ap.error(f"--hf-config {args.hf_config}: {e}")
+        label = Path(args.hf_config).name
     else:
-        budget = args.budget or (None if gpu else "8MiB")
-        config = {
-            "train_micro_batch_size_per_gpu": batch,
-            "gradient_clipping": 1.0,
-            "optimizer": {"type": "AdamW", "params": {"lr": 3e-4 if gpu else 3e-3, "weight_decay": 0.01}},
-            "bf16": {"enabled": gpu},
-            "tidal": {"chunk_size": "64MiB" if gpu else "256KiB"},
-        }
-        if budget:
-            config["tidal"]["device_memory_budget"] = budget
-    print(f"[tidal.train] device {info['backend']} ({info['name']}), preset {preset}: "
-          f"{n_params / 1e6:.1f}M parameters, {layers} layers, hidden {d}, seq {seq}, "
-          f"micro batch {batch}, {steps} steps", flush=True)
+        preset = args.preset or ("nano" if args.quick else "gpt-350m" if gpu else "tiny")
+        layers, d, heads, positions, vocab = PRESETS[preset]
+        shape = ModelShape(layers, d, heads, positions, vocab, source=f"preset {preset}")
+        label = preset
+    seq = args.seq or min(shape.positions, 1024)
+    if seq > shape.positions:
+        ap.error(f"--seq {seq} is longer than the model's {shape.positions} positions")
+    if args.data == "text" and shape.vocab < 256:
+        ap.error(f"--data text needs a vocabulary of at least 256 (byte tokens); {shape.source} "
+                 f"has {shape.vocab}: use --data synthetic")
+
+    # The training config: the file, then the command line's overrides.
+    try:
+        config_path = Path(args.config) if args.config else default_config_path(args.quick, gpu)
+        with open(config_path, encoding="utf-8") as f:
+            config = json.load(f)
+        if not isinstance(config, dict):
+            raise tidal.ConfigError(f"config file '{config_path}' holds a {type(config).__name__}, "
+                                    f"not an object")
+        if args.batch is not None:
+            ga = tidal.Config.load(config).gradient_accumulation_steps
+            config["train_micro_batch_size_per_gpu"] = args.batch
+            if "train_batch_size" in config:
+                config["train_batch_size"] = args.batch * ga
+            config.setdefault("gradient_accumulation_steps", ga)
+        if args.lr is not None:
+            config.setdefault("optimizer", {}).setdefault("params", {})["lr"] = args.lr
+        if args.budget is not None:
+            config.setdefault("tidal", {})["device_memory_budget"] = args.budget
+        cfg = tidal.Config.load(config)
+    except (OSError, ValueError) as e:  # ConfigError and JSONDecodeError are ValueErrors
+        ap.error(str(e))
+    micro = cfg.micro_batch_size or 1
+    if cfg.micro_batch_size is None:
+        config["train_micro_batch_size_per_gpu"] = micro
+    accum = cfg.gradient_accumulation_steps
+    steps = args.steps or (_QUICK_STEPS if args.quick else 20 if gpu else 30)
+    tokens_per_step = micro * accum * seq
+    n_est = shape.params()
+
+    print(f"[tidal-train] {shape.source}: {n_est / 1e6:.1f}M parameters, {shape.layers} layers, "
+          f"hidden {shape.hidden}, {shape.heads} heads, vocab {shape.vocab}; seq {seq}, micro batch "
+          f"{micro} x {accum} accumulation, {steps} steps, data {args.data}, config {config_path}",
+          flush=True)
+    if shape.note:
+        print(f"[tidal-train] note: {shape.note}", flush=True)
+
     t0 = time.perf_counter()
+    torch.manual_seed(args.seed)
     with tidal.init_context(config):
-        model = TinyGPT(vocab=vocab, d=d, layers=layers, heads=heads, seq=seq)
+        model = TinyGPT(vocab=shape.vocab, d=shape.hidden, layers=shape.layers, heads=shape.heads,
+                        seq=shape.positions, tied=shape.tied)
     engine = tidal.initialize(model)
-    print(f"[tidal.train] model built into chunks in {time.perf_counter() - t0:.1f} s", flush=True)
-    dev = engine.store.torch_device
-    data = synthetic_batches(vocab, seq, batch, dev)
-    losses, times = [], []
+    records = getattr(engine, "records", None)
+    n_params = sum(r.numel for r in records) if records else n_est
+    device = engine.store.torch_device
+    info = tidal.get_device().info()
+    print(f"[tidal-train] built into chunks in {time.perf_counter() - t0:.1f} s on "
+          f"{info['backend']} ({info['name']}), precision {cfg.precision}, device budget "
+          f"{_fmt_bytes(engine.store.device_budget)}", flush=True)
+
+    data = batches(args.data, shape.vocab, seq, micro, device, seed=args.seed)
+    bar = None
+    if not args.no_progress:
+        try:
+            from tqdm import tqdm
+            bar = tqdm(total=steps, unit="step", dynamic_ncols=True, file=sys.stderr)
+        except ImportError:
+            print("[tidal-train] tqdm is not installed: plain progress lines", flush=True)
+    losses, times, applied = [], [], 0
+    start = time.perf_counter()
     for step in range(steps):
-        x, y = next(data)
         t = time.perf_counter()
-        loss = engine(x, y)
-        engine.backward(loss)
-        engine.step()
-        value = loss.item()
+        total = 0.0
+        for _ in range(accum):
+            x, y = next(data)
+            loss = engine(x, y)
+            engine.backward(loss)
+            total += loss.item()
+        if engine.step():
+            applied += 1
         times.append(time.perf_counter() - t)
-        losses.append(value)
-        tok_s = batch * seq / times[-1]
-        tflops = 6 * n_params * batch * seq / times[-1] / 1e12
-        if step % max(1, steps // 10) == 0 or step == steps - 1:
-            print(f"step {step:4d}  loss {value:8.4f}  {tok_s:10.0f} tok/s  {tflops:7.2f} TFLOPS  "
-                  f"scale {engine.loss_scale:g}", flush=True)
+        losses.append(total / accum)
+        tok_s = tokens_per_step / times[-1]
+        tflops = 6 * n_params * tokens_per_step / times[-1] / 1e12
+        rep = engine.memory_report()
+        fields = (f"loss {losses[-1]:.3f}  {tok_s:,.0f} tok/s  {tflops:.3g} TFLOPS  "
+                  f"dev {_fmt_bytes(rep['peak_device_bytes'])}/{_fmt_bytes(rep['device_budget'])}  "
+                  f"host {_fmt_bytes(rep['peak_chunk_host_bytes'])}")
+        if bar is not None:
+            bar.set_postfix_str(fields, refresh=False)
+            bar.update(1)
+        elif step % max(1, steps // 10) == 0 or step == steps - 1:
+            print(f"step {step:5d}  {fields}", flush=True)
+    if bar is not None:
+        bar.close()
+    wall = time.perf_counter() - start
+
     report = engine.memory_report()
     steady = times[2:] or times
+    tail = losses[-5:]
     summary = {
-        "preset": preset, "params": n_params, "steps": steps, "micro_batch": batch, "seq": seq,
-        "first_loss": losses[0], "last_loss": losses[-1],
-        "tokens_per_s": batch * seq * len(steady) / sum(steady),
-        "tflops": 6 * n_params * batch * seq * len(steady) / sum(steady) / 1e12,
+        "model": label, "source": shape.source, "params": n_params, "layers": shape.layers,
+        "hidden": shape.hidden, "heads": shape.heads, "vocab": shape.vocab, "seq": seq,
+        "steps": steps, "applied_steps": applied, "micro_batch": micro,
+        "gradient_accumulation_steps": accum, "data": args.data, "config": str(config_path),
+        "precision": cfg.precision, "lr": cfg.lr, "first_loss": losses[0], "last_loss": losses[-1],
+        "last5_mean_loss": sum(tail) / len(tail), "losses": losses, "seconds": wall,
+        "tokens_per_s": tokens_per_step * len(steady) / sum(steady),
+        "tflops": 6 * n_params * tokens_per_step * len(steady) / sum(steady) / 1e12,
         "device": info["name"], "backend": info["backend"],
         "memory": {k: v for k, v in report.items() if k not in ("scheduler", "host")},
         "host_bytes": report["host"],
     }
-    print("[tidal.train] report: " + json.dumps(summary["memory"], indent=None))
-    print(f"[tidal.train] loss {losses[0]:.4f} -> {losses[-1]:.4f}, "
-          f"{summary['tokens_per_s']:.0f} tokens/s, {summary['tflops']:.2f} TFLOPS (steady state)")
+    m = summary["memory"]
+    print(f"[tidal-train] report: {steps} steps in {wall:.1f} s; loss {losses[0]:.4f} -> "
+          f"{losses[-1]:.4f} (mean of the last {len(tail)}: {summary['last5_mean_loss']:.4f})")
+    print(f"  throughput (steps 3 on): {summary['tokens_per_s']:,.0f} tokens/s, "
+          f"{summary['tflops']:.3g} TFLOPS")
+    print(f"  device budget {_fmt_bytes(m['device_budget'])} (margin {_fmt_bytes(m['device_margin'])}): "
+          f"peak chunks {_fmt_bytes(m['peak_chunk_device_bytes'])}, peak non-chunk "
+          f"{_fmt_bytes(m['peak_nonchunk_device_bytes'])}, peak together "
+          f"{_fmt_bytes(m['peak_device_bytes'])}")
+    print(f"  host: peak chunks {_fmt_bytes(m['peak_chunk_host_bytes'])}, tidal host buffers "
+          f"{_fmt_bytes(report['host'].get('allocated', 0))} (pinned "
+          f"{_fmt_bytes(report['host'].get('pinned', 0))})")
+    print(f"  last step moved {_fmt_bytes(m['bytes_host_to_device_last_step'])} host->device, "
+          f"{_fmt_bytes(m['bytes_device_to_host_last_step'])} device->host; evictions "
+          f"{m['evictions']}, prefetch hit rate {m['prefetch_hit_rate']:.0%}")
+    print(f"  Adam: {m['cpu_adam_seconds']:.2f} s in CPU Adam, chunks updated on the device "
+          f"{m['adam_chunks_on_device']} / on the host {m['adam_chunks_on_host']}; skipped steps "
+          f"{m['skipped_steps']}, loss scale {m['loss_scale']:g}", flush=True)
+    if args.plot:
+        timeline = engine.memory_timeline()
+        drawn = plot_memory_timeline(
+            timeline, args.plot,
+            title=f"tidal: device memory over one step ({label}, budget "
+                  f"{_fmt_bytes(engine.store.device_budget)}, {info['backend']})")
+        summary["plot"] = {"path": str(args.plot), **drawn}
+        print(f"[tidal-train] wrote {args.plot} ({drawn['points']} trace points)", flush=True)
     if args.json:
-        with open(args.json, "w") as f:
+        with open(args.json, "w", encoding="utf-8") as f:
             json.dump(summary, f, indent=2)
     return summary
 
 
+def main(argv=None) -> int:
+    """The tidal-train console script: run(argv), exit status 0."""
+    run(argv)
+    return 0
+
+
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -348,3 +348,58 @@ def test_cpu_adam_overlaps_the_next_chunks_gradient_copy():
     assert warm_misses > 0  # the warm-up copies each gradient chunk on demand
     for misses, hits, downs in misses_in_step[2:]:
         assert downs > 0 and misses == 0 and hits >= downs, misses_in_step
+
+
+def test_warmup_decay_schedule_matches_adamw_with_the_same_lr_per_step():
+    torch.manual_seed(0)
+    ref = TinyGPT(d=64, seq=8)
+    model = copy.deepcopy(ref)
+    batches = gpt_batches(10)
+    warm, total = 4, 10
+
+    def lr_of_step(n):  # DeepSpeed: the n-th step runs with get_lr() at iteration n - 1
+        k = n - 1
+        if k < 0:
+            return 0.0
+        if k < warm:
+            return LR * k / warm
+        return LR * max(0.0, (total - k) / (total - warm))
+
+    opt = torch.optim.AdamW(ref.parameters(), lr=LR, weight_decay=0.01)
+    ref_losses = []
+    for n, (x, y) in enumerate(batches):
+        for group in opt.param_groups:
+            group["lr"] = lr_of_step(n)
+        loss = ref(x, y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        ref_losses.append(loss.item())
+    cfg = config()
+    cfg["scheduler"] = {"type": "WarmupDecayLR",
+                        "params": {"warmup_min_lr": 0.0, "warmup_max_lr": LR, "warmup_num_steps": warm,
+                                   "total_num_steps": total, "warmup_type": "linear"}}
+    engine = tidal.initialize(model, cfg)
+    lrs = []
+    losses = []
+    for x, y in batches:
+        lrs.append(engine.lr)
+        loss = engine(x, y)
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    assert lrs == pytest.approx([lr_of_step(n) for n in range(len(batches))], rel=1e-12, abs=0)
+    assert_close(engine, ref, ref_losses, losses)
+
+
+def test_memory_timeline_covers_every_hook_of_a_step():
+    torch.manual_seed(0)
+    model = TinyGPT(d=64, seq=8, layers=2)
+    engine = tidal.initialize(model, config())
+    train_tidal(engine, gpt_batches(2))
+    timeline = engine.memory_timeline()
+    kinds = [hook.split()[0] for _, hook, *_ in timeline]
+    assert kinds[0] == "fwd" and kinds[-1] == "step" and "bwd" in kinds and "grad" in kinds
+    assert [p for p, *_ in timeline] == list(range(len(timeline)))
+    budget = engine.store.device_budget - engine.store.margin
+    assert all(0 <= chunks <= budget for _, _, chunks, _, _ in timeline)

@@ -248,6 +248,8 @@ def load_checkpoint(engine, load_dir, tag=None, load_optimizer_states=True,
     engine.lr = float(eng["lr"])
     if load_lr_scheduler_states and engine.lr_scheduler is not None and meta["lr_scheduler"]:
         engine.lr_scheduler.load_state_dict(meta["lr_scheduler"])
+        engine.lr = engine.lr_scheduler.get_lr()
+        engine.betas = engine.lr_scheduler.get_betas() or engine.config.betas
     buffers = dict(engine.module.named_buffers())
     with torch.no_grad():
         for k, v in extra["buffers"].items():

@@ -32,6 +32,7 @@ import torch
 
 from .. import _C
 from ..config import Config
+from ..lr_schedules import build_scheduler
 from . import checkpoint as _checkpoint
 from . import hooks as _hooks
 from .loss_scaler import DynamicLossScaler, StaticLossScaler
@@ -100,8 +101,11 @@ class Engine:
         self._check_budget()
 
         # Optimizer, loss scaling.
-        self.lr = cfg.lr
-        self.lr_scheduler = None
+        # DeepSpeed's LR schedules; stepped after each optimizer step that
+        # was not skipped by an fp16 overflow.
+        self.lr_scheduler = build_scheduler(cfg)
+        self.lr = self.lr_scheduler.get_lr() if self.lr_scheduler else cfg.lr
+        self.betas = (self.lr_scheduler.get_betas() if self.lr_scheduler else None) or cfg.betas
         self.global_steps = 0
         self.micro_steps = 0
         self.skipped_steps = 0
@@ -125,6 +129,10 @@ class Engine:
         self._baseline = 0 if self._cuda else _C.chunks.host_allocation_counts()["live_bytes"]
         self._trace: list[int] | None = None   # interval peaks of the adopted trace
         self._recording: list[int] = []
+        # (point, hook, chunk bytes held, non-chunk peak of the interval ending
+        # there, device budget) per trace point of the last completed step.
+        self._timeline: list[tuple] = []
+        self._timeline_recording: list[tuple] = []
         self._point = 0
         self._peak_nonchunk = 0
         self._peak_total = 0
@@ -186,7 +194,7 @@ class Engine:
         else:
             _C.chunks.reset_host_allocation_peak()
 
-    def _trace_point(self):
+    def _trace_point(self, hook: str):
         live, peak = self._measure()
         self._reset_peak()
         held = self.chunks.held_bytes("device")
@@ -195,6 +203,7 @@ class Engine:
         self._recording.append(peak)  # the interval that ends here
         k = self._point
         self._point += 1
+        self._timeline_recording.append((k, hook, held, peak, self.store.device_budget))
         upcoming = live
         if self._trace is not None:
             upcoming = max(live, self._trace[k + 1] if k + 1 < len(self._trace) else max(self._trace))
@@ -208,7 +217,8 @@ class Engine:
                 self._budget_overruns += 1
 
     def _end_trace_step(self):
-        self._trace_point()
+        self._trace_point("step")
+        self._timeline, self._timeline_recording = self._timeline_recording, []
         self._trace = self._recording
         self._recording = []
         self._point = 0
@@ -277,7 +287,7 @@ class Engine:
                            "device")
 
     def _pre_forward(self, module, args):
-        self._trace_point()
+        self._trace_point(f"fwd {self._names[module]}")
         recs = self._module_records[module]
         need = [r for r in recs if not r.attached]
         for r in recs:
@@ -303,7 +313,7 @@ class Engine:
         return output
 
     def _pre_backward(self, module):
-        self._trace_point()
+        self._trace_point(f"bwd {self._names[module]}")
         self._attach_for_backward(self._module_records[module], module)
 
     def _attach_for_backward(self, records, module):
@@ -316,7 +326,7 @@ class Engine:
         g = param.grad
         if g is None:
             return
-        self._trace_point()
+        self._trace_point(f"grad {r.name}")
         if self.config.gradient_accumulation_steps > 1:
             with uncounted(), torch.no_grad():
                 if r.acc is None:
@@ -397,6 +407,7 @@ class Engine:
 
     def step(self):
         """The optimizer step, at gradient accumulation boundaries (as DeepSpeed)."""
+        cfg_betas = self.config.betas
         if self.micro_steps == 0 or not self.is_gradient_accumulation_boundary():
             return
         pending = [r for r in self.records if r.has_grad]
@@ -414,6 +425,9 @@ class Engine:
             if self.config.gradient_clipping > 0:
                 clip = min(1.0, self.config.gradient_clipping / (norm + 1e-6))
             self._adam(pending, clip / scale)
+            if self.lr_scheduler is not None:
+                self.lr = self.lr_scheduler.step()
+                self.betas = self.lr_scheduler.get_betas() or cfg_betas
         for r in pending:
             r.has_grad = False
             if r.acc is not None:
@@ -502,7 +516,7 @@ class Engine:
         by_chunk = collections.defaultdict(list)
         for r in pending:
             by_chunk[r.chunk].append(r)
-        b1, b2 = cfg.betas
+        b1, b2 = self.betas
         fp32_chunk = c.chunk_bytes("param32")
         t0 = time.perf_counter()
         with torch.no_grad(), uncounted():
@@ -543,7 +557,7 @@ class Engine:
     def _device_adam(self, w, m, v, g, step, grad_scale):
         """torch.optim.AdamW's single-tensor update on device tensors."""
         cfg = self.config
-        b1, b2 = cfg.betas
+        b1, b2 = self.betas
         g = g.float()
         if grad_scale != 1.0:
             g = g * grad_scale
@@ -588,6 +602,12 @@ class Engine:
         return _checkpoint.load_pretrained(self, path, strict)
 
     # -------------------------------------------------------------- reports
+    def memory_timeline(self) -> list[tuple]:
+        """Device memory at every hook of the last completed step: tuples of
+        (point, hook name, chunk bytes held, non-chunk peak since the previous
+        point, device budget). Hook names start with fwd/bwd/grad/step."""
+        return list(self._timeline)
+
     def parameters_fp32(self) -> dict[str, torch.Tensor]:
         """Host copies of the fp32 master weights (16-bit values for frozen params), by name."""
         return {r.name: self.store.gather(r) for r in self.records}
