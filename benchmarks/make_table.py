@@ -140,7 +140,7 @@ def _engine_sim(r: Dict, name: str) -> List[List[str]]:
     plain = res["plain_pytorch_step_s"]
     model = (f"GPT {m['params'] / 1e6:.1f}M params ({m['layers']} layers, d {m['d']}), {m['precision']}, "
              f"batch {m['batch']}x{m['seq']}, simulated device")
-    labels = {"fits": "budget holds every state (cost of hooks, chunk views, tracer)",
+    labels = {"fits": "budget holds every state (cost of hooks, chunk views, tracer), CPU Adam",
               "tight": "budget = activations + 1/4 of the parameter chunks, CPU Adam"}
     rows = []
     for key, run in res["runs"].items():
