@@ -167,6 +167,33 @@ def _engine_sim(r: Dict, name: str) -> List[List[str]]:
     return rows
 
 
+def _recompute(r: Dict, name: str) -> List[List[str]]:
+    rows = []
+    for w in r["workloads"].values():
+        c = w["configs"]
+        ck, rec, off = (c["torch_checkpoint_per_block"], c["tidal_recompute_min_memory"],
+                        c["tidal_recompute_offload"])
+        rows.append([
+            f"largest batch at the activation memory no recompute needs at batch 2 "
+            f"({w['budget_bytes'] / 2**20:.0f} MiB), {w['shape']} (CPU proxy)",
+            _machine(r),
+            f"{off['largest_batch']} with offload, {rec['largest_batch']} recompute only",
+            f"{ck['largest_batch']}, torch.utils.checkpoint per block",
+            f"{off['largest_batch'] / ck['largest_batch']:.2f}",
+            f"`{name}`",
+        ])
+        rows.append([
+            f"time per sample, tidal.recompute one segment per block, batch {w['time_batch']}, "
+            f"{w['shape']} (CPU proxy)",
+            _machine(r),
+            f"{rec['time_per_sample_s']:.2f} s",
+            f"{ck['time_per_sample_s']:.2f} s, torch.utils.checkpoint per block",
+            f"{rec['time_per_sample_s'] / ck['time_per_sample_s']:.2f}",
+            f"`{name}`",
+        ])
+    return rows
+
+
 ROWS: Dict[str, Callable[[Dict, str], List[List[str]]]] = {
     "cpu_adam": _cpu_adam,
     "device_bandwidth": _device_bandwidth,
@@ -174,6 +201,7 @@ ROWS: Dict[str, Callable[[Dict, str], List[List[str]]]] = {
     "dtr-resnet50": _dtr,
     "dtr-gpt2_small": _dtr,
     "engine_sim": _engine_sim,
+    "recompute": _recompute,
 }
 
 

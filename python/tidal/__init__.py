@@ -10,7 +10,7 @@ import torch  # noqa: F401  -- loads libtorch before tidal._C links against it
 from tidal._version import __version__
 from tidal import _C
 from tidal._C import InternalError, OutOfMemoryError
-from tidal import dtr, optim
+from tidal import dtr, optim, recompute
 from tidal.config import Config, ConfigError
 from tidal.engine import Engine, init_context, initialize
 from tidal.device import (
@@ -35,6 +35,7 @@ __all__ = [
     "init_context",
     "initialize",
     "optim",
+    "recompute",
     "Device",
     "DeviceBuffer",
     "Event",

@@ -144,6 +144,8 @@ SCHEMA: dict[str, Any] = {
         "hybrid_adam": (bool, True, "update chunks resident on the device there"),
         "cpu_adam_threads": (int, 0, "CPU Adam threads; 0 = all cores"),
         "dtr": (dict, {}, "DTR options (tidal.dtr.from_config)"),
+        "recompute": (dict, {}, "tidal.recompute's own keys (tidal.recompute.from_config; "
+                                "docs/recompute.md)"),
     },
 }
 
@@ -328,6 +330,10 @@ class Config:
     cpu_adam_threads: int = 0
     pin_memory: bool = True
     dtr: dict = field(default_factory=dict)
+    recompute: dict = field(default_factory=dict)
+    # True when the file asked for recompute (activation_checkpointing or
+    # tidal.recompute given): only then is a plan built from these blocks.
+    activation_checkpointing_given: bool = False
     # {"type": name, "params": {every parameter resolved}} or None; see
     # tidal.lr_schedules.build_scheduler.
     scheduler: dict | None = None
@@ -390,6 +396,11 @@ class Config:
         if c.cpu_adam_threads < 0:
             _fail("tidal.cpu_adam_threads", f"expected an integer >= 0, got {c.cpu_adam_threads}")
         c.dtr = t["dtr"]
+        c.recompute = t["recompute"]
+        c.activation_checkpointing_given = "activation_checkpointing" in config or bool(c.recompute)
+        if c.activation_checkpointing_given:
+            from tidal.recompute import validate_config
+            validate_config(c.activation_checkpointing, c.recompute)
         _report_not_honoured(config)
         return c
 

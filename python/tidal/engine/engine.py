@@ -27,6 +27,7 @@ from __future__ import annotations
 import collections
 import math
 import time
+import warnings
 
 import torch
 
@@ -61,6 +62,12 @@ class Engine:
             cfg = self.config = store.config
         store.adopted()
         self.store = store
+        if cfg.activation_checkpointing_given:
+            warnings.warn(
+                "tidal: the config's activation_checkpointing / tidal.recompute block is validated "
+                "but the training engine does not apply it yet (recompute inside chunk hooks is "
+                "not combined yet); tidal.recompute(model, ...) works on models outside the engine. "
+                "See docs/recompute.md", stacklevel=3)
         self.chunks = store.chunks
         self.dtype = store.dtype
         self.precision = store.precision
