@@ -32,6 +32,7 @@ import os
 import pathlib
 import shutil
 import uuid
+import warnings
 import zlib
 
 import torch
@@ -61,7 +62,8 @@ def _unique(records):
 
 
 def _fingerprint(engine) -> list:
-    return [[r.name, list(r.shape), bool(r.trainable)] for r in _unique(engine.records)]
+    # Sorted: the chunk order (first-use relayout) is not part of the model.
+    return sorted([r.name, list(r.shape), bool(r.trainable)] for r in _unique(engine.records))
 
 
 def _bytes_of(view: torch.Tensor) -> memoryview:
@@ -96,11 +98,15 @@ def _rng_state() -> dict:
     return state
 
 
-def save_checkpoint(engine, save_dir, tag=None, client_state=None, save_latest=True) -> pathlib.Path:
+def _no_pending_gradients(engine, who: str) -> None:
     if any(r.has_grad for r in engine.records):
         raise RuntimeError(
-            "save_checkpoint: gradients of an unfinished step are pending (backward ran, step() did "
-            "not); save between optimizer steps")
+            f"{who}: gradients of an unfinished step are pending (backward ran, step() did not); "
+            f"call it between optimizer steps, or engine.zero_grad() first")
+
+
+def save_checkpoint(engine, save_dir, tag=None, client_state=None, save_latest=True) -> pathlib.Path:
+    _no_pending_gradients(engine, "save_checkpoint")
     tag = str(tag) if tag is not None else f"global_step{engine.global_steps}"
     if not tag or "/" in tag or tag.startswith("."):
         raise ValueError(f"save_checkpoint: tag {tag!r} must be a plain, non-hidden directory name")
@@ -139,6 +145,7 @@ def save_checkpoint(engine, save_dir, tag=None, client_state=None, save_latest=T
             "engine": {"global_steps": engine.global_steps, "micro_steps": engine.micro_steps,
                        "skipped_steps": engine.skipped_steps, "lr": engine.lr},
             "loss_scaler": engine.scaler.state_dict(),
+            "loss_scaler_type": type(engine.scaler).__name__,
             "lr_scheduler": engine.lr_scheduler.state_dict() if engine.lr_scheduler else None,
         }
         buf = io.BytesIO()
@@ -155,6 +162,9 @@ def save_checkpoint(engine, save_dir, tag=None, client_state=None, save_latest=T
         _fsync_dir(root)
         if aside is not None:
             shutil.rmtree(aside, ignore_errors=True)
+        # Leftovers of saves of this tag that were killed midway.
+        for stale in list(root.glob(f".{tag}.tmp-*")) + list(root.glob(f".{tag}.old-*")):
+            shutil.rmtree(stale, ignore_errors=True)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -163,12 +173,15 @@ def save_checkpoint(engine, save_dir, tag=None, client_state=None, save_latest=T
     return target
 
 
-def _find(load_dir, tag) -> pathlib.Path:
+def _find(load_dir, tag) -> "pathlib.Path | None":
+    """The checkpoint's directory; None (with a warning, as DeepSpeed) when there is none."""
     root = pathlib.Path(load_dir)
     if tag is None:
         latest = root / _LATEST
         if not latest.is_file():
-            raise CheckpointError(f"load_checkpoint: no tag given and no '{_LATEST}' file in {root}")
+            warnings.warn(f"tidal: load_checkpoint: no tag given and no '{_LATEST}' file in {root}; "
+                          f"nothing loaded", stacklevel=4)
+            return None
         tag = latest.read_text().strip()
     path = root / str(tag)
     if not (path / _META).is_file():
@@ -176,14 +189,21 @@ def _find(load_dir, tag) -> pathlib.Path:
         aside = sorted(root.glob(f".{tag}.old-*"), key=lambda p: p.stat().st_mtime)
         if aside and (aside[-1] / _META).is_file():
             return aside[-1]
+        if not path.exists():
+            warnings.warn(f"tidal: load_checkpoint: no checkpoint {path}; nothing loaded",
+                          stacklevel=4)
+            return None
         raise CheckpointError(f"load_checkpoint: {path} is not a tidal checkpoint (no {_META})")
     return path
 
 
 def load_checkpoint(engine, load_dir, tag=None, load_optimizer_states=True,
                     load_lr_scheduler_states=True):
-    """Returns (path, client_state)."""
+    """Returns (path, client_state); (None, None) when there is no checkpoint."""
+    _no_pending_gradients(engine, "load_checkpoint")
     path = _find(load_dir, tag)
+    if path is None:
+        return None, None
     try:
         meta = json.loads((path / _META).read_text())
     except (OSError, ValueError) as e:
@@ -202,6 +222,11 @@ def load_checkpoint(engine, load_dir, tag=None, load_optimizer_states=True,
         raise CheckpointError(f"load_checkpoint: {path} holds a different model: "
                               + "; ".join(why[:5] or ["parameter order differs"])
                               + (f" (and {len(why) - 5} more)" if len(why) > 5 else ""))
+    theirs = meta.get("loss_scaler_type")
+    if load_optimizer_states and theirs != type(engine.scaler).__name__:
+        raise CheckpointError(f"load_checkpoint: {path} has a {theirs} loss scaler, the engine a "
+                              f"{type(engine.scaler).__name__} (fp16.loss_scale 0 = dynamic); use "
+                              f"the same fp16 settings, or load_optimizer_states=False")
     if meta["precision"] != engine.precision:
         raise CheckpointError(f"load_checkpoint: {path} was saved in {meta['precision']}, the engine "
                               f"runs {engine.precision}")
@@ -223,18 +248,21 @@ def load_checkpoint(engine, load_dir, tag=None, load_optimizer_states=True,
             if e["kind"] not in wanted:
                 continue
             r = by_name[e["name"]]
+            # Read and check first, so a corrupt slot is never written.
+            f.seek(e["offset"])
+            data = f.read(e["bytes"])
+            if len(data) != e["bytes"] or zlib.crc32(data) != e["crc32"]:
+                raise CheckpointError(
+                    f"load_checkpoint: slot {e['name']}/{e['kind']} in {states} fails its CRC-32 "
+                    f"check (corrupt file); slots before it were loaded already: load another "
+                    f"checkpoint")
             view = chunks.access(r.id, e["kind"], "host", [r.numel])
             try:
                 dst = _bytes_of(view)
                 if dst.nbytes != e["bytes"]:
                     raise CheckpointError(f"load_checkpoint: slot {e['name']}/{e['kind']} has "
                                           f"{e['bytes']} bytes in {path}, {dst.nbytes} in the model")
-                f.seek(e["offset"])
-                if f.readinto(dst) != e["bytes"] or zlib.crc32(dst) != e["crc32"]:
-                    raise CheckpointError(
-                        f"load_checkpoint: slot {e['name']}/{e['kind']} in {states} fails its CRC-32 "
-                        f"check (corrupt file); the engine's state is now partly overwritten: load "
-                        f"another checkpoint")
+                dst[:] = data
             finally:
                 chunks.release(r.id, e["kind"], "hold")
     if load_optimizer_states:
@@ -288,6 +316,7 @@ def load_state_dict(engine, state, strict=True):
 
 def _load_tensors(engine, keys, get, shape_of, strict, who):
     """Loads tensor `get(key)` for each key, one at a time (streaming)."""
+    _no_pending_gradients(engine, who)
     own = engine.module.state_dict(keep_vars=True)
     given = set(keys)
     unexpected = [k for k in keys if k not in own]
@@ -345,8 +374,11 @@ def _write_param(engine, record, src: torch.Tensor) -> None:
     with torch.no_grad(), uncounted():
         kinds = ("param32", "param16") if record.trainable else ("param16",)
         for kind in kinds:
-            c.access(record.id, kind, "host", [record.numel]).copy_(flat)
-            c.release(record.id, kind, "hold")
+            view = c.access(record.id, kind, "host", [record.numel])
+            try:
+                view.copy_(flat)
+            finally:
+                c.release(record.id, kind, "hold")
 
 
 def load_pretrained(engine, path, strict=True):

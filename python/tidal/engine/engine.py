@@ -37,7 +37,7 @@ from ..lr_schedules import build_scheduler
 from . import checkpoint as _checkpoint
 from . import hooks as _hooks
 from .loss_scaler import DynamicLossScaler, StaticLossScaler
-from .store import ParamStore, uncounted
+from .store import ParamStore, RelayoutError, uncounted
 
 OutOfMemoryError = _C.OutOfMemoryError
 
@@ -462,8 +462,14 @@ class Engine:
         order = used + [r for r in self.store.records if id(r) not in seen]
         if [r.id for r in order] == [r.id for r in self.store.records]:
             return  # registration order was already the first-use order
-        self._retired_stats = self._scheduler_stats()
-        self.store.relayout(order)
+        try:
+            final = self.store.relayout(order)
+        except RelayoutError as e:
+            warnings.warn(f"tidal: {e}", stacklevel=3)
+            return
+        # The replaced scheduler's counters (its relayout copies included)
+        # stay in the reports.
+        self._retired_stats = _merge_stats(final, self._retired_stats)
         self.chunks = self.store.chunks
         self.records = [r for r in self.store.records if r in self._record_set]
         self._stats_at_step = self.chunks.stats()
@@ -472,19 +478,7 @@ class Engine:
 
     def _scheduler_stats(self) -> dict:
         """The scheduler's counters, including those of schedulers replaced by relayout."""
-        s = self.chunks.stats()
-        old = self._retired_stats
-        if old is None:
-            return s
-        out = {}
-        for k, v in s.items():
-            if k.startswith("peak_"):
-                out[k] = max(v, old[k])
-            elif k.startswith(("resident_", "held_", "budget_")):
-                out[k] = v
-            else:
-                out[k] = v + old[k]
-        return out
+        return _merge_stats(self.chunks.stats(), self._retired_stats)
 
     # ----------------------------------------------------------- optimizer
     def _grad_norm(self, pending) -> tuple[float, bool]:
@@ -649,6 +643,21 @@ class Engine:
             "loss_scale": self.scaler.scale,
             "scheduler": s,
         }
+
+
+def _merge_stats(now: dict, retired: "dict | None") -> dict:
+    """A live scheduler's counters plus a replaced one's (peaks: the larger)."""
+    if retired is None:
+        return now
+    out = {}
+    for k, v in now.items():
+        if k.startswith("peak_"):
+            out[k] = max(v, retired[k])
+        elif k.startswith(("resident_", "held_", "budget_")):
+            out[k] = v
+        else:
+            out[k] = v + retired[k]
+    return out
 
 
 def initialize(model: torch.nn.Module, config=None) -> Engine:

@@ -35,6 +35,10 @@ def uncounted():
         _C.chunks.set_host_allocation_counting(was)
 
 
+class RelayoutError(RuntimeError):
+    """The first-use relayout failed; the old layout is intact."""
+
+
 class ParamRecord:
     """One parameter in chunks."""
 
@@ -106,7 +110,7 @@ class ParamStore:
             policy=config.eviction_policy, pin_host_memory=config.pin_memory,
             compute_stream=stream, torch_device=str(self.torch_device))
 
-    def relayout(self, order: "list[ParamRecord]") -> None:
+    def relayout(self, order: "list[ParamRecord]") -> dict:
         """Moves every parameter into new chunks, registered in `order`.
 
         Note [Chunks in first-use order]: registration decides which tensors
@@ -118,27 +122,54 @@ class ParamStore:
         slot is released FREE as soon as it is copied, so an old chunk's memory
         goes when its last tensor has moved and at most the chunks in flight
         exist twice. The new scheduler has no trace yet: the next step records
-        one. Call only between steps (no slot in use).
+        one. Call only between steps (no slot in use). Returns the replaced
+        scheduler's final counters. Raises RelayoutError with every record
+        back in the old chunks when a copy fails (e.g. the host budget).
         """
         assert sorted(id(r) for r in order) == sorted(id(r) for r in self.records), \
             "relayout: the order must hold every record once"
         old, new = self.chunks, self._new_chunks()
         ids = [new.register(f"{i}:{r.name}", r.numel) for i, r in enumerate(order)]
         new.take_warnings()  # said once, at the first registration
+
+        def kinds(r):
+            return ("param16", "param32", "momentum", "variance") if r.trainable else ("param16",)
+
+        def copy(src_chunks, src_id, dst_chunks, dst_id, r, kind, src_state):
+            src = src_chunks.access(src_id, kind, "host", [r.numel])
+            try:
+                dst = dst_chunks.access(dst_id, kind, "host", [r.numel])
+                try:
+                    dst.copy_(src)
+                finally:
+                    dst_chunks.release(dst_id, kind, "hold")
+            finally:
+                src_chunks.release(src_id, kind, src_state)
+
+        moved = 0
         with uncounted(), torch.no_grad():
-            for r, new_id in zip(order, ids):
-                kinds = ("param16", "param32", "momentum", "variance") if r.trainable \
-                    else ("param16",)
-                for kind in kinds:
-                    src = old.access(r.id, kind, "host", [r.numel])
-                    new.access(new_id, kind, "host", [r.numel]).copy_(src)
-                    new.release(new_id, kind, "hold")
-                    old.release(r.id, kind, "free")
+            try:
+                for r, new_id in zip(order, ids):
+                    # The whole record first, then its old slots go (FREE):
+                    # a failure leaves every record whole in one of the two.
+                    for kind in kinds(r):
+                        copy(old, r.id, new, new_id, r, kind, "hold")
+                    for kind in kinds(r):
+                        old.set_state(r.id, kind, "free")
+                    moved += 1
+            except BaseException as e:
+                # Put the moved records back (their old chunks re-materialize).
+                for r, new_id in list(zip(order, ids))[:moved]:
+                    for kind in kinds(r):
+                        copy(new, new_id, old, r.id, r, kind, "free")
+                raise RelayoutError(f"rebuilding the chunks in first-use order failed ({e}); "
+                                    f"the parameters stay in their chunks of before") from e
         for r, new_id in zip(order, ids):
             r.id = new_id
             r.chunk = new.placement(new_id)[0]
         self.records = list(order)
         self.chunks = new
+        return old.stats()
 
     @classmethod
     def owning(cls, params) -> "ParamStore | None":
