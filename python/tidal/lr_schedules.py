@@ -151,6 +151,14 @@ class Schedule:
         return f"{type(self).__name__}(last_batch_iteration={self.last_batch_iteration})"
 
 
+def _check_warmup(warmup_num_steps, warmup_type) -> None:
+    if isinstance(warmup_num_steps, bool) or not isinstance(warmup_num_steps, int) \
+            or warmup_num_steps <= 0:
+        raise ValueError(f"warmup_num_steps must be a positive integer, got {warmup_num_steps!r}")
+    if warmup_type not in ("log", "linear"):
+        raise ValueError(f"warmup_type must be 'log' or 'linear', got {warmup_type!r}")
+
+
 def _warmup_gamma(k: int, num_steps: int, kind: str) -> float:
     # DeepSpeed: inverse_log_warm_up * log(k + 1), or k / num_steps.
     if kind == "log":
@@ -172,11 +180,7 @@ class WarmupLR(Schedule):
     def __init__(self, warmup_min_lr: float = 0.0, warmup_max_lr: float = 0.001,
                  warmup_num_steps: int = 1000, warmup_type: str = "log",
                  last_batch_iteration: int = -1):
-        if isinstance(warmup_num_steps, bool) or not isinstance(warmup_num_steps, int) \
-                or warmup_num_steps <= 0:
-            raise ValueError(f"warmup_num_steps must be a positive integer, got {warmup_num_steps!r}")
-        if warmup_type not in ("log", "linear"):
-            raise ValueError(f"warmup_type must be 'log' or 'linear', got {warmup_type!r}")
+        _check_warmup(warmup_num_steps, warmup_type)
         super().__init__(last_batch_iteration)
         self.min_lr = float(warmup_min_lr)
         self.max_lr = float(warmup_max_lr)
@@ -229,11 +233,7 @@ class WarmupCosineLR(Schedule):
     def __init__(self, base_lr: float, total_num_steps: int, warmup_min_ratio: float = 0.0,
                  warmup_num_steps: int = 1000, cos_min_ratio: float = 0.0001,
                  warmup_type: str = "log", last_batch_iteration: int = -1):
-        if isinstance(warmup_num_steps, bool) or not isinstance(warmup_num_steps, int) \
-                or warmup_num_steps <= 0:
-            raise ValueError(f"warmup_num_steps must be a positive integer, got {warmup_num_steps!r}")
-        if warmup_type not in ("log", "linear"):
-            raise ValueError(f"warmup_type must be 'log' or 'linear', got {warmup_type!r}")
+        _check_warmup(warmup_num_steps, warmup_type)
         super().__init__(last_batch_iteration)
         self.base_lr = float(base_lr)
         self.total_num_steps = int(total_num_steps)

@@ -5,7 +5,6 @@ resumption, the plain PyTorch model for state dicts, the Hugging Face model
 itself for its weights.
 """
 import copy
-import os
 import subprocess
 import sys
 import textwrap
@@ -18,7 +17,9 @@ import tidal
 from tidal.engine.checkpoint import CheckpointError
 from tidal.models.gpt import TinyGPT
 
-ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(Path(__file__).parent))
+from engine_helpers import Reversed, train_tidal as train  # noqa: E402
+from engine_helpers import gpt_batches as batches  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
@@ -31,22 +32,6 @@ def config(**top):
            "tidal": {"chunk_size": 16384, "device_memory_budget": "600KiB", "device_margin": 1024}}
     cfg.update(top)
     return cfg
-
-
-def batches(n, vocab=96, seq=8, batch=2, seed=1):
-    g = torch.Generator().manual_seed(seed)
-    return [(torch.randint(0, vocab, (batch, seq), generator=g),
-             torch.randint(0, vocab, (batch, seq), generator=g)) for _ in range(n)]
-
-
-def train(engine, data):
-    out = []
-    for x, y in data:
-        loss = engine(x, y)
-        engine.backward(loss)
-        engine.step()
-        out.append(loss.item())
-    return out
 
 
 def engine_for(seed=0, **cfg):
@@ -208,7 +193,7 @@ def test_state_dict_loads_into_the_plain_model_and_back():
 
 
 def test_hugging_face_gpt2_trains_and_loads_save_pretrained_weights(tmp_path):
-    transformers = pytest.importorskip("transformers")
+    import transformers  # installed by scripts/setup.sh
     cfg = transformers.GPT2Config(n_layer=2, n_embd=64, n_head=4, n_positions=32, vocab_size=128,
                                   resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
     torch.manual_seed(0)
@@ -252,27 +237,14 @@ def test_hugging_face_gpt2_trains_and_loads_save_pretrained_weights(tmp_path):
                                    rtol=0, atol=0)
 
 
-class Reversed(torch.nn.Module):
-    """Used in the reverse of module order: the engine rebuilds its chunks."""
-
-    def __init__(self, width=32, depth=6):
-        super().__init__()
-        self.layers = torch.nn.ModuleList(torch.nn.Linear(width, width) for _ in range(depth))
-
-    def forward(self, x, y):
-        for layer in reversed(self.layers):
-            x = torch.tanh(layer(x))
-        return torch.nn.functional.mse_loss(x, y)
-
-
 def test_a_checkpoint_saved_after_the_relayout_resumes_in_a_fresh_engine(tmp_path):
     g = torch.Generator().manual_seed(2)
     data = [(torch.randn(4, 32, generator=g), torch.randn(4, 32, generator=g)) for _ in range(6)]
 
     def make(seed):
         torch.manual_seed(seed)
-        return tidal.initialize(Reversed(), config(tidal={"chunk_size": 16384, "device_memory_budget":
-                                                          "64KiB", "device_margin": 1024}))
+        budget = {"chunk_size": 16384, "device_memory_budget": "64KiB", "device_margin": 1024}
+        return tidal.initialize(Reversed(depth=6), config(tidal=budget))
 
     straight = make(0)
     expected = train(straight, data)

@@ -17,6 +17,7 @@ import torch
 import tidal
 
 sys.path.insert(0, str(Path(__file__).parent))
+from engine_helpers import Reversed, gpt_batches, train_tidal  # noqa: E402
 from tidal.models.gpt import TinyGPT, TinyResNet  # noqa: E402
 
 LR = 2e-3
@@ -35,12 +36,6 @@ def config(budget="600KiB", chunk=16384, **tidal_keys):
             "tidal": t}
 
 
-def gpt_batches(n, vocab=96, seq=8, batch=2, seed=1):
-    g = torch.Generator().manual_seed(seed)
-    return [(torch.randint(0, vocab, (batch, seq), generator=g),
-             torch.randint(0, vocab, (batch, seq), generator=g)) for _ in range(n)]
-
-
 def train_reference(model, batches, clip=0.0, accumulation=1):
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=LR,
                             weight_decay=0.01)
@@ -54,16 +49,6 @@ def train_reference(model, batches, clip=0.0, accumulation=1):
                 torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
             opt.step()
             opt.zero_grad()
-    return losses
-
-
-def train_tidal(engine, batches):
-    losses = []
-    for x, y in batches:
-        loss = engine(x, y)
-        engine.backward(loss)
-        engine.step()
-        losses.append(loss.item())
     return losses
 
 
@@ -276,20 +261,6 @@ def test_init_context_builds_into_chunks_and_trains():
     batches = gpt_batches(5)
     ref_losses = train_reference(ref, batches)
     assert_close(engine, ref, ref_losses, train_tidal(engine, batches))
-
-
-class Reversed(torch.nn.Module):
-    """Layers built in one order and used in the other: module order is the
-    worst guess of the first-use order."""
-
-    def __init__(self, width=32, depth=8):
-        super().__init__()
-        self.layers = torch.nn.ModuleList(torch.nn.Linear(width, width) for _ in range(depth))
-
-    def forward(self, x, y):
-        for layer in reversed(self.layers):
-            x = torch.tanh(layer(x))
-        return torch.nn.functional.mse_loss(x, y)
 
 
 def test_chunks_are_rebuilt_in_first_use_order_after_the_warm_up():

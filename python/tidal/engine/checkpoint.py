@@ -37,33 +37,17 @@ import zlib
 
 import torch
 
-from .store import uncounted
+from .store import SLOT_KINDS, slot_kinds, uncounted
 
 FORMAT = "tidal-checkpoint-1"
 _STATES, _META, _EXTRA, _LATEST = "states.bin", "meta.json", "extra.pt", "latest"
-_KINDS = ("param16", "param32", "momentum", "variance")
-
-
 class CheckpointError(ValueError):
     """A checkpoint that cannot be loaded into this engine; the message says why."""
 
 
-def _kinds(record):
-    return _KINDS if record.trainable else ("param16",)
-
-
-def _unique(records):
-    seen, out = set(), []
-    for r in records:
-        if id(r) not in seen:
-            seen.add(id(r))
-            out.append(r)
-    return out
-
-
 def _fingerprint(engine) -> list:
     # Sorted: the chunk order (first-use relayout) is not part of the model.
-    return sorted([r.name, list(r.shape), bool(r.trainable)] for r in _unique(engine.records))
+    return sorted([r.name, list(r.shape), bool(r.trainable)] for r in engine.records)
 
 
 def _bytes_of(view: torch.Tensor) -> memoryview:
@@ -120,8 +104,8 @@ def save_checkpoint(engine, save_dir, tag=None, client_state=None, save_latest=T
         chunks = engine.chunks
         offset = 0
         with open(tmp / _STATES, "wb") as f, torch.no_grad(), uncounted():
-            for r in _unique(engine.records):
-                for kind in _kinds(r):
+            for r in engine.records:
+                for kind in slot_kinds(r):
                     view = chunks.access(r.id, kind, "host", [r.numel])
                     try:
                         data = _bytes_of(view)
@@ -141,7 +125,7 @@ def save_checkpoint(engine, save_dir, tag=None, client_state=None, save_latest=T
             "model": _fingerprint(engine),
             "states_bytes": offset,
             "slots": entries,
-            "steps": {r.name: r.step for r in _unique(engine.records)},
+            "steps": {r.name: r.step for r in engine.records},
             "engine": {"global_steps": engine.global_steps, "micro_steps": engine.micro_steps,
                        "skipped_steps": engine.skipped_steps, "lr": engine.lr},
             "loss_scaler": engine.scaler.state_dict(),
@@ -240,8 +224,8 @@ def load_checkpoint(engine, load_dir, tag=None, load_optimizer_states=True,
     except Exception as e:  # noqa: BLE001 -- any unpickling failure is a corrupt file
         raise CheckpointError(f"load_checkpoint: {path / _EXTRA} is unreadable or corrupt: {e}") from None
 
-    by_name = {r.name: r for r in _unique(engine.records)}
-    wanted = set(_KINDS) if load_optimizer_states else {"param16", "param32"}
+    by_name = {r.name: r for r in engine.records}
+    wanted = set(SLOT_KINDS) if load_optimizer_states else {"param16", "param32"}
     chunks = engine.chunks
     with open(states, "rb") as f, torch.no_grad(), uncounted():
         for e in meta["slots"]:
@@ -276,8 +260,7 @@ def load_checkpoint(engine, load_dir, tag=None, load_optimizer_states=True,
     engine.lr = float(eng["lr"])
     if load_lr_scheduler_states and engine.lr_scheduler is not None and meta["lr_scheduler"]:
         engine.lr_scheduler.load_state_dict(meta["lr_scheduler"])
-        engine.lr = engine.lr_scheduler.get_lr()
-        engine.betas = engine.lr_scheduler.get_betas() or engine.config.betas
+        engine.apply_lr_schedule()
     buffers = dict(engine.module.named_buffers())
     with torch.no_grad():
         for k, v in extra["buffers"].items():

@@ -111,8 +111,8 @@ class Engine:
         # DeepSpeed's LR schedules; stepped after each optimizer step that
         # was not skipped by an fp16 overflow.
         self.lr_scheduler = build_scheduler(cfg)
-        self.lr = self.lr_scheduler.get_lr() if self.lr_scheduler else cfg.lr
-        self.betas = (self.lr_scheduler.get_betas() if self.lr_scheduler else None) or cfg.betas
+        self.lr, self.betas = cfg.lr, cfg.betas
+        self.apply_lr_schedule()
         self.global_steps = 0
         self.micro_steps = 0
         self.skipped_steps = 0
@@ -136,8 +136,9 @@ class Engine:
         self._baseline = 0 if self._cuda else _C.chunks.host_allocation_counts()["live_bytes"]
         self._trace: list[int] | None = None   # interval peaks of the adopted trace
         self._recording: list[int] = []
-        # (point, hook, chunk bytes held, non-chunk peak of the interval ending
-        # there, device budget) per trace point of the last completed step.
+        # (point, kind, module or record, chunk bytes held, non-chunk peak of
+        # the interval ending there) per trace point of the last completed
+        # step; memory_timeline() names them.
         self._timeline: list[tuple] = []
         self._timeline_recording: list[tuple] = []
         self._point = 0
@@ -146,7 +147,7 @@ class Engine:
         self._budget_overruns = 0
         self._stats_at_step = self.chunks.stats()
         self._retired_stats: dict | None = None  # counters of a scheduler replaced by relayout
-        self._first_use: dict[int, object] = {}  # id(record) -> record, in first-use order
+        self._first_use: dict = {}  # records as keys, in first-use order
         self._relayout_done = False
         self.relayouts = 0
         self._bytes_per_step: list[tuple[int, int]] = []
@@ -201,7 +202,7 @@ class Engine:
         else:
             _C.chunks.reset_host_allocation_peak()
 
-    def _trace_point(self, hook: str):
+    def _trace_point(self, kind: str, what=None):
         live, peak = self._measure()
         self._reset_peak()
         held = self.chunks.held_bytes("device")
@@ -210,7 +211,7 @@ class Engine:
         self._recording.append(peak)  # the interval that ends here
         k = self._point
         self._point += 1
-        self._timeline_recording.append((k, hook, held, peak, self.store.device_budget))
+        self._timeline_recording.append((k, kind, what, held, peak))
         upcoming = live
         if self._trace is not None:
             upcoming = max(live, self._trace[k + 1] if k + 1 < len(self._trace) else max(self._trace))
@@ -282,7 +283,7 @@ class Engine:
             self._attached_by_ptr[r.param.data_ptr()] = r
         if not self._relayout_done:
             for r in records:
-                self._first_use.setdefault(id(r), r)
+                self._first_use.setdefault(r, None)
 
     def _detach(self, records, state):
         if not records:
@@ -294,7 +295,7 @@ class Engine:
                            "device")
 
     def _pre_forward(self, module, args):
-        self._trace_point(f"fwd {self._names[module]}")
+        self._trace_point("fwd", module)
         recs = self._module_records[module]
         need = [r for r in recs if not r.attached]
         for r in recs:
@@ -320,7 +321,7 @@ class Engine:
         return output
 
     def _pre_backward(self, module):
-        self._trace_point(f"bwd {self._names[module]}")
+        self._trace_point("bwd", module)
         self._attach_for_backward(self._module_records[module], module)
 
     def _attach_for_backward(self, records, module):
@@ -333,7 +334,7 @@ class Engine:
         g = param.grad
         if g is None:
             return
-        self._trace_point(f"grad {r.name}")
+        self._trace_point("grad", r)
         if self.config.gradient_accumulation_steps > 1:
             with uncounted(), torch.no_grad():
                 if r.acc is None:
@@ -414,7 +415,6 @@ class Engine:
 
     def step(self):
         """The optimizer step, at gradient accumulation boundaries (as DeepSpeed)."""
-        cfg_betas = self.config.betas
         if self.micro_steps == 0 or not self.is_gradient_accumulation_boundary():
             return
         pending = [r for r in self.records if r.has_grad]
@@ -433,8 +433,8 @@ class Engine:
                 clip = min(1.0, self.config.gradient_clipping / (norm + 1e-6))
             self._adam(pending, clip / scale)
             if self.lr_scheduler is not None:
-                self.lr = self.lr_scheduler.step()
-                self.betas = self.lr_scheduler.get_betas() or cfg_betas
+                self.lr_scheduler.step()
+                self.apply_lr_schedule()
         for r in pending:
             r.has_grad = False
             if r.acc is not None:
@@ -453,13 +453,17 @@ class Engine:
             self._relayout()
         return not overflow
 
+    def apply_lr_schedule(self):
+        """lr (and OneCycle's betas) for the next step from the LR scheduler's position."""
+        if self.lr_scheduler is not None:
+            self.lr = self.lr_scheduler.get_lr()
+            self.betas = self.lr_scheduler.get_betas() or self.config.betas
+
     def _relayout(self):
         """After the warm-up step: chunks in first-use order (Note [Chunks in first-use order])."""
         self._relayout_done = True
-        used = list(self._first_use.values())
-        self._first_use = {}
-        seen = {id(r) for r in used}
-        order = used + [r for r in self.store.records if id(r) not in seen]
+        used, self._first_use = self._first_use, {}
+        order = list(used) + [r for r in self.store.records if r not in used]
         if [r.id for r in order] == [r.id for r in self.store.records]:
             return  # registration order was already the first-use order
         try:
@@ -607,7 +611,17 @@ class Engine:
         """Device memory at every hook of the last completed step: tuples of
         (point, hook name, chunk bytes held, non-chunk peak since the previous
         point, device budget). Hook names start with fwd/bwd/grad/step."""
-        return list(self._timeline)
+        budget = self.store.device_budget
+        out = []
+        for k, kind, what, held, peak in self._timeline:
+            if what is None:
+                hook = kind
+            elif isinstance(what, torch.nn.Module):
+                hook = f"{kind} {self._names.get(what, type(what).__name__)}"
+            else:
+                hook = f"{kind} {what.name}"
+            out.append((k, hook, held, peak, budget))
+        return out
 
     def parameters_fp32(self) -> dict[str, torch.Tensor]:
         """Host copies of the fp32 master weights (16-bit values for frozen params), by name."""

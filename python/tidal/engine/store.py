@@ -35,6 +35,14 @@ def uncounted():
         _C.chunks.set_host_allocation_counting(was)
 
 
+SLOT_KINDS = ("param16", "param32", "momentum", "variance")
+
+
+def slot_kinds(record: "ParamRecord") -> tuple[str, ...]:
+    """The chunk lists holding a record: frozen parameters have a 16-bit slot only."""
+    return SLOT_KINDS if record.trainable else ("param16",)
+
+
 class RelayoutError(RuntimeError):
     """The first-use relayout failed; the old layout is intact."""
 
@@ -132,9 +140,6 @@ class ParamStore:
         ids = [new.register(f"{i}:{r.name}", r.numel) for i, r in enumerate(order)]
         new.take_warnings()  # said once, at the first registration
 
-        def kinds(r):
-            return ("param16", "param32", "momentum", "variance") if r.trainable else ("param16",)
-
         def copy(src_chunks, src_id, dst_chunks, dst_id, r, kind, src_state):
             src = src_chunks.access(src_id, kind, "host", [r.numel])
             try:
@@ -152,15 +157,15 @@ class ParamStore:
                 for r, new_id in zip(order, ids):
                     # The whole record first, then its old slots go (FREE):
                     # a failure leaves every record whole in one of the two.
-                    for kind in kinds(r):
+                    for kind in slot_kinds(r):
                         copy(old, r.id, new, new_id, r, kind, "hold")
-                    for kind in kinds(r):
+                    for kind in slot_kinds(r):
                         old.set_state(r.id, kind, "free")
                     moved += 1
             except BaseException as e:
                 # Put the moved records back (their old chunks re-materialize).
                 for r, new_id in list(zip(order, ids))[:moved]:
-                    for kind in kinds(r):
+                    for kind in slot_kinds(r):
                         copy(new, new_id, old, r.id, r, kind, "free")
                 raise RelayoutError(f"rebuilding the chunks in first-use order failed ({e}); "
                                     f"the parameters stay in their chunks of before") from e
