@@ -194,7 +194,35 @@ def _recompute(r: Dict, name: str) -> List[List[str]]:
     return rows
 
 
+def _dtr_batch(r: Dict, name: str) -> List[List[str]]:
+    rows = []
+    if "resnet50" in r:
+        w = r["resnet50"]
+        rows.append([
+            f"largest batch at a fixed memory ({w['fixed_memory_bytes'] / 2**20:.0f} MiB, the {w['memory_is']}), "
+            f"tidal.dtr, {w['model']} (CPU accounting; cap {w['batch_cap']})",
+            _machine(r),
+            f"{w['largest_batch_with_dtr']} with DTR",
+            f"{w['largest_batch_without_dtr']}, no DTR",
+            f"{w['ratio']:.2f}",
+            f"`{name}`",
+        ])
+    if "engine_gpt" in r:
+        w = r["engine_gpt"]
+        rows.append([
+            f"largest batch at a {w['device_budget_bytes'] / 2**20:.0f} MiB device budget, training engine with "
+            f"the config's tidal.dtr, {w['model']} (simulated device; cap {w['batch_cap']})",
+            _machine(r),
+            f"{w['largest_batch_with_dtr']} with DTR",
+            f"{w['largest_batch_without_dtr']}, engine without DTR",
+            f"{w['ratio']:.2f}",
+            f"`{name}`",
+        ])
+    return rows
+
+
 ROWS: Dict[str, Callable[[Dict, str], List[List[str]]]] = {
+    "dtr_batch": _dtr_batch,
     "cpu_adam": _cpu_adam,
     "device_bandwidth": _device_bandwidth,
     "chunk_bookkeeping": _chunk_bookkeeping,

@@ -270,6 +270,24 @@ Python thread drives a Chunks object.)doc");
     return d;
   });
   m.def("reset_host_allocation_peak", &hooks::reset_host_allocation_peak);
+  // Tensor.untyped_storage() makes a Python storage object, which PyTorch
+  // then keeps alive with the StorageImpl: one more owner per storage ever
+  // looked at, which breaks DTR's "no user reference" test (use_count() == 1).
+  m.def(
+      "storage_data_ptr",
+      [](const at::Tensor& t) -> std::uintptr_t {
+        if (!t.defined() || !t.has_storage()) return 0;
+        return reinterpret_cast<std::uintptr_t>(t.storage().data_ptr().get());
+      },
+      py::arg("tensor"),
+      "The address of a tensor's storage (0 without storage or data), without making a Python storage "
+      "object.");
+  m.def(
+      "storage_nbytes",
+      [](const at::Tensor& t) -> std::size_t {
+        return t.defined() && t.has_storage() ? t.storage().nbytes() : 0;
+      },
+      py::arg("tensor"), "The bytes of a tensor's storage (0 without storage), without a Python storage object.");
 }
 
 }  // namespace tidal::python

@@ -281,8 +281,10 @@ class Runtime {
     return true;
   }
 
-  // Evicted tensors that user code can still reach (for disable()).
-  std::vector<d::TensorId> evicted_alive() const {
+  // Evicted tensors a user can still reach (dead storages are swept first:
+  // no op may have run since their last reference went).
+  std::vector<d::TensorId> evicted_alive() {
+    sweep();
     std::vector<d::TensorId> out;
     for (const auto& [id, ptr] : storage_) {
       const auto& rec = core_.tensor(id);

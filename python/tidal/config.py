@@ -143,7 +143,8 @@ SCHEMA: dict[str, Any] = {
         "eviction_policy": (("opt", "lru"), "opt", "OPT over the trace, or LRU"),
         "hybrid_adam": (bool, True, "update chunks resident on the device there"),
         "cpu_adam_threads": (int, 0, "CPU Adam threads; 0 = all cores"),
-        "dtr": (dict, {}, "DTR options (tidal.dtr.from_config)"),
+        "dtr": (dict, {}, "DTR of activations under the engine (docs/dtr.md): enabled, "
+                          "eviction_threshold, evictee_minimum_size, enable_sqrt_sampling, scorer"),
         "recompute": (dict, {}, "tidal.recompute's own keys (tidal.recompute.from_config; "
                                 "docs/recompute.md)"),
     },
@@ -396,6 +397,9 @@ class Config:
         if c.cpu_adam_threads < 0:
             _fail("tidal.cpu_adam_threads", f"expected an integer >= 0, got {c.cpu_adam_threads}")
         c.dtr = t["dtr"]
+        if c.dtr:
+            from tidal.dtr import validate_config as validate_dtr
+            validate_dtr(c.dtr)
         c.recompute = t["recompute"]
         c.activation_checkpointing_given = "activation_checkpointing" in config or bool(c.recompute)
         if c.activation_checkpointing_given:

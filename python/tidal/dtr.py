@@ -29,6 +29,7 @@ Options (module attributes; assigning a bad value raises ValueError/TypeError):
 from __future__ import annotations
 
 import contextlib
+import difflib
 import sys
 import time
 import types
@@ -110,8 +111,65 @@ class _Scratch:
         self.t = t
 
 
+class _ParamRef:
+    """Stands for a view of a chunk-managed parameter in a recorded recipe
+    (Note [DTR with chunk-managed parameters])."""
+
+    __slots__ = ("provider", "record", "size", "stride", "offset", "epoch")
+
+    def __init__(self, provider, record, t: torch.Tensor):
+        self.provider, self.record = provider, record
+        self.size, self.stride, self.offset = tuple(t.size()), tuple(t.stride()), t.storage_offset()
+        self.epoch = provider.weights_epoch
+
+
+# Note [DTR with chunk-managed parameters]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# Under the training engine a parameter's data is a view of its chunk slot
+# only while its module runs, and the slot moves between host and device.
+# A recipe must not keep such a view (its address goes stale), and DTR must
+# not record a view of a slot as an activation of its own (evicting it would
+# empty the slot). Each engine registers itself as a parameter provider:
+#   * alias(t) -> the parameter record whose attached slot `t` views, or None;
+#   * view(record, size, stride, offset) -> that view now, attaching the
+#     parameter (bringing its chunk to the device) if needed;
+#   * end_replay_step() -> detaches what view() attached;
+#   * weights_epoch: bumped whenever the weights change (optimizer step,
+#     loaded checkpoints); a replay from an older epoch is an internal error
+#     (the engine restarts the DTR session at every step, which brings back
+#     every evicted tensor first, so it is not reached).
+# Inputs that alias a parameter are templated as _ParamRef instead of
+# slots: they are not recipe inputs for the core (parameters are never
+# evicted), and replays rebuild them through the provider. Outputs that
+# alias a parameter (views such as weight.t()) are not recorded.
+_providers: "List[Any]" = []
+
+
+def register_param_provider(provider) -> None:
+    """Called by the training engine (Note [DTR with chunk-managed parameters])."""
+    if provider not in _providers:
+        _providers.append(provider)
+
+
+def unregister_param_provider(provider) -> None:
+    if provider in _providers:
+        _providers.remove(provider)
+
+
+def _param_alias(t: torch.Tensor):
+    for p in _providers:
+        r = p.alias(t)
+        if r is not None:
+            return p, r
+    return None
+
+
 def _template(x: Any, inputs: List[torch.Tensor]) -> Any:
     if isinstance(x, torch.Tensor):
+        if _providers:
+            hit = _param_alias(x)
+            if hit is not None:
+                return _ParamRef(hit[0], hit[1], x)
         inputs.append(x)
         return _Slot(len(inputs) - 1)
     if isinstance(x, (list, tuple)) and x:
@@ -125,6 +183,13 @@ def _fill(x: Any, tensors: List[torch.Tensor]) -> Any:
         return tensors[x.i]
     if isinstance(x, _Scratch):
         return x.t.clone()
+    if isinstance(x, _ParamRef):
+        p = x.provider
+        if x.epoch != p.weights_epoch:
+            raise _C.InternalError(
+                f"tidal.dtr: a recipe read parameter '{x.record.name}' before the weights changed "
+                f"(epoch {x.epoch}, now {p.weights_epoch}); replaying it would compute a different value")
+        return p.view(x.record, x.size, x.stride, x.offset)
     if isinstance(x, (list, tuple)) and x:
         out = [_fill(y, tensors) for y in x]
         return out if isinstance(x, list) else tuple(out)
@@ -252,6 +317,8 @@ class _DtrMode(TorchDispatchMode):
             seconds = time.perf_counter() - t0
             recipe = (func, targs, tkw, rng)
             outs = _flat_outputs(out)
+            if _providers and outs:
+                outs = [o for o in outs if _param_alias(o) is None]  # views of parameters
             if outs:
                 # Fresh outputs of an op that updates its arguments are not replayed
                 # (the update would be applied twice), except batch norm's (scratch).
@@ -301,6 +368,8 @@ class _DtrMode(TorchDispatchMode):
                 finally:
                     if old is not None:
                         _rng_set(old)
+                    for p in _providers:
+                        p.end_replay_step()
                 seconds = time.perf_counter() - t0
                 del a, k, tensors  # inputs no later step needs can be dropped at once
                 rt.replayed(op, chained, _flat_outputs(out), seconds)
@@ -353,25 +422,52 @@ def configure(eviction_threshold: Optional[ByteSize] = None, evictee_minimum_siz
 _CONFIG_KEYS = ("enabled", "eviction_threshold", "evictee_minimum_size", "enable_sqrt_sampling", "scorer")
 
 
+def validate_config(block: Dict[str, Any]) -> Dict[str, Any]:
+    """Checks a config file's ``tidal.dtr`` block without applying it; returns
+    the options it sets (``enabled`` excluded, values parsed). A key DTR does
+    not know is an error, never silently ignored.
+
+    Raises:
+        tidal.ConfigError: an unknown key (with the nearest valid one), a bad
+            byte size, scorer or flag, each naming the key and the value.
+    """
+    from tidal.config import ConfigError
+    if not isinstance(block, dict):
+        raise ConfigError(f"config key 'tidal.dtr': expected an object, got {type(block).__name__} {block!r}")
+    for key in block:
+        if key not in _CONFIG_KEYS:
+            near = difflib.get_close_matches(str(key), list(_CONFIG_KEYS), n=1, cutoff=0.5)
+            hint = f"; did you mean '{near[0]}'?" if near else ""
+            raise ConfigError(f"unknown config key 'tidal.dtr.{key}'{hint} (valid keys: {', '.join(_CONFIG_KEYS)})")
+    on = block.get("enabled", True)
+    if not isinstance(on, bool):
+        raise ConfigError(f"config key 'tidal.dtr.enabled': expected true or false, got {on!r}")
+    out: Dict[str, Any] = {}
+    try:
+        for key in ("eviction_threshold", "evictee_minimum_size"):
+            if key in block:
+                out[key] = _check_bytes(key, block[key])
+        if "enable_sqrt_sampling" in block:
+            if not isinstance(block["enable_sqrt_sampling"], bool):
+                raise TypeError(f"tidal.dtr.enable_sqrt_sampling takes a bool, got {block['enable_sqrt_sampling']!r}")
+            out["enable_sqrt_sampling"] = block["enable_sqrt_sampling"]
+        if "scorer" in block:
+            out["scorer"] = _check_scorer(block["scorer"])
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"config key {e}") from None
+    return out
+
+
 def from_config(block: Dict[str, Any]) -> None:
     """Applies a config file's ``tidal.dtr`` block, e.g.
-    ``{"enabled": true, "eviction_threshold": "5GB"}``. A key DTR does not know is
-    an error, never silently ignored.
+    ``{"enabled": true, "eviction_threshold": "5GB"}`` (checked first by
+    ``validate_config``; nothing is applied when a key is bad).
 
     Args:
         block: the mapping under ``tidal`` -> ``dtr``.
     """
-    if not isinstance(block, dict):
-        raise TypeError(f"the tidal.dtr config block must be a mapping, got {type(block).__name__}")
-    unknown = sorted(set(block) - set(_CONFIG_KEYS))
-    if unknown:
-        raise ValueError(f"unknown key(s) {unknown} in the tidal.dtr config block; "
-                         f"expected some of {list(_CONFIG_KEYS)}")
-    options = {k: v for k, v in block.items() if k != "enabled"}
-    on = block.get("enabled", True)
-    if not isinstance(on, bool):
-        raise TypeError(f"tidal.dtr.enabled in the config must be true or false, got {on!r}")
-    if on:
+    options = validate_config(block)
+    if block.get("enabled", True):
         enable(**options)
     else:
         configure(**options)
@@ -450,6 +546,23 @@ def enabled(**options) -> Iterator[None]:
         _options.update(saved)
         if was_on and not is_enabled():
             enable()
+
+
+def _set_eviction_threshold(nbytes: int) -> None:
+    """The training engine's arbiter sets the live threshold (not the option)."""
+    if _runtime is not None:
+        _runtime.set_eviction_threshold(max(0, int(nbytes)))
+
+
+def _suspend() -> Dict[str, Any]:
+    """Ends the session (every evicted tensor still reachable comes back, all
+    records are forgotten) and returns its counters; ``enable()`` starts the
+    next one with the same options. The training engine does this around
+    every change of the weights (Note [DTR with chunk-managed parameters])."""
+    if _mode is None:
+        return {}
+    disable()
+    return dict(_last_stats)
 
 
 def _force_off() -> None:

@@ -59,6 +59,7 @@ from torch.utils._pytree import tree_map
 
 from tidal import dtr as _dtr
 from tidal.device import device_info, parse_bytes
+from tidal import _C
 from tidal._C import HostBuffer
 
 __all__ = [
@@ -376,10 +377,10 @@ def _chain_value(out: Any) -> Any:
 
 
 def _storage_nbytes(t: torch.Tensor) -> int:
-    try:
-        return t.untyped_storage().nbytes()
-    except (RuntimeError, NotImplementedError):
+    # Not t.untyped_storage(): see storage_data_ptr in python/csrc/chunk_bindings.cpp.
+    if t.layout != torch.strided:
         return t.numel() * t.element_size()
+    return _C.chunks.storage_nbytes(t)
 
 
 class _Run:
@@ -743,7 +744,7 @@ class Recompute:
             run = _Run(self, seg)
             if measuring:
                 run.measure = []
-                run.param_ptrs = frozenset(t.untyped_storage().data_ptr()
+                run.param_ptrs = frozenset(_C.chunks.storage_data_ptr(t)
                                            for t in list(module.parameters()) + list(module.buffers()))
             run.begin(args, kwargs)
             self._trace("forward_begin", run)
@@ -789,7 +790,7 @@ class Recompute:
             self._measuring = {"act": [0] * len(blocks), "inp": [0] * len(blocks), "seen": [False] * len(blocks)}
         m = self._measuring
         i = next(k for k, b in enumerate(blocks) if b is module)
-        sizes = {t.untyped_storage().data_ptr(): _storage_nbytes(t) for t in run.measure or ()}
+        sizes = {_C.chunks.storage_data_ptr(t): _storage_nbytes(t) for t in run.measure or ()}
         m["act"][i] = sum(n for ptr, n in sizes.items() if ptr not in run.param_ptrs)
         run.measure = None
         ck = run.ckpt if run.ckpt is not None else run.d2h_src

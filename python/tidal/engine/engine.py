@@ -32,10 +32,12 @@ import warnings
 import torch
 
 from .. import _C
+from .. import dtr as _dtr
 from ..config import Config
 from ..lr_schedules import build_scheduler
 from . import checkpoint as _checkpoint
 from . import hooks as _hooks
+from .dtr_link import DtrLink, paused
 from .loss_scaler import DynamicLossScaler, StaticLossScaler
 from .store import ParamStore, RelayoutError, uncounted
 
@@ -155,6 +157,9 @@ class Engine:
         self._adam_device_chunks = 0
         self._adam_host_chunks = 0
         self._reset_peak()
+        # DTR of activations (Note [DTR under the training engine]).
+        self.dtr = DtrLink(self, cfg.dtr)
+        self.dtr.rebalance()
 
     # ------------------------------------------------------------------ setup
     def _check_budget(self):
@@ -223,6 +228,7 @@ class Engine:
                 # Chunks in use (COMPUTE) hold more than that; the budget
                 # stays, and the next access still cannot exceed it.
                 self._budget_overruns += 1
+        self.dtr.rebalance()
 
     def _end_trace_step(self):
         self._trace_point("step")
@@ -252,19 +258,23 @@ class Engine:
             hooks, self._saved_hooks = self._saved_hooks, None
             hooks.__exit__(None, None, None)
 
-    def _attach(self, records, module):
+    def _attach(self, records, module, replay=False):
         if not records:
             return
         params = [r.param for r in records]
         ids = [r.id for r in records]
         shapes = [r.shape for r in records]
+        if self.dtr.enabled_by_config:
+            self._make_chunk_room(records)
         try:
-            self.chunks.attach(params, ids, shapes, "param16", "device")
+            with paused():
+                self.chunks.attach(params, ids, shapes, "param16", "device")
         except OutOfMemoryError as e:
             if self._cuda:
                 torch.cuda.empty_cache()
                 try:
-                    self.chunks.attach(params, ids, shapes, "param16", "device")
+                    with paused():
+                        self.chunks.attach(params, ids, shapes, "param16", "device")
                 except OutOfMemoryError as e2:
                     e = e2
                 else:
@@ -281,9 +291,21 @@ class Engine:
         for r in records:
             r.attached = True
             self._attached_by_ptr[r.param.data_ptr()] = r
-        if not self._relayout_done:
+        if not self._relayout_done and not replay:
             for r in records:
                 self._first_use.setdefault(r, None)
+        self.dtr.rebalance()
+
+    def _make_chunk_room(self, records):
+        """With DTR managing activations, the chunk budget is raised to what the
+        parameters in use plus `records` need (activations give way; Note [DTR
+        under the training engine]). Never above the budget less the margin."""
+        chunks = {r.chunk for r in self._attached_by_ptr.values()}
+        chunks.update(r.chunk for r in records)
+        need = sum(self.chunks.chunk_capacity_bytes(c, "param16") for c in chunks)
+        need = min(need, self.store.device_budget - self.store.margin)
+        if need > self.chunks.budget("device"):
+            self.chunks.set_budget("device", need)
 
     def _detach(self, records, state):
         if not records:
@@ -291,8 +313,10 @@ class Engine:
         for r in records:
             self._attached_by_ptr.pop(r.param.data_ptr(), None)
             r.attached = False
-        self.chunks.detach([r.param for r in records], [r.id for r in records], "param16", state,
-                           "device")
+        with paused():
+            self.chunks.detach([r.param for r in records], [r.id for r in records], "param16", state,
+                               "device")
+        self.dtr.rebalance()
 
     def _pre_forward(self, module, args):
         self._trace_point("fwd", module)
@@ -336,7 +360,9 @@ class Engine:
             return
         self._trace_point("grad", r)
         if self.config.gradient_accumulation_steps > 1:
-            with uncounted(), torch.no_grad():
+            if _dtr.is_enabled():
+                torch.ops.aten.alias.default(g)  # an evicted gradient comes back through DTR
+            with uncounted(), torch.no_grad(), paused():
                 if r.acc is None:
                     r.acc = torch.zeros(r.numel, dtype=torch.float32,
                                         pin_memory=self._cuda)
@@ -344,8 +370,10 @@ class Engine:
             if r.attached:
                 self._detach([r], "hold")
         else:
+            # Under DTR this op also brings an evicted gradient back; no op
+            # runs between it and the paused copy, so it stays resident.
             self._grad_norms.append(torch.linalg.vector_norm(g.detach(), dtype=torch.float32))
-            with torch.no_grad():
+            with torch.no_grad(), paused():
                 if r.attached:
                     r.param.data.copy_(g)
                     self._detach([r], "hold_after_bwd")
@@ -404,7 +432,8 @@ class Engine:
         """Drops pending gradients (those in 16-bit slots are restored from fp32)."""
         pending = [r for r in self.records if r.has_grad]
         if pending and self.config.gradient_accumulation_steps == 1:
-            self._restore_params(pending)
+            with paused():
+                self._restore_params(pending)
         for r in pending:
             r.has_grad = False
             if r.acc is not None:
@@ -417,6 +446,10 @@ class Engine:
         """The optimizer step, at gradient accumulation boundaries (as DeepSpeed)."""
         if self.micro_steps == 0 or not self.is_gradient_accumulation_boundary():
             return
+        with self.dtr.weights_change():
+            return self._step()
+
+    def _step(self):
         pending = [r for r in self.records if r.has_grad]
         norm, finite = self._grad_norm(pending)
         scale = self.scaler.scale
@@ -502,6 +535,17 @@ class Engine:
         total = float(torch.linalg.vector_norm(torch.stack(self._grad_norms)))
         return total / scale, math.isfinite(total)
 
+    def _weight_from_master(self, record) -> torch.Tensor:
+        """A temporary device tensor holding `record`'s 16-bit weight, made from
+        its fp32 master (while its 16-bit slot holds a gradient)."""
+        c = self.chunks
+        with torch.no_grad(), paused():
+            src = c.access(record.id, "param32", "host", [record.numel])
+            try:
+                return src.to(self.store.torch_device, self.dtype, copy=True)
+            finally:
+                c.release(record.id, "param32", "hold")
+
     def _restore_params(self, records):
         """Gradients overwrote the 16-bit params: copy them back from fp32."""
         c = self.chunks
@@ -522,7 +566,6 @@ class Engine:
         for r in pending:
             by_chunk[r.chunk].append(r)
         b1, b2 = self.betas
-        fp32_chunk = c.chunk_bytes("param32")
         t0 = time.perf_counter()
         with torch.no_grad(), uncounted():
             for chunk in sorted(by_chunk):
@@ -530,7 +573,10 @@ class Engine:
                 on_device = False
                 if cfg.hybrid_adam and c.chunk_space(chunk, "param16") == "device":
                     free = c.budget("device") - c.held_bytes("device")
-                    on_device = free >= 3 * fp32_chunk
+                    # The chunk's own capacity: a tensor larger than the chunk
+                    # size has a dedicated, larger chunk.
+                    need = sum(c.chunk_capacity_bytes(chunk, k) for k in ("param32", "momentum", "variance"))
+                    on_device = free >= need
                 space = "device" if on_device else "host"
                 if on_device:
                     self._adam_device_chunks += 1
@@ -585,26 +631,31 @@ class Engine:
     def save_checkpoint(self, save_dir, tag=None, client_state=None, save_latest=True):
         """Writes model, fp32 master, Adam state, loss scaler, LR scheduler, step
         and RNG state to <save_dir>/<tag>/ atomically (Note [Checkpoint format])."""
-        return _checkpoint.save_checkpoint(self, save_dir, tag, client_state, save_latest)
+        with paused():
+            return _checkpoint.save_checkpoint(self, save_dir, tag, client_state, save_latest)
 
     def load_checkpoint(self, load_dir, tag=None, load_optimizer_states=True,
                         load_lr_scheduler_states=True):
         """Restores a save_checkpoint(); tag None reads <load_dir>/latest.
         Returns (path, client_state), as DeepSpeed's."""
-        return _checkpoint.load_checkpoint(self, load_dir, tag, load_optimizer_states,
-                                           load_lr_scheduler_states)
+        with self.dtr.weights_change(), paused():
+            return _checkpoint.load_checkpoint(self, load_dir, tag, load_optimizer_states,
+                                               load_lr_scheduler_states)
 
     def state_dict(self) -> dict:
         """fp32 weights and buffers keyed like the model's own state_dict."""
-        return _checkpoint.state_dict(self)
+        with paused():
+            return _checkpoint.state_dict(self)
 
     def load_state_dict(self, state_dict, strict: bool = True):
         """Loads weights (fp32 master and 16-bit copy); Adam state is kept."""
-        return _checkpoint.load_state_dict(self, state_dict, strict)
+        with self.dtr.weights_change(), paused():
+            return _checkpoint.load_state_dict(self, state_dict, strict)
 
     def load_pretrained(self, path, strict: bool = True):
         """Loads Hugging Face save_pretrained weights, tensor by tensor."""
-        return _checkpoint.load_pretrained(self, path, strict)
+        with self.dtr.weights_change(), paused():
+            return _checkpoint.load_pretrained(self, path, strict)
 
     # -------------------------------------------------------------- reports
     def memory_timeline(self) -> list[tuple]:
@@ -625,7 +676,8 @@ class Engine:
 
     def parameters_fp32(self) -> dict[str, torch.Tensor]:
         """Host copies of the fp32 master weights (16-bit values for frozen params), by name."""
-        return {r.name: self.store.gather(r) for r in self.records}
+        with paused():
+            return {r.name: self.store.gather(r) for r in self.records}
 
     def memory_report(self) -> dict:
         s = self._scheduler_stats()
@@ -655,6 +707,7 @@ class Engine:
             "steps": self.global_steps,
             "skipped_steps": self.skipped_steps,
             "loss_scale": self.scaler.scale,
+            "dtr": self.dtr.report(),
             "scheduler": s,
         }
 

@@ -1,0 +1,154 @@
+"""The training engine's side of DTR: parameters for replays, and the arbiter.
+
+Note [DTR under the training engine]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+A config with ``"tidal": {"dtr": {"enabled": true, ...}}`` turns DTR on when
+the engine is built (tidal.dtr.from_config); DTR turned on by hand
+(tidal.dtr.enable()) is handled the same way, except for the threshold.
+
+Parameters: the engine is a parameter provider for tidal.dtr (Note [DTR with
+chunk-managed parameters] in tidal/dtr.py). A recipe that reads a parameter
+keeps (record, geometry); a replay attaches the parameter again (its chunk
+comes to the device through the scheduler, as for a module's use) and
+detaches it after the replayed op. After a parameter's gradient hook and
+before the step its 16-bit slot holds the gradient: a replay then reads a
+temporary copy of the fp32 master cast to 16 bits, which is the weight the
+slot held (CPU Adam writes the 16-bit weights from the master; the
+optimizer-step restart below brings back user-held tensors this way).
+
+Weights change: engine.step() (and loading weights) ends the DTR session
+first (every evicted tensor still reachable comes back, records are
+forgotten) and starts a new one afterwards, so no recipe spans a change of
+the weights; weights_epoch guards it.
+
+The arbiter (when the config enables DTR): activations and chunks share the
+device budget B less the margin M. Chunks give way first: at each hook the
+chunk budget is B - M - the non-chunk memory expected before the next hook
+(Note [The memory tracer]). DTR's eviction threshold is B - M - the bytes of
+chunks held on the device, set at every hook and after every attach and
+detach, and capped by the block's eviction_threshold when one is given. So
+DTR evicts activations only once the chunks left on the device are those
+the running modules use (or those the tracer made room for). This is
+"chunks before activations", not a per-eviction cost comparison: bringing a
+chunk back is a copy that prefetch overlaps with compute, while a recompute
+sits on the critical path.
+"""
+from __future__ import annotations
+
+import contextlib
+import weakref
+
+from .. import _C
+from .. import dtr as _dtr
+
+# Not t.untyped_storage(): see storage_data_ptr in python/csrc/chunk_bindings.cpp.
+_storage_data_ptr = _C.chunks.storage_data_ptr
+_COUNTERS = ("evictions", "recomputes", "recompute_seconds")
+_PEAKS = ("peak_tracked_bytes", "max_op_working_set")
+
+
+class DtrLink:
+    """Registered with tidal.dtr as a parameter provider for one engine."""
+
+    def __init__(self, engine, block: dict):
+        self._engine = weakref.ref(engine)
+        self.weights_epoch = 0
+        self._replay_attached: list = []
+        self.enabled_by_config = bool(block) and block.get("enabled", True)
+        self.cap = _dtr.validate_config(block).get("eviction_threshold", 0) if block else 0
+        self.replay_attaches = 0
+        self._ended = {k: 0 for k in _COUNTERS + _PEAKS}
+        _dtr.register_param_provider(self)
+        if self.enabled_by_config:
+            _dtr.from_config(block)  # "enabled": false leaves DTR as it is
+        weakref.finalize(engine, _dtr.unregister_param_provider, self)
+
+    # -------------------------------------------------- provider protocol
+    def alias(self, t):
+        e = self._engine()
+        if e is None or not e._attached_by_ptr:
+            return None
+        return e._attached_by_ptr.get(_storage_data_ptr(t))
+
+    def view(self, record, size, stride, offset):
+        e = self._engine()
+        if e is None:
+            raise _C.InternalError("tidal.dtr: a recipe reads a parameter of an engine that is gone")
+        if record.has_grad and e.config.gradient_accumulation_steps == 1:
+            # The 16-bit slot holds the gradient now; the weight it held is
+            # the fp32 master rounded to 16 bits (CPU Adam writes it so).
+            return e._weight_from_master(record).as_strided(size, stride, offset)
+        if not record.attached:
+            e._attach([record], None, replay=True)
+            self._replay_attached.append(record)
+            self.replay_attaches += 1
+        return record.param.data.as_strided(size, stride, offset)
+
+    def end_replay_step(self):
+        if not self._replay_attached:
+            return
+        e = self._engine()
+        done = [r for r in self._replay_attached if r.attached and r.refs == 0]
+        self._replay_attached.clear()
+        if e is not None:
+            e._detach(done, "hold")
+
+    # ------------------------------------------------------------ arbiter
+    def rebalance(self):
+        """DTR's threshold = device budget - margin - chunks held on the device."""
+        if not self.enabled_by_config or not _dtr.is_enabled():
+            return
+        e = self._engine()
+        store = e.store
+        limit = store.device_budget - store.margin - e.chunks.held_bytes("device")
+        if self.cap:
+            limit = min(limit, self.cap)
+        _dtr._set_eviction_threshold(max(limit, 1))  # 0 would mean "no threshold"
+
+    # ----------------------------------------------------- weights change
+    @contextlib.contextmanager
+    def weights_change(self):
+        """Ends the DTR session for a block that changes the weights (the
+        optimizer step, loading a checkpoint); the next session starts after."""
+        on = _dtr.is_enabled()
+        if on:
+            self._add(_dtr._suspend())
+        try:
+            yield
+        finally:
+            self.weights_epoch += 1
+            if on:
+                _dtr.enable()
+                self.rebalance()
+
+    def _add(self, s: dict):
+        for k in _COUNTERS:
+            self._ended[k] += s.get(k, 0)
+        for k in _PEAKS:
+            self._ended[k] = max(self._ended[k], s.get(k, 0))
+
+    def report(self) -> dict:
+        """DTR counters over every session this engine ran (sessions end at each step)."""
+        out = dict(self._ended)
+        if _dtr.is_enabled():
+            live = _dtr.stats()
+            for k in _COUNTERS:
+                out[k] += live.get(k, 0)
+            for k in _PEAKS:
+                out[k] = max(out[k], live.get(k, 0))
+        out["enabled"] = _dtr.is_enabled()
+        out["managed_threshold"] = self.enabled_by_config
+        out["replay_attaches"] = self.replay_attaches
+        return out
+
+
+@contextlib.contextmanager
+def paused():
+    """Engine-internal ops (slot copies, placeholders, the optimizer) run
+    outside DTR's dispatch mode: DTR neither records nor evicts them."""
+    if _dtr.is_enabled():
+        from torch.utils._python_dispatch import _disable_current_modes
+        with _disable_current_modes():
+            yield
+    else:
+        yield

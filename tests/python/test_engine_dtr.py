@@ -1,0 +1,174 @@
+"""DTR of activations under the training engine (simulated device).
+
+References are independent: plain PyTorch with torch.optim.AdamW (no tidal),
+or the engine without DTR, trained in the same process from the same seeds.
+"""
+import copy
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import tidal
+from tidal import dtr
+
+sys.path.insert(0, str(Path(__file__).parent))
+from engine_helpers import gpt_batches, train_tidal  # noqa: E402
+from test_engine import assert_close, config, train_reference  # noqa: E402
+from tidal.models.gpt import TinyGPT, TinyResNet  # noqa: E402
+
+BUDGET = 900 * 1024  # far below the no-DTR activations of the models below
+
+
+@pytest.fixture(autouse=True)
+def simulated_device():
+    tidal.set_device("sim", capacity="1GiB")
+    yield
+    dtr.disable()
+
+
+def dtr_config(budget=BUDGET, hybrid_adam=True, **dtr_keys):
+    cfg = config(budget=budget, hybrid_adam=hybrid_adam)
+    cfg["tidal"]["dtr"] = {"enabled": True, "evictee_minimum_size": 1024, **dtr_keys}
+    return cfg
+
+
+def test_gpt_with_dtr_matches_adamw_below_its_activation_memory():
+    torch.manual_seed(0)
+    ref = TinyGPT(d=64, seq=32)
+    model = copy.deepcopy(ref)
+    batches = gpt_batches(6, seq=32, batch=8)
+    ref_losses = train_reference(ref, batches)
+    engine = tidal.initialize(model, dtr_config())
+    assert dtr.is_enabled()
+    losses = train_tidal(engine, batches)
+    assert_close(engine, ref, ref_losses, losses)
+    report = engine.memory_report()
+    d = report["dtr"]
+    assert d["managed_threshold"] and d["evictions"] > 0 and d["recomputes"] > 0
+    # Replays read parameters that were not attached: the engine brought them back.
+    assert d["replay_attaches"] > 0
+    assert report["evictions"] > 0  # chunks moved too
+    # Without DTR the same budget cannot hold the activations next to a module's parameters.
+    dtr.disable()
+    torch.manual_seed(0)
+    plain = tidal.initialize(TinyGPT(d=64, seq=32), config(budget=BUDGET))
+    with pytest.raises(tidal.OutOfMemoryError, match="Non-chunk device memory"):
+        train_tidal(plain, batches[:1])
+
+
+def test_chunks_and_tracked_activations_stay_within_the_budget_after_every_op(monkeypatch):
+    torch.manual_seed(0)
+    engine = tidal.initialize(TinyGPT(d=64, seq=32), dtr_config())
+    limit = engine.store.device_budget - engine.store.margin
+    seen = []
+    original = dtr._DtrMode.__torch_dispatch__
+
+    def checked(self, func, types, args=(), kwargs=None):
+        out = original(self, func, types, args, kwargs)
+        s = self.rt.stats()
+        seen.append((engine.chunks.held_bytes("device"), s["tracked_bytes"], s["max_op_working_set"]))
+        return out
+
+    monkeypatch.setattr(dtr._DtrMode, "__torch_dispatch__", checked)
+    train_tidal(engine, gpt_batches(3, seq=32, batch=8))
+    assert len(seen) > 1000
+    worst = max(held + tracked - working for held, tracked, working in seen)
+    assert worst <= limit, f"chunks + tracked activations reached {worst} bytes, limit {limit}"
+    assert max(t for _, t, _ in seen) > limit / 4  # activations did use the room
+
+
+def test_dropout_replays_identically_under_the_engine():
+    batches = gpt_batches(4, seq=32, batch=8)
+
+    def run(cfg):
+        torch.manual_seed(0)
+        engine = tidal.initialize(TinyGPT(d=64, seq=32, dropout=0.2), cfg)
+        torch.manual_seed(123)
+        losses = train_tidal(engine, batches)
+        state = torch.get_rng_state()
+        weights = engine.parameters_fp32()
+        dtr.disable()
+        return losses, state, weights, engine
+
+    # Both on CPU Adam (device-side Adam rounds differently).
+    ref_losses, ref_state, ref_w, _ = run(config(budget="64MiB", hybrid_adam=False))
+    losses, state, w, engine = run(dtr_config(hybrid_adam=False))
+    assert engine.memory_report()["dtr"]["recomputes"] > 0
+    assert losses == ref_losses  # bitwise: replays reuse the dropout masks' RNG state
+    assert torch.equal(state, ref_state)
+    for name in ref_w:
+        assert torch.equal(w[name], ref_w[name]), name
+
+
+class _TwoOutputs(torch.nn.Module):
+    """Returns a large hidden state next to the loss, which the user keeps."""
+
+    def __init__(self, d=256, depth=4):
+        super().__init__()
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(d, d) for _ in range(depth))
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = torch.tanh(layer(x))
+        return x.square().mean(), x
+
+
+def test_a_tensor_the_user_keeps_across_the_step_keeps_its_values():
+    torch.manual_seed(0)
+    ref = _TwoOutputs()
+    x = torch.randn(256, 256)
+    _, expected = ref(x)  # plain PyTorch, the weights before the step
+    engine = tidal.initialize(copy.deepcopy(ref), dtr_config(budget="2MiB"))
+    loss, hidden = engine(x)
+    engine.backward(loss)
+    # Every gradient is in its 16-bit slot now; evict the kept tensor so the
+    # step's end of the DTR session must recompute it from the weights as
+    # they were (the fp32 masters), not from the slots.
+    rt = dtr._runtime
+    if rt.state_of(rt.lookup(hidden)) == "resident":
+        rt.evict_tensor(hidden)
+    assert rt.state_of(rt.lookup(hidden)) == "evicted"
+    engine.step()
+    assert torch.equal(hidden, expected.detach())
+    assert engine.global_steps == 1
+
+
+def test_resnet_with_batchnorm_and_dtr_matches_adamw():
+    torch.manual_seed(0)
+    ref = TinyResNet(width=16)
+    model = copy.deepcopy(ref)
+    g = torch.Generator().manual_seed(3)
+    batches = [(torch.randn(16, 3, 32, 32, generator=g), torch.randint(0, 10, (16,), generator=g))
+               for _ in range(4)]
+    ref_losses = train_reference(ref, batches)
+    engine = tidal.initialize(model, dtr_config(budget="1MiB"))
+    losses = train_tidal(engine, batches)
+    assert_close(engine, ref, ref_losses, losses)
+    assert engine.memory_report()["dtr"]["recomputes"] > 0
+    for name, b in ref.named_buffers():  # running stats updated once per step, not per replay
+        assert torch.allclose(dict(engine.module.named_buffers())[name], b, rtol=1e-5, atol=1e-6), name
+
+
+def test_bad_dtr_config_is_a_clear_error_before_anything_changes():
+    cfg = dtr_config(evict_threshold="1GB")
+    with pytest.raises(tidal.ConfigError, match=r"tidal\.dtr\.evict_threshold.*eviction_threshold"):
+        tidal.initialize(TinyGPT(), cfg)
+    cfg = dtr_config(eviction_threshold="5 gigs")
+    with pytest.raises(tidal.ConfigError, match="5 gigs"):
+        tidal.initialize(TinyGPT(), cfg)
+    assert not dtr.is_enabled()
+
+
+def test_explicit_threshold_caps_the_managed_one():
+    torch.manual_seed(0)
+    engine = tidal.initialize(TinyGPT(d=64, seq=32), dtr_config(budget="64MiB", eviction_threshold="300KiB"))
+    dtr.reset_peak()
+    x, y = gpt_batches(1, seq=32, batch=8)[0]
+    loss = engine(x, y)
+    s = dtr.stats()
+    assert s["evictions"] > 0
+    assert s["peak_tracked_bytes"] <= 300 * 1024 + s["max_op_working_set"]
+    engine.backward(loss)
+    engine.step()
