@@ -194,6 +194,11 @@ def _recompute(r: Dict, name: str) -> List[List[str]]:
     return rows
 
 
+def _at_least(w: Dict) -> str:
+    """The search stops at its cap: a batch there is a lower bound."""
+    return ">= " if w["largest_batch_with_dtr"] >= w["batch_cap"] else ""
+
+
 def _dtr_batch(r: Dict, name: str) -> List[List[str]]:
     rows = []
     if "resnet50" in r:
@@ -202,9 +207,9 @@ def _dtr_batch(r: Dict, name: str) -> List[List[str]]:
             f"largest batch at a fixed memory ({w['fixed_memory_bytes'] / 2**20:.0f} MiB, the {w['memory_is']}), "
             f"tidal.dtr, {w['model']} (CPU accounting; cap {w['batch_cap']})",
             _machine(r),
-            f"{w['largest_batch_with_dtr']} with DTR",
+            f"{_at_least(w)}{w['largest_batch_with_dtr']} with DTR",
             f"{w['largest_batch_without_dtr']}, no DTR",
-            f"{w['ratio']:.2f}",
+            f"{_at_least(w)}{w['ratio']:.2f}",
             f"`{name}`",
         ])
     if "engine_gpt" in r:
@@ -213,9 +218,9 @@ def _dtr_batch(r: Dict, name: str) -> List[List[str]]:
             f"largest batch at a {w['device_budget_bytes'] / 2**20:.0f} MiB device budget, training engine with "
             f"the config's tidal.dtr, {w['model']} (simulated device; cap {w['batch_cap']})",
             _machine(r),
-            f"{w['largest_batch_with_dtr']} with DTR",
+            f"{_at_least(w)}{w['largest_batch_with_dtr']} with DTR",
             f"{w['largest_batch_without_dtr']}, engine without DTR",
-            f"{w['ratio']:.2f}",
+            f"{_at_least(w)}{w['ratio']:.2f}",
             f"`{name}`",
         ])
     return rows
