@@ -392,6 +392,22 @@ _mode: Optional[_DtrMode] = None
 _last_stats: Dict[str, Any] = {}
 
 
+def _checked(**given) -> Dict[str, Any]:
+    """The given options (None: not given), checked and parsed; nothing applied."""
+    out: Dict[str, Any] = {}
+    for name in ("eviction_threshold", "evictee_minimum_size"):
+        if given.get(name) is not None:
+            out[name] = _check_bytes(name, given[name])
+    flag = given.get("enable_sqrt_sampling")
+    if flag is not None:
+        if not isinstance(flag, bool):
+            raise TypeError(f"tidal.dtr.enable_sqrt_sampling takes a bool, got {flag!r}")
+        out["enable_sqrt_sampling"] = flag
+    if given.get("scorer") is not None:
+        out["scorer"] = _check_scorer(given["scorer"])
+    return out
+
+
 def configure(eviction_threshold: Optional[ByteSize] = None, evictee_minimum_size: Optional[ByteSize] = None,
               enable_sqrt_sampling: Optional[bool] = None, scorer: Optional[str] = None) -> None:
     """Sets options (all checked before any is applied). The threshold applies at once
@@ -403,18 +419,8 @@ def configure(eviction_threshold: Optional[ByteSize] = None, evictee_minimum_siz
         enable_sqrt_sampling: score sqrt(n) sampled candidates.
         scorer: "dtr_eq", "local", "lru" or "size".
     """
-    new = dict(_options)
-    if eviction_threshold is not None:
-        new["eviction_threshold"] = _check_bytes("eviction_threshold", eviction_threshold)
-    if evictee_minimum_size is not None:
-        new["evictee_minimum_size"] = _check_bytes("evictee_minimum_size", evictee_minimum_size)
-    if enable_sqrt_sampling is not None:
-        if not isinstance(enable_sqrt_sampling, bool):
-            raise TypeError(f"tidal.dtr.enable_sqrt_sampling takes a bool, got {enable_sqrt_sampling!r}")
-        new["enable_sqrt_sampling"] = enable_sqrt_sampling
-    if scorer is not None:
-        new["scorer"] = _check_scorer(scorer)
-    _options.update(new)
+    _options.update(_checked(eviction_threshold=eviction_threshold, evictee_minimum_size=evictee_minimum_size,
+                             enable_sqrt_sampling=enable_sqrt_sampling, scorer=scorer))
     if _runtime is not None:
         _runtime.set_eviction_threshold(_options["eviction_threshold"])
 
@@ -442,20 +448,13 @@ def validate_config(block: Dict[str, Any]) -> Dict[str, Any]:
     on = block.get("enabled", True)
     if not isinstance(on, bool):
         raise ConfigError(f"config key 'tidal.dtr.enabled': expected true or false, got {on!r}")
-    out: Dict[str, Any] = {}
+    for key in ("eviction_threshold", "evictee_minimum_size", "enable_sqrt_sampling", "scorer"):
+        if key in block and block[key] is None:
+            raise ConfigError(f"config key 'tidal.dtr.{key}': expected a value, got null")
     try:
-        for key in ("eviction_threshold", "evictee_minimum_size"):
-            if key in block:
-                out[key] = _check_bytes(key, block[key])
-        if "enable_sqrt_sampling" in block:
-            if not isinstance(block["enable_sqrt_sampling"], bool):
-                raise TypeError(f"tidal.dtr.enable_sqrt_sampling takes a bool, got {block['enable_sqrt_sampling']!r}")
-            out["enable_sqrt_sampling"] = block["enable_sqrt_sampling"]
-        if "scorer" in block:
-            out["scorer"] = _check_scorer(block["scorer"])
+        return _checked(**{k: v for k, v in block.items() if k != "enabled"})
     except (TypeError, ValueError) as e:
         raise ConfigError(f"config key {e}") from None
-    return out
 
 
 def from_config(block: Dict[str, Any]) -> None:
@@ -563,6 +562,19 @@ def _suspend() -> Dict[str, Any]:
         return {}
     disable()
     return dict(_last_stats)
+
+
+@contextlib.contextmanager
+def outside() -> Iterator[None]:
+    """Runs the block outside DTR's dispatch mode (a no-op when DTR is off):
+    DTR neither records nor evicts what the block does. Used by tidal's own
+    bookkeeping (the engine's slot copies and optimizer, tidal.recompute's plan)."""
+    if _mode is not None:
+        from torch.utils._python_dispatch import _disable_current_modes
+        with _disable_current_modes():
+            yield
+    else:
+        yield
 
 
 def _force_off() -> None:

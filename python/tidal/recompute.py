@@ -345,18 +345,6 @@ def _dense(t: torch.Tensor) -> bool:
     return True
 
 
-@contextlib.contextmanager
-def _outside_dtr() -> Iterator[None]:
-    """Runs the block outside tidal.dtr's dispatch mode (a no-op when DTR is off):
-    what it makes belongs to the plan, never to DTR's records."""
-    if _dtr.is_enabled():
-        from torch.utils._python_dispatch import _disable_current_modes
-        with _disable_current_modes():
-            yield
-    else:
-        yield
-
-
 # ---------------------------------------------------------------------------
 # One forward execution of a segment.
 
@@ -440,7 +428,7 @@ class _Run:
             # evicted (nor counted); DTR manages everything else.
             if x.numel() and _storage_nbytes(x) == 0:
                 torch.ops.aten.alias.default(x)  # an evicted input comes back through DTR first
-            with torch.no_grad(), _outside_dtr():
+            with torch.no_grad(), _dtr.outside():
                 x = x.detach().clone()
         else:
             x = x.detach()  # shares the version counter: in-place updates of the input are caught
@@ -855,7 +843,7 @@ class Recompute:
             x.record_stream(stream)  # the allocator reuses x's memory only after the copy
             run.d2h = ev
         else:
-            with _outside_dtr():
+            with _dtr.outside():
                 host = _host_tensor(x.size(), x.stride() if _dense(x) else _contiguous_strides(x.size()), x.dtype)
             run.d2h = self._modelled_engine().copy(host, x, "d2h", run.id)
             run.d2h_src = x  # released by _drain() once the copy is done, as a GPU frees it
@@ -898,7 +886,7 @@ class Recompute:
                 ev._cuda = torch.cuda.Event()
                 ev._cuda.record(stream)
         else:
-            with _outside_dtr():
+            with _dtr.outside():
                 dst = torch.empty_strided(host.size(), host.stride(), dtype=host.dtype)
             ev = self._modelled_engine().copy(dst, host, "h2d", run.id)
         run.prefetched, run.h2d = dst, ev

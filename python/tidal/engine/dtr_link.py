@@ -41,8 +41,6 @@ import weakref
 from .. import _C
 from .. import dtr as _dtr
 
-# Not t.untyped_storage(): see storage_data_ptr in python/csrc/chunk_bindings.cpp.
-_storage_data_ptr = _C.chunks.storage_data_ptr
 _COUNTERS = ("evictions", "recomputes", "recompute_seconds")
 _PEAKS = ("peak_tracked_bytes", "max_op_working_set")
 
@@ -66,9 +64,7 @@ class DtrLink:
     # -------------------------------------------------- provider protocol
     def alias(self, t):
         e = self._engine()
-        if e is None or not e._attached_by_ptr:
-            return None
-        return e._attached_by_ptr.get(_storage_data_ptr(t))
+        return None if e is None else e.param_record_of(t)
 
     def view(self, record, size, stride, offset):
         e = self._engine()
@@ -141,14 +137,3 @@ class DtrLink:
         out["replay_attaches"] = self.replay_attaches
         return out
 
-
-@contextlib.contextmanager
-def paused():
-    """Engine-internal ops (slot copies, placeholders, the optimizer) run
-    outside DTR's dispatch mode: DTR neither records nor evicts them."""
-    if _dtr.is_enabled():
-        from torch.utils._python_dispatch import _disable_current_modes
-        with _disable_current_modes():
-            yield
-    else:
-        yield

@@ -37,7 +37,7 @@ from ..config import Config
 from ..lr_schedules import build_scheduler
 from . import checkpoint as _checkpoint
 from . import hooks as _hooks
-from .dtr_link import DtrLink, paused
+from .dtr_link import DtrLink
 from .loss_scaler import DynamicLossScaler, StaticLossScaler
 from .store import ParamStore, RelayoutError, uncounted
 
@@ -267,13 +267,13 @@ class Engine:
         if self.dtr.enabled_by_config:
             self._make_chunk_room(records)
         try:
-            with paused():
+            with _dtr.outside():
                 self.chunks.attach(params, ids, shapes, "param16", "device")
         except OutOfMemoryError as e:
             if self._cuda:
                 torch.cuda.empty_cache()
                 try:
-                    with paused():
+                    with _dtr.outside():
                         self.chunks.attach(params, ids, shapes, "param16", "device")
                 except OutOfMemoryError as e2:
                     e = e2
@@ -296,6 +296,15 @@ class Engine:
                 self._first_use.setdefault(r, None)
         self.dtr.rebalance()
 
+    def param_record_of(self, t):
+        """The record of the attached parameter whose slot `t` views, or None
+        (the saved-tensor pack hook and DTR's parameter provider ask this)."""
+        attached = self._attached_by_ptr
+        if not attached or not isinstance(t, torch.Tensor) or t.layout != torch.strided:
+            return None
+        # Not t.untyped_storage(): see storage_data_ptr in python/csrc/chunk_bindings.cpp.
+        return attached.get(_C.chunks.storage_data_ptr(t))
+
     def _make_chunk_room(self, records):
         """With DTR managing activations, the chunk budget is raised to what the
         parameters in use plus `records` need (activations give way; Note [DTR
@@ -313,7 +322,7 @@ class Engine:
         for r in records:
             self._attached_by_ptr.pop(r.param.data_ptr(), None)
             r.attached = False
-        with paused():
+        with _dtr.outside():
             self.chunks.detach([r.param for r in records], [r.id for r in records], "param16", state,
                                "device")
         self.dtr.rebalance()
@@ -362,7 +371,7 @@ class Engine:
         if self.config.gradient_accumulation_steps > 1:
             if _dtr.is_enabled():
                 torch.ops.aten.alias.default(g)  # an evicted gradient comes back through DTR
-            with uncounted(), torch.no_grad(), paused():
+            with uncounted(), torch.no_grad(), _dtr.outside():
                 if r.acc is None:
                     r.acc = torch.zeros(r.numel, dtype=torch.float32,
                                         pin_memory=self._cuda)
@@ -373,7 +382,7 @@ class Engine:
             # Under DTR this op also brings an evicted gradient back; no op
             # runs between it and the paused copy, so it stays resident.
             self._grad_norms.append(torch.linalg.vector_norm(g.detach(), dtype=torch.float32))
-            with torch.no_grad(), paused():
+            with torch.no_grad(), _dtr.outside():
                 if r.attached:
                     r.param.data.copy_(g)
                     self._detach([r], "hold_after_bwd")
@@ -432,7 +441,7 @@ class Engine:
         """Drops pending gradients (those in 16-bit slots are restored from fp32)."""
         pending = [r for r in self.records if r.has_grad]
         if pending and self.config.gradient_accumulation_steps == 1:
-            with paused():
+            with _dtr.outside():
                 self._restore_params(pending)
         for r in pending:
             r.has_grad = False
@@ -539,7 +548,7 @@ class Engine:
         """A temporary device tensor holding `record`'s 16-bit weight, made from
         its fp32 master (while its 16-bit slot holds a gradient)."""
         c = self.chunks
-        with torch.no_grad(), paused():
+        with torch.no_grad(), _dtr.outside():
             src = c.access(record.id, "param32", "host", [record.numel])
             try:
                 return src.to(self.store.torch_device, self.dtype, copy=True)
@@ -631,30 +640,30 @@ class Engine:
     def save_checkpoint(self, save_dir, tag=None, client_state=None, save_latest=True):
         """Writes model, fp32 master, Adam state, loss scaler, LR scheduler, step
         and RNG state to <save_dir>/<tag>/ atomically (Note [Checkpoint format])."""
-        with paused():
+        with _dtr.outside():
             return _checkpoint.save_checkpoint(self, save_dir, tag, client_state, save_latest)
 
     def load_checkpoint(self, load_dir, tag=None, load_optimizer_states=True,
                         load_lr_scheduler_states=True):
         """Restores a save_checkpoint(); tag None reads <load_dir>/latest.
         Returns (path, client_state), as DeepSpeed's."""
-        with self.dtr.weights_change(), paused():
+        with self.dtr.weights_change(), _dtr.outside():
             return _checkpoint.load_checkpoint(self, load_dir, tag, load_optimizer_states,
                                                load_lr_scheduler_states)
 
     def state_dict(self) -> dict:
         """fp32 weights and buffers keyed like the model's own state_dict."""
-        with paused():
+        with _dtr.outside():
             return _checkpoint.state_dict(self)
 
     def load_state_dict(self, state_dict, strict: bool = True):
         """Loads weights (fp32 master and 16-bit copy); Adam state is kept."""
-        with self.dtr.weights_change(), paused():
+        with self.dtr.weights_change(), _dtr.outside():
             return _checkpoint.load_state_dict(self, state_dict, strict)
 
     def load_pretrained(self, path, strict: bool = True):
         """Loads Hugging Face save_pretrained weights, tensor by tensor."""
-        with self.dtr.weights_change(), paused():
+        with self.dtr.weights_change(), _dtr.outside():
             return _checkpoint.load_pretrained(self, path, strict)
 
     # -------------------------------------------------------------- reports
@@ -676,7 +685,7 @@ class Engine:
 
     def parameters_fp32(self) -> dict[str, torch.Tensor]:
         """Host copies of the fp32 master weights (16-bit values for frozen params), by name."""
-        with paused():
+        with _dtr.outside():
             return {r.name: self.store.gather(r) for r in self.records}
 
     def memory_report(self) -> dict:

@@ -20,11 +20,6 @@ from __future__ import annotations
 import torch
 from torch.utils._pytree import tree_map
 
-from .. import _C
-
-# Not t.untyped_storage(): see storage_data_ptr in python/csrc/chunk_bindings.cpp.
-_storage_data_ptr = _C.chunks.storage_data_ptr
-
 
 class _PreBackward(torch.autograd.Function):
     @staticmethod
@@ -55,10 +50,7 @@ class _Packed:
 
 
 def pack(engine, t):
-    attached = engine._attached_by_ptr
-    if not attached or not isinstance(t, torch.Tensor) or t.layout != torch.strided:
-        return t
-    record = attached.get(_storage_data_ptr(t))
+    record = engine.param_record_of(t)
     if record is None:
         return t
     return _Packed(record, tuple(t.size()), tuple(t.stride()), t.storage_offset())
