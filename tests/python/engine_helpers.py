@@ -31,3 +31,33 @@ class Reversed(torch.nn.Module):
         for layer in reversed(self.layers):
             x = torch.tanh(layer(x))
         return torch.nn.functional.mse_loss(x, y)
+
+
+def measured_budget(model, cfg, batches, chunk_share=0.25, slack=1.25):
+    """A device budget from what this machine measures, not a constant.
+
+    Non-chunk device memory (activations, and on the simulated device every
+    CPU allocation torch makes, oneDNN's scratch included) differs between
+    CPUs: a budget tuned on one machine fails on another. So a throwaway copy
+    of `model` trains two steps with the whole device as its budget, and the
+    budget is the margin + `slack` x that run's peak non-chunk bytes + chunk
+    room of `chunk_share` of the 16-bit chunks (at least what the largest
+    module needs at once), so the chunks must move. `cfg` is not changed.
+    """
+    import copy
+
+    import tidal
+
+    probe_cfg = copy.deepcopy(cfg)
+    probe_cfg.setdefault("tidal", {})["device_memory_budget"] = 0
+    probe = tidal.initialize(copy.deepcopy(model), probe_cfg)
+    try:
+        train_tidal(probe, batches[:2])
+        nonchunk = probe.memory_report()["peak_nonchunk_device_bytes"]
+        c = probe.chunks
+        chunk16 = sum(c.chunk_capacity_bytes(i, "param16") for i in range(c.num_chunks))
+        largest = max(sum(c.chunk_capacity_bytes(i, "param16") for i in {r.chunk for r in recs})
+                      for recs in probe._module_records.values())
+        return probe.store.margin + int(slack * nonchunk) + max(largest, int(chunk_share * chunk16))
+    finally:
+        probe.remove_hooks()

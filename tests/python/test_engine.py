@@ -17,7 +17,7 @@ import torch
 import tidal
 
 sys.path.insert(0, str(Path(__file__).parent))
-from engine_helpers import Reversed, gpt_batches, train_tidal  # noqa: E402
+from engine_helpers import Reversed, gpt_batches, measured_budget, train_tidal  # noqa: E402
 from tidal.models.gpt import TinyGPT, TinyResNet  # noqa: E402
 
 LR = 2e-3
@@ -34,6 +34,12 @@ def config(budget="600KiB", chunk=16384, **tidal_keys):
     t.update(tidal_keys)
     return {"optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.01}},
             "tidal": t}
+
+
+def fitted(cfg, model, batches):
+    """`cfg` with a device budget measured on this machine (engine_helpers.measured_budget)."""
+    cfg["tidal"]["device_memory_budget"] = measured_budget(model, cfg, batches)
+    return cfg
 
 
 def train_reference(model, batches, clip=0.0, accumulation=1):
@@ -73,11 +79,11 @@ def test_gpt_fp32_matches_adamw_under_a_small_budget(hybrid):
     model = copy.deepcopy(ref)
     batches = gpt_batches(20)
     ref_losses = train_reference(ref, batches)
-    engine = tidal.initialize(model, config(hybrid_adam=hybrid))
+    engine = tidal.initialize(model, fitted(config(hybrid_adam=hybrid), model, batches))
     losses = train_tidal(engine, batches)
     assert_close(engine, ref, ref_losses, losses)
     report = engine.memory_report()
-    assert report["device_budget"] < state_bytes(ref) / 4
+    assert report["device_budget"] < state_bytes(ref)
     assert report["evictions"] > 0 and report["prefetches"] > 0
     # The budget holds: chunk bytes never above it, chunk + measured
     # non-chunk bytes at every hook never above it after the warm-up.
@@ -105,7 +111,7 @@ def test_eval_under_no_grad_matches_and_leaves_no_gradients():
     torch.manual_seed(0)
     ref = TinyGPT(d=64, seq=8)
     model = copy.deepcopy(ref)
-    engine = tidal.initialize(model, config())
+    engine = tidal.initialize(model, fitted(config(), model, gpt_batches(2)))
     x, _ = gpt_batches(1)[0]
     engine.eval()
     with torch.no_grad():
@@ -123,7 +129,7 @@ def test_untied_frozen_and_unused_parameters():
     model = copy.deepcopy(ref)
     batches = gpt_batches(10)
     ref_losses = train_reference(ref, batches)
-    engine = tidal.initialize(model, config())
+    engine = tidal.initialize(model, fitted(config(), model, batches))
     losses = train_tidal(engine, batches)
     assert_close(engine, ref, ref_losses, losses)
 
@@ -146,7 +152,7 @@ def test_shared_module_called_twice():
     model = copy.deepcopy(ref)
     batches = gpt_batches(10, vocab=50)
     ref_losses = train_reference(ref, batches)
-    engine = tidal.initialize(model, config(budget="40KiB", chunk=4096))
+    engine = tidal.initialize(model, fitted(config(chunk=4096), model, batches))
     assert_close(engine, ref, ref_losses, train_tidal(engine, batches))
 
 
@@ -158,7 +164,7 @@ def test_gradient_accumulation_and_clipping():
     ref_losses = train_reference(ref, batches, clip=0.05, accumulation=3)
     cfg = config()
     cfg.update(gradient_accumulation_steps=3, gradient_clipping=0.05)
-    engine = tidal.initialize(model, cfg)
+    engine = tidal.initialize(model, fitted(cfg, model, batches))
     losses = train_tidal(engine, batches)
     assert engine.global_steps == 4
     assert_close(engine, ref, ref_losses, losses)
@@ -172,7 +178,7 @@ def test_clipping_without_accumulation():
     ref_losses = train_reference(ref, batches, clip=0.1)
     cfg = config()
     cfg["gradient_clipping"] = 0.1
-    engine = tidal.initialize(model, cfg)
+    engine = tidal.initialize(model, fitted(cfg, model, batches))
     assert_close(engine, ref, ref_losses, train_tidal(engine, batches))
 
 
@@ -196,7 +202,8 @@ def test_mixed_precision_tracks_autocast_reference(precision):
     cfg[precision] = {"enabled": True}
     if precision == "fp16":
         cfg["fp16"]["initial_scale_power"] = 8  # no overflow at the start
-    engine = tidal.initialize(model, cfg)
+    engine = tidal.initialize(model, fitted(cfg, model, batches))
+    assert engine.memory_report()["device_budget"] < state_bytes(ref)
     losses = train_tidal(engine, batches)
     # All-16-bit compute (DeepSpeed's module.half()) vs autocast: the loss
     # curves agree to the 16-bit format's precision.
@@ -212,8 +219,8 @@ def test_fp16_overflow_skips_the_step_and_halves_the_scale():
     model = TinyGPT(d=64, seq=8)
     cfg = config()
     cfg["fp16"] = {"enabled": True, "initial_scale_power": 8, "hysteresis": 1}
-    engine = tidal.initialize(model, cfg)
     batches = gpt_batches(3)
+    engine = tidal.initialize(model, fitted(cfg, model, batches))
     train_tidal(engine, batches[:1])
     before = {k: v.clone() for k, v in engine.parameters_fp32().items()}
     scale = engine.loss_scale
@@ -252,15 +259,65 @@ def test_bad_config_is_a_clear_error():
 def test_init_context_builds_into_chunks_and_trains():
     torch.manual_seed(0)
     ref = TinyGPT(d=64, seq=8)
-    cfg = config()
+    batches = gpt_batches(5)
+    cfg = fitted(config(), ref, batches)
     torch.manual_seed(0)
     with tidal.init_context(cfg):
         model = TinyGPT(d=64, seq=8)
     assert all(p.numel() == 0 for p in model.parameters())
     engine = tidal.initialize(model)
-    batches = gpt_batches(5)
     ref_losses = train_reference(ref, batches)
     assert_close(engine, ref, ref_losses, train_tidal(engine, batches))
+
+
+class LateTied(torch.nn.Module):
+    """Builds its head with a weight of its own, then ties it to the embedding
+    (as Hugging Face's post_init does): init_context has registered both."""
+
+    def __init__(self, vocab=96, d=64):
+        super().__init__()
+        self.emb = torch.nn.Embedding(vocab, d)
+        self.mix = torch.nn.Linear(d, d)
+        self.head = torch.nn.Linear(d, vocab, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, x, y):
+        logits = self.head(torch.tanh(self.mix(self.emb(x))))
+        return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
+
+
+def test_init_context_keeps_no_copy_of_a_weight_the_model_replaced():
+    torch.manual_seed(0)
+    ref = LateTied()
+    batches = gpt_batches(4)
+    cfg = fitted(config(chunk=16384), ref, batches)
+    torch.manual_seed(0)
+    with tidal.init_context(cfg) as store:
+        model = LateTied()
+    # The replaced head weight (96 x 64 floats, a dedicated chunk) was registered.
+    assert len(store.records) == 4
+    resident = store.chunks.stats()["resident_bytes_host"]
+    engine = tidal.initialize(model)
+    assert [r.name for r in engine.store.records] == ["emb.weight", "mix.weight", "mix.bias"]
+    # Its four slots (16-bit copy, which is fp32 here, master, m, v) are gone.
+    assert resident - engine.chunks.stats()["resident_bytes_host"] == 96 * 64 * 4 * 4
+    ref_losses = train_reference(ref, batches)
+    assert_close(engine, ref, ref_losses, train_tidal(engine, batches))
+
+
+def test_init_context_keeps_a_model_built_beside_it():
+    with tidal.init_context(config()) as store:
+        first, second = LateTied(), LateTied()
+    tidal.initialize(first)
+    # The second model's parameters are still its own: nothing was dropped.
+    assert {id(p) for p in second.parameters()} <= {id(r.param) for r in store.records}
+
+
+def test_a_meta_parameter_left_in_the_model_is_a_clear_error():
+    model = TinyGPT(d=64, seq=8, tied=False)
+    model.lm_head = torch.nn.Linear(64, 96, bias=False, device="meta")
+    with pytest.raises(ValueError, match=r"'lm_head.weight' is on the meta device"):
+        tidal.initialize(model, config())
 
 
 def test_chunks_are_rebuilt_in_first_use_order_after_the_warm_up():
@@ -298,7 +355,7 @@ def test_chunks_are_rebuilt_in_first_use_order_after_the_warm_up():
 def test_a_model_used_in_module_order_keeps_its_chunks():
     torch.manual_seed(0)
     model = TinyGPT(d=64, seq=8, tied=False)
-    engine = tidal.initialize(model, config())
+    engine = tidal.initialize(model, fitted(config(), model, gpt_batches(2)))
     train_tidal(engine, gpt_batches(2))
     assert engine.relayouts == 0
 
@@ -309,8 +366,8 @@ def test_cpu_adam_overlaps_the_next_chunks_gradient_copy():
     on chunk k: no access in the optimizer step misses."""
     torch.manual_seed(0)
     model = TinyGPT(d=64, seq=8)
-    engine = tidal.initialize(model, config(hybrid_adam=False))
     batches = gpt_batches(4)
+    engine = tidal.initialize(model, fitted(config(hybrid_adam=False), model, batches))
     misses_in_step = []
     for x, y in batches:
         loss = engine(x, y)
@@ -356,7 +413,7 @@ def test_warmup_decay_schedule_matches_adamw_with_the_same_lr_per_step():
     cfg["scheduler"] = {"type": "WarmupDecayLR",
                         "params": {"warmup_min_lr": 0.0, "warmup_max_lr": LR, "warmup_num_steps": warm,
                                    "total_num_steps": total, "warmup_type": "linear"}}
-    engine = tidal.initialize(model, cfg)
+    engine = tidal.initialize(model, fitted(cfg, model, batches))
     lrs = []
     losses = []
     for x, y in batches:
@@ -372,7 +429,7 @@ def test_warmup_decay_schedule_matches_adamw_with_the_same_lr_per_step():
 def test_memory_timeline_covers_every_hook_of_a_step():
     torch.manual_seed(0)
     model = TinyGPT(d=64, seq=8, layers=2)
-    engine = tidal.initialize(model, config())
+    engine = tidal.initialize(model, fitted(config(), model, gpt_batches(2)))
     train_tidal(engine, gpt_batches(2))
     timeline = engine.memory_timeline()
     kinds = [hook.split()[0] for _, hook, *_ in timeline]
@@ -389,8 +446,9 @@ def test_an_fp16_overflow_does_not_advance_the_lr_schedule():
     cfg["scheduler"] = {"type": "WarmupLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": LR,
                                                        "warmup_num_steps": 10,
                                                        "warmup_type": "linear"}}
-    engine = tidal.initialize(TinyGPT(d=64, seq=8), cfg)
+    model = TinyGPT(d=64, seq=8)
     batches = gpt_batches(4)
+    engine = tidal.initialize(model, fitted(cfg, model, batches))
     train_tidal(engine, batches[:2])
     lr = engine.lr
     assert lr == pytest.approx(LR * 1 / 10)  # two applied steps: lr at iteration 1

@@ -94,6 +94,7 @@ class Engine:
             if recs:
                 self._module_records[m] = recs
         mine = {id(r) for recs in self._module_records.values() for r in recs}
+        store.discard([r for r in store.records if id(r) not in mine])
         self.records = [r for r in store.records if id(r) in mine]
         self._record_set = set(self.records)
         store.flush_warnings()

@@ -60,7 +60,10 @@ def init_context(config=None):
                     del depth[key]
             if key not in depth:
                 for name, p in self.named_parameters(recurse=False):
-                    if id(p) not in store.by_param and p.numel() > 0:
+                    # A meta parameter has no values to keep; it is normally
+                    # replaced (a tied weight). If it is still there at
+                    # tidal.initialize, that is a clear error.
+                    if id(p) not in store.by_param and p.numel() > 0 and not p.is_meta:
                         store.add(p, f"{type(self).__name__}.{name}", provisional=True)
 
         originals[cls] = original

@@ -11,6 +11,7 @@ in hooks/param_binding.h).
 from __future__ import annotations
 
 import contextlib
+import gc
 import warnings
 import weakref
 
@@ -41,6 +42,14 @@ SLOT_KINDS = ("param16", "param32", "momentum", "variance")
 def slot_kinds(record: "ParamRecord") -> tuple[str, ...]:
     """The chunk lists holding a record: frozen parameters have a 16-bit slot only."""
     return SLOT_KINDS if record.trainable else ("param16",)
+
+
+def _held_only_by_its_record(record: "ParamRecord") -> bool:
+    """True when nothing but `record` references its parameter: the model
+    replaced it."""
+    # Referrers, not sys.getrefcount: reference counts of arguments differ
+    # across CPython versions. Runs once per candidate at initialize().
+    return all(o is record for o in gc.get_referrers(record.param))
 
 
 class RelayoutError(RuntimeError):
@@ -198,6 +207,10 @@ class ParamStore:
         if not param.is_floating_point():
             raise TypeError(f"parameter '{name}' has dtype {param.dtype}; tidal keeps floating-"
                             f"point parameters (float16/bfloat16/float32) in chunks")
+        if param.is_meta:
+            raise ValueError(f"parameter '{name}' is on the meta device and has no values; "
+                             f"materialize and initialise it (e.g. module.to_empty(device='cpu') "
+                             f"and its reset_parameters()) before tidal.initialize")
         if param.dtype == torch.float64:
             raise TypeError(f"parameter '{name}' is float64; tidal supports float32, float16 and "
                             f"bfloat16 parameters (convert the model with .float() first)")
@@ -222,6 +235,29 @@ class ParamStore:
         self.records.append(record)
         self.by_param[id(param)] = record
         return record
+
+    def discard(self, records: "list[ParamRecord]") -> None:
+        """Gives up records whose parameters the model no longer holds.
+
+        Note [Records the model dropped]: init_context registers a module's
+        parameters when its __init__ returns, before the enclosing model may
+        replace one (a tied lm_head takes the embedding's weight; Hugging
+        Face's post_init ties weights too). The replaced parameter's record
+        would keep host memory (fp32 master, m, v: 14 bytes per element,
+        688 MiB for gpt-350m's lm_head) and travel through every relayout and
+        checkpoint. Its slots become FREE, so a chunk whose slots are all
+        FREE (a dedicated one) gives its memory back at once, and the record
+        leaves the store. Records whose parameter something else still
+        references (another model built in the same context) are kept. Call
+        before any step (no slot in use).
+        """
+        records = [r for r in records if _held_only_by_its_record(r)]
+        gone = {id(r) for r in records}
+        for r in records:
+            for kind in slot_kinds(r):
+                self.chunks.set_state(r.id, kind, "free")
+            self.by_param.pop(id(r.param), None)
+        self.records = [r for r in self.records if id(r) not in gone]
 
     def flush_warnings(self) -> None:
         """Says what registration found (e.g. tensors larger than a chunk), once."""

@@ -40,7 +40,9 @@ class TinyGPT(nn.Module):
         self.wpe = nn.Embedding(seq, d, _weight=torch.randn(seq, d) * 0.02)
         self.blocks = nn.ModuleList(Block(d, heads, dropout) for _ in range(layers))
         self.ln_f = nn.LayerNorm(d)
-        self.lm_head = nn.Linear(d, vocab, bias=False)
+        # Tied: the head's own weight is never materialised (a meta tensor,
+        # replaced at once), so tidal.init_context keeps no dead copy of it.
+        self.lm_head = nn.Linear(d, vocab, bias=False, device="meta" if tied else None)
         if tied:
             self.lm_head.weight = self.wte.weight
 
