@@ -18,7 +18,6 @@ is named in one warning per reason (Note [Keys tidal does not honour]).
 """
 from __future__ import annotations
 
-import difflib
 import json
 import math
 import os
@@ -27,15 +26,14 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
-from . import _C
+from ._schema import NONE as _NONE
+from ._schema import ConfigError, check_value, fail, unknown_key
+from .dtr import validate_config as _validate_dtr
 from .lr_schedules import PARAMS as _SCHEDULER_PARAMS
 from .lr_schedules import REQUIRED
+from .recompute import validate_config as _validate_recompute
 
 __all__ = ["Config", "ConfigError", "SCHEMA"]
-
-
-class ConfigError(ValueError):
-    """A config value tidal cannot use; the message names the key."""
 
 
 # ---------------------------------------------------------------------------
@@ -51,7 +49,6 @@ _OPTIMIZER_PARAMS = {
     "bias_correction": (bool, True, "Adam's bias correction"),
 }
 
-_NONE = type(None)
 _COUNT = (int, float)  # DeepSpeed's element counts; JSON configs write them as 5e8
 
 SCHEMA: dict[str, Any] = {
@@ -137,7 +134,7 @@ SCHEMA: dict[str, Any] = {
         "chunk_size": ("bytes", 64 << 20, "bytes of a 16-bit parameter chunk"),
         "device_memory_budget": ("bytes", 0, "device bytes tidal may use in all; 0 = device capacity"),
         "host_memory_budget": ("bytes", 0, "host bytes for chunks; 0 = unlimited"),
-        "device_margin": ("bytes", 0, "device bytes kept free for surprises; 0 = 5% of the budget"),
+        "device_margin": ("bytes", 0, "device bytes kept free for surprises; 0 = 5% of the budget, at least 1 MiB"),
         "prefetch": (bool, True, "prefetch chunks ahead of use along the trace"),
         "prefetch_depth": (int, 4, "prefetched chunks that may wait for their use"),
         "eviction_policy": (("opt", "lru"), "opt", "OPT over the trace, or LRU"),
@@ -233,61 +230,21 @@ def _report_not_honoured(given: dict) -> None:
         warnings.warn(f"{subject} not used by tidal: {what}", stacklevel=_stacklevel())
 
 
-def _fail(path: str, message: str) -> None:
-    raise ConfigError(f"config key '{path}': {message}")
-
-
-def _check_value(path: str, kind: Any, value: Any) -> Any:
-    if kind == "bytes":
-        if isinstance(value, bool) or not isinstance(value, (int, str)):
-            _fail(path, f"expected a byte count (int or a string like '5GB'), got {value!r}")
-        if isinstance(value, int):
-            if value < 0:
-                _fail(path, f"expected a byte count >= 0, got {value}")
-            return value
-        try:
-            return int(_C.parse_bytes(value))
-        except ValueError as e:
-            _fail(path, str(e))
-    if kind is dict:
-        if not isinstance(value, dict):
-            _fail(path, f"expected an object, got {type(value).__name__} {value!r}")
-        return dict(value)
-    if isinstance(kind, tuple) and all(isinstance(k, str) for k in kind):
-        if value not in kind:
-            same = [k for k in kind if isinstance(value, str) and k.lower() == value.lower()]
-            near = same or difflib.get_close_matches(str(value), kind, n=1)
-            hint = f" (did you mean '{near[0]}'?)" if near else ""
-            _fail(path, f"expected one of {', '.join(repr(k) for k in kind)}, got {value!r}{hint}")
-        return value
-    types = kind if isinstance(kind, tuple) else (kind,)
-    expected = " or ".join("null" if t is _NONE else t.__name__ for t in types)
-    if isinstance(value, bool) and bool not in types:
-        _fail(path, f"expected {expected}, got bool {value!r}")
-    if not isinstance(value, types):
-        _fail(path, f"expected {expected}, got {type(value).__name__} {value!r}")
-    return value
-
-
 def _resolve(schema: dict, given: dict, path: str) -> dict:
     if not isinstance(given, dict):
-        _fail(path or "<root>", f"expected an object, got {type(given).__name__} {given!r}")
+        fail(path or "<root>", f"expected an object, got {type(given).__name__} {given!r}")
     out: dict[str, Any] = {}
     for key, value in given.items():
         full = f"{path}.{key}" if path else key
         if full in _REJECTED:
             raise ConfigError(f"config key '{full}': {_REJECTED[full]}")
         if key not in schema:
-            near = difflib.get_close_matches(key, list(schema), n=1, cutoff=0.5)
-            hint = f"; did you mean '{near[0]}'?" if near else ""
-            where = f"section '{path}'" if path else "the top level"
-            raise ConfigError(f"unknown config key '{full}'{hint} (valid keys in {where}: "
-                              f"{', '.join(sorted(schema))})")
+            raise unknown_key(full, key, schema, f"section '{path}'" if path else "the top level")
         spec = schema[key]
         if isinstance(spec, dict):
             out[key] = _resolve(spec, value, full)
         else:
-            out[key] = _check_value(full, spec[0], value)
+            out[key] = check_value(full, spec[0], value)
     for key, spec in schema.items():
         if key in out:
             continue
@@ -358,17 +315,17 @@ class Config:
             except json.JSONDecodeError as e:
                 raise ConfigError(f"config file '{config}' is not valid JSON: {e}") from None
         if not isinstance(config, dict):
-            _fail("<root>", f"expected an object, got {type(config).__name__} {config!r}")
+            fail("<root>", f"expected an object, got {type(config).__name__} {config!r}")
         config = _legacy_zero(config)
         r = _resolve(SCHEMA, config, "")
         c = cls(raw=r)
         c._batch_sizes(r)
         c.gradient_clipping = float(r["gradient_clipping"])
         if c.gradient_clipping < 0:
-            _fail("gradient_clipping", f"expected a norm >= 0 (0 = off), got {c.gradient_clipping}")
+            fail("gradient_clipping", f"expected a norm >= 0 (0 = off), got {c.gradient_clipping}")
         c.steps_per_print = r["steps_per_print"]
         if c.steps_per_print < 1:
-            _fail("steps_per_print", f"expected an integer >= 1, got {c.steps_per_print}")
+            fail("steps_per_print", f"expected an integer >= 1, got {c.steps_per_print}")
         c._optimizer(r["optimizer"])
         c._precision(r["fp16"], r["bf16"])
         c._zero(r["zero_optimization"], config.get("zero_optimization", {}))
@@ -376,13 +333,13 @@ class Config:
         c.activation_checkpointing = dict(r["activation_checkpointing"])
         n = c.activation_checkpointing["number_checkpoints"]
         if n is not None and n < 1:
-            _fail("activation_checkpointing.number_checkpoints",
+            fail("activation_checkpointing.number_checkpoints",
                   f"expected an integer >= 1 or null, got {n}")
         t = r["tidal"]
         c.device = t["device"]
         c.chunk_size = t["chunk_size"]
         if c.chunk_size < 4096 or c.chunk_size % 256:
-            _fail("tidal.chunk_size", f"expected at least 4 KiB and a multiple of 256 bytes, got "
+            fail("tidal.chunk_size", f"expected at least 4 KiB and a multiple of 256 bytes, got "
                                       f"{c.chunk_size}")
         c.device_memory_budget = t["device_memory_budget"]
         c.host_memory_budget = t["host_memory_budget"]
@@ -390,21 +347,19 @@ class Config:
         c.prefetch = t["prefetch"]
         c.prefetch_depth = t["prefetch_depth"]
         if c.prefetch_depth < 1:
-            _fail("tidal.prefetch_depth", f"expected an integer >= 1, got {c.prefetch_depth}")
+            fail("tidal.prefetch_depth", f"expected an integer >= 1, got {c.prefetch_depth}")
         c.eviction_policy = t["eviction_policy"]
         c.hybrid_adam = t["hybrid_adam"]
         c.cpu_adam_threads = t["cpu_adam_threads"]
         if c.cpu_adam_threads < 0:
-            _fail("tidal.cpu_adam_threads", f"expected an integer >= 0, got {c.cpu_adam_threads}")
+            fail("tidal.cpu_adam_threads", f"expected an integer >= 0, got {c.cpu_adam_threads}")
         c.dtr = t["dtr"]
         if c.dtr:
-            from tidal.dtr import validate_config as validate_dtr
-            validate_dtr(c.dtr)
+            _validate_dtr(c.dtr)
         c.recompute = t["recompute"]
         c.activation_checkpointing_given = "activation_checkpointing" in config or bool(c.recompute)
         if c.activation_checkpointing_given:
-            from tidal.recompute import validate_config
-            validate_config(c.activation_checkpointing, c.recompute)
+            _validate_recompute(c.activation_checkpointing, c.recompute)
         _report_not_honoured(config)
         return c
 
@@ -414,7 +369,7 @@ class Config:
         for key, v in (("train_batch_size", tb), ("train_micro_batch_size_per_gpu", mb),
                        ("gradient_accumulation_steps", ga)):
             if v is not None and v < 1:
-                _fail(key, f"expected an integer >= 1, got {v}")
+                fail(key, f"expected an integer >= 1, got {v}")
         # DeepSpeed's rule on one GPU: train_batch_size = micro batch x accumulation.
         if tb is not None and mb is not None and ga is not None:
             if tb != mb * ga:
@@ -445,17 +400,17 @@ class Config:
         self.optimizer_type = o["type"]
         self.lr = float(p["lr"])
         if not (self.lr >= 0 and math.isfinite(self.lr)):
-            _fail("optimizer.params.lr", f"expected a finite learning rate >= 0, got {p['lr']!r}")
+            fail("optimizer.params.lr", f"expected a finite learning rate >= 0, got {p['lr']!r}")
         betas = p["betas"]
         if len(betas) != 2 or not all(isinstance(b, (int, float)) and 0 <= b < 1 for b in betas):
-            _fail("optimizer.params.betas", f"expected two numbers in [0, 1), got {betas!r}")
+            fail("optimizer.params.betas", f"expected two numbers in [0, 1), got {betas!r}")
         self.betas = (float(betas[0]), float(betas[1]))
         self.eps = float(p["eps"])
         if not self.eps > 0:
-            _fail("optimizer.params.eps", f"expected eps > 0, got {p['eps']!r}")
+            fail("optimizer.params.eps", f"expected eps > 0, got {p['eps']!r}")
         self.weight_decay = float(p["weight_decay"])
         if self.weight_decay < 0:
-            _fail("optimizer.params.weight_decay", f"expected >= 0, got {p['weight_decay']!r}")
+            fail("optimizer.params.weight_decay", f"expected >= 0, got {p['weight_decay']!r}")
         mode = p["adam_w_mode"]
         self.adam_w_mode = (self.optimizer_type == "AdamW") if mode is None else mode
         self.bias_correction = p["bias_correction"]
@@ -467,28 +422,28 @@ class Config:
         self.precision = "fp16" if fp16["enabled"] else "bf16" if bf16["enabled"] else "fp32"
         self.loss_scale = float(fp16["loss_scale"])
         if self.loss_scale < 0:
-            _fail("fp16.loss_scale", f"expected >= 0 (0 = dynamic), got {self.loss_scale}")
+            fail("fp16.loss_scale", f"expected >= 0 (0 = dynamic), got {self.loss_scale}")
         self.initial_scale_power = fp16["initial_scale_power"]
         if not 0 <= self.initial_scale_power <= 64:
-            _fail("fp16.initial_scale_power", f"expected 0..64, got {self.initial_scale_power}")
+            fail("fp16.initial_scale_power", f"expected 0..64, got {self.initial_scale_power}")
         self.loss_scale_window = fp16["loss_scale_window"]
         if self.loss_scale_window < 1:
-            _fail("fp16.loss_scale_window", f"expected >= 1, got {self.loss_scale_window}")
+            fail("fp16.loss_scale_window", f"expected >= 1, got {self.loss_scale_window}")
         self.hysteresis = fp16["hysteresis"]
         if self.hysteresis < 1:
-            _fail("fp16.hysteresis", f"expected >= 1, got {self.hysteresis}")
+            fail("fp16.hysteresis", f"expected >= 1, got {self.hysteresis}")
         self.min_loss_scale = float(fp16["min_loss_scale"])
         if not self.min_loss_scale > 0:
-            _fail("fp16.min_loss_scale", f"expected > 0, got {self.min_loss_scale}")
+            fail("fp16.min_loss_scale", f"expected > 0, got {self.min_loss_scale}")
 
     def _zero(self, z: dict, given: dict) -> None:
         if not isinstance(given, dict):
             return
         if "stage" in given and z["stage"] not in (0, 1, 2, 3):
-            _fail("zero_optimization.stage", f"expected 0, 1, 2 or 3, got {z['stage']}")
+            fail("zero_optimization.stage", f"expected 0, 1, 2 or 3, got {z['stage']}")
         for sub in ("offload_optimizer", "offload_param"):
             if z[sub]["device"] == "nvme":
-                _fail(f"zero_optimization.{sub}.device",
+                fail(f"zero_optimization.{sub}.device",
                       "NVMe offload is not supported by tidal; use 'cpu' (chunks in host memory)")
         pins = [z[s]["pin_memory"] for s in ("offload_optimizer", "offload_param")
                 if "pin_memory" in given.get(s, {})]
@@ -501,18 +456,18 @@ class Config:
             return
         kind = s["type"]
         if kind is None:
-            _fail("scheduler.type", f"missing; expected one of {', '.join(_SCHEDULER_PARAMS)}")
+            fail("scheduler.type", f"missing; expected one of {', '.join(_SCHEDULER_PARAMS)}")
         schema = _SCHEDULER_PARAMS[kind]
         for key in s["params"]:
             owners = [t for t, params in _SCHEDULER_PARAMS.items() if key in params]
             if key not in schema and owners:
-                _fail(f"scheduler.params.{key}",
+                fail(f"scheduler.params.{key}",
                       f"not a parameter of {kind} (it is one of {', '.join(owners)}); {kind} "
                       f"takes {', '.join(sorted(schema))}")
         p = _resolve(schema, s["params"], "scheduler.params")
         for key, value in p.items():
             if value is REQUIRED:
-                _fail(f"scheduler.params.{key}", f"required by {kind} ({schema[key][2]}), missing")
+                fail(f"scheduler.params.{key}", f"required by {kind} ({schema[key][2]}), missing")
             _check_scheduler_range(f"scheduler.params.{key}", value)
         total, warm = p.get("total_num_steps"), p.get("warmup_num_steps")
         if total is not None and warm is not None and total < warm:
@@ -539,19 +494,19 @@ def _check_scheduler_range(path: str, value: Any) -> None:
         return
     if name.endswith("_lr"):
         if not (math.isfinite(value) and value >= 0):
-            _fail(path, f"expected a finite learning rate >= 0, got {value!r}")
+            fail(path, f"expected a finite learning rate >= 0, got {value!r}")
     elif name in _AT_LEAST_1 and value < 1:
-        _fail(path, f"expected an integer >= 1, got {value}")
+        fail(path, f"expected an integer >= 1, got {value}")
     elif name in _AT_LEAST_0 and value < 0:
-        _fail(path, f"expected an integer >= 0, got {value}")
+        fail(path, f"expected an integer >= 0, got {value}")
     elif name == "last_batch_iteration" and value < -1:
-        _fail(path, f"expected -1 (start) or a step >= 0, got {value}")
+        fail(path, f"expected -1 (start) or a step >= 0, got {value}")
     elif name in _UNIT and not 0 <= value <= 1:
-        _fail(path, f"expected a ratio in [0, 1], got {value!r}")
+        fail(path, f"expected a ratio in [0, 1], got {value!r}")
     elif name in _MOMENTUM and not 0 <= value < 1:
-        _fail(path, f"expected a momentum (Adam's beta1) in [0, 1), got {value!r}")
+        fail(path, f"expected a momentum (Adam's beta1) in [0, 1), got {value!r}")
     elif name in _RATE and not (math.isfinite(value) and value >= 0):
-        _fail(path, f"expected a finite rate >= 0, got {value!r}")
+        fail(path, f"expected a finite rate >= 0, got {value!r}")
 
 
 def _legacy_zero(config: dict) -> dict:

@@ -29,7 +29,6 @@ Options (module attributes; assigning a bad value raises ValueError/TypeError):
 from __future__ import annotations
 
 import contextlib
-import difflib
 import sys
 import time
 import types
@@ -40,6 +39,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode
 
 from tidal import _C
+from tidal._schema import check_block, fail
 from tidal.device import parse_bytes
 
 __all__ = [
@@ -425,7 +425,14 @@ def configure(eviction_threshold: Optional[ByteSize] = None, evictee_minimum_siz
         _runtime.set_eviction_threshold(_options["eviction_threshold"])
 
 
-_CONFIG_KEYS = ("enabled", "eviction_threshold", "evictee_minimum_size", "enable_sqrt_sampling", "scorer")
+# The config file's tidal.dtr block: key -> (kind, default, doc) (tidal._schema).
+CONFIG_SCHEMA: Dict[str, tuple] = {
+    "enabled": (bool, True, "turn DTR on under the engine (false leaves it as it is)"),
+    "eviction_threshold": ("bytes", None, "evict above this many tracked bytes; caps the engine's"),
+    "evictee_minimum_size": ("bytes", None, "smaller tensors are never evicted"),
+    "enable_sqrt_sampling": (bool, None, "score sqrt(n) sampled candidates"),
+    "scorer": (_SCORERS, None, "the eviction heuristic"),
+}
 
 
 def validate_config(block: Dict[str, Any]) -> Dict[str, Any]:
@@ -437,24 +444,12 @@ def validate_config(block: Dict[str, Any]) -> Dict[str, Any]:
         tidal.ConfigError: an unknown key (with the nearest valid one), a bad
             byte size, scorer or flag, each naming the key and the value.
     """
-    from tidal.config import ConfigError
-    if not isinstance(block, dict):
-        raise ConfigError(f"config key 'tidal.dtr': expected an object, got {type(block).__name__} {block!r}")
-    for key in block:
-        if key not in _CONFIG_KEYS:
-            near = difflib.get_close_matches(str(key), list(_CONFIG_KEYS), n=1, cutoff=0.5)
-            hint = f"; did you mean '{near[0]}'?" if near else ""
-            raise ConfigError(f"unknown config key 'tidal.dtr.{key}'{hint} (valid keys: {', '.join(_CONFIG_KEYS)})")
-    on = block.get("enabled", True)
-    if not isinstance(on, bool):
-        raise ConfigError(f"config key 'tidal.dtr.enabled': expected true or false, got {on!r}")
-    for key in ("eviction_threshold", "evictee_minimum_size", "enable_sqrt_sampling", "scorer"):
-        if key in block and block[key] is None:
-            raise ConfigError(f"config key 'tidal.dtr.{key}': expected a value, got null")
-    try:
-        return _checked(**{k: v for k, v in block.items() if k != "enabled"})
-    except (TypeError, ValueError) as e:
-        raise ConfigError(f"config key {e}") from None
+    for key, value in block.items() if isinstance(block, dict) else ():
+        if value is None and key in CONFIG_SCHEMA:
+            fail(f"tidal.dtr.{key}", "expected a value, got null")
+    options = check_block("tidal.dtr", CONFIG_SCHEMA, block)
+    options.pop("enabled", None)
+    return options
 
 
 def from_config(block: Dict[str, Any]) -> None:

@@ -52,7 +52,7 @@ REQUIRED: Any = _Required()
 _NUMBER = (float, int)
 _NONE = type(None)
 
-# type -> {param: (kind, default, doc)}, kinds as in tidal.config.SCHEMA.
+# type -> {param: (kind, default, doc)}, kinds as in tidal._schema.check_value.
 # Defaults are DeepSpeed 0.19.8's constructor defaults.
 PARAMS: dict[str, dict[str, tuple]] = {
     "WarmupLR": {
@@ -359,18 +359,18 @@ class LRRangeTest(Schedule):
         return self.min_lr * (1 + self.step_rate * interval)
 
 
-def build_scheduler(config) -> Schedule | None:
+def build_scheduler(cfg) -> Schedule | None:
     """The schedule a config asks for, or None when it has no ``scheduler`` section.
 
     Args:
-        config: a tidal.Config (or anything tidal.Config.load takes); its
+        cfg: a loaded tidal.Config (``tidal.Config.load(...)``); its
             ``scheduler`` is ``{"type": ..., "params": {...}}`` with every
             parameter resolved, and ``lr`` is the optimizer's lr (the
             default warmup_max_lr of WarmupLR, the base of WarmupCosineLR).
     """
-    from .config import Config  # NB: config.py imports PARAMS from here
-
-    cfg = Config.load(config)
+    if not hasattr(cfg, "scheduler") or not hasattr(cfg, "lr"):
+        raise TypeError(f"build_scheduler expects a loaded tidal.Config (tidal.Config.load(...)), "
+                        f"got {type(cfg).__name__}")
     spec = cfg.scheduler
     if spec is None:
         return None

@@ -58,6 +58,7 @@ from torch import nn
 from torch.utils._pytree import tree_map
 
 from tidal import dtr as _dtr
+from tidal._schema import NONE, ConfigError, Rule, check_value, unknown_key
 from tidal.device import device_info, parse_bytes
 from tidal import _C
 from tidal._C import HostBuffer
@@ -1156,34 +1157,56 @@ def recompute(model: nn.Module, checkpoints: Checkpoints = "auto", offload: bool
 # ---------------------------------------------------------------------------
 # The config file's activation_checkpointing block.
 
-#: key -> (allowed, default, what tidal does). DeepSpeed's keys first, then tidal's.
-CONFIG_KEYS: Dict[str, Tuple[str, Any, str]] = {
-    "partition_activations": ("true/false", False,
+def _parses(parse: Callable[[Any], Any]) -> Callable[[Any], bool]:
+    def ok(value: Any) -> bool:
+        try:
+            parse(value)
+            return True
+        except (TypeError, ValueError):
+            return False
+    return ok
+
+
+def _is_count(value: Any) -> bool:
+    return not isinstance(value, bool) and isinstance(value, int) and value >= 1
+
+
+def _is_checkpoint_list(value: Any) -> bool:
+    return value == "auto" or (isinstance(value, list) and bool(value) and all(
+        isinstance(v, str) or (isinstance(v, list) and v and all(isinstance(u, str) for u in v)) for v in value))
+
+
+#: key -> (kind, default, what tidal does), kinds as in tidal._schema.check_value.
+#: DeepSpeed's keys first, then tidal's.
+CONFIG_KEYS: Dict[str, Tuple[Any, Any, str]] = {
+    "partition_activations": (bool, False,
                               "not applicable on one GPU: DeepSpeed splits each checkpoint across model-parallel "
                               "ranks; tidal keeps whole checkpoints (cpu_checkpointing moves them off the device)"),
-    "cpu_checkpointing": ("true/false", False, "offload: checkpoints go to pinned host memory and are prefetched "
-                                               "back on a copy stream before their segment's backward"),
-    "contiguous_memory_optimization": ("true/false", False,
+    "cpu_checkpointing": (bool, False, "offload: checkpoints go to pinned host memory and are prefetched "
+                                       "back on a copy stream before their segment's backward"),
+    "contiguous_memory_optimization": (bool, False,
                                        "not used: tidal does not gather checkpoints into one preallocated buffer; "
                                        "device copies come from the caching allocator, host copies from pinned "
                                        "host memory on CUDA"),
-    "number_checkpoints": ("null or an integer >= 1", None,
+    "number_checkpoints": (Rule("null or an integer >= 1", lambda v: v is None or _is_count(v)), None,
                            "the number of segments of the chain (checkpoints='auto'); default about sqrt(N)"),
-    "synchronize_checkpoint_boundary": ("true/false", False,
+    "synchronize_checkpoint_boundary": (bool, False,
                                         "honoured: the device and the copy stream are synchronized at every "
                                         "segment boundary, forward and backward"),
-    "profile": ("true/false", False, "honoured: timestamped forward/recompute/copy events in plan.trace; "
-                                     "totals in plan.stats()"),
-    "enabled": ("true/false", True, "tidal: install the plan (false: from_config returns None)"),
-    "checkpoints": ("'auto' or a list of module names", "auto",
+    "profile": (bool, False, "honoured: timestamped forward/recompute/copy events in plan.trace; "
+                             "totals in plan.stats()"),
+    "enabled": (bool, True, "tidal: install the plan (false: from_config returns None)"),
+    "checkpoints": (Rule("'auto' or a non-empty list of module names (a name, or a list of names of "
+                         "consecutive blocks, per segment)", _is_checkpoint_list), "auto",
                     "tidal: the segments; 'auto' = the chain of repeated blocks"),
-    "chain": ("null or a module name", None, "tidal: the ModuleList/Sequential that 'auto' segments"),
-    "memory_target": ("null, 'min' or a byte size such as '2GB'", None,
+    "chain": ((str, NONE), None, "tidal: the ModuleList/Sequential that 'auto' segments"),
+    "memory_target": (Rule("null, 'min' or a byte size such as '2GB'",
+                           lambda v: v is None or v == "min" or _parses(parse_bytes)(v)), None,
                       "tidal: measured plan recomputing the fewest blocks that fit this activation budget"),
-    "prefetch_depth": ("an integer >= 1", 1, "tidal: offloaded checkpoints prefetched ahead of use"),
-    "offload_bandwidth": ("null or a rate such as '12GB/s'", None,
+    "prefetch_depth": (Rule("an integer >= 1", _is_count), 1, "tidal: offloaded checkpoints prefetched ahead of use"),
+    "offload_bandwidth": (Rule("null or a rate such as '12GB/s'", _parses(_parse_bandwidth)), None,
                           "tidal, CPU copy model only: modelled link bandwidth"),
-    "preserve_rng_state": ("true/false", True, "tidal: random ops replay the forward's randomness"),
+    "preserve_rng_state": (bool, True, "tidal: random ops replay the forward's randomness"),
 }
 
 _NOT_HONOURED = ("partition_activations", "contiguous_memory_optimization")
@@ -1195,43 +1218,7 @@ _TIDAL_SECTION = "tidal.recompute"
 
 
 def _config_error(path: str, value: Any, allowed: str, extra: str = "") -> Exception:
-    from tidal.config import ConfigError  # ValueError subclass shared with the config file
     return ConfigError(f"config key '{path}': expected {allowed}, got {value!r}{extra}")
-
-
-def _check_key(path: str, key: str, value: Any) -> None:
-    allowed = CONFIG_KEYS[key][0]
-    if allowed == "true/false":
-        ok = isinstance(value, bool)
-        allowed = "true or false"
-    elif key == "number_checkpoints":
-        ok = value is None or (not isinstance(value, bool) and isinstance(value, int) and value >= 1)
-    elif key == "prefetch_depth":
-        ok = not isinstance(value, bool) and isinstance(value, int) and value >= 1
-    elif key == "checkpoints":
-        ok = value == "auto" or (isinstance(value, list) and bool(value) and all(
-            isinstance(v, str) or (isinstance(v, list) and v and all(isinstance(u, str) for u in v))
-            for v in value))
-        allowed = ("'auto' or a non-empty list of module names (a name, or a list of names of consecutive "
-                   "blocks, per segment)")
-    elif key == "chain":
-        ok = value is None or isinstance(value, str)
-    elif key == "memory_target":
-        ok = value is None or value == "min"
-        if not ok:
-            try:
-                parse_bytes(value)
-                ok = True
-            except (TypeError, ValueError):
-                pass
-    else:  # offload_bandwidth
-        try:
-            _parse_bandwidth(value)
-            ok = True
-        except (TypeError, ValueError):
-            ok = False
-    if not ok:
-        raise _config_error(path, value, allowed)
 
 
 def validate_config(block: Dict[str, Any], tidal_block: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
@@ -1245,7 +1232,6 @@ def validate_config(block: Dict[str, Any], tidal_block: Optional[Dict[str, Any]]
             type or an out-of-range value, a key given in both blocks, or keys
             that contradict each other.
     """
-    from tidal.config import ConfigError
     out = {k: spec[1] for k, spec in CONFIG_KEYS.items()}
     where: Dict[str, str] = {}
     for section, given, keys in ((_SECTION, block, tuple(CONFIG_KEYS)), (_TIDAL_SECTION, tidal_block, _TIDAL_KEYS)):
@@ -1256,13 +1242,11 @@ def validate_config(block: Dict[str, Any], tidal_block: Optional[Dict[str, Any]]
         for key, value in given.items():
             path = f"{section}.{key}"
             if key not in keys:
-                near = difflib.get_close_matches(str(key), list(keys), n=1, cutoff=0.5)
-                hint = f"; did you mean '{near[0]}'?" if near else ""
                 extra = f" (DeepSpeed's keys go in '{_SECTION}')" if key in _DEEPSPEED_KEYS else ""
-                raise ConfigError(f"unknown config key '{path}'{hint}{extra} (valid keys: {', '.join(keys)})")
+                raise unknown_key(path, key, keys, f"'{section}'", extra)
             if key in where:
                 raise ConfigError(f"config key '{key}' is given in both '{where[key]}' and '{path}'; give it once")
-            _check_key(path, key, value)
+            check_value(path, CONFIG_KEYS[key][0], value)
             where[key] = path
             out[key] = value
     out["_paths"] = {k: where.get(k, f"{_TIDAL_SECTION if k in _TIDAL_KEYS else _SECTION}.{k}") for k in CONFIG_KEYS}
@@ -1321,7 +1305,6 @@ def from_config(model: nn.Module, block: Dict[str, Any],
                          offload_bandwidth=c["offload_bandwidth"], preserve_rng_state=c["preserve_rng_state"],
                          synchronize_boundaries=c["synchronize_checkpoint_boundary"], trace=c["profile"])
     except ValueError as e:  # a name that matches no module, no chain: the key that named it
-        from tidal.config import ConfigError
         key = "chain" if checkpoints == "auto" and c["chain"] is not None else "checkpoints"
         raise ConfigError(f"config key '{paths[key]}': {e}") from None
     given = set(block) | set(tidal_block or ())

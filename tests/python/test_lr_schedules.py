@@ -210,37 +210,42 @@ def test_constructor_errors_name_the_value():
 
 
 # ----------------------------------------------------------- build_scheduler
+def _build(config):
+    """build_scheduler takes a loaded Config (lr_schedules does not import config)."""
+    return build_scheduler(tidal.Config.load(config))
+
+
 def test_build_scheduler_without_a_scheduler_section_is_none():
-    assert build_scheduler({}) is None
-    assert build_scheduler({"optimizer": {"params": {"lr": 0.1}}}) is None
+    assert _build({}) is None
+    assert _build({"optimizer": {"params": {"lr": 0.1}}}) is None
 
 
 def test_build_scheduler_uses_the_optimizer_lr_where_deepspeed_does():
     cfg = {"optimizer": {"type": "AdamW", "params": {"lr": 0.02}},
            "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 10,
                                                         "warmup_type": "linear"}}}
-    s = build_scheduler(cfg)
+    s = _build(cfg)
     assert isinstance(s, WarmupLR)
     assert [s.lr_at(k) for k in (-1, 5, 10)] == [0.0, 0.01, 0.02]   # max = the optimizer's lr
     cfg["scheduler"] = {"type": "WarmupDecayLR", "params": {"total_num_steps": 2000}}
-    d = build_scheduler(cfg)    # WarmupDecayLR's own default max is 0.001, warm-up 1000
+    d = _build(cfg)    # WarmupDecayLR's own default max is 0.001, warm-up 1000
     assert close(d.lr_at(999), 0.001) and close(d.lr_at(1500), 0.0005) and d.lr_at(2000) == 0.0
     cfg["scheduler"] = {"type": "WarmupCosineLR",
                         "params": {"total_num_steps": 100, "warmup_num_steps": 10}}
-    c = build_scheduler(cfg)
+    c = _build(cfg)
     assert close(c.lr_at(9), 0.02) and c.lr_at(-1) == 0.0
     cfg["scheduler"] = {"type": "OneCycle", "params": {"cycle_min_lr": 1e-4, "cycle_max_lr": 1e-3,
                                                        "cycle_first_step_size": 5}}
-    o = build_scheduler(cfg)
+    o = _build(cfg)
     assert o.get_lr() == 1e-4 and o.get_betas() == (0.8, 0.99)
     assert close(o.step(), 1e-4 + 0.9e-3 / 5)
     cfg["scheduler"] = {"type": "LRRangeTest", "params": {}}
-    r = build_scheduler(tidal.Config.load(cfg))   # a Config works as well
+    r = build_scheduler(tidal.Config.load(cfg))
     assert r.get_lr() == 1e-3 and r.get_betas() is None
 
 
 def test_resumed_schedule_starts_at_its_position():
-    s = build_scheduler({"scheduler": {"type": "WarmupLR", "params": {
+    s = _build({"scheduler": {"type": "WarmupLR", "params": {
         "warmup_max_lr": 1.0, "warmup_num_steps": 4, "warmup_type": "linear",
         "last_batch_iteration": 2}}})
     assert s.get_lr() == 0.5 and s.step() == 0.75

@@ -542,7 +542,7 @@ def test_config_block_deepspeed_names_and_tidal_keys():
 
 
 @pytest.mark.parametrize("block, match", [
-    ({"cpu_checkpointing": "yes"}, r"'activation_checkpointing\.cpu_checkpointing': expected true or false, got 'yes'"),
+    ({"cpu_checkpointing": "yes"}, r"'activation_checkpointing\.cpu_checkpointing': expected bool, got str 'yes'"),
     ({"number_checkpoints": 0},
      r"'activation_checkpointing\.number_checkpoints': expected null or an integer >= 1, got 0"),
     ({"number_checkpoints": 9},

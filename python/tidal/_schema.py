@@ -1,0 +1,116 @@
+"""The one way tidal checks a config block: the bottom of the package.
+
+Every block of the config file (the top level and its sections in
+tidal.config, ``tidal.dtr`` in tidal.dtr, ``activation_checkpointing`` and
+``tidal.recompute`` in tidal.recompute, a scheduler's ``params`` in
+tidal.lr_schedules) is a schema of ``key -> (kind, default, doc)`` checked by
+:func:`check_value`, and an unknown key gets :func:`unknown_key` with one
+"did you mean" rule. This module imports nothing of tidal but the byte-size
+parser, so config, dtr, recompute and lr_schedules all build on it and none
+imports another for its checks.
+
+A kind is one of:
+  * a type or a tuple of types (``NONE`` allows null; bool is never an int);
+  * ``"bytes"``: an int >= 0 or a size string such as "5GB";
+  * a tuple of strings: the allowed choices (a wrong case is suggested);
+  * ``dict``: an object, checked by its owner;
+  * a :class:`Rule`: a predicate with the words that say what it allows.
+"""
+from __future__ import annotations
+
+import difflib
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable
+
+from . import _C
+
+__all__ = ["ConfigError", "NONE", "Rule", "check_value", "did_you_mean", "fail", "unknown_key"]
+
+NONE = type(None)
+
+
+class ConfigError(ValueError):
+    """A config value tidal cannot use; the message names the key."""
+
+
+@dataclass(frozen=True)
+class Rule:
+    """A kind given by a predicate: `allowed` completes "expected ..."."""
+
+    allowed: str
+    ok: Callable[[Any], bool]
+
+
+def fail(path: str, message: str) -> None:
+    raise ConfigError(f"config key '{path}': {message}")
+
+
+def did_you_mean(word: Any, choices: Iterable[str]) -> str | None:
+    """The closest of `choices` to `word` (a different case first), or None."""
+    choices = list(choices)
+    if isinstance(word, str):
+        same = [c for c in choices if c.lower() == word.lower()]
+        if same:
+            return same[0]
+    near = difflib.get_close_matches(str(word), choices, n=1, cutoff=0.5)
+    return near[0] if near else None
+
+
+def unknown_key(path: str, key: Any, valid: Iterable[str], where: str = "", extra: str = "") -> ConfigError:
+    """The error for `key` (full path `path`) that the block does not have."""
+    valid = list(valid)
+    near = did_you_mean(key, valid)
+    hint = f"; did you mean '{near}'?" if near else ""
+    scope = f" in {where}" if where else ""
+    return ConfigError(f"unknown config key '{path}'{hint}{extra} (valid keys{scope}: "
+                       f"{', '.join(sorted(valid))})")
+
+
+def check_value(path: str, kind: Any, value: Any) -> Any:
+    """`value` checked against `kind` (see the module doc); returns it parsed
+    (byte sizes as ints). Raises ConfigError naming `path`."""
+    if isinstance(kind, Rule):
+        if not kind.ok(value):
+            fail(path, f"expected {kind.allowed}, got {value!r}")
+        return value
+    if kind == "bytes":
+        if isinstance(value, bool) or not isinstance(value, (int, str)):
+            fail(path, f"expected a byte count (int or a string like '5GB'), got {value!r}")
+        if isinstance(value, int):
+            if value < 0:
+                fail(path, f"expected a byte count >= 0, got {value}")
+            return value
+        try:
+            return int(_C.parse_bytes(value))
+        except ValueError as e:
+            fail(path, str(e))
+    if kind is dict:
+        if not isinstance(value, dict):
+            fail(path, f"expected an object, got {type(value).__name__} {value!r}")
+        return dict(value)
+    if isinstance(kind, tuple) and kind and all(isinstance(k, str) for k in kind):
+        if value not in kind:
+            near = did_you_mean(value, kind)
+            hint = f" (did you mean '{near}'?)" if near else ""
+            fail(path, f"expected one of {', '.join(repr(k) for k in kind)}, got {value!r}{hint}")
+        return value
+    types = kind if isinstance(kind, tuple) else (kind,)
+    expected = " or ".join("null" if t is NONE else t.__name__ for t in types)
+    if isinstance(value, bool) and bool not in types:
+        fail(path, f"expected {expected}, got bool {value!r}")
+    if not isinstance(value, types):
+        fail(path, f"expected {expected}, got {type(value).__name__} {value!r}")
+    return value
+
+
+def check_block(path: str, schema: dict, given: Any, where: str = "") -> dict:
+    """A flat block: every key known and checked; returns the given keys, parsed."""
+    if not isinstance(given, dict):
+        fail(path, f"expected an object, got {type(given).__name__} {given!r}")
+    out = {}
+    for key, value in given.items():
+        full = f"{path}.{key}"
+        if key not in schema:
+            raise unknown_key(full, key, schema, where or f"'{path}'")
+        out[key] = check_value(full, schema[key][0], value)
+    return out
