@@ -399,3 +399,75 @@ def load_pretrained(engine, path, strict=True):
         state.update(torch.load(f, map_location="cpu", weights_only=True, mmap=True))
     return _load_tensors(engine, list(state), state.__getitem__, lambda k: list(state[k].shape),
                          strict, "load_pretrained")
+
+
+def save_pretrained(engine, save_dir, max_shard_size="5GB", dtype=None):
+    """Writes the weights as Hugging Face's `save_pretrained` does: safetensors
+    (sharded with model.safetensors.index.json past `max_shard_size`), and the
+    model's config.json when it has a Hugging Face config. One shard is
+    gathered from the chunks at a time, so host memory holds at most one
+    shard beyond the chunks. Tied weights are written once, under their first
+    key (the embedding), as Hugging Face does. `dtype` (a torch dtype): the
+    saved tensors' dtype; None keeps fp32 masters as fp32. Returns the files
+    written.
+    """
+    from safetensors.torch import save_file
+
+    from .._C import parse_bytes
+
+    _no_pending_gradients(engine, "save_pretrained")
+    limit = parse_bytes(max_shard_size) if isinstance(max_shard_size, str) else int(max_shard_size)
+    if limit <= 0:
+        raise ValueError(f"save_pretrained: max_shard_size must be positive, got {max_shard_size!r}")
+    save_dir = pathlib.Path(save_dir)
+    save_dir.mkdir(parents=True, exist_ok=True)
+    # Plan: (key, record or tensor, bytes) in state_dict order, tied keys once.
+    plan, seen = [], set()
+    for key, value in engine.module.state_dict(keep_vars=True).items():
+        record = engine.store.by_param.get(id(value))
+        if record is not None and record.param is value:
+            if id(record) in seen:
+                continue
+            seen.add(id(record))
+            numel, item = record.numel, record
+        else:
+            numel, item = value.numel(), value
+        size = torch.empty((), dtype=dtype or torch.float32).element_size()
+        plan.append((key, item, numel * size))
+    shards, current, current_bytes = [], [], 0
+    for entry in plan:
+        if current and current_bytes + entry[2] > limit:
+            shards.append(current)
+            current, current_bytes = [], 0
+        current.append(entry)
+        current_bytes += entry[2]
+    if current or not shards:
+        shards.append(current)
+    names = (["model.safetensors"] if len(shards) == 1 else
+             [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))])
+    written, weight_map, total = [], {}, 0
+    with torch.no_grad(), uncounted():
+        for name, shard in zip(names, shards):
+            tensors = {}
+            for key, item, nbytes in shard:
+                t = engine.store.gather(item) if not isinstance(item, torch.Tensor) else \
+                    item.detach().cpu()
+                if t.is_floating_point():
+                    t = t.to(dtype or torch.float32)
+                tensors[key] = t.contiguous()
+                weight_map[key] = name
+                total += nbytes
+            tmp = save_dir / f".{name}.{uuid.uuid4().hex}.tmp"
+            save_file(tensors, str(tmp), metadata={"format": "pt"})
+            os.replace(tmp, save_dir / name)
+            written.append(save_dir / name)
+    if len(shards) > 1:
+        index = save_dir / "model.safetensors.index.json"
+        index.write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map},
+                                    indent=2, sort_keys=True))
+        written.append(index)
+    config = getattr(engine.module, "config", None)
+    if config is not None and hasattr(config, "save_pretrained"):
+        config.save_pretrained(save_dir)
+        written.append(save_dir / "config.json")
+    return written

@@ -667,6 +667,12 @@ class Engine:
         with self.dtr.weights_change(), _dtr.outside():
             return _checkpoint.load_pretrained(self, path, strict)
 
+    def save_pretrained(self, save_dir, max_shard_size="5GB", dtype=None):
+        """Writes Hugging Face `save_pretrained`-compatible weights (safetensors,
+        sharded past `max_shard_size`) and config.json, shard by shard."""
+        with _dtr.outside():
+            return _checkpoint.save_pretrained(self, save_dir, max_shard_size, dtype)
+
     # -------------------------------------------------------------- reports
     def memory_timeline(self) -> list[tuple]:
         """Device memory at every hook of the last completed step: tuples of

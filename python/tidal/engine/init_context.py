@@ -7,20 +7,47 @@ data replaced by a placeholder. So at most one module's parameters exist as
 ordinary tensors at a time, and a model larger than device memory can be
 constructed. tidal.initialize(model) adopts the store.
 
-Limit: code that re-initialises parameters in place after their module's
-__init__ returned (Hugging Face's post_init()/init_weights()) writes to the
-placeholders and is lost; such models are better built normally and passed
-to tidal.initialize(). Such writes change nothing and raise no error.
+Hugging Face models (transformers imported before the context starts) keep
+what their post_init() writes: see Note [Hugging Face's post_init in chunks].
+Other code that re-initialises parameters in place after their module's
+__init__ returned writes to the placeholders; wrap it in
+`store.materialized(module)` (the yielded store) to write into the chunks.
 """
 from __future__ import annotations
 
 import contextlib
 import functools
+import sys
 
 import torch
 
 from ..config import Config
 from .store import ParamStore
+
+
+def _hugging_face_initializer():
+    """(PreTrainedModel, its _initialize_weights) when Hugging Face's
+    transformers is imported, else (None, None).
+
+    Note [Hugging Face's post_init in chunks]: a transformers model builds
+    its modules (each initialised by its own __init__, then registered here),
+    then post_init() re-initialises every module with the model's
+    _init_weights and ties weights. The per-module step,
+    PreTrainedModel._initialize_weights(module), runs here with that
+    module's parameters materialised from their chunk slots
+    (ParamStore.materialized), so the values written land in the chunks,
+    with the same random draws in the same order as building the model
+    outside the context: the weights are the same for a fixed seed. Tied
+    weights (post_init's tie_weights) leave the replaced parameter's record
+    unreferenced, and tidal.initialize drops it (Note [Records the model
+    dropped] in store.py).
+    """
+    module = sys.modules.get("transformers.modeling_utils")
+    model = getattr(module, "PreTrainedModel", None)
+    original = getattr(model, "_initialize_weights", None) if model is not None else None
+    if original is None:
+        return None, None
+    return model, original
 
 
 def _subclasses(cls):
@@ -79,9 +106,20 @@ def init_context(config=None):
     for cls in _subclasses(torch.nn.Module):
         wrap(cls)
     torch.nn.Module.__init_subclass__ = __init_subclass__
+    hf_model, hf_original = _hugging_face_initializer()
+    if hf_model is not None:
+        @functools.wraps(hf_original)
+        def _initialize_weights(self, module):
+            with store.materialized(module):
+                return hf_original(self, module)
+
+        hf_model._initialize_weights = _initialize_weights
     try:
         yield store
     finally:
+        if hf_model is not None:
+            hf_model._initialize_weights = hf_original
+        store.sync_param16()
         for cls, original in originals.items():
             cls.__init__ = original
         if original_init_subclass is None:

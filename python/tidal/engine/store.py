@@ -112,6 +112,7 @@ class ParamStore:
         self.records: list[ParamRecord] = []
         self._warnings: list[str] = []
         self.by_param: dict[int, ParamRecord] = {}
+        self._stale16: dict[int, ParamRecord] = {}  # masters materialized() exposed
         ParamStore._live.add(self)
 
     def _new_chunks(self):
@@ -258,6 +259,55 @@ class ParamStore:
                 self.chunks.set_state(r.id, kind, "free")
             self.by_param.pop(id(r.param), None)
         self.records = [r for r in self.records if id(r) not in gone]
+
+    @contextlib.contextmanager
+    def materialized(self, module: torch.nn.Module):
+        """The registered parameters of `module` and its submodules hold their
+        values while inside.
+
+        For code that re-initialises parameters after their module's __init__
+        returned (Hugging Face's post_init, whose _init_weights may reach into
+        submodules): each parameter's data is a host view of its fp32 master
+        slot (its 16-bit slot when frozen), no copy. The 16-bit slots of the
+        masters exposed are brought up to date by sync_param16(), once, when
+        init_context ends. Parameters this store does not hold, or that an
+        enclosing materialized() holds already, are left as they are. Not for
+        use during training (the slots must be idle).
+        """
+        c = self.chunks
+        held = []
+        try:
+            for p in module.parameters():
+                r = self.by_param.get(id(p))
+                if r is None or r.param is not p or p.numel() != 0:
+                    continue  # not ours, or materialized already
+                kind = "param32" if r.trainable else "param16"
+                p.data = c.access(r.id, kind, "host", r.shape)
+                held.append((r, kind))
+                if r.trainable:
+                    self._stale16[id(r)] = r
+            yield
+        finally:
+            for r, kind in held:
+                c.release(r.id, kind, "hold")
+                r.param.data = self.placeholder()
+
+    def sync_param16(self) -> None:
+        """Copies the fp32 masters materialized() exposed into their 16-bit
+        slots (rounded), as registration does."""
+        c = self.chunks
+        stale, self._stale16 = self._stale16, {}
+        with uncounted(), torch.no_grad():
+            for r in stale.values():
+                src = c.access(r.id, "param32", "host", [r.numel])
+                try:
+                    dst = c.access(r.id, "param16", "host", [r.numel])
+                    try:
+                        dst.copy_(src)
+                    finally:
+                        c.release(r.id, "param16", "hold")
+                finally:
+                    c.release(r.id, "param32", "hold")
 
     def flush_warnings(self) -> None:
         """Says what registration found (e.g. tensors larger than a chunk), once."""
