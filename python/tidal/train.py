@@ -1,8 +1,10 @@
 """tidal-train (or python -m tidal.train): train a GPT-style model with tidal.
 
 The model is tidal's TinyGPT (pre-norm GPT-2 blocks, learned positions, tied
-embeddings) with the shape of a preset, or with the shape read from a Hugging
-Face config file. The training config is a DeepSpeed-style JSON file; the
+embeddings) with the shape of a preset, or the Hugging Face architecture of a
+config.json that names its model_type (GPT-2, LLaMA, Mistral, ...: any causal
+LM of transformers, built straight into chunks with tidal.init_context; a
+config without model_type gives a TinyGPT of its shape). The training config is a DeepSpeed-style JSON file; the
 defaults ship in configs/ at the repository root:
 
     configs/gpt_gpu.json    on a GPU: bf16, 64 MiB chunks, the whole GPU as budget
@@ -156,6 +158,26 @@ def shape_from_hf_config(cfg: dict, origin: str = "the Hugging Face config") -> 
     return shape
 
 
+def _transformers_config(cfg: dict, origin: str):
+    """The transformers config of a config.json with a model_type, for
+    AutoModelForCausalLM (the architecture trained as it is)."""
+    try:
+        import transformers
+    except ImportError:
+        raise ValueError("a config with a 'model_type' trains that Hugging Face architecture, "
+                         "which needs transformers: pip install transformers") from None
+    kind = cfg["model_type"]
+    try:
+        config = transformers.AutoConfig.for_model(kind, **{k: v for k, v in cfg.items()
+                                                              if k != "model_type"})
+    except (ValueError, KeyError) as e:
+        raise ValueError(f"model_type '{kind}' is not a transformers model type ({e})") from None
+    if type(config) not in transformers.AutoModelForCausalLM._model_mapping:
+        raise ValueError(f"model_type '{kind}' has no causal language model in transformers "
+                         f"(AutoModelForCausalLM); tidal-train trains causal LMs")
+    return config
+
+
 def default_config_path(quick: bool, gpu: bool) -> Path:
     name = "gpt_quick.json" if quick else "gpt_gpu.json" if gpu else "gpt_sim.json"
     path = CONFIG_DIR / name
@@ -256,7 +278,8 @@ def _parser() -> argparse.ArgumentParser:
                        help=f"model shape: {', '.join(PRESETS)} (default: gpt-350m on a GPU, "
                             f"tiny otherwise, nano with --quick)")
     model.add_argument("--hf-config", default=None, metavar="JSON",
-                       help="take the model shape from a Hugging Face GPT-2 (or LLaMA) config.json")
+                       help="train the Hugging Face architecture of a config.json with a model_type "
+                            "(gpt2, llama, ...; a config without one: a TinyGPT of its shape)")
     ap.add_argument("--quick", action="store_true",
                     help=f"smoke run: preset nano, {_QUICK_STEPS} steps, configs/gpt_quick.json "
                          f"(simulated device)")
@@ -316,11 +339,20 @@ def run(argv=None) -> dict:
     gpu = info["backend"] == "cuda"
 
     # The model's shape.
+    hf_config = None  # a transformers config: train that architecture itself
     if args.hf_config:
         try:
             with open(args.hf_config, encoding="utf-8") as f:
                 hf = json.load(f)
-            shape = shape_from_hf_config(hf, args.hf_config)
+            if isinstance(hf, dict) and hf.get("model_type"):
+                hf_config = _transformers_config(hf, args.hf_config)
+                c = hf_config
+                shape = ModelShape(c.num_hidden_layers, c.hidden_size, c.num_attention_heads,
+                                   getattr(c, "max_position_embeddings", None) or 1 << 30,
+                                   c.vocab_size, tied=bool(c.tie_word_embeddings),
+                                   source=f"Hugging Face {hf['model_type']} config {args.hf_config}")
+            else:
+                shape = shape_from_hf_config(hf, args.hf_config)
         except (OSError, ValueError) as e:  # json.JSONDecodeError is a ValueError
             ap.error(f"--hf-config {args.hf_config}: {e}")
         label = Path(args.hf_config).name
@@ -363,9 +395,10 @@ def run(argv=None) -> dict:
     accum = cfg.gradient_accumulation_steps
     steps = args.steps or (_QUICK_STEPS if args.quick else 20 if gpu else 30)
     tokens_per_step = micro * accum * seq
-    n_est = shape.params()
+    n_est = shape.params() if hf_config is None else None  # HF: counted once built
 
-    print(f"[tidal-train] {shape.source}: {n_est / 1e6:.1f}M parameters, {shape.layers} layers, "
+    size = f"{n_est / 1e6:.1f}M parameters, " if n_est is not None else ""
+    print(f"[tidal-train] {shape.source}: {size}{shape.layers} layers, "
           f"hidden {shape.hidden}, {shape.heads} heads, vocab {shape.vocab}; seq {seq}, micro batch "
           f"{micro} x {accum} accumulation, {steps} steps, data {args.data}, config {config_path}",
           flush=True)
@@ -375,11 +408,23 @@ def run(argv=None) -> dict:
     t0 = time.perf_counter()
     torch.manual_seed(args.seed)
     with tidal.init_context(config):
-        model = TinyGPT(vocab=shape.vocab, d=shape.hidden, layers=shape.layers, heads=shape.heads,
-                        seq=shape.positions, tied=shape.tied)
+        if hf_config is not None:
+            import transformers
+            model = transformers.AutoModelForCausalLM.from_config(hf_config)
+        else:
+            model = TinyGPT(vocab=shape.vocab, d=shape.hidden, layers=shape.layers,
+                            heads=shape.heads, seq=shape.positions, tied=shape.tied)
     engine = tidal.initialize(model)
+
+    def forward(x, y):
+        if hf_config is not None:
+            # Causal LM heads shift the labels themselves: x predicts x.
+            return engine(input_ids=x, labels=x).loss
+        return engine(x, y)
     records = getattr(engine, "records", None)
-    n_params = sum(r.numel for r in records) if records else n_est
+    n_params = sum(r.numel for r in records) if records else (n_est or 0)
+    if n_est is None:
+        print(f"[tidal-train] {type(model).__name__}: {n_params / 1e6:.1f}M parameters", flush=True)
     device = engine.store.torch_device
     info = tidal.get_device().info()
     print(f"[tidal-train] built into chunks in {time.perf_counter() - t0:.1f} s on "
@@ -401,7 +446,7 @@ def run(argv=None) -> dict:
         total = 0.0
         for _ in range(accum):
             x, y = next(data)
-            loss = engine(x, y)
+            loss = forward(x, y)
             engine.backward(loss)
             total += loss.item()
         if engine.step():
@@ -427,7 +472,8 @@ def run(argv=None) -> dict:
     steady = times[2:] or times
     tail = losses[-5:]
     summary = {
-        "model": label, "source": shape.source, "params": n_params, "layers": shape.layers,
+        "model": label, "source": shape.source, "architecture": type(model).__name__,
+        "params": n_params, "layers": shape.layers,
         "hidden": shape.hidden, "heads": shape.heads, "vocab": shape.vocab, "seq": seq,
         "steps": steps, "applied_steps": applied, "micro_batch": micro,
         "gradient_accumulation_steps": accum, "data": args.data, "config": str(config_path),

@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import transformers
 import torch
 
 import tidal
@@ -115,13 +116,37 @@ def test_hf_gpt2_config_trains_its_shape(tmp_path, keep_device):
     path.write_text(json.dumps(hf))
     summary = train.run(["--hf-config", str(path), "--quick", "--steps", "3", "--no-progress",
                          "--seq", "32"])
-    plain = TinyGPT(vocab=300, d=64, layers=2, heads=4, seq=64)
+    # The architecture itself, not a TinyGPT of its shape.
+    plain = transformers.GPT2LMHeadModel(transformers.GPT2Config(**hf))
     expected = sum(p.numel() for p in plain.parameters())   # tied head counted once
-    assert summary["params"] == expected
+    assert summary["architecture"] == "GPT2LMHeadModel" and summary["params"] == expected
     assert (summary["layers"], summary["hidden"], summary["heads"], summary["vocab"],
             summary["seq"]) == (2, 64, 4, 300, 32)
-    assert summary["source"] == f"GPT-2 config {path}" and summary["model"] == "config.json"
+    assert summary["source"] == f"Hugging Face gpt2 config {path}" and summary["model"] == "config.json"
     assert all(math.isfinite(v) for v in summary["losses"])
+
+
+def test_hf_llama_config_trains_the_llama_architecture(tmp_path, keep_device):
+    hf = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64,
+          "intermediate_size": 160, "num_attention_heads": 4, "num_key_value_heads": 2,
+          "num_hidden_layers": 2, "max_position_embeddings": 64, "vocab_size": 300,
+          "rms_norm_eps": 1e-5, "hidden_act": "silu", "tie_word_embeddings": False}
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(hf))
+    s = train.run(["--hf-config", str(path), "--quick", "--steps", "4", "--no-progress", "--seq",
+                   "32", "--lr", "0.01"])
+    llama = transformers.LlamaForCausalLM(transformers.LlamaConfig(**hf))
+    assert s["architecture"] == "LlamaForCausalLM"
+    assert s["params"] == sum(p.numel() for p in llama.parameters())
+    assert all(math.isfinite(v) for v in s["losses"]) and s["losses"][-1] < s["losses"][0]
+
+
+def test_hf_config_of_a_model_type_transformers_lacks_is_a_clear_error(tmp_path, capsys):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({"model_type": "gpt5", "n_layer": 1, "n_embd": 32, "n_head": 2,
+                                "n_positions": 16, "vocab_size": 300}))
+    assert "model_type 'gpt5' is not a transformers model type" in \
+        run_error(capsys, "--hf-config", str(path))
 
 
 def test_shapes_of_published_configs():
