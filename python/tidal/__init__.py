@@ -12,7 +12,7 @@ from tidal import _C
 from tidal._C import InternalError, OutOfMemoryError
 from tidal import dtr, optim, recompute
 from tidal.config import Config, ConfigError
-from tidal.engine import Engine, init_context, initialize
+from tidal.engine import Engine, UnsupportedModelError, init_context, initialize
 from tidal.device import (
     Device,
     DeviceBuffer,
@@ -43,6 +43,7 @@ __all__ = [
     "InternalError",
     "OutOfMemoryError",
     "Stream",
+    "UnsupportedModelError",
     "device_info",
     "get_device",
     "parse_bytes",

@@ -44,6 +44,18 @@ from .store import ParamStore, RelayoutError, uncounted
 OutOfMemoryError = _C.OutOfMemoryError
 
 
+class UnsupportedModelError(RuntimeError):
+    """The model does something the engine's hooks cannot follow (e.g. it uses
+    a parameter outside the forward of the module that owns it)."""
+
+
+_PLACEHOLDER_HINT = (
+    " [tidal: if this op read a parameter outside the forward of the module that owns it (e.g. "
+    "`other_module.weight` in another module's forward), that parameter is an empty placeholder "
+    "there: tidal brings a module's parameters to the device only while that module runs. Use it "
+    "through its module, or move the code into the owning module's forward]")
+
+
 class Engine:
     """Trains `module` with its model states in chunks. Build with tidal.initialize()."""
 
@@ -403,7 +415,16 @@ class Engine:
                 return t
             args = torch.utils._pytree.tree_map(cast, args)
             kwargs = torch.utils._pytree.tree_map(cast, kwargs)
-        return self.module(*args, **kwargs)
+        try:
+            return self.module(*args, **kwargs)
+        except RuntimeError as e:
+            # A shape error involving an empty tensor is what a parameter read
+            # outside its module's forward gives; say so (the error stays).
+            text = str(e)
+            if _PLACEHOLDER_HINT not in text and any(
+                    s in text for s in ("(0)", "[0]", "x0)", "0 elements", "size 0", "(0x", "[0,", ", 0]")):
+                e.args = (text + _PLACEHOLDER_HINT,) + e.args[1:]
+            raise
 
     forward = __call__
 
@@ -428,6 +449,20 @@ class Engine:
         self._count(True)
         try:
             scaled.backward()
+        except RuntimeError as e:
+            # Autograd checks gradient shapes against the tensors of the
+            # forward: a gradient of shape [0] is a parameter that was read as
+            # its empty placeholder, outside the forward of its module.
+            text = str(e)
+            if "invalid gradient" in text and "got [0]" in text:
+                raise UnsupportedModelError(
+                    f"a parameter was used outside the forward of the module that owns it ({text}): "
+                    f"there it is an empty placeholder, so the forward's result was wrong. tidal "
+                    f"brings a module's parameters to the device only while that module runs "
+                    f"(Note [Parameters keep their TensorImpl]). Use the parameter through its module "
+                    f"(call the module), or move the code that reads it into the owning module's "
+                    f"forward") from e
+            raise
         finally:
             self._count(False)
             rest = [r for r in self._bwd_attached if r.attached]
