@@ -476,7 +476,8 @@ class _Run:
             values = self.values
         v = values[i]  # type: ignore[index]
         values[i] = None  # type: ignore[index]
-        return v  # type: ignore[return-value]
+        aliases = self.plan.parameter_aliases
+        return aliases[1](v) if aliases is not None else v  # type: ignore[return-value]
 
     def checkpoint(self) -> Optional[torch.Tensor]:
         """The checkpoint on the device, waiting for its prefetch if it was offloaded."""
@@ -500,6 +501,15 @@ class _Run:
         count = [0]
         meta = self.meta
         seg = self.seg
+        # Note [Recompute under the training engine]: under tidal.initialize a
+        # parameter is a view of a chunk slot only while its module runs, and
+        # the chunk may move before the segment's backward reads what the
+        # recompute saved. The engine's pack/unpack keeps such a tensor as
+        # (parameter record, view geometry) and rebuilds it from the
+        # re-attached parameter when backward reads it, as it does for the
+        # forward's saved tensors (python/tidal/engine/hooks.py).
+        aliases = plan.parameter_aliases
+        keep = aliases[0] if aliases is not None else None
 
         def pack_again(t: torch.Tensor) -> None:
             k = count[0]
@@ -511,7 +521,7 @@ class _Run:
                         f"{t.dtype} on {t.device}, the forward saved {tuple(meta[k][0])} {meta[k][1]} on "
                         f"{meta[k][2]}: the segment does not run the same ops again (data-dependent control "
                         f"flow?). Leave it out of the checkpoints.")
-                values[k] = t
+                values[k] = keep(t) if keep is not None else t
             return None
 
         t0 = time.perf_counter()
@@ -644,6 +654,9 @@ class Recompute:
         self._measuring: Optional[Dict[str, List[Any]]] = None  # per block, filled by the first forward
         self._measured: Optional[Dict[str, List[int]]] = None
         self.target_estimate: Optional[int] = None
+        # (pack, unpack) of the training engine's parameter aliases, or None.
+        # See Note [Recompute under the training engine].
+        self.parameter_aliases: Optional[Tuple[Callable[[torch.Tensor], Any], Callable[[Any], torch.Tensor]]] = None
         self._lock = threading.Lock()
         self._set_segments(segments)
         todo = [m for seg in segments for m in seg.modules]

@@ -33,6 +33,7 @@ import torch
 
 from .. import _C
 from .. import dtr as _dtr
+from .. import recompute as _recompute
 from ..config import Config
 from ..lr_schedules import build_scheduler
 from . import checkpoint as _checkpoint
@@ -74,14 +75,26 @@ class Engine:
                              "pass the same config to tidal.initialize, or none")
         else:
             cfg = self.config = store.config
+        # The config's activation_checkpointing / tidal.recompute block: the
+        # plan is made first, so a bad checkpoint name fails before anything
+        # moves into chunks (Note [Recompute under the training engine]).
+        self.recompute_plan = None
+        if cfg.activation_checkpointing_given:
+            self.recompute_plan = _recompute.from_config(model, cfg.activation_checkpointing,
+                                                         cfg.recompute)
+        try:
+            self._setup(model, cfg, store)
+        except BaseException:
+            if self.recompute_plan is not None:
+                self.recompute_plan.remove()
+            raise
+        if self.recompute_plan is not None:
+            self.recompute_plan.parameter_aliases = (lambda t: _hooks.pack(self, t),
+                                                     lambda o: _hooks.unpack(self, o))
+
+    def _setup(self, model, cfg, store):
         store.adopted()
         self.store = store
-        if cfg.activation_checkpointing_given:
-            warnings.warn(
-                "tidal: the config's activation_checkpointing / tidal.recompute block is validated "
-                "but the training engine does not apply it yet (recompute inside chunk hooks is "
-                "not combined yet); tidal.recompute(model, ...) works on models outside the engine. "
-                "See docs/recompute.md", stacklevel=3)
         self.chunks = store.chunks
         self.dtype = store.dtype
         self.precision = store.precision
@@ -205,6 +218,9 @@ class Engine:
         for h in self._handles:
             h.remove()
         self._handles.clear()
+        if self.recompute_plan is not None:
+            self.recompute_plan.remove()
+            self.recompute_plan = None
 
     # ------------------------------------------------------------- the tracer
     def _measure(self) -> tuple[int, int]:
