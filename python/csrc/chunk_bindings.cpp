@@ -254,6 +254,13 @@ Python thread drives a Chunks object.)doc");
            },
            py::arg("space"), "Chunk bytes held in a space (resident + cached blocks); for hooks.")
       .def("stats", [](Chunks& c) { return stats_dict(c.scheduler().stats()); })
+      .def("move_counts",
+           [](Chunks& c) {
+             const ChunkSchedulerStats s = c.scheduler().stats();
+             return py::make_tuple(s.moves_host_to_device, s.moves_device_to_host, s.evictions);
+           },
+           "(moves host->device, moves device->host, evictions) so far: the memory profile "
+           "reads them at every trace point, where stats() would build a dict")
       .def("reset_stats", [](Chunks& c) { c.scheduler().reset_stats(); })
       .def("validate", [](Chunks& c) { c.scheduler().validate(); })
       .def("take_warnings", [](Chunks& c) { return c.scheduler().take_warnings(); });

@@ -43,6 +43,7 @@ import torch
 import tidal
 from tidal.data import DATA_KINDS, batches
 from tidal.models.gpt import TinyGPT
+from tidal.profile import plot_memory_profile as plot_memory_timeline
 
 __all__ = ["PRESETS", "ModelShape", "shape_from_hf_config", "default_config_path",
            "plot_memory_timeline", "run", "main"]
@@ -196,80 +197,6 @@ def _fmt_bytes(n: float) -> str:
     return f"{n:.1f} TiB"
 
 
-def plot_memory_timeline(timeline, path, title: str = "device memory over one training step"):
-    """Writes a PNG of device memory at each trace point of one step.
-
-    Args:
-        timeline: what Engine.memory_timeline() returns, one entry per trace
-            point in step order: (moment, hook, chunk_bytes, non_chunk_bytes,
-            budget) tuples, or dicts with those keys. chunk_bytes: chunk
-            bytes resident on the device; non_chunk_bytes: the peak of
-            everything else (activations, workspaces) since the previous
-            point; budget: the whole device budget.
-        path: the PNG to write.
-        title: the figure's title.
-    Returns:
-        {"points", "peak_chunk_bytes", "peak_non_chunk_bytes", "budget"}.
-    """
-    keys = ("moment", "hook", "chunk_bytes", "non_chunk_bytes", "budget")
-    rows = [tuple(p[k] for k in keys) if isinstance(p, dict) else tuple(p) for p in timeline]
-    if not rows:
-        raise ValueError("the memory timeline is empty: train at least one step before plotting")
-    for row in rows:
-        if len(row) != 5:
-            raise ValueError(f"a timeline entry must be {keys}, got {row!r}")
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        raise RuntimeError("--plot needs matplotlib: pip install matplotlib") from None
-
-    mib = float(1 << 20)
-    # One bar per point: the last point gets a width too (step="post" drops it otherwise).
-    x = [r[0] for r in rows]
-    x = x + [x[-1] + 1]
-    chunk = [r[2] / mib for r in rows]
-    other = [r[3] / mib for r in rows]
-    budget = [r[4] / mib for r in rows]
-    free = [max(0.0, b - c - o) for b, c, o in zip(budget, chunk, other)]
-    ext = lambda v: v + [v[-1]]  # noqa: E731
-    fig, ax = plt.subplots(figsize=(12, 4.8), dpi=100)
-    ax.stackplot(x, ext(chunk), ext(other), ext(free), step="post",
-                 labels=["chunks (params, grads, Adam states)", "non-chunk (activations, other)",
-                         "free"],
-                 colors=["#3b75af", "#ef8636", "#d9e8d3"])
-    ax.step(x, ext(budget), where="post", color="black", linewidth=1.2, label="device budget")
-    # Phase boundaries: forward, backward (module or gradient hooks), the optimizer step.
-    hooks = [str(r[1]) for r in rows]
-    kinds = [h.split(" ")[0] for h in hooks]
-    top = max(max(budget), max(c + o for c, o in zip(chunk, other))) * 1.1
-    for names, label in ((("fwd",), "forward"), (("bwd", "grad"), "backward"),
-                         (("step",), "optimizer step")):
-        first = next((r[0] for r, k in zip(rows, kinds) if k in names), None)
-        if first is not None:
-            ax.axvline(first, color="grey", linestyle="--", linewidth=0.8)
-            end = label == "optimizer step"
-            ax.text(first, top * 0.985, f"{label} " if end else f" {label}", fontsize=8,
-                    va="top", ha="right" if end else "left")
-    n = len(rows)
-    every = max(1, math.ceil(n / 24))
-    ax.set_xticks([v + 0.5 for v in x[:-1][::every]])
-    ax.set_xticklabels([h if len(h) <= 28 else h[:27] + "…" for h in hooks[::every]],
-                       rotation=60, ha="right", fontsize=7)
-    ax.set_ylabel("MiB")
-    ax.set_xlabel("trace point (module hook) in step order")
-    ax.set_title(title)
-    ax.set_ylim(0, top)
-    ax.set_xlim(x[0], x[-1])
-    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, format="png")
-    plt.close(fig)
-    return {"points": n, "peak_chunk_bytes": max(r[2] for r in rows),
-            "peak_non_chunk_bytes": max(r[3] for r in rows), "budget": max(r[4] for r in rows)}
-
-
 def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="tidal-train", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -299,6 +226,10 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--json", default=None, metavar="FILE", help="write the final report here")
     ap.add_argument("--plot", default=None, metavar="PNG",
                     help="write a PNG of device memory over the last step (needs matplotlib)")
+    ap.add_argument("--profile", default=None, metavar="DIR",
+                    help="write the last step's memory profile to DIR: memory_profile.json and "
+                         "memory_profile.png (chunks, non-chunk, free per hook, the budget, chunk "
+                         "moves and evictions marked; needs matplotlib)")
     ap.add_argument("--no-progress", action="store_true",
                     help="plain log lines instead of a progress bar")
     return ap
@@ -326,14 +257,11 @@ def run(argv=None) -> dict:
         near = difflib.get_close_matches(args.preset, list(PRESETS), n=1, cutoff=0.5)
         hint = f"; did you mean '{near[0]}'?" if near else ""
         ap.error(f"unknown preset '{args.preset}'{hint} (presets: {', '.join(PRESETS)})")
-    if args.plot is not None:
-        if not hasattr(tidal.Engine, "memory_timeline"):
-            ap.error("--plot needs Engine.memory_timeline() (device memory per trace point of a "
-                     "step), which this build of tidal does not have yet")
+    if args.plot is not None or args.profile is not None:
         try:
             import matplotlib  # noqa: F401  -- fail before training, not after
         except ImportError:
-            ap.error("--plot needs matplotlib: pip install matplotlib")
+            ap.error("--plot and --profile need matplotlib: pip install matplotlib")
 
     info = tidal.get_device().info()
     gpu = info["backend"] == "cuda"
@@ -503,12 +431,16 @@ def run(argv=None) -> dict:
     print(f"  Adam: {m['cpu_adam_seconds']:.2f} s in CPU Adam, chunks updated on the device "
           f"{m['adam_chunks_on_device']} / on the host {m['adam_chunks_on_host']}; skipped steps "
           f"{m['skipped_steps']}, loss scale {m['loss_scale']:g}", flush=True)
+    title = (f"tidal: device memory over one step ({label}, budget "
+             f"{_fmt_bytes(engine.store.device_budget)}, {info['backend']})")
+    if args.profile:
+        written = engine.export_memory_profile(args.profile, title=title)
+        summary["profile"] = written
+        print(f"[tidal-train] wrote {written['json']} and {written['png']} ({written['points']} "
+              f"trace points, {written['marked_moves']} chunk moves, "
+              f"{written['marked_evictions']} evictions)", flush=True)
     if args.plot:
-        timeline = engine.memory_timeline()
-        drawn = plot_memory_timeline(
-            timeline, args.plot,
-            title=f"tidal: device memory over one step ({label}, budget "
-                  f"{_fmt_bytes(engine.store.device_budget)}, {info['backend']})")
+        drawn = plot_memory_timeline(engine.memory_profile(), args.plot, title=title)
         summary["plot"] = {"path": str(args.plot), **drawn}
         print(f"[tidal-train] wrote {args.plot} ({drawn['points']} trace points)", flush=True)
     if args.json:

@@ -439,6 +439,24 @@ def test_memory_timeline_covers_every_hook_of_a_step():
     assert all(0 <= chunks <= budget for _, _, chunks, _, _ in timeline)
 
 
+def test_memory_profile_counts_the_chunk_traffic_of_each_interval():
+    torch.manual_seed(0)
+    model = TinyGPT(d=64, seq=8, layers=2)
+    batches = gpt_batches(3)
+    engine = tidal.initialize(model, fitted(config(), model, batches))
+    train_tidal(engine, batches[:2])
+    before = engine.chunks.stats()
+    train_tidal(engine, batches[2:])
+    after = engine.chunks.stats()
+    profile = engine.memory_profile()
+    assert [(p["moment"], p["hook"], p["chunk_bytes"], p["non_chunk_bytes"], p["budget"])
+            for p in profile] == engine.memory_timeline()
+    # The intervals of the last step add up to the scheduler's own counters.
+    for key, counter in (("h2d_moves", "moves_host_to_device"), ("d2h_moves", "moves_device_to_host"),
+                         ("evictions", "evictions")):
+        assert sum(p[key] for p in profile) == after[counter] - before[counter] > 0, key
+
+
 def test_an_fp16_overflow_does_not_advance_the_lr_schedule():
     torch.manual_seed(0)
     cfg = config()

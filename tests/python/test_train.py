@@ -248,7 +248,7 @@ def test_plot_draws_the_timeline_into_a_png(tmp_path):
     path = tmp_path / "mem.png"
     drawn = train.plot_memory_timeline(_timeline(), path)
     assert drawn == {"points": 21, "peak_chunk_bytes": 3 << 20, "peak_non_chunk_bytes": 1 << 20,
-                     "budget": 8 << 20}
+                     "budget": 8 << 20, "marked_moves": 0, "marked_evictions": 0}
     data = path.read_bytes()
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and data[12:16] == b"IHDR"
     assert struct.unpack(">II", data[16:24]) == (1200, 480)
@@ -274,14 +274,25 @@ def test_plot_rejects_an_empty_or_malformed_timeline(tmp_path):
 
 def test_plot_option_end_to_end(tmp_path, keep_device, capsys):
     path = tmp_path / "memory.png"
-    if not hasattr(tidal.Engine, "memory_timeline"):
-        err = run_error(capsys, "--quick", "--plot", str(path))
-        assert "--plot needs Engine.memory_timeline()" in err and not path.exists()
-        return
     s = train.run(["--quick", "--steps", "3", "--no-progress", "--plot", str(path)])
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert s["plot"]["points"] > 10 and s["plot"]["budget"] == 4 << 20
     assert 0 < s["plot"]["peak_chunk_bytes"] <= 4 << 20
+
+
+def test_profile_option_writes_the_json_and_a_png_with_moves_marked(tmp_path, keep_device):
+    import matplotlib.image as plt_image
+    s = train.run(["--quick", "--steps", "3", "--no-progress", "--profile", str(tmp_path / "prof")])
+    doc = json.loads((tmp_path / "prof" / "memory_profile.json").read_text())
+    points = doc["points"]
+    assert doc["device_budget"] == 4 << 20 and len(points) == s["profile"]["points"] > 10
+    assert [p["moment"] for p in points] == list(range(len(points)))
+    assert {p["hook"].split()[0] for p in points} == {"fwd", "bwd", "grad", "step"}
+    # The quick config's budget makes chunks move every step: marked in the PNG.
+    moves = sum(p["h2d_moves"] + p["d2h_moves"] for p in points)
+    assert moves == s["profile"]["marked_moves"] > 0
+    image = torch.from_numpy(plt_image.imread(str(tmp_path / "prof" / "memory_profile.png")).copy())
+    assert _count(image, (0x1f, 0x4e, 0x79)) > 0   # host->device move markers
 
 
 # ------------------------------------------------------- configs and data

@@ -245,7 +245,7 @@ class Engine:
         self._recording.append(peak)  # the interval that ends here
         k = self._point
         self._point += 1
-        self._timeline_recording.append((k, kind, what, held, peak))
+        self._timeline_recording.append((k, kind, what, held, peak, self.chunks.move_counts()))
         upcoming = live
         if self._trace is not None:
             upcoming = max(live, self._trace[k + 1] if k + 1 < len(self._trace) else max(self._trace))
@@ -731,15 +731,58 @@ class Engine:
         point, device budget). Hook names start with fwd/bwd/grad/step."""
         budget = self.store.device_budget
         out = []
-        for k, kind, what, held, peak in self._timeline:
-            if what is None:
-                hook = kind
-            elif isinstance(what, torch.nn.Module):
-                hook = f"{kind} {self._names.get(what, type(what).__name__)}"
-            else:
-                hook = f"{kind} {what.name}"
-            out.append((k, hook, held, peak, budget))
+        for k, kind, what, held, peak, _ in self._timeline:
+            out.append((k, self._hook_name(kind, what), held, peak, budget))
         return out
+
+    def _hook_name(self, kind, what) -> str:
+        if what is None:
+            return kind
+        if isinstance(what, torch.nn.Module):
+            return f"{kind} {self._names.get(what, type(what).__name__)}"
+        return f"{kind} {what.name}"
+
+    def memory_profile(self) -> list[dict]:
+        """memory_timeline() as dicts, with the chunk traffic of each interval:
+        the moves host->device and device->host and the evictions since the
+        previous trace point (the first point counts from the previous step's
+        last one)."""
+        budget = self.store.device_budget
+        out = []
+        prev = None
+        for k, kind, what, held, peak, moves in self._timeline:
+            base = prev if prev is not None else moves
+            out.append({"moment": k, "hook": self._hook_name(kind, what), "chunk_bytes": held,
+                        "non_chunk_bytes": peak, "budget": budget,
+                        "h2d_moves": moves[0] - base[0], "d2h_moves": moves[1] - base[1],
+                        "evictions": moves[2] - base[2]})
+            prev = moves
+        return out
+
+    def export_memory_profile(self, directory, title=None) -> dict:
+        """Writes the last step's memory profile to `directory`: memory_profile.json
+        (memory_profile() with the budget, margin and report) and memory_profile.png
+        (chunks / non-chunk / free per hook, the budget line, chunk moves and
+        evictions marked). Returns {"json": path, "png": path, ...drawing facts}."""
+        import json
+        import pathlib
+
+        from ..profile import plot_memory_profile
+
+        profile = self.memory_profile()
+        if not profile:
+            raise ValueError("no memory profile yet: train at least one step (engine.step()) first")
+        directory = pathlib.Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        report = {k: v for k, v in self.memory_report().items() if k not in ("scheduler", "host")}
+        doc = {"device_budget": self.store.device_budget, "device_margin": self.store.margin,
+               "backend": self.store.backend, "points": profile, "report": report}
+        json_path = directory / "memory_profile.json"
+        json_path.write_text(json.dumps(doc, indent=1, default=str))
+        png = directory / "memory_profile.png"
+        drawn = plot_memory_profile(profile, png, title=title or
+                                    f"tidal: device memory over one step ({self.store.backend})")
+        return {"json": str(json_path), "png": str(png), **drawn}
 
     def parameters_fp32(self) -> dict[str, torch.Tensor]:
         """Host copies of the fp32 master weights (16-bit values for frozen params), by name."""
