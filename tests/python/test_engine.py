@@ -246,6 +246,31 @@ def test_impossible_budget_names_the_module():
         tidal.initialize(model, config(budget="40KiB", chunk=16384))
 
 
+def test_an_out_of_memory_batch_raises_and_leaves_the_engine_usable():
+    torch.manual_seed(0)
+    model = TinyGPT(d=64, seq=8)
+    small = gpt_batches(3, batch=2)
+    engine = tidal.initialize(model, fitted(config(), model, small))
+    train_tidal(engine, small[:1])
+    x, y = gpt_batches(1, batch=256)[0]   # activations far beyond the measured budget
+
+    def fail():
+        # The traceback (and the activations its frames hold) goes with the
+        # call, as after a user's `except OutOfMemoryError:` block.
+        try:
+            engine.backward(engine(x, y))
+        except tidal.OutOfMemoryError as e:
+            return str(e)
+        return None
+
+    assert "could not bring the parameters" in (fail() or "")
+    assert not any(r.attached or r.refs for r in engine.records)
+    assert all(p.numel() == 0 for p in model.parameters())   # all back in their chunks
+    losses = train_tidal(engine, small[1:])
+    assert all(torch.isfinite(torch.tensor(losses)))
+    engine.chunks.validate()
+
+
 def test_bad_config_is_a_clear_error():
     with pytest.raises(tidal.ConfigError, match="did you mean 'gradient_clipping'"):
         tidal.initialize(TinyGPT(), {"gradient_clip": 1.0})

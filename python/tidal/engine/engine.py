@@ -433,11 +433,19 @@ class Engine:
             kwargs = torch.utils._pytree.tree_map(cast, kwargs)
         try:
             return self.module(*args, **kwargs)
-        except RuntimeError as e:
+        except BaseException as e:
+            # Whatever failed (an OutOfMemoryError, the model's own error), the
+            # forward's hooks did not finish: give their slots back, so the
+            # engine can go on with the next batch.
+            if self._saved_hooks is not None:
+                hooks, self._saved_hooks = self._saved_hooks, None
+                hooks.__exit__(None, None, None)
+            self._count(False)
+            self._release_after_error()
             # A shape error involving an empty tensor is what a parameter read
             # outside its module's forward gives; say so (the error stays).
             text = str(e)
-            if _PLACEHOLDER_HINT not in text and any(
+            if isinstance(e, RuntimeError) and _PLACEHOLDER_HINT not in text and any(
                     s in text for s in ("(0)", "[0]", "x0)", "0 elements", "size 0", "(0x", "[0,", ", 0]")):
                 e.args = (text + _PLACEHOLDER_HINT,) + e.args[1:]
             raise
@@ -464,27 +472,58 @@ class Engine:
         scaled = loss.float() * scale if scale != 1.0 else loss
         self._count(True)
         try:
-            scaled.backward()
-        except RuntimeError as e:
-            # Autograd checks gradient shapes against the tensors of the
-            # forward: a gradient of shape [0] is a parameter that was read as
-            # its empty placeholder, outside the forward of its module.
-            text = str(e)
-            if "invalid gradient" in text and "got [0]" in text:
-                raise UnsupportedModelError(
-                    f"a parameter was used outside the forward of the module that owns it ({text}): "
-                    f"there it is an empty placeholder, so the forward's result was wrong. tidal "
-                    f"brings a module's parameters to the device only while that module runs "
-                    f"(Note [Parameters keep their TensorImpl]). Use the parameter through its module "
-                    f"(call the module), or move the code that reads it into the owning module's "
-                    f"forward") from e
+            try:
+                scaled.backward()
+            except RuntimeError as e:
+                # Autograd checks gradient shapes against the tensors of the
+                # forward: a gradient of shape [0] is a parameter that was read
+                # as its empty placeholder, outside the forward of its module.
+                text = str(e)
+                if "invalid gradient" in text and "got [0]" in text:
+                    raise UnsupportedModelError(
+                        f"a parameter was used outside the forward of the module that owns it "
+                        f"({text}): there it is an empty placeholder, so the forward's result was "
+                        f"wrong. tidal brings a module's parameters to the device only while that "
+                        f"module runs (Note [Parameters keep their TensorImpl]). Use the parameter "
+                        f"through its module (call the module), or move the code that reads it into "
+                        f"the owning module's forward") from e
+                raise
+        except BaseException:
+            # The error is what the user sees; the slots this backward left in
+            # use are released without raising another one over it.
+            self._release_after_error()
             raise
         finally:
             self._count(False)
-            rest = [r for r in self._bwd_attached if r.attached]
-            self._bwd_attached.clear()
-            self._detach(rest, "hold")
+        rest = [r for r in self._bwd_attached if r.attached]
+        self._bwd_attached.clear()
+        self._detach(rest, "hold")
         self.micro_steps += 1
+
+    def _release_after_error(self):
+        """After a failed forward or backward: every parameter this engine has
+        attached goes back to its chunk (HOLD), whatever state the hooks got to.
+        The step's partial trace is dropped: the next step records afresh (the
+        scheduler's own trace diverges once and is adopted again)."""
+        self._bwd_attached.clear()
+        self._point = 0
+        self._recording = []
+        self._timeline_recording = []
+        for r in self.records:
+            r.refs = 0
+            if not r.attached:
+                continue
+            self._attached_by_ptr.pop(r.param.data_ptr(), None)
+            r.attached = False
+            try:
+                with _dtr.outside():
+                    if self.chunks.state(r.id, "param16") == "compute":
+                        self.chunks.detach([r.param], [r.id], "param16", "hold", "device")
+                    else:
+                        r.param.data = self.store.placeholder()
+            except Exception as e:  # noqa: BLE001 -- never mask the error being raised
+                warnings.warn(f"tidal: releasing '{r.name}' after an error failed too: {e}",
+                              stacklevel=3)
 
     def is_gradient_accumulation_boundary(self) -> bool:
         return self.micro_steps % self.config.gradient_accumulation_steps == 0
