@@ -19,6 +19,7 @@ A kind is one of:
 from __future__ import annotations
 
 import difflib
+import math
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable
 
@@ -68,7 +69,12 @@ def unknown_key(path: str, key: Any, valid: Iterable[str], where: str = "", extr
 
 def check_value(path: str, kind: Any, value: Any) -> Any:
     """`value` checked against `kind` (see the module doc); returns it parsed
-    (byte sizes as ints). Raises ConfigError naming `path`."""
+    (byte sizes as ints). Raises ConfigError naming `path`.
+
+    NaN and infinity are never a config value: every comparison with NaN is
+    false, so a bound such as "> 0" would let it through."""
+    if isinstance(value, float) and not math.isfinite(value):
+        fail(path, f"expected a finite number, got {value!r}")
     if isinstance(kind, Rule):
         if not kind.ok(value):
             fail(path, f"expected {kind.allowed}, got {value!r}")

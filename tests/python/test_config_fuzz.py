@@ -9,6 +9,7 @@ level, a section replaced by a scalar, or DTR / recompute / scheduler blocks
 with random contents.
 """
 import math
+import os
 import warnings
 
 import pytest
@@ -132,7 +133,7 @@ def _within_bounds(c: Config):
         assert isinstance(flag, bool)
 
 
-@settings(max_examples=600, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=int(os.environ.get("TIDAL_FUZZ_EXAMPLES", "600")), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(mutation)
 def test_every_config_loads_within_bounds_or_is_a_config_error_naming_the_key(m):
     cfg, path = _apply(m)
@@ -158,6 +159,19 @@ def test_every_key_with_a_wrong_kind_is_a_config_error_naming_it(path):
         spec = spec[k]
     cfg = {"optimizer": {"type": "AdamW", "params": {}}, "scheduler": {"type": "WarmupLR"}}
     _set(cfg, path, [1, 2] if spec[0] is dict else {"nested": [1, 2]})
+    with pytest.raises(ConfigError) as e, warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        Config.load(cfg)
+    assert ".".join(path) in str(e.value)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")], ids=repr)
+@pytest.mark.parametrize("path", LEAVES, ids=".".join)
+def test_nan_and_infinity_are_a_config_error_for_every_key(path, bad):
+    # Found by the fuzz test in CI: fp16.loss_scale = NaN passed its ">= 0"
+    # bound (every comparison with NaN is false). Checked for every leaf.
+    cfg = {"optimizer": {"type": "AdamW", "params": {}}, "scheduler": {"type": "WarmupLR"}}
+    _set(cfg, path, bad)
     with pytest.raises(ConfigError) as e, warnings.catch_warnings():
         warnings.simplefilter("ignore")
         Config.load(cfg)
