@@ -1,5 +1,7 @@
 #include "runtime/scheduler/block_pool.h"
 
+#include <cstdio>
+#include <exception>
 #include <utility>
 
 #include "runtime/core/error.h"
@@ -9,8 +11,28 @@ namespace tidal {
 BlockPool::BlockPool(std::shared_ptr<Device> device, bool pin_host)
     : device_(std::move(device)), pin_host_(pin_host) {}
 
+// See Note [Destructors after a device error].
 BlockPool::~BlockPool() {
-  for (MemorySpace space : {MemorySpace::kHost, MemorySpace::kDevice}) trim_all(space);
+  bool reported = false;
+  for (MemorySpace space : {MemorySpace::kHost, MemorySpace::kDevice}) {
+    // trim_one takes the block out of the cache before it waits, so each
+    // iteration makes progress even when the wait throws.
+    for (;;) {
+      try {
+        if (!trim_one(space)) break;
+      } catch (const std::exception& e) {
+        if (!reported) {
+          std::fprintf(stderr, "tidal: BlockPool teardown after a device error: %s\n", e.what());
+          reported = true;
+        }
+      } catch (...) {
+        if (!reported) {
+          std::fprintf(stderr, "tidal: BlockPool teardown after an unknown device error\n");
+          reported = true;
+        }
+      }
+    }
+  }
 }
 
 BlockPtr BlockPool::take_cached(MemorySpace space, std::size_t bytes) {

@@ -1,6 +1,8 @@
 #include "runtime/scheduler/chunk_scheduler.h"
 
 #include <algorithm>
+#include <cstdio>
+#include <exception>
 #include <utility>
 
 #include "runtime/core/error.h"
@@ -42,13 +44,36 @@ ChunkScheduler::ChunkScheduler(ChunkStore store, std::shared_ptr<Device> device,
   debug_validate();
 }
 
+// Note [Destructors after a device error]
+// A destructor runs during stack unwinding (e.g. after an OutOfMemoryError or
+// a device fault); if it threw, std::terminate would end the process and hide
+// the first error. So teardown in runtime/scheduler catches every exception,
+// reports the first one once to stderr and goes on releasing what is left.
+// After a device error the device's memory is in an unknown state anyway; the
+// aim is only that the process keeps the original error and does not abort.
 ChunkScheduler::~ChunkScheduler() {
+  bool reported = false;
+  auto guarded = [&reported](auto&& step) {
+    try {
+      step();
+    } catch (const std::exception& e) {
+      if (!reported) {
+        std::fprintf(stderr, "tidal: ChunkScheduler teardown after a device error: %s\n", e.what());
+        reported = true;
+      }
+    } catch (...) {
+      if (!reported) {
+        std::fprintf(stderr, "tidal: ChunkScheduler teardown after an unknown device error\n");
+        reported = true;
+      }
+    }
+  };
   // Every copy lands before any memory goes (Note [Block fences]).
   for (Slot& slot : slots_) {
-    if (slot.block) slot.block->wait_on_host();
+    if (slot.block) guarded([&] { slot.block->wait_on_host(); });
   }
-  h2d_stream_->synchronize();
-  d2h_stream_->synchronize();
+  guarded([&] { h2d_stream_->synchronize(); });
+  guarded([&] { d2h_stream_->synchronize(); });
 }
 
 TensorId ChunkScheduler::register_tensor(std::string name, std::size_t numel) {
