@@ -15,7 +15,7 @@
 //   (cudaErrorHostMemoryAlreadyRegistered). Pages are touched (pinning faults them in).
 //   cudaHostUnregister of a pointer that is not a registration's start:
 //   cudaErrorHostMemoryNotRegistered.
-// - Abort: munmap/mremap/mprotect/madvise(DONTNEED|FREE|REMOVE) over a registered range;
+// - Abort: munmap/mremap/mprotect (to less than RW)/madvise(DONTNEED|FREE|REMOVE) over a registered range;
 //   cudaFree of a pointer that is not a live allocation's start; copies whose pointers do not
 //   match the copy kind or that leave an allocation.
 // - Streams and events: copies run synchronously on the calling thread, in issue order, so
@@ -33,6 +33,7 @@
 //
 // Build: cc -O2 -shared -fPIC -I<cuda>/include -o libfakecudart.so fakecudart.c -ldl -lpthread
 #define _GNU_SOURCE
+#pragma GCC diagnostic ignored "-Wunused-parameter"  // the API's signatures, not all used
 #include <cuda_runtime_api.h>
 #include <dlfcn.h>
 #include <execinfo.h>
@@ -200,7 +201,11 @@ int madvise(void* addr, size_t len, int advice) {
 }
 int mprotect(void* addr, size_t len, int prot) {
   REAL(mprotect);
-  check_not_pinned("mprotect of a registered range", addr, len);
+  // Raising to RW is what an allocator's commit does (mimalloc commits a 2 MiB-aligned
+  // range with mprotect(RW) that can cover the tail page of a live pinned block next to
+  // it): a no-op for pages already RW. Anything less than RW breaks the pinned range.
+  if ((prot & (PROT_READ | PROT_WRITE)) != (PROT_READ | PROT_WRITE))
+    check_not_pinned("mprotect below PROT_READ|PROT_WRITE of a registered range", addr, len);
   return real_mprotect(addr, len, prot);
 }
 void* mremap(void* old, size_t old_len, size_t new_len, int flags, ...) {
