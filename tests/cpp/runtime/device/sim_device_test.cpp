@@ -185,6 +185,10 @@ TEST(SimDevicePinning, RegistrationsMayNotSharePagesAndUnregisterNeedsAStart) {
   device->unregister_host(base + 200);
   device->unregister_host(base + page);
   device->unregister_host(base + 2 * page + 8);
+  // A registration starting on an earlier page and ending in this range's first page.
+  EXPECT_FALSE(device->register_host(base + page - 8, 16));
+  EXPECT_NE(register_error(*device, base + page + 100, 8).find("shares a page"), std::string::npos);
+  device->unregister_host(base + page - 8);
   ::munmap(map, 4 * page);
 }
 
