@@ -2,6 +2,9 @@
 
 #include <cuda_runtime_api.h>
 
+#include <atomic>
+#include <cstdio>
+#include <new>
 #include <string>
 
 #include "runtime/core/error.h"
@@ -17,7 +20,27 @@
 namespace tidal {
 namespace {
 
+// Note [No throwing from CUDA destructors]
+// After a sticky CUDA error (an illegal address, a launch failure) every runtime call
+// returns that error, cudaStreamDestroy and cudaFree included. A destructor that threw
+// then would std::terminate the process, taking the Python interpreter with it, before
+// any API call could raise a tidal error naming the CUDA error. So destructors (and the
+// DeviceGuard they use) report a failed call once on stderr and go on; the next API call
+// throws, since the error is sticky. Only the first report is printed: after a sticky
+// error every destructor fails the same way.
+void report_destructor_error(const char* call, cudaError_t status) {
+  if (status == cudaSuccess) return;
+  static std::atomic<bool> reported{false};
+  if (reported.exchange(true)) return;
+  std::fprintf(stderr,
+               "tidal: warning: %s failed while releasing a CUDA resource: %s: %s (further "
+               "failures while releasing are not reported; the next CUDA call raises it)\n",
+               call, cudaGetErrorName(status), cudaGetErrorString(status));
+}
+
 // Makes `ordinal` the current device for the calling thread while in scope.
+// The std::nothrow_t form is for destructors: it reports failures instead of throwing
+// (Note [No throwing from CUDA destructors]).
 class DeviceGuard {
  public:
   explicit DeviceGuard(int ordinal) {
@@ -25,8 +48,16 @@ class DeviceGuard {
     if (previous_ != ordinal) TIDAL_CUDA_CHECK(cudaSetDevice(ordinal));
     changed_ = previous_ != ordinal;
   }
+  DeviceGuard(int ordinal, std::nothrow_t) noexcept {
+    const cudaError_t status = cudaGetDevice(&previous_);
+    report_destructor_error("cudaGetDevice", status);
+    if (status != cudaSuccess || previous_ == ordinal) return;
+    const cudaError_t set = cudaSetDevice(ordinal);
+    report_destructor_error("cudaSetDevice", set);
+    changed_ = set == cudaSuccess;
+  }
   ~DeviceGuard() {
-    if (changed_) cudaSetDevice(previous_);
+    if (changed_) report_destructor_error("cudaSetDevice", cudaSetDevice(previous_));
   }
 
  private:
@@ -49,9 +80,10 @@ class CudaStream final : public Stream {
     if (!owned_) return;
     // Unlike cudaStreamDestroy alone, wait for pending work: the contract
     // promises that destroying a stream completes what was queued on it.
-    DeviceGuard guard(ordinal_);
-    cudaStreamSynchronize(stream_);
-    cudaStreamDestroy(stream_);
+    // Never throws (Note [No throwing from CUDA destructors]).
+    DeviceGuard guard(ordinal_, std::nothrow);
+    report_destructor_error("cudaStreamSynchronize", cudaStreamSynchronize(stream_));
+    report_destructor_error("cudaStreamDestroy", cudaStreamDestroy(stream_));
   }
 
   void do_wait(const Event& event) override;
@@ -79,7 +111,7 @@ class CudaEvent final : public Event {
     TIDAL_CUDA_CHECK(cudaEventCreateWithFlags(
         &event_, timing ? cudaEventDefault : cudaEventDisableTiming));
   }
-  ~CudaEvent() override { cudaEventDestroy(event_); }
+  ~CudaEvent() override { report_destructor_error("cudaEventDestroy", cudaEventDestroy(event_)); }
 
   void do_record(Stream& stream) override {
     auto* cuda = dynamic_cast<CudaStream*>(&stream);

@@ -1,6 +1,8 @@
 #include "runtime/device/device.h"
 
 #include <algorithm>
+#include <atomic>
+#include <cstdio>
 
 #include "runtime/core/error.h"
 
@@ -46,6 +48,27 @@ double Event::elapsed_seconds_since(const Event& start) const {
   TIDAL_CHECK(timing_ && start.timing_,
               "elapsed_seconds_since: both events must be created with enable_timing=true");
   return do_elapsed_seconds_since(start);
+}
+
+DeviceBuffer::~DeviceBuffer() {
+  // A destructor must not throw: after a sticky CUDA error the free fails, and throwing
+  // here would terminate the process (Note [No throwing from CUDA destructors] in
+  // cuda_device.cpp). Report once and drop the pointer; the device's accounting keeps it
+  // live, which is true of a device that can no longer free anything.
+  try {
+    reset();
+  } catch (const std::exception& e) {
+    static std::atomic<bool> reported{false};
+    if (!reported.exchange(true)) {
+      std::fprintf(stderr,
+                   "tidal: warning: freeing a device buffer failed: %s (further failures "
+                   "while freeing device buffers are not reported)\n",
+                   e.what());
+    }
+    data_ = nullptr;
+    bytes_ = 0;
+    device_.reset();
+  }
 }
 
 void DeviceBuffer::reset() {

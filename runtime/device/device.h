@@ -140,7 +140,7 @@ class DeviceBuffer {
   }
   DeviceBuffer(const DeviceBuffer&) = delete;
   DeviceBuffer& operator=(const DeviceBuffer&) = delete;
-  ~DeviceBuffer() { reset(); }
+  ~DeviceBuffer();  // never throws; see device.cpp
 
   void* data() const { return data_; }
   std::size_t size() const { return bytes_; }

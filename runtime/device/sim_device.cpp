@@ -1,10 +1,13 @@
 #include "runtime/device/sim_device.h"
 
 #include <sys/mman.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <chrono>
 #include <condition_variable>
+#include <cstdint>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <deque>
@@ -29,6 +32,35 @@
 
 namespace tidal {
 namespace {
+
+std::uintptr_t page_size() {
+  static const std::uintptr_t size = [] {
+    const long value = ::sysconf(_SC_PAGESIZE);
+    return value > 0 ? static_cast<std::uintptr_t>(value) : std::uintptr_t{4096};
+  }();
+  return size;
+}
+
+// Whether [lo, lo + bytes) is covered by read-write mappings (/proc/self/maps, sorted).
+bool range_mapped_read_write(std::uintptr_t lo, std::size_t bytes) {
+  std::FILE* maps = std::fopen("/proc/self/maps", "r");
+  TIDAL_CHECK_RUNTIME(maps != nullptr, "register_host: cannot read /proc/self/maps");
+  std::uintptr_t covered = lo;
+  const std::uintptr_t end = lo + bytes;
+  char line[512];
+  while (covered < end && std::fgets(line, sizeof line, maps) != nullptr) {
+    unsigned long from = 0;
+    unsigned long to = 0;
+    char perms[8] = {};
+    if (std::sscanf(line, "%lx-%lx %7s", &from, &to, perms) != 3) continue;
+    if (to <= covered) continue;
+    if (from > covered || perms[0] != 'r' || perms[1] != 'w') break;
+    covered = to;
+  }
+  std::fclose(maps);
+  return covered >= end;
+}
+
 
 using Clock = std::chrono::steady_clock;
 
@@ -61,6 +93,7 @@ class SimArena {
   SimArena& operator=(const SimArena&) = delete;
 
   std::size_t size() const { return size_; }
+  const char* base() const { return base_; }
 
   void* allocate(std::size_t bytes) {
     const std::size_t rounded = (bytes + kArenaAlignment - 1) / kArenaAlignment * kArenaAlignment;
@@ -324,8 +357,54 @@ class SimDevice final : public Device {
     for (SimStream* stream : streams_) stream->synchronize();
   }
 
-  bool register_host(void*, std::size_t) override { return false; }
-  void unregister_host(void*) override {}
+  // Note [Simulated pinning follows cudaHostRegister]
+  // The simulated device pins nothing (register_host returns false), but it keeps
+  // cudaHostRegister's rules so that a pinning bug fails here as it would on a GPU, not
+  // first on the GPU machine: the range must be mapped read-write, must not be device
+  // memory, and must not share a page with a live registration (CUDA pins whole pages and
+  // answers cudaErrorHostMemoryAlreadyRegistered); unregistering a pointer that is not a
+  // registration's start fails (cudaErrorHostMemoryNotRegistered).
+  bool register_host(void* ptr, std::size_t bytes) override {
+    TIDAL_CHECK(ptr != nullptr && bytes > 0, "register_host: expected a non-empty host range, got ",
+                ptr, " + ", bytes, " bytes");
+    const auto lo = reinterpret_cast<std::uintptr_t>(ptr);
+    const auto arena = reinterpret_cast<std::uintptr_t>(arena_.base());
+    TIDAL_CHECK(lo + bytes <= arena || arena + arena_.size() <= lo, "register_host: the range ", ptr,
+                " + ", format_bytes(bytes),
+                " is device memory of the simulated device (cudaHostRegister would fail with "
+                "cudaErrorInvalidValue)");
+    TIDAL_CHECK(range_mapped_read_write(lo, bytes), "register_host: the range ", ptr, " + ",
+                format_bytes(bytes),
+                " is not entirely mapped read-write (cudaHostRegister would fail with "
+                "cudaErrorInvalidValue)");
+    const std::uintptr_t page = page_size();
+    const std::uintptr_t first = lo / page;
+    const std::uintptr_t last = (lo + bytes - 1) / page;
+    std::lock_guard<std::mutex> lock(registered_mutex_);
+    // registered_: start -> bytes, non-overlapping at page granularity.
+    auto next = registered_.lower_bound(first * page);
+    if (next != registered_.begin()) {
+      auto prev = std::prev(next);
+      TIDAL_CHECK((prev->first + prev->second - 1) / page < first, "register_host: the range ", ptr,
+                  " + ", format_bytes(bytes), " shares a page with the live registration ",
+                  reinterpret_cast<void*>(prev->first), " + ", format_bytes(prev->second),
+                  " (cudaHostRegister would fail with cudaErrorHostMemoryAlreadyRegistered)");
+    }
+    TIDAL_CHECK(next == registered_.end() || next->first / page > last, "register_host: the range ",
+                ptr, " + ", format_bytes(bytes), " shares a page with the live registration ",
+                reinterpret_cast<void*>(next->first), " + ", format_bytes(next->second),
+                " (cudaHostRegister would fail with cudaErrorHostMemoryAlreadyRegistered)");
+    registered_.emplace(lo, bytes);
+    return false;
+  }
+  void unregister_host(void* ptr) override {
+    std::lock_guard<std::mutex> lock(registered_mutex_);
+    const auto it = registered_.find(reinterpret_cast<std::uintptr_t>(ptr));
+    TIDAL_CHECK(it != registered_.end(), "unregister_host: ", ptr,
+                " is not the start of a live registration with the simulated device "
+                "(cudaHostUnregister would fail with cudaErrorHostMemoryNotRegistered)");
+    registered_.erase(it);
+  }
 
   void add_stream(SimStream* stream) {
     std::lock_guard<std::mutex> lock(streams_mutex_);
@@ -363,6 +442,8 @@ class SimDevice final : public Device {
 
  private:
   const SimDeviceOptions options_;
+  std::mutex registered_mutex_;
+  std::map<std::uintptr_t, std::size_t> registered_;  // live register_host ranges
   SimArena arena_;
   CopyEngines engines_;
   std::mutex streams_mutex_;

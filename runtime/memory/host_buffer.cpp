@@ -133,6 +133,10 @@ void HostBuffer::unpin() {
 void HostBuffer::reset() {
   if (data_ == nullptr) return;
   unpin();
+  // Freeing pinned memory lets the allocator reuse or decommit pages the device may still
+  // DMA into: unpin() either unregistered or threw before this line.
+  TIDAL_INTERNAL_ASSERT(registered_with_ == nullptr, "HostBuffer::reset: freeing ",
+                        format_bytes(bytes_), " at ", data_, " while registered with a device");
   mimalloc().free(data_);
   count_free(bytes_, huge_pages_);
   data_ = nullptr;

@@ -160,7 +160,7 @@ class Engine:
         self._install_hooks()
 
         # Memory tracer (Note [The memory tracer]).
-        self._cuda = store.backend == "cuda"
+        self._cuda = store.torch_device.type == "cuda"
         self._baseline = 0 if self._cuda else _C.chunks.host_allocation_counts()["live_bytes"]
         self._trace: list[int] | None = None   # interval peaks of the adopted trace
         self._recording: list[int] = []

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import os
 import warnings
 import weakref
 
@@ -94,6 +95,17 @@ class ParamStore:
         self.backend = info["backend"]
         self.torch_device = torch.device(f"cuda:{info['ordinal']}") if self.backend == "cuda" \
             else torch.device("cpu")
+        # Testing switch, for tests/python/test_fake_cuda.py only: TIDAL_TORCH_DEVICE=cpu
+        # with the CUDA backend (under the fake libcudart of tests/fake_cuda, device memory
+        # made CPU-readable) runs tidal's CUDA device layer while torch computes on the CPU
+        # over chunk views. There is then no compute stream, and the engine measures
+        # non-chunk memory with the host counter, as on the simulated device.
+        torch_override = os.environ.get("TIDAL_TORCH_DEVICE", "")
+        if torch_override and self.backend == "cuda":
+            if torch_override != "cpu":
+                raise ConfigError(f"environment variable TIDAL_TORCH_DEVICE={torch_override!r}: "
+                                  "expected 'cpu' (a testing switch) or unset")
+            self.torch_device = torch.device("cpu")
         capacity = info["capacity"]
         budget = config.device_memory_budget or capacity
         if budget > capacity:
@@ -118,7 +130,7 @@ class ParamStore:
     def _new_chunks(self):
         config = self.config
         stream = None
-        if self.backend == "cuda":
+        if self.torch_device.type == "cuda":
             stream = torch.cuda.current_stream(self.torch_device).cuda_stream
         return _C.chunks.Chunks(
             self.device, chunk_bytes=config.chunk_size,

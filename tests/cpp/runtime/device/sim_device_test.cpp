@@ -3,6 +3,8 @@
 #include "runtime/device/sim_device.h"
 
 #include <gtest/gtest.h>
+#include <sys/mman.h>
+#include <unistd.h>
 
 #include <chrono>
 #include <cstdint>
@@ -147,6 +149,68 @@ TEST(SimDevice, BadEnvironmentValuesNameTheVariable) {
   } catch (const ValueError& e) {
     EXPECT_NE(e.message().find("\"fast\""), std::string::npos) << e.message();
   }
+}
+
+// Note [Simulated pinning follows cudaHostRegister] (sim_device.cpp). The expected
+// failures are those of cudaHostRegister/cudaHostUnregister on a GPU.
+std::string register_error(Device& device, void* ptr, std::size_t bytes) {
+  try {
+    device.register_host(ptr, bytes);
+  } catch (const ValueError& e) {
+    return e.what();
+  }
+  return "";
+}
+
+TEST(SimDevicePinning, RegistrationsMayNotSharePagesAndUnregisterNeedsAStart) {
+  auto device = make_sim_device({.capacity_bytes = kMiB});
+  const std::size_t page = static_cast<std::size_t>(::sysconf(_SC_PAGESIZE));
+  void* map = ::mmap(nullptr, 4 * page, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  ASSERT_NE(map, MAP_FAILED);
+  char* base = static_cast<char*>(map);
+  EXPECT_FALSE(device->register_host(base, 100));  // the simulated device pins nothing
+  // Disjoint bytes but the same page: CUDA answers cudaErrorHostMemoryAlreadyRegistered.
+  EXPECT_NE(register_error(*device, base + 200, 10).find("shares a page"), std::string::npos);
+  // A range reaching back into the registered page from the next one.
+  EXPECT_NE(register_error(*device, base + page - 1, 2).find("shares a page"), std::string::npos);
+  // A range starting on a free page and ending in a registered one.
+  EXPECT_FALSE(device->register_host(base + 2 * page + 8, 8));
+  EXPECT_NE(register_error(*device, base + page, page + 16).find("shares a page"), std::string::npos);
+  EXPECT_FALSE(device->register_host(base + page, page));  // the page between is free
+  // Unregister needs a registration's start.
+  EXPECT_THROW(device->unregister_host(base + 1), ValueError);
+  device->unregister_host(base);
+  EXPECT_THROW(device->unregister_host(base), ValueError);  // already unregistered
+  EXPECT_FALSE(device->register_host(base + 200, 10));      // the page is free again
+  device->unregister_host(base + 200);
+  device->unregister_host(base + page);
+  device->unregister_host(base + 2 * page + 8);
+  // A registration starting on an earlier page and ending in this range's first page.
+  EXPECT_FALSE(device->register_host(base + page - 8, 16));
+  EXPECT_NE(register_error(*device, base + page + 100, 8).find("shares a page"), std::string::npos);
+  device->unregister_host(base + page - 8);
+  ::munmap(map, 4 * page);
+}
+
+TEST(SimDevicePinning, RangesMustBeMappedReadWriteHostMemory) {
+  auto device = make_sim_device({.capacity_bytes = kMiB});
+  const std::size_t page = static_cast<std::size_t>(::sysconf(_SC_PAGESIZE));
+  void* map = ::mmap(nullptr, 3 * page, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  ASSERT_NE(map, MAP_FAILED);
+  char* base = static_cast<char*>(map);
+  ASSERT_EQ(::mprotect(base + page, page, PROT_READ), 0);
+  // A PROT_NONE page stands for an unmapped one: unmapping it would let another thread
+  // (or ASan) map something there before the check.
+  ASSERT_EQ(::mprotect(base + 2 * page, page, PROT_NONE), 0);
+  EXPECT_NE(register_error(*device, base, 2 * page).find("not entirely mapped read-write"),
+            std::string::npos);  // the read-only middle page
+  EXPECT_NE(register_error(*device, base + 2 * page, page).find("not entirely mapped read-write"),
+            std::string::npos);  // no access
+  EXPECT_FALSE(device->register_host(base, page));  // the read-write page alone is fine
+  device->unregister_host(base);
+  DeviceBuffer on_device = device->allocate(4096);
+  EXPECT_NE(register_error(*device, on_device.data(), 4096).find("is device memory"), std::string::npos);
+  ::munmap(base, 3 * page);
 }
 
 }  // namespace
