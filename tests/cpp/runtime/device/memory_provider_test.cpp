@@ -163,6 +163,8 @@ TEST(MemoryProvider, EachAllocationGoesBackToWhereItCameFrom) {
   EXPECT_TRUE(first->holds(from_first.data()));
   EXPECT_TRUE(second->holds(from_second.data()));
   EXPECT_EQ(device->memory_stats().provided_bytes, 2 * kMiB);
+  // Frees happen while `second` is the provider: only its own block reaches it.
+  device->set_memory_provider(second);
 
   // The device keeps a provider alive while memory it gave is live.
   std::weak_ptr<RecordingProvider> first_alive = first;
