@@ -8,6 +8,7 @@
 #include <variant>
 
 #include "cpu_adam/simd_target.h"
+#include "hooks/torch_memory_provider.h"
 #include "python/csrc/bindings.h"
 #include "runtime/core/error.h"
 #include "runtime/core/units.h"
@@ -45,6 +46,7 @@ py::dict memory_stats_dict(const DeviceMemoryStats& s) {
   d["allocations"] = s.allocations;
   d["frees"] = s.frees;
   d["failed_allocations"] = s.failed_allocations;
+  d["provided"] = s.provided_bytes;
   return d;
 }
 
@@ -187,6 +189,42 @@ torch.frombuffer see its bytes without a copy.)doc")
       .def("__repr__", [](const HostBuffer& b) {
         return "<tidal.HostBuffer " + format_bytes(b.size()) + (b.pinned() ? " pinned" : "") + ">";
       });
+
+  // Note [Device memory providers] (device.h), Note [Chunk memory and torch's
+  // caching allocator] (hooks/torch_memory_provider.h).
+  py::class_<DeviceMemoryProvider, std::shared_ptr<DeviceMemoryProvider>>(m, "DeviceMemoryProvider",
+      "Where a device's allocations come from instead of its backend's allocator.")
+      .def_property_readonly("name", &DeviceMemoryProvider::name)
+      .def("__repr__", [](const DeviceMemoryProvider& p) {
+        return "<tidal.DeviceMemoryProvider " + p.name() + ">";
+      });
+  using hooks::TorchMemoryProvider;
+  py::class_<TorchMemoryProvider, DeviceMemoryProvider, std::shared_ptr<TorchMemoryProvider>>(
+      m, "TorchMemoryProvider", R"doc(
+Device memory from one of torch's allocators (CUDA caching allocator; CPU
+allocator counted by the host allocation counter on the simulated device).
+held_bytes: what torch counts for the blocks it handed out and did not get
+back; other_bytes / other_peak_bytes: torch's allocated bytes less those, now
+and at most since reset_window() (exact; see Note [Chunk memory and torch's
+caching allocator]).)doc")
+      .def("held_bytes", &TorchMemoryProvider::held_bytes)
+      .def("held_blocks", &TorchMemoryProvider::held_blocks)
+      .def("other_bytes", &TorchMemoryProvider::other_bytes)
+      .def("other_peak_bytes", &TorchMemoryProvider::other_peak_bytes)
+      .def("reset_window", &TorchMemoryProvider::reset_window)
+      .def("allocations", &TorchMemoryProvider::allocations)
+      .def("frees", &TorchMemoryProvider::frees);
+  m.def("torch_cuda_memory_provider", &hooks::make_torch_cuda_memory_provider, py::arg("ordinal"),
+        py::arg("stream"),
+        "Chunk memory from torch's CUDA caching allocator on device `ordinal`, blocks on "
+        "`stream` (a cudaStream_t as int). Raises NotImplementedError unless torch is a CUDA build.");
+  m.def("torch_cpu_memory_provider", &hooks::make_torch_cpu_memory_provider,
+        "Memory from torch's CPU allocator, always counted by the host allocation counter: the "
+        "simulated device's stand-in for torch_cuda_memory_provider (tests).");
+  device.def("set_memory_provider", &Device::set_memory_provider, py::arg("provider"),
+             "Later allocations come from `provider` (None: the backend); live ones go back to "
+             "where they came from.")
+      .def("memory_provider", &Device::memory_provider);
 
   m.def("create_device",
         [](const std::string& kind, std::optional<ByteSize> capacity, std::optional<std::string> bandwidth,

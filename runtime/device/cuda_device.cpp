@@ -200,6 +200,16 @@ class CudaDevice final : public Device {
     DeviceGuard guard(ordinal_);
     TIDAL_CUDA_CHECK(cudaFree(ptr));
   }
+  // Note [Device memory providers]: a provider allocates on the current
+  // device (torch's caching allocator does), so this device is made current.
+  void* do_allocate_from(DeviceMemoryProvider& provider, std::size_t bytes) override {
+    DeviceGuard guard(ordinal_);
+    return provider.allocate(bytes);
+  }
+  void do_free_to(DeviceMemoryProvider& provider, void* ptr) override {
+    DeviceGuard guard(ordinal_);
+    provider.free(ptr);
+  }
   std::unique_ptr<Stream> do_create_stream(std::string name) override {
     return std::make_unique<CudaStream>(shared_from_this(), std::move(name), ordinal_);
   }

@@ -101,15 +101,23 @@ void* Device::allocate_raw(std::size_t bytes) {
   if (bytes > capacity_ - stats_.in_use_bytes) {
     throw_out_of_memory(bytes, "the request exceeds the free capacity");
   }
-  void* ptr = do_allocate(bytes);
+  // Note [Device memory providers]: the provider, when one is set, replaces
+  // the backend; the accounting below is the same for both.
+  std::shared_ptr<DeviceMemoryProvider> provider = provider_;
+  void* ptr = provider ? do_allocate_from(*provider, bytes) : do_allocate(bytes);
   if (ptr == nullptr) {
-    throw_out_of_memory(bytes, "the backend could not find a free block of that size "
-                               "(memory outside tidal's accounting or fragmentation)");
+    throw_out_of_memory(bytes, provider
+                                   ? "the memory provider has no block of that size"
+                                   : "the backend could not find a free block of that size "
+                                     "(memory outside tidal's accounting or fragmentation)");
   }
-  const auto [it, inserted] = live_.emplace(reinterpret_cast<std::uintptr_t>(ptr), bytes);
-  TIDAL_INTERNAL_ASSERT(inserted, "backend returned live pointer ", ptr, " twice");
+  const bool provided = provider != nullptr;
+  const auto [it, inserted] =
+      live_.emplace(reinterpret_cast<std::uintptr_t>(ptr), Allocation{bytes, std::move(provider)});
+  TIDAL_INTERNAL_ASSERT(inserted, "backend or provider returned live pointer ", ptr, " twice");
   (void)it;
   stats_.in_use_bytes += bytes;
+  if (provided) stats_.provided_bytes += bytes;
   stats_.peak_in_use_bytes = std::max(stats_.peak_in_use_bytes, stats_.in_use_bytes);
   stats_.live_allocations = live_.size();
   ++stats_.allocations;
@@ -127,11 +135,27 @@ void Device::free_raw(void* ptr) {
   const auto it = live_.find(reinterpret_cast<std::uintptr_t>(ptr));
   TIDAL_CHECK(it != live_.end(), "device free: ", ptr, " is not a live allocation of this ",
               to_string(backend_), " device (double free or foreign pointer)");
-  do_free(ptr);
-  stats_.in_use_bytes -= it->second;
+  // Back to where it came from, whatever the provider is now.
+  if (it->second.provider) {
+    do_free_to(*it->second.provider, ptr);
+    stats_.provided_bytes -= it->second.bytes;
+  } else {
+    do_free(ptr);
+  }
+  stats_.in_use_bytes -= it->second.bytes;
   live_.erase(it);
   stats_.live_allocations = live_.size();
   ++stats_.frees;
+}
+
+void Device::set_memory_provider(std::shared_ptr<DeviceMemoryProvider> provider) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  provider_ = std::move(provider);
+}
+
+std::shared_ptr<DeviceMemoryProvider> Device::memory_provider() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return provider_;
 }
 
 std::size_t Device::capacity() const {
@@ -166,7 +190,8 @@ bool Device::owns(const void* ptr, std::size_t bytes) const {
   auto it = live_.upper_bound(p);
   if (it == live_.begin()) return false;
   --it;
-  return p >= it->first && bytes <= it->second && p - it->first <= it->second - bytes;
+  const std::size_t size = it->second.bytes;
+  return p >= it->first && bytes <= size && p - it->first <= size - bytes;
 }
 
 void Device::check_device_range(const void* ptr, std::size_t bytes, const char* role,

@@ -22,6 +22,9 @@
 // * Lifetimes: streams, events and buffers hold a shared_ptr to their Device,
 //   so a Device lives until the last of them is gone. Destroying a stream
 //   blocks until its queued work has finished.
+// * Memory providers: allocate() takes its memory from the backend
+//   (cudaMalloc, the simulated arena) unless a DeviceMemoryProvider is set;
+//   see Note [Device memory providers].
 #pragma once
 
 #include <cstddef>
@@ -57,6 +60,39 @@ struct DeviceMemoryStats {
   std::uint64_t allocations = 0;  // total allocate() calls that succeeded
   std::uint64_t frees = 0;
   std::uint64_t failed_allocations = 0;  // OutOfMemoryError thrown
+  // Of in_use_bytes, the bytes of live allocations a DeviceMemoryProvider
+  // gave (Note [Device memory providers]).
+  std::size_t provided_bytes = 0;
+};
+
+// Note [Device memory providers]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// A provider replaces the backend's own allocator (cudaMalloc, the simulated
+// arena) as the source of the memory Device::allocate() hands out, e.g. torch's
+// CUDA caching allocator (hooks/torch_memory_provider.h; why: Note [Chunk memory
+// and torch's caching allocator] there). The Device base keeps doing the
+// accounting: capacity, in use, peak and owns() are the same with or without a
+// provider. Each live allocation remembers the provider it came from and goes
+// back to that one, so set_memory_provider() may switch at any time, also while
+// memory is allocated. Rules for a provider:
+// * allocate(bytes) returns memory of the device (usable by its copies and
+//   kernels, aligned as cudaMalloc aligns: 256 bytes) or nullptr when it has
+//   none left; Device turns nullptr into OutOfMemoryError, as for its backend.
+//   It runs under the device's memory lock: it must not call back into this
+//   Device's memory functions.
+// * free(ptr) gets back exactly what allocate() returned, once. Device frees
+//   only memory no queued work touches any more (the caller's duty, as for the
+//   backend: Note [Block fences] in runtime/scheduler/block_pool.h), so a provider
+//   may hand the memory out again at once.
+// * The backend decides the context the calls run in: CudaDevice makes its
+//   device current around them (torch allocates on the current device).
+class DeviceMemoryProvider {
+ public:
+  virtual ~DeviceMemoryProvider() = default;
+  // Says where the memory comes from ("torch-cuda-caching-allocator").
+  virtual std::string name() const = 0;
+  virtual void* allocate(std::size_t bytes) = 0;
+  virtual void free(void* ptr) = 0;
 };
 
 class Device;
@@ -187,6 +223,11 @@ class Device : public std::enable_shared_from_this<Device> {
   void reset_peak_memory();
   // True if [ptr, ptr + bytes) lies inside one live allocation of this device.
   bool owns(const void* ptr, std::size_t bytes) const;
+  // Where later allocations come from: `provider`, or the backend when null.
+  // Live allocations keep going back to where they came from (Note [Device
+  // memory providers]).
+  void set_memory_provider(std::shared_ptr<DeviceMemoryProvider> provider);
+  std::shared_ptr<DeviceMemoryProvider> memory_provider() const;
 
   // ---- streams, events, copies -------------------------------------------
   std::unique_ptr<Stream> create_stream(std::string name);
@@ -216,6 +257,12 @@ class Device : public std::enable_shared_from_this<Device> {
   // of memory; the base turns that into OutOfMemoryError.
   virtual void* do_allocate(std::size_t bytes) = 0;
   virtual void do_free(void* ptr) = 0;
+  // The same through a provider (Note [Device memory providers]); a backend
+  // overrides them to set up the context the provider needs.
+  virtual void* do_allocate_from(DeviceMemoryProvider& provider, std::size_t bytes) {
+    return provider.allocate(bytes);
+  }
+  virtual void do_free_to(DeviceMemoryProvider& provider, void* ptr) { provider.free(ptr); }
   virtual std::unique_ptr<Stream> do_create_stream(std::string name) = 0;
   virtual std::unique_ptr<Stream> do_wrap_external_stream(std::uintptr_t handle, std::string name) = 0;
   virtual std::unique_ptr<Event> do_create_event(bool enable_timing) = 0;
@@ -233,7 +280,12 @@ class Device : public std::enable_shared_from_this<Device> {
 
   mutable std::mutex mutex_;
   std::size_t capacity_;
-  std::map<std::uintptr_t, std::size_t> live_;  // allocation start -> size
+  struct Allocation {
+    std::size_t bytes = 0;
+    std::shared_ptr<DeviceMemoryProvider> provider;  // null: the backend's
+  };
+  std::map<std::uintptr_t, Allocation> live_;  // allocation start -> allocation
+  std::shared_ptr<DeviceMemoryProvider> provider_;  // null: the backend allocates
   DeviceMemoryStats stats_;
 };
 

@@ -10,17 +10,37 @@ python/tidal/engine/hooks.py for the hook protocol. One step:
 Note [The memory tracer]
 ~~~~~~~~~~~~~~~~~~~~~~~~
 Every hook is a trace point. At each one the engine measures non-chunk
-device memory: torch.cuda.memory_allocated() on CUDA; on the simulated
-device, torch's CPU allocations counted by hooks/host_allocation_counter
-(there, torch's "device" tensors are CPU tensors). It also reads the peak
-since the previous point. The first step (the warm-up) records the peak of
-every interval between two points; from then on, at point k the chunk
-budget is device budget - margin - max(live now, recorded peak of interval
-k), so chunks give way before activations need the room, and OPT eviction
-plus prefetch follow the scheduler's trace. While a step has more points
-than the recorded trace (the model's path changed), the budget uses the
-largest recorded peak; the step's own record replaces the trace at its end.
-During warm-up the budget follows the live measurement alone.
+device memory (N below) and its peak since the previous point:
+* CUDA with chunk blocks from torch's caching allocator (the store installs
+  that provider; Note [Chunk memory and torch's caching allocator] in
+  hooks/torch_memory_provider.h): chunk blocks are in torch's own stats, so
+  N = torch's allocated bytes - H, H = what torch counted for the chunk
+  blocks the provider holds (resident chunks and the scheduler's cached
+  blocks alike). The peak is exact: H is constant between two chunk-block
+  calls, the provider folds (torch's peak - H) into its window at each call
+  and restarts torch's peak, and at the point the peak is max(window,
+  torch's peak now - H). Allocated, not reserved: what torch's cache keeps
+  free serves chunk blocks too (torch frees its cached segments and retries
+  before a chunk block fails), so it is room for chunks, not a cost of
+  activations.
+* CUDA without the provider (torch's allocator could not be reached):
+  chunk blocks are cudaMalloc'ed and can never use torch's cache, so N =
+  torch's reserved bytes, and its peak torch's peak reserved.
+* The simulated device: torch's "device" tensors are CPU tensors, and N is
+  torch's CPU allocations counted by hooks/host_allocation_counter (while
+  forward and backward run), less what was counted when the engine was
+  created. A test may install the CPU stand-in of the provider
+  (tidal._C.torch_cpu_memory_provider): chunk blocks then come from torch's
+  CPU allocator, always counted, and N and its peak are computed as on
+  CUDA with the provider, less the same at engine creation.
+The first step (the warm-up) records the peak of every interval between two
+points; from then on, at point k the chunk budget is device budget - margin
+- max(N now, recorded peak of interval k), so chunks give way before
+activations need the room, and OPT eviction plus prefetch follow the
+scheduler's trace. While a step has more points than the recorded trace
+(the model's path changed), the budget uses the largest recorded peak; the
+step's own record replaces the trace at its end. During warm-up the budget
+follows the live measurement alone.
 """
 from __future__ import annotations
 
@@ -224,14 +244,28 @@ class Engine:
 
     # ------------------------------------------------------------- the tracer
     def _measure(self) -> tuple[int, int]:
+        """(N now, peak of N since _reset_peak): Note [The memory tracer]."""
+        provider = self._provider
+        if provider is not None:
+            return (max(0, provider.other_bytes() - self._baseline),
+                    max(0, provider.other_peak_bytes() - self._baseline))
         if self._cuda:
-            return (torch.cuda.memory_allocated(self.store.torch_device),
-                    torch.cuda.max_memory_allocated(self.store.torch_device))
+            return (torch.cuda.memory_reserved(self.store.torch_device),
+                    torch.cuda.max_memory_reserved(self.store.torch_device))
         c = _C.chunks.host_allocation_counts()
         return max(0, c["live_bytes"] - self._baseline), max(0, c["peak_bytes"] - self._baseline)
 
     def _reset_peak(self):
-        if self._cuda:
+        if not hasattr(self, "_provider"):
+            # The first call (from __init__): which accounting applies, and
+            # its baseline (Note [The memory tracer]).
+            provider = self.store.device.memory_provider()
+            self._provider = provider if isinstance(provider, _C.TorchMemoryProvider) else None
+            if self._provider is not None:
+                self._baseline = 0 if self._cuda else self._provider.other_bytes()
+        if self._provider is not None:
+            self._provider.reset_window()  # restarts torch's peak too
+        elif self._cuda:
             torch.cuda.reset_peak_memory_stats(self.store.torch_device)
         else:
             _C.chunks.reset_host_allocation_peak()
@@ -299,7 +333,12 @@ class Engine:
             with _dtr.outside():
                 self.chunks.attach(params, ids, shapes, "param16", "device")
         except OutOfMemoryError as e:
-            if self._cuda:
+            # Without the provider, torch's cached free memory is out of the
+            # chunks' reach until torch gives it back. With it, torch's own
+            # OOM path already freed its cache and retried inside the chunk
+            # block's allocation, and the scheduler trimmed and evicted: a
+            # retry would fail the same way.
+            if self._cuda and self._provider is None:
                 torch.cuda.empty_cache()
                 try:
                     with _dtr.outside():
@@ -312,11 +351,20 @@ class Engine:
                 where = f"module '{self._names.get(module, '?')}'" if module is not None else \
                     f"parameter '{records[0].name}'"
                 live, _ = self._measure()
+                torch_side = ""
+                if self._cuda:
+                    dev = self.store.torch_device
+                    torch_side = (f"; torch has {torch.cuda.memory_allocated(dev)} bytes "
+                                  f"allocated and {torch.cuda.memory_reserved(dev)} reserved")
+                    if self._provider is not None:
+                        torch_side += (f", of which {self._provider.held_bytes()} are chunk "
+                                       f"blocks ({self._provider.name})")
                 raise OutOfMemoryError(
                     f"tidal could not bring the parameters of {where} onto the device: {e}. "
                     f"Non-chunk device memory (activations and other torch tensors) is "
                     f"{live} bytes now, of the device budget of {self.store.device_budget} bytes "
-                    f"(margin {self.store.margin}); chunks get what is left") from None
+                    f"(margin {self.store.margin}){torch_side}; chunks get what is "
+                    f"left") from None
         for r in records:
             r.attached = True
             self._attached_by_ptr[r.param.data_ptr()] = r

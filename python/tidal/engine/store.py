@@ -118,6 +118,19 @@ class ParamStore:
             raise ConfigError(
                 f"config key 'tidal.device_margin': {self.margin} bytes leaves nothing of the "
                 f"device budget of {budget} bytes for chunks")
+        if self.torch_device.type == "cuda" and \
+                not isinstance(device.memory_provider(), _C.TorchMemoryProvider):
+            # Chunk blocks from torch's caching allocator, one provider per device
+            # (Note [Chunk memory and torch's caching allocator] in
+            # hooks/torch_memory_provider.h; the engine's accounting: Note [The
+            # memory tracer] in engine.py).
+            stream = torch.cuda.current_stream(self.torch_device).cuda_stream
+            try:
+                device.set_memory_provider(_C.torch_cuda_memory_provider(info["ordinal"], stream))
+            except NotImplementedError as e:
+                warnings.warn(f"tidal: chunk memory comes from cudaMalloc, not from torch's "
+                              f"caching allocator ({e}); the engine counts torch's reserved "
+                              f"memory as non-chunk memory")
         self.precision = config.precision
         self.dtype = _TORCH_DTYPES[config.precision]
         self.chunks = self._new_chunks()

@@ -1,0 +1,238 @@
+#include "hooks/torch_memory_provider.h"
+
+#include <c10/core/Allocator.h>
+#include <c10/core/CPUAllocator.h>
+#include <dlfcn.h>
+
+#include <algorithm>
+#include <atomic>
+
+#include "hooks/host_allocation_counter.h"
+#include "runtime/core/error.h"
+
+#if defined(TIDAL_WITH_CUDA)
+// A CPU build of torch ships c10/cuda headers without the generated
+// c10/cuda/impl/cuda_cmake_macros.h; on Linux it only defines
+// C10_CUDA_BUILD_SHARED_LIBS, which matters on Windows alone.
+#define C10_CUDA_NO_CMAKE_CONFIGURE_FILE
+#include <c10/cuda/CUDACachingAllocator.h>
+#endif
+
+namespace tidal::hooks {
+
+TorchMemoryProvider::TorchMemoryProvider(std::unique_ptr<Source> source)
+    : source_(std::move(source)) {
+  TIDAL_INTERNAL_ASSERT(source_ != nullptr, "TorchMemoryProvider without a source");
+  source_->reset_peak();
+}
+
+std::string TorchMemoryProvider::name() const { return source_->name(); }
+
+void TorchMemoryProvider::close_interval() {
+  // held_ was constant since the last restart of torch's peak, so the peak of
+  // everything else in that interval is torch's peak less held_.
+  window_peak_ = std::max(window_peak_, source_->peak_allocated_bytes() - held_);
+}
+
+void* TorchMemoryProvider::allocate(std::size_t bytes) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  close_interval();
+  const std::int64_t before = source_->allocated_bytes();
+  void* ptr = source_->allocate(bytes);
+  if (ptr != nullptr) {
+    // What torch counted for it (its rounding included); at least the request.
+    const std::int64_t counted =
+        std::max(source_->allocated_bytes() - before, static_cast<std::int64_t>(bytes));
+    const auto [it, inserted] = counted_.emplace(ptr, counted);
+    TIDAL_INTERNAL_ASSERT(inserted, name(), " returned live block ", ptr, " twice");
+    (void)it;
+    held_ += counted;
+    ++allocations_;
+  }
+  source_->reset_peak();
+  return ptr;
+}
+
+void TorchMemoryProvider::free(void* ptr) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  const auto it = counted_.find(ptr);
+  TIDAL_INTERNAL_ASSERT(it != counted_.end(), name(), ": free of ", ptr,
+                        ", a block it did not hand out");
+  close_interval();
+  source_->free(ptr);
+  held_ -= it->second;
+  counted_.erase(it);
+  ++frees_;
+  source_->reset_peak();
+}
+
+std::int64_t TorchMemoryProvider::held_bytes() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return held_;
+}
+
+std::int64_t TorchMemoryProvider::held_blocks() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return static_cast<std::int64_t>(counted_.size());
+}
+
+std::int64_t TorchMemoryProvider::other_bytes() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return source_->allocated_bytes() - held_;
+}
+
+std::int64_t TorchMemoryProvider::other_peak_bytes() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return std::max(window_peak_, source_->peak_allocated_bytes() - held_);
+}
+
+void TorchMemoryProvider::reset_window() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  source_->reset_peak();
+  window_peak_ = source_->allocated_bytes() - held_;
+}
+
+std::int64_t TorchMemoryProvider::allocations() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return allocations_;
+}
+
+std::int64_t TorchMemoryProvider::frees() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return frees_;
+}
+
+namespace {
+
+// ---- torch's CPU allocator, counted (the simulated device's stand-in) -------
+
+// Same alignment cudaMalloc (and the simulated arena) guarantee.
+constexpr std::size_t kAlignment = 256;
+
+class CpuSource final : public TorchMemoryProvider::Source {
+ public:
+  std::string name() const override { return "torch-cpu-allocator"; }
+
+  void* allocate(std::size_t bytes) override {
+    // Counted whatever the counter's switch says, as torch's CUDA allocator
+    // counts every block (Note [Counting CPU allocations]).
+    const bool was = host_allocation_counting();
+    set_host_allocation_counting(true);
+    c10::DataPtr data;
+    try {
+      data = c10::GetCPUAllocator()->allocate(bytes + kAlignment);
+    } catch (const c10::Error&) {
+      set_host_allocation_counting(was);
+      return nullptr;  // out of host memory: the device is out of memory
+    }
+    set_host_allocation_counting(was);
+    const auto raw = reinterpret_cast<std::uintptr_t>(data.get());
+    void* aligned = reinterpret_cast<void*>((raw + kAlignment - 1) / kAlignment * kAlignment);
+    blocks_.emplace(aligned, std::move(data));
+    return aligned;
+  }
+  void free(void* ptr) override {
+    const auto it = blocks_.find(ptr);
+    TIDAL_INTERNAL_ASSERT(it != blocks_.end(), "torch CPU provider: free of unknown block ", ptr);
+    blocks_.erase(it);  // the DataPtr's deleter gives it back (and uncounts it)
+  }
+  std::int64_t allocated_bytes() const override { return host_allocation_counts().live_bytes; }
+  std::int64_t peak_allocated_bytes() const override {
+    return host_allocation_counts().peak_bytes;
+  }
+  void reset_peak() override { reset_host_allocation_peak(); }
+
+ private:
+  std::unordered_map<void*, c10::DataPtr> blocks_;
+};
+
+// ---- torch's CUDA caching allocator, found at run time ----------------------
+
+#if defined(TIDAL_WITH_CUDA)
+namespace cca = c10::cuda::CUDACachingAllocator;
+
+// Mangled name of c10::cuda::CUDACachingAllocator::allocator (std::atomic<CUDAAllocator*>).
+constexpr const char* kAllocatorSymbol = "_ZN3c104cuda20CUDACachingAllocator9allocatorE";
+
+cca::CUDAAllocator* find_torch_cuda_allocator() {
+  // Only if torch already loaded it: a CUDA build of torch does at import.
+  void* lib = dlopen("libc10_cuda.so", RTLD_NOW | RTLD_NOLOAD);
+  TIDAL_CHECK_SUPPORTED(lib != nullptr,
+                        "chunk memory from torch's CUDA caching allocator needs a CUDA build of "
+                        "torch, but libc10_cuda.so is not loaded in this process (",
+                        dlerror(), "); is torch a CPU build?");
+  void* symbol = dlsym(lib, kAllocatorSymbol);
+  const char* why = symbol == nullptr ? dlerror() : nullptr;
+  dlclose(lib);  // torch keeps it loaded; NOLOAD took one more reference
+  TIDAL_CHECK_SUPPORTED(symbol != nullptr, "libc10_cuda.so has no ", kAllocatorSymbol, " (",
+                        why != nullptr ? why : "?",
+                        "): this torch's CUDA allocator is not the one tidal was built against");
+  auto* allocator = static_cast<std::atomic<cca::CUDAAllocator*>*>(symbol)->load();
+  TIDAL_CHECK_RUNTIME(allocator != nullptr && allocator->initialized(),
+                      "torch's CUDA caching allocator is not initialized; call "
+                      "torch.cuda.init() first");
+  return allocator;
+}
+
+class CudaSource final : public TorchMemoryProvider::Source {
+ public:
+  CudaSource(cca::CUDAAllocator* allocator, int ordinal, std::uintptr_t stream)
+      : allocator_(allocator),
+        ordinal_(static_cast<c10::DeviceIndex>(ordinal)),
+        stream_(reinterpret_cast<cudaStream_t>(stream)) {}
+
+  std::string name() const override { return "torch-cuda-caching-allocator"; }
+
+  // The caller (CudaDevice::do_allocate_from) made the device current: torch
+  // allocates on the current device.
+  void* allocate(std::size_t bytes) override {
+    try {
+      return allocator_->raw_alloc_with_stream(bytes, stream_);
+    } catch (const c10::OutOfMemoryError&) {
+      // torch already freed its cached segments and retried; the chunk
+      // scheduler goes on with its own cache and evictions.
+      return nullptr;
+    }
+  }
+  void free(void* ptr) override { allocator_->raw_delete(ptr); }
+  std::int64_t allocated_bytes() const override {
+    return allocator_->getDeviceStats(ordinal_).allocated_bytes[kAggregate].current;
+  }
+  std::int64_t peak_allocated_bytes() const override {
+    return allocator_->getDeviceStats(ordinal_).allocated_bytes[kAggregate].peak;
+  }
+  void reset_peak() override { allocator_->resetPeakStats(ordinal_); }
+
+ private:
+  static constexpr std::size_t kAggregate =
+      static_cast<std::size_t>(c10::CachingAllocator::StatType::AGGREGATE);
+
+  cca::CUDAAllocator* allocator_;
+  c10::DeviceIndex ordinal_;
+  cudaStream_t stream_;
+};
+#endif
+
+}  // namespace
+
+std::shared_ptr<TorchMemoryProvider> make_torch_cuda_memory_provider(int ordinal,
+                                                                    std::uintptr_t stream) {
+#if defined(TIDAL_WITH_CUDA)
+  TIDAL_CHECK(ordinal >= 0, "torch CUDA memory provider: expected a device ordinal >= 0, got ",
+              ordinal);
+  return std::make_shared<TorchMemoryProvider>(
+      std::make_unique<CudaSource>(find_torch_cuda_allocator(), ordinal, stream));
+#else
+  (void)ordinal;
+  (void)stream;
+  TIDAL_THROW(NotImplementedError,
+              "chunk memory from torch's CUDA caching allocator: tidal was built without the "
+              "CUDA backend");
+#endif
+}
+
+std::shared_ptr<TorchMemoryProvider> make_torch_cpu_memory_provider() {
+  return std::make_shared<TorchMemoryProvider>(std::make_unique<CpuSource>());
+}
+
+}  // namespace tidal::hooks
