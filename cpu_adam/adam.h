@@ -42,9 +42,12 @@
 // store to a line that is not in the cache first reads the line (a
 // read-for-ownership), so an update that writes its copy to a buffer of its
 // own moves 30 bytes/param, not 28, while torch.optim.AdamW(fused=True) and
-// DeepSpeed's CPU Adam (fp32 grads, no copy) move exactly 28: that RFO is
-// the difference measured in benchmarks/results/cpu_adam-*.json once the
-// update is bound by memory bandwidth. On x86 AVX2/AVX-512 the kernels
+// DeepSpeed's CPU Adam (fp32 grads, no copy) move exactly 28, a 7% handicap
+// once the update is bound by memory bandwidth, as it is at 2^26+ params
+// (the in-cache update runs at about twice DRAM speed on one Zen 3 core).
+// "cached_copy_over_update" in benchmarks/results/cpu_adam-*.json measures
+// what streaming saves (1.01-1.11x on the 2-core AVX2 machine, paired
+// medians over several runs). On x86 AVX2/AVX-512 the kernels
 // therefore store such a copy with non-temporal (streaming) stores, aligned
 // to the copy's vector, with an sfence at the end of each block. Streaming
 // pays only when the data does not stay in the cache, so by default
