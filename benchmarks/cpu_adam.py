@@ -16,7 +16,10 @@ What one run measures, on the same machine:
       ``update`` (28 bytes/param: reads grad 2 + param 4 + m 4 + v 4, writes
       param 4 + m 4 + v 4 + copy 2), ``stats`` (the inf/nan + sum-of-squares
       pass, 2 bytes/param) and ``step`` (both, as a loss-scaled clipped step
-      runs them, 30 bytes/param).
+      runs them, 30 bytes/param); ``update_cached`` (the update with the
+      write-only copy stored through the cache instead of streamed, see Note
+      [Streaming the param copy] in cpu_adam/adam.h) and ``step_known`` (a
+      step whose gradient stats are already known: one pass, 28 bytes/param).
   Bytes are counted like STREAM (no write-allocate read of write-only data).
   ``fraction_of_triad`` etc. are medians of per-repeat ratios of tidal's
   effective GB/s to the limit's, so both sides of each ratio saw the same
@@ -130,7 +133,8 @@ def bench_cxx(exe: Optional[Path], n: int, repeats: int, thread_counts: List[int
     rows = []
     for r in raw["results"]:
         row = {"threads": r["threads"]}
-        for key in ("triad", "axpy", "streams", "update", "stats", "step"):
+        for key in ("triad", "axpy", "streams", "update", "stats", "step", "update_cached",
+                    "step_known"):
             row[key] = _stats(r[key + "_s"], n, bpp[key])
         # Paired per repeat (same moment, same machine state), then the median.
         for limit in ("triad", "axpy", "streams"):
@@ -139,6 +143,11 @@ def bench_cxx(exe: Optional[Path], n: int, repeats: int, thread_counts: List[int
             row["fraction_of_" + limit] = statistics.median(ratios)
         row["step_over_update"] = statistics.median(
             [ts / tu for ts, tu in zip(r["step_s"], r["update_s"])])
+        # > 1: streaming the write-only copy is faster (Note [Streaming the param copy]).
+        row["cached_copy_over_update"] = statistics.median(
+            [tc / tu for tc, tu in zip(r["update_cached_s"], r["update_s"])])
+        row["step_known_over_update"] = statistics.median(
+            [tk / tu for tk, tu in zip(r["step_known_s"], r["update_s"])])
         rows.append(row)
     return {"command": " ".join(cmd), "kernel_target": raw["kernel_target"],
             "huge_pages": raw["huge_pages"], "sane": raw["sane"], "rows": rows}
@@ -312,7 +321,11 @@ def bench_size(n: int, repeats: int, warmup: int, thread_counts: List[int], args
             out[key] = best[key]
         out["tidal"] = {"kernel_target": cxx["kernel_target"], "threads": best["threads"],
                         "update": best["update"], "stats_pass": best["stats"], "step": best["step"],
-                        "step_over_update": best["step_over_update"]}
+                        "step_over_update": best["step_over_update"],
+                        "update_cached_copy": best["update_cached"],
+                        "cached_copy_over_update": best["cached_copy_over_update"],
+                        "step_known_stats": best["step_known"],
+                        "step_known_over_update": best["step_known_over_update"]}
         for key in ("triad", "axpy", "streams"):
             out["fraction_of_" + key] = best["fraction_of_" + key]
         out["thread_scaling"] = [

@@ -15,6 +15,9 @@
 //   update: tidal Adam, fp16 grad, fp32 param/m/v, fp16 copy   28 B/param
 //   stats:  tidal gradient pass (fp16)                            2 B/param
 //   step:   stats + update (loss scale, clipping)                30 B/param
+//   update_cached: update with the copy stored through the cache (no
+//          streaming stores, CopyStores::kCache)                28 B/param
+//   step_known: step with the gradient stats already known (one pass) 28 B/param
 //   streams: Adam's access pattern with trivial arithmetic: reads fp16 g and
 //          fp32 p, m, v; writes p, m, v and an fp16 copy      28 B/param
 // triad/axpy/streams are plain loops (restrict pointers, -O3, baseline ISA).
@@ -170,7 +173,7 @@ int main(int argc, char** argv) {
 
   std::printf("{\"params\": %zu, \"kernel_target\": \"%s\", \"huge_pages\": %s, "
               "\"bytes_per_param\": {\"triad\": 12, \"axpy\": 12, \"streams\": 28, \"update\": 28, "
-              "\"stats\": 2, \"step\": 30}, \"results\": [",
+              "\"stats\": 2, \"step\": 30, \"update_cached\": 28, \"step_known\": 28}, \"results\": [",
               n, ca::kernel_target().c_str(), pbuf.huge_pages() ? "true" : "false");
   for (std::size_t t = 0; t < threads.size(); ++t) {
     tbb::task_arena arena(threads[t]);
@@ -178,7 +181,7 @@ int main(int argc, char** argv) {
     // the calling arena), so no call waits for workers to change arenas.
     const ca::ExecOptions exec{0};
     auto in_arena = [&](auto&& fn) { return seconds([&] { arena.execute(fn); }); };
-    std::vector<double> triad_s, axpy_s, streams_s, update, stats, full;
+    std::vector<double> triad_s, axpy_s, streams_s, update, stats, full, update_cached, step_known;
     for (int r = 0; r < repeats + 1; ++r) {  // repeat 0 warms up
       const double t_triad = seconds([&] {
         parallel_blocks(arena, n, [&](std::size_t lo, std::size_t hi) { triad(a, b, c, s, lo, hi); });
@@ -201,7 +204,19 @@ int main(int argc, char** argv) {
       const ca::AdamSpan span2{p, m, v, g, copy, n, ++step};
       ca::AdamStepResult res;
       const double t_step = in_arena([&] { res = ca::adam_step(hyper, dtypes, {&span2, 1}, opt, exec); });
-      ok = ok && st.finite && !res.overflow;
+      // The same update with the copy stored through the cache (no
+      // streaming stores; Note [Streaming the param copy]), and a step whose
+      // gradient stats are already known (one memory pass, as the chunk
+      // engine runs it once every chunk's stats are in).
+      const ca::AdamSpan span3{p, m, v, g, copy, n, ++step};
+      const ca::ExecOptions cached{0, ca::CopyStores::kCache};
+      const double t_cached = in_arena([&] { ca::adam_update(hyper, dtypes, {&span3, 1}, 1.0 / 1024, cached); });
+      opt.known_stats = st;
+      const ca::AdamSpan span4{p, m, v, g, copy, n, ++step};
+      ca::AdamStepResult res_known;
+      const double t_known = in_arena([&] { res_known = ca::adam_step(hyper, dtypes, {&span4, 1}, opt, exec); });
+      ok = ok && st.finite && !res.overflow && !res_known.overflow &&
+           res_known.clip_coef == res.clip_coef;
       if (r > 0) {
         triad_s.push_back(t_triad);
         axpy_s.push_back(t_axpy);
@@ -209,6 +224,8 @@ int main(int argc, char** argv) {
         update.push_back(t_update);
         stats.push_back(t_stats);
         full.push_back(t_step);
+        update_cached.push_back(t_cached);
+        step_known.push_back(t_known);
       }
     }
     std::printf("%s{\"threads\": %d", t ? ", " : "", threads[t]);
@@ -218,6 +235,8 @@ int main(int argc, char** argv) {
     print_samples("update_s", update);
     print_samples("stats_s", stats);
     print_samples("step_s", full);
+    print_samples("update_cached_s", update_cached);
+    print_samples("step_known_s", step_known);
     std::printf("}");
   }
   // Sanity: the params stayed finite and, after one more update, the copy is

@@ -283,6 +283,7 @@ void adam_update(const AdamHyperParams& hyper, const AdamDTypes& dtypes,
   counts.reserve(spans.size());
   std::vector<detail::UpdateConstants> constants;
   constants.reserve(spans.size());
+  std::size_t total = 0;
   for (std::size_t i = 0; i < spans.size(); ++i) {
     const AdamSpan& s = spans[i];
     TIDAL_CHECK(s.step >= 1, "span ", i, ": step must be >= 1 (the step this update makes), got ",
@@ -300,7 +301,13 @@ void adam_update(const AdamHyperParams& hyper, const AdamDTypes& dtypes,
     }
     counts.push_back(s.count);
     constants.push_back(detail::make_update_constants(hyper, s.step, grad_scale));
+    total += s.count;
   }
+  // Note [Streaming the param copy]; the kernels stream only a copy that is
+  // not the grad buffer, on targets that can.
+  const bool stream = exec.copy_stores == CopyStores::kStream ||
+                      (exec.copy_stores == CopyStores::kAuto && total >= kStreamCopyMinElements);
+  for (detail::UpdateConstants& c : constants) c.stream_copy = stream;
   const KernelTable& table = active_table();
   const bool l2 = !hyper.adamw_mode && hyper.weight_decay != 0.0;
   const detail::UpdateFn fn =
@@ -364,10 +371,18 @@ AdamStepResult adam_step(const AdamHyperParams& hyper, const AdamDTypes& dtypes,
   const bool clip = options.max_grad_norm > 0.0;
   AdamStepResult result;
   if (options.check_overflow || clip) {
-    std::vector<GradSpan> grads;
-    grads.reserve(spans.size());
-    for (const AdamSpan& s : spans) grads.push_back({s.grad, s.count});
-    const GradStats stats = grad_stats(dtypes.grad, grads, inv_loss_scale, exec);
+    GradStats stats;
+    if (options.known_stats) {
+      // One memory pass: the caller already has the stats (Note [CPU Adam passes]).
+      TIDAL_CHECK(!(options.known_stats->sum_squares < 0.0),
+                  "known_stats.sum_squares must be >= 0, got ", options.known_stats->sum_squares);
+      stats = *options.known_stats;
+    } else {
+      std::vector<GradSpan> grads;
+      grads.reserve(spans.size());
+      for (const AdamSpan& s : spans) grads.push_back({s.grad, s.count});
+      stats = grad_stats(dtypes.grad, grads, inv_loss_scale, exec);
+    }
     result.grad_norm = std::sqrt(stats.sum_squares);
     if (!stats.finite && options.check_overflow) {
       result.overflow = true;
@@ -381,6 +396,57 @@ AdamStepResult adam_step(const AdamHyperParams& hyper, const AdamDTypes& dtypes,
   }
   adam_update(hyper, dtypes, spans, inv_loss_scale * result.clip_coef, exec);
   return result;
+}
+
+AdamStepResult adam_chunk_step(const AdamHyperParams& hyper, const AdamChunk& chunk,
+                               std::span<const ChunkRange> ranges, const AdamStepOptions& options,
+                               const ExecOptions& exec) {
+  TIDAL_CHECK(chunk.half_dtype == DType::kFloat16 || chunk.half_dtype == DType::kBFloat16,
+              "the chunk's 16-bit buffer must be float16 or bfloat16, got ",
+              dtype_name(chunk.half_dtype));
+  TIDAL_CHECK(chunk.numel == 0 || (chunk.param != nullptr && chunk.exp_avg != nullptr &&
+                                   chunk.exp_avg_sq != nullptr && chunk.half != nullptr),
+              "the chunk's param, exp_avg, exp_avg_sq and 16-bit buffers must be non-null for ",
+              chunk.numel, " elements");
+  // Ranges inside the chunk and pairwise disjoint: an element updated twice
+  // would take two Adam steps.
+  std::vector<std::size_t> order(ranges.size());
+  for (std::size_t i = 0; i < ranges.size(); ++i) {
+    const ChunkRange& r = ranges[i];
+    TIDAL_CHECK(r.offset <= chunk.numel && r.count <= chunk.numel - r.offset, "range ", i,
+                ": elements [", r.offset, ", ", r.offset + r.count,
+                ") are out of range for a chunk of ", chunk.numel, " elements");
+    order[i] = i;
+  }
+  std::sort(order.begin(), order.end(), [&](std::size_t a, std::size_t b) {
+    return ranges[a].offset < ranges[b].offset;
+  });
+  for (std::size_t k = 1; k < order.size(); ++k) {
+    const ChunkRange& a = ranges[order[k - 1]];
+    const ChunkRange& b = ranges[order[k]];
+    TIDAL_CHECK(a.count == 0 || b.count == 0 || a.offset + a.count <= b.offset, "ranges ",
+                order[k - 1], " [", a.offset, ", ", a.offset + a.count, ") and ", order[k], " [",
+                b.offset, ", ", b.offset + b.count, ") overlap; each element may be updated once");
+  }
+  const std::size_t state_size = dtype_size(chunk.state_dtype);
+  const std::size_t half_size = dtype_size(chunk.half_dtype);
+  std::vector<AdamSpan> spans;
+  spans.reserve(ranges.size());
+  for (const ChunkRange& r : ranges) {
+    if (r.count == 0) continue;
+    void* half = static_cast<char*>(chunk.half) + r.offset * half_size;
+    spans.push_back(AdamSpan{chunk.param + r.offset,
+                             static_cast<char*>(chunk.exp_avg) + r.offset * state_size,
+                             static_cast<char*>(chunk.exp_avg_sq) + r.offset * state_size, half,
+                             half, r.count, r.step});
+  }
+  // Steps of empty ranges are checked too, as adam_update() checks every span.
+  for (std::size_t i = 0; i < ranges.size(); ++i) {
+    TIDAL_CHECK(ranges[i].step >= 1, "range ", i,
+                ": step must be >= 1 (the step this update makes), got ", ranges[i].step);
+  }
+  const AdamDTypes dtypes{chunk.half_dtype, chunk.state_dtype, chunk.half_dtype};
+  return adam_step(hyper, dtypes, spans, options, exec);
 }
 
 }  // namespace tidal::cpu_adam

@@ -29,6 +29,33 @@
 // When neither check nor clipping is asked for (fp32/bf16 grads without a
 // loss scale), adam_step() skips pass 1 entirely.
 //
+// The step of a model held in many chunks needs the stats of *every* chunk
+// before it updates any, so its pass 1 is a pass over all the gradients
+// anyway (or, better, stats gathered as each chunk's gradients land). Such a
+// caller passes them in AdamStepOptions::known_stats, and then
+// adam_step()/adam_chunk_step() make exactly one memory pass over each
+// chunk: unscale, clip, Adam/AdamW and the 16-bit write-back together.
+//
+// Note [Streaming the param copy]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// The 16-bit param copy is the update's only write-only stream. A regular
+// store to a line that is not in the cache first reads the line (a
+// read-for-ownership), so an update that writes its copy to a buffer of its
+// own moves 30 bytes/param, not 28, while torch.optim.AdamW(fused=True) and
+// DeepSpeed's CPU Adam (fp32 grads, no copy) move exactly 28, a 7% handicap
+// once the update is bound by memory bandwidth, as it is at 2^26+ params
+// (the in-cache update runs at about twice DRAM speed on one Zen 3 core).
+// "cached_copy_over_update" in benchmarks/results/cpu_adam-*.json measures
+// what streaming saves (1.01-1.11x on the 2-core AVX2 machine, paired
+// medians over several runs). On x86 AVX2/AVX-512 the kernels
+// therefore store such a copy with non-temporal (streaming) stores, aligned
+// to the copy's vector, with an sfence at the end of each block. Streaming
+// pays only when the data does not stay in the cache, so by default
+// (CopyStores::kAuto) it is used for calls of at least
+// kStreamCopyMinElements elements; the copy that is the gradients' own slot
+// (param_copy == grad) is always stored normally, its lines are already in
+// the cache. Stores never change values: results are bitwise the same.
+//
 // Note [Deterministic blocks]
 // ~~~~~~~~~~~~~~~~~~~~~~~~~~~
 // Every span is cut into blocks of kBlockElements from its own start,
@@ -120,6 +147,17 @@ struct AdamSpan {
   std::int64_t step = 1;
 };
 
+// Calls of at least this many elements stream a write-only param copy
+// (Note [Streaming the param copy]): 1 Mi elements are 28 MiB of traffic,
+// more than the caches of the cores one call uses keep.
+inline constexpr std::size_t kStreamCopyMinElements = std::size_t{1} << 20;
+
+enum class CopyStores : std::uint8_t {
+  kAuto,    // stream when the call has >= kStreamCopyMinElements elements
+  kStream,  // always stream a write-only copy (where the target can)
+  kCache,   // never stream
+};
+
 struct ExecOptions {
   // Upper bound on the threads one call uses; 0 uses the calling oneTBB
   // arena, which is every core unless the caller limited it. A value > 0 runs
@@ -128,6 +166,9 @@ struct ExecOptions {
   // inside its own tbb::task_arena, so oneTBB's workers need not change
   // arenas on every call (see arena_for() in adam.cpp).
   int max_threads = 0;
+  // How a param_copy that is not the grad buffer is stored (Note [Streaming
+  // the param copy]). Values are the same either way.
+  CopyStores copy_stores = CopyStores::kAuto;
 };
 
 // One update pass (pass 2 of Note [CPU Adam passes]) over every span. The
@@ -168,6 +209,13 @@ struct AdamStepOptions {
   // Skip the whole step, leaving every buffer untouched, when any gradient
   // is inf or nan.
   bool check_overflow = true;
+  // Stats of the gradients this step's clipping norm and overflow check
+  // cover, already known to the caller: grad_stats(..., 1 / loss_scale)
+  // over them, with sum_squares added over several calls (every chunk of a
+  // model, say). When set, no gradient pass runs: overflow and the clip
+  // coefficient come from these stats and the update is the only memory
+  // pass (Note [CPU Adam passes]).
+  std::optional<GradStats> known_stats;
 };
 
 struct AdamStepResult {
@@ -183,6 +231,43 @@ struct AdamStepResult {
 AdamStepResult adam_step(const AdamHyperParams& hyper, const AdamDTypes& dtypes,
                          std::span<const AdamSpan> spans, const AdamStepOptions& options = {},
                          const ExecOptions& exec = {});
+
+// --- one chunk ---------------------------------------------------------------
+// The chunk engine's step for one chunk: the fp32 master chunk, the two state
+// chunks and the 16-bit chunk, whose elements hold the (loss-scaled)
+// gradients on entry and receive the updated params rounded to nearest even
+// (dtype `half`: kFloat16 or kBFloat16). Tensor t of the chunk sits at the
+// same element offset in all four.
+struct AdamChunk {
+  float* param = nullptr;         // fp32 master, `numel` elements
+  void* exp_avg = nullptr;        // state dtype, `numel` elements
+  void* exp_avg_sq = nullptr;     // state dtype, `numel` elements
+  void* half = nullptr;           // 16-bit grads in, 16-bit params out, `numel` elements
+  std::size_t numel = 0;
+  DType half_dtype = DType::kFloat16;
+  DType state_dtype = DType::kFloat32;
+};
+
+// Elements [offset, offset + count) of every buffer of a chunk, updated as
+// step `step` (torch's state['step'] after its increment).
+struct ChunkRange {
+  std::size_t offset = 0;
+  std::size_t count = 0;
+  std::int64_t step = 1;
+};
+
+// adam_step() over the ranges of one chunk, in one call: the ranges must lie
+// inside the chunk and not overlap (ValueError naming the range otherwise);
+// elements outside every range (padding, frozen or unused tensors) are
+// neither read nor written. One range {0, numel} covers a whole chunk. With
+// options.known_stats (the stats of every chunk of the step) this is one
+// memory pass: unscale by 1 / loss_scale, clip, inf/nan skip, Adam/AdamW and
+// the 16-bit write-back together (Note [CPU Adam passes]); without, the
+// overflow check and the norm cover only this chunk's ranges. Thread-safe for
+// disjoint chunks; the Python binding releases the GIL around it.
+AdamStepResult adam_chunk_step(const AdamHyperParams& hyper, const AdamChunk& chunk,
+                               std::span<const ChunkRange> ranges,
+                               const AdamStepOptions& options = {}, const ExecOptions& exec = {});
 
 // --- kernel targets -----------------------------------------------------------
 // The kernels exist once per SIMD target Highway compiled (AVX3, AVX2, SSE4,

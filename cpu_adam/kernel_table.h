@@ -27,6 +27,9 @@ struct UpdateConstants {
   float bias_correction2_sqrt;  // sqrt(1 - beta2^t), or 1
   float eps;
   float neg_step_size;     // -lr / (1 - beta1^t), or -lr
+  // Non-temporal stores for a param_copy that is not the grad buffer, on
+  // targets that have them (Note [Streaming the param copy] in adam.h).
+  bool stream_copy = false;
 };
 
 UpdateConstants make_update_constants(const AdamHyperParams& hyper, std::int64_t step,

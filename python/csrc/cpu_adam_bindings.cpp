@@ -1,9 +1,10 @@
 // tidal._C.cpu_adam: CPU Adam over CPU tensors. Two entry points:
 //   * adam_update_tensors(): one call per parameter group of
 //     tidal.optim.CPUAdam (every tensor its own span and step);
-//   * adam_update() / adam_step() / grad_stats(): the low-level entries the
-//     chunk engine calls on flat chunk buffers, addressed by element
-//     offset and count (see the docstrings below).
+//   * adam_update() / adam_step() / grad_stats(): the low-level entries
+//     on flat buffers, addressed by element offset and count;
+//   * adam_chunk_step(): the chunk engine's step of one chunk, all its
+//     tensors (ranges) in one call (see the docstrings below).
 // The kernels take raw pointers (cpu_adam/adam.h); this file only checks the
 // tensors, takes their pointers with the GIL held, and releases the GIL
 // around the kernels.
@@ -12,6 +13,7 @@
 
 #include <cstdint>
 #include <optional>
+#include <variant>
 #include <string>
 #include <vector>
 
@@ -135,7 +137,11 @@ SpanArgs span_args(const at::Tensor& param, const at::Tensor& exp_avg, const at:
 }
 
 void bind_classes(py::module_& m) {
-  py::class_<ca::GradStats>(m, "GradStats", "Result of grad_stats().")
+  py::class_<ca::GradStats>(m, "GradStats",
+                            "Result of grad_stats(); also built by a caller that sums the stats "
+                            "of several chunks for adam_chunk_step(known_stats=...).")
+      .def(py::init([](bool finite, double sum_squares) { return ca::GradStats{finite, sum_squares}; }),
+           py::kw_only(), py::arg("finite"), py::arg("sum_squares"))
       .def_readonly("finite", &ca::GradStats::finite, "False when any gradient is inf or nan.")
       .def_readonly("sum_squares", &ca::GradStats::sum_squares,
                     "Sum of (grad * grad_scale)**2; meaningful only when finite.")
@@ -294,6 +300,87 @@ says overflow=True. Returns an AdamStepResult.)doc");
       py::arg("count") = -1, py::arg("num_threads") = 0,
       R"doc(The gradient pass alone: GradStats(finite, sum_squares of grad * grad_scale).
 For a global norm over many buffers, add the sum_squares of each.)doc");
+
+  m.def(
+      "adam_chunk_step",
+      [](const at::Tensor& param, const at::Tensor& exp_avg, const at::Tensor& exp_avg_sq,
+         const at::Tensor& half, const std::optional<std::vector<std::pair<std::int64_t, std::int64_t>>>& ranges,
+         const std::variant<std::int64_t, std::vector<std::int64_t>>& step, double lr, double beta1,
+         double beta2, double eps, double weight_decay, bool adamw_mode, bool bias_correction,
+         double loss_scale, double max_grad_norm, bool check_overflow,
+         const std::optional<ca::GradStats>& known_stats, int num_threads) {
+        const Flat p = flat(param, "param");
+        TIDAL_CHECK_TYPE(p.dtype == ca::DType::kFloat32,
+                         "param must be torch.float32 (the fp32 master chunk), got ",
+                         ca::dtype_name(p.dtype));
+        const std::int64_t n = static_cast<std::int64_t>(p.count);
+        const Flat m = flat(exp_avg, "exp_avg");
+        const Flat v = flat(exp_avg_sq, "exp_avg_sq");
+        const Flat h16 = flat(half, "half");
+        TIDAL_CHECK_TYPE(m.dtype == v.dtype, "exp_avg is ", ca::dtype_name(m.dtype),
+                         " but exp_avg_sq is ", ca::dtype_name(v.dtype), "; they must match");
+        for (const auto& [name, f] : {std::pair<const char*, const Flat*>{"exp_avg", &m},
+                                      {"exp_avg_sq", &v}, {"half", &h16}}) {
+          TIDAL_CHECK(static_cast<std::int64_t>(f->count) == n, name, " has ", f->count,
+                      " elements but param has ", n, "; the four chunk buffers must be equally long");
+        }
+        TIDAL_CHECK_TYPE(h16.dtype != ca::DType::kFloat32,
+                         "half must be torch.float16 or torch.bfloat16 (the 16-bit chunk that "
+                         "holds the grads and receives the params), got torch.float32");
+        std::vector<ca::ChunkRange> rs;
+        if (ranges) {
+          rs.reserve(ranges->size());
+          for (std::size_t i = 0; i < ranges->size(); ++i) {
+            const auto [off, cnt] = (*ranges)[i];
+            TIDAL_CHECK(off >= 0 && cnt >= 0, "ranges[", i, "] = (", off, ", ", cnt,
+                        "): offset and count must be >= 0");
+            rs.push_back({static_cast<std::size_t>(off), static_cast<std::size_t>(cnt), 1});
+          }
+        } else {
+          rs.push_back({0, static_cast<std::size_t>(n), 1});
+        }
+        if (const auto* steps = std::get_if<std::vector<std::int64_t>>(&step)) {
+          TIDAL_CHECK(steps->size() == rs.size(), "step has ", steps->size(),
+                      " entries but there are ", rs.size(), " ranges; give one step per range "
+                      "or one int for all");
+          for (std::size_t i = 0; i < rs.size(); ++i) rs[i].step = (*steps)[i];
+        } else {
+          for (ca::ChunkRange& r : rs) r.step = std::get<std::int64_t>(step);
+        }
+        const ca::AdamChunk chunk{static_cast<float*>(p.data), m.data, v.data, h16.data,
+                                  p.count, h16.dtype, m.dtype};
+        const ca::AdamHyperParams h =
+            hyper(lr, beta1, beta2, eps, weight_decay, adamw_mode, bias_correction);
+        ca::AdamStepOptions opt;
+        opt.loss_scale = loss_scale;
+        opt.max_grad_norm = max_grad_norm;
+        opt.check_overflow = check_overflow;
+        opt.known_stats = known_stats;
+        py::gil_scoped_release no_gil;
+        return ca::adam_chunk_step(h, chunk, rs, opt, ca::ExecOptions{num_threads});
+      },
+      py::arg("param"), py::arg("exp_avg"), py::arg("exp_avg_sq"), py::arg("half"),
+      py::arg("ranges") = py::none(), py::kw_only(), py::arg("step"), py::arg("lr"),
+      py::arg("beta1") = 0.9, py::arg("beta2") = 0.999, py::arg("eps") = 1e-8,
+      py::arg("weight_decay") = 0.0, py::arg("adamw_mode") = true,
+      py::arg("bias_correction") = true, py::arg("loss_scale") = 1.0,
+      py::arg("max_grad_norm") = 0.0, py::arg("check_overflow") = true,
+      py::arg("known_stats") = py::none(), py::arg("num_threads") = 0,
+      R"doc(The optimizer step of one chunk in one call (cpu_adam/adam.h, adam_chunk_step).
+
+param (float32), exp_avg and exp_avg_sq (float32 or bfloat16) and half (float16
+or bfloat16) are the four flat chunk buffers of equal length; half holds the
+loss-scaled gradients and receives the updated params rounded to nearest even.
+ranges: list of (offset, count), the tensors of the chunk (disjoint, inside
+it); None updates the whole chunk. step: the step this update makes, one int
+or one per range. Elements outside the ranges are untouched.
+
+known_stats: GradStats(finite=..., sum_squares=...) of the unscaled gradients
+of every chunk of the step (sum of grad_stats(half, grad_scale=1/loss_scale)
+over them). Given, the step is one memory pass per chunk: unscale, clip with
+min(1, max_grad_norm / (norm + 1e-6)), skip on inf/nan, Adam/AdamW and the
+16-bit write-back. Without it, the inf/nan check and the norm cover this
+chunk's ranges only. Returns an AdamStepResult; the GIL is released.)doc");
 
   m.def("available_targets", &ca::available_kernel_targets,
         "Kernel targets this build and CPU run, best first; 'reference' (plain C++) last.");

@@ -232,6 +232,149 @@ def test_overflow_leaves_every_buffer_unchanged_and_is_reported(target, bad):
     assert _C.cpu_adam.grad_stats(grad).finite
 
 
+def _chunk_layout(shapes, pad):
+    """(offset, numel) of each tensor in one flat chunk, `pad` elements of
+    padding before each, and the chunk's total length."""
+    ranges, offset = [], 0
+    for shape in shapes:
+        offset += pad
+        numel = math.prod(shape)
+        ranges.append((offset, numel))
+        offset += numel
+    return ranges, offset + pad
+
+
+@pytest.mark.parametrize("target", TARGETS, indirect=True)
+@pytest.mark.parametrize("half_dtype", [torch.float16, torch.bfloat16])
+def test_chunk_step_matches_torch_adamw_with_global_clipping(target, half_dtype):
+    # Two chunks of a model; each step gathers the stats of every chunk, then
+    # makes one adam_chunk_step per chunk with them (the one-pass step).
+    loss_scale, max_norm = 512.0, 5.0
+    chunk_shapes = [[(37,), (8, 13), (1,)], [(3, 5, 7), (4099,)]]
+    gen = torch.Generator().manual_seed(11)
+    chunks, ref_params = [], []
+    for i, shapes in enumerate(chunk_shapes):
+        ranges, numel = _chunk_layout(shapes, pad=3 + i)
+        master = torch.randn(numel, generator=gen)
+        c = {"ranges": ranges, "master": master, "m": torch.zeros(numel), "v": torch.zeros(numel),
+             "half": torch.full((numel,), 9.0, dtype=half_dtype)}
+        chunks.append(c)
+        for (off, n), shape in zip(ranges, shapes):
+            ref_params.append(torch.nn.Parameter(master[off:off + n].clone().reshape(shape)))
+    pads = [[t.clone() for t in (c["master"], c["m"], c["v"])] for c in chunks]
+    ref = torch.optim.AdamW(ref_params, **HYPER)
+    b1, b2 = HYPER["betas"]
+    for step in range(1, 21):
+        k = 0
+        for c in chunks:
+            for off, n in c["ranges"]:
+                scaled = (torch.randn(n, generator=gen) * loss_scale).to(half_dtype)
+                c["half"][off:off + n] = scaled
+                ref_params[k].grad = (scaled.float() / loss_scale).reshape(ref_params[k].shape)
+                k += 1
+        finite, sum_squares = True, 0.0
+        for c in chunks:
+            for off, n in c["ranges"]:
+                st = _C.cpu_adam.grad_stats(c["half"], grad_scale=1 / loss_scale, offset=off, count=n)
+                finite, sum_squares = finite and st.finite, sum_squares + st.sum_squares
+        known = _C.cpu_adam.GradStats(finite=finite, sum_squares=sum_squares)
+        results = [_C.cpu_adam.adam_chunk_step(
+            c["master"], c["m"], c["v"], c["half"], c["ranges"], step=step, lr=HYPER["lr"],
+            beta1=b1, beta2=b2, eps=HYPER["eps"], weight_decay=HYPER["weight_decay"],
+            loss_scale=loss_scale, max_grad_norm=max_norm, known_stats=known) for c in chunks]
+        total = torch.nn.utils.clip_grad_norm_(ref_params, max_norm)
+        ref.step()
+        for r in results:
+            assert not r.overflow
+            assert r.grad_norm == pytest.approx(total.item(), rel=1e-5)
+            assert r.clip_coef == pytest.approx(max_norm / (total.item() + 1e-6), rel=1e-5)
+            assert r.clip_coef < 1.0  # the test clips
+    k = 0
+    for c, before in zip(chunks, pads):
+        inside = torch.zeros(c["master"].numel(), dtype=torch.bool)
+        for off, n in c["ranges"]:
+            p = ref_params[k]
+            k += 1
+            inside[off:off + n] = True
+            torch.testing.assert_close(c["master"][off:off + n], p.detach().reshape(-1),
+                                       rtol=RTOL, atol=ATOL)
+            torch.testing.assert_close(c["v"][off:off + n], ref.state[p]["exp_avg_sq"].reshape(-1),
+                                       rtol=1e-4, atol=ATOL)
+            # The 16-bit slot now holds the new params, rounded to nearest even.
+            assert torch.equal(c["half"][off:off + n], c["master"][off:off + n].to(half_dtype))
+        # Padding: neither read into the result nor written.
+        for t, t0 in zip((c["master"], c["m"], c["v"]), before):
+            assert same_bits(t[~inside], t0[~inside])
+        assert bool((c["half"][~inside] == 9.0).all())
+
+
+def test_chunk_step_on_overflow_writes_nothing_and_checks_its_arguments():
+    n = _C.cpu_adam.block_elements + 50
+    gen = torch.Generator().manual_seed(12)
+    master, m, v = torch.randn(n, generator=gen), torch.randn(n, generator=gen), torch.rand(n, generator=gen)
+    half = (torch.randn(n, generator=gen) * 64).half()
+    half[n - 3] = math.inf  # in the second range
+    before = [t.clone() for t in (master, m, v, half)]
+    r = _C.cpu_adam.adam_chunk_step(master, m, v, half, [(0, 10), (n - 20, 20)], step=[2, 5],
+                                    lr=1e-3, loss_scale=64.0)
+    assert r.overflow
+    for t, t0 in zip((master, m, v, half), before):
+        assert same_bits(t, t0)
+    # Known stats decide alone: finite=False skips even finite gradients.
+    half[n - 3] = 1.0
+    before = [t.clone() for t in (master, m, v, half)]
+    r = _C.cpu_adam.adam_chunk_step(master, m, v, half, step=1, lr=1e-3,
+                                    known_stats=_C.cpu_adam.GradStats(finite=False, sum_squares=0.0))
+    assert r.overflow
+    for t, t0 in zip((master, m, v, half), before):
+        assert same_bits(t, t0)
+    with pytest.raises(ValueError, match="overlap"):
+        _C.cpu_adam.adam_chunk_step(master, m, v, half, [(0, 10), (5, 10)], step=1, lr=1e-3)
+    with pytest.raises(ValueError, match=r"elements \[0, 100000\) are out of range"):
+        _C.cpu_adam.adam_chunk_step(master, m, v, half, [(0, 100000)], step=1, lr=1e-3)
+    with pytest.raises(ValueError, match="step has 1 entries but there are 2 ranges"):
+        _C.cpu_adam.adam_chunk_step(master, m, v, half, [(0, 10), (20, 10)], step=[1], lr=1e-3)
+    with pytest.raises(ValueError, match="half has 10 elements but param has"):
+        _C.cpu_adam.adam_chunk_step(master, m, v, half[:10], step=1, lr=1e-3)
+    with pytest.raises(TypeError, match="half must be torch.float16 or torch.bfloat16"):
+        _C.cpu_adam.adam_chunk_step(master, m, v, master.clone(), step=1, lr=1e-3)
+    for t, t0 in zip((master, m, v, half), before):
+        assert same_bits(t, t0)
+
+
+def test_chunk_step_releases_the_gil():
+    # As test_step_releases_the_gil, through adam_chunk_step.
+    n = 1 << 24
+    master, m, v = torch.randn(n), torch.zeros(n), torch.zeros(n)
+    half = torch.randn(n).half()
+    step = [0]
+
+    def one():
+        step[0] += 1
+        _C.cpu_adam.adam_chunk_step(master, m, v, half, step=step[0], lr=1e-6, num_threads=1)
+
+    one()
+    t0 = time.perf_counter()
+    one()
+    one_step = time.perf_counter() - t0
+    steps = max(3, int(0.3 / max(one_step, 1e-4)))
+    done = threading.Event()
+
+    def worker():
+        for _ in range(steps):
+            one()
+        done.set()
+
+    ticks = 0
+    thread = threading.Thread(target=worker)
+    thread.start()
+    while not done.is_set():
+        time.sleep(0.001)
+        ticks += 1
+    thread.join()
+    assert ticks > 4 * steps, f"{ticks} ticks during {steps} steps of {one_step * 1e3:.1f} ms"
+
+
 def test_offsets_address_one_tensor_inside_a_chunk():
     # Two "tensors" packed in one flat chunk per list, updated one at a time.
     n0, n1 = 1000, 777
