@@ -26,8 +26,8 @@ Definitions (also written into the result files):
   TFLOPS with attn.   (6 x params + 12 x layers x hidden x seq) x tokens / time:
                       adds QK^T and AV, forward and backward, causal not halved
   model states        14 B / parameter (bf16 parameter + fp32 master, m, v)
-  quarter budget      the whole-GPU tidal run's peak non-chunk device bytes
-                      + a quarter of the model states
+  quarter budget      the whole-GPU tidal run's peak non-chunk device bytes and
+                      device margin + a quarter of the model states
   minimum bytes moved per step, each way: the parameters whose states (parameter
                       + fp32 master, m, v: 14 B in bf16) do not fit in the chunk
                       room (budget - peak non-chunk bytes) are updated by CPU
@@ -67,6 +67,15 @@ EXTRA_SHAPES = {
 }
 LARGEST_FULL = "gpt-6.7b,gpt-8b,gpt-10b,gpt-13b,gpt-14b,gpt-16b,gpt-20b"
 LARGEST_QUICK = "nano,quick-gpt2"
+
+
+def result_path(name, output=None):
+    """--output, else $TIDAL_RESULTS_DIR/<name>-<machine>.json (tests and gpu_run.sh
+    redirect there), else None: benchmarks/results/<name>-<machine>.json."""
+    if output:
+        return output
+    d = os.environ.get("TIDAL_RESULTS_DIR")
+    return os.path.join(d, f"{name}-{common.machine_tag()}.json") if d else None
 
 
 def log(*a):
@@ -361,7 +370,7 @@ def cmd_bench(args):
               "definitions": __doc__.split("Definitions (also written into the result files):")[1].strip(),
               "runs": {}}
     name = args.name or ("engine-quick" if quick else "engine")
-    save = lambda: common.write_result(name, result, output=args.output)  # noqa: E731
+    save = lambda: common.write_result(name, result, output=result_path(name, args.output))  # noqa: E731
     runs = result["runs"]
     runs["matmul"] = child("matmul", peer_argv("matmul", quick), args.timeout, log_dir=args.log_dir)
     save()
@@ -371,17 +380,19 @@ def cmd_bench(args):
                                 env=tidal_env(quick), log_dir=args.log_dir)
     save()
     states = STATE_BYTES_PER_PARAM * n
+    margin = 0
     if runs["tidal_whole"]["ok"]:
-        act = runs["tidal_whole"]["report"]["memory"]["peak_nonchunk_device_bytes"]
-        basis = "whole-GPU tidal run's peak non-chunk device bytes"
+        mem = runs["tidal_whole"]["report"]["memory"]
+        act, margin = mem["peak_nonchunk_device_bytes"], mem["device_margin"]
+        basis = "whole-GPU tidal run's peak non-chunk device bytes (+ its device margin)"
     elif runs["plain"]["ok"] and runs["plain"]["report"]["peak_device_bytes"]:
         act = max(0, runs["plain"]["report"]["peak_device_bytes"] - 16 * n)
         basis = "plain run's peak device bytes - 16 B/param (the whole-GPU tidal run failed)"
     else:
         act, basis = 0, "no run measured the activations: a quarter of the model states alone"
-    quarter = int(act + states / 4)
+    quarter = int(margin + act + states / 4)
     result["quarter_budget"] = {"bytes": quarter, "model_state_bytes": states, "activation_bytes": act,
-                                "activation_basis": basis}
+                                "device_margin": margin, "activation_basis": basis}
     runs["tidal_quarter"] = child("tidal_quarter", peer_argv("tidal", quick, shape, steps, batch, budget=quarter),
                                   args.timeout, env=tidal_env(quick), log_dir=args.log_dir)
     # The figures next to each other.
@@ -443,7 +454,7 @@ def cmd_largest(args):
         result["tried"].append(rec)
         if rec["trained"]:
             best = rec
-        common.write_result(name, result, output=args.output)
+        common.write_result(name, result, output=result_path(name, args.output))
         if not rec["trained"]:
             result["stopped"] = f"{s}: {rec['ended']}" + ("" if rec["ok"] else f" ({rec.get('error', 'no report')})")
             break
@@ -453,7 +464,7 @@ def cmd_largest(args):
                              "tflops_with_attention": best["tflops_with_attention"],
                              "params_over_limit": best["params"] / limit,
                              "first_loss": best["report"]["first_loss"], "last_loss": best["report"]["last_loss"]}
-    path = common.write_result(name, result, output=args.output)
+    path = common.write_result(name, result, output=result_path(name, args.output))
     log(f"wrote {path}: largest {result.get('largest')}; stopped: {result.get('stopped')}")
     return 0 if best else 1
 
@@ -497,9 +508,9 @@ def cmd_crash(args):
                       args.timeout, env=dict(tidal_env(quick), LD_PRELOAD=""), log_dir=args.log_dir)
             rec["gdb_tail"] = g["output_tail"]
         result["cases"].append(rec)
-        common.write_result(name, result, output=args.output)
+        common.write_result(name, result, output=result_path(name, args.output))
     result["crashed"] = [c["label"] for c in result["cases"] if not c["ok"]]
-    path = common.write_result(name, result, output=args.output)
+    path = common.write_result(name, result, output=result_path(name, args.output))
     log(f"wrote {path}: crashed/failed: {result['crashed'] or 'none'}")
     return 0 if not result["crashed"] else 1
 
