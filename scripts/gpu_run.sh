@@ -7,7 +7,7 @@
 # rewritten: phase, rc, seconds, time limit, log, result files.
 #
 # HERE, once (network):
-#   bash scripts/fetch_gpu_debs.sh     # .deps/debs: TBB, hwloc, mimalloc, Highway, GoogleTest (~8 MiB)
+#   bash scripts/fetch_gpu_debs.sh     # .deps/debs: TBB, hwloc, mimalloc, Highway, GoogleTest (~1.4 MiB)
 #   bash scripts/fetch_gpu_wheels.sh   # .deps/wheels: deepspeed 0.19.8 + pure-Python deps (~6 MiB)
 #   du -sh .deps                       # must stay under the 64 MiB carry limit (with prebuilt/, below)
 # THERE, one phase group per device call (`run`, carry [".deps"]; each call <= 600 s; the
@@ -47,7 +47,7 @@
 #   written), GPU_RUN_QUICK=1 (every measurement with --quick on the simulated device / CPU,
 #   no CUDA build: how tests/python/test_gpu_scripts.py runs this script without a GPU),
 #   TIDAL_RESULTS_DIR (write result files there instead of benchmarks/results).
-# Carry size: .deps/debs ~8 MiB (11 .deb files) + .deps/wheels ~6 MiB + .deps/prebuilt
+# Carry size: .deps/debs ~1.4 MiB (11 .deb files) + .deps/wheels ~6 MiB + .deps/prebuilt
 #   (stripped, printed by `build`; leave it out if the total passes ~60 MiB).
 set -uo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -68,7 +68,7 @@ Q=(); ((QUICK)) && Q=(--quick)
 # Seconds each phase is planned for and its own time limit (the limit is cut to what is
 # left of GPU_RUN_BUDGET_S when the phase starts).
 declare -A EST=([reporter]=5 [build]=300 [cpp]=60 [crash]=200 [bench1b]=240 [largest]=300 [deepspeed]=400 [dtr]=130)
-declare -A LIMIT=([reporter]=30 [build]=420 [cpp]=120 [crash]=240 [bench1b]=270 [largest]=330 [deepspeed]=420 [dtr]=150)
+declare -A LIMIT=([reporter]=30 [build]=420 [cpp]=120 [crash]=300 [bench1b]=270 [largest]=330 [deepspeed]=420 [dtr]=150)
 
 DRY=0
 INNER=""
@@ -192,7 +192,7 @@ phase_cpp() {
 }
 
 phase_crash() {
-  x "$PY" benchmarks/engine_gpu.py crash "${Q[@]}" --timeout 100 --log-dir "$OUT/crash"
+  x "$PY" benchmarks/engine_gpu.py crash "${Q[@]}" --timeout 60 --log-dir "$OUT/crash"
 }
 
 phase_bench1b() {
