@@ -114,6 +114,20 @@ def peer(args):
             "zero_config": cfg["zero_optimization"]}
 
 
+def _clear_stale_locks():
+    """torch.utils.cpp_extension leaves `lock` in an op's build folder when its process is
+    killed mid-build (a timed-out run), and the next run then waits on it forever. The runs
+    here are sequential, so between two of them any lock under TORCH_EXTENSIONS_DIR (set
+    by gpu_run.sh to a folder of its own) is stale."""
+    d = os.environ.get("TORCH_EXTENSIONS_DIR")
+    if not d:
+        return
+    for root, _, files in os.walk(d):
+        if "lock" in files:
+            os.unlink(os.path.join(root, "lock"))
+            print(f"[deepspeed_gpu] removed a stale build lock in {root}", flush=True)
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="tiny GPT on the CPU (proves the script runs)")
@@ -163,6 +177,7 @@ def main(argv=None):
             if left < 30:
                 result.setdefault("stopped", []).append(f"zero{stage} {s}: time limit ({left:.0f} s left)")
                 break
+            _clear_stale_locks()
             argv_ = [sys.executable, HERE, "--peer", "--json", "{json}", "--shape", s, "--stage", str(stage),
                      "--steps", str(args.steps), "--batch", str(args.batch)] + (["--quick"] if args.quick else [])
             rec = engine_gpu.child(f"zero{stage} {s}", argv_, min(args.timeout, left), log_dir=args.log_dir)

@@ -167,6 +167,11 @@ def peer_tidal(args):
     if args.config:
         argv += ["--config", args.config]
     r = ttrain.run(argv)
+    import torch
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        # torch's own view next to the engine's: what its caching allocator held at most
+        r["torch_max_memory_allocated"] = torch.cuda.max_memory_allocated()
+        r["torch_max_memory_reserved"] = torch.cuda.max_memory_reserved()
     r["peer"] = "tidal"
     r["shape"] = args.shape
     r["budget_arg"] = args.budget
@@ -348,6 +353,7 @@ def _derive(run, name, seq, budget=None):
             "peak_nonchunk_device_bytes": m["peak_nonchunk_device_bytes"],
             "peak_chunk_host_bytes": m["peak_chunk_host_bytes"],
             "host_buffers": r.get("host_bytes"),
+            "torch_max_memory_reserved": r.get("torch_max_memory_reserved"),
             "bytes_host_to_device_per_step": moved_up, "bytes_device_to_host_per_step": moved_down,
             "min_bytes_each_way_per_step": minimum,
             "moved_over_minimum": ((moved_up + moved_down) / (2 * minimum)) if minimum else None,

@@ -20,7 +20,8 @@ ALL = ["reporter", "build", "cpp", "crash", "bench1b", "largest", "deepspeed", "
 
 def _env(tmp_path, **extra):
     env = dict(os.environ, PYTHON=sys.executable, OUT=str(tmp_path / "out"),
-               TIDAL_RESULTS_DIR=str(tmp_path / "results"), PYTHONPATH=str(ROOT / "python"))
+               TIDAL_RESULTS_DIR=str(tmp_path / "results"),
+               PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT / "python"), os.environ.get("PYTHONPATH")])))
     env.pop("LD_PRELOAD", None)
     env.update(extra)
     return env
