@@ -1,16 +1,18 @@
 #!/usr/bin/env bash
 # Run HERE (network, a Python with torch: the worktree's .venv), not on the GPU
 # machine: puts into .deps/wheels (ignored by git, carried by the device tool's
-# `carry: [".deps"]`) what scripts/gpu_run.sh's `deepspeed` phase installs
-# there with `pip install --no-index --no-deps --target`:
+# `carry: [".deps"]`) what scripts/gpu_run.sh's `deepspeed` phase unpacks
+# there (a wheel is a zip; unpacked into a folder on PYTHONPATH, only those the
+# image lacks):
 #   - deepspeed==0.19.8 as a wheel built here (PyPI has only the sdist; built
 #     with DS_BUILD_OPS=0, so it is pure Python and its CPU Adam JIT-builds with
 #     ninja on the GPU machine), and
 #   - the Python packages it imports that the GPU image (torch 2.11 + CUDA 13,
 #     Python 3.12) may lack, as binary wheels for CPython 3.12 on x86_64.
 # torch, numpy and tqdm are not carried: the GPU image has them.
-# Size: about 5 MiB (deepspeed ~1.7 MiB, pydantic-core ~2 MiB, the rest small);
-# the script prints the total. Reruns skip what is there.
+# Size: 5.9 MiB (deepspeed ~1.7 MiB, pydantic-core ~2 MiB, the rest small);
+# the script prints the total. Reruns skip what is there. Checked here: the
+# unpacked set imports under CPython 3.12 (deepspeed up to its `import torch`).
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 DEST="$ROOT/.deps/wheels"

@@ -8,7 +8,7 @@
 #
 # HERE, once (network):
 #   bash scripts/fetch_gpu_debs.sh     # .deps/debs: TBB, hwloc, mimalloc, Highway, GoogleTest (~1.4 MiB)
-#   bash scripts/fetch_gpu_wheels.sh   # .deps/wheels: deepspeed 0.19.8 + pure-Python deps (~6 MiB)
+#   bash scripts/fetch_gpu_wheels.sh   # .deps/wheels: deepspeed 0.19.8 + deps for Python 3.12 (~6 MiB)
 #   du -sh .deps                       # must stay under the 64 MiB carry limit (with prebuilt/, below)
 # THERE, one phase group per device call (`run`, carry [".deps"]; each call <= 600 s; the
 # machine goes back after 30 s idle, so a later call may find a bare machine):
@@ -215,7 +215,10 @@ phase_deepspeed() {
     ((DRY)) || ! "$PY" -c "import importlib.metadata as m, sys; m.version(sys.argv[1])" "$dist" 2>/dev/null \
       && missing+=("$w")
   done
-  ((${#missing[@]})) && x "$PY" -m pip install --no-index --no-deps --quiet --target "$DS_SITE" "${missing[@]}"
+  # A wheel is a zip: unpacked into a folder on PYTHONPATH it imports (its .dist-info too),
+  # with no pip needed and no resolver that might reach for the network.
+  x mkdir -p "$DS_SITE"
+  for w in "${missing[@]}"; do x "$PY" -m zipfile -e "$w" "$DS_SITE"; done
   export PYTHONPATH="$PYTHONPATH:$DS_SITE" TORCH_EXTENSIONS_DIR=/tmp/tidal-ds-ext DS_BUILD_OPS=0
   if [[ -z ${CUDA_HOME:-} ]] && command -v nvcc >/dev/null; then
     CUDA_HOME="$(dirname "$(dirname "$(readlink -f "$(command -v nvcc)")")")"
