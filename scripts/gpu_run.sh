@@ -99,7 +99,9 @@ setup_env() {
   export CMAKE_PREFIX_PATH="$PREFIX/usr${CMAKE_PREFIX_PATH:+:$CMAKE_PREFIX_PATH}"
   export LD_LIBRARY_PATH="$PREFIX/usr/lib/x86_64-linux-gnu${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
   export CPATH="$PREFIX/usr/include${CPATH:+:$CPATH}"
-  ((QUICK)) && export TIDAL_DEVICE=sim
+  # On the GPU machine tidal must run on the GPU: TIDAL_DEVICE=cuda makes a CUDA problem
+  # a clear error instead of a silent fallback to the simulated device.
+  if ((QUICK)); then export TIDAL_DEVICE=sim; else export TIDAL_DEVICE="${TIDAL_DEVICE:-cuda}"; fi
   return 0
 }
 
@@ -122,10 +124,13 @@ build_reporter() {
   x "${CC:-cc}" -O1 -g -shared -fPIC -o "$SEGV_SO" scripts/segv_backtrace.c -ldl
 }
 
-# What the sources look like: prebuilt binaries are used only when this matches.
+# What the native sources look like: prebuilt binaries are used only when this matches.
+# A hash of the files themselves (the device machine's copy of the tree may have no .git).
 source_stamp() {
-  { git rev-parse HEAD; git diff HEAD -- CMakeLists.txt runtime chunk cpu_adam hooks python/tidal/_C* tests/cpp \
-      2>/dev/null | sha256sum; } | sha256sum | cut -c1-16
+  find . \( -path ./build -o -path ./.venv -o -path ./.deps -o -path ./.git \) -prune -o -type f \
+    \( -name '*.cpp' -o -name '*.cc' -o -name '*.h' -o -name '*.hpp' -o -name '*.cu' -o -name '*.cuh' \
+       -o -name 'CMakeLists.txt' -o -name '*.cmake' \) -print | LC_ALL=C sort | xargs sha256sum \
+    | sha256sum | cut -c1-16
 }
 
 # --- phases (each runs as `gpu_run.sh --phase-inner NAME`, its own process) -------------
