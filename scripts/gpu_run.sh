@@ -165,8 +165,6 @@ phase_build() {
     x "$PY" -c "import tidal; print(tidal.device_info())"
     return $?
   fi
-  ((DRY)) || { nvidia-smi; nvcc --version; "$PY" -c "import torch; print('torch', torch.__version__, torch.version.cuda)"; } \
-    >"$OUT/machine.txt" 2>&1
   x cmake -S . -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DTIDAL_WITH_CUDA=ON \
     -DCMAKE_CUDA_ARCHITECTURES=90 -DTIDAL_BUILD_PYTHON=ON -DTIDAL_PYTHON_INPLACE=ON \
     -DTIDAL_BUILD_TESTS=ON -DTIDAL_BUILD_BENCHMARKS=OFF -DPython_EXECUTABLE="$(command -v "$PY")" || return $?
@@ -175,10 +173,11 @@ phase_build() {
   # For the next call on a bare machine: stripped copies and the stamp, back through $OUT.
   mkdir -p "$OUT/prebuilt"
   local so t
-  for so in python/tidal/_C*.so; do objcopy --strip-debug "$so" "$OUT/prebuilt/$(basename "$so")"; done
+  strip_copy() { objcopy --strip-debug "$1" "$2" 2>/dev/null || cp "$1" "$2"; }
+  for so in python/tidal/_C*.so; do strip_copy "$so" "$OUT/prebuilt/$(basename "$so")"; done
   for t in $CPP_TESTS; do
     f="$(find "$BUILD" -name "$t" -type f -perm -u+x | head -n1)"
-    [[ -n $f ]] && objcopy --strip-debug "$f" "$OUT/prebuilt/$t"
+    [[ -n $f ]] && strip_copy "$f" "$OUT/prebuilt/$t"
   done
   echo "$stamp" >"$OUT/prebuilt/stamp"
   say "prebuilt for the next call: $(du -sh "$OUT/prebuilt" | cut -f1) in \$OUT/prebuilt (cp -r it to .deps/)"
@@ -318,6 +317,8 @@ ulimit -c 0  # a crashed process holding tens of GB pinned must not write a core
 START=$SECONDS
 setup_env
 unpack_debs >"$OUT/deps.log" 2>&1
+{ nvidia-smi; nvcc --version; command -v gdb; "$PY" -c "import torch; print('torch', torch.__version__, torch.version.cuda)"
+  free -g; nproc; cat /sys/kernel/mm/transparent_hugepage/enabled; ulimit -l; } >"$OUT/machine.txt" 2>&1
 build_reporter >"$OUT/reporter-build.log" 2>&1 || say "the crash reporter did not build (see reporter-build.log): phases run without it"
 ROWS=()
 write_summary() {
