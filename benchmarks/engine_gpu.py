@@ -1,106 +1,568 @@
-"""The engine on a GPU: plain PyTorch vs tidal on a GPT in the same run, then
-the largest GPT tried, with host/device memory against the
-(host + device) / 14-byte limit. Writes benchmarks/results/engine-<machine>.json.
+"""The engine on a GPU (issue 14): the measurements scripts/gpu_run.sh runs.
 
-    python benchmarks/engine_gpu.py [--large gpt-4b] [--steps 6]
+Every run of a model is its own process (a crash, an out-of-memory or a hang in
+one loses nothing else, and each has its own peak host memory); this script
+starts them, collects what they report and writes the result file.
+
+    python benchmarks/engine_gpu.py bench   [--preset gpt-1.3b --steps 8 --batch 8]
+        plain PyTorch + torch.optim.AdamW(fused) vs tidal with the whole GPU as
+        budget vs tidal with a quarter of the model states as budget, and the
+        bf16 matmul rate measured in the same run      -> engine-<machine>.json
+    python benchmarks/engine_gpu.py largest [--shapes gpt-6.7b,gpt-8b,...]
+        steps up through GPT shapes until one fails; the largest that trains 5
+        steps with the loss falling, against (host + device) / 14 B
+                                                       -> engine_largest-<machine>.json
+    python benchmarks/engine_gpu.py crash
+        the gpt-350m crash: tidal-train as is, without pinning, with 256 MiB
+        chunks, and pinned HostBuffers of the dedicated-chunk sizes up to ~6 GB,
+        each its own process; which crash and how  -> gpu_crash-<machine>.json
+
+--quick runs each on the simulated device (tidal) and the CPU (plain PyTorch)
+with tiny shapes, in seconds: it proves the script runs (tests/python/
+test_gpu_scripts.py) and its numbers mean nothing. --output names the file.
+
+Definitions (also written into the result files):
+  TFLOPS              6 x params x tokens / time (the issue's figure)
+  TFLOPS with attn.   (6 x params + 12 x layers x hidden x seq) x tokens / time:
+                      adds QK^T and AV, forward and backward, causal not halved
+  model states        14 B / parameter (bf16 parameter + fp32 master, m, v)
+  quarter budget      the whole-GPU tidal run's peak non-chunk device bytes and
+                      device margin + a quarter of the model states
+  minimum bytes moved per step, each way: the parameters whose states (parameter
+                      + fp32 master, m, v: 14 B in bf16) do not fit in the chunk
+                      room (budget - peak non-chunk bytes) are updated by CPU
+                      Adam, so their gradients go down and their parameters up
+                      once per step: param bytes x max(0, params - room / 14 B)
 """
+from __future__ import annotations
+
 import argparse
-import gc
 import json
 import os
+import resource
+import signal
+import subprocess
 import sys
+import tempfile
 import time
 import traceback
 
-import torch
-
-sys.path.insert(0, os.path.dirname(__file__))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common  # noqa: E402
-import tidal  # noqa: E402
-from tidal import train as ttrain  # noqa: E402
-from tidal.data import synthetic_batches  # noqa: E402
-from tidal.models.gpt import TinyGPT  # noqa: E402
+
+HERE = os.path.abspath(__file__)
+STATE_BYTES_PER_PARAM = 14
+GiB = 1 << 30
+MiB = 1 << 20
+
+# Shapes the largest-model search uses beyond tidal.train.PRESETS (which has no
+# 8b/10b/14b): (layers, hidden, heads, seq, vocab), trained through
+# tidal-train --hf-config with a GPT-2 config (TinyGPT blocks, the same model).
+EXTRA_SHAPES = {
+    "gpt-8b": (40, 4096, 32, 1024, 50304),
+    "gpt-10b": (48, 4096, 32, 1024, 50304),
+    "gpt-14b": (44, 5120, 40, 1024, 50304),
+    "gpt-16b": (48, 5120, 40, 1024, 50304),
+    "quick-gpt2": (2, 96, 4, 64, 256),  # --quick: exercises the --hf-config route
+}
+LARGEST_FULL = "gpt-6.7b,gpt-8b,gpt-10b,gpt-13b,gpt-14b,gpt-16b,gpt-20b"
+LARGEST_QUICK = "nano,quick-gpt2"
 
 
-def plain(preset, steps, batch):
-    layers, d, heads, seq, vocab = ttrain.PRESETS[preset]
-    n = ttrain.ModelShape(layers, d, heads, seq, vocab).params()
+def result_path(name, output=None):
+    """--output, else $TIDAL_RESULTS_DIR/<name>-<machine>.json (tests and gpu_run.sh
+    redirect there), else None: benchmarks/results/<name>-<machine>.json."""
+    if output:
+        return output
+    d = os.environ.get("TIDAL_RESULTS_DIR")
+    return os.path.join(d, f"{name}-{common.machine_tag()}.json") if d else None
+
+
+def log(*a):
+    print("[engine_gpu]", *a, flush=True)
+
+
+def shape_of(name):
+    from tidal.train import PRESETS
+    if name in PRESETS:
+        return PRESETS[name]
+    if name in EXTRA_SHAPES:
+        return EXTRA_SHAPES[name]
+    raise SystemExit(f"unknown shape '{name}': expected one of {', '.join(list(PRESETS) + list(EXTRA_SHAPES))}")
+
+
+def params_of(name):
+    from tidal.train import ModelShape
+    return ModelShape(*shape_of(name)).params()
+
+
+def attn_flops_per_token(name, seq):
+    layers, d = shape_of(name)[:2]
+    return 12 * layers * d * seq
+
+
+def host_total_bytes():
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+# --------------------------------------------------------------------------- one run per process
+
+def peer_plain(args):
+    """Plain PyTorch: TinyGPT on the device, autocast bf16, torch AdamW (fused on CUDA)."""
+    import torch
+    from tidal.data import synthetic_batches
+    from tidal.models.gpt import TinyGPT
+    layers, d, heads, seq, vocab = shape_of(args.shape)
+    cuda = torch.cuda.is_available() and not args.quick
+    dev = "cuda" if cuda else "cpu"
     torch.manual_seed(0)
-    model = TinyGPT(vocab=vocab, d=d, layers=layers, heads=heads, seq=seq).cuda()
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-4, weight_decay=0.01, fused=True)
-    data = synthetic_batches(vocab, seq, batch, "cuda")
-    torch.cuda.reset_peak_memory_stats()
+    model = TinyGPT(vocab=vocab, d=d, layers=layers, heads=heads, seq=seq).to(dev)
+    n = sum(p.numel() for p in model.parameters())
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-4, betas=(0.9, 0.95), weight_decay=0.01, fused=cuda)
+    data = synthetic_batches(vocab, seq, args.batch, dev)
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
     times, losses = [], []
-    for _ in range(steps):
+    for _ in range(args.steps):
         x, y = next(data)
-        torch.cuda.synchronize()
+        if cuda:
+            torch.cuda.synchronize()
         t = time.perf_counter()
-        with torch.autocast("cuda", dtype=torch.bfloat16):
+        with torch.autocast(dev, dtype=torch.bfloat16):
             loss = model(x, y)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
-        losses.append(loss.item())
+        losses.append(loss.item())  # synchronizes
         times.append(time.perf_counter() - t)
-    steady = times[2:]
-    out = {"preset": preset, "params": n, "micro_batch": batch, "seq": seq,
-           "tokens_per_s": batch * seq * len(steady) / sum(steady),
-           "tflops": 6 * n * batch * seq * len(steady) / sum(steady) / 1e12,
-           "peak_device_bytes": torch.cuda.max_memory_allocated(),
-           "first_loss": losses[0], "last_loss": losses[-1]}
-    del model, opt
-    gc.collect()
-    torch.cuda.empty_cache()
+    steady = times[2:] or times
+    return {"peer": "plain", "shape": args.shape, "params": n, "micro_batch": args.batch, "seq": seq,
+            "device": torch.cuda.get_device_name(0) if cuda else "cpu",
+            "tokens_per_s": args.batch * seq * len(steady) / sum(steady),
+            "step_seconds": times, "losses": losses, "first_loss": losses[0], "last_loss": losses[-1],
+            "peak_device_bytes": torch.cuda.max_memory_allocated() if cuda else None,
+            "peak_device_reserved_bytes": torch.cuda.max_memory_reserved() if cuda else None}
+
+
+def _gpt2_config(name, path):
+    layers, d, heads, seq, vocab = shape_of(name)
+    with open(path, "w") as f:
+        json.dump({"n_layer": layers, "n_embd": d, "n_head": heads, "n_positions": seq,
+                   "vocab_size": vocab, "tie_word_embeddings": True}, f)
+
+
+def peer_tidal(args):
+    """tidal-train (tidal.train.run) on a shape, optionally under a budget and a config."""
+    from tidal import train as ttrain
+    argv = ["--steps", str(args.steps), "--batch", str(args.batch), "--data", "synthetic", "--no-progress"]
+    if args.shape in ttrain.PRESETS:
+        argv += ["--preset", args.shape]
+    else:
+        cfg = os.path.join(tempfile.mkdtemp(prefix="tidal_shape_"), f"{args.shape}.json")
+        _gpt2_config(args.shape, cfg)
+        argv += ["--hf-config", cfg]
+    if args.budget:
+        argv += ["--budget", str(args.budget)]
+    if args.config:
+        argv += ["--config", args.config]
+    r = ttrain.run(argv)
+    import torch
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        # torch's own view next to the engine's: what its caching allocator held at most
+        r["torch_max_memory_allocated"] = torch.cuda.max_memory_allocated()
+        r["torch_max_memory_reserved"] = torch.cuda.max_memory_reserved()
+    r["peer"] = "tidal"
+    r["shape"] = args.shape
+    r["budget_arg"] = args.budget
+    return r
+
+
+def peer_matmul(args):
+    """The bf16 matmul rate of this device: the ceiling next to the training TFLOPS."""
+    import torch
+    cuda = torch.cuda.is_available() and not args.quick
+    n = 8192 if cuda else 256
+    dev = "cuda" if cuda else "cpu"
+    a = torch.randn(n, n, device=dev, dtype=torch.bfloat16)
+    b = torch.randn(n, n, device=dev, dtype=torch.bfloat16)
+    reps = 50 if cuda else 3
+    for _ in range(3):
+        a @ b
+    if cuda:
+        torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(reps):
+        a @ b
+    if cuda:
+        torch.cuda.synchronize()
+    s = time.perf_counter() - t
+    return {"peer": "matmul", "n": n, "dtype": "bfloat16", "device": dev, "reps": reps,
+            "tflops": 2 * n ** 3 * reps / s / 1e12}
+
+
+def peer_pinloop(args):
+    """Pinned HostBuffers of the dedicated-chunk sizes, kept alive, up to --total bytes;
+    each one round-trips through the device. Prints one line per buffer (the log shows
+    how far it got if it crashes)."""
+    import torch
+    import tidal
+    from tidal.device import parse_bytes
+    dev = tidal.get_device()
+    sizes = [int(s) for s in args.sizes.split(",")]
+    total = parse_bytes(args.total)
+    stream = dev.create_stream("pinloop")
+    keep, made, i = [], 0, 0
+    t0 = time.perf_counter()
+    while made < total:
+        n = sizes[i % len(sizes)]
+        t = time.perf_counter()
+        host = tidal.HostBuffer(n, pin_with=dev)
+        reg = time.perf_counter() - t
+        h = torch.frombuffer(host, dtype=torch.uint8)
+        h[: min(n, 1 << 16)] = (torch.arange(min(n, 1 << 16)) % 251).to(torch.uint8)
+        h[-4096:] = 7
+        d = dev.allocate(n)
+        back = tidal.HostBuffer(n, pin_with=dev)
+        dev.copy_h2d(d, host, stream)
+        dev.copy_d2h(back, d, stream)
+        ev = dev.create_event()
+        ev.record(stream)
+        ev.synchronize()
+        ok = torch.equal(torch.frombuffer(back, dtype=torch.uint8), h)
+        print(f"[pinloop] buffer {i}: {n} B pinned={host.pinned} register {reg * 1e3:.1f} ms "
+              f"roundtrip {'ok' if ok else 'MISMATCH'}; {(made + n) / GiB:.2f} GiB so far", flush=True)
+        if not ok:
+            raise RuntimeError(f"buffer {i} of {n} bytes came back different from what was copied up")
+        del back, d
+        keep.append(host)
+        made += n
+        i += 1
+    return {"peer": "pinloop", "buffers": i, "bytes": made, "sizes": sizes, "seconds": time.perf_counter() - t0,
+            "pinned": bool(keep and keep[0].pinned), "device": dev.info()["name"]}
+
+
+PEERS = {"plain": peer_plain, "tidal": peer_tidal, "matmul": peer_matmul, "pinloop": peer_pinloop}
+
+
+def peer_main(args):
+    import faulthandler
+    faulthandler.enable()
+    r = PEERS[args.kind](args)
+    r["peak_host_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    with open(args.json, "w") as f:
+        json.dump(r, f, indent=2, default=str)
+
+
+# --------------------------------------------------------------------------- the driver side
+
+def child(label, argv, timeout, env=None, log_dir=None):
+    """Runs argv as its own process under a timeout; returns a dict with rc, how it ended,
+    the seconds, what it reported (its --json file) and the tail of its output."""
+    fd, out_json = tempfile.mkstemp(prefix="engine_gpu_", suffix=".json")
+    os.close(fd)
+    os.unlink(out_json)
+    argv = [a.replace("{json}", out_json) for a in argv]
+    log(f"{label}: {' '.join(argv)} (timeout {timeout:.0f} s)")
+    e = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONFAULTHANDLER="1", **(env or {}))
+    t = time.perf_counter()
+    timed_out = False
+    try:
+        p = subprocess.run(argv, env=e, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                           errors="replace", timeout=timeout)
+        rc, text = p.returncode, p.stdout
+    except subprocess.TimeoutExpired as ex:
+        timed_out, rc = True, None
+        text = ex.stdout.decode(errors="replace") if isinstance(ex.stdout, bytes) else (ex.stdout or "")
+    rec = {"label": label, "argv": argv, "rc": rc, "seconds": round(time.perf_counter() - t, 2)}
+    if timed_out:
+        rec["ended"] = f"timed out after {timeout:.0f} s"
+    elif rc < 0:
+        rec["ended"] = f"killed by signal {signal.Signals(-rc).name}"
+    else:
+        rec["ended"] = "ok" if rc == 0 else f"exit status {rc}"
+    lines = text.splitlines()
+    rec["segv_bt"] = [l for l in lines if "segv_bt" in l or l.startswith(("Fatal Python error", "  File "))][:60]
+    err = [l for l in lines if "Error" in l or "error:" in l]
+    if err:
+        rec["error"] = err[-1][:2000]
+    rec["output_tail"] = lines[-30:]
+    if log_dir:
+        path = os.path.join(log_dir, f"{label.replace(' ', '_').replace('/', '_')}.log")
+        with open(path, "w") as f:
+            f.write(text)
+        rec["log"] = path
+    if os.path.exists(out_json):
+        with open(out_json) as f:
+            rec["report"] = json.load(f)
+        os.unlink(out_json)
+    rec["ok"] = rc == 0 and "report" in rec
+    log(f"{label}: {rec['ended']} in {rec['seconds']} s" + (f"; {rec['error']}" if not rec["ok"] and "error" in rec else ""))
+    return rec
+
+
+def peer_argv(kind, quick, shape=None, steps=None, batch=None, budget=None, config=None, extra=()):
+    a = [sys.executable, HERE, "peer", "--kind", kind, "--json", "{json}"]
+    if shape:
+        a += ["--shape", shape]
+    if steps:
+        a += ["--steps", str(steps)]
+    if batch:
+        a += ["--batch", str(batch)]
+    if budget:
+        a += ["--budget", str(budget)]
+    if config:
+        a += ["--config", config]
+    if quick:
+        a.append("--quick")
+    return a + list(extra)
+
+
+def tidal_env(quick):
+    # --quick: tidal on the simulated device; otherwise what TIDAL_DEVICE says (auto: the GPU).
+    return {"TIDAL_DEVICE": "sim"} if quick else {}
+
+
+def device_total_bytes(quick):
+    """The device's memory: the GPU's, or the simulated device's capacity under --quick."""
+    if quick:
+        os.environ.setdefault("TIDAL_DEVICE", "sim")
+        import tidal
+        return int(tidal.get_device().info()["capacity"])
+    import torch
+    return torch.cuda.get_device_properties(0).total_memory
+
+
+def _derive(run, name, seq, budget=None):
+    """Per-step figures of a tidal run's report: TFLOPS with attention, bytes moved vs minimum."""
+    r = run["report"]
+    n = r["params"]
+    toks = r["tokens_per_s"]
+    out = {"tokens_per_s": toks, "tflops": r["tflops"],
+           "tflops_with_attention": (6 * n + attn_flops_per_token(name, seq)) * toks / 1e12,
+           "peak_host_rss_bytes": r.get("peak_host_rss_bytes")}
+    m = r.get("memory")
+    if m:
+        room = max(0, m["device_budget"] - m["peak_nonchunk_device_bytes"])
+        elem = 2 if r.get("precision") in ("bf16", "fp16") else 4
+        minimum = int(elem * max(0, n - room / (elem + 12)))
+        moved_up, moved_down = m["bytes_host_to_device_last_step"], m["bytes_device_to_host_last_step"]
+        out.update({
+            "device_budget": m["device_budget"], "peak_device_bytes": m["peak_device_bytes"],
+            "peak_chunk_device_bytes": m["peak_chunk_device_bytes"],
+            "peak_nonchunk_device_bytes": m["peak_nonchunk_device_bytes"],
+            "peak_chunk_host_bytes": m["peak_chunk_host_bytes"],
+            "host_buffers": r.get("host_bytes"),
+            "torch_max_memory_reserved": r.get("torch_max_memory_reserved"),
+            "bytes_host_to_device_per_step": moved_up, "bytes_device_to_host_per_step": moved_down,
+            "min_bytes_each_way_per_step": minimum,
+            "moved_over_minimum": ((moved_up + moved_down) / (2 * minimum)) if minimum else None,
+            "prefetch_hit_rate": m["prefetch_hit_rate"], "evictions": m["evictions"],
+            "cpu_adam_seconds_per_step": m["cpu_adam_seconds"] / max(1, r["steps"]),
+            "adam_chunks_on_device": m["adam_chunks_on_device"], "adam_chunks_on_host": m["adam_chunks_on_host"],
+            "loss_falling": r["last_loss"] < r["first_loss"],
+        })
     return out
 
 
-def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--preset", default="gpt-1.3b")
-    ap.add_argument("--large", default="gpt-4b")
-    ap.add_argument("--steps", type=int, default=6)
-    ap.add_argument("--batch", type=int, default=8)
-    args = ap.parse_args()
-    result = {"machine": common.machine_info(), "commit": common.git_commit(), "runs": []}
-    name = "engine"
-
-    def save():
-        common.write_result(name, result)
-
-    def attempt(label, fn):
-        t = time.perf_counter()
-        try:
-            r = fn()
-            r["label"] = label
-            r["wall_s"] = time.perf_counter() - t
-            result["runs"].append(r)
-            print(f"[engine_gpu] {label}: {json.dumps(r)}", flush=True)
-        except Exception as e:  # noqa: BLE001 -- record the failure, go on
-            traceback.print_exc()
-            result["runs"].append({"label": label, "error": f"{type(e).__name__}: {e}"[:2000]})
-        save()
-        gc.collect()
-        torch.cuda.empty_cache()
-
-    def tidal_run(preset, budget=None):
-        argv = ["--preset", preset, "--steps", str(args.steps), "--batch", str(args.batch),
-                "--data", "synthetic", "--no-progress"]
-        if budget:
-            argv += ["--budget", budget]
-        r = ttrain.run(argv)
-        r["budget"] = budget
-        return r
-
-    attempt(f"plain {args.preset}", lambda: plain(args.preset, args.steps, args.batch))
-    attempt(f"tidal {args.preset} (whole GPU)", lambda: tidal_run(args.preset))
-    attempt(f"tidal {args.preset} (16GB budget)", lambda: tidal_run(args.preset, "16GB"))
-    host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    dev = torch.cuda.get_device_properties(0).total_memory
-    result["limit_params_14B"] = (host + dev) / 14
-    attempt(f"tidal {args.large} (largest tried)", lambda: tidal_run(args.large))
+def cmd_bench(args):
+    quick = args.quick
+    shape = args.preset or ("nano" if quick else "gpt-1.3b")
+    steps = args.steps or (4 if quick else 8)
+    batch = args.batch or (2 if quick else 8)
+    seq = shape_of(shape)[3]
+    n = params_of(shape)
+    result = {"quick": quick, "shape": shape, "params": n, "micro_batch": batch, "seq": seq, "steps": steps,
+              "definitions": __doc__.split("Definitions (also written into the result files):")[1].strip(),
+              "runs": {}}
+    name = args.name or ("engine-quick" if quick else "engine")
+    save = lambda: common.write_result(name, result, output=result_path(name, args.output))  # noqa: E731
+    runs = result["runs"]
+    runs["matmul"] = child("matmul", peer_argv("matmul", quick), args.timeout, log_dir=args.log_dir)
     save()
+    runs["plain"] = child("plain", peer_argv("plain", quick, shape, steps, batch), args.timeout, log_dir=args.log_dir)
+    save()
+    runs["tidal_whole"] = child("tidal_whole", peer_argv("tidal", quick, shape, steps, batch), args.timeout,
+                                env=tidal_env(quick), log_dir=args.log_dir)
+    save()
+    states = STATE_BYTES_PER_PARAM * n
+    margin = 0
+    if runs["tidal_whole"]["ok"]:
+        mem = runs["tidal_whole"]["report"]["memory"]
+        act, margin = mem["peak_nonchunk_device_bytes"], mem["device_margin"]
+        basis = "whole-GPU tidal run's peak non-chunk device bytes (+ its device margin)"
+    elif runs["plain"]["ok"] and runs["plain"]["report"]["peak_device_bytes"]:
+        act = max(0, runs["plain"]["report"]["peak_device_bytes"] - 16 * n)
+        basis = "plain run's peak device bytes - 16 B/param (the whole-GPU tidal run failed)"
+    else:
+        act, basis = 0, "no run measured the activations: a quarter of the model states alone"
+    quarter = int(margin + act + states / 4)
+    result["quarter_budget"] = {"bytes": quarter, "model_state_bytes": states, "activation_bytes": act,
+                                "device_margin": margin, "activation_basis": basis}
+    runs["tidal_quarter"] = child("tidal_quarter", peer_argv("tidal", quick, shape, steps, batch, budget=quarter),
+                                  args.timeout, env=tidal_env(quick), log_dir=args.log_dir)
+    # The figures next to each other.
+    table = {}
+    if runs["plain"]["ok"]:
+        p = runs["plain"]["report"]
+        table["plain"] = {"tokens_per_s": p["tokens_per_s"],
+                          "tflops": 6 * n * p["tokens_per_s"] / 1e12,
+                          "tflops_with_attention": (6 * n + attn_flops_per_token(shape, seq)) * p["tokens_per_s"] / 1e12,
+                          "peak_device_bytes": p["peak_device_bytes"],
+                          "peak_host_rss_bytes": p["peak_host_rss_bytes"]}
+    for k in ("tidal_whole", "tidal_quarter"):
+        if runs[k]["ok"]:
+            table[k] = _derive(runs[k], shape, seq)
+    if runs["matmul"]["ok"]:
+        result["matmul_bf16_tflops"] = runs["matmul"]["report"]["tflops"]
+        for row in table.values():
+            row["tflops_over_matmul_rate"] = row["tflops_with_attention"] / result["matmul_bf16_tflops"]
+    ratios = {}
+    if "plain" in table:
+        for k in ("tidal_whole", "tidal_quarter"):
+            if k in table:
+                ratios[f"{k}_over_plain_tokens_per_s"] = table[k]["tokens_per_s"] / table["plain"]["tokens_per_s"]
+        if "tidal_whole" in table:
+            ratios["engine_overhead"] = 1 - ratios["tidal_whole_over_plain_tokens_per_s"]
+    result["table"] = table
+    result["ratios"] = ratios
+    path = save()
+    log(f"wrote {path}: {json.dumps(ratios)}")
+    return 0 if all(r["ok"] for r in runs.values()) else 1
+
+
+def cmd_largest(args):
+    quick = args.quick
+    shapes = (args.shapes or (LARGEST_QUICK if quick else LARGEST_FULL)).split(",")
+    steps = args.steps or 5
+    batch = args.batch or (2 if quick else 4)
+    host, dev = host_total_bytes(), device_total_bytes(quick)
+    limit = (host + dev) / STATE_BYTES_PER_PARAM
+    result = {"quick": quick, "steps": steps, "micro_batch": batch, "host_bytes": host, "device_bytes": dev,
+              "limit_params": limit, "limit_formula": "(host + device memory) / 14 B", "tried": []}
+    name = args.name or ("engine_largest-quick" if quick else "engine_largest")
+    deadline = time.monotonic() + args.time_limit
+    best = None
+    for s in shapes:
+        left = deadline - time.monotonic()
+        if left < 30:
+            result["stopped"] = f"time limit: {left:.0f} s left before {s}"
+            break
+        rec = child(f"largest {s}", peer_argv("tidal", quick, s, steps, batch), min(args.timeout, left),
+                    env=tidal_env(quick), log_dir=args.log_dir)
+        rec["shape"] = s
+        rec["params"] = params_of(s)
+        if rec["ok"]:
+            rec.update(_derive(rec, s, shape_of(s)[3]))
+            rec["trained"] = rec["loss_falling"] and rec["report"]["steps"] >= steps
+        else:
+            rec["trained"] = False
+        result["tried"].append(rec)
+        if rec["trained"]:
+            best = rec
+        common.write_result(name, result, output=result_path(name, args.output))
+        if not rec["trained"]:
+            result["stopped"] = f"{s}: {rec['ended']}" + ("" if rec["ok"] else f" ({rec.get('error', 'no report')})")
+            break
+    if best:
+        result["largest"] = {"shape": best["shape"], "params": best["params"],
+                             "tokens_per_s": best["tokens_per_s"], "tflops": best["tflops"],
+                             "tflops_with_attention": best["tflops_with_attention"],
+                             "params_over_limit": best["params"] / limit,
+                             "first_loss": best["report"]["first_loss"], "last_loss": best["report"]["last_loss"]}
+    path = common.write_result(name, result, output=result_path(name, args.output))
+    log(f"wrote {path}: largest {result.get('largest')}; stopped: {result.get('stopped')}")
+    return 0 if best else 1
+
+
+def _crash_config(quick, chunk=None, pin=None):
+    from tidal import train as ttrain
+    with open(ttrain.default_config_path(False, not quick)) as f:
+        cfg = json.load(f)
+    if chunk:
+        cfg.setdefault("tidal", {})["chunk_size"] = chunk
+    if pin is not None:
+        cfg["zero_optimization"] = {"offload_optimizer": {"pin_memory": pin}, "offload_param": {"pin_memory": pin}}
+    fd, path = tempfile.mkstemp(prefix="tidal_crash_", suffix=".json")
+    with os.fdopen(fd, "w") as f:
+        json.dump(cfg, f)
+    return path
+
+
+def cmd_crash(args):
+    quick = args.quick
+    preset = "nano" if quick else "gpt-350m"
+    train = [sys.executable, "-m", "tidal.train", "--preset", preset, "--steps", "3", "--data", "synthetic",
+             "--no-progress"]
+    sizes = "1048576,2097152" if quick else "103022592,206045184"  # 98.25 / 196.5 MiB: gpt-350m's dedicated chunks
+    cases = [
+        ("train", train),
+        ("train_no_pin", train + ["--config", _crash_config(quick, pin=False)]),
+        ("train_chunk_256MiB", train + ["--config", _crash_config(quick, chunk="4MiB" if quick else "256MiB")]),
+        ("pinloop", peer_argv("pinloop", quick, extra=["--sizes", sizes, "--total", "16MiB" if quick else "6GiB"])),
+    ]
+    result = {"quick": quick, "preset": preset, "cases": []}
+    name = args.name or ("gpu_crash-quick" if quick else "gpu_crash")
+    gdb = subprocess.run(["sh", "-c", "command -v gdb"], capture_output=True, text=True).stdout.strip()
+    result["gdb"] = gdb or None
+    for label, argv in cases:
+        rec = child(label, argv, args.timeout, env=tidal_env(quick), log_dir=args.log_dir)
+        rec["ok"] = rec["rc"] == 0  # tidal.train writes no --json here: exit 0 is success
+        if rec["rc"] is not None and rec["rc"] < 0 and gdb:
+            # The same case under gdb, for the stack of every thread.
+            g = child(label + " gdb", [gdb, "-batch", "-ex", "run", "-ex", "thread apply all bt 30", "--args"] + argv,
+                      args.timeout, env=dict(tidal_env(quick), LD_PRELOAD=""), log_dir=args.log_dir)
+            rec["gdb_tail"] = g["output_tail"]
+        result["cases"].append(rec)
+        common.write_result(name, result, output=result_path(name, args.output))
+    result["crashed"] = [c["label"] for c in result["cases"] if not c["ok"]]
+    path = common.write_result(name, result, output=result_path(name, args.output))
+    log(f"wrote {path}: crashed/failed: {result['crashed'] or 'none'}")
+    return 0 if not result["crashed"] else 1
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    common_args = argparse.ArgumentParser(add_help=False)
+    common_args.add_argument("--quick", action="store_true", help="tiny shapes on the simulated device / CPU")
+    common_args.add_argument("--output", default=None, help="result path (default benchmarks/results/<name>-<machine>.json)")
+    common_args.add_argument("--name", default=None, help="result name (default by command)")
+    common_args.add_argument("--timeout", type=float, default=300, help="seconds per child process")
+    common_args.add_argument("--log-dir", default=None, help="write each child's output here")
+    b = sub.add_parser("bench", parents=[common_args])
+    b.add_argument("--preset", default=None)
+    b.add_argument("--steps", type=int, default=None)
+    b.add_argument("--batch", type=int, default=None)
+    lg = sub.add_parser("largest", parents=[common_args])
+    lg.add_argument("--shapes", default=None, help=f"comma-separated, smallest first (default {LARGEST_FULL})")
+    lg.add_argument("--steps", type=int, default=None)
+    lg.add_argument("--batch", type=int, default=None)
+    lg.add_argument("--time-limit", type=float, default=520, help="stop starting shapes after this many seconds")
+    sub.add_parser("crash", parents=[common_args])
+    p = sub.add_parser("peer", parents=[common_args], help="one run in this process (used by the others)")
+    p.add_argument("--kind", choices=sorted(PEERS), required=True)
+    p.add_argument("--json", required=True)
+    p.add_argument("--shape", default="tiny")
+    p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--budget", default=None)
+    p.add_argument("--config", default=None)
+    p.add_argument("--sizes", default="103022592,206045184")
+    p.add_argument("--total", default="6GiB")
+    args = ap.parse_args(argv)
+    if args.log_dir:
+        os.makedirs(args.log_dir, exist_ok=True)
+    if args.cmd == "peer":
+        peer_main(args)
+        return 0
+    try:
+        return {"bench": cmd_bench, "largest": cmd_largest, "crash": cmd_crash}[args.cmd](args)
+    except Exception:  # noqa: BLE001 -- the driver's own failure: show it, exit non-zero
+        traceback.print_exc()
+        return 2
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -1,82 +1,373 @@
 #!/usr/bin/env bash
-# The whole GPU run, for the device tool's lent machine (torch 2.11 + CUDA 13,
-# Python 3.12, cmake, ninja, nvcc; no network, no apt). From the repo root:
-#   here:  bash scripts/fetch_gpu_debs.sh           # once; fills .deps/debs
-#   there: bash scripts/gpu_run.sh                   # with carry: [".deps"]
-# Builds tidal with the CUDA backend, runs the C++ tests (the device contract
-# runs against the real GPU) and the Python tests, then the benchmarks, and
-# copies logs and result files to $OUT (and benchmarks/results/).
-#   GPU_RUN_STEPS="build test bench" selects steps (default: all three).
-#   TIDAL_GPU_SKIP_PYTEST=1 skips the Python tests (ctest still runs).
-set -euo pipefail
+# The issue-14 GPU run, in phases, for the device tool's lent machine (H100 80 GB
+# or H200; torch 2.11 + CUDA 13, Python 3.12, cmake, ninja, nvcc; no network,
+# no apt, maybe no gdb). Each phase is its own process with its own `timeout`,
+# log ($OUT/<phase>.log) and result files; a crash in one loses nothing else
+# and the script goes on to the next. After every phase $OUT/summary.json is
+# rewritten: phase, rc, seconds, time limit, log, result files.
+#
+# HERE, once (network):
+#   bash scripts/fetch_gpu_debs.sh     # .deps/debs: TBB, hwloc, mimalloc, Highway, GoogleTest (~1.4 MiB)
+#   bash scripts/fetch_gpu_wheels.sh   # .deps/wheels: deepspeed 0.19.8 + deps for Python 3.12 (~6 MiB)
+#   du -sh .deps                       # must stay under the 64 MiB carry limit (with prebuilt/, below)
+# THERE, one phase group per device call (`run`, carry [".deps"]; each call <= 600 s; the
+# machine goes back after 30 s idle, so a later call may find a bare machine):
+#   call 1: bash scripts/gpu_run.sh reporter build cpp crash  # ~9.5 min: build, C++ device tests, the crash
+#   call 2: bash scripts/gpu_run.sh build bench1b largest     # ~9 min
+#   call 3: bash scripts/gpu_run.sh build deepspeed dtr       # ~9 min
+# (~28 of the 30 device-minutes).
+# `build` is a no-op when the machine still has build/gpu, and a 10 s install when the
+# previous call's $OUT/prebuilt (the stripped _C module and test binaries, with a stamp of
+# the source they were built from) was copied to .deps/prebuilt here and carried:
+#   cp -r <files_at>/prebuilt .deps/        (then carry [".deps"] as before)
+# Phases (the issue's "On the GPU, in this order"):
+#   reporter  proves the crash reporter works on this machine (a deliberate segfault)  ~5 s
+#   build     CUDA build for sm_90 of only what the GPU phases run: tidal._C and the
+#             device/scheduler/chunk C++ test binaries                          ~300 s cold
+#   cpp       those GoogleTest binaries on the real GPU (gtest JSON per binary)     ~60 s
+#   crash     engine_gpu.py crash: tidal-train --preset gpt-350m --steps 3, then pinning
+#             off, then 256 MiB chunks, then pinned HostBuffers of 98.25/196.5 MiB up to
+#             6 GiB, each its own process; under gdb too when gdb exists        ~240 s
+#   bench1b   engine_gpu.py bench: gpt-1.3b bf16, micro batch 8, seq 1024: plain PyTorch
+#             + fused AdamW vs tidal (whole GPU) vs tidal (a quarter of the model states),
+#             and the bf16 matmul rate                                          ~240 s
+#   largest   engine_gpu.py largest: gpt-6.7b, 8b, 10b, 13b, 14b, 16b, 20b until one fails
+#             or the phase's time is up (LARGEST_SHAPES=... to start higher)     ~300 s
+#   deepspeed deepspeed_gpu.py: ZeRO-2 + offload_optimizer, ZeRO-3 + offload_param, at
+#             gpt-1.3b and up to the largest tidal trained (engine_largest result) ~400 s
+#   dtr       benchmarks/dtr.py, dtr_batch.py and recompute.py on the GPU when they take
+#             --device (else $OUT/dtr.json says they have no CUDA path)        ~130 s
+# Results: benchmarks/results/<name>-<machine>.json (benchmarks/common.py names the
+# machine), copied to $OUT with the logs.
+#
+# Usage: bash scripts/gpu_run.sh [--dry-run] [PHASE...]   (or GPU_RUN_PHASES="..."; default
+#   "reporter build cpp crash"). --dry-run prints the time plan and every command, runs nothing.
+# Environment: OUT (default build/gpu-out), PYTHON (python3), GPU_RUN_BUDGET_S (570: the
+#   seconds this call may use; phase limits are cut to fit, so summary.json is always
+#   written), GPU_RUN_QUICK=1 (every measurement with --quick on the simulated device / CPU,
+#   no CUDA build: how tests/python/test_gpu_scripts.py runs this script without a GPU),
+#   TIDAL_RESULTS_DIR (write result files there instead of benchmarks/results).
+# Carry size: .deps/debs ~1.4 MiB (11 .deb files) + .deps/wheels ~6 MiB + .deps/prebuilt
+#   (stripped, printed by `build`; leave it out if the total passes ~60 MiB).
+set -uo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
 OUT="${OUT:-$ROOT/build/gpu-out}"
-STEPS="${GPU_RUN_STEPS:-build test bench}"
-PREFIX="${TIDAL_DEPS_PREFIX:-/tmp/tidal-deps}"
 PY="${PYTHON:-python3}"
+QUICK="${GPU_RUN_QUICK:-0}"
+BUDGET="${GPU_RUN_BUDGET_S:-570}"
 BUILD="$ROOT/build/gpu"
-JOBS="$(nproc)"
-mkdir -p "$OUT"
-log() { printf '\n[gpu_run] %s\n' "$*" | tee -a "$OUT/gpu_run.log" >&2; }
-has_step() { [[ " $STEPS " == *" $1 "* ]]; }
+PREFIX="${TIDAL_DEPS_PREFIX:-/tmp/tidal-deps}"
+DS_SITE=/tmp/tidal-ds-site
+RESULTS_DIR="${TIDAL_RESULTS_DIR:-benchmarks/results}"  # where the scripts write (engine_gpu.result_path)
+SEGV_SO="$BUILD/segv_backtrace.so"
+ALL_PHASES="reporter build cpp crash bench1b largest deepspeed dtr"
+CPP_TESTS="tidal_runtime_tests tidal_scheduler_tests tidal_chunk_tests"
+Q=(); ((QUICK)) && Q=(--quick)
 
-# --- dependencies the image lacks: unpacked .deb files ---------------------------
-shopt -s nullglob
-debs=(.deps/debs/*.deb)
-if ((${#debs[@]} == 0)); then
-  echo "no .deb files in .deps/debs: run scripts/fetch_gpu_debs.sh here and carry .deps" >&2
-  exit 1
-fi
-mkdir -p "$PREFIX"
-for f in "${debs[@]}"; do dpkg -x "$f" "$PREFIX"; done
-export CMAKE_PREFIX_PATH="$PREFIX/usr${CMAKE_PREFIX_PATH:+:$CMAKE_PREFIX_PATH}"
-export LD_LIBRARY_PATH="$PREFIX/usr/lib/x86_64-linux-gnu${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
-export CPATH="$PREFIX/usr/include${CPATH:+:$CPATH}"
+# Seconds each phase is planned for and its own time limit (the limit is cut to what is
+# left of GPU_RUN_BUDGET_S when the phase starts).
+declare -A EST=([reporter]=5 [build]=300 [cpp]=60 [crash]=200 [bench1b]=240 [largest]=300 [deepspeed]=400 [dtr]=130)
+declare -A LIMIT=([reporter]=30 [build]=420 [cpp]=120 [crash]=300 [bench1b]=270 [largest]=330 [deepspeed]=420 [dtr]=150)
 
-{ nvidia-smi || true; nvcc --version || true; "$PY" -c "import torch; print('torch', torch.__version__, torch.version.cuda)" || true; } \
-  >"$OUT/machine.txt" 2>&1
+DRY=0
+INNER=""
+PHASES=()
+while (($#)); do
+  case "$1" in
+    --dry-run) DRY=1 ;;
+    --phase-inner) INNER="$2"; shift ;;
+    -h|--help) sed -n '2,/^set -uo/p' "$0" | sed '$d'; exit 0 ;;
+    *) PHASES+=("$1") ;;
+  esac
+  shift
+done
+((${#PHASES[@]})) || read -ra PHASES <<<"${GPU_RUN_PHASES:-reporter build cpp crash}"
+for p in "${PHASES[@]}" ${INNER:+"$INNER"}; do
+  [[ " $ALL_PHASES " == *" $p "* ]] || { echo "gpu_run.sh: unknown phase '$p' (phases: $ALL_PHASES)" >&2; exit 2; }
+done
 
-if has_step build; then
-  log "configure + build (CUDA on, Python module in place)"
-  cmake -S . -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DTIDAL_WITH_CUDA=ON \
-    -DCMAKE_CUDA_ARCHITECTURES=90 -DTIDAL_BUILD_PYTHON=ON -DTIDAL_PYTHON_INPLACE=ON \
-    -DPython_EXECUTABLE="$(command -v "$PY")" 2>&1 | tee "$OUT/configure.log"
-  export CMAKE_BUILD_PARALLEL_LEVEL="$JOBS"
-  if ! cmake --build "$BUILD" -j "$JOBS" 2>&1 | tee "$BUILD/build_full.log" | tail -n 50 | tee "$OUT/build.log"; then
-    # The tail may miss the first failure: append the first error lines of the full log.
-    { echo "--- first error lines (build_full.log) ---"
-      grep -n -m 60 -E 'error|FAILED|undefined reference' "$BUILD/build_full.log" || true; } | tee -a "$OUT/build.log"
-    log "build failed"
-    exit 1
+# `x CMD...`: run a command, or print it under --dry-run.
+x() {
+  if ((DRY)); then printf '    $'; printf ' %q' "$@"; printf '\n'; else "$@"; fi
+}
+say() { printf '[gpu_run] %s\n' "$*"; }
+
+# --- the environment every phase runs in ---------------------------------------------
+setup_env() {
+  export PYTHONPATH="$ROOT/python${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 PYTHONFAULTHANDLER=1
+  export CMAKE_PREFIX_PATH="$PREFIX/usr${CMAKE_PREFIX_PATH:+:$CMAKE_PREFIX_PATH}"
+  export LD_LIBRARY_PATH="$PREFIX/usr/lib/x86_64-linux-gnu${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+  export CPATH="$PREFIX/usr/include${CPATH:+:$CPATH}"
+  # On the GPU machine tidal must run on the GPU: TIDAL_DEVICE=cuda makes a CUDA problem
+  # a clear error instead of a silent fallback to the simulated device.
+  if ((QUICK)); then export TIDAL_DEVICE=sim; else export TIDAL_DEVICE="${TIDAL_DEVICE:-cuda}"; fi
+  return 0
+}
+
+# The unpacked .deb files (TBB, mimalloc, Highway, GoogleTest) the image lacks.
+unpack_debs() {
+  shopt -s nullglob
+  local debs=(.deps/debs/*.deb)
+  if ((${#debs[@]} == 0)); then
+    ((QUICK)) || say "no .deb files in .deps/debs: run scripts/fetch_gpu_debs.sh here and carry .deps"
+    return 0
   fi
-fi
+  mkdir -p "$PREFIX"
+  local f
+  for f in "${debs[@]}"; do x dpkg -x "$f" "$PREFIX"; done
+}
 
-status=0
-if has_step test; then
-  log "C++ tests (device contract against the GPU)"
-  ctest --test-dir "$BUILD" -j 4 --output-on-failure 2>&1 | tee "$OUT/ctest.log" || status=1
-  if [[ "${TIDAL_GPU_SKIP_PYTEST:-0}" == 1 ]]; then
-    log "Python tests skipped (TIDAL_GPU_SKIP_PYTEST=1)"
-  else
-    log "Python tests"
-    PYTHONPATH="$ROOT/python" TIDAL_CPP_BUILD="$BUILD" "$PY" -m pytest -q tests/python 2>&1 \
-      | tee "$OUT/pytest.log" || status=1
-  fi
-fi
+# The crash reporter (scripts/segv_backtrace.c), preloaded into every phase but build.
+build_reporter() {
+  mkdir -p "$BUILD"
+  x "${CC:-cc}" -O1 -g -shared -fPIC -o "$SEGV_SO" scripts/segv_backtrace.c -ldl
+}
 
-if has_step bench; then
-  log "benchmarks"
-  before=$(date +%s)
-  PYTHONPATH="$ROOT/python" TIDAL_CPP_BUILD="$BUILD" "$PY" benchmarks/device_bandwidth.py --device cuda \
-    2>&1 | tee -a "$OUT/bench.log" || status=1
-  log "engine benchmark (plain PyTorch vs tidal, largest GPT tried)"
-  PYTHONPATH="$ROOT/python" timeout "${GPU_ENGINE_TIMEOUT:-420}" "$PY" benchmarks/engine_gpu.py \
-    ${GPU_ENGINE_ARGS:-} 2>&1 | tee -a "$OUT/engine.log" || status=1
-  # Every result file this run wrote comes back.
-  for f in benchmarks/results/*.json; do
-    [ "$(stat -c %Y "$f")" -ge "$before" ] && cp "$f" "$OUT/"
+# What the native sources look like: prebuilt binaries are used only when this matches.
+# A hash of the files themselves (the device machine's copy of the tree may have no .git).
+source_stamp() {
+  find . \( -path ./build -o -path ./.venv -o -path ./.deps -o -path ./.git \) -prune -o -type f \
+    \( -name '*.cpp' -o -name '*.cc' -o -name '*.h' -o -name '*.hpp' -o -name '*.cu' -o -name '*.cuh' \
+       -o -name 'CMakeLists.txt' -o -name '*.cmake' \) -print | LC_ALL=C sort | xargs sha256sum \
+    | sha256sum | cut -c1-16
+}
+
+# --- phases (each runs as `gpu_run.sh --phase-inner NAME`, its own process) -------------
+phase_reporter() {
+  # A deliberate segfault in Python under the reporter: the log must show the fault
+  # address's mapping, the native backtrace and the Python stack.
+  local log="$OUT/reporter-child.log"
+  if ((DRY)); then x "$PY" -c "import ctypes; ctypes.string_at(16)"; return 0; fi
+  "$PY" -c "import ctypes; ctypes.string_at(16)" >"$log" 2>&1
+  local rc=$?
+  local ok=true
+  for want in "[segv_bt] signal 11" "[segv_bt] fault address" "[segv_bt] native backtrace" "line 1 in <module>"; do
+    grep -qF "$want" "$log" || { ok=false; say "reporter: '$want' missing from $log"; }
   done
+  printf '{"child_rc": %d, "reporter_works": %s, "log": "%s"}\n' "$rc" "$ok" "$log" >"$OUT/reporter.json"
+  [[ $ok == true ]]
+}
+
+phase_build() {
+  if ((QUICK)); then
+    x "$PY" -c "import tidal; print('tidal', tidal.device_info()['backend'], 'cuda compiled:', tidal.device_info()['cuda_compiled'])"
+    return $?
+  fi
+  local stamp
+  stamp="$(source_stamp)"
+  if [[ -f .deps/prebuilt/stamp && "$(cat .deps/prebuilt/stamp)" == "$stamp" ]] && compgen -G ".deps/prebuilt/_C*.so" >/dev/null; then
+    say "prebuilt binaries match the source ($stamp): installing them, no build"
+    x cp .deps/prebuilt/_C*.so python/tidal/
+    x mkdir -p "$BUILD/prebuilt-tests"
+    local t
+    for t in $CPP_TESTS; do [[ -f .deps/prebuilt/$t ]] && x cp ".deps/prebuilt/$t" "$BUILD/prebuilt-tests/"; done
+    x "$PY" -c "import tidal; print(tidal.device_info())"
+    return $?
+  fi
+  x cmake -S . -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DTIDAL_WITH_CUDA=ON \
+    -DCMAKE_CUDA_ARCHITECTURES=90 -DTIDAL_BUILD_PYTHON=ON -DTIDAL_PYTHON_INPLACE=ON \
+    -DTIDAL_BUILD_TESTS=ON -DTIDAL_BUILD_BENCHMARKS=OFF -DPython_EXECUTABLE="$(command -v "$PY")" || return $?
+  x cmake --build "$BUILD" -j "$(nproc)" --target _C $CPP_TESTS || return $?
+  ((DRY)) && return 0
+  # For the next call on a bare machine: stripped copies and the stamp, back through $OUT.
+  mkdir -p "$OUT/prebuilt"
+  local so t
+  strip_copy() { objcopy --strip-debug "$1" "$2" 2>/dev/null || cp "$1" "$2"; }
+  for so in python/tidal/_C*.so; do strip_copy "$so" "$OUT/prebuilt/$(basename "$so")"; done
+  for t in $CPP_TESTS; do
+    f="$(find "$BUILD" -name "$t" -type f -perm -u+x | head -n1)"
+    [[ -n $f ]] && strip_copy "$f" "$OUT/prebuilt/$t"
+  done
+  echo "$stamp" >"$OUT/prebuilt/stamp"
+  say "prebuilt for the next call: $(du -sh "$OUT/prebuilt" | cut -f1) in \$OUT/prebuilt (cp -r it to .deps/)"
+  "$PY" -c "import tidal; print(tidal.device_info())"
+}
+
+phase_cpp() {
+  if ((QUICK)); then say "cpp: skipped under GPU_RUN_QUICK=1 (no CUDA build; the CPU suites run in CI)"; return 0; fi
+  local t f rc=0
+  for t in $CPP_TESTS; do
+    f="$(find "$BUILD" -name "$t" -type f -perm -u+x 2>/dev/null | head -n1)"
+    if [[ -z $f ]]; then ((DRY)) && f="$BUILD/.../$t" || { say "cpp: $t not built"; rc=1; continue; }; fi
+    x timeout -k 10 100 "$f" --gtest_output="json:$OUT/cpp-$t.json" || rc=1
+  done
+  return $rc
+}
+
+phase_crash() {
+  x "$PY" benchmarks/engine_gpu.py crash "${Q[@]}" --timeout 60 --log-dir "$OUT/crash"
+}
+
+phase_bench1b() {
+  x "$PY" benchmarks/engine_gpu.py bench "${Q[@]}" --timeout 120 --log-dir "$OUT/bench1b"
+}
+
+phase_largest() {
+  x "$PY" benchmarks/engine_gpu.py largest "${Q[@]}" ${LARGEST_SHAPES:+--shapes "$LARGEST_SHAPES"} --timeout 400 --time-limit $((PHASE_LIMIT - 60)) \
+    --log-dir "$OUT/largest"
+}
+
+phase_deepspeed() {
+  # Install what the image lacks from the carried wheels (the ones already installed are
+  # left alone), then run the peer. Its CPU Adam JIT-builds with ninja + nvcc here.
+  shopt -s nullglob
+  local w dist missing=()
+  for w in .deps/wheels/*.whl; do
+    dist="$(basename "$w" | cut -d- -f1)"
+    # (under --dry-run: all of them; the check imports nothing heavy but costs a start each)
+    ((DRY)) || ! "$PY" -c "import importlib.metadata as m, sys; m.version(sys.argv[1])" "$dist" 2>/dev/null \
+      && missing+=("$w")
+  done
+  # A wheel is a zip: unpacked into a folder on PYTHONPATH it imports (its .dist-info too),
+  # with no pip needed and no resolver that might reach for the network.
+  x mkdir -p "$DS_SITE"
+  for w in "${missing[@]}"; do x "$PY" -m zipfile -e "$w" "$DS_SITE"; done
+  export PYTHONPATH="$PYTHONPATH:$DS_SITE" TORCH_EXTENSIONS_DIR=/tmp/tidal-ds-ext DS_BUILD_OPS=0
+  if [[ -z ${CUDA_HOME:-} ]] && command -v nvcc >/dev/null; then
+    CUDA_HOME="$(dirname "$(dirname "$(readlink -f "$(command -v nvcc)")")")"
+    export CUDA_HOME
+  fi
+  # gpt-1.3b, then up to the largest tidal trained here (when the largest phase ran).
+  local shapes="${DS_SHAPES:-}"
+  ((DRY)) && [[ -z $shapes ]] && shapes="gpt-1.3b,gpt-6.7b,<the largest in engine_largest-*.json, else gpt-13b>"
+  if [[ -z $shapes ]] && ((!QUICK)); then
+    shapes="$("$PY" - <<'EOF' 2>/dev/null
+import glob, json
+from tidal.train import PRESETS
+order = ["gpt-1.3b", "gpt-2.7b", "gpt-4b", "gpt-6.7b", "gpt-13b", "gpt-20b", "gpt-30b"]
+best = None
+for f in glob.glob("benchmarks/results/engine_largest-*.json"):
+    best = (json.load(open(f)).get("largest") or {}).get("shape") or best
+shapes = ["gpt-1.3b", "gpt-6.7b"] + ([best] if best and best not in ("gpt-1.3b", "gpt-6.7b") else ["gpt-13b"])
+print(",".join(shapes))
+EOF
+)"
+  fi
+  x "$PY" benchmarks/deepspeed_gpu.py "${Q[@]}" ${shapes:+--shapes "$shapes"} --timeout 400 \
+    --time-limit $((PHASE_LIMIT - 60)) --log-dir "$OUT/deepspeed"
+}
+
+phase_dtr() {
+  # dtr.py / dtr_batch.py / recompute.py measure on the CPU unless they take --device:
+  # run them on the GPU when they do, else say so in $OUT/dtr.json.
+  local s rc=0 status=()
+  for s in dtr dtr_batch recompute; do
+    if ((QUICK)); then
+      status+=("\"$s\": \"quick: not run (each has its own --quick test)\"")
+    elif ((DRY)); then
+      say "dtr: if benchmarks/$s.py takes --device (else the result says it has no CUDA path):"
+      x timeout -k 10 $((PHASE_LIMIT / 3)) "$PY" "benchmarks/$s.py" --device cuda
+    elif "$PY" "benchmarks/$s.py" --help 2>/dev/null | grep -q -- '--device'; then
+      x timeout -k 10 $((PHASE_LIMIT / 3)) "$PY" "benchmarks/$s.py" --device cuda || rc=1
+      status+=("\"$s\": \"ran with --device cuda\"")
+    else
+      say "dtr: benchmarks/$s.py has no --device flag: it measures on the CPU only; not run here"
+      status+=("\"$s\": \"not run: benchmarks/$s.py has no --device flag (no CUDA path)\"")
+      rc=1
+    fi
+  done
+  ((DRY)) || (IFS=,; printf '{%s}\n' "${status[*]}" >"$OUT/dtr.json")
+  return $rc
+}
+
+# --- inner: one phase in this process ---------------------------------------------------
+if [[ -n $INNER ]]; then
+  setup_env
+  [[ $INNER != build && -f $SEGV_SO ]] && export LD_PRELOAD="$SEGV_SO${LD_PRELOAD:+:$LD_PRELOAD}"
+  PHASE_LIMIT="${PHASE_LIMIT:-${LIMIT[$INNER]}}"
+  # Test hook (tests/python/test_gpu_scripts.py): this phase's process dies of a
+  # segfault instead of running, to prove the run goes on and the summary says so.
+  if [[ ${GPU_RUN_SELFTEST_SEGV:-} == "$INNER" ]]; then "$PY" -c "import ctypes; ctypes.string_at(16)"; exit $?; fi
+  "phase_$INNER"
+  exit $?
 fi
-log "done, status $status"
-exit "$status"
+
+# --- the plan ------------------------------------------------------------------------
+mkdir -p "$OUT"
+plan_total=0
+{
+  say "phases: ${PHASES[*]}; budget ${BUDGET} s for this call$( ((QUICK)) && echo '; QUICK (simulated device / CPU)')$( ((DRY)) && echo '; DRY RUN')"
+  for p in "${PHASES[@]}"; do
+    e=${EST[$p]}
+    [[ $p == build ]] && { [[ -d $BUILD/CMakeFiles || -d .deps/prebuilt ]] || ((QUICK)); } && e=20
+    plan_total=$((plan_total + e))
+    printf '[gpu_run]   %-10s ~%4d s (limit %d s)\n' "$p" "$e" "${LIMIT[$p]}"
+  done
+  printf '[gpu_run]   total      ~%4d s of %d s\n' "$plan_total" "$BUDGET"
+  say "the whole run (30 device-minutes, 10 a call): call 1 = reporter build cpp crash (~9.5 min),"
+  say "  call 2 = build bench1b largest (~9), call 3 = build deepspeed dtr (~9): ~28 min with .deps/prebuilt"
+  say "  carried after call 1 (without it each later call rebuilds, ~5 min, and drops its last phase)"
+  ((plan_total <= BUDGET)) || say "WARNING: the plan (${plan_total} s) passes this call's budget: later phases get what is left, or split the call"
+} | tee "$OUT/plan.txt"
+
+if ((DRY)); then
+  setup_env
+  unpack_debs
+  build_reporter
+  for p in "${PHASES[@]}"; do
+    say "phase $p: timeout -k 20 ${LIMIT[$p]} bash scripts/gpu_run.sh --phase-inner $p > \$OUT/$p.log"
+    PHASE_LIMIT=${LIMIT[$p]} "phase_$p"
+  done
+  exit 0
+fi
+
+# --- the run -------------------------------------------------------------------------
+ulimit -c 0  # a crashed process holding tens of GB pinned must not write a core file
+START=$SECONDS
+setup_env
+unpack_debs >"$OUT/deps.log" 2>&1
+{ nvidia-smi; nvcc --version; command -v gdb; "$PY" -c "import torch; print('torch', torch.__version__, torch.version.cuda)"
+  free -g; nproc; cat /sys/kernel/mm/transparent_hugepage/enabled; ulimit -l; } >"$OUT/machine.txt" 2>&1
+build_reporter >"$OUT/reporter-build.log" 2>&1 || say "the crash reporter did not build (see reporter-build.log): phases run without it"
+ROWS=()
+write_summary() {
+  local IFS=,
+  printf '{"phases": [%s], "budget_s": %d, "elapsed_s": %d, "quick": %s, "out": "%s"}\n' \
+    "${ROWS[*]}" "$BUDGET" $((SECONDS - START)) "$( ((QUICK)) && echo true || echo false)" "$OUT" >"$OUT/summary.json.tmp"
+  mv "$OUT/summary.json.tmp" "$OUT/summary.json"
+}
+status=0
+for p in "${PHASES[@]}"; do
+  left=$((BUDGET - (SECONDS - START) - 10))
+  limit=${LIMIT[$p]}
+  ((limit > left)) && limit=$left
+  log="$OUT/$p.log"
+  if ((limit < 15)); then
+    say "phase $p: skipped, ${left} s left of the budget"
+    ROWS+=("{\"phase\": \"$p\", \"rc\": null, \"seconds\": 0, \"limit_s\": 0, \"status\": \"skipped: out of time\", \"log\": null, \"results\": []}")
+    write_summary
+    status=1
+    continue
+  fi
+  marker="$OUT/.start-$p"
+  touch "$marker"
+  say "phase $p (limit ${limit} s) -> $log"
+  t0=$SECONDS
+  PHASE_LIMIT=$limit timeout -k 20 "$limit" bash "$ROOT/scripts/gpu_run.sh" --phase-inner "$p" >"$log" 2>&1
+  rc=$?
+  secs=$((SECONDS - t0))
+  case $rc in
+    0) st=ok ;;
+    124|137) st="timed out after ${limit} s" ;;
+    *) ((rc > 128)) && st="killed by signal $((rc - 128))" || st="failed (exit $rc)" ;;
+  esac
+  if ((rc >= 124)) || grep -q '\[segv_bt\] signal' "$log"; then
+    { echo "--- dmesg tail (kernel oops, Xid?)"; dmesg 2>&1 | tail -n 30; } >>"$log"
+  fi
+  # The result files this phase wrote come back with the logs.
+  results=()
+  for f in "$RESULTS_DIR"/*.json "$OUT/$p.json" "$OUT"/cpp-*.json; do
+    [[ -f $f && $f -nt $marker ]] || continue
+    [[ $f == "$RESULTS_DIR"/* ]] && cp "$f" "$OUT/"
+    results+=("\"$f\"")
+  done
+  rm -f "$marker"
+  ((rc == 0)) || status=1
+  say "phase $p: $st in ${secs} s; results: ${results[*]:-none}"
+  ROWS+=("{\"phase\": \"$p\", \"rc\": $rc, \"seconds\": $secs, \"limit_s\": $limit, \"status\": \"$st\", \"log\": \"$log\", \"results\": [$(IFS=,; echo "${results[*]}")]}")
+  write_summary
+done
+say "done in $((SECONDS - START)) s, status $status: $OUT/summary.json"
+grep -h "" "$OUT/summary.json"
+exit $status
