@@ -135,6 +135,9 @@ SCHEMA: dict[str, Any] = {
         "device_memory_budget": ("bytes", 0, "device bytes tidal may use in all; 0 = device capacity"),
         "host_memory_budget": ("bytes", 0, "host bytes for chunks; 0 = unlimited"),
         "device_margin": ("bytes", 0, "device bytes kept free for surprises; 0 = 5% of the budget, at least 1 MiB"),
+        "warmup_chunk_share": ((float, int), 0.2, "share of the device budget (less the margin) chunks "
+                                                  "may hold in the warm-up step, before the memory "
+                                                  "trace is known; in (0, 1]"),
         "prefetch": (bool, True, "prefetch chunks ahead of use along the trace"),
         "prefetch_depth": (int, 4, "prefetched chunks that may wait for their use"),
         "eviction_policy": (("opt", "lru"), "opt", "OPT over the trace, or LRU"),
@@ -281,6 +284,7 @@ class Config:
     device_memory_budget: int = 0
     host_memory_budget: int = 0
     device_margin: int = 0
+    warmup_chunk_share: float = 0.2
     prefetch: bool = True
     prefetch_depth: int = 4
     eviction_policy: str = "opt"
@@ -344,6 +348,10 @@ class Config:
         c.device_memory_budget = t["device_memory_budget"]
         c.host_memory_budget = t["host_memory_budget"]
         c.device_margin = t["device_margin"]
+        c.warmup_chunk_share = float(t["warmup_chunk_share"])
+        if not 0 < c.warmup_chunk_share <= 1:
+            fail("tidal.warmup_chunk_share", f"expected a number in (0, 1], got "
+                                             f"{t['warmup_chunk_share']!r}")
         c.prefetch = t["prefetch"]
         c.prefetch_depth = t["prefetch_depth"]
         if c.prefetch_depth < 1:

@@ -125,6 +125,7 @@ def _within_bounds(c: Config):
     for v in (c.device_memory_budget, c.host_memory_budget, c.device_margin):
         assert isinstance(v, int) and v >= 0
     assert c.prefetch_depth >= 1 and c.cpu_adam_threads >= 0
+    assert 0 < c.warmup_chunk_share <= 1
     assert c.gradient_accumulation_steps >= 1
     assert c.precision in ("fp16", "bf16", "fp32")
     assert c.min_loss_scale > 0 and c.loss_scale >= 0 and c.hysteresis >= 1

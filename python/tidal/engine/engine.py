@@ -40,7 +40,23 @@ activations need the room, and OPT eviction plus prefetch follow the
 scheduler's trace. While a step has more points than the recorded trace
 (the model's path changed), the budget uses the largest recorded peak; the
 step's own record replaces the trace at its end. During warm-up the budget
-follows the live measurement alone.
+follows the live measurement alone, capped by the warm-up share below.
+
+Note [The warm-up budget]
+~~~~~~~~~~~~~~~~~~~~~~~~~
+In the warm-up step nothing says how far activations will grow after a
+trace point, so a budget from the live measurement alone lets chunks fill
+room the next interval's activations need, and the step's peak (chunks +
+non-chunk memory at the same moment) passes the device budget. As
+PatrickStar (warmup_gpu_chunk_mem_ratio) and Gemini (a non-model-data ratio
+during warm-up) do, chunks get a conservative share until the trace is
+known: at most tidal.warmup_chunk_share (default 0.2) of the budget less
+the margin, and never less than the largest module needs at once; when the
+parameters attached together need more (tied and shared parameters stay
+attached through backward), the cap grows to that before the attach. Chunks move more in the warm-up step; from the
+second step the recorded trace gives them all the room activations leave.
+Only the first step is capped: a failed forward or backward drops its
+partial recording but keeps the adopted trace, and a relayout keeps it too.
 """
 from __future__ import annotations
 
@@ -210,9 +226,11 @@ class Engine:
     # ------------------------------------------------------------------ setup
     def _check_budget(self):
         limit = self.store.device_budget - self.store.margin
+        largest = 0
         for m, recs in self._module_records.items():
             chunks = {r.chunk for r in recs}
             need = sum(self.chunks.chunk_capacity_bytes(c, "param16") for c in chunks)
+            largest = max(largest, need)
             if need > limit:
                 raise OutOfMemoryError(
                     f"module '{self._names[m]}' ({type(m).__name__}) needs its parameters on the "
@@ -220,6 +238,8 @@ class Engine:
                     f"{need} bytes, but the device budget leaves {limit} bytes for chunks "
                     f"(budget {self.store.device_budget} - margin {self.store.margin}); raise "
                     f"tidal.device_memory_budget or lower tidal.chunk_size")
+        # Note [The warm-up budget]: chunks get this much while no trace is known.
+        self._warmup_chunk_room = min(limit, max(largest, int(self.config.warmup_chunk_share * limit)))
 
     def _install_hooks(self):
         root = self.module
@@ -284,6 +304,8 @@ class Engine:
         if self._trace is not None:
             upcoming = max(live, self._trace[k + 1] if k + 1 < len(self._trace) else max(self._trace))
         budget = self.store.device_budget - self.store.margin - upcoming
+        if self._trace is None:
+            budget = min(budget, self._warmup_chunk_room)  # Note [The warm-up budget]
         if budget != self.chunks.budget("device"):
             try:
                 self.chunks.set_budget("device", max(budget, 0))
@@ -329,6 +351,8 @@ class Engine:
         shapes = [r.shape for r in records]
         if self.dtr.enabled_by_config:
             self._make_chunk_room(records)
+        elif self._trace is None:
+            self._warmup_room_for(records)
         try:
             with _dtr.outside():
                 self.chunks.attach(params, ids, shapes, "param16", "device")
@@ -381,6 +405,24 @@ class Engine:
             return None
         # Not t.untyped_storage(): see storage_data_ptr in python/csrc/chunk_bindings.cpp.
         return attached.get(_C.chunks.storage_data_ptr(t))
+
+    def _warmup_room_for(self, records):
+        """In the warm-up step, the cap of Note [The warm-up budget] grows to
+        what the parameters in use plus `records` need at once (a tied or
+        shared parameter stays attached from its first use in backward to
+        its last, so this can pass the largest module's need); the budget
+        follows, within what non-chunk memory leaves now."""
+        chunks = {r.chunk for r in self._attached_by_ptr.values()}
+        chunks.update(r.chunk for r in records)
+        need = sum(self.chunks.chunk_capacity_bytes(c, "param16") for c in chunks)
+        if need <= self._warmup_chunk_room:
+            return
+        limit = self.store.device_budget - self.store.margin
+        self._warmup_chunk_room = min(need, limit)
+        live, _ = self._measure()
+        budget = min(self._warmup_chunk_room, limit - live)
+        if budget > self.chunks.budget("device"):
+            self.chunks.set_budget("device", budget)
 
     def _make_chunk_room(self, records):
         """With DTR managing activations, the chunk budget is raised to what the
