@@ -128,10 +128,6 @@ def test_gpt350m_shaped_registration_device_unreadable(tmp_path):
     assert result["losses"] == []
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "an Engine stays referenced after `del engine, model; gc.collect()` (found by this test: "
-    "an object with the Engine's attributes is still alive), so its chunks stay registered "
-    "until the process exits; the OS unpins them then. Passes once the Engine is collectable."))
 def test_dropping_the_engine_unregisters_every_pinned_range(tmp_path):
     counters, _ = _run(tmp_path, _spec(1024, 16, 1, steps=0), readable=False)
     _assert_clean(counters)

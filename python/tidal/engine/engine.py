@@ -64,6 +64,7 @@ import collections
 import math
 import time
 import warnings
+import weakref
 
 import torch
 
@@ -92,6 +93,26 @@ _PLACEHOLDER_HINT = (
     "there: tidal brings a module's parameters to the device only while that module runs. Use it "
     "through its module, or move the code into the owning module's forward]")
 
+
+
+def _weak_method(bound):
+    """`bound` (an engine method) called through a weak reference.
+
+    Note [Gradient hooks hold the engine weakly]: a tensor's post-accumulate-
+    grad hooks live in its C++ autograd meta, which Python's garbage
+    collector cannot see through. A hook holding the engine strongly made the
+    cycle parameter -> hook -> engine -> model -> parameter uncollectable, so a
+    dropped engine kept its chunks (and their pinned host memory) until the
+    process exited. Module hooks live in Python dicts and need no such care.
+    """
+    ref = weakref.WeakMethod(bound)
+
+    def call(*args):
+        method = ref()
+        if method is not None:
+            method(*args)
+
+    return call
 
 class Engine:
     """Trains `module` with its model states in chunks. Build with tidal.initialize()."""
@@ -252,7 +273,8 @@ class Engine:
         for r in self.records:
             if r.trainable and id(r.param) not in seen:
                 seen.add(id(r.param))
-                self._handles.append(r.param.register_post_accumulate_grad_hook(self._grad_ready))
+                self._handles.append(r.param.register_post_accumulate_grad_hook(
+                    _weak_method(self._grad_ready)))
 
     def remove_hooks(self):
         for h in self._handles:
