@@ -18,7 +18,7 @@ from tidal.engine.checkpoint import CheckpointError
 from tidal.models.gpt import TinyGPT
 
 sys.path.insert(0, str(Path(__file__).parent))
-from engine_helpers import Reversed, train_tidal as train  # noqa: E402
+from engine_helpers import Reversed, measured_budget, train_tidal as train  # noqa: E402
 from engine_helpers import gpt_batches as batches  # noqa: E402
 
 
@@ -27,10 +27,24 @@ def simulated_device():
     tidal.set_device("sim", capacity="1GiB")
 
 
+_MEASURED: dict = {}
+
+
 def config(**top):
+    """The tests' config; without a `tidal` block of its own, the device budget
+    is measured on this machine for the TinyGPT these tests train
+    (engine_helpers.measured_budget: non-chunk memory differs between CPUs)."""
     cfg = {"optimizer": {"type": "AdamW", "params": {"lr": 2e-3, "weight_decay": 0.01}},
-           "tidal": {"chunk_size": 16384, "device_memory_budget": "600KiB", "device_margin": 1024}}
+           "tidal": {"chunk_size": 16384, "device_margin": 1024}}
     cfg.update(top)
+    if "tidal" not in top:
+        key = repr(sorted(top.items()))
+        if key not in _MEASURED:
+            with torch.random.fork_rng():  # the caller's RNG stream stays as it was
+                torch.manual_seed(0)
+                model = TinyGPT(d=64, seq=8, layers=4, dropout=0.1)
+                _MEASURED[key] = measured_budget(model, cfg, batches(2))
+        cfg["tidal"]["device_memory_budget"] = _MEASURED[key]
     return cfg
 
 
