@@ -155,26 +155,37 @@ Python thread drives a Chunks object.)doc");
       .def("register", [](Chunks& c, std::string name, std::size_t numel) {
              return c.scheduler().register_tensor(std::move(name), numel);
            }, py::arg("name"), py::arg("numel"))
+      // Note [Chunk calls release the GIL]: attach, detach, access, release,
+      // set_state, set_budget and end_step may wait for a copy (a fence of a
+      // chunk in flight, an eviction's write-back); they run without the GIL,
+      // so other Python threads (data loading) go on meanwhile. Arguments are
+      // converted and results returned with the GIL held; the calls touch no
+      // Python object (a parameter's data is set through its at::Tensor). The
+      // engine calls a Chunks object from one thread at a time (forward on the
+      // caller's thread; backward hooks on the autograd thread while the
+      // caller waits), as before: the GIL was never the scheduler's lock.
       .def("attach",
            [](Chunks& c, const std::vector<at::Tensor>& params, const std::vector<TensorId>& ids,
               const std::vector<std::vector<std::int64_t>>& shapes, const std::string& kind,
               const std::string& space) {
              c.binding().attach(params, ids, shapes, parse_kind(kind), parse_space(space));
            },
-           py::arg("params"), py::arg("ids"), py::arg("shapes"), py::arg("kind"), py::arg("space"))
+           py::call_guard<py::gil_scoped_release>(), py::arg("params"), py::arg("ids"), py::arg("shapes"), py::arg("kind"),
+           py::arg("space"))
       .def("detach",
            [](Chunks& c, const std::vector<at::Tensor>& params, const std::vector<TensorId>& ids,
               const std::string& kind, const std::string& state, const std::string& space) {
              c.binding().detach(params, ids, parse_kind(kind), parse_state(state),
                                 parse_space(space));
            },
-           py::arg("params"), py::arg("ids"), py::arg("kind"), py::arg("state"), py::arg("space"))
+           py::call_guard<py::gil_scoped_release>(), py::arg("params"), py::arg("ids"), py::arg("kind"), py::arg("state"),
+           py::arg("space"))
       .def("access",
            [](Chunks& c, TensorId id, const std::string& kind, const std::string& space,
               const std::vector<std::int64_t>& shape) {
              return c.binding().access(id, parse_kind(kind), parse_space(space), shape);
            },
-           py::arg("id"), py::arg("kind"), py::arg("space"), py::arg("shape"),
+           py::call_guard<py::gil_scoped_release>(), py::arg("id"), py::arg("kind"), py::arg("space"), py::arg("shape"),
            "Access (COMPUTE) one slot and return a view of it; release() ends the use.")
       .def("chunk_view",
            [](Chunks& c, std::uint32_t chunk, const std::string& kind_name) {
@@ -195,12 +206,12 @@ Python thread drives a Chunks object.)doc");
            [](Chunks& c, TensorId id, const std::string& kind, const std::string& state) {
              c.scheduler().release(TensorRef{parse_kind(kind), id}, parse_state(state));
            },
-           py::arg("id"), py::arg("kind"), py::arg("state"))
+           py::call_guard<py::gil_scoped_release>(), py::arg("id"), py::arg("kind"), py::arg("state"))
       .def("set_state",
            [](Chunks& c, TensorId id, const std::string& kind, const std::string& state) {
              c.scheduler().set_state(TensorRef{parse_kind(kind), id}, parse_state(state));
            },
-           py::arg("id"), py::arg("kind"), py::arg("state"))
+           py::call_guard<py::gil_scoped_release>(), py::arg("id"), py::arg("kind"), py::arg("state"))
       .def("state",
            [](Chunks& c, TensorId id, const std::string& kind) {
              return state_name(c.scheduler().store().state(TensorRef{parse_kind(kind), id}));
@@ -240,12 +251,12 @@ Python thread drives a Chunks object.)doc");
                              [](Chunks& c) { return c.scheduler().store().chunk_elements(); })
       .def_property_readonly("moment", [](Chunks& c) { return c.scheduler().moment(); })
       .def_property_readonly("following_trace", [](Chunks& c) { return c.scheduler().following_trace(); })
-      .def("end_step", [](Chunks& c) { c.scheduler().end_step(); })
+      .def("end_step", [](Chunks& c) { c.scheduler().end_step(); }, py::call_guard<py::gil_scoped_release>())
       .def("set_budget",
            [](Chunks& c, const std::string& space, std::size_t bytes) {
              c.scheduler().set_budget(parse_space(space), bytes);
            },
-           py::arg("space"), py::arg("bytes"))
+           py::call_guard<py::gil_scoped_release>(), py::arg("space"), py::arg("bytes"))
       .def("budget", [](Chunks& c, const std::string& space) { return c.scheduler().budget(parse_space(space)); },
            py::arg("space"))
       .def("held_bytes",

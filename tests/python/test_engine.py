@@ -586,5 +586,6 @@ def test_a_dropped_engine_is_collected_and_gives_its_memory_back():
     gc.collect()
     assert ref() is None
     after = tidal.stats()
-    assert after["host"]["allocated"] == before["host"]["allocated"], (before, after)
-    assert after["device"]["in_use"] == before["device"]["in_use"], (before, after)
+    # At most the baseline: an earlier test's leftovers may go meanwhile.
+    assert after["host"]["allocated"] <= before["host"]["allocated"], (before, after)
+    assert after["device"]["in_use"] <= before["device"]["in_use"], (before, after)
