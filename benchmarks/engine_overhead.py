@@ -1,0 +1,155 @@
+"""What the training engine costs per module and per optimizer step when
+everything fits, against plain PyTorch + torch.optim.AdamW on the same CPU
+model (issue 15's figures). Writes benchmarks/results/engine_overhead-<machine>.json.
+
+    python benchmarks/engine_overhead.py [--rounds 5] [--steps 6] [--quick]
+
+Two models, fp32, on the simulated device with the whole device as budget
+(no chunk moves: what is measured is the engine's own work):
+  * many_small : 200 x nn.Linear(16, 16) in a chain (67 K parameters, 400
+                 tensors): the hooks' cost per module dominates;
+  * few_large  : 4 x nn.Linear(1024, 1024) (4.2 M parameters, 8 tensors):
+                 the optimizer's bandwidth dominates.
+Per model, interleaved in rounds so machine load hits all alike:
+  * plain        : forward + backward + torch.optim.AdamW(foreach) step;
+  * plain_fused  : the same with AdamW(fused=True) (the optimizer-step peer);
+  * tidal        : tidal.initialize with CPU Adam (hybrid_adam off: on the
+                   simulated device "device" compute is the CPU).
+Each step is timed whole and its optimizer step alone (engine.step() against
+opt.step()). The per-module overhead is (tidal - plain) / modules of the
+whole step, minus the step-time difference, i.e. what the hooks cost.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+import warnings
+
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+import common  # noqa: E402
+import tidal  # noqa: E402
+
+
+class Chain(torch.nn.Module):
+    def __init__(self, width: int, depth: int):
+        super().__init__()
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(width, width) for _ in range(depth))
+
+    def forward(self, x, y):
+        for layer in self.layers:
+            x = torch.tanh(layer(x))
+        return torch.nn.functional.mse_loss(x, y)
+
+
+MODELS = {
+    "many_small": dict(width=16, depth=200, batch=32),
+    "few_large": dict(width=1024, depth=4, batch=32),
+}
+QUICK = {
+    "many_small": dict(width=16, depth=40, batch=8),
+    "few_large": dict(width=256, depth=4, batch=8),
+}
+
+
+def make(shape, seed=0):
+    torch.manual_seed(seed)
+    return Chain(shape["width"], shape["depth"])
+
+
+def data(shape, n, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randn(shape["batch"], shape["width"], generator=g),
+             torch.randn(shape["batch"], shape["width"], generator=g)) for _ in range(n)]
+
+
+class Plain:
+    def __init__(self, shape, fused):
+        self.model = make(shape)
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-3, weight_decay=0.01,
+                                     **({"fused": True} if fused else {"foreach": True}))
+
+    def run(self, x, y):
+        t0 = time.perf_counter()
+        loss = self.model(x, y)
+        loss.backward()
+        t1 = time.perf_counter()
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        t2 = time.perf_counter()
+        return t2 - t0, t2 - t1
+
+
+class Tidal:
+    def __init__(self, shape):
+        cfg = {"optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.01}},
+               "tidal": {"device": "sim", "chunk_size": "4MiB", "hybrid_adam": False}}
+        self.engine = tidal.initialize(make(shape), cfg)
+
+    def run(self, x, y):
+        t0 = time.perf_counter()
+        loss = self.engine(x, y)
+        self.engine.backward(loss)
+        t1 = time.perf_counter()
+        self.engine.step()
+        t2 = time.perf_counter()
+        return t2 - t0, t2 - t1
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--steps", type=int, default=6, help="timed steps per run and round")
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--output", default=None)
+    args = ap.parse_args()
+    warnings.simplefilter("ignore")
+    torch.set_num_threads(os.cpu_count() or 1)
+    tidal.set_device("sim", capacity="8GiB")
+    shapes = QUICK if args.quick else MODELS
+    rounds = 2 if args.quick else args.rounds
+    out = {"quick": args.quick, "rounds": rounds, "steps_per_round": args.steps, "models": {}}
+    for name, shape in shapes.items():
+        params = sum(p.numel() for p in make(shape).parameters())
+        runs = {"plain": Plain(shape, False), "plain_fused": Plain(shape, True), "tidal": Tidal(shape)}
+        batches = data(shape, args.steps + 2)
+        for r in runs.values():  # warm-up (tidal: the trace and the relayout)
+            for x, y in batches[:2]:
+                r.run(x, y)
+        whole = {k: [] for k in runs}
+        step = {k: [] for k in runs}
+        for _ in range(rounds):
+            for k, r in runs.items():
+                for x, y in batches[2:]:
+                    w, s = r.run(x, y)
+                    whole[k].append(w)
+                    step[k].append(s)
+        med = {k: statistics.median(v) for k, v in whole.items()}
+        med_step = {k: statistics.median(v) for k, v in step.items()}
+        modules = shape["depth"]
+        hooks_us = ((med["tidal"] - med_step["tidal"]) - (med["plain"] - med_step["plain"])) / modules * 1e6
+        out["models"][name] = {
+            "shape": shape, "parameters": params, "tensors": 2 * modules, "modules": modules,
+            "median_step_seconds": med, "median_optimizer_step_seconds": med_step,
+            "step_seconds": whole, "optimizer_step_seconds": step,
+            "ratio_tidal_to_plain": med["tidal"] / med["plain"],
+            "optimizer_step_ratio_tidal_to_fused": med_step["tidal"] / med_step["plain_fused"],
+            "optimizer_step_ratio_tidal_to_foreach": med_step["tidal"] / med_step["plain"],
+            "hook_overhead_us_per_module": hooks_us,
+        }
+        runs["tidal"].engine.remove_hooks()
+        print(f"{name}: {params} params; step tidal {med['tidal'] * 1e3:.2f} ms vs plain "
+              f"{med['plain'] * 1e3:.2f} ms ({med['tidal'] / med['plain']:.2f}x); optimizer step tidal "
+              f"{med_step['tidal'] * 1e3:.2f} ms vs AdamW fused {med_step['plain_fused'] * 1e3:.2f} ms, "
+              f"foreach {med_step['plain'] * 1e3:.2f} ms; hooks {hooks_us:.1f} us/module", flush=True)
+    path = common.write_result("engine_overhead-quick" if args.quick else "engine_overhead", out,
+                               args.output)
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
