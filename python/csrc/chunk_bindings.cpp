@@ -14,7 +14,10 @@
 #include "python/csrc/bindings.h"
 #include "chunk/chunk_store.h"
 #include "hooks/host_allocation_counter.h"
+#include "hooks/nonchunk_meters.h"
 #include "hooks/param_binding.h"
+#include "hooks/torch_memory_provider.h"
+#include "hooks/tracer/memory_tracer.h"
 #include "runtime/core/error.h"
 #include "runtime/device/device.h"
 #include "runtime/scheduler/chunk_scheduler.h"
@@ -135,7 +138,124 @@ py::dict stats_dict(const ChunkSchedulerStats& s) {
   return d;
 }
 
+// Non-chunk memory read through Python (CUDA where torch's caching
+// allocator could not be reached: torch.cuda.memory_reserved and its peak).
+class CallbackMeter final : public hooks::NonChunkMeter {
+ public:
+  CallbackMeter(py::function read, py::function restart)
+      : read_(std::move(read)), restart_(std::move(restart)) {}
+  ~CallbackMeter() override {
+    py::gil_scoped_acquire gil;
+    read_ = py::function();
+    restart_ = py::function();
+  }
+  std::pair<std::size_t, std::size_t> read() override {
+    py::gil_scoped_acquire gil;
+    const py::tuple t = read_();
+    return {t[0].cast<std::size_t>(), t[1].cast<std::size_t>()};
+  }
+  void restart_peak() override {
+    py::gil_scoped_acquire gil;
+    restart_();
+  }
+
+ private:
+  py::function read_;
+  py::function restart_;
+};
+
+// The engine's tracer over a Chunks object, which it keeps alive (the
+// engine swaps in the relaid-out one with set_chunks).
+class Tracer {
+ public:
+  Tracer(py::object chunks, std::size_t device_budget, std::size_t margin, std::size_t warmup_room,
+         std::shared_ptr<hooks::TorchMemoryProvider> provider, bool provider_baseline,
+         std::optional<py::function> read, std::optional<py::function> restart)
+      : chunks_(std::move(chunks)) {
+    std::unique_ptr<hooks::NonChunkMeter> meter;
+    if (provider != nullptr) {
+      meter = hooks::make_provider_meter(std::move(provider), provider_baseline);
+    } else if (read && restart) {
+      meter = std::make_unique<CallbackMeter>(std::move(*read), std::move(*restart));
+    } else {
+      TIDAL_CHECK(!read && !restart, "MemoryTracer: give both read and restart, or neither");
+      meter = hooks::make_host_counter_meter();
+    }
+    tracer_ = std::make_unique<hooks::MemoryTracer>(
+        &chunks_.cast<Chunks&>().scheduler(), std::move(meter),
+        hooks::MemoryTracerLimits{device_budget, margin, warmup_room});
+  }
+  ~Tracer() {
+    py::gil_scoped_release nogil;  // a callback meter's destructor takes the GIL itself
+    tracer_.reset();
+  }
+  void set_chunks(py::object chunks) {
+    tracer_->set_scheduler(&chunks.cast<Chunks&>().scheduler());
+    chunks_ = std::move(chunks);
+  }
+  hooks::MemoryTracer& get() { return *tracer_; }
+
+ private:
+  py::object chunks_;
+  std::unique_ptr<hooks::MemoryTracer> tracer_;
+};
+
+py::list timeline_list(const std::vector<hooks::TracePoint>& points) {
+  py::list out;
+  for (const hooks::TracePoint& p : points) {
+    out.append(py::make_tuple(p.index, hooks::to_string(p.kind), p.what, p.chunk_bytes,
+                              p.nonchunk_peak,
+                              py::make_tuple(p.moves_host_to_device, p.moves_device_to_host,
+                                             p.evictions)));
+  }
+  return out;
+}
+
 }  // namespace
+
+static void bind_tracer(py::module_& m) {
+  py::enum_<hooks::PointKind>(m, "PointKind", "Where a trace point is.")
+      .value("FORWARD", hooks::PointKind::kForward)
+      .value("BACKWARD", hooks::PointKind::kBackward)
+      .value("GRAD", hooks::PointKind::kGrad)
+      .value("STEP", hooks::PointKind::kStep);
+  using GIL = py::call_guard<py::gil_scoped_release>;
+  py::class_<Tracer>(m, "MemoryTracer", R"doc(
+The engine's memory tracer and device-budget arbiter (hooks/tracer/memory_tracer.h):
+one call per trace point measures non-chunk device memory and sets the chunk
+budget. The meter: `provider` (a TorchMemoryProvider), or `read`/`restart`
+callables, or (neither) torch's CPU allocations counted on the simulated device.)doc")
+      .def(py::init<py::object, std::size_t, std::size_t, std::size_t,
+                    std::shared_ptr<hooks::TorchMemoryProvider>, bool, std::optional<py::function>,
+                    std::optional<py::function>>(),
+           py::arg("chunks"), py::kw_only(), py::arg("device_budget"), py::arg("margin"),
+           py::arg("warmup_room"), py::arg("provider") = nullptr,
+           py::arg("provider_baseline") = false, py::arg("read") = py::none(),
+           py::arg("restart") = py::none())
+      .def("set_chunks", &Tracer::set_chunks, py::arg("chunks"))
+      .def("point", [](Tracer& t, hooks::PointKind kind, std::int64_t what) { t.get().point(kind, what); },
+           GIL(), py::arg("kind"), py::arg("what") = -1)
+      .def("end_step", [](Tracer& t) { t.get().end_step(); }, GIL())
+      .def("drop_step", [](Tracer& t) { t.get().drop_step(); })
+      .def("grow_warmup_room", [](Tracer& t, std::size_t need) { t.get().grow_warmup_room(need); },
+           GIL(), py::arg("need"))
+      .def("make_room", [](Tracer& t, std::size_t need) { t.get().make_room(need); }, GIL(),
+           py::arg("need"))
+      .def("set_warmup_room", [](Tracer& t, std::size_t bytes) { t.get().set_warmup_room(bytes); },
+           py::arg("bytes"))
+      .def("live", [](Tracer& t) { return t.get().live(); }, GIL())
+      .def_property_readonly("limit", [](Tracer& t) { return t.get().limit(); })
+      .def_property_readonly("warmed_up", [](Tracer& t) { return t.get().warmed_up(); })
+      .def_property_readonly("warmup_room", [](Tracer& t) { return t.get().warmup_room(); })
+      .def_property_readonly("peak_nonchunk", [](Tracer& t) { return t.get().peak_nonchunk(); })
+      .def_property_readonly("peak_total", [](Tracer& t) { return t.get().peak_total(); })
+      .def_property_readonly("overruns", [](Tracer& t) { return t.get().overruns(); })
+      .def_property_readonly("trace", [](Tracer& t) { return t.get().trace(); })
+      .def_property_readonly("timeline", [](Tracer& t) { return timeline_list(t.get().timeline()); },
+                             "The last completed step's points: (index, kind, what, chunk bytes held, "
+                             "non-chunk peak of the interval ending there, (moves host->device, "
+                             "moves device->host, evictions)).");
+}
 
 void bind_chunks(py::module_& parent) {
   py::module_ m = parent.def_submodule("chunks", R"doc(
@@ -275,6 +395,8 @@ Python thread drives a Chunks object.)doc");
       .def("reset_stats", [](Chunks& c) { c.scheduler().reset_stats(); })
       .def("validate", [](Chunks& c) { c.scheduler().validate(); })
       .def("take_warnings", [](Chunks& c) { return c.scheduler().take_warnings(); });
+
+  bind_tracer(m);
 
   m.def("set_host_allocation_counting", &hooks::set_host_allocation_counting, py::arg("enabled"),
         "Counts torch's CPU allocations (Note [Counting CPU allocations]).");

@@ -559,17 +559,19 @@ def _suspend() -> Dict[str, Any]:
     return dict(_last_stats)
 
 
-@contextlib.contextmanager
-def outside() -> Iterator[None]:
+_NO_MODE = contextlib.nullcontext()  # reusable; what outside() is while DTR is off
+
+
+def outside():
     """Runs the block outside DTR's dispatch mode (a no-op when DTR is off):
     DTR neither records nor evicts what the block does. Used by tidal's own
-    bookkeeping (the engine's slot copies and optimizer, tidal.recompute's plan)."""
-    if _mode is not None:
-        from torch.utils._python_dispatch import _disable_current_modes
-        with _disable_current_modes():
-            yield
-    else:
-        yield
+    bookkeeping (the engine's slot copies and optimizer, tidal.recompute's plan).
+    While DTR is off this is a shared null context: the engine enters it a few
+    times per module hook, where a generator-based one cost microseconds."""
+    if _mode is None:
+        return _NO_MODE
+    from torch.utils._python_dispatch import _disable_current_modes
+    return _disable_current_modes()
 
 
 def _force_off() -> None:

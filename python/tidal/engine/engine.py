@@ -7,10 +7,12 @@ python/tidal/engine/hooks.py for the hook protocol. One step:
     engine.backward(loss)       # gradients land in the 16-bit slots
     engine.step()               # Adam per chunk: on the device (hybrid) or CPU
 
-Note [The memory tracer]
-~~~~~~~~~~~~~~~~~~~~~~~~
-Every hook is a trace point. At each one the engine measures non-chunk
-device memory (N below) and its peak since the previous point:
+The engine's meters (Note [The memory tracer] in hooks/tracer/memory_tracer.h)
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+Every hook is a trace point: one call into the C++ memory tracer measures
+non-chunk device memory (N), records the interval's peak and sets the chunk
+budget (the warm-up cap, then the recorded trace: Note [The warm-up budget]
+there). What N is depends on the device (Engine._new_tracer):
 * CUDA with chunk blocks from torch's caching allocator (the store installs
   that provider; Note [Chunk memory and torch's caching allocator] in
   hooks/torch_memory_provider.h): chunk blocks are in torch's own stats, so
@@ -33,30 +35,6 @@ device memory (N below) and its peak since the previous point:
   (tidal._C.torch_cpu_memory_provider): chunk blocks then come from torch's
   CPU allocator, always counted, and N and its peak are computed as on
   CUDA with the provider, less the same at engine creation.
-The first step (the warm-up) records the peak of every interval between two
-points; from then on, at point k the chunk budget is device budget - margin
-- max(N now, recorded peak of interval k), so chunks give way before
-activations need the room, and OPT eviction plus prefetch follow the
-scheduler's trace. While a step has more points than the recorded trace
-(the model's path changed), the budget uses the largest recorded peak; the
-step's own record replaces the trace at its end. During warm-up the budget
-follows the live measurement alone, capped by the warm-up share below.
-
-Note [The warm-up budget]
-~~~~~~~~~~~~~~~~~~~~~~~~~
-In the warm-up step nothing says how far activations will grow after a
-trace point, so a budget from the live measurement alone lets chunks fill
-room the next interval's activations need, and the step's peak (chunks +
-non-chunk memory at the same moment) passes the device budget. As
-PatrickStar (warmup_gpu_chunk_mem_ratio) and Gemini (a non-model-data ratio
-during warm-up) do, chunks get a conservative share until the trace is
-known: at most tidal.warmup_chunk_share (default 0.2) of the budget less
-the margin, and never less than the largest module needs at once; when the
-parameters attached together need more (tied and shared parameters stay
-attached through backward), the cap grows to that before the attach. Chunks move more in the warm-up step; from the
-second step the recorded trace gives them all the room activations leave.
-Only the first step is capped: a failed forward or backward drops its
-partial recording but keeps the adopted trace, and a relayout keeps it too.
 """
 from __future__ import annotations
 
@@ -93,6 +71,11 @@ _PLACEHOLDER_HINT = (
     "there: tidal brings a module's parameters to the device only while that module runs. Use it "
     "through its module, or move the code into the owning module's forward]")
 
+
+
+_FWD = _C.chunks.PointKind.FORWARD
+_BWD = _C.chunks.PointKind.BACKWARD
+_GRAD = _C.chunks.PointKind.GRAD
 
 
 def _weak_method(bound):
@@ -175,10 +158,15 @@ class Engine:
                 recs.append(rec)
             if recs:
                 self._module_records[m] = recs
+        # Stable indexes for the tracer's timeline (record ids change at relayout).
+        self._module_list = list(self._module_records)
+        self._module_index = {m: i for i, m in enumerate(self._module_list)}
         mine = {id(r) for recs in self._module_records.values() for r in recs}
         store.discard([r for r in store.records if id(r) not in mine])
         self.records = [r for r in store.records if id(r) in mine]
         self._record_set = set(self.records)
+        self._record_list = list(self.records)
+        self._record_index = {id(r): i for i, r in enumerate(self._record_list)}
         store.flush_warnings()
         # Buffers are ordinary tensors on the compute device (16-bit like the
         # params in mixed precision, as DeepSpeed's module.half()).
@@ -216,20 +204,10 @@ class Engine:
         self._handles = []
         self._install_hooks()
 
-        # Memory tracer (Note [The memory tracer]).
+        # Memory tracer and budget arbiter (Note [The memory tracer] in
+        # hooks/tracer/memory_tracer.h): one C++ call per trace point.
         self._cuda = store.torch_device.type == "cuda"
-        self._baseline = 0 if self._cuda else _C.chunks.host_allocation_counts()["live_bytes"]
-        self._trace: list[int] | None = None   # interval peaks of the adopted trace
-        self._recording: list[int] = []
-        # (point, kind, module or record, chunk bytes held, non-chunk peak of
-        # the interval ending there) per trace point of the last completed
-        # step; memory_timeline() names them.
-        self._timeline: list[tuple] = []
-        self._timeline_recording: list[tuple] = []
-        self._point = 0
-        self._peak_nonchunk = 0
-        self._peak_total = 0
-        self._budget_overruns = 0
+        self._tracer = self._new_tracer()
         self._stats_at_step = self.chunks.stats()
         self._retired_stats: dict | None = None  # counters of a scheduler replaced by relayout
         self._first_use: dict = {}  # records as keys, in first-use order
@@ -239,7 +217,6 @@ class Engine:
         self._adam_seconds = 0.0
         self._adam_device_chunks = 0
         self._adam_host_chunks = 0
-        self._reset_peak()
         # DTR of activations (Note [DTR under the training engine]).
         self.dtr = DtrLink(self, cfg.dtr)
         self.dtr.rebalance()
@@ -261,6 +238,9 @@ class Engine:
                     f"tidal.device_memory_budget or lower tidal.chunk_size")
         # Note [The warm-up budget]: chunks get this much while no trace is known.
         self._warmup_chunk_room = min(limit, max(largest, int(self.config.warmup_chunk_share * limit)))
+        tracer = getattr(self, "_tracer", None)
+        if tracer is not None and not tracer.warmed_up:
+            tracer.set_warmup_room(self._warmup_chunk_room)
 
     def _install_hooks(self):
         root = self.module
@@ -285,64 +265,35 @@ class Engine:
             self.recompute_plan = None
 
     # ------------------------------------------------------------- the tracer
-    def _measure(self) -> tuple[int, int]:
-        """(N now, peak of N since _reset_peak): Note [The memory tracer]."""
-        provider = self._provider
-        if provider is not None:
-            return (max(0, provider.other_bytes() - self._baseline),
-                    max(0, provider.other_peak_bytes() - self._baseline))
-        if self._cuda:
-            return (torch.cuda.memory_reserved(self.store.torch_device),
-                    torch.cuda.max_memory_reserved(self.store.torch_device))
-        c = _C.chunks.host_allocation_counts()
-        return max(0, c["live_bytes"] - self._baseline), max(0, c["peak_bytes"] - self._baseline)
-
-    def _reset_peak(self):
-        if not hasattr(self, "_provider"):
-            # The first call (from __init__): which accounting applies, and
-            # its baseline (Note [The memory tracer]).
-            provider = self.store.device.memory_provider()
-            self._provider = provider if isinstance(provider, _C.TorchMemoryProvider) else None
-            if self._provider is not None:
-                self._baseline = 0 if self._cuda else self._provider.other_bytes()
-        if self._provider is not None:
-            self._provider.reset_window()  # restarts torch's peak too
+    def _new_tracer(self):
+        """The tracer with the meter of Note [The memory tracer] for this device."""
+        store = self.store
+        provider = store.device.memory_provider()
+        kwargs = {}
+        if isinstance(provider, _C.TorchMemoryProvider):
+            # Chunk blocks from torch's allocator: torch's allocated bytes less
+            # the blocks the provider holds (on the simulated device's CPU
+            # stand-in, less what was there before this engine).
+            kwargs = {"provider": provider, "provider_baseline": not self._cuda}
         elif self._cuda:
-            torch.cuda.reset_peak_memory_stats(self.store.torch_device)
-        else:
-            _C.chunks.reset_host_allocation_peak()
+            # Chunk blocks from cudaMalloc never use torch's cache: torch's
+            # reserved bytes are the non-chunk memory.
+            dev = store.torch_device
+            kwargs = {"read": lambda: (torch.cuda.memory_reserved(dev), torch.cuda.max_memory_reserved(dev)),
+                      "restart": lambda: torch.cuda.reset_peak_memory_stats(dev)}
+        # Else the simulated device: torch's CPU allocations while forward and
+        # backward run, less what was live when the engine was made.
+        return _C.chunks.MemoryTracer(self.chunks, device_budget=store.device_budget,
+                                      margin=store.margin, warmup_room=self._warmup_chunk_room,
+                                      **kwargs)
 
-    def _trace_point(self, kind: str, what=None):
-        live, peak = self._measure()
-        self._reset_peak()
-        held = self.chunks.held_bytes("device")
-        self._peak_nonchunk = max(self._peak_nonchunk, peak)
-        self._peak_total = max(self._peak_total, held + peak)
-        self._recording.append(peak)  # the interval that ends here
-        k = self._point
-        self._point += 1
-        self._timeline_recording.append((k, kind, what, held, peak, self.chunks.move_counts()))
-        upcoming = live
-        if self._trace is not None:
-            upcoming = max(live, self._trace[k + 1] if k + 1 < len(self._trace) else max(self._trace))
-        budget = self.store.device_budget - self.store.margin - upcoming
-        if self._trace is None:
-            budget = min(budget, self._warmup_chunk_room)  # Note [The warm-up budget]
-        if budget != self.chunks.budget("device"):
-            try:
-                self.chunks.set_budget("device", max(budget, 0))
-            except OutOfMemoryError:
-                # Chunks in use (COMPUTE) hold more than that; the budget
-                # stays, and the next access still cannot exceed it.
-                self._budget_overruns += 1
+    def _trace_point(self, kind, what=-1):
+        self._tracer.point(kind, what)
         self.dtr.rebalance()
 
     def _end_trace_step(self):
-        self._trace_point("step")
-        self._timeline, self._timeline_recording = self._timeline_recording, []
-        self._trace = self._recording
-        self._recording = []
-        self._point = 0
+        self._tracer.end_step()
+        self.dtr.rebalance()
 
     # ----------------------------------------------------------------- hooks
     def _count(self, on: bool):
@@ -373,7 +324,7 @@ class Engine:
         shapes = [r.shape for r in records]
         if self.dtr.enabled_by_config:
             self._make_chunk_room(records)
-        elif self._trace is None:
+        elif not self._tracer.warmed_up:
             self._warmup_room_for(records)
         try:
             with _dtr.outside():
@@ -384,7 +335,10 @@ class Engine:
             # OOM path already freed its cache and retried inside the chunk
             # block's allocation, and the scheduler trimmed and evicted: a
             # retry would fail the same way.
-            if self._cuda and self._provider is None:
+            provider = self.store.device.memory_provider()
+            if not isinstance(provider, _C.TorchMemoryProvider):
+                provider = None
+            if self._cuda and provider is None:
                 torch.cuda.empty_cache()
                 try:
                     with _dtr.outside():
@@ -396,15 +350,15 @@ class Engine:
             if e is not None:
                 where = f"module '{self._names.get(module, '?')}'" if module is not None else \
                     f"parameter '{records[0].name}'"
-                live, _ = self._measure()
+                live = self._tracer.live()
                 torch_side = ""
                 if self._cuda:
                     dev = self.store.torch_device
                     torch_side = (f"; torch has {torch.cuda.memory_allocated(dev)} bytes "
                                   f"allocated and {torch.cuda.memory_reserved(dev)} reserved")
-                    if self._provider is not None:
-                        torch_side += (f", of which {self._provider.held_bytes()} are chunk "
-                                       f"blocks ({self._provider.name})")
+                    if provider is not None:
+                        torch_side += (f", of which {provider.held_bytes()} are chunk "
+                                       f"blocks ({provider.name})")
                 raise OutOfMemoryError(
                     f"tidal could not bring the parameters of {where} onto the device: {e}. "
                     f"Non-chunk device memory (activations and other torch tensors) is "
@@ -428,34 +382,26 @@ class Engine:
         # Not t.untyped_storage(): see storage_data_ptr in python/csrc/chunk_bindings.cpp.
         return attached.get(_C.chunks.storage_data_ptr(t))
 
+    def _chunks_in_use_with(self, records) -> int:
+        """Bytes of the 16-bit chunks the attached parameters and `records` need at once."""
+        chunks = {r.chunk for r in self._attached_by_ptr.values()}
+        chunks.update(r.chunk for r in records)
+        return sum(self.chunks.chunk_capacity_bytes(c, "param16") for c in chunks)
+
     def _warmup_room_for(self, records):
         """In the warm-up step, the cap of Note [The warm-up budget] grows to
         what the parameters in use plus `records` need at once (a tied or
         shared parameter stays attached from its first use in backward to
-        its last, so this can pass the largest module's need); the budget
-        follows, within what non-chunk memory leaves now."""
-        chunks = {r.chunk for r in self._attached_by_ptr.values()}
-        chunks.update(r.chunk for r in records)
-        need = sum(self.chunks.chunk_capacity_bytes(c, "param16") for c in chunks)
-        if need <= self._warmup_chunk_room:
-            return
-        limit = self.store.device_budget - self.store.margin
-        self._warmup_chunk_room = min(need, limit)
-        live, _ = self._measure()
-        budget = min(self._warmup_chunk_room, limit - live)
-        if budget > self.chunks.budget("device"):
-            self.chunks.set_budget("device", budget)
+        its last, so this can pass the largest module's need)."""
+        need = self._chunks_in_use_with(records)
+        if need > self._tracer.warmup_room:
+            self._tracer.grow_warmup_room(need)
 
     def _make_chunk_room(self, records):
         """With DTR managing activations, the chunk budget is raised to what the
         parameters in use plus `records` need (activations give way; Note [DTR
         under the training engine]). Never above the budget less the margin."""
-        chunks = {r.chunk for r in self._attached_by_ptr.values()}
-        chunks.update(r.chunk for r in records)
-        need = sum(self.chunks.chunk_capacity_bytes(c, "param16") for c in chunks)
-        need = min(need, self.store.device_budget - self.store.margin)
-        if need > self.chunks.budget("device"):
-            self.chunks.set_budget("device", need)
+        self._tracer.make_room(self._chunks_in_use_with(records))
 
     def _detach(self, records, state):
         if not records:
@@ -469,7 +415,7 @@ class Engine:
         self.dtr.rebalance()
 
     def _pre_forward(self, module, args):
-        self._trace_point("fwd", module)
+        self._trace_point(_FWD, self._module_index[module])
         recs = self._module_records[module]
         need = [r for r in recs if not r.attached]
         for r in recs:
@@ -495,7 +441,7 @@ class Engine:
         return output
 
     def _pre_backward(self, module):
-        self._trace_point("bwd", module)
+        self._trace_point(_BWD, self._module_index[module])
         self._attach_for_backward(self._module_records[module], module)
 
     def _attach_for_backward(self, records, module):
@@ -508,7 +454,7 @@ class Engine:
         g = param.grad
         if g is None:
             return
-        self._trace_point("grad", r)
+        self._trace_point(_GRAD, self._record_index[id(r)])
         if self.config.gradient_accumulation_steps > 1:
             if _dtr.is_enabled():
                 torch.ops.aten.alias.default(g)  # an evicted gradient comes back through DTR
@@ -618,9 +564,7 @@ class Engine:
         The step's partial trace is dropped: the next step records afresh (the
         scheduler's own trace diverges once and is adopted again)."""
         self._bwd_attached.clear()
-        self._point = 0
-        self._recording = []
-        self._timeline_recording = []
+        self._tracer.drop_step()
         for r in self.records:
             r.refs = 0
             if not r.attached:
@@ -720,6 +664,7 @@ class Engine:
         # stay in the reports.
         self._retired_stats = _merge_stats(final, self._retired_stats)
         self.chunks = self.store.chunks
+        self._tracer.set_chunks(self.chunks)
         self.records = [r for r in self.store.records if r in self._record_set]
         self._stats_at_step = self.chunks.stats()
         self._check_budget()
@@ -882,16 +827,17 @@ class Engine:
         point, device budget). Hook names start with fwd/bwd/grad/step."""
         budget = self.store.device_budget
         out = []
-        for k, kind, what, held, peak, _ in self._timeline:
+        for k, kind, what, held, peak, _ in self._tracer.timeline:
             out.append((k, self._hook_name(kind, what), held, peak, budget))
         return out
 
     def _hook_name(self, kind, what) -> str:
-        if what is None:
+        if what < 0:
             return kind
-        if isinstance(what, torch.nn.Module):
-            return f"{kind} {self._names.get(what, type(what).__name__)}"
-        return f"{kind} {what.name}"
+        if kind == "grad":
+            return f"{kind} {self._record_list[what].name}"
+        module = self._module_list[what]
+        return f"{kind} {self._names.get(module, type(module).__name__)}"
 
     def memory_profile(self) -> list[dict]:
         """memory_timeline() as dicts, with the chunk traffic of each interval:
@@ -901,7 +847,7 @@ class Engine:
         budget = self.store.device_budget
         out = []
         prev = None
-        for k, kind, what, held, peak, moves in self._timeline:
+        for k, kind, what, held, peak, moves in self._tracer.timeline:
             base = prev if prev is not None else moves
             out.append({"moment": k, "hook": self._hook_name(kind, what), "chunk_bytes": held,
                         "non_chunk_bytes": peak, "budget": budget,
@@ -950,8 +896,8 @@ class Engine:
             "device_budget": self.store.device_budget,
             "device_margin": self.store.margin,
             "peak_chunk_device_bytes": s["peak_resident_bytes_device"],
-            "peak_nonchunk_device_bytes": self._peak_nonchunk,
-            "peak_device_bytes": self._peak_total,
+            "peak_nonchunk_device_bytes": self._tracer.peak_nonchunk,
+            "peak_device_bytes": self._tracer.peak_total,
             "peak_chunk_host_bytes": s["peak_resident_bytes_host"],
             "host": _C.host_memory_stats(),
             "bytes_host_to_device_last_step": steps[-1][0] if steps else 0,
@@ -959,7 +905,7 @@ class Engine:
             "evictions": s["evictions"],
             "prefetches": s["prefetches"],
             "prefetch_hit_rate": hits / (hits + misses) if hits + misses else 0.0,
-            "budget_overruns": self._budget_overruns,
+            "budget_overruns": self._tracer.overruns,
             "cpu_adam_seconds": self._adam_seconds,
             "adam_chunks_on_device": self._adam_device_chunks,
             "adam_chunks_on_host": self._adam_host_chunks,

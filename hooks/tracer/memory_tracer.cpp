@@ -1,0 +1,107 @@
+#include "hooks/tracer/memory_tracer.h"
+
+#include <algorithm>
+
+#include "runtime/core/error.h"
+
+namespace tidal::hooks {
+
+const char* to_string(PointKind kind) {
+  switch (kind) {
+    case PointKind::kForward: return "fwd";
+    case PointKind::kBackward: return "bwd";
+    case PointKind::kGrad: return "grad";
+    case PointKind::kStep: return "step";
+  }
+  return "?";
+}
+
+MemoryTracer::MemoryTracer(ChunkScheduler* scheduler, std::unique_ptr<NonChunkMeter> meter,
+                           MemoryTracerLimits limits)
+    : scheduler_(scheduler), meter_(std::move(meter)), limits_(limits),
+      warmup_room_(limits.warmup_room) {
+  TIDAL_CHECK(scheduler_ != nullptr, "memory tracer: expected a chunk scheduler, got null");
+  TIDAL_CHECK(meter_ != nullptr, "memory tracer: expected a non-chunk meter, got null");
+  TIDAL_CHECK(limits_.margin < limits_.device_budget, "memory tracer: the margin of ",
+              limits_.margin, " bytes leaves nothing of the device budget of ",
+              limits_.device_budget, " bytes");
+  meter_->restart_peak();
+}
+
+void MemoryTracer::set_scheduler(ChunkScheduler* scheduler) {
+  TIDAL_CHECK(scheduler != nullptr, "memory tracer: expected a chunk scheduler, got null");
+  scheduler_ = scheduler;
+}
+
+void MemoryTracer::set_warmup_room(std::size_t bytes) { warmup_room_ = std::min(bytes, limit()); }
+
+std::size_t MemoryTracer::limit() const { return limits_.device_budget - limits_.margin; }
+
+std::size_t MemoryTracer::live() { return meter_->read().first; }
+
+void MemoryTracer::set_chunk_budget(std::size_t bytes) {
+  if (bytes == scheduler_->budget(MemorySpace::kDevice)) return;
+  try {
+    scheduler_->set_budget(MemorySpace::kDevice, bytes);
+  } catch (const OutOfMemoryError&) {
+    // Chunks in use (COMPUTE) hold more than that; the budget stays, and
+    // the next access still cannot exceed it.
+    ++overruns_;
+  }
+}
+
+void MemoryTracer::point(PointKind kind, std::int64_t what) {
+  const auto [now, peak] = meter_->read();
+  meter_->restart_peak();
+  const ChunkSchedulerStats stats = scheduler_->stats();
+  const std::size_t held = stats.held_bytes[index_of(MemorySpace::kDevice)];
+  peak_nonchunk_ = std::max(peak_nonchunk_, peak);
+  peak_total_ = std::max(peak_total_, held + peak);
+  const auto k = static_cast<std::uint32_t>(recording_.size());
+  recording_.push_back(peak);  // the interval that ends here
+  timeline_recording_.push_back({k, kind, what, held, peak, stats.moves_host_to_device,
+                                 stats.moves_device_to_host, stats.evictions});
+  std::size_t upcoming = now;
+  if (has_trace_) {
+    const std::size_t next = k + 1 < trace_.size() ? trace_[k + 1] : trace_max_;
+    upcoming = std::max(now, next);
+  }
+  const std::size_t room = limit() > upcoming ? limit() - upcoming : 0;
+  // Note [The warm-up budget]
+  set_chunk_budget(has_trace_ ? room : std::min(room, warmup_room_));
+}
+
+void MemoryTracer::end_step() {
+  point(PointKind::kStep, -1);
+  timeline_.swap(timeline_recording_);
+  timeline_recording_.clear();
+  trace_.swap(recording_);
+  recording_.clear();
+  trace_max_ = trace_.empty() ? 0 : *std::max_element(trace_.begin(), trace_.end());
+  has_trace_ = true;
+}
+
+void MemoryTracer::drop_step() {
+  recording_.clear();
+  timeline_recording_.clear();
+}
+
+void MemoryTracer::grow_warmup_room(std::size_t need) {
+  if (has_trace_ || need <= warmup_room_) return;
+  warmup_room_ = std::min(need, limit());
+  const std::size_t now = live();
+  const std::size_t room = limit() > now ? limit() - now : 0;
+  const std::size_t budget = std::min(warmup_room_, room);
+  if (budget > scheduler_->budget(MemorySpace::kDevice)) {
+    scheduler_->set_budget(MemorySpace::kDevice, budget);
+  }
+}
+
+void MemoryTracer::make_room(std::size_t need) {
+  need = std::min(need, limit());
+  if (need > scheduler_->budget(MemorySpace::kDevice)) {
+    scheduler_->set_budget(MemorySpace::kDevice, need);
+  }
+}
+
+}  // namespace tidal::hooks

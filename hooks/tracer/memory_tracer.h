@@ -1,0 +1,143 @@
+// The engine's memory tracer and device-budget arbiter: at every hook (a
+// trace point) it measures non-chunk device memory, records the interval's
+// peak, and gives the chunk scheduler the device budget for the interval
+// that starts there. One call per trace point; libtorch-free, so GoogleTest
+// drives it on the simulated device with a scripted meter
+// (tests/cpp/hooks/memory_tracer_test.cpp).
+//
+// Note [The memory tracer]
+// ~~~~~~~~~~~~~~~~~~~~~~~~
+// N is non-chunk device memory (activations and every other torch tensor);
+// a NonChunkMeter reads it and its peak since the previous point (the
+// engine's meters: torch's CUDA caching allocator less the chunk blocks it
+// holds for tidal, torch's reserved bytes where tidal's chunk blocks come
+// from cudaMalloc, or torch's CPU allocations on the simulated device; see
+// python/tidal/engine/engine.py). The first step (the warm-up) records the
+// peak of every interval between two points; from then on, at point k the
+// chunk budget is
+//     device budget - margin - max(N now, recorded peak of interval k+1),
+// so chunks give way before activations need the room, and OPT eviction
+// plus prefetch follow the scheduler's own trace. While a step has more
+// points than the recorded trace (the model's path changed) the budget uses
+// the largest recorded peak; the step's own record replaces the trace at its
+// end. A failed step's partial record is dropped; the trace stays.
+//
+// Note [The warm-up budget]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~
+// In the warm-up step nothing says how far activations will grow after a
+// point, so a budget from the live measurement alone lets chunks fill room
+// the next interval's activations need, and the step's peak (chunks +
+// non-chunk memory at the same moment) passes the device budget. As
+// PatrickStar (warmup_gpu_chunk_mem_ratio) and Gemini (a non-model-data
+// ratio during warm-up) do, chunks get a conservative share until the trace
+// is known: at most tidal.warmup_chunk_share (default 0.2) of the budget less
+// the margin, and never less than the largest module needs at once; when the
+// parameters attached together need more (tied and shared parameters stay
+// attached through backward), the engine grows the cap to that before the
+// attach (grow_warmup_room). Only the first step is capped.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <utility>
+#include <vector>
+
+#include "runtime/scheduler/chunk_scheduler.h"
+
+namespace tidal::hooks {
+
+// Where a trace point is: a module's forward pre-hook, its backward
+// pre-hook, a parameter's gradient hook, or the end of a step.
+enum class PointKind : std::uint8_t { kForward = 0, kBackward = 1, kGrad = 2, kStep = 3 };
+
+const char* to_string(PointKind kind);
+
+// Non-chunk device memory as the tracer sees it.
+class NonChunkMeter {
+ public:
+  virtual ~NonChunkMeter() = default;
+  // (bytes now, peak since the last restart_peak()), both at least 0.
+  virtual std::pair<std::size_t, std::size_t> read() = 0;
+  virtual void restart_peak() = 0;
+};
+
+// One trace point of a step, for the memory profile.
+struct TracePoint {
+  std::uint32_t index = 0;         // position in its step
+  PointKind kind = PointKind::kStep;
+  std::int64_t what = -1;          // the engine's module index or tensor id; -1: none
+  std::size_t chunk_bytes = 0;     // device chunk bytes held at the point
+  std::size_t nonchunk_peak = 0;   // non-chunk peak of the interval ending here
+  std::uint64_t moves_host_to_device = 0;  // scheduler counters at the point
+  std::uint64_t moves_device_to_host = 0;
+  std::uint64_t evictions = 0;
+};
+
+struct MemoryTracerLimits {
+  std::size_t device_budget = 0;   // chunks and everything else
+  std::size_t margin = 0;          // kept free
+  std::size_t warmup_room = 0;     // the warm-up cap on chunk bytes (Note [The warm-up budget])
+};
+
+class MemoryTracer {
+ public:
+  // `scheduler` is not owned and must outlive the tracer or be replaced
+  // (set_scheduler) first. Restarts the meter's peak.
+  MemoryTracer(ChunkScheduler* scheduler, std::unique_ptr<NonChunkMeter> meter,
+               MemoryTracerLimits limits);
+
+  // The engine rebuilt its chunks (first-use relayout): the new scheduler.
+  void set_scheduler(ChunkScheduler* scheduler);
+  void set_warmup_room(std::size_t bytes);
+
+  // A trace point: measure, record the interval that ends here, set the
+  // chunk budget for the interval that starts here (Note [The memory
+  // tracer]). A budget the chunks in use (COMPUTE) already exceed is left as
+  // it is and counted as an overrun.
+  void point(PointKind kind, std::int64_t what);
+  // The step's last point; its record becomes the trace.
+  void end_step();
+  // After a failed forward or backward: the step's partial record goes, the
+  // adopted trace stays.
+  void drop_step();
+
+  // Warm-up only: the cap grows to `need` chunk bytes (what the parameters
+  // in use plus those being attached need at once), and the budget follows
+  // within what non-chunk memory leaves now. No-op once a trace is known.
+  void grow_warmup_room(std::size_t need);
+  // DTR under the engine: activations give way, so the chunk budget rises to
+  // `need` (capped by the budget less the margin) whenever it is below.
+  void make_room(std::size_t need);
+
+  // Non-chunk bytes now (for error messages); does not restart the peak.
+  std::size_t live();
+  std::size_t limit() const;  // device budget - margin
+  bool warmed_up() const { return has_trace_; }
+  std::size_t warmup_room() const { return warmup_room_; }
+  std::size_t peak_nonchunk() const { return peak_nonchunk_; }
+  std::size_t peak_total() const { return peak_total_; }
+  std::uint64_t overruns() const { return overruns_; }
+  const std::vector<std::size_t>& trace() const { return trace_; }
+  // The trace points of the last completed step.
+  const std::vector<TracePoint>& timeline() const { return timeline_; }
+
+ private:
+  void set_chunk_budget(std::size_t bytes);
+
+  ChunkScheduler* scheduler_;
+  std::unique_ptr<NonChunkMeter> meter_;
+  MemoryTracerLimits limits_;
+  std::size_t warmup_room_;
+  bool has_trace_ = false;
+  std::vector<std::size_t> trace_;       // interval peaks of the adopted trace
+  std::size_t trace_max_ = 0;
+  std::vector<std::size_t> recording_;   // this step's, so far
+  std::vector<TracePoint> timeline_;
+  std::vector<TracePoint> timeline_recording_;
+  std::size_t peak_nonchunk_ = 0;
+  std::size_t peak_total_ = 0;
+  std::uint64_t overruns_ = 0;
+};
+
+}  // namespace tidal::hooks
