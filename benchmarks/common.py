@@ -123,3 +123,27 @@ def write_result(name: str, payload: Dict, output: Optional[os.PathLike] = None,
     tmp.write_text(json.dumps(record, indent=2) + "\n")
     tmp.replace(path)
     return path
+
+
+def token_batches(vocab: int, seq: int, batch: int, n: int, seed: int = 0) -> list:
+    """`n` (input, target) pairs of random token ids, the same for a seed."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randint(0, vocab, (batch, seq), generator=g),
+             torch.randint(0, vocab, (batch, seq), generator=g)) for _ in range(n)]
+
+
+def timed_engine_steps(engine, batches) -> tuple:
+    """One training step of `engine` per batch: (seconds per step, losses)."""
+    import time
+
+    times, losses = [], []
+    for x, y in batches:
+        t0 = time.perf_counter()
+        loss = engine(x, y)
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+        times.append(time.perf_counter() - t0)
+    return times, losses

@@ -185,22 +185,13 @@ def engine_part(quick: bool) -> dict:
         return cfg
 
     def batches(b, n):
-        g = torch.Generator().manual_seed(0)
-        return [(torch.randint(0, shape["vocab"], (b, shape["seq"]), generator=g),
-                 torch.randint(0, shape["vocab"], (b, shape["seq"]), generator=g)) for _ in range(n)]
+        return common.token_batches(shape["vocab"], shape["seq"], b, n)
 
     def train(b, with_dtr, n=2):
         torch.manual_seed(0)
         engine = tidal.initialize(TinyGPT(**shape), config(with_dtr))
-        times, losses = [], []
         try:
-            for x, y in batches(b, n):
-                t0 = time.perf_counter()
-                loss = engine(x, y)
-                engine.backward(loss)
-                engine.step()
-                losses.append(loss.item())
-                times.append(time.perf_counter() - t0)
+            times, losses = common.timed_engine_steps(engine, batches(b, n))
             return times, losses, engine.memory_report()
         finally:
             dtr.disable()
