@@ -39,6 +39,8 @@ def wrap_outputs(engine, module, output):
         if isinstance(t, torch.Tensor) and t.requires_grad and t.is_floating_point():
             return _PreBackward.apply(engine, module, t)
         return t
+    if type(output) is torch.Tensor:  # most modules: no pytree walk (it costs ~8 us)
+        return wrap(output)
     return tree_map(wrap, output)
 
 
