@@ -40,9 +40,12 @@ class CountingAllocator final : public c10::Allocator {
     return c10::DataPtr(data, data, &CountingAllocator::release, device);
   }
 
-  // Only allocations this allocator counted carry release(); raw frees of
-  // others go to the base.
-  c10::DeleterFnPtr raw_deleter() const override { return base_free_; }
+  // Allocator::raw_allocate() (oneDNN's scratch and packed weights, e.g. for
+  // bf16 matmuls on CPUs with AVX512-BF16) takes allocate()'s context and
+  // frees it later through raw_deleter(): that must be release(), or counted
+  // bytes never leave the count. release() sends what it did not count
+  // straight to the base.
+  c10::DeleterFnPtr raw_deleter() const override { return &CountingAllocator::release; }
 
   void copy_data(void* dest, const void* src, std::size_t count) const override {
     std::memcpy(dest, src, count);
