@@ -75,7 +75,8 @@ class Chunks {
   Chunks(std::shared_ptr<Device> device, std::size_t chunk_bytes, const std::string& param_dtype,
          std::size_t device_budget, std::size_t host_budget, bool prefetch,
          std::size_t prefetch_depth, const std::string& policy, bool pin_host_memory,
-         std::optional<std::uintptr_t> compute_stream, const std::string& torch_device) {
+         std::optional<std::uintptr_t> compute_stream, const std::string& torch_device,
+         std::size_t host_reserve) {
     TIDAL_CHECK(device != nullptr, "Chunks: device is None");
     if (compute_stream) {
       compute_stream_ = device->wrap_external_stream(*compute_stream, "torch-compute");
@@ -90,6 +91,7 @@ class Chunks {
     options.prefetch = prefetch;
     options.prefetch_depth = prefetch_depth;
     options.pin_host_memory = pin_host_memory;
+    options.host_eviction_reserve_bytes = host_reserve;
     options.compute_stream = compute_stream_.get();
     options.policy = make_eviction_policy(policy);
     scheduler_ = std::make_unique<ChunkScheduler>(ChunkStore(store_options), std::move(device),
@@ -118,6 +120,7 @@ py::dict stats_dict(const ChunkSchedulerStats& s) {
   TIDAL_FIELD(prefetches);
   TIDAL_FIELD(prefetches_wasted);
   TIDAL_FIELD(evictions);
+  TIDAL_FIELD(spills);
   TIDAL_FIELD(payload_drops);
   TIDAL_FIELD(copy_waits);
   TIDAL_FIELD(moves_host_to_device);
@@ -266,12 +269,12 @@ Python thread drives a Chunks object.)doc");
   py::class_<Chunks>(m, "Chunks")
       .def(py::init<std::shared_ptr<Device>, std::size_t, const std::string&, std::size_t,
                     std::size_t, bool, std::size_t, const std::string&, bool,
-                    std::optional<std::uintptr_t>, const std::string&>(),
+                    std::optional<std::uintptr_t>, const std::string&, std::size_t>(),
            py::arg("device"), py::kw_only(), py::arg("chunk_bytes"), py::arg("param_dtype"),
            py::arg("device_budget"), py::arg("host_budget") = 0, py::arg("prefetch") = true,
            py::arg("prefetch_depth") = 4, py::arg("policy") = "opt",
            py::arg("pin_host_memory") = true, py::arg("compute_stream") = py::none(),
-           py::arg("torch_device") = "cpu")
+           py::arg("torch_device") = "cpu", py::arg("host_reserve") = 0)
       .def("register", [](Chunks& c, std::string name, std::size_t numel) {
              return c.scheduler().register_tensor(std::move(name), numel);
            }, py::arg("name"), py::arg("numel"))

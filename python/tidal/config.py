@@ -133,7 +133,8 @@ SCHEMA: dict[str, Any] = {
         "device": (("auto", "cuda", "sim"), "auto", "device backend"),
         "chunk_size": ("bytes", 64 << 20, "bytes of a 16-bit parameter chunk"),
         "device_memory_budget": ("bytes", 0, "device bytes tidal may use in all; 0 = device capacity"),
-        "host_memory_budget": ("bytes", 0, "host bytes for chunks; 0 = unlimited"),
+        "host_memory_budget": ("bytes", 0, "host bytes for chunks; 0 = 85% of the host memory "
+                                            "available when the engine starts"),
         "device_margin": ("bytes", 0, "device bytes kept free for surprises; 0 = 5% of the budget, at least 1 MiB"),
         "warmup_chunk_share": ((float, int), 0.2, "share of the device budget (less the margin) chunks "
                                                   "may hold in the warm-up step, before the memory "

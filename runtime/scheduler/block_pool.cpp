@@ -43,6 +43,7 @@ BlockPtr BlockPool::take_cached(MemorySpace space, std::size_t bytes) {
   it->second.pop_back();
   if (it->second.empty()) by_size.erase(it);
   cached_[index_of(space)] -= bytes;
+  --cached_count_[index_of(space)];
   return block;
 }
 
@@ -74,6 +75,7 @@ void BlockPool::give_back(BlockPtr block) {
   TIDAL_INTERNAL_ASSERT(block != nullptr, "give_back of no block");
   const std::size_t space = index_of(block->space);
   cached_[space] += block->bytes;
+  ++cached_count_[space];
   cache_[space][block->bytes].push_back(std::move(block));
 }
 
@@ -85,10 +87,35 @@ bool BlockPool::trim_one(MemorySpace space) {
   largest->second.pop_back();
   if (largest->second.empty()) by_size.erase(largest);
   cached_[index_of(space)] -= block->bytes;
+  --cached_count_[index_of(space)];
   held_[index_of(space)] -= block->bytes;
   // See Note [Block fences]: memory is freed only once no work touches it.
   block->wait_on_host();
   return true;
+}
+
+std::size_t BlockPool::trim_ready(MemorySpace space, std::size_t keep_blocks) {
+  const std::size_t s = index_of(space);
+  std::size_t freed = 0;
+  auto& by_size = cache_[s];
+  for (auto bucket = by_size.rbegin(); bucket != by_size.rend() && cached_count_[s] > keep_blocks;) {
+    auto& blocks = bucket->second;
+    for (std::size_t i = blocks.size(); i-- > 0 && cached_count_[s] > keep_blocks;) {
+      if (!blocks[i]->ready()) continue;
+      BlockPtr block = std::move(blocks[i]);
+      blocks.erase(blocks.begin() + static_cast<std::ptrdiff_t>(i));
+      cached_[s] -= block->bytes;
+      --cached_count_[s];
+      held_[s] -= block->bytes;
+      ++freed;
+    }
+    if (blocks.empty()) {
+      bucket = decltype(bucket)(by_size.erase(std::next(bucket).base()));
+    } else {
+      ++bucket;
+    }
+  }
+  return freed;
 }
 
 void BlockPool::trim_all(MemorySpace space) {
@@ -96,16 +123,12 @@ void BlockPool::trim_all(MemorySpace space) {
   }
 }
 
-std::size_t BlockPool::cached_blocks(MemorySpace space) const {
-  std::size_t n = 0;
-  for (const auto& [bytes, blocks] : cache_[index_of(space)]) n += blocks.size();
-  return n;
-}
-
 void BlockPool::validate() const {
   for (std::size_t s = 0; s < kNumMemorySpaces; ++s) {
     std::size_t bytes = 0;
+    std::size_t count = 0;
     for (const auto& [size, blocks] : cache_[s]) {
+      count += blocks.size();
       TIDAL_INTERNAL_ASSERT(!blocks.empty(), "empty cache bucket of ", size, " bytes");
       for (const BlockPtr& block : blocks) {
         TIDAL_INTERNAL_ASSERT(block->bytes == size && index_of(block->space) == s,
@@ -113,8 +136,9 @@ void BlockPool::validate() const {
         bytes += block->bytes;
       }
     }
-    TIDAL_INTERNAL_ASSERT(bytes == cached_[s], "cache holds ", bytes, " bytes, recorded ",
-                          cached_[s]);
+    TIDAL_INTERNAL_ASSERT(bytes == cached_[s] && count == cached_count_[s], "cache holds ", bytes,
+                          " bytes in ", count, " blocks, recorded ", cached_[s], " in ",
+                          cached_count_[s]);
     TIDAL_INTERNAL_ASSERT(cached_[s] <= held_[s], "cached ", cached_[s], " > held ", held_[s]);
   }
 }

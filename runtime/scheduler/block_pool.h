@@ -90,11 +90,15 @@ class BlockPool {
   // Returns false when the cache of that space is empty.
   bool trim_one(MemorySpace space);
   void trim_all(MemorySpace space);
+  // Frees cached blocks of `space` whose fences have completed (largest
+  // first) until at most `keep_blocks` stay cached; never waits, so blocks
+  // still being copied from stay for a later call. Returns the number freed.
+  std::size_t trim_ready(MemorySpace space, std::size_t keep_blocks);
 
   // Bytes of all live blocks of `space` (in use by chunks + cached).
   std::size_t held_bytes(MemorySpace space) const { return held_[index_of(space)]; }
   std::size_t cached_bytes(MemorySpace space) const { return cached_[index_of(space)]; }
-  std::size_t cached_blocks(MemorySpace space) const;
+  std::size_t cached_blocks(MemorySpace space) const { return cached_count_[index_of(space)]; }
 
   // InternalError unless the cache's byte counts add up.
   void validate() const;
@@ -105,6 +109,7 @@ class BlockPool {
   std::array<std::map<std::size_t, std::vector<BlockPtr>>, kNumMemorySpaces> cache_;
   std::array<std::size_t, kNumMemorySpaces> held_{};
   std::array<std::size_t, kNumMemorySpaces> cached_{};
+  std::array<std::size_t, kNumMemorySpaces> cached_count_{};
 };
 
 }  // namespace tidal

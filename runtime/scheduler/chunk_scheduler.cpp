@@ -100,6 +100,8 @@ void* ChunkScheduler::access(TensorRef ref, MemorySpace space) {
   const std::int64_t moment = moment_ + 1;
   if (options_.use_trace) follow(moment, TraceEntry{id, space});
 
+  // Host blocks whose copies finished since the last call go now.
+  if (pool_.cached_blocks(MemorySpace::kHost) > options_.host_cache_blocks) trim_host_cache();
   RoomRequest request;
   request.space = space;
   request.bytes = store_.chunk(id).capacity_bytes();
@@ -193,6 +195,7 @@ void ChunkScheduler::end_step() {
   }
   recording_.clear();
   moment_ = -1;
+  trim_host_cache();
   following_ = options_.use_trace && !trace_.empty();
   if (options_.prefetch && following_) prefetch();
   debug_validate();
@@ -239,7 +242,13 @@ bool ChunkScheduler::place(ChunkId id, MemorySpace space, const RoomRequest& req
 
 bool ChunkScheduler::make_room(const RoomRequest& request) {
   const MemorySpace space = request.space;
-  const std::size_t budget = budget_[index_of(space)];
+  std::size_t budget = budget_[index_of(space)];
+  if (space == MemorySpace::kHost && request.chunk != kNoChunk &&
+      !store_.chunk(request.chunk).has_payload()) {
+    // Note [One place per chunk]: the reserve is for moves down.
+    const std::size_t reserve = options_.host_eviction_reserve_bytes;
+    budget = budget > reserve ? budget - reserve : 0;
+  }
   for (;;) {
     if (pool_.has_cached(space, request.bytes)) return true;
     const std::size_t held = pool_.held_bytes(space);
@@ -247,11 +256,49 @@ bool ChunkScheduler::make_room(const RoomRequest& request) {
     if (pool_.trim_one(space)) continue;
     const ChunkId victim = choose_victim(request);
     if (victim == kNoChunk) {
+      if (spill_to_device(request)) continue;
       if (request.prefetch) return false;
       throw_no_room(request, nullptr);
     }
     if (!evict(victim, request)) return false;
   }
+}
+
+bool ChunkScheduler::spill_to_device(const RoomRequest& request) {
+  // Not for a prefetch (it waits instead) nor while making host room for an
+  // eviction: Note [One place per chunk].
+  if (request.space != MemorySpace::kHost || request.prefetch || request.evicting_for != kNoChunk) {
+    return false;
+  }
+  candidates_.clear();
+  for (ChunkId id : resident_[index_of(MemorySpace::kHost)]) {
+    if (id != request.chunk && store_.chunk(id).movable()) candidates_.push_back(id);
+  }
+  if (candidates_.empty()) return false;
+  const EvictionContext context(store_, live_trace(), moment_, last_use_);
+  const ChunkId victim = policy_->choose_victim(context, MemorySpace::kHost, candidates_);
+  TIDAL_CHECK(std::find(candidates_.begin(), candidates_.end(), victim) != candidates_.end(),
+              "eviction policy '", policy_->name(), "' chose chunk ", victim,
+              ", which is not one of the ", candidates_.size(), " candidates it was given");
+  if (store_.chunk(victim).all_free()) {
+    drop_payload(victim);
+    return true;
+  }
+  const std::size_t bytes = store_.chunk(victim).capacity_bytes();
+  BlockPtr block = pool_.take_cached(MemorySpace::kDevice, bytes);
+  if (!block) {
+    const std::size_t held = pool_.held_bytes(MemorySpace::kDevice);
+    const std::size_t budget = budget_[index_of(MemorySpace::kDevice)];
+    if (held > budget || bytes > budget - held) return false;
+    try {
+      block = pool_.allocate(MemorySpace::kDevice, bytes);
+    } catch (const OutOfMemoryError&) {
+      return false;  // the device itself is full: the host budget is the limit
+    }
+  }
+  move(victim, MemorySpace::kDevice, std::move(block));
+  ++stats_.spills;
+  return true;
 }
 
 BlockPtr ChunkScheduler::acquire_block(const RoomRequest& request) {
@@ -340,6 +387,7 @@ void ChunkScheduler::move(ChunkId id, MemorySpace to, BlockPtr destination) {
   destination->record_fence(stream);
   attach(id, std::move(destination));
   pool_.give_back(std::move(source));
+  if (h2d) trim_host_cache();  // Note [One place per chunk]
   if (h2d) {
     ++stats_.moves_host_to_device;
     stats_.bytes_host_to_device += bytes;
@@ -353,7 +401,9 @@ void ChunkScheduler::move(ChunkId id, MemorySpace to, BlockPtr destination) {
 void ChunkScheduler::drop_payload(ChunkId id) {
   BlockPtr block = detach(id);
   store_.set_payload(id, nullptr, MemorySpace::kNone);
+  const bool host = block->space == MemorySpace::kHost;
   pool_.give_back(std::move(block));
+  if (host) trim_host_cache();
   ++stats_.payload_drops;
   if (slots_[id].prefetched) clear_prefetched(id, /*wasted=*/true);
 }

@@ -22,10 +22,40 @@
 // for reuse (Note [Block fences] in block_pool.h). Before it grows, the
 // scheduler frees cached blocks and then evicts chunks (device -> host) in
 // the policy's order; resident bytes never exceed the budget. Host chunks
-// have nowhere to go, so a full host budget is an error at once. When no
-// chunk is movable (all pinned by COMPUTE slots), access() throws
+// go to the device only where it has free room (Note [One place per
+// chunk]); otherwise a full host budget is an error at once. When no chunk
+// is movable (all pinned by COMPUTE slots), access() throws
 // OutOfMemoryError naming the chunk it needed, the budget, the resident
 // bytes and what is pinned.
+//
+// Note [One place per chunk]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// A chunk's payload lives in one memory space at a time, as in PatrickStar:
+// when a chunk moves to the device its host block goes back to the pool, and
+// the pool keeps at most host_cache_blocks free host blocks (pinning costs
+// milliseconds per 64 MiB, so the next eviction reuses one); the rest are
+// freed as soon as their copies have completed (BlockPool::trim_ready, never
+// a wait). So host memory holds the host-resident chunks plus a few blocks,
+// and the largest model is bounded by host + device memory, not by host
+// memory alone.
+//
+// The converse makes that bound reachable: when the host budget is full and
+// a chunk needs host room (it is materialized there, or wanted there by CPU
+// compute), the scheduler spills a movable host chunk to the device, chosen
+// by the eviction policy, if the device budget has free room for it; a spill
+// never evicts a device chunk (that would only move the shortage back), and
+// making host room for a device eviction never spills (the two would chase
+// each other). A spilled chunk is an ordinary device chunk afterwards: the
+// device evicts it back when the host has room again. Counted in
+// ChunkSchedulerStats::spills.
+//
+// A move to the device frees its host block only after it has device room,
+// and the device makes room by evicting to the host: with both full, nothing
+// can move. So host_eviction_reserve_bytes of the host budget are for moves
+// down only (evictions, chunks wanted on the host for CPU compute): a chunk
+// materialized on the host (new bytes) spills once the host holds budget -
+// reserve, and the reserve is there for the moves that make the device's
+// working room.
 //
 // Note [Prefetch]
 // ~~~~~~~~~~~~~~~
@@ -79,6 +109,11 @@ struct ChunkSchedulerOptions {
   bool pin_host_memory = true;
   // Give a chunk's payload back when all of its slots become FREE.
   bool drop_free_chunks = true;
+  // Free host blocks kept for reuse; see Note [One place per chunk].
+  std::size_t host_cache_blocks = 4;
+  // Host bytes only chunks moving down from the device may fill; see Note
+  // [One place per chunk].
+  std::size_t host_eviction_reserve_bytes = 0;
   // Non-owning; must outlive the scheduler. When set, device work after
   // access() is ordered after the chunk's copy by making this stream wait
   // (CUDA: the stream torch computes on), and release() records there when
@@ -100,6 +135,7 @@ struct ChunkSchedulerStats {
   std::uint64_t prefetches = 0;        // moves started by prefetch
   std::uint64_t prefetches_wasted = 0; // prefetched chunks evicted or dropped before use
   std::uint64_t evictions = 0;         // chunks moved off the device to make room
+  std::uint64_t spills = 0;            // chunks moved to the device to make room on the host
   std::uint64_t payload_drops = 0;     // payloads given back (all slots FREE)
   std::uint64_t copy_waits = 0;        // accesses that waited for a copy (timing-dependent)
   std::uint64_t moves_host_to_device = 0;
@@ -207,6 +243,11 @@ class ChunkScheduler {
   // Moves a victim off the device (or drops it when all FREE). False only
   // for a prefetch that could not make room on the host.
   bool evict(ChunkId victim, const RoomRequest& request);
+  // Makes host room by moving a host chunk to free device room (Note [One
+  // place per chunk]). False when no chunk can go.
+  bool spill_to_device(const RoomRequest& request);
+  // Frees host blocks cached beyond host_cache_blocks whose copies are done.
+  void trim_host_cache() { pool_.trim_ready(MemorySpace::kHost, options_.host_cache_blocks); }
   void move(ChunkId id, MemorySpace to, BlockPtr destination);
   void drop_payload(ChunkId id);
   void attach(ChunkId id, BlockPtr block);

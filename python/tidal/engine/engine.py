@@ -143,21 +143,28 @@ class Engine:
         # names are the qualified names of the first module owning a param.
         self._module_records: dict[torch.nn.Module, list] = {}
         self._names: dict[torch.nn.Module, str] = {}
-        for mname, m in model.named_modules(remove_duplicate=True):
-            self._names[m] = mname or type(m).__name__
-            recs = []
-            for pname, p in m.named_parameters(recurse=False):
-                full = f"{mname}.{pname}" if mname else pname
-                rec = store.by_param.get(id(p))
-                if rec is None:
-                    if p.numel() == 0:
-                        continue  # nothing to keep; stays an ordinary tensor
-                    rec = store.add(p, full)
-                elif rec.provisional:
-                    rec.name, rec.provisional = full, False
-                recs.append(rec)
-            if recs:
-                self._module_records[m] = recs
+        added = []  # (record, the parameter's dtype) registered here
+        try:
+            for mname, m in model.named_modules(remove_duplicate=True):
+                self._names[m] = mname or type(m).__name__
+                recs = []
+                for pname, p in m.named_parameters(recurse=False):
+                    full = f"{mname}.{pname}" if mname else pname
+                    rec = store.by_param.get(id(p))
+                    if rec is None:
+                        if p.numel() == 0:
+                            continue  # nothing to keep; stays an ordinary tensor
+                        dtype = p.dtype
+                        rec = store.add(p, full)
+                        added.append((rec, dtype))
+                    elif rec.provisional:
+                        rec.name, rec.provisional = full, False
+                    recs.append(rec)
+                if recs:
+                    self._module_records[m] = recs
+        except BaseException:
+            store.give_back(added)  # the model keeps its values
+            raise
         # Stable indexes for the tracer's timeline (record ids change at relayout).
         self._module_list = list(self._module_records)
         self._module_index = {m: i for i, m in enumerate(self._module_list)}
@@ -213,6 +220,7 @@ class Engine:
         self._first_use: dict = {}  # records as keys, in first-use order
         self._relayout_done = False
         self.relayouts = 0
+        self.relayout_skipped: str | None = None
         self._bytes_per_step: list[tuple[int, int]] = []
         self._adam_seconds = 0.0
         self._adam_device_chunks = 0
@@ -236,8 +244,14 @@ class Engine:
                     f"{need} bytes, but the device budget leaves {limit} bytes for chunks "
                     f"(budget {self.store.device_budget} - margin {self.store.margin}); raise "
                     f"tidal.device_memory_budget or lower tidal.chunk_size")
+        # Chunks the host budget cannot hold live on the device all the time
+        # (Note [One place per chunk]): a floor under the chunk room.
+        s = self.chunks.stats()
+        self._spilled_floor = max(0, s["resident_bytes_host"] + s["resident_bytes_device"]
+                                  - self.store.capacity_bytes()[0])
         # Note [The warm-up budget]: chunks get this much while no trace is known.
-        self._warmup_chunk_room = min(limit, max(largest, int(self.config.warmup_chunk_share * limit)))
+        self._warmup_chunk_room = min(limit, max(largest + self._spilled_floor,
+                                                 int(self.config.warmup_chunk_share * limit)))
         tracer = getattr(self, "_tracer", None)
         if tracer is not None and not tracer.warmed_up:
             tracer.set_warmup_room(self._warmup_chunk_room)
@@ -655,6 +669,17 @@ class Engine:
         order = list(used) + [r for r in self.store.records if r not in used]
         if [r.id for r in order] == [r.id for r in self.store.records]:
             return  # registration order was already the first-use order
+        s = self.chunks.stats()
+        state = s["resident_bytes_host"] + s["resident_bytes_device"]
+        # The new chunks are filled on the host while the old ones go: only
+        # when the whole state fits the host budget beside both schedulers'
+        # cached blocks (host_cache_blocks = 4 each, fp32 chunks of up to 2x
+        # chunk_size). Otherwise the registration order stays.
+        host = self.store.capacity_bytes()[0]
+        if state + 16 * self.config.chunk_size > host:
+            self.relayout_skipped = (f"the chunk state ({state} bytes) and the blocks of a "
+                                     f"rebuild do not fit the host budget of {host} bytes")
+            return
         try:
             final = self.store.relayout(order)
         except RelayoutError as e:
@@ -724,21 +749,40 @@ class Engine:
             by_chunk[r.chunk].append(r)
         b1, b2 = self.betas
         t0 = time.perf_counter()
+        host_short = self._spilled_floor > 0 or c.stats()["spills"] > 0
+        if host_short:
+            # A host too small for the state (Note [One place per chunk]): the
+            # step needs device room to move chunks through, and forward and
+            # backward are over, so chunks may use what live tensors leave.
+            # (Not otherwise: the budget of backward's last point already
+            # plans for the next step's first interval.)
+            limit = self.store.device_budget - self.store.margin
+            self._tracer.make_room(max(0, limit - self._tracer.live()))
         with torch.no_grad(), uncounted():
             for chunk in sorted(by_chunk):
                 recs = by_chunk[chunk]
-                on_device = False
-                if cfg.hybrid_adam and c.chunk_space(chunk, "param16") == "device":
+                # A master the host budget spilled to the device (Note [One
+                # place per chunk]) is updated there: moving it down would
+                # only spill another chunk up.
+                on_device = host_short and c.chunk_space(chunk, "param32") == "device"
+                if not on_device and c.chunk_space(chunk, "param16") == "device":
                     free = c.budget("device") - c.held_bytes("device")
                     # The chunk's own capacity: a tensor larger than the chunk
                     # size has a dedicated, larger chunk.
                     need = sum(c.chunk_capacity_bytes(chunk, k) for k in ("param32", "momentum", "variance"))
-                    on_device = free >= need
+                    # Hybrid Adam, or a host too full to take the 16-bit chunk.
+                    host_full = c.budget("host") - c.held_bytes("host") < \
+                        c.chunk_capacity_bytes(chunk, "param16")
+                    on_device = (cfg.hybrid_adam or host_full) and free >= need
                 space = "device" if on_device else "host"
                 if on_device:
                     self._adam_device_chunks += 1
                 else:
                     self._adam_host_chunks += 1
+                if space == "host" and self.precision != "fp32" and \
+                        cfg.gradient_accumulation_steps == 1:
+                    self._adam_chunk_on_host(chunk, recs, grad_scale)
+                    continue
                 for r in recs:
                     r.step += 1
                     g16 = c.access(r.id, "param16", space, [r.numel])
@@ -761,6 +805,36 @@ class Engine:
                     for kind in ("param16", "param32", "momentum", "variance"):
                         c.release(r.id, kind, "hold")
         self._adam_seconds += time.perf_counter() - t0
+
+    def _adam_chunk_on_host(self, chunk, recs, grad_scale: float):
+        """The step of one chunk's tensors in one SIMD call (cpu_adam's
+        adam_chunk_step, GIL released): unscale and clip factor, Adam/AdamW and
+        the 16-bit write-back over the ranges of `recs`, 8 chunk calls per
+        chunk instead of 10 per parameter. Mixed precision only (the 16-bit
+        chunk holds the gradients and takes the new weights)."""
+        cfg = self.config
+        c = self.chunks
+        first = recs[0]
+        held = []
+        try:
+            # Accessing one tensor of each of the four chunks pins them on the host.
+            for kind in ("param16", "param32", "momentum", "variance"):
+                c.access(first.id, kind, "host", [first.numel])
+                held.append(kind)
+            for r in recs:
+                r.step += 1
+            b1, b2 = self.betas
+            _C.cpu_adam.adam_chunk_step(
+                c.chunk_view(chunk, "param32"), c.chunk_view(chunk, "momentum"),
+                c.chunk_view(chunk, "variance"), c.chunk_view(chunk, "param16"),
+                [(c.placement(r.id)[1], r.numel) for r in recs], step=[r.step for r in recs],
+                lr=self.lr, beta1=b1, beta2=b2, eps=cfg.eps, weight_decay=cfg.weight_decay,
+                adamw_mode=cfg.adam_w_mode, bias_correction=cfg.bias_correction,
+                loss_scale=1.0 / grad_scale, max_grad_norm=0.0, check_overflow=False,
+                num_threads=cfg.cpu_adam_threads)
+        finally:
+            for kind in held:
+                c.release(first.id, kind, "hold")
 
     def _device_adam(self, w, m, v, g, step, grad_scale):
         """torch.optim.AdamW's single-tensor update on device tensors."""
@@ -899,6 +973,10 @@ class Engine:
             "peak_nonchunk_device_bytes": self._tracer.peak_nonchunk,
             "peak_device_bytes": self._tracer.peak_total,
             "peak_chunk_host_bytes": s["peak_resident_bytes_host"],
+            "host_chunk_capacity_bytes": self.store.capacity_bytes()[0],
+            "chunk_spills_to_device": s["spills"],
+            "state_bytes_per_param": self.store.state_bytes_per_param(),
+            "largest_model_params": self.store.largest_model_params(),
             "host": _C.host_memory_stats(),
             "bytes_host_to_device_last_step": steps[-1][0] if steps else 0,
             "bytes_device_to_host_last_step": steps[-1][1] if steps else 0,

@@ -26,6 +26,19 @@ _TORCH_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.fl
 _CHUNK_DTYPES = {"fp16": "float16", "bf16": "bfloat16", "fp32": "float32"}
 
 
+def _available_memory_bytes() -> int:
+    """The host memory the kernel can give without swapping (MemAvailable), or
+    the physical memory where /proc/meminfo is missing."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
 @contextlib.contextmanager
 def uncounted():
     """Allocations in this block are not non-chunk device memory (sim device)."""
@@ -131,6 +144,12 @@ class ParamStore:
                 warnings.warn(f"tidal: chunk memory comes from cudaMalloc, not from torch's "
                               f"caching allocator ({e}); the engine counts torch's reserved "
                               f"memory as non-chunk memory")
+        # Chunks beyond this much host memory spill to free device room (Note
+        # [One place per chunk] in runtime/scheduler/chunk_scheduler.h).
+        self.host_budget = config.host_memory_budget or int(0.85 * _available_memory_bytes())
+        # Host room kept for evictions from the device (two fp32 chunks), so a
+        # full host and a full device can still swap chunks.
+        self.host_reserve = min(4 * config.chunk_size, self.host_budget // 4)
         self.precision = config.precision
         self.dtype = _TORCH_DTYPES[config.precision]
         self.chunks = self._new_chunks()
@@ -148,10 +167,11 @@ class ParamStore:
         return _C.chunks.Chunks(
             self.device, chunk_bytes=config.chunk_size,
             param_dtype=_CHUNK_DTYPES[config.precision],
-            device_budget=self.device_budget - self.margin, host_budget=config.host_memory_budget,
+            device_budget=self.device_budget - self.margin, host_budget=self.host_budget,
             prefetch=config.prefetch, prefetch_depth=config.prefetch_depth,
             policy=config.eviction_policy, pin_host_memory=config.pin_memory,
-            compute_stream=stream, torch_device=str(self.torch_device))
+            compute_stream=stream, torch_device=str(self.torch_device),
+            host_reserve=self.host_reserve)
 
     def relayout(self, order: "list[ParamRecord]") -> dict:
         """Moves every parameter into new chunks, registered in `order`.
@@ -245,22 +265,82 @@ class ParamStore:
         record = ParamRecord(param, name, tensor_id, self.chunks.placement(tensor_id)[0])
         src = param.detach().reshape(-1)
         c = self.chunks
-        with uncounted(), torch.no_grad():
-            view = c.access(tensor_id, "param16", "host", [record.numel])
-            view.copy_(src)
-            c.release(tensor_id, "param16", "hold")
-            if record.trainable:
-                view = c.access(tensor_id, "param32", "host", [record.numel])
-                view.copy_(src)
-                c.release(tensor_id, "param32", "hold")
-                for kind in ("momentum", "variance"):
-                    c.access(tensor_id, kind, "host", [record.numel]).zero_()
+        kinds = slot_kinds(record)
+        try:
+            with uncounted(), torch.no_grad():
+                for kind in kinds:
+                    view = c.access(tensor_id, kind, "host", [record.numel])
+                    if kind in ("param16", "param32"):
+                        view.copy_(src)
+                    else:
+                        view.zero_()
                     c.release(tensor_id, kind, "hold")
+        except _C.OutOfMemoryError as e:
+            # The parameter keeps its data; its slots give their room back.
+            for kind in kinds:
+                c.set_state(tensor_id, kind, "free")
+            raise _C.OutOfMemoryError(self._no_room_message(name, record.numel, e)) from e
         param.data = self.placeholder()
         record.provisional = provisional
         self.records.append(record)
         self.by_param[id(param)] = record
         return record
+
+    # ------------------------------------------------------------ capacity
+    def state_bytes_per_param(self, trainable: bool = True) -> int:
+        """Chunk bytes per parameter: the 16-bit copy (fp32 in fp32 training) and,
+        when trainable, the fp32 master, momentum and variance: 14 in mixed
+        precision, 16 in fp32 (chunk padding aside)."""
+        return torch.empty(0, dtype=self.dtype).element_size() + (12 if trainable else 0)
+
+    def capacity_bytes(self) -> tuple[int, int]:
+        """(host, device) bytes the chunks may occupy. A chunk lives in one place
+        at a time (Note [One place per chunk] in runtime/scheduler/chunk_scheduler.h),
+        so the two add up: tidal.host_memory_budget (85% of the memory available
+        at start when 0) less the room kept for evictions, and the device budget
+        less the margin."""
+        return self.host_budget - self.host_reserve, self.device_budget - self.margin
+
+    def largest_model_params(self) -> int:
+        """The most trainable parameters whose states fit host + device: an upper
+        bound, since activations and the parameters in use share the device."""
+        host, device = self.capacity_bytes()
+        return (host + device) // self.state_bytes_per_param()
+
+    def _no_room_message(self, name: str, numel: int, error: Exception) -> str:
+        host, device = self.capacity_bytes()
+        params = sum(r.numel for r in self.records)
+        return (f"the model's states do not fit in host + device memory: parameter '{name}' "
+                f"({numel} elements) found no room after {len(self.records)} parameters of "
+                f"{params} elements ({self.state_bytes_per_param()} bytes per trainable "
+                f"parameter in {self.precision}); chunks may hold {host} bytes on the host "
+                f"(tidal.host_memory_budget{'' if self.config.host_memory_budget else ' = 0: 85% of the available memory'}) "
+                f"plus {device} bytes on the device (tidal.device_memory_budget less the "
+                f"margin), room for at most about {self.largest_model_params()} parameters. "
+                f"Raise tidal.host_memory_budget or tidal.device_memory_budget, or train a "
+                f"smaller model. The chunk scheduler said: {error}")
+
+    def give_back(self, added: "list[tuple[ParamRecord, torch.dtype]]") -> None:
+        """Undoes add(): each parameter gets its values back as a tensor of its
+        own dtype, read where its chunk is (no move, so no room is needed), and
+        its slots are freed. For a failed initialize: nothing is lost."""
+        c = self.chunks
+        gone = set()
+        with uncounted(), torch.no_grad():
+            for r, dtype in reversed(added):
+                kind = "param32" if r.trainable else "param16"
+                space = c.chunk_space(r.chunk, kind)
+                if space != "none":
+                    view = c.access(r.id, kind, space, r.shape)
+                    try:
+                        r.param.data = view.to("cpu", dtype, copy=True)
+                    finally:
+                        c.release(r.id, kind, "hold")
+                for k in slot_kinds(r):
+                    c.set_state(r.id, k, "free")
+                self.by_param.pop(id(r.param), None)
+                gone.add(id(r))
+        self.records = [r for r in self.records if id(r) not in gone]
 
     def discard(self, records: "list[ParamRecord]") -> None:
         """Gives up records whose parameters the model no longer holds.
