@@ -14,6 +14,7 @@
 #include "python/csrc/bindings.h"
 #include "chunk/chunk_store.h"
 #include "hooks/host_allocation_counter.h"
+#include "hooks/module_hooks.h"
 #include "hooks/nonchunk_meters.h"
 #include "hooks/param_binding.h"
 #include "hooks/torch_memory_provider.h"
@@ -214,7 +215,90 @@ py::list timeline_list(const std::vector<hooks::TracePoint>& points) {
   return out;
 }
 
+// The engine's module hooks over a Chunks object and a tracer, both kept
+// alive here (Note [One call per hook] in hooks/module_hooks.h).
+class Hooks {
+ public:
+  Hooks(py::object chunks, py::object tracer)
+      : chunks_(std::move(chunks)), tracer_(std::move(tracer)),
+        hooks_(&chunks_.cast<Chunks&>().scheduler(), &chunks_.cast<Chunks&>().binding(),
+               &tracer_.cast<Tracer&>().get()) {}
+  void set_chunks(py::object chunks, const std::vector<TensorId>& ids) {
+    Chunks& c = chunks.cast<Chunks&>();
+    hooks_.set_chunks(&c.scheduler(), &c.binding(), ids);
+    chunks_ = std::move(chunks);
+  }
+  hooks::ModuleHooks& get() { return hooks_; }
+
+ private:
+  py::object chunks_;
+  py::object tracer_;
+  hooks::ModuleHooks hooks_;
+};
+
 }  // namespace
+
+static void bind_hooks(py::module_& m) {
+  py::enum_<TensorState>(m, "TensorState", "A tensor slot's state (chunk/tensor_state.h).")
+      .value("FREE", TensorState::kFree)
+      .value("COMPUTE", TensorState::kCompute)
+      .value("HOLD", TensorState::kHold)
+      .value("HOLD_AFTER_FWD", TensorState::kHoldAfterFwd)
+      .value("HOLD_AFTER_BWD", TensorState::kHoldAfterBwd);
+  using GIL = py::call_guard<py::gil_scoped_release>;
+  using Index = std::size_t;
+  py::class_<Hooks>(m, "ModuleHooks", R"doc(
+The engine's module and gradient hooks, one call each (Note [One call per hook]
+in hooks/module_hooks.h). Parameters and modules are known by index; calls that
+may wait for a chunk copy release the GIL.)doc")
+      .def(py::init<py::object, py::object>(), py::arg("chunks"), py::arg("tracer"))
+      .def("add_param",
+           [](Hooks& h, at::Tensor param, TensorId id, std::vector<std::int64_t> shape) {
+             return h.get().add_param(std::move(param), id, std::move(shape));
+           },
+           py::arg("param"), py::arg("id"), py::arg("shape"))
+      .def("add_module", [](Hooks& h, std::vector<Index> params) { return h.get().add_module(std::move(params)); },
+           py::arg("params"))
+      .def("set_chunks", &Hooks::set_chunks, py::arg("chunks"), py::arg("ids"))
+      .def("set_make_room", [](Hooks& h, bool on) { h.get().set_make_room(on); }, py::arg("on"))
+      .def("set_track_first_use", [](Hooks& h, bool on) { h.get().set_track_first_use(on); },
+           py::arg("on"))
+      .def("forward_pre", [](Hooks& h, Index m, bool point) { h.get().forward_pre(m, point); }, GIL(),
+           py::arg("module"), py::arg("trace_point") = true)
+      .def("forward_post", [](Hooks& h, Index m, bool grad) { h.get().forward_post(m, grad); }, GIL(),
+           py::arg("module"), py::arg("grad_enabled"))
+      .def("backward_pre", [](Hooks& h, Index m) { h.get().backward_pre(m); }, GIL(), py::arg("module"))
+      .def("land_gradient",
+           [](Hooks& h, Index p, const at::Tensor& grad, std::optional<at::Tensor> norm) {
+             h.get().land_gradient(p, grad, norm ? *norm : at::Tensor());
+           },
+           GIL(), py::arg("param"), py::arg("grad"), py::arg("norm") = py::none())
+      .def("attach",
+           [](Hooks& h, const std::vector<Index>& params, bool for_backward, bool replay) {
+             h.get().attach(params, for_backward, replay);
+           },
+           GIL(), py::arg("params"), py::kw_only(), py::arg("for_backward") = false,
+           py::arg("replay") = false)
+      .def("detach", [](Hooks& h, const std::vector<Index>& params, TensorState state) {
+             h.get().detach(params, state);
+           }, GIL(), py::arg("params"), py::arg("state"))
+      .def("end_backward", [](Hooks& h) { h.get().end_backward(); }, GIL())
+      .def("release_all", [](Hooks& h) { return h.get().release_all(); }, GIL())
+      .def("attached", [](Hooks& h, Index p) { return h.get().attached(p); }, py::arg("param"))
+      .def("uses", [](Hooks& h, Index p) { return h.get().uses(p); }, py::arg("param"))
+      .def("attached_at",
+           [](Hooks& h, const at::Tensor& t) -> std::int64_t {
+             if (!t.defined() || !t.has_storage()) return -1;
+             return h.get().attached_at(t.storage().data_ptr().get());
+           },
+           py::arg("tensor"),
+           "The index of the attached parameter whose slot is `tensor`'s storage, or -1.")
+      .def("take_norms", [](Hooks& h) { return h.get().take_norms(); })
+      .def("clear_norms", [](Hooks& h) { h.get().clear_norms(); })
+      .def("take_first_use", [](Hooks& h) { return h.get().take_first_use(); })
+      .def_property_readonly("num_params", [](Hooks& h) { return h.get().num_params(); })
+      .def_property_readonly("num_modules", [](Hooks& h) { return h.get().num_modules(); });
+}
 
 static void bind_tracer(py::module_& m) {
   py::enum_<hooks::PointKind>(m, "PointKind", "Where a trace point is.")
@@ -400,6 +484,7 @@ Python thread drives a Chunks object.)doc");
       .def("take_warnings", [](Chunks& c) { return c.scheduler().take_warnings(); });
 
   bind_tracer(m);
+  bind_hooks(m);
 
   m.def("set_host_allocation_counting", &hooks::set_host_allocation_counting, py::arg("enabled"),
         "Counts torch's CPU allocations (Note [Counting CPU allocations]).");

@@ -156,6 +156,62 @@ def test_shared_module_called_twice():
     assert_close(engine, ref, ref_losses, train_tidal(engine, batches))
 
 
+def test_modules_returning_tuples_their_input_and_nested_outputs():
+    # The backward pre-hook is a tensor hook on each output (hooks.wrap_outputs):
+    # a module may return a tuple holding one tensor twice, a tensor another
+    # module already returned (an identity), or a dict; every module's
+    # parameters must still be attached for its backward.
+    class Pair(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(32, 32)
+
+        def forward(self, h):
+            out = torch.tanh(self.lin(h))
+            return out, out
+
+    class Keep(torch.nn.Module):  # returns its input: no op of its own
+        def __init__(self):
+            super().__init__()
+            self.scale = torch.nn.Parameter(torch.ones(1))
+
+        def forward(self, h):
+            return h if self.scale.numel() == 1 else h * self.scale
+
+    class Heads(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = torch.nn.Linear(32, 50)
+            self.b = torch.nn.Linear(32, 50)
+
+        def forward(self, h):
+            return {"a": self.a(h), "b": [self.b(h)]}
+
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = torch.nn.Embedding(50, 32)
+            self.pair = Pair()
+            self.keep = Keep()
+            self.heads = Heads()
+
+        def forward(self, x, y):
+            u, v = self.pair(self.emb(x))
+            out = self.heads(self.keep(u + 2 * v))
+            logits = out["a"] + out["b"][0]
+            return torch.nn.functional.cross_entropy(logits.reshape(-1, 50), y.reshape(-1))
+
+    torch.manual_seed(0)
+    ref = Model()
+    ref.keep.scale.requires_grad_(False)  # unused in forward: no gradient either way
+    model = copy.deepcopy(ref)
+    batches = gpt_batches(8, vocab=50)
+    ref_losses = train_reference(ref, batches)
+    engine = tidal.initialize(model, fitted(config(chunk=4096), model, batches))
+    assert_close(engine, ref, ref_losses, train_tidal(engine, batches))
+    assert not any(engine._is_attached(r) or engine._uses(r) for r in engine.records)
+
+
 def test_gradient_accumulation_and_clipping():
     torch.manual_seed(0)
     ref = TinyGPT(d=64, seq=8)
@@ -264,7 +320,7 @@ def test_an_out_of_memory_batch_raises_and_leaves_the_engine_usable():
         return None
 
     assert "could not bring the parameters" in (fail() or "")
-    assert not any(r.attached or r.refs for r in engine.records)
+    assert not any(engine._is_attached(r) or engine._uses(r) for r in engine.records)
     assert all(p.numel() == 0 for p in model.parameters())   # all back in their chunks
     losses = train_tidal(engine, small[1:])
     assert all(torch.isfinite(torch.tensor(losses)))

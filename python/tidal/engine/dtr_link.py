@@ -74,7 +74,7 @@ class DtrLink:
             # The 16-bit slot holds the gradient now; the weight it held is
             # the fp32 master rounded to 16 bits (CPU Adam writes it so).
             return e._weight_from_master(record).as_strided(size, stride, offset)
-        if not record.attached:
+        if not e._is_attached(record):
             e._attach([record], None, replay=True)
             self._replay_attached.append(record)
             self.replay_attaches += 1
@@ -84,10 +84,10 @@ class DtrLink:
         if not self._replay_attached:
             return
         e = self._engine()
-        done = [r for r in self._replay_attached if r.attached and r.refs == 0]
-        self._replay_attached.clear()
+        replayed, self._replay_attached = self._replay_attached, []
         if e is not None:
-            e._detach(done, "hold")
+            done = [r for r in replayed if e._is_attached(r) and e._uses(r) == 0]
+            e._detach(done, _C.chunks.TensorState.HOLD)
 
     # ------------------------------------------------------------ arbiter
     def rebalance(self):

@@ -76,6 +76,7 @@ _PLACEHOLDER_HINT = (
 _FWD = _C.chunks.PointKind.FORWARD
 _BWD = _C.chunks.PointKind.BACKWARD
 _GRAD = _C.chunks.PointKind.GRAD
+_HOLD = _C.chunks.TensorState.HOLD
 
 
 def _weak_method(bound):
@@ -203,11 +204,10 @@ class Engine:
         else:
             self.scaler = StaticLossScaler(1.0)
 
-        # Hook state.
-        self._attached_by_ptr: dict[int, object] = {}
-        self._bwd_attached: list = []
-        self._grad_norms: list[torch.Tensor] = []
+        # Hook state (the parameters' use counts and attached flags are in
+        # self._hooks, made below).
         self._saved_hooks = None
+        self._pre_backward_hooks: dict = {}
         self._handles = []
         self._install_hooks()
 
@@ -217,7 +217,6 @@ class Engine:
         self._tracer = self._new_tracer()
         self._stats_at_step = self.chunks.stats()
         self._retired_stats: dict | None = None  # counters of a scheduler replaced by relayout
-        self._first_use: dict = {}  # records as keys, in first-use order
         self._relayout_done = False
         self.relayouts = 0
         self.relayout_skipped: str | None = None
@@ -227,6 +226,7 @@ class Engine:
         self._adam_host_chunks = 0
         # DTR of activations (Note [DTR under the training engine]).
         self.dtr = DtrLink(self, cfg.dtr)
+        self._hooks = self._new_hooks()
         self.dtr.rebalance()
 
     # ------------------------------------------------------------------ setup
@@ -301,15 +301,25 @@ class Engine:
                                       margin=store.margin, warmup_room=self._warmup_chunk_room,
                                       **kwargs)
 
-    def _trace_point(self, kind, what=-1):
-        self._tracer.point(kind, what)
-        self.dtr.rebalance()
-
     def _end_trace_step(self):
         self._tracer.end_step()
         self.dtr.rebalance()
 
     # ----------------------------------------------------------------- hooks
+    # Each hook is one call into hooks/module_hooks.h (Note [One call per
+    # hook]); Python adds the DTR context, the error messages and the
+    # gradient accumulation path.
+    def _new_hooks(self):
+        hooks = _C.chunks.ModuleHooks(self.chunks, self._tracer)
+        for r in self._record_list:
+            hooks.add_param(r.param, r.id, r.shape)
+        index = self._record_index
+        for m in self._module_list:
+            hooks.add_module([index[id(r)] for r in self._module_records[m]])
+        hooks.set_make_room(self.dtr.enabled_by_config)
+        hooks.set_track_first_use(True)
+        return hooks
+
     def _count(self, on: bool):
         # Simulated device: torch's CPU allocations during forward and
         # backward are the non-chunk "device" memory (Note [The memory tracer]).
@@ -330,146 +340,139 @@ class Engine:
             hooks, self._saved_hooks = self._saved_hooks, None
             hooks.__exit__(None, None, None)
 
-    def _attach(self, records, module, replay=False):
+    def _is_attached(self, record) -> bool:
+        """Whether `record`'s parameter is a view of its slot (COMPUTE)."""
+        return self._hooks.attached(self._record_index[id(record)])
+
+    def _uses(self, record) -> int:
+        """Forward uses of `record`'s parameter in flight (nested or shared modules)."""
+        return self._hooks.uses(self._record_index[id(record)])
+
+    def _attach(self, records, module, replay=False, for_backward=False):
+        """Attaches `records` (those not attached) outside the hooks' own path:
+        a saved tensor unpacked in backward, a DTR recompute's read."""
         if not records:
             return
-        params = [r.param for r in records]
-        ids = [r.id for r in records]
-        shapes = [r.shape for r in records]
-        if self.dtr.enabled_by_config:
-            self._make_chunk_room(records)
-        elif not self._tracer.warmed_up:
-            self._warmup_room_for(records)
+        index = self._record_index
+        ids = [index[id(r)] for r in records]
         try:
             with _dtr.outside():
-                self.chunks.attach(params, ids, shapes, "param16", "device")
+                self._hooks.attach(ids, for_backward=for_backward, replay=replay)
         except OutOfMemoryError as e:
-            # Without the provider, torch's cached free memory is out of the
-            # chunks' reach until torch gives it back. With it, torch's own
-            # OOM path already freed its cache and retried inside the chunk
-            # block's allocation, and the scheduler trimmed and evicted: a
-            # retry would fail the same way.
-            provider = self.store.device.memory_provider()
-            if not isinstance(provider, _C.TorchMemoryProvider):
-                provider = None
-            if self._cuda and provider is None:
-                torch.cuda.empty_cache()
-                try:
-                    with _dtr.outside():
-                        self.chunks.attach(params, ids, shapes, "param16", "device")
-                except OutOfMemoryError as e2:
-                    e = e2
-                else:
-                    e = None
-            if e is not None:
-                where = f"module '{self._names.get(module, '?')}'" if module is not None else \
-                    f"parameter '{records[0].name}'"
-                live = self._tracer.live()
-                torch_side = ""
-                if self._cuda:
-                    dev = self.store.torch_device
-                    torch_side = (f"; torch has {torch.cuda.memory_allocated(dev)} bytes "
-                                  f"allocated and {torch.cuda.memory_reserved(dev)} reserved")
-                    if provider is not None:
-                        torch_side += (f", of which {provider.held_bytes()} are chunk "
-                                       f"blocks ({provider.name})")
-                raise OutOfMemoryError(
-                    f"tidal could not bring the parameters of {where} onto the device: {e}. "
-                    f"Non-chunk device memory (activations and other torch tensors) is "
-                    f"{live} bytes now, of the device budget of {self.store.device_budget} bytes "
-                    f"(margin {self.store.margin}){torch_side}; chunks get what is "
-                    f"left") from None
-        for r in records:
-            r.attached = True
-            self._attached_by_ptr[r.param.data_ptr()] = r
-        if not self._relayout_done and not replay:
-            for r in records:
-                self._first_use.setdefault(r, None)
+            self._attach_failed(e, module, records, lambda: self._hooks.attach(
+                ids, for_backward=for_backward, replay=replay))
         self.dtr.rebalance()
+
+    def _attach_failed(self, e, module, records, retry):
+        """An attach of `records` (for `module`, or None) raised `e`: retried
+        once where torch's cache may hold the memory, else `e` with the
+        device's side of the story."""
+        # Without the provider, torch's cached free memory is out of the
+        # chunks' reach until torch gives it back. With it, torch's own
+        # OOM path already freed its cache and retried inside the chunk
+        # block's allocation, and the scheduler trimmed and evicted: a
+        # retry would fail the same way.
+        provider = self.store.device.memory_provider()
+        if not isinstance(provider, _C.TorchMemoryProvider):
+            provider = None
+        if self._cuda and provider is None:
+            torch.cuda.empty_cache()
+            try:
+                with _dtr.outside():
+                    retry()
+                return
+            except OutOfMemoryError as e2:
+                e = e2
+        where = f"module '{self._names.get(module, '?')}'" if module is not None else \
+            f"parameter '{records[0].name}'"
+        live = self._tracer.live()
+        torch_side = ""
+        if self._cuda:
+            dev = self.store.torch_device
+            torch_side = (f"; torch has {torch.cuda.memory_allocated(dev)} bytes "
+                          f"allocated and {torch.cuda.memory_reserved(dev)} reserved")
+            if provider is not None:
+                torch_side += (f", of which {provider.held_bytes()} are chunk "
+                               f"blocks ({provider.name})")
+        raise OutOfMemoryError(
+            f"tidal could not bring the parameters of {where} onto the device: {e}. "
+            f"Non-chunk device memory (activations and other torch tensors) is "
+            f"{live} bytes now, of the device budget of {self.store.device_budget} bytes "
+            f"(margin {self.store.margin}){torch_side}; chunks get what is "
+            f"left") from None
 
     def param_record_of(self, t):
         """The record of the attached parameter whose slot `t` views, or None
         (the saved-tensor pack hook and DTR's parameter provider ask this)."""
-        attached = self._attached_by_ptr
-        if not attached or not isinstance(t, torch.Tensor) or t.layout != torch.strided:
+        if not isinstance(t, torch.Tensor) or t.layout != torch.strided:
             return None
-        # Not t.untyped_storage(): see storage_data_ptr in python/csrc/chunk_bindings.cpp.
-        return attached.get(_C.chunks.storage_data_ptr(t))
-
-    def _chunks_in_use_with(self, records) -> int:
-        """Bytes of the 16-bit chunks the attached parameters and `records` need at once."""
-        chunks = {r.chunk for r in self._attached_by_ptr.values()}
-        chunks.update(r.chunk for r in records)
-        return sum(self.chunks.chunk_capacity_bytes(c, "param16") for c in chunks)
-
-    def _warmup_room_for(self, records):
-        """In the warm-up step, the cap of Note [The warm-up budget] grows to
-        what the parameters in use plus `records` need at once (a tied or
-        shared parameter stays attached from its first use in backward to
-        its last, so this can pass the largest module's need)."""
-        need = self._chunks_in_use_with(records)
-        if need > self._tracer.warmup_room:
-            self._tracer.grow_warmup_room(need)
-
-    def _make_chunk_room(self, records):
-        """With DTR managing activations, the chunk budget is raised to what the
-        parameters in use plus `records` need (activations give way; Note [DTR
-        under the training engine]). Never above the budget less the margin."""
-        self._tracer.make_room(self._chunks_in_use_with(records))
+        i = self._hooks.attached_at(t)
+        return None if i < 0 else self._record_list[i]
 
     def _detach(self, records, state):
         if not records:
             return
-        for r in records:
-            self._attached_by_ptr.pop(r.param.data_ptr(), None)
-            r.attached = False
+        index = self._record_index
         with _dtr.outside():
-            self.chunks.detach([r.param for r in records], [r.id for r in records], "param16", state,
-                               "device")
+            self._hooks.detach([index[id(r)] for r in records], state)
         self.dtr.rebalance()
 
     def _pre_forward(self, module, args):
-        self._trace_point(_FWD, self._module_index[module])
-        recs = self._module_records[module]
-        need = [r for r in recs if not r.attached]
-        for r in recs:
-            r.refs += 1
+        i = self._module_index[module]
         try:
-            self._attach(need, module)
-        except BaseException:
-            for r in recs:
-                r.refs -= 1
-            raise
+            with _dtr.outside():
+                self._hooks.forward_pre(i)
+        except OutOfMemoryError as e:
+            # A retry (after torch.cuda.empty_cache) only attaches: the trace
+            # point was taken.
+            self._attach_failed(e, module, self._module_records[module],
+                                lambda: self._hooks.forward_pre(i, trace_point=False))
+        self.dtr.rebalance()
 
     def _post_forward(self, module, args, output):
-        recs = self._module_records[module]
-        done = []
-        for r in recs:
-            r.refs -= 1
-            if r.refs == 0 and r.attached:
-                done.append(r)
         grad = torch.is_grad_enabled()
-        self._detach(done, "hold_after_fwd" if grad else "hold")
+        with _dtr.outside():
+            self._hooks.forward_post(self._module_index[module], grad)
+        self.dtr.rebalance()
         if grad:
             return _hooks.wrap_outputs(self, module, output)
         return output
 
-    def _pre_backward(self, module):
-        self._trace_point(_BWD, self._module_index[module])
-        self._attach_for_backward(self._module_records[module], module)
+    def _pre_backward_hook(self, module):
+        """The tensor hook hooks.wrap_outputs puts on `module`'s outputs (made
+        once per module; it holds the engine weakly, as the gradient hooks)."""
+        hook = self._pre_backward_hooks.get(module)
+        if hook is None:
+            ref = weakref.ref(self)
 
-    def _attach_for_backward(self, records, module):
-        need = [r for r in records if not r.attached]
-        self._attach(need, module)
-        self._bwd_attached.extend(need)
+            def hook(grad, module=module):
+                engine = ref()
+                if engine is not None:
+                    engine._pre_backward(module)
+            self._pre_backward_hooks[module] = hook
+        return hook
+
+    def _pre_backward(self, module):
+        i = self._module_index[module]
+        try:
+            with _dtr.outside():
+                self._hooks.backward_pre(i)
+        except OutOfMemoryError as e:
+            index = self._record_index
+            ids = [index[id(r)] for r in self._module_records[module]]
+            self._attach_failed(e, module, self._module_records[module],
+                                lambda: self._hooks.attach(ids, for_backward=True))
+        self.dtr.rebalance()
 
     def _grad_ready(self, param):
         r = self.store.by_param[id(param)]
         g = param.grad
         if g is None:
             return
-        self._trace_point(_GRAD, self._record_index[id(r)])
+        i = self._record_index[id(r)]
         if self.config.gradient_accumulation_steps > 1:
+            self._tracer.point(_GRAD, i)
+            self.dtr.rebalance()
             if _dtr.is_enabled():
                 torch.ops.aten.alias.default(g)  # an evicted gradient comes back through DTR
             with uncounted(), torch.no_grad(), _dtr.outside():
@@ -477,20 +480,17 @@ class Engine:
                     r.acc = torch.zeros(r.numel, dtype=torch.float32,
                                         pin_memory=self._cuda)
                 r.acc.add_(g.detach().reshape(-1).to("cpu", torch.float32))
-            if r.attached:
-                self._detach([r], "hold")
+                self._hooks.detach([i], _HOLD)
+        elif _dtr.is_enabled():
+            # Under DTR the norm, an op in DTR's mode, also brings an evicted
+            # gradient back; no op runs between it and the landing, so it
+            # stays resident.
+            norm = torch.linalg.vector_norm(g.detach(), dtype=torch.float32)
+            with _dtr.outside():
+                self._hooks.land_gradient(i, g, norm)
         else:
-            # Under DTR this op also brings an evicted gradient back; no op
-            # runs between it and the paused copy, so it stays resident.
-            self._grad_norms.append(torch.linalg.vector_norm(g.detach(), dtype=torch.float32))
-            with torch.no_grad(), _dtr.outside():
-                if r.attached:
-                    r.param.data.copy_(g)
-                    self._detach([r], "hold_after_bwd")
-                else:
-                    view = self.chunks.access(r.id, "param16", "device", r.shape)
-                    view.copy_(g)
-                    self.chunks.release(r.id, "param16", "hold_after_bwd")
+            self._hooks.land_gradient(i, g)
+        self.dtr.rebalance()
         r.has_grad = True
         param.grad = None
 
@@ -567,9 +567,9 @@ class Engine:
             raise
         finally:
             self._count(False)
-        rest = [r for r in self._bwd_attached if r.attached]
-        self._bwd_attached.clear()
-        self._detach(rest, "hold")
+        with _dtr.outside():
+            self._hooks.end_backward()
+        self.dtr.rebalance()
         self.micro_steps += 1
 
     def _release_after_error(self):
@@ -577,23 +577,12 @@ class Engine:
         attached goes back to its chunk (HOLD), whatever state the hooks got to.
         The step's partial trace is dropped: the next step records afresh (the
         scheduler's own trace diverges once and is adopted again)."""
-        self._bwd_attached.clear()
         self._tracer.drop_step()
-        for r in self.records:
-            r.refs = 0
-            if not r.attached:
-                continue
-            self._attached_by_ptr.pop(r.param.data_ptr(), None)
-            r.attached = False
-            try:
-                with _dtr.outside():
-                    if self.chunks.state(r.id, "param16") == "compute":
-                        self.chunks.detach([r.param], [r.id], "param16", "hold", "device")
-                    else:
-                        r.param.data = self.store.placeholder()
-            except Exception as e:  # noqa: BLE001 -- never mask the error being raised
-                warnings.warn(f"tidal: releasing '{r.name}' after an error failed too: {e}",
-                              stacklevel=3)
+        with _dtr.outside():
+            failed = self._hooks.release_all()
+        for message in failed:  # never mask the error being raised
+            warnings.warn(f"tidal: releasing a parameter after an error failed too: {message}",
+                          stacklevel=3)
 
     def is_gradient_accumulation_boundary(self) -> bool:
         return self.micro_steps % self.config.gradient_accumulation_steps == 0
@@ -608,7 +597,7 @@ class Engine:
             r.has_grad = False
             if r.acc is not None:
                 r.acc.zero_()
-        self._grad_norms.clear()
+        self._hooks.clear_norms()
         for r in self.records:
             r.param.grad = None
 
@@ -642,7 +631,7 @@ class Engine:
             r.has_grad = False
             if r.acc is not None:
                 r.acc.zero_()
-        self._grad_norms.clear()
+        self._hooks.clear_norms()
         self._last_grad_norm = norm
         self.global_steps += 1
         self.chunks.end_step()
@@ -665,8 +654,10 @@ class Engine:
     def _relayout(self):
         """After the warm-up step: chunks in first-use order (Note [Chunks in first-use order])."""
         self._relayout_done = True
-        used, self._first_use = self._first_use, {}
-        order = list(used) + [r for r in self.store.records if r not in used]
+        self._hooks.set_track_first_use(False)
+        used = [self._record_list[i] for i in self._hooks.take_first_use()]
+        seen = set(map(id, used))
+        order = used + [r for r in self.store.records if id(r) not in seen]
         if [r.id for r in order] == [r.id for r in self.store.records]:
             return  # registration order was already the first-use order
         s = self.chunks.stats()
@@ -690,6 +681,7 @@ class Engine:
         self._retired_stats = _merge_stats(final, self._retired_stats)
         self.chunks = self.store.chunks
         self._tracer.set_chunks(self.chunks)
+        self._hooks.set_chunks(self.chunks, [r.id for r in self._record_list])
         self.records = [r for r in self.store.records if r in self._record_set]
         self._stats_at_step = self.chunks.stats()
         self._check_budget()
@@ -712,9 +704,10 @@ class Engine:
                 total += s.sum_squares
             total = math.sqrt(total) if finite else float("inf")
             return total / scale, finite and math.isfinite(total)
-        if not self._grad_norms:
+        norms = self._hooks.take_norms()
+        if not norms:
             return 0.0, True
-        total = float(torch.linalg.vector_norm(torch.stack(self._grad_norms)))
+        total = float(torch.linalg.vector_norm(torch.stack(norms)))
         return total / scale, math.isfinite(total)
 
     def _weight_from_master(self, record) -> torch.Tensor:

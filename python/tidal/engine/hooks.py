@@ -1,8 +1,9 @@
-"""Module and autograd hooks that move parameters in and out of use.
+"""Module and autograd hooks that move parameters in and out of use; each
+hook's work is one call into hooks/module_hooks.h (Note [One call per hook]).
 
 Forward: a module's pre-hook attaches its parameters (their chunks come to
 the device, COMPUTE), its post-hook detaches them (HOLD_AFTER_FWD, or HOLD
-under no_grad) and wraps the outputs in _PreBackward. Backward: _PreBackward
+under no_grad) and puts a tensor hook on its outputs. Backward: that hook
 runs before the module's own backward and attaches its parameters again; a
 parameter's post-accumulate-grad hook, which fires once its gradient is
 final, writes the gradient into the parameter's 16-bit slot and detaches it
@@ -21,27 +22,22 @@ import torch
 from torch.utils._pytree import tree_map
 
 
-class _PreBackward(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, engine, module, tensor):
-        ctx.engine = engine
-        ctx.module = module
-        return tensor.view_as(tensor)
-
-    @staticmethod
-    def backward(ctx, grad):
-        ctx.engine._pre_backward(ctx.module)
-        return None, None, grad
-
-
 def wrap_outputs(engine, module, output):
-    def wrap(t):
+    """Marks the module's floating-point outputs that require grad: a tensor
+    hook on each runs the module's backward pre-hook (its parameters attach)
+    when the output's gradient is ready, before the module's own backward.
+    (A tensor hook rather than an identity autograd.Function: ~10 us less per
+    module in forward, no extra node in backward.) Returns `output`."""
+    pre_backward = engine._pre_backward_hook(module)
+
+    def mark(t):
         if isinstance(t, torch.Tensor) and t.requires_grad and t.is_floating_point():
-            return _PreBackward.apply(engine, module, t)
+            t.register_hook(pre_backward)
         return t
     if type(output) is torch.Tensor:  # most modules: no pytree walk (it costs ~8 us)
-        return wrap(output)
-    return tree_map(wrap, output)
+        return mark(output)
+    tree_map(mark, output)
+    return output
 
 
 class _Packed:
@@ -62,6 +58,6 @@ def unpack(engine, obj):
     if type(obj) is not _Packed:
         return obj
     record = obj.record
-    if not record.attached:
-        engine._attach_for_backward([record], None)
+    if not engine._is_attached(record):
+        engine._attach([record], None, for_backward=True)
     return record.param.data.as_strided(obj.size, obj.stride, obj.offset)

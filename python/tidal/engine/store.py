@@ -73,8 +73,8 @@ class RelayoutError(RuntimeError):
 class ParamRecord:
     """One parameter in chunks."""
 
-    __slots__ = ("param", "name", "id", "shape", "numel", "trainable", "chunk", "refs",
-                 "attached", "has_grad", "step", "acc", "provisional", "__weakref__")
+    __slots__ = ("param", "name", "id", "shape", "numel", "trainable", "chunk",
+                 "has_grad", "step", "acc", "provisional", "__weakref__")
 
     def __init__(self, param: torch.nn.Parameter, name: str, tensor_id: int, chunk: int):
         self.param = param
@@ -84,8 +84,6 @@ class ParamRecord:
         self.numel = param.numel()
         self.trainable = param.requires_grad
         self.chunk = chunk
-        self.refs = 0          # forward uses in flight (nested or shared modules)
-        self.attached = False  # param.data is a view of its slot (COMPUTE)
         self.has_grad = False  # a gradient waits for the optimizer step
         self.step = 0          # Adam steps taken (torch's state['step'])
         self.acc = None        # fp32 host gradient accumulator (accumulation > 1)

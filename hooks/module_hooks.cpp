@@ -1,0 +1,314 @@
+#include "hooks/module_hooks.h"
+
+#include <algorithm>
+#include <exception>
+#include <utility>
+
+#include "runtime/core/error.h"
+
+namespace tidal::hooks {
+namespace {
+
+constexpr ChunkKind kSlot = ChunkKind::kParam16;
+
+const void* storage_data(const at::Tensor& t) {
+  return t.storage().data_ptr().get();
+}
+
+}  // namespace
+
+ModuleHooks::ModuleHooks(ChunkScheduler* scheduler, ParamBinding* binding, MemoryTracer* tracer)
+    : scheduler_(scheduler), binding_(binding), tracer_(tracer) {
+  TIDAL_INTERNAL_ASSERT(scheduler_ != nullptr && binding_ != nullptr && tracer_ != nullptr,
+                        "ModuleHooks needs a scheduler, a binding and a tracer");
+}
+
+std::size_t ModuleHooks::add_param(at::Tensor param, TensorId id, std::vector<std::int64_t> shape) {
+  TIDAL_CHECK(param.defined(), "ModuleHooks.add_param: the parameter is undefined");
+  TIDAL_CHECK_INDEX(id < scheduler_->store().num_tensors(), "ModuleHooks.add_param: tensor id ", id,
+                    " is not registered (", scheduler_->store().num_tensors(), " tensors)");
+  Param p;
+  p.param = std::move(param);
+  p.id = id;
+  p.shape = std::move(shape);
+  p.chunk = scheduler_->store().placement(id).chunk;
+  params_.push_back(std::move(p));
+  return params_.size() - 1;
+}
+
+std::size_t ModuleHooks::add_module(std::vector<std::size_t> params) {
+  for (std::size_t p : params) check_param(p);
+  modules_.push_back(std::move(params));
+  return modules_.size() - 1;
+}
+
+void ModuleHooks::set_chunks(ChunkScheduler* scheduler, ParamBinding* binding,
+                             const std::vector<TensorId>& ids) {
+  TIDAL_CHECK(ids.size() == params_.size(), "ModuleHooks.set_chunks: ", ids.size(), " ids for ",
+              params_.size(), " parameters");
+  TIDAL_INTERNAL_ASSERT(attached_by_data_.empty(),
+                        "ModuleHooks.set_chunks while parameters are attached");
+  for (std::size_t i = 0; i < ids.size(); ++i) {
+    TIDAL_CHECK_INDEX(ids[i] < scheduler->store().num_tensors(), "ModuleHooks.set_chunks: tensor id ",
+                      ids[i], " is not registered");
+  }
+  scheduler_ = scheduler;
+  binding_ = binding;
+  for (std::size_t i = 0; i < ids.size(); ++i) {
+    params_[i].id = ids[i];
+    params_[i].chunk = scheduler_->store().placement(ids[i]).chunk;
+  }
+  attached_in_chunk_.assign(scheduler_->store().num_chunks(), 0);
+  bytes_in_use_ = 0;
+}
+
+void ModuleHooks::check_param(std::size_t param) const {
+  TIDAL_CHECK_INDEX(param < params_.size(), "ModuleHooks: parameter index ", param, " of ",
+                    params_.size());
+}
+
+void ModuleHooks::check_module(std::size_t module) const {
+  TIDAL_CHECK_INDEX(module < modules_.size(), "ModuleHooks: module index ", module, " of ",
+                    modules_.size());
+}
+
+// ---- the hooks -------------------------------------------------------------
+
+void ModuleHooks::forward_pre(std::size_t module, bool trace_point) {
+  check_module(module);
+  if (trace_point) tracer_->point(PointKind::kForward, static_cast<std::int64_t>(module));
+  const std::vector<std::size_t>& params = modules_[module];
+  scratch_.clear();
+  for (std::size_t i : params) {
+    ++params_[i].uses;
+    if (!params_[i].attached) scratch_.push_back(i);
+  }
+  try {
+    if (!scratch_.empty()) {
+      make_room_for(scratch_);
+      attach_now(scratch_, /*for_backward=*/false, /*replay=*/false);
+    }
+  } catch (...) {
+    for (std::size_t i : params) --params_[i].uses;
+    throw;
+  }
+}
+
+void ModuleHooks::forward_post(std::size_t module, bool grad_enabled) {
+  check_module(module);
+  scratch_.clear();
+  for (std::size_t i : modules_[module]) {
+    Param& p = params_[i];
+    if (--p.uses == 0 && p.attached) scratch_.push_back(i);
+  }
+  detach_now(scratch_, grad_enabled ? TensorState::kHoldAfterFwd : TensorState::kHold);
+}
+
+void ModuleHooks::backward_pre(std::size_t module) {
+  check_module(module);
+  tracer_->point(PointKind::kBackward, static_cast<std::int64_t>(module));
+  scratch_.clear();
+  for (std::size_t i : modules_[module]) {
+    if (!params_[i].attached) scratch_.push_back(i);
+  }
+  if (!scratch_.empty()) {
+    make_room_for(scratch_);
+    attach_now(scratch_, /*for_backward=*/true, /*replay=*/false);
+  }
+}
+
+void ModuleHooks::land_gradient(std::size_t param, const at::Tensor& grad, const at::Tensor& norm) {
+  check_param(param);
+  tracer_->point(PointKind::kGrad, static_cast<std::int64_t>(param));
+  c10::NoGradGuard no_grad;
+  Param& p = params_[param];
+  norms_.push_back(norm.defined() ? norm
+                                  : at::linalg_vector_norm(grad, 2, c10::nullopt, false, at::kFloat));
+  if (p.attached) {
+    p.param.variable_data().copy_(grad);
+    scratch_.assign(1, param);
+    detach_now(scratch_, TensorState::kHoldAfterBwd);
+    return;
+  }
+  at::Tensor slot = binding_->access(p.id, kSlot, MemorySpace::kDevice, p.shape);
+  try {
+    slot.copy_(grad);
+  } catch (...) {
+    scheduler_->release(TensorRef{kSlot, p.id}, TensorState::kHold);
+    throw;
+  }
+  scheduler_->release(TensorRef{kSlot, p.id}, TensorState::kHoldAfterBwd);
+}
+
+// ---- pieces ----------------------------------------------------------------
+
+void ModuleHooks::attach(const std::vector<std::size_t>& params, bool for_backward, bool replay) {
+  std::vector<std::size_t> need;
+  for (std::size_t i : params) {
+    check_param(i);
+    if (!params_[i].attached && std::find(need.begin(), need.end(), i) == need.end()) {
+      need.push_back(i);
+    }
+  }
+  if (need.empty()) return;
+  make_room_for(need);
+  attach_now(need, for_backward, replay);
+}
+
+void ModuleHooks::detach(const std::vector<std::size_t>& params, TensorState state) {
+  for (std::size_t i : params) check_param(i);
+  std::vector<std::size_t> attached;
+  for (std::size_t i : params) {
+    if (params_[i].attached && std::find(attached.begin(), attached.end(), i) == attached.end()) {
+      attached.push_back(i);
+    }
+  }
+  detach_now(attached, state);
+}
+
+void ModuleHooks::end_backward() {
+  std::vector<std::size_t> rest;
+  rest.swap(backward_attached_);
+  detach(rest, TensorState::kHold);
+}
+
+std::vector<std::string> ModuleHooks::release_all() noexcept {
+  std::vector<std::string> failed;
+  backward_attached_.clear();
+  for (Param& p : params_) {
+    p.uses = 0;
+    if (!p.attached) continue;
+    try {
+      const TensorRef ref{kSlot, p.id};
+      if (scheduler_->store().state(ref) == TensorState::kCompute) {
+        scheduler_->release(ref, TensorState::kHold);
+      }
+    } catch (const std::exception& e) {
+      try {
+        failed.push_back(scheduler_->store().tensor_name(p.id) + ": " + e.what());
+      } catch (...) {
+      }
+    }
+    try {
+      p.param.set_data(at::empty({0}, at::TensorOptions()
+                                          .dtype(binding_->dtype(kSlot))
+                                          .device(binding_->torch_device(MemorySpace::kDevice))));
+    } catch (...) {
+    }
+    p.attached = false;
+  }
+  attached_by_data_.clear();
+  std::fill(attached_in_chunk_.begin(), attached_in_chunk_.end(), 0);
+  bytes_in_use_ = 0;
+  return failed;
+}
+
+// ---- queries ---------------------------------------------------------------
+
+std::int64_t ModuleHooks::attached_at(const void* data) const {
+  const auto it = attached_by_data_.find(data);
+  return it == attached_by_data_.end() ? -1 : static_cast<std::int64_t>(it->second);
+}
+
+std::vector<at::Tensor> ModuleHooks::take_norms() {
+  std::vector<at::Tensor> out;
+  out.swap(norms_);
+  return out;
+}
+
+std::vector<std::size_t> ModuleHooks::take_first_use() {
+  std::vector<std::size_t> out;
+  out.swap(first_use_);
+  return out;
+}
+
+// ---- internals -------------------------------------------------------------
+
+std::size_t ModuleHooks::chunk_bytes(ChunkIndex chunk) const {
+  return scheduler_->store().chunk(make_chunk_id(kSlot, chunk)).capacity_bytes();
+}
+
+void ModuleHooks::count_chunk(ChunkIndex chunk, int delta) {
+  if (chunk >= attached_in_chunk_.size()) attached_in_chunk_.resize(chunk + 1, 0);
+  std::uint32_t& n = attached_in_chunk_[chunk];
+  if (delta > 0) {
+    if (n++ == 0) bytes_in_use_ += chunk_bytes(chunk);
+  } else {
+    TIDAL_INTERNAL_ASSERT(n > 0, "ModuleHooks: chunk ", chunk, " has no attached parameter");
+    if (--n == 0) bytes_in_use_ -= chunk_bytes(chunk);
+  }
+}
+
+// The chunk room for the parameters in use plus `params` at once (Note [The
+// warm-up budget]; make_room under DTR: Note [DTR under the training engine]).
+void ModuleHooks::make_room_for(const std::vector<std::size_t>& params) {
+  if (!make_room_ && tracer_->warmed_up()) return;
+  std::size_t need = bytes_in_use_;
+  std::vector<ChunkIndex> added;
+  for (std::size_t i : params) {
+    const ChunkIndex c = params_[i].chunk;
+    const bool in_use = c < attached_in_chunk_.size() && attached_in_chunk_[c] > 0;
+    if (!in_use && std::find(added.begin(), added.end(), c) == added.end()) {
+      added.push_back(c);
+      need += chunk_bytes(c);
+    }
+  }
+  if (make_room_) {
+    tracer_->make_room(need);
+  } else {
+    tracer_->grow_warmup_room(need);
+  }
+}
+
+void ModuleHooks::attach_now(const std::vector<std::size_t>& params, bool for_backward,
+                             bool replay) {
+  // All or nothing (as ParamBinding::attach): the slots accessed so far go
+  // back to HOLD when an access throws.
+  std::size_t done = 0;
+  try {
+    for (; done < params.size(); ++done) {
+      Param& p = params_[params[done]];
+      at::Tensor slot = binding_->access(p.id, kSlot, MemorySpace::kDevice, p.shape);
+      p.param.set_data(slot);
+    }
+  } catch (...) {
+    const at::TensorOptions empty = at::TensorOptions()
+                                        .dtype(binding_->dtype(kSlot))
+                                        .device(binding_->torch_device(MemorySpace::kDevice));
+    for (std::size_t k = 0; k < done; ++k) {
+      Param& p = params_[params[k]];
+      scheduler_->release(TensorRef{kSlot, p.id}, TensorState::kHold);
+      p.param.set_data(at::empty({0}, empty));
+    }
+    throw;
+  }
+  for (std::size_t i : params) {
+    Param& p = params_[i];
+    p.attached = true;
+    attached_by_data_[storage_data(p.param)] = i;
+    count_chunk(p.chunk, +1);
+    if (for_backward) backward_attached_.push_back(i);
+    if (track_first_use_ && !replay && !p.first_used) {
+      p.first_used = true;
+      first_use_.push_back(i);
+    }
+  }
+}
+
+void ModuleHooks::detach_now(const std::vector<std::size_t>& params, TensorState state) {
+  if (params.empty()) return;
+  const at::TensorOptions empty = at::TensorOptions()
+                                      .dtype(binding_->dtype(kSlot))
+                                      .device(binding_->torch_device(MemorySpace::kDevice));
+  for (std::size_t i : params) {
+    Param& p = params_[i];
+    if (!p.attached) continue;
+    scheduler_->release(TensorRef{kSlot, p.id}, state);
+    attached_by_data_.erase(storage_data(p.param));
+    p.param.set_data(at::empty({0}, empty));
+    p.attached = false;
+    count_chunk(p.chunk, -1);
+  }
+}
+
+}  // namespace tidal::hooks

@@ -1,0 +1,147 @@
+// The engine's module and gradient hooks, one C++ call each: the parameters'
+// use counts and attached flags, the trace point, the chunk room for the
+// moment, attach/detach through the ParamBinding (with the scheduler's
+// prefetch), and a gradient landing in its 16-bit slot.
+//
+// Note [One call per hook]
+// ~~~~~~~~~~~~~~~~~~~~~~~~
+// torch calls a module's hooks from Python, so each hook costs one Python
+// function; what it does is one call into this class:
+//   forward_pre(m)   trace point (FORWARD, m); every parameter of m counts one
+//                    more use in flight; the chunk room for the parameters in
+//                    use plus m's (Note [The warm-up budget], or make_room when
+//                    DTR manages activations); the parameters not yet attached
+//                    are attached (COMPUTE). All or nothing: when the attach
+//                    throws, the use counts go back.
+//   forward_post(m)  each parameter of m counts one use less; those at zero
+//                    are detached to HOLD_AFTER_FWD (HOLD under no_grad).
+//   backward_pre(m)  trace point (BACKWARD, m); m's parameters are attached
+//                    and remembered: end_backward() detaches what is still
+//                    attached when backward returns.
+//   land_gradient(p) trace point (GRAD, p); the gradient's L2 norm (fp32,
+//                    kept for the step's clipping and overflow check) and
+//                    the gradient written into p's 16-bit slot, which is then
+//                    released to HOLD_AFTER_BWD.
+// A parameter is known by its index here (the engine's record index, stable
+// across relayout); the store's tensor id of each index follows the layout
+// (set_chunks). The engine keeps the user API, the error messages and the
+// gradient accumulation path in Python.
+//
+// Thread safety: none; one thread at a time (forward on the caller's thread,
+// backward's hooks on autograd's while the caller waits).
+#pragma once
+
+#include <ATen/ATen.h>
+#include <c10/core/GradMode.h>
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include "chunk/chunk_id.h"
+#include "chunk/tensor_state.h"
+#include "hooks/param_binding.h"
+#include "hooks/tracer/memory_tracer.h"
+#include "runtime/scheduler/chunk_scheduler.h"
+
+namespace tidal::hooks {
+
+class ModuleHooks {
+ public:
+  // None of the three is owned; set_chunks replaces the first two.
+  ModuleHooks(ChunkScheduler* scheduler, ParamBinding* binding, MemoryTracer* tracer);
+
+  // ---- set-up -------------------------------------------------------------
+  // Parameter `index` (the next one: indexes are 0, 1, ...) is `param`, the
+  // store's tensor `id`, shaped `shape`.
+  std::size_t add_param(at::Tensor param, TensorId id, std::vector<std::int64_t> shape);
+  // Module `index` (the next one) uses these parameters.
+  std::size_t add_module(std::vector<std::size_t> params);
+  // After a relayout: the new scheduler and binding, and each parameter's
+  // tensor id in them (ids[i] for parameter i). Nothing may be attached.
+  void set_chunks(ChunkScheduler* scheduler, ParamBinding* binding,
+                  const std::vector<TensorId>& ids);
+  // DTR manages activations: the chunk room rises to what attaching needs
+  // (MemoryTracer::make_room) in every step, not only in the warm-up.
+  void set_make_room(bool on) { make_room_ = on; }
+  // Record the order of first attaches (until the engine's relayout).
+  void set_track_first_use(bool on) { track_first_use_ = on; }
+
+  // ---- the hooks (Note [One call per hook]) ---------------------------------
+  void forward_pre(std::size_t module, bool trace_point = true);
+  void forward_post(std::size_t module, bool grad_enabled);
+  void backward_pre(std::size_t module);
+  // `norm` given (defined): the caller measured it (under DTR, whose mode
+  // brings an evicted gradient back); else it is measured here.
+  void land_gradient(std::size_t param, const at::Tensor& grad, const at::Tensor& norm);
+
+  // ---- pieces for the engine's other paths --------------------------------
+  // Attach those of `params` not attached (the chunk room first, as
+  // forward_pre). for_backward: end_backward() detaches them; replay: a
+  // recompute's read (DTR), not a first use.
+  void attach(const std::vector<std::size_t>& params, bool for_backward, bool replay);
+  // Detach those of `params` that are attached, releasing them to `state`.
+  void detach(const std::vector<std::size_t>& params, TensorState state);
+  // Backward returned: what it attached and is still attached goes to HOLD.
+  void end_backward();
+  // After a failed forward or backward: every use count to zero, every
+  // attached parameter back to its chunk (HOLD) whatever state it got to.
+  // Never throws; returns a message per parameter that could not be released.
+  std::vector<std::string> release_all() noexcept;
+
+  // ---- queries -------------------------------------------------------------
+  bool attached(std::size_t param) const { return params_.at(param).attached; }
+  int uses(std::size_t param) const { return params_.at(param).uses; }
+  // The attached parameter whose slot is the storage at `data`, or -1.
+  std::int64_t attached_at(const void* data) const;
+  // The norms land_gradient kept since the last call, oldest first.
+  std::vector<at::Tensor> take_norms();
+  void clear_norms() { norms_.clear(); }
+  // Parameters in the order of their first attach since tracking began.
+  std::vector<std::size_t> take_first_use();
+  std::size_t num_params() const { return params_.size(); }
+  std::size_t num_modules() const { return modules_.size(); }
+
+ private:
+  struct Param {
+    at::Tensor param;  // shares the module's Parameter TensorImpl
+    TensorId id = kNoTensor;
+    std::vector<std::int64_t> shape;
+    ChunkIndex chunk = 0;
+    int uses = 0;      // forward uses in flight (nested or shared modules)
+    bool attached = false;
+    bool first_used = false;
+  };
+
+  void make_room_for(const std::vector<std::size_t>& params);
+  void attach_now(const std::vector<std::size_t>& params, bool for_backward, bool replay);
+  void detach_now(const std::vector<std::size_t>& params, TensorState state);
+  std::size_t chunk_bytes(ChunkIndex chunk) const;
+  void count_chunk(ChunkIndex chunk, int delta);
+  void check_param(std::size_t param) const;
+  void check_module(std::size_t module) const;
+
+  ChunkScheduler* scheduler_;
+  ParamBinding* binding_;
+  MemoryTracer* tracer_;
+  std::vector<Param> params_;
+  std::vector<std::vector<std::size_t>> modules_;
+  std::unordered_map<const void*, std::size_t> attached_by_data_;
+  // Attached parameters per 16-bit chunk, and the bytes of the chunks with any.
+  std::vector<std::uint32_t> attached_in_chunk_;
+  std::size_t bytes_in_use_ = 0;
+  std::vector<std::size_t> backward_attached_;
+  std::vector<at::Tensor> norms_;
+  std::vector<std::size_t> first_use_;
+  bool make_room_ = false;
+  bool track_first_use_ = false;
+  // Scratch of the hooks, reused to keep them free of allocations.
+  std::vector<std::size_t> scratch_;
+  std::vector<at::Tensor> scratch_params_;
+  std::vector<TensorId> scratch_ids_;
+  std::vector<std::vector<std::int64_t>> scratch_shapes_;
+};
+
+}  // namespace tidal::hooks
