@@ -253,6 +253,43 @@ def _engine_batch(r: Dict, name: str) -> List[List[str]]:
     return rows
 
 
+def _engine_overhead(r: Dict, name: str) -> List[List[str]]:
+    """The engine's own cost when everything fits: the whole step for a model
+    of many small modules (the hooks dominate), the optimizer step alone for
+    one of a few large tensors (against AdamW(fused=True))."""
+    rows = []
+    small = r["models"].get("many_small")
+    if small is not None:
+        sh = small["shape"]
+        t, p = small["median_step_seconds"]["tidal"], small["median_step_seconds"]["plain"]
+        rows.append([
+            f"training step, {sh['depth']} x Linear({sh['width']}, {sh['width']}) + tanh, fp32, "
+            f"batch {sh['batch']}, simulated device, budget holds every state (hooks: "
+            f"{small['hook_overhead_us_per_module']:.0f} us per module)",
+            _machine(r),
+            f"{t * 1e3:.1f} ms",
+            f"{p * 1e3:.1f} ms, plain PyTorch + torch.optim.AdamW (foreach)",
+            f"{t / p:.2f}",
+            f"`{name}`",
+        ])
+    large = r["models"].get("few_large")
+    if large is not None:
+        sh = large["shape"]
+        t, f = large["median_optimizer_step_seconds"]["tidal"], \
+            large["median_optimizer_step_seconds"]["plain_fused"]
+        rows.append([
+            f"optimizer step in the engine, {sh['depth']} x Linear({sh['width']}, {sh['width']}) "
+            f"({large['parameters'] / 1e6:.1f}M params), fp32, simulated device (chunks to the "
+            f"host and back, CPU Adam)",
+            _machine(r),
+            f"{t * 1e3:.1f} ms",
+            f"{f * 1e3:.1f} ms, torch.optim.AdamW(fused=True) on the same CPU",
+            f"{t / f:.2f}",
+            f"`{name}`",
+        ])
+    return rows
+
+
 ROWS: Dict[str, Callable[[Dict, str], List[List[str]]]] = {
     "dtr_batch": _dtr_batch,
     "engine_batch": _engine_batch,
@@ -262,6 +299,7 @@ ROWS: Dict[str, Callable[[Dict, str], List[List[str]]]] = {
     "dtr-resnet50": _dtr,
     "dtr-gpt2_small": _dtr,
     "engine_sim": _engine_sim,
+    "engine_overhead": _engine_overhead,
     "recompute": _recompute,
 }
 
