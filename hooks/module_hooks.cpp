@@ -232,7 +232,10 @@ void ModuleHooks::count_chunk(ChunkIndex chunk, int delta) {
   if (chunk >= attached_in_chunk_.size()) attached_in_chunk_.resize(chunk + 1, 0);
   std::uint32_t& n = attached_in_chunk_[chunk];
   if (delta > 0) {
-    if (n++ == 0) bytes_in_use_ += chunk_bytes(chunk);
+    if (n++ == 0) {
+      bytes_in_use_ += chunk_bytes(chunk);
+      peak_bytes_in_use_ = std::max(peak_bytes_in_use_, bytes_in_use_);
+    }
   } else {
     TIDAL_INTERNAL_ASSERT(n > 0, "ModuleHooks: chunk ", chunk, " has no attached parameter");
     if (--n == 0) bytes_in_use_ -= chunk_bytes(chunk);

@@ -101,6 +101,8 @@ class ModuleHooks {
   void clear_norms() { norms_.clear(); }
   // Parameters in the order of their first attach since tracking began.
   std::vector<std::size_t> take_first_use();
+  // The most 16-bit chunk bytes the attached parameters needed at once.
+  std::size_t peak_bytes_in_use() const { return peak_bytes_in_use_; }
   std::size_t num_params() const { return params_.size(); }
   std::size_t num_modules() const { return modules_.size(); }
 
@@ -132,6 +134,7 @@ class ModuleHooks {
   // Attached parameters per 16-bit chunk, and the bytes of the chunks with any.
   std::vector<std::uint32_t> attached_in_chunk_;
   std::size_t bytes_in_use_ = 0;
+  std::size_t peak_bytes_in_use_ = 0;
   std::vector<std::size_t> backward_attached_;
   std::vector<at::Tensor> norms_;
   std::vector<std::size_t> first_use_;

@@ -296,6 +296,9 @@ may wait for a chunk copy release the GIL.)doc")
       .def("take_norms", [](Hooks& h) { return h.get().take_norms(); })
       .def("clear_norms", [](Hooks& h) { h.get().clear_norms(); })
       .def("take_first_use", [](Hooks& h) { return h.get().take_first_use(); })
+      .def_property_readonly("peak_bytes_in_use",
+                             [](Hooks& h) { return h.get().peak_bytes_in_use(); },
+                             "The most 16-bit chunk bytes the attached parameters needed at once.")
       .def_property_readonly("num_params", [](Hooks& h) { return h.get().num_params(); })
       .def_property_readonly("num_modules", [](Hooks& h) { return h.get().num_modules(); });
 }

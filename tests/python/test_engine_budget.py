@@ -78,23 +78,15 @@ def config(chunk, budget, precision=None):
 def probe(make, batches, chunk, precision):
     torch.manual_seed(0)
     engine = tidal.initialize(make(), config(chunk, 0, precision))
-    in_use = [0]
-    attach = engine._attach
-
-    def counting_attach(records, module):
-        # The 16-bit chunks the engine has in use at once: what the
-        # parameters attached together need, whatever the budget.
-        attach(records, module)
-        chunks = {r.chunk for r in engine._attached_by_ptr.values()}
-        in_use[0] = max(in_use[0], sum(engine.chunks.chunk_capacity_bytes(c, "param16")
-                                       for c in chunks))
-
-    engine._attach = counting_attach
     try:
         train_tidal(engine, batches[:2])
         c = engine.chunks
         chunk16 = sum(c.chunk_capacity_bytes(i, "param16") for i in range(c.num_chunks))
-        return engine.memory_report()["peak_nonchunk_device_bytes"], chunk16, in_use[0]
+        # The 16-bit chunks the engine had in use at once: what the
+        # parameters attached together need, whatever the budget.
+        in_use = engine._hooks.peak_bytes_in_use
+        assert in_use >= max(c.chunk_capacity_bytes(i, "param16") for i in range(c.num_chunks))
+        return engine.memory_report()["peak_nonchunk_device_bytes"], chunk16, in_use
     finally:
         engine.remove_hooks()
 
