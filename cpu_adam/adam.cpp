@@ -11,6 +11,7 @@
 #include <cctype>
 #include <cmath>
 #include <cstdlib>
+#include <cstring>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -401,9 +402,14 @@ AdamStepResult adam_step(const AdamHyperParams& hyper, const AdamDTypes& dtypes,
 AdamStepResult adam_chunk_step(const AdamHyperParams& hyper, const AdamChunk& chunk,
                                std::span<const ChunkRange> ranges, const AdamStepOptions& options,
                                const ExecOptions& exec) {
-  TIDAL_CHECK(chunk.half_dtype == DType::kFloat16 || chunk.half_dtype == DType::kBFloat16,
-              "the chunk's 16-bit buffer must be float16 or bfloat16, got ",
+  TIDAL_CHECK(chunk.half_dtype == DType::kFloat16 || chunk.half_dtype == DType::kBFloat16 ||
+                  chunk.half_dtype == DType::kFloat32,
+              "the chunk's 16-bit buffer must be float16, bfloat16 or (fp32 mode) float32, got ",
               dtype_name(chunk.half_dtype));
+  // fp32 mode (the engine's exactness mode: the "16-bit" list is float32 by
+  // role): the kernel reads fp32 gradients and the updated masters are
+  // copied into the buffer after the step, an exact copy.
+  const bool copy_after = chunk.half_dtype == DType::kFloat32;
   TIDAL_CHECK(chunk.numel == 0 || (chunk.param != nullptr && chunk.exp_avg != nullptr &&
                                    chunk.exp_avg_sq != nullptr && chunk.half != nullptr),
               "the chunk's param, exp_avg, exp_avg_sq and 16-bit buffers must be non-null for ",
@@ -438,15 +444,23 @@ AdamStepResult adam_chunk_step(const AdamHyperParams& hyper, const AdamChunk& ch
     spans.push_back(AdamSpan{chunk.param + r.offset,
                              static_cast<char*>(chunk.exp_avg) + r.offset * state_size,
                              static_cast<char*>(chunk.exp_avg_sq) + r.offset * state_size, half,
-                             half, r.count, r.step});
+                             copy_after ? nullptr : half, r.count, r.step});
   }
   // Steps of empty ranges are checked too, as adam_update() checks every span.
   for (std::size_t i = 0; i < ranges.size(); ++i) {
     TIDAL_CHECK(ranges[i].step >= 1, "range ", i,
                 ": step must be >= 1 (the step this update makes), got ", ranges[i].step);
   }
-  const AdamDTypes dtypes{chunk.half_dtype, chunk.state_dtype, chunk.half_dtype};
-  return adam_step(hyper, dtypes, spans, options, exec);
+  AdamDTypes dtypes{chunk.half_dtype, chunk.state_dtype, chunk.half_dtype};
+  if (copy_after) dtypes.param_copy.reset();
+  const AdamStepResult result = adam_step(hyper, dtypes, spans, options, exec);
+  if (copy_after && !result.overflow) {
+    // The gradients were read; the buffer takes the params.
+    for (const AdamSpan& s : spans) {
+      std::memcpy(const_cast<void*>(s.grad), s.param, s.count * sizeof(float));
+    }
+  }
+  return result;
 }
 
 }  // namespace tidal::cpu_adam

@@ -237,7 +237,9 @@ AdamStepResult adam_step(const AdamHyperParams& hyper, const AdamDTypes& dtypes,
 // chunks and the 16-bit chunk, whose elements hold the (loss-scaled)
 // gradients on entry and receive the updated params rounded to nearest even
 // (dtype `half`: kFloat16 or kBFloat16). Tensor t of the chunk sits at the
-// same element offset in all four.
+// same element offset in all four. `half` may also be kFloat32 (the
+// engine's fp32 mode, where the "16-bit" list is float32 by role): fp32
+// gradients in, and the updated fp32 params copied in exactly after the step.
 struct AdamChunk {
   float* param = nullptr;         // fp32 master, `numel` elements
   void* exp_avg = nullptr;        // state dtype, `numel` elements

@@ -324,9 +324,6 @@ For a global norm over many buffers, add the sum_squares of each.)doc");
           TIDAL_CHECK(static_cast<std::int64_t>(f->count) == n, name, " has ", f->count,
                       " elements but param has ", n, "; the four chunk buffers must be equally long");
         }
-        TIDAL_CHECK_TYPE(h16.dtype != ca::DType::kFloat32,
-                         "half must be torch.float16 or torch.bfloat16 (the 16-bit chunk that "
-                         "holds the grads and receives the params), got torch.float32");
         std::vector<ca::ChunkRange> rs;
         if (ranges) {
           rs.reserve(ranges->size());
@@ -371,6 +368,7 @@ For a global norm over many buffers, add the sum_squares of each.)doc");
 param (float32), exp_avg and exp_avg_sq (float32 or bfloat16) and half (float16
 or bfloat16) are the four flat chunk buffers of equal length; half holds the
 loss-scaled gradients and receives the updated params rounded to nearest even.
+half may be float32 (the engine's fp32 mode): it receives the params exactly.
 ranges: list of (offset, count), the tensors of the chunk (disjoint, inside
 it); None updates the whole chunk. step: the step this update makes, one int
 or one per range. Elements outside the ranges are untouched.

@@ -245,10 +245,11 @@ def _chunk_layout(shapes, pad):
 
 
 @pytest.mark.parametrize("target", TARGETS, indirect=True)
-@pytest.mark.parametrize("half_dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("half_dtype", [torch.float16, torch.bfloat16, torch.float32])
 def test_chunk_step_matches_torch_adamw_with_global_clipping(target, half_dtype):
     # Two chunks of a model; each step gathers the stats of every chunk, then
     # makes one adam_chunk_step per chunk with them (the one-pass step).
+    # float32: the engine's fp32 mode, whose "16-bit" chunk is float32.
     loss_scale, max_norm = 512.0, 5.0
     chunk_shapes = [[(37,), (8, 13), (1,)], [(3, 5, 7), (4099,)]]
     gen = torch.Generator().manual_seed(11)
@@ -336,8 +337,8 @@ def test_chunk_step_on_overflow_writes_nothing_and_checks_its_arguments():
         _C.cpu_adam.adam_chunk_step(master, m, v, half, [(0, 10), (20, 10)], step=[1], lr=1e-3)
     with pytest.raises(ValueError, match="half has 10 elements but param has"):
         _C.cpu_adam.adam_chunk_step(master, m, v, half[:10], step=1, lr=1e-3)
-    with pytest.raises(TypeError, match="half must be torch.float16 or torch.bfloat16"):
-        _C.cpu_adam.adam_chunk_step(master, m, v, master.clone(), step=1, lr=1e-3)
+    with pytest.raises(TypeError, match="half has dtype torch.float64"):
+        _C.cpu_adam.adam_chunk_step(master, m, v, master.double(), step=1, lr=1e-3)
     for t, t0 in zip((master, m, v, half), before):
         assert same_bits(t, t0)
 

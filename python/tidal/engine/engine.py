@@ -772,8 +772,7 @@ class Engine:
                     self._adam_device_chunks += 1
                 else:
                     self._adam_host_chunks += 1
-                if space == "host" and self.precision != "fp32" and \
-                        cfg.gradient_accumulation_steps == 1:
+                if space == "host" and cfg.gradient_accumulation_steps == 1:
                     self._adam_chunk_on_host(chunk, recs, grad_scale)
                     continue
                 for r in recs:
@@ -802,9 +801,9 @@ class Engine:
     def _adam_chunk_on_host(self, chunk, recs, grad_scale: float):
         """The step of one chunk's tensors in one SIMD call (cpu_adam's
         adam_chunk_step, GIL released): unscale and clip factor, Adam/AdamW and
-        the 16-bit write-back over the ranges of `recs`, 8 chunk calls per
-        chunk instead of 10 per parameter. Mixed precision only (the 16-bit
-        chunk holds the gradients and takes the new weights)."""
+        the write-back over the ranges of `recs`, 8 chunk calls per chunk
+        instead of 10 per parameter. The 16-bit chunk holds the gradients and
+        takes the new weights (in fp32 mode it is float32: an exact copy)."""
         cfg = self.config
         c = self.chunks
         first = recs[0]
