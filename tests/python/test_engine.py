@@ -92,6 +92,27 @@ def test_gpt_fp32_matches_adamw_under_a_small_budget(hybrid):
         assert report["adam_chunks_on_device"] > 0
 
 
+@pytest.mark.parametrize("kernel", ["simd", "fused"])
+def test_device_chunk_steps_match_adamw_with_clipping(kernel):
+    # Hybrid Adam updates the chunks on the device one chunk per call: with
+    # cpu_adam's SIMD kernel on the simulated device, with torch's fused AdamW
+    # on a GPU ("fused" runs that path here on the simulated device's CPU
+    # tensors, as it runs on CUDA ones).
+    torch.manual_seed(0)
+    ref = TinyGPT(d=64, seq=8)
+    model = copy.deepcopy(ref)
+    batches = gpt_batches(12)
+    ref_losses = train_reference(ref, batches, clip=0.05)
+    cfg = config(hybrid_adam=True, budget="64MiB")
+    cfg["gradient_clipping"] = 0.05
+    engine = tidal.initialize(model, cfg)
+    engine._device_adam_kernel = kernel
+    losses = train_tidal(engine, batches)
+    assert_close(engine, ref, ref_losses, losses)
+    report = engine.memory_report()
+    assert report["adam_chunks_on_device"] > 0 and report["adam_chunks_on_host"] == 0
+
+
 def test_resnet_with_batchnorm_fp32_matches_adamw():
     torch.manual_seed(0)
     ref = TinyResNet()
