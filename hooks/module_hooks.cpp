@@ -1,9 +1,13 @@
 #include "hooks/module_hooks.h"
 
 #include <algorithm>
+#include <cmath>
+#include <cstring>
 #include <exception>
+#include <span>
 #include <utility>
 
+#include "cpu_adam/adam.h"
 #include "runtime/core/error.h"
 
 namespace tidal::hooks {
@@ -13,6 +17,18 @@ constexpr ChunkKind kSlot = ChunkKind::kParam16;
 
 const void* storage_data(const at::Tensor& t) {
   return t.storage().data_ptr().get();
+}
+
+// dst = src: a memcpy for contiguous CPU tensors of one dtype and size (a
+// gradient landing in its slot on the simulated device; copy_ costs ~2 us of
+// dispatch for a small tensor), else torch's copy_.
+void copy_gradient(const at::Tensor& dst, const at::Tensor& src) {
+  if (dst.is_cpu() && src.is_cpu() && dst.scalar_type() == src.scalar_type() &&
+      dst.numel() == src.numel() && dst.is_contiguous() && src.is_contiguous()) {
+    if (src.numel() > 0) std::memcpy(dst.data_ptr(), src.const_data_ptr(), src.nbytes());
+    return;
+  }
+  dst.copy_(src);
 }
 
 }  // namespace
@@ -122,17 +138,20 @@ void ModuleHooks::land_gradient(std::size_t param, const at::Tensor& grad, const
   tracer_->point(PointKind::kGrad, static_cast<std::int64_t>(param));
   c10::NoGradGuard no_grad;
   Param& p = params_[param];
-  norms_.push_back(norm.defined() ? norm
-                                  : at::linalg_vector_norm(grad, 2, c10::nullopt, false, at::kFloat));
+  if (norm.defined()) {
+    norms_.push_back(norm);
+  } else {
+    measure_gradient(grad);
+  }
   if (p.attached) {
-    p.param.variable_data().copy_(grad);
+    copy_gradient(p.param, grad);
     scratch_.assign(1, param);
     detach_now(scratch_, TensorState::kHoldAfterBwd);
     return;
   }
   at::Tensor slot = binding_->access(p.id, kSlot, MemorySpace::kDevice, p.shape);
   try {
-    slot.copy_(grad);
+    copy_gradient(slot, grad);
   } catch (...) {
     scheduler_->release(TensorRef{kSlot, p.id}, TensorState::kHold);
     throw;
@@ -210,10 +229,38 @@ std::int64_t ModuleHooks::attached_at(const void* data) const {
   return it == attached_by_data_.end() ? -1 : static_cast<std::int64_t>(it->second);
 }
 
-std::vector<at::Tensor> ModuleHooks::take_norms() {
-  std::vector<at::Tensor> out;
-  out.swap(norms_);
+ModuleHooks::GradNorm ModuleHooks::take_grad_norm() {
+  GradNorm out = host_norm_;
+  if (!norms_.empty()) {
+    c10::NoGradGuard no_grad;
+    // Squares in double: an fp16 run's scaled norms may square past fp32.
+    const double device = at::stack(norms_).to(at::kDouble).square().sum().item<double>();
+    out.sum_squares += device;
+    out.finite = out.finite && std::isfinite(device);
+  }
+  clear_grad_norm();
   return out;
+}
+
+void ModuleHooks::clear_grad_norm() {
+  host_norm_ = GradNorm{};
+  norms_.clear();
+}
+
+void ModuleHooks::measure_gradient(const at::Tensor& grad) {
+  const at::ScalarType type = grad.scalar_type();
+  if (grad.is_cpu() && grad.is_contiguous() &&
+      (type == at::kFloat || type == at::kHalf || type == at::kBFloat16)) {
+    const cpu_adam::DType dtype = type == at::kFloat  ? cpu_adam::DType::kFloat32
+                                  : type == at::kHalf ? cpu_adam::DType::kFloat16
+                                                      : cpu_adam::DType::kBFloat16;
+    const cpu_adam::GradSpan span{grad.const_data_ptr(), static_cast<std::size_t>(grad.numel())};
+    const cpu_adam::GradStats stats = cpu_adam::grad_stats(dtype, std::span(&span, 1));
+    host_norm_.sum_squares += stats.sum_squares;
+    host_norm_.finite = host_norm_.finite && stats.finite;
+    return;
+  }
+  norms_.push_back(at::linalg_vector_norm(grad, 2, c10::nullopt, false, at::kFloat));
 }
 
 std::vector<std::size_t> ModuleHooks::take_first_use() {

@@ -293,8 +293,14 @@ may wait for a chunk copy release the GIL.)doc")
            },
            py::arg("tensor"),
            "The index of the attached parameter whose slot is `tensor`'s storage, or -1.")
-      .def("take_norms", [](Hooks& h) { return h.get().take_norms(); })
-      .def("clear_norms", [](Hooks& h) { h.get().clear_norms(); })
+      .def("take_grad_norm",
+           [](Hooks& h) {
+             const auto n = h.get().take_grad_norm();
+             return py::make_tuple(n.sum_squares, n.finite);
+           },
+           "(sum of squares, all finite) of the gradients landed since the last take or "
+           "clear (Note [Gradient norms as they land]).")
+      .def("clear_grad_norm", [](Hooks& h) { h.get().clear_grad_norm(); })
       .def("take_first_use", [](Hooks& h) { return h.get().take_first_use(); })
       .def_property_readonly("peak_bytes_in_use",
                              [](Hooks& h) { return h.get().peak_bytes_in_use(); },

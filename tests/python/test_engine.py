@@ -8,6 +8,7 @@ differences (tidal's CPU Adam rounds like DeepSpeed's, not like torch) on
 elements whose gradient is near zero.
 """
 import copy
+import math
 import sys
 from pathlib import Path
 
@@ -111,6 +112,54 @@ def test_device_chunk_steps_match_adamw_with_clipping(kernel):
     assert_close(engine, ref, ref_losses, losses)
     report = engine.memory_report()
     assert report["adam_chunks_on_device"] > 0 and report["adam_chunks_on_host"] == 0
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_global_grad_norm_is_torchs_norm_of_the_landed_gradients(precision):
+    # Each gradient is measured as it lands in its slot (on the simulated
+    # device by cpu_adam's grad_stats, no torch op): the step's norm is torch's
+    # norm of the same gradients, captured by hooks of our own.
+    torch.manual_seed(0)
+    model = TinyGPT(d=64, seq=8)
+    cfg = config(budget="64MiB", chunk=1 << 16)
+    if precision == "bf16":
+        cfg["bf16"] = {"enabled": True}
+    engine = tidal.initialize(model, cfg)
+    seen = {}
+    for name, p in model.named_parameters():
+        p.register_hook(lambda g, name=name: seen.__setitem__(name, g.detach().float().clone()))
+    assert engine.get_global_grad_norm() is None
+    for x, y in gpt_batches(2):
+        seen.clear()
+        engine.backward(engine(x, y))
+        engine.step()
+        want = torch.linalg.vector_norm(torch.stack([g.norm() for g in seen.values()])).item()
+        assert len(seen) == len(list(model.parameters()))
+        assert engine.get_global_grad_norm() == pytest.approx(want, rel=1e-5)
+
+
+def test_fp16_one_nan_element_skips_the_step():
+    # One element of one gradient is nan, every other gradient finite.
+    torch.manual_seed(0)
+    model = TinyGPT(d=64, seq=8)
+    cfg = config(budget="64MiB", chunk=1 << 16)
+    cfg["fp16"] = {"enabled": True, "initial_scale_power": 8, "hysteresis": 1}
+    engine = tidal.initialize(model, cfg)
+    batches = gpt_batches(2)
+    train_tidal(engine, batches[:1])
+    assert engine.skipped_steps == 0 and math.isfinite(engine.get_global_grad_norm())
+    before = {k: v.clone() for k, v in engine.parameters_fp32().items()}
+    name, param = list(model.named_parameters())[3]
+    handle = param.register_hook(lambda g: g.flatten().index_fill(0, torch.tensor([1]), float("nan"))
+                                 .view_as(g))
+    x, y = batches[1]
+    engine.backward(engine(x, y))
+    handle.remove()
+    assert engine.step() is False, name
+    assert engine.skipped_steps == 1 and engine.get_global_grad_norm() == float("inf")
+    after = engine.parameters_fp32()
+    for k in before:
+        torch.testing.assert_close(after[k], before[k], rtol=0, atol=0)
 
 
 def test_resnet_with_batchnorm_fp32_matches_adamw():

@@ -197,6 +197,7 @@ class Engine:
         self.global_steps = 0
         self.micro_steps = 0
         self.skipped_steps = 0
+        self._last_grad_norm: float | None = None
         if self.precision == "fp16":
             self.scaler = StaticLossScaler(cfg.loss_scale) if cfg.loss_scale > 0 else \
                 DynamicLossScaler(cfg.initial_scale_power, cfg.loss_scale_window, cfg.hysteresis,
@@ -486,12 +487,11 @@ class Engine:
                 r.acc.add_(g.detach().reshape(-1).to("cpu", torch.float32))
                 self._hooks.detach([i], _HOLD)
         elif _dtr.is_enabled():
-            # Under DTR the norm, an op in DTR's mode, also brings an evicted
-            # gradient back; no op runs between it and the landing, so it
-            # stays resident.
-            norm = torch.linalg.vector_norm(g.detach(), dtype=torch.float32)
+            # Under DTR an op in DTR's mode brings an evicted gradient back; no
+            # op runs between it and the landing, so it stays resident.
+            torch.ops.aten.alias.default(g)
             with _dtr.outside():
-                self._hooks.land_gradient(i, g, norm)
+                self._hooks.land_gradient(i, g)
         else:
             self._hooks.land_gradient(i, g)
         self.dtr.rebalance()
@@ -588,6 +588,12 @@ class Engine:
             warnings.warn(f"tidal: releasing a parameter after an error failed too: {message}",
                           stacklevel=3)
 
+    def get_global_grad_norm(self) -> float | None:
+        """The L2 norm of the unscaled gradients of the last optimizer step,
+        before clipping (inf after an fp16 overflow); None before the first
+        step. DeepSpeed's name."""
+        return self._last_grad_norm
+
     def is_gradient_accumulation_boundary(self) -> bool:
         return self.micro_steps % self.config.gradient_accumulation_steps == 0
 
@@ -601,7 +607,7 @@ class Engine:
             r.has_grad = False
             if r.acc is not None:
                 r.acc.zero_()
-        self._hooks.clear_norms()
+        self._hooks.clear_grad_norm()
         for r in self.records:
             r.param.grad = None
 
@@ -635,7 +641,7 @@ class Engine:
             r.has_grad = False
             if r.acc is not None:
                 r.acc.zero_()
-        self._hooks.clear_norms()
+        self._hooks.clear_grad_norm()
         self._last_grad_norm = norm
         self.global_steps += 1
         self.chunks.end_step()
@@ -708,11 +714,9 @@ class Engine:
                 total += s.sum_squares
             total = math.sqrt(total) if finite else float("inf")
             return total / scale, finite and math.isfinite(total)
-        norms = self._hooks.take_norms()
-        if not norms:
-            return 0.0, True
-        total = float(torch.linalg.vector_norm(torch.stack(norms)))
-        return total / scale, math.isfinite(total)
+        sum_squares, finite = self._hooks.take_grad_norm()
+        total = math.sqrt(sum_squares) if finite else float("inf")
+        return total / scale, finite and math.isfinite(total)
 
     def _weight_from_master(self, record) -> torch.Tensor:
         """A temporary device tensor holding `record`'s 16-bit weight, made from
