@@ -21,14 +21,15 @@ const void* storage_data(const at::Tensor& t) {
 
 // dst = src: a memcpy for contiguous CPU tensors of one dtype and size (a
 // gradient landing in its slot on the simulated device; copy_ costs ~2 us of
-// dispatch for a small tensor), else torch's copy_.
+// dispatch for a small tensor), else torch's copy_ into dst's data, which
+// autograd does not see (dst may be a parameter).
 void copy_gradient(const at::Tensor& dst, const at::Tensor& src) {
   if (dst.is_cpu() && src.is_cpu() && dst.scalar_type() == src.scalar_type() &&
       dst.numel() == src.numel() && dst.is_contiguous() && src.is_contiguous()) {
     if (src.numel() > 0) std::memcpy(dst.data_ptr(), src.const_data_ptr(), src.nbytes());
     return;
   }
-  dst.copy_(src);
+  dst.variable_data().copy_(src);
 }
 
 }  // namespace
@@ -137,6 +138,9 @@ void ModuleHooks::land_gradient(std::size_t param, const at::Tensor& grad, const
   check_param(param);
   tracer_->point(PointKind::kGrad, static_cast<std::int64_t>(param));
   c10::NoGradGuard no_grad;
+  TIDAL_CHECK(grad.layout() == at::kStrided, "land_gradient: parameter ", param,
+              " got a gradient of layout ", grad.layout(),
+              "; tidal's chunk slots hold dense (strided) gradients");
   Param& p = params_[param];
   if (norm.defined()) {
     norms_.push_back(norm);

@@ -33,8 +33,8 @@
 // all are finite (fp16 overflow). Each gradient is measured as it lands, while
 // it is in cache: a CPU gradient (the simulated device, CPU training) by
 // cpu_adam's grad_stats on its memory (squares in fp32, summed in double; no
-// torch op, no allocation: a torch norm per gradient was ~4.5 us of every
-// landing), a device gradient by an fp32 torch norm that stays on the device
+// torch op: a torch norm per gradient was ~4.5 us of every landing on the
+// simulated device), a device gradient by an fp32 torch norm that stays on the device
 // until take_grad_norm() reduces them all with one read. A norm the caller
 // measured itself joins the device ones. Both measures agree to the fp32
 // rounding of the squares' sums (about 1e-6 relative).

@@ -150,8 +150,9 @@ def test_fp16_one_nan_element_skips_the_step():
     assert engine.skipped_steps == 0 and math.isfinite(engine.get_global_grad_norm())
     before = {k: v.clone() for k, v in engine.parameters_fp32().items()}
     name, param = list(model.named_parameters())[3]
-    handle = param.register_hook(lambda g: g.flatten().index_fill(0, torch.tensor([1]), float("nan"))
-                                 .view_as(g))
+    one_nan = torch.tensor([1])
+    handle = param.register_hook(
+        lambda g: g.flatten().index_fill(0, one_nan, float("nan")).view_as(g))
     x, y = batches[1]
     engine.backward(engine(x, y))
     handle.remove()
@@ -160,6 +161,41 @@ def test_fp16_one_nan_element_skips_the_step():
     after = engine.parameters_fp32()
     for k in before:
         torch.testing.assert_close(after[k], before[k], rtol=0, atol=0)
+
+
+def test_sparse_embedding_is_a_clear_error_and_loses_nothing():
+    model = torch.nn.Sequential(torch.nn.Embedding(50, 8, sparse=True), torch.nn.Linear(8, 2))
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(tidal.UnsupportedModelError,
+                       match=r"module '0' \(Embedding\) has sparse=True"):
+        tidal.initialize(model, config(budget="64MiB"))
+    for k, v in model.state_dict().items():
+        torch.testing.assert_close(v, before[k], rtol=0, atol=0)
+    # A frozen sparse embedding has no gradient: it trains.
+    model[0].weight.requires_grad_(False)
+    engine = tidal.initialize(model, config(budget="64MiB"))
+    loss = engine(torch.tensor([[1, 2, 3]])).sum()
+    engine.backward(loss)
+    engine.step()
+
+
+class FunctionalSparseEmbedding(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.randn(50, 8))
+
+    def forward(self, x):
+        return torch.nn.functional.embedding(x, self.weight, sparse=True)
+
+
+def test_a_sparse_gradient_is_a_clear_error_naming_the_parameter():
+    model = torch.nn.Sequential(FunctionalSparseEmbedding(), torch.nn.Linear(8, 2))
+    engine = tidal.initialize(model, config(budget="64MiB"))
+    x = torch.tensor([[1, 2, 3]])
+    for _ in range(2):  # the failed backward gave back what it held
+        with pytest.raises(tidal.UnsupportedModelError,
+                           match=r"parameter '0.weight' got a gradient of layout torch.sparse_coo"):
+            engine.backward(engine(x).sum())
 
 
 def test_resnet_with_batchnorm_fp32_matches_adamw():

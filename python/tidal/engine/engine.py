@@ -148,6 +148,13 @@ class Engine:
         try:
             for mname, m in model.named_modules(remove_duplicate=True):
                 self._names[m] = mname or type(m).__name__
+                if getattr(m, "sparse", False) is True and any(
+                        p.requires_grad for p in m.parameters(recurse=False)):
+                    raise UnsupportedModelError(
+                        f"module '{self._names[m]}' ({type(m).__name__}) has sparse=True: its "
+                        f"gradients are sparse tensors, and tidal's chunks hold dense gradients "
+                        f"in the parameters' 16-bit slots; build it with sparse=False (or "
+                        f"freeze its parameters)")
                 recs = []
                 for pname, p in m.named_parameters(recurse=False):
                     full = f"{mname}.{pname}" if mname else pname
@@ -474,6 +481,11 @@ class Engine:
         g = param.grad
         if g is None:
             return
+        if g.layout != torch.strided:
+            raise UnsupportedModelError(
+                f"parameter '{r.name}' got a gradient of layout {g.layout}; tidal's chunks hold "
+                f"dense gradients in the parameters' 16-bit slots (an embedding read with "
+                f"sparse=True?)")
         i = self._record_index[id(r)]
         if self.config.gradient_accumulation_steps > 1:
             self._tracer.point(_GRAD, i)
