@@ -262,6 +262,29 @@ def test_shared_module_called_twice():
     assert_close(engine, ref, ref_losses, train_tidal(engine, batches))
 
 
+@pytest.mark.parametrize("leaf", [False, True])
+@pytest.mark.parametrize("tidal_first", [False, True])
+def test_the_output_hook_runs_as_register_hook_beside_user_hooks(leaf, tidal_first):
+    # The engine's pre-backward hook goes into the tensor's hook dict without
+    # a RemovableHandle (hooks.add_tensor_hook): it runs once, in order with
+    # hooks users add and remove through Tensor.register_hook.
+    from tidal.engine.hooks import add_tensor_hook
+    w = torch.randn(3, requires_grad=True)
+    t = w if leaf else w * 2
+    seen = []
+    if tidal_first:
+        add_tensor_hook(t, lambda g: seen.append(("tidal", g.clone())))
+    gone = t.register_hook(lambda g: seen.append(("gone", None)))
+    if not tidal_first:
+        add_tensor_hook(t, lambda g: seen.append(("tidal", g.clone())))
+    t.register_hook(lambda g: seen.append(("user", None)))
+    gone.remove()
+    (t * torch.arange(3.0)).sum().backward()
+    assert [name for name, _ in seen] == ["tidal", "user"]
+    torch.testing.assert_close(seen[0][1], torch.arange(3.0))
+    torch.testing.assert_close(w.grad, torch.arange(3.0) * (1 if leaf else 2))
+
+
 def test_modules_returning_tuples_their_input_and_nested_outputs():
     # The backward pre-hook is a tensor hook on each output (hooks.wrap_outputs):
     # a module may return a tuple holding one tensor twice, a tensor another

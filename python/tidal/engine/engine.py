@@ -342,7 +342,7 @@ class Engine:
         self._count(True)
         if self._saved_hooks is None:
             self._saved_hooks = torch.autograd.graph.saved_tensors_hooks(
-                lambda t: _hooks.pack(self, t), lambda o: _hooks.unpack(self, o))
+                *_hooks.saved_tensor_hooks(self))
             self._saved_hooks.__enter__()
 
     def _root_post(self, module, args, output):
