@@ -114,6 +114,31 @@ def test_device_chunk_steps_match_adamw_with_clipping(kernel):
     assert report["adam_chunks_on_device"] > 0 and report["adam_chunks_on_host"] == 0
 
 
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_device_chunk_steps_in_16_bit_agree_between_the_kernels(precision):
+    # With 16-bit gradients the fused path steps fp32 copies of them and writes
+    # the new 16-bit weights back; cpu_adam's kernel (tested against a scalar
+    # reference and torch AdamW) does the same in one pass. Same batches, same
+    # start: the fp32 masters agree to fp32 rounding after two steps (the
+    # second runs on the 16-bit weights the first wrote back; later, a master
+    # an ulp apart can round to another 16-bit weight and the runs drift).
+    masters = {}
+    for kernel in ("simd", "fused"):
+        torch.manual_seed(0)
+        model = TinyGPT(d=64, seq=8)
+        cfg = config(hybrid_adam=True, budget="64MiB", chunk=1 << 16)
+        cfg["gradient_clipping"] = 0.05
+        cfg[precision] = {"enabled": True}
+        engine = tidal.initialize(model, cfg)
+        engine._device_adam_kernel = kernel
+        train_tidal(engine, gpt_batches(2))
+        assert engine.skipped_steps == 0
+        assert engine.memory_report()["adam_chunks_on_device"] > 0
+        masters[kernel] = engine.parameters_fp32()
+    for name, want in masters["simd"].items():
+        torch.testing.assert_close(masters["fused"][name], want, rtol=1e-5, atol=1e-7)
+
+
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 def test_global_grad_norm_is_torchs_norm_of_the_landed_gradients(precision):
     # Each gradient is measured as it lands in its slot (on the simulated
