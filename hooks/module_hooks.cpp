@@ -134,7 +134,7 @@ void ModuleHooks::backward_pre(std::size_t module) {
   }
 }
 
-void ModuleHooks::land_gradient(std::size_t param, const at::Tensor& grad, const at::Tensor& norm) {
+void ModuleHooks::land_gradient(std::size_t param, const at::Tensor& grad) {
   check_param(param);
   tracer_->point(PointKind::kGrad, static_cast<std::int64_t>(param));
   c10::NoGradGuard no_grad;
@@ -142,11 +142,7 @@ void ModuleHooks::land_gradient(std::size_t param, const at::Tensor& grad, const
               " got a gradient of layout ", grad.layout(),
               "; tidal's chunk slots hold dense (strided) gradients");
   Param& p = params_[param];
-  if (norm.defined()) {
-    norms_.push_back(norm);
-  } else {
-    measure_gradient(grad);
-  }
+  measure_gradient(grad);
   if (p.attached) {
     copy_gradient(p.param, grad);
     scratch_.assign(1, param);
@@ -213,9 +209,7 @@ std::vector<std::string> ModuleHooks::release_all() noexcept {
       }
     }
     try {
-      p.param.set_data(at::empty({0}, at::TensorOptions()
-                                          .dtype(binding_->dtype(kSlot))
-                                          .device(binding_->torch_device(MemorySpace::kDevice))));
+      p.param.set_data(binding_->placeholder(kSlot, MemorySpace::kDevice));
     } catch (...) {
     }
     p.attached = false;
@@ -316,8 +310,8 @@ void ModuleHooks::make_room_for(const std::vector<std::size_t>& params) {
 
 void ModuleHooks::attach_now(const std::vector<std::size_t>& params, bool for_backward,
                              bool replay) {
-  // All or nothing (as ParamBinding::attach): the slots accessed so far go
-  // back to HOLD when an access throws.
+  // All or nothing: the slots accessed so far go back to HOLD when an access
+  // throws.
   std::size_t done = 0;
   try {
     for (; done < params.size(); ++done) {
@@ -326,13 +320,10 @@ void ModuleHooks::attach_now(const std::vector<std::size_t>& params, bool for_ba
       p.param.set_data(slot);
     }
   } catch (...) {
-    const at::TensorOptions empty = at::TensorOptions()
-                                        .dtype(binding_->dtype(kSlot))
-                                        .device(binding_->torch_device(MemorySpace::kDevice));
     for (std::size_t k = 0; k < done; ++k) {
       Param& p = params_[params[k]];
       scheduler_->release(TensorRef{kSlot, p.id}, TensorState::kHold);
-      p.param.set_data(at::empty({0}, empty));
+      p.param.set_data(binding_->placeholder(kSlot, MemorySpace::kDevice));
     }
     throw;
   }
@@ -350,16 +341,12 @@ void ModuleHooks::attach_now(const std::vector<std::size_t>& params, bool for_ba
 }
 
 void ModuleHooks::detach_now(const std::vector<std::size_t>& params, TensorState state) {
-  if (params.empty()) return;
-  const at::TensorOptions empty = at::TensorOptions()
-                                      .dtype(binding_->dtype(kSlot))
-                                      .device(binding_->torch_device(MemorySpace::kDevice));
   for (std::size_t i : params) {
     Param& p = params_[i];
     if (!p.attached) continue;
     scheduler_->release(TensorRef{kSlot, p.id}, state);
     attached_by_data_.erase(storage_data(p.param));
-    p.param.set_data(at::empty({0}, empty));
+    p.param.set_data(binding_->placeholder(kSlot, MemorySpace::kDevice));
     p.attached = false;
     count_chunk(p.chunk, -1);
   }

@@ -35,9 +35,8 @@
 // cpu_adam's grad_stats on its memory (squares in fp32, summed in double; no
 // torch op: a torch norm per gradient was ~4.5 us of every landing on the
 // simulated device), a device gradient by an fp32 torch norm that stays on the device
-// until take_grad_norm() reduces them all with one read. A norm the caller
-// measured itself joins the device ones. Both measures agree to the fp32
-// rounding of the squares' sums (about 1e-6 relative).
+// until take_grad_norm() reduces them all with one read. Both measures agree
+// to the fp32 rounding of the squares' sums (about 1e-6 relative).
 //
 // Thread safety: none; one thread at a time (forward on the caller's thread,
 // backward's hooks on autograd's while the caller waits).
@@ -85,9 +84,7 @@ class ModuleHooks {
   void forward_pre(std::size_t module, bool trace_point = true);
   void forward_post(std::size_t module, bool grad_enabled);
   void backward_pre(std::size_t module);
-  // `norm` given (defined): the caller measured it (under DTR, whose mode
-  // brings an evicted gradient back); else it is measured here.
-  void land_gradient(std::size_t param, const at::Tensor& grad, const at::Tensor& norm);
+  void land_gradient(std::size_t param, const at::Tensor& grad);
 
   // ---- pieces for the engine's other paths --------------------------------
   // Attach those of `params` not attached (the chunk room first, as
@@ -164,9 +161,6 @@ class ModuleHooks {
   bool track_first_use_ = false;
   // Scratch of the hooks, reused to keep them free of allocations.
   std::vector<std::size_t> scratch_;
-  std::vector<at::Tensor> scratch_params_;
-  std::vector<TensorId> scratch_ids_;
-  std::vector<std::vector<std::int64_t>> scratch_shapes_;
 };
 
 }  // namespace tidal::hooks

@@ -41,42 +41,8 @@ at::Tensor ParamBinding::access(TensorId id, ChunkKind kind, MemorySpace space,
   return slot_view(data, shape, dtype(kind), torch_device(space));
 }
 
-void ParamBinding::attach(const std::vector<at::Tensor>& params, const std::vector<TensorId>& ids,
-                          const std::vector<std::vector<std::int64_t>>& shapes, ChunkKind kind,
-                          MemorySpace space) {
-  TIDAL_CHECK(params.size() == ids.size() && ids.size() == shapes.size(),
-              "attach: params, ids and shapes must have one entry each, got ", params.size(),
-              ", ", ids.size(), ", ", shapes.size());
-  const at::ScalarType type = dtype(kind);
-  const at::Device device = torch_device(space);
-  std::size_t done = 0;
-  try {
-    for (; done < params.size(); ++done) {
-      void* data = scheduler_.access(TensorRef{kind, ids[done]}, space);
-      at::Tensor param = params[done];  // shares the TensorImpl
-      param.set_data(slot_view(data, shapes[done], type, device));
-    }
-  } catch (...) {
-    for (std::size_t i = 0; i < done; ++i) {
-      scheduler_.release(TensorRef{kind, ids[i]}, TensorState::kHold);
-      at::Tensor param = params[i];
-      param.set_data(at::empty({0}, at::TensorOptions().dtype(type).device(device)));
-    }
-    throw;
-  }
-}
-
-void ParamBinding::detach(const std::vector<at::Tensor>& params, const std::vector<TensorId>& ids,
-                          ChunkKind kind, TensorState state, MemorySpace placeholder_space) {
-  TIDAL_CHECK(params.size() == ids.size(), "detach: params and ids must have one entry each, got ",
-              params.size(), ", ", ids.size());
-  const at::TensorOptions empty =
-      at::TensorOptions().dtype(dtype(kind)).device(torch_device(placeholder_space));
-  for (std::size_t i = 0; i < params.size(); ++i) {
-    scheduler_.release(TensorRef{kind, ids[i]}, state);
-    at::Tensor param = params[i];
-    param.set_data(at::empty({0}, empty));
-  }
+at::Tensor ParamBinding::placeholder(ChunkKind kind, MemorySpace space) const {
+  return at::empty({0}, at::TensorOptions().dtype(dtype(kind)).device(torch_device(space)));
 }
 
 }  // namespace tidal::hooks

@@ -1,12 +1,12 @@
-// Parameters as views of chunk slots. attach() makes each parameter's data a
-// view of its 16-bit slot (the scheduler's access: COMPUTE, the chunk moved
-// into place first); detach() ends the use (release to a HOLD state) and
-// points the data at an empty placeholder, so a stale use of a parameter
-// outside its module's hooks fails loudly instead of reading moved memory.
+// Parameters as views of chunk slots. ModuleHooks (module_hooks.h) makes a
+// parameter's data a view of its 16-bit slot (access(): COMPUTE, the chunk
+// moved into place first) and, when the use ends (release to a HOLD state),
+// points the data at placeholder(), so a stale use of a parameter outside
+// its module's hooks fails loudly instead of reading moved memory.
 //
 // Note [Parameters keep their TensorImpl]
 // ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-// Both use Tensor::set_data, which swaps the storage under the parameter's
+// Both go through Tensor::set_data, which swaps the storage under the parameter's
 // own TensorImpl: autograd's AccumulateGrad, optimizer references and
 // module attributes keep pointing at the same parameter object. A tensor
 // that autograd saved for backward and that aliases the slot (a view such as
@@ -40,20 +40,13 @@ class ParamBinding {
   // is addressed as (cuda:N, or cpu for the simulated device).
   ParamBinding(ChunkScheduler& scheduler, at::Device device_space);
 
-  // For each i: access (kind, ids[i]) in `space`, then params[i].set_data(view
-  // of the slot shaped like shapes[i]). All or nothing: when an access throws,
-  // the slots accessed so far are released to HOLD and detached again.
-  void attach(const std::vector<at::Tensor>& params, const std::vector<TensorId>& ids,
-              const std::vector<std::vector<std::int64_t>>& shapes, ChunkKind kind,
-              MemorySpace space);
-  // For each i: release (kind, ids[i]) to `state` and point params[i] at an
-  // empty placeholder on `space`'s torch device.
-  void detach(const std::vector<at::Tensor>& params, const std::vector<TensorId>& ids,
-              ChunkKind kind, TensorState state, MemorySpace placeholder_space);
-
   // Access one slot and return a view of it (for copies in and out, and the
   // optimizer). The caller releases it through the scheduler.
   at::Tensor access(TensorId id, ChunkKind kind, MemorySpace space, at::IntArrayRef shape);
+
+  // The empty tensor a detached parameter's data points at: `kind`'s dtype,
+  // on `space`'s torch device.
+  at::Tensor placeholder(ChunkKind kind, MemorySpace space) const;
 
   at::Device torch_device(MemorySpace space) const;
   at::ScalarType dtype(ChunkKind kind) const;

@@ -268,11 +268,8 @@ may wait for a chunk copy release the GIL.)doc")
       .def("forward_post", [](Hooks& h, Index m, bool grad) { h.get().forward_post(m, grad); }, GIL(),
            py::arg("module"), py::arg("grad_enabled"))
       .def("backward_pre", [](Hooks& h, Index m) { h.get().backward_pre(m); }, GIL(), py::arg("module"))
-      .def("land_gradient",
-           [](Hooks& h, Index p, const at::Tensor& grad, std::optional<at::Tensor> norm) {
-             h.get().land_gradient(p, grad, norm ? *norm : at::Tensor());
-           },
-           GIL(), py::arg("param"), py::arg("grad"), py::arg("norm") = py::none())
+      .def("land_gradient", [](Hooks& h, Index p, const at::Tensor& grad) { h.get().land_gradient(p, grad); },
+           GIL(), py::arg("param"), py::arg("grad"))
       .def("attach",
            [](Hooks& h, const std::vector<Index>& params, bool for_backward, bool replay) {
              h.get().attach(params, for_backward, replay);
@@ -371,31 +368,15 @@ Python thread drives a Chunks object.)doc");
       .def("register", [](Chunks& c, std::string name, std::size_t numel) {
              return c.scheduler().register_tensor(std::move(name), numel);
            }, py::arg("name"), py::arg("numel"))
-      // Note [Chunk calls release the GIL]: attach, detach, access, release,
-      // set_state, set_budget and end_step may wait for a copy (a fence of a
-      // chunk in flight, an eviction's write-back); they run without the GIL,
-      // so other Python threads (data loading) go on meanwhile. Arguments are
-      // converted and results returned with the GIL held; the calls touch no
-      // Python object (a parameter's data is set through its at::Tensor). The
-      // engine calls a Chunks object from one thread at a time (forward on the
+      // Note [Chunk calls release the GIL]: access, release, set_state,
+      // set_budget and end_step (and ModuleHooks' hooks) may wait for a copy
+      // (a fence of a chunk in flight, an eviction's write-back); they run
+      // without the GIL, so other Python threads (data loading) go on
+      // meanwhile. Arguments are converted and results returned with the GIL
+      // held; the calls touch no Python object (a parameter's data is set
+      // through its at::Tensor). The engine calls a Chunks object from one thread at a time (forward on the
       // caller's thread; backward hooks on the autograd thread while the
       // caller waits), as before: the GIL was never the scheduler's lock.
-      .def("attach",
-           [](Chunks& c, const std::vector<at::Tensor>& params, const std::vector<TensorId>& ids,
-              const std::vector<std::vector<std::int64_t>>& shapes, const std::string& kind,
-              const std::string& space) {
-             c.binding().attach(params, ids, shapes, parse_kind(kind), parse_space(space));
-           },
-           py::call_guard<py::gil_scoped_release>(), py::arg("params"), py::arg("ids"), py::arg("shapes"), py::arg("kind"),
-           py::arg("space"))
-      .def("detach",
-           [](Chunks& c, const std::vector<at::Tensor>& params, const std::vector<TensorId>& ids,
-              const std::string& kind, const std::string& state, const std::string& space) {
-             c.binding().detach(params, ids, parse_kind(kind), parse_state(state),
-                                parse_space(space));
-           },
-           py::call_guard<py::gil_scoped_release>(), py::arg("params"), py::arg("ids"), py::arg("kind"), py::arg("state"),
-           py::arg("space"))
       .def("access",
            [](Chunks& c, TensorId id, const std::string& kind, const std::string& space,
               const std::vector<std::int64_t>& shape) {

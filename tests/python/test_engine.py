@@ -196,12 +196,15 @@ def test_sparse_embedding_is_a_clear_error_and_loses_nothing():
         tidal.initialize(model, config(budget="64MiB"))
     for k, v in model.state_dict().items():
         torch.testing.assert_close(v, before[k], rtol=0, atol=0)
-    # A frozen sparse embedding has no gradient: it trains.
+    # A frozen sparse embedding has no gradient: the rest of the model trains.
     model[0].weight.requires_grad_(False)
     engine = tidal.initialize(model, config(budget="64MiB"))
     loss = engine(torch.tensor([[1, 2, 3]])).sum()
     engine.backward(loss)
-    engine.step()
+    assert engine.step() is True
+    after = engine.parameters_fp32()
+    torch.testing.assert_close(after["0.weight"], before["0.weight"], rtol=0, atol=0)
+    assert not torch.equal(after["1.weight"], before["1.weight"])
 
 
 class FunctionalSparseEmbedding(torch.nn.Module):

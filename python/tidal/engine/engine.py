@@ -130,8 +130,7 @@ class Engine:
                 self.recompute_plan.remove()
             raise
         if self.recompute_plan is not None:
-            self.recompute_plan.parameter_aliases = (lambda t: _hooks.pack(self, t),
-                                                     lambda o: _hooks.unpack(self, o))
+            self.recompute_plan.parameter_aliases = _hooks.saved_tensor_hooks(self)
 
     def _setup(self, model, cfg, store):
         store.adopted()

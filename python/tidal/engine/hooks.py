@@ -68,39 +68,31 @@ class _Packed:
         self.record, self.size, self.stride, self.offset = record, size, stride, offset
 
 
-def pack(engine, t):
-    record = engine.param_record_of(t)
-    if record is None:
-        return t
-    return _Packed(record, tuple(t.size()), tuple(t.stride()), t.storage_offset())
-
-
 def saved_tensor_hooks(engine):
-    """The (pack, unpack) pair for torch.autograd.graph.saved_tensors_hooks.
-    pack is `pack` for plain tensors in one frame (it runs for every tensor
-    autograd saves, ~3 per small module): the engine's parameter lookup
-    inlined, its hooks object and records bound once."""
+    """The (pack, unpack) pair of the engine's parameter aliases: for
+    torch.autograd.graph.saved_tensors_hooks in forward, and for
+    tidal.recompute's replays (RecomputePlan.parameter_aliases). pack runs for
+    every tensor autograd saves (~3 per small module), so it is one frame with
+    engine.param_record_of's lookup inlined and the hooks object and records
+    bound once (neither is ever replaced)."""
     attached_at = engine._hooks.attached_at
     records = engine._record_list
-    plain, strided = torch.Tensor, torch.strided
+    tensor, strided = torch.Tensor, torch.strided
 
-    def pack_plain(t):
-        if type(t) is not plain:
-            return pack(engine, t)
-        if t.layout != strided:
+    def pack(t):
+        if not isinstance(t, tensor) or t.layout != strided:
             return t
         i = attached_at(t)
         if i < 0:
             return t
         return _Packed(records[i], tuple(t.size()), tuple(t.stride()), t.storage_offset())
 
-    return pack_plain, lambda obj: unpack(engine, obj)
+    def unpack(obj):
+        if type(obj) is not _Packed:
+            return obj
+        record = obj.record
+        if not engine._is_attached(record):
+            engine._attach([record], None, for_backward=True)
+        return record.param.data.as_strided(obj.size, obj.stride, obj.offset)
 
-
-def unpack(engine, obj):
-    if type(obj) is not _Packed:
-        return obj
-    record = obj.record
-    if not engine._is_attached(record):
-        engine._attach([record], None, for_backward=True)
-    return record.param.data.as_strided(obj.size, obj.stride, obj.offset)
+    return pack, unpack
