@@ -1,4 +1,4 @@
-// Names for tensors and chunks in the chunk store. See Note [One layout, four lists].
+// Names for tensors and chunks in the chunk store. See Note [One layout, five lists].
 #pragma once
 
 #include <cstddef>
@@ -7,17 +7,19 @@
 
 namespace tidal {
 
-// The four chunk lists. Their order is the order of ChunkId interleaving.
+// The five chunk lists. Their order is the order of ChunkId interleaving.
 enum class ChunkKind : std::uint8_t {
   kParam16 = 0,    // fp16/bf16 parameters; gradients overwrite them after backward
   kParam32 = 1,    // fp32 master parameters
   kMomentum = 2,   // Adam first moment (m)
   kVariance = 3,   // Adam second moment (v)
+  kGradAccum = 4,  // fp32 gradient sums over micro-batches (gradient accumulation only)
 };
 
-inline constexpr std::size_t kNumChunkKinds = 4;
+inline constexpr std::size_t kNumChunkKinds = 5;
 inline constexpr ChunkKind kAllChunkKinds[kNumChunkKinds] = {
-    ChunkKind::kParam16, ChunkKind::kParam32, ChunkKind::kMomentum, ChunkKind::kVariance};
+    ChunkKind::kParam16, ChunkKind::kParam32, ChunkKind::kMomentum, ChunkKind::kVariance,
+    ChunkKind::kGradAccum};
 
 constexpr std::size_t index_of(ChunkKind kind) { return static_cast<std::size_t>(kind); }
 
@@ -31,18 +33,20 @@ constexpr const char* to_string(ChunkKind kind) {
       return "adam_m";
     case ChunkKind::kVariance:
       return "adam_v";
+    case ChunkKind::kGradAccum:
+      return "grad32";
   }
   return "unknown chunk kind";
 }
 
 // Tensors are numbered in registration order, which is also placement order.
 using TensorId = std::uint32_t;
-// Position of a chunk inside its list; the same for all four lists.
+// Position of a chunk inside its list; the same for all five lists.
 using ChunkIndex = std::uint32_t;
 
 inline constexpr TensorId kNoTensor = std::numeric_limits<TensorId>::max();
 
-// One chunk of one list, numbered across the four lists as index * 4 + kind.
+// One chunk of one list, numbered across the five lists as index * 5 + kind.
 // NB: interleaving keeps every id stable while lists grow, so per-chunk arrays
 // of the scheduler only ever append.
 using ChunkId = std::uint32_t;

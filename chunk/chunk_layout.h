@@ -1,13 +1,15 @@
-// Where each tensor sits: chunk index and offset, shared by the four chunk
-// lists. See Note [One layout, four lists].
+// Where each tensor sits: chunk index and offset, shared by the five chunk
+// lists. See Note [One layout, five lists].
 //
-// Note [One layout, four lists]
+// Note [One layout, five lists]
 // ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-// The store keeps four chunk lists: 16-bit parameters (the gradient is
-// written into the same slot after backward), fp32 master parameters, Adam m
-// and Adam v. One ChunkLayout places every tensor once, in elements, and all
-// four lists use it: tensor i sits in chunk c at element offset o in every
-// list. So the optimizer finds a tensor's master copy, m and v by index
+// The store keeps five chunk lists: 16-bit parameters (the gradient is
+// written into the same slot after backward), fp32 master parameters, Adam m,
+// Adam v, and fp32 gradient sums (used only with gradient accumulation: its
+// chunks get a payload when a sum is first written and give it back at the
+// step, so without accumulation the list costs nothing). One ChunkLayout
+// places every tensor once, in elements, and all five lists use it: tensor i
+// sits in chunk c at element offset o in every list. So the optimizer finds a tensor's master copy, m and v by index
 // arithmetic, and chunk c of every list holds the same tensors. A list's
 // chunk holds the same number of elements as in every other list; only the
 // bytes differ (2 per element in the 16-bit list, 4 in the fp32 lists).

@@ -1,5 +1,5 @@
-// One of the four chunk lists: the chunks of one kind (16-bit params, fp32
-// master params, Adam m, Adam v), in layout order. See Note [One layout, four lists].
+// One of the five chunk lists: the chunks of one kind (16-bit params, fp32
+// master params, Adam m, Adam v, gradient sums), in layout order. See Note [One layout, five lists].
 #pragma once
 
 #include <cstddef>

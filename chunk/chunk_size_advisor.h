@@ -32,8 +32,9 @@ struct ChunkSizeAdvice {
   double waste_fraction = 0;           // waste / capacity
   std::size_t candidates = 0;          // sizes evaluated
 
-  // Wasted bytes over all four lists: one 16-bit and three fp32 elements
-  // per wasted element.
+  // Wasted bytes over the four lists every trainable tensor uses: one 16-bit
+  // and three fp32 elements per wasted element (the gradient-sum list of
+  // gradient accumulation, when used, wastes 4 bytes more per element).
   std::size_t waste_bytes(DType param_dtype) const {
     return waste_elements * (element_size(param_dtype) + 3 * element_size(DType::kFloat32));
   }

@@ -50,7 +50,8 @@ ChunkStore::ChunkStore(const ChunkStoreOptions& options)
       lists_{ChunkList(ChunkKind::kParam16, dtype_of(ChunkKind::kParam16, options.param_dtype)),
              ChunkList(ChunkKind::kParam32, DType::kFloat32),
              ChunkList(ChunkKind::kMomentum, DType::kFloat32),
-             ChunkList(ChunkKind::kVariance, DType::kFloat32)} {}
+             ChunkList(ChunkKind::kVariance, DType::kFloat32),
+             ChunkList(ChunkKind::kGradAccum, DType::kFloat32)} {}
 
 TensorId ChunkStore::register_tensor(std::string name, std::size_t numel) {
   TIDAL_CHECK(!name.empty(), "chunk store: a tensor needs a non-empty name (tensor ",
@@ -294,7 +295,7 @@ void ChunkStore::validate() const {
                         " tensors of ", layout_.num_tensors());
   TIDAL_INTERNAL_ASSERT(total_capacity == layout_.total_capacity(), "capacity sum");
 
-  // The four lists mirror the layout; states and payloads add up.
+  // The five lists mirror the layout; states and payloads add up.
   std::array<std::size_t, kNumMemorySpaces> bytes{};
   std::array<std::size_t, kNumMemorySpaces> chunks{};
   for (const ChunkList& list : lists_) {

@@ -1,6 +1,6 @@
 // The chunk store: tensors registered in first-use order, placed once by a
-// ChunkLayout and held by four chunk lists that share it; the state of every
-// tensor slot; where each chunk's payload is. See Note [One layout, four lists]
+// ChunkLayout and held by five chunk lists that share it; the state of every
+// tensor slot; where each chunk's payload is. See Note [One layout, five lists]
 // and Note [Chunk state machine].
 //
 // The store decides nothing about memory: it records what the owner of chunk
@@ -35,7 +35,7 @@ inline constexpr std::size_t kDefaultChunkBytes = std::size_t{64} << 20;
 
 struct ChunkStoreOptions {
   // Capacity of a chunk of the 16-bit list. Chunks of the fp32 lists hold the
-  // same number of elements in twice the bytes (Note [One layout, four lists]);
+  // same number of elements in twice the bytes (Note [One layout, five lists]);
   // with a float32 parameter list, in the same bytes.
   std::size_t chunk_bytes = kDefaultChunkBytes;
   // fp16 or bf16: the dtype of the 16-bit parameter list. float32 is the
@@ -88,7 +88,7 @@ class ChunkStore {
   std::string describe_chunk(ChunkId id) const;
   // For messages: "'a', 'b', 'c'" (at most 8 names, then "and N more").
   std::string describe_tensors(const std::vector<TensorId>& tensors) const;
-  // Total chunks over the four lists, i.e. one past the largest ChunkId.
+  // Total chunks over the five lists, i.e. one past the largest ChunkId.
   std::size_t chunk_id_limit() const { return num_chunks() * kNumChunkKinds; }
 
   // ---- states -------------------------------------------------------------
@@ -120,7 +120,7 @@ class ChunkStore {
   // Checks every invariant; InternalError naming the first broken one:
   // * layout: tensors in registration order, aligned, inside their chunk,
   //   not overlapping; dedicated chunks hold one tensor sized to it;
-  // * the four lists: same chunk count, same capacity in elements and the
+  // * the five lists: same chunk count, same capacity in elements and the
   //   same tensors in chunk i, capacity bytes = elements * element size;
   // * states: every chunk's counts equal a recount of its slots;
   // * payloads: a chunk has a payload exactly when its space is not kNone,

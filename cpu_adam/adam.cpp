@@ -358,6 +358,26 @@ GradStats grad_stats(DType grad_dtype, std::span<const GradSpan> spans, double g
   return out;
 }
 
+void fold_gradients(DType half_dtype, std::span<const FoldSpan> spans, const ExecOptions& exec) {
+  check_exec(exec);
+  std::vector<std::size_t> counts;
+  counts.reserve(spans.size());
+  for (std::size_t i = 0; i < spans.size(); ++i) {
+    const FoldSpan& s = spans[i];
+    TIDAL_CHECK(s.count == 0 || (s.sum != nullptr && s.half != nullptr && s.master != nullptr),
+                "fold span ", i, ": sum, half and master must be non-null for ", s.count,
+                " elements");
+    counts.push_back(s.count);
+  }
+  const auto& fold = active_table().fold[static_cast<int>(half_dtype)];
+  const BlockMap map(counts);
+  run_blocks(map, exec, [&](std::size_t b0, std::size_t b1) {
+    map.visit(b0, b1, counts, [&](std::size_t s, std::size_t begin, std::size_t count, std::size_t) {
+      fold[spans[s].first ? 1 : 0](spans[s], begin, count);
+    });
+  });
+}
+
 AdamStepResult adam_step(const AdamHyperParams& hyper, const AdamDTypes& dtypes,
                          std::span<const AdamSpan> spans, const AdamStepOptions& options,
                          const ExecOptions& exec) {
@@ -441,9 +461,10 @@ AdamStepResult adam_chunk_step(const AdamHyperParams& hyper, const AdamChunk& ch
   for (const ChunkRange& r : ranges) {
     if (r.count == 0) continue;
     void* half = static_cast<char*>(chunk.half) + r.offset * half_size;
+    const void* grad = chunk.grad != nullptr ? chunk.grad + r.offset : half;
     spans.push_back(AdamSpan{chunk.param + r.offset,
                              static_cast<char*>(chunk.exp_avg) + r.offset * state_size,
-                             static_cast<char*>(chunk.exp_avg_sq) + r.offset * state_size, half,
+                             static_cast<char*>(chunk.exp_avg_sq) + r.offset * state_size, grad,
                              copy_after ? nullptr : half, r.count, r.step});
   }
   // Steps of empty ranges are checked too, as adam_update() checks every span.
@@ -451,13 +472,16 @@ AdamStepResult adam_chunk_step(const AdamHyperParams& hyper, const AdamChunk& ch
     TIDAL_CHECK(ranges[i].step >= 1, "range ", i,
                 ": step must be >= 1 (the step this update makes), got ", ranges[i].step);
   }
-  AdamDTypes dtypes{chunk.half_dtype, chunk.state_dtype, chunk.half_dtype};
+  AdamDTypes dtypes{chunk.grad != nullptr ? DType::kFloat32 : chunk.half_dtype, chunk.state_dtype,
+                    chunk.half_dtype};
   if (copy_after) dtypes.param_copy.reset();
   const AdamStepResult result = adam_step(hyper, dtypes, spans, options, exec);
   if (copy_after && !result.overflow) {
     // The gradients were read; the buffer takes the params.
-    for (const AdamSpan& s : spans) {
-      std::memcpy(const_cast<void*>(s.grad), s.param, s.count * sizeof(float));
+    for (const ChunkRange& r : ranges) {
+      if (r.count == 0) continue;
+      std::memcpy(static_cast<float*>(chunk.half) + r.offset, chunk.param + r.offset,
+                  r.count * sizeof(float));
     }
   }
   return result;

@@ -235,7 +235,7 @@ AdamStepResult adam_step(const AdamHyperParams& hyper, const AdamDTypes& dtypes,
 // --- one chunk ---------------------------------------------------------------
 // The chunk engine's step for one chunk: the fp32 master chunk, the two state
 // chunks and the 16-bit chunk, whose elements hold the (loss-scaled)
-// gradients on entry and receive the updated params rounded to nearest even
+// gradients on entry (unless AdamChunk::grad gives them) and receive the updated params rounded to nearest even
 // (dtype `half`: kFloat16 or kBFloat16). Tensor t of the chunk sits at the
 // same element offset in all four. `half` may also be kFloat32 (the
 // engine's fp32 mode, where the "16-bit" list is float32 by role): fp32
@@ -248,6 +248,10 @@ struct AdamChunk {
   std::size_t numel = 0;
   DType half_dtype = DType::kFloat16;
   DType state_dtype = DType::kFloat32;
+  // Gradient accumulation: the fp32 gradient sums of the chunk (Note
+  // [Gradient sums in chunks]). When set, the gradients are read from here
+  // and `half` only receives the updated params.
+  const float* grad = nullptr;
 };
 
 // Elements [offset, offset + count) of every buffer of a chunk, updated as
@@ -270,6 +274,38 @@ struct ChunkRange {
 AdamStepResult adam_chunk_step(const AdamHyperParams& hyper, const AdamChunk& chunk,
                                std::span<const ChunkRange> ranges,
                                const AdamStepOptions& options = {}, const ExecOptions& exec = {});
+
+// --- gradient accumulation ----------------------------------------------------
+// Note [Gradient sums in chunks]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// With gradient accumulation the engine's chunk store has a fifth list of
+// fp32 chunks, the gradient sums (chunk/chunk_layout.h). A micro-batch's
+// gradient lands in its parameter's 16-bit slot, as without accumulation;
+// when backward returns, one fold_gradients() pass per chunk adds every landed
+// gradient into its sum (the first micro-batch of a step writes the sum
+// instead of adding, so sums are never zeroed) and rounds the fp32 master back
+// into the 16-bit slot, which holds the weight again for the next forward.
+// The step reads the sums (AdamChunk::grad), and their chunks give their
+// memory back. So accumulation costs 4 bytes per parameter inside the
+// chunks' budgets while a step is under way, no buffer outside them, and no
+// per-parameter copy: one pass per chunk, where the chunk is.
+
+// One run of `count` elements of a fold.
+struct FoldSpan {
+  float* sum = nullptr;           // fp32 gradient sums: sum += grad (sum = grad when first)
+  void* half = nullptr;           // the landed gradients in; the master rounded out
+  const float* master = nullptr;  // fp32 master params
+  std::size_t count = 0;
+  bool first = false;             // the step's first gradient for these elements
+};
+
+// For each element of each span: sum = (first ? 0 : sum) + grad, with grad
+// the `half_dtype` value of `half` widened to fp32 (a first sum is the
+// gradient exactly), then half = master rounded to nearest even (copied when
+// half_dtype is kFloat32). Spans must not overlap each other; within a span,
+// `half` may not overlap `sum` or `master`.
+void fold_gradients(DType half_dtype, std::span<const FoldSpan> spans,
+                    const ExecOptions& exec = {});
 
 // --- kernel targets -----------------------------------------------------------
 // The kernels exist once per SIMD target Highway compiled (AVX3, AVX2, SSE4,

@@ -353,6 +353,41 @@ BlockStats StatsBlock(const void* grad, std::size_t begin, std::size_t count) {
   return BlockStats{total, finite};
 }
 
+// One vector of fold_gradients(): the gradient widened (and added to the
+// sum unless first), then the master rounded into the 16-bit buffer.
+template <int H, bool kFirst>
+HWY_INLINE void FoldVector(DF df, float* HWY_RESTRICT sum, Storage<H>* half,
+                           const float* HWY_RESTRICT master) {
+  VF g = LoadAsF32<H>(df, half);
+  if constexpr (!kFirst) g = hn::Add(hn::LoadU(df, sum), g);
+  hn::StoreU(g, df, sum);
+  StoreFromF32<H>(df, hn::LoadU(df, master), half);
+}
+
+template <int H, bool kFirst>
+void FoldBlock(const FoldSpan& s, std::size_t begin, std::size_t count) {
+  const DF df;
+  const std::size_t n = hn::Lanes(df);
+  float* HWY_RESTRICT sum = s.sum + begin;
+  Storage<H>* half = static_cast<Storage<H>*>(s.half) + begin;
+  const float* HWY_RESTRICT master = s.master + begin;
+  std::size_t i = 0;
+  for (; i + n <= count; i += n) FoldVector<H, kFirst>(df, sum + i, half + i, master + i);
+  if (i == count) return;
+  // The last partial vector through zero-padded buffers.
+  constexpr std::size_t kMax = hn::MaxLanes(DF());
+  const std::size_t rem = count - i;
+  HWY_ALIGN float sb[kMax] = {};
+  HWY_ALIGN Storage<H> hb[kMax] = {};
+  HWY_ALIGN float mb[kMax] = {};
+  std::memcpy(sb, sum + i, rem * sizeof(float));
+  std::memcpy(hb, half + i, rem * sizeof(Storage<H>));
+  std::memcpy(mb, master + i, rem * sizeof(float));
+  FoldVector<H, kFirst>(df, sb, hb, mb);
+  std::memcpy(sum + i, sb, rem * sizeof(float));
+  std::memcpy(half + i, hb, rem * sizeof(Storage<H>));
+}
+
 template <int G, int S, int C>
 void FillL2(KernelTable& t) {
   t.update[G][S == kF32 ? 0 : 1][C][0] = &UpdateBlock<G, S, C, false>;
@@ -371,6 +406,8 @@ void FillGrad(KernelTable& t) {
   FillCopy<G, kF32>(t);
   FillCopy<G, kBF16>(t);
   t.stats[G] = &StatsBlock<G>;
+  t.fold[G][0] = &FoldBlock<G, false>;
+  t.fold[G][1] = &FoldBlock<G, true>;
 }
 
 KernelTable MakeTable() {

@@ -63,6 +63,9 @@ struct BlockStats {
 
 using StatsFn = BlockStats (*)(const void* grad, std::size_t begin, std::size_t count);
 
+// fold_gradients() over elements [begin, begin + count) of one span.
+using FoldFn = void (*)(const FoldSpan& s, std::size_t begin, std::size_t count);
+
 // Indices of KernelTable::update.
 inline constexpr int kNumGradTypes = 3;   // DType order
 inline constexpr int kNumStateTypes = 2;  // 0: fp32, 1: bf16
@@ -73,6 +76,8 @@ struct KernelTable {
   // [grad dtype][state: fp32, bf16][copy: none, fp16, bf16][L2 weight decay]
   UpdateFn update[kNumGradTypes][kNumStateTypes][kNumCopyTypes][2];
   StatsFn stats[kNumGradTypes];
+  // [16-bit buffer dtype][first]
+  FoldFn fold[kNumGradTypes][2];
 };
 
 // The "reference" table (reference.cpp).

@@ -73,6 +73,15 @@ BlockStats stats_block(const void* grad, std::size_t begin, std::size_t count) {
   return out;
 }
 
+template <class H, bool kFirst>
+void fold_block(const FoldSpan& s, std::size_t begin, std::size_t count) {
+  for (std::size_t i = begin; i < begin + count; ++i) {
+    const float g = H::load(s.half, i);
+    s.sum[i] = kFirst ? g : s.sum[i] + g;
+    H::store(s.half, i, s.master[i]);
+  }
+}
+
 template <class G, class S, class C>
 void fill_l2(detail::KernelTable& t, int gi, int si, int ci) {
   t.update[gi][si][ci][0] = &update_block<G, S, C, false>;
@@ -91,6 +100,8 @@ void fill_state(detail::KernelTable& t, int gi) {
   fill_copy<G, F32>(t, gi, 0);
   fill_copy<G, BF16>(t, gi, 1);
   t.stats[gi] = &stats_block<G>;
+  t.fold[gi][0] = &fold_block<G, false>;
+  t.fold[gi][1] = &fold_block<G, true>;
 }
 
 detail::KernelTable make_reference_table() {

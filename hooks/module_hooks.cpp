@@ -142,7 +142,7 @@ void ModuleHooks::land_gradient(std::size_t param, const at::Tensor& grad) {
               " got a gradient of layout ", grad.layout(),
               "; tidal's chunk slots hold dense (strided) gradients");
   Param& p = params_[param];
-  measure_gradient(grad);
+  if (!accumulating_) measure_gradient(grad);
   if (p.attached) {
     copy_gradient(p.param, grad);
     scratch_.assign(1, param);
@@ -218,6 +218,113 @@ std::vector<std::string> ModuleHooks::release_all() noexcept {
   std::fill(attached_in_chunk_.begin(), attached_in_chunk_.end(), 0);
   bytes_in_use_ = 0;
   return failed;
+}
+
+// ---- gradient accumulation -------------------------------------------------
+
+void ModuleHooks::fold_gradients(const std::vector<std::size_t>& params,
+                                 const std::vector<bool>& first, MemorySpace space,
+                                 int num_threads) {
+  TIDAL_CHECK(first.size() == params.size(), "ModuleHooks.fold_gradients: ", first.size(),
+              " first flags for ", params.size(), " parameters");
+  for (std::size_t i : params) {
+    check_param(i);
+    TIDAL_CHECK(!params_[i].attached, "ModuleHooks.fold_gradients: parameter ", i,
+                " is attached; fold after backward");
+  }
+  if (params.empty()) return;
+  c10::NoGradGuard no_grad;
+  constexpr ChunkKind kKinds[3] = {kSlot, ChunkKind::kParam32, ChunkKind::kGradAccum};
+  // The states to go back to on an error: the gradient stays in its slot, the
+  // master is unchanged, a sum written for the first time holds nothing.
+  struct Held {
+    TensorRef ref;
+    TensorState before;
+  };
+  std::vector<Held> held;
+  held.reserve(3 * params.size());
+  const bool host_memory = binding_->torch_device(space).is_cpu();
+  std::vector<cpu_adam::FoldSpan> spans;
+  std::vector<at::Tensor> halves, masters, sums;
+  try {
+    for (std::size_t k = 0; k < params.size(); ++k) {
+      const Param& p = params_[params[k]];
+      const std::size_t numel = scheduler_->store().tensor_numel(p.id);
+      void* data[3];
+      for (int j = 0; j < 3; ++j) {
+        const TensorRef ref{kKinds[j], p.id};
+        const TensorState before = scheduler_->store().state(ref);
+        data[j] = scheduler_->access(ref, space);
+        held.push_back({ref, before});
+      }
+      if (host_memory) {
+        spans.push_back({static_cast<float*>(data[2]), data[0], static_cast<const float*>(data[1]),
+                         numel, static_cast<bool>(first[k])});
+      } else {
+        const std::int64_t n = static_cast<std::int64_t>(numel);
+        const at::Device device = binding_->torch_device(space);
+        halves.push_back(slot_view(data[0], {n}, binding_->dtype(kSlot), device));
+        masters.push_back(slot_view(data[1], {n}, at::kFloat, device));
+        sums.push_back(slot_view(data[2], {n}, at::kFloat, device));
+      }
+    }
+    if (host_memory) {
+      const cpu_adam::DType dtype = binding_->dtype(kSlot) == at::kFloat   ? cpu_adam::DType::kFloat32
+                                    : binding_->dtype(kSlot) == at::kHalf ? cpu_adam::DType::kFloat16
+                                                                          : cpu_adam::DType::kBFloat16;
+      cpu_adam::fold_gradients(dtype, spans, cpu_adam::ExecOptions{num_threads});
+    } else {
+      for (std::size_t k = 0; k < params.size(); ++k) {
+        if (first[k]) {
+          sums[k].copy_(halves[k]);
+        } else {
+          sums[k].add_(halves[k]);
+        }
+      }
+      for (std::size_t k = 0; k < params.size(); ++k) halves[k].copy_(masters[k]);
+    }
+  } catch (...) {
+    for (const Held& h : held) {
+      try {
+        scheduler_->release(h.ref, h.before == TensorState::kFree ? TensorState::kFree
+                                                                  : TensorState::kHold);
+      } catch (...) {
+      }
+    }
+    // A gradient that was in its slot stays there (HOLD_AFTER_BWD cannot be
+    // re-entered; the engine still counts it as landed and restores it).
+    throw;
+  }
+  for (const Held& h : held) scheduler_->release(h.ref, TensorState::kHold);
+}
+
+void ModuleHooks::measure_sums(const std::vector<std::size_t>& params) {
+  for (std::size_t i : params) check_param(i);
+  c10::NoGradGuard no_grad;
+  for (std::size_t i : params) {
+    const Param& p = params_[i];
+    const TensorRef ref{ChunkKind::kGradAccum, p.id};
+    const ChunkId chunk = scheduler_->store().chunk_of(ref);
+    const MemorySpace space = scheduler_->store().chunk(chunk).space();
+    TIDAL_CHECK(holds_data(scheduler_->store().state(ref)), "ModuleHooks.measure_sums: parameter ",
+                i, " ('", scheduler_->store().tensor_name(p.id), "') has no gradient sum");
+    const std::int64_t n = static_cast<std::int64_t>(scheduler_->store().tensor_numel(p.id));
+    void* data = scheduler_->access(ref, space);
+    try {
+      measure_gradient(slot_view(data, {n}, at::kFloat, binding_->torch_device(space)));
+    } catch (...) {
+      scheduler_->release(ref, TensorState::kHold);
+      throw;
+    }
+    scheduler_->release(ref, TensorState::kHold);
+  }
+}
+
+void ModuleHooks::drop_sums(const std::vector<std::size_t>& params) {
+  for (std::size_t i : params) check_param(i);
+  for (std::size_t i : params) {
+    scheduler_->set_state(TensorRef{ChunkKind::kGradAccum, params_[i].id}, TensorState::kFree);
+  }
 }
 
 // ---- queries ---------------------------------------------------------------

@@ -24,8 +24,11 @@
 //                    which is then released to HOLD_AFTER_BWD.
 // A parameter is known by its index here (the engine's record index, stable
 // across relayout); the store's tensor id of each index follows the layout
-// (set_chunks). The engine keeps the user API, the error messages and the
-// gradient accumulation path in Python.
+// (set_chunks). The engine keeps the user API and the error messages in
+// Python. With gradient accumulation (Note [Gradient sums in chunks] in
+// cpu_adam/adam.h) a gradient lands the same way, unmeasured; at the end of
+// each backward fold_gradients() adds a chunk's landed gradients into their
+// fp32 sums in one call, and the step measures the sums (measure_sums).
 //
 // Note [Gradient norms as they land]
 // ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -100,6 +103,24 @@ class ModuleHooks {
   // Never throws; returns a message per parameter that could not be released.
   std::vector<std::string> release_all() noexcept;
 
+  // ---- gradient accumulation (Note [Gradient sums in chunks]) --------------
+  // On: land_gradient() does not measure (the step measures the sums).
+  void set_accumulating(bool on) { accumulating_ = on; }
+  // The gradients in the 16-bit slots of `params` (one chunk's; none
+  // attached) are added into their sums (written when first[i]) in `space`,
+  // and the slots get their weights back from the fp32 masters: one
+  // cpu_adam::fold_gradients pass over CPU-addressable memory, torch ops on a
+  // GPU. At most num_threads CPU threads (0: all). Every slot ends HOLD; on
+  // an error the gradients stay in their slots and new sums hold nothing.
+  void fold_gradients(const std::vector<std::size_t>& params, const std::vector<bool>& first,
+                      MemorySpace space, int num_threads = 0);
+  // Measures the gradient sums of `params` where their chunks are, into what
+  // take_grad_norm() returns.
+  void measure_sums(const std::vector<std::size_t>& params);
+  // The sums of `params` are consumed (the step) or dropped: FREE, so their
+  // chunks give their memory back.
+  void drop_sums(const std::vector<std::size_t>& params);
+
   // ---- queries -------------------------------------------------------------
   bool attached(std::size_t param) const { return params_.at(param).attached; }
   int uses(std::size_t param) const { return params_.at(param).uses; }
@@ -159,6 +180,7 @@ class ModuleHooks {
   std::vector<std::size_t> first_use_;
   bool make_room_ = false;
   bool track_first_use_ = false;
+  bool accumulating_ = false;
   // Scratch of the hooks, reused to keep them free of allocations.
   std::vector<std::size_t> scratch_;
 };

@@ -31,8 +31,9 @@ ChunkKind parse_kind(const std::string& name) {
   if (name == "param32") return ChunkKind::kParam32;
   if (name == "momentum") return ChunkKind::kMomentum;
   if (name == "variance") return ChunkKind::kVariance;
+  if (name == "grad32") return ChunkKind::kGradAccum;
   TIDAL_CHECK(false, "unknown chunk kind '", name,
-              "'; expected one of 'param16', 'param32', 'momentum', 'variance'");
+              "'; expected one of 'param16', 'param32', 'momentum', 'variance', 'grad32'");
 }
 
 MemorySpace parse_space(const std::string& name) {
@@ -245,6 +246,10 @@ static void bind_hooks(py::module_& m) {
       .value("HOLD", TensorState::kHold)
       .value("HOLD_AFTER_FWD", TensorState::kHoldAfterFwd)
       .value("HOLD_AFTER_BWD", TensorState::kHoldAfterBwd);
+  py::enum_<MemorySpace>(m, "MemorySpace", "Where a chunk is (chunk/memory_space.h).")
+      .value("NONE", MemorySpace::kNone)
+      .value("HOST", MemorySpace::kHost)
+      .value("DEVICE", MemorySpace::kDevice);
   using GIL = py::call_guard<py::gil_scoped_release>;
   using Index = std::size_t;
   py::class_<Hooks>(m, "ModuleHooks", R"doc(
@@ -298,6 +303,21 @@ may wait for a chunk copy release the GIL.)doc")
            "(sum of squares, all finite) of the gradients landed since the last take or "
            "clear (Note [Gradient norms as they land]).")
       .def("clear_grad_norm", [](Hooks& h) { h.get().clear_grad_norm(); })
+      .def("set_accumulating", [](Hooks& h, bool on) { h.get().set_accumulating(on); },
+           py::arg("on"))
+      .def("fold_gradients",
+           [](Hooks& h, const std::vector<Index>& params, const std::vector<bool>& first,
+              MemorySpace space, int num_threads) {
+             h.get().fold_gradients(params, first, space, num_threads);
+           },
+           GIL(), py::arg("params"), py::arg("first"), py::arg("space"), py::kw_only(),
+           py::arg("num_threads") = 0,
+           "Gradient accumulation: the landed gradients of one chunk's `params` into their "
+           "fp32 sums, weights back into the 16-bit slots (Note [Gradient sums in chunks]).")
+      .def("measure_sums", [](Hooks& h, const std::vector<Index>& params) { h.get().measure_sums(params); },
+           GIL(), py::arg("params"))
+      .def("drop_sums", [](Hooks& h, const std::vector<Index>& params) { h.get().drop_sums(params); },
+           py::arg("params"))
       .def("take_first_use", [](Hooks& h) { return h.get().take_first_use(); })
       .def_property_readonly("peak_bytes_in_use",
                              [](Hooks& h) { return h.get().peak_bytes_in_use(); },

@@ -308,7 +308,8 @@ For a global norm over many buffers, add the sum_squares of each.)doc");
          const std::variant<std::int64_t, std::vector<std::int64_t>>& step, double lr, double beta1,
          double beta2, double eps, double weight_decay, bool adamw_mode, bool bias_correction,
          double loss_scale, double max_grad_norm, bool check_overflow,
-         const std::optional<ca::GradStats>& known_stats, int num_threads) {
+         const std::optional<ca::GradStats>& known_stats, const std::optional<at::Tensor>& grad,
+         int num_threads) {
         const Flat p = flat(param, "param");
         TIDAL_CHECK_TYPE(p.dtype == ca::DType::kFloat32,
                          "param must be torch.float32 (the fp32 master chunk), got ",
@@ -344,8 +345,17 @@ For a global norm over many buffers, add the sum_squares of each.)doc");
         } else {
           for (ca::ChunkRange& r : rs) r.step = std::get<std::int64_t>(step);
         }
-        const ca::AdamChunk chunk{static_cast<float*>(p.data), m.data, v.data, h16.data,
-                                  p.count, h16.dtype, m.dtype};
+        ca::AdamChunk chunk{static_cast<float*>(p.data), m.data, v.data, h16.data,
+                            p.count, h16.dtype, m.dtype};
+        if (grad) {
+          const Flat g = flat(*grad, "grad");
+          TIDAL_CHECK_TYPE(g.dtype == ca::DType::kFloat32,
+                           "grad must be torch.float32 (the gradient sums), got ",
+                           ca::dtype_name(g.dtype));
+          TIDAL_CHECK(static_cast<std::int64_t>(g.count) == n, "grad has ", g.count,
+                      " elements but param has ", n, "; the chunk buffers must be equally long");
+          chunk.grad = static_cast<const float*>(g.data);
+        }
         const ca::AdamHyperParams h =
             hyper(lr, beta1, beta2, eps, weight_decay, adamw_mode, bias_correction);
         ca::AdamStepOptions opt;
@@ -362,7 +372,8 @@ For a global norm over many buffers, add the sum_squares of each.)doc");
       py::arg("weight_decay") = 0.0, py::arg("adamw_mode") = true,
       py::arg("bias_correction") = true, py::arg("loss_scale") = 1.0,
       py::arg("max_grad_norm") = 0.0, py::arg("check_overflow") = true,
-      py::arg("known_stats") = py::none(), py::arg("num_threads") = 0,
+      py::arg("known_stats") = py::none(), py::arg("grad") = py::none(),
+      py::arg("num_threads") = 0,
       R"doc(The optimizer step of one chunk in one call (cpu_adam/adam.h, adam_chunk_step).
 
 param (float32), exp_avg and exp_avg_sq (float32 or bfloat16) and half (float16
@@ -378,7 +389,48 @@ of every chunk of the step (sum of grad_stats(half, grad_scale=1/loss_scale)
 over them). Given, the step is one memory pass per chunk: unscale, clip with
 min(1, max_grad_norm / (norm + 1e-6)), skip on inf/nan, Adam/AdamW and the
 16-bit write-back. Without it, the inf/nan check and the norm cover this
-chunk's ranges only. Returns an AdamStepResult; the GIL is released.)doc");
+chunk's ranges only. Returns an AdamStepResult; the GIL is released.
+
+grad: a float32 chunk of loss-scaled gradient sums (gradient accumulation,
+Note [Gradient sums in chunks]); given, the gradients are read from it and half
+only receives the updated params.)doc");
+
+  m.def(
+      "fold_gradients",
+      [](const at::Tensor& sum, const at::Tensor& half, const at::Tensor& master,
+         const std::vector<std::tuple<std::int64_t, std::int64_t, bool>>& ranges,
+         int num_threads) {
+        const Flat s = flat(sum, "sum");
+        const Flat h16 = flat(half, "half");
+        const Flat w = flat(master, "master");
+        TIDAL_CHECK_TYPE(s.dtype == ca::DType::kFloat32 && w.dtype == ca::DType::kFloat32,
+                         "sum and master must be torch.float32, got ", ca::dtype_name(s.dtype),
+                         " and ", ca::dtype_name(w.dtype));
+        TIDAL_CHECK(s.count == h16.count && w.count == h16.count, "sum (", s.count, "), half (",
+                    h16.count, ") and master (", w.count,
+                    ") must have as many elements each; they are one chunk of three lists");
+        std::vector<ca::FoldSpan> spans;
+        spans.reserve(ranges.size());
+        const std::size_t half_size = ca::dtype_size(h16.dtype);
+        for (std::size_t i = 0; i < ranges.size(); ++i) {
+          const auto [off, cnt, first] = ranges[i];
+          TIDAL_CHECK(off >= 0 && cnt >= 0 && static_cast<std::size_t>(off + cnt) <= h16.count,
+                      "ranges[", i, "] = (", off, ", ", cnt, "): out of range for a chunk of ",
+                      h16.count, " elements");
+          spans.push_back({static_cast<float*>(s.data) + off,
+                           static_cast<char*>(h16.data) + off * half_size,
+                           static_cast<const float*>(w.data) + off, static_cast<std::size_t>(cnt),
+                           first});
+        }
+        py::gil_scoped_release no_gil;
+        ca::fold_gradients(h16.dtype, spans, ca::ExecOptions{num_threads});
+      },
+      py::arg("sum"), py::arg("half"), py::arg("master"), py::arg("ranges"), py::kw_only(),
+      py::arg("num_threads") = 0,
+      R"doc(Gradient accumulation's fold (cpu_adam/adam.h, fold_gradients): for each
+(offset, count, first) range, sum = (first ? 0 : sum) + float(half), then half
+= master rounded to half's dtype. sum and master are float32 chunks, half the
+16-bit chunk (float32 in fp32 mode) holding the landed gradients.)doc");
 
   m.def("available_targets", &ca::available_kernel_targets,
         "Kernel targets this build and CPU run, best first; 'reference' (plain C++) last.");

@@ -309,6 +309,55 @@ def test_chunk_step_matches_torch_adamw_with_global_clipping(target, half_dtype)
         assert bool((c["half"][~inside] == 9.0).all())
 
 
+@pytest.mark.parametrize("target", TARGETS, indirect=True)
+@pytest.mark.parametrize("half_dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_gradient_accumulation_folds_and_steps_match_torch_adamw(target, half_dtype):
+    # Note [Gradient sums in chunks]: each micro-batch's 16-bit gradients are
+    # folded into fp32 sums (the first written, the rest added) and the
+    # 16-bit chunk takes the master back; the step reads the sums. Reference:
+    # torch.optim.AdamW fed the sums of the upcast gradients, unscaled.
+    loss_scale, micro = 64.0, 3
+    shapes = [(37,), (8, 13), (4099,)]
+    ranges, numel = _chunk_layout(shapes, pad=5)
+    gen = torch.Generator().manual_seed(5)
+    master = torch.randn(numel, generator=gen)
+    m, v = torch.zeros(numel), torch.zeros(numel)
+    half = master.to(half_dtype, copy=True)  # (a copy in fp32 mode too)
+    sums = torch.full((numel,), 7.0)  # stale values a first fold must not add to
+    ref_params = [torch.nn.Parameter(master[o:o + n].clone().reshape(s))
+                  for (o, n), s in zip(ranges, shapes)]
+    ref = torch.optim.AdamW(ref_params, **HYPER)
+    b1, b2 = HYPER["betas"]
+    for step in range(1, 6):
+        want = [torch.zeros(n) for _, n in ranges]
+        for k in range(micro):
+            for i, (o, n) in enumerate(ranges):
+                g = (torch.randn(n, generator=gen) * loss_scale).to(half_dtype)
+                half[o:o + n] = g
+                want[i] += g.float()
+            _C.cpu_adam.fold_gradients(sums, half, master, [(o, n, k == 0) for o, n in ranges])
+            # The weights are back in the 16-bit chunk after every fold.
+            for o, n in ranges:
+                assert torch.equal(half[o:o + n], master[o:o + n].to(half_dtype))
+        for i, (o, n) in enumerate(ranges):
+            assert torch.equal(sums[o:o + n], want[i])  # fp32 sums, added in order
+            ref_params[i].grad = (want[i] / loss_scale).reshape(shapes[i])
+        r = _C.cpu_adam.adam_chunk_step(
+            master, m, v, half, ranges, step=step, lr=HYPER["lr"], beta1=b1, beta2=b2,
+            eps=HYPER["eps"], weight_decay=HYPER["weight_decay"], loss_scale=loss_scale,
+            max_grad_norm=0.0, check_overflow=True, grad=sums)
+        ref.step()
+        assert not r.overflow
+        for (o, n), p in zip(ranges, ref_params):
+            torch.testing.assert_close(master[o:o + n], p.detach().reshape(-1), rtol=RTOL, atol=ATOL)
+            assert torch.equal(half[o:o + n], master[o:o + n].to(half_dtype))
+    with pytest.raises(TypeError, match="grad must be torch.float32"):
+        _C.cpu_adam.adam_chunk_step(master, m, v, half, step=6, lr=1e-3,
+                                    grad=torch.zeros(numel, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match=r"ranges\[0\] = \(0, 100000\): out of range"):
+        _C.cpu_adam.fold_gradients(sums, half, master, [(0, 100000, True)])
+
+
 def test_chunk_step_on_overflow_writes_nothing_and_checks_its_arguments():
     n = _C.cpu_adam.block_elements + 50
     gen = torch.Generator().manual_seed(12)

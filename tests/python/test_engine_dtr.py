@@ -34,13 +34,18 @@ def dtr_config(budget=BUDGET, hybrid_adam=True, **dtr_keys):
     return cfg
 
 
-def test_gpt_with_dtr_matches_adamw_below_its_activation_memory():
+@pytest.mark.parametrize("accumulation", [1, 2])
+def test_gpt_with_dtr_matches_adamw_below_its_activation_memory(accumulation):
+    # accumulation 2: each backward's gradients are folded into their sums
+    # (Note [Gradient sums in chunks]) while DTR holds the activations.
     torch.manual_seed(0)
     ref = TinyGPT(d=64, seq=32)
     model = copy.deepcopy(ref)
     batches = gpt_batches(6, seq=32, batch=8)
-    ref_losses = train_reference(ref, batches)
-    engine = tidal.initialize(model, dtr_config())
+    ref_losses = train_reference(ref, batches, accumulation=accumulation)
+    cfg = dtr_config()
+    cfg["gradient_accumulation_steps"] = accumulation
+    engine = tidal.initialize(model, cfg)
     assert dtr.is_enabled()
     losses = train_tidal(engine, batches)
     assert_close(engine, ref, ref_losses, losses)

@@ -70,7 +70,7 @@ class DtrLink:
         e = self._engine()
         if e is None:
             raise _C.InternalError("tidal.dtr: a recipe reads a parameter of an engine that is gone")
-        if record.has_grad and e.config.gradient_accumulation_steps == 1:
+        if record.has_grad:
             # The 16-bit slot holds the gradient now; the weight it held is
             # the fp32 master rounded to 16 bits (CPU Adam writes it so).
             return e._weight_from_master(record).as_strided(size, stride, offset)

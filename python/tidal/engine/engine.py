@@ -75,8 +75,9 @@ _PLACEHOLDER_HINT = (
 
 _FWD = _C.chunks.PointKind.FORWARD
 _BWD = _C.chunks.PointKind.BACKWARD
-_GRAD = _C.chunks.PointKind.GRAD
 _HOLD = _C.chunks.TensorState.HOLD
+_HOST_SPACE = _C.chunks.MemorySpace.HOST
+_DEVICE_SPACE = _C.chunks.MemorySpace.DEVICE
 
 
 def _weak_method(bound):
@@ -318,8 +319,7 @@ class Engine:
 
     # ----------------------------------------------------------------- hooks
     # Each hook is one call into hooks/module_hooks.h (Note [One call per
-    # hook]); Python adds the DTR context, the error messages and the
-    # gradient accumulation path.
+    # hook]); Python adds the DTR context and the error messages.
     def _new_hooks(self):
         hooks = _C.chunks.ModuleHooks(self.chunks, self._tracer)
         for r in self._record_list:
@@ -329,6 +329,7 @@ class Engine:
             hooks.add_module([index[id(r)] for r in self._module_records[m]])
         hooks.set_make_room(self.dtr.enabled_by_config)
         hooks.set_track_first_use(True)
+        hooks.set_accumulating(self.config.gradient_accumulation_steps > 1)
         return hooks
 
     def _count(self, on: bool):
@@ -486,18 +487,7 @@ class Engine:
                 f"dense gradients in the parameters' 16-bit slots (an embedding read with "
                 f"sparse=True?)")
         i = self._record_index[id(r)]
-        if self.config.gradient_accumulation_steps > 1:
-            self._tracer.point(_GRAD, i)
-            self.dtr.rebalance()
-            if _dtr.is_enabled():
-                torch.ops.aten.alias.default(g)  # an evicted gradient comes back through DTR
-            with uncounted(), torch.no_grad(), _dtr.outside():
-                if r.acc is None:
-                    r.acc = torch.zeros(r.numel, dtype=torch.float32,
-                                        pin_memory=self._cuda)
-                r.acc.add_(g.detach().reshape(-1).to("cpu", torch.float32))
-                self._hooks.detach([i], _HOLD)
-        elif _dtr.is_enabled():
+        if _dtr.is_enabled():
             # Under DTR an op in DTR's mode brings an evicted gradient back; no
             # op runs between it and the landing, so it stays resident.
             torch.ops.aten.alias.default(g)
@@ -579,12 +569,18 @@ class Engine:
             # The error is what the user sees; the slots this backward left in
             # use are released without raising another one over it.
             self._release_after_error()
+            if self.config.gradient_accumulation_steps > 1:
+                # The gradients this backward landed are dropped (their slots
+                # get their weights back); earlier micro-batches' sums stay.
+                self._drop_landed_gradients()
             raise
         finally:
             self._count(False)
         with _dtr.outside():
             self._hooks.end_backward()
         self.dtr.rebalance()
+        if self.config.gradient_accumulation_steps > 1:
+            self._fold_gradients()
         self.micro_steps += 1
 
     def _release_after_error(self):
@@ -609,18 +605,69 @@ class Engine:
         return self.micro_steps % self.config.gradient_accumulation_steps == 0
 
     def zero_grad(self):
-        """Drops pending gradients (those in 16-bit slots are restored from fp32)."""
+        """Drops pending gradients (those in 16-bit slots are restored from
+        fp32) and the gradient sums of an unfinished accumulation."""
+        self._drop_landed_gradients()
+        summed = [r for r in self.records if r.accumulated]
+        if summed:
+            index = self._record_index
+            self._hooks.drop_sums([index[id(r)] for r in summed])
+            for r in summed:
+                r.accumulated = False
+        self._hooks.clear_grad_norm()
+        for r in self.records:
+            r.param.grad = None
+
+    def _drop_landed_gradients(self):
         pending = [r for r in self.records if r.has_grad]
-        if pending and self.config.gradient_accumulation_steps == 1:
+        if pending:
             with _dtr.outside():
                 self._restore_params(pending)
         for r in pending:
             r.has_grad = False
-            if r.acc is not None:
-                r.acc.zero_()
-        self._hooks.clear_grad_norm()
+
+    def _fold_gradients(self):
+        """Gradient accumulation, after each backward: each chunk's landed
+        gradients go into their fp32 sums in one call, where the chunk is, and
+        the 16-bit slots get their weights back (Note [Gradient sums in
+        chunks] in cpu_adam/adam.h)."""
+        by_chunk = collections.defaultdict(list)
         for r in self.records:
-            r.param.grad = None
+            if r.has_grad:
+                by_chunk[r.chunk].append(r)
+        if not by_chunk:
+            return
+        index = self._record_index
+        host_short = self._host_short()
+        try:
+            self._fold_chunks(by_chunk, index, host_short)
+        except BaseException as e:
+            # The slots still holding gradients get their weights back, so the
+            # model stays usable; the sums have this micro-batch's gradients
+            # only for the chunks folded before the error.
+            self._drop_landed_gradients()
+            e.add_note("tidal: folding this micro-batch's gradients into the accumulation sums "
+                       "failed part-way; call engine.zero_grad() to start the step afresh")
+            raise
+
+    def _fold_chunks(self, by_chunk, index, host_short):
+        with torch.no_grad(), uncounted(), _dtr.outside():
+            for chunk in sorted(by_chunk):
+                recs = by_chunk[chunk]
+                # Where the step will run (hybrid Adam: on the device when it
+                # has room), so the sums are where the step reads them. A fold
+                # on the host moves the 16-bit chunk down (its gradients) and
+                # up again for the next forward: the bytes a budget too small
+                # for the 16-bit chunks moves anyway.
+                on_device = self._update_on_device(chunk, ("param32", "grad32"), host_short,
+                                                   self.config.hybrid_adam)
+                self._hooks.fold_gradients(
+                    [index[id(r)] for r in recs], [not r.accumulated for r in recs],
+                    _DEVICE_SPACE if on_device else _HOST_SPACE,
+                    num_threads=self.config.cpu_adam_threads)
+                for r in recs:
+                    r.has_grad = False
+                    r.accumulated = True
 
     def step(self):
         """The optimizer step, at gradient accumulation boundaries (as DeepSpeed)."""
@@ -630,7 +677,8 @@ class Engine:
             return self._step()
 
     def _step(self):
-        pending = [r for r in self.records if r.has_grad]
+        accumulating = self.config.gradient_accumulation_steps > 1
+        pending = [r for r in self.records if (r.accumulated if accumulating else r.has_grad)]
         norm, finite = self._grad_norm(pending)
         scale = self.scaler.scale
         overflow = not finite
@@ -638,7 +686,7 @@ class Engine:
             self.scaler.update(overflow)
         if overflow:
             self.skipped_steps += 1
-            if self.config.gradient_accumulation_steps == 1:
+            if not accumulating:  # (folds restored the weights already)
                 self._restore_params(pending)
         else:
             clip = 1.0
@@ -648,10 +696,12 @@ class Engine:
             if self.lr_scheduler is not None:
                 self.lr_scheduler.step()
                 self.apply_lr_schedule()
+        if accumulating:
+            index = self._record_index
+            self._hooks.drop_sums([index[id(r)] for r in pending])
         for r in pending:
             r.has_grad = False
-            if r.acc is not None:
-                r.acc.zero_()
+            r.accumulated = False
         self._hooks.clear_grad_norm()
         self._last_grad_norm = norm
         self.global_steps += 1
@@ -717,14 +767,11 @@ class Engine:
         """Global L2 norm of the unscaled gradients and whether all are finite."""
         scale = self.scaler.scale
         if self.config.gradient_accumulation_steps > 1:
-            total = 0.0
-            finite = True
-            for r in pending:
-                s = _C.cpu_adam.grad_stats(r.acc)
-                finite &= s.finite
-                total += s.sum_squares
-            total = math.sqrt(total) if finite else float("inf")
-            return total / scale, finite and math.isfinite(total)
+            # The sums, once, where their chunks are (Note [Gradient sums in chunks]).
+            index = self._record_index
+            self._hooks.clear_grad_norm()
+            with uncounted(), _dtr.outside():
+                self._hooks.measure_sums([index[id(r)] for r in pending])
         sum_squares, finite = self._hooks.take_grad_norm()
         total = math.sqrt(sum_squares) if finite else float("inf")
         return total / scale, finite and math.isfinite(total)
@@ -753,6 +800,32 @@ class Engine:
                 c.release(r.id, "param32", "hold")
                 c.release(r.id, "param16", "hold")
 
+    def _host_short(self) -> bool:
+        """The host budget is too small for the state (Note [One place per chunk])."""
+        return self._spilled_floor > 0 or self.chunks.stats()["spills"] > 0
+
+    def _update_on_device(self, chunk: int, kinds, host_short: bool, prefer_device: bool) -> bool:
+        """Whether the update of `chunk` (the optimizer step, or a gradient
+        fold) runs on the device, where it then needs the chunks of `kinds`
+        beside its 16-bit chunk. prefer_device: run there whenever the device
+        has room for them (else only when the host is too full to take the
+        16-bit chunk)."""
+        c = self.chunks
+        # A master the host budget spilled to the device (Note [One place per
+        # chunk]) is updated there: moving it down would only spill another
+        # chunk up.
+        if host_short and c.chunk_space(chunk, "param32") == "device":
+            return True
+        if c.chunk_space(chunk, "param16") != "device":
+            return False
+        free = c.budget("device") - c.held_bytes("device")
+        # The chunk's own capacity: a tensor larger than the chunk size has a
+        # dedicated, larger chunk.
+        need = sum(c.chunk_capacity_bytes(chunk, k) for k in kinds)
+        host_full = c.budget("host") - c.held_bytes("host") < \
+            c.chunk_capacity_bytes(chunk, "param16")
+        return (prefer_device or host_full) and free >= need
+
     def _adam(self, pending, grad_scale: float):
         cfg = self.config
         c = self.chunks
@@ -761,7 +834,9 @@ class Engine:
             by_chunk[r.chunk].append(r)
         b1, b2 = self.betas
         t0 = time.perf_counter()
-        host_short = self._spilled_floor > 0 or c.stats()["spills"] > 0
+        accumulating = cfg.gradient_accumulation_steps > 1
+        kinds = ("param32", "momentum", "variance") + (("grad32",) if accumulating else ())
+        host_short = self._host_short()
         if host_short:
             # A host too small for the state (Note [One place per chunk]): the
             # step needs device room to move chunks through, and forward and
@@ -773,30 +848,16 @@ class Engine:
         with torch.no_grad(), uncounted():
             for chunk in sorted(by_chunk):
                 recs = by_chunk[chunk]
-                # A master the host budget spilled to the device (Note [One
-                # place per chunk]) is updated there: moving it down would
-                # only spill another chunk up.
-                on_device = host_short and c.chunk_space(chunk, "param32") == "device"
-                if not on_device and c.chunk_space(chunk, "param16") == "device":
-                    free = c.budget("device") - c.held_bytes("device")
-                    # The chunk's own capacity: a tensor larger than the chunk
-                    # size has a dedicated, larger chunk.
-                    need = sum(c.chunk_capacity_bytes(chunk, k) for k in ("param32", "momentum", "variance"))
-                    # Hybrid Adam, or a host too full to take the 16-bit chunk.
-                    host_full = c.budget("host") - c.held_bytes("host") < \
-                        c.chunk_capacity_bytes(chunk, "param16")
-                    on_device = (cfg.hybrid_adam or host_full) and free >= need
+                # Hybrid Adam: on the device when it has room.
+                on_device = self._update_on_device(chunk, kinds, host_short, cfg.hybrid_adam)
                 space = "device" if on_device else "host"
                 if on_device:
                     self._adam_device_chunks += 1
                 else:
                     self._adam_host_chunks += 1
-                # One pass per chunk where the gradients sit in the 16-bit
-                # chunk (no accumulation buffers), and on a GPU where torch's
-                # fused kernel computes what the config asks.
-                if cfg.gradient_accumulation_steps == 1 and (
-                        space == "host" or self._device_adam_kernel == "simd"
-                        or cfg.bias_correction):
+                # One pass per chunk, except on a GPU where torch's fused
+                # kernel cannot compute what the config asks.
+                if space == "host" or self._device_adam_kernel == "simd" or cfg.bias_correction:
                     self._adam_chunk(chunk, recs, grad_scale, space)
                     continue
                 for r in recs:
@@ -805,7 +866,8 @@ class Engine:
                     w = c.access(r.id, "param32", space, [r.numel])
                     m = c.access(r.id, "momentum", space, [r.numel])
                     v = c.access(r.id, "variance", space, [r.numel])
-                    grad = r.acc if r.acc is not None else g16
+                    # The gradient sum (accumulation) or the 16-bit slot.
+                    grad = c.access(r.id, "grad32", space, [r.numel]) if accumulating else g16
                     if space == "host":
                         _C.cpu_adam.adam_update(
                             w, m, v, grad, g16 if self.precision != "fp32" else None,
@@ -818,7 +880,7 @@ class Engine:
                     else:
                         self._device_adam(w, m, v, grad.to(w.device), r.step, grad_scale)
                         g16.copy_(w)
-                    for kind in ("param16", "param32", "momentum", "variance"):
+                    for kind in ("param16",) + kinds:
                         c.release(r.id, kind, "hold")
         self._adam_seconds += time.perf_counter() - t0
 
@@ -827,23 +889,28 @@ class Engine:
         `space`: cpu_adam's adam_chunk_step (SIMD, GIL released: unscale and
         clip factor, Adam/AdamW and the write-back over the ranges of `recs`)
         on the host and on the simulated device, whose memory is host memory;
-        torch's fused Adam/AdamW (one multi-tensor kernel) on a GPU. 8 chunk
+        torch's fused Adam/AdamW (one multi-tensor kernel) on a GPU. A few chunk
         calls per chunk instead of 10 per parameter. The 16-bit chunk holds
-        the gradients and takes the new weights (in fp32 mode it is float32:
-        an exact copy)."""
+        the gradients, or with gradient accumulation the fp32 sum chunk does
+        (Note [Gradient sums in chunks]), and the 16-bit chunk takes the new
+        weights (in fp32 mode it is float32: an exact copy)."""
         cfg = self.config
         c = self.chunks
         first = recs[0]
+        kinds = ("param16", "param32", "momentum", "variance")
+        if cfg.gradient_accumulation_steps > 1:
+            kinds += ("grad32",)
         held = []
         try:
-            # Accessing one tensor of each of the four chunks pins them in `space`.
-            for kind in ("param16", "param32", "momentum", "variance"):
+            # Accessing one tensor of each of the chunks pins them in `space`.
+            for kind in kinds:
                 c.access(first.id, kind, space, [first.numel])
                 held.append(kind)
             for r in recs:
                 r.step += 1
             ranges = [(c.placement(r.id)[1], r.numel) for r in recs]
             views = [c.chunk_view(chunk, k) for k in ("param32", "momentum", "variance", "param16")]
+            sums = c.chunk_view(chunk, "grad32") if "grad32" in kinds else None
             b1, b2 = self.betas
             if space == "host" or self._device_adam_kernel == "simd":
                 _C.cpu_adam.adam_chunk_step(
@@ -851,18 +918,20 @@ class Engine:
                     lr=self.lr, beta1=b1, beta2=b2, eps=cfg.eps, weight_decay=cfg.weight_decay,
                     adamw_mode=cfg.adam_w_mode, bias_correction=cfg.bias_correction,
                     loss_scale=1.0 / grad_scale, max_grad_norm=0.0, check_overflow=False,
-                    num_threads=cfg.cpu_adam_threads)
+                    grad=sums, num_threads=cfg.cpu_adam_threads)
             else:
-                self._fused_chunk_step(views, ranges, [r.step for r in recs], grad_scale)
+                self._fused_chunk_step(views, ranges, [r.step for r in recs], grad_scale, sums)
         finally:
             for kind in held:
                 c.release(first.id, kind, "hold")
 
-    def _fused_chunk_step(self, views, ranges, steps, grad_scale: float):
+    def _fused_chunk_step(self, views, ranges, steps, grad_scale: float, sums=None):
         """torch's fused Adam/AdamW over the tensors of one device chunk, in
         groups of at most a quarter of the chunk (the fp32 copies of 16-bit
         gradients are temporary device memory), then the 16-bit write-back.
-        With bias correction only (torch's fused kernels always correct)."""
+        `sums`: the chunk of fp32 gradient sums (accumulation), read in place
+        of the 16-bit gradients and consumed. With bias correction only
+        (torch's fused kernels always correct)."""
         cfg = self.config
         w, m, v, h = views
         b1, b2 = self.betas
@@ -878,7 +947,10 @@ class Engine:
             group = ranges[start:end]
             ws = [w[o:o + n] for o, n in group]
             hs = [h[o:o + n] for o, n in group]
-            grads = hs if h.dtype == torch.float32 else [g.float() for g in hs]
+            if sums is not None:
+                grads = [sums[o:o + n] for o, n in group]
+            else:
+                grads = hs if h.dtype == torch.float32 else [g.float() for g in hs]
             if grad_scale != 1.0:
                 torch._foreach_mul_(grads, grad_scale)  # temporaries, or slots overwritten below
             fused(ws, grads, [m[o:o + n] for o, n in group], [v[o:o + n] for o, n in group], [],

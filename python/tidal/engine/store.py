@@ -74,7 +74,7 @@ class ParamRecord:
     """One parameter in chunks."""
 
     __slots__ = ("param", "name", "id", "shape", "numel", "trainable", "chunk",
-                 "has_grad", "step", "acc", "provisional", "__weakref__")
+                 "has_grad", "step", "accumulated", "provisional", "__weakref__")
 
     def __init__(self, param: torch.nn.Parameter, name: str, tensor_id: int, chunk: int):
         self.param = param
@@ -84,9 +84,9 @@ class ParamRecord:
         self.numel = param.numel()
         self.trainable = param.requires_grad
         self.chunk = chunk
-        self.has_grad = False  # a gradient waits for the optimizer step
-        self.step = 0          # Adam steps taken (torch's state['step'])
-        self.acc = None        # fp32 host gradient accumulator (accumulation > 1)
+        self.has_grad = False     # a gradient is in the 16-bit slot
+        self.step = 0             # Adam steps taken (torch's state['step'])
+        self.accumulated = False  # its grad32 slot holds a gradient sum (accumulation > 1)
         self.provisional = False  # named by init_context; initialize() renames it
 
 
@@ -288,8 +288,13 @@ class ParamStore:
     def state_bytes_per_param(self, trainable: bool = True) -> int:
         """Chunk bytes per parameter: the 16-bit copy (fp32 in fp32 training) and,
         when trainable, the fp32 master, momentum and variance: 14 in mixed
-        precision, 16 in fp32 (chunk padding aside)."""
-        return torch.empty(0, dtype=self.dtype).element_size() + (12 if trainable else 0)
+        precision, 16 in fp32 (chunk padding aside); with gradient accumulation
+        4 more for the fp32 gradient sums a step holds while its micro-batches
+        run (Note [Gradient sums in chunks] in cpu_adam/adam.h)."""
+        extra = 0
+        if trainable:
+            extra = 12 + (4 if self.config.gradient_accumulation_steps > 1 else 0)
+        return torch.empty(0, dtype=self.dtype).element_size() + extra
 
     def capacity_bytes(self) -> tuple[int, int]:
         """(host, device) bytes the chunks may occupy. A chunk lives in one place

@@ -1,4 +1,4 @@
-// Placement: Note [One layout, four lists].
+// Placement: Note [One layout, five lists].
 #include "chunk/chunk_layout.h"
 
 #include <gtest/gtest.h>

@@ -273,6 +273,69 @@ TEST(AdamChunkStep, AnInfInAnyRangeSkipsTheWholeChunk) {
   EXPECT_TRUE(c.same(before));
 }
 
+// Gradient accumulation (Note [Gradient sums in chunks]): the gradients come
+// from a separate fp32 chunk of sums, and the 16-bit chunk only receives the
+// new params. Against the scalar reference fed the sums as fp32 gradients.
+TEST(AdamChunkStep, GradientSumsFromTheirOwnChunkAndTheHalfChunkTakesTheParams) {
+  TargetGuard guard;
+  const std::size_t numel = 2 * kBlockElements + 301;
+  const std::vector<ChunkRange> ranges = {{5, kBlockElements + 3, 2}, {kBlockElements + 40, 900, 1},
+                                          {numel - 13, 13, 3}};
+  for (const std::string& target : targets_to_test()) {
+    set_kernel_target(target);
+    for (DType half_t : {DType::kFloat16, DType::kBFloat16, DType::kFloat32}) {
+      const AdamHyperParams h = non_default_hyper(true, true);
+      ChunkData got(half_t, DType::kFloat32, numel, 11);
+      ChunkData want = got;
+      std::vector<float> sums(numel);
+      std::mt19937 rng(12);
+      std::normal_distribution<float> normal;
+      for (float& x : sums) x = static_cast<float>(kLossScale) * 3.0f * normal(rng);
+      const std::vector<float> sums_before = sums;
+      AdamChunk chunk = got.chunk();
+      chunk.grad = sums.data();
+      AdamStepOptions opt;
+      opt.loss_scale = kLossScale;
+      opt.max_grad_norm = 40.0;
+      const AdamStepResult r = adam_chunk_step(h, chunk, ranges, opt);
+      ASSERT_FALSE(r.overflow);
+      double sum = 0.0;
+      for (const ChunkRange& cr : ranges) {
+        sum += reference::grad_stats(DType::kFloat32, sums.data() + cr.offset, cr.count,
+                                     1.0 / kLossScale)
+                   .sum_squares;
+      }
+      EXPECT_NEAR(r.grad_norm, std::sqrt(sum), 2e-5 * std::sqrt(sum)) << target;
+      ASSERT_LT(r.clip_coef, 1.0) << "the test should clip";
+      const std::string what = target + ", half " + dtype_name(half_t);
+      for (const ChunkRange& cr : ranges) {
+        AdamSpan s = want.span(cr);
+        s.grad = sums.data() + cr.offset;
+        AdamDTypes d{DType::kFloat32, DType::kFloat32, half_t};
+        if (half_t == DType::kFloat32) d.param_copy.reset();
+        reference::adam_update(h, d, s, r.clip_coef / kLossScale);
+        ASSERT_TRUE(all_close("param", DType::kFloat32,
+                              reinterpret_cast<const std::uint8_t*>(got.param.data() + cr.offset),
+                              reinterpret_cast<const std::uint8_t*>(want.param.data() + cr.offset),
+                              cr.count))
+            << what;
+        for (std::size_t i = cr.offset; i < cr.offset + cr.count; ++i) {
+          const float p = got.param[i];
+          if (half_t == DType::kFloat32) {
+            ASSERT_EQ(std::memcmp(got.half.data() + 4 * i, &p, 4), 0) << what << " at " << i;
+            continue;
+          }
+          std::uint16_t bits;
+          std::memcpy(&bits, got.half.data() + 2 * i, 2);
+          ASSERT_EQ(bits, half_t == DType::kFloat16 ? f32_to_f16_rne(p) : f32_to_bf16_rne(p))
+              << what << " at " << i;
+        }
+      }
+      EXPECT_EQ(sums, sums_before) << what << ": the sums are read only";
+    }
+  }
+}
+
 TEST(AdamChunkStep, BadRangesAreValueErrorsNamingThem) {
   ChunkData c(DType::kFloat16, DType::kFloat32, 100, 5);
   const ChunkData before = c;

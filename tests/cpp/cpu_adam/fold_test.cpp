@@ -1,0 +1,136 @@
+// CPU Adam: fold_gradients(), gradient accumulation's pass over a chunk (Note
+// [Gradient sums in chunks] in cpu_adam/adam.h), on every runnable target
+// against the definition written out element by element here.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "cpu_adam/adam.h"
+#include "cpu_adam/float16.h"
+#include "runtime/core/error.h"
+#include "tests/cpp/cpu_adam/adam_test_util.h"
+
+namespace tidal::cpu_adam {
+namespace {
+
+using namespace test_util;  // NOLINT: test helpers
+
+struct FoldData {
+  DType half_dtype;
+  std::vector<float> sum, master;
+  std::vector<std::uint8_t> half;
+
+  FoldData(DType t, std::size_t n, std::uint32_t seed)
+      : half_dtype(t), sum(n), master(n), half(n * dtype_size(t)) {
+    std::mt19937 rng(seed);
+    std::normal_distribution<float> normal;
+    for (std::size_t i = 0; i < n; ++i) {
+      sum[i] = 100.0f * normal(rng);
+      master[i] = normal(rng);
+      encode(t, half.data(), i, 1000.0f * normal(rng));
+    }
+  }
+  FoldSpan span(std::size_t offset, std::size_t count, bool first) {
+    return FoldSpan{sum.data() + offset, half.data() + offset * dtype_size(half_dtype),
+                    master.data() + offset, count, first};
+  }
+};
+
+// The definition: sum = (first ? 0 : sum) + widen(half); half = round(master).
+void expect_folded(const FoldData& before, const FoldData& after, std::size_t offset,
+                   std::size_t count, bool first, const std::string& what) {
+  const DType t = before.half_dtype;
+  for (std::size_t i = offset; i < offset + count; ++i) {
+    const float g = decode(t, before.half.data(), i);
+    const float want = first ? g : before.sum[i] + g;
+    ASSERT_EQ(std::memcmp(&after.sum[i], &want, 4), 0)
+        << what << " sum at " << i << ": " << after.sum[i] << " vs " << want;
+    if (t == DType::kFloat32) {
+      ASSERT_EQ(std::memcmp(after.half.data() + 4 * i, &before.master[i], 4), 0) << what << " at " << i;
+    } else {
+      std::uint16_t bits;
+      std::memcpy(&bits, after.half.data() + 2 * i, 2);
+      const std::uint16_t want_bits =
+          t == DType::kFloat16 ? f32_to_f16_rne(before.master[i]) : f32_to_bf16_rne(before.master[i]);
+      ASSERT_EQ(bits, want_bits) << what << " half at " << i;
+    }
+  }
+}
+
+TEST(FoldGradients, EveryTargetAddsOrWritesTheSumsAndRoundsTheMastersBack) {
+  TargetGuard guard;
+  const std::size_t numel = 2 * kBlockElements + 777;
+  // Odd offsets and lengths, one across a block boundary, an empty span.
+  struct R {
+    std::size_t offset, count;
+    bool first;
+  };
+  const std::vector<R> ranges = {{1, 7, false}, {9, 33, true}, {100, kBlockElements + 5, false},
+                                 {kBlockElements + 200, 0, true}, {numel - 1001, 1001, true}};
+  for (const std::string& target : targets_to_test()) {
+    set_kernel_target(target);
+    for (DType t : {DType::kFloat16, DType::kBFloat16, DType::kFloat32}) {
+      FoldData got(t, numel, 3);
+      const FoldData before = got;
+      std::vector<FoldSpan> spans;
+      for (const R& r : ranges) spans.push_back(got.span(r.offset, r.count, r.first));
+      fold_gradients(t, spans);
+      const std::string what = target + ", " + dtype_name(t);
+      std::vector<bool> inside(numel, false);
+      for (const R& r : ranges) {
+        expect_folded(before, got, r.offset, r.count, r.first, what);
+        for (std::size_t i = r.offset; i < r.offset + r.count; ++i) inside[i] = true;
+      }
+      const std::size_t hs = dtype_size(t);
+      for (std::size_t i = 0; i < numel; ++i) {
+        if (inside[i]) continue;
+        ASSERT_EQ(std::memcmp(&got.sum[i], &before.sum[i], 4), 0) << what << " wrote sum " << i;
+        ASSERT_EQ(std::memcmp(got.half.data() + hs * i, before.half.data() + hs * i, hs), 0)
+            << what << " wrote half " << i;
+      }
+    }
+  }
+}
+
+TEST(FoldGradients, InfAndNaNGradientsReachTheSums) {
+  // fp16's overflow check happens at the step, on the sums: a non-finite
+  // micro-batch gradient must survive the fold.
+  FoldData d(DType::kFloat16, 64, 5);
+  encode(DType::kFloat16, d.half.data(), 3, std::numeric_limits<float>::infinity());
+  encode(DType::kFloat16, d.half.data(), 40, std::numeric_limits<float>::quiet_NaN());
+  const FoldSpan s = d.span(0, 64, false);
+  fold_gradients(DType::kFloat16, {&s, 1});
+  EXPECT_TRUE(std::isinf(d.sum[3]));
+  EXPECT_TRUE(std::isnan(d.sum[40]));
+}
+
+TEST(FoldGradients, ResultsDoNotDependOnTheThreadCount) {
+  const std::size_t numel = 5 * kBlockElements + 3;
+  FoldData a(DType::kBFloat16, numel, 8);
+  FoldData b = a;
+  const FoldSpan sa = a.span(0, numel, false);
+  const FoldSpan sb = b.span(0, numel, false);
+  fold_gradients(DType::kBFloat16, {&sa, 1}, ExecOptions{1});
+  fold_gradients(DType::kBFloat16, {&sb, 1}, ExecOptions{0});
+  EXPECT_EQ(a.sum, b.sum);
+  EXPECT_EQ(a.half, b.half);
+}
+
+TEST(FoldGradients, ASpanWithoutBuffersIsAValueError) {
+  FoldSpan s{nullptr, nullptr, nullptr, 10, false};
+  try {
+    fold_gradients(DType::kFloat16, {&s, 1});
+    FAIL() << "no ValueError";
+  } catch (const ValueError& e) {
+    EXPECT_NE(std::string(e.message()).find("fold span 0"), std::string::npos) << e.message();
+  }
+}
+
+}  // namespace
+}  // namespace tidal::cpu_adam
