@@ -164,17 +164,29 @@ def main():
         rep = engine.memory_report()
         sums, host, device = runs[name].during
         h2d, d2h = rep["bytes_host_to_device_last_step"], rep["bytes_device_to_host_last_step"]
+        c = engine.chunks
+        master_bytes = sum(c.chunk_capacity_bytes(j, "param32") for j in range(c.num_chunks))
+        p16_bytes = sum(c.chunk_capacity_bytes(j, "param16") for j in range(c.num_chunks))
         out["runs"][name] = {
             "device_budget": rep["device_budget"],
             "micro_batch_s": summary[name],
             "overhead_vs_plain": summary[name]["median"] / summary["plain"]["median"],
             "gradient_sum_bytes": sums,
             "gradient_sum_bytes_per_param": sums / params,
+            # Chunk padding aside, 4 bytes per parameter: the sums' chunks are
+            # the masters' chunks, byte for byte.
+            "gradient_sum_bytes_over_master_chunk_bytes": sums / master_bytes,
+            "chunk_padding_fraction": 1 - 4 * params / master_bytes,
             "chunk_bytes_resident_while_accumulating": {"host": host, "device": device},
             "chunk_bytes_per_param_while_accumulating": (host + device) / params,
             "state_bytes_per_param": rep["state_bytes_per_param"],
             "bytes_host_to_device_per_micro_batch": h2d / k,
             "bytes_device_to_host_per_micro_batch": d2h / k,
+            # What a budget that cannot keep the 16-bit chunks must move per
+            # micro-batch: each of them up once and (with its gradients) down once.
+            "minimum_bytes_each_way_per_micro_batch": p16_bytes,
+            "h2d_over_minimum": h2d / k / p16_bytes,
+            "d2h_over_minimum": d2h / k / p16_bytes,
             "hybrid_adam": engine.config.hybrid_adam,
             "evictions": rep["evictions"],
             "adam_chunks_on_device": rep["adam_chunks_on_device"],
@@ -191,10 +203,12 @@ def main():
         print(f"[engine_accumulation] {name} (K={k}): {r['micro_batch_s']['median'] * 1e3:.1f} ms per "
               f"micro-batch ({r['overhead_vs_plain']:.2f}x plain "
               f"{summary['plain']['median'] * 1e3:.1f} ms), sums "
-              f"{r['gradient_sum_bytes_per_param']:.2f} B/param, chunks "
+              f"{r['gradient_sum_bytes_per_param']:.2f} B/param ({r['gradient_sum_bytes_over_master_chunk_bytes']:.2f}x "
+              f"the master chunks; padding {r['chunk_padding_fraction']:.0%}), chunks "
               f"{r['chunk_bytes_per_param_while_accumulating']:.2f} B/param while accumulating, "
-              f"H2D {r['bytes_host_to_device_per_micro_batch']:.0f} / D2H "
-              f"{r['bytes_device_to_host_per_micro_batch']:.0f} bytes per micro-batch", flush=True)
+              f"H2D {r['h2d_over_minimum']:.2f}x / D2H {r['d2h_over_minimum']:.2f}x the "
+              f"{r['minimum_bytes_each_way_per_micro_batch']} bytes each way a micro-batch needs "
+              f"when the 16-bit chunks do not fit", flush=True)
     name = "engine_accumulation-quick" if args.quick else "engine_accumulation"
     path = common.write_result(name, {"simulated": True, "result": out}, output=args.output)
     print(f"[engine_accumulation] wrote {path}")
