@@ -4,6 +4,7 @@
 #include <cmath>
 #include <cstring>
 #include <exception>
+#include <optional>
 #include <span>
 #include <utility>
 
@@ -14,6 +15,20 @@ namespace tidal::hooks {
 namespace {
 
 constexpr ChunkKind kSlot = ChunkKind::kParam16;
+
+// cpu_adam's name for a dtype its kernels take.
+std::optional<cpu_adam::DType> cpu_adam_dtype(at::ScalarType type) {
+  switch (type) {
+    case at::kFloat:
+      return cpu_adam::DType::kFloat32;
+    case at::kHalf:
+      return cpu_adam::DType::kFloat16;
+    case at::kBFloat16:
+      return cpu_adam::DType::kBFloat16;
+    default:
+      return std::nullopt;
+  }
+}
 
 const void* storage_data(const at::Tensor& t) {
   return t.storage().data_ptr().get();
@@ -269,10 +284,9 @@ void ModuleHooks::fold_gradients(const std::vector<std::size_t>& params,
       }
     }
     if (host_memory) {
-      const cpu_adam::DType dtype = binding_->dtype(kSlot) == at::kFloat   ? cpu_adam::DType::kFloat32
-                                    : binding_->dtype(kSlot) == at::kHalf ? cpu_adam::DType::kFloat16
-                                                                          : cpu_adam::DType::kBFloat16;
-      cpu_adam::fold_gradients(dtype, spans, cpu_adam::ExecOptions{num_threads});
+      const std::optional<cpu_adam::DType> dtype = cpu_adam_dtype(binding_->dtype(kSlot));
+      TIDAL_INTERNAL_ASSERT(dtype.has_value(), "a 16-bit chunk list of another dtype");
+      cpu_adam::fold_gradients(*dtype, spans, cpu_adam::ExecOptions{num_threads});
     } else {
       for (std::size_t k = 0; k < params.size(); ++k) {
         if (first[k]) {
@@ -353,14 +367,10 @@ void ModuleHooks::clear_grad_norm() {
 }
 
 void ModuleHooks::measure_gradient(const at::Tensor& grad) {
-  const at::ScalarType type = grad.scalar_type();
-  if (grad.is_cpu() && grad.is_contiguous() &&
-      (type == at::kFloat || type == at::kHalf || type == at::kBFloat16)) {
-    const cpu_adam::DType dtype = type == at::kFloat  ? cpu_adam::DType::kFloat32
-                                  : type == at::kHalf ? cpu_adam::DType::kFloat16
-                                                      : cpu_adam::DType::kBFloat16;
+  const std::optional<cpu_adam::DType> dtype = cpu_adam_dtype(grad.scalar_type());
+  if (grad.is_cpu() && grad.is_contiguous() && dtype) {
     const cpu_adam::GradSpan span{grad.const_data_ptr(), static_cast<std::size_t>(grad.numel())};
-    const cpu_adam::GradStats stats = cpu_adam::grad_stats(dtype, std::span(&span, 1));
+    const cpu_adam::GradStats stats = cpu_adam::grad_stats(*dtype, std::span(&span, 1));
     host_norm_.sum_squares += stats.sum_squares;
     host_norm_.finite = host_norm_.finite && stats.finite;
     return;

@@ -17,9 +17,11 @@ import tidal
 
 sys.path.insert(0, str(Path(__file__).parent))
 from engine_helpers import gpt_batches, measured_budget  # noqa: E402
+# DeepSpeed's loop (step() acts at accumulation boundaries only), and plain
+# PyTorch accumulating in param.grad with torch.optim.AdamW.
+from engine_helpers import train_tidal as train  # noqa: E402
+from test_engine import LR, train_reference as reference_fp32  # noqa: E402
 from tidal.models.gpt import TinyGPT  # noqa: E402
-
-LR = 2e-3
 
 
 @pytest.fixture(autouse=True)
@@ -39,32 +41,6 @@ def config(accumulation, budget="64MiB", chunk=16384, precision=None, clip=0.0, 
         if precision == "fp16":
             cfg["fp16"].update(initial_scale_power=8, hysteresis=1)
     return cfg
-
-
-def train(engine, batches):
-    """DeepSpeed's loop: step() acts at accumulation boundaries only."""
-    losses = []
-    for x, y in batches:
-        loss = engine(x, y)
-        engine.backward(loss)
-        engine.step()
-        losses.append(loss.item())
-    return losses
-
-
-def reference_fp32(model, batches, accumulation, clip=0.0):
-    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.01)
-    losses = []
-    for i, (x, y) in enumerate(batches):
-        loss = model(x, y)
-        (loss / accumulation).backward()
-        losses.append(loss.item())
-        if (i + 1) % accumulation == 0:
-            if clip:
-                torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
-            opt.step()
-            opt.zero_grad()
-    return losses
 
 
 def reference_mixed(model, batches, accumulation, dtype, clip=0.0, loss_scale=1.0):
