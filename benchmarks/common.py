@@ -22,7 +22,8 @@ from typing import Dict, Iterable, Optional
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
 
-__all__ = ["ROOT", "RESULTS", "git_commit", "machine_info", "machine_tag", "summarize", "write_result"]
+__all__ = ["ROOT", "RESULTS", "git_commit", "machine_info", "machine_tag", "summarize", "write_result",
+           "add_gpt_model_args", "token_batches"]
 
 
 def git_commit() -> str:
@@ -123,6 +124,18 @@ def write_result(name: str, payload: Dict, output: Optional[os.PathLike] = None,
     tmp.write_text(json.dumps(record, indent=2) + "\n")
     tmp.replace(path)
     return path
+
+
+def add_gpt_model_args(ap) -> None:
+    """The TinyGPT shape, --quick and --output options of the engine benchmarks
+    (engine_sim.py, engine_accumulation.py): a 3.7M-parameter GPT by default."""
+    ap.add_argument("--d", type=int, default=256)
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--seq", type=int, default=64)
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--vocab", type=int, default=2048)
+    ap.add_argument("--quick", action="store_true", help="tiny smoke run (not tabled)")
+    ap.add_argument("--output", default=None)
 
 
 def token_batches(vocab: int, seq: int, batch: int, n: int, seed: int = 0) -> list:

@@ -89,13 +89,7 @@ def main():
     ap.add_argument("--rounds", type=int, default=6)
     ap.add_argument("--steps", type=int, default=2, help="timed optimizer steps per run per round")
     ap.add_argument("--accumulation", type=int, default=4)
-    ap.add_argument("--d", type=int, default=256)
-    ap.add_argument("--layers", type=int, default=4)
-    ap.add_argument("--seq", type=int, default=64)
-    ap.add_argument("--batch", type=int, default=8)
-    ap.add_argument("--vocab", type=int, default=2048)
-    ap.add_argument("--quick", action="store_true", help="tiny smoke run (not tabled)")
-    ap.add_argument("--output", default=None)
+    common.add_gpt_model_args(ap)
     args = ap.parse_args()
     if args.quick:
         args.rounds, args.steps, args.d, args.layers, args.vocab = 2, 1, 64, 2, 256

@@ -40,12 +40,6 @@ import tidal  # noqa: E402
 from tidal.models.gpt import TinyGPT  # noqa: E402
 
 
-def batches(vocab, seq, batch, n, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    return [(torch.randint(0, vocab, (batch, seq), generator=g),
-             torch.randint(0, vocab, (batch, seq), generator=g)) for _ in range(n)]
-
-
 class Plain:
     def __init__(self, model, lr):
         self.model = model
@@ -77,13 +71,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--steps", type=int, default=4, help="timed steps per run per round")
-    ap.add_argument("--d", type=int, default=256)
-    ap.add_argument("--layers", type=int, default=4)
-    ap.add_argument("--seq", type=int, default=64)
-    ap.add_argument("--batch", type=int, default=8)
-    ap.add_argument("--vocab", type=int, default=2048)
-    ap.add_argument("--quick", action="store_true", help="tiny smoke run (not tabled)")
-    ap.add_argument("--output", default=None)
+    common.add_gpt_model_args(ap)
     args = ap.parse_args()
     if args.quick:
         args.rounds, args.steps, args.d, args.layers, args.vocab = 2, 2, 64, 2, 256
@@ -96,7 +84,7 @@ def main():
     # 1 MiB chunks (64 MiB is the GPU default); 64 KiB for the smoke run.
     chunk = (64 << 10) if args.quick else (1 << 20)
     lr = 1e-3
-    data = batches(args.vocab, args.seq, args.batch, 2 + args.rounds * args.steps)
+    data = common.token_batches(args.vocab, args.seq, args.batch, 2 + args.rounds * args.steps)
     warm = data[:2]
     runs = {
         "plain": Plain(copy.deepcopy(base), lr),

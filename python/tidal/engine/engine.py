@@ -117,6 +117,8 @@ class Engine:
                              "pass the same config to tidal.initialize, or none")
         else:
             cfg = self.config = store.config
+        # Gradient sums in chunks (Note [Gradient sums in chunks] in cpu_adam/adam.h).
+        self._accumulating = cfg.gradient_accumulation_steps > 1
         # The config's activation_checkpointing / tidal.recompute block: the
         # plan is made first, so a bad checkpoint name fails before anything
         # moves into chunks (Note [Recompute under the training engine]).
@@ -329,7 +331,7 @@ class Engine:
             hooks.add_module([index[id(r)] for r in self._module_records[m]])
         hooks.set_make_room(self.dtr.enabled_by_config)
         hooks.set_track_first_use(True)
-        hooks.set_accumulating(self.config.gradient_accumulation_steps > 1)
+        hooks.set_accumulating(self._accumulating)
         return hooks
 
     def _count(self, on: bool):
@@ -569,7 +571,7 @@ class Engine:
             # The error is what the user sees; the slots this backward left in
             # use are released without raising another one over it.
             self._release_after_error()
-            if self.config.gradient_accumulation_steps > 1:
+            if self._accumulating:
                 # The gradients this backward landed are dropped (their slots
                 # get their weights back); earlier micro-batches' sums stay.
                 self._drop_landed_gradients()
@@ -579,7 +581,7 @@ class Engine:
         with _dtr.outside():
             self._hooks.end_backward()
         self.dtr.rebalance()
-        if self.config.gradient_accumulation_steps > 1:
+        if self._accumulating:
             self._fold_gradients()
         self.micro_steps += 1
 
@@ -677,7 +679,7 @@ class Engine:
             return self._step()
 
     def _step(self):
-        accumulating = self.config.gradient_accumulation_steps > 1
+        accumulating = self._accumulating
         pending = [r for r in self.records if (r.accumulated if accumulating else r.has_grad)]
         norm, finite = self._grad_norm(pending)
         scale = self.scaler.scale
@@ -766,10 +768,10 @@ class Engine:
     def _grad_norm(self, pending) -> tuple[float, bool]:
         """Global L2 norm of the unscaled gradients and whether all are finite."""
         scale = self.scaler.scale
-        if self.config.gradient_accumulation_steps > 1:
-            # The sums, once, where their chunks are (Note [Gradient sums in chunks]).
+        if self._accumulating:
+            # The sums, once, where their chunks are (Note [Gradient sums in
+            # chunks]; landings measured nothing).
             index = self._record_index
-            self._hooks.clear_grad_norm()
             with uncounted(), _dtr.outside():
                 self._hooks.measure_sums([index[id(r)] for r in pending])
         sum_squares, finite = self._hooks.take_grad_norm()
@@ -834,7 +836,8 @@ class Engine:
             by_chunk[r.chunk].append(r)
         b1, b2 = self.betas
         t0 = time.perf_counter()
-        accumulating = cfg.gradient_accumulation_steps > 1
+        accumulating = self._accumulating
+        # The chunks the update needs beside the 16-bit one.
         kinds = ("param32", "momentum", "variance") + (("grad32",) if accumulating else ())
         host_short = self._host_short()
         if host_short:
@@ -858,7 +861,7 @@ class Engine:
                 # One pass per chunk, except on a GPU where torch's fused
                 # kernel cannot compute what the config asks.
                 if space == "host" or self._device_adam_kernel == "simd" or cfg.bias_correction:
-                    self._adam_chunk(chunk, recs, grad_scale, space)
+                    self._adam_chunk(chunk, recs, grad_scale, space, ("param16",) + kinds)
                     continue
                 for r in recs:
                     r.step += 1
@@ -884,7 +887,7 @@ class Engine:
                         c.release(r.id, kind, "hold")
         self._adam_seconds += time.perf_counter() - t0
 
-    def _adam_chunk(self, chunk, recs, grad_scale: float, space: str):
+    def _adam_chunk(self, chunk, recs, grad_scale: float, space: str, kinds):
         """The step of one chunk's tensors in one call over the chunk, in
         `space`: cpu_adam's adam_chunk_step (SIMD, GIL released: unscale and
         clip factor, Adam/AdamW and the write-back over the ranges of `recs`)
@@ -893,13 +896,11 @@ class Engine:
         calls per chunk instead of 10 per parameter. The 16-bit chunk holds
         the gradients, or with gradient accumulation the fp32 sum chunk does
         (Note [Gradient sums in chunks]), and the 16-bit chunk takes the new
-        weights (in fp32 mode it is float32: an exact copy)."""
+        weights (in fp32 mode it is float32: an exact copy). `kinds`: the
+        chunks the step uses."""
         cfg = self.config
         c = self.chunks
         first = recs[0]
-        kinds = ("param16", "param32", "momentum", "variance")
-        if cfg.gradient_accumulation_steps > 1:
-            kinds += ("grad32",)
         held = []
         try:
             # Accessing one tensor of each of the chunks pins them in `space`.
