@@ -160,6 +160,7 @@ void ModuleHooks::land_gradient(std::size_t param, const at::Tensor& grad) {
   if (!accumulating_) measure_gradient(grad);
   if (p.attached) {
     copy_gradient(p.param, grad);
+    p.landed = true;
     scratch_.assign(1, param);
     detach_now(scratch_, TensorState::kHoldAfterBwd);
     return;
@@ -171,6 +172,7 @@ void ModuleHooks::land_gradient(std::size_t param, const at::Tensor& grad) {
     scheduler_->release(TensorRef{kSlot, p.id}, TensorState::kHold);
     throw;
   }
+  p.landed = true;
   scheduler_->release(TensorRef{kSlot, p.id}, TensorState::kHoldAfterBwd);
 }
 
@@ -310,6 +312,7 @@ void ModuleHooks::fold_gradients(const std::vector<std::size_t>& params,
     throw;
   }
   for (const Held& h : held) scheduler_->release(h.ref, TensorState::kHold);
+  for (std::size_t i : params) params_[i].landed = false;
 }
 
 void ModuleHooks::measure_sums(const std::vector<std::size_t>& params) {
@@ -342,6 +345,19 @@ void ModuleHooks::drop_sums(const std::vector<std::size_t>& params) {
 }
 
 // ---- queries ---------------------------------------------------------------
+
+std::vector<std::size_t> ModuleHooks::landed_params() const {
+  std::vector<std::size_t> out;
+  for (std::size_t i = 0; i < params_.size(); ++i) {
+    if (params_[i].landed) out.push_back(i);
+  }
+  return out;
+}
+
+void ModuleHooks::clear_landed(const std::vector<std::size_t>& params) {
+  for (std::size_t i : params) check_param(i);
+  for (std::size_t i : params) params_[i].landed = false;
+}
 
 std::int64_t ModuleHooks::attached_at(const void* data) const {
   const auto it = attached_by_data_.find(data);

@@ -5,8 +5,8 @@
 //
 // Note [One call per hook]
 // ~~~~~~~~~~~~~~~~~~~~~~~~
-// torch calls a module's hooks from Python, so each hook costs one Python
-// function; what it does is one call into this class:
+// Each hook torch calls (a C++ callable, Note [Hooks torch calls into C++] in
+// python/csrc/hook_callables.cpp) does one call into this class:
 //   forward_pre(m)   trace point (FORWARD, m); every parameter of m counts one
 //                    more use in flight; the chunk room for the parameters in
 //                    use plus m's (Note [The warm-up budget], or make_room when
@@ -21,7 +21,8 @@
 //   land_gradient(p) trace point (GRAD, p); the gradient measured for the
 //                    step's clipping and overflow check (Note [Gradient
 //                    norms as they land]) and written into p's 16-bit slot,
-//                    which is then released to HOLD_AFTER_BWD.
+//                    which is then released to HOLD_AFTER_BWD; p counts as
+//                    landed until clear_landed() (or a fold) says otherwise.
 // A parameter is known by its index here (the engine's record index, stable
 // across relayout); the store's tensor id of each index follows the layout
 // (set_chunks). The engine keeps the user API and the error messages in
@@ -110,8 +111,9 @@ class ModuleHooks {
   // attached) are added into their sums (written when first[i]) in `space`,
   // and the slots get their weights back from the fp32 masters: one
   // cpu_adam::fold_gradients pass over CPU-addressable memory, torch ops on a
-  // GPU. At most num_threads CPU threads (0: all). Every slot ends HOLD; on
-  // an error the gradients stay in their slots and new sums hold nothing.
+  // GPU. At most num_threads CPU threads (0: all). Every slot ends HOLD and
+  // its parameter no longer counts as landed; on an error the gradients stay
+  // in their slots (still landed) and new sums hold nothing.
   void fold_gradients(const std::vector<std::size_t>& params, const std::vector<bool>& first,
                       MemorySpace space, int num_threads = 0);
   // Measures the gradient sums of `params` where their chunks are, into what
@@ -123,6 +125,14 @@ class ModuleHooks {
 
   // ---- queries -------------------------------------------------------------
   bool attached(std::size_t param) const { return params_.at(param).attached; }
+  // Whether `param`'s 16-bit slot holds a gradient that landed (not yet
+  // folded, stepped or dropped), and all such parameters in index order.
+  bool landed(std::size_t param) const { return params_.at(param).landed; }
+  std::vector<std::size_t> landed_params() const;
+  // The step consumed, or the engine dropped, the gradients of `params`.
+  void clear_landed(const std::vector<std::size_t>& params);
+  // Parameter `param` itself (its Parameter's TensorImpl).
+  const at::Tensor& param(std::size_t param) const { return params_.at(param).param; }
   int uses(std::size_t param) const { return params_.at(param).uses; }
   // The attached parameter whose slot is the storage at `data`, or -1.
   std::int64_t attached_at(const void* data) const;
@@ -150,6 +160,7 @@ class ModuleHooks {
     ChunkIndex chunk = 0;
     int uses = 0;      // forward uses in flight (nested or shared modules)
     bool attached = false;
+    bool landed = false;  // a gradient is in the 16-bit slot
     bool first_used = false;
   };
 

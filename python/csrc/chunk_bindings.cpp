@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "python/csrc/bindings.h"
+#include "python/csrc/hook_callables.h"
 #include "chunk/chunk_store.h"
 #include "hooks/host_allocation_counter.h"
 #include "hooks/module_hooks.h"
@@ -222,19 +223,26 @@ class Hooks {
  public:
   Hooks(py::object chunks, py::object tracer)
       : chunks_(std::move(chunks)), tracer_(std::move(tracer)),
-        hooks_(&chunks_.cast<Chunks&>().scheduler(), &chunks_.cast<Chunks&>().binding(),
-               &tracer_.cast<Tracer&>().get()) {}
+        hooks_(std::make_shared<hooks::ModuleHooks>(&chunks_.cast<Chunks&>().scheduler(),
+                                                    &chunks_.cast<Chunks&>().binding(),
+                                                    &tracer_.cast<Tracer&>().get())) {}
   void set_chunks(py::object chunks, const std::vector<TensorId>& ids) {
     Chunks& c = chunks.cast<Chunks&>();
-    hooks_.set_chunks(&c.scheduler(), &c.binding(), ids);
+    hooks_->set_chunks(&c.scheduler(), &c.binding(), ids);
     chunks_ = std::move(chunks);
   }
-  hooks::ModuleHooks& get() { return hooks_; }
+  hooks::ModuleHooks& get() { return *hooks_; }
+  // For the callables of hook_callables.h: `self` is this object's Python side.
+  static HookTarget target(py::object self) {
+    return HookTarget{self, self.cast<Hooks&>().hooks_};
+  }
 
  private:
   py::object chunks_;
   py::object tracer_;
-  hooks::ModuleHooks hooks_;
+  // Shared with the callables; a gradient hook or an output's tensor hook
+  // holds it weakly (Note [Hooks torch calls into C++]).
+  std::shared_ptr<hooks::ModuleHooks> hooks_;
 };
 
 }  // namespace
@@ -286,7 +294,41 @@ may wait for a chunk copy release the GIL.)doc")
            }, GIL(), py::arg("params"), py::arg("state"))
       .def("end_backward", [](Hooks& h) { h.get().end_backward(); }, GIL())
       .def("release_all", [](Hooks& h) { return h.get().release_all(); }, GIL())
+      .def("forward_pre_hook",
+           [](py::object self, Index m, py::object python_path, py::object failed) {
+             return forward_pre_hook(Hooks::target(std::move(self)), m, std::move(python_path),
+                                     std::move(failed));
+           },
+           py::arg("module"), py::arg("python_path"), py::arg("failed"),
+           "Module `module`'s forward pre-hook as a C++ callable (Note [Hooks torch calls into "
+           "C++] in python/csrc/hook_callables.cpp).")
+      .def("forward_post_hook",
+           [](py::object self, Index m, py::object python_path, py::object wrap_outputs,
+              py::object backward_failed) {
+             return forward_post_hook(Hooks::target(std::move(self)), m, std::move(python_path),
+                                      std::move(wrap_outputs), std::move(backward_failed));
+           },
+           py::arg("module"), py::arg("python_path"), py::arg("wrap_outputs"), py::arg("backward_failed"),
+           "Module `module`'s forward hook as a C++ callable; its outputs get C++ backward pre-hooks.")
+      .def("grad_hook",
+           [](py::object self, Index p, py::object python_path) {
+             return grad_hook(Hooks::target(std::move(self)), p, std::move(python_path));
+           },
+           py::arg("param"), py::arg("python_path"),
+           "Parameter `param`'s post-accumulate-grad hook as a C++ callable (holds the hooks weakly).")
+      .def("saved_tensor_hooks",
+           [](py::object self, py::object attach) {
+             return saved_tensor_hooks(Hooks::target(std::move(self)), std::move(attach));
+           },
+           py::arg("attach"),
+           "(pack, unpack) for torch.autograd.graph.saved_tensors_hooks: parameter aliases are "
+           "saved as (parameter, geometry); attach(param) runs before a detached one is rebuilt.")
       .def("attached", [](Hooks& h, Index p) { return h.get().attached(p); }, py::arg("param"))
+      .def("landed", [](Hooks& h, Index p) { return h.get().landed(p); }, py::arg("param"),
+           "Whether `param`'s 16-bit slot holds a landed gradient (not yet folded, stepped or dropped).")
+      .def("landed_params", [](Hooks& h) { return h.get().landed_params(); })
+      .def("clear_landed", [](Hooks& h, const std::vector<Index>& params) { h.get().clear_landed(params); },
+           py::arg("params"))
       .def("uses", [](Hooks& h, Index p) { return h.get().uses(p); }, py::arg("param"))
       .def("attached_at",
            [](Hooks& h, const at::Tensor& t) -> std::int64_t {

@@ -5,12 +5,16 @@
 #include "runtime/core/error.h"
 
 namespace tidal::python {
+namespace {
+py::handle oom_type;
+}  // namespace
+
+py::object out_of_memory_error(const char* message) { return oom_type(message); }
 
 void bind_errors(py::module_& m) {
   // tidal.OutOfMemoryError is a RuntimeError, like torch.OutOfMemoryError,
   // so code catching either keeps working.
-  static py::handle oom_type =
-      py::exception<OutOfMemoryError>(m, "OutOfMemoryError", PyExc_RuntimeError).release();
+  oom_type = py::exception<OutOfMemoryError>(m, "OutOfMemoryError", PyExc_RuntimeError).release();
   static py::handle internal_type =
       py::exception<InternalError>(m, "InternalError", PyExc_RuntimeError).release();
   py::register_exception_translator([](std::exception_ptr p) {

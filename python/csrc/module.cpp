@@ -8,4 +8,5 @@ PYBIND11_MODULE(_C, m) {
   tidal::python::bind_cpu_adam(m);
   tidal::python::bind_dtr(m);
   tidal::python::bind_chunks(m);
+  tidal::python::bind_hook_callables(m);
 }

@@ -70,7 +70,7 @@ class DtrLink:
         e = self._engine()
         if e is None:
             raise _C.InternalError("tidal.dtr: a recipe reads a parameter of an engine that is gone")
-        if record.has_grad:
+        if e._hooks.landed(e._record_index[id(record)]):
             # The 16-bit slot holds the gradient now; the weight it held is
             # the fp32 master rounded to 16 bits (CPU Adam writes it so).
             return e._weight_from_master(record).as_strided(size, stride, offset)

@@ -133,7 +133,7 @@ class Engine:
                 self.recompute_plan.remove()
             raise
         if self.recompute_plan is not None:
-            self.recompute_plan.parameter_aliases = _hooks.saved_tensor_hooks(self)
+            self.recompute_plan.parameter_aliases = self._saved_tensor_pair
 
     def _setup(self, model, cfg, store):
         store.adopted()
@@ -219,7 +219,6 @@ class Engine:
         self._saved_hooks = None
         self._pre_backward_hooks: dict = {}
         self._handles = []
-        self._install_hooks()
 
         # Memory tracer and budget arbiter (Note [The memory tracer] in
         # hooks/tracer/memory_tracer.h): one C++ call per trace point.
@@ -241,6 +240,13 @@ class Engine:
         # DTR of activations (Note [DTR under the training engine]).
         self.dtr = DtrLink(self, cfg.dtr)
         self._hooks = self._new_hooks()
+        # Saved tensors that alias a parameter's slot are packed as (parameter,
+        # geometry) and rebuilt from its data in backward, so nothing keeps a
+        # chunk address across a move (Note [Parameters keep their TensorImpl]
+        # in hooks/param_binding.h); the same pair serves tidal.recompute's
+        # replays (RecomputePlan.parameter_aliases).
+        self._saved_tensor_pair = self._hooks.saved_tensor_hooks(self._unpack_attach)
+        self._install_hooks()
         self.dtr.rebalance()
 
     # ------------------------------------------------------------------ setup
@@ -271,18 +277,34 @@ class Engine:
             tracer.set_warmup_room(self._warmup_chunk_room)
 
     def _install_hooks(self):
+        """The module and gradient hooks: C++ callables (Note [Hooks torch
+        calls into C++] in python/csrc/hook_callables.cpp) that fall back to
+        the Python methods below under a dispatch mode; the Python methods
+        themselves when DTR is in the config (they keep its threshold in step
+        with the chunks, dtr.rebalance())."""
         root = self.module
         self._handles.append(root.register_forward_pre_hook(self._root_pre))
         self._handles.append(root.register_forward_hook(self._root_post, always_call=True))
+        native = not self.dtr.enabled_by_config
+        hooks = self._hooks
         for m in self._module_records:
-            self._handles.append(m.register_forward_pre_hook(self._pre_forward))
-            self._handles.append(m.register_forward_hook(self._post_forward))
+            pre, post = self._pre_forward, self._post_forward
+            if native:
+                i = self._module_index[m]
+                pre = hooks.forward_pre_hook(i, pre, self._forward_pre_failed)
+                post = hooks.forward_post_hook(i, post, self._wrap_outputs,
+                                               _weak_method(self._backward_pre_failed))
+            self._handles.append(m.register_forward_pre_hook(pre))
+            self._handles.append(m.register_forward_hook(post))
         seen = set()
         for r in self.records:
             if r.trainable and id(r.param) not in seen:
                 seen.add(id(r.param))
-                self._handles.append(r.param.register_post_accumulate_grad_hook(
-                    _weak_method(self._grad_ready)))
+                hook = _weak_method(self._grad_ready)
+                if native:
+                    hook = hooks.grad_hook(self._record_index[id(self.store.by_param[id(r.param)])],
+                                           hook)
+                self._handles.append(r.param.register_post_accumulate_grad_hook(hook))
 
     def remove_hooks(self):
         for h in self._handles:
@@ -343,8 +365,7 @@ class Engine:
     def _root_pre(self, module, args):
         self._count(True)
         if self._saved_hooks is None:
-            self._saved_hooks = torch.autograd.graph.saved_tensors_hooks(
-                *_hooks.saved_tensor_hooks(self))
+            self._saved_hooks = torch.autograd.graph.saved_tensors_hooks(*self._saved_tensor_pair)
             self._saved_hooks.__enter__()
 
     def _root_post(self, module, args, output):
@@ -376,6 +397,11 @@ class Engine:
             self._attach_failed(e, module, records, lambda: self._hooks.attach(
                 ids, for_backward=for_backward, replay=replay))
         self.dtr.rebalance()
+
+    def _unpack_attach(self, i):
+        """A saved parameter alias is unpacked in backward while its
+        parameter (record index `i`) is not attached."""
+        self._attach([self._record_list[i]], None, for_backward=True)
 
     def _attach_failed(self, e, module, records, retry):
         """An attach of `records` (for `module`, or None) raised `e`: retried
@@ -437,11 +463,15 @@ class Engine:
             with _dtr.outside():
                 self._hooks.forward_pre(i)
         except OutOfMemoryError as e:
-            # A retry (after torch.cuda.empty_cache) only attaches: the trace
-            # point was taken.
-            self._attach_failed(e, module, self._module_records[module],
-                                lambda: self._hooks.forward_pre(i, trace_point=False))
+            self._forward_pre_failed(i, e)
         self.dtr.rebalance()
+
+    def _forward_pre_failed(self, i, e):
+        """Module `i`'s forward pre-hook raised `e` (out of memory). A retry
+        (after torch.cuda.empty_cache) only attaches: the trace point was taken."""
+        module = self._module_list[i]
+        self._attach_failed(e, module, self._module_records[module],
+                            lambda: self._hooks.forward_pre(i, trace_point=False))
 
     def _post_forward(self, module, args, output):
         grad = torch.is_grad_enabled()
@@ -451,6 +481,9 @@ class Engine:
         if grad:
             return _hooks.wrap_outputs(self, module, output)
         return output
+
+    def _wrap_outputs(self, module, output):
+        return _hooks.wrap_outputs(self, module, output)
 
     def _pre_backward_hook(self, module):
         """The tensor hook hooks.wrap_outputs puts on `module`'s outputs (made
@@ -472,11 +505,16 @@ class Engine:
             with _dtr.outside():
                 self._hooks.backward_pre(i)
         except OutOfMemoryError as e:
-            index = self._record_index
-            ids = [index[id(r)] for r in self._module_records[module]]
-            self._attach_failed(e, module, self._module_records[module],
-                                lambda: self._hooks.attach(ids, for_backward=True))
+            self._backward_pre_failed(i, e)
         self.dtr.rebalance()
+
+    def _backward_pre_failed(self, i, e):
+        """Module `i`'s backward pre-hook raised `e` (out of memory)."""
+        module = self._module_list[i]
+        index = self._record_index
+        ids = [index[id(r)] for r in self._module_records[module]]
+        self._attach_failed(e, module, self._module_records[module],
+                            lambda: self._hooks.attach(ids, for_backward=True))
 
     def _grad_ready(self, param):
         r = self.store.by_param[id(param)]
@@ -498,7 +536,6 @@ class Engine:
         else:
             self._hooks.land_gradient(i, g)
         self.dtr.rebalance()
-        r.has_grad = True
         param.grad = None
 
     # ------------------------------------------------------------- user API
@@ -620,13 +657,22 @@ class Engine:
         for r in self.records:
             r.param.grad = None
 
+    def _landed(self):
+        """The records whose 16-bit slot holds a landed gradient, in record order."""
+        landed = self._hooks.landed_params()
+        if not landed:
+            return []
+        landed = set(landed)
+        index = self._record_index
+        return [r for r in self.records if index[id(r)] in landed]
+
     def _drop_landed_gradients(self):
-        pending = [r for r in self.records if r.has_grad]
+        pending = self._landed()
         if pending:
             with _dtr.outside():
                 self._restore_params(pending)
-        for r in pending:
-            r.has_grad = False
+            index = self._record_index
+            self._hooks.clear_landed([index[id(r)] for r in pending])
 
     def _fold_gradients(self):
         """Gradient accumulation, after each backward: each chunk's landed
@@ -634,9 +680,8 @@ class Engine:
         the 16-bit slots get their weights back (Note [Gradient sums in
         chunks] in cpu_adam/adam.h)."""
         by_chunk = collections.defaultdict(list)
-        for r in self.records:
-            if r.has_grad:
-                by_chunk[r.chunk].append(r)
+        for r in self._landed():
+            by_chunk[r.chunk].append(r)
         if not by_chunk:
             return
         index = self._record_index
@@ -667,8 +712,7 @@ class Engine:
                     [index[id(r)] for r in recs], [not r.accumulated for r in recs],
                     _DEVICE_SPACE if on_device else _HOST_SPACE,
                     num_threads=self.config.cpu_adam_threads)
-                for r in recs:
-                    r.has_grad = False
+                for r in recs:  # (no longer landed: the fold says so)
                     r.accumulated = True
 
     def step(self):
@@ -680,7 +724,7 @@ class Engine:
 
     def _step(self):
         accumulating = self._accumulating
-        pending = [r for r in self.records if (r.accumulated if accumulating else r.has_grad)]
+        pending = [r for r in self.records if r.accumulated] if accumulating else self._landed()
         norm, finite = self._grad_norm(pending)
         scale = self.scaler.scale
         overflow = not finite
@@ -698,11 +742,12 @@ class Engine:
             if self.lr_scheduler is not None:
                 self.lr_scheduler.step()
                 self.apply_lr_schedule()
+        index = self._record_index
         if accumulating:
-            index = self._record_index
             self._hooks.drop_sums([index[id(r)] for r in pending])
+        else:
+            self._hooks.clear_landed([index[id(r)] for r in pending])
         for r in pending:
-            r.has_grad = False
             r.accumulated = False
         self._hooks.clear_grad_norm()
         self._last_grad_norm = norm

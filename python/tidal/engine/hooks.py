@@ -1,5 +1,9 @@
 """Module and autograd hooks that move parameters in and out of use; each
 hook's work is one call into hooks/module_hooks.h (Note [One call per hook]).
+The hooks torch calls are C++ objects (Note [Hooks torch calls into C++] in
+python/csrc/hook_callables.cpp); this file holds their Python path (under a
+dispatch mode, with DTR in the engine's config, for outputs that are not
+tensors or tuples or lists of them).
 
 Forward: a module's pre-hook attaches its parameters (their chunks come to
 the device, COMPUTE), its post-hook detaches them (HOLD_AFTER_FWD, or HOLD
@@ -12,9 +16,10 @@ detached by engine.backward().
 
 Saved tensors: a tensor autograd saves for backward that aliases a
 parameter's slot (the parameter, or a view like weight.t()) is packed as
-(record, geometry) and rebuilt from the parameter's data when backward
+(parameter, geometry) and rebuilt from the parameter's data when backward
 unpacks it, so nothing keeps a chunk address across a move (Note [Parameters
-keep their TensorImpl] in hooks/param_binding.h).
+keep their TensorImpl] in hooks/param_binding.h; the pack and unpack hooks
+are C++, ModuleHooks.saved_tensor_hooks).
 """
 from __future__ import annotations
 
@@ -59,40 +64,3 @@ def wrap_outputs(engine, module, output):
         return mark(output)
     tree_map(mark, output)
     return output
-
-
-class _Packed:
-    __slots__ = ("record", "size", "stride", "offset")
-
-    def __init__(self, record, size, stride, offset):
-        self.record, self.size, self.stride, self.offset = record, size, stride, offset
-
-
-def saved_tensor_hooks(engine):
-    """The (pack, unpack) pair of the engine's parameter aliases: for
-    torch.autograd.graph.saved_tensors_hooks in forward, and for
-    tidal.recompute's replays (RecomputePlan.parameter_aliases). pack runs for
-    every tensor autograd saves (~3 per small module), so it is one frame with
-    engine.param_record_of's lookup inlined and the hooks object and records
-    bound once (neither is ever replaced)."""
-    attached_at = engine._hooks.attached_at
-    records = engine._record_list
-    tensor, strided = torch.Tensor, torch.strided
-
-    def pack(t):
-        if not isinstance(t, tensor) or t.layout != strided:
-            return t
-        i = attached_at(t)
-        if i < 0:
-            return t
-        return _Packed(records[i], tuple(t.size()), tuple(t.stride()), t.storage_offset())
-
-    def unpack(obj):
-        if type(obj) is not _Packed:
-            return obj
-        record = obj.record
-        if not engine._is_attached(record):
-            engine._attach([record], None, for_backward=True)
-        return record.param.data.as_strided(obj.size, obj.stride, obj.offset)
-
-    return pack, unpack

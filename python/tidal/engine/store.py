@@ -74,7 +74,7 @@ class ParamRecord:
     """One parameter in chunks."""
 
     __slots__ = ("param", "name", "id", "shape", "numel", "trainable", "chunk",
-                 "has_grad", "step", "accumulated", "provisional", "__weakref__")
+                 "step", "accumulated", "provisional", "__weakref__")
 
     def __init__(self, param: torch.nn.Parameter, name: str, tensor_id: int, chunk: int):
         self.param = param
@@ -84,7 +84,6 @@ class ParamRecord:
         self.numel = param.numel()
         self.trainable = param.requires_grad
         self.chunk = chunk
-        self.has_grad = False     # a gradient is in the 16-bit slot
         self.step = 0             # Adam steps taken (torch's state['step'])
         self.accumulated = False  # its grad32 slot holds a gradient sum (accumulation > 1)
         self.provisional = False  # named by init_context; initialize() renames it

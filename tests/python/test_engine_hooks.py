@@ -1,0 +1,135 @@
+"""The hooks torch calls are C++ objects (Note [Hooks torch calls into C++] in
+python/csrc/hook_callables.cpp); where only Python can do the work they take
+the engine's Python methods. Each test trains against plain PyTorch + AdamW
+(test_engine's reference) or checks what reaches the caller."""
+import copy
+import gc
+import sys
+import weakref
+from pathlib import Path
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import tidal
+from tidal.engine.engine import Engine
+
+sys.path.insert(0, str(Path(__file__).parent))
+from engine_helpers import gpt_batches, train_tidal  # noqa: E402
+from test_engine import assert_close, config, fitted, train_reference  # noqa: E402
+from tidal.models.gpt import TinyGPT  # noqa: E402
+
+
+def hook_types(model):
+    m = model.blocks[0].qkv
+    return ([type(h).__name__ for h in m._forward_pre_hooks.values()],
+            [type(h).__name__ for h in m._forward_hooks.values()],
+            [type(h).__name__ for h in m.weight._post_accumulate_grad_hooks.values()])
+
+
+def test_the_hooks_are_cpp_callables_and_python_methods_with_dtr_in_the_config():
+    model = TinyGPT(d=64, seq=8)
+    engine = tidal.initialize(model, config())
+    assert hook_types(model) == (["ForwardPreHook"], ["ForwardPostHook"], ["GradHook"])
+    engine.remove_hooks()
+    model = TinyGPT(d=64, seq=8)
+    cfg = config()
+    cfg["tidal"]["dtr"] = {"enabled": True}
+    try:
+        engine = tidal.initialize(model, cfg)
+        pre, post, grad = hook_types(model)
+        assert pre == ["method"] and post == ["method"] and grad == ["function"]
+        engine.remove_hooks()
+    finally:
+        tidal.dtr.disable()
+
+
+class CountOps(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.ops = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops += 1
+        return func(*args, **(kwargs or {}))
+
+
+def test_under_a_dispatch_mode_the_hooks_take_the_python_path_and_train_the_same(monkeypatch):
+    calls = {"_pre_forward": 0, "_post_forward": 0, "_grad_ready": 0}
+    for name in calls:
+        method = getattr(Engine, name)
+
+        def counted(self, *args, _method=method, _name=name):
+            calls[_name] += 1
+            return _method(self, *args)
+        monkeypatch.setattr(Engine, name, counted)
+    torch.manual_seed(0)
+    ref = TinyGPT(d=64, seq=8)
+    model = copy.deepcopy(ref)
+    batches = gpt_batches(4)
+    ref_losses = train_reference(ref, batches)
+    engine = tidal.initialize(model, fitted(config(), model, batches))
+    losses = train_tidal(engine, batches[:2])   # no mode: the C++ callables alone
+    assert calls == {"_pre_forward": 0, "_post_forward": 0, "_grad_ready": 0}
+    mode = CountOps()
+    with mode:
+        losses += train_tidal(engine, batches[2:])
+    assert mode.ops > 0
+    modules = len(engine._module_list)
+    assert calls["_pre_forward"] == calls["_post_forward"] == 2 * modules
+    assert calls["_grad_ready"] == 2 * len({id(r.param) for r in engine.records if r.trainable})
+    assert_close(engine, ref, ref_losses, losses)
+
+
+def test_outputs_of_every_shape_are_marked_by_cpp_or_by_python():
+    # A tensor, a tuple or list of tensors and plain values: C++ marks them; a
+    # dict or a nested tuple goes to the engine's Python wrap_outputs. Each
+    # marked output's gradient attaches the module's parameters for backward.
+    model = TinyGPT(d=64, seq=8)
+    engine = tidal.initialize(model, config())
+    wrapped = []
+
+    def wrap(module, output):
+        wrapped.append(type(output).__name__)
+        return output
+    qkv = engine._module_index[model.blocks[0].qkv]
+    records = engine._module_records[model.blocks[0].qkv]
+    post = engine._hooks.forward_post_hook(qkv, lambda *a: None, wrap, lambda i, e: None)
+    leaf = torch.randn(3, requires_grad=True)
+    a, b = leaf * 2, leaf * 3
+    for output in (a, (a, None, 1, 2.0), [a, b]):
+        assert post(None, (), output) is None
+    assert wrapped == []
+    for output in ({"a": a}, ((a,), b)):
+        assert post(None, (), output) is output
+    assert wrapped == ["dict", "tuple"]
+    # The C++ hook on `b` runs qkv's backward pre-hook: its parameters are
+    # attached (for backward) when the gradient of b is ready.
+    assert not any(engine._is_attached(r) for r in records)
+    seen = []
+    b.register_hook(lambda g: seen.append([engine._is_attached(r) for r in records]))
+    b.sum().backward()
+    assert records and seen == [[True] * len(records)]
+    engine._hooks.end_backward()
+    assert not any(engine._is_attached(r) for r in records)
+
+
+def test_a_dropped_engine_with_a_kept_model_stays_alive_through_its_module_hooks():
+    # Module hooks hold the engine strongly (as bound methods did), and show
+    # it to the garbage collector: a kept model keeps its engine; dropping both
+    # frees it.
+    model = TinyGPT(d=64, seq=8)
+    engine = tidal.initialize(model, config())
+    train_tidal(engine, gpt_batches(1))
+    ref = weakref.ref(engine)
+    del engine
+    gc.collect()
+    assert ref() is not None
+    loss = model(*gpt_batches(1)[0])   # the hooks still attach the parameters
+    assert torch.isfinite(loss)
+    ref().backward(loss)
+    ref().step()
+    del model, loss
+    gc.collect()
+    assert ref() is None
