@@ -13,8 +13,9 @@ Two models, fp32, on the simulated device with the whole device as budget
 Per model, interleaved in rounds so machine load hits all alike:
   * plain        : forward + backward + torch.optim.AdamW(foreach) step;
   * plain_fused  : the same with AdamW(fused=True) (the optimizer-step peer);
-  * tidal        : tidal.initialize with CPU Adam (hybrid_adam off: on the
-                   simulated device "device" compute is the CPU).
+  * tidal        : tidal.initialize with the default config (hybrid Adam:
+                   every chunk is updated on the device, where it is; on the
+                   simulated device that is the SIMD CPU Adam kernel).
 Each step is timed whole and its optimizer step alone (engine.step() against
 opt.step()). The per-module overhead is (tidal - plain) / modules of the
 whole step, minus the step-time difference, i.e. what the hooks cost.
@@ -87,7 +88,7 @@ class Plain:
 class Tidal:
     def __init__(self, shape):
         cfg = {"optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.01}},
-               "tidal": {"device": "sim", "chunk_size": "4MiB", "hybrid_adam": False}}
+               "tidal": {"device": "sim", "chunk_size": "4MiB"}}
         self.engine = tidal.initialize(make(shape), cfg)
 
     def run(self, x, y):
