@@ -39,6 +39,7 @@ import torch
 sys.path.insert(0, os.path.dirname(__file__))
 import common  # noqa: E402
 import tidal  # noqa: E402
+from tidal._C.chunks import ChunkKind, MemorySpace  # noqa: E402
 from tidal.models.gpt import TinyGPT  # noqa: E402
 
 
@@ -76,8 +77,8 @@ class Tidal:
             if i == len(micro) - 1:
                 c = e.chunks
                 s = c.stats()
-                sums = sum(c.chunk_capacity_bytes(j, "grad32") for j in range(c.num_chunks)
-                           if c.chunk_space(j, "grad32") != "none")
+                sums = sum(c.chunk_capacity_bytes(j, ChunkKind.GRAD32) for j in range(c.num_chunks)
+                           if c.chunk_space(j, ChunkKind.GRAD32) != MemorySpace.NONE)
                 self.during = (sums, s["resident_bytes_host"], s["resident_bytes_device"])
             e.step()
             losses.append(loss.item())
@@ -159,8 +160,8 @@ def main():
         sums, host, device = runs[name].during
         h2d, d2h = rep["bytes_host_to_device_last_step"], rep["bytes_device_to_host_last_step"]
         c = engine.chunks
-        master_bytes = sum(c.chunk_capacity_bytes(j, "param32") for j in range(c.num_chunks))
-        p16_bytes = sum(c.chunk_capacity_bytes(j, "param16") for j in range(c.num_chunks))
+        master_bytes = sum(c.chunk_capacity_bytes(j, ChunkKind.PARAM32) for j in range(c.num_chunks))
+        p16_bytes = sum(c.chunk_capacity_bytes(j, ChunkKind.PARAM16) for j in range(c.num_chunks))
         out["runs"][name] = {
             "device_budget": rep["device_budget"],
             "micro_batch_s": summary[name],

@@ -37,6 +37,7 @@ import torch
 sys.path.insert(0, os.path.dirname(__file__))
 import common  # noqa: E402
 import tidal  # noqa: E402
+from tidal._C.chunks import ChunkKind  # noqa: E402
 from tidal.models.gpt import TinyGPT  # noqa: E402
 
 
@@ -123,7 +124,7 @@ def main():
         engine = runs[name].engine
         rep = engine.memory_report()
         c = engine.chunks
-        p16_bytes = sum(c.chunk_capacity_bytes(i, "param16") for i in range(c.num_chunks))
+        p16_bytes = sum(c.chunk_capacity_bytes(i, ChunkKind.PARAM16) for i in range(c.num_chunks))
         h2d, d2h = rep["bytes_host_to_device_last_step"], rep["bytes_device_to_host_last_step"]
         s = common.summarize(samples[name])
         out["runs"][name] = {

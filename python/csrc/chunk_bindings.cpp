@@ -1,7 +1,7 @@
 // tidal._C.chunks: the chunk scheduler and parameter binding for the
-// training engine (python/tidal/engine/). Kinds, spaces and states cross as
-// their lower-case names ("param16", "device", "hold_after_fwd"), tensors as
-// zero-copy views of chunk slots.
+// training engine (python/tidal/engine/). Chunk kinds, memory spaces and
+// tensor states cross as enums (ChunkKind, MemorySpace, TensorState), tensors
+// as zero-copy views of chunk slots.
 #include <ATen/ATen.h>
 #include <torch/csrc/utils/pybind.h>
 
@@ -26,42 +26,6 @@
 
 namespace tidal::python {
 namespace {
-
-ChunkKind parse_kind(const std::string& name) {
-  if (name == "param16") return ChunkKind::kParam16;
-  if (name == "param32") return ChunkKind::kParam32;
-  if (name == "momentum") return ChunkKind::kMomentum;
-  if (name == "variance") return ChunkKind::kVariance;
-  if (name == "grad32") return ChunkKind::kGradAccum;
-  TIDAL_CHECK(false, "unknown chunk kind '", name,
-              "'; expected one of 'param16', 'param32', 'momentum', 'variance', 'grad32'");
-}
-
-MemorySpace parse_space(const std::string& name) {
-  if (name == "device") return MemorySpace::kDevice;
-  if (name == "host") return MemorySpace::kHost;
-  TIDAL_CHECK(false, "unknown memory space '", name, "'; expected 'device' or 'host'");
-}
-
-TensorState parse_state(const std::string& name) {
-  static const std::pair<const char*, TensorState> kNames[] = {
-      {"free", TensorState::kFree},
-      {"compute", TensorState::kCompute},
-      {"hold", TensorState::kHold},
-      {"hold_after_fwd", TensorState::kHoldAfterFwd},
-      {"hold_after_bwd", TensorState::kHoldAfterBwd}};
-  for (const auto& [n, s] : kNames) {
-    if (name == n) return s;
-  }
-  TIDAL_CHECK(false, "unknown tensor state '", name,
-              "'; expected one of 'free', 'compute', 'hold', 'hold_after_fwd', 'hold_after_bwd'");
-}
-
-std::string state_name(TensorState s) {
-  std::string out = to_string(s);
-  for (char& c : out) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
-  return out;
-}
 
 DType parse_dtype(const std::string& name) {
   if (name == "float16") return DType::kFloat16;
@@ -247,17 +211,26 @@ class Hooks {
 
 }  // namespace
 
-static void bind_hooks(py::module_& m) {
+static void bind_enums(py::module_& m) {
   py::enum_<TensorState>(m, "TensorState", "A tensor slot's state (chunk/tensor_state.h).")
       .value("FREE", TensorState::kFree)
       .value("COMPUTE", TensorState::kCompute)
       .value("HOLD", TensorState::kHold)
       .value("HOLD_AFTER_FWD", TensorState::kHoldAfterFwd)
       .value("HOLD_AFTER_BWD", TensorState::kHoldAfterBwd);
+  py::enum_<ChunkKind>(m, "ChunkKind", "A chunk list (chunk/chunk_id.h): what its chunks hold.")
+      .value("PARAM16", ChunkKind::kParam16)
+      .value("PARAM32", ChunkKind::kParam32)
+      .value("MOMENTUM", ChunkKind::kMomentum)
+      .value("VARIANCE", ChunkKind::kVariance)
+      .value("GRAD32", ChunkKind::kGradAccum);
   py::enum_<MemorySpace>(m, "MemorySpace", "Where a chunk is (chunk/memory_space.h).")
       .value("NONE", MemorySpace::kNone)
       .value("HOST", MemorySpace::kHost)
       .value("DEVICE", MemorySpace::kDevice);
+}
+
+static void bind_hooks(py::module_& m) {
   using GIL = py::call_guard<py::gil_scoped_release>;
   using Index = std::size_t;
   py::class_<Hooks>(m, "ModuleHooks", R"doc(
@@ -417,6 +390,7 @@ void bind_chunks(py::module_& parent) {
 The chunk scheduler and the parameter binding the training engine drives
 (see runtime/scheduler/chunk_scheduler.h and hooks/param_binding.h). One
 Python thread drives a Chunks object.)doc");
+  bind_enums(m);  // first: the signatures below name them
 
   py::class_<Chunks>(m, "Chunks")
       .def(py::init<std::shared_ptr<Device>, std::size_t, const std::string&, std::size_t,
@@ -440,18 +414,15 @@ Python thread drives a Chunks object.)doc");
       // caller's thread; backward hooks on the autograd thread while the
       // caller waits), as before: the GIL was never the scheduler's lock.
       .def("access",
-           [](Chunks& c, TensorId id, const std::string& kind, const std::string& space,
-              const std::vector<std::int64_t>& shape) {
-             return c.binding().access(id, parse_kind(kind), parse_space(space), shape);
-           },
+           [](Chunks& c, TensorId id, ChunkKind kind, MemorySpace space,
+              const std::vector<std::int64_t>& shape) { return c.binding().access(id, kind, space, shape); },
            py::call_guard<py::gil_scoped_release>(), py::arg("id"), py::arg("kind"), py::arg("space"), py::arg("shape"),
            "Access (COMPUTE) one slot and return a view of it; release() ends the use.")
       .def("chunk_view",
-           [](Chunks& c, std::uint32_t chunk, const std::string& kind_name) {
+           [](Chunks& c, std::uint32_t chunk, ChunkKind kind) {
              // The whole payload of a chunk, flat, wherever it is: for the
              // optimizer, which works on whole chunks while their slots are
              // accessed (COMPUTE), so the payload cannot move meanwhile.
-             const ChunkKind kind = parse_kind(kind_name);
              const ChunkStore& store = c.scheduler().store();
              const Chunk& ch = store.chunk(make_chunk_id(kind, chunk));
              TIDAL_CHECK(ch.has_payload(), "chunk_view: ", store.describe_chunk(make_chunk_id(kind, chunk)),
@@ -462,19 +433,17 @@ Python thread drives a Chunks object.)doc");
            },
            py::arg("chunk"), py::arg("kind"))
       .def("release",
-           [](Chunks& c, TensorId id, const std::string& kind, const std::string& state) {
-             c.scheduler().release(TensorRef{parse_kind(kind), id}, parse_state(state));
+           [](Chunks& c, TensorId id, ChunkKind kind, TensorState state) {
+             c.scheduler().release(TensorRef{kind, id}, state);
            },
            py::call_guard<py::gil_scoped_release>(), py::arg("id"), py::arg("kind"), py::arg("state"))
       .def("set_state",
-           [](Chunks& c, TensorId id, const std::string& kind, const std::string& state) {
-             c.scheduler().set_state(TensorRef{parse_kind(kind), id}, parse_state(state));
+           [](Chunks& c, TensorId id, ChunkKind kind, TensorState state) {
+             c.scheduler().set_state(TensorRef{kind, id}, state);
            },
            py::call_guard<py::gil_scoped_release>(), py::arg("id"), py::arg("kind"), py::arg("state"))
       .def("state",
-           [](Chunks& c, TensorId id, const std::string& kind) {
-             return state_name(c.scheduler().store().state(TensorRef{parse_kind(kind), id}));
-           },
+           [](Chunks& c, TensorId id, ChunkKind kind) { return c.scheduler().store().state(TensorRef{kind, id}); },
            py::arg("id"), py::arg("kind"))
       .def("placement",
            [](Chunks& c, TensorId id) {
@@ -483,25 +452,24 @@ Python thread drives a Chunks object.)doc");
            },
            py::arg("id"), "(chunk index, offset in elements, numel) of a tensor.")
       .def("chunk_space",
-           [](Chunks& c, std::uint32_t chunk, const std::string& kind) {
-             return std::string(
-                 to_string(c.scheduler().store().chunk(make_chunk_id(parse_kind(kind), chunk)).space()));
+           [](Chunks& c, std::uint32_t chunk, ChunkKind kind) {
+             return c.scheduler().store().chunk(make_chunk_id(kind, chunk)).space();
            },
            py::arg("chunk"), py::arg("kind"))
       .def("chunk_bytes",
-           [](Chunks& c, const std::string& kind) {
+           [](Chunks& c, ChunkKind kind) {
              return c.scheduler().store().chunk_elements() *
-                    element_size(c.scheduler().store().list(parse_kind(kind)).dtype());
+                    element_size(c.scheduler().store().list(kind).dtype());
            },
            py::arg("kind"), "Bytes of a regular chunk of a list.")
       .def("chunk_capacity_bytes",
-           [](Chunks& c, std::uint32_t chunk, const std::string& kind) {
-             return c.scheduler().store().chunk(make_chunk_id(parse_kind(kind), chunk)).capacity_bytes();
+           [](Chunks& c, std::uint32_t chunk, ChunkKind kind) {
+             return c.scheduler().store().chunk(make_chunk_id(kind, chunk)).capacity_bytes();
            },
            py::arg("chunk"), py::arg("kind"))
       .def("describe_chunk",
-           [](Chunks& c, std::uint32_t chunk, const std::string& kind) {
-             return c.scheduler().store().describe_chunk(make_chunk_id(parse_kind(kind), chunk));
+           [](Chunks& c, std::uint32_t chunk, ChunkKind kind) {
+             return c.scheduler().store().describe_chunk(make_chunk_id(kind, chunk));
            },
            py::arg("chunk"), py::arg("kind"))
       .def_property_readonly("num_chunks", [](Chunks& c) { return c.scheduler().store().num_chunks(); })
@@ -512,16 +480,12 @@ Python thread drives a Chunks object.)doc");
       .def_property_readonly("following_trace", [](Chunks& c) { return c.scheduler().following_trace(); })
       .def("end_step", [](Chunks& c) { c.scheduler().end_step(); }, py::call_guard<py::gil_scoped_release>())
       .def("set_budget",
-           [](Chunks& c, const std::string& space, std::size_t bytes) {
-             c.scheduler().set_budget(parse_space(space), bytes);
-           },
+           [](Chunks& c, MemorySpace space, std::size_t bytes) { c.scheduler().set_budget(space, bytes); },
            py::call_guard<py::gil_scoped_release>(), py::arg("space"), py::arg("bytes"))
-      .def("budget", [](Chunks& c, const std::string& space) { return c.scheduler().budget(parse_space(space)); },
+      .def("budget", [](Chunks& c, MemorySpace space) { return c.scheduler().budget(space); },
            py::arg("space"))
       .def("held_bytes",
-           [](Chunks& c, const std::string& space) {
-             return c.scheduler().stats().held_bytes[index_of(parse_space(space))];
-           },
+           [](Chunks& c, MemorySpace space) { return c.scheduler().stats().held_bytes[index_of(space)]; },
            py::arg("space"), "Chunk bytes held in a space (resident + cached blocks); for hooks.")
       .def("stats", [](Chunks& c) { return stats_dict(c.scheduler().stats()); })
       .def("move_counts",

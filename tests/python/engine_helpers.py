@@ -47,6 +47,7 @@ def measured_budget(model, cfg, batches, chunk_share=0.25, slack=1.25):
     import copy
 
     import tidal
+    from tidal._C.chunks import ChunkKind
 
     probe_cfg = copy.deepcopy(cfg)
     probe_cfg.setdefault("tidal", {})["device_memory_budget"] = 0
@@ -55,8 +56,8 @@ def measured_budget(model, cfg, batches, chunk_share=0.25, slack=1.25):
         train_tidal(probe, batches[:2])
         nonchunk = probe.memory_report()["peak_nonchunk_device_bytes"]
         c = probe.chunks
-        chunk16 = sum(c.chunk_capacity_bytes(i, "param16") for i in range(c.num_chunks))
-        largest = max(sum(c.chunk_capacity_bytes(i, "param16") for i in {r.chunk for r in recs})
+        chunk16 = sum(c.chunk_capacity_bytes(i, ChunkKind.PARAM16) for i in range(c.num_chunks))
+        largest = max(sum(c.chunk_capacity_bytes(i, ChunkKind.PARAM16) for i in {r.chunk for r in recs})
                       for recs in probe._module_records.values())
         return probe.store.margin + int(slack * nonchunk) + max(largest, int(chunk_share * chunk16))
     finally:

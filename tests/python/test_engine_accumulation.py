@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import tidal
+from tidal._C.chunks import ChunkKind, MemorySpace
 
 sys.path.insert(0, str(Path(__file__).parent))
 from engine_helpers import gpt_batches, measured_budget  # noqa: E402
@@ -197,8 +198,8 @@ def test_gradient_sums_are_chunk_memory_given_back_at_the_step():
         return s["resident_bytes_host"] + s["resident_bytes_device"]
 
     def sum_chunk_bytes():  # the grad32 chunks that have memory, wherever it is
-        return sum(c.chunk_capacity_bytes(i, "grad32") for i in range(c.num_chunks)
-                   if c.chunk_space(i, "grad32") != "none")
+        return sum(c.chunk_capacity_bytes(i, ChunkKind.GRAD32) for i in range(c.num_chunks)
+                   if c.chunk_space(i, ChunkKind.GRAD32) != MemorySpace.NONE)
 
     x, y = gpt_batches(1)[0]
     before = resident()
@@ -208,7 +209,7 @@ def test_gradient_sums_are_chunk_memory_given_back_at_the_step():
     # Every trainable element has its fp32 sum in a chunk shaped like its
     # master's, counted with the other chunks; no tensor outside them.
     assert sums >= 4 * trainable
-    assert sums == sum(c.chunk_capacity_bytes(i, "param32") for i in range(c.num_chunks))
+    assert sums == sum(c.chunk_capacity_bytes(i, ChunkKind.PARAM32) for i in range(c.num_chunks))
     assert resident() == before + sums
     engine.backward(engine(x, y))
     assert sum_chunk_bytes() == sums

@@ -19,6 +19,7 @@ import pytest
 import torch
 
 import tidal
+from tidal._C.chunks import ChunkKind
 
 sys.path.insert(0, str(Path(__file__).parent))
 from engine_helpers import Reversed, gpt_batches, train_tidal  # noqa: E402
@@ -81,11 +82,11 @@ def probe(make, batches, chunk, precision):
     try:
         train_tidal(engine, batches[:2])
         c = engine.chunks
-        chunk16 = sum(c.chunk_capacity_bytes(i, "param16") for i in range(c.num_chunks))
+        chunk16 = sum(c.chunk_capacity_bytes(i, ChunkKind.PARAM16) for i in range(c.num_chunks))
         # The 16-bit chunks the engine had in use at once: what the
         # parameters attached together need, whatever the budget.
         in_use = engine._hooks.peak_bytes_in_use
-        assert in_use >= max(c.chunk_capacity_bytes(i, "param16") for i in range(c.num_chunks))
+        assert in_use >= max(c.chunk_capacity_bytes(i, ChunkKind.PARAM16) for i in range(c.num_chunks))
         return engine.memory_report()["peak_nonchunk_device_bytes"], chunk16, in_use
     finally:
         engine.remove_hooks()

@@ -12,6 +12,7 @@ import torch
 
 import tidal
 from tidal import dtr
+from tidal._C.chunks import MemorySpace
 
 sys.path.insert(0, str(Path(__file__).parent))
 from engine_helpers import gpt_batches, train_tidal  # noqa: E402
@@ -73,7 +74,7 @@ def test_chunks_and_tracked_activations_stay_within_the_budget_after_every_op(mo
     def checked(self, func, types, args=(), kwargs=None):
         out = original(self, func, types, args, kwargs)
         s = self.rt.stats()
-        seen.append((engine.chunks.held_bytes("device"), s["tracked_bytes"], s["max_op_working_set"]))
+        seen.append((engine.chunks.held_bytes(MemorySpace.DEVICE), s["tracked_bytes"], s["max_op_working_set"]))
         return out
 
     monkeypatch.setattr(dtr._DtrMode, "__torch_dispatch__", checked)

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 import tidal
+from tidal._C.chunks import ChunkKind
 
 sys.path.insert(0, str(Path(__file__).parent))
 from engine_helpers import gpt_batches, train_tidal  # noqa: E402
@@ -47,7 +48,7 @@ def chunk_bytes(engine):
     """(all chunk bytes with a payload, 16-bit chunk bytes) after registration."""
     s = engine.chunks.stats()
     c = engine.chunks
-    c16 = sum(c.chunk_capacity_bytes(i, "param16") for i in range(c.num_chunks))
+    c16 = sum(c.chunk_capacity_bytes(i, ChunkKind.PARAM16) for i in range(c.num_chunks))
     return s["resident_bytes_host"] + s["resident_bytes_device"], c16
 
 
@@ -114,7 +115,7 @@ def test_chunks_moved_to_the_device_give_their_host_memory_back():
     # whole state.
     c = engine.chunks
     block = max(c.chunk_capacity_bytes(i, k) for i in range(c.num_chunks)
-                for k in ("param16", "param32", "momentum", "variance"))
+                for k in (ChunkKind.PARAM16, ChunkKind.PARAM32, ChunkKind.MOMENTUM, ChunkKind.VARIANCE))
     now = tidal._C.host_memory_stats()["allocated"] - baseline
     assert now <= s["resident_bytes_host"] + 4 * block, (now, s)
     assert now < registered - on_device + 4 * block + 1

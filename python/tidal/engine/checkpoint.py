@@ -37,7 +37,8 @@ import zlib
 
 import torch
 
-from .store import SLOT_KINDS, slot_kinds, uncounted
+from .store import (HOLD, HOST, KIND_BY_NAME, KIND_NAMES, PARAM16, PARAM32, SLOT_KINDS, slot_kinds,
+                    uncounted)
 
 FORMAT = "tidal-checkpoint-1"
 _STATES, _META, _EXTRA, _LATEST = "states.bin", "meta.json", "extra.pt", "latest"
@@ -106,16 +107,16 @@ def save_checkpoint(engine, save_dir, tag=None, client_state=None, save_latest=T
         with open(tmp / _STATES, "wb") as f, torch.no_grad(), uncounted():
             for r in engine.records:
                 for kind in slot_kinds(r):
-                    view = chunks.access(r.id, kind, "host", [r.numel])
+                    view = chunks.access(r.id, kind, HOST, [r.numel])
                     try:
                         data = _bytes_of(view)
                         f.write(data)
-                        entries.append({"name": r.name, "kind": kind, "dtype": str(view.dtype),
+                        entries.append({"name": r.name, "kind": KIND_NAMES[kind], "dtype": str(view.dtype),
                                         "offset": offset, "bytes": data.nbytes,
                                         "crc32": zlib.crc32(data)})
                         offset += data.nbytes
                     finally:
-                        chunks.release(r.id, kind, "hold")
+                        chunks.release(r.id, kind, HOLD)
             f.flush()
             os.fsync(f.fileno())
         meta = {
@@ -225,11 +226,16 @@ def load_checkpoint(engine, load_dir, tag=None, load_optimizer_states=True,
         raise CheckpointError(f"load_checkpoint: {path / _EXTRA} is unreadable or corrupt: {e}") from None
 
     by_name = {r.name: r for r in engine.records}
-    wanted = set(SLOT_KINDS) if load_optimizer_states else {"param16", "param32"}
+    wanted = set(SLOT_KINDS) if load_optimizer_states else {PARAM16, PARAM32}
     chunks = engine.chunks
     with open(states, "rb") as f, torch.no_grad(), uncounted():
         for e in meta["slots"]:
-            if e["kind"] not in wanted:
+            kind = KIND_BY_NAME.get(e["kind"])
+            if kind is None:
+                raise CheckpointError(
+                    f"load_checkpoint: slot {e['name']}/{e['kind']} in {states} names no chunk list "
+                    f"this version knows (expected one of {', '.join(KIND_NAMES.values())})")
+            if kind not in wanted:
                 continue
             r = by_name[e["name"]]
             # Read and check first, so a corrupt slot is never written.
@@ -240,7 +246,7 @@ def load_checkpoint(engine, load_dir, tag=None, load_optimizer_states=True,
                     f"load_checkpoint: slot {e['name']}/{e['kind']} in {states} fails its CRC-32 "
                     f"check (corrupt file); slots before it were loaded already: load another "
                     f"checkpoint")
-            view = chunks.access(r.id, e["kind"], "host", [r.numel])
+            view = chunks.access(r.id, kind, HOST, [r.numel])
             try:
                 dst = _bytes_of(view)
                 if dst.nbytes != e["bytes"]:
@@ -248,7 +254,7 @@ def load_checkpoint(engine, load_dir, tag=None, load_optimizer_states=True,
                                           f"{e['bytes']} bytes in {path}, {dst.nbytes} in the model")
                 dst[:] = data
             finally:
-                chunks.release(r.id, e["kind"], "hold")
+                chunks.release(r.id, kind, HOLD)
     if load_optimizer_states:
         for name, step in meta["steps"].items():
             by_name[name].step = int(step)
@@ -355,13 +361,13 @@ def _write_param(engine, record, src: torch.Tensor) -> None:
     c = engine.chunks
     flat = src.detach().reshape(-1).cpu()
     with torch.no_grad(), uncounted():
-        kinds = ("param32", "param16") if record.trainable else ("param16",)
+        kinds = (PARAM32, PARAM16) if record.trainable else (PARAM16,)
         for kind in kinds:
-            view = c.access(record.id, kind, "host", [record.numel])
+            view = c.access(record.id, kind, HOST, [record.numel])
             try:
                 view.copy_(flat)
             finally:
-                c.release(record.id, kind, "hold")
+                c.release(record.id, kind, HOLD)
 
 
 def load_pretrained(engine, path, strict=True):

@@ -40,6 +40,7 @@ import weakref
 
 from .. import _C
 from .. import dtr as _dtr
+from .store import DEVICE
 
 _COUNTERS = ("evictions", "recomputes", "recompute_seconds")
 _PEAKS = ("peak_tracked_bytes", "max_op_working_set")
@@ -96,7 +97,7 @@ class DtrLink:
             return
         e = self._engine()
         store = e.store
-        limit = store.device_budget - store.margin - e.chunks.held_bytes("device")
+        limit = store.device_budget - store.margin - e.chunks.held_bytes(DEVICE)
         if self.cap:
             limit = min(limit, self.cap)
         _dtr._set_eviction_threshold(max(limit, 1))  # 0 would mean "no threshold"

@@ -55,7 +55,8 @@ from . import checkpoint as _checkpoint
 from . import hooks as _hooks
 from .dtr_link import DtrLink
 from .loss_scaler import DynamicLossScaler, StaticLossScaler
-from .store import ParamStore, RelayoutError, uncounted
+from .store import (DEVICE, GRAD32, HOLD, HOST, MOMENTUM, PARAM16, PARAM32, VARIANCE, ParamStore,
+                    RelayoutError, uncounted)
 
 OutOfMemoryError = _C.OutOfMemoryError
 
@@ -76,8 +77,6 @@ _PLACEHOLDER_HINT = (
 _FWD = _C.chunks.PointKind.FORWARD
 _BWD = _C.chunks.PointKind.BACKWARD
 _HOLD = _C.chunks.TensorState.HOLD
-_HOST_SPACE = _C.chunks.MemorySpace.HOST
-_DEVICE_SPACE = _C.chunks.MemorySpace.DEVICE
 
 
 def _weak_method(bound):
@@ -255,7 +254,7 @@ class Engine:
         largest = 0
         for m, recs in self._module_records.items():
             chunks = {r.chunk for r in recs}
-            need = sum(self.chunks.chunk_capacity_bytes(c, "param16") for c in chunks)
+            need = sum(self.chunks.chunk_capacity_bytes(c, PARAM16) for c in chunks)
             largest = max(largest, need)
             if need > limit:
                 raise OutOfMemoryError(
@@ -706,11 +705,11 @@ class Engine:
                 # on the host moves the 16-bit chunk down (its gradients) and
                 # up again for the next forward: the bytes a budget too small
                 # for the 16-bit chunks moves anyway.
-                on_device = self._update_on_device(chunk, ("param32", "grad32"), host_short,
+                on_device = self._update_on_device(chunk, (PARAM32, GRAD32), host_short,
                                                    self.config.hybrid_adam)
                 self._hooks.fold_gradients(
                     [index[id(r)] for r in recs], [not r.accumulated for r in recs],
-                    _DEVICE_SPACE if on_device else _HOST_SPACE,
+                    DEVICE if on_device else HOST,
                     num_threads=self.config.cpu_adam_threads)
                 for r in recs:  # (no longer landed: the fold says so)
                     r.accumulated = True
@@ -828,11 +827,11 @@ class Engine:
         its fp32 master (while its 16-bit slot holds a gradient)."""
         c = self.chunks
         with torch.no_grad(), _dtr.outside():
-            src = c.access(record.id, "param32", "host", [record.numel])
+            src = c.access(record.id, PARAM32, HOST, [record.numel])
             try:
                 return src.to(self.store.torch_device, self.dtype, copy=True)
             finally:
-                c.release(record.id, "param32", "hold")
+                c.release(record.id, PARAM32, HOLD)
 
     def _restore_params(self, records):
         """Gradients overwrote the 16-bit params: copy them back from fp32."""
@@ -841,11 +840,11 @@ class Engine:
             for r in records:
                 if not r.trainable:
                     continue
-                dst = c.access(r.id, "param16", "host", [r.numel])
-                src = c.access(r.id, "param32", "host", [r.numel])
+                dst = c.access(r.id, PARAM16, HOST, [r.numel])
+                src = c.access(r.id, PARAM32, HOST, [r.numel])
                 dst.copy_(src)
-                c.release(r.id, "param32", "hold")
-                c.release(r.id, "param16", "hold")
+                c.release(r.id, PARAM32, HOLD)
+                c.release(r.id, PARAM16, HOLD)
 
     def _host_short(self) -> bool:
         """The host budget is too small for the state (Note [One place per chunk])."""
@@ -861,16 +860,16 @@ class Engine:
         # A master the host budget spilled to the device (Note [One place per
         # chunk]) is updated there: moving it down would only spill another
         # chunk up.
-        if host_short and c.chunk_space(chunk, "param32") == "device":
+        if host_short and c.chunk_space(chunk, PARAM32) == DEVICE:
             return True
-        if c.chunk_space(chunk, "param16") != "device":
+        if c.chunk_space(chunk, PARAM16) != DEVICE:
             return False
-        free = c.budget("device") - c.held_bytes("device")
+        free = c.budget(DEVICE) - c.held_bytes(DEVICE)
         # The chunk's own capacity: a tensor larger than the chunk size has a
         # dedicated, larger chunk.
         need = sum(c.chunk_capacity_bytes(chunk, k) for k in kinds)
-        host_full = c.budget("host") - c.held_bytes("host") < \
-            c.chunk_capacity_bytes(chunk, "param16")
+        host_full = c.budget(HOST) - c.held_bytes(HOST) < \
+            c.chunk_capacity_bytes(chunk, PARAM16)
         return (prefer_device or host_full) and free >= need
 
     def _adam(self, pending, grad_scale: float):
@@ -883,7 +882,7 @@ class Engine:
         t0 = time.perf_counter()
         accumulating = self._accumulating
         # The chunks the update needs beside the 16-bit one.
-        kinds = ("param32", "momentum", "variance") + (("grad32",) if accumulating else ())
+        kinds = (PARAM32, MOMENTUM, VARIANCE) + ((GRAD32,) if accumulating else ())
         host_short = self._host_short()
         if host_short:
             # A host too small for the state (Note [One place per chunk]): the
@@ -898,25 +897,25 @@ class Engine:
                 recs = by_chunk[chunk]
                 # Hybrid Adam: on the device when it has room.
                 on_device = self._update_on_device(chunk, kinds, host_short, cfg.hybrid_adam)
-                space = "device" if on_device else "host"
+                space = DEVICE if on_device else HOST
                 if on_device:
                     self._adam_device_chunks += 1
                 else:
                     self._adam_host_chunks += 1
                 # One pass per chunk, except on a GPU where torch's fused
                 # kernel cannot compute what the config asks.
-                if space == "host" or self._device_adam_kernel == "simd" or cfg.bias_correction:
-                    self._adam_chunk(chunk, recs, grad_scale, space, ("param16",) + kinds)
+                if space == HOST or self._device_adam_kernel == "simd" or cfg.bias_correction:
+                    self._adam_chunk(chunk, recs, grad_scale, space, (PARAM16,) + kinds)
                     continue
                 for r in recs:
                     r.step += 1
-                    g16 = c.access(r.id, "param16", space, [r.numel])
-                    w = c.access(r.id, "param32", space, [r.numel])
-                    m = c.access(r.id, "momentum", space, [r.numel])
-                    v = c.access(r.id, "variance", space, [r.numel])
+                    g16 = c.access(r.id, PARAM16, space, [r.numel])
+                    w = c.access(r.id, PARAM32, space, [r.numel])
+                    m = c.access(r.id, MOMENTUM, space, [r.numel])
+                    v = c.access(r.id, VARIANCE, space, [r.numel])
                     # The gradient sum (accumulation) or the 16-bit slot.
-                    grad = c.access(r.id, "grad32", space, [r.numel]) if accumulating else g16
-                    if space == "host":
+                    grad = c.access(r.id, GRAD32, space, [r.numel]) if accumulating else g16
+                    if space == HOST:
                         _C.cpu_adam.adam_update(
                             w, m, v, grad, g16 if self.precision != "fp32" else None,
                             step=r.step, lr=self.lr, beta1=b1, beta2=b2, eps=cfg.eps,
@@ -928,8 +927,8 @@ class Engine:
                     else:
                         self._device_adam(w, m, v, grad.to(w.device), r.step, grad_scale)
                         g16.copy_(w)
-                    for kind in ("param16",) + kinds:
-                        c.release(r.id, kind, "hold")
+                    for kind in (PARAM16,) + kinds:
+                        c.release(r.id, kind, HOLD)
         self._adam_seconds += time.perf_counter() - t0
 
     def _adam_chunk(self, chunk, recs, grad_scale: float, space: str, kinds):
@@ -955,10 +954,10 @@ class Engine:
             for r in recs:
                 r.step += 1
             ranges = [(c.placement(r.id)[1], r.numel) for r in recs]
-            views = [c.chunk_view(chunk, k) for k in ("param32", "momentum", "variance", "param16")]
-            sums = c.chunk_view(chunk, "grad32") if "grad32" in kinds else None
+            views = [c.chunk_view(chunk, k) for k in (PARAM32, MOMENTUM, VARIANCE, PARAM16)]
+            sums = c.chunk_view(chunk, GRAD32) if GRAD32 in kinds else None
             b1, b2 = self.betas
-            if space == "host" or self._device_adam_kernel == "simd":
+            if space == HOST or self._device_adam_kernel == "simd":
                 _C.cpu_adam.adam_chunk_step(
                     *views, ranges, step=[r.step for r in recs],
                     lr=self.lr, beta1=b1, beta2=b2, eps=cfg.eps, weight_decay=cfg.weight_decay,
@@ -969,7 +968,7 @@ class Engine:
                 self._fused_chunk_step(views, ranges, [r.step for r in recs], grad_scale, sums)
         finally:
             for kind in held:
-                c.release(first.id, kind, "hold")
+                c.release(first.id, kind, HOLD)
 
     def _fused_chunk_step(self, views, ranges, steps, grad_scale: float, sums=None):
         """torch's fused Adam/AdamW over the tensors of one device chunk, in

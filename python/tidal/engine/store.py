@@ -50,12 +50,24 @@ def uncounted():
         _C.chunks.set_host_allocation_counting(was)
 
 
-SLOT_KINDS = ("param16", "param32", "momentum", "variance")
+# Chunk kinds, memory spaces and slot states cross the binding as its enums
+# (chunk/chunk_id.h, chunk/memory_space.h, chunk/tensor_state.h); checkpoint
+# manifests name kinds by KIND_NAMES.
+_KIND, _SPACE, _STATE = _C.chunks.ChunkKind, _C.chunks.MemorySpace, _C.chunks.TensorState
+PARAM16, PARAM32, MOMENTUM, VARIANCE, GRAD32 = (_KIND.PARAM16, _KIND.PARAM32, _KIND.MOMENTUM,
+                                                _KIND.VARIANCE, _KIND.GRAD32)
+HOST, DEVICE, NOWHERE = _SPACE.HOST, _SPACE.DEVICE, _SPACE.NONE
+HOLD, FREE = _STATE.HOLD, _STATE.FREE
+KIND_NAMES = {PARAM16: "param16", PARAM32: "param32", MOMENTUM: "momentum", VARIANCE: "variance",
+              GRAD32: "grad32"}
+KIND_BY_NAME = {name: kind for kind, name in KIND_NAMES.items()}
+
+SLOT_KINDS = (PARAM16, PARAM32, MOMENTUM, VARIANCE)
 
 
-def slot_kinds(record: "ParamRecord") -> tuple[str, ...]:
+def slot_kinds(record: "ParamRecord") -> tuple:
     """The chunk lists holding a record: frozen parameters have a 16-bit slot only."""
-    return SLOT_KINDS if record.trainable else ("param16",)
+    return SLOT_KINDS if record.trainable else (PARAM16,)
 
 
 def _held_only_by_its_record(record: "ParamRecord") -> bool:
@@ -193,13 +205,13 @@ class ParamStore:
         new.take_warnings()  # said once, at the first registration
 
         def copy(src_chunks, src_id, dst_chunks, dst_id, r, kind, src_state):
-            src = src_chunks.access(src_id, kind, "host", [r.numel])
+            src = src_chunks.access(src_id, kind, HOST, [r.numel])
             try:
-                dst = dst_chunks.access(dst_id, kind, "host", [r.numel])
+                dst = dst_chunks.access(dst_id, kind, HOST, [r.numel])
                 try:
                     dst.copy_(src)
                 finally:
-                    dst_chunks.release(dst_id, kind, "hold")
+                    dst_chunks.release(dst_id, kind, HOLD)
             finally:
                 src_chunks.release(src_id, kind, src_state)
 
@@ -210,15 +222,15 @@ class ParamStore:
                     # The whole record first, then its old slots go (FREE):
                     # a failure leaves every record whole in one of the two.
                     for kind in slot_kinds(r):
-                        copy(old, r.id, new, new_id, r, kind, "hold")
+                        copy(old, r.id, new, new_id, r, kind, HOLD)
                     for kind in slot_kinds(r):
-                        old.set_state(r.id, kind, "free")
+                        old.set_state(r.id, kind, FREE)
                     moved += 1
             except BaseException as e:
                 # Put the moved records back (their old chunks re-materialize).
                 for r, new_id in list(zip(order, ids))[:moved]:
                     for kind in slot_kinds(r):
-                        copy(new, new_id, old, r.id, r, kind, "free")
+                        copy(new, new_id, old, r.id, r, kind, FREE)
                 raise RelayoutError(f"rebuilding the chunks in first-use order failed ({e}); "
                                     f"the parameters stay in their chunks of before") from e
         for r, new_id in zip(order, ids):
@@ -266,16 +278,16 @@ class ParamStore:
         try:
             with uncounted(), torch.no_grad():
                 for kind in kinds:
-                    view = c.access(tensor_id, kind, "host", [record.numel])
-                    if kind in ("param16", "param32"):
+                    view = c.access(tensor_id, kind, HOST, [record.numel])
+                    if kind in (PARAM16, PARAM32):
                         view.copy_(src)
                     else:
                         view.zero_()
-                    c.release(tensor_id, kind, "hold")
+                    c.release(tensor_id, kind, HOLD)
         except _C.OutOfMemoryError as e:
             # The parameter keeps its data; its slots give their room back.
             for kind in kinds:
-                c.set_state(tensor_id, kind, "free")
+                c.set_state(tensor_id, kind, FREE)
             raise _C.OutOfMemoryError(self._no_room_message(name, record.numel, e)) from e
         param.data = self.placeholder()
         record.provisional = provisional
@@ -330,16 +342,16 @@ class ParamStore:
         gone = set()
         with uncounted(), torch.no_grad():
             for r, dtype in reversed(added):
-                kind = "param32" if r.trainable else "param16"
+                kind = PARAM32 if r.trainable else PARAM16
                 space = c.chunk_space(r.chunk, kind)
-                if space != "none":
+                if space != NOWHERE:
                     view = c.access(r.id, kind, space, r.shape)
                     try:
                         r.param.data = view.to("cpu", dtype, copy=True)
                     finally:
-                        c.release(r.id, kind, "hold")
+                        c.release(r.id, kind, HOLD)
                 for k in slot_kinds(r):
-                    c.set_state(r.id, k, "free")
+                    c.set_state(r.id, k, FREE)
                 self.by_param.pop(id(r.param), None)
                 gone.add(id(r))
         self.records = [r for r in self.records if id(r) not in gone]
@@ -363,7 +375,7 @@ class ParamStore:
         gone = {id(r) for r in records}
         for r in records:
             for kind in slot_kinds(r):
-                self.chunks.set_state(r.id, kind, "free")
+                self.chunks.set_state(r.id, kind, FREE)
             self.by_param.pop(id(r.param), None)
         self.records = [r for r in self.records if id(r) not in gone]
 
@@ -388,15 +400,15 @@ class ParamStore:
                 r = self.by_param.get(id(p))
                 if r is None or r.param is not p or p.numel() != 0:
                     continue  # not ours, or materialized already
-                kind = "param32" if r.trainable else "param16"
-                p.data = c.access(r.id, kind, "host", r.shape)
+                kind = PARAM32 if r.trainable else PARAM16
+                p.data = c.access(r.id, kind, HOST, r.shape)
                 held.append((r, kind))
                 if r.trainable:
                     self._stale16[id(r)] = r
             yield
         finally:
             for r, kind in held:
-                c.release(r.id, kind, "hold")
+                c.release(r.id, kind, HOLD)
                 r.param.data = self.placeholder()
 
     def sync_param16(self) -> None:
@@ -406,15 +418,15 @@ class ParamStore:
         stale, self._stale16 = self._stale16, {}
         with uncounted(), torch.no_grad():
             for r in stale.values():
-                src = c.access(r.id, "param32", "host", [r.numel])
+                src = c.access(r.id, PARAM32, HOST, [r.numel])
                 try:
-                    dst = c.access(r.id, "param16", "host", [r.numel])
+                    dst = c.access(r.id, PARAM16, HOST, [r.numel])
                     try:
                         dst.copy_(src)
                     finally:
-                        c.release(r.id, "param16", "hold")
+                        c.release(r.id, PARAM16, HOLD)
                 finally:
-                    c.release(r.id, "param32", "hold")
+                    c.release(r.id, PARAM32, HOLD)
 
     def flush_warnings(self) -> None:
         """Says what registration found (e.g. tensors larger than a chunk), once."""
@@ -426,13 +438,13 @@ class ParamStore:
             message += f" [and {len(pending) - 1} more such warning(s) for this model]"
         warnings.warn(f"tidal: {message}", stacklevel=3)
 
-    def gather(self, record: ParamRecord, kind: str = "param32") -> torch.Tensor:
+    def gather(self, record: ParamRecord, kind=PARAM32) -> torch.Tensor:
         """A host copy of one slot, shaped like the parameter (fp32 for the master)."""
-        if kind == "param32" and not record.trainable:
-            kind = "param16"
-        view = self.chunks.access(record.id, kind, "host", record.shape)
+        if kind == PARAM32 and not record.trainable:
+            kind = PARAM16
+        view = self.chunks.access(record.id, kind, HOST, record.shape)
         try:
             with uncounted():
                 return view.clone()
         finally:
-            self.chunks.release(record.id, kind, "hold")
+            self.chunks.release(record.id, kind, HOLD)
