@@ -53,6 +53,21 @@ bool in_dispatch_mode() { return c10::impl::TorchDispatchModeTLS::stack_len() > 
 
 py::object wrap(at::Tensor t) { return py::reinterpret_steal<py::object>(THPVariable_Wrap(std::move(t))); }
 
+// The C++ object of a pybind11 instance, or null while it has none (these
+// instances are made by py::cast of a finished object, so only in theory).
+// The GPU image's torch may bundle a pybind11 without is_holder_constructed.
+template <typename T>
+T* constructed(PyObject* self) noexcept {
+#if PYBIND11_VERSION_MAJOR >= 3
+  if (!py::detail::is_holder_constructed(self)) return nullptr;
+#endif
+  try {
+    return &py::cast<T&>(py::handle(self));
+  } catch (...) {
+    return nullptr;
+  }
+}
+
 // A pybind11 class whose instances hold Python objects, made visible to the
 // garbage collector: T::references() lists them (tp_traverse) and T::clear()
 // drops them (tp_clear).
@@ -63,12 +78,13 @@ py::custom_type_setup collectable() {
     type->tp_flags |= Py_TPFLAGS_HAVE_GC;
     type->tp_traverse = [](PyObject* self, visitproc visit, void* arg) -> int {
       Py_VISIT(Py_TYPE(self));
-      if (!py::detail::is_holder_constructed(self)) return 0;
-      for (PyObject* o : py::cast<T&>(py::handle(self)).references()) Py_VISIT(o);
+      if (T* t = constructed<T>(self)) {
+        for (PyObject* o : t->references()) Py_VISIT(o);
+      }
       return 0;
     };
     type->tp_clear = [](PyObject* self) -> int {
-      if (py::detail::is_holder_constructed(self)) py::cast<T&>(py::handle(self)).clear();
+      if (T* t = constructed<T>(self)) t->clear();
       return 0;
     };
   });
