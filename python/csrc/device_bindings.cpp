@@ -34,6 +34,7 @@ py::dict info_dict(const DeviceInfo& info) {
   d["capacity"] = info.capacity_bytes;
   d["pinned_memory"] = info.pinned_host_memory;
   d["sim_copy_bandwidth"] = info.copy_bandwidth_bytes_per_s;
+  d["sim_copy_latency_s"] = info.copy_latency_s;
   return d;
 }
 
@@ -130,6 +131,27 @@ Create one with tidal.set_device() / tidal.get_device(); not constructible direc
            },
            py::arg("dst"), py::arg("src"), py::arg("stream"), py::arg("nbytes") = py::none(),
            py::arg("dst_offset") = 0, py::arg("src_offset") = 0)
+      .def("copy_d2h_external",
+           [](Device& d, HostBuffer& dst, std::uintptr_t src, std::size_t nbytes, Stream& stream,
+              std::size_t dst_offset) {
+             check_range("copy destination", dst_offset, nbytes, dst.size());
+             py::gil_scoped_release release;
+             d.copy_async_external(at(dst.data(), dst_offset), reinterpret_cast<const void*>(src), nbytes,
+                                   CopyKind::kDeviceToHost, stream);
+           },
+           py::arg("dst"), py::arg("src_ptr"), py::arg("nbytes"), py::arg("stream"), py::arg("dst_offset") = 0,
+           "Asynchronous device-to-host copy from device memory this device did not allocate "
+           "(a torch tensor's data_ptr()); the caller keeps it alive until the copy is done.")
+      .def("copy_h2d_external",
+           [](Device& d, std::uintptr_t dst, const HostBuffer& src, std::size_t nbytes, Stream& stream,
+              std::size_t src_offset) {
+             check_range("copy source", src_offset, nbytes, src.size());
+             py::gil_scoped_release release;
+             d.copy_async_external(reinterpret_cast<void*>(dst), at(const_cast<void*>(src.data()), src_offset),
+                                   nbytes, CopyKind::kHostToDevice, stream);
+           },
+           py::arg("dst_ptr"), py::arg("src"), py::arg("nbytes"), py::arg("stream"), py::arg("src_offset") = 0,
+           "Asynchronous host-to-device copy into device memory this device did not allocate.")
       .def("copy_d2d",
            [](Device& d, DeviceBuffer& dst, const DeviceBuffer& src, Stream& stream,
               std::optional<std::size_t> nbytes, std::size_t dst_offset, std::size_t src_offset) {

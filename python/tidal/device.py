@@ -101,6 +101,7 @@ def device_info(device: Union[None, str, Device] = None) -> dict:
         A dict with ``backend`` ("cuda" or "sim"), ``name``, ``ordinal``,
         ``total_memory`` and ``capacity`` (bytes), ``pinned_memory`` (whether host
         buffers get page-locked), ``sim_copy_bandwidth`` (bytes/s, 0 = unlimited),
+        ``sim_copy_latency_s`` (fixed cost per copy),
         ``cuda_compiled``, ``cuda_devices``, ``cuda_unavailable_reason``,
         ``cpu_simd_target`` (what the CPU kernels dispatch to) and
         ``cpu_simd_targets`` (all runnable targets compiled in, best first).

@@ -30,21 +30,22 @@ soon as the segment starts and its device copy is released once the copy is
 done; in backward, when a segment's recompute starts, the checkpoints of the
 next ``prefetch_depth`` segments (in backward order) are copied back, so the
 copies overlap compute. On CUDA this is a ``torch.cuda.Stream``, pinned host
-memory and CUDA events. On the CPU it is a *modelled* copy engine: one worker
-thread that performs each copy in issue order and takes at least
-latency + bytes / bandwidth seconds (the bandwidth of the simulated tidal
-device, or ``offload_bandwidth``); host copies are ``tidal.HostBuffer``\\ s,
-so ``tidal.stats()["host"]`` counts them.
+memory and CUDA events (torch's caching allocator must see the side stream,
+``record_stream``). Elsewhere the copies go through tidal's device layer: a
+stream of the simulated device and its copy engines, the same link the
+training engine's chunk copies take (each copy takes latency + bytes /
+bandwidth on its direction's engine, behind the copies booked there), or a
+link of its own when ``offload_bandwidth`` / ``offload_latency_us`` are
+given; host copies are ``tidal.HostBuffer``\\ s, so ``tidal.stats()["host"]``
+counts them.
 """
 
 from __future__ import annotations
 
 import collections
 import contextlib
-import ctypes
 import difflib
 import math
-import queue
 import sys
 import threading
 import time
@@ -59,7 +60,7 @@ from torch.utils._pytree import tree_map
 
 from tidal import dtr as _dtr
 from tidal._schema import NONE, ConfigError, Rule, check_value, unknown_key
-from tidal.device import device_info, parse_bytes
+from tidal.device import get_device, parse_bytes
 from tidal import _C
 from tidal._C import HostBuffer
 
@@ -230,107 +231,101 @@ def plan_for_target(act: Sequence[int], inp: Sequence[int], target: Optional[int
 # Copy engines for offload.
 
 class CopyEvent:
-    """Completion of one copy on a copy engine. Times are ``time.perf_counter()``
-    seconds: issued (host), started/completed (modelled engine only; None on CUDA)."""
+    """Completion of one copy. Times are ``time.perf_counter()`` seconds: issued
+    (host); started/completed (when the device layer's stream began and
+    finished the copy, read from timing events; None on CUDA)."""
 
-    __slots__ = ("kind", "nbytes", "label", "issued_at", "started_at", "completed_at", "_done", "_cuda")
+    __slots__ = ("kind", "nbytes", "label", "issued_at", "_link", "_start", "_end", "_cuda")
 
     def __init__(self, kind: str, nbytes: int, label: Any):
         self.kind, self.nbytes, self.label = kind, nbytes, label
         self.issued_at = time.perf_counter()
-        self.started_at: Optional[float] = None
-        self.completed_at: Optional[float] = None
-        self._done = threading.Event()
+        self._link: Optional["_DeviceLink"] = None
+        self._start = self._end = None  # timing events on the link's stream
         self._cuda = None
 
     def query(self) -> bool:
         if self._cuda is not None:
             return self._cuda.query()
-        return self._done.is_set()
+        return self._end is None or self._end.query()
 
     def synchronize(self) -> float:
         """Blocks the host until the copy is done; returns the seconds waited."""
         t0 = time.perf_counter()
         if self._cuda is not None:
             self._cuda.synchronize()
-        else:
-            self._done.wait()
+        elif self._end is not None:
+            self._end.synchronize()
         return time.perf_counter() - t0
 
+    @property
+    def started_at(self) -> Optional[float]:
+        return None if self._link is None or not self.query() else self._link.wall_time(self._start)
 
-class _ModelledCopyEngine:
-    """A copy stream modelled on the CPU: one worker thread runs the copies in
-    issue order; each takes max(memcpy time, latency + nbytes / bandwidth).
-    Nothing else is modelled: no PCIe contention with tidal's chunk traffic,
-    no duplex (one stream carries both directions, as the CUDA path does)."""
+    @property
+    def completed_at(self) -> Optional[float]:
+        return None if self._link is None or not self.query() else self._link.wall_time(self._end)
 
-    def __init__(self, bandwidth: float, latency: float):
-        self.bandwidth, self.latency = bandwidth, latency
-        self._jobs: "queue.SimpleQueue" = queue.SimpleQueue()
-        self._thread: Optional[threading.Thread] = None
-        self._lock = threading.Lock()
-        self.busy_seconds = 0.0
 
-    def _start(self) -> None:
-        with self._lock:
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._work, name="tidal-recompute-copy", daemon=True)
-                self._thread.start()
+class _DeviceLink:
+    """Offload copies of tensors torch keeps in host memory (the simulated
+    device's "device" tensors, or a CPU model) through tidal's device layer:
+    one stream of `device` (Device.copy_d2h_external / copy_h2d_external: the
+    device side is torch's memory), timing events for the copies' times."""
 
-    def _work(self) -> None:
-        while True:
-            job = self._jobs.get()
-            if job is None:
-                return
-            dst, src, raw, ev = job
-            ev.started_at = t0 = time.perf_counter()
-            if raw:
-                # NB: a memmove, not dst.copy_(src): torch's copy on this thread would start
-                # a second OpenMP team that spins on the cores the compute thread is using.
-                ctypes.memmove(dst.data_ptr(), src.data_ptr(), ev.nbytes)
-            elif dst is not None:
-                with torch.no_grad():
-                    dst.copy_(src)
-            del dst, src, job
-            modelled = self.latency + (ev.nbytes / self.bandwidth if self.bandwidth > 0 else 0.0)
-            rest = t0 + modelled - time.perf_counter()
-            if rest > 0:
-                time.sleep(rest)
-            ev.completed_at = time.perf_counter()
-            self.busy_seconds += ev.completed_at - t0
-            ev._done.set()
+    def __init__(self, device, shared: bool):
+        self.device, self.shared = device, shared
+        self.stream = device.create_stream("tidal-recompute-offload")
+        # Event times are relative; an event recorded on the idle stream just
+        # after `t0` anchors them to perf_counter (a little early, by the
+        # stream's start-up: completions are never placed late).
+        self._base = device.create_event(True)
+        t0 = time.perf_counter()
+        self._base.record(self.stream)
+        self._base.synchronize()
+        self._base_wall = t0
 
-    def copy(self, dst: torch.Tensor, src: torch.Tensor, kind: str, label: Any) -> CopyEvent:
-        """Queues dst.copy_(src). The caller keeps both alive until the event is done."""
-        self._start()
-        ev = CopyEvent(kind, src.numel() * src.element_size(), label)
-        raw = (dst.dtype == src.dtype and dst.shape == src.shape and dst.stride() == src.stride()
-               and _dense(src) and ev.nbytes > 0)  # the same bytes in the same order
-        self._jobs.put((dst, src, raw, ev))
+    def wall_time(self, event) -> float:
+        return self._base_wall + event.elapsed_seconds_since(self._base)
+
+    def _copy(self, kind: str, nbytes: int, label: Any, issue: Callable[[], None]) -> CopyEvent:
+        ev = CopyEvent(kind, nbytes, label)
+        ev._link = self
+        ev._start = self.device.create_event(True)
+        ev._end = self.device.create_event(True)
+        ev._start.record(self.stream)
+        issue()
+        ev._end.record(self.stream)
         return ev
 
+    def d2h(self, host: HostBuffer, src: torch.Tensor, label: Any) -> CopyEvent:
+        """Queues the copy of dense `src` into `host`; the caller keeps `src` alive until it is done."""
+        n = src.numel() * src.element_size()
+        return self._copy("d2h", n, label,
+                          lambda: self.device.copy_d2h_external(host, src.data_ptr(), n, self.stream))
+
+    def h2d(self, dst: torch.Tensor, host: HostBuffer, label: Any) -> CopyEvent:
+        n = dst.numel() * dst.element_size()
+        return self._copy("h2d", n, label,
+                          lambda: self.device.copy_h2d_external(dst.data_ptr(), host, n, self.stream))
+
+    def info(self) -> Dict[str, Any]:
+        i = self.device.info()
+        return {"kind": "device", "backend": i.get("backend"), "shared_with_chunks": self.shared,
+                "bandwidth_bytes_per_s": i.get("sim_copy_bandwidth"),
+                "latency_s": i.get("sim_copy_latency_s")}
+
     def synchronize(self) -> None:
-        """Waits until every copy issued so far is done."""
-        if self._thread is None:
-            return
-        ev = CopyEvent("marker", 0, None)
-        self._jobs.put((None, None, False, ev))
-        ev.synchronize()
-
-    def close(self) -> None:
-        with self._lock:
-            if self._thread is not None:
-                self._jobs.put(None)
-                self._thread.join()
-                self._thread = None
+        self.stream.synchronize()
 
 
-def _host_tensor(size: torch.Size, stride: Tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """A host tensor of this (dense) layout in a tidal.HostBuffer; the tensor keeps the buffer alive."""
+def _host_tensor(size: torch.Size, stride: Tuple[int, ...], dtype: torch.dtype) -> Tuple[HostBuffer, torch.Tensor]:
+    """A tidal.HostBuffer and a host tensor of this (dense) layout over it (the tensor keeps the buffer alive)."""
     numel = math.prod(size)
     nbytes = max(numel, 1) * torch.empty((), dtype=dtype).element_size()
-    flat = torch.frombuffer(HostBuffer(nbytes), dtype=torch.uint8, count=nbytes).view(dtype)
-    return flat.as_strided(size, stride)
+    buf = HostBuffer(nbytes)
+    flat = torch.frombuffer(buf, dtype=torch.uint8, count=nbytes).view(dtype)
+    return buf, flat.as_strided(size, stride)
 
 
 def _dense(t: torch.Tensor) -> bool:
@@ -394,8 +389,9 @@ class _Run:
         self.ckpt_version = 0
         self.ckpt_requires_grad = False
         self.host: Optional[torch.Tensor] = None
+        self.host_buffer: Optional[HostBuffer] = None  # under `host` (device-layer copies)
         self.d2h: Optional[CopyEvent] = None
-        self.d2h_src: Optional[torch.Tensor] = None  # kept alive until d2h is done (modelled engine)
+        self.d2h_src: Optional[torch.Tensor] = None  # kept alive until d2h is done (device-layer copies)
         self.h2d: Optional[CopyEvent] = None
         self.prefetched: Optional[torch.Tensor] = None
         self.device: Optional[torch.device] = None  # where the offloaded checkpoint came from
@@ -639,7 +635,7 @@ class Recompute:
         self.report: Dict[str, str] = {}
         self._bandwidth = offload_bandwidth
         self._latency = offload_latency
-        self._engine: Optional[_ModelledCopyEngine] = None
+        self._link: Optional[_DeviceLink] = None
         self._cuda_streams: Dict[int, Any] = {}
         self._wrapped: Dict[nn.Module, Tuple[Optional[Callable], Callable]] = {}
         self._where: Dict[nn.Module, Tuple[Optional[Segment], int]] = {}
@@ -706,8 +702,6 @@ class Recompute:
         self._wrapped.clear()
         self._active = False
         self._drain(wait=True)
-        if self._engine is not None:
-            self._engine.close()
 
     def __enter__(self) -> "Recompute":
         return self
@@ -829,15 +823,19 @@ class Recompute:
             s = self._cuda_streams[device.index] = torch.cuda.Stream(device)
         return s
 
-    def _modelled_engine(self) -> _ModelledCopyEngine:
-        if self._engine is None:
-            bw = self._bandwidth
-            if bw is None:
-                info = device_info()
-                bw = float(info.get("sim_copy_bandwidth") or 0.0) if info.get("backend") == "sim" else 0.0
-            self._engine = _ModelledCopyEngine(bw, self._latency)
-            weakref.finalize(self, self._engine.close)
-        return self._engine
+    def _device_link(self) -> _DeviceLink:
+        """The link of copies that are not on CUDA: the simulated device's own
+        (shared with the chunk copies), or a simulated link of their own when
+        offload_bandwidth / offload_latency_us were given or the process-wide
+        device is not simulated (a CPU model beside a GPU: unlimited)."""
+        if self._link is None:
+            device = get_device()
+            own = self._bandwidth is not None or self._latency > 0 or device.backend != "sim"
+            if own:
+                bandwidth = None if self._bandwidth is None else f"{max(1, round(self._bandwidth))}B/s"
+                device = _C.create_device("sim", "1MiB", bandwidth, self._latency * 1e6)
+            self._link = _DeviceLink(device, shared=not own)
+        return self._link
 
     def _offload(self, run: _Run, x: torch.Tensor) -> torch.Tensor:
         """Starts the device->host copy of a checkpoint; returns the host tensor."""
@@ -858,8 +856,10 @@ class Recompute:
             run.d2h = ev
         else:
             with _dtr.outside():
-                host = _host_tensor(x.size(), x.stride() if _dense(x) else _contiguous_strides(x.size()), x.dtype)
-            run.d2h = self._modelled_engine().copy(host, x, "d2h", run.id)
+                if not _dense(x):  # a copy moves bytes in order: make them dense first
+                    x = x.contiguous()
+                run.host_buffer, host = _host_tensor(x.size(), x.stride(), x.dtype)
+            run.d2h = self._device_link().d2h(run.host_buffer, x, run.id)
             run.d2h_src = x  # released by _drain() once the copy is done, as a GPU frees it
             with self._lock:
                 self._pending.append(run)
@@ -902,7 +902,7 @@ class Recompute:
         else:
             with _dtr.outside():
                 dst = torch.empty_strided(host.size(), host.stride(), dtype=host.dtype)
-            ev = self._modelled_engine().copy(dst, host, "h2d", run.id)
+            ev = self._device_link().h2d(dst, run.host_buffer, run.id)
         run.prefetched, run.h2d = dst, ev
         self._trace("h2d_issued", run, nbytes=ev.nbytes, late=late)
 
@@ -952,8 +952,8 @@ class Recompute:
         segment boundary)."""
         if torch.cuda.is_available() and torch.cuda.is_initialized():
             torch.cuda.synchronize()
-        if self._engine is not None:
-            self._engine.synchronize()
+        if self._link is not None:
+            self._link.synchronize()
         self._drain(wait=True)
 
     # -- reporting -----------------------------------------------------------------
@@ -967,16 +967,16 @@ class Recompute:
         recompute_seconds, offloads, offloaded_bytes, prefetches,
         late_prefetches (issued only when the segment needed its checkpoint),
         copy_wait_seconds (host time spent waiting for prefetches), and
-        copy_engine ("cuda", "modelled" with its bandwidth in bytes/s, or None)."""
+        copy_engine ("cuda"; the device layer's link: its backend, whether the
+        chunk copies share it, bandwidth and latency; or None before a copy)."""
         out: Dict[str, Any] = {k: self._counters.get(k, 0) for k in (
             "forward_runs", "recomputes", "recompute_seconds", "offloads", "offloaded_bytes", "prefetches",
             "late_prefetches", "copy_wait_seconds")}
         out["segments"] = len(self.segments)
         if self._cuda_streams:
             out["copy_engine"] = "cuda"
-        elif self._engine is not None:
-            out["copy_engine"] = {"kind": "modelled", "bandwidth_bytes_per_s": self._engine.bandwidth,
-                                  "latency_s": self._engine.latency, "busy_seconds": self._engine.busy_seconds}
+        elif self._link is not None:
+            out["copy_engine"] = self._link.info()
         else:
             out["copy_engine"] = None
         if self._measured is not None:
@@ -1066,9 +1066,10 @@ def recompute(model: nn.Module, checkpoints: Checkpoints = "auto", offload: bool
             fewest blocks (the first ones) whose estimate meets the target.
         chain: with "auto": the name of the ModuleList/Sequential to segment.
         prefetch_depth: checkpoints brought back ahead of use (>= 1).
-        offload_bandwidth: CPU copy model only: bytes/s (or "12GB/s"); default: the
-            simulated device's bandwidth, unlimited when it has none.
-        offload_latency_us: CPU copy model only: fixed cost per copy.
+        offload_bandwidth: not on CUDA: the offload copies take a simulated link of
+            their own at bytes/s (or "12GB/s"); default: the simulated device's
+            link, shared with the training engine's chunk copies.
+        offload_latency_us: not on CUDA: that link's fixed cost per copy.
         preserve_rng_state: replay random ops with the forward's RNG states.
         synchronize_boundaries: wait for the device and the copy stream at every
             segment boundary (DeepSpeed's synchronize_checkpoint_boundary).
@@ -1218,7 +1219,8 @@ CONFIG_KEYS: Dict[str, Tuple[Any, Any, str]] = {
                       "tidal: measured plan recomputing the fewest blocks that fit this activation budget"),
     "prefetch_depth": (Rule("an integer >= 1", _is_count), 1, "tidal: offloaded checkpoints prefetched ahead of use"),
     "offload_bandwidth": (Rule("null or a rate such as '12GB/s'", _parses(_parse_bandwidth)), None,
-                          "tidal, CPU copy model only: modelled link bandwidth"),
+                          "tidal, not on CUDA: a simulated link of the offload copies' own (default: "
+                          "the simulated device's, shared with the chunk copies)"),
     "preserve_rng_state": (bool, True, "tidal: random ops replay the forward's randomness"),
 }
 

@@ -244,4 +244,25 @@ void Device::copy_async(void* dst, const void* src, std::size_t bytes, CopyKind 
   do_copy_async(dst, src, bytes, kind, stream);
 }
 
+void Device::copy_async_external(void* dst, const void* src, std::size_t bytes, CopyKind kind,
+                                 Stream& stream) {
+  TIDAL_CHECK(kind == CopyKind::kHostToDevice || kind == CopyKind::kDeviceToHost,
+              "copy_async_external: expected a host-to-device or device-to-host copy, got ",
+              to_string(kind));
+  TIDAL_CHECK(&stream.device() == this, "copy_async_external: stream '", stream.name(),
+              "' belongs to another device");
+  if (bytes == 0) return;
+  TIDAL_CHECK(dst != nullptr && src != nullptr, "copy_async_external: null pointer (dst=", dst,
+              ", src=", src, ")");
+  const auto d = reinterpret_cast<std::uintptr_t>(dst);
+  const auto s = reinterpret_cast<std::uintptr_t>(src);
+  TIDAL_CHECK(d + bytes <= s || s + bytes <= d,
+              "copy_async_external: source and destination overlap (dst=", dst, ", src=", src,
+              ", bytes=", bytes, ")");
+  const void* host = kind == CopyKind::kHostToDevice ? src : dst;
+  TIDAL_CHECK(!owns(host, 1), to_string(kind), " copy: the host side ", host,
+              " is memory of this device; expected host memory");
+  do_copy_async(dst, src, bytes, kind, stream);
+}
+
 }  // namespace tidal

@@ -50,6 +50,7 @@ struct DeviceInfo {
   std::size_t capacity_bytes = 0;       // what allocate() may hand out in total (the budget)
   bool pinned_host_memory = false;      // whether register_host() really pins pages
   double copy_bandwidth_bytes_per_s = 0;  // simulated: configured limit, 0 = unlimited; CUDA: 0
+  double copy_latency_s = 0;              // simulated: fixed cost per copy; CUDA: 0
 };
 
 struct DeviceMemoryStats {
@@ -241,6 +242,15 @@ class Device : public std::enable_shared_from_this<Device> {
   // Enqueues a copy on `stream`. The device side of the copy must lie inside
   // one live allocation of this device; violations throw ValueError.
   void copy_async(void* dst, const void* src, std::size_t bytes, CopyKind kind, Stream& stream);
+  // A host<->device copy whose device side is memory this device did not
+  // allocate: a tensor from torch's own allocator (tidal.recompute's
+  // offloaded checkpoints). The checks of copy_async, except that the device
+  // side need not lie inside an allocation of this device: on the simulated
+  // device torch's "device" tensors are host memory, on CUDA the copy
+  // addresses any device pointer of the context. The host side must still not
+  // be this device's memory. `kind`: kHostToDevice or kDeviceToHost.
+  void copy_async_external(void* dst, const void* src, std::size_t bytes, CopyKind kind,
+                           Stream& stream);
   // Blocks until all work on all streams of this device has finished.
   virtual void synchronize() = 0;
 

@@ -349,6 +349,7 @@ class SimDevice final : public Device {
     out.capacity_bytes = capacity();
     out.pinned_host_memory = false;
     out.copy_bandwidth_bytes_per_s = options_.copy_bandwidth_bytes_per_s;
+    out.copy_latency_s = options_.copy_latency_s;
     return out;
   }
 

@@ -411,6 +411,34 @@ def test_offload_ordering_on_a_slow_link():
     plan.remove()
 
 
+def test_offload_copies_take_the_simulated_devices_link_by_default():
+    # Without offload_bandwidth the copies go through the process-wide
+    # simulated device's stream and copy engines, the link the training
+    # engine's chunk copies take: each copy lasts at least bytes / bandwidth.
+    n, copy_s = 3, 0.02
+    x = torch.randn(8, 16, 32)
+    nbytes = x.numel() * 4
+    previous = tidal.get_device()
+    tidal.set_device("sim", capacity="64MiB", bandwidth=f"{round(nbytes / copy_s)}B/s")
+    try:
+        ref, model = twins(lambda: SlowNet(n=n, seconds=0.005))
+        plan = rc(model, "auto", offload=True, segments=n, trace=True)
+        ref(x).backward()
+        model(x).backward()
+        for (name, p), q in zip(ref.named_parameters(), model.parameters()):
+            assert torch.equal(p.grad, q.grad), name
+        engine = plan.stats()["copy_engine"]
+        assert engine["kind"] == "device" and engine["backend"] == "sim" and engine["shared_with_chunks"]
+        assert engine["bandwidth_bytes_per_s"] == pytest.approx(nbytes / copy_s, rel=1e-6)
+        done = [e for e in plan.trace if e["event"] in ("d2h_done", "h2d_done")]
+        assert len(done) == 2 * (n - 1)
+        for e in done:
+            assert e["completed"] - e["started"] >= copy_s * 0.9, e
+        plan.remove()
+    finally:
+        tidal._C.set_default_device(previous)
+
+
 def test_late_prefetch_when_nothing_could_be_ahead():
     """Two forwards before one backward: still exact, every checkpoint comes back."""
     ref, model = twins(lambda: GPT(layers=4))
