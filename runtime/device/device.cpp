@@ -215,17 +215,21 @@ std::unique_ptr<Event> Device::create_event(bool enable_timing) {
   return do_create_event(enable_timing);
 }
 
-void Device::copy_async(void* dst, const void* src, std::size_t bytes, CopyKind kind,
-                        Stream& stream) {
-  TIDAL_CHECK(&stream.device() == this, "copy_async: stream '", stream.name(),
-              "' belongs to another device");
-  if (bytes == 0) return;
-  TIDAL_CHECK(dst != nullptr && src != nullptr, "copy_async: null pointer (dst=", dst,
-              ", src=", src, ")");
+bool Device::check_copy(const char* who, const void* dst, const void* src, std::size_t bytes,
+                        const Stream& stream) const {
+  TIDAL_CHECK(&stream.device() == this, who, ": stream '", stream.name(), "' belongs to another device");
+  if (bytes == 0) return false;
+  TIDAL_CHECK(dst != nullptr && src != nullptr, who, ": null pointer (dst=", dst, ", src=", src, ")");
   const auto d = reinterpret_cast<std::uintptr_t>(dst);
   const auto s = reinterpret_cast<std::uintptr_t>(src);
-  TIDAL_CHECK(d + bytes <= s || s + bytes <= d, "copy_async: source and destination overlap (dst=",
-              dst, ", src=", src, ", bytes=", bytes, ")");
+  TIDAL_CHECK(d + bytes <= s || s + bytes <= d, who, ": source and destination overlap (dst=", dst,
+              ", src=", src, ", bytes=", bytes, ")");
+  return true;
+}
+
+void Device::copy_async(void* dst, const void* src, std::size_t bytes, CopyKind kind,
+                        Stream& stream) {
+  if (!check_copy("copy_async", dst, src, bytes, stream)) return;
   if (kind == CopyKind::kHostToDevice || kind == CopyKind::kDeviceToDevice) {
     check_device_range(dst, bytes, "destination", kind);
   }
@@ -249,16 +253,7 @@ void Device::copy_async_external(void* dst, const void* src, std::size_t bytes, 
   TIDAL_CHECK(kind == CopyKind::kHostToDevice || kind == CopyKind::kDeviceToHost,
               "copy_async_external: expected a host-to-device or device-to-host copy, got ",
               to_string(kind));
-  TIDAL_CHECK(&stream.device() == this, "copy_async_external: stream '", stream.name(),
-              "' belongs to another device");
-  if (bytes == 0) return;
-  TIDAL_CHECK(dst != nullptr && src != nullptr, "copy_async_external: null pointer (dst=", dst,
-              ", src=", src, ")");
-  const auto d = reinterpret_cast<std::uintptr_t>(dst);
-  const auto s = reinterpret_cast<std::uintptr_t>(src);
-  TIDAL_CHECK(d + bytes <= s || s + bytes <= d,
-              "copy_async_external: source and destination overlap (dst=", dst, ", src=", src,
-              ", bytes=", bytes, ")");
+  if (!check_copy("copy_async_external", dst, src, bytes, stream)) return;
   const void* host = kind == CopyKind::kHostToDevice ? src : dst;
   TIDAL_CHECK(!owns(host, 1), to_string(kind), " copy: the host side ", host,
               " is memory of this device; expected host memory");

@@ -284,6 +284,10 @@ class Device : public std::enable_shared_from_this<Device> {
  private:
   [[noreturn]] void throw_out_of_memory(std::size_t requested, const char* reason);
   void check_device_range(const void* ptr, std::size_t bytes, const char* role, CopyKind kind) const;
+  // The checks every copy makes (`who` names the call in the message); false
+  // when there is nothing to copy.
+  bool check_copy(const char* who, const void* dst, const void* src, std::size_t bytes,
+                  const Stream& stream) const;
 
   const DeviceBackend backend_;
   const std::size_t physical_bytes_;
