@@ -13,12 +13,18 @@ Two models, fp32, on the simulated device with the whole device as budget
 Per model, interleaved in rounds so machine load hits all alike:
   * plain        : forward + backward + torch.optim.AdamW(foreach) step;
   * plain_fused  : the same with AdamW(fused=True) (the optimizer-step peer);
+  * plain_hooks  : plain with no-op Python hooks of every kind the engine
+                   installs (module forward pre/post, a tensor hook on each
+                   output, post-accumulate-grad, saved-tensor pack/unpack):
+                   what torch's hook machinery costs before a hook does
+                   anything, the floor under the engine's hooks;
   * tidal        : tidal.initialize with the default config (hybrid Adam:
                    every chunk is updated on the device, where it is; on the
                    simulated device that is the SIMD CPU Adam kernel).
 Each step is timed whole and its optimizer step alone (engine.step() against
 opt.step()). The per-module overhead is (tidal - plain) / modules of the
-whole step, minus the step-time difference, i.e. what the hooks cost.
+whole step, minus the step-time difference, i.e. what the hooks cost; the
+hook floor is the same for plain_hooks.
 """
 from __future__ import annotations
 
@@ -68,15 +74,39 @@ def data(shape, n, seed=1):
              torch.randn(shape["batch"], shape["width"], generator=g)) for _ in range(n)]
 
 
+def _noop_output_hook(grad):
+    return None
+
+
+def _noop_hooks(model):
+    """No-op Python hooks of every kind the engine installs, on `model`."""
+    from tidal.engine.hooks import add_tensor_hook
+    for m in model.modules():
+        if next(m.parameters(recurse=False), None) is None:
+            continue
+        m.register_forward_pre_hook(lambda mod, args: None)
+        m.register_forward_hook(lambda mod, args, out: add_tensor_hook(out, _noop_output_hook))
+    for p in model.parameters():
+        p.register_post_accumulate_grad_hook(lambda param: None)
+
+
 class Plain:
-    def __init__(self, shape, fused):
+    def __init__(self, shape, fused, hooks=False):
         self.model = make(shape)
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-3, weight_decay=0.01,
                                      **({"fused": True} if fused else {"foreach": True}))
+        self.saved = None
+        if hooks:
+            _noop_hooks(self.model)
+            self.saved = lambda: torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t)
 
     def run(self, x, y):
         t0 = time.perf_counter()
-        loss = self.model(x, y)
+        if self.saved is not None:
+            with self.saved():
+                loss = self.model(x, y)
+        else:
+            loss = self.model(x, y)
         loss.backward()
         t1 = time.perf_counter()
         self.opt.step()
@@ -116,7 +146,8 @@ def main():
     out = {"quick": args.quick, "rounds": rounds, "steps_per_round": args.steps, "models": {}}
     for name, shape in shapes.items():
         params = sum(p.numel() for p in make(shape).parameters())
-        runs = {"plain": Plain(shape, False), "plain_fused": Plain(shape, True), "tidal": Tidal(shape)}
+        runs = {"plain": Plain(shape, False), "plain_fused": Plain(shape, True),
+                "plain_hooks": Plain(shape, False, hooks=True), "tidal": Tidal(shape)}
         batches = data(shape, args.steps + 2)
         for r in runs.values():  # warm-up (tidal: the trace and the relayout)
             for x, y in batches[:2]:
@@ -132,7 +163,10 @@ def main():
         med = {k: statistics.median(v) for k, v in whole.items()}
         med_step = {k: statistics.median(v) for k, v in step.items()}
         modules = shape["depth"]
-        hooks_us = ((med["tidal"] - med_step["tidal"]) - (med["plain"] - med_step["plain"])) / modules * 1e6
+        def fwd_bwd(k):
+            return med[k] - med_step[k]
+        hooks_us = (fwd_bwd("tidal") - fwd_bwd("plain")) / modules * 1e6
+        floor_us = (fwd_bwd("plain_hooks") - fwd_bwd("plain")) / modules * 1e6
         out["models"][name] = {
             "shape": shape, "parameters": params, "tensors": 2 * modules, "modules": modules,
             "median_step_seconds": med, "median_optimizer_step_seconds": med_step,
@@ -141,12 +175,16 @@ def main():
             "optimizer_step_ratio_tidal_to_fused": med_step["tidal"] / med_step["plain_fused"],
             "optimizer_step_ratio_tidal_to_foreach": med_step["tidal"] / med_step["plain"],
             "hook_overhead_us_per_module": hooks_us,
+            "hook_floor_us_per_module": floor_us,
+            "forward_backward_ratio_tidal_to_plain": fwd_bwd("tidal") / fwd_bwd("plain"),
+            "forward_backward_ratio_tidal_to_plain_hooks": fwd_bwd("tidal") / fwd_bwd("plain_hooks"),
         }
         runs["tidal"].engine.remove_hooks()
         print(f"{name}: {params} params; step tidal {med['tidal'] * 1e3:.2f} ms vs plain "
               f"{med['plain'] * 1e3:.2f} ms ({med['tidal'] / med['plain']:.2f}x); optimizer step tidal "
               f"{med_step['tidal'] * 1e3:.2f} ms vs AdamW fused {med_step['plain_fused'] * 1e3:.2f} ms, "
-              f"foreach {med_step['plain'] * 1e3:.2f} ms; hooks {hooks_us:.1f} us/module", flush=True)
+              f"foreach {med_step['plain'] * 1e3:.2f} ms; hooks {hooks_us:.1f} us/module (no-op hooks "
+              f"of the same kinds: {floor_us:.1f})", flush=True)
     path = common.write_result("engine_overhead-quick" if args.quick else "engine_overhead", out,
                                args.output)
     print(f"wrote {path}")

@@ -297,7 +297,9 @@ def _engine_overhead(r: Dict, name: str) -> List[List[str]]:
             rows.append([
                 f"training step, {sh['depth']} x Linear({sh['width']}, {sh['width']}) + tanh, fp32, "
                 f"batch {sh['batch']}, simulated device, budget holds every state (hooks: "
-                f"{small['hook_overhead_us_per_module']:.0f} us per module)",
+                f"{small['hook_overhead_us_per_module']:.0f} us per module"
+                + (f"; no-op Python hooks of the same kinds: {small['hook_floor_us_per_module']:.0f}"
+                   if "hook_floor_us_per_module" in small else "") + ")",
                 _machine(r),
                 f"{t * 1e3:.1f} ms",
                 f"{steps[peer] * 1e3:.1f} ms, plain PyTorch + torch.optim.AdamW ({label})",
