@@ -5,6 +5,7 @@ resumption, the plain PyTorch model for state dicts, the Hugging Face model
 itself for its weights.
 """
 import copy
+import json
 import subprocess
 import sys
 import textwrap
@@ -168,6 +169,14 @@ def test_another_model_or_a_corrupt_file_is_a_clear_error(tmp_path):
     states.write_bytes(bytes(data[:-8]))
     with pytest.raises(CheckpointError, match="truncated or corrupt"):
         engine_for().load_checkpoint(tmp_path, tag="a")
+    # A manifest naming a chunk list this version does not know.
+    good = engine.save_checkpoint(tmp_path, tag="k")
+    meta = json.loads((good / "meta.json").read_text())
+    meta["slots"][0]["kind"] = "param8"
+    (good / "meta.json").write_text(json.dumps(meta))
+    with pytest.raises(CheckpointError, match=r"names no chunk list this version knows \(expected one "
+                                              r"of param16, param32, momentum, variance, grad32\)"):
+        engine_for().load_checkpoint(tmp_path, tag="k")
     with pytest.warns(UserWarning, match="no tag given and no 'latest'"):  # as DeepSpeed
         assert engine_for().load_checkpoint(tmp_path / "empty") == (None, None)
     # Saving or loading with gradients pending is refused, not half-done.
