@@ -197,38 +197,90 @@ class _Wrapper(torch.Tensor):
         return _Wrapper(out) if isinstance(out, torch.Tensor) else out
 
 
+@contextlib.contextmanager
+def _dtr_on(interception):
+    """DTR on with nothing evicted, ops intercepted in C++ (the default) or by
+    the Python TorchDispatchMode (the implementation before issue 16)."""
+    saved = dtr._interception
+    dtr._interception = interception
+    try:
+        with dtr.enabled(eviction_threshold=1 << 50):
+            yield
+    finally:
+        dtr._interception = saved
+
+
+def _count_ops(fn):
+    names = []
+
+    class Count(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            names.append(func)
+            return func(*args, **(kwargs or {}))
+
+    with Count():
+        fn()
+    return len(names)
+
+
+def _mlp_step(width=64, batch=16):
+    """One training step (forward, backward, no optimizer) of a 3-layer MLP."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(width, width), torch.nn.ReLU(), torch.nn.Linear(width, width),
+                                torch.nn.ReLU(), torch.nn.Linear(width, width))
+    x = torch.randn(batch, width)
+
+    def step():
+        model.zero_grad(set_to_none=True)
+        model(x).square().mean().backward()
+    return step
+
+
 def overhead(n_ops):
+    """Per-op cost with DTR on and nothing evicted, against plain PyTorch and
+    the pass-through costs of torch's extension points, in one run."""
     results = {}
-    for name, shape in (("add_4", (4,)), ("mm_64", (64, 64))):
-        a = torch.randn(*shape)
-        b = torch.randn(*shape)
-        op = (lambda x, y: x + y) if name == "add_4" else (lambda x, y: x @ y)
-        n = n_ops if name == "add_4" else max(n_ops // 20, 50)
+    variants = {
+        "plain": lambda: contextlib.nullcontext(),
+        "torch_function_mode": _PassFunction,
+        "torch_dispatch_mode": _PassDispatch,
+        "tidal_dtr": lambda: _dtr_on(None),
+        "tidal_dtr_python_mode": lambda: _dtr_on("python"),
+    }
+    for name, shape in (("add_4", (4,)), ("mm_64", (64, 64)), ("mlp3_step", None)):
+        if name == "mlp3_step":
+            step = _mlp_step()
+            ops_per_call = _count_ops(step)
+            n = max(n_ops // (20 * ops_per_call), 20)
+            calls = {v: (step, None, None) for v in variants}
+        else:
+            a = torch.randn(*shape)
+            b = torch.randn(*shape)
+            op = (lambda x, y: x + y) if name == "add_4" else (lambda x, y: x @ y)
+            ops_per_call = 1
+            n = n_ops if name == "add_4" else max(n_ops // 20, 50)
+            calls = {v: (op, a, b) for v in variants}
+            calls["wrapper_subclass"] = (op, _Wrapper(a), _Wrapper(b))
 
-        def loop(x, y):
-            for _ in range(n):
-                op(x, y)
-
-        variants = {
-            "plain": (contextlib.nullcontext, a, b),
-            "torch_function_mode": (_PassFunction, a, b),
-            "torch_dispatch_mode": (_PassDispatch, a, b),
-            "wrapper_subclass": (contextlib.nullcontext, _Wrapper(a), _Wrapper(b)),
-            "tidal_dtr": (lambda: dtr.enabled(eviction_threshold=1 << 50), a, b),
-        }
         per = {}
-        for vname, (ctx, x, y) in variants.items():
+        for vname, (fn, x, y) in calls.items():
+            ctx = variants.get(vname, lambda: contextlib.nullcontext())
+
+            def loop():
+                for _ in range(n):
+                    fn() if x is None else fn(x, y)
             samples = []
             with ctx():
-                loop(x, y)  # warm-up
+                loop()  # warm-up
                 for _ in range(5):
                     t0 = time.perf_counter()
-                    loop(x, y)
-                    samples.append((time.perf_counter() - t0) / n * 1e6)
+                    loop()
+                    samples.append((time.perf_counter() - t0) / (n * ops_per_call) * 1e6)
             per[vname] = {"us_per_op": summarize(samples), "samples_us": samples}
         base = per["plain"]["us_per_op"]["median"]
         for vname, v in per.items():
             v["overhead_us_per_op"] = v["us_per_op"]["median"] - base
+        per["ops_per_call"] = ops_per_call
         results[name] = per
     return results
 
@@ -323,7 +375,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="tiny models, one repeat (seconds)")
     parser.add_argument("--output", default=None, help="result path (default benchmarks/results/dtr-<machine>.json)")
-    parser.add_argument("--only", default=None, help="run one workload: resnet50 or gpt2_small")
+    parser.add_argument("--only", default=None, help="run one part: resnet50, gpt2_small or overhead (the per-op part alone)")
     parser.add_argument("--repeat", type=int, default=3, help="timed rounds (full mode)")
     parser.add_argument("--skip-overhead", action="store_true", help="skip the per-op overhead part")
     parser.add_argument("--evictee-minimum-size", default=None,
@@ -346,10 +398,11 @@ def main():
     }
     payload["per_op_overhead"] = {} if args.skip_overhead else overhead(300 if args.quick else 10000)
     for k, v in payload["per_op_overhead"].items():
-        print("  " + k + ": " + ", ".join(f"{n} {x['us_per_op']['median']:.1f}us" for n, x in v.items()))
+        print("  " + k + ": " + ", ".join(f"{n} {x['us_per_op']['median']:.2f}us" for n, x in v.items()
+                                          if isinstance(x, dict)))
     payload["workloads"] = {}
     for name, spec in workloads(args.quick).items():
-        if args.only and name != args.only:
+        if args.only and name != args.only:  # "overhead": no workload
             continue
         print(f"{name} ...", flush=True)
         payload["workloads"][name] = run_workload(name, spec, fractions, repeat)

@@ -22,8 +22,11 @@ build() {
   cmake --build "$dir" -j "$JOBS"
 }
 
+# The libtorch suites (DTR's C++ side, hooks/dtr) build against the venv's torch.
+TORCH_TESTS=(-DPython_EXECUTABLE="$ROOT/.venv/bin/python")
+
 log "C++ tests (RelWithDebInfo, CUDA backend compiled where nvcc is found)"
-build build/cpp -DCMAKE_BUILD_TYPE=RelWithDebInfo
+build build/cpp -DCMAKE_BUILD_TYPE=RelWithDebInfo "${TORCH_TESTS[@]}"
 ctest --test-dir build/cpp -j "$JOBS" --output-on-failure --no-tests=error
 
 log "CPU Adam suites again with Highway's baseline (scalar) target forced"
@@ -33,14 +36,14 @@ TIDAL_CPU_ADAM_TARGET=baseline ctest --test-dir build/cpp -j "$JOBS" -L cpu_adam
 if [ "${TIDAL_TEST_QUICK:-0}" != "1" ]; then
   log "C++ tests under AddressSanitizer + UndefinedBehaviorSanitizer"
   build build/asan -DCMAKE_BUILD_TYPE=RelWithDebInfo -DTIDAL_SANITIZE="address;undefined" \
-    -DTIDAL_DEBUG_FULL=ON -DTIDAL_BUILD_BENCHMARKS=OFF
+    -DTIDAL_DEBUG_FULL=ON -DTIDAL_BUILD_BENCHMARKS=OFF "${TORCH_TESTS[@]}"
   ASAN_OPTIONS=detect_leaks=1:abort_on_error=1:strict_string_checks=1 \
   UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
     ctest --test-dir build/asan -j "$JOBS" --output-on-failure --no-tests=error
 
   log "threaded C++ tests under ThreadSanitizer"
   build build/tsan -DCMAKE_BUILD_TYPE=RelWithDebInfo -DTIDAL_SANITIZE=thread \
-    -DTIDAL_BUILD_BENCHMARKS=OFF
+    -DTIDAL_BUILD_BENCHMARKS=OFF -DTIDAL_TORCH_TESTS=OFF
   TSAN_OPTIONS=halt_on_error=1:second_deadlock_stack=1 \
     ctest --test-dir build/tsan -j "$JOBS" -L threaded --output-on-failure --no-tests=error
 fi

@@ -4,6 +4,13 @@
 
 #include <pybind11/pybind11.h>
 
+#include <exception>
+#include <memory>
+
+namespace tidal::hooks {
+class ModuleHooks;
+}
+
 namespace tidal::python {
 
 namespace py = pybind11;
@@ -12,6 +19,11 @@ void bind_errors(py::module_& m);
 // A tidal.OutOfMemoryError carrying `message`, to hand to Python code (the
 // GIL held; after bind_errors).
 py::object out_of_memory_error(const char* message);
+// Sets the Python exception for one of tidal's C++ errors (the GIL held);
+// false (nothing set) for any other exception.
+bool set_python_error(std::exception_ptr p);
+// The C++ side of a tidal._C.chunks.ModuleHooks object (chunk_bindings.cpp).
+std::shared_ptr<hooks::ModuleHooks> module_hooks_of(py::handle hooks_object);
 void bind_hook_callables(py::module_& m);
 void bind_device(py::module_& m);
 void bind_cpu_adam(py::module_& m);

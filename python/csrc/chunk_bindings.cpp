@@ -200,6 +200,7 @@ class Hooks {
   static HookTarget target(py::object self) {
     return HookTarget{self, self.cast<Hooks&>().hooks_};
   }
+  const std::shared_ptr<hooks::ModuleHooks>& shared() const { return hooks_; }
 
  private:
   py::object chunks_;
@@ -210,6 +211,10 @@ class Hooks {
 };
 
 }  // namespace
+
+std::shared_ptr<hooks::ModuleHooks> module_hooks_of(py::handle hooks_object) {
+  return hooks_object.cast<Hooks&>().shared();
+}
 
 static void bind_enums(py::module_& m) {
   py::enum_<TensorState>(m, "TensorState", "A tensor slot's state (chunk/tensor_state.h).")

@@ -10,11 +10,12 @@ or, restoring the previous state on exit::
     with tidal.dtr.enabled(eviction_threshold="5GB"):
         loss = model(x).sum(); loss.backward()
 
-Every aten op is intercepted by a ``TorchDispatchMode``; the C++ core
-(runtime/dtr) records how each storage was computed, evicts the storage with
-the lowest h_DTR^eq score when tracked bytes exceed the threshold, and
-rematerializes evicted storages in place when an op needs them again (see
-docs/dtr.md). Tracked bytes are the storages produced while DTR is on;
+Every aten op is intercepted in C++, by a fallback on a dispatch key below
+autograd (Note [DTR on a dispatch key] in hooks/dtr/interceptor.h; a Python
+``TorchDispatchMode`` where that key is not available); the C++ core records
+how each storage was computed, evicts the storage with the lowest h_DTR^eq
+score when tracked bytes exceed the threshold, and rematerializes evicted
+storages in place when an op needs them again (see docs/dtr.md). Tracked bytes are the storages produced while DTR is on;
 parameters and inputs made before are not counted and never evicted.
 
 Options (module attributes; assigning a bad value raises ValueError/TypeError):
@@ -137,7 +138,9 @@ class _ParamRef:
 #   * weights_epoch: bumped whenever the weights change (optimizer step,
 #     loaded checkpoints); a replay from an older epoch is an internal error
 #     (the engine restarts the DTR session at every step, which brings back
-#     every evicted tensor first, so it is not reached).
+#     every evicted tensor first, so it is not reached);
+#   * cpp: a _C.dtr.ParamProvider, the same three for the C++ interception
+#     (alias() there is ModuleHooks::attached_at, with no Python per op).
 # Inputs that alias a parameter are templated as _ParamRef instead of
 # slots: they are not recipe inputs for the core (parameters are never
 # evicted), and replays rebuild them through the provider. Outputs that
@@ -149,11 +152,15 @@ def register_param_provider(provider) -> None:
     """Called by the training engine (Note [DTR with chunk-managed parameters])."""
     if provider not in _providers:
         _providers.append(provider)
+        if _mode is _CPP:
+            _runtime.add_provider(provider.cpp)
 
 
 def unregister_param_provider(provider) -> None:
     if provider in _providers:
         _providers.remove(provider)
+        if _mode is _CPP:
+            _runtime.remove_provider(provider.cpp)
 
 
 def _param_alias(t: torch.Tensor):
@@ -387,9 +394,33 @@ _options: Dict[str, Any] = {
     "enable_sqrt_sampling": False,
     "scorer": "dtr_eq",
 }
-_runtime = None
-_mode: Optional[_DtrMode] = None
+_runtime = None  # _C.dtr.Session (C++ interception) or _C.dtr.Runtime (Python mode)
+_mode: Any = None  # _CPP, or the _DtrMode entered; None while DTR is off
 _last_stats: Dict[str, Any] = {}
+_CPP = "cpp"
+# How ops are intercepted: None picks C++ where the dispatch key is free
+# (_C.dtr.interception_status()), else the Python mode with a warning;
+# "python" forces the TorchDispatchMode (benchmarks/dtr_overhead.py's peer).
+_interception: Optional[str] = None
+_after_op = None  # tests: called after every intercepted op (C++ interception)
+
+
+def _interception_kind() -> str:
+    if _interception is not None:
+        return _interception
+    why = _C.dtr.interception_status()
+    if why:
+        warnings.warn(f"tidal.dtr intercepts ops with a Python TorchDispatchMode (slower): {why}", stacklevel=3)
+        return "python"
+    return _CPP
+
+
+def _set_after_op(fn) -> None:
+    """Tests: fn() runs after every op DTR intercepts in C++ (None removes it)."""
+    global _after_op
+    _after_op = fn
+    if _mode is _CPP:
+        _runtime.set_after_op(fn)
 
 
 def _checked(**given) -> Dict[str, Any]:
@@ -483,8 +514,18 @@ def enable(**options) -> None:
     configure(**options)
     if _mode is not None:
         disable()
-    _runtime = _C.dtr.Runtime(_options["eviction_threshold"], _options["evictee_minimum_size"],
-                              _options["enable_sqrt_sampling"], _options["scorer"])
+    args = (_options["eviction_threshold"], _options["evictee_minimum_size"], _options["enable_sqrt_sampling"],
+            _options["scorer"])
+    if _interception_kind() == _CPP:
+        session = _C.dtr.Session(*args)
+        for p in _providers:
+            session.add_provider(p.cpp)
+        if _after_op is not None:
+            session.set_after_op(_after_op)
+        session.activate()
+        _runtime, _mode = session, _CPP
+        return
+    _runtime = _C.dtr.Runtime(*args)
     _mode = _DtrMode(_runtime)
     _mode.__enter__()
 
@@ -496,6 +537,17 @@ def disable() -> None:
     if _mode is None:
         return
     mode, rt = _mode, _runtime
+    if mode is _CPP:
+        rt.deactivate()
+        _mode = None
+        try:
+            with torch.no_grad():
+                rt.regenerate_evicted()
+            _last_stats = rt.stats()
+            rt.clear()
+        finally:
+            _runtime = None
+        return
     if _get_current_dispatch_mode() is not mode:
         raise RuntimeError("tidal.dtr.disable(): another TorchDispatchMode was entered after "
                            "tidal.dtr.enable() and is still active; exit it first")
@@ -570,13 +622,17 @@ def outside():
     times per module hook, where a generator-based one cost microseconds."""
     if _mode is None:
         return _NO_MODE
+    if _mode is _CPP:
+        return _C.dtr.Outside()
     from torch.utils._python_dispatch import _disable_current_modes
     return _disable_current_modes()
 
 
 def _force_off() -> None:
     global _runtime, _mode
-    if _mode is not None and _get_current_dispatch_mode() is _mode:
+    if _mode is _CPP:
+        _runtime.deactivate()
+    elif _mode is not None and _get_current_dispatch_mode() is _mode:
         _mode.__exit__(None, None, None)
     if _runtime is not None:
         _runtime.clear()

@@ -46,26 +46,66 @@ _COUNTERS = ("evictions", "recomputes", "recompute_seconds")
 _PEAKS = ("peak_tracked_bytes", "max_op_working_set")
 
 
+def _live(ref):
+    link = ref()
+    if link is None:
+        raise _C.InternalError("tidal.dtr: a recipe reads a parameter of an engine that is gone")
+    return link
+
+
 class DtrLink:
     """Registered with tidal.dtr as a parameter provider for one engine."""
 
     def __init__(self, engine, block: dict):
         self._engine = weakref.ref(engine)
-        self.weights_epoch = 0
+        self._epoch = 0
         self._replay_attached: list = []
+        self._block = block
         self.enabled_by_config = bool(block) and block.get("enabled", True)
         self.cap = _dtr.validate_config(block).get("eviction_threshold", 0) if block else 0
         self.replay_attaches = 0
         self._ended = {k: 0 for k in _COUNTERS + _PEAKS}
+        self.cpp = None
+
+    def start(self, hooks):
+        """Registers the engine with tidal.dtr once its ModuleHooks exist, and
+        applies the config's dtr block ("enabled": false leaves DTR as it is)."""
+        engine = self._engine()
+        # The C++ interception's view of the parameters: alias lookups in C++
+        # (ModuleHooks::attached_at), replays through view() below. The
+        # callbacks hold this link weakly (it holds them).
+        me = weakref.ref(self)
+        self.cpp = _C.dtr.ParamProvider(
+            hooks,
+            lambda i, size, stride, offset: _live(me).view(_live(me).record(i), size, stride, offset),
+            lambda: _live(me).end_replay_step(),
+            lambda i: _live(me).record(i).name)
+        self.cpp.weights_epoch = self._epoch
         _dtr.register_param_provider(self)
         if self.enabled_by_config:
-            _dtr.from_config(block)  # "enabled": false leaves DTR as it is
+            _dtr.from_config(self._block)
         weakref.finalize(engine, _dtr.unregister_param_provider, self)
+
+    @property
+    def weights_epoch(self) -> int:
+        return self._epoch
+
+    @weights_epoch.setter
+    def weights_epoch(self, value: int):
+        self._epoch = value
+        if self.cpp is not None:
+            self.cpp.weights_epoch = value
 
     # -------------------------------------------------- provider protocol
     def alias(self, t):
         e = self._engine()
         return None if e is None else e.param_record_of(t)
+
+    def record(self, i: int):
+        e = self._engine()
+        if e is None:
+            raise _C.InternalError("tidal.dtr: a recipe reads a parameter of an engine that is gone")
+        return e._record_list[i]
 
     def view(self, record, size, stride, offset):
         e = self._engine()

@@ -246,6 +246,7 @@ class Engine:
         # replays (RecomputePlan.parameter_aliases).
         self._saved_tensor_pair = self._hooks.saved_tensor_hooks(self._unpack_attach)
         self._install_hooks()
+        self.dtr.start(self._hooks)
         self.dtr.rebalance()
 
     # ------------------------------------------------------------------ setup

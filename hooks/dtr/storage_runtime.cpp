@@ -1,0 +1,445 @@
+#include "hooks/dtr/storage_runtime.h"
+
+#include <ATen/ATen.h>
+
+#include <algorithm>
+#include <unordered_set>
+#include <utility>
+
+#include "runtime/core/error.h"
+#include "runtime/core/units.h"
+
+namespace tidal::hooks::dtr {
+
+namespace d = tidal::dtr;
+
+void StorageRuntime::begin_op(std::span<const at::Tensor> inputs, std::vector<TensorId>* ids,
+                              std::vector<TensorId>* missing) {
+  sweep();
+  core_.tick();
+  ids->clear();
+  missing->clear();
+  ids->reserve(inputs.size());
+  for (const at::Tensor& t : inputs) {
+    const TensorId id = id_of(t, /*register_external=*/true);
+    ids->push_back(id);
+    if (id == d::kNoTensor) continue;
+    core_.access(id);
+    core_.pin(id);
+    op_pins_.push_back(id);
+    if (core_.tensor(id).state != d::TensorState::kResident &&
+        std::find(missing->begin(), missing->end(), id) == missing->end()) {
+      missing->push_back(id);
+    }
+  }
+}
+
+std::vector<StorageRuntime::PlanItem> StorageRuntime::plan(std::span<const TensorId> targets) {
+  std::vector<PlanItem> out;
+  plan_uses_.clear();
+  // Targets stay pinned until end_plan(): the caller is about to use them.
+  for (TensorId t : targets) ++plan_uses_[t];
+  for (auto& step : core_.regeneration_plan(targets)) {
+    std::vector<TensorId> ins = core_.op(step.op).inputs;
+    std::sort(ins.begin(), ins.end());
+    ins.erase(std::unique(ins.begin(), ins.end()), ins.end());
+    for (TensorId in : ins) ++plan_uses_[in];
+    out.push_back(PlanItem{step.op, replays_.at(step.op).recipe.get(), std::move(step.chained)});
+  }
+  // Inputs that are resident already must stay so until their last reader
+  // ran: evictions between steps must not take them.
+  for (const auto& [id, uses] : plan_uses_) {
+    if (core_.tensor(id).state == d::TensorState::kResident) {
+      core_.pin(id);
+      plan_pins_.push_back(id);
+    }
+  }
+  return out;
+}
+
+std::vector<at::Tensor> StorageRuntime::replay_inputs(OpId op) const {
+  const Replay& r = replays_.at(op);
+  std::vector<at::Tensor> out;
+  out.reserve(r.inputs.size());
+  for (const InputMeta& m : r.inputs) {
+    auto it = storage_.find(m.id);
+    TIDAL_INTERNAL_ASSERT(it != storage_.end() && core_.tensor(m.id).state == d::TensorState::kResident,
+                          "input ", m.id, " of op ", op, " is not resident for replay");
+    c10::Storage storage(it->second);
+    at::Tensor t = at::empty({0}, at::TensorOptions().dtype(m.dtype).device(storage.device()));
+    t.set_(storage, m.offset, m.sizes, m.strides);
+    out.push_back(std::move(t));
+  }
+  return out;
+}
+
+void StorageRuntime::replayed(const PlanItem& item, std::span<const at::Tensor> outputs, double seconds) {
+  const Replay& r = replays_.at(item.op);
+  d::Rematerializer::PlanStep step{item.op, item.chained};
+  const auto& core_outputs = core_.op(item.op).outputs;
+  for (TensorId id : core_.on_replayed(step, seconds)) {
+    const auto k = static_cast<std::size_t>(std::find(core_outputs.begin(), core_outputs.end(), id) -
+                                            core_outputs.begin());
+    TIDAL_INTERNAL_ASSERT(k < r.fresh_at.size() && r.fresh_at[k] < outputs.size(), "replay of op ", item.op,
+                          " returned ", outputs.size(), " outputs, output ", k, " missing");
+    install(id, outputs[r.fresh_at[k]]);
+    auto it = plan_uses_.find(id);
+    if (it != plan_uses_.end() && it->second > 0) {
+      core_.pin(id);
+      plan_pins_.push_back(id);
+    }
+  }
+  // A replay's working set: what the op being prepared pins, what the plan
+  // still needs, and this step's results.
+  max_working_set_ = std::max(max_working_set_, pinned_bytes());
+  // Inputs that no later step reads are released (and dropped at once if
+  // they were regenerated only for this plan).
+  std::vector<TensorId> ins = core_.op(item.op).inputs;
+  std::sort(ins.begin(), ins.end());
+  ins.erase(std::unique(ins.begin(), ins.end()), ins.end());
+  for (TensorId in : ins) {
+    auto it = plan_uses_.find(in);
+    if (it == plan_uses_.end() || --it->second > 0) continue;
+    auto pit = std::find(plan_pins_.begin(), plan_pins_.end(), in);
+    if (pit == plan_pins_.end()) continue;
+    plan_pins_.erase(pit);
+    core_.unpin(in);
+    drop_if_unreferenced(in);
+  }
+  drain_released();
+  evict_to_threshold();
+}
+
+void StorageRuntime::end_plan() {
+  for (TensorId id : plan_pins_) core_.unpin(id);
+  plan_pins_.clear();
+  plan_uses_.clear();
+  sweep();
+}
+
+OpId StorageRuntime::record(std::span<const at::Tensor> inputs, std::span<const TensorId> ids,
+                            std::span<const at::Tensor> outputs, double seconds, bool replayable,
+                            RecipePtr recipe, bool last_resort) {
+  std::vector<std::size_t> fresh_at;
+  std::vector<std::size_t> bytes;
+  for (std::size_t i = 0; i < outputs.size(); ++i) {
+    const at::Tensor& t = outputs[i];
+    if (!t.defined() || !t.has_storage()) continue;
+    c10::StorageImpl* impl = t.storage().unsafeGetStorageImpl();
+    if (by_storage_.count(impl) != 0) continue;  // a view of a known storage
+    bool seen = false;
+    for (std::size_t j : fresh_at) seen = seen || outputs[j].storage().unsafeGetStorageImpl() == impl;
+    if (seen) continue;
+    fresh_at.push_back(i);
+    bytes.push_back(impl->nbytes());
+  }
+  if (fresh_at.empty()) return -1;
+  bool can_replay = replayable;
+  std::vector<TensorId> core_inputs;
+  core_inputs.reserve(ids.size());
+  for (TensorId id : ids) {
+    can_replay = can_replay && id != d::kNoTensor;
+    if (id != d::kNoTensor) core_inputs.push_back(id);
+  }
+  std::vector<TensorId> out_ids;
+  const OpId op = core_.record_op(core_inputs, bytes, seconds, can_replay, &out_ids, last_resort);
+  for (std::size_t k = 0; k < out_ids.size(); ++k) {
+    const at::Tensor& t = outputs[fresh_at[k]];
+    register_storage(out_ids[k], StoragePtr::reclaim_copy(t.storage().unsafeGetStorageImpl()));
+    op_pins_.push_back(out_ids[k]);
+    core_.pin(out_ids[k]);
+  }
+  Replay r;
+  r.fresh_at = std::move(fresh_at);
+  if (can_replay) {
+    r.inputs = metas(inputs, ids);
+    r.recipe = std::move(recipe);
+  }
+  replays_.emplace(op, std::move(r));
+  return op;
+}
+
+bool StorageRuntime::has_fresh(std::span<const at::Tensor> outputs) const {
+  for (const at::Tensor& t : outputs) {
+    if (t.defined() && t.has_storage() && by_storage_.count(t.storage().unsafeGetStorageImpl()) == 0) return true;
+  }
+  return false;
+}
+
+void StorageRuntime::commit_mutation(TensorId target, bool chain, std::span<const at::Tensor> inputs,
+                                     std::span<const TensorId> ids, double seconds, RecipePtr recipe) {
+  d::MutationPlan plan;
+  plan.chain = chain;
+  std::vector<TensorId> core_inputs;
+  for (TensorId id : ids) {
+    if (id != d::kNoTensor && id != target) core_inputs.push_back(id);
+  }
+  const OpId op = core_.commit_mutation(target, core_inputs, seconds, chain, plan);
+  if (op >= 0) {
+    Replay r;
+    r.inputs = metas(inputs, ids);
+    r.recipe = std::move(recipe);
+    replays_.emplace(op, std::move(r));
+  }
+}
+
+void StorageRuntime::end_op(std::string_view op_name) {
+  // Evict before unpinning: the op's inputs and outputs are its working
+  // set, and the next op is likely to read its outputs.
+  drain_released();
+  evict_to_threshold();
+  const std::size_t working_set = pinned_bytes();
+  max_working_set_ = std::max(max_working_set_, working_set);
+  const std::size_t threshold = core_.options().eviction_threshold;
+  const std::size_t tracked = core_.stats_tracked_bytes();  // stats() scans every record
+  for (TensorId id : op_pins_) core_.unpin(id);
+  op_pins_.clear();
+  drain_released();
+  if (threshold > 0 && tracked > threshold + working_set) {
+    const auto s = core_.stats();
+    TIDAL_THROW(OutOfMemoryError, "DTR cannot keep tracked memory within eviction_threshold=",
+                format_bytes(threshold), " after ", op_name, " (working set ", format_bytes(working_set),
+                "): ", format_bytes(tracked), " stay tracked and nothing more can be evicted (",
+                format_bytes(s.locked_bytes),
+                " locked: no recipe or updated in place; tensors under evictee_minimum_size=",
+                format_bytes(core_.options().evictee_minimum_size),
+                " are never evicted). Tip: raise eviction_threshold or lower evictee_minimum_size.");
+  }
+}
+
+void StorageRuntime::abandon_op() {
+  hold_evictions_ = false;
+  for (TensorId id : op_pins_) {
+    if (core_.contains(id)) core_.unpin(id);
+  }
+  op_pins_.clear();
+  drain_released();
+}
+
+bool StorageRuntime::evict_one() {
+  if (hold_evictions_) return false;  // an in-place update is being prepared
+  const TensorId e = core_.choose_evictee();
+  if (e == d::kNoTensor) return false;
+  evict(e);
+  return true;
+}
+
+std::vector<TensorId> StorageRuntime::evicted_alive() {
+  sweep();
+  std::vector<TensorId> out;
+  for (const auto& [id, ptr] : storage_) {
+    const auto& rec = core_.tensor(id);
+    if (rec.alive && rec.state == d::TensorState::kEvicted) out.push_back(id);
+  }
+  std::sort(out.begin(), out.end());
+  return out;
+}
+
+void StorageRuntime::clear() {
+  storage_.clear();
+  by_storage_.clear();
+  replays_.clear();
+  op_pins_.clear();
+  plan_pins_.clear();
+  plan_uses_.clear();
+  const auto opts = core_.options();
+  const auto s = core_.stats();
+  base_evictions_ += s.evictions;
+  base_recomputes_ += s.recomputes;
+  base_recompute_seconds_ += s.recompute_seconds;
+  core_ = d::Rematerializer(opts);
+}
+
+RuntimeStats StorageRuntime::stats() {
+  sweep();
+  const auto s = core_.stats();
+  RuntimeStats out;
+  out.evictions = base_evictions_ + s.evictions;
+  out.recomputes = base_recomputes_ + s.recomputes;
+  out.recompute_seconds = base_recompute_seconds_ + s.recompute_seconds;
+  out.tracked_bytes = s.tracked_bytes;
+  out.peak_tracked_bytes = s.peak_tracked_bytes;
+  out.max_op_working_set = max_working_set_;
+  out.live_tensors = s.live_tensors;
+  out.live_ops = s.live_ops;
+  out.fake_deleted = s.fake_deleted;
+  out.locked_bytes = s.locked_bytes;
+  out.held_storages = storage_.size();
+  out.recipes = replays_.size();
+  return out;
+}
+
+void StorageRuntime::validate() const {
+  core_.validate();
+  for (const auto& [id, ptr] : storage_) {
+    TIDAL_INTERNAL_ASSERT(core_.contains(id), "storage held for released tensor ", id);
+    const auto& rec = core_.tensor(id);
+    if (rec.state == d::TensorState::kResident) {
+      TIDAL_INTERNAL_ASSERT(ptr->nbytes() == rec.bytes, "resident tensor ", id, " holds ", ptr->nbytes(),
+                            " bytes, recorded ", rec.bytes);
+    } else {
+      TIDAL_INTERNAL_ASSERT(ptr->nbytes() == 0, "evicted tensor ", id, " still holds memory");
+    }
+    auto it = by_storage_.find(ptr.get());
+    TIDAL_INTERNAL_ASSERT(it != by_storage_.end() && it->second == id, "storage map out of sync for ", id);
+  }
+  TIDAL_INTERNAL_ASSERT(by_storage_.size() == storage_.size(), "storage maps differ in size");
+}
+
+TensorId StorageRuntime::lookup(const at::Tensor& t) const {
+  if (!t.defined() || !t.has_storage()) return d::kNoTensor;
+  auto it = by_storage_.find(t.storage().unsafeGetStorageImpl());
+  return it == by_storage_.end() ? d::kNoTensor : it->second;
+}
+
+std::string StorageRuntime::state_of(TensorId id) const {
+  if (!core_.contains(id)) return "released";
+  switch (core_.tensor(id).state) {
+    case d::TensorState::kResident: return "resident";
+    case d::TensorState::kEvicted: return "evicted";
+    case d::TensorState::kDeleted: return "deleted";
+  }
+  return "?";
+}
+
+std::vector<RecordView> StorageRuntime::records() const {
+  std::vector<RecordView> out;
+  for (const auto& [id, ptr] : storage_) {
+    const auto& r = core_.tensor(id);
+    out.push_back(RecordView{id, r.bytes, state_of(id), r.alive, r.locked, r.external, r.pins, r.recipe.size(),
+                             static_cast<long>(ptr.use_count())});
+  }
+  std::sort(out.begin(), out.end(), [](const RecordView& a, const RecordView& b) { return a.id < b.id; });
+  return out;
+}
+
+void StorageRuntime::evict_tensor(const at::Tensor& t) {
+  const TensorId id = lookup(t);
+  TIDAL_CHECK(id != d::kNoTensor, "tensor is not tracked by DTR");
+  evict(id);
+}
+
+TensorId StorageRuntime::id_of(const at::Tensor& t, bool register_external) {
+  if (!t.defined() || !t.has_storage()) return d::kNoTensor;
+  c10::StorageImpl* impl = t.storage().unsafeGetStorageImpl();
+  auto it = by_storage_.find(impl);
+  if (it != by_storage_.end()) return it->second;
+  if (!register_external) return d::kNoTensor;
+  const TensorId id = core_.add_external(impl->nbytes());
+  register_storage(id, StoragePtr::reclaim_copy(impl));
+  return id;
+}
+
+std::vector<StorageRuntime::InputMeta> StorageRuntime::metas(std::span<const at::Tensor> inputs,
+                                                             std::span<const TensorId> ids) {
+  std::vector<InputMeta> out;
+  out.reserve(inputs.size());
+  for (std::size_t i = 0; i < inputs.size(); ++i) {
+    const at::Tensor& t = inputs[i];
+    InputMeta m;
+    m.id = ids[i];
+    m.sizes = t.sizes().vec();
+    m.strides = t.strides().vec();
+    m.offset = t.storage_offset();
+    m.dtype = t.scalar_type();
+    out.push_back(std::move(m));
+  }
+  return out;
+}
+
+void StorageRuntime::register_storage(TensorId id, StoragePtr ptr) {
+  by_storage_[ptr.get()] = id;
+  storage_[id] = std::move(ptr);
+}
+
+void StorageRuntime::forget_storage(TensorId id) {
+  auto it = storage_.find(id);
+  if (it == storage_.end()) return;
+  by_storage_.erase(it->second.get());
+  storage_.erase(it);  // may free the memory
+}
+
+// Gives the fresh tensor's memory to the record's storage (or adopts the
+// fresh storage when the old one is gone: a fake-deleted record).
+void StorageRuntime::install(TensorId id, const at::Tensor& fresh) {
+  c10::StorageImpl* src = fresh.storage().unsafeGetStorageImpl();
+  auto it = storage_.find(id);
+  if (it == storage_.end()) {
+    register_storage(id, StoragePtr::reclaim_copy(src));
+    return;
+  }
+  c10::StorageImpl* dst = it->second.get();
+  const std::size_t want = core_.tensor(id).bytes;
+  TIDAL_INTERNAL_ASSERT(src->nbytes() == want, "replay produced ", src->nbytes(), " bytes for tensor ", id,
+                        ", recorded ", want);
+  at::DataPtr data = src->set_data_ptr(at::DataPtr(nullptr, src->device()));
+  src->set_nbytes(0);
+  dst->set_data_ptr_noswap(std::move(data));
+  dst->set_nbytes(want);
+}
+
+void StorageRuntime::evict(TensorId id) {
+  c10::StorageImpl* impl = storage_.at(id).get();
+  core_.evict(id);
+  impl->set_data_ptr_noswap(at::DataPtr(nullptr, impl->device()));
+  impl->set_nbytes(0);
+}
+
+// Evicts while the unpinned part of tracked memory is above the threshold:
+// pinned tensors (the working set of the op now running or being replayed)
+// may add to it, evicting others would not make them fit.
+void StorageRuntime::evict_to_threshold() {
+  const std::size_t threshold = core_.options().eviction_threshold;
+  if (hold_evictions_ || !core_.over_threshold()) return;
+  const std::size_t pinned = pinned_bytes();
+  while (core_.stats_tracked_bytes() > threshold + pinned) {
+    const TensorId e = core_.choose_evictee();
+    if (e == d::kNoTensor) break;
+    evict(e);
+  }
+}
+
+std::size_t StorageRuntime::pinned_bytes() const {
+  std::unordered_set<TensorId> counted;
+  std::size_t total = 0;
+  for (const auto* list : {&op_pins_, &plan_pins_}) {
+    for (TensorId id : *list) {
+      const auto& rec = core_.tensor(id);
+      if (!rec.external && rec.state == d::TensorState::kResident && counted.insert(id).second) {
+        total += rec.bytes;
+      }
+    }
+  }
+  return total;
+}
+
+void StorageRuntime::drop_if_unreferenced(TensorId id) {
+  auto it = storage_.find(id);
+  if (it == storage_.end() || !core_.contains(id)) return;
+  if (it->second.use_count() == 1 && core_.tensor(id).pins == 0 && !core_.on_storage_dead(id)) {
+    forget_storage(id);
+  }
+}
+
+// Finds storages no user references any more (only our handle is left).
+void StorageRuntime::sweep() {
+  drain_released();
+  dead_.clear();
+  for (const auto& [id, ptr] : storage_) {
+    // Also re-offers dead records we hold (regenerated temporaries, locked
+    // tensors kept for a dependant): the core decides again.
+    if (ptr.use_count() == 1 && core_.tensor(id).pins == 0) dead_.push_back(id);
+  }
+  for (TensorId id : dead_) {
+    if (!core_.contains(id)) continue;
+    if (!core_.on_storage_dead(id)) forget_storage(id);
+  }
+  drain_released();
+}
+
+void StorageRuntime::drain_released() {
+  for (TensorId id : core_.take_released_tensors()) forget_storage(id);
+  for (OpId op : core_.take_released_ops()) replays_.erase(op);
+}
+
+}  // namespace tidal::hooks::dtr

@@ -1,0 +1,209 @@
+// The libtorch side of the activation rematerializer: the storages. The
+// bookkeeping and the choice of evictees live in runtime/dtr (no libtorch);
+// this class owns the storages and turns the core's decisions into memory
+// being freed and refilled. Two drivers call it: the dispatch-key
+// interceptor next to it (hooks/dtr/interceptor.h, Note [DTR on a dispatch
+// key]) and, as the fallback where that key is unavailable, tidal.dtr's
+// Python TorchDispatchMode (through python/csrc/dtr_bindings.cpp). No Python
+// here: GoogleTest drives it (tests/cpp/hooks/dtr/).
+//
+// Note [DTR at the storage level]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// A record stands for one c10::StorageImpl: every view of it (and every
+// tensor autograd saved for backward) shares that StorageImpl, so
+//   * eviction swaps the storage's DataPtr for an empty one (the memory goes
+//     back to the allocator; the StorageImpl and all its tensors stay valid
+//     objects with their sizes, strides, offsets and version counters);
+//   * rematerialization replays the recipe into fresh tensors and moves the
+//     fresh storage's DataPtr into the old StorageImpl: no copy, no version
+//     bump, autograd's saved tensors see the data again;
+//   * the runtime holds a strong reference to each recorded StorageImpl, so
+//     "no user reference left" is use_count() == 1. sweep() finds those:
+//     the core decides fake deletion (keep the recipe, drop the memory) or
+//     real deletion, and a locked tensor without a recipe keeps its memory
+//     while a dependant still needs it.
+// Tensors DTR did not produce (parameters, inputs) get "external" records:
+// never evicted, not counted in tracked bytes, held while a recipe reads them.
+#pragma once
+
+#include <ATen/Tensor.h>
+#include <c10/core/StorageImpl.h>
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <string>
+#include <string_view>
+#include <unordered_map>
+#include <vector>
+
+#include "runtime/dtr/rematerializer.h"
+
+namespace tidal::hooks::dtr {
+
+using tidal::dtr::OpId;
+using tidal::dtr::TensorId;
+
+// What replaying an op runs. The runtime only keeps it (and drops it when
+// the op's record is released); its driver knows its type.
+struct Recipe {
+  virtual ~Recipe() = default;
+};
+using RecipePtr = std::shared_ptr<const Recipe>;
+
+struct RuntimeStats {
+  std::uint64_t evictions = 0;
+  std::uint64_t recomputes = 0;
+  double recompute_seconds = 0.0;
+  std::size_t tracked_bytes = 0;
+  std::size_t peak_tracked_bytes = 0;
+  std::size_t max_op_working_set = 0;
+  std::size_t live_tensors = 0;
+  std::size_t live_ops = 0;
+  std::size_t fake_deleted = 0;
+  std::size_t locked_bytes = 0;
+  std::size_t held_storages = 0;
+  std::size_t recipes = 0;
+};
+
+// One record, for tests and debugging.
+struct RecordView {
+  TensorId id = tidal::dtr::kNoTensor;
+  std::size_t bytes = 0;
+  std::string state;  // "resident", "evicted", "deleted"
+  bool alive = false;
+  bool locked = false;
+  bool external = false;
+  int pins = 0;
+  std::size_t recipe_length = 0;
+  long use_count = 0;
+};
+
+class StorageRuntime {
+ public:
+  explicit StorageRuntime(tidal::dtr::DtrOptions options) : core_(options) {}
+  ~StorageRuntime() { clear(); }
+  StorageRuntime(const StorageRuntime&) = delete;
+  StorageRuntime& operator=(const StorageRuntime&) = delete;
+
+  const tidal::dtr::DtrOptions& options() const { return core_.options(); }
+  void set_eviction_threshold(std::size_t bytes) { core_.set_eviction_threshold(bytes); }
+
+  // Registers unknown inputs as external, pins and touches every input.
+  // *ids gets one id per input (kNoTensor for tensors without storage),
+  // *missing the ids that are not resident.
+  void begin_op(std::span<const at::Tensor> inputs, std::vector<TensorId>* ids, std::vector<TensorId>* missing);
+
+  // Ops to replay, in order, so that `targets` are resident. A tensor a step
+  // brings back stays pinned only until the last step of the plan that
+  // reads it, so a deep regeneration holds O(width) memory.
+  struct PlanItem {
+    OpId op = -1;
+    const Recipe* recipe = nullptr;
+    std::vector<TensorId> chained;
+  };
+  std::vector<PlanItem> plan(std::span<const TensorId> targets);
+  // The recipe's flat inputs, rebuilt as views of their (resident) storages.
+  std::vector<at::Tensor> replay_inputs(OpId op) const;
+  // item.op was replayed into `outputs` (its flat outputs) in `seconds`.
+  void replayed(const PlanItem& item, std::span<const at::Tensor> outputs, double seconds);
+  void end_plan();
+
+  // Records an op that ran on `inputs` (ids from begin_op) and returned
+  // `outputs`; outputs whose storage is new are its fresh results. The
+  // recipe is kept only when the op can be replayed. Returns the op or -1.
+  OpId record(std::span<const at::Tensor> inputs, std::span<const TensorId> ids,
+              std::span<const at::Tensor> outputs, double seconds, bool replayable, RecipePtr recipe,
+              bool last_resort);
+
+  // Whether any of `outputs` has a storage no record holds (record() would
+  // record something).
+  bool has_fresh(std::span<const at::Tensor> outputs) const;
+
+  tidal::dtr::MutationPlan prepare_mutation(TensorId target, bool replayable) const {
+    return core_.prepare_mutation(target, replayable);
+  }
+  // An in-place op updated `target`. With chain, it joins target's recipe.
+  void commit_mutation(TensorId target, bool chain, std::span<const at::Tensor> inputs,
+                       std::span<const TensorId> ids, double seconds, RecipePtr recipe);
+
+  // Unpins the op's tensors, evicts down to the threshold, and checks that
+  // tracked bytes stay within threshold + this op's working set (throws
+  // tidal::OutOfMemoryError naming the op otherwise).
+  void end_op(std::string_view op_name);
+  // Drops the op's pins after an error (no checks, no evictions).
+  void abandon_op();
+
+  // While an in-place update is being prepared, the tensors its preparation
+  // found resident or brought back must stay so until commit_mutation().
+  void set_hold_evictions(bool hold) { hold_evictions_ = hold; }
+  // Frees one candidate; false when none is left (an allocation failed).
+  bool evict_one();
+
+  // Evicted tensors a user can still reach.
+  std::vector<TensorId> evicted_alive();
+  // Drops every record (counters carry over). Tensors still evicted stay
+  // without data: bring them back first.
+  void clear();
+
+  RuntimeStats stats();
+  void reset_peak() {
+    core_.reset_peak();
+    max_working_set_ = 0;
+  }
+  std::size_t tracked_bytes() const { return core_.stats_tracked_bytes(); }
+  // Checks every invariant (the core's and the storage maps'); throws InternalError.
+  void validate() const;
+
+  // The record of t's storage, or kNoTensor.
+  TensorId lookup(const at::Tensor& t) const;
+  std::string state_of(TensorId id) const;
+  std::vector<RecordView> records() const;
+  // Test hook: evict this tensor's record now (it must be a candidate).
+  void evict_tensor(const at::Tensor& t);
+
+ private:
+  using StoragePtr = c10::intrusive_ptr<c10::StorageImpl>;
+  // How to rebuild one input of a recipe as a view of its record's storage.
+  struct InputMeta {
+    TensorId id = tidal::dtr::kNoTensor;
+    std::vector<int64_t> sizes;
+    std::vector<int64_t> strides;
+    int64_t offset = 0;
+    at::ScalarType dtype = at::kFloat;
+  };
+  struct Replay {
+    std::vector<InputMeta> inputs;       // flat inputs, in the order the recipe's slots use
+    std::vector<std::size_t> fresh_at;   // position in the flat outputs of each core output
+    RecipePtr recipe;
+  };
+
+  TensorId id_of(const at::Tensor& t, bool register_external);
+  static std::vector<InputMeta> metas(std::span<const at::Tensor> inputs, std::span<const TensorId> ids);
+  void register_storage(TensorId id, StoragePtr ptr);
+  void forget_storage(TensorId id);
+  void install(TensorId id, const at::Tensor& fresh);
+  void evict(TensorId id);
+  void evict_to_threshold();
+  std::size_t pinned_bytes() const;
+  void drop_if_unreferenced(TensorId id);
+  void sweep();
+  void drain_released();
+
+  tidal::dtr::Rematerializer core_;
+  std::unordered_map<TensorId, StoragePtr> storage_;
+  std::unordered_map<c10::StorageImpl*, TensorId> by_storage_;
+  std::unordered_map<OpId, Replay> replays_;
+  std::vector<TensorId> op_pins_;
+  std::vector<TensorId> plan_pins_;
+  std::unordered_map<TensorId, int> plan_uses_;  // remaining plan steps reading a tensor
+  std::vector<TensorId> dead_;
+  std::size_t max_working_set_ = 0;
+  bool hold_evictions_ = false;
+  std::uint64_t base_evictions_ = 0;
+  std::uint64_t base_recomputes_ = 0;
+  double base_recompute_seconds_ = 0.0;
+};
+
+}  // namespace tidal::hooks::dtr

@@ -1,0 +1,163 @@
+// The storage runtime driven by hand, as its drivers do: the test runs the
+// ops, records them, and replays the plans the runtime returns. References
+// are the same ops run without the runtime.
+#include "hooks/dtr/storage_runtime.h"
+
+#include <ATen/ATen.h>
+#include <gtest/gtest.h>
+
+#include <memory>
+#include <vector>
+
+#include "runtime/core/error.h"
+
+namespace tidal::hooks::dtr {
+namespace {
+
+constexpr std::size_t kKiB = 1024;
+
+tidal::dtr::DtrOptions opts(std::size_t threshold, std::size_t minimum = kKiB) {
+  tidal::dtr::DtrOptions o;
+  o.eviction_threshold = threshold;
+  o.evictee_minimum_size = minimum;
+  return o;
+}
+
+// The test's recipe: which unary op produced the output.
+struct UnaryRecipe final : Recipe {
+  explicit UnaryRecipe(at::Tensor (*f)(const at::Tensor&)) : fn(f) {}
+  at::Tensor (*fn)(const at::Tensor&);
+};
+
+at::Tensor sin_of(const at::Tensor& x) { return at::sin(x); }
+at::Tensor exp_of(const at::Tensor& x) { return at::exp(x); }
+
+// Runs y = fn(x) through the runtime as an interceptor would.
+at::Tensor run(StorageRuntime& rt, at::Tensor (*fn)(const at::Tensor&), const at::Tensor& x) {
+  std::vector<TensorId> ids, missing;
+  const at::Tensor inputs[] = {x};
+  rt.begin_op(inputs, &ids, &missing);
+  EXPECT_TRUE(missing.empty());
+  at::Tensor y = fn(x);
+  const at::Tensor outputs[] = {y};
+  rt.record(inputs, ids, outputs, 1e-3, true, std::make_shared<UnaryRecipe>(fn), false);
+  rt.end_op("test.unary");
+  return y;
+}
+
+// Brings `targets` back by replaying the plan.
+void regenerate(StorageRuntime& rt, const std::vector<TensorId>& targets) {
+  for (const auto& item : rt.plan(targets)) {
+    const auto& r = dynamic_cast<const UnaryRecipe&>(*item.recipe);
+    auto inputs = rt.replay_inputs(item.op);
+    ASSERT_EQ(inputs.size(), 1u);
+    const at::Tensor out = r.fn(inputs[0]);
+    inputs.clear();
+    const at::Tensor outputs[] = {out};
+    rt.replayed(item, outputs, 1e-3);
+  }
+  rt.end_plan();
+}
+
+TEST(StorageRuntime, EvictionFreesTheStorageAndReplayRefillsIt) {
+  StorageRuntime rt(opts(0));
+  const at::Tensor x = at::randn({64, 64});
+  at::Tensor y = run(rt, sin_of, x);
+  at::Tensor z = run(rt, exp_of, y);
+  const at::Tensor y_ref = at::sin(x);
+  const at::Tensor z_ref = at::exp(y_ref);
+  const at::Tensor y_view = y.view({-1});  // shares y's storage
+  rt.evict_tensor(y);
+  rt.evict_tensor(z);
+  EXPECT_EQ(y.storage().nbytes(), 0u);
+  EXPECT_EQ(rt.state_of(rt.lookup(y)), "evicted");
+  EXPECT_EQ(rt.tracked_bytes(), 0u);
+  rt.validate();
+  regenerate(rt, {rt.lookup(z)});
+  EXPECT_TRUE(at::equal(z, z_ref));
+  EXPECT_EQ(rt.state_of(rt.lookup(z)), "resident");
+  // y came back on the way to z and stays: a user still holds it.
+  EXPECT_TRUE(rt.evicted_alive().empty());
+  EXPECT_TRUE(at::equal(y_view.view({64, 64}), y_ref));  // the same StorageImpl got the data back
+  const auto s = rt.stats();
+  EXPECT_EQ(s.evictions, 2u);
+  EXPECT_EQ(s.recomputes, 2u);  // sin, then exp
+  rt.validate();
+}
+
+TEST(StorageRuntime, ExternalInputsAreNotTrackedAndNeverEvicted) {
+  StorageRuntime rt(opts(0));
+  const at::Tensor x = at::randn({64, 64});
+  const at::Tensor y = run(rt, sin_of, x);
+  EXPECT_EQ(rt.tracked_bytes(), y.nbytes());
+  const auto records = rt.records();
+  ASSERT_EQ(records.size(), 2u);
+  EXPECT_TRUE(records[0].external && records[0].locked);
+  EXPECT_THROW(rt.evict_tensor(at::randn({2})), tidal::Error);  // not a record
+}
+
+TEST(StorageRuntime, ThresholdEvictsAtTheEndOfEachOp) {
+  const at::Tensor x = at::randn({64, 64});  // 16 KiB per tensor
+  StorageRuntime rt(opts(40 * kKiB));
+  std::vector<at::Tensor> ys;
+  at::Tensor h = x;
+  for (int i = 0; i < 6; ++i) {
+    h = run(rt, i % 2 ? sin_of : exp_of, h);
+    ys.push_back(h);
+  }
+  // Kept: at most the threshold plus the working set of the last op.
+  EXPECT_LE(rt.tracked_bytes(), 40 * kKiB + 2 * 16 * kKiB);
+  EXPECT_GT(rt.stats().evictions, 0u);
+  rt.set_eviction_threshold(0);
+  regenerate(rt, rt.evicted_alive());
+  at::Tensor ref = x;
+  for (int i = 0; i < 6; ++i) {
+    ref = i % 2 ? at::sin(ref) : at::exp(ref);
+    EXPECT_TRUE(at::equal(ys[static_cast<std::size_t>(i)], ref)) << i;
+  }
+  rt.validate();
+}
+
+TEST(StorageRuntime, DeadTensorReadByALiveOpIsFakeDeleted) {
+  StorageRuntime rt(opts(0));
+  const at::Tensor x = at::randn({64, 64});
+  at::Tensor y = run(rt, sin_of, x);
+  const at::Tensor z = run(rt, exp_of, y);
+  y.reset();  // the last user reference
+  EXPECT_EQ(rt.stats().fake_deleted, 1u);
+  rt.evict_tensor(z);
+  regenerate(rt, {rt.lookup(z)});  // needs y, which only its recipe can bring back
+  EXPECT_TRUE(at::equal(z, at::exp(at::sin(x))));
+  rt.validate();
+}
+
+TEST(StorageRuntime, OverThresholdWithNothingToEvictNamesTheOp) {
+  StorageRuntime rt(opts(20 * kKiB, /*minimum=*/1 << 20));  // nothing is big enough to evict
+  const at::Tensor x = at::randn({64, 64});
+  const at::Tensor y = run(rt, sin_of, x);
+  std::vector<TensorId> ids, missing;
+  const at::Tensor inputs[] = {y};
+  rt.begin_op(inputs, &ids, &missing);
+  const at::Tensor z = at::exp(y);
+  const at::Tensor outputs[] = {z};
+  rt.record(inputs, ids, outputs, 1e-3, true, std::make_shared<UnaryRecipe>(exp_of), false);
+  try {
+    rt.end_op("aten.exp.default");
+    // y and z are the working set (32 KiB over 20): allowed for this op.
+  } catch (const tidal::OutOfMemoryError&) {
+    FAIL() << "the running op's working set must be allowed over the threshold";
+  }
+  rt.begin_op({}, &ids, &missing);
+  try {
+    rt.end_op("aten.next.default");
+    FAIL() << "expected tidal::OutOfMemoryError";
+  } catch (const tidal::OutOfMemoryError& e) {
+    const std::string msg = e.what();
+    EXPECT_NE(msg.find("aten.next.default"), std::string::npos) << msg;
+    EXPECT_NE(msg.find("eviction_threshold="), std::string::npos) << msg;
+    EXPECT_NE(msg.find("evictee_minimum_size="), std::string::npos) << msg;
+  }
+}
+
+}  // namespace
+}  // namespace tidal::hooks::dtr
