@@ -17,6 +17,7 @@ import argparse
 import contextlib
 import copy
 import math
+import os
 import statistics
 import sys
 import time
@@ -31,6 +32,7 @@ from torch.overrides import TorchFunctionMode
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import machine_info, summarize, write_result  # noqa: E402
 
+import tidal  # noqa: E402
 import tidal.dtr as dtr  # noqa: E402
 
 
@@ -298,6 +300,12 @@ def measure_peak(make, data, checkpoint=False):
         return dtr.stats()["peak_tracked_bytes"]
 
 
+def _top_ops(counters, n=8):
+    """The ops whose replays took longest: where the recompute time goes."""
+    top = sorted(counters.items(), key=lambda kv: -kv[1]["replay_seconds"])[:n]
+    return {name: {k: (round(v, 4) if isinstance(v, float) else v) for k, v in c.items()} for name, c in top}
+
+
 def run_workload(name, spec, fractions, repeat):
     """Every configuration runs one step per round, round-robin, on one model (no
     optimizer step, so the parameters never change): load drift on a shared
@@ -326,6 +334,8 @@ def run_workload(name, spec, fractions, repeat):
             step()
             dt = time.perf_counter() - t0
             stats[label] = dtr.stats()
+            if hasattr(dtr._runtime, "op_counters"):
+                stats[label]["op_counters"], stats[label]["plans"] = dtr._runtime.op_counters()
         return dt
 
     for cfg in configs:  # warm-up round
@@ -350,7 +360,8 @@ def run_workload(name, spec, fractions, repeat):
                      "slowdown_vs_plain": statistics.median(samples[label]) / t_plain,
                      "peak_tracked_bytes": s["peak_tracked_bytes"], "max_op_working_set": s["max_op_working_set"],
                      "evictions": s["evictions"], "recomputes": s["recomputes"],
-                     "recompute_seconds": s["recompute_seconds"], "stats_of": "last timed step"})
+                     "recompute_seconds": s["recompute_seconds"], "stats_of": "last timed step",
+                     "regenerations": s.get("plans"), "by_op": _top_ops(s.get("op_counters", {}))})
     full = next((r for r in rows if r["fraction"] == 1.0), None)
     if full is not None:
         for r in rows:
@@ -371,13 +382,33 @@ def run_workload(name, spec, fractions, repeat):
     return out
 
 
+# glibc returns freed blocks above its mmap threshold to the OS and faults
+# fresh pages in on the next allocation; a step that frees and allocates
+# tensors in a different order (DTR frees a dead tensor at the next op, not
+# at once) then pays page faults that a caching allocator (CUDA's, the
+# machine DTR is for) never pays: measured on the GPT shape, ~10% of a step
+# in page faults for DTR against ~6% for plain PyTorch. Every configuration
+# runs with freed memory kept in the process, as a caching allocator does.
+_ALLOCATOR_ENV = {"MALLOC_MMAP_THRESHOLD_": str(4 << 30), "MALLOC_TRIM_THRESHOLD_": str(4 << 30)}
+
+
+def _with_caching_allocator():
+    """Re-executes this script with _ALLOCATOR_ENV unless it is set (--system-malloc keeps glibc's defaults)."""
+    if "--system-malloc" in sys.argv or all(os.environ.get(k) == v for k, v in _ALLOCATOR_ENV.items()):
+        return
+    os.execve(sys.executable, [sys.executable] + sys.argv, {**os.environ, **_ALLOCATOR_ENV})
+
+
 def main():
+    _with_caching_allocator()
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="tiny models, one repeat (seconds)")
     parser.add_argument("--output", default=None, help="result path (default benchmarks/results/dtr-<machine>.json)")
     parser.add_argument("--only", default=None, help="run one part: resnet50, gpt2_small or overhead (the per-op part alone)")
     parser.add_argument("--repeat", type=int, default=3, help="timed rounds (full mode)")
     parser.add_argument("--skip-overhead", action="store_true", help="skip the per-op overhead part")
+    parser.add_argument("--system-malloc", action="store_true",
+                        help="keep glibc's default mmap/trim thresholds (see _ALLOCATOR_ENV)")
     parser.add_argument("--evictee-minimum-size", default=None,
                         help="DTR's evictee_minimum_size (default 1MiB; --quick uses 1KiB for its tiny tensors)")
     args = parser.parse_args()
@@ -393,6 +424,11 @@ def main():
                       "GPU run",
         "quick": args.quick,
         "torch_threads": torch.get_num_threads(),
+        "allocator": ("glibc defaults" if args.system_malloc else
+                      "glibc with " + ", ".join(f"{k}={v}" for k, v in _ALLOCATOR_ENV.items()) +
+                      ": freed memory stays in the process, as with a caching allocator; every configuration "
+                      "alike"),
+        "interception": "C++ (DispatchKey::Fake)" if not tidal._C.dtr.interception_status() else "python",
         "options": {"evictee_minimum_size": dtr.evictee_minimum_size, "scorer": dtr.scorer,
                     "enable_sqrt_sampling": dtr.enable_sqrt_sampling},
     }

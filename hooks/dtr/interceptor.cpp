@@ -4,13 +4,16 @@
 #include <ATen/core/boxing/KernelFunction.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>
 #include <c10/util/Exception.h>
+#include <torch/csrc/autograd/functions/accumulate_grad.h>
 #include <torch/csrc/autograd/graph_task.h>
+#include <torch/csrc/autograd/node.h>
 
 #include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <optional>
 #include <sstream>
+#include <typeindex>
 #include <string_view>
 
 #include "runtime/core/error.h"
@@ -173,7 +176,24 @@ struct Session::OpRecipe final : Recipe {
   std::string name;
 };
 
-Session::Session(d::DtrOptions options) : runtime_(options) {}
+Session::Session(d::DtrOptions options) : runtime_(options) {
+  runtime_.set_on_evict([this](TensorId id) {
+    const auto* r = dynamic_cast<const OpRecipe*>(runtime_.producer_recipe(id));
+    auto& c = counters_[r == nullptr ? std::string("(no recipe)") : r->name];
+    ++c.evicted;
+    c.evicted_bytes += runtime_.bytes_of(id);
+  });
+}
+
+std::unordered_map<std::string, Session::OpCounters> Session::op_counters() {
+  std::lock_guard<std::recursive_mutex> lock(mu_);
+  return counters_;
+}
+
+Session::PlanCounters Session::plan_counters() {
+  std::lock_guard<std::recursive_mutex> lock(mu_);
+  return plans_;
+}
 
 Session::~Session() {
   if (current_session() == this) deactivate();
@@ -385,8 +405,10 @@ void Session::run_handle(const c10::OperatorHandle& op, const OpInfo& info, c10:
     // (the update would be applied twice), except batch norm's (scratch).
     const bool last_resort = torch::autograd::get_current_graph_task_id() != -1;
     if (runtime_.has_fresh(outputs_)) {
+      const std::vector<at::Tensor> gradients = last_resort ? parameter_gradients() : std::vector<at::Tensor>{};
       runtime_.record(inputs_, ids_, outputs_, seconds, replayable, replayable ? recipe_for() : nullptr,
                       last_resort);
+      for (const at::Tensor& g : gradients) runtime_.settle(g);
     }
   }
   for (const Mutation& m : mutations) {
@@ -396,10 +418,58 @@ void Session::run_handle(const c10::OperatorHandle& op, const OpInfo& info, c10:
   runtime_.end_op(info.name);
 }
 
+// The fresh outputs of this backward op that are gradients of parameters
+// (Note [Gradients are optimizer inputs] in runtime/dtr/rematerializer.cpp):
+// the autograd node running the op has an edge to a parameter's
+// AccumulateGrad, directly or through view nodes (nn.Linear's weight.t(), a
+// reshape), and the output has that parameter's dtype and number of
+// elements. A temporary of that size inside such a node would be settled
+// too (never evicted, no longer tracked): that costs memory accounting, not
+// exactness.
+bool Session::is_view_node(const torch::autograd::Node& n) {
+  const std::type_index type(typeid(n));
+  auto it = view_nodes_.find(type);
+  if (it != view_nodes_.end()) return it->second;
+  const std::string name = n.name();
+  bool view = false;
+  for (const char* v : {"TBackward", "ViewBackward", "UnsafeViewBackward", "TransposeBackward", "PermuteBackward",
+                        "ExpandBackward", "SqueezeBackward", "UnsqueezeBackward", "AliasBackward", "ReshapeAlias"}) {
+    view = view || name.rfind(v, 0) == 0;
+  }
+  view_nodes_.emplace(type, view);
+  return view;
+}
+
+std::vector<at::Tensor> Session::parameter_gradients() {
+  std::vector<at::Tensor> out;
+  const auto node = torch::autograd::get_current_node();
+  if (!node) return out;
+  for (const auto& edge : node->next_edges()) {
+    const torch::autograd::Node* n = edge.function.get();
+    for (int hop = 0; n != nullptr && hop < 4 && dynamic_cast<const torch::autograd::AccumulateGrad*>(n) == nullptr;
+         ++hop) {
+      n = is_view_node(*n) && n->next_edges().size() == 1 ? n->next_edges()[0].function.get() : nullptr;
+    }
+    const auto* acc = dynamic_cast<const torch::autograd::AccumulateGrad*>(n);
+    if (acc == nullptr) continue;
+    const at::Tensor& param = acc->variable;
+    for (const at::Tensor& o : outputs_) {
+      if (o.defined() && o.has_storage() && runtime_.lookup(o) == tidal::dtr::kNoTensor &&
+          o.scalar_type() == param.scalar_type() && o.numel() == param.numel()) {
+        out.push_back(o);
+      }
+    }
+  }
+  return out;
+}
+
 // ------------------------------------------------------------------ replays
 
 void Session::regenerate(std::span<const TensorId> targets) {
   auto plan = runtime_.plan(targets);
+  ++plans_.plans;
+  plans_.ops += plan.size();
+  plans_.longest = std::max(plans_.longest, plan.size());
   try {
     for (const auto& item : plan) {
       TIDAL_INTERNAL_ASSERT(item.recipe != nullptr, "op ", item.op, " has no recipe to replay");
@@ -480,6 +550,9 @@ void Session::regenerate(std::span<const TensorId> targets) {
       }
       const double seconds = seconds_since(t0);
       restore();
+      auto& c = counters_[r.name];
+      ++c.replays;
+      c.replay_seconds += seconds;
       tensors.clear();  // inputs no later step needs can be dropped at once
       std::vector<at::Tensor> outputs;
       for (const c10::IValue& v : st) flatten_tensors(v, &outputs);

@@ -43,10 +43,15 @@
 #include <memory>
 #include <mutex>
 #include <string>
+#include <typeindex>
 #include <unordered_map>
 #include <vector>
 
 #include "hooks/dtr/storage_runtime.h"
+
+namespace torch::autograd {
+struct Node;
+}
 
 namespace tidal::hooks::dtr {
 
@@ -102,6 +107,23 @@ class Session {
   // clears when it says yes.
   void set_is_oom(std::function<bool(const std::exception&)> fn);
 
+  // Where the recomputation comes from, per op name: tensors it produced
+  // that were evicted, times it was replayed; and the regenerations (plans)
+  // with their total and longest length in ops.
+  struct OpCounters {
+    std::uint64_t evicted = 0;
+    std::size_t evicted_bytes = 0;
+    std::uint64_t replays = 0;
+    double replay_seconds = 0.0;
+  };
+  struct PlanCounters {
+    std::uint64_t plans = 0;
+    std::uint64_t ops = 0;
+    std::size_t longest = 0;
+  };
+  std::unordered_map<std::string, OpCounters> op_counters();
+  PlanCounters plan_counters();
+
   // The last op intercepted, as Python names it (aten.mul.Tensor); tests.
   std::string last_op() const { return last_op_ == nullptr ? std::string() : *last_op_; }
 
@@ -124,6 +146,8 @@ class Session {
   void collect_inputs(const OpInfo& info, const torch::jit::Stack& stack, std::size_t first);
   std::shared_ptr<const OpRecipe> make_recipe(const c10::OperatorHandle& op, c10::DispatchKeySet below,
                                               const OpInfo& info, const torch::jit::Stack& args) const;
+  std::vector<at::Tensor> parameter_gradients();
+  bool is_view_node(const torch::autograd::Node& n);
   void run_handle(const c10::OperatorHandle& op, const OpInfo& info, c10::DispatchKeySet below,
                   torch::jit::Stack* stack);
 
@@ -152,6 +176,9 @@ class Session {
   std::vector<at::Tensor> outputs_;
   bool activated_here_ = false;
   const std::string* last_op_ = nullptr;  // owned by infos_
+  std::unordered_map<std::type_index, bool> view_nodes_;  // autograd node types that are views
+  std::unordered_map<std::string, OpCounters> counters_;
+  PlanCounters plans_;
 };
 
 // Whether the fallback can own DispatchKey::Fake in this process: "" when

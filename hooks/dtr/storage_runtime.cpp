@@ -292,6 +292,11 @@ TensorId StorageRuntime::lookup(const at::Tensor& t) const {
   return it == by_storage_.end() ? d::kNoTensor : it->second;
 }
 
+bool StorageRuntime::settle(const at::Tensor& t) {
+  const TensorId id = lookup(t);
+  return id == d::kNoTensor || core_.settle(id);
+}
+
 std::string StorageRuntime::state_of(TensorId id) const {
   if (!core_.contains(id)) return "released";
   switch (core_.tensor(id).state) {
@@ -378,7 +383,14 @@ void StorageRuntime::install(TensorId id, const at::Tensor& fresh) {
   dst->set_nbytes(want);
 }
 
+const Recipe* StorageRuntime::producer_recipe(TensorId id) const {
+  if (!core_.contains(id) || core_.tensor(id).recipe.empty()) return nullptr;
+  auto it = replays_.find(core_.tensor(id).recipe.front());
+  return it == replays_.end() ? nullptr : it->second.recipe.get();
+}
+
 void StorageRuntime::evict(TensorId id) {
+  if (on_evict_) on_evict_(id);
   c10::StorageImpl* impl = storage_.at(id).get();
   core_.evict(id);
   impl->set_data_ptr_noswap(at::DataPtr(nullptr, impl->device()));

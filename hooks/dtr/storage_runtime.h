@@ -31,6 +31,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <span>
 #include <string>
@@ -156,12 +157,22 @@ class StorageRuntime {
   // Checks every invariant (the core's and the storage maps'); throws InternalError.
   void validate() const;
 
+  // t became an optimizer input (Note [Gradients are optimizer inputs]):
+  // its record, if any, is no longer tracked or evicted. False when it is
+  // evicted (it stays an activation).
+  bool settle(const at::Tensor& t);
+
   // The record of t's storage, or kNoTensor.
   TensorId lookup(const at::Tensor& t) const;
   std::string state_of(TensorId id) const;
+  std::size_t bytes_of(TensorId id) const { return core_.contains(id) ? core_.tensor(id).bytes : 0; }
   std::vector<RecordView> records() const;
   // Test hook: evict this tensor's record now (it must be a candidate).
   void evict_tensor(const at::Tensor& t);
+  // The recipe of the op that produced `id` (nullptr: none kept).
+  const Recipe* producer_recipe(TensorId id) const;
+  // Called with each tensor about to be evicted (counters).
+  void set_on_evict(std::function<void(TensorId)> fn) { on_evict_ = std::move(fn); }
 
  private:
   using StoragePtr = c10::intrusive_ptr<c10::StorageImpl>;
@@ -201,6 +212,7 @@ class StorageRuntime {
   std::vector<TensorId> dead_;
   std::size_t max_working_set_ = 0;
   bool hold_evictions_ = false;
+  std::function<void(TensorId)> on_evict_;
   std::uint64_t base_evictions_ = 0;
   std::uint64_t base_recomputes_ = 0;
   double base_recompute_seconds_ = 0.0;

@@ -276,7 +276,8 @@ DTR's C++ side (hooks/dtr/). Users call tidal.dtr (python/tidal/dtr.py).)doc");
       .def("lookup", [](Runtime& r, const at::Tensor& t) { return r.get().lookup(t); })
       .def("state_of", [](Runtime& r, hd::TensorId id) { return r.get().state_of(id); })
       .def("records", [](Runtime& r) { return records_list(r.get().records()); })
-      .def("evict_tensor", [](Runtime& r, const at::Tensor& t) { r.get().evict_tensor(t); });
+      .def("evict_tensor", [](Runtime& r, const at::Tensor& t) { r.get().evict_tensor(t); })
+      .def("settle", [](Runtime& r, const at::Tensor& t) { return r.get().settle(t); });
 
   py::class_<PyParamProvider, std::shared_ptr<PyParamProvider>>(
       m, "ParamProvider", "An engine's chunk-managed parameters for DTR's replays.")
@@ -325,6 +326,26 @@ DTR's C++ side (hooks/dtr/). Users call tidal.dtr (python/tidal/dtr.py).)doc");
              });
            },
            py::arg("fn"), "Calls fn() after every intercepted op (tests); None removes it.")
+      .def("op_counters",
+           [](hd::Session& s) {
+             py::dict out;
+             for (const auto& [name, c] : s.op_counters()) {
+               py::dict d;
+               d["evicted"] = c.evicted;
+               d["evicted_bytes"] = c.evicted_bytes;
+               d["replays"] = c.replays;
+               d["replay_seconds"] = c.replay_seconds;
+               out[py::str(name)] = d;
+             }
+             const auto p = s.plan_counters();
+             py::dict plans;
+             plans["plans"] = p.plans;
+             plans["ops"] = p.ops;
+             plans["longest"] = p.longest;
+             return py::make_tuple(out, plans);
+           },
+           "({op name: {evicted, evicted_bytes, replays, replay_seconds}}, {plans, ops, longest}): "
+           "where recomputation comes from.")
       .def("evicted_alive", [](hd::Session& s) { return s.with_runtime([](auto& r) { return r.evicted_alive(); }); })
       .def("clear", [](hd::Session& s) { s.with_runtime([](auto& r) { r.clear(); }); })
       .def("stats", [](hd::Session& s) { return stats_dict(s.with_runtime([](auto& r) { return r.stats(); })); })
@@ -336,7 +357,10 @@ DTR's C++ side (hooks/dtr/). Users call tidal.dtr (python/tidal/dtr.py).)doc");
       .def("records",
            [](hd::Session& s) { return records_list(s.with_runtime([](auto& r) { return r.records(); })); })
       .def("evict_tensor",
-           [](hd::Session& s, const at::Tensor& t) { s.with_runtime([&](auto& r) { r.evict_tensor(t); }); });
+           [](hd::Session& s, const at::Tensor& t) { s.with_runtime([&](auto& r) { r.evict_tensor(t); }); })
+      .def("settle",
+           [](hd::Session& s, const at::Tensor& t) { return s.with_runtime([&](auto& r) { return r.settle(t); }); },
+           py::arg("tensor"), "tensor became an optimizer input (a .grad): no longer tracked or evicted.");
 
   py::class_<Outside>(m, "Outside", "Keeps the block's ops out of DTR's C++ interception (tidal.dtr.outside()).")
       .def(py::init<>())

@@ -524,10 +524,10 @@ def enable(**options) -> None:
             session.set_after_op(_after_op)
         session.activate()
         _runtime, _mode = session, _CPP
-        return
-    _runtime = _C.dtr.Runtime(*args)
-    _mode = _DtrMode(_runtime)
-    _mode.__enter__()
+    else:
+        _runtime = _C.dtr.Runtime(*args)
+        _mode = _DtrMode(_runtime)
+        _mode.__enter__()
 
 
 def disable() -> None:

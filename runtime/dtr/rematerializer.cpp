@@ -68,6 +68,34 @@ void add_user_once(TensorRecord& r, OpId op) {
 
 }  // namespace
 
+// Note [Gradients are optimizer inputs]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// A parameter's gradient is made in backward and lives in .grad until the
+// optimizer reads it. Tracked like an activation, the gradients of a GPT are
+// about 60% of the step's peak, so a budget of half the peak can only be kept
+// by evicting gradients, and bringing one back replays the backward chain
+// down to it and the forward pass under that (plans of 400 ops on the
+// GPT-2-small shape: most of the recompute time at 50%). DTR is for
+// activations: a parameter's gradient is settled as soon as the backward op
+// that makes it has run (like a parameter: not tracked, never evicted). The
+// interceptor knows it from the autograd node running the op: an edge to
+// that parameter's AccumulateGrad and an output of its shape (hooks/dtr/
+// interceptor.cpp). That includes the head's half of a tied embedding's
+// gradient, which waits in autograd's input buffer for the other half until
+// the end of backward. Under the training engine gradients land in their
+// chunks at once and do not stay.
+bool Rematerializer::settle(TensorId t) {
+  TensorRecord& r = t_(t);
+  if (r.external) return true;
+  if (r.state != TensorState::kResident) return false;
+  remove_resident(resident_, resident_pos_, t);
+  tracked_bytes_ -= r.bytes;
+  r.external = true;
+  r.locked = true;
+  r.last_resort = false;
+  return true;
+}
+
 TensorId Rematerializer::add_external(std::size_t bytes) {
   const TensorId id = next_tensor_++;
   TensorRecord r;
@@ -197,6 +225,18 @@ void Rematerializer::unpin(TensorId t) {
 
 std::vector<Rematerializer::PlanStep> Rematerializer::regeneration_plan(
     std::span<const TensorId> targets) const {
+  return plan_for(targets, kNoTensor);
+}
+
+double Rematerializer::regeneration_cost(TensorId t) const {
+  const TensorId targets[] = {t};
+  double cost = 0.0;
+  for (const PlanStep& step : plan_for(targets, t)) cost += op(step.op).cost;
+  return cost;
+}
+
+std::vector<Rematerializer::PlanStep> Rematerializer::plan_for(std::span<const TensorId> targets,
+                                                               TensorId assume_evicted) const {
   std::vector<PlanStep> plan;
   std::unordered_map<OpId, std::size_t> step_of;  // producer op -> index in plan
   std::unordered_set<TensorId> done;              // resident once the plan so far ran
@@ -207,7 +247,7 @@ std::vector<Rematerializer::PlanStep> Rematerializer::regeneration_plan(
   std::vector<Frame> stack;
   for (TensorId t : targets) stack.push_back({t, false});
   auto ready = [&](TensorId t) {
-    return tensor(t).state == TensorState::kResident || done.count(t) != 0;
+    return (t != assume_evicted && tensor(t).state == TensorState::kResident) || done.count(t) != 0;
   };
   while (!stack.empty()) {
     const TensorId t = stack.back().t;
@@ -292,6 +332,14 @@ int Rematerializer::uf_find(int node) const {
   return root;
 }
 
+double Rematerializer::last_resort_score(TensorId t, const TensorRecord& r) const {
+  ScoreInput in;
+  in.bytes = r.bytes;
+  in.staleness = clock_ - std::min(clock_, r.last_access) + 1;
+  in.cost = regeneration_cost(t);
+  return scorer_->score(in);
+}
+
 double Rematerializer::score(const TensorRecord& r) const {
   ScoreInput in;
   in.bytes = r.bytes;
@@ -328,7 +376,12 @@ double Rematerializer::score(const TensorRecord& r) const {
 // plans). DTR's score does not see that well (the dead chain is one cheap
 // class per neighbour), so such tensors form a second tier: evicted only when
 // no ordinary candidate is left, which keeps budgets that only fit with them
-// evicted possible.
+// evicted possible. Within that tier a candidate's cost is what bringing it
+// back would replay (regeneration_cost: the whole plan, dead chain included),
+// so the gradient of a tied weight that needs the forward pass again (a GPT's
+// embedding/head gradient, held from the head's backward to the
+// embedding's) goes after gradients that come back with a few ops. The walk
+// is O(plan) per candidate; it runs only when no ordinary candidate is left.
 TensorId Rematerializer::choose_evictee() {
   TensorId best = kNoTensor;
   double best_score = std::numeric_limits<double>::infinity();
@@ -337,7 +390,7 @@ TensorId Rematerializer::choose_evictee() {
     const TensorRecord& r = tensor(t);
     if (!is_candidate(r)) return;
     if (r.last_resort && !best_last_resort) return;
-    const double s = score(r);
+    const double s = r.last_resort ? last_resort_score(t, r) : score(r);
     if (s < best_score || (best_last_resort && !r.last_resort)) {
       best_score = s;
       best = t;

@@ -107,6 +107,11 @@ class Rematerializer {
 
   // A tensor DTR did not produce (a parameter, an input). Resident, locked.
   TensorId add_external(std::size_t bytes);
+  // A resident tensor DTR produced that became an optimizer input (a
+  // parameter's .grad): from now on treated like an external one (not
+  // tracked, never evicted). False when it is not resident. See Note
+  // [Gradients are optimizer inputs].
+  bool settle(TensorId t);
 
   // Records an op that read `inputs` and produced fresh storages of
   // `output_bytes`; returns the op and appends the new tensors to *outputs.
@@ -139,6 +144,9 @@ class Rematerializer {
     std::vector<TensorId> chained;
   };
   std::vector<PlanStep> regeneration_plan(std::span<const TensorId> targets) const;
+  // Seconds of measured op time that bringing t back would replay if it
+  // were evicted now: its whole plan, evicted and dead inputs included.
+  double regeneration_cost(TensorId t) const;
   // The caller replayed step.op in `seconds`. Returns the outputs it must
   // install (now resident again); the others it discards.
   std::vector<TensorId> on_replayed(const PlanStep& step, double seconds);
@@ -177,6 +185,8 @@ class Rematerializer {
   OpRecord& o_(OpId o);
   bool is_candidate(const TensorRecord& r) const;
   double score(const TensorRecord& r) const;
+  double last_resort_score(TensorId t, const TensorRecord& r) const;
+  std::vector<PlanStep> plan_for(std::span<const TensorId> targets, TensorId assume_evicted) const;
   int uf_find(int node) const;
   void uf_join_evicted(TensorRecord& r);
   void add_resident_bytes(const TensorRecord& r);

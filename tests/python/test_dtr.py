@@ -93,6 +93,8 @@ def train_step(model, x, loss_fn=lambda y: y.square().mean(), **fwd):
 
 
 def peak_without_budget(fn):
+    """The peak of tracked bytes with no threshold. Make fn's model before
+    (a default argument): a copy made inside would be tracked as well."""
     with dtr.enabled(eviction_threshold=1 << 40, evictee_minimum_size=KiB):
         fn()
         return dtr.stats()["peak_tracked_bytes"]
@@ -109,7 +111,7 @@ def assert_bitwise(a, b):
 
 def run_budgeted(model, x, fraction, **fwd):
     """(loss, grads) under a budget of `fraction` of the unbudgeted peak, and stats()."""
-    peak = peak_without_budget(lambda: train_step(clone_model(model), x, **fwd))
+    peak = peak_without_budget(lambda m=clone_model(model): train_step(m, x, **fwd))
     threshold = int(peak * fraction)
     with dtr.enabled(eviction_threshold=threshold, evictee_minimum_size=KiB):
         out = train_step(model, x, **fwd)
@@ -152,7 +154,7 @@ def test_transformer_with_dropout_replays_rng():
     torch.manual_seed(123)
     ref = train_step(twin, x)
     ref_rng = torch.get_rng_state()
-    peak = peak_without_budget(lambda: train_step(clone_model(model), x))
+    peak = peak_without_budget(lambda m=clone_model(model): train_step(m, x))
     torch.manual_seed(123)
     with dtr.enabled(eviction_threshold=int(peak * 0.4), evictee_minimum_size=KiB):
         got = train_step(model, x)
@@ -180,7 +182,7 @@ def test_path_changes_every_step_with_optimizer():
 
     ref = steps(twin)
     # The budget covers the optimizer's state too (momentum buffers are made under DTR).
-    peak = peak_without_budget(lambda: steps(clone_model(model)))
+    peak = peak_without_budget(lambda m=clone_model(model): steps(m))
     with dtr.enabled(eviction_threshold=int(peak * 0.5), evictee_minimum_size=KiB):
         got = steps(model)
         s = dtr.stats()
@@ -198,7 +200,7 @@ def test_every_scorer_is_exact(scorer, sqrt_sampling):
     torch.manual_seed(1)
     model, x = mlp(depth=6), torch.randn(64, 64)
     ref = train_step(clone_model(model), x)
-    peak = peak_without_budget(lambda: train_step(clone_model(model), x))
+    peak = peak_without_budget(lambda m=clone_model(model): train_step(m, x))
     threshold = int(peak * 0.5)
     with dtr.enabled(eviction_threshold=threshold, evictee_minimum_size=KiB, scorer=scorer,
                      enable_sqrt_sampling=sqrt_sampling):
@@ -300,7 +302,7 @@ def test_counters_return_to_baseline_over_many_steps():
     torch.manual_seed(0)
     model, x = mlp(depth=4, width=32), torch.randn(32, 32)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    with dtr.enabled(eviction_threshold="24KiB", evictee_minimum_size=1024):
+    with dtr.enabled(eviction_threshold="12KiB", evictee_minimum_size=1024):
         def step():
             opt.zero_grad(set_to_none=True)
             model(x).square().mean().backward()
@@ -315,7 +317,9 @@ def test_counters_return_to_baseline_over_many_steps():
     for key in ("live_tensors", "live_ops", "fake_deleted", "held_storages", "recipes", "tracked_bytes"):
         assert s[key] == base[key], (key, base[key], s[key])
     assert s["fake_deleted"] == 0 and s["recipes"] == 0
-    assert s["evictions"] > 100 and s["recomputes"] > 100
+    # Every step evicts and recomputes (the parameters' gradients, settled
+    # once accumulated, are not among the evictions).
+    assert s["evictions"] - base["evictions"] >= 99 and s["recomputes"] - base["recomputes"] >= 99
 
 
 # --------------------------------------------------------------------------- the switch

@@ -153,3 +153,42 @@ def test_tidal_errors_keep_their_type_through_torch():
         with dtr.enabled(eviction_threshold="300KiB", evictee_minimum_size="1MiB"):
             ys = [x * i for i in range(4)]  # noqa: F841
     assert not dtr.is_enabled()
+
+
+def test_parameter_gradients_are_settled_as_they_are_made():
+    """Note [Gradients are optimizer inputs]: every parameter's gradient,
+    the tied embedding/head one included (it waits in autograd's buffer for
+    its second half), leaves DTR's budget as soon as it is made, so a tight
+    budget never evicts a gradient and replays the forward pass for it."""
+    torch.manual_seed(0)
+    emb = torch.nn.Embedding(512, 64)
+    head = torch.nn.Linear(64, 512, bias=False)
+    head.weight = emb.weight  # tied
+    body = _block(d=64)
+    params = list(emb.parameters()) + list(body.parameters())
+    idx = torch.randint(0, 512, (8, 32))
+
+    def step():
+        torch.manual_seed(5)
+        for p in params:
+            p.grad = None
+        logits = head(body(emb(idx)))
+        F.cross_entropy(logits.reshape(-1, 512), idx.reshape(-1)).backward()
+        return [p.grad.clone() for p in params]
+
+    ref = step()
+    with dtr.enabled(eviction_threshold=1 << 40, evictee_minimum_size=KiB):
+        step()
+        peak = dtr.stats()["peak_tracked_bytes"]
+    with dtr.enabled(eviction_threshold=int(peak * 0.3), evictee_minimum_size=KiB):
+        got = step()
+        rt = dtr._runtime
+        records = {r[0]: r for r in rt.records()}
+        for p in params:
+            rec = records[rt.lookup(p.grad)]
+            assert rec[2] == "resident" and rec[5], (p.shape, rec)  # resident, external
+        _, plans = rt.op_counters()
+        assert dtr.stats()["evictions"] > 0
+    assert plans["longest"] < 20, plans  # no gradient came back through the forward pass
+    for a, b in zip(got, ref):
+        assert torch.equal(a, b)

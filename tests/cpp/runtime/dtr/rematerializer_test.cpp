@@ -222,6 +222,51 @@ TEST(Rematerializer, BackwardTensorsAreLastResortCandidates) {
   EXPECT_EQ(r.choose_evictee(), grad[0]);  // nothing else is left
 }
 
+TEST(Rematerializer, LastResortCandidatesAreScoredByTheirWholePlan) {
+  // Two gradients of one size: g_long reads the end of a chain whose
+  // tensors are all dead (bringing it back replays the chain), g_short an
+  // input that is resident. g_long is staler, so a score that counts only its
+  // own op would pick it.
+  Rematerializer r(opts(0));
+  const TensorId x = r.add_external(kMiB);
+  const auto ts = chain(r, x, 10);
+  std::vector<TensorId> g_long, g_short;
+  const std::size_t sz[] = {kMiB};
+  const TensorId long_in[] = {ts.back()};
+  const TensorId short_in[] = {x};
+  r.tick();
+  r.record_op(long_in, sz, 1e-3, true, &g_long, /*last_resort=*/true);
+  r.tick();
+  r.record_op(short_in, sz, 1e-3, true, &g_short, /*last_resort=*/true);
+  for (TensorId t : ts) EXPECT_FALSE(r.on_storage_dead(t));  // fake deletion: recipes kept, memory dropped
+  r.tick();
+  EXPECT_NEAR(r.regeneration_cost(g_long[0]), 11e-3, 1e-12);  // the chain and its own op
+  EXPECT_NEAR(r.regeneration_cost(g_short[0]), 1e-3, 1e-12);
+  EXPECT_EQ(r.choose_evictee(), g_short[0]);
+  r.evict(g_short[0]);
+  EXPECT_EQ(r.choose_evictee(), g_long[0]);  // still possible once nothing else is left
+  r.validate();
+}
+
+TEST(Rematerializer, SettledGradientIsNeitherTrackedNorEvicted) {
+  Rematerializer r(opts(0));
+  const TensorId x = r.add_external(kMiB);
+  std::vector<TensorId> grad;
+  const std::size_t sz[] = {kMiB};
+  const TensorId ins[] = {x};
+  r.tick();
+  r.record_op(ins, sz, 1e-3, true, &grad, /*last_resort=*/true);
+  EXPECT_EQ(r.stats().tracked_bytes, kMiB);
+  EXPECT_TRUE(r.settle(grad[0]));
+  EXPECT_EQ(r.stats().tracked_bytes, 0u);
+  EXPECT_EQ(r.choose_evictee(), kNoTensor);
+  r.validate();
+  const TensorId act = unary(r, x, kMiB);
+  r.evict(act);
+  EXPECT_FALSE(r.settle(act));  // evicted: stays an activation
+  r.validate();
+}
+
 TEST(Rematerializer, LockedDeadTensorKeepsMemoryWhileNeeded) {
   Rematerializer r(opts(0));
   const TensorId x = r.add_external(kMiB);
