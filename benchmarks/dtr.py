@@ -213,16 +213,15 @@ def _dtr_on(interception):
 
 
 def _count_ops(fn):
-    names = []
-
-    class Count(TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            names.append(func)
-            return func(*args, **(kwargs or {}))
-
-    with Count():
-        fn()
-    return len(names)
+    """The ops one call of fn runs, as DTR's interception counts them."""
+    n = [0]
+    dtr._set_after_op(lambda: n.__setitem__(0, n[0] + 1))
+    try:
+        with dtr.enabled(eviction_threshold=1 << 50):
+            fn()
+    finally:
+        dtr._set_after_op(None)
+    return n[0]
 
 
 def _mlp_step(width=64, batch=16):
@@ -264,21 +263,20 @@ def overhead(n_ops):
             calls = {v: (op, a, b) for v in variants}
             calls["wrapper_subclass"] = (op, _Wrapper(a), _Wrapper(b))
 
-        per = {}
-        for vname, (fn, x, y) in calls.items():
-            ctx = variants.get(vname, lambda: contextlib.nullcontext())
-
-            def loop():
-                for _ in range(n):
-                    fn() if x is None else fn(x, y)
-            samples = []
-            with ctx():
-                loop()  # warm-up
-                for _ in range(5):
+        # Round-robin over the variants (7 rounds after a warm-up round), so
+        # drift on a shared machine hits them alike.
+        samples = {v: [] for v in calls}
+        for r in range(8):
+            for vname, (fn, x, y) in calls.items():
+                ctx = variants.get(vname, lambda: contextlib.nullcontext())
+                with ctx():
                     t0 = time.perf_counter()
-                    loop()
-                    samples.append((time.perf_counter() - t0) / (n * ops_per_call) * 1e6)
-            per[vname] = {"us_per_op": summarize(samples), "samples_us": samples}
+                    for _ in range(n):
+                        fn() if x is None else fn(x, y)
+                    dt = time.perf_counter() - t0
+                if r > 0:
+                    samples[vname].append(dt / (n * ops_per_call) * 1e6)
+        per = {v: {"us_per_op": summarize(s), "samples_us": s} for v, s in samples.items()}
         base = per["plain"]["us_per_op"]["median"]
         for vname, v in per.items():
             v["overhead_us_per_op"] = v["us_per_op"]["median"] - base

@@ -69,6 +69,29 @@ def _chunk_bookkeeping(r: Dict, name: str) -> List[List[str]]:
     return rows
 
 
+def _dtr_overhead(r: Dict, name: str) -> List[List[str]]:
+    rows = []
+    what = {"add_4": "a + b of 4 floats", "mm_64": "a 64x64 matmul",
+            "mlp3_step": "a 3-layer MLP training step (64 wide, batch 16), per op"}
+    for key, per in r["per_op_overhead"].items():
+        if "tidal_dtr" not in per:
+            continue
+        ours = per["tidal_dtr"]["us_per_op"]
+        for peer, label in (("plain", "plain PyTorch"),
+                            ("tidal_dtr_python_mode", "tidal.dtr intercepting in a Python TorchDispatchMode")):
+            p = per[peer]["us_per_op"]
+            rows.append([
+                f"DTR on, nothing evicted, {what.get(key, key)} (CPU, ops intercepted in C++; "
+                f"+{ours['median'] - per['plain']['us_per_op']['median']:.2f} us per op over plain)",
+                _machine(r),
+                f"{ours['median']:.2f} us ({ours['min']:.2f}-{ours['max']:.2f})",
+                f"{p['median']:.2f} us, {label}",
+                f"{ours['median'] / p['median']:.2f}",
+                f"`{name}`",
+            ])
+    return rows
+
+
 def _dtr(r: Dict, name: str) -> List[List[str]]:
     rows = []
     for w in r["workloads"].values():
@@ -333,6 +356,7 @@ ROWS: Dict[str, Callable[[Dict, str], List[List[str]]]] = {
     "chunk_bookkeeping": _chunk_bookkeeping,
     "dtr-resnet50": _dtr,
     "dtr-gpt2_small": _dtr,
+    "dtr-overhead": _dtr_overhead,
     "engine_sim": _engine_sim,
     "engine_accumulation": _engine_accumulation,
     "engine_overhead": _engine_overhead,

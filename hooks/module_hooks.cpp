@@ -9,6 +9,7 @@
 #include <utility>
 
 #include "cpu_adam/adam.h"
+#include "hooks/dtr/interceptor.h"
 #include "runtime/core/error.h"
 
 namespace tidal::hooks {
@@ -174,6 +175,7 @@ void ModuleHooks::land_gradient(std::size_t param, const at::Tensor& grad) {
   }
   p.landed = true;
   scheduler_->release(TensorRef{kSlot, p.id}, TensorState::kHoldAfterBwd);
+  rebalance_dtr();
 }
 
 // ---- pieces ----------------------------------------------------------------
@@ -441,6 +443,18 @@ void ModuleHooks::make_room_for(const std::vector<std::size_t>& params) {
   }
 }
 
+std::size_t ModuleHooks::dtr_threshold() const {
+  const std::size_t held = scheduler_->stats().held_bytes[index_of(MemorySpace::kDevice)];
+  std::size_t limit = dtr_limit_ > held ? dtr_limit_ - held : 0;
+  if (dtr_cap_ > 0) limit = std::min(limit, dtr_cap_);
+  return std::max<std::size_t>(limit, 1);
+}
+
+void ModuleHooks::rebalance_dtr() const {
+  if (!dtr_arbiter_) return;
+  if (dtr::Session* s = dtr::current_session()) s->set_eviction_threshold(dtr_threshold());
+}
+
 void ModuleHooks::attach_now(const std::vector<std::size_t>& params, bool for_backward,
                              bool replay) {
   // All or nothing: the slots accessed so far go back to HOLD when an access
@@ -471,6 +485,7 @@ void ModuleHooks::attach_now(const std::vector<std::size_t>& params, bool for_ba
       first_use_.push_back(i);
     }
   }
+  rebalance_dtr();
 }
 
 void ModuleHooks::detach_now(const std::vector<std::size_t>& params, TensorState state) {
@@ -483,6 +498,7 @@ void ModuleHooks::detach_now(const std::vector<std::size_t>& params, TensorState
     p.attached = false;
     count_chunk(p.chunk, -1);
   }
+  rebalance_dtr();
 }
 
 }  // namespace tidal::hooks

@@ -81,6 +81,19 @@ class ModuleHooks {
   // DTR manages activations: the chunk room rises to what attaching needs
   // (MemoryTracer::make_room) in every step, not only in the warm-up.
   void set_make_room(bool on) { make_room_ = on; }
+  // The arbiter (Note [DTR under the training engine] in
+  // python/tidal/engine/dtr_link.py): while on, every attach, detach and
+  // landed gradient sets the running DTR session's eviction threshold to
+  // dtr_threshold().
+  void set_dtr_arbiter(bool on, std::size_t limit, std::size_t cap) {
+    dtr_arbiter_ = on;
+    dtr_limit_ = limit;
+    dtr_cap_ = cap;
+  }
+  // limit - the chunk bytes held on the device, at most cap (when > 0), at
+  // least 1 (0 would mean "no threshold").
+  std::size_t dtr_threshold() const;
+  void rebalance_dtr() const;
   // Record the order of first attaches (until the engine's relayout).
   void set_track_first_use(bool on) { track_first_use_ = on; }
 
@@ -190,6 +203,9 @@ class ModuleHooks {
   std::vector<at::Tensor> norms_;
   std::vector<std::size_t> first_use_;
   bool make_room_ = false;
+  bool dtr_arbiter_ = false;
+  std::size_t dtr_limit_ = 0;
+  std::size_t dtr_cap_ = 0;
   bool track_first_use_ = false;
   bool accumulating_ = false;
   // Scratch of the hooks, reused to keep them free of allocations.

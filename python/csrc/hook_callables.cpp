@@ -46,6 +46,7 @@
 #include <utility>
 #include <vector>
 
+#include "hooks/dtr/interceptor.h"
 #include "runtime/core/error.h"
 
 namespace tidal::python {
@@ -103,6 +104,7 @@ class ForwardPreHook {
     if (in_dispatch_mode()) return python_path_(module, args);
     try {
       py::gil_scoped_release nogil;
+      hooks::dtr::OutsideGuard outside;  // the engine's own ops are not DTR's
       target_.hooks->forward_pre(module_);
     } catch (const OutOfMemoryError& e) {
       failed_(module_, out_of_memory_error(e.what()));
@@ -142,6 +144,7 @@ struct BackwardPre {
     const std::shared_ptr<hooks::ModuleHooks> h = hooks.lock();
     if (!h) return;  // the engine is gone
     try {
+      hooks::dtr::OutsideGuard outside;
       h->backward_pre(module);
     } catch (const OutOfMemoryError& e) {
       py::gil_scoped_acquire gil;
@@ -166,6 +169,7 @@ class ForwardPostHook {
     const bool grad = c10::GradMode::is_enabled();
     {
       py::gil_scoped_release nogil;
+      hooks::dtr::OutsideGuard outside;
       target_.hooks->forward_post(module_, grad);
     }
     if (!grad) return py::none();
@@ -230,6 +234,7 @@ class GradHook {
     if (!h) return py::none();  // the engine is gone
     {
       py::gil_scoped_release nogil;
+      hooks::dtr::OutsideGuard outside;
       h->land_gradient(param_, grad);
     }
     p.mutable_grad().reset();
@@ -283,6 +288,7 @@ class UnpackHook {
     TIDAL_CHECK(target_.hooks != nullptr, "tidal: a saved parameter is unpacked after its engine was collected");
     const auto& packed = obj.cast<const PackedParam&>();
     if (!target_.hooks->attached(packed.param)) attach_(packed.param);
+    hooks::dtr::OutsideGuard outside;
     return wrap(target_.hooks->param(packed.param).variable_data().as_strided(packed.size, packed.stride,
                                                                                packed.offset));
   }

@@ -13,6 +13,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import tidal
+from tidal._C.chunks import MemorySpace
 from tidal.engine.engine import Engine
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -28,7 +29,7 @@ def hook_types(model):
             [type(h).__name__ for h in m.weight._post_accumulate_grad_hooks.values()])
 
 
-def test_the_hooks_are_cpp_callables_and_python_methods_with_dtr_in_the_config():
+def test_the_hooks_are_cpp_callables_with_and_without_dtr_in_the_config():
     model = TinyGPT(d=64, seq=8)
     engine = tidal.initialize(model, config())
     assert hook_types(model) == (["ForwardPreHook"], ["ForwardPostHook"], ["GradHook"])
@@ -38,8 +39,13 @@ def test_the_hooks_are_cpp_callables_and_python_methods_with_dtr_in_the_config()
     cfg["tidal"]["dtr"] = {"enabled": True}
     try:
         engine = tidal.initialize(model, cfg)
-        pre, post, grad = hook_types(model)
-        assert pre == ["method"] and post == ["method"] and grad == ["function"]
+        # DTR intercepts in C++ (no Python dispatch mode), so the C++ hooks
+        # run; they keep the engine's ops out of DTR and ModuleHooks sets
+        # DTR's threshold from the chunks held on the device.
+        assert hook_types(model) == (["ForwardPreHook"], ["ForwardPostHook"], ["GradHook"])
+        store = engine.store
+        held = engine.chunks.held_bytes(MemorySpace.DEVICE)
+        assert engine._hooks.dtr_threshold() == store.device_budget - store.margin - held
         engine.remove_hooks()
     finally:
         tidal.dtr.disable()

@@ -81,6 +81,11 @@ class DtrLink:
             lambda: _live(me).end_replay_step(),
             lambda i: _live(me).record(i).name)
         self.cpp.weights_epoch = self._epoch
+        # The arbiter's formula lives in ModuleHooks, which applies it at
+        # every attach, detach and landed gradient (rebalance() below for
+        # the engine's Python paths).
+        store = engine.store
+        hooks.set_dtr_arbiter(bool(self.enabled_by_config), store.device_budget - store.margin, self.cap)
         _dtr.register_param_provider(self)
         if self.enabled_by_config:
             _dtr.from_config(self._block)
@@ -135,12 +140,7 @@ class DtrLink:
         """DTR's threshold = device budget - margin - chunks held on the device."""
         if not self.enabled_by_config or not _dtr.is_enabled():
             return
-        e = self._engine()
-        store = e.store
-        limit = store.device_budget - store.margin - e.chunks.held_bytes(DEVICE)
-        if self.cap:
-            limit = min(limit, self.cap)
-        _dtr._set_eviction_threshold(max(limit, 1))  # 0 would mean "no threshold"
+        _dtr._set_eviction_threshold(self._engine()._hooks.dtr_threshold())
 
     # ----------------------------------------------------- weights change
     @contextlib.contextmanager

@@ -279,31 +279,27 @@ class Engine:
     def _install_hooks(self):
         """The module and gradient hooks: C++ callables (Note [Hooks torch
         calls into C++] in python/csrc/hook_callables.cpp) that fall back to
-        the Python methods below under a dispatch mode; the Python methods
-        themselves when DTR is in the config (they keep its threshold in step
-        with the chunks, dtr.rebalance())."""
+        the Python methods below under a Python dispatch mode. With DTR on,
+        the callables keep the engine's own ops out of it (OutsideGuard) and
+        ModuleHooks keeps DTR's threshold in step with the chunks
+        (rebalance_dtr)."""
         root = self.module
         self._handles.append(root.register_forward_pre_hook(self._root_pre))
         self._handles.append(root.register_forward_hook(self._root_post, always_call=True))
-        native = not self.dtr.enabled_by_config
         hooks = self._hooks
         for m in self._module_records:
-            pre, post = self._pre_forward, self._post_forward
-            if native:
-                i = self._module_index[m]
-                pre = hooks.forward_pre_hook(i, pre, self._forward_pre_failed)
-                post = hooks.forward_post_hook(i, post, self._wrap_outputs,
-                                               _weak_method(self._backward_pre_failed))
+            i = self._module_index[m]
+            pre = hooks.forward_pre_hook(i, self._pre_forward, self._forward_pre_failed)
+            post = hooks.forward_post_hook(i, self._post_forward, self._wrap_outputs,
+                                           _weak_method(self._backward_pre_failed))
             self._handles.append(m.register_forward_pre_hook(pre))
             self._handles.append(m.register_forward_hook(post))
         seen = set()
         for r in self.records:
             if r.trainable and id(r.param) not in seen:
                 seen.add(id(r.param))
-                hook = _weak_method(self._grad_ready)
-                if native:
-                    hook = hooks.grad_hook(self._record_index[id(self.store.by_param[id(r.param)])],
-                                           hook)
+                hook = hooks.grad_hook(self._record_index[id(self.store.by_param[id(r.param)])],
+                                       _weak_method(self._grad_ready))
                 self._handles.append(r.param.register_post_accumulate_grad_hook(hook))
 
     def remove_hooks(self):
