@@ -4,6 +4,7 @@
 #include <cmath>
 #include <cstring>
 #include <exception>
+#include <limits>
 #include <optional>
 #include <span>
 #include <utility>
@@ -441,6 +442,47 @@ void ModuleHooks::make_room_for(const std::vector<std::size_t>& params) {
   } else {
     tracer_->grow_warmup_room(need);
   }
+}
+
+ModuleHooks::~ModuleHooks() {
+  if (dtr::chunk_arbiter() == this) dtr::set_chunk_arbiter(nullptr);
+}
+
+void ModuleHooks::set_dtr_arbiter(bool on, std::size_t limit, std::size_t cap, double link_bytes_per_s) {
+  dtr_arbiter_ = on;
+  dtr_limit_ = limit;
+  dtr_cap_ = cap;
+  dtr_link_bytes_per_s_ = link_bytes_per_s;
+  if (on && link_bytes_per_s > 0) {
+    dtr::set_chunk_arbiter(this);
+  } else if (dtr::chunk_arbiter() == this) {
+    dtr::set_chunk_arbiter(nullptr);
+  }
+}
+
+double ModuleHooks::chunk_seconds_per_byte() const {
+  if (!dtr_arbiter_ || dtr_link_bytes_per_s_ <= 0) return std::numeric_limits<double>::infinity();
+  // The block's eviction_threshold binds: a chunk leaving would not raise DTR's threshold.
+  if (dtr_cap_ > 0 && dtr_threshold() >= dtr_cap_) return std::numeric_limits<double>::infinity();
+  return 2.0 / dtr_link_bytes_per_s_;  // out now, back when next used
+}
+
+std::size_t ModuleHooks::evict_chunk() {
+  const std::size_t device = index_of(MemorySpace::kDevice);
+  const std::size_t held = scheduler_->stats().held_bytes[device];
+  const std::size_t budget = scheduler_->budget(MemorySpace::kDevice);
+  if (held == 0) return 0;
+  try {
+    // One byte under what is held: the scheduler frees a cached block or
+    // moves one chunk (its choice, by the trace) off the device.
+    scheduler_->set_budget(MemorySpace::kDevice, held - 1);
+  } catch (const OutOfMemoryError&) {
+    scheduler_->set_budget(MemorySpace::kDevice, budget);  // every chunk there is in use
+    return 0;
+  }
+  const std::size_t now = scheduler_->stats().held_bytes[device];
+  rebalance_dtr();
+  return held > now ? held - now : 0;
 }
 
 std::size_t ModuleHooks::dtr_threshold() const {

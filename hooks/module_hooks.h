@@ -57,16 +57,20 @@
 
 #include "chunk/chunk_id.h"
 #include "chunk/tensor_state.h"
+#include "hooks/dtr/storage_runtime.h"
 #include "hooks/param_binding.h"
 #include "hooks/tracer/memory_tracer.h"
 #include "runtime/scheduler/chunk_scheduler.h"
 
 namespace tidal::hooks {
 
-class ModuleHooks {
+class ModuleHooks : public dtr::ChunkArbiter {
  public:
   // None of the three is owned; set_chunks replaces the first two.
   ModuleHooks(ChunkScheduler* scheduler, ParamBinding* binding, MemoryTracer* tracer);
+  ~ModuleHooks() override;
+  ModuleHooks(const ModuleHooks&) = delete;
+  ModuleHooks& operator=(const ModuleHooks&) = delete;
 
   // ---- set-up -------------------------------------------------------------
   // Parameter `index` (the next one: indexes are 0, 1, ...) is `param`, the
@@ -85,11 +89,13 @@ class ModuleHooks {
   // python/tidal/engine/dtr_link.py): while on, every attach, detach and
   // landed gradient sets the running DTR session's eviction threshold to
   // dtr_threshold().
-  void set_dtr_arbiter(bool on, std::size_t limit, std::size_t cap) {
-    dtr_arbiter_ = on;
-    dtr_limit_ = limit;
-    dtr_cap_ = cap;
-  }
+  // link_bytes_per_s > 0 also makes this the chunk arbiter of DTR's
+  // sessions (Note [The arbiter between chunks and activations] in
+  // hooks/dtr/storage_runtime.h): evictions go to a chunk when its round
+  // trip over the link costs less per byte than the activation's recompute.
+  void set_dtr_arbiter(bool on, std::size_t limit, std::size_t cap, double link_bytes_per_s = 0);
+  double chunk_seconds_per_byte() const override;
+  std::size_t evict_chunk() override;
   // limit - the chunk bytes held on the device, at most cap (when > 0), at
   // least 1 (0 would mean "no threshold").
   std::size_t dtr_threshold() const;
@@ -206,6 +212,7 @@ class ModuleHooks {
   bool dtr_arbiter_ = false;
   std::size_t dtr_limit_ = 0;
   std::size_t dtr_cap_ = 0;
+  double dtr_link_bytes_per_s_ = 0;
   bool track_first_use_ = false;
   bool accumulating_ = false;
   // Scratch of the hooks, reused to keep them free of allocations.

@@ -3,6 +3,8 @@
 #include <ATen/ATen.h>
 
 #include <algorithm>
+#include <atomic>
+#include <limits>
 #include <unordered_set>
 #include <utility>
 
@@ -12,6 +14,13 @@
 namespace tidal::hooks::dtr {
 
 namespace d = tidal::dtr;
+
+namespace {
+std::atomic<ChunkArbiter*> g_arbiter{nullptr};
+}  // namespace
+
+void set_chunk_arbiter(ChunkArbiter* arbiter) { g_arbiter.store(arbiter); }
+ChunkArbiter* chunk_arbiter() { return g_arbiter.load(); }
 
 void StorageRuntime::begin_op(std::span<const at::Tensor> inputs, std::vector<TensorId>* ids,
                               std::vector<TensorId>* missing) {
@@ -266,6 +275,8 @@ RuntimeStats StorageRuntime::stats() {
   out.locked_bytes = s.locked_bytes;
   out.held_storages = storage_.size();
   out.recipes = replays_.size();
+  out.chunk_evictions = chunk_evictions_;
+  out.chunk_bytes_freed = chunk_bytes_freed_;
   return out;
 }
 
@@ -400,12 +411,29 @@ void StorageRuntime::evict(TensorId id) {
 // Evicts while the unpinned part of tracked memory is above the threshold:
 // pinned tensors (the working set of the op now running or being replayed)
 // may add to it, evicting others would not make them fit.
+// Note [The arbiter between chunks and activations]: with an arbiter, each
+// eviction goes to whichever costs less per byte.
 void StorageRuntime::evict_to_threshold() {
-  const std::size_t threshold = core_.options().eviction_threshold;
   if (hold_evictions_ || !core_.over_threshold()) return;
   const std::size_t pinned = pinned_bytes();
-  while (core_.stats_tracked_bytes() > threshold + pinned) {
+  ChunkArbiter* arbiter = chunk_arbiter();
+  // The threshold is read again each round: a chunk leaving raises it.
+  while (core_.options().eviction_threshold > 0 &&
+         core_.stats_tracked_bytes() > core_.options().eviction_threshold + pinned) {
     const TensorId e = core_.choose_evictee();
+    if (arbiter != nullptr) {
+      const double activation = e == d::kNoTensor ? std::numeric_limits<double>::infinity()
+                                                  : core_.regeneration_cost(e) /
+                                                        static_cast<double>(std::max<std::size_t>(bytes_of(e), 1));
+      if (arbiter->chunk_seconds_per_byte() < activation) {
+        const std::size_t freed = arbiter->evict_chunk();
+        if (freed > 0) {
+          ++chunk_evictions_;
+          chunk_bytes_freed_ += freed;
+          continue;
+        }
+      }
+    }
     if (e == d::kNoTensor) break;
     evict(e);
   }

@@ -66,6 +66,8 @@ struct RuntimeStats {
   std::size_t locked_bytes = 0;
   std::size_t held_storages = 0;
   std::size_t recipes = 0;
+  std::uint64_t chunk_evictions = 0;  // evictions the arbiter gave to a chunk instead
+  std::size_t chunk_bytes_freed = 0;
 };
 
 // One record, for tests and debugging.
@@ -80,6 +82,33 @@ struct RecordView {
   std::size_t recipe_length = 0;
   long use_count = 0;
 };
+
+// Note [The arbiter between chunks and activations]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// Under the training engine chunks and activations share the device budget
+// less the margin; DTR's threshold is what the chunks held on the device
+// leave (ModuleHooks::dtr_threshold). When DTR has to evict, the arbiter
+// compares per byte, for each eviction: the activation DTR would evict
+// costs its regeneration (Rematerializer::regeneration_cost, measured op
+// times) over its bytes; moving a chunk off the device costs its copy out
+// now and back later, 2 / link bandwidth per byte. The cheaper one goes: a
+// chunk leaves (the scheduler picks which, by its trace), which raises DTR's
+// threshold by what it freed, or the activation is evicted. Chunks in use
+// by the running module (COMPUTE) cannot leave, and the running op's tensors
+// are pinned, so its working set stays reserved.
+class ChunkArbiter {
+ public:
+  virtual ~ChunkArbiter() = default;
+  // Seconds per byte of moving a chunk off the device now and back later;
+  // infinity when none can go or the link is not measured.
+  virtual double chunk_seconds_per_byte() const = 0;
+  // Moves chunk memory off the device, raising DTR's threshold; the bytes
+  // freed (0: none could go).
+  virtual std::size_t evict_chunk() = 0;
+};
+// The engine's arbiter that every DTR session consults (nullptr: none).
+void set_chunk_arbiter(ChunkArbiter* arbiter);
+ChunkArbiter* chunk_arbiter();
 
 class StorageRuntime {
  public:
@@ -213,6 +242,8 @@ class StorageRuntime {
   std::size_t max_working_set_ = 0;
   bool hold_evictions_ = false;
   std::function<void(TensorId)> on_evict_;
+  std::uint64_t chunk_evictions_ = 0;
+  std::size_t chunk_bytes_freed_ = 0;
   std::uint64_t base_evictions_ = 0;
   std::uint64_t base_recomputes_ = 0;
   double base_recompute_seconds_ = 0.0;

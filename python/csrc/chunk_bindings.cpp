@@ -253,9 +253,13 @@ may wait for a chunk copy release the GIL.)doc")
       .def("set_chunks", &Hooks::set_chunks, py::arg("chunks"), py::arg("ids"))
       .def("set_make_room", [](Hooks& h, bool on) { h.get().set_make_room(on); }, py::arg("on"))
       .def("set_dtr_arbiter",
-           [](Hooks& h, bool on, std::size_t limit, std::size_t cap) { h.get().set_dtr_arbiter(on, limit, cap); },
-           py::arg("on"), py::arg("limit"), py::arg("cap"),
-           "While on, every attach, detach and landed gradient sets DTR's threshold to dtr_threshold().")
+           [](Hooks& h, bool on, std::size_t limit, std::size_t cap, double link) {
+             h.get().set_dtr_arbiter(on, limit, cap, link);
+           },
+           py::arg("on"), py::arg("limit"), py::arg("cap"), py::arg("link_bytes_per_s") = 0.0,
+           "While on, every attach, detach and landed gradient sets DTR's threshold to dtr_threshold(); "
+           "with a link bandwidth, DTR's evictions go to a chunk when that costs less per byte "
+           "(Note [The arbiter between chunks and activations]).")
       .def("dtr_threshold", [](Hooks& h) { return h.get().dtr_threshold(); },
            "limit - chunk bytes held on the device, capped, at least 1.")
       .def("set_track_first_use", [](Hooks& h, bool on) { h.get().set_track_first_use(on); },

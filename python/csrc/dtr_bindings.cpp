@@ -54,6 +54,8 @@ py::dict stats_dict(const hd::RuntimeStats& s) {
   out["locked_bytes"] = s.locked_bytes;
   out["held_storages"] = s.held_storages;
   out["recipes"] = s.recipes;
+  out["chunk_evictions"] = s.chunk_evictions;
+  out["chunk_bytes_freed"] = s.chunk_bytes_freed;
   return out;
 }
 

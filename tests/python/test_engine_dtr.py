@@ -4,7 +4,9 @@ References are independent: plain PyTorch with torch.optim.AdamW (no tidal),
 or the engine without DTR, trained in the same process from the same seeds.
 """
 import copy
+import math
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -178,3 +180,97 @@ def test_explicit_threshold_caps_the_managed_one():
     assert s["peak_tracked_bytes"] <= 300 * 1024 + s["max_op_working_set"]
     engine.backward(loss)
     engine.step()
+
+
+# --------------------------------------------------------------------------- the arbiter
+
+class _CheapActivations(torch.nn.Module):
+    """Large activations that are cheap to recompute (elementwise), one small chunk."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(256, 256)
+
+    def forward(self, x, y):
+        h = self.lin(x)
+        for _ in range(10):
+            h = torch.relu(h * 1.0001 + 0.001)
+        return ((h - y) ** 2).mean()
+
+
+class _CostlyActivations(torch.nn.Module):
+    """Small activations that are costly to recompute (matmuls), many chunks."""
+
+    def __init__(self, n=16):
+        super().__init__()
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(256, 256) for _ in range(n))
+
+    def forward(self, x, y):
+        h = x
+        for layer in self.layers:
+            h = layer(h)
+        return ((h - y) ** 2).mean()
+
+
+def _seconds_per_byte(fn, x, reps=20):
+    with torch.no_grad():
+        fn(x)
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            out = fn(x)
+    return (time.perf_counter() - t0) / reps / out.nbytes
+
+
+def _link_between_the_two():
+    """A simulated link whose round trip per byte (2 / bandwidth) lies between
+    what an elementwise op and a matmul of the two models cost per byte on
+    this CPU (their geometric mean): measured here, so the test holds on any
+    CPU where a 256-wide matmul costs more per output byte than a relu."""
+    lin = torch.nn.Linear(256, 256)
+    cheap = _seconds_per_byte(torch.relu, torch.randn(2048, 256))
+    costly = _seconds_per_byte(lin, torch.randn(64, 256))
+    assert costly > 2 * cheap, (cheap, costly)
+    return 2 / math.sqrt(cheap * costly)
+
+
+def _train_with_dtr(make, budget, batches, link):
+    """The engine with DTR in its config on the simulated device; link: its
+    bandwidth in bytes/s (None: unlimited, which leaves the arbiter off)."""
+    bandwidth = None if link is None else f"{int(link)}B/s"
+    tidal.set_device("sim", capacity="1GiB", bandwidth=bandwidth)
+    torch.manual_seed(0)
+    model = make()
+    cfg = config(budget=budget, chunk=1 << 18)
+    cfg["tidal"]["dtr"] = {"enabled": True, "evictee_minimum_size": 512}
+    engine = tidal.initialize(model, cfg)
+    losses = train_tidal(engine, batches)
+    d = engine.memory_report()["dtr"]
+    dtr.disable()
+    return engine, losses, d
+
+
+@pytest.mark.parametrize("kind", ["cheap", "costly"])
+def test_arbiter_evicts_what_costs_less_per_byte(kind):
+    """Note [The arbiter between chunks and activations]: with large cheap
+    activations DTR's evictions mostly go to activations (recompute wins);
+    with small costly activations and many parameter chunks, chunks leave
+    (which never happens under the chunks-first rule: the arbiter off, no
+    link bandwidth known). Both train like torch.optim.AdamW. (Whether that
+    saves recompute end to end depends on when the chunk comes back; the
+    per-eviction choice itself is tested in tests/cpp/hooks/dtr.)"""
+    link = _link_between_the_two()
+    make, budget, batch = {"cheap": (_CheapActivations, "4MiB", 2048),
+                           "costly": (_CostlyActivations, "2MiB", 128)}[kind]
+    torch.manual_seed(1)
+    batches = [(torch.randn(batch, 256), torch.randn(batch, 256)) for _ in range(3)]
+    engine, losses, on = _train_with_dtr(make, budget, batches, link)
+    torch.manual_seed(0)
+    ref = make()
+    assert_close(engine, ref, train_reference(ref, batches), losses)
+    if kind == "cheap":
+        assert on["evictions"] > 0 and on["evictions"] > 2 * on["chunk_evictions"], on
+    else:
+        _, _, off = _train_with_dtr(make, budget, batches, None)
+        assert off["chunk_evictions"] == 0 and off["evictions"] > 0, off
+        assert on["chunk_evictions"] > 0, on
+        assert on["chunk_bytes_freed"] >= on["chunk_evictions"] * (1 << 18)

@@ -42,7 +42,7 @@ from .. import _C
 from .. import dtr as _dtr
 from .store import DEVICE
 
-_COUNTERS = ("evictions", "recomputes", "recompute_seconds")
+_COUNTERS = ("evictions", "recomputes", "recompute_seconds", "chunk_evictions", "chunk_bytes_freed")
 _PEAKS = ("peak_tracked_bytes", "max_op_working_set")
 
 
@@ -84,8 +84,14 @@ class DtrLink:
         # The arbiter's formula lives in ModuleHooks, which applies it at
         # every attach, detach and landed gradient (rebalance() below for
         # the engine's Python paths).
+        # With a known link bandwidth (the simulated device's), each of DTR's
+        # evictions goes to a chunk or an activation by cost (Note [The
+        # arbiter between chunks and activations] in
+        # hooks/dtr/storage_runtime.h); on CUDA the link is not measured
+        # yet, and chunks give way first as before.
         store = engine.store
-        hooks.set_dtr_arbiter(bool(self.enabled_by_config), store.device_budget - store.margin, self.cap)
+        link = float(store.device.info().get("sim_copy_bandwidth", 0.0))
+        hooks.set_dtr_arbiter(bool(self.enabled_by_config), store.device_budget - store.margin, self.cap, link)
         _dtr.register_param_provider(self)
         if self.enabled_by_config:
             _dtr.from_config(self._block)

@@ -6,6 +6,7 @@
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 
+#include <limits>
 #include <memory>
 #include <vector>
 
@@ -157,6 +158,75 @@ TEST(StorageRuntime, OverThresholdWithNothingToEvictNamesTheOp) {
     EXPECT_NE(msg.find("eviction_threshold="), std::string::npos) << msg;
     EXPECT_NE(msg.find("evictee_minimum_size="), std::string::npos) << msg;
   }
+}
+
+// Chunks of `chunk` bytes that leave at `seconds_per_byte`, each raising
+// the runtime's threshold by its bytes, as the engine's arbiter does.
+class FakeArbiter final : public ChunkArbiter {
+ public:
+  FakeArbiter(StorageRuntime& rt, double seconds_per_byte, std::size_t chunk, int chunks)
+      : rt_(rt), cost_(seconds_per_byte), chunk_(chunk), left_(chunks) {
+    set_chunk_arbiter(this);
+  }
+  ~FakeArbiter() override { set_chunk_arbiter(nullptr); }
+  double chunk_seconds_per_byte() const override {
+    return left_ > 0 ? cost_ : std::numeric_limits<double>::infinity();
+  }
+  std::size_t evict_chunk() override {
+    if (left_ == 0) return 0;
+    --left_;
+    ++evicted;
+    rt_.set_eviction_threshold(rt_.options().eviction_threshold + chunk_);
+    return chunk_;
+  }
+  int evicted = 0;
+
+ private:
+  StorageRuntime& rt_;
+  double cost_;
+  std::size_t chunk_;
+  int left_;
+};
+
+// Six 16 KiB activations of 1 ms each (about 6e-8 s per byte) over a 40 KiB threshold.
+std::vector<at::Tensor> six_activations(StorageRuntime& rt, const at::Tensor& x) {
+  std::vector<at::Tensor> ys;
+  at::Tensor h = x;
+  for (int i = 0; i < 6; ++i) ys.push_back(h = run(rt, i % 2 ? sin_of : exp_of, h));
+  return ys;
+}
+
+TEST(StorageRuntime, ArbiterMovesAChunkWhenItsRoundTripCostsLessPerByte) {
+  StorageRuntime rt(opts(40 * kKiB));
+  FakeArbiter arbiter(rt, /*seconds_per_byte=*/1e-9, 64 * kKiB, /*chunks=*/4);
+  const at::Tensor x = at::randn({64, 64});
+  const auto ys = six_activations(rt, x);
+  const auto s = rt.stats();
+  EXPECT_EQ(s.evictions, 0u);  // every eviction went to a chunk
+  EXPECT_GT(arbiter.evicted, 0);
+  EXPECT_EQ(s.chunk_evictions, static_cast<std::uint64_t>(arbiter.evicted));
+  EXPECT_EQ(s.chunk_bytes_freed, static_cast<std::size_t>(arbiter.evicted) * 64 * kKiB);
+  EXPECT_LE(rt.tracked_bytes(), rt.options().eviction_threshold + 2 * 16 * kKiB);
+}
+
+TEST(StorageRuntime, ArbiterEvictsActivationsWhenTheyAreCheaperToRecompute) {
+  StorageRuntime rt(opts(40 * kKiB));
+  FakeArbiter arbiter(rt, /*seconds_per_byte=*/1e-5, 64 * kKiB, /*chunks=*/4);
+  const at::Tensor x = at::randn({64, 64});
+  const auto ys = six_activations(rt, x);
+  EXPECT_GT(rt.stats().evictions, 0u);
+  EXPECT_EQ(arbiter.evicted, 0);
+  EXPECT_LE(rt.tracked_bytes(), 40 * kKiB + 2 * 16 * kKiB);
+}
+
+TEST(StorageRuntime, ArbiterFallsBackToActivationsOnceNoChunkCanLeave) {
+  StorageRuntime rt(opts(40 * kKiB));
+  FakeArbiter arbiter(rt, /*seconds_per_byte=*/1e-9, 16 * kKiB, /*chunks=*/1);
+  const at::Tensor x = at::randn({64, 64});
+  const auto ys = six_activations(rt, x);
+  EXPECT_EQ(arbiter.evicted, 1);
+  EXPECT_GT(rt.stats().evictions, 0u);
+  EXPECT_LE(rt.tracked_bytes(), rt.options().eviction_threshold + 2 * 16 * kKiB);
 }
 
 }  // namespace
