@@ -42,6 +42,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 import common  # noqa: E402
 import tidal  # noqa: E402
 from tidal import dtr  # noqa: E402
+from tidal.engine import dtr_link  # noqa: E402
 from dtr import ResNet50, measure_peak, step_fn  # noqa: E402
 from tidal.models.gpt import TinyGPT  # noqa: E402
 
@@ -150,7 +151,9 @@ def resnet_part(quick: bool) -> dict:
     return {"model": f"ResNet layout {layers}, base width {base}, {size}x{size} images, 10 classes",
             "fixed_memory_bytes": memory, "memory_is": f"no-DTR tracked peak at batch {base_batch}",
             "evictee_minimum_size": dtr.evictee_minimum_size, "batch_cap": cap,
+            "link": link,
             "largest_batch_without_dtr": plain_batch, "largest_batch_with_dtr": dtr_batch,
+            "largest_batch_with_dtr_chunks_first": first_batch, "trials_with_dtr_chunks_first": first_trials,
             "ratio": dtr_batch / plain_batch if plain_batch else None,
             "trials_without_dtr": plain_trials, "trials_with_dtr": dtr_trials, "step_seconds": times,
             "with_dtr_peak_and_threshold": {str(k): {"peak_tracked_bytes": v[0], "threshold": v[1]}
@@ -166,7 +169,7 @@ class _null:
 
 
 # ---------------------------------------------------------------- engine_gpt
-def engine_part(quick: bool) -> dict:
+def engine_part(quick: bool, link: str) -> dict:
     shape = dict(vocab=512, d=64, layers=2, heads=4, seq=64) if quick else \
         dict(vocab=2048, d=256, layers=4, heads=4, seq=64)
     budget = (4 << 20) if quick else (32 << 20)
@@ -215,6 +218,13 @@ def engine_part(quick: bool) -> dict:
     print(f"  engine_gpt: {params} parameters, device budget {budget} bytes", flush=True)
     plain_batch, plain_trials = largest(fits(False), 4, cap)
     dtr_batch, dtr_trials = largest(fits(True), max(plain_batch, 1), cap)
+    # The same search with DTR's evictions never given to a chunk (chunks give
+    # way only through the tracer's plan): the rule before the arbiter.
+    dtr_link.ARBITER = False
+    try:
+        first_batch, first_trials = largest(fits(True), max(plain_batch, 1), cap)
+    finally:
+        dtr_link.ARBITER = True
     if plain_batch == 0:
         raise SystemExit(f"engine_gpt: not even batch 1 trains without DTR at {budget} bytes; raise the budget")
     t_plain, l_plain, _ = train(plain_batch, False, 3)
@@ -222,7 +232,9 @@ def engine_part(quick: bool) -> dict:
     t_big, _, rep_big = train(dtr_batch, True, 3)
     return {"model": f"TinyGPT {shape}, fp32, {params} parameters", "device_budget_bytes": budget,
             "chunk_bytes": chunk, "batch_cap": cap, "evictee_minimum_size": minimum,
+            "link": link,
             "largest_batch_without_dtr": plain_batch, "largest_batch_with_dtr": dtr_batch,
+            "largest_batch_with_dtr_chunks_first": first_batch, "trials_with_dtr_chunks_first": first_trials,
             "ratio": dtr_batch / plain_batch if plain_batch else None,
             "trials_without_dtr": plain_trials, "trials_with_dtr": dtr_trials,
             "step_seconds": {"without_dtr_at_plain_batch": t_plain[1:], "dtr_at_plain_batch": t_dtr[1:],
@@ -237,22 +249,28 @@ def main():
     parser.add_argument("--quick", action="store_true", help="tiny models (seconds)")
     parser.add_argument("--only", choices=("resnet50", "engine_gpt"), default=None)
     parser.add_argument("--output", default=None)
+    parser.add_argument("--link", default="12GB/s",
+                        help="simulated host-device link (each way), e.g. 12GB/s, a PCIe 3 x16 figure")
     args = parser.parse_args()
     warnings.simplefilter("ignore")  # oversize-tensor notices of tiny chunk sizes
     torch.set_num_threads(os.cpu_count() or 1)
-    tidal.set_device("sim", capacity="8GiB")
+    # A link bandwidth makes the engine's arbiter weigh chunk copies against
+    # recomputes (Note [The arbiter between chunks and activations]).
+    tidal.set_device("sim", capacity="8GiB", bandwidth=args.link)
     out = {"quick": args.quick}
     if args.only in (None, "resnet50"):
         out["resnet50"] = resnet_part(args.quick)
     if args.only in (None, "engine_gpt"):
-        out["engine_gpt"] = engine_part(args.quick)
+        out["engine_gpt"] = engine_part(args.quick, args.link)
     name = "dtr_batch-quick" if args.quick else "dtr_batch"
     path = common.write_result(name, out, args.output)
     for part in ("resnet50", "engine_gpt"):
         if part in out:
             r = out[part]
             print(f"{part}: largest batch {r['largest_batch_without_dtr']} without DTR, "
-                  f"{r['largest_batch_with_dtr']} with DTR ({r['ratio']:.2f}x)")
+                  f"{r['largest_batch_with_dtr']} with DTR ({r['ratio']:.2f}x)"
+                  + (f", {r['largest_batch_with_dtr_chunks_first']} with DTR and chunks first"
+                     if "largest_batch_with_dtr_chunks_first" in r else ""))
     print(f"wrote {path}")
 
 

@@ -81,6 +81,7 @@ const Session::OpInfo& Session::info_of(const c10::OperatorHandle& op) {
   info->alias_only = std::all_of(schema.returns().begin(), schema.returns().end(),
                                  [](const c10::Argument& r) { return r.alias_info() != nullptr; });
   auto& slot = infos_[key];
+  if (slot) retired_.push_back(std::move(slot));  // an op gone and another at its address
   slot = std::move(info);
   return *slot;
 }
@@ -173,13 +174,13 @@ struct Session::OpRecipe final : Recipe {
   std::vector<ParamGeom> params;
   std::vector<std::pair<std::uint32_t, at::Tensor>> scratch;  // batch norm's running stats
   std::optional<RngSaved> rng;
-  std::string name;
+  const std::string* name = nullptr;  // the OpInfo's, which the session keeps
 };
 
 Session::Session(d::DtrOptions options) : runtime_(options) {
   runtime_.set_on_evict([this](TensorId id) {
     const auto* r = dynamic_cast<const OpRecipe*>(runtime_.producer_recipe(id));
-    auto& c = counters_[r == nullptr ? std::string("(no recipe)") : r->name];
+    auto& c = counters_[r == nullptr ? std::string("(no recipe)") : *r->name];
     ++c.evicted;
     c.evicted_bytes += runtime_.bytes_of(id);
   });
@@ -247,11 +248,11 @@ void Session::collect_inputs(const OpInfo& info, const torch::jit::Stack& stack,
 
 std::shared_ptr<const Session::OpRecipe> Session::make_recipe(const c10::OperatorHandle& op,
                                                               c10::DispatchKeySet below, const OpInfo& info,
-                                                              const torch::jit::Stack& args) const {
+                                                              torch::jit::Stack&& args) const {
   auto r = std::make_shared<OpRecipe>(op);
   r->ks = below;
-  r->name = info.name;
-  r->args = args;
+  r->name = &info.name;
+  r->args = std::move(args);
   r->refs = refs_;
   std::size_t p = 0;
   for (InputRef& ref : r->refs) {
@@ -385,7 +386,7 @@ void Session::run_handle(const c10::OperatorHandle& op, const OpInfo& info, c10:
   std::shared_ptr<const OpRecipe> recipe;
   auto recipe_for = [&]() {
     if (!recipe) {
-      auto r = make_recipe(op, below, info, args);
+      auto r = make_recipe(op, below, info, std::move(args));  // the op ran: args are not needed again
       if (rng) const_cast<OpRecipe&>(*r).rng = rng;
       if (scratch) {
         auto& mr = const_cast<OpRecipe&>(*r);
@@ -550,7 +551,7 @@ void Session::regenerate(std::span<const TensorId> targets) {
       }
       const double seconds = seconds_since(t0);
       restore();
-      auto& c = counters_[r.name];
+      auto& c = counters_[*r.name];
       ++c.replays;
       c.replay_seconds += seconds;
       tensors.clear();  // inputs no later step needs can be dropped at once

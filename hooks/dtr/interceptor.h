@@ -145,7 +145,7 @@ class Session {
   std::int64_t param_of(const at::Tensor& t);
   void collect_inputs(const OpInfo& info, const torch::jit::Stack& stack, std::size_t first);
   std::shared_ptr<const OpRecipe> make_recipe(const c10::OperatorHandle& op, c10::DispatchKeySet below,
-                                              const OpInfo& info, const torch::jit::Stack& args) const;
+                                              const OpInfo& info, torch::jit::Stack&& args) const;
   std::vector<at::Tensor> parameter_gradients();
   bool is_view_node(const torch::autograd::Node& n);
   void run_handle(const c10::OperatorHandle& op, const OpInfo& info, c10::DispatchKeySet below,
@@ -154,9 +154,12 @@ class Session {
   // Recursive: a provider's callback (Python) may set the threshold or read
   // the counters while an op holds the session.
   std::recursive_mutex mu_;
+  // Op facts per schema; recipes point at their names, so infos_ outlives
+  // runtime_ (declared first) and a replaced entry is kept (retired_).
+  std::unordered_map<const c10::FunctionSchema*, std::unique_ptr<OpInfo>> infos_;
+  std::vector<std::unique_ptr<OpInfo>> retired_;
   StorageRuntime runtime_;
   std::vector<std::shared_ptr<ParamProvider>> providers_;
-  std::unordered_map<const c10::FunctionSchema*, std::unique_ptr<OpInfo>> infos_;
   std::function<void()> after_op_;
   std::function<void(std::exception_ptr)> rethrow_;
   std::function<bool(const std::exception&)> is_oom_;

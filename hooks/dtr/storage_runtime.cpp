@@ -5,7 +5,6 @@
 #include <algorithm>
 #include <atomic>
 #include <limits>
-#include <unordered_set>
 #include <utility>
 
 #include "runtime/core/error.h"
@@ -354,8 +353,8 @@ std::vector<StorageRuntime::InputMeta> StorageRuntime::metas(std::span<const at:
     const at::Tensor& t = inputs[i];
     InputMeta m;
     m.id = ids[i];
-    m.sizes = t.sizes().vec();
-    m.strides = t.strides().vec();
+    m.sizes.assign(t.sizes().begin(), t.sizes().end());
+    m.strides.assign(t.strides().begin(), t.strides().end());
     m.offset = t.storage_offset();
     m.dtype = t.scalar_type();
     out.push_back(std::move(m));
@@ -440,14 +439,16 @@ void StorageRuntime::evict_to_threshold() {
 }
 
 std::size_t StorageRuntime::pinned_bytes() const {
-  std::unordered_set<TensorId> counted;
+  // A handful of pins per op: a linear check beats a hash set's allocation.
+  pinned_seen_.clear();
   std::size_t total = 0;
   for (const auto* list : {&op_pins_, &plan_pins_}) {
     for (TensorId id : *list) {
       const auto& rec = core_.tensor(id);
-      if (!rec.external && rec.state == d::TensorState::kResident && counted.insert(id).second) {
-        total += rec.bytes;
-      }
+      if (rec.external || rec.state != d::TensorState::kResident) continue;
+      if (std::find(pinned_seen_.begin(), pinned_seen_.end(), id) != pinned_seen_.end()) continue;
+      pinned_seen_.push_back(id);
+      total += rec.bytes;
     }
   }
   return total;

@@ -28,6 +28,7 @@
 
 #include <ATen/Tensor.h>
 #include <c10/core/StorageImpl.h>
+#include <c10/util/SmallVector.h>
 
 #include <cstddef>
 #include <cstdint>
@@ -208,8 +209,8 @@ class StorageRuntime {
   // How to rebuild one input of a recipe as a view of its record's storage.
   struct InputMeta {
     TensorId id = tidal::dtr::kNoTensor;
-    std::vector<int64_t> sizes;
-    std::vector<int64_t> strides;
+    c10::SmallVector<int64_t, 5> sizes;  // no allocation up to 5 dimensions
+    c10::SmallVector<int64_t, 5> strides;
     int64_t offset = 0;
     at::ScalarType dtype = at::kFloat;
   };
@@ -239,6 +240,7 @@ class StorageRuntime {
   std::vector<TensorId> plan_pins_;
   std::unordered_map<TensorId, int> plan_uses_;  // remaining plan steps reading a tensor
   std::vector<TensorId> dead_;
+  mutable std::vector<TensorId> pinned_seen_;  // pinned_bytes()' scratch
   std::size_t max_working_set_ = 0;
   bool hold_evictions_ = false;
   std::function<void(TensorId)> on_evict_;

@@ -42,6 +42,11 @@ from .. import _C
 from .. import dtr as _dtr
 from .store import DEVICE
 
+# False: DTR's evictions never go to chunks (chunks give way only through
+# the tracer's plan: the rule before the arbiter); benchmarks/dtr_batch.py's
+# peer for the arbiter.
+ARBITER = True
+
 _COUNTERS = ("evictions", "recomputes", "recompute_seconds", "chunk_evictions", "chunk_bytes_freed")
 _PEAKS = ("peak_tracked_bytes", "max_op_working_set")
 
@@ -90,7 +95,7 @@ class DtrLink:
         # hooks/dtr/storage_runtime.h); on CUDA the link is not measured
         # yet, and chunks give way first as before.
         store = engine.store
-        link = float(store.device.info().get("sim_copy_bandwidth", 0.0))
+        link = float(store.device.info().get("sim_copy_bandwidth", 0.0)) if ARBITER else 0.0
         hooks.set_dtr_arbiter(bool(self.enabled_by_config), store.device_budget - store.margin, self.cap, link)
         _dtr.register_param_provider(self)
         if self.enabled_by_config:
