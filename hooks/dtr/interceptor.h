@@ -27,12 +27,17 @@
 //     Fake, with Fake excluded, so ops a kernel calls internally are not
 //     seen (as in the Python mode, where a mode is popped while it runs).
 //     Replays redispatch the recorded op on the same keys.
-// Tests against an upgrade (tests/python/test_dtr_dispatch.py): the key is
-// free before we register, ours afterwards; the ops DTR sees equal those a
-// logging TorchDispatchMode sees for a model step; gradients bitwise equal
-// with forced evictions; the interception is per thread; it coexists with
-// autocast, a user TorchDispatchMode and torch.func; and the pass-through
-// cost (benchmarks/dtr_overhead.py) is measured against plain PyTorch.
+// Also relied on: torch::autograd::get_current_node() names the autograd
+// node running a backward op, and AccumulateGrad::variable its parameter
+// (Note [Gradients are optimizer inputs]).
+// Tests against an upgrade (tests/python/test_dtr_dispatch.py, and without
+// Python tests/cpp/hooks/dtr/interceptor_test.cpp): the key is free before
+// we register, ours afterwards; the ops DTR sees equal those a logging
+// TorchDispatchMode sees for a model step; gradients bitwise equal with
+// forced evictions; the interception is per thread; it coexists with
+// autocast, a user TorchDispatchMode and torch.func; tidal's errors keep
+// their type; gradients are settled as they are made; and the per-op cost
+// (benchmarks/dtr.py --only overhead) is measured against plain PyTorch.
 #pragma once
 
 #include <ATen/core/dispatch/Dispatcher.h>

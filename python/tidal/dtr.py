@@ -400,7 +400,7 @@ _last_stats: Dict[str, Any] = {}
 _CPP = "cpp"
 # How ops are intercepted: None picks C++ where the dispatch key is free
 # (_C.dtr.interception_status()), else the Python mode with a warning;
-# "python" forces the TorchDispatchMode (benchmarks/dtr_overhead.py's peer).
+# "python" forces the TorchDispatchMode (the peer of benchmarks/dtr.py --only overhead).
 _interception: Optional[str] = None
 _after_op = None  # tests: called after every intercepted op (C++ interception)
 
