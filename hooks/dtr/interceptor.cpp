@@ -371,6 +371,7 @@ void Session::run_handle(const c10::OperatorHandle& op, const OpInfo& info, c10:
     } catch (const std::exception& e) {
       // The allocator ran out (CUDA): free the best candidate and retry.
       if (!is_oom(e) || !runtime_.evict_one()) throw;
+      if (rng) set_state(rng->gen, rng->state);  // the retry draws what a replay will draw
       stack->erase(stack->begin() + static_cast<std::ptrdiff_t>(std::min(first, stack->size())), stack->end());
       stack->insert(stack->end(), args.begin(), args.end());
     }
@@ -542,6 +543,7 @@ void Session::regenerate(std::span<const TensorId> targets) {
             break;
           } catch (const std::exception& e) {
             if (!is_oom(e) || !runtime_.evict_one()) throw;  // never takes what the plan pinned
+            if (gen) set_state(*gen, r.rng->state);
             st = fill();
           }
         }

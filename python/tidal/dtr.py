@@ -321,6 +321,8 @@ class _DtrMode(TorchDispatchMode):
                     # The allocator ran out (CUDA): free the best candidate and retry.
                     if not rt.evict_one():
                         raise
+                    if rng is not None:
+                        _rng_set(rng)  # the retry draws what a replay will draw
             seconds = time.perf_counter() - t0
             recipe = (func, targs, tkw, rng)
             outs = _flat_outputs(out)

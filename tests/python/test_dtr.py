@@ -400,3 +400,28 @@ def test_allocation_failure_evicts_and_retries():
         calls["always"] = False  # y was evicted too: disable() replays it
     assert torch.equal(y, x * 2)
     assert all(torch.equal(a, b) for a, b in zip(keep, [x.exp(), x.sin(), x.cos()]))
+
+
+def test_a_random_op_retried_after_an_allocation_failure_replays_what_it_returned():
+    """The failed attempt drew random numbers; the retry starts from the saved
+    generator state, so a replay of the recorded op gives the same values."""
+    calls = {"n": 0}
+
+    @torch.library.custom_op("tidal_test::flaky_noise", mutates_args=(),
+                             tags=(torch.Tag.nondeterministic_seeded,))
+    def flaky_noise(x: torch.Tensor) -> torch.Tensor:
+        calls["n"] += 1
+        noise = torch.rand_like(x)
+        if calls["n"] == 1:
+            raise torch.OutOfMemoryError("simulated allocation failure after drawing")
+        return x + noise
+
+    x = torch.randn(64, 64)
+    with dtr.enabled(eviction_threshold=0, evictee_minimum_size=KiB):
+        keep = x.exp()  # something to evict on the failure
+        y = torch.ops.tidal_test.flaky_noise(x)
+        assert calls["n"] == 2 and dtr.stats()["evictions"] == 1
+        expected = y.clone()
+        dtr._runtime.evict_tensor(y)
+        assert torch.equal(y + 0, expected)  # replayed from the saved state
+        assert torch.equal(keep, x.exp())

@@ -27,6 +27,17 @@ TensorId unary(Rematerializer& r, TensorId x, std::size_t bytes, double cost = 1
   return out.at(0);
 }
 
+// Records a gradient-like tensor g = f(x) made during backward (a
+// last-resort candidate, Note [Last-resort candidates]).
+TensorId gradient(Rematerializer& r, TensorId x, std::size_t bytes = kMiB) {
+  std::vector<TensorId> out;
+  const std::size_t sizes[] = {bytes};
+  const TensorId ins[] = {x};
+  r.tick();
+  r.record_op(ins, sizes, 1e-3, true, &out, /*last_resort=*/true);
+  return out.at(0);
+}
+
 // A chain x -> t0 -> t1 -> ... of n tensors of 1 MiB each.
 std::vector<TensorId> chain(Rematerializer& r, TensorId x, int n) {
   std::vector<TensorId> ts;
@@ -211,15 +222,11 @@ TEST(Rematerializer, MultiOutputOpOutlivesOneOfItsOutputs) {
 TEST(Rematerializer, BackwardTensorsAreLastResortCandidates) {
   Rematerializer r(opts(0, ScorerKind::kLru));
   const TensorId x = r.add_external(kMiB);
-  std::vector<TensorId> grad;
-  const std::size_t sz[] = {kMiB};
-  const TensorId ins[] = {x};
-  r.tick();
-  r.record_op(ins, sz, 1e-3, true, &grad, /*last_resort=*/true);  // oldest: LRU would pick it
+  const TensorId grad = gradient(r, x);  // oldest: LRU would pick it
   const TensorId act = unary(r, x, kMiB);
   EXPECT_EQ(r.choose_evictee(), act);
   r.evict(act);
-  EXPECT_EQ(r.choose_evictee(), grad[0]);  // nothing else is left
+  EXPECT_EQ(r.choose_evictee(), grad);  // nothing else is left
 }
 
 TEST(Rematerializer, LastResortCandidatesAreScoredByTheirWholePlan) {
@@ -230,34 +237,24 @@ TEST(Rematerializer, LastResortCandidatesAreScoredByTheirWholePlan) {
   Rematerializer r(opts(0));
   const TensorId x = r.add_external(kMiB);
   const auto ts = chain(r, x, 10);
-  std::vector<TensorId> g_long, g_short;
-  const std::size_t sz[] = {kMiB};
-  const TensorId long_in[] = {ts.back()};
-  const TensorId short_in[] = {x};
-  r.tick();
-  r.record_op(long_in, sz, 1e-3, true, &g_long, /*last_resort=*/true);
-  r.tick();
-  r.record_op(short_in, sz, 1e-3, true, &g_short, /*last_resort=*/true);
+  const TensorId g_long = gradient(r, ts.back());
+  const TensorId g_short = gradient(r, x);
   for (TensorId t : ts) EXPECT_FALSE(r.on_storage_dead(t));  // fake deletion: recipes kept, memory dropped
   r.tick();
-  EXPECT_NEAR(r.regeneration_cost(g_long[0]), 11e-3, 1e-12);  // the chain and its own op
-  EXPECT_NEAR(r.regeneration_cost(g_short[0]), 1e-3, 1e-12);
-  EXPECT_EQ(r.choose_evictee(), g_short[0]);
-  r.evict(g_short[0]);
-  EXPECT_EQ(r.choose_evictee(), g_long[0]);  // still possible once nothing else is left
+  EXPECT_NEAR(r.regeneration_cost(g_long), 11e-3, 1e-12);  // the chain and its own op
+  EXPECT_NEAR(r.regeneration_cost(g_short), 1e-3, 1e-12);
+  EXPECT_EQ(r.choose_evictee(), g_short);
+  r.evict(g_short);
+  EXPECT_EQ(r.choose_evictee(), g_long);  // still possible once nothing else is left
   r.validate();
 }
 
 TEST(Rematerializer, SettledGradientIsNeitherTrackedNorEvicted) {
   Rematerializer r(opts(0));
   const TensorId x = r.add_external(kMiB);
-  std::vector<TensorId> grad;
-  const std::size_t sz[] = {kMiB};
-  const TensorId ins[] = {x};
-  r.tick();
-  r.record_op(ins, sz, 1e-3, true, &grad, /*last_resort=*/true);
+  const TensorId grad = gradient(r, x);
   EXPECT_EQ(r.stats().tracked_bytes, kMiB);
-  EXPECT_TRUE(r.settle(grad[0]));
+  EXPECT_TRUE(r.settle(grad));
   EXPECT_EQ(r.stats().tracked_bytes, 0u);
   EXPECT_EQ(r.choose_evictee(), kNoTensor);
   r.validate();
