@@ -672,8 +672,14 @@ std::string interception_status() {
 Session* current_session() { return g_session.load(std::memory_order_acquire); }
 
 void Session::activate() {
-  const std::string why = interception_status();
-  TIDAL_CHECK(why.empty(), "tidal.dtr cannot intercept ops in C++: ", why);
+  // The scan of every op for kernels on the key runs once per process (about
+  // 50 us; the engine starts a session at every step).
+  static std::atomic<bool> verified{false};
+  if (!verified.load()) {
+    const std::string why = interception_status();
+    TIDAL_CHECK(why.empty(), "tidal.dtr cannot intercept ops in C++: ", why);
+    verified.store(true);
+  }
   {
     std::lock_guard<std::mutex> lock(g_register_mu);
     if (!g_fallback) {

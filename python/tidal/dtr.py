@@ -407,13 +407,19 @@ _interception: Optional[str] = None
 _after_op = None  # tests: called after every intercepted op (C++ interception)
 
 
+_key_checked = False  # the key passed _C.dtr.interception_status() once in this process
+
+
 def _interception_kind() -> str:
+    global _key_checked
     if _interception is not None:
         return _interception
-    why = _C.dtr.interception_status()
-    if why:
-        warnings.warn(f"tidal.dtr intercepts ops with a Python TorchDispatchMode (slower): {why}", stacklevel=3)
-        return "python"
+    if not _key_checked:
+        why = _C.dtr.interception_status()
+        if why:
+            warnings.warn(f"tidal.dtr intercepts ops with a Python TorchDispatchMode (slower): {why}", stacklevel=3)
+            return "python"
+        _key_checked = True
     return _CPP
 
 
