@@ -82,7 +82,7 @@ def test_forced_evictions_keep_gradients_bitwise(interception, monkeypatch):
         got = _step(model, x)
         s = dtr.stats()
         dtr._validate()
-    assert dtr._last_stats and s["evictions"] > 0 and s["recomputes"] > 0
+    assert s["evictions"] > 0 and s["recomputes"] > 0
     for a, b in zip(got, ref):
         assert torch.equal(a, b)
 
