@@ -246,14 +246,22 @@ void Session::collect_inputs(const OpInfo& info, const torch::jit::Stack& stack,
   }
 }
 
-std::shared_ptr<const Session::OpRecipe> Session::make_recipe(const c10::OperatorHandle& op,
-                                                              c10::DispatchKeySet below, const OpInfo& info,
-                                                              torch::jit::Stack&& args) const {
+std::shared_ptr<Session::OpRecipe> Session::make_recipe(const c10::OperatorHandle& op, c10::DispatchKeySet below,
+                                                        const OpInfo& info, torch::jit::Stack&& args,
+                                                        bool scratch) const {
   auto r = std::make_shared<OpRecipe>(op);
   r->ks = below;
   r->name = &info.name;
   r->args = std::move(args);
   r->refs = refs_;
+  if (scratch) {  // batch norm's running stats: replays write into copies
+    for (std::uint32_t i : {3u, 4u}) {
+      if (r->args[i].isTensor()) {
+        r->scratch.emplace_back(i, r->args[i].toTensor());
+        r->args[i] = c10::IValue();
+      }
+    }
+  }
   std::size_t p = 0;
   for (InputRef& ref : r->refs) {
     c10::IValue& a = r->args[ref.arg];
@@ -386,18 +394,10 @@ void Session::run_handle(const c10::OperatorHandle& op, const OpInfo& info, c10:
   const bool replayable = info.replayable && !declared;
   std::shared_ptr<const OpRecipe> recipe;
   auto recipe_for = [&]() {
+    // The op ran: its arguments are not needed again.
     if (!recipe) {
-      auto r = make_recipe(op, below, info, std::move(args));  // the op ran: args are not needed again
-      if (rng) const_cast<OpRecipe&>(*r).rng = rng;
-      if (scratch) {
-        auto& mr = const_cast<OpRecipe&>(*r);
-        for (std::uint32_t i : {3u, 4u}) {
-          if (mr.args[i].isTensor()) {
-            mr.scratch.emplace_back(i, mr.args[i].toTensor());
-            mr.args[i] = c10::IValue();
-          }
-        }
-      }
+      auto r = make_recipe(op, below, info, std::move(args), scratch);
+      r->rng = rng;
       recipe = std::move(r);
     }
     return recipe;

@@ -149,8 +149,10 @@ class Session {
   void regenerate(std::span<const TensorId> targets);
   std::int64_t param_of(const at::Tensor& t);
   void collect_inputs(const OpInfo& info, const torch::jit::Stack& stack, std::size_t first);
-  std::shared_ptr<const OpRecipe> make_recipe(const c10::OperatorHandle& op, c10::DispatchKeySet below,
-                                              const OpInfo& info, torch::jit::Stack&& args) const;
+  // The recipe of the op that just ran on `args` (batch norm's running
+  // stats, with scratch, taken out as copies to write into).
+  std::shared_ptr<OpRecipe> make_recipe(const c10::OperatorHandle& op, c10::DispatchKeySet below,
+                                        const OpInfo& info, torch::jit::Stack&& args, bool scratch) const;
   std::vector<at::Tensor> parameter_gradients();
   bool is_view_node(const torch::autograd::Node& n);
   void run_handle(const c10::OperatorHandle& op, const OpInfo& info, c10::DispatchKeySet below,

@@ -260,18 +260,12 @@ void StorageRuntime::clear() {
 
 RuntimeStats StorageRuntime::stats() {
   sweep();
-  const auto s = core_.stats();
   RuntimeStats out;
-  out.evictions = base_evictions_ + s.evictions;
-  out.recomputes = base_recomputes_ + s.recomputes;
-  out.recompute_seconds = base_recompute_seconds_ + s.recompute_seconds;
-  out.tracked_bytes = s.tracked_bytes;
-  out.peak_tracked_bytes = s.peak_tracked_bytes;
+  static_cast<d::DtrStats&>(out) = core_.stats();
+  out.evictions += base_evictions_;
+  out.recomputes += base_recomputes_;
+  out.recompute_seconds += base_recompute_seconds_;
   out.max_op_working_set = max_working_set_;
-  out.live_tensors = s.live_tensors;
-  out.live_ops = s.live_ops;
-  out.fake_deleted = s.fake_deleted;
-  out.locked_bytes = s.locked_bytes;
   out.held_storages = storage_.size();
   out.recipes = replays_.size();
   out.chunk_evictions = chunk_evictions_;

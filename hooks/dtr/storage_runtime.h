@@ -54,17 +54,10 @@ struct Recipe {
 };
 using RecipePtr = std::shared_ptr<const Recipe>;
 
-struct RuntimeStats {
-  std::uint64_t evictions = 0;
-  std::uint64_t recomputes = 0;
-  double recompute_seconds = 0.0;
-  std::size_t tracked_bytes = 0;
-  std::size_t peak_tracked_bytes = 0;
+// The core's counters (evictions, recomputes and recompute seconds summed
+// over every clear()), and the storage runtime's own.
+struct RuntimeStats : tidal::dtr::DtrStats {
   std::size_t max_op_working_set = 0;
-  std::size_t live_tensors = 0;
-  std::size_t live_ops = 0;
-  std::size_t fake_deleted = 0;
-  std::size_t locked_bytes = 0;
   std::size_t held_storages = 0;
   std::size_t recipes = 0;
   std::uint64_t chunk_evictions = 0;  // evictions the arbiter gave to a chunk instead

@@ -127,19 +127,19 @@ class Runtime {
     rt_.begin_op(inputs, &ids, &missing);
     return py::make_tuple(py::cast(ids), py::cast(missing));
   }
+  // [(step, recipe)]: replay_inputs(step) and replayed(step, ...) name a step.
   py::list plan(const std::vector<hd::TensorId>& targets) {
     plan_ = rt_.plan(targets);
     py::list out;
     for (std::size_t i = 0; i < plan_.size(); ++i) {
       const auto* r = dynamic_cast<const PyRecipe*>(plan_[i].recipe);
       TIDAL_INTERNAL_ASSERT(r != nullptr, "op ", plan_[i].op, " has no Python recipe");
-      out.append(py::make_tuple(i, r->obj, py::cast(plan_[i].chained)));
+      out.append(py::make_tuple(i, r->obj));
     }
     return out;
   }
   std::vector<at::Tensor> replay_inputs(std::size_t step) { return rt_.replay_inputs(plan_.at(step).op); }
-  void replayed(std::size_t step, const std::vector<hd::TensorId>&, const std::vector<at::Tensor>& outputs,
-                double seconds) {
+  void replayed(std::size_t step, const std::vector<at::Tensor>& outputs, double seconds) {
     rt_.replayed(plan_.at(step), outputs, seconds);
   }
   void end_plan() {

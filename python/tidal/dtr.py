@@ -359,9 +359,9 @@ class _DtrMode(TorchDispatchMode):
         """Replays recipes until every target is resident (rt.plan uses an explicit stack)."""
         rt = self.rt
         try:
-            for op, recipe, chained in rt.plan(targets):
+            for step, recipe in rt.plan(targets):
                 func, targs, tkw, rng = recipe
-                tensors = rt.replay_inputs(op)
+                tensors = rt.replay_inputs(step)
                 a = _fill(targs, tensors)
                 k = _fill(tkw, tensors) if tkw else {}
                 old = _rng_set(rng) if rng is not None else None
@@ -381,7 +381,7 @@ class _DtrMode(TorchDispatchMode):
                         p.end_replay_step()
                 seconds = time.perf_counter() - t0
                 del a, k, tensors  # inputs no later step needs can be dropped at once
-                rt.replayed(op, chained, _flat_outputs(out), seconds)
+                rt.replayed(step, _flat_outputs(out), seconds)
                 del out
         finally:
             rt.end_plan()

@@ -117,16 +117,17 @@ class DtrLink:
         e = self._engine()
         return None if e is None else e.param_record_of(t)
 
-    def record(self, i: int):
+    def _live_engine(self):
         e = self._engine()
         if e is None:
             raise _C.InternalError("tidal.dtr: a recipe reads a parameter of an engine that is gone")
-        return e._record_list[i]
+        return e
+
+    def record(self, i: int):
+        return self._live_engine()._record_list[i]
 
     def view(self, record, size, stride, offset):
-        e = self._engine()
-        if e is None:
-            raise _C.InternalError("tidal.dtr: a recipe reads a parameter of an engine that is gone")
+        e = self._live_engine()
         if e._hooks.landed(e._record_index[id(record)]):
             # The 16-bit slot holds the gradient now; the weight it held is
             # the fp32 master rounded to 16 bits (CPU Adam writes it so).
