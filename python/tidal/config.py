@@ -28,6 +28,7 @@ from typing import Any
 
 from ._schema import NONE as _NONE
 from ._schema import ConfigError, check_value, fail, unknown_key
+from . import data_parallel as _dp
 from .dtr import validate_config as _validate_dtr
 from .lr_schedules import PARAMS as _SCHEDULER_PARAMS
 from .lr_schedules import REQUIRED
@@ -148,6 +149,8 @@ SCHEMA: dict[str, Any] = {
                           "eviction_threshold, evictee_minimum_size, enable_sqrt_sampling, scorer"),
         "recompute": (dict, {}, "tidal.recompute's own keys (tidal.recompute.from_config; "
                                 "docs/recompute.md)"),
+        "data_parallel": (dict, {}, "data parallel over torch.distributed (docs/data_parallel.md): "
+                                    "enabled, timeout, backend"),
     },
 }
 
@@ -158,7 +161,8 @@ SCHEMA: dict[str, Any] = {
 # given with another value is reported; the keys of one reason share one
 # warning. A key's default is never reported: only what the config file says.
 _STAGE = "tidal has no ZeRO stages on one GPU; chunks decide placement"
-_COMM = "they tune data-parallel communication, and tidal trains on one GPU without collectives"
+_COMM = ("they tune DeepSpeed's bucketed data-parallel communication; tidal reduces and "
+         "broadcasts whole chunks (Note [Data parallel by chunk] in tidal/data_parallel.py)")
 _ZERO3 = ("tidal's chunk scheduler decides what stays on the device (OPT eviction over the step's "
           "trace, prefetch), so ZeRO-3's fetch and persistence thresholds do not apply")
 _NVME = ("they configure NVMe offload, which tidal does not have; host buffering follows "
@@ -294,6 +298,9 @@ class Config:
     pin_memory: bool = True
     dtr: dict = field(default_factory=dict)
     recompute: dict = field(default_factory=dict)
+    data_parallel: dict = field(default_factory=lambda: _dp.validate_config({}))
+    # Ranks training together (1 unless data parallel): train_batch_size counts them all.
+    world_size: int = 1
     # True when the file asked for recompute (activation_checkpointing or
     # tidal.recompute given): only then is a plan built from these blocks.
     activation_checkpointing_given: bool = False
@@ -324,6 +331,8 @@ class Config:
         config = _legacy_zero(config)
         r = _resolve(SCHEMA, config, "")
         c = cls(raw=r)
+        c.data_parallel = _dp.validate_config(r["tidal"]["data_parallel"])
+        c.world_size = _dp.world_size(c.data_parallel)
         c._batch_sizes(r)
         c.gradient_clipping = float(r["gradient_clipping"])
         if c.gradient_clipping < 0:
@@ -379,28 +388,33 @@ class Config:
                        ("gradient_accumulation_steps", ga)):
             if v is not None and v < 1:
                 fail(key, f"expected an integer >= 1, got {v}")
-        # DeepSpeed's rule on one GPU: train_batch_size = micro batch x accumulation.
+        # DeepSpeed's rule: train_batch_size = micro batch x accumulation x ranks.
+        n = self.world_size
+        ranks = "one GPU" if n == 1 else f"{n} data-parallel ranks"
         if tb is not None and mb is not None and ga is not None:
-            if tb != mb * ga:
+            if tb != mb * ga * n:
                 raise ConfigError(
                     f"inconsistent batch sizes: train_batch_size={tb} but "
-                    f"train_micro_batch_size_per_gpu * gradient_accumulation_steps = {mb} * {ga} "
-                    f"= {mb * ga} (one GPU)")
+                    f"train_micro_batch_size_per_gpu * gradient_accumulation_steps * ranks = "
+                    f"{mb} * {ga} * {n} = {mb * ga * n} ({ranks})")
         elif tb is not None and mb is not None:
-            if tb % mb:
+            if tb % (mb * n):
                 raise ConfigError(f"train_batch_size={tb} is not a multiple of "
-                                  f"train_micro_batch_size_per_gpu={mb}")
-            ga = tb // mb
+                                  f"train_micro_batch_size_per_gpu * ranks = {mb} * {n} ({ranks})")
+            ga = tb // (mb * n)
         elif tb is not None and ga is not None:
-            if tb % ga:
+            if tb % (ga * n):
                 raise ConfigError(f"train_batch_size={tb} is not a multiple of "
-                                  f"gradient_accumulation_steps={ga}")
-            mb = tb // ga
+                                  f"gradient_accumulation_steps * ranks = {ga} * {n} ({ranks})")
+            mb = tb // (ga * n)
         elif tb is not None:
-            mb, ga = tb, 1
+            if tb % n:
+                raise ConfigError(f"train_batch_size={tb} is not a multiple of the {n} "
+                                  f"data-parallel ranks")
+            mb, ga = tb // n, 1
         elif mb is not None:
             ga = ga or 1
-            tb = mb * ga
+            tb = mb * ga * n
         self.train_batch_size, self.micro_batch_size = tb, mb
         self.gradient_accumulation_steps = ga or 1
 

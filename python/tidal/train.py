@@ -34,6 +34,7 @@ import dataclasses
 import difflib
 import json
 import math
+import os
 import sys
 import time
 from pathlib import Path
@@ -322,16 +323,23 @@ def run(argv=None) -> dict:
         config["train_micro_batch_size_per_gpu"] = micro
     accum = cfg.gradient_accumulation_steps
     steps = args.steps or (_QUICK_STEPS if args.quick else 20 if gpu else 30)
-    tokens_per_step = micro * accum * seq
+    # Under torchrun (data parallel, docs/data_parallel.md): every rank trains
+    # its own batches of the same model; rank 0 speaks for the global batch.
+    world = cfg.world_size
+    rank = int(os.environ.get("RANK", "0")) if world > 1 else 0
+    say = print if rank == 0 else (lambda *a, **k: None)
+    tokens_per_step = micro * accum * world * seq
     n_est = shape.params() if hf_config is None else None  # HF: counted once built
 
     size = f"{n_est / 1e6:.1f}M parameters, " if n_est is not None else ""
-    print(f"[tidal-train] {shape.source}: {size}{shape.layers} layers, "
+    say(f"[tidal-train] {shape.source}: {size}{shape.layers} layers, "
           f"hidden {shape.hidden}, {shape.heads} heads, vocab {shape.vocab}; seq {seq}, micro batch "
-          f"{micro} x {accum} accumulation, {steps} steps, data {args.data}, config {config_path}",
+          f"{micro} x {accum} accumulation"
+          f"{f' x {world} ranks = global batch {micro * accum * world}' if world > 1 else ''}, "
+          f"{steps} steps, data {args.data}, config {config_path}",
           flush=True)
     if shape.note:
-        print(f"[tidal-train] note: {shape.note}", flush=True)
+        say(f"[tidal-train] note: {shape.note}", flush=True)
 
     t0 = time.perf_counter()
     torch.manual_seed(args.seed)
@@ -352,21 +360,22 @@ def run(argv=None) -> dict:
     records = getattr(engine, "records", None)
     n_params = sum(r.numel for r in records) if records else (n_est or 0)
     if n_est is None:
-        print(f"[tidal-train] {type(model).__name__}: {n_params / 1e6:.1f}M parameters", flush=True)
+        say(f"[tidal-train] {type(model).__name__}: {n_params / 1e6:.1f}M parameters", flush=True)
     device = engine.store.torch_device
     info = tidal.get_device().info()
-    print(f"[tidal-train] built into chunks in {time.perf_counter() - t0:.1f} s on "
+    say(f"[tidal-train] built into chunks in {time.perf_counter() - t0:.1f} s on "
           f"{info['backend']} ({info['name']}), precision {cfg.precision}, device budget "
           f"{_fmt_bytes(engine.store.device_budget)}", flush=True)
 
-    data = batches(args.data, shape.vocab, seq, micro, device, seed=args.seed)
+    # (The model above is seeded alike on every rank; the data is not.)
+    data = batches(args.data, shape.vocab, seq, micro, device, seed=args.seed + rank)
     bar = None
-    if not args.no_progress:
+    if not args.no_progress and rank == 0:
         try:
             from tqdm import tqdm
             bar = tqdm(total=steps, unit="step", dynamic_ncols=True, file=sys.stderr)
         except ImportError:
-            print("[tidal-train] tqdm is not installed: plain progress lines", flush=True)
+            say("[tidal-train] tqdm is not installed: plain progress lines", flush=True)
     losses, times, applied = [], [], 0
     start = time.perf_counter()
     for step in range(steps):
@@ -380,6 +389,8 @@ def run(argv=None) -> dict:
         if engine.step():
             applied += 1
         times.append(time.perf_counter() - t)
+        if engine.dp is not None:  # the global batch's mean loss
+            total = engine.dp.all_reduce_sum([total], "average the loss")[0] / world
         losses.append(total / accum)
         tok_s = tokens_per_step / times[-1]
         tflops = 6 * n_params * tokens_per_step / times[-1] / 1e12
@@ -391,7 +402,7 @@ def run(argv=None) -> dict:
             bar.set_postfix_str(fields, refresh=False)
             bar.update(1)
         elif step % max(1, steps // 10) == 0 or step == steps - 1:
-            print(f"step {step:5d}  {fields}", flush=True)
+            say(f"step {step:5d}  {fields}", flush=True)
     if bar is not None:
         bar.close()
     wall = time.perf_counter() - start
@@ -403,7 +414,8 @@ def run(argv=None) -> dict:
         "model": label, "source": shape.source, "architecture": type(model).__name__,
         "params": n_params, "layers": shape.layers,
         "hidden": shape.hidden, "heads": shape.heads, "vocab": shape.vocab, "seq": seq,
-        "steps": steps, "applied_steps": applied, "micro_batch": micro,
+        "steps": steps, "applied_steps": applied, "micro_batch": micro, "world_size": world,
+        "global_batch": micro * accum * world,
         "gradient_accumulation_steps": accum, "data": args.data, "config": str(config_path),
         "precision": cfg.precision, "lr": cfg.lr, "first_loss": losses[0], "last_loss": losses[-1],
         "last5_mean_loss": sum(tail) / len(tail), "losses": losses, "seconds": wall,
@@ -414,36 +426,36 @@ def run(argv=None) -> dict:
         "host_bytes": report["host"],
     }
     m = summary["memory"]
-    print(f"[tidal-train] report: {steps} steps in {wall:.1f} s; loss {losses[0]:.4f} -> "
+    say(f"[tidal-train] report: {steps} steps in {wall:.1f} s; loss {losses[0]:.4f} -> "
           f"{losses[-1]:.4f} (mean of the last {len(tail)}: {summary['last5_mean_loss']:.4f})")
-    print(f"  throughput (steps 3 on): {summary['tokens_per_s']:,.0f} tokens/s, "
+    say(f"  throughput (steps 3 on): {summary['tokens_per_s']:,.0f} tokens/s, "
           f"{summary['tflops']:.3g} TFLOPS")
-    print(f"  device budget {_fmt_bytes(m['device_budget'])} (margin {_fmt_bytes(m['device_margin'])}): "
+    say(f"  device budget {_fmt_bytes(m['device_budget'])} (margin {_fmt_bytes(m['device_margin'])}): "
           f"peak chunks {_fmt_bytes(m['peak_chunk_device_bytes'])}, peak non-chunk "
           f"{_fmt_bytes(m['peak_nonchunk_device_bytes'])}, peak together "
           f"{_fmt_bytes(m['peak_device_bytes'])}")
-    print(f"  host: peak chunks {_fmt_bytes(m['peak_chunk_host_bytes'])}, tidal host buffers "
+    say(f"  host: peak chunks {_fmt_bytes(m['peak_chunk_host_bytes'])}, tidal host buffers "
           f"{_fmt_bytes(report['host'].get('allocated', 0))} (pinned "
           f"{_fmt_bytes(report['host'].get('pinned', 0))})")
-    print(f"  last step moved {_fmt_bytes(m['bytes_host_to_device_last_step'])} host->device, "
+    say(f"  last step moved {_fmt_bytes(m['bytes_host_to_device_last_step'])} host->device, "
           f"{_fmt_bytes(m['bytes_device_to_host_last_step'])} device->host; evictions "
           f"{m['evictions']}, prefetch hit rate {m['prefetch_hit_rate']:.0%}")
-    print(f"  Adam: {m['cpu_adam_seconds']:.2f} s in CPU Adam, chunks updated on the device "
+    say(f"  Adam: {m['cpu_adam_seconds']:.2f} s in CPU Adam, chunks updated on the device "
           f"{m['adam_chunks_on_device']} / on the host {m['adam_chunks_on_host']}; skipped steps "
           f"{m['skipped_steps']}, loss scale {m['loss_scale']:g}", flush=True)
     title = (f"tidal: device memory over one step ({label}, budget "
              f"{_fmt_bytes(engine.store.device_budget)}, {info['backend']})")
-    if args.profile:
+    if args.profile and rank == 0:
         written = engine.export_memory_profile(args.profile, title=title)
         summary["profile"] = written
-        print(f"[tidal-train] wrote {written['json']} and {written['png']} ({written['points']} "
+        say(f"[tidal-train] wrote {written['json']} and {written['png']} ({written['points']} "
               f"trace points, {written['marked_moves']} chunk moves, "
               f"{written['marked_evictions']} evictions)", flush=True)
-    if args.plot:
+    if args.plot and rank == 0:
         drawn = plot_memory_timeline(engine.memory_profile(), args.plot, title=title)
         summary["plot"] = {"path": str(args.plot), **drawn}
-        print(f"[tidal-train] wrote {args.plot} ({drawn['points']} trace points)", flush=True)
-    if args.json:
+        say(f"[tidal-train] wrote {args.plot} ({drawn['points']} trace points)", flush=True)
+    if args.json and rank == 0:
         with open(args.json, "w", encoding="utf-8") as f:
             json.dump(summary, f, indent=2)
     return summary

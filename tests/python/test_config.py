@@ -30,8 +30,9 @@ import tidal
 
 CONFIGS = Path(__file__).parent / "configs"
 
-_COMM = ("not used by tidal: they tune data-parallel communication, and tidal trains on one GPU "
-         "without collectives")
+_COMM = ("not used by tidal: they tune DeepSpeed's bucketed data-parallel communication; tidal "
+         "reduces and broadcasts whole chunks (Note [Data parallel by chunk] in "
+         "tidal/data_parallel.py)")
 
 
 def load_with_warnings(config):
@@ -216,7 +217,7 @@ def test_byte_sizes_parse_with_decimal_and_binary_units():
      "unknown config key 'activation_checkpointing.partition_activation'; did you mean "
      "'partition_activations'?"),
     ({"tidal": {"mystery": "1GB"}}, "unknown config key 'tidal.mystery' (valid keys in section "
-                                    "'tidal': chunk_size, cpu_adam_threads, device,"),
+                                    "'tidal': chunk_size, cpu_adam_threads, data_parallel, device,"),
     ({"optimizer": {"type": "adamw"}},
      "config key 'optimizer.type': expected one of 'Adam', 'AdamW', got 'adamw' (did you mean "
      "'AdamW'?)"),
@@ -252,11 +253,13 @@ def test_byte_sizes_parse_with_decimal_and_binary_units():
      "config key 'train_micro_batch_size_per_gpu': expected an integer >= 1, got 0"),
     ({"train_batch_size": 8, "train_micro_batch_size_per_gpu": 3, "gradient_accumulation_steps": 2},
      "inconsistent batch sizes: train_batch_size=8 but train_micro_batch_size_per_gpu * "
-     "gradient_accumulation_steps = 3 * 2 = 6 (one GPU)"),
+     "gradient_accumulation_steps * ranks = 3 * 2 * 1 = 6 (one GPU)"),
     ({"train_batch_size": 10, "train_micro_batch_size_per_gpu": 4},
-     "train_batch_size=10 is not a multiple of train_micro_batch_size_per_gpu=4"),
+     "train_batch_size=10 is not a multiple of train_micro_batch_size_per_gpu * ranks = 4 * 1 "
+     "(one GPU)"),
     ({"train_batch_size": 10, "gradient_accumulation_steps": 4},
-     "train_batch_size=10 is not a multiple of gradient_accumulation_steps=4"),
+     "train_batch_size=10 is not a multiple of gradient_accumulation_steps * ranks = 4 * 1 "
+     "(one GPU)"),
     ({"fp16": {"enabled": True}, "bf16": {"enabled": True}},
      "config keys 'fp16.enabled' and 'bf16.enabled' are both true; enable at most one"),
     ({"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "nvme",

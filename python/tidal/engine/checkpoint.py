@@ -4,12 +4,20 @@ Note [Checkpoint format]
 ~~~~~~~~~~~~~~~~~~~~~~~~
 A checkpoint is a directory <save_dir>/<tag>/ with
   states.bin   every chunk slot's bytes, one after another (16-bit params,
-               fp32 master, momentum, variance; frozen params: 16-bit only)
+               fp32 master, momentum, variance; frozen params: 16-bit only);
+               saved by N data-parallel ranks: states-rank<r>.bin, one per
+               rank, each with the slots of the chunks that rank owns
+               (Note [Data parallel by chunk] in tidal/data_parallel.py)
   meta.json    format version, the model's fingerprint (names, shapes,
-               trainable), per slot: name, kind, dtype, offset, bytes, CRC-32;
-               the engine's counters, the loss scaler and LR scheduler state
-  extra.pt     small torch-saved objects: buffers, RNG states, client_state
+               trainable), per slot: name, kind, dtype, file, offset, bytes,
+               CRC-32; the engine's counters, the loss scaler and LR
+               scheduler state
+  extra.pt     small torch-saved objects: buffers, RNG states (each rank's),
+               client_state
 and <save_dir>/latest holds the newest tag (DeepSpeed's layout and names).
+Slots are found by parameter name, not by rank: M ranks (or one process, or
+a plain model through state_dict) load what N ranks saved, each rank reading
+the 16-bit slots and the optimizer states of the chunks it owns now.
 
 Saving never gathers the model anywhere: each slot is accessed on the host
 (a device-resident chunk is copied down, as eviction would), written, and
@@ -17,7 +25,8 @@ released, so the extra memory is one chunk. Loading writes each slot in
 place the same way.
 
 Atomicity: everything is written into a temporary sibling directory, flushed
-with fsync, and then renamed into place. Replacing an existing tag renames
+with fsync, and then renamed into place (with N ranks: by rank 0, once every
+rank has written and flushed its file, so the set is atomic, not each file). Replacing an existing tag renames
 it aside first, then renames the new one in, then deletes the old one; a
 kill between the two renames leaves the old copy under its aside name, which
 load_checkpoint finds. `latest` is replaced by rename too. So a save killed
@@ -40,7 +49,8 @@ import torch
 from .store import (HOLD, HOST, KIND_BY_NAME, KIND_NAMES, PARAM16, PARAM32, SLOT_KINDS, slot_kinds,
                     uncounted)
 
-FORMAT = "tidal-checkpoint-1"
+FORMAT = "tidal-checkpoint-2"
+_READABLE = ("tidal-checkpoint-1", FORMAT)  # 1: one states.bin, no "file" per slot
 _STATES, _META, _EXTRA, _LATEST = "states.bin", "meta.json", "extra.pt", "latest"
 class CheckpointError(ValueError):
     """A checkpoint that cannot be loaded into this engine; the message says why."""
@@ -90,72 +100,135 @@ def _no_pending_gradients(engine, who: str) -> None:
             f"call it between optimizer steps, or engine.zero_grad() first")
 
 
+def _write_states(engine, path: pathlib.Path) -> tuple[list, dict, int]:
+    """Writes the slots this rank holds of the chunks it owns (all of them on
+    one process) to `path`: (slot entries, Adam steps by name, bytes)."""
+    entries, steps = [], {}
+    chunks, store = engine.chunks, engine.store
+    offset = 0
+    with open(path, "wb") as f, torch.no_grad(), uncounted():
+        for r in engine.records:
+            if not store.owns(r):
+                continue
+            steps[r.name] = r.step
+            for kind in slot_kinds(r):
+                view = chunks.access(r.id, kind, HOST, [r.numel])
+                try:
+                    data = _bytes_of(view)
+                    f.write(data)
+                    entries.append({"name": r.name, "kind": KIND_NAMES[kind], "dtype": str(view.dtype),
+                                    "file": path.name, "offset": offset, "bytes": data.nbytes,
+                                    "crc32": zlib.crc32(data)})
+                    offset += data.nbytes
+                finally:
+                    chunks.release(r.id, kind, HOLD)
+        f.flush()
+        os.fsync(f.fileno())
+    return entries, steps, offset
+
+
 def save_checkpoint(engine, save_dir, tag=None, client_state=None, save_latest=True) -> pathlib.Path:
     _no_pending_gradients(engine, "save_checkpoint")
     tag = str(tag) if tag is not None else f"global_step{engine.global_steps}"
     if not tag or "/" in tag or tag.startswith("."):
         raise ValueError(f"save_checkpoint: tag {tag!r} must be a plain, non-hidden directory name")
+    dp = engine.store.dp
+    if dp is not None:
+        return _save_ranks(engine, dp, pathlib.Path(save_dir), tag, client_state, save_latest)
     root = pathlib.Path(save_dir)
     root.mkdir(parents=True, exist_ok=True)
     target = root / tag
     tmp = root / f".{tag}.tmp-{uuid.uuid4().hex[:8]}"
     tmp.mkdir()
     try:
-        entries = []
-        chunks = engine.chunks
-        offset = 0
-        with open(tmp / _STATES, "wb") as f, torch.no_grad(), uncounted():
-            for r in engine.records:
-                for kind in slot_kinds(r):
-                    view = chunks.access(r.id, kind, HOST, [r.numel])
-                    try:
-                        data = _bytes_of(view)
-                        f.write(data)
-                        entries.append({"name": r.name, "kind": KIND_NAMES[kind], "dtype": str(view.dtype),
-                                        "offset": offset, "bytes": data.nbytes,
-                                        "crc32": zlib.crc32(data)})
-                        offset += data.nbytes
-                    finally:
-                        chunks.release(r.id, kind, HOLD)
-            f.flush()
-            os.fsync(f.fileno())
-        meta = {
-            "format": FORMAT,
-            "tag": tag,
-            "precision": engine.precision,
-            "model": _fingerprint(engine),
-            "states_bytes": offset,
-            "slots": entries,
-            "steps": {r.name: r.step for r in engine.records},
-            "engine": {"global_steps": engine.global_steps, "micro_steps": engine.micro_steps,
-                       "skipped_steps": engine.skipped_steps, "lr": engine.lr},
-            "loss_scaler": engine.scaler.state_dict(),
-            "loss_scaler_type": type(engine.scaler).__name__,
-            "lr_scheduler": engine.lr_scheduler.state_dict() if engine.lr_scheduler else None,
-        }
-        buf = io.BytesIO()
-        torch.save({"buffers": {k: v.detach().cpu() for k, v in engine.module.named_buffers()},
-                    "rng": _rng_state(), "client_state": client_state}, buf)
-        _write_atomic(tmp / _EXTRA, buf.getvalue())
-        _write_atomic(tmp / _META, json.dumps(meta, indent=1).encode())
-        _fsync_dir(tmp)
-        aside = None
-        if target.exists():
-            aside = root / f".{tag}.old-{uuid.uuid4().hex[:8]}"
-            os.replace(target, aside)
-        os.replace(tmp, target)
-        _fsync_dir(root)
-        if aside is not None:
-            shutil.rmtree(aside, ignore_errors=True)
-        # Leftovers of saves of this tag that were killed midway.
-        for stale in list(root.glob(f".{tag}.tmp-*")) + list(root.glob(f".{tag}.old-*")):
-            shutil.rmtree(stale, ignore_errors=True)
+        entries, steps, offset = _write_states(engine, tmp / _STATES)
+        _write_meta(engine, tmp, tag, entries, steps, {_STATES: offset}, [_rng_state()], client_state)
+        _commit(root, tmp, target, tag)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     if save_latest:
         _write_atomic(root / _LATEST, tag.encode())
     return target
+
+
+def _save_ranks(engine, dp, root: pathlib.Path, tag, client_state, save_latest) -> pathlib.Path:
+    """save_checkpoint with N ranks: each writes its file into one temporary
+    directory; rank 0 writes the manifest and renames the whole set in."""
+    target = root / tag
+    name = dp.broadcast_object(f".{tag}.tmp-{uuid.uuid4().hex[:8]}" if dp.rank == 0 else None, 0,
+                               "agree on the checkpoint's temporary directory")
+    tmp = root / name
+    error = None
+    result = None
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        tmp.mkdir(exist_ok=True)
+        result = _write_states(engine, tmp / f"states-rank{dp.rank:05d}.bin")
+    except Exception as e:  # noqa: BLE001 -- every rank hears of it below
+        error = f"rank {dp.rank}: {type(e).__name__}: {e}"
+    parts = dp.all_gather_object((error, result, _rng_state()), "gather the checkpoint's parts")
+    errors = [p[0] for p in parts if p[0] is not None]
+    if not errors and dp.rank == 0:
+        try:
+            entries, steps, files = [], {}, {}
+            for r, (_, (e, st, size), _) in enumerate(parts):
+                entries += e
+                steps.update(st)
+                files[f"states-rank{r:05d}.bin"] = size
+            _write_meta(engine, tmp, tag, entries, steps, files, [p[2] for p in parts], client_state)
+            _commit(root, tmp, target, tag)
+            if save_latest:
+                _write_atomic(root / _LATEST, tag.encode())
+        except Exception as e:  # noqa: BLE001 -- said to every rank below
+            errors.append(f"rank 0: {type(e).__name__}: {e}")
+    if dp.rank == 0 and errors:
+        shutil.rmtree(tmp, ignore_errors=True)
+    errors = dp.broadcast_object(errors, 0, "finish the checkpoint")
+    if errors:
+        raise RuntimeError(f"save_checkpoint: saving {target} failed, and the previous checkpoint "
+                           f"stays: " + "; ".join(errors))
+    return target
+
+
+def _write_meta(engine, tmp: pathlib.Path, tag, entries, steps, files: dict, rngs: list,
+                client_state) -> None:
+    meta = {
+        "format": FORMAT,
+        "tag": tag,
+        "precision": engine.precision,
+        "model": _fingerprint(engine),
+        "files": files,
+        "world_size": len(rngs),
+        "slots": entries,
+        "steps": steps,
+        "engine": {"global_steps": engine.global_steps, "micro_steps": engine.micro_steps,
+                   "skipped_steps": engine.skipped_steps, "lr": engine.lr},
+        "loss_scaler": engine.scaler.state_dict(),
+        "loss_scaler_type": type(engine.scaler).__name__,
+        "lr_scheduler": engine.lr_scheduler.state_dict() if engine.lr_scheduler else None,
+    }
+    buf = io.BytesIO()
+    torch.save({"buffers": {k: v.detach().cpu() for k, v in engine.module.named_buffers()},
+                "rng": rngs[0], "rng_ranks": rngs, "client_state": client_state}, buf)
+    _write_atomic(tmp / _EXTRA, buf.getvalue())
+    _write_atomic(tmp / _META, json.dumps(meta, indent=1).encode())
+    _fsync_dir(tmp)
+
+
+def _commit(root: pathlib.Path, tmp: pathlib.Path, target: pathlib.Path, tag) -> None:
+    """Renames the finished temporary directory in as `target` (Note [Checkpoint format])."""
+    aside = None
+    if target.exists():
+        aside = root / f".{tag}.old-{uuid.uuid4().hex[:8]}"
+        os.replace(target, aside)
+    os.replace(tmp, target)
+    _fsync_dir(root)
+    if aside is not None:
+        shutil.rmtree(aside, ignore_errors=True)
+    # Leftovers of saves of this tag that were killed midway.
+    for stale in list(root.glob(f".{tag}.tmp-*")) + list(root.glob(f".{tag}.old-*")):
+        shutil.rmtree(stale, ignore_errors=True)
 
 
 def _find(load_dir, tag) -> "pathlib.Path | None":
@@ -193,9 +266,9 @@ def load_checkpoint(engine, load_dir, tag=None, load_optimizer_states=True,
         meta = json.loads((path / _META).read_text())
     except (OSError, ValueError) as e:
         raise CheckpointError(f"load_checkpoint: {path / _META} is unreadable or corrupt: {e}") from None
-    if meta.get("format") != FORMAT:
+    if meta.get("format") not in _READABLE:
         raise CheckpointError(f"load_checkpoint: {path} has format {meta.get('format')!r}; "
-                              f"expected {FORMAT!r}")
+                              f"expected one of {', '.join(map(repr, _READABLE))}")
     mine = _fingerprint(engine)
     if meta["model"] != mine:
         theirs = {n: (s, t) for n, s, t in meta["model"]}
@@ -215,11 +288,12 @@ def load_checkpoint(engine, load_dir, tag=None, load_optimizer_states=True,
     if meta["precision"] != engine.precision:
         raise CheckpointError(f"load_checkpoint: {path} was saved in {meta['precision']}, the engine "
                               f"runs {engine.precision}")
-    states = path / _STATES
-    size = states.stat().st_size if states.exists() else -1
-    if size != meta["states_bytes"]:
-        raise CheckpointError(f"load_checkpoint: {states} has {size} bytes, expected "
-                              f"{meta['states_bytes']} (truncated or corrupt)")
+    files = meta.get("files", {_STATES: meta.get("states_bytes")})
+    for name, expected in files.items():
+        size = (path / name).stat().st_size if (path / name).exists() else -1
+        if size != expected:
+            raise CheckpointError(f"load_checkpoint: {path / name} has {size} bytes, expected "
+                                  f"{expected} (truncated or corrupt)")
     try:
         extra = torch.load(path / _EXTRA, weights_only=False)
     except Exception as e:  # noqa: BLE001 -- any unpickling failure is a corrupt file
@@ -227,9 +301,11 @@ def load_checkpoint(engine, load_dir, tag=None, load_optimizer_states=True,
 
     by_name = {r.name: r for r in engine.records}
     wanted = set(SLOT_KINDS) if load_optimizer_states else {PARAM16, PARAM32}
-    chunks = engine.chunks
-    with open(states, "rb") as f, torch.no_grad(), uncounted():
+    chunks, store = engine.chunks, engine.store
+    with contextlib.ExitStack() as stack, torch.no_grad(), uncounted():
+        opened = {}
         for e in meta["slots"]:
+            states = path / e.get("file", _STATES)
             kind = KIND_BY_NAME.get(e["kind"])
             if kind is None:
                 raise CheckpointError(
@@ -238,6 +314,14 @@ def load_checkpoint(engine, load_dir, tag=None, load_optimizer_states=True,
             if kind not in wanted:
                 continue
             r = by_name[e["name"]]
+            if kind not in store.kinds_of(r):
+                continue  # data parallel: another rank owns this chunk's states
+            if states.name not in files:
+                raise CheckpointError(f"load_checkpoint: slot {e['name']}/{e['kind']} names file "
+                                      f"{states.name}, which {path / _META} does not list")
+            f = opened.get(states.name)
+            if f is None:
+                f = opened[states.name] = stack.enter_context(open(states, "rb"))
             # Read and check first, so a corrupt slot is never written.
             f.seek(e["offset"])
             data = f.read(e["bytes"])
@@ -273,6 +357,9 @@ def load_checkpoint(engine, load_dir, tag=None, load_optimizer_states=True,
             if k in buffers:
                 buffers[k].copy_(v)
     rng = extra["rng"]
+    rank = store.dp.rank if store.dp is not None else 0
+    if rank < len(extra.get("rng_ranks", [])):
+        rng = extra["rng_ranks"][rank]
     torch.set_rng_state(rng["cpu"])
     if "cuda" in rng and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(rng["cuda"])
@@ -283,6 +370,7 @@ def load_checkpoint(engine, load_dir, tag=None, load_optimizer_states=True,
 def state_dict(engine) -> dict:
     """An ordinary state_dict of fp32 tensors keyed like engine.module's own."""
     out = {}
+    # (Data parallel: every rank calls it; masters come from their owners.)
     for key, value in engine.module.state_dict(keep_vars=True).items():
         record = engine.store.by_param.get(id(value))
         if record is not None and record.param is value:
@@ -361,7 +449,7 @@ def _write_param(engine, record, src: torch.Tensor) -> None:
     c = engine.chunks
     flat = src.detach().reshape(-1).cpu()
     with torch.no_grad(), uncounted():
-        kinds = (PARAM32, PARAM16) if record.trainable else (PARAM16,)
+        kinds = (PARAM32, PARAM16) if record.trainable and engine.store.owns(record) else (PARAM16,)
         for kind in kinds:
             view = c.access(record.id, kind, HOST, [record.numel])
             try:
@@ -426,7 +514,11 @@ def save_pretrained(engine, save_dir, max_shard_size="5GB", dtype=None):
     if limit <= 0:
         raise ValueError(f"save_pretrained: max_shard_size must be positive, got {max_shard_size!r}")
     save_dir = pathlib.Path(save_dir)
-    save_dir.mkdir(parents=True, exist_ok=True)
+    # Data parallel: every rank gathers (the masters come from their owners),
+    # rank 0 writes.
+    writer = engine.store.dp is None or engine.store.dp.rank == 0
+    if writer:
+        save_dir.mkdir(parents=True, exist_ok=True)
     # Plan: (key, record or tensor, bytes) in state_dict order, tied keys once.
     plan, seen = [], set()
     for key, value in engine.module.state_dict(keep_vars=True).items():
@@ -463,10 +555,14 @@ def save_pretrained(engine, save_dir, max_shard_size="5GB", dtype=None):
                 tensors[key] = t.contiguous()
                 weight_map[key] = name
                 total += nbytes
+            written.append(save_dir / name)
+            if not writer:
+                continue
             tmp = save_dir / f".{name}.{uuid.uuid4().hex}.tmp"
             save_file(tensors, str(tmp), metadata={"format": "pt"})
             os.replace(tmp, save_dir / name)
-            written.append(save_dir / name)
+    if not writer:
+        return written
     if len(shards) > 1:
         index = save_dir / "model.safetensors.index.json"
         index.write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map},

@@ -43,19 +43,21 @@ import math
 import time
 import warnings
 import weakref
+import zlib
 
 import torch
 
 from .. import _C
 from .. import dtr as _dtr
+from ..data_parallel import DataParallelError
 from .. import recompute as _recompute
-from ..config import Config
+from ..config import Config, ConfigError
 from ..lr_schedules import build_scheduler
 from . import checkpoint as _checkpoint
 from . import hooks as _hooks
 from .dtr_link import DtrLink
 from .loss_scaler import DynamicLossScaler, StaticLossScaler
-from .store import (DEVICE, GRAD32, HOLD, HOST, MOMENTUM, PARAM16, PARAM32, VARIANCE, ParamStore,
+from .store import (DEVICE, GRAD32, HOLD, HOST, MOMENTUM, NOWHERE, PARAM16, PARAM32, VARIANCE, ParamStore,
                     RelayoutError, uncounted)
 
 OutOfMemoryError = _C.OutOfMemoryError
@@ -97,6 +99,12 @@ def _weak_method(bound):
             method(*args)
 
     return call
+
+# tidal keys each rank of a data-parallel run may set for its own machine.
+_PER_MACHINE_KEYS = frozenset({"device_memory_budget", "host_memory_budget", "device_margin",
+                               "cpu_adam_threads", "prefetch", "prefetch_depth", "eviction_policy",
+                               "hybrid_adam", "warmup_chunk_share", "device"})
+
 
 class Engine:
     """Trains `module` with its model states in chunks. Build with tidal.initialize()."""
@@ -195,6 +203,11 @@ class Engine:
                         b = b.to(self.dtype)
                     m._buffers[bname] = b.to(store.torch_device)
         self._check_budget()
+        self.dp = store.dp
+        self._dp_broken: str | None = None
+        self._dp_sumsq = 0.0
+        if self.dp is not None:
+            self._setup_data_parallel(model, cfg)
 
         # Optimizer, loss scaling.
         # DeepSpeed's LR schedules; stepped after each optimizer step that
@@ -228,6 +241,11 @@ class Engine:
         self._relayout_done = False
         self.relayouts = 0
         self.relayout_skipped: str | None = None
+        if self.dp is not None:
+            # It would move records between owners (Note [Data parallel by chunk]).
+            self._relayout_done = True
+            self.relayout_skipped = "data parallel: the chunk layout decides each chunk's owner"
+
         self._bytes_per_step: list[tuple[int, int]] = []
         self._adam_seconds = 0.0
         self._adam_device_chunks = 0
@@ -250,6 +268,58 @@ class Engine:
         self.dtr.rebalance()
 
     # ------------------------------------------------------------------ setup
+    def _setup_data_parallel(self, model, cfg):
+        """Note [Data parallel by chunk] in tidal/data_parallel.py: every rank
+        must hold the same model in the same chunks, with the same config."""
+        if cfg.dtr and cfg.dtr.get("enabled", True):
+            raise ConfigError(
+                "config keys 'tidal.dtr' and data parallel: DTR under the engine is not supported "
+                "with data parallel yet (a recompute in backward may read the master weights of a "
+                "chunk another rank owns); turn one off (tidal.dtr.enabled: false, or "
+                "tidal.data_parallel.enabled: false)")
+        c = self.chunks
+        layout = [[r.name, list(r.shape), bool(r.trainable), list(c.placement(r.id))]
+                  for r in self.records]
+        # Memory budgets and tuning may differ between machines; the rest may not.
+        raw = dict(cfg.raw)
+        raw["tidal"] = {k: v for k, v in cfg.raw["tidal"].items() if k not in _PER_MACHINE_KEYS}
+        # The initial 16-bit values too: DDP would broadcast rank 0's, but a
+        # rank that built other weights has a seeding bug worth hearing of.
+        weights = []
+        with torch.no_grad(), uncounted():
+            for r in self.records:
+                view = c.access(r.id, PARAM16, HOST, [r.numel])
+                try:
+                    weights.append(zlib.crc32(view.view(torch.uint8).numpy()))
+                finally:
+                    c.release(r.id, PARAM16, HOLD)
+        self.dp.check_same({"config": raw, "model and chunk layout": layout,
+                            "initial weights": weights})
+        # Each chunk holding a trainable parameter: (its first record, the span
+        # of its records), the unit of the broadcasts after a step.
+        spans: dict[int, list] = {}
+        for r in self.records:
+            if not r.trainable:
+                continue
+            off = c.placement(r.id)[1]
+            if r.chunk not in spans:
+                spans[r.chunk] = [r, off, off + r.numel]
+            else:
+                spans[r.chunk][1] = min(spans[r.chunk][1], off)
+                spans[r.chunk][2] = max(spans[r.chunk][2], off + r.numel)
+        self._dp_spans = dict(sorted(spans.items()))
+
+    def _dp_space(self, chunk: int):
+        """Where chunk `chunk`'s 16-bit values are communicated: on the device
+        with NCCL; with gloo where the chunk is when torch can read it there
+        (the simulated device's memory is host memory), else on the host."""
+        if self.dp.backend == "nccl":
+            return DEVICE
+        if self.store.torch_device.type == "cpu":
+            space = self.chunks.chunk_space(chunk, PARAM16)
+            return HOST if space == NOWHERE else space
+        return HOST
+
     def _check_budget(self):
         limit = self.store.device_budget - self.store.margin
         largest = 0
@@ -580,6 +650,7 @@ class Engine:
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
             raise ValueError(f"engine.backward expects a scalar loss tensor, got "
                              f"{type(loss).__name__} {getattr(loss, 'shape', '')}")
+        self._dp_check()
         scale = self.scaler.scale / self.config.gradient_accumulation_steps
         scaled = loss.float() * scale if scale != 1.0 else loss
         self._count(True)
@@ -604,6 +675,12 @@ class Engine:
             # The error is what the user sees; the slots this backward left in
             # use are released without raising another one over it.
             self._release_after_error()
+            if self.dp is not None:
+                # Gradients overwrote weights whose masters other ranks own;
+                # only collectives could restore them, and the other ranks are
+                # in their own backward (Note [Data parallel by chunk]).
+                self._dp_broken = "a backward on this rank failed"
+                raise
             if self._accumulating:
                 # The gradients this backward landed are dropped (their slots
                 # get their weights back); earlier micro-batches' sums stay.
@@ -614,7 +691,9 @@ class Engine:
         with _dtr.outside():
             self._hooks.end_backward()
         self.dtr.rebalance()
-        if self._accumulating:
+        if self.dp is not None:
+            self._dp_after_backward()
+        elif self._accumulating:
             self._fold_gradients()
         self.micro_steps += 1
 
@@ -666,7 +745,10 @@ class Engine:
         pending = self._landed()
         if pending:
             with _dtr.outside():
-                self._restore_params(pending)
+                self._restore_params([r for r in pending if self.store.owns(r)])
+                if self.dp is not None:
+                    # Other ranks' masters give this rank its weights back.
+                    self._dp_broadcast({r.chunk for r in pending if r.trainable})
             index = self._record_index
             self._hooks.clear_landed([index[id(r)] for r in pending])
 
@@ -711,6 +793,96 @@ class Engine:
                 for r in recs:  # (no longer landed: the fold says so)
                     r.accumulated = True
 
+    # ------------------------------------------------------- data parallel
+    def _dp_check(self):
+        if self._dp_broken is not None:
+            raise DataParallelError(
+                f"tidal data parallel: {self._dp_broken}, so this rank's 16-bit chunks hold "
+                f"gradients where weights should be and the ranks are out of step; restart the "
+                f"run from the last checkpoint")
+
+    def _dp_after_backward(self):
+        """Note [Data parallel by chunk], steps 2 and 3: each chunk's gradients
+        summed into its owner's slots and divided by the number of ranks; under
+        accumulation folded into the owner's sums, and every rank's weights
+        broadcast back from the owners."""
+        dp = self.dp
+        landed = self._landed()
+        index = self._record_index
+        flags = torch.zeros(len(self._record_list), dtype=torch.int32)
+        if landed:
+            flags[[index[id(r)] for r in landed]] = 1
+        try:
+            dp.all_reduce_flags(flags, "compare which parameters got gradients")
+            odd = ((flags != 0) & (flags != dp.world)).nonzero().flatten().tolist()
+            if odd:
+                names = ", ".join(f"'{self._record_list[i].name}' ({int(flags[i])} of {dp.world} "
+                                  f"ranks)" for i in odd[:4])
+                raise DataParallelError(
+                    f"tidal data parallel: parameters got gradients on some ranks only: {names}"
+                    f"{' ...' if len(odd) > 4 else ''}; every rank's backward must reach the same "
+                    f"parameters (unused parameters that differ between ranks are not supported: "
+                    f"freeze them, or make the graph the same on every rank)")
+            by_chunk = collections.defaultdict(list)
+            for r in landed:
+                by_chunk[r.chunk].append(r)
+            sumsq = 0.0
+            with torch.no_grad(), uncounted(), _dtr.outside():
+                for chunk in sorted(by_chunk):
+                    sumsq += self._dp_reduce_chunk(chunk, by_chunk[chunk])
+                if self._accumulating:
+                    owned = collections.defaultdict(list)
+                    for r in landed:
+                        if self.store.owns(r):
+                            owned[r.chunk].append(r)
+                    if owned:
+                        self._fold_chunks(owned, index, self._host_short())
+                    theirs = [index[id(r)] for r in landed if not self.store.owns(r)]
+                    self._dp_broadcast({r.chunk for r in landed})
+                    self._hooks.clear_landed(theirs)
+                else:
+                    self._dp_sumsq += sumsq
+        except BaseException as e:
+            self._dp_broken = f"reducing gradients failed ({type(e).__name__})"
+            raise
+
+    def _dp_reduce_chunk(self, chunk: int, recs) -> float:
+        """Sums `recs`' gradients (one chunk's landed parameters) over the
+        ranks into the owner's slots, divided by the number of ranks there.
+        Returns the sum of squares of the result on the owner, 0 elsewhere."""
+        dp, c = self.dp, self.chunks
+        owner = dp.owner(chunk)
+        first = recs[0]
+        c.access(first.id, PARAM16, self._dp_space(chunk), [first.numel])  # pins the chunk
+        try:
+            view = c.chunk_view(chunk, PARAM16)
+            parts = [view[o:o + n] for o, n in ((c.placement(r.id)[1], r.numel) for r in recs)]
+            # Packed: only gradients travel (not frozen weights, nor padding).
+            buf = torch.cat(parts) if len(parts) > 1 else parts[0].clone()
+            dp.reduce(buf, owner, f"reduce the gradients of chunk {chunk}")
+            if dp.rank != owner:
+                return 0.0
+            buf.div_(dp.world)
+            torch._foreach_copy_(parts, list(buf.split([p.numel() for p in parts])))
+            return float(buf.float().square().sum())
+        finally:
+            c.release(first.id, PARAM16, HOLD)
+
+    def _dp_broadcast(self, chunks):
+        """Each of `chunks`' 16-bit values (the span of its trainable
+        parameters) from its owner to every rank."""
+        dp, c = self.dp, self.chunks
+        for chunk in sorted(chunks):
+            if chunk not in self._dp_spans:
+                continue
+            first, lo, hi = self._dp_spans[chunk]
+            c.access(first.id, PARAM16, self._dp_space(chunk), [first.numel])
+            try:
+                dp.broadcast(c.chunk_view(chunk, PARAM16)[lo:hi], dp.owner(chunk),
+                             f"broadcast the parameters of chunk {chunk}")
+            finally:
+                c.release(first.id, PARAM16, HOLD)
+
     def step(self):
         """The optimizer step, at gradient accumulation boundaries (as DeepSpeed)."""
         if self.micro_steps == 0 or not self.is_gradient_accumulation_boundary():
@@ -719,9 +891,13 @@ class Engine:
             return self._step()
 
     def _step(self):
+        self._dp_check()
         accumulating = self._accumulating
         pending = [r for r in self.records if r.accumulated] if accumulating else self._landed()
-        norm, finite = self._grad_norm(pending)
+        # Data parallel: the update runs where the masters are; every rank
+        # holds the gradients it reduced into the chunks it owns.
+        owned = pending if self.dp is None else [r for r in pending if self.store.owns(r)]
+        norm, finite = self._grad_norm(owned)
         scale = self.scaler.scale
         overflow = not finite
         if self.precision == "fp16":
@@ -729,18 +905,22 @@ class Engine:
         if overflow:
             self.skipped_steps += 1
             if not accumulating:  # (folds restored the weights already)
-                self._restore_params(pending)
+                self._restore_params(owned)
         else:
             clip = 1.0
             if self.config.gradient_clipping > 0:
                 clip = min(1.0, self.config.gradient_clipping / (norm + 1e-6))
-            self._adam(pending, clip / scale)
+            self._adam(owned, clip / scale)
             if self.lr_scheduler is not None:
                 self.lr_scheduler.step()
                 self.apply_lr_schedule()
+        if self.dp is not None:
+            # The all-gather: each chunk's 16-bit values from its owner.
+            with torch.no_grad(), uncounted():
+                self._dp_broadcast(self._dp_spans)
         index = self._record_index
         if accumulating:
-            self._hooks.drop_sums([index[id(r)] for r in pending])
+            self._hooks.drop_sums([index[id(r)] for r in owned])
         else:
             self._hooks.clear_landed([index[id(r)] for r in pending])
         for r in pending:
@@ -816,6 +996,15 @@ class Engine:
             with uncounted(), _dtr.outside():
                 self._hooks.measure_sums([index[id(r)] for r in pending])
         sum_squares, finite = self._hooks.take_grad_norm()
+        if self.dp is not None:
+            # The landings measured this rank's own gradients; the norm is of
+            # the reduced ones, each measured by its owner, summed over ranks.
+            if not self._accumulating:
+                sum_squares, finite = self._dp_sumsq, math.isfinite(self._dp_sumsq)
+                self._dp_sumsq = 0.0
+            sum_squares, bad = self.dp.all_reduce_sum(
+                [sum_squares if finite else 0.0, 0.0 if finite else 1.0], "sum the gradient norm")
+            finite = bad == 0
         total = math.sqrt(sum_squares) if finite else float("inf")
         return total / scale, finite and math.isfinite(total)
 
@@ -1158,6 +1347,10 @@ class Engine:
             "skipped_steps": self.skipped_steps,
             "loss_scale": self.scaler.scale,
             "dtr": self.dtr.report(),
+            "data_parallel": None if self.dp is None else {
+                "rank": self.dp.rank, "world_size": self.dp.world, "backend": self.dp.backend,
+                "owned_chunks": sorted({r.chunk for r in self.records if self.store.owns(r)}),
+                "bytes_sent": self.dp.bytes_sent, "collectives": self.dp.collectives},
             "scheduler": s,
         }
 

@@ -19,6 +19,7 @@ import weakref
 import torch
 
 from .. import _C
+from .. import data_parallel as _dp
 from ..config import Config, ConfigError
 from ..device import get_device, set_device
 
@@ -161,6 +162,11 @@ class ParamStore:
         self.host_reserve = min(4 * config.chunk_size, self.host_budget // 4)
         self.precision = config.precision
         self.dtype = _TORCH_DTYPES[config.precision]
+        # Data parallel (Note [Data parallel by chunk] in tidal/data_parallel.py):
+        # the optimizer states of a chunk live on its owner only.
+        self.dp = None
+        if _dp.wanted(config.data_parallel):
+            self.dp = _dp.DataParallel(config.data_parallel, self.torch_device.type == "cuda")
         self.chunks = self._new_chunks()
         self.records: list[ParamRecord] = []
         self._warnings: list[str] = []
@@ -200,6 +206,7 @@ class ParamStore:
         """
         assert sorted(id(r) for r in order) == sorted(id(r) for r in self.records), \
             "relayout: the order must hold every record once"
+        assert self.dp is None, "relayout would move records between data-parallel owners"
         old, new = self.chunks, self._new_chunks()
         ids = [new.register(f"{i}:{r.name}", r.numel) for i, r in enumerate(order)]
         new.take_warnings()  # said once, at the first registration
@@ -240,6 +247,15 @@ class ParamStore:
         self.chunks = new
         return old.stats()
 
+    def owns(self, record: "ParamRecord") -> bool:
+        """Whether this rank holds `record`'s optimizer states (always on one process)."""
+        return self.dp is None or self.dp.owns(record.chunk)
+
+    def kinds_of(self, record: "ParamRecord") -> tuple:
+        """The chunk lists holding `record` on this rank: its 16-bit slot, and
+        the optimizer states where this rank owns its chunk."""
+        return slot_kinds(record) if self.owns(record) else (PARAM16,)
+
     @classmethod
     def owning(cls, params) -> "ParamStore | None":
         for store in list(cls._live):
@@ -274,7 +290,9 @@ class ParamStore:
         record = ParamRecord(param, name, tensor_id, self.chunks.placement(tensor_id)[0])
         src = param.detach().reshape(-1)
         c = self.chunks
-        kinds = slot_kinds(record)
+        if self.dp is not None:
+            self.dp.assign(record.chunk, c.chunk_capacity_bytes(record.chunk, PARAM16))
+        kinds = self.kinds_of(record)
         try:
             with uncounted(), torch.no_grad():
                 for kind in kinds:
@@ -305,6 +323,8 @@ class ParamStore:
         extra = 0
         if trainable:
             extra = 12 + (4 if self.config.gradient_accumulation_steps > 1 else 0)
+            if self.dp is not None:
+                extra = -(-extra // self.dp.world)  # partitioned by chunk over the ranks
         return torch.empty(0, dtype=self.dtype).element_size() + extra
 
     def capacity_bytes(self) -> tuple[int, int]:
@@ -342,7 +362,7 @@ class ParamStore:
         gone = set()
         with uncounted(), torch.no_grad():
             for r, dtype in reversed(added):
-                kind = PARAM32 if r.trainable else PARAM16
+                kind = PARAM32 if r.trainable and self.owns(r) else PARAM16
                 space = c.chunk_space(r.chunk, kind)
                 if space != NOWHERE:
                     view = c.access(r.id, kind, space, r.shape)
@@ -350,7 +370,7 @@ class ParamStore:
                         r.param.data = view.to("cpu", dtype, copy=True)
                     finally:
                         c.release(r.id, kind, HOLD)
-                for k in slot_kinds(r):
+                for k in self.kinds_of(r):
                     c.set_state(r.id, k, FREE)
                 self.by_param.pop(id(r.param), None)
                 gone.add(id(r))
@@ -374,7 +394,7 @@ class ParamStore:
         records = [r for r in records if _held_only_by_its_record(r)]
         gone = {id(r) for r in records}
         for r in records:
-            for kind in slot_kinds(r):
+            for kind in self.kinds_of(r):
                 self.chunks.set_state(r.id, kind, FREE)
             self.by_param.pop(id(r.param), None)
         self.records = [r for r in self.records if id(r) not in gone]
@@ -400,10 +420,11 @@ class ParamStore:
                 r = self.by_param.get(id(p))
                 if r is None or r.param is not p or p.numel() != 0:
                     continue  # not ours, or materialized already
-                kind = PARAM32 if r.trainable else PARAM16
+                # (Data parallel: the 16-bit slot where another rank owns the master.)
+                kind = PARAM32 if r.trainable and self.owns(r) else PARAM16
                 p.data = c.access(r.id, kind, HOST, r.shape)
                 held.append((r, kind))
-                if r.trainable:
+                if kind == PARAM32:
                     self._stale16[id(r)] = r
             yield
         finally:
@@ -439,9 +460,22 @@ class ParamStore:
         warnings.warn(f"tidal: {message}", stacklevel=3)
 
     def gather(self, record: ParamRecord, kind=PARAM32) -> torch.Tensor:
-        """A host copy of one slot, shaped like the parameter (fp32 for the master)."""
+        """A host copy of one slot, shaped like the parameter (fp32 for the master).
+        Data parallel: the master comes from its owner, so every rank calls
+        this for the same records in the same order (a broadcast)."""
         if kind == PARAM32 and not record.trainable:
             kind = PARAM16
+        if self.dp is not None and kind != PARAM16:
+            owner = self.dp.owner(record.chunk)
+            if self.owns(record):
+                out = self._read(record, kind)
+            else:
+                out = torch.empty(record.shape, dtype=torch.float32)
+            self.dp.broadcast(out, owner, f"broadcast the master of '{record.name}'")
+            return out
+        return self._read(record, kind)
+
+    def _read(self, record: ParamRecord, kind) -> torch.Tensor:
         view = self.chunks.access(record.id, kind, HOST, record.shape)
         try:
             with uncounted():

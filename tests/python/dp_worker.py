@@ -1,0 +1,112 @@
+"""One rank of a data-parallel test run (tests/python/test_data_parallel.py).
+
+Launched N times with torchrun's environment (MASTER_ADDR, MASTER_PORT, RANK,
+WORLD_SIZE); tidal.initialize finds WORLD_SIZE and makes the process group
+itself. Trains TinyGPT on the simulated device over a fixed list of global
+batches: rank r takes its slice of each. Rank 0 writes, to the spec's "out":
+the global mean loss of each micro-batch (averaged over the ranks), the fp32
+weights (engine.state_dict(), gathered from the owners) and each rank's memory
+figures.
+
+The spec (JSON in argv[1]): steps, global_batch, accumulation, clip, budget
+("measured" or bytes), width, save (dir, after step k), load (dir),
+start (first batch index), kill (rank, step: that rank kills itself in
+backward), model_seed and width_of (per-rank overrides that make the models
+differ).
+"""
+import json
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+import tidal  # noqa: E402
+from engine_helpers import gpt_batches, measured_budget  # noqa: E402
+from tidal.models.gpt import TinyGPT  # noqa: E402
+
+LR = 2e-3
+
+
+def config(spec, budget):
+    cfg = {"optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.01}},
+           "gradient_accumulation_steps": spec.get("accumulation", 1),
+           "tidal": {"chunk_size": 16384, "device_memory_budget": budget, "device_margin": 1024,
+                     "data_parallel": {"enabled": True, "timeout": spec.get("timeout", 120)}}}
+    if spec.get("clip"):
+        cfg["gradient_clipping"] = spec["clip"]
+    return cfg
+
+
+def model_of(spec, rank):
+    torch.manual_seed(spec.get("model_seed", {}).get(str(rank), 0))
+    return TinyGPT(d=spec.get("width_of", {}).get(str(rank), spec.get("width", 64)), seq=8)
+
+
+def main():
+    spec = json.loads(sys.argv[1])
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    torch.set_num_threads(1)
+    tidal.set_device("sim", capacity="1GiB")
+    accumulation = spec.get("accumulation", 1)
+    steps = spec["steps"]
+    gb = spec["global_batch"]
+    assert gb % world == 0, (gb, world)
+    micro = gb // world
+    batches = gpt_batches(steps * accumulation + spec.get("start", 0), batch=gb, seed=3)
+    batches = batches[spec.get("start", 0):]
+    budget = spec.get("budget", "measured")
+    if budget == "measured":
+        probe = config(spec, 0)
+        probe["tidal"]["data_parallel"] = {"enabled": False}
+        budget = measured_budget(model_of(spec, rank), probe,
+                                 [(x[:micro], y[:micro]) for x, y in batches[:2]])
+    engine = tidal.initialize(model_of(spec, rank), config(spec, budget))
+    assert engine.dp is not None and engine.dp.world == world
+    if spec.get("load"):
+        path, _ = engine.load_checkpoint(spec["load"])
+        assert path is not None
+    kill = spec.get("kill")
+    losses = []
+    started = time.time()
+    for i, (x, y) in enumerate(batches):
+        xs, ys = x[rank * micro:(rank + 1) * micro], y[rank * micro:(rank + 1) * micro]
+        loss = engine(xs, ys)
+        if kill and rank == kill["rank"] and i == kill["step"]:
+            # Dies in the middle of backward, without a word to the others.
+            loss.register_hook(lambda g: os.kill(os.getpid(), signal.SIGKILL))
+        engine.backward(loss)
+        engine.step()
+        mean = torch.tensor([loss.item()], dtype=torch.float64)
+        torch.distributed.all_reduce(mean)
+        losses.append(mean.item() / world)
+        if spec.get("save") and engine.global_steps == spec["save"]["after"] and \
+                engine.is_gradient_accumulation_boundary():
+            engine.save_checkpoint(spec["save"]["dir"], tag="ckpt")
+    weights = {k: v.tolist() for k, v in engine.state_dict().items()}
+    report = engine.memory_report()
+    mine = {"rank": rank, "evictions": report["evictions"], "prefetches": report["prefetches"],
+            "optimizer_state_bytes": optimizer_state_bytes(engine),
+            "data_parallel": report["data_parallel"], "seconds": time.time() - started}
+    reports = [None] * world
+    torch.distributed.all_gather_object(reports, mine)
+    if rank == 0:
+        Path(spec["out"]).write_text(json.dumps({"losses": losses, "weights": weights,
+                                                 "reports": reports, "steps": engine.global_steps}))
+    torch.distributed.barrier()
+
+
+def optimizer_state_bytes(engine):
+    """Bytes of fp32 master, momentum and variance chunks this rank holds."""
+    from tidal._C.chunks import ChunkKind, MemorySpace
+    c = engine.chunks
+    return sum(c.chunk_capacity_bytes(i, k) for i in range(c.num_chunks)
+               for k in (ChunkKind.PARAM32, ChunkKind.MOMENTUM, ChunkKind.VARIANCE)
+               if c.chunk_space(i, k) != MemorySpace.NONE)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,178 @@
+"""Data parallel (Note [Data parallel by chunk] in tidal/data_parallel.py) on
+gloo and the simulated device, 2 and 3 processes, against plain PyTorch.
+
+Each run launches tests/python/dp_worker.py once per rank with torchrun's
+environment; tidal.initialize makes the process group from it. The reference
+is one process training a copy of the same TinyGPT with torch.optim.AdamW on
+the whole global batch: N ranks with micro-batch b must match it with batch
+N x b (losses and weights within 1e-5 relative, as the engine tests).
+"""
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from engine_helpers import gpt_batches  # noqa: E402
+from tidal.models.gpt import TinyGPT  # noqa: E402
+
+WORKER = Path(__file__).parent / "dp_worker.py"
+LR = 2e-3
+
+pytestmark = pytest.mark.skipif(not torch.distributed.is_available(),
+                                reason="this torch build has no torch.distributed")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(world, spec, tmp_path, timeout=240):
+    """Runs `world` ranks of dp_worker.py; returns (return codes, outputs, seconds)."""
+    spec = dict(spec, out=str(tmp_path / f"out-{world}-{time.monotonic_ns()}.json"))
+    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()),
+               WORLD_SIZE=str(world), OMP_NUM_THREADS="1")
+    started = time.monotonic()
+    procs = [subprocess.Popen([sys.executable, str(WORKER), json.dumps(spec)],
+                              env=dict(env, RANK=str(r), LOCAL_RANK=str(r)),
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for r in range(world)]
+    outs = []
+    try:
+        for p in procs:
+            outs.append(p.communicate(timeout=timeout)[0])
+    finally:
+        for p in procs:
+            p.kill()
+    seconds = time.monotonic() - started
+    result = json.loads(Path(spec["out"]).read_text()) if Path(spec["out"]).exists() else None
+    return [p.returncode for p in procs], outs, seconds, result
+
+
+def run_ok(world, spec, tmp_path):
+    codes, outs, _, result = launch(world, spec, tmp_path)
+    assert codes == [0] * world, "\n".join(f"--- rank {r}\n{o[-4000:]}" for r, o in enumerate(outs))
+    return result
+
+
+def reference(spec, start=0):
+    """One process, plain PyTorch + AdamW, the whole global batch per micro-step."""
+    torch.manual_seed(0)
+    model = TinyGPT(d=spec.get("width", 64), seq=8)
+    accumulation = spec.get("accumulation", 1)
+    steps = spec["steps"] * accumulation
+    batches = gpt_batches(steps + start, batch=spec["global_batch"], seed=3)[start:]
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.01)
+    losses = []
+    for i, (x, y) in enumerate(batches):
+        loss = model(x, y)
+        (loss / accumulation).backward()
+        losses.append(loss.item())
+        if (i + 1) % accumulation == 0:
+            if spec.get("clip"):
+                torch.nn.utils.clip_grad_norm_(model.parameters(), spec["clip"])
+            opt.step()
+            opt.zero_grad()
+    return model, losses
+
+
+def assert_matches(result, model, losses, rtol=1e-5):
+    for a, b in zip(losses, result["losses"], strict=True):
+        assert abs(a - b) <= rtol * abs(a), (losses, result["losses"])
+    for name, p in model.state_dict().items():
+        got = torch.tensor(result["weights"][name])
+        err = (got - p).norm() / p.norm().clamp_min(1e-12)
+        assert err <= rtol, f"{name}: relative L2 error {err:.3g}"
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_ranks_match_one_process_with_the_whole_batch(world, tmp_path):
+    spec = {"steps": 4, "global_batch": 2 * world}
+    result = run_ok(world, spec, tmp_path)
+    assert_matches(result, *reference(spec))
+    # The measured budget is below the chunk state: chunks moved every step.
+    assert all(r["evictions"] > 0 and r["prefetches"] > 0 for r in result["reports"])
+    # Every chunk has one owner.
+    owned = [c for r in result["reports"] for c in r["data_parallel"]["owned_chunks"]]
+    assert len(owned) == len(set(owned))
+
+
+def test_accumulation_and_clipping_match(tmp_path):
+    spec = {"steps": 3, "global_batch": 4, "accumulation": 2, "clip": 0.05}
+    result = run_ok(2, spec, tmp_path)
+    assert result["steps"] == 3
+    assert_matches(result, *reference(spec))
+
+
+def test_optimizer_states_are_partitioned_by_chunk(tmp_path):
+    """Each rank holds about 1/N of the fp32 master, momentum and variance
+    bytes one process holds, and together exactly those bytes."""
+    spec = {"steps": 1, "global_batch": 6}
+    one = run_ok(1, spec, tmp_path)["reports"][0]["optimizer_state_bytes"]
+    for world in (2, 3):
+        parts = [r["optimizer_state_bytes"] for r in run_ok(world, spec, tmp_path)["reports"]]
+        assert sum(parts) == one
+        # By chunk: within one (dedicated, largest) chunk's states of 1/N.
+        assert max(parts) <= one / world + 3 * 4 * 6144, (world, parts, one)
+
+
+def test_checkpoint_saved_by_two_ranks_resumes_on_three_and_on_one(tmp_path):
+    """Global batch 6: 3 x 2 per rank, 2 x 3, or 1 x 6. A run of 4 steps saved
+    after step 2 by two ranks, resumed for steps 3-4 by three ranks or one
+    process, ends where the uninterrupted run does."""
+    ckpt = tmp_path / "ckpt"
+    whole = {"steps": 4, "global_batch": 6}
+    uninterrupted = run_ok(2, dict(whole, save={"after": 2, "dir": str(ckpt)}), tmp_path)
+    model, losses = reference(whole)
+    assert_matches(uninterrupted, model, losses)
+    assert sorted(p.name for p in (ckpt / "ckpt").iterdir()) == [
+        "extra.pt", "meta.json", "states-rank00000.bin", "states-rank00001.bin"]
+    rest = {"steps": 2, "global_batch": 6, "start": 2, "load": str(ckpt)}
+    for world in (3, 1):
+        resumed = run_ok(world, rest, tmp_path)
+        assert resumed["steps"] == 4
+        assert_matches(resumed, model, losses[2:])
+
+
+def test_a_killed_rank_is_named_by_the_others_within_a_minute(tmp_path):
+    spec = {"steps": 6, "global_batch": 6, "kill": {"rank": 1, "step": 2}}
+    codes, outs, seconds, _ = launch(3, spec, tmp_path, timeout=120)
+    assert codes[1] == -9
+    for r in (0, 2):
+        assert codes[r] != 0
+        assert "DataParallelError" in outs[r] and "lost rank 1" in outs[r], outs[r][-3000:]
+    assert seconds < 60
+
+
+@pytest.mark.parametrize("differ, says", [({"width_of": {"1": 32}}, "model and chunk layout"),
+                                          ({"model_seed": {"1": 5}}, "initial weights")])
+def test_different_models_on_the_ranks_fail_at_initialize(differ, says, tmp_path):
+    spec = dict({"steps": 1, "global_batch": 4, "budget": 1 << 30}, **differ)
+    codes, outs, _, _ = launch(2, spec, tmp_path)
+    assert codes[0] != 0 and codes[1] != 0
+    for out in outs:
+        assert "DataParallelError" in out and f"{says}: rank" in out, out[-3000:]
+
+
+def test_tidal_train_runs_under_torchrun_and_rank_0_reports(tmp_path):
+    out = tmp_path / "report.json"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+           "-m", "tidal.train", "--quick", "--steps", "3", "--no-progress", "--json", str(out)]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=240,
+                          env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert report["world_size"] == 2
+    assert report["global_batch"] == 2 * report["micro_batch"] * report["gradient_accumulation_steps"]
+    assert report["memory"]["data_parallel"]["world_size"] == 2
+    assert report["last_loss"] < report["first_loss"]
+    # One report, from rank 0.
+    assert done.stdout.count("[tidal-train] report:") == 1
