@@ -348,6 +348,28 @@ def _engine_overhead(r: Dict, name: str) -> List[List[str]]:
     return rows
 
 
+def _data_parallel(r: Dict, name: str) -> List[List[str]]:
+    m = r["model"]
+    rows = []
+    for world, run in r["runs"].items():
+        if run["world_size"] < 2:
+            continue
+        sent = sum(run["tidal_bytes_per_rank_step"]) / len(run["tidal_bytes_per_rank_step"])
+        rows.append([
+            f"data parallel, bytes sent per rank per step, {world} ranks (gloo over loopback, simulated "
+            f"device, GPT {m['params'] / 1e6:.1f}M params fp32, micro-batch {m['batch']} per rank; on the "
+            f"wire incl. gloo and TCP: {run['wire_bytes_per_rank_step'] / 2**20:.2f} MiB, "
+            f"{run['wire_over_minimum']:.2f}x; step {run['step_s']['median'] * 1e3:.0f} ms on 2 shared cores)",
+            _machine(r),
+            f"{sent / 2**20:.2f} MiB",
+            f"{run['minimum_bytes_per_rank_step'] / 2**20:.2f} MiB, ring reduce-scatter + all-gather "
+            f"minimum 2(N-1)/N x the 16-bit model",
+            f"{run['tidal_over_minimum']:.2f}",
+            f"`{name}`",
+        ])
+    return rows
+
+
 ROWS: Dict[str, Callable[[Dict, str], List[List[str]]]] = {
     "dtr_batch": _dtr_batch,
     "engine_batch": _engine_batch,
@@ -361,6 +383,7 @@ ROWS: Dict[str, Callable[[Dict, str], List[List[str]]]] = {
     "engine_accumulation": _engine_accumulation,
     "engine_overhead": _engine_overhead,
     "recompute": _recompute,
+    "data_parallel": _data_parallel,
 }
 
 
