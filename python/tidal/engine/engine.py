@@ -49,16 +49,16 @@ import torch
 
 from .. import _C
 from .. import dtr as _dtr
-from ..data_parallel import DataParallelError
 from .. import recompute as _recompute
 from ..config import Config, ConfigError
+from ..data_parallel import DataParallelError
 from ..lr_schedules import build_scheduler
 from . import checkpoint as _checkpoint
 from . import hooks as _hooks
 from .dtr_link import DtrLink
 from .loss_scaler import DynamicLossScaler, StaticLossScaler
-from .store import (DEVICE, GRAD32, HOLD, HOST, MOMENTUM, NOWHERE, PARAM16, PARAM32, VARIANCE, ParamStore,
-                    RelayoutError, uncounted)
+from .store import (DEVICE, GRAD32, HOLD, HOST, MOMENTUM, NOWHERE, PARAM16, PARAM32, VARIANCE,
+                    ParamStore, RelayoutError, uncounted)
 
 OutOfMemoryError = _C.OutOfMemoryError
 
