@@ -65,7 +65,7 @@ def worker(spec: dict) -> None:
     times, sent, wire = [], [], []
     for i, (x, y) in enumerate(batches):
         torch.distributed.barrier()
-        lo0, sent0 = _lo_tx_bytes(), engine.memory_report()["data_parallel"]["bytes_sent"]
+        lo0, sent0 = _lo_tx_bytes(), engine.dp.bytes_sent
         t0 = time.perf_counter()
         loss = engine(x, y)
         engine.backward(loss)
@@ -74,10 +74,9 @@ def worker(spec: dict) -> None:
         torch.distributed.barrier()
         # (The barriers' own bytes count on the wire: a few hundred.)
         wire.append((_lo_tx_bytes() - lo0) / world)
-        sent.append(engine.memory_report()["data_parallel"]["bytes_sent"] - sent0)
+        sent.append(engine.dp.bytes_sent - sent0)
     warm = spec["warmup"]
-    params16 = sum(r.numel * engine.chunks.chunk_view(r.chunk, tidal.engine.store.PARAM16).element_size()
-                   for r in engine.records)
+    params16 = sum(r.numel for r in engine.records) * (torch.finfo(engine.dtype).bits // 8)
     mine = {"rank": rank, "step_s": times[warm:], "sent": sent[warm:], "wire": wire[warm:],
             "params": sum(r.numel for r in engine.records), "param16_bytes": params16,
             "chunks_owned": len(engine.memory_report()["data_parallel"]["owned_chunks"]),

@@ -25,17 +25,20 @@ counts it).
 
 A step, with gradients in the 16-bit slots (Note [Gradient sums in chunks]):
   1. backward lands each gradient in its 16-bit slot, as on one process;
-  2. at the end of backward, each chunk's gradients are reduced (summed)
-     into the owner's slots and divided by N there (reduce_gradients); a
-     chunk whose slots are all gradients is reduced in place, one holding
-     frozen or gradient-less parameters goes through a zeroed buffer. Every
-     rank must have landed the same parameters: one all-reduce of flags
-     checks it (an unused parameter on one rank only is an error, as in
-     DDP without find_unused_parameters);
+  2. at the end of backward, each chunk's landed gradients are packed into
+     one buffer (frozen weights and padding never travel), reduced (summed)
+     into the owner and divided by N there, and copied back into the
+     owner's slots (Engine._dp_reduce_chunk). Every rank must have landed
+     the same parameters: one all-reduce of flags checks it (an unused
+     parameter on one rank only is an error, as in DDP without
+     find_unused_parameters);
   3. under gradient accumulation the owner folds the reduced gradients into
      its fp32 sums and gets its weights back from the master, and the
      owners broadcast their chunks, so every rank has its weights for the
-     next micro-batch; otherwise the slots keep the gradients until step();
+     next micro-batch, whether step() or zero_grad() comes next (at the
+     accumulation boundary the step broadcasts them again: one broadcast
+     per step more than needed); otherwise the slots keep the gradients
+     until step();
   4. step(): the global gradient norm is one all-reduce of each owner's sum
      of squares (clipping and the fp16 overflow check use it), each owner
      runs Adam on its chunks, and each chunk's 16-bit values are broadcast
@@ -236,7 +239,7 @@ class DataParallel:
                 f"The run stops; resume from the last checkpoint. ({type(e).__name__}: {e})") from e
 
     def close(self) -> None:
-        """Stops the heartbeat (at exit, or when the engine is done)."""
+        """Stops the heartbeat and waits for its thread (registered at exit)."""
         self._stop.set()
         if self._beat_thread is not None and self._beat_thread is not threading.current_thread():
             self._beat_thread.join(timeout=5)
@@ -314,6 +317,3 @@ class DataParallel:
         out = [None] * self.world
         self._call(what, lambda: self.dist.all_gather_object(out, obj, group=self.group))
         return out
-
-    def barrier(self, what: str) -> None:
-        self._call(what, lambda: self.dist.barrier(group=self.group))

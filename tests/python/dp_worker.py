@@ -11,7 +11,8 @@ figures.
 The spec (JSON in argv[1]): steps, global_batch, accumulation, clip, budget
 ("measured" or bytes), width, save (dir, after step k), load (dir),
 start (first batch index), kill (rank, step: that rank kills itself in
-backward), model_seed and width_of (per-rank overrides that make the models
+backward), redo (at that batch: backward, zero_grad, forward and backward
+again, as a loop that drops a micro-batch), model_seed and width_of (per-rank overrides that make the models
 differ).
 """
 import json
@@ -26,9 +27,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 import tidal  # noqa: E402
 from engine_helpers import gpt_batches, measured_budget  # noqa: E402
+from test_engine import LR  # noqa: E402
 from tidal.models.gpt import TinyGPT  # noqa: E402
-
-LR = 2e-3
 
 
 def config(spec, budget):
@@ -79,6 +79,10 @@ def main():
             # Dies in the middle of backward, without a word to the others.
             loss.register_hook(lambda g: os.kill(os.getpid(), signal.SIGKILL))
         engine.backward(loss)
+        if i == spec.get("redo"):
+            engine.zero_grad()
+            loss = engine(xs, ys)
+            engine.backward(loss)
         engine.step()
         mean = torch.tensor([loss.item()], dtype=torch.float64)
         torch.distributed.all_reduce(mean)

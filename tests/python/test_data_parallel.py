@@ -20,10 +20,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 from engine_helpers import gpt_batches  # noqa: E402
+from test_engine import train_reference  # noqa: E402
 from tidal.models.gpt import TinyGPT  # noqa: E402
 
 WORKER = Path(__file__).parent / "dp_worker.py"
-LR = 2e-3
 
 pytestmark = pytest.mark.skipif(not torch.distributed.is_available(),
                                 reason="this torch build has no torch.distributed")
@@ -68,19 +68,9 @@ def reference(spec, start=0):
     torch.manual_seed(0)
     model = TinyGPT(d=spec.get("width", 64), seq=8)
     accumulation = spec.get("accumulation", 1)
-    steps = spec["steps"] * accumulation
-    batches = gpt_batches(steps + start, batch=spec["global_batch"], seed=3)[start:]
-    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.01)
-    losses = []
-    for i, (x, y) in enumerate(batches):
-        loss = model(x, y)
-        (loss / accumulation).backward()
-        losses.append(loss.item())
-        if (i + 1) % accumulation == 0:
-            if spec.get("clip"):
-                torch.nn.utils.clip_grad_norm_(model.parameters(), spec["clip"])
-            opt.step()
-            opt.zero_grad()
+    batches = gpt_batches(spec["steps"] * accumulation + start, batch=spec["global_batch"],
+                          seed=3)[start:]
+    losses = train_reference(model, batches, clip=spec.get("clip", 0.0), accumulation=accumulation)
     return model, losses
 
 
@@ -110,6 +100,14 @@ def test_accumulation_and_clipping_match(tmp_path):
     result = run_ok(2, spec, tmp_path)
     assert result["steps"] == 3
     assert_matches(result, *reference(spec))
+
+
+def test_zero_grad_between_backward_and_step_drops_the_gradients_and_their_norm(tmp_path):
+    """A dropped micro-batch leaves nothing behind: not its gradients (the
+    non-owners get their weights back from the owners), not its share of the
+    global norm that clipping uses."""
+    spec = {"steps": 3, "global_batch": 4, "clip": 0.05, "redo": 1}
+    assert_matches(run_ok(2, spec, tmp_path), *reference(spec))
 
 
 def test_optimizer_states_are_partitioned_by_chunk(tmp_path):

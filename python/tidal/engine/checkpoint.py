@@ -26,10 +26,10 @@ place the same way.
 
 Atomicity: everything is written into a temporary sibling directory, flushed
 with fsync, and then renamed into place (with N ranks: by rank 0, once every
-rank has written and flushed its file, so the set is atomic, not each file). Replacing an existing tag renames
-it aside first, then renames the new one in, then deletes the old one; a
-kill between the two renames leaves the old copy under its aside name, which
-load_checkpoint finds. `latest` is replaced by rename too. So a save killed
+rank has written and flushed its file, so the set is atomic, not each file).
+Replacing an existing tag renames it aside first, then renames the new one
+in, then deletes the old one; a kill between the two renames leaves the old
+copy under its aside name, which load_checkpoint finds. `latest` is replaced by rename too. So a save killed
 at any moment leaves the previous checkpoint loadable.
 """
 from __future__ import annotations

@@ -729,6 +729,7 @@ class Engine:
             for r in summed:
                 r.accumulated = False
         self._hooks.clear_grad_norm()
+        self._dp_sumsq = 0.0  # (data parallel: the norm of the reduced gradients)
         for r in self.records:
             r.param.grad = None
 
@@ -748,7 +749,8 @@ class Engine:
                 self._restore_params([r for r in pending if self.store.owns(r)])
                 if self.dp is not None:
                     # Other ranks' masters give this rank its weights back.
-                    self._dp_broadcast({r.chunk for r in pending if r.trainable})
+                    with torch.no_grad(), uncounted():
+                        self._dp_broadcast({r.chunk for r in pending if r.trainable})
             index = self._record_index
             self._hooks.clear_landed([index[id(r)] for r in pending])
 
