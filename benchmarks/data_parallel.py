@@ -20,6 +20,13 @@ Bytes per rank per step, three ways:
     measured steps (/proc/net/dev, every process on the machine; this
     benchmark is the only talker) divided by N: gloo's own algorithms and
     TCP framing included.
+
+With 2 and 3 ranks it runs twice: overlap_comm on (each chunk's reduction
+starts during backward, as soon as its gradients are final) and off (all at
+the end of backward); the time each step's slowest rank spent blocked in
+collectives is what did not overlap compute, and the part of it before
+step() is the gradient reductions' (the rest is the broadcasts after the
+step, which overlap nothing either way).
 """
 from __future__ import annotations
 
@@ -59,18 +66,22 @@ def worker(spec: dict) -> None:
     model = TinyGPT(vocab=spec["vocab"], d=spec["d"], layers=spec["layers"], heads=4, seq=spec["seq"])
     cfg = {"optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
            "train_micro_batch_size_per_gpu": spec["batch"],
-           "tidal": {"chunk_size": spec["chunk"], "data_parallel": {"enabled": True}}}
+           "tidal": {"chunk_size": spec["chunk"],
+                     "data_parallel": {"enabled": True, "overlap_comm": spec["overlap"]}}}
     engine = tidal.initialize(model, cfg)
     batches = common.token_batches(spec["vocab"], spec["seq"], spec["batch"], spec["steps"], seed=rank)
-    times, sent, wire = [], [], []
+    times, sent, wire, blocked, in_step = [], [], [], [], []
     for i, (x, y) in enumerate(batches):
         torch.distributed.barrier()
-        lo0, sent0 = _lo_tx_bytes(), engine.dp.bytes_sent
+        lo0, sent0, blocked0 = _lo_tx_bytes(), engine.dp.bytes_sent, engine.dp.seconds_blocked
         t0 = time.perf_counter()
         loss = engine(x, y)
         engine.backward(loss)
+        before_step = engine.dp.seconds_blocked
         engine.step()
         times.append(time.perf_counter() - t0)
+        blocked.append(engine.dp.seconds_blocked - blocked0)
+        in_step.append(engine.dp.seconds_blocked - before_step)
         torch.distributed.barrier()
         # (The barriers' own bytes count on the wire: a few hundred.)
         wire.append((_lo_tx_bytes() - lo0) / world)
@@ -78,6 +89,7 @@ def worker(spec: dict) -> None:
     warm = spec["warmup"]
     params16 = sum(r.numel for r in engine.records) * (torch.finfo(engine.dtype).bits // 8)
     mine = {"rank": rank, "step_s": times[warm:], "sent": sent[warm:], "wire": wire[warm:],
+            "blocked_s": blocked[warm:], "blocked_in_step_s": in_step[warm:],
             "params": sum(r.numel for r in engine.records), "param16_bytes": params16,
             "chunks_owned": len(engine.memory_report()["data_parallel"]["owned_chunks"]),
             "chunks": engine.chunks.num_chunks}
@@ -92,7 +104,7 @@ def run_world(world: int, spec: dict, tmp: str) -> list:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    spec = dict(spec, out=os.path.join(tmp, f"dp-{world}.json"))
+    spec = dict(spec, out=os.path.join(tmp, f"dp-{world}-{spec['overlap']}.json"))
     env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(world),
                OMP_NUM_THREADS="1")
     procs = [subprocess.Popen([sys.executable, __file__, "--worker", json.dumps(spec)],
@@ -122,31 +134,43 @@ def main() -> None:
     runs = {}
     with tempfile.TemporaryDirectory() as tmp:
         for world in (1, 2, 3):
-            ranks = run_world(world, spec, tmp)
-            p16 = ranks[0]["param16_bytes"]
-            minimum = 2 * (world - 1) / world * p16
-            sent = [sum(r["sent"]) / len(r["sent"]) for r in ranks]
-            wire = sum(ranks[0]["wire"]) / len(ranks[0]["wire"])
-            step = common.summarize(max(r["step_s"][i] for r in ranks) for i in range(len(ranks[0]["step_s"])))
-            runs[str(world)] = {
-                "world_size": world, "global_batch": world * spec["batch"],
-                "step_s": step,
-                "tokens_per_s": world * spec["batch"] * spec["seq"] / step["median"],
-                "minimum_bytes_per_rank_step": minimum,
-                "tidal_bytes_per_rank_step": sent,
-                "wire_bytes_per_rank_step": wire,
-                "tidal_over_minimum": (sum(sent) / len(sent)) / minimum if minimum else None,
-                "wire_over_minimum": wire / minimum if minimum else None,
-                "chunks_owned": [r["chunks_owned"] for r in ranks], "chunks": ranks[0]["chunks"],
-            }
-            print(f"{world} rank(s): step {step['median'] * 1e3:.0f} ms, per rank per step: minimum "
-                  f"{minimum / 2**20:.2f} MiB, tidal {sum(sent) / len(sent) / 2**20:.2f} MiB, wire "
-                  f"{wire / 2**20:.2f} MiB", flush=True)
+            for overlap in (True, False) if world > 1 else (True,):
+                ranks = run_world(world, dict(spec, overlap=overlap), tmp)
+                p16 = ranks[0]["param16_bytes"]
+                minimum = 2 * (world - 1) / world * p16
+                sent = [sum(r["sent"]) / len(r["sent"]) for r in ranks]
+                wire = sum(ranks[0]["wire"]) / len(ranks[0]["wire"])
+                steps = range(len(ranks[0]["step_s"]))
+                step = common.summarize(max(r["step_s"][i] for r in ranks) for i in steps)
+                blocked = common.summarize(max(r["blocked_s"][i] for r in ranks) for i in steps)
+                # (The same slowest rank's share before step(): the reductions.)
+                slowest = [max(ranks, key=lambda r: r["blocked_s"][i]) for i in steps]
+                backward = common.summarize(s["blocked_s"][i] - s["blocked_in_step_s"][i]
+                                            for i, s in zip(steps, slowest))
+                runs[str(world) if overlap else f"{world}-no-overlap"] = {
+                    "world_size": world, "overlap_comm": overlap, "global_batch": world * spec["batch"],
+                    "step_s": step,
+                    "seconds_in_collectives_per_step": blocked,
+                    "seconds_in_collectives_before_step": backward,
+                    "tokens_per_s": world * spec["batch"] * spec["seq"] / step["median"],
+                    "minimum_bytes_per_rank_step": minimum,
+                    "tidal_bytes_per_rank_step": sent,
+                    "wire_bytes_per_rank_step": wire,
+                    "tidal_over_minimum": (sum(sent) / len(sent)) / minimum if minimum else None,
+                    "wire_over_minimum": wire / minimum if minimum else None,
+                    "chunks_owned": [r["chunks_owned"] for r in ranks], "chunks": ranks[0]["chunks"],
+                }
+                print(f"{world} rank(s), overlap_comm {overlap}: step {step['median'] * 1e3:.0f} ms "
+                      f"({blocked['median'] * 1e3:.0f} ms in collectives, "
+                      f"{backward['median'] * 1e3:.0f} ms of them before step()), per rank per step: "
+                      f"minimum {minimum / 2**20:.2f} MiB, tidal {sum(sent) / len(sent) / 2**20:.2f} "
+                      f"MiB, wire {wire / 2**20:.2f} MiB", flush=True)
     payload = {"quick": args.quick, "model": {"params": ranks[0]["params"], "param16_bytes": p16,
                                               **{k: spec[k] for k in ("d", "layers", "seq", "vocab", "batch", "chunk")}},
                "precision": "fp32", "backend": "gloo over loopback, simulated device", "runs": runs,
                "note": "weak scaling (micro-batch per rank fixed); 2 cores shared by all ranks, "
-                       "so step time grows with the ranks: a machinery check, not a GPU claim"}
+                       "so step time grows with the ranks and the communication thread competes "
+                       "with compute: a machinery check, not a GPU claim"}
     path = common.write_result("data_parallel-quick" if args.quick else "data_parallel", payload,
                                args.output)
     print(f"wrote {path}")

@@ -352,14 +352,21 @@ def _data_parallel(r: Dict, name: str) -> List[List[str]]:
     m = r["model"]
     rows = []
     for world, run in r["runs"].items():
-        if run["world_size"] < 2:
+        if run["world_size"] < 2 or not run.get("overlap_comm", True):
             continue
         sent = sum(run["tidal_bytes_per_rank_step"]) / len(run["tidal_bytes_per_rank_step"])
+        step = f"step {run['step_s']['median'] * 1e3:.0f} ms"
+        off = r["runs"].get(f"{world}-no-overlap")
+        if "seconds_in_collectives_per_step" in run and off is not None:
+            step += (f" ({run['seconds_in_collectives_per_step']['median'] * 1e3:.0f} ms blocked in "
+                     f"collectives), {off['step_s']['median'] * 1e3:.0f} ms "
+                     f"({off['seconds_in_collectives_per_step']['median'] * 1e3:.0f} ms) with "
+                     f"overlap_comm off")
         rows.append([
             f"data parallel, bytes sent per rank per step, {world} ranks (gloo over loopback, simulated "
             f"device, GPT {m['params'] / 1e6:.1f}M params fp32, micro-batch {m['batch']} per rank; on the "
             f"wire incl. gloo and TCP: {run['wire_bytes_per_rank_step'] / 2**20:.2f} MiB, "
-            f"{run['wire_over_minimum']:.2f}x; step {run['step_s']['median'] * 1e3:.0f} ms on 2 shared cores)",
+            f"{run['wire_over_minimum']:.2f}x; {step}; 2 shared cores)",
             _machine(r),
             f"{sent / 2**20:.2f} MiB",
             f"{run['minimum_bytes_per_rank_step'] / 2**20:.2f} MiB, ring reduce-scatter + all-gather "

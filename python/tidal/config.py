@@ -175,8 +175,11 @@ _NOT_HONOURED: list[tuple[tuple[str, ...], tuple | None, str]] = [
      "tidal moves parameter chunks between host and device as the budget requires"),
     (("zero_optimization", "cpu_offload"), (False,),
      "tidal keeps optimizer states in chunks in host memory and on the device as the budget allows"),
+    (("zero_optimization", "overlap_comm"), None,
+     "tidal's key is tidal.data_parallel.overlap_comm (on by default: each chunk's gradient "
+     "reduction starts during backward as soon as its gradients are final)"),
     *[(("zero_optimization", k), None, _COMM) for k in (
-        "contiguous_gradients", "overlap_comm", "reduce_scatter", "reduce_bucket_size",
+        "contiguous_gradients", "reduce_scatter", "reduce_bucket_size",
         "allgather_partitions", "allgather_bucket_size", "round_robin_gradients")],
     *[(("zero_optimization", k), None, _ZERO3) for k in (
         "sub_group_size", "stage3_prefetch_bucket_size", "stage3_param_persistence_threshold",

@@ -25,13 +25,27 @@ counts it).
 
 A step, with gradients in the 16-bit slots (Note [Gradient sums in chunks]):
   1. backward lands each gradient in its 16-bit slot, as on one process;
-  2. at the end of backward, each chunk's landed gradients are packed into
-     one buffer (frozen weights and padding never travel), reduced (summed)
-     into the owner and divided by N there, and copied back into the
-     owner's slots (Engine._dp_reduce_chunk). Every rank must have landed
-     the same parameters: one all-reduce of flags checks it (an unused
-     parameter on one rank only is an error, as in DDP without
-     find_unused_parameters);
+  2. each chunk's gradients are reduced (summed) into its owner and divided
+     by N there, then copied back into the owner's slots. With overlap_comm
+     (the default) a chunk's reduction starts during backward, as soon as
+     every trainable parameter in it has landed its gradient (a second
+     post-accumulate-grad hook, Engine._dp_grad_ready), while autograd goes
+     on with the layers below; at most IN_FLIGHT run at once. The
+     ranks must issue their collectives in the same order with the same
+     sizes, whatever order their chunks become final in: every rank reduces
+     every chunk holding a trainable parameter once per backward, in one
+     fixed order (the last chunk first, the order backward reaches them); a
+     chunk waits for the ones before it, and the chunks not final by the end
+     of backward go then (Engine._dp_after_backward). The buffer of a chunk
+     packs its trainable parameters' slots (frozen weights and padding
+     never travel); a parameter without a gradient on this rank sends
+     zeros, so the sizes always match. After the reductions one all-reduce
+     of flags checks that every rank landed the same parameters (a
+     parameter with a gradient on some ranks only is an error, as in DDP
+     without find_unused_parameters, and cannot hang the reductions before
+     it). On CUDA with NCCL, the reductions run on NCCL's own stream, which
+     is the side stream: the compute stream only waits for them at the
+     write-back;
   3. under gradient accumulation the owner folds the reduced gradients into
      its fp32 sums and gets its weights back from the master, and the
      owners broadcast their chunks, so every rank has its weights for the
@@ -40,17 +54,20 @@ A step, with gradients in the 16-bit slots (Note [Gradient sums in chunks]):
      per step more than needed); otherwise the slots keep the gradients
      until step();
   4. step(): the global gradient norm is one all-reduce of each owner's sum
-     of squares (clipping and the fp16 overflow check use it), each owner
-     runs Adam on its chunks, and each chunk's 16-bit values are broadcast
-     from its owner (the all-gather).
+     of squares (clipping and the fp16 overflow check use it); the ranks
+     walk the chunks in one order, each owner running Adam on its chunk and
+     then starting the broadcast of the chunk's 16-bit values (the
+     all-gather), so a chunk's broadcast runs while its owner updates the
+     next chunks it owns; the other ranks receive into a buffer and copy it
+     into their chunk when it arrives (Engine._dp_share).
 Reductions run in the parameters' dtype, as DeepSpeed's do.
 
-Not done: the reduction waits for the end of backward instead of starting
-as each chunk's gradients become final, and no communication overlaps
-compute (a side stream on CUDA); the first-use relayout is skipped (it
-would move records between owners); DTR under the engine is refused with
-data parallel (a recompute in backward may need the master of a chunk this
-rank does not own).
+Not done: the broadcasts after the step are all waited for before step()
+returns (they could overlap the next forward, each chunk waited for before
+its first use); the first-use relayout is skipped (it would move records
+between owners); DTR under the engine is refused with data parallel (a
+recompute in backward may need the master of a chunk this rank does not
+own).
 
 Faults: tidal's collectives run on a process group of their own, made with
 the config's timeout, so a rank that hangs makes the others fail after at
@@ -81,7 +98,15 @@ SCHEMA = {
                                       "the run fails"),
     "backend": (("auto", "gloo", "nccl"), "auto", "process group of tidal's collectives: auto = "
                                                   "nccl on CUDA, else gloo"),
+    "overlap_comm": (Rule("true or false", lambda v: isinstance(v, bool)), True,
+                     "reduce each chunk's gradients as soon as they are final during backward, "
+                     "overlapped with the rest of backward (false: all at the end of backward)"),
 }
+
+# Chunk reductions (during backward) or broadcasts (during the step) in
+# flight at once; each holds a copy of one chunk's 16-bit values, so at most
+# this many chunks of extra memory.
+IN_FLIGHT = 2
 
 _HEARTBEAT_S = 0.5
 
@@ -137,6 +162,7 @@ class DataParallel:
         if backend == "nccl" and not cuda:
             fail("tidal.data_parallel.backend", "nccl needs the CUDA device; the simulated "
                                                 "device's chunks are host memory: use gloo")
+        self._made_default = False
         if not dist.is_initialized():
             if "MASTER_ADDR" not in os.environ and "TORCHELASTIC_RUN_ID" not in os.environ:
                 raise ConfigError(
@@ -145,9 +171,11 @@ class DataParallel:
                     "MASTER_ADDR/RANK/WORLD_SIZE; launch with torchrun, or call "
                     "torch.distributed.init_process_group first")
             dist.init_process_group(backend=backend, timeout=timeout)
+            self._made_default = True
         self.rank = dist.get_rank()
         self.world = dist.get_world_size()
         self.backend = backend
+        self.overlap = bool(block["overlap_comm"])
         # NCCL reduces device tensors only: small host tensors go through it.
         self.device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" \
             else torch.device("cpu")
@@ -161,6 +189,9 @@ class DataParallel:
         # the backend's own algorithms is measured by benchmarks/data_parallel.py.
         self.bytes_sent = 0
         self.collectives = 0
+        # Seconds the training thread spent in collectives (waiting for them
+        # or starting them): the communication that did not overlap compute.
+        self.seconds_blocked = 0.0
         self._store = None
         try:
             self._store = dist.distributed_c10d._get_default_store()
@@ -180,10 +211,7 @@ class DataParallel:
             self._beat_thread = threading.Thread(target=self._beats, name="tidal-dp-heartbeat",
                                                  daemon=True)
             self._beat_thread.start()
-            # A daemon thread inside a store call while the interpreter
-            # exits can abort the process (std::terminate from a store's
-            # thread): stop and join it first.
-            atexit.register(self.close)
+        atexit.register(self.close)
 
     # ------------------------------------------------------------ faults
     def _beat(self) -> None:
@@ -222,6 +250,7 @@ class DataParallel:
         """Runs collective `fn`; a failure becomes a DataParallelError naming
         the ranks that stopped beating."""
         self.collectives += 1
+        started = time.perf_counter()
         try:
             return fn()
         except DataParallelError:
@@ -237,12 +266,29 @@ class DataParallel:
             raise DataParallelError(
                 f"tidal data parallel: rank {self.rank} of {self.world} could not {what}: {cause}. "
                 f"The run stops; resume from the last checkpoint. ({type(e).__name__}: {e})") from e
+        finally:
+            self.seconds_blocked += time.perf_counter() - started
 
     def close(self) -> None:
-        """Stops the heartbeat and waits for its thread (registered at exit)."""
+        """At exit, while the interpreter is whole: stops the heartbeat and
+        waits for its thread (a daemon thread inside a store call when the
+        interpreter goes can abort the process), and destroys tidal's process
+        group and the default one if tidal made it. A gloo group left to the
+        interpreter's teardown can abort the process too ("terminate called
+        without an active exception": its worker threads still hold finished
+        work whose tensors need the GIL, pytorch/pytorch#190489)."""
         self._stop.set()
         if self._beat_thread is not None and self._beat_thread is not threading.current_thread():
             self._beat_thread.join(timeout=5)
+        dist = self.dist
+        try:
+            if dist.is_initialized() and self.group is not None:
+                dist.destroy_process_group(self.group)
+            if self._made_default and dist.is_initialized():
+                dist.destroy_process_group()
+        except Exception:  # noqa: BLE001 -- the user destroyed the groups first
+            pass
+        self.group = None
 
     # --------------------------------------------------------- ownership
     def assign(self, chunk: int, nbytes: int) -> int:
@@ -300,9 +346,28 @@ class DataParallel:
         self.bytes_sent += flags.numel() * flags.element_size()
         return self._run(flags, what, lambda x: self.dist.all_reduce(x, group=self.group))
 
-    def reduce(self, t: torch.Tensor, owner: int, what: str) -> None:
+    def reduce_async(self, t: torch.Tensor, owner: int, what: str):
+        """Starts summing `t` into rank `owner`'s `t` (on this backend's
+        device); returns the handle wait() takes. `t` must stay untouched
+        until then."""
+        assert t.device == self.device, (t.device, self.device)
         self.bytes_sent += t.numel() * t.element_size() * (self.world - 1) // self.world
-        self._run(t, what, lambda x: self.dist.reduce(x, dst=owner, group=self.group))
+        return self._call(what, lambda: self.dist.reduce(t, dst=owner, group=self.group,
+                                                         async_op=True))
+
+    def broadcast_async(self, t: torch.Tensor, owner: int, what: str):
+        """Starts sending `t` from rank `owner` into every rank's `t` (on this
+        backend's device); returns the handle wait() takes."""
+        assert t.device == self.device, (t.device, self.device)
+        self.bytes_sent += t.numel() * t.element_size() * (self.world - 1) // self.world
+        return self._call(what, lambda: self.dist.broadcast(t, src=owner, group=self.group,
+                                                            async_op=True))
+
+    def wait(self, work, what: str) -> None:
+        """Waits for a collective reduce_async started (its failures named as
+        the blocking collectives' are)."""
+        self.collectives -= 1  # (counted when it started)
+        self._call(what, work.wait)
 
     def broadcast(self, t: torch.Tensor, owner: int, what: str) -> None:
         self.bytes_sent += t.numel() * t.element_size() * (self.world - 1) // self.world

@@ -13,7 +13,9 @@ The spec (JSON in argv[1]): steps, global_batch, accumulation, clip, budget
 start (first batch index), kill (rank, step: that rank kills itself in
 backward), redo (at that batch: backward, zero_grad, forward and backward
 again, as a loop that drops a micro-batch), model_seed and width_of (per-rank overrides that make the models
-differ).
+differ), overlap (tidal.data_parallel.overlap_comm), precision ("bf16" or
+"fp16", with scale_power), unused (rank, param: that rank's backward never
+reaches the parameter).
 """
 import json
 import os
@@ -35,9 +37,14 @@ def config(spec, budget):
     cfg = {"optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.01}},
            "gradient_accumulation_steps": spec.get("accumulation", 1),
            "tidal": {"chunk_size": 16384, "device_memory_budget": budget, "device_margin": 1024,
-                     "data_parallel": {"enabled": True, "timeout": spec.get("timeout", 120)}}}
+                     "data_parallel": {"enabled": True, "timeout": spec.get("timeout", 120),
+                                       "overlap_comm": spec.get("overlap", True)}}}
     if spec.get("clip"):
         cfg["gradient_clipping"] = spec["clip"]
+    if spec.get("precision"):
+        cfg[spec["precision"]] = {"enabled": True}
+        if spec["precision"] == "fp16":
+            cfg["fp16"].update(initial_scale_power=spec.get("scale_power", 8), hysteresis=1)
     return cfg
 
 
@@ -69,6 +76,10 @@ def main():
     if spec.get("load"):
         path, _ = engine.load_checkpoint(spec["load"])
         assert path is not None
+    unused = spec.get("unused")
+    if unused and rank == unused["rank"]:
+        # This rank's backward never reaches that parameter.
+        dict(engine.module.named_parameters())[unused["param"]].requires_grad_(False)
     kill = spec.get("kill")
     losses = []
     started = time.time()
@@ -94,13 +105,31 @@ def main():
     report = engine.memory_report()
     mine = {"rank": rank, "evictions": report["evictions"], "prefetches": report["prefetches"],
             "optimizer_state_bytes": optimizer_state_bytes(engine),
-            "data_parallel": report["data_parallel"], "seconds": time.time() - started}
+            "data_parallel": report["data_parallel"], "seconds": time.time() - started,
+            "skipped_steps": report["skipped_steps"], "loss_scale": report["loss_scale"],
+            "weights_crc": weights_crc(engine)}
     reports = [None] * world
     torch.distributed.all_gather_object(reports, mine)
     if rank == 0:
         Path(spec["out"]).write_text(json.dumps({"losses": losses, "weights": weights,
                                                  "reports": reports, "steps": engine.global_steps}))
     torch.distributed.barrier()
+
+
+def weights_crc(engine):
+    """CRC-32 of this rank's 16-bit weights: the ranks' copies must agree."""
+    import zlib
+
+    from tidal.engine.store import HOLD, HOST, PARAM16
+    crc, c = 0, engine.chunks
+    with torch.no_grad():
+        for r in engine.records:
+            view = c.access(r.id, PARAM16, HOST, [r.numel])
+            try:
+                crc = zlib.crc32(view.view(torch.uint8).numpy().tobytes(), crc)
+            finally:
+                c.release(r.id, PARAM16, HOLD)
+    return crc
 
 
 def optimizer_state_bytes(engine):

@@ -67,8 +67,10 @@ def test_zero_offload_tutorial_config_loads_and_reports_what_tidal_does_instead(
         "config key 'zero_optimization.offload_optimizer.device' = 'cpu' is not used by tidal: "
         "tidal keeps optimizer states in chunks in host memory and on the device as the budget "
         "allows",
-        "config keys 'zero_optimization.contiguous_gradients' = True, "
-        "'zero_optimization.overlap_comm' = True are " + _COMM,
+        "config key 'zero_optimization.overlap_comm' = True is not used by tidal: tidal's key is "
+        "tidal.data_parallel.overlap_comm (on by default: each chunk's gradient reduction starts "
+        "during backward as soon as its gradients are final)",
+        "config key 'zero_optimization.contiguous_gradients' = True is " + _COMM,
     ]
 
 
@@ -94,7 +96,7 @@ def test_cifar10_tutorial_configs_load_with_their_warmup_lr(name, precision, sta
         "zero_optimization.reduce_bucket_size", "zero_optimization.overlap_comm",
         "zero_optimization.contiguous_gradients"}
     assert f"config key 'zero_optimization.stage' = {stage} is not used by tidal" in messages[0]
-    assert len(messages) == 2   # stage, then one warning for the six communication keys
+    assert len(messages) == 3   # stage, overlap_comm, one warning for the five communication keys
     sched = tidal.lr_schedules.build_scheduler(c)
     assert sched.lr_at(-1) == 0 and sched.lr_at(999) == pytest.approx(0.001, rel=1e-15)
 
@@ -120,7 +122,7 @@ def test_warmup_decay_zero3_config_loads_with_activation_checkpointing():
         "zero_optimization.stage3_max_live_parameters",
         "zero_optimization.stage3_max_reuse_distance",
         "zero_optimization.stage3_gather_16bit_weights_on_model_save"}
-    assert len(messages) == 6   # one per reason
+    assert len(messages) == 7   # one per reason
     s = tidal.lr_schedules.build_scheduler(c)
     assert s.lr_at(250) == pytest.approx(1e-5, rel=1e-12)           # linear warm-up half-way
     assert s.lr_at(5250) == pytest.approx(1e-5, rel=1e-12)          # decay half-way

@@ -93,13 +93,65 @@ def test_ranks_match_one_process_with_the_whole_batch(world, tmp_path):
     # Every chunk has one owner.
     owned = [c for r in result["reports"] for c in r["data_parallel"]["owned_chunks"]]
     assert len(owned) == len(set(owned))
+    assert_same_weights_on_every_rank(result)
+    # overlap_comm (the default): chunks started their reductions while
+    # backward went on, the same number on every rank (the same order).
+    started = {r["data_parallel"]["reduces_in_backward"] for r in result["reports"]}
+    assert len(started) == 1 and started.pop() > 0, result["reports"]
 
 
-def test_accumulation_and_clipping_match(tmp_path):
-    spec = {"steps": 3, "global_batch": 4, "accumulation": 2, "clip": 0.05}
+def assert_same_weights_on_every_rank(result):
+    crcs = [r["weights_crc"] for r in result["reports"]]
+    assert len(set(crcs)) == 1, crcs
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_accumulation_and_clipping_match(overlap, tmp_path):
+    spec = {"steps": 3, "global_batch": 4, "accumulation": 2, "clip": 0.05, "overlap": overlap}
     result = run_ok(2, spec, tmp_path)
     assert result["steps"] == 3
     assert_matches(result, *reference(spec))
+    in_backward = [r["data_parallel"]["reduces_in_backward"] for r in result["reports"]]
+    assert all(n > 0 for n in in_backward) if overlap else in_backward == [0, 0]
+
+
+@pytest.mark.parametrize("precision, tol", [("bf16", 5e-2), ("fp16", 2e-2)])
+def test_mixed_precision_tracks_the_fp32_reference(precision, tol, tmp_path):
+    """16-bit chunks, gradients reduced in 16 bits (as DeepSpeed's): the loss
+    curve agrees with fp32 plain PyTorch to the format's precision, and the
+    ranks' 16-bit weights stay bitwise equal."""
+    spec = {"steps": 4, "global_batch": 4, "precision": precision}
+    result = run_ok(2, spec, tmp_path)
+    _, losses = reference(spec)
+    for a, b in zip(losses, result["losses"], strict=True):
+        assert abs(a - b) <= tol * abs(a), (losses, result["losses"])
+    assert_same_weights_on_every_rank(result)
+    assert all(r["skipped_steps"] == 0 for r in result["reports"])
+
+
+def test_fp16_overflow_is_global(tmp_path):
+    """A loss scale of 2^30 overflows: every rank skips the same steps with the
+    same scale (the overflow check reads the global norm), and no rank's
+    weights move apart from the others'."""
+    spec = {"steps": 5, "global_batch": 4, "precision": "fp16", "scale_power": 30}
+    result = run_ok(2, spec, tmp_path)
+    reports = result["reports"]
+    assert reports[0]["skipped_steps"] > 0
+    assert len({(r["skipped_steps"], r["loss_scale"]) for r in reports}) == 1, reports
+    assert_same_weights_on_every_rank(result)
+
+
+def test_a_parameter_without_a_gradient_on_one_rank_is_named(tmp_path):
+    """Rank 1's backward never reaches one parameter: both ranks fail at the
+    end of that backward with the parameter's name (the reductions, each
+    rank sending the same sizes, cannot hang on it)."""
+    spec = {"steps": 2, "global_batch": 4, "budget": 1 << 30,
+            "unused": {"rank": 1, "param": "blocks.1.fc.weight"}}
+    codes, outs, seconds, _ = launch(2, spec, tmp_path, timeout=120)
+    for out, code in zip(outs, codes, strict=True):
+        assert code != 0
+        assert ("parameters got gradients on some ranks only: 'blocks.1.fc.weight' "
+                "(1 of 2 ranks)") in out, out[-3000:]
 
 
 def test_zero_grad_between_backward_and_step_drops_the_gradients_and_their_norm(tmp_path):

@@ -51,7 +51,7 @@ from .. import _C
 from .. import dtr as _dtr
 from .. import recompute as _recompute
 from ..config import Config, ConfigError
-from ..data_parallel import DataParallelError
+from ..data_parallel import IN_FLIGHT, DataParallelError
 from ..lr_schedules import build_scheduler
 from . import checkpoint as _checkpoint
 from . import hooks as _hooks
@@ -206,6 +206,7 @@ class Engine:
         self.dp = store.dp
         self._dp_broken: str | None = None
         self._dp_sumsq = 0.0
+        self._dp_backward_sumsq = 0.0
         if self.dp is not None:
             self._setup_data_parallel(model, cfg)
 
@@ -308,6 +309,21 @@ class Engine:
                 spans[r.chunk][1] = min(spans[r.chunk][1], off)
                 spans[r.chunk][2] = max(spans[r.chunk][2], off + r.numel)
         self._dp_spans = dict(sorted(spans.items()))
+        # The unit of the gradient reductions: each such chunk's trainable
+        # records, reduced in one fixed order by every rank (the last chunk
+        # first, as backward reaches them), so the ranks' collectives match
+        # whenever each rank's chunks become final.
+        members = collections.defaultdict(list)
+        for r in self.records:
+            if r.trainable:
+                members[r.chunk].append(r)
+        self._dp_members = dict(members)
+        self._dp_order = sorted(members, reverse=True)
+        self._dp_left: dict[int, int] = {}
+        self._dp_next = len(self._dp_order)
+        self._dp_flight = collections.deque()  # reductions: (chunk, landed, buffer, work)
+        self._dp_sending = collections.deque()  # broadcasts after the update: (chunk, buffer, work)
+        self._dp_in_backward = 0
 
     def _dp_space(self, chunk: int):
         """Where chunk `chunk`'s 16-bit values are communicated: on the device
@@ -371,6 +387,11 @@ class Engine:
                 hook = hooks.grad_hook(self._record_index[id(self.store.by_param[id(r.param)])],
                                        _weak_method(self._grad_ready))
                 self._handles.append(r.param.register_post_accumulate_grad_hook(hook))
+                if self.dp is not None and self.dp.overlap:
+                    # After the landing (hooks run in order): a chunk whose
+                    # gradients are all in starts its reduction.
+                    self._handles.append(r.param.register_post_accumulate_grad_hook(
+                        _weak_method(self._dp_grad_ready)))
 
     def remove_hooks(self):
         for h in self._handles:
@@ -651,6 +672,8 @@ class Engine:
             raise ValueError(f"engine.backward expects a scalar loss tensor, got "
                              f"{type(loss).__name__} {getattr(loss, 'shape', '')}")
         self._dp_check()
+        if self.dp is not None:
+            self._dp_begin_backward()
         scale = self.scaler.scale / self.config.gradient_accumulation_steps
         scaled = loss.float() * scale if scale != 1.0 else loss
         self._count(True)
@@ -680,6 +703,7 @@ class Engine:
                 # only collectives could restore them, and the other ranks are
                 # in their own backward (Note [Data parallel by chunk]).
                 self._dp_broken = "a backward on this rank failed"
+                self._dp_flight.clear()
                 raise
             if self._accumulating:
                 # The gradients this backward landed are dropped (their slots
@@ -803,18 +827,102 @@ class Engine:
                 f"gradients where weights should be and the ranks are out of step; restart the "
                 f"run from the last checkpoint")
 
-    def _dp_after_backward(self):
-        """Note [Data parallel by chunk], steps 2 and 3: each chunk's gradients
-        summed into its owner's slots and divided by the number of ranks; under
-        accumulation folded into the owner's sums, and every rank's weights
-        broadcast back from the owners."""
-        dp = self.dp
-        landed = self._landed()
+    def _dp_begin_backward(self):
+        self._dp_left = {chunk: len(recs) for chunk, recs in self._dp_members.items()}
+        self._dp_next = 0
+        self._dp_flight.clear()
+        self._dp_backward_sumsq = 0.0
+
+    def _dp_grad_ready(self, param):
+        """After a gradient landed (a hook on every trainable parameter, with
+        overlap_comm): the chunks whose gradients are now all in, and every
+        one before them in the reduction order, start their reductions while
+        backward goes on."""
+        r = self.store.by_param[id(param)]
+        if not self._hooks.landed(self._record_index[id(r)]) or self._dp_next >= len(self._dp_order):
+            return
+        self._dp_left[r.chunk] -= 1
+        order, left = self._dp_order, self._dp_left
+        while self._dp_next < len(order) and left[order[self._dp_next]] <= 0:
+            self._dp_launch(order[self._dp_next])
+            self._dp_in_backward += 1
+
+    def _dp_launch(self, chunk: int):
+        """Starts the reduction of chunk `chunk`'s gradients into its owner
+        (the next in the order): its trainable records' slots packed into one
+        buffer (frozen weights and padding never travel; a record without a
+        gradient on this rank sends zeros, so every rank sends the same
+        sizes). At most IN_FLIGHT run at once; finished ones are written back."""
+        dp, c = self.dp, self.chunks
+        recs = self._dp_members[chunk]
         index = self._record_index
-        flags = torch.zeros(len(self._record_list), dtype=torch.int32)
-        if landed:
-            flags[[index[id(r)] for r in landed]] = 1
+        first = recs[0]
+        with torch.no_grad(), uncounted(), _dtr.outside():
+            c.access(first.id, PARAM16, self._dp_space(chunk), [first.numel])  # pins the chunk
+            try:
+                view = c.chunk_view(chunk, PARAM16)
+                landed = [self._hooks.landed(index[id(r)]) for r in recs]
+                parts = []
+                for r, has in zip(recs, landed, strict=True):
+                    off = c.placement(r.id)[1]
+                    parts.append(view[off:off + r.numel] if has else
+                                 torch.zeros(r.numel, dtype=view.dtype, device=view.device))
+                buf = torch.cat(parts).to(dp.device)
+            finally:
+                c.release(first.id, PARAM16, HOLD)
+            work = dp.reduce_async(buf, dp.owner(chunk), f"reduce the gradients of chunk {chunk}")
+            self._dp_flight.append((chunk, landed, buf, work))
+            self._dp_next += 1
+            flight = self._dp_flight
+            while len(flight) > IN_FLIGHT or (flight and flight[0][3].is_completed()):
+                self._dp_finish(*flight.popleft())
+
+    def _dp_finish(self, chunk: int, landed, buf, work):
+        """Waits for chunk `chunk`'s reduction; on its owner divides the sum by
+        the number of ranks and copies it into the slots of the records that
+        landed gradients, and adds its sum of squares to the global norm's share."""
+        dp, c = self.dp, self.chunks
+        dp.wait(work, f"reduce the gradients of chunk {chunk}")
+        if dp.rank != dp.owner(chunk):
+            return
+        recs = self._dp_members[chunk]
+        buf.div_(dp.world)
+        pieces = buf.split([r.numel for r in recs])
+        with torch.no_grad(), uncounted(), _dtr.outside():
+            first = recs[0]
+            c.access(first.id, PARAM16, self._dp_space(chunk), [first.numel])
+            try:
+                view = c.chunk_view(chunk, PARAM16)
+                dst, src = [], []
+                for r, has, piece in zip(recs, landed, pieces, strict=True):
+                    if has:
+                        off = c.placement(r.id)[1]
+                        dst.append(view[off:off + r.numel])
+                        src.append(piece.to(view.device))
+                if dst:
+                    torch._foreach_copy_(dst, src)
+                    self._dp_backward_sumsq += sum(float(t.float().square().sum()) for t in src)
+            finally:
+                c.release(first.id, PARAM16, HOLD)
+
+    def _dp_after_backward(self):
+        """Note [Data parallel by chunk], steps 2 and 3: the chunks whose
+        reductions did not start during backward start now, in the same order;
+        every rank waits for all. Then the ranks check they landed the same
+        parameters; under accumulation the owners fold the reduced gradients
+        into their sums and broadcast the weights back."""
+        dp = self.dp
         try:
+            while self._dp_next < len(self._dp_order):
+                self._dp_launch(self._dp_order[self._dp_next])
+            while self._dp_flight:
+                self._dp_finish(*self._dp_flight.popleft())
+            sumsq, self._dp_backward_sumsq = self._dp_backward_sumsq, 0.0
+            landed = self._landed()
+            index = self._record_index
+            flags = torch.zeros(len(self._record_list), dtype=torch.int32)
+            if landed:
+                flags[[index[id(r)] for r in landed]] = 1
             dp.all_reduce_flags(flags, "compare which parameters got gradients")
             odd = ((flags != 0) & (flags != dp.world)).nonzero().flatten().tolist()
             if odd:
@@ -825,14 +933,8 @@ class Engine:
                     f"{' ...' if len(odd) > 4 else ''}; every rank's backward must reach the same "
                     f"parameters (unused parameters that differ between ranks are not supported: "
                     f"freeze them, or make the graph the same on every rank)")
-            by_chunk = collections.defaultdict(list)
-            for r in landed:
-                by_chunk[r.chunk].append(r)
-            sumsq = 0.0
-            with torch.no_grad(), uncounted(), _dtr.outside():
-                for chunk in sorted(by_chunk):
-                    sumsq += self._dp_reduce_chunk(chunk, by_chunk[chunk])
-                if self._accumulating:
+            if self._accumulating:
+                with torch.no_grad(), uncounted(), _dtr.outside():
                     owned = collections.defaultdict(list)
                     for r in landed:
                         if self.store.owns(r):
@@ -842,33 +944,12 @@ class Engine:
                     theirs = [index[id(r)] for r in landed if not self.store.owns(r)]
                     self._dp_broadcast({r.chunk for r in landed})
                     self._hooks.clear_landed(theirs)
-                else:
-                    self._dp_sumsq += sumsq
+            else:
+                self._dp_sumsq += sumsq
         except BaseException as e:
+            self._dp_flight.clear()
             self._dp_broken = f"reducing gradients failed ({type(e).__name__})"
             raise
-
-    def _dp_reduce_chunk(self, chunk: int, recs) -> float:
-        """Sums `recs`' gradients (one chunk's landed parameters) over the
-        ranks into the owner's slots, divided by the number of ranks there.
-        Returns the sum of squares of the result on the owner, 0 elsewhere."""
-        dp, c = self.dp, self.chunks
-        owner = dp.owner(chunk)
-        first = recs[0]
-        c.access(first.id, PARAM16, self._dp_space(chunk), [first.numel])  # pins the chunk
-        try:
-            view = c.chunk_view(chunk, PARAM16)
-            parts = [view[o:o + n] for o, n in ((c.placement(r.id)[1], r.numel) for r in recs)]
-            # Packed: only gradients travel (not frozen weights, nor padding).
-            buf = torch.cat(parts) if len(parts) > 1 else parts[0].clone()
-            dp.reduce(buf, owner, f"reduce the gradients of chunk {chunk}")
-            if dp.rank != owner:
-                return 0.0
-            buf.div_(dp.world)
-            torch._foreach_copy_(parts, list(buf.split([p.numel() for p in parts])))
-            return float(buf.float().square().sum())
-        finally:
-            c.release(first.id, PARAM16, HOLD)
 
     def _dp_broadcast(self, chunks):
         """Each of `chunks`' 16-bit values (the span of its trainable
@@ -884,6 +965,51 @@ class Engine:
                              f"broadcast the parameters of chunk {chunk}")
             finally:
                 c.release(first.id, PARAM16, HOLD)
+
+    def _dp_share(self, chunk: int):
+        """Starts broadcasting chunk `chunk`'s 16-bit span from its owner
+        (every rank calls this for every chunk with a trainable parameter, in
+        the same order, the owner after its update of the chunk). The owner
+        sends a copy and the others receive into a buffer, so the chunk is
+        free to move meanwhile; at most IN_FLIGHT run at once."""
+        dp, c = self.dp, self.chunks
+        first, lo, hi = self._dp_spans[chunk]
+        owner = dp.owner(chunk)
+        with torch.no_grad(), uncounted(), _dtr.outside():
+            if dp.rank == owner:
+                c.access(first.id, PARAM16, self._dp_space(chunk), [first.numel])
+                try:
+                    buf = c.chunk_view(chunk, PARAM16)[lo:hi].to(dp.device, copy=True)
+                finally:
+                    c.release(first.id, PARAM16, HOLD)
+            else:
+                buf = torch.empty(hi - lo, dtype=self.dtype, device=dp.device)
+            work = dp.broadcast_async(buf, owner, f"broadcast the parameters of chunk {chunk}")
+        flight = self._dp_sending
+        flight.append((chunk, buf, work))
+        while len(flight) > IN_FLIGHT or (flight and flight[0][2].is_completed()):
+            self._dp_shared_one(*flight.popleft())
+
+    def _dp_shared_one(self, chunk: int, buf, work):
+        """Waits for chunk `chunk`'s broadcast; a rank that does not own it
+        copies the values into its chunk."""
+        dp, c = self.dp, self.chunks
+        dp.wait(work, f"broadcast the parameters of chunk {chunk}")
+        if dp.rank == dp.owner(chunk):
+            return
+        first, lo, hi = self._dp_spans[chunk]
+        with torch.no_grad(), uncounted(), _dtr.outside():
+            c.access(first.id, PARAM16, self._dp_space(chunk), [first.numel])
+            try:
+                view = c.chunk_view(chunk, PARAM16)
+                view[lo:hi].copy_(buf)
+            finally:
+                c.release(first.id, PARAM16, HOLD)
+
+    def _dp_shared(self):
+        """Waits for every broadcast _dp_share started."""
+        while self._dp_sending:
+            self._dp_shared_one(*self._dp_sending.popleft())
 
     def step(self):
         """The optimizer step, at gradient accumulation boundaries (as DeepSpeed)."""
@@ -912,12 +1038,26 @@ class Engine:
             clip = 1.0
             if self.config.gradient_clipping > 0:
                 clip = min(1.0, self.config.gradient_clipping / (norm + 1e-6))
-            self._adam(owned, clip / scale)
+            if self.dp is None:
+                self._adam(owned, clip / scale)
+            else:
+                # The all-gather: each chunk's updated 16-bit values from its
+                # owner, started as its update ends, while the owners go on
+                # with their next chunks.
+                try:
+                    self._adam(owned, clip / scale, order=list(self._dp_spans),
+                               after_chunk=self._dp_share)
+                    self._dp_shared()
+                except BaseException as e:
+                    self._dp_sending.clear()
+                    self._dp_broken = f"the step failed part-way ({type(e).__name__})"
+                    raise
             if self.lr_scheduler is not None:
                 self.lr_scheduler.step()
                 self.apply_lr_schedule()
-        if self.dp is not None:
-            # The all-gather: each chunk's 16-bit values from its owner.
+        if self.dp is not None and overflow:
+            # The owners' weights came back from their masters: the others'
+            # from the owners.
             with torch.no_grad(), uncounted():
                 self._dp_broadcast(self._dp_spans)
         index = self._record_index
@@ -1060,17 +1200,17 @@ class Engine:
             c.chunk_capacity_bytes(chunk, PARAM16)
         return (prefer_device or host_full) and free >= need
 
-    def _adam(self, pending, grad_scale: float):
-        cfg = self.config
-        c = self.chunks
+    def _adam(self, pending, grad_scale: float, order=None, after_chunk=None):
+        """Adam on `pending`'s chunks, one chunk at a time: in `order` when
+        given (which may name chunks without pending records), calling
+        `after_chunk(chunk)` after each (data parallel: the broadcasts)."""
         by_chunk = collections.defaultdict(list)
         for r in pending:
             by_chunk[r.chunk].append(r)
-        b1, b2 = self.betas
         t0 = time.perf_counter()
-        accumulating = self._accumulating
+        outside = 0.0
         # The chunks the update needs beside the 16-bit one.
-        kinds = (PARAM32, MOMENTUM, VARIANCE) + ((GRAD32,) if accumulating else ())
+        kinds = (PARAM32, MOMENTUM, VARIANCE) + ((GRAD32,) if self._accumulating else ())
         host_short = self._host_short()
         if host_short:
             # A host too small for the state (Note [One place per chunk]): the
@@ -1081,43 +1221,52 @@ class Engine:
             limit = self.store.device_budget - self.store.margin
             self._tracer.make_room(max(0, limit - self._tracer.live()))
         with torch.no_grad(), uncounted():
-            for chunk in sorted(by_chunk):
-                recs = by_chunk[chunk]
-                # Hybrid Adam: on the device when it has room.
-                on_device = self._update_on_device(chunk, kinds, host_short, cfg.hybrid_adam)
-                space = DEVICE if on_device else HOST
-                if on_device:
-                    self._adam_device_chunks += 1
-                else:
-                    self._adam_host_chunks += 1
-                # One pass per chunk, except on a GPU where torch's fused
-                # kernel cannot compute what the config asks.
-                if space == HOST or self._device_adam_kernel == "simd" or cfg.bias_correction:
-                    self._adam_chunk(chunk, recs, grad_scale, space, (PARAM16,) + kinds)
-                    continue
-                for r in recs:
-                    r.step += 1
-                    g16 = c.access(r.id, PARAM16, space, [r.numel])
-                    w = c.access(r.id, PARAM32, space, [r.numel])
-                    m = c.access(r.id, MOMENTUM, space, [r.numel])
-                    v = c.access(r.id, VARIANCE, space, [r.numel])
-                    # The gradient sum (accumulation) or the 16-bit slot.
-                    grad = c.access(r.id, GRAD32, space, [r.numel]) if accumulating else g16
-                    if space == HOST:
-                        _C.cpu_adam.adam_update(
-                            w, m, v, grad, g16 if self.precision != "fp32" else None,
-                            step=r.step, lr=self.lr, beta1=b1, beta2=b2, eps=cfg.eps,
-                            weight_decay=cfg.weight_decay, adamw_mode=cfg.adam_w_mode,
-                            bias_correction=cfg.bias_correction, grad_scale=grad_scale,
-                            num_threads=cfg.cpu_adam_threads)
-                        if self.precision == "fp32":
-                            g16.copy_(w)
-                    else:
-                        self._device_adam(w, m, v, grad.to(w.device), r.step, grad_scale)
-                        g16.copy_(w)
-                    for kind in (PARAM16,) + kinds:
-                        c.release(r.id, kind, HOLD)
-        self._adam_seconds += time.perf_counter() - t0
+            for chunk in sorted(by_chunk) if order is None else order:
+                if chunk in by_chunk:
+                    self._adam_update(chunk, by_chunk[chunk], grad_scale, kinds, host_short)
+                if after_chunk is not None:
+                    t1 = time.perf_counter()
+                    after_chunk(chunk)
+                    outside += time.perf_counter() - t1
+        self._adam_seconds += time.perf_counter() - t0 - outside
+
+    def _adam_update(self, chunk, recs, grad_scale: float, kinds, host_short: bool):
+        cfg, c = self.config, self.chunks
+        b1, b2 = self.betas
+        # Hybrid Adam: on the device when it has room.
+        on_device = self._update_on_device(chunk, kinds, host_short, cfg.hybrid_adam)
+        space = DEVICE if on_device else HOST
+        if on_device:
+            self._adam_device_chunks += 1
+        else:
+            self._adam_host_chunks += 1
+        # One pass per chunk, except on a GPU where torch's fused
+        # kernel cannot compute what the config asks.
+        if space == HOST or self._device_adam_kernel == "simd" or cfg.bias_correction:
+            self._adam_chunk(chunk, recs, grad_scale, space, (PARAM16,) + kinds)
+            return
+        for r in recs:
+            r.step += 1
+            g16 = c.access(r.id, PARAM16, space, [r.numel])
+            w = c.access(r.id, PARAM32, space, [r.numel])
+            m = c.access(r.id, MOMENTUM, space, [r.numel])
+            v = c.access(r.id, VARIANCE, space, [r.numel])
+            # The gradient sum (accumulation) or the 16-bit slot.
+            grad = c.access(r.id, GRAD32, space, [r.numel]) if self._accumulating else g16
+            if space == HOST:
+                _C.cpu_adam.adam_update(
+                    w, m, v, grad, g16 if self.precision != "fp32" else None,
+                    step=r.step, lr=self.lr, beta1=b1, beta2=b2, eps=cfg.eps,
+                    weight_decay=cfg.weight_decay, adamw_mode=cfg.adam_w_mode,
+                    bias_correction=cfg.bias_correction, grad_scale=grad_scale,
+                    num_threads=cfg.cpu_adam_threads)
+                if self.precision == "fp32":
+                    g16.copy_(w)
+            else:
+                self._device_adam(w, m, v, grad.to(w.device), r.step, grad_scale)
+                g16.copy_(w)
+            for kind in (PARAM16,) + kinds:
+                c.release(r.id, kind, HOLD)
 
     def _adam_chunk(self, chunk, recs, grad_scale: float, space: str, kinds):
         """The step of one chunk's tensors in one call over the chunk, in
@@ -1352,7 +1501,9 @@ class Engine:
             "data_parallel": None if self.dp is None else {
                 "rank": self.dp.rank, "world_size": self.dp.world, "backend": self.dp.backend,
                 "owned_chunks": sorted({r.chunk for r in self.records if self.store.owns(r)}),
-                "bytes_sent": self.dp.bytes_sent, "collectives": self.dp.collectives},
+                "bytes_sent": self.dp.bytes_sent, "collectives": self.dp.collectives,
+                "overlap_comm": self.dp.overlap, "reduces_in_backward": self._dp_in_backward,
+                "seconds_in_collectives": self.dp.seconds_blocked},
             "scheduler": s,
         }
 
