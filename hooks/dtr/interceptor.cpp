@@ -13,7 +13,7 @@
 #include <chrono>
 #include <optional>
 #include <sstream>
-#include <typeindex>
+#include <typeinfo>
 #include <string_view>
 
 #include "runtime/core/error.h"
@@ -169,7 +169,7 @@ struct Session::OpRecipe final : Recipe {
   c10::OperatorHandle op;
   c10::DispatchKeySet ks;
   std::vector<c10::IValue> args;  // tensors replaced by None
-  std::vector<InputRef> refs;     // where each tensor goes (param: index into params)
+  c10::SmallVector<InputRef, 4> refs;  // where each tensor goes (param: index into params)
   std::vector<ListShape> lists;
   std::vector<ParamGeom> params;
   std::vector<std::pair<std::uint32_t, at::Tensor>> scratch;  // batch norm's running stats
@@ -253,7 +253,7 @@ std::shared_ptr<Session::OpRecipe> Session::make_recipe(const c10::OperatorHandl
   r->ks = below;
   r->name = &info.name;
   r->args = std::move(args);
-  r->refs = refs_;
+  r->refs.assign(refs_.begin(), refs_.end());
   if (scratch) {  // batch norm's running stats: replays write into copies
     for (std::uint32_t i : {3u, 4u}) {
       if (r->args[i].isTensor()) {
@@ -429,7 +429,7 @@ void Session::run_handle(const c10::OperatorHandle& op, const OpInfo& info, c10:
 // too (never evicted, no longer tracked): that costs memory accounting, not
 // exactness.
 bool Session::is_view_node(const torch::autograd::Node& n) {
-  const std::type_index type(typeid(n));
+  const std::type_info* type = &typeid(n);
   auto it = view_nodes_.find(type);
   if (it != view_nodes_.end()) return it->second;
   const std::string name = n.name();
@@ -448,12 +448,16 @@ std::vector<at::Tensor> Session::parameter_gradients() {
   if (!node) return out;
   for (const auto& edge : node->next_edges()) {
     const torch::autograd::Node* n = edge.function.get();
-    for (int hop = 0; n != nullptr && hop < 4 && dynamic_cast<const torch::autograd::AccumulateGrad*>(n) == nullptr;
-         ++hop) {
+    // (typeid, not dynamic_cast: torch derives nothing from AccumulateGrad,
+    // and this runs on every edge of every backward op.)
+    auto is_accumulate = [](const torch::autograd::Node* node) {
+      return typeid(*node) == typeid(torch::autograd::AccumulateGrad);
+    };
+    for (int hop = 0; n != nullptr && hop < 4 && !is_accumulate(n); ++hop) {
       n = is_view_node(*n) && n->next_edges().size() == 1 ? n->next_edges()[0].function.get() : nullptr;
     }
-    const auto* acc = dynamic_cast<const torch::autograd::AccumulateGrad*>(n);
-    if (acc == nullptr) continue;
+    if (n == nullptr || !is_accumulate(n)) continue;
+    const auto* acc = static_cast<const torch::autograd::AccumulateGrad*>(n);
     const at::Tensor& param = acc->variable;
     for (const at::Tensor& o : outputs_) {
       if (o.defined() && o.has_storage() && runtime_.lookup(o) == tidal::dtr::kNoTensor &&

@@ -48,7 +48,7 @@
 #include <memory>
 #include <mutex>
 #include <string>
-#include <typeindex>
+#include <typeinfo>
 #include <unordered_map>
 #include <vector>
 
@@ -186,7 +186,10 @@ class Session {
   std::vector<at::Tensor> outputs_;
   bool activated_here_ = false;
   const std::string* last_op_ = nullptr;  // owned by infos_
-  std::unordered_map<std::type_index, bool> view_nodes_;  // autograd node types that are views
+  // Autograd node types that are views, by type_info address (a type seen
+  // through two addresses is only classified twice): hashing a type_index
+  // hashes its name, on every edge of every backward op.
+  std::unordered_map<const std::type_info*, bool> view_nodes_;
   std::unordered_map<std::string, OpCounters> counters_;
   PlanCounters plans_;
 };

@@ -48,7 +48,8 @@ std::vector<StorageRuntime::PlanItem> StorageRuntime::plan(std::span<const Tenso
   // Targets stay pinned until end_plan(): the caller is about to use them.
   for (TensorId t : targets) ++plan_uses_[t];
   for (auto& step : core_.regeneration_plan(targets)) {
-    std::vector<TensorId> ins = core_.op(step.op).inputs;
+    const auto& op_inputs = core_.op(step.op).inputs;
+    std::vector<TensorId> ins(op_inputs.begin(), op_inputs.end());
     std::sort(ins.begin(), ins.end());
     ins.erase(std::unique(ins.begin(), ins.end()), ins.end());
     for (TensorId in : ins) ++plan_uses_[in];
@@ -102,7 +103,8 @@ void StorageRuntime::replayed(const PlanItem& item, std::span<const at::Tensor> 
   max_working_set_ = std::max(max_working_set_, pinned_bytes());
   // Inputs that no later step reads are released (and dropped at once if
   // they were regenerated only for this plan).
-  std::vector<TensorId> ins = core_.op(item.op).inputs;
+  const auto& op_inputs = core_.op(item.op).inputs;
+  std::vector<TensorId> ins(op_inputs.begin(), op_inputs.end());
   std::sort(ins.begin(), ins.end());
   ins.erase(std::unique(ins.begin(), ins.end()), ins.end());
   for (TensorId in : ins) {
@@ -128,8 +130,9 @@ void StorageRuntime::end_plan() {
 OpId StorageRuntime::record(std::span<const at::Tensor> inputs, std::span<const TensorId> ids,
                             std::span<const at::Tensor> outputs, double seconds, bool replayable,
                             RecipePtr recipe, bool last_resort) {
-  std::vector<std::size_t> fresh_at;
-  std::vector<std::size_t> bytes;
+  c10::SmallVector<std::size_t, 2> fresh_at;
+  std::vector<std::size_t>& bytes = out_bytes_;
+  bytes.clear();
   for (std::size_t i = 0; i < outputs.size(); ++i) {
     const at::Tensor& t = outputs[i];
     if (!t.defined() || !t.has_storage()) continue;
@@ -143,13 +146,14 @@ OpId StorageRuntime::record(std::span<const at::Tensor> inputs, std::span<const 
   }
   if (fresh_at.empty()) return -1;
   bool can_replay = replayable;
-  std::vector<TensorId> core_inputs;
-  core_inputs.reserve(ids.size());
+  std::vector<TensorId>& core_inputs = core_inputs_;
+  core_inputs.clear();
   for (TensorId id : ids) {
     can_replay = can_replay && id != d::kNoTensor;
     if (id != d::kNoTensor) core_inputs.push_back(id);
   }
-  std::vector<TensorId> out_ids;
+  std::vector<TensorId>& out_ids = out_ids_;
+  out_ids.clear();
   const OpId op = core_.record_op(core_inputs, bytes, seconds, can_replay, &out_ids, last_resort);
   for (std::size_t k = 0; k < out_ids.size(); ++k) {
     const at::Tensor& t = outputs[fresh_at[k]];
@@ -339,9 +343,9 @@ TensorId StorageRuntime::id_of(const at::Tensor& t, bool register_external) {
   return id;
 }
 
-std::vector<StorageRuntime::InputMeta> StorageRuntime::metas(std::span<const at::Tensor> inputs,
-                                                             std::span<const TensorId> ids) {
-  std::vector<InputMeta> out;
+StorageRuntime::InputMetas StorageRuntime::metas(std::span<const at::Tensor> inputs,
+                                                 std::span<const TensorId> ids) {
+  InputMetas out;
   out.reserve(inputs.size());
   for (std::size_t i = 0; i < inputs.size(); ++i) {
     const at::Tensor& t = inputs[i];
@@ -473,8 +477,11 @@ void StorageRuntime::sweep() {
 }
 
 void StorageRuntime::drain_released() {
-  for (TensorId id : core_.take_released_tensors()) forget_storage(id);
-  for (OpId op : core_.take_released_ops()) replays_.erase(op);
+  if (!core_.has_released()) return;
+  core_.take_released_tensors(&released_tensors_);
+  for (TensorId id : released_tensors_) forget_storage(id);
+  core_.take_released_ops(&released_ops_);
+  for (OpId op : released_ops_) replays_.erase(op);
 }
 
 }  // namespace tidal::hooks::dtr

@@ -37,6 +37,7 @@
 #include <span>
 #include <string>
 #include <string_view>
+#include <memory_resource>
 #include <unordered_map>
 #include <vector>
 
@@ -207,14 +208,16 @@ class StorageRuntime {
     int64_t offset = 0;
     at::ScalarType dtype = at::kFloat;
   };
+  // Most ops read one to three tensors: inline, no allocation per op.
+  using InputMetas = c10::SmallVector<InputMeta, 3>;
   struct Replay {
-    std::vector<InputMeta> inputs;       // flat inputs, in the order the recipe's slots use
-    std::vector<std::size_t> fresh_at;   // position in the flat outputs of each core output
+    InputMetas inputs;                   // flat inputs, in the order the recipe's slots use
+    c10::SmallVector<std::size_t, 2> fresh_at;  // position in the flat outputs of each core output
     RecipePtr recipe;
   };
 
   TensorId id_of(const at::Tensor& t, bool register_external);
-  static std::vector<InputMeta> metas(std::span<const at::Tensor> inputs, std::span<const TensorId> ids);
+  static InputMetas metas(std::span<const at::Tensor> inputs, std::span<const TensorId> ids);
   void register_storage(TensorId id, StoragePtr ptr);
   void forget_storage(TensorId id);
   void install(TensorId id, const at::Tensor& fresh);
@@ -226,13 +229,21 @@ class StorageRuntime {
   void drain_released();
 
   tidal::dtr::Rematerializer core_;
-  std::unordered_map<TensorId, StoragePtr> storage_;
-  std::unordered_map<c10::StorageImpl*, TensorId> by_storage_;
-  std::unordered_map<OpId, Replay> replays_;
+  // Map nodes from a pool, as the core's (declared first: destroyed last).
+  std::pmr::unsynchronized_pool_resource pool_;
+  std::pmr::unordered_map<TensorId, StoragePtr> storage_{&pool_};
+  std::pmr::unordered_map<c10::StorageImpl*, TensorId> by_storage_{&pool_};
+  std::pmr::unordered_map<OpId, Replay> replays_{&pool_};
   std::vector<TensorId> op_pins_;
   std::vector<TensorId> plan_pins_;
   std::unordered_map<TensorId, int> plan_uses_;  // remaining plan steps reading a tensor
   std::vector<TensorId> dead_;
+  // Per-op scratch, kept for its capacity: record()'s and drain_released()'s.
+  std::vector<std::size_t> out_bytes_;
+  std::vector<TensorId> core_inputs_;
+  std::vector<TensorId> out_ids_;
+  std::vector<TensorId> released_tensors_;
+  std::vector<OpId> released_ops_;
   mutable std::vector<TensorId> pinned_seen_;  // pinned_bytes()' scratch
   std::size_t max_working_set_ = 0;
   bool hold_evictions_ = false;

@@ -49,7 +49,7 @@ void Rematerializer::add_resident_bytes(const TensorRecord& r) {
 
 namespace {
 
-void remove_resident(std::vector<TensorId>& resident, std::unordered_map<TensorId, std::size_t>& pos,
+void remove_resident(std::vector<TensorId>& resident, std::pmr::unordered_map<TensorId, std::size_t>& pos,
                      TensorId t) {
   auto it = pos.find(t);
   TIDAL_INTERNAL_ASSERT(it != pos.end(), "tensor ", t, " is not in the resident list");
@@ -470,7 +470,9 @@ bool Rematerializer::on_storage_dead(TensorId t) {
 }
 
 void Rematerializer::try_release(TensorId first) {
-  std::vector<TensorId> work{first};
+  std::vector<TensorId>& work = release_work_;  // (try_release never calls itself)
+  work.clear();
+  work.push_back(first);
   while (!work.empty()) {
     const TensorId id = work.back();
     work.pop_back();
@@ -482,7 +484,7 @@ void Rematerializer::try_release(TensorId first) {
       remove_resident(resident_, resident_pos_, id);
       tracked_bytes_ -= r.bytes;
     }
-    const std::vector<OpId> recipe = std::move(r.recipe);
+    const auto recipe = std::move(r.recipe);
     tensors_.erase(it);
     released_tensors_.push_back(id);
     for (OpId p : recipe) {
@@ -517,6 +519,16 @@ std::vector<OpId> Rematerializer::take_released_ops() {
   std::vector<OpId> out;
   out.swap(released_ops_);
   return out;
+}
+
+void Rematerializer::take_released_tensors(std::vector<TensorId>* out) {
+  out->clear();
+  out->swap(released_tensors_);
+}
+
+void Rematerializer::take_released_ops(std::vector<OpId>* out) {
+  out->clear();
+  out->swap(released_ops_);
 }
 
 DtrStats Rematerializer::stats() const {

@@ -34,11 +34,13 @@
 #include <random>
 #include <span>
 #include <string>
+#include <memory_resource>
 #include <unordered_map>
 #include <vector>
 
 #include "runtime/dtr/dtr_options.h"
 #include "runtime/dtr/scorer.h"
+#include "runtime/dtr/small_ids.h"
 
 namespace tidal::dtr {
 
@@ -61,15 +63,15 @@ struct TensorRecord {
   bool last_resort = false;
   TensorState state = TensorState::kResident;
   std::uint64_t last_access = 0;
-  std::vector<OpId> recipe;  // producer first, then in-place ops on it
-  std::vector<OpId> users;   // live ops that read this tensor
+  SmallIds<2> recipe;  // producer first, then in-place ops on it
+  SmallIds<2> users;   // live ops that read this tensor
   int uf = -1;               // union-find node while in an evicted class
 };
 
 struct OpRecord {
   OpId id = -1;
-  std::vector<TensorId> inputs;
-  std::vector<TensorId> outputs;  // fresh storages
+  SmallIds<3> inputs;
+  SmallIds<1> outputs;  // fresh storages
   TensorId target = kNoTensor;    // in-place op in target's recipe
   double cost = 0.0;              // seconds, measured when it first ran
   bool replayable = true;
@@ -101,6 +103,13 @@ struct MutationPlan {
 class Rematerializer {
  public:
   explicit Rematerializer(DtrOptions options = {});
+  // The maps allocate from this object's pool: a moved-to object keeps its
+  // own pool and moves the records into it (a move-constructed one would
+  // point into the source's pool), so only move assignment exists.
+  Rematerializer(const Rematerializer&) = delete;
+  Rematerializer(Rematerializer&&) = delete;
+  Rematerializer& operator=(const Rematerializer&) = delete;
+  Rematerializer& operator=(Rematerializer&&) = default;
 
   const DtrOptions& options() const { return options_; }
   void set_eviction_threshold(std::size_t bytes) { options_.eviction_threshold = bytes; }
@@ -166,9 +175,14 @@ class Rematerializer {
   bool on_storage_dead(TensorId t);
 
   // Tensors and ops really deleted since the last call: the caller drops
-  // its storage handles and recipes for them.
+  // its storage handles and recipes for them. The overloads taking a
+  // vector swap the list into it (emptied first), so both keep their
+  // capacity: no allocation per op.
   std::vector<TensorId> take_released_tensors();
   std::vector<OpId> take_released_ops();
+  void take_released_tensors(std::vector<TensorId>* out);
+  void take_released_ops(std::vector<OpId>* out);
+  bool has_released() const { return !released_tensors_.empty() || !released_ops_.empty(); }
 
   bool contains(TensorId t) const { return tensors_.count(t) != 0; }
   const TensorRecord& tensor(TensorId t) const;
@@ -195,16 +209,27 @@ class Rematerializer {
 
   DtrOptions options_;
   std::unique_ptr<Scorer> scorer_;
-  std::unordered_map<TensorId, TensorRecord> tensors_;
-  std::unordered_map<OpId, OpRecord> ops_;
+  // The records' map nodes come from a pool: every op adds and, when its
+  // results die, removes a few, and malloc's slow paths cost more per op
+  // than the rest of the bookkeeping (declared first: destroyed last).
+  struct Pool {  // each object's own: move assignment leaves it in place
+    Pool() = default;
+    Pool(const Pool&) = delete;
+    Pool& operator=(Pool&&) noexcept { return *this; }
+    std::pmr::unsynchronized_pool_resource resource;
+  };
+  Pool pool_;
+  std::pmr::unordered_map<TensorId, TensorRecord> tensors_{&pool_.resource};
+  std::pmr::unordered_map<OpId, OpRecord> ops_{&pool_.resource};
   std::vector<TensorId> resident_;                         // non-external resident tensors
-  std::unordered_map<TensorId, std::size_t> resident_pos_;  // index into resident_
+  std::pmr::unordered_map<TensorId, std::size_t> resident_pos_{&pool_.resource};  // index into resident_
   // Union-find over evicted classes: parent and summed cost per node. Nodes
   // are reclaimed when no tensor record is left (see uf_join_evicted).
   mutable std::vector<int> uf_parent_;
   std::vector<double> uf_cost_;
   std::vector<TensorId> released_tensors_;
   std::vector<OpId> released_ops_;
+  std::vector<TensorId> release_work_;  // try_release()'s worklist, kept for its capacity
   std::mt19937_64 rng_;
   TensorId next_tensor_ = 0;
   OpId next_op_ = 0;
