@@ -13,7 +13,7 @@
 # THERE, one phase group per device call (`run`, carry [".deps"]; each call <= 600 s; the
 # machine goes back after 30 s idle, so a later call may find a bare machine):
 #   call 1: bash scripts/gpu_run.sh reporter build cpp crash  # ~9.5 min: build, C++ device tests, the crash
-#   call 2: bash scripts/gpu_run.sh build bench1b largest     # ~9 min
+#   call 2: bash scripts/gpu_run.sh build bench1b dp largest  # ~9 min (largest takes what is left)
 #   call 3: bash scripts/gpu_run.sh build deepspeed dtr       # ~9 min
 # (~28 of the 30 device-minutes).
 # `build` is a no-op when the machine still has build/gpu, and a 10 s install when the
@@ -31,6 +31,9 @@
 #   bench1b   engine_gpu.py bench: gpt-1.3b bf16, micro batch 8, seq 1024: plain PyTorch
 #             + fused AdamW vs tidal (whole GPU) vs tidal (a quarter of the model states),
 #             and the bf16 matmul rate                                          ~240 s
+#   dp        data parallel's NCCL path (issue 17) with world size 1: torchrun
+#             --nproc_per_node 1 -m tidal.train, tidal.data_parallel forced on with
+#             backend nccl; $OUT/dp.json is the report (world_size, loss, bytes sent) ~60 s
 #   largest   engine_gpu.py largest: gpt-6.7b, 8b, 10b, 13b, 14b, 16b, 20b until one fails
 #             or the phase's time is up (LARGEST_SHAPES=... to start higher)     ~300 s
 #   deepspeed deepspeed_gpu.py: ZeRO-2 + offload_optimizer, ZeRO-3 + offload_param, at
@@ -61,14 +64,14 @@ PREFIX="${TIDAL_DEPS_PREFIX:-/tmp/tidal-deps}"
 DS_SITE=/tmp/tidal-ds-site
 RESULTS_DIR="${TIDAL_RESULTS_DIR:-benchmarks/results}"  # where the scripts write (engine_gpu.result_path)
 SEGV_SO="$BUILD/segv_backtrace.so"
-ALL_PHASES="reporter build cpp crash bench1b largest deepspeed dtr"
+ALL_PHASES="reporter build cpp crash bench1b dp largest deepspeed dtr"
 CPP_TESTS="tidal_runtime_tests tidal_scheduler_tests tidal_chunk_tests"
 Q=(); ((QUICK)) && Q=(--quick)
 
 # Seconds each phase is planned for and its own time limit (the limit is cut to what is
 # left of GPU_RUN_BUDGET_S when the phase starts).
-declare -A EST=([reporter]=5 [build]=300 [cpp]=60 [crash]=200 [bench1b]=240 [largest]=300 [deepspeed]=400 [dtr]=130)
-declare -A LIMIT=([reporter]=30 [build]=420 [cpp]=120 [crash]=300 [bench1b]=270 [largest]=330 [deepspeed]=420 [dtr]=150)
+declare -A EST=([reporter]=5 [build]=300 [cpp]=60 [crash]=200 [bench1b]=240 [dp]=60 [largest]=300 [deepspeed]=400 [dtr]=130)
+declare -A LIMIT=([reporter]=30 [build]=420 [cpp]=120 [crash]=300 [bench1b]=270 [dp]=120 [largest]=330 [deepspeed]=420 [dtr]=150)
 
 DRY=0
 INNER=""
@@ -203,6 +206,21 @@ phase_bench1b() {
   x "$PY" benchmarks/engine_gpu.py bench "${Q[@]}" --timeout 120 --log-dir "$OUT/bench1b"
 }
 
+phase_dp() {
+  # World size 1 on the GPU's NCCL (gloo on the simulated device under QUICK): tidal's
+  # own process group, the reductions during backward and the broadcasts in the step.
+  local base=configs/gpt_gpu.json backend=nccl
+  ((QUICK)) && { base=configs/gpt_quick.json; backend=gloo; }
+  x "$PY" -c 'import json, sys
+cfg = json.load(open(sys.argv[1]))
+cfg.setdefault("tidal", {})["data_parallel"] = {"enabled": True, "backend": sys.argv[3], "timeout": 120}
+json.dump(cfg, open(sys.argv[2], "w"), indent=1)' "$base" "$OUT/dp_config.json" "$backend"
+  local model=(--preset tiny --steps 5)
+  ((QUICK)) && model=(--quick --steps 3)
+  x timeout -k 10 $((PHASE_LIMIT - 10)) "$PY" -m torch.distributed.run --standalone --nproc_per_node 1 \
+    -m tidal.train "${model[@]}" --config "$OUT/dp_config.json" --no-progress --json "$OUT/dp.json"
+}
+
 phase_largest() {
   x "$PY" benchmarks/engine_gpu.py largest "${Q[@]}" ${LARGEST_SHAPES:+--shapes "$LARGEST_SHAPES"} --timeout 400 --time-limit $((PHASE_LIMIT - 60)) \
     --log-dir "$OUT/largest"
@@ -296,7 +314,7 @@ plan_total=0
   done
   printf '[gpu_run]   total      ~%4d s of %d s\n' "$plan_total" "$BUDGET"
   say "the whole run (30 device-minutes, 10 a call): call 1 = reporter build cpp crash (~9.5 min),"
-  say "  call 2 = build bench1b largest (~9), call 3 = build deepspeed dtr (~9): ~28 min with .deps/prebuilt"
+  say "  call 2 = build bench1b dp largest (~9), call 3 = build deepspeed dtr (~9): ~28 min with .deps/prebuilt"
   say "  carried after call 1 (without it each later call rebuilds, ~5 min, and drops its last phase)"
   ((plan_total <= BUDGET)) || say "WARNING: the plan (${plan_total} s) passes this call's budget: later phases get what is left, or split the call"
 } | tee "$OUT/plan.txt"

@@ -15,7 +15,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "scripts" / "gpu_run.sh"
-ALL = ["reporter", "build", "cpp", "crash", "bench1b", "largest", "deepspeed", "dtr"]
+ALL = ["reporter", "build", "cpp", "crash", "bench1b", "dp", "largest", "deepspeed", "dtr"]
 
 
 def _env(tmp_path, **extra):
@@ -45,7 +45,8 @@ def test_dry_run_prints_the_plan_and_every_command_and_runs_nothing(tmp_path):
     assert "[gpu_run]   total" in out and "call 1 = reporter build cpp crash" in out
     for cmd in ("-DCMAKE_CUDA_ARCHITECTURES=90", "--target _C tidal_runtime_tests", "--gtest_output=json:",
                 "engine_gpu.py crash", "engine_gpu.py bench", "engine_gpu.py largest", "deepspeed_gpu.py",
-                "benchmarks/dtr.py --device cuda", "segv_backtrace.c"):
+                "benchmarks/dtr.py --device cuda", "segv_backtrace.c",
+                "torch.distributed.run --standalone --nproc_per_node 1"):
         assert cmd in out, cmd
     # Nothing ran: no phase log, no summary, no result file.
     assert sorted(os.listdir(tmp_path / "out")) == ["plan.txt"]
@@ -149,3 +150,18 @@ def test_deepspeed_quick_runs_both_stages(tmp_path):
     for x in r["runs"]:
         assert x["report"]["params"] == n and x["report"]["tokens_per_s"] > 0
     assert set(r["largest"]) == {"zero2", "zero3"}
+
+
+def test_dp_phase_runs_data_parallel_with_world_size_one(tmp_path):
+    """The dp phase (NCCL on the GPU) with GPU_RUN_QUICK=1: gloo on the simulated
+    device, one process under torchrun, data parallel forced on by its config."""
+    env = _env(tmp_path, GPU_RUN_QUICK="1")
+    rc, out = _run(["bash", str(SCRIPT), "dp"], env)
+    assert rc == 0, out
+    report = json.loads((tmp_path / "out" / "dp.json").read_text())
+    dp = report["memory"]["data_parallel"]
+    assert report["world_size"] == 1 and dp["world_size"] == 1 and dp["backend"] == "gloo"
+    # Every chunk is this rank's, and the reductions started during backward.
+    assert dp["reduces_in_backward"] > 0 and dp["owned_chunks"]
+    assert json.loads((tmp_path / "out" / "dp_config.json").read_text())["tidal"]["data_parallel"][
+        "enabled"] is True
