@@ -34,18 +34,22 @@ A step, with gradients in the 16-bit slots (Note [Gradient sums in chunks]):
      ranks must issue their collectives in the same order with the same
      sizes, whatever order their chunks become final in: every rank reduces
      every chunk holding a trainable parameter once per backward, in one
-     fixed order (the last chunk first, the order backward reaches them); a
-     chunk waits for the ones before it, and the chunks not final by the end
-     of backward go then (Engine._dp_after_backward). The buffer of a chunk
+     fixed order (the last chunk first: the order backward reaches them
+     when the modules registered in the order forward runs them); a chunk
+     waits for the ones before it, and the chunks not final by the end of
+     backward go then (Engine._dp_after_backward). A trainable parameter
+     that never gets a gradient holds back every chunk after it (a warning
+     names it), and a parameter that gets a second gradient after its
+     chunk's reduction started (reentrant checkpointing) is an error. The buffer of a chunk
      packs its trainable parameters' slots (frozen weights and padding
      never travel); a parameter without a gradient on this rank sends
      zeros, so the sizes always match. After the reductions one all-reduce
      of flags checks that every rank landed the same parameters (a
      parameter with a gradient on some ranks only is an error, as in DDP
      without find_unused_parameters, and cannot hang the reductions before
-     it). On CUDA with NCCL, the reductions run on NCCL's own stream, which
-     is the side stream: the compute stream only waits for them at the
-     write-back;
+     it). On CUDA with NCCL the reductions would run on NCCL's own stream,
+     the side stream, and the compute stream wait for them at the
+     write-back (not run yet: no GPU so far);
   3. under gradient accumulation the owner folds the reduced gradients into
      its fp32 sums and gets its weights back from the master, and the
      owners broadcast their chunks, so every rank has its weights for the
@@ -172,6 +176,12 @@ class DataParallel:
                     "torch.distributed.init_process_group first")
             dist.init_process_group(backend=backend, timeout=timeout)
             self._made_default = True
+        # Registered before anything below can fail: the groups are destroyed
+        # at exit whatever happens next.
+        self.group = None
+        self._stop = threading.Event()
+        self._beat_thread = None
+        atexit.register(self.close)
         self.rank = dist.get_rank()
         self.world = dist.get_world_size()
         self.backend = backend
@@ -197,8 +207,6 @@ class DataParallel:
             self._store = dist.distributed_c10d._get_default_store()
         except Exception:  # noqa: BLE001 -- a private accessor; naming lost ranks is a bonus
             self._store = None
-        self._stop = threading.Event()
-        self._beat_thread = None
         self._beat_prefix = None
         if self._store is not None:
             # A run id per process group: reruns with the same store never
@@ -211,7 +219,6 @@ class DataParallel:
             self._beat_thread = threading.Thread(target=self._beats, name="tidal-dp-heartbeat",
                                                  daemon=True)
             self._beat_thread.start()
-        atexit.register(self.close)
 
     # ------------------------------------------------------------ faults
     def _beat(self) -> None:
@@ -364,8 +371,8 @@ class DataParallel:
                                                             async_op=True))
 
     def wait(self, work, what: str) -> None:
-        """Waits for a collective reduce_async started (its failures named as
-        the blocking collectives' are)."""
+        """Waits for a collective reduce_async or broadcast_async started (its
+        failures named as the blocking collectives' are)."""
         self.collectives -= 1  # (counted when it started)
         self._call(what, work.wait)
 

@@ -15,7 +15,7 @@ backward), redo (at that batch: backward, zero_grad, forward and backward
 again, as a loop that drops a micro-batch), model_seed and width_of (per-rank overrides that make the models
 differ), overlap (tidal.data_parallel.overlap_comm), precision ("bf16" or
 "fp16", with scale_power), unused (rank, param: that rank's backward never
-reaches the parameter).
+reaches the parameter; "all": no rank's does).
 """
 import json
 import os
@@ -77,7 +77,7 @@ def main():
         path, _ = engine.load_checkpoint(spec["load"])
         assert path is not None
     unused = spec.get("unused")
-    if unused and rank == unused["rank"]:
+    if unused and unused["rank"] in ("all", rank):
         # This rank's backward never reaches that parameter.
         dict(engine.module.named_parameters())[unused["param"]].requires_grad_(False)
     kill = spec.get("kill")

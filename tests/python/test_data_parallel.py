@@ -226,3 +226,17 @@ def test_tidal_train_runs_under_torchrun_and_rank_0_reports(tmp_path):
     assert report["last_loss"] < report["first_loss"]
     # One report, from rank 0.
     assert done.stdout.count("[tidal-train] report:") == 1
+
+
+def test_a_parameter_no_rank_reaches_is_named_and_training_goes_on(tmp_path):
+    """A trainable parameter without a gradient anywhere: the chunks after it
+    in the reduction order wait for the end of backward (overlap_comm), so
+    a warning names it; the ranks still agree on every weight."""
+    spec = {"steps": 2, "global_batch": 4, "budget": 1 << 30,
+            "unused": {"rank": "all", "param": "blocks.1.fc.weight"}}
+    codes, outs, _, result = launch(2, spec, tmp_path)
+    assert codes == [0, 0], "\n".join(o[-3000:] for o in outs)
+    for out in outs:
+        assert "trainable parameters got no gradient in this backward (blocks.1.fc.weight)" in out, \
+            out[-3000:]
+    assert_same_weights_on_every_rank(result)

@@ -206,7 +206,6 @@ class Engine:
         self.dp = store.dp
         self._dp_broken: str | None = None
         self._dp_sumsq = 0.0
-        self._dp_backward_sumsq = 0.0
         if self.dp is not None:
             self._setup_data_parallel(model, cfg)
 
@@ -319,7 +318,11 @@ class Engine:
                 members[r.chunk].append(r)
         self._dp_members = dict(members)
         self._dp_order = sorted(members, reverse=True)
+        self._dp_pos = {chunk: i for i, chunk in enumerate(self._dp_order)}
         self._dp_left: dict[int, int] = {}
+        self._dp_counted: set[int] = set()  # records counted in this backward
+        self._dp_sq: list = []  # sums of squares of the owner's reduced gradients (0-d tensors)
+        self._dp_warned_unused = False
         self._dp_next = len(self._dp_order)
         self._dp_flight = collections.deque()  # reductions: (chunk, landed, buffer, work)
         self._dp_sending = collections.deque()  # broadcasts after the update: (chunk, buffer, work)
@@ -712,9 +715,15 @@ class Engine:
             raise
         finally:
             self._count(False)
-        with _dtr.outside():
-            self._hooks.end_backward()
-        self.dtr.rebalance()
+        try:
+            with _dtr.outside():
+                self._hooks.end_backward()
+            self.dtr.rebalance()
+        except BaseException:
+            if self.dp is not None:  # (the other ranks go on with their reductions)
+                self._dp_broken = "ending a backward on this rank failed"
+                self._dp_flight.clear()
+            raise
         if self.dp is not None:
             self._dp_after_backward()
         elif self._accumulating:
@@ -829,9 +838,17 @@ class Engine:
 
     def _dp_begin_backward(self):
         self._dp_left = {chunk: len(recs) for chunk, recs in self._dp_members.items()}
+        self._dp_counted.clear()
         self._dp_next = 0
         self._dp_flight.clear()
-        self._dp_backward_sumsq = 0.0
+        self._dp_sq.clear()
+
+    def _dp_here(self, chunk: int):
+        """Where chunk `chunk`'s 16-bit values are now (during backward and the
+        step they are read and written there, never moved: a slot of the chunk
+        may still be attached); the buffers move to the backend's device."""
+        space = self.chunks.chunk_space(chunk, PARAM16)
+        return HOST if space == NOWHERE else space
 
     def _dp_grad_ready(self, param):
         """After a gradient landed (a hook on every trainable parameter, with
@@ -839,8 +856,21 @@ class Engine:
         one before them in the reduction order, start their reductions while
         backward goes on."""
         r = self.store.by_param[id(param)]
-        if not self._hooks.landed(self._record_index[id(r)]) or self._dp_next >= len(self._dp_order):
+        i = self._record_index[id(r)]
+        if not self._hooks.landed(i) or not self._dp_left:
             return
+        if self._dp_pos[r.chunk] < self._dp_next:
+            # Its chunk's reduction started without this gradient: it would be
+            # lost on the owner (a parameter reached twice in one backward, as
+            # reentrant activation checkpointing does).
+            raise DataParallelError(
+                f"tidal data parallel: parameter '{r.name}' got a gradient after the reduction of "
+                f"its chunk had started (a parameter reached twice in one backward, e.g. by "
+                f"reentrant activation checkpointing); set tidal.data_parallel.overlap_comm to "
+                f"false, or use torch.utils.checkpoint with use_reentrant=False")
+        if i in self._dp_counted:
+            return
+        self._dp_counted.add(i)
         self._dp_left[r.chunk] -= 1
         order, left = self._dp_order, self._dp_left
         while self._dp_next < len(order) and left[order[self._dp_next]] <= 0:
@@ -852,13 +882,17 @@ class Engine:
         (the next in the order): its trainable records' slots packed into one
         buffer (frozen weights and padding never travel; a record without a
         gradient on this rank sends zeros, so every rank sends the same
-        sizes). At most IN_FLIGHT run at once; finished ones are written back."""
+        sizes). At most IN_FLIGHT run at once (the oldest is waited for before
+        another starts); finished ones are written back."""
         dp, c = self.dp, self.chunks
         recs = self._dp_members[chunk]
         index = self._record_index
         first = recs[0]
+        flight = self._dp_flight
+        while len(flight) >= IN_FLIGHT or (flight and flight[0][3].is_completed()):
+            self._dp_finish(*flight.popleft())
         with torch.no_grad(), uncounted(), _dtr.outside():
-            c.access(first.id, PARAM16, self._dp_space(chunk), [first.numel])  # pins the chunk
+            c.access(first.id, PARAM16, self._dp_here(chunk), [first.numel])  # pins the chunk
             try:
                 view = c.chunk_view(chunk, PARAM16)
                 landed = [self._hooks.landed(index[id(r)]) for r in recs]
@@ -871,11 +905,8 @@ class Engine:
             finally:
                 c.release(first.id, PARAM16, HOLD)
             work = dp.reduce_async(buf, dp.owner(chunk), f"reduce the gradients of chunk {chunk}")
-            self._dp_flight.append((chunk, landed, buf, work))
+            flight.append((chunk, landed, buf, work))
             self._dp_next += 1
-            flight = self._dp_flight
-            while len(flight) > IN_FLIGHT or (flight and flight[0][3].is_completed()):
-                self._dp_finish(*flight.popleft())
 
     def _dp_finish(self, chunk: int, landed, buf, work):
         """Waits for chunk `chunk`'s reduction; on its owner divides the sum by
@@ -890,7 +921,7 @@ class Engine:
         pieces = buf.split([r.numel for r in recs])
         with torch.no_grad(), uncounted(), _dtr.outside():
             first = recs[0]
-            c.access(first.id, PARAM16, self._dp_space(chunk), [first.numel])
+            c.access(first.id, PARAM16, self._dp_here(chunk), [first.numel])
             try:
                 view = c.chunk_view(chunk, PARAM16)
                 dst, src = [], []
@@ -901,7 +932,8 @@ class Engine:
                         src.append(piece.to(view.device))
                 if dst:
                     torch._foreach_copy_(dst, src)
-                    self._dp_backward_sumsq += sum(float(t.float().square().sum()) for t in src)
+                    # (A 0-d tensor: no device sync inside backward's hooks.)
+                    self._dp_sq.append(sum(t.float().square().sum() for t in src))
             finally:
                 c.release(first.id, PARAM16, HOLD)
 
@@ -913,11 +945,14 @@ class Engine:
         into their sums and broadcast the weights back."""
         dp = self.dp
         try:
+            started_in_backward = self._dp_next
             while self._dp_next < len(self._dp_order):
                 self._dp_launch(self._dp_order[self._dp_next])
             while self._dp_flight:
                 self._dp_finish(*self._dp_flight.popleft())
-            sumsq, self._dp_backward_sumsq = self._dp_backward_sumsq, 0.0
+            sumsq = sum(float(x) for x in self._dp_sq)
+            self._dp_sq.clear()
+            self._dp_left = {}
             landed = self._landed()
             index = self._record_index
             flags = torch.zeros(len(self._record_list), dtype=torch.int32)
@@ -933,6 +968,20 @@ class Engine:
                     f"{' ...' if len(odd) > 4 else ''}; every rank's backward must reach the same "
                     f"parameters (unused parameters that differ between ranks are not supported: "
                     f"freeze them, or make the graph the same on every rank)")
+            if dp.overlap and started_in_backward < len(self._dp_order) and not self._dp_warned_unused:
+                # A chunk waits for all its trainable parameters, and the later
+                # chunks wait for it: a parameter that never gets a gradient
+                # holds every reduction after it until the end of backward.
+                unused = [r.name for r in self.records if r.trainable and int(flags[index[id(r)]]) == 0]
+                if unused:
+                    self._dp_warned_unused = True
+                    warnings.warn(
+                        f"tidal data parallel: trainable parameters got no gradient in this backward "
+                        f"({', '.join(unused[:4])}{' ...' if len(unused) > 4 else ''}); the gradient "
+                        f"reductions of their chunks and of every chunk after them wait for the end "
+                        f"of backward instead of overlapping it (overlap_comm). Freeze parameters the "
+                        f"model does not use (requires_grad=False before tidal.initialize)",
+                        stacklevel=3)
             if self._accumulating:
                 with torch.no_grad(), uncounted(), _dtr.outside():
                     owned = collections.defaultdict(list)
@@ -975,9 +1024,12 @@ class Engine:
         dp, c = self.dp, self.chunks
         first, lo, hi = self._dp_spans[chunk]
         owner = dp.owner(chunk)
+        flight = self._dp_sending
+        while len(flight) >= IN_FLIGHT or (flight and flight[0][2].is_completed()):
+            self._dp_shared_one(*flight.popleft())
         with torch.no_grad(), uncounted(), _dtr.outside():
             if dp.rank == owner:
-                c.access(first.id, PARAM16, self._dp_space(chunk), [first.numel])
+                c.access(first.id, PARAM16, self._dp_here(chunk), [first.numel])
                 try:
                     buf = c.chunk_view(chunk, PARAM16)[lo:hi].to(dp.device, copy=True)
                 finally:
@@ -985,10 +1037,7 @@ class Engine:
             else:
                 buf = torch.empty(hi - lo, dtype=self.dtype, device=dp.device)
             work = dp.broadcast_async(buf, owner, f"broadcast the parameters of chunk {chunk}")
-        flight = self._dp_sending
         flight.append((chunk, buf, work))
-        while len(flight) > IN_FLIGHT or (flight and flight[0][2].is_completed()):
-            self._dp_shared_one(*flight.popleft())
 
     def _dp_shared_one(self, chunk: int, buf, work):
         """Waits for chunk `chunk`'s broadcast; a rank that does not own it
@@ -999,7 +1048,7 @@ class Engine:
             return
         first, lo, hi = self._dp_spans[chunk]
         with torch.no_grad(), uncounted(), _dtr.outside():
-            c.access(first.id, PARAM16, self._dp_space(chunk), [first.numel])
+            c.access(first.id, PARAM16, self._dp_here(chunk), [first.numel])
             try:
                 view = c.chunk_view(chunk, PARAM16)
                 view[lo:hi].copy_(buf)
