@@ -48,11 +48,7 @@ std::vector<StorageRuntime::PlanItem> StorageRuntime::plan(std::span<const Tenso
   // Targets stay pinned until end_plan(): the caller is about to use them.
   for (TensorId t : targets) ++plan_uses_[t];
   for (auto& step : core_.regeneration_plan(targets)) {
-    const auto& op_inputs = core_.op(step.op).inputs;
-    std::vector<TensorId> ins(op_inputs.begin(), op_inputs.end());
-    std::sort(ins.begin(), ins.end());
-    ins.erase(std::unique(ins.begin(), ins.end()), ins.end());
-    for (TensorId in : ins) ++plan_uses_[in];
+    for (TensorId in : distinct_inputs(step.op)) ++plan_uses_[in];
     out.push_back(PlanItem{step.op, replays_.at(step.op).recipe.get(), std::move(step.chained)});
   }
   // Inputs that are resident already must stay so until their last reader
@@ -64,6 +60,14 @@ std::vector<StorageRuntime::PlanItem> StorageRuntime::plan(std::span<const Tenso
     }
   }
   return out;
+}
+
+std::vector<TensorId> StorageRuntime::distinct_inputs(OpId op) const {
+  const auto& inputs = core_.op(op).inputs;
+  std::vector<TensorId> ins(inputs.begin(), inputs.end());
+  std::sort(ins.begin(), ins.end());
+  ins.erase(std::unique(ins.begin(), ins.end()), ins.end());
+  return ins;
 }
 
 std::vector<at::Tensor> StorageRuntime::replay_inputs(OpId op) const {
@@ -103,11 +107,7 @@ void StorageRuntime::replayed(const PlanItem& item, std::span<const at::Tensor> 
   max_working_set_ = std::max(max_working_set_, pinned_bytes());
   // Inputs that no later step reads are released (and dropped at once if
   // they were regenerated only for this plan).
-  const auto& op_inputs = core_.op(item.op).inputs;
-  std::vector<TensorId> ins(op_inputs.begin(), op_inputs.end());
-  std::sort(ins.begin(), ins.end());
-  ins.erase(std::unique(ins.begin(), ins.end()), ins.end());
-  for (TensorId in : ins) {
+  for (TensorId in : distinct_inputs(item.op)) {
     auto it = plan_uses_.find(in);
     if (it == plan_uses_.end() || --it->second > 0) continue;
     auto pit = std::find(plan_pins_.begin(), plan_pins_.end(), in);

@@ -218,6 +218,7 @@ class StorageRuntime {
 
   TensorId id_of(const at::Tensor& t, bool register_external);
   static InputMetas metas(std::span<const at::Tensor> inputs, std::span<const TensorId> ids);
+  std::vector<TensorId> distinct_inputs(OpId op) const;  // op's inputs, each once
   void register_storage(TensorId id, StoragePtr ptr);
   void forget_storage(TensorId id);
   void install(TensorId id, const at::Tensor& fresh);

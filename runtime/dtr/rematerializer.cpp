@@ -509,18 +509,6 @@ void Rematerializer::try_release(TensorId first) {
   }
 }
 
-std::vector<TensorId> Rematerializer::take_released_tensors() {
-  std::vector<TensorId> out;
-  out.swap(released_tensors_);
-  return out;
-}
-
-std::vector<OpId> Rematerializer::take_released_ops() {
-  std::vector<OpId> out;
-  out.swap(released_ops_);
-  return out;
-}
-
 void Rematerializer::take_released_tensors(std::vector<TensorId>* out) {
   out->clear();
   out->swap(released_tensors_);

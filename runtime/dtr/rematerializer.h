@@ -175,11 +175,9 @@ class Rematerializer {
   bool on_storage_dead(TensorId t);
 
   // Tensors and ops really deleted since the last call: the caller drops
-  // its storage handles and recipes for them. The overloads taking a
-  // vector swap the list into it (emptied first), so both keep their
-  // capacity: no allocation per op.
-  std::vector<TensorId> take_released_tensors();
-  std::vector<OpId> take_released_ops();
+  // its storage handles and recipes for them. The list is swapped into
+  // *out (emptied first), so both vectors keep their capacity: no
+  // allocation per op.
   void take_released_tensors(std::vector<TensorId>* out);
   void take_released_ops(std::vector<OpId>* out);
   bool has_released() const { return !released_tensors_.empty() || !released_ops_.empty(); }

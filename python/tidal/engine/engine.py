@@ -295,28 +295,22 @@ class Engine:
                     c.release(r.id, PARAM16, HOLD)
         self.dp.check_same({"config": raw, "model and chunk layout": layout,
                             "initial weights": weights})
-        # Each chunk holding a trainable parameter: (its first record, the span
-        # of its records), the unit of the broadcasts after a step.
-        spans: dict[int, list] = {}
-        for r in self.records:
-            if not r.trainable:
-                continue
-            off = c.placement(r.id)[1]
-            if r.chunk not in spans:
-                spans[r.chunk] = [r, off, off + r.numel]
-            else:
-                spans[r.chunk][1] = min(spans[r.chunk][1], off)
-                spans[r.chunk][2] = max(spans[r.chunk][2], off + r.numel)
-        self._dp_spans = dict(sorted(spans.items()))
-        # The unit of the gradient reductions: each such chunk's trainable
-        # records, reduced in one fixed order by every rank (the last chunk
-        # first, as backward reaches them), so the ranks' collectives match
-        # whenever each rank's chunks become final.
+        # The unit of the gradient reductions: each chunk's trainable records,
+        # reduced in one fixed order by every rank (the last chunk first, as
+        # backward reaches them), so the ranks' collectives match whenever
+        # each rank's chunks become final.
         members = collections.defaultdict(list)
         for r in self.records:
             if r.trainable:
                 members[r.chunk].append(r)
-        self._dp_members = dict(members)
+        self._dp_members = dict(sorted(members.items()))
+        # The unit of the broadcasts: (first record, start, end) of the span
+        # of each such chunk's trainable records.
+        self._dp_spans = {}
+        for chunk, recs in self._dp_members.items():
+            offs = [c.placement(r.id)[1] for r in recs]
+            self._dp_spans[chunk] = (recs[0], min(offs),
+                                     max(o + r.numel for o, r in zip(offs, recs, strict=True)))
         self._dp_order = sorted(members, reverse=True)
         self._dp_pos = {chunk: i for i, chunk in enumerate(self._dp_order)}
         self._dp_left: dict[int, int] = {}
@@ -327,17 +321,6 @@ class Engine:
         self._dp_flight = collections.deque()  # reductions: (chunk, landed, buffer, work)
         self._dp_sending = collections.deque()  # broadcasts after the update: (chunk, buffer, work)
         self._dp_in_backward = 0
-
-    def _dp_space(self, chunk: int):
-        """Where chunk `chunk`'s 16-bit values are communicated: on the device
-        with NCCL; with gloo where the chunk is when torch can read it there
-        (the simulated device's memory is host memory), else on the host."""
-        if self.dp.backend == "nccl":
-            return DEVICE
-        if self.store.torch_device.type == "cpu":
-            space = self.chunks.chunk_space(chunk, PARAM16)
-            return HOST if space == NOWHERE else space
-        return HOST
 
     def _check_budget(self):
         limit = self.store.device_budget - self.store.margin
@@ -782,8 +765,7 @@ class Engine:
                 self._restore_params([r for r in pending if self.store.owns(r)])
                 if self.dp is not None:
                     # Other ranks' masters give this rank its weights back.
-                    with torch.no_grad(), uncounted():
-                        self._dp_broadcast({r.chunk for r in pending if r.trainable})
+                    self._dp_broadcast({r.chunk for r in pending if r.trainable})
             index = self._record_index
             self._hooks.clear_landed([index[id(r)] for r in pending])
 
@@ -1002,18 +984,18 @@ class Engine:
 
     def _dp_broadcast(self, chunks):
         """Each of `chunks`' 16-bit values (the span of its trainable
-        parameters) from its owner to every rank."""
-        dp, c = self.dp, self.chunks
-        for chunk in sorted(chunks):
-            if chunk not in self._dp_spans:
-                continue
-            first, lo, hi = self._dp_spans[chunk]
-            c.access(first.id, PARAM16, self._dp_space(chunk), [first.numel])
-            try:
-                dp.broadcast(c.chunk_view(chunk, PARAM16)[lo:hi], dp.owner(chunk),
-                             f"broadcast the parameters of chunk {chunk}")
-            finally:
-                c.release(first.id, PARAM16, HOLD)
+        parameters) from its owner to every rank, waited for (the step's
+        overlapped broadcasts, one chunk after another). A failure leaves
+        the ranks' weights apart: the engine is broken."""
+        try:
+            for chunk in sorted(chunks):
+                if chunk in self._dp_spans:
+                    self._dp_share(chunk)
+            self._dp_shared()
+        except BaseException as e:
+            self._dp_sending.clear()
+            self._dp_broken = f"broadcasting parameters failed ({type(e).__name__})"
+            raise
 
     def _dp_share(self, chunk: int):
         """Starts broadcasting chunk `chunk`'s 16-bit span from its owner
@@ -1107,8 +1089,7 @@ class Engine:
         if self.dp is not None and overflow:
             # The owners' weights came back from their masters: the others'
             # from the owners.
-            with torch.no_grad(), uncounted():
-                self._dp_broadcast(self._dp_spans)
+            self._dp_broadcast(self._dp_spans)
         index = self._record_index
         if accumulating:
             self._hooks.drop_sums([index[id(r)] for r in owned])

@@ -158,8 +158,13 @@ TEST(Rematerializer, FakeDeletionKeepsRecipeUntilNoOneNeedsIt) {
   r.on_storage_dead(ts[1]);
   EXPECT_FALSE(r.contains(ts[1]));
   EXPECT_FALSE(r.contains(ts[0]));
-  EXPECT_EQ(r.take_released_tensors().size(), 3u);
-  EXPECT_EQ(r.take_released_ops().size(), 3u);
+  std::vector<TensorId> released_tensors;
+  std::vector<OpId> released_ops;
+  r.take_released_tensors(&released_tensors);
+  r.take_released_ops(&released_ops);
+  EXPECT_EQ(released_tensors.size(), 3u);
+  EXPECT_EQ(released_ops.size(), 3u);
+  EXPECT_FALSE(r.has_released());
   r.on_storage_dead(x);
   EXPECT_EQ(r.stats().live_tensors, 0u);
   EXPECT_EQ(r.stats().live_ops, 0u);
@@ -185,8 +190,10 @@ TEST(Rematerializer, ManyStepsReturnToBaseline) {
       }
       r.on_storage_dead(*it);
     }
-    r.take_released_tensors();
-    r.take_released_ops();
+    std::vector<TensorId> released_tensors;
+    std::vector<OpId> released_ops;
+    r.take_released_tensors(&released_tensors);
+    r.take_released_ops(&released_ops);
   }
   const auto s = r.stats();
   EXPECT_EQ(s.live_tensors, 1u);  // w
