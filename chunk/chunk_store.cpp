@@ -88,8 +88,9 @@ TensorId ChunkStore::register_tensor(std::string name, std::size_t numel) {
                          "), more than the chunk size of ", layout_.chunk_elements(),
                          " elements (", format_bytes(options_.chunk_bytes),
                          "); it gets a dedicated chunk of its own, which moves as one block and "
-                         "is not reused by other tensors. Tip: raise chunk_bytes (the chunk-size "
-                         "advisor picks a size with the least waste)"));
+                         "is not reused by other tensors. Tip: raise the chunk size (config key "
+                         "tidal.chunk_size) to at least ", format_bytes(numel * elem),
+                         " so that it shares a chunk with others"));
   }
   debug_validate();
   return tensor;

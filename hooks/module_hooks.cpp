@@ -4,12 +4,17 @@
 #include <cmath>
 #include <cstring>
 #include <exception>
+#include <iterator>
 #include <limits>
 #include <optional>
 #include <span>
 #include <utility>
 
+#include <torch/csrc/autograd/engine.h>
+#include <torch/csrc/autograd/graph_task.h>
+
 #include "cpu_adam/adam.h"
+#include "hooks/host_allocation_counter.h"
 #include "hooks/dtr/interceptor.h"
 #include "runtime/core/error.h"
 
@@ -76,6 +81,13 @@ std::size_t ModuleHooks::add_module(std::vector<std::size_t> params) {
   return modules_.size() - 1;
 }
 
+void ModuleHooks::add_to_module(std::size_t module, std::size_t param) {
+  check_module(module);
+  check_param(param);
+  std::vector<std::size_t>& list = modules_[module];
+  if (std::find(list.begin(), list.end(), param) == list.end()) list.push_back(param);
+}
+
 void ModuleHooks::set_chunks(ChunkScheduler* scheduler, ParamBinding* binding,
                              const std::vector<TensorId>& ids) {
   TIDAL_CHECK(ids.size() == params_.size(), "ModuleHooks.set_chunks: ", ids.size(), " ids for ",
@@ -126,20 +138,62 @@ void ModuleHooks::forward_pre(std::size_t module, bool trace_point) {
     for (std::size_t i : params) --params_[i].uses;
     throw;
   }
+  running_.push_back(module);
 }
 
 void ModuleHooks::forward_post(std::size_t module, bool grad_enabled) {
   check_module(module);
+  // Innermost last; a module left by an exception is found further down.
+  const auto it = std::find(running_.rbegin(), running_.rend(), module);
+  if (it != running_.rend()) running_.erase(std::next(it).base());
   scratch_.clear();
   for (std::size_t i : modules_[module]) {
     Param& p = params_[i];
     if (--p.uses == 0 && p.attached) scratch_.push_back(i);
   }
+  end_transient(module);
   detach_now(scratch_, grad_enabled ? TensorState::kHoldAfterFwd : TensorState::kHold);
+}
+
+// The transient uses of `module` (Note [External parameters]) end: those
+// at zero uses join scratch_ to be detached.
+void ModuleHooks::end_transient(std::size_t module) {
+  if (transient_.empty()) return;
+  std::size_t kept = 0;
+  for (const auto& [m, i] : transient_) {
+    if (m != module) {
+      transient_[kept++] = {m, i};
+      continue;
+    }
+    Param& p = params_[i];
+    if (--p.uses == 0 && p.attached &&
+        std::find(scratch_.begin(), scratch_.end(), i) == scratch_.end()) {
+      scratch_.push_back(i);
+    }
+  }
+  transient_.resize(kept);
+}
+
+// Note [The end of a backward].
+void ModuleHooks::queue_backward_end() {
+  if (backward_end_queued_ || torch::autograd::get_current_graph_task_id() == -1) return;
+  TIDAL_CHECK(engine_backward_ || raw_refusal_.empty(), raw_refusal_);
+  std::weak_ptr<ModuleHooks> self = weak_from_this();
+  if (self.expired()) return;
+  const bool raw = !engine_backward_;
+  torch::autograd::Engine::get_default_engine().queue_callback([self, raw] {
+    if (const std::shared_ptr<ModuleHooks> hooks = self.lock()) {
+      hooks->end_backward();
+      set_host_allocation_counting(false);
+      if (raw) hooks->raw_backward_ended_ = true;
+    }
+  });
+  backward_end_queued_ = true;
 }
 
 void ModuleHooks::backward_pre(std::size_t module) {
   check_module(module);
+  queue_backward_end();
   tracer_->point(PointKind::kBackward, static_cast<std::int64_t>(module));
   scratch_.clear();
   for (std::size_t i : modules_[module]) {
@@ -153,30 +207,82 @@ void ModuleHooks::backward_pre(std::size_t module) {
 
 void ModuleHooks::land_gradient(std::size_t param, const at::Tensor& grad) {
   check_param(param);
+  queue_backward_end();
   tracer_->point(PointKind::kGrad, static_cast<std::int64_t>(param));
   c10::NoGradGuard no_grad;
   TIDAL_CHECK(grad.layout() == at::kStrided, "land_gradient: parameter ", param,
               " got a gradient of layout ", grad.layout(),
               "; tidal's chunk slots hold dense (strided) gradients");
   Param& p = params_[param];
-  if (!accumulating_) measure_gradient(grad);
-  if (p.attached) {
+  // (A landed parameter that is attached is served: its slot holds the
+  // gradient, Note [Weights while gradients wait].)
+  if (p.attached && !p.landed) {
     copy_gradient(p.param, grad);
+    if (!accumulating_) measure_gradient(param, grad);
     p.landed = true;
     scratch_.assign(1, param);
     detach_now(scratch_, TensorState::kHoldAfterBwd);
     return;
   }
+  if (p.attached) {
+    scratch_.assign(1, param);
+    detach_now(scratch_, TensorState::kHold);
+  }
   at::Tensor slot = binding_->access(p.id, kSlot, MemorySpace::kDevice, p.shape);
   try {
-    copy_gradient(slot, grad);
+    if (p.landed) {
+      // A second gradient before the step: the sum, as torch's .grad.
+      slot.add_(grad.to(slot.device(), slot.scalar_type()));
+      if (!accumulating_) measure_gradient(param, slot);
+    } else {
+      copy_gradient(slot, grad);
+      if (!accumulating_) measure_gradient(param, grad);
+    }
   } catch (...) {
-    scheduler_->release(TensorRef{kSlot, p.id}, TensorState::kHold);
+    scheduler_->release(TensorRef{kSlot, p.id},
+                        p.landed ? TensorState::kHoldAfterBwd : TensorState::kHold);
     throw;
   }
   p.landed = true;
   scheduler_->release(TensorRef{kSlot, p.id}, TensorState::kHoldAfterBwd);
   rebalance_dtr();
+}
+
+void ModuleHooks::read_param(std::size_t param, bool learn) {
+  check_param(param);
+  Param& p = params_[param];
+  if (p.attached) return;
+  std::vector<std::size_t> one{param};
+  if (running_.empty()) {
+    // Outside any hooked forward: end_backward() detaches it.
+    make_room_for(one);
+    attach_now(one, /*for_backward=*/true, /*replay=*/false);
+    return;
+  }
+  const std::size_t module = running_.back();
+  std::vector<std::size_t>& list = modules_[module];
+  // One use for the running module, ended by its forward_post: a parameter
+  // already on its list got that use from its forward_pre.
+  bool counted = false;
+  if (std::find(list.begin(), list.end(), param) == list.end()) {
+    if (learn) {
+      list.push_back(param);
+    } else {
+      transient_.emplace_back(module, param);
+    }
+    ++p.uses;
+    counted = true;
+  }
+  try {
+    make_room_for(one);
+    attach_now(one, /*for_backward=*/false, /*replay=*/false);
+  } catch (...) {
+    if (counted) {
+      --p.uses;
+      if (!learn) transient_.pop_back();
+    }
+    throw;
+  }
 }
 
 // ---- pieces ----------------------------------------------------------------
@@ -206,6 +312,7 @@ void ModuleHooks::detach(const std::vector<std::size_t>& params, TensorState sta
 }
 
 void ModuleHooks::end_backward() {
+  backward_end_queued_ = false;
   std::vector<std::size_t> rest;
   rest.swap(backward_attached_);
   detach(rest, TensorState::kHold);
@@ -214,12 +321,15 @@ void ModuleHooks::end_backward() {
 std::vector<std::string> ModuleHooks::release_all() noexcept {
   std::vector<std::string> failed;
   backward_attached_.clear();
+  backward_end_queued_ = false;
+  running_.clear();
+  transient_.clear();
   for (Param& p : params_) {
     p.uses = 0;
     if (!p.attached) continue;
     try {
       const TensorRef ref{kSlot, p.id};
-      if (scheduler_->store().state(ref) == TensorState::kCompute) {
+      if (!p.served && scheduler_->store().state(ref) == TensorState::kCompute) {
         scheduler_->release(ref, TensorState::kHold);
       }
     } catch (const std::exception& e) {
@@ -233,6 +343,7 @@ std::vector<std::string> ModuleHooks::release_all() noexcept {
     } catch (...) {
     }
     p.attached = false;
+    p.served = false;
   }
   attached_by_data_.clear();
   std::fill(attached_in_chunk_.begin(), attached_in_chunk_.end(), 0);
@@ -331,7 +442,7 @@ void ModuleHooks::measure_sums(const std::vector<std::size_t>& params) {
     const std::int64_t n = static_cast<std::int64_t>(scheduler_->store().tensor_numel(p.id));
     void* data = scheduler_->access(ref, space);
     try {
-      measure_gradient(slot_view(data, {n}, at::kFloat, binding_->torch_device(space)));
+      measure_sum(slot_view(data, {n}, at::kFloat, binding_->torch_device(space)));
     } catch (...) {
       scheduler_->release(ref, TensorState::kHold);
       throw;
@@ -369,32 +480,71 @@ std::int64_t ModuleHooks::attached_at(const void* data) const {
 
 ModuleHooks::GradNorm ModuleHooks::take_grad_norm() {
   GradNorm out = host_norm_;
-  if (!norms_.empty()) {
+  std::vector<at::Tensor> device = norms_;
+  for (std::size_t i : measured_) {
+    const Param& p = params_[i];
+    if (p.norm.defined()) {
+      device.push_back(p.norm);
+    } else {
+      out.sum_squares += p.sum_squares;
+      out.finite = out.finite && p.finite;
+    }
+  }
+  if (!device.empty()) {
     c10::NoGradGuard no_grad;
     // Squares in double: an fp16 run's scaled norms may square past fp32.
-    const double device = at::stack(norms_).to(at::kDouble).square().sum().item<double>();
-    out.sum_squares += device;
-    out.finite = out.finite && std::isfinite(device);
+    const double squares = at::stack(device).to(at::kDouble).square().sum().item<double>();
+    out.sum_squares += squares;
+    out.finite = out.finite && std::isfinite(squares);
   }
   clear_grad_norm();
   return out;
 }
 
 void ModuleHooks::clear_grad_norm() {
+  for (std::size_t i : measured_) {
+    Param& p = params_[i];
+    p.measured = false;
+    p.norm = at::Tensor();
+  }
+  measured_.clear();
   host_norm_ = GradNorm{};
   norms_.clear();
 }
 
-void ModuleHooks::measure_gradient(const at::Tensor& grad) {
+// The measure of parameter `param`'s landed gradient `grad` (replacing an
+// earlier one: a second landing measures the sum).
+void ModuleHooks::measure_gradient(std::size_t param, const at::Tensor& grad) {
+  Param& p = params_[param];
+  if (!p.measured) {
+    p.measured = true;
+    measured_.push_back(param);
+  }
+  p.norm = at::Tensor();
+  p.sum_squares = 0.0;
+  p.finite = true;
   const std::optional<cpu_adam::DType> dtype = cpu_adam_dtype(grad.scalar_type());
   if (grad.is_cpu() && grad.is_contiguous() && dtype) {
     const cpu_adam::GradSpan span{grad.const_data_ptr(), static_cast<std::size_t>(grad.numel())};
+    const cpu_adam::GradStats stats = cpu_adam::grad_stats(*dtype, std::span(&span, 1));
+    p.sum_squares = stats.sum_squares;
+    p.finite = stats.finite;
+    return;
+  }
+  p.norm = at::linalg_vector_norm(grad, 2, c10::nullopt, false, at::kFloat);
+}
+
+// A gradient sum's measure (accumulation: measure_sums).
+void ModuleHooks::measure_sum(const at::Tensor& sum) {
+  const std::optional<cpu_adam::DType> dtype = cpu_adam_dtype(sum.scalar_type());
+  if (sum.is_cpu() && sum.is_contiguous() && dtype) {
+    const cpu_adam::GradSpan span{sum.const_data_ptr(), static_cast<std::size_t>(sum.numel())};
     const cpu_adam::GradStats stats = cpu_adam::grad_stats(*dtype, std::span(&span, 1));
     host_norm_.sum_squares += stats.sum_squares;
     host_norm_.finite = host_norm_.finite && stats.finite;
     return;
   }
-  norms_.push_back(at::linalg_vector_norm(grad, 2, c10::nullopt, false, at::kFloat));
+  norms_.push_back(at::linalg_vector_norm(sum, 2, c10::nullopt, false, at::kFloat));
 }
 
 std::vector<std::size_t> ModuleHooks::take_first_use() {
@@ -430,6 +580,7 @@ void ModuleHooks::make_room_for(const std::vector<std::size_t>& params) {
   std::size_t need = bytes_in_use_;
   std::vector<ChunkIndex> added;
   for (std::size_t i : params) {
+    if (params_[i].landed) continue;  // served from its master, not its chunk
     const ChunkIndex c = params_[i].chunk;
     const bool in_use = c < attached_in_chunk_.size() && attached_in_chunk_[c] > 0;
     if (!in_use && std::find(added.begin(), added.end(), c) == added.end()) {
@@ -497,6 +648,31 @@ void ModuleHooks::rebalance_dtr() const {
   if (dtr::Session* s = dtr::current_session()) s->set_eviction_threshold(dtr_threshold());
 }
 
+// Note [Weights while gradients wait]: a temporary device tensor holding
+// `p`'s weight, made from its fp32 master.
+at::Tensor ModuleHooks::weight_from_master(const Param& p) {
+  const ChunkStore& store = scheduler_->store();
+  const TensorRef ref{ChunkKind::kParam32, p.id};
+  TIDAL_CHECK(holds_data(store.state(ref)), "tidal: parameter '", store.tensor_name(p.id),
+              "' is used while its 16-bit slot holds its gradient (between backward and the step), "
+              "and its fp32 master is not in this process (data parallel: another rank owns its "
+              "chunk); call engine.step() or engine.zero_grad() before using the model again");
+  const MemorySpace space = store.chunk(store.chunk_of(ref)).space();
+  void* data = scheduler_->access(ref, space);
+  at::Tensor weight;
+  try {
+    c10::NoGradGuard no_grad;
+    const at::Tensor master = slot_view(data, p.shape, at::kFloat, binding_->torch_device(space));
+    weight = master.to(binding_->torch_device(MemorySpace::kDevice), binding_->dtype(kSlot),
+                       /*non_blocking=*/false, /*copy=*/true);
+  } catch (...) {
+    scheduler_->release(ref, TensorState::kHold);
+    throw;
+  }
+  scheduler_->release(ref, TensorState::kHold);
+  return weight;
+}
+
 void ModuleHooks::attach_now(const std::vector<std::size_t>& params, bool for_backward,
                              bool replay) {
   // All or nothing: the slots accessed so far go back to HOLD when an access
@@ -505,13 +681,22 @@ void ModuleHooks::attach_now(const std::vector<std::size_t>& params, bool for_ba
   try {
     for (; done < params.size(); ++done) {
       Param& p = params_[params[done]];
+      if (p.landed) {
+        p.param.set_data(weight_from_master(p));
+        p.served = true;
+        continue;
+      }
       at::Tensor slot = binding_->access(p.id, kSlot, MemorySpace::kDevice, p.shape);
       p.param.set_data(slot);
     }
   } catch (...) {
     for (std::size_t k = 0; k < done; ++k) {
       Param& p = params_[params[k]];
-      scheduler_->release(TensorRef{kSlot, p.id}, TensorState::kHold);
+      if (p.served) {
+        p.served = false;
+      } else {
+        scheduler_->release(TensorRef{kSlot, p.id}, TensorState::kHold);
+      }
       p.param.set_data(binding_->placeholder(kSlot, MemorySpace::kDevice));
     }
     throw;
@@ -520,7 +705,7 @@ void ModuleHooks::attach_now(const std::vector<std::size_t>& params, bool for_ba
     Param& p = params_[i];
     p.attached = true;
     attached_by_data_[storage_data(p.param)] = i;
-    count_chunk(p.chunk, +1);
+    if (!p.served) count_chunk(p.chunk, +1);
     if (for_backward) backward_attached_.push_back(i);
     if (track_first_use_ && !replay && !p.first_used) {
       p.first_used = true;
@@ -534,11 +719,15 @@ void ModuleHooks::detach_now(const std::vector<std::size_t>& params, TensorState
   for (std::size_t i : params) {
     Param& p = params_[i];
     if (!p.attached) continue;
-    scheduler_->release(TensorRef{kSlot, p.id}, state);
+    if (!p.served) scheduler_->release(TensorRef{kSlot, p.id}, state);
     attached_by_data_.erase(storage_data(p.param));
     p.param.set_data(binding_->placeholder(kSlot, MemorySpace::kDevice));
     p.attached = false;
-    count_chunk(p.chunk, -1);
+    if (p.served) {
+      p.served = false;
+    } else {
+      count_chunk(p.chunk, -1);
+    }
   }
   rebalance_dtr();
 }

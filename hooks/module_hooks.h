@@ -42,6 +42,59 @@
 // until take_grad_norm() reduces them all with one read. Both measures agree
 // to the fp32 rounding of the squares' sums (about 1e-6 relative).
 //
+// Note [External parameters]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// A module's forward may read a parameter of another module without calling
+// that module: nn.MultiheadAttention passes out_proj.weight to
+// F.multi_head_attention_forward, CLIP's embeddings read
+// position_embedding.weight.shape, a head reads a tied embedding's weight. A
+// detached parameter is an empty placeholder, so such a read would compute
+// with nothing. The engine sees every read that goes through a module's
+// _parameters (attribute access does; python/tidal/engine/external.py) and
+// calls read_param() for one that finds a placeholder:
+//  * inside a forward (a module of running() is the innermost hooked module
+//    running), the parameter is attached for that module (one more use, as
+//    forward_pre does) and, with learn, added to its parameter list: from
+//    then on its forward_pre attaches the parameter with its own, and
+//    backward_pre for backward. Without learn (the innermost module running
+//    is not hooked yet: the engine hooks it from the next forward on) the
+//    use is transient: forward_post of that module ends it.
+//  * outside any forward (backward without a module's forward running, a
+//    regularizer in the loss, user code), the parameter is attached as
+//    backward_pre attaches: end_backward() detaches it.
+// A module can also be given parameters by hand (add_to_module:
+// tidal.register_external_parameter, leaf modules).
+//
+// Note [Weights while gradients wait]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// Between backward and the step a landed gradient occupies its parameter's
+// 16-bit slot. A parameter attached then (a forward between backward and the
+// step, evaluation under no_grad, the recompute of a checkpointed segment
+// whose parameter also served a later segment, a second backward over a
+// retained graph) must compute with its weight, not with that gradient: it is
+// attached to a temporary device tensor made from its fp32 master ("served"),
+// and the slot is left alone. A gradient landing on a parameter that has
+// landed already (a second backward before the step, reentrant checkpointing)
+// is added to the first, as torch accumulates .grad, and the parameter's
+// norm is measured again over the sum.
+//
+// Note [The end of a backward]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// engine.backward() ends each backward with end_backward(). A script that
+// calls loss.backward() itself (the Hugging Face Trainer, accelerate) does
+// not: the first backward_pre or land_gradient of a backward queues a final
+// callback on autograd's engine (the graph task's final callbacks run before
+// backward returns), which does the same: the parameters attached for
+// backward go back to their chunks, and the simulated device's meter of
+// torch's CPU allocations stops (Note [The memory tracer]). Only for a
+// ModuleHooks owned by a shared_ptr (the engine's). Such a backward is known
+// to the engine by take_backward_ended(); what engine.backward() does after
+// its backward (gradient accumulation's fold, counting the micro-step) the
+// engine does at its next call. Where a backward must go through
+// engine.backward() (fp16 loss scaling, data parallel), set_raw_backward()
+// holds the reason, and the first hook of a backward not run by it raises
+// it, before any gradient lands.
+//
 // Thread safety: none; one thread at a time (forward on the caller's thread,
 // backward's hooks on autograd's while the caller waits).
 #pragma once
@@ -51,6 +104,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <unordered_map>
 #include <vector>
@@ -64,7 +118,7 @@
 
 namespace tidal::hooks {
 
-class ModuleHooks : public dtr::ChunkArbiter {
+class ModuleHooks : public dtr::ChunkArbiter, public std::enable_shared_from_this<ModuleHooks> {
  public:
   // None of the three is owned; set_chunks replaces the first two.
   ModuleHooks(ChunkScheduler* scheduler, ParamBinding* binding, MemoryTracer* tracer);
@@ -76,8 +130,11 @@ class ModuleHooks : public dtr::ChunkArbiter {
   // Parameter `index` (the next one: indexes are 0, 1, ...) is `param`, the
   // store's tensor `id`, shaped `shape`.
   std::size_t add_param(at::Tensor param, TensorId id, std::vector<std::int64_t> shape);
-  // Module `index` (the next one) uses these parameters.
+  // Module `index` (the next one) uses these parameters (may be none: a
+  // module that only reads others' parameters, Note [External parameters]).
   std::size_t add_module(std::vector<std::size_t> params);
+  // Module `module` uses parameter `param` too, from its next forward on.
+  void add_to_module(std::size_t module, std::size_t param);
   // After a relayout: the new scheduler and binding, and each parameter's
   // tensor id in them (ids[i] for parameter i). Nothing may be attached.
   void set_chunks(ChunkScheduler* scheduler, ParamBinding* binding,
@@ -108,6 +165,20 @@ class ModuleHooks : public dtr::ChunkArbiter {
   void forward_post(std::size_t module, bool grad_enabled);
   void backward_pre(std::size_t module);
   void land_gradient(std::size_t param, const at::Tensor& grad);
+  // A read of `param` found its placeholder (Note [External parameters]).
+  // learn: add it to the innermost running module's parameters.
+  void read_param(std::size_t param, bool learn);
+
+  // Note [The end of a backward]: engine.backward() is running its backward;
+  // a backward it does not run raises `refusal` unless it is empty.
+  void set_engine_backward(bool running) { engine_backward_ = running; }
+  void set_raw_backward(std::string refusal) { raw_refusal_ = std::move(refusal); }
+  // Whether a backward that engine.backward() did not run ended since the last call.
+  bool take_backward_ended() {
+    const bool ended = raw_backward_ended_;
+    raw_backward_ended_ = false;
+    return ended;
+  }
 
   // ---- pieces for the engine's other paths --------------------------------
   // Attach those of `params` not attached (the chunk room first, as
@@ -144,6 +215,13 @@ class ModuleHooks : public dtr::ChunkArbiter {
 
   // ---- queries -------------------------------------------------------------
   bool attached(std::size_t param) const { return params_.at(param).attached; }
+  // Attached to a weight made from its master (Note [Weights while gradients wait]).
+  bool served(std::size_t param) const { return params_.at(param).served; }
+  // The hooked modules whose forward is running, innermost last.
+  const std::vector<std::size_t>& running() const { return running_; }
+  const std::vector<std::size_t>& module_params(std::size_t module) const {
+    return modules_.at(module);
+  }
   // Whether `param`'s 16-bit slot holds a gradient that landed (not yet
   // folded, stepped or dropped), and all such parameters in index order.
   bool landed(std::size_t param) const { return params_.at(param).landed; }
@@ -180,10 +258,21 @@ class ModuleHooks : public dtr::ChunkArbiter {
     int uses = 0;      // forward uses in flight (nested or shared modules)
     bool attached = false;
     bool landed = false;  // a gradient is in the 16-bit slot
+    bool served = false;  // attached to a weight made from the master
     bool first_used = false;
+    // Note [Gradient norms as they land]: the landed gradient's measure, one
+    // of the two: the sum of squares of a CPU gradient, or a device norm.
+    bool measured = false;
+    bool finite = true;
+    double sum_squares = 0.0;
+    at::Tensor norm;
   };
 
-  void measure_gradient(const at::Tensor& grad);
+  void queue_backward_end();
+  void measure_gradient(std::size_t param, const at::Tensor& grad);
+  void measure_sum(const at::Tensor& sum);
+  at::Tensor weight_from_master(const Param& p);
+  void end_transient(std::size_t module);
   void make_room_for(const std::vector<std::size_t>& params);
   void attach_now(const std::vector<std::size_t>& params, bool for_backward, bool replay);
   void detach_now(const std::vector<std::size_t>& params, TensorState state);
@@ -203,10 +292,16 @@ class ModuleHooks : public dtr::ChunkArbiter {
   std::size_t bytes_in_use_ = 0;
   std::size_t peak_bytes_in_use_ = 0;
   std::vector<std::size_t> backward_attached_;
-  // Note [Gradient norms as they land]: CPU gradients' statistics, and the
-  // fp32 norms of the others.
+  // Note [Gradient norms as they land]: the parameters measured since the
+  // last take (their measures are in Param), and the gradient sums measured
+  // (accumulation: CPU statistics and device norms).
+  std::vector<std::size_t> measured_;
   GradNorm host_norm_;
   std::vector<at::Tensor> norms_;
+  // Note [External parameters]: the hooked modules running (innermost
+  // last), and transient uses (module, parameter) that module's forward_post ends.
+  std::vector<std::size_t> running_;
+  std::vector<std::pair<std::size_t, std::size_t>> transient_;
   std::vector<std::size_t> first_use_;
   bool make_room_ = false;
   bool dtr_arbiter_ = false;
@@ -215,6 +310,11 @@ class ModuleHooks : public dtr::ChunkArbiter {
   double dtr_link_bytes_per_s_ = 0;
   bool track_first_use_ = false;
   bool accumulating_ = false;
+  // Note [The end of a backward].
+  bool backward_end_queued_ = false;
+  bool engine_backward_ = false;
+  bool raw_backward_ended_ = false;
+  std::string raw_refusal_;
   // Scratch of the hooks, reused to keep them free of allocations.
   std::vector<std::size_t> scratch_;
 };

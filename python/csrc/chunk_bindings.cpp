@@ -250,6 +250,10 @@ may wait for a chunk copy release the GIL.)doc")
            py::arg("param"), py::arg("id"), py::arg("shape"))
       .def("add_module", [](Hooks& h, std::vector<Index> params) { return h.get().add_module(std::move(params)); },
            py::arg("params"))
+      .def("add_to_module", [](Hooks& h, Index m, Index p) { h.get().add_to_module(m, p); },
+           py::arg("module"), py::arg("param"),
+           "Module `module` uses parameter `param` too, from its next forward on "
+           "(Note [External parameters]).")
       .def("set_chunks", &Hooks::set_chunks, py::arg("chunks"), py::arg("ids"))
       .def("set_make_room", [](Hooks& h, bool on) { h.get().set_make_room(on); }, py::arg("on"))
       .def("set_dtr_arbiter",
@@ -280,6 +284,24 @@ may wait for a chunk copy release the GIL.)doc")
       .def("detach", [](Hooks& h, const std::vector<Index>& params, TensorState state) {
              h.get().detach(params, state);
            }, GIL(), py::arg("params"), py::arg("state"))
+      .def("read_param", [](Hooks& h, Index p, bool learn) { h.get().read_param(p, learn); }, GIL(),
+           py::arg("param"), py::arg("learn"),
+           "A read of `param` found its placeholder: attach it for the innermost running module "
+           "(learn: from then on in that module's forward), or until end_backward() outside any "
+           "forward (Note [External parameters]).")
+      .def("running", [](Hooks& h) { return h.get().running(); },
+           "The hooked modules whose forward is running, innermost last.")
+      .def("module_params", [](Hooks& h, Index m) { return h.get().module_params(m); }, py::arg("module"))
+      .def("served", [](Hooks& h, Index p) { return h.get().served(p); }, py::arg("param"),
+           "Whether `param` is attached to a weight made from its master (Note [Weights while "
+           "gradients wait]).")
+      .def("set_engine_backward", [](Hooks& h, bool on) { h.get().set_engine_backward(on); },
+           py::arg("running"))
+      .def("set_raw_backward", [](Hooks& h, std::string refusal) { h.get().set_raw_backward(std::move(refusal)); },
+           py::arg("refusal"),
+           "Non-empty: a backward not run by engine.backward() raises this (Note [The end of a backward]).")
+      .def("take_backward_ended", [](Hooks& h) { return h.get().take_backward_ended(); },
+           "Whether a backward engine.backward() did not run ended since the last call.")
       .def("end_backward", [](Hooks& h) { h.get().end_backward(); }, GIL())
       .def("release_all", [](Hooks& h) { return h.get().release_all(); }, GIL())
       .def("forward_pre_hook",

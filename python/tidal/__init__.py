@@ -12,7 +12,8 @@ from tidal import _C
 from tidal._C import InternalError, OutOfMemoryError
 from tidal import dtr, optim, recompute
 from tidal.config import Config, ConfigError
-from tidal.engine import Engine, UnsupportedModelError, init_context, initialize
+from tidal.engine import (Engine, UnsupportedModelError, UsageError, init_context, initialize,
+                          register_external_parameter, set_leaf_modules)
 from tidal.device import (
     Device,
     DeviceBuffer,
@@ -36,6 +37,8 @@ __all__ = [
     "initialize",
     "optim",
     "recompute",
+    "register_external_parameter",
+    "set_leaf_modules",
     "Device",
     "DeviceBuffer",
     "Event",
@@ -44,6 +47,7 @@ __all__ = [
     "OutOfMemoryError",
     "Stream",
     "UnsupportedModelError",
+    "UsageError",
     "device_info",
     "get_device",
     "parse_bytes",

@@ -752,34 +752,6 @@ def test_a_failed_relayout_keeps_the_old_chunks_whole(monkeypatch):
     assert_close(engine, ref, ref_losses, losses)
 
 
-class ReadsOutside(torch.nn.Module):
-    """Reads a parameter of a submodule outside that submodule's forward."""
-
-    def __init__(self, how):
-        super().__init__()
-        self.emb = torch.nn.Embedding(10, 8)
-        self.lin = torch.nn.Linear(8, 8)
-        self.how = how
-
-    def forward(self, x):
-        h = self.lin(self.emb(x))
-        if self.how == "broadcast":   # runs, silently wrong without the check
-            return h.sum() + self.lin.bias.sum()
-        return (h @ self.emb.weight.t()).sum()   # a shape error
-
-
-def test_a_parameter_read_outside_its_module_is_a_clear_error_at_the_first_step():
-    x = torch.randint(0, 10, (2, 3))
-    engine = tidal.initialize(ReadsOutside("broadcast"), config())
-    loss = engine(x)
-    with pytest.raises(tidal.UnsupportedModelError,
-                       match=r"a parameter was used outside the forward of the module that owns it"):
-        engine.backward(loss)
-    engine = tidal.initialize(ReadsOutside("matmul"), config())
-    with pytest.raises(RuntimeError, match=r"tidal: if this op read a parameter outside the forward"):
-        engine(x)
-
-
 def test_a_dropped_engine_is_collected_and_gives_its_memory_back():
     # Gradient hooks live in C++ autograd meta, out of the garbage collector's
     # sight; an engine they held strongly stayed alive with all its chunks

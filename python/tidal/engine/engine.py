@@ -54,18 +54,16 @@ from ..config import Config, ConfigError
 from ..data_parallel import IN_FLIGHT, DataParallelError
 from ..lr_schedules import build_scheduler
 from . import checkpoint as _checkpoint
+from . import external as _external
+from . import guards as _guards
 from . import hooks as _hooks
 from .dtr_link import DtrLink
+from .errors import UnsupportedModelError, UsageError
 from .loss_scaler import DynamicLossScaler, StaticLossScaler
 from .store import (DEVICE, GRAD32, HOLD, HOST, MOMENTUM, NOWHERE, PARAM16, PARAM32, VARIANCE,
                     ParamStore, RelayoutError, uncounted)
 
 OutOfMemoryError = _C.OutOfMemoryError
-
-
-class UnsupportedModelError(RuntimeError):
-    """The model does something the engine's hooks cannot follow (e.g. it uses
-    a parameter outside the forward of the module that owns it)."""
 
 
 _PLACEHOLDER_HINT = (
@@ -112,10 +110,19 @@ class Engine:
     def __init__(self, model: torch.nn.Module, config=None):
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"tidal.initialize expects a torch.nn.Module, got {type(model).__name__}")
+        params = list(model.parameters())
+        for p in params:
+            first = _guards.engine_of(p)
+            if first is not None:
+                raise UsageError(
+                    f"tidal.initialize: this {type(model).__name__} (or a module of it) is already "
+                    f"trained by a tidal engine ({first!r}, which owns its parameter "
+                    f"'{first._record_of_param(p).name}'): a second engine over the same "
+                    f"parameters would move the same chunks under both. Use the engine the first "
+                    f"tidal.initialize returned; to start over, build a new model")
         cfg = Config.load(config)
         self.config = cfg
         self.module = model
-        params = list(model.parameters())
         store = ParamStore.owning(params)
         if store is None:
             store = ParamStore(cfg)
@@ -154,6 +161,7 @@ class Engine:
         self._module_records: dict[torch.nn.Module, list] = {}
         self._names: dict[torch.nn.Module, str] = {}
         added = []  # (record, the parameter's dtype) registered here
+        inside_leaf = set()  # descendants of leaf modules: no hooks of their own
         try:
             for mname, m in model.named_modules(remove_duplicate=True):
                 self._names[m] = mname or type(m).__name__
@@ -164,9 +172,17 @@ class Engine:
                         f"gradients are sparse tensors, and tidal's chunks hold dense gradients "
                         f"in the parameters' 16-bit slots; build it with sparse=False (or "
                         f"freeze its parameters)")
+                if id(m) in inside_leaf:
+                    continue
+                if _external.is_leaf(m):
+                    # One unit (tidal.set_leaf_modules): its subtree's parameters.
+                    inside_leaf.update(id(d) for d in m.modules() if d is not m)
+                    owned = m.named_parameters(prefix=mname)
+                else:
+                    owned = ((f"{mname}.{pname}" if mname else pname, p)
+                             for pname, p in m.named_parameters(recurse=False))
                 recs = []
-                for pname, p in m.named_parameters(recurse=False):
-                    full = f"{mname}.{pname}" if mname else pname
+                for full, p in owned:
                     rec = store.by_param.get(id(p))
                     if rec is None:
                         if p.numel() == 0:
@@ -179,6 +195,23 @@ class Engine:
                     recs.append(rec)
                 if recs:
                     self._module_records[m] = recs
+            # Parameters registered by hand (tidal.register_external_parameter),
+            # and the root, hooked even without parameters of its own, so that
+            # a parameter read in any forward has a module to serve it for
+            # (Note [External parameters] in hooks/module_hooks.h).
+            known = {id(r) for recs in self._module_records.values() for r in recs}
+            for m in model.modules():
+                for p in _external.marked_external(m):
+                    rec = store.by_param.get(id(p))
+                    if rec is None or id(rec) not in known:
+                        raise ValueError(
+                            f"tidal.register_external_parameter: a parameter registered for module "
+                            f"'{self._names.get(m, type(m).__name__)}' is not a parameter of the "
+                            f"model passed to tidal.initialize")
+                    recs = self._module_records.setdefault(m, [])
+                    if all(rec is not r for r in recs):
+                        recs.append(rec)
+            self._module_records.setdefault(model, [])
         except BaseException:
             store.give_back(added)  # the model keeps its values
             raise
@@ -263,7 +296,16 @@ class Engine:
         # in hooks/param_binding.h); the same pair serves tidal.recompute's
         # replays (RecomputePlan.parameter_aliases).
         self._saved_tensor_pair = self._hooks.saved_tensor_hooks(self._unpack_attach)
+        # Note [External parameters]: readers found in a forward are hooked
+        # at the start of the next (module -> record indexes to add).
+        self._pending_readers: dict = {}
+        self._check_reads = True  # the first forward runs under PlaceholderCheck
+        self._reads_mode = None
         self._install_hooks()
+        self._hooks.set_raw_backward(self._raw_backward_refusal())
+        _external.install(model, self, self._param_names_by_module())
+        self._install_state_dict_hooks()
+        _guards.register(self)
         self.dtr.start(self._hooks)
         self.dtr.rebalance()
 
@@ -360,12 +402,7 @@ class Engine:
         self._handles.append(root.register_forward_hook(self._root_post, always_call=True))
         hooks = self._hooks
         for m in self._module_records:
-            i = self._module_index[m]
-            pre = hooks.forward_pre_hook(i, self._pre_forward, self._forward_pre_failed)
-            post = hooks.forward_post_hook(i, self._post_forward, self._wrap_outputs,
-                                           _weak_method(self._backward_pre_failed))
-            self._handles.append(m.register_forward_pre_hook(pre))
-            self._handles.append(m.register_forward_hook(post))
+            self._hook_module(m)
         seen = set()
         for r in self.records:
             if r.trainable and id(r.param) not in seen:
@@ -379,10 +416,213 @@ class Engine:
                     self._handles.append(r.param.register_post_accumulate_grad_hook(
                         _weak_method(self._dp_grad_ready)))
 
+    def _hook_module(self, m):
+        """Module `m`'s forward pre and post hooks (C++ callables)."""
+        i = self._module_index[m]
+        hooks = self._hooks
+        pre = hooks.forward_pre_hook(i, self._pre_forward, self._forward_pre_failed)
+        post = hooks.forward_post_hook(i, self._post_forward, self._wrap_outputs,
+                                       _weak_method(self._backward_pre_failed))
+        self._handles.append(m.register_forward_pre_hook(pre))
+        self._handles.append(m.register_forward_hook(post))
+
+    def _param_names_by_module(self) -> dict:
+        """module -> {name in its _parameters: record index} for the parameters this engine keeps."""
+        out = {}
+        for m in self.module.modules():
+            names = {}
+            for pname, p in m.__dict__.get("_parameters", {}).items():
+                r = self._record_of_param(p) if p is not None else None
+                if r is not None:
+                    names[pname] = self._record_index[id(r)]
+            if names:
+                out[m] = names
+        return out
+
+    def _install_state_dict_hooks(self):
+        """model.state_dict() and model.load_state_dict() read and write the
+        chunks: the module itself holds empty placeholders (a torch.save of
+        them would lose the model without a word)."""
+        ref = weakref.ref(self)
+        for m, names in self._param_names_by_module().items():
+            def save(module, state, prefix, local_metadata, names=names):
+                engine = ref()
+                if engine is not None:
+                    engine._fill_state_dict(state, prefix, names)
+
+            def load(module, state, prefix, local_metadata, strict, missing, unexpected, errors,
+                     names=names):
+                engine = ref()
+                if engine is not None:
+                    engine._load_own_state(state, prefix, names, errors)
+            self._handles.append(m.register_state_dict_post_hook(save))
+            self._handles.append(m.register_load_state_dict_pre_hook(load))
+
+    def _fill_state_dict(self, state, prefix, names):
+        """A module's state_dict entries for its parameters: their weights (CPU
+        copies in the parameter's dtype), not the placeholders. keep_vars=True
+        keeps the Parameter objects (tidal's own checkpoints map keys by them)."""
+        for pname, i in names.items():
+            key = prefix + pname
+            value = state.get(key)
+            if value is None or isinstance(value, torch.nn.Parameter):
+                continue
+            state[key] = self._weight_copy(self._record_list[i])
+
+    def _weight_copy(self, record) -> torch.Tensor:
+        """A host copy of `record`'s weight in its 16-bit dtype: the slot, or
+        the master while the slot holds a landed gradient."""
+        i = self._record_index[id(record)]
+        with torch.no_grad(), _dtr.outside():
+            if not self._hooks.landed(i):
+                return self.store.gather(record, PARAM16)
+            if not self.store.owns(record):
+                raise UsageError(
+                    f"model.state_dict() between backward and step under data parallel: the "
+                    f"16-bit slot of '{record.name}' holds its gradient and another rank owns its "
+                    f"master; call it after engine.step() (or use engine.state_dict() on every rank)")
+            return self.store._read(record, PARAM32).to(self.dtype)
+
+    def _load_own_state(self, state, prefix, names, errors):
+        """model.load_state_dict(): a module's parameters are written into the
+        chunks (fp32 master and 16-bit copy); the entry given to torch's own
+        copy becomes an empty tensor, which fits the empty placeholder."""
+        for pname, i in names.items():
+            key = prefix + pname
+            if key not in state:
+                continue
+            record = self._record_list[i]
+            value = state[key]
+            if not isinstance(value, torch.Tensor):
+                continue  # torch's own loader reports it
+            if list(value.shape) != list(record.shape):
+                errors.append(f"size mismatch for {key}: copying a param with shape "
+                              f"{tuple(value.shape)} from checkpoint, the shape in current model "
+                              f"is {tuple(record.shape)}.")
+                state[key] = value.new_empty(0)
+                continue
+            if self._hooks.landed(i):
+                raise UsageError(
+                    f"model.load_state_dict() between backward and step: the slot of "
+                    f"'{record.name}' holds its gradient; call engine.step() or engine.zero_grad() "
+                    f"first")
+            with _dtr.outside():
+                _checkpoint._write_param(self, record, value)
+            state[key] = value.new_empty(0)
+
+    def _record_of_param(self, p):
+        """The record of parameter `p` if this engine trains it, else None."""
+        r = self.store.by_param.get(id(p))
+        if r is None or r.param is not p or r not in self._record_set:
+            return None
+        return r
+
+    # ------------------------------------------------ external parameters
+    def _read_param(self, i: int):
+        """A read of parameter `i` found its placeholder (ParameterReads;
+        Note [External parameters] in hooks/module_hooks.h)."""
+        hooks = self._hooks
+        record = self._record_list[i]
+        running = hooks.running()
+        learn, module = True, None
+        if running:
+            module = self._module_list[running[-1]]
+            reader = _external.innermost_module()
+            if reader is not None and reader is not module and reader in self._names:
+                # Not hooked yet: served for `module` this time, hooked from
+                # the next forward on.
+                learn = False
+                self._pending_readers.setdefault(reader, []).append(i)
+            elif all(record is not r for r in self._module_records[module]):
+                self._module_records[module].append(record)
+        try:
+            with _dtr.outside():
+                hooks.read_param(i, learn)
+        except OutOfMemoryError as e:
+            self._attach_failed(e, module, [record], lambda: hooks.read_param(i, learn))
+        self.dtr.rebalance()
+
+    # ------------------------------------------------ loss.backward() itself
+    def _raw_backward_refusal(self) -> str:
+        """Why a backward must go through engine.backward() (Note [The end of
+        a backward] in hooks/module_hooks.h), or "" where loss.backward() works."""
+        if self.precision == "fp16" and not (isinstance(self.scaler, StaticLossScaler)
+                                             and self.scaler.scale == 1.0):
+            return ("tidal: loss.backward() on a model that tidal trains in fp16: the loss must be "
+                    "multiplied by the loss scale first, or small gradients underflow and the step "
+                    "divides them by the scale all the same. Call engine.backward(loss) instead "
+                    "(DeepSpeed: model_engine.backward(loss)); no gradient has landed")
+        if self.dp is not None:
+            return ("tidal: loss.backward() on a model that tidal trains data-parallel: the "
+                    "gradients are reduced across ranks by engine.backward(loss). Call "
+                    "engine.backward(loss) instead; no gradient has landed")
+        return ""
+
+    def _settle_raw_backward(self):
+        """What engine.backward() does after its backward, for a backward the
+        script ran itself (loss.backward()): gradient accumulation's fold,
+        and the micro-step counted (the loss is the script's own: not divided
+        by gradient_accumulation_steps, as in plain PyTorch)."""
+        if not self._hooks.take_backward_ended():
+            return
+        if self._accumulating:
+            self._fold_gradients()
+        self.micro_steps += 1
+
+    def _register_external(self, module, param):
+        """tidal.register_external_parameter after initialize."""
+        r = self._record_of_param(param)
+        if module not in self._names:
+            raise ValueError(f"tidal.register_external_parameter: the module ({type(module).__name__}) "
+                             f"is not part of the model this engine trains")
+        self._pending_readers.setdefault(module, []).append(self._record_index[id(r)])
+
+    def _hook_readers(self):
+        """Hooks the modules found reading parameters (and those registered by
+        hand) before this forward starts: from now on their forward brings the
+        parameters in."""
+        pending, self._pending_readers = self._pending_readers, {}
+        for m, ids in pending.items():
+            records = self._module_records.setdefault(m, [])
+            for i in ids:
+                if all(self._record_list[i] is not r for r in records):
+                    records.append(self._record_list[i])
+            if m in self._module_index:
+                for i in ids:
+                    self._hooks.add_to_module(self._module_index[m], i)
+                continue
+            index = self._hooks.add_module(sorted(set(ids)))
+            self._module_list.append(m)
+            self._module_index[m] = index
+            self._hook_module(m)
+
+    def _check_read(self, p, func):
+        """PlaceholderCheck: parameter `p` reached torch function `func`."""
+        r = self._record_of_param(p)
+        if r is None or self._hooks.attached(self._record_index[id(r)]):
+            return
+        reader = _external.innermost_module()
+        where = (f"module '{self._names.get(reader, type(reader).__name__)}' "
+                 f"({type(reader).__name__})") if reader is not None else "code outside any module"
+        owner = r.name.rsplit(".", 1)
+        attr = f"model.{r.name}" if len(owner) == 2 else r.name
+        name = getattr(func, "__name__", str(func))
+        leaf = (f"; or tidal.set_leaf_modules(model, [{type(reader).__name__}]) before "
+                f"tidal.initialize (the module and its children become one unit)"
+                if reader is not None else "")
+        raise UnsupportedModelError(
+            f"{where} used parameter '{r.name}' while it was not on the device ({name} got its "
+            f"empty placeholder): tidal brings a parameter in when a forward reads it as an "
+            f"attribute of its module ({attr}), and this forward reached the Parameter some other "
+            f"way (a list, a dict or a closure holding it). Ways out: read it through its module's "
+            f"attribute inside the forward; or tidal.register_external_parameter(module, "
+            f"parameter) for the module that uses it{leaf}")
+
     def remove_hooks(self):
         for h in self._handles:
             h.remove()
         self._handles.clear()
+        _external.uninstall(self.module)
         if self.recompute_plan is not None:
             self.recompute_plan.remove()
             self.recompute_plan = None
@@ -436,12 +676,27 @@ class Engine:
             _C.chunks.set_host_allocation_counting(on)
 
     def _root_pre(self, module, args):
+        if torch._C._current_graph_task_id() == -1:  # (not a recompute inside backward)
+            self._settle_raw_backward()
+            # Parameters read outside any forward since the last (Note
+            # [External parameters]) go back to their chunks.
+            with _dtr.outside():
+                self._hooks.end_backward()
+        if self._pending_readers:
+            self._hook_readers()
         self._count(True)
         if self._saved_hooks is None:
             self._saved_hooks = torch.autograd.graph.saved_tensors_hooks(*self._saved_tensor_pair)
             self._saved_hooks.__enter__()
+        if self._check_reads and self._reads_mode is None:
+            self._reads_mode = _external.PlaceholderCheck(self)
+            self._reads_mode.__enter__()
 
     def _root_post(self, module, args, output):
+        if self._reads_mode is not None:
+            mode, self._reads_mode = self._reads_mode, None
+            mode.__exit__(None, None, None)
+            self._check_reads = False
         if not torch.is_grad_enabled():
             self._count(False)
         if self._saved_hooks is not None:
@@ -629,6 +884,9 @@ class Engine:
             if self._saved_hooks is not None:
                 hooks, self._saved_hooks = self._saved_hooks, None
                 hooks.__exit__(None, None, None)
+            if self._reads_mode is not None:
+                mode, self._reads_mode = self._reads_mode, None
+                mode.__exit__(None, None, None)
             self._count(False)
             self._release_after_error()
             # A shape error involving an empty tensor is what a parameter read
@@ -658,11 +916,24 @@ class Engine:
             raise ValueError(f"engine.backward expects a scalar loss tensor, got "
                              f"{type(loss).__name__} {getattr(loss, 'shape', '')}")
         self._dp_check()
+        self._settle_raw_backward()
+        if not self._accumulating:
+            landed = self._hooks.landed_params()
+            if landed:
+                raise UsageError(
+                    f"engine.backward() called again before engine.step(): the gradients of the "
+                    f"last backward ({len(landed)} parameters, e.g. "
+                    f"'{self._record_list[landed[0]].name}') wait for the step, and "
+                    f"gradient_accumulation_steps is 1. Call engine.step() after each backward; "
+                    f"to sum several backward passes into one step, set "
+                    f"\"gradient_accumulation_steps\" to their number (engine.step() then steps "
+                    f"at each boundary); engine.zero_grad() drops the waiting gradients")
         if self.dp is not None:
             self._dp_begin_backward()
         scale = self.scaler.scale / self.config.gradient_accumulation_steps
         scaled = loss.float() * scale if scale != 1.0 else loss
         self._count(True)
+        self._hooks.set_engine_backward(True)
         try:
             try:
                 scaled.backward()
@@ -691,12 +962,13 @@ class Engine:
                 self._dp_broken = "a backward on this rank failed"
                 self._dp_flight.clear()
                 raise
-            if self._accumulating:
-                # The gradients this backward landed are dropped (their slots
-                # get their weights back); earlier micro-batches' sums stay.
-                self._drop_landed_gradients()
+            # The gradients this backward landed are dropped (their slots get
+            # their weights back; a step on part of them would be wrong);
+            # earlier micro-batches' sums stay.
+            self._drop_landed_gradients()
             raise
         finally:
+            self._hooks.set_engine_backward(False)
             self._count(False)
         try:
             with _dtr.outside():
@@ -737,6 +1009,7 @@ class Engine:
     def zero_grad(self):
         """Drops pending gradients (those in 16-bit slots are restored from
         fp32) and the gradient sums of an unfinished accumulation."""
+        self._hooks.take_backward_ended()  # (a loss.backward() whose gradients go now)
         self._drop_landed_gradients()
         summed = [r for r in self.records if r.accumulated]
         if summed:
@@ -1044,6 +1317,7 @@ class Engine:
 
     def step(self):
         """The optimizer step, at gradient accumulation boundaries (as DeepSpeed)."""
+        self._settle_raw_backward()
         if self.micro_steps == 0 or not self.is_gradient_accumulation_boundary():
             return
         with self.dtr.weights_change():
@@ -1051,6 +1325,13 @@ class Engine:
 
     def _step(self):
         self._dp_check()
+        # Parameters still attached from a backward run without
+        # engine.backward (loss.backward()), or read outside any forward; and
+        # the simulated device's meter, which engine.backward would have
+        # stopped.
+        with _dtr.outside():
+            self._hooks.end_backward()
+        self._count(False)
         accumulating = self._accumulating
         pending = [r for r in self.records if r.accumulated] if accumulating else self._landed()
         # Data parallel: the update runs where the masters are; every rank

@@ -1,0 +1,141 @@
+"""Live engines, and the torch APIs that would do nothing to their parameters.
+
+Note [Torch APIs that see no gradients]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+A gradient that lands goes into its parameter's 16-bit slot in a chunk and
+param.grad is set to None (Note [One call per hook] in hooks/module_hooks.h).
+A torch optimizer over the engine's parameters then steps nothing, and
+torch.nn.utils.clip_grad_norm_ clips nothing and returns 0: the script
+trains without its clipping, or without training at all, and says nothing.
+DeepSpeed ZeRO behaves the same and documents the config's optimizer and
+gradient_clipping instead. While an engine lives, tidal refuses both with a
+UsageError naming the parameter and the config key to use:
+  * every torch.optim.Optimizer step passes a global step pre-hook
+    (torch.optim.optimizer.register_optimizer_step_pre_hook) that looks its
+    parameters up among the live engines' (the verdict is kept per optimizer
+    and its group sizes, so an unrelated optimizer pays one lookup per step);
+  * torch.nn.utils.clip_grad_norm_ and clip_grad_value_ are wrapped where
+    torch.nn.utils and torch.nn.utils.clip_grad hold them (a script that
+    imported the function itself before tidal was imported keeps torch's).
+Installed when the first engine is made; each check costs nothing once no
+engine is alive.
+"""
+from __future__ import annotations
+
+import functools
+import gc
+import weakref
+
+import torch
+
+from .errors import UsageError
+
+__all__ = ["engine_of", "install", "register"]
+
+_LIVE: "weakref.WeakSet" = weakref.WeakSet()
+_installed = False
+_verdicts: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def register(engine) -> None:
+    install()
+    _LIVE.add(engine)
+
+
+def unregister(engine) -> None:
+    _LIVE.discard(engine)
+
+
+def _record_of(p):
+    """(engine, record) of the live engine that trains parameter `p`, or None."""
+    for engine in list(_LIVE):
+        r = engine._record_of_param(p)
+        if r is not None:
+            return engine, r
+    return None
+
+
+def engine_of(p, collect: bool = True):
+    """The live engine that trains parameter `p`, or None. An engine the user
+    dropped may wait in a reference cycle: with `collect`, one collection is
+    run before answering yes."""
+    hit = _record_of(p)
+    if hit is not None and collect:
+        gc.collect()
+        hit = _record_of(p)
+    return None if hit is None else hit[0]
+
+
+def install() -> None:
+    global _installed
+    if _installed:
+        return
+    _installed = True
+    from torch.optim.optimizer import register_optimizer_step_pre_hook
+    register_optimizer_step_pre_hook(_optimizer_step)
+    import torch.nn.utils.clip_grad as clip_grad
+    for name in ("clip_grad_norm_", "clip_grad_value_"):
+        original = getattr(clip_grad, name)
+        guarded = _clip_guard(original, name)
+        setattr(clip_grad, name, guarded)
+        if getattr(torch.nn.utils, name, None) is original:
+            setattr(torch.nn.utils, name, guarded)
+
+
+def _managed(params):
+    """The (engine, record) of the first trainable parameter of `params` a live
+    engine trains, or None."""
+    if not _LIVE:
+        return None
+    for p in params:
+        if isinstance(p, torch.Tensor):
+            hit = _record_of(p)
+            if hit is not None and hit[1].trainable:
+                return hit
+    return None
+
+
+def _optimizer_step(optimizer, args, kwargs):
+    if not _LIVE:
+        return
+    shape = tuple(len(g["params"]) for g in optimizer.param_groups)
+    seen = _verdicts.get(optimizer)
+    if seen is not None and seen[0] == shape and seen[1] is None:
+        return
+    hit = _managed(p for g in optimizer.param_groups for p in g["params"])
+    _verdicts[optimizer] = (shape, None if hit is None else True)
+    if hit is None:
+        return
+    _, record = hit
+    raise UsageError(
+        f"{type(optimizer).__module__}.{type(optimizer).__name__}.step() would update parameters "
+        f"that tidal trains (e.g. '{record.name}'): tidal keeps their gradients in its chunks "
+        f"until engine.step() and param.grad stays None, so this step would change nothing. "
+        f"engine.step() updates them with the optimizer of the config's \"optimizer\" block "
+        f"(as DeepSpeed's engine.step() uses the config's optimizer); give a torch optimizer "
+        f"only parameters outside the model passed to tidal.initialize")
+
+
+def _clip_guard(original, name):
+    @functools.wraps(original)
+    def guarded(parameters, *args, **kwargs):
+        if _LIVE:
+            if isinstance(parameters, torch.Tensor):
+                parameters = [parameters]
+            else:
+                parameters = list(parameters)
+            hit = _managed(parameters)
+            if hit is not None:
+                _, record = hit
+                raise UsageError(
+                    f"torch.nn.utils.{name} over parameters that tidal trains (e.g. "
+                    f"'{record.name}'): tidal keeps their gradients in its chunks until "
+                    f"engine.step() and param.grad is None, so it would clip nothing"
+                    f"{' and return 0' if name == 'clip_grad_norm_' else ''}. Set "
+                    f"\"gradient_clipping\": <max norm> in the config instead (as DeepSpeed "
+                    f"does): engine.step() clips by the global norm of all gradients, which "
+                    f"engine.get_global_grad_norm() returns after the step")
+        return original(parameters, *args, **kwargs)
+
+    guarded.__wrapped_by_tidal__ = True
+    return guarded
