@@ -204,6 +204,7 @@ def _write_meta(engine, tmp: pathlib.Path, tag, entries, steps, files: dict, rng
         "steps": steps,
         "engine": {"global_steps": engine.global_steps, "micro_steps": engine.micro_steps,
                    "skipped_steps": engine.skipped_steps, "lr": engine.lr},
+        "param_groups": engine._group_state(),
         "loss_scaler": engine.scaler.state_dict(),
         "loss_scaler_type": type(engine.scaler).__name__,
         "lr_scheduler": engine.lr_scheduler.state_dict() if engine.lr_scheduler else None,
@@ -255,6 +256,31 @@ def _find(load_dir, tag) -> "pathlib.Path | None":
     return path
 
 
+def _check_groups(engine, saved, path) -> None:
+    """The checkpoint's parameter groups hold the same parameters as the
+    engine's (Note [Parameter groups]); checked before anything is loaded."""
+    if saved is None:
+        return  # (a checkpoint from before parameter groups: one group)
+    mine = engine._group_state()
+    theirs = [sorted(g["params"]) for g in saved]
+    ours = [sorted(g["params"]) for g in mine]
+    if theirs != ours:
+        raise CheckpointError(
+            f"load_checkpoint: {path} was saved with {len(theirs)} parameter group(s) of "
+            f"{[len(t) for t in theirs]} parameters, the engine has {len(ours)} of "
+            f"{[len(o) for o in ours]}; pass the same model_parameters to tidal.initialize, or "
+            f"load_optimizer_states=False")
+
+
+def _load_groups(engine, saved, path) -> None:
+    if saved is None:
+        return
+    for group, g in zip(engine.optimizer.param_groups, saved, strict=True):
+        for key in ("lr", "initial_lr", "weight_decay", "eps"):
+            group[key] = float(g[key])
+        group["betas"] = tuple(float(b) for b in g["betas"])
+
+
 def load_checkpoint(engine, load_dir, tag=None, load_optimizer_states=True,
                     load_lr_scheduler_states=True):
     """Returns (path, client_state); (None, None) when there is no checkpoint."""
@@ -299,6 +325,8 @@ def load_checkpoint(engine, load_dir, tag=None, load_optimizer_states=True,
     except Exception as e:  # noqa: BLE001 -- any unpickling failure is a corrupt file
         raise CheckpointError(f"load_checkpoint: {path / _EXTRA} is unreadable or corrupt: {e}") from None
 
+    if load_optimizer_states:
+        _check_groups(engine, meta.get("param_groups"), path)
     by_name = {r.name: r for r in engine.records}
     wanted = set(SLOT_KINDS) if load_optimizer_states else {PARAM16, PARAM32}
     chunks, store = engine.chunks, engine.store
@@ -343,6 +371,7 @@ def load_checkpoint(engine, load_dir, tag=None, load_optimizer_states=True,
         for name, step in meta["steps"].items():
             by_name[name].step = int(step)
         engine.scaler.load_state_dict(meta["loss_scaler"])
+        _load_groups(engine, meta.get("param_groups"), path)
     eng = meta["engine"]
     engine.global_steps = int(eng["global_steps"])
     engine.micro_steps = int(eng["micro_steps"])

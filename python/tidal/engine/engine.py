@@ -57,6 +57,7 @@ from . import checkpoint as _checkpoint
 from . import external as _external
 from . import guards as _guards
 from . import hooks as _hooks
+from . import param_groups as _param_groups
 from .dtr_link import DtrLink
 from .errors import UnsupportedModelError, UsageError
 from .loss_scaler import DynamicLossScaler, StaticLossScaler
@@ -107,7 +108,7 @@ _PER_MACHINE_KEYS = frozenset({"device_memory_budget", "host_memory_budget", "de
 class Engine:
     """Trains `module` with its model states in chunks. Build with tidal.initialize()."""
 
-    def __init__(self, model: torch.nn.Module, config=None):
+    def __init__(self, model: torch.nn.Module, config=None, model_parameters=None):
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"tidal.initialize expects a torch.nn.Module, got {type(model).__name__}")
         params = list(model.parameters())
@@ -131,6 +132,12 @@ class Engine:
                              "pass the same config to tidal.initialize, or none")
         else:
             cfg = self.config = store.config
+        # Note [Parameter groups]: before registration, which freezes the
+        # parameters in no group.
+        groups, group_of = _param_groups.build_groups(
+            model, model_parameters, cfg, lambda p: id(p) in store.by_param)
+        self.optimizer = _param_groups.OptimizerView(groups)
+        self._group_of = group_of
         # Gradient sums in chunks (Note [Gradient sums in chunks] in cpu_adam/adam.h).
         self._accumulating = cfg.gradient_accumulation_steps > 1
         # The config's activation_checkpointing / tidal.recompute block: the
@@ -223,6 +230,8 @@ class Engine:
         self.records = [r for r in store.records if id(r) in mine]
         self._record_set = set(self.records)
         self._record_list = list(self.records)
+        for r in self.records:
+            r.group = self._group_of.get(id(r.param), 0)
         self._record_index = {id(r): i for i, r in enumerate(self._record_list)}
         store.flush_warnings()
         # Buffers are ordinary tensors on the compute device (16-bit like the
@@ -336,7 +345,7 @@ class Engine:
                 finally:
                     c.release(r.id, PARAM16, HOLD)
         self.dp.check_same({"config": raw, "model and chunk layout": layout,
-                            "initial weights": weights})
+                            "parameter groups": self._group_state(), "initial weights": weights})
         # The unit of the gradient reductions: each chunk's trainable records,
         # reduced in one fixed order by every rank (the last chunk first, as
         # backward reaches them), so the ranks' collectives match whenever
@@ -509,6 +518,11 @@ class Engine:
             with _dtr.outside():
                 _checkpoint._write_param(self, record, value)
             state[key] = value.new_empty(0)
+
+    def _group_state(self) -> list:
+        """The parameter groups as a checkpoint keeps them (Note [Parameter groups])."""
+        return _param_groups.state(self.optimizer.param_groups,
+                                   lambda p: self.store.by_param[id(p)].name)
 
     def _record_of_param(self, p):
         """The record of parameter `p` if this engine trains it, else None."""
@@ -1393,10 +1407,13 @@ class Engine:
         return not overflow
 
     def apply_lr_schedule(self):
-        """lr (and OneCycle's betas) for the next step from the LR scheduler's position."""
+        """lr (and OneCycle's betas) for the next step from the LR scheduler's
+        position, for every parameter group in proportion (Note [Parameter groups])."""
         if self.lr_scheduler is not None:
             self.lr = self.lr_scheduler.get_lr()
-            self.betas = self.lr_scheduler.get_betas() or self.config.betas
+            betas = self.lr_scheduler.get_betas()
+            self.betas = betas or self.config.betas
+            _param_groups.apply_schedule(self.optimizer.param_groups, self.lr, self.config.lr, betas)
 
     def _relayout(self):
         """After the warm-up step: chunks in first-use order (Note [Chunks in first-use order])."""
@@ -1543,7 +1560,6 @@ class Engine:
 
     def _adam_update(self, chunk, recs, grad_scale: float, kinds, host_short: bool):
         cfg, c = self.config, self.chunks
-        b1, b2 = self.betas
         # Hybrid Adam: on the device when it has room.
         on_device = self._update_on_device(chunk, kinds, host_short, cfg.hybrid_adam)
         space = DEVICE if on_device else HOST
@@ -1556,7 +1572,9 @@ class Engine:
         if space == HOST or self._device_adam_kernel == "simd" or cfg.bias_correction:
             self._adam_chunk(chunk, recs, grad_scale, space, (PARAM16,) + kinds)
             return
+        groups = self.optimizer.param_groups
         for r in recs:
+            group = groups[r.group]
             r.step += 1
             g16 = c.access(r.id, PARAM16, space, [r.numel])
             w = c.access(r.id, PARAM32, space, [r.numel])
@@ -1565,16 +1583,17 @@ class Engine:
             # The gradient sum (accumulation) or the 16-bit slot.
             grad = c.access(r.id, GRAD32, space, [r.numel]) if self._accumulating else g16
             if space == HOST:
+                b1, b2 = group["betas"]
                 _C.cpu_adam.adam_update(
                     w, m, v, grad, g16 if self.precision != "fp32" else None,
-                    step=r.step, lr=self.lr, beta1=b1, beta2=b2, eps=cfg.eps,
-                    weight_decay=cfg.weight_decay, adamw_mode=cfg.adam_w_mode,
+                    step=r.step, lr=group["lr"], beta1=b1, beta2=b2, eps=group["eps"],
+                    weight_decay=group["weight_decay"], adamw_mode=cfg.adam_w_mode,
                     bias_correction=cfg.bias_correction, grad_scale=grad_scale,
                     num_threads=cfg.cpu_adam_threads)
                 if self.precision == "fp32":
                     g16.copy_(w)
             else:
-                self._device_adam(w, m, v, grad.to(w.device), r.step, grad_scale)
+                self._device_adam(w, m, v, grad.to(w.device), r.step, grad_scale, group)
                 g16.copy_(w)
             for kind in (PARAM16,) + kinds:
                 c.release(r.id, kind, HOLD)
@@ -1601,24 +1620,32 @@ class Engine:
                 held.append(kind)
             for r in recs:
                 r.step += 1
-            ranges = [(c.placement(r.id)[1], r.numel) for r in recs]
             views = [c.chunk_view(chunk, k) for k in (PARAM32, MOMENTUM, VARIANCE, PARAM16)]
             sums = c.chunk_view(chunk, GRAD32) if GRAD32 in kinds else None
-            b1, b2 = self.betas
-            if space == HOST or self._device_adam_kernel == "simd":
-                _C.cpu_adam.adam_chunk_step(
-                    *views, ranges, step=[r.step for r in recs],
-                    lr=self.lr, beta1=b1, beta2=b2, eps=cfg.eps, weight_decay=cfg.weight_decay,
-                    adamw_mode=cfg.adam_w_mode, bias_correction=cfg.bias_correction,
-                    loss_scale=1.0 / grad_scale, max_grad_norm=0.0, check_overflow=False,
-                    grad=sums, num_threads=cfg.cpu_adam_threads)
-            else:
-                self._fused_chunk_step(views, ranges, [r.step for r in recs], grad_scale, sums)
+            # One call per parameter group in the chunk (Note [Parameter groups]).
+            by_group = collections.defaultdict(list)
+            for r in recs:
+                by_group[r.group].append(r)
+            for gi, members in sorted(by_group.items()):
+                group = self.optimizer.param_groups[gi]
+                ranges = [(c.placement(r.id)[1], r.numel) for r in members]
+                steps = [r.step for r in members]
+                if space == HOST or self._device_adam_kernel == "simd":
+                    b1, b2 = group["betas"]
+                    _C.cpu_adam.adam_chunk_step(
+                        *views, ranges, step=steps,
+                        lr=group["lr"], beta1=b1, beta2=b2, eps=group["eps"],
+                        weight_decay=group["weight_decay"],
+                        adamw_mode=cfg.adam_w_mode, bias_correction=cfg.bias_correction,
+                        loss_scale=1.0 / grad_scale, max_grad_norm=0.0, check_overflow=False,
+                        grad=sums, num_threads=cfg.cpu_adam_threads)
+                else:
+                    self._fused_chunk_step(views, ranges, steps, grad_scale, group, sums)
         finally:
             for kind in held:
                 c.release(first.id, kind, HOLD)
 
-    def _fused_chunk_step(self, views, ranges, steps, grad_scale: float, sums=None):
+    def _fused_chunk_step(self, views, ranges, steps, grad_scale: float, group, sums=None):
         """torch's fused Adam/AdamW over the tensors of one device chunk, in
         groups of at most a quarter of the chunk (the fp32 copies of 16-bit
         gradients are temporary device memory), then the 16-bit write-back.
@@ -1627,7 +1654,7 @@ class Engine:
         (torch's fused kernels always correct)."""
         cfg = self.config
         w, m, v, h = views
-        b1, b2 = self.betas
+        b1, b2 = group["betas"]
         fused = torch._fused_adamw_ if cfg.adam_w_mode else torch._fused_adam_
         step_of = torch.tensor(steps, dtype=torch.float32, device=w.device).unbind()
         group_cap = max(1, w.numel() // 4)
@@ -1647,23 +1674,24 @@ class Engine:
             if grad_scale != 1.0:
                 torch._foreach_mul_(grads, grad_scale)  # temporaries, or slots overwritten below
             fused(ws, grads, [m[o:o + n] for o, n in group], [v[o:o + n] for o, n in group], [],
-                  list(step_of[start:end]), amsgrad=False, lr=self.lr, beta1=b1, beta2=b2,
-                  weight_decay=cfg.weight_decay, eps=cfg.eps, maximize=False)
+                  list(step_of[start:end]), amsgrad=False, lr=group["lr"], beta1=b1, beta2=b2,
+                  weight_decay=group["weight_decay"], eps=group["eps"], maximize=False)
             torch._foreach_copy_(hs, ws)
             start = end
 
-    def _device_adam(self, w, m, v, g, step, grad_scale):
+    def _device_adam(self, w, m, v, g, step, grad_scale, group):
         """torch.optim.AdamW's single-tensor update on device tensors."""
         cfg = self.config
-        b1, b2 = self.betas
+        b1, b2 = group["betas"]
+        lr, wd, eps = group["lr"], group["weight_decay"], group["eps"]
         g = g.float()
         if grad_scale != 1.0:
             g = g * grad_scale
-        if cfg.weight_decay:
+        if wd:
             if cfg.adam_w_mode:
-                w.mul_(1 - self.lr * cfg.weight_decay)
+                w.mul_(1 - lr * wd)
             else:
-                g = g.add(w, alpha=cfg.weight_decay)
+                g = g.add(w, alpha=wd)
         m.lerp_(g, 1 - b1)
         v.mul_(b2).addcmul_(g, g, value=1 - b2)
         if cfg.bias_correction:
@@ -1671,8 +1699,8 @@ class Engine:
             bc2 = 1 - b2 ** step
         else:
             bc1 = bc2 = 1.0
-        denom = (v.sqrt() / math.sqrt(bc2)).add_(cfg.eps)
-        w.addcdiv_(m, denom, value=-self.lr / bc1)
+        denom = (v.sqrt() / math.sqrt(bc2)).add_(eps)
+        w.addcdiv_(m, denom, value=-lr / bc1)
 
     # ---------------------------------------------------------- checkpoints
     def save_checkpoint(self, save_dir, tag=None, client_state=None, save_latest=True):
@@ -1834,9 +1862,16 @@ def _merge_stats(now: dict, retired: "dict | None") -> dict:
     return out
 
 
-def initialize(model: torch.nn.Module, config=None) -> Engine:
+def initialize(model: torch.nn.Module, config=None, model_parameters=None) -> Engine:
     """Puts `model`'s parameters into chunks and returns the Engine that trains it.
 
-    config: a dict, a path to a JSON file, or a tidal.Config (see docs/config.md).
+    Args:
+        model: the model (an nn.Module).
+        config: a dict, a path to a JSON file, or a tidal.Config.
+        model_parameters: as deepspeed.initialize's: None (every parameter
+            with requires_grad trains, with the config's optimizer settings),
+            an iterable of parameters (only those train), or torch-style
+            parameter groups ([{"params": [...], "weight_decay": 0.0},
+            {"params": [...], "lr": 1e-4}]; Note [Parameter groups]).
     """
-    return Engine(model, config)
+    return Engine(model, config, model_parameters)
