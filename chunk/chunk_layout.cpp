@@ -16,7 +16,7 @@ ChunkLayout::ChunkLayout(std::size_t chunk_elements, std::size_t alignment_eleme
               alignment_elements, " elements), got ", chunk_elements, " elements");
 }
 
-TensorPlacement ChunkLayout::append(std::size_t numel) {
+TensorPlacement ChunkLayout::append(std::size_t numel, std::uint8_t pool) {
   TIDAL_CHECK(numel > 0, "chunk layout: tensor ", placements_.size(),
               " has 0 elements; only non-empty tensors are placed in chunks");
   TIDAL_CHECK(numel <= std::numeric_limits<std::size_t>::max() - alignment_,
@@ -32,21 +32,25 @@ TensorPlacement ChunkLayout::append(std::size_t numel) {
     extent.capacity = capacity;
     extent.first_tensor = tensor;
     extent.dedicated = dedicated;
+    extent.pool = pool;
     extents_.push_back(extent);
     total_capacity_ += capacity;
     if (dedicated) ++dedicated_chunks_;
     return static_cast<ChunkIndex>(extents_.size() - 1);
   };
 
+  if (open_.size() <= pool) open_.resize(std::size_t{pool} + 1, kNoChunk);
   if (numel > chunk_elements_) {
     placement.chunk = open_chunk(round_up(numel, alignment_), /*dedicated=*/true);
     placement.offset = 0;
+    open_[pool] = kNoChunk;  // the pool's next tensor opens a new chunk: first-use order
   } else {
     bool placed = false;
-    if (!extents_.empty() && !extents_.back().dedicated) {
-      const std::size_t offset = round_up(extents_.back().used, alignment_);
-      if (offset + numel <= extents_.back().capacity) {
-        placement.chunk = static_cast<ChunkIndex>(extents_.size() - 1);
+    if (open_[pool] != kNoChunk) {
+      const ChunkExtent& open = extents_[open_[pool]];
+      const std::size_t offset = round_up(open.used, alignment_);
+      if (offset + numel <= open.capacity) {
+        placement.chunk = open_[pool];
         placement.offset = offset;
         placed = true;
       }
@@ -54,6 +58,7 @@ TensorPlacement ChunkLayout::append(std::size_t numel) {
     if (!placed) {
       placement.chunk = open_chunk(chunk_elements_, /*dedicated=*/false);
       placement.offset = 0;
+      open_[pool] = placement.chunk;
     }
   }
   ChunkExtent& extent = extents_[placement.chunk];

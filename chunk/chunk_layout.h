@@ -15,18 +15,33 @@
 // bytes differ (2 per element in the 16-bit list, 4 in the fp32 lists).
 //
 // Placement (append in registration order, which is first-use order):
-// * The next tensor goes into the last chunk at the first offset that is a
-//   multiple of alignment_elements, if it fits there.
-// * Otherwise a new chunk of chunk_elements opens and the tensor sits at 0.
+// * Every tensor belongs to a pool (Note [Pools keep frozen tensors apart]);
+//   each pool has at most one open chunk, the last regular chunk opened for it.
+// * The next tensor goes into its pool's open chunk at the first offset that
+//   is a multiple of alignment_elements, if it fits there.
+// * Otherwise a new chunk of chunk_elements opens for its pool and the tensor
+//   sits at 0.
 // * A tensor larger than chunk_elements gets a dedicated chunk sized to it
 //   (rounded up to the alignment). Nothing else joins a dedicated chunk: the
-//   next tensor opens a new regular chunk, so chunk order stays first-use
-//   order.
+//   pool's next tensor opens a new regular chunk, so chunk order stays
+//   first-use order in each pool.
+//
+// Note [Pools keep frozen tensors apart]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// A frozen parameter needs only its 16-bit slot, a trainable one all four
+// slots. Chunks are allocated whole in every list a tensor of theirs uses,
+// so one trainable tensor in a chunk of frozen ones costs the chunk's fp32
+// master, momentum and variance in full: a LoRA model, whose small adapters
+// sit between the frozen weights of every layer, would pay 14 bytes per
+// parameter of its base. The engine puts trainable and frozen tensors in
+// different pools, so they never share a chunk: a frozen chunk costs 2 bytes
+// per element and nothing in the other lists.
 // The chunk-size advisor runs this same code over candidate sizes, so its
 // waste figure is the waste the store will have.
 #pragma once
 
 #include <cstddef>
+#include <cstdint>
 #include <vector>
 
 #include "chunk/chunk_id.h"
@@ -41,6 +56,7 @@ struct TensorPlacement {
 
 struct ChunkExtent {
   std::size_t capacity = 0;  // elements
+  std::uint8_t pool = 0;     // Note [Pools keep frozen tensors apart]
   std::size_t used = 0;      // elements up to the end of the last tensor
   TensorId first_tensor = kNoTensor;
   std::size_t num_tensors = 0;
@@ -53,8 +69,9 @@ class ChunkLayout {
   // must be a power of two; ValueError otherwise.
   ChunkLayout(std::size_t chunk_elements, std::size_t alignment_elements);
 
-  // Places a tensor of `numel` (> 0) elements after every tensor placed so far.
-  TensorPlacement append(std::size_t numel);
+  // Places a tensor of `numel` (> 0) elements of pool `pool` after every
+  // tensor placed so far (Note [Pools keep frozen tensors apart]).
+  TensorPlacement append(std::size_t numel, std::uint8_t pool = 0);
 
   std::size_t chunk_elements() const { return chunk_elements_; }
   std::size_t alignment_elements() const { return alignment_; }
@@ -80,6 +97,9 @@ class ChunkLayout {
   std::size_t total_numel_ = 0;
   std::size_t total_capacity_ = 0;
   std::size_t dedicated_chunks_ = 0;
+  // Each pool's open chunk (kNoChunk: none).
+  static constexpr ChunkIndex kNoChunk = static_cast<ChunkIndex>(-1);
+  std::vector<ChunkIndex> open_;
 };
 
 constexpr std::size_t round_up(std::size_t value, std::size_t multiple) {

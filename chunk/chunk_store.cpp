@@ -53,7 +53,7 @@ ChunkStore::ChunkStore(const ChunkStoreOptions& options)
              ChunkList(ChunkKind::kVariance, DType::kFloat32),
              ChunkList(ChunkKind::kGradAccum, DType::kFloat32)} {}
 
-TensorId ChunkStore::register_tensor(std::string name, std::size_t numel) {
+TensorId ChunkStore::register_tensor(std::string name, std::size_t numel, std::uint8_t pool) {
   TIDAL_CHECK(!name.empty(), "chunk store: a tensor needs a non-empty name (tensor ",
               names_.size(), ", ", numel, " elements)");
   TIDAL_CHECK(ids_by_name_.find(name) == ids_by_name_.end(), "chunk store: tensor '", name,
@@ -62,7 +62,7 @@ TensorId ChunkStore::register_tensor(std::string name, std::size_t numel) {
   TIDAL_CHECK(numel > 0, "chunk store: tensor '", name,
               "' has 0 elements; only non-empty tensors are placed in chunks");
   const std::size_t chunks_before = layout_.num_chunks();
-  const TensorPlacement placement = layout_.append(numel);
+  const TensorPlacement placement = layout_.append(numel, pool);
   const auto tensor = static_cast<TensorId>(names_.size());
   const ChunkExtent& extent = layout_.extent(placement.chunk);
 

@@ -66,7 +66,9 @@ class ChunkStore {
   // Appends a tensor of `numel` (> 0) elements after all registered ones; its
   // slots start FREE in every list. `name` must be non-empty and unique. A
   // tensor larger than the chunk size gets a dedicated chunk and a warning.
-  TensorId register_tensor(std::string name, std::size_t numel);
+  // Tensors of different pools never share a chunk (Note [Pools keep frozen
+  // tensors apart] in chunk_layout.h).
+  TensorId register_tensor(std::string name, std::size_t numel, std::uint8_t pool = 0);
 
   std::size_t num_tensors() const { return names_.size(); }
   // Chunks per list (every list has the same number).

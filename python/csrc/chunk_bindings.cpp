@@ -438,9 +438,10 @@ Python thread drives a Chunks object.)doc");
            py::arg("prefetch_depth") = 4, py::arg("policy") = "opt",
            py::arg("pin_host_memory") = true, py::arg("compute_stream") = py::none(),
            py::arg("torch_device") = "cpu", py::arg("host_reserve") = 0)
-      .def("register", [](Chunks& c, std::string name, std::size_t numel) {
-             return c.scheduler().register_tensor(std::move(name), numel);
-           }, py::arg("name"), py::arg("numel"))
+      .def("register", [](Chunks& c, std::string name, std::size_t numel, std::uint8_t pool) {
+             return c.scheduler().register_tensor(std::move(name), numel, pool);
+           }, py::arg("name"), py::arg("numel"), py::arg("pool") = 0,
+           "Tensors of different pools never share a chunk (Note [Pools keep frozen tensors apart]).")
       // Note [Chunk calls release the GIL]: access, release, set_state,
       // set_budget and end_step (and ModuleHooks' hooks) may wait for a copy
       // (a fence of a chunk in flight, an eviction's write-back); they run

@@ -76,8 +76,8 @@ ChunkScheduler::~ChunkScheduler() {
   guarded([&] { d2h_stream_->synchronize(); });
 }
 
-TensorId ChunkScheduler::register_tensor(std::string name, std::size_t numel) {
-  const TensorId tensor = store_.register_tensor(std::move(name), numel);
+TensorId ChunkScheduler::register_tensor(std::string name, std::size_t numel, std::uint8_t pool) {
+  const TensorId tensor = store_.register_tensor(std::move(name), numel, pool);
   sync_slots();
   return tensor;
 }

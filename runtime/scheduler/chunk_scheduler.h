@@ -167,7 +167,7 @@ class ChunkScheduler {
 
   // Registers a tensor in the store (ChunkStore::register_tensor); allowed
   // at any time, e.g. while a model is built straight into chunks.
-  TensorId register_tensor(std::string name, std::size_t numel);
+  TensorId register_tensor(std::string name, std::size_t numel, std::uint8_t pool = 0);
   // The store's warning channel (ChunkStore::set_warning_handler, take_warnings).
   void set_warning_handler(WarningHandler handler) { store_.set_warning_handler(std::move(handler)); }
   std::vector<std::string> take_warnings() { return store_.take_warnings(); }

@@ -1664,16 +1664,16 @@ class Engine:
             while end < len(ranges) and (end == start or size + ranges[end][1] <= group_cap):
                 size += ranges[end][1]
                 end += 1
-            group = ranges[start:end]
-            ws = [w[o:o + n] for o, n in group]
-            hs = [h[o:o + n] for o, n in group]
+            part = ranges[start:end]
+            ws = [w[o:o + n] for o, n in part]
+            hs = [h[o:o + n] for o, n in part]
             if sums is not None:
-                grads = [sums[o:o + n] for o, n in group]
+                grads = [sums[o:o + n] for o, n in part]
             else:
                 grads = hs if h.dtype == torch.float32 else [g.float() for g in hs]
             if grad_scale != 1.0:
                 torch._foreach_mul_(grads, grad_scale)  # temporaries, or slots overwritten below
-            fused(ws, grads, [m[o:o + n] for o, n in group], [v[o:o + n] for o, n in group], [],
+            fused(ws, grads, [m[o:o + n] for o, n in part], [v[o:o + n] for o, n in part], [],
                   list(step_of[start:end]), amsgrad=False, lr=group["lr"], beta1=b1, beta2=b2,
                   weight_decay=group["weight_decay"], eps=group["eps"], maximize=False)
             torch._foreach_copy_(hs, ws)

@@ -71,6 +71,12 @@ def slot_kinds(record: "ParamRecord") -> tuple:
     return SLOT_KINDS if record.trainable else (PARAM16,)
 
 
+def _pool(trainable: bool) -> int:
+    """Trainable and frozen parameters never share a chunk (Note [Pools keep
+    frozen tensors apart] in chunk/chunk_layout.h)."""
+    return 0 if trainable else 1
+
+
 def _held_only_by_its_record(record: "ParamRecord") -> bool:
     """True when nothing but `record` references its parameter: the model
     replaced it."""
@@ -209,7 +215,8 @@ class ParamStore:
             "relayout: the order must hold every record once"
         assert self.dp is None, "relayout would move records between data-parallel owners"
         old, new = self.chunks, self._new_chunks()
-        ids = [new.register(f"{i}:{r.name}", r.numel) for i, r in enumerate(order)]
+        ids = [new.register(f"{i}:{r.name}", r.numel, pool=_pool(r.trainable))
+               for i, r in enumerate(order)]
         new.take_warnings()  # said once, at the first registration
 
         def copy(src_chunks, src_id, dst_chunks, dst_id, r, kind, src_state):
@@ -286,7 +293,8 @@ class ParamStore:
         if param.dtype == torch.float64:
             raise TypeError(f"parameter '{name}' is float64; tidal supports float32, float16 and "
                             f"bfloat16 parameters (convert the model with .float() first)")
-        tensor_id = self.chunks.register(f"{len(self.records)}:{name}", param.numel())
+        tensor_id = self.chunks.register(f"{len(self.records)}:{name}", param.numel(),
+                                         pool=_pool(param.requires_grad))
         self._warnings.extend(self.chunks.take_warnings())  # e.g. a tensor larger than a chunk
         record = ParamRecord(param, name, tensor_id, self.chunks.placement(tensor_id)[0])
         src = param.detach().reshape(-1)

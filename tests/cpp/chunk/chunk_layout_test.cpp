@@ -61,6 +61,34 @@ TEST(ChunkLayout, OversizeTensorGetsADedicatedChunkAndClosesTheOpenOne) {
   EXPECT_FALSE(layout.extent(layout.append(64).chunk).dedicated);
 }
 
+TEST(ChunkLayout, PoolsNeverShareAChunk) {
+  // Note [Pools keep frozen tensors apart]: frozen (pool 1) and trainable
+  // (pool 0) tensors interleaved, as LoRA adapters between base weights.
+  ChunkLayout layout(64, 8);
+  const TensorPlacement base0 = layout.append(30, 1);
+  const TensorPlacement lora0 = layout.append(4, 0);
+  const TensorPlacement base1 = layout.append(30, 1);
+  const TensorPlacement lora1 = layout.append(4, 0);
+  const TensorPlacement base2 = layout.append(30, 1);  // pool 1's chunk is full: a new one
+  EXPECT_EQ(base0.chunk, 0u);
+  EXPECT_EQ(lora0.chunk, 1u);
+  EXPECT_EQ(base1.chunk, 0u);
+  EXPECT_EQ(base1.offset, 32u);
+  EXPECT_EQ(lora1.chunk, 1u);
+  EXPECT_EQ(lora1.offset, 8u);
+  EXPECT_EQ(base2.chunk, 2u);
+  EXPECT_EQ(layout.extent(0).pool, 1u);
+  EXPECT_EQ(layout.extent(1).pool, 0u);
+  EXPECT_EQ(layout.extent(2).pool, 1u);
+  EXPECT_EQ(layout.extent(0).num_tensors, 2u);
+  EXPECT_EQ(layout.extent(1).num_tensors, 2u);
+  // A dedicated chunk closes only its own pool's open chunk.
+  const TensorPlacement big = layout.append(100, 0);
+  EXPECT_TRUE(layout.extent(big.chunk).dedicated);
+  EXPECT_EQ(layout.append(4, 1).chunk, 2u);   // pool 1 goes on in its chunk
+  EXPECT_EQ(layout.append(4, 0).chunk, 4u);   // pool 0 opens a new one
+}
+
 TEST(ChunkLayout, RejectsBadSizes) {
   EXPECT_THROW(ChunkLayout(100, 32), ValueError);  // not a multiple of the alignment
   EXPECT_THROW(ChunkLayout(96, 24), ValueError);   // alignment not a power of two
