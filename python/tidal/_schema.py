@@ -20,12 +20,13 @@ from __future__ import annotations
 
 import difflib
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
 
 from . import _C
 
-__all__ = ["ConfigError", "NONE", "Rule", "check_value", "did_you_mean", "fail", "unknown_key"]
+__all__ = ["ConfigError", "NONE", "Problems", "Rule", "check_value", "did_you_mean", "fail",
+           "unknown_key"]
 
 NONE = type(None)
 
@@ -120,3 +121,69 @@ def check_block(path: str, schema: dict, given: Any, where: str = "") -> dict:
             raise unknown_key(full, key, schema, where or f"'{path}'")
         out[key] = check_value(full, schema[key][0], value)
     return out
+
+
+@dataclass
+class Problems:
+    """Every problem of one config, gathered so that one ConfigError names them all.
+
+    A check either records its message with :meth:`add` or raises a
+    ConfigError inside :meth:`at`, which records it; either way the key is
+    marked bad, so checks that build on it are skipped (:meth:`ok`) instead of
+    reporting the same mistake twice. A value "auto" that its key cannot take
+    is kept apart (:meth:`add_auto`): it is one problem however many keys have it,
+    and its message (given to :meth:`raise_if_any`) says what each one needs.
+    """
+
+    messages: list[str] = field(default_factory=list)
+    bad: set[str] = field(default_factory=set)
+    auto: list[str] = field(default_factory=list)
+
+    def add(self, path: str, message: str) -> None:
+        """Records `message` (a whole sentence naming the key) and marks `path` bad."""
+        self.messages.append(message)
+        self.bad.add(path)
+
+    def add_auto(self, path: str) -> None:
+        self.auto.append(path)
+        self.bad.add(path)
+
+    def at(self, *paths: str) -> "_Recording":
+        """A context in which a ConfigError is recorded against `paths` instead of raised."""
+        return _Recording(self, paths)
+
+    def ok(self, *paths: str) -> bool:
+        """True when no key in `paths`, nor a block above one, is bad."""
+        for path in paths:
+            parts = path.split(".")
+            if any(".".join(parts[:n]) in self.bad for n in range(1, len(parts) + 1)):
+                return False
+        return True
+
+    def raise_if_any(self, auto_message: Callable[[list[str]], str]) -> None:
+        """Raises one ConfigError listing every problem (a single one as its own message)."""
+        messages = list(self.messages)
+        if self.auto:
+            messages.append(auto_message(self.auto))
+        if not messages:
+            return
+        if len(messages) == 1:
+            raise ConfigError(messages[0])
+        lines = "\n".join(f"  - {m}".replace("\n", "\n    ") for m in messages)
+        raise ConfigError(f"the config has {len(messages)} problems:\n{lines}")
+
+
+@dataclass
+class _Recording:
+    problems: Problems
+    paths: tuple[str, ...]
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, kind, error, traceback) -> bool:
+        if isinstance(error, ConfigError):
+            self.problems.messages.append(str(error))
+            self.problems.bad.update(self.paths)
+            return True
+        return False

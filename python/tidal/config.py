@@ -1,23 +1,25 @@
 """The engine's configuration: a DeepSpeed-comparable JSON dict.
 
-Keys that mean the same as in a DeepSpeed config use DeepSpeed's names and
-semantics; what is tidal's own lives in the "tidal" section. Every key is
-checked: an unknown key is a ValueError naming the closest valid key, a
-wrong type or an out-of-range value names the key, the value and what is
-allowed, and a DeepSpeed key that tidal does not honour is reported (a
-warning saying what tidal does instead), never silently ignored.
+A DeepSpeed config means in tidal what it means in DeepSpeed 0.19.8, and a
+DeepSpeed config loads as it is. Every key DeepSpeed 0.19.8 reads is known
+here (Note [DeepSpeed's keys in a tidal config] in tidal/_deepspeed_keys.py):
+tidal honours it, or accepts it with a warning naming the key, its value and
+what tidal does instead, or, where the value asks for a training result tidal
+cannot give, rejects it saying so. What is tidal's own lives in the "tidal"
+section. A key that is neither DeepSpeed's nor tidal's is an error naming the
+closest valid key; a wrong type or an out-of-range value names the key, the
+value and what is allowed. A config's problems are listed in one ConfigError,
+not one per load; "auto" values (the Hugging Face Trainer's placeholder) are
+one problem listing every such key and what fills it (Note [The "auto"
+placeholder]).
 
     config = tidal.Config.load({"train_micro_batch_size_per_gpu": 4,
                                 "fp16": {"enabled": True},
                                 "tidal": {"device_memory_budget": "6GB"}})
-
-Besides tidal's own keys, the schema accepts the DeepSpeed keys that
-DeepSpeed's tutorial configs use (ZeRO, communication and profiling
-switches), so such a config loads as it is; each one tidal does not honour
-is named in one warning per reason (Note [Keys tidal does not honour]).
 """
 from __future__ import annotations
 
+import copy
 import json
 import math
 import os
@@ -26,48 +28,63 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
-from ._schema import NONE as _NONE
-from ._schema import ConfigError, check_value, fail, unknown_key
 from . import data_parallel as _dp
+from ._deepspeed_keys import (DEEPSPEED_SCHEMA, NOT_HONOURED, NOT_HONOURED_ERRORS,
+                              NOT_READ_BY_DEEPSPEED, NULLABLE_BLOCKS, REMOVED)
+from ._schema import NONE as _NONE
+from ._schema import ConfigError, Problems, check_value, did_you_mean, unknown_key
 from .dtr import validate_config as _validate_dtr
 from .lr_schedules import PARAMS as _SCHEDULER_PARAMS
 from .lr_schedules import REQUIRED
 from .recompute import validate_config as _validate_recompute
 
-__all__ = ["Config", "ConfigError", "SCHEMA"]
+__all__ = ["AUTO_FILLED_BY", "Config", "ConfigError", "SCHEMA"]
 
 
 # ---------------------------------------------------------------------------
 # The schema: key -> (kind, default, doc). kind is a type tuple, "bytes", a
-# tuple of choices (strings), or a nested dict. Documented in docs/config.md.
+# tuple of choices (strings), a Rule, or a nested dict (see tidal._schema).
+# The keys tidal acts on are here; DeepSpeed's others are merged in from
+# tidal._deepspeed_keys. Documented in README.md, "Configuration".
 # ---------------------------------------------------------------------------
+
+# optimizer.params: the keyword arguments of every class DeepSpeed may build
+# for "Adam"/"AdamW", and the keys it pops first (Note [Optimizer types as
+# DeepSpeed resolves them]).
 _OPTIMIZER_PARAMS = {
     "lr": ((float, int), 1e-3, "learning rate"),
     "betas": ((list, tuple), [0.9, 0.999], "Adam's (beta1, beta2)"),
     "eps": ((float, int), 1e-8, "Adam's epsilon"),
-    "weight_decay": ((float, int), 0.0, "weight decay (decoupled for AdamW)"),
-    "adam_w_mode": (bool, None, "AdamW (decoupled) weight decay; default by type"),
+    "weight_decay": ((float, int, _NONE), None, "weight decay; default that of the class "
+                                                "DeepSpeed builds (0, or 0.01 for torch's AdamW)"),
+    "adam_w_mode": (bool, True, "decoupled (AdamW) weight decay for type Adam; DeepSpeed's "
+                                "default true"),
     "bias_correction": (bool, True, "Adam's bias correction"),
+    "torch_adam": (bool, False, "DeepSpeed: build torch.optim.Adam(W) (same update rule)"),
+    "fp32_optimizer_states": ((bool, _NONE), None, "DeepSpeed's CPU Adam: fp32 m and v"),
+    "amsgrad": (bool, False, "the AMSGrad variant (not supported)"),
+    "set_grad_none": (bool, True, "DeepSpeed's FusedAdam: zero_grad sets None"),
+    "foreach": ((bool, _NONE), None, "torch's optimizer implementation switch"),
+    "fused": ((bool, _NONE), None, "torch's optimizer implementation switch"),
+    "capturable": (bool, False, "torch's optimizer implementation switch"),
+    "differentiable": (bool, False, "torch's optimizer implementation switch"),
+    "maximize": (bool, False, "gradient ascent (not supported)"),
+    "decoupled_weight_decay": (bool, False, "torch.optim.Adam's own decoupled-decay switch"),
 }
 
-_COUNT = (int, float)  # DeepSpeed's element counts; JSON configs write them as 5e8
-
-SCHEMA: dict[str, Any] = {
+_TIDAL_SCHEMA: dict[str, Any] = {
     "train_batch_size": (int, None, "samples per optimizer step (micro batch x accumulation)"),
     "train_micro_batch_size_per_gpu": (int, None, "samples per forward/backward"),
     "gradient_accumulation_steps": (int, None, "micro batches per optimizer step"),
     "gradient_clipping": ((float, int), 0.0, "clip gradients to this global L2 norm; 0 = off"),
     "steps_per_print": (int, 10, "log every N optimizer steps"),
-    "wall_clock_breakdown": (bool, False, "DeepSpeed's per-phase timers (not in tidal)"),
-    "memory_breakdown": (bool, False, "DeepSpeed's memory logging (engine.memory_report() instead)"),
-    "prescale_gradients": (bool, False, "data parallel: scale gradients before the all-reduce"),
-    "gradient_predivide_factor": ((float, int), 1.0, "data parallel: divide before the all-reduce"),
     # A permission DeepSpeed needs for client optimizers under ZeRO; tidal
     # always runs its own Adam, so either value means the same here.
     "zero_allow_untested_optimizer": (bool, False, "accepted; tidal always uses its own Adam"),
     "optimizer": {
-        "type": (("Adam", "AdamW"), "AdamW", "Adam or AdamW"),
+        "type": ((str, _NONE), None, "Adam or AdamW (any case, as DeepSpeed reads it)"),
         "params": _OPTIMIZER_PARAMS,
+        "legacy_fusion": (bool, False, "DeepSpeed's legacy fused fp16 optimizer"),
     },
     "fp16": {
         "enabled": (bool, False, "16-bit float parameters with dynamic loss scaling"),
@@ -81,41 +98,6 @@ SCHEMA: dict[str, Any] = {
         "fp16_master_weights_and_grads": (bool, False, "fp16 master weights (tidal keeps fp32)"),
     },
     "bf16": {"enabled": (bool, False, "bfloat16 parameters, no loss scaling")},
-    "zero_optimization": {
-        "stage": (int, 0, "accepted for compatibility; tidal's chunks place every state"),
-        "offload_optimizer": {
-            "device": (("cpu", "none", "nvme"), "cpu", "where optimizer states may live"),
-            "pin_memory": (bool, True, "pin host chunks"),
-            "nvme_path": ((str, _NONE), None, "NVMe offload folder (not supported)"),
-            "buffer_count": (int, 4, "NVMe offload buffers"),
-            "pipeline_read": (bool, False, "NVMe offload read pipelining"),
-            "pipeline_write": (bool, False, "NVMe offload write pipelining"),
-            "fast_init": (bool, False, "NVMe offload fast initialisation"),
-            "ratio": ((float, int), 1.0, "share of optimizer states offloaded"),
-        },
-        "offload_param": {
-            "device": (("cpu", "none", "nvme"), "cpu", "where parameters may live"),
-            "pin_memory": (bool, True, "pin host chunks"),
-            "nvme_path": ((str, _NONE), None, "NVMe offload folder (not supported)"),
-            "buffer_count": (int, 5, "NVMe offload buffers"),
-            "buffer_size": (_COUNT, 1e8, "NVMe offload buffer elements"),
-            "max_in_cpu": (_COUNT, 1e9, "parameter elements kept in host memory with NVMe"),
-        },
-        "cpu_offload": (bool, False, "deprecated DeepSpeed spelling of offload_optimizer.device=cpu"),
-        "contiguous_gradients": (bool, True, "data parallel: gradients into one buffer"),
-        "overlap_comm": (bool, False, "data parallel: overlap reduction with backward"),
-        "reduce_scatter": (bool, True, "data parallel: reduce-scatter gradients"),
-        "reduce_bucket_size": (_COUNT, 5e8, "data parallel: elements reduced at once"),
-        "allgather_partitions": (bool, True, "data parallel: all-gather the updated partitions"),
-        "allgather_bucket_size": (_COUNT, 5e8, "data parallel: elements all-gathered at once"),
-        "round_robin_gradients": (bool, False, "data parallel: gradient copy partitioning"),
-        "sub_group_size": (_COUNT, 1e9, "ZeRO-3 optimizer step tile"),
-        "stage3_prefetch_bucket_size": (_COUNT, 5e7, "ZeRO-3 parameter prefetch size"),
-        "stage3_param_persistence_threshold": (_COUNT, 1e5, "ZeRO-3: params kept whole below this"),
-        "stage3_max_live_parameters": (_COUNT, 1e9, "ZeRO-3 resident parameter limit"),
-        "stage3_max_reuse_distance": (_COUNT, 1e9, "ZeRO-3 release distance"),
-        "stage3_gather_16bit_weights_on_model_save": (bool, False, "ZeRO-3 checkpoint gathering"),
-    },
     "scheduler": {
         "type": (tuple(_SCHEDULER_PARAMS), None, "learning-rate schedule (tidal.lr_schedules)"),
         "params": (dict, {}, "the schedule's parameters, DeepSpeed's names"),
@@ -154,56 +136,19 @@ SCHEMA: dict[str, Any] = {
     },
 }
 
-# Note [Keys tidal does not honour]
-# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-# DeepSpeed keys that are accepted but that tidal does not act on: (path,
-# values that ask for nothing tidal lacks, what tidal does instead). A key
-# given with another value is reported; the keys of one reason share one
-# warning. A key's default is never reported: only what the config file says.
-_STAGE = "tidal has no ZeRO stages on one GPU; chunks decide placement"
-_COMM = ("they tune DeepSpeed's bucketed data-parallel communication; tidal reduces and "
-         "broadcasts whole chunks (Note [Data parallel by chunk] in tidal/data_parallel.py)")
-_ZERO3 = ("tidal's chunk scheduler decides what stays on the device (OPT eviction over the step's "
-          "trace, prefetch), so ZeRO-3's fetch and persistence thresholds do not apply")
-_NVME = ("they configure NVMe offload, which tidal does not have; host buffering follows "
-         "tidal.chunk_size and tidal.host_memory_budget")
-_NOT_HONOURED: list[tuple[tuple[str, ...], tuple | None, str]] = [
-    (("zero_optimization", "stage"), None, _STAGE),
-    (("zero_optimization", "offload_optimizer", "device"), None,
-     "tidal keeps optimizer states in chunks in host memory and on the device as the budget allows"),
-    (("zero_optimization", "offload_param", "device"), None,
-     "tidal moves parameter chunks between host and device as the budget requires"),
-    (("zero_optimization", "cpu_offload"), (False,),
-     "tidal keeps optimizer states in chunks in host memory and on the device as the budget allows"),
-    (("zero_optimization", "overlap_comm"), None,
-     "tidal's key is tidal.data_parallel.overlap_comm (on by default: each chunk's gradient "
-     "reduction starts during backward as soon as its gradients are final)"),
-    *[(("zero_optimization", k), None, _COMM) for k in (
-        "contiguous_gradients", "reduce_scatter", "reduce_bucket_size",
-        "allgather_partitions", "allgather_bucket_size", "round_robin_gradients")],
-    *[(("zero_optimization", k), None, _ZERO3) for k in (
-        "sub_group_size", "stage3_prefetch_bucket_size", "stage3_param_persistence_threshold",
-        "stage3_max_live_parameters", "stage3_max_reuse_distance")],
-    (("zero_optimization", "stage3_gather_16bit_weights_on_model_save"), (False,),
-     "tidal gathers whole weights from its chunks (engine.parameters_fp32()); there are no shards"),
-    *[(("zero_optimization", sub, k), None, _NVME)
-      for sub in ("offload_optimizer", "offload_param")
-      for k in ("nvme_path", "buffer_count", "buffer_size", "max_in_cpu", "pipeline_read",
-                "pipeline_write", "fast_init")],
-    (("zero_optimization", "offload_optimizer", "ratio"), (1, 1.0),
-     "tidal offloads optimizer states by chunk as the device budget requires, not by a fixed share"),
-    (("prescale_gradients",), (False,), _COMM),
-    (("gradient_predivide_factor",), (1, 1.0), _COMM),
-    (("wall_clock_breakdown",), (False,),
-     "tidal has no per-phase timers; engine.memory_report() gives cpu_adam_seconds"),
-    (("memory_breakdown",), (False,), "engine.memory_report() gives tidal's memory figures"),
-    (("fp16", "consecutive_hysteresis"), (False,),
-     "tidal's loss scaler refills the hysteresis only when the scale grows (DeepSpeed's default)"),
-    (("fp16", "auto_cast"), (False,),
-     "tidal casts floating-point inputs to the parameters' 16-bit dtype already"),
-    (("fp16", "fp16_master_weights_and_grads"), (False,),
-     "tidal keeps fp32 master weights and Adam states in chunks"),
-]
+
+def _merged(a: dict, b: dict) -> dict:
+    out = dict(a)
+    for key, spec in b.items():
+        if key in out:
+            assert isinstance(out[key], dict) and isinstance(spec, dict), key
+            out[key] = _merged(out[key], spec)
+        else:
+            out[key] = spec
+    return out
+
+
+SCHEMA: dict[str, Any] = _merged(_TIDAL_SCHEMA, DEEPSPEED_SCHEMA)
 
 # Keys DeepSpeed itself rejects, with its advice.
 _REJECTED = {
@@ -212,7 +157,151 @@ _REJECTED = {
         "top-level 'gradient_clipping' instead",
 }
 
+# A block with more keys than this is not listed whole in an unknown-key error.
+_LISTED_KEYS = 24
+
+
+# ---------------------------------------------------------------------------
+# The optimizer, as DeepSpeed resolves it
+# ---------------------------------------------------------------------------
+# Note [Optimizer types as DeepSpeed resolves them]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# DeepSpeed 0.19.8 turns the optimizer block into an optimizer in three steps;
+# tidal resolves a config to the update rule that optimizer runs:
+#  1. the name (runtime/config.py, DeepSpeedConfig._initialize_params): it is
+#     lower-cased when it is one of DeepSpeed's own (DEEPSPEED_OPTIMIZERS: adam,
+#     adamw, lamb, adagrad, lion, muadam, muadamw, musgd, muon); any other name
+#     is looked up in torch.optim as written (runtime/engine.py,
+#     DeepSpeedEngine._configure_basic_optimizer, its last branch). A block
+#     without a type builds no optimizer from the config.
+#  2. for adam and adamw (_configure_basic_optimizer): params.adam_w_mode is
+#     popped with the default true (ADAM_W_MODE_DEFAULT in runtime/config.py),
+#     and the weight decay is decoupled when the name is adamw or adam_w_mode
+#     is true. So "Adam" without adam_w_mode is AdamW, and "AdamW" is AdamW
+#     whatever adam_w_mode says.
+#  3. the class (DeepSpeedEngine.get_optimizer_configuration): params.torch_adam
+#     (popped, default false) picks torch.optim.AdamW or torch.optim.Adam by the
+#     mode; otherwise zero_optimization.offload_optimizer.device "cpu" or
+#     "nvme" picks DeepSpeedCPUAdam (ops/adam/cpu_adam.py), anything else
+#     FusedAdam (ops/adam/fused_adam.py); fp32_optimizer_states is popped too.
+#     The other params are that class's keyword arguments: one it does not
+#     take fails there, and a default is that class's (weight_decay: 0.01 for
+#     torch.optim.AdamW, 0 for the others).
+# tidal runs that rule with its own Adam; the names of other optimizers are
+# errors that say what DeepSpeed would have built.
+
+# DeepSpeed's own optimizer names (runtime/config.py) and what they are.
+_DEEPSPEED_OPTIMIZERS = {
+    "adam": "Adam", "adamw": "AdamW", "lamb": "FusedLamb (LAMB)", "adagrad": "Adagrad",
+    "lion": "Lion", "muadam": "mup's MuAdam", "muadamw": "mup's MuAdamW", "musgd": "mup's MuSGD",
+    "muon": "Muon (with an auxiliary Adam)",
+}
+# The keyword arguments of each class DeepSpeed builds for adam/adamw, less
+# the ones DeepSpeed passes itself (adam_w_mode / adamw_mode,
+# fp32_optimizer_states). Signatures: ops/adam/fused_adam.py FusedAdam.__init__,
+# ops/adam/cpu_adam.py DeepSpeedCPUAdam.__init__, torch 2.13's Adam and AdamW.
+_CLASS_PARAMS = {
+    "FusedAdam": ("lr", "bias_correction", "betas", "eps", "weight_decay", "amsgrad",
+                  "set_grad_none"),
+    "DeepSpeedCPUAdam": ("lr", "bias_correction", "betas", "eps", "weight_decay", "amsgrad"),
+    "torch.optim.Adam": ("lr", "betas", "eps", "weight_decay", "amsgrad", "foreach", "maximize",
+                         "capturable", "differentiable", "fused", "decoupled_weight_decay"),
+    "torch.optim.AdamW": ("lr", "betas", "eps", "weight_decay", "amsgrad", "foreach", "maximize",
+                          "capturable", "differentiable", "fused"),
+}
+_POPPED_BY_DEEPSPEED = ("adam_w_mode", "torch_adam", "fp32_optimizer_states")
+_WEIGHT_DECAY_DEFAULT = {"torch.optim.AdamW": 0.01}  # 0 for the other classes
+_SUPPORTED = "tidal runs 'Adam' and 'AdamW' (any case, as DeepSpeed reads them)"
+
+
+def _unsupported_type(name: str) -> str:
+    """Why optimizer type `name` (not adam/adamw) cannot run, in DeepSpeed's terms."""
+    low = name.lower()
+    if low in _DEEPSPEED_OPTIMIZERS:
+        return (f"{name!r} is DeepSpeed's {_DEEPSPEED_OPTIMIZERS[low]} optimizer, which tidal "
+                f"cannot run; {_SUPPORTED}")
+    if low in ("fusedadam", "cpuadam", "deepspeedcpuadam"):
+        return (f"{name!r} is a class DeepSpeed picks itself for type 'Adam' or 'AdamW' "
+                f"(DeepSpeedCPUAdam when zero_optimization.offload_optimizer.device is 'cpu', "
+                f"FusedAdam otherwise); write 'Adam' or 'AdamW'")
+    import torch.optim
+    cls = getattr(torch.optim, name, None)
+    if isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer):
+        return (f"DeepSpeed builds torch.optim.{name} for {name!r}, which tidal cannot run; "
+                f"{_SUPPORTED}")
+    near = did_you_mean(name, ("Adam", "AdamW"))
+    hint = f"; did you mean '{near}'?" if near else ""
+    onebit = " (DeepSpeed 0.19.8 has no 1-bit optimizers)" if "onebit" in low or \
+        "zeroone" in low else ""
+    return (f"{name!r} is neither one of DeepSpeed 0.19.8's optimizer names nor a class of "
+            f"torch.optim{onebit}, so DeepSpeed fails on it too; {_SUPPORTED}{hint}")
+
+
+def _adam_class(torch_adam: bool, decoupled: bool, offload_device: str) -> str:
+    if torch_adam:
+        return "torch.optim.AdamW" if decoupled else "torch.optim.Adam"
+    return "DeepSpeedCPUAdam" if offload_device in ("cpu", "nvme") else "FusedAdam"
+
+
+# ---------------------------------------------------------------------------
+# "auto"
+# ---------------------------------------------------------------------------
+# Note [The "auto" placeholder]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# "auto" is the Hugging Face Trainer's placeholder: its DeepSpeed integration
+# replaces it from TrainingArguments and the model before DeepSpeed reads the
+# config (transformers 4.57.6, integrations/deepspeed.py,
+# HfTrainerDeepSpeedConfig.trainer_config_process and trainer_config_finalize).
+# AUTO_FILLED_BY is that map. Outside the Trainer, a key that cannot take the
+# string "auto" is a problem; all of them make one entry of the config's error,
+# naming what each needs. A Trainer path fills them with Config.fill_auto first.
+# Keys whose value may really be "auto" (tidal.device,
+# data_types.keep_in_fp32_modules, ...) are checked as usual.
+AUTO_FILLED_BY: dict[str, str] = {
+    "train_micro_batch_size_per_gpu": "TrainingArguments.per_device_train_batch_size",
+    "gradient_accumulation_steps": "TrainingArguments.gradient_accumulation_steps",
+    "train_batch_size": "world_size * per_device_train_batch_size * gradient_accumulation_steps "
+                        "(TrainingArguments)",
+    "gradient_clipping": "TrainingArguments.max_grad_norm",
+    "optimizer.params.lr": "TrainingArguments.learning_rate",
+    "optimizer.params.betas": "[TrainingArguments.adam_beta1, TrainingArguments.adam_beta2]",
+    "optimizer.params.eps": "TrainingArguments.adam_epsilon",
+    "optimizer.params.weight_decay": "TrainingArguments.weight_decay",
+    "scheduler.params.warmup_min_lr": "0 (the Trainer writes 0)",
+    "scheduler.params.warmup_max_lr": "TrainingArguments.learning_rate",
+    "scheduler.params.warmup_num_steps": "TrainingArguments.get_warmup_steps(the run's optimizer "
+                                         "steps): warmup_steps, or warmup_ratio of the steps",
+    "scheduler.params.total_num_steps": "the run's optimizer steps (TrainingArguments.max_steps, "
+                                        "or the epochs' steps)",
+    "fp16.enabled": "TrainingArguments.fp16 or fp16_full_eval (true or false)",
+    "bf16.enabled": "TrainingArguments.bf16 or bf16_full_eval (true or false)",
+    "zero_optimization.reduce_bucket_size": "hidden_size * hidden_size of the model's config; "
+                                            "tidal does not use it: write a number or drop the key",
+    "zero_optimization.stage3_prefetch_bucket_size": "0.9 * hidden_size * hidden_size under "
+                                                     "ZeRO-3; tidal does not use it: write a "
+                                                     "number or drop the key",
+    "zero_optimization.stage3_param_persistence_threshold": "10 * hidden_size under ZeRO-3; tidal "
+                                                            "does not use it: write a number or "
+                                                            "drop the key",
+}
+
+
+def _auto_message(paths: list[str]) -> str:
+    lines = [f"'{p}': {AUTO_FILLED_BY.get(p, 'the Trainer does not fill this key: write a value')}"
+             for p in paths]
+    subject = f"config key '{paths[0]}' is" if len(paths) == 1 else \
+        f"{len(paths)} config keys are"
+    return (f'{subject} "auto", the Hugging Face Trainer\'s placeholder, which its DeepSpeed '
+            f"integration fills from TrainingArguments and the model before training. Outside "
+            f"the Trainer write a value for each (or fill them with tidal.Config.fill_auto("
+            f"config, values)); the Trainer would write:\n" + "\n".join(f"  {l}" for l in lines))
+
+
+# ---------------------------------------------------------------------------
+# Reading a config: resolution against the schema, collecting problems
+# ---------------------------------------------------------------------------
 _PKG_DIR = os.path.dirname(os.path.abspath(__file__))
+_MISSING = object()
 
 
 def _stacklevel() -> int:
@@ -225,43 +314,91 @@ def _stacklevel() -> int:
     return level
 
 
-def _report_not_honoured(given: dict) -> None:
-    groups: dict[str, list[str]] = {}
-    for path, quiet, what in _NOT_HONOURED:
-        node: Any = given
-        for k in path:
-            node = node.get(k) if isinstance(node, dict) else None
-        # Types are checked before this runs: a bool here is a bool key's value.
-        if node is None or (quiet is not None and node in quiet):
-            continue
-        groups.setdefault(what, []).append(f"'{'.'.join(path)}' = {node!r}")
-    for what, keys in groups.items():
-        subject = f"config key {keys[0]} is" if len(keys) == 1 else \
-            f"config keys {', '.join(keys)} are"
-        warnings.warn(f"{subject} not used by tidal: {what}", stacklevel=_stacklevel())
+def _lookup(node: Any, path: tuple[str, ...]) -> Any:
+    for k in path:
+        node = node.get(k, _MISSING) if isinstance(node, dict) else _MISSING
+    return node
 
 
-def _resolve(schema: dict, given: dict, path: str) -> dict:
+def _unknown(full: str, key: Any, schema: dict, path: str) -> str:
+    where = f"section '{path}'" if path else "the top level"
+    if len(schema) <= _LISTED_KEYS:
+        return str(unknown_key(full, key, schema, where))
+    near = did_you_mean(key, [*schema, *(NOT_READ_BY_DEEPSPEED if not path else ())])
+    hint = f"; did you mean '{near}'?" if near else ""
+    return (f"unknown config key '{full}'{hint} ({where} has {len(schema)} keys, DeepSpeed's and "
+            f"tidal's: see README.md, 'Configuration')")
+
+
+def _resolve(schema: dict, given: Any, path: str, problems: Problems) -> dict:
+    """`given` checked against `schema`, defaults filled in; each problem is
+    recorded in `problems` and the key's default used instead."""
+    if given is None and path in NULLABLE_BLOCKS:
+        given = {}
     if not isinstance(given, dict):
-        fail(path or "<root>", f"expected an object, got {type(given).__name__} {given!r}")
+        if isinstance(given, str) and given == "auto":
+            problems.add_auto(path)
+        else:
+            problems.add(path, f"config key '{path}': expected an object, got "
+                               f"{type(given).__name__} {given!r}")
+        given = {}
     out: dict[str, Any] = {}
     for key, value in given.items():
         full = f"{path}.{key}" if path else key
         if full in _REJECTED:
-            raise ConfigError(f"config key '{full}': {_REJECTED[full]}")
-        if key not in schema:
-            raise unknown_key(full, key, schema, f"section '{path}'" if path else "the top level")
-        spec = schema[key]
-        if isinstance(spec, dict):
-            out[key] = _resolve(spec, value, full)
+            problems.add(full, f"config key '{full}': {_REJECTED[full]}")
+        elif full in REMOVED:
+            problems.add(full, f"config key '{full}': DeepSpeed 0.19.8 removed this feature and "
+                               f"rejects the key too: {REMOVED[full]}")
+        elif not path and key in NOT_READ_BY_DEEPSPEED:
+            continue  # reported by _report_not_honoured
+        elif key not in schema:
+            problems.add(full, _unknown(full, key, schema, path))
+        elif isinstance(schema[key], dict):
+            out[key] = _resolve(schema[key], value, full, problems)
         else:
-            out[key] = check_value(full, spec[0], value)
+            try:
+                out[key] = check_value(full, schema[key][0], value)
+            except ConfigError as e:
+                if isinstance(value, str) and value == "auto":
+                    problems.add_auto(full)
+                else:
+                    problems.add(full, str(e))
     for key, spec in schema.items():
-        if key in out:
-            continue
-        out[key] = _resolve(spec, {}, f"{path}.{key}" if path else key) if isinstance(spec, dict) \
-            else spec[1]
+        if key not in out:
+            if isinstance(spec, dict):
+                out[key] = _resolve(spec, {}, f"{path}.{key}" if path else key, problems)
+            else:  # a fresh list or dict; other defaults (REQUIRED too) as they are
+                out[key] = copy.deepcopy(spec[1]) if isinstance(spec[1], (list, dict)) else spec[1]
     return out
+
+
+def _report_not_honoured(given: dict, notes: list[str]) -> None:
+    """Adds to `notes` one warning per reason naming each key of `given` tidal does not act on."""
+    groups: dict[str, list[str]] = {}
+    both_bf16 = "bf16" in given and "bfloat16" in given
+    for row in NOT_HONOURED:
+        if both_bf16 and row.path[0] == "bfloat16":
+            continue  # the whole block is reported below
+        value = _lookup(given, row.path)
+        if value is _MISSING or row.asks_nothing(value):
+            continue
+        if row.switch is not None:
+            switch_path, default = row.switch
+            on = _lookup(given, switch_path)
+            if not (default if on is _MISSING else on):
+                continue
+        groups.setdefault(row.what, []).append(f"'{'.'.join(row.path)}' = {value!r}")
+    for key, what in NOT_READ_BY_DEEPSPEED.items():
+        if key in given:
+            groups.setdefault(what, []).append(f"'{key}' = {given[key]!r}")
+    if both_bf16:
+        groups.setdefault("DeepSpeed reads its old name of 'bf16' only when 'bf16' is absent, and "
+                          "'bf16' is given", []).append(f"'bfloat16' = {given['bfloat16']!r}")
+    for what, keys in groups.items():
+        subject = f"config key {keys[0]} is" if len(keys) == 1 else \
+            f"config keys {', '.join(keys)} are"
+        notes.append(f"{subject} not used by tidal: {what}")
 
 
 @dataclass
@@ -274,7 +411,12 @@ class Config:
     gradient_accumulation_steps: int = 1
     gradient_clipping: float = 0.0
     steps_per_print: int = 10
+    # "Adam" or "AdamW" (DeepSpeed reads the name in any case); the update
+    # rule is adam_w_mode (Note [Optimizer types as DeepSpeed resolves them]).
     optimizer_type: str = "AdamW"
+    # The optimizer DeepSpeed 0.19.8 would build for this config: FusedAdam,
+    # DeepSpeedCPUAdam, torch.optim.Adam or torch.optim.AdamW.
+    deepspeed_optimizer: str = "FusedAdam"
     lr: float = 1e-3
     betas: tuple[float, float] = (0.9, 0.999)
     eps: float = 1e-8
@@ -316,73 +458,91 @@ class Config:
 
     @classmethod
     def load(cls, config: "Config | dict | str | os.PathLike | None") -> "Config":
-        """From a Config, a dict, or a path to a JSON file (None: defaults)."""
+        """From a Config, a dict, or a path to a JSON file (None: tidal's
+        defaults, without the warning a config with no optimizer block gets).
+
+        Raises:
+            ConfigError: naming every problem of the config at once.
+        """
         if isinstance(config, Config):
             return config
-        if config is None:
-            config = {}
-        elif isinstance(config, (str, os.PathLike)):
-            try:
-                with open(config, encoding="utf-8") as f:
-                    config = json.load(f)
-            except OSError as e:
-                raise ConfigError(f"cannot read config file '{config}': {e.strerror}") from None
-            except json.JSONDecodeError as e:
-                raise ConfigError(f"config file '{config}' is not valid JSON: {e}") from None
-        if not isinstance(config, dict):
-            fail("<root>", f"expected an object, got {type(config).__name__} {config!r}")
-        config = _legacy_zero(config)
-        r = _resolve(SCHEMA, config, "")
+        asked_for_defaults = config is None
+        config = _read(config)
+        notes: list[str] = []
+        config = _legacy_forms(config, notes)
+        problems = Problems()
+        r = _resolve(SCHEMA, config, "", problems)
         c = cls(raw=r)
-        c.data_parallel = _dp.validate_config(r["tidal"]["data_parallel"])
+        with problems.at("tidal.data_parallel"):
+            c.data_parallel = _dp.validate_config(r["tidal"]["data_parallel"])
         c.world_size = _dp.world_size(c.data_parallel)
-        c._batch_sizes(r)
+        if problems.ok("train_batch_size", "train_micro_batch_size_per_gpu",
+                       "gradient_accumulation_steps"):
+            with problems.at("train_batch_size"):
+                c._batch_sizes(r)
         c.gradient_clipping = float(r["gradient_clipping"])
-        if c.gradient_clipping < 0:
-            fail("gradient_clipping", f"expected a norm >= 0 (0 = off), got {c.gradient_clipping}")
+        _require(problems, c.gradient_clipping >= 0, "gradient_clipping",
+                 f"expected a norm >= 0 (0 = off), got {c.gradient_clipping}")
         c.steps_per_print = r["steps_per_print"]
-        if c.steps_per_print < 1:
-            fail("steps_per_print", f"expected an integer >= 1, got {c.steps_per_print}")
-        c._optimizer(r["optimizer"])
-        c._precision(r["fp16"], r["bf16"])
-        c._zero(r["zero_optimization"], config.get("zero_optimization", {}))
-        c._scheduler(r, config)
+        _require(problems, c.steps_per_print >= 1, "steps_per_print",
+                 f"expected an integer >= 1, got {c.steps_per_print}")
+        c._zero(r["zero_optimization"], config.get("zero_optimization", {}), problems)
+        c._optimizer(r, config, problems, notes)
+        c._precision(r, config, problems)
+        c._scheduler(r, config, problems, notes)
+        c._deepspeed_values(r, config, problems, notes)
         c.activation_checkpointing = dict(r["activation_checkpointing"])
         n = c.activation_checkpointing["number_checkpoints"]
-        if n is not None and n < 1:
-            fail("activation_checkpointing.number_checkpoints",
-                  f"expected an integer >= 1 or null, got {n}")
-        t = r["tidal"]
-        c.device = t["device"]
-        c.chunk_size = t["chunk_size"]
-        if c.chunk_size < 4096 or c.chunk_size % 256:
-            fail("tidal.chunk_size", f"expected at least 4 KiB and a multiple of 256 bytes, got "
-                                      f"{c.chunk_size}")
-        c.device_memory_budget = t["device_memory_budget"]
-        c.host_memory_budget = t["host_memory_budget"]
-        c.device_margin = t["device_margin"]
-        c.warmup_chunk_share = float(t["warmup_chunk_share"])
-        if not 0 < c.warmup_chunk_share <= 1:
-            fail("tidal.warmup_chunk_share", f"expected a number in (0, 1], got "
-                                             f"{t['warmup_chunk_share']!r}")
-        c.prefetch = t["prefetch"]
-        c.prefetch_depth = t["prefetch_depth"]
-        if c.prefetch_depth < 1:
-            fail("tidal.prefetch_depth", f"expected an integer >= 1, got {c.prefetch_depth}")
-        c.eviction_policy = t["eviction_policy"]
-        c.hybrid_adam = t["hybrid_adam"]
-        c.cpu_adam_threads = t["cpu_adam_threads"]
-        if c.cpu_adam_threads < 0:
-            fail("tidal.cpu_adam_threads", f"expected an integer >= 0, got {c.cpu_adam_threads}")
-        c.dtr = t["dtr"]
-        if c.dtr:
-            _validate_dtr(c.dtr)
-        c.recompute = t["recompute"]
-        c.activation_checkpointing_given = "activation_checkpointing" in config or bool(c.recompute)
-        if c.activation_checkpointing_given:
-            _validate_recompute(c.activation_checkpointing, c.recompute)
-        _report_not_honoured(config)
+        _require(problems, n is None or n >= 1, "activation_checkpointing.number_checkpoints",
+                 f"expected an integer >= 1 or null, got {n}")
+        c._tidal(r["tidal"], config, problems)
+        problems.raise_if_any(_auto_message)
+        if "optimizer" not in config and not asked_for_defaults:
+            notes.append(
+                "the config has no 'optimizer' block: tidal trains with AdamW (lr 0.001, betas "
+                "(0.9, 0.999), eps 1e-08, weight_decay 0.0, decoupled weight decay, bias "
+                "correction on). DeepSpeed builds no optimizer from such a config (it takes one "
+                "from deepspeed.initialize); write an 'optimizer' block to choose")
+        _report_not_honoured(config, notes)
+        for note in notes:
+            warnings.warn(note, stacklevel=_stacklevel())
         return c
+
+    @staticmethod
+    def fill_auto(config: "dict | str | os.PathLike", values: dict[str, Any]) -> dict:
+        """The config with each "auto" value replaced by the value given for its key.
+
+        For a Hugging Face Trainer path (Note [The "auto" placeholder]): it
+        resolves what the Trainer's DeepSpeed integration would write
+        (AUTO_FILLED_BY says what fills each key) and passes the result to
+        Config.load. Only "auto" values are replaced: a key the config gives a
+        value keeps it, and a key of `values` the config does not have is not
+        added. An "auto" key `values` does not name stays "auto", so
+        Config.load reports it.
+
+        Args:
+            config: a config dict or the path of a JSON file (not changed).
+            values: dotted key -> value, e.g. {"optimizer.params.lr": 3e-4,
+                "train_micro_batch_size_per_gpu": 8}.
+
+        Returns:
+            a new config dict.
+        """
+        for key in values:
+            if not isinstance(key, str) or not key:
+                raise TypeError(f"fill_auto: expected dotted config keys such as "
+                                f"'optimizer.params.lr', got {key!r}")
+        filled = copy.deepcopy(_read(config))
+
+        def walk(node: dict, prefix: str) -> None:
+            for key, value in node.items():
+                full = f"{prefix}.{key}" if prefix else key
+                if isinstance(value, dict):
+                    walk(value, full)
+                elif isinstance(value, str) and value == "auto" and full in values:
+                    node[key] = copy.deepcopy(values[full])
+        walk(filled, "")
+        return filled
 
     def _batch_sizes(self, r: dict) -> None:
         tb, mb, ga = r["train_batch_size"], r["train_micro_batch_size_per_gpu"], \
@@ -390,7 +550,7 @@ class Config:
         for key, v in (("train_batch_size", tb), ("train_micro_batch_size_per_gpu", mb),
                        ("gradient_accumulation_steps", ga)):
             if v is not None and v < 1:
-                fail(key, f"expected an integer >= 1, got {v}")
+                raise ConfigError(f"config key '{key}': expected an integer >= 1, got {v}")
         # DeepSpeed's rule: train_batch_size = micro batch x accumulation x ranks.
         n = self.world_size
         ranks = "one GPU" if n == 1 else f"{n} data-parallel ranks"
@@ -421,88 +581,228 @@ class Config:
         self.train_batch_size, self.micro_batch_size = tb, mb
         self.gradient_accumulation_steps = ga or 1
 
-    def _optimizer(self, o: dict) -> None:
-        p = o["params"]
-        self.optimizer_type = o["type"]
+    def _optimizer(self, r: dict, given: dict, problems: Problems, notes: list[str]) -> None:
+        """The update rule DeepSpeed 0.19.8 resolves (Note [Optimizer types as DeepSpeed resolves them])."""
+        o, p = r["optimizer"], r["optimizer"]["params"]
+        given_o = given.get("optimizer", {})
+        given_o = given_o if isinstance(given_o, dict) else {}
+        given_p = given_o.get("params", {})
+        given_p = given_p if isinstance(given_p, dict) else {}
+        name = o["type"]
+        if "optimizer" in given and problems.ok("optimizer.type"):
+            if name is None:
+                notes.append("the config's 'optimizer' block has no 'type': tidal trains with "
+                             "AdamW (decoupled weight decay) and the block's params. DeepSpeed "
+                             "builds no optimizer from a block without a type (it takes one from "
+                             "deepspeed.initialize); write 'AdamW' or 'Adam'")
+            elif name.lower() not in ("adam", "adamw"):
+                problems.add("optimizer.type", f"config key 'optimizer.type': {_unsupported_type(name)}")
+        runnable = name is None or name.lower() in ("adam", "adamw")
+        named_adamw = name is None or name.lower() == "adamw"
+        self.optimizer_type = "AdamW" if named_adamw else "Adam"
+        # Step 2: DeepSpeed's effective adam_w_mode.
+        decoupled = named_adamw or p["adam_w_mode"]
+        offload = r["zero_optimization"]["offload_optimizer"]["device"]
+        if r["zero_optimization"]["cpu_offload"]:
+            offload = "cpu"   # DeepSpeed's deprecated spelling of the same
+        cls = _adam_class(p["torch_adam"], decoupled, offload)
+        if cls == "torch.optim.Adam" and p["decoupled_weight_decay"]:
+            decoupled = True  # torch's Adam, told to decouple, is AdamW's rule
+        self.deepspeed_optimizer = cls
+        self.adam_w_mode = bool(decoupled)
+        if named_adamw and given_p.get("adam_w_mode") is False and name is not None:
+            notes.append("config key 'optimizer.params.adam_w_mode' = False is not used by tidal: "
+                         "with type 'AdamW' DeepSpeed 0.19.8 decouples the weight decay whatever "
+                         "adam_w_mode says, and so does tidal; for L2 decay write type 'Adam' with "
+                         "adam_w_mode false")
+        # Step 3: the class's own keyword arguments.
+        takes = _CLASS_PARAMS[cls]
+        for key in given_p if runnable else ():
+            if key in _OPTIMIZER_PARAMS and key not in takes and key not in _POPPED_BY_DEEPSPEED:
+                problems.add(f"optimizer.params.{key}",
+                             f"config key 'optimizer.params.{key}': not a parameter of {cls}, the "
+                             f"optimizer DeepSpeed 0.19.8 builds for this config, so DeepSpeed "
+                             f"fails on it; {cls} takes {', '.join(takes)}")
+        for key, what in (("amsgrad", "tidal's Adam has no AMSGrad variant"),
+                          ("maximize", "tidal's Adam minimizes the loss")):
+            if p[key]:
+                problems.add(f"optimizer.params.{key}",
+                             f"config key 'optimizer.params.{key}' = True asks for another update "
+                             f"rule: {what}")
         self.lr = float(p["lr"])
-        if not (self.lr >= 0 and math.isfinite(self.lr)):
-            fail("optimizer.params.lr", f"expected a finite learning rate >= 0, got {p['lr']!r}")
+        _require(problems, self.lr >= 0 and math.isfinite(self.lr), "optimizer.params.lr",
+                 f"expected a finite learning rate >= 0, got {p['lr']!r}")
         betas = p["betas"]
-        if len(betas) != 2 or not all(isinstance(b, (int, float)) and 0 <= b < 1 for b in betas):
-            fail("optimizer.params.betas", f"expected two numbers in [0, 1), got {betas!r}")
-        self.betas = (float(betas[0]), float(betas[1]))
+        if len(betas) == 2 and all(isinstance(b, (int, float)) and not isinstance(b, bool)
+                                   and 0 <= b < 1 for b in betas):
+            self.betas = (float(betas[0]), float(betas[1]))
+        else:
+            _require(problems, False, "optimizer.params.betas",
+                     f"expected two numbers in [0, 1), got {betas!r}")
         self.eps = float(p["eps"])
-        if not self.eps > 0:
-            fail("optimizer.params.eps", f"expected eps > 0, got {p['eps']!r}")
-        self.weight_decay = float(p["weight_decay"])
-        if self.weight_decay < 0:
-            fail("optimizer.params.weight_decay", f"expected >= 0, got {p['weight_decay']!r}")
-        mode = p["adam_w_mode"]
-        self.adam_w_mode = (self.optimizer_type == "AdamW") if mode is None else mode
+        _require(problems, self.eps > 0, "optimizer.params.eps", f"expected eps > 0, got {p['eps']!r}")
+        wd = p["weight_decay"]
+        self.weight_decay = float(_WEIGHT_DECAY_DEFAULT.get(cls, 0.0) if wd is None else wd)
+        _require(problems, self.weight_decay >= 0, "optimizer.params.weight_decay",
+                 f"expected >= 0, got {wd!r}")
         self.bias_correction = p["bias_correction"]
 
-    def _precision(self, fp16: dict, bf16: dict) -> None:
+    def _precision(self, r: dict, given: dict, problems: Problems) -> None:
+        fp16 = r["fp16"]
+        # DeepSpeed reads its old block name "bfloat16" only when "bf16" is absent.
+        bf16 = r["bfloat16"] if "bfloat16" in given and "bf16" not in given else r["bf16"]
         if fp16["enabled"] and bf16["enabled"]:
-            raise ConfigError("config keys 'fp16.enabled' and 'bf16.enabled' are both true; "
-                              "enable at most one")
+            problems.add("fp16.enabled", "config keys 'fp16.enabled' and 'bf16.enabled' are both "
+                                         "true; enable at most one")
         self.precision = "fp16" if fp16["enabled"] else "bf16" if bf16["enabled"] else "fp32"
         self.loss_scale = float(fp16["loss_scale"])
-        if self.loss_scale < 0:
-            fail("fp16.loss_scale", f"expected >= 0 (0 = dynamic), got {self.loss_scale}")
+        _require(problems, self.loss_scale >= 0, "fp16.loss_scale",
+                 f"expected >= 0 (0 = dynamic), got {self.loss_scale}")
         self.initial_scale_power = fp16["initial_scale_power"]
-        if not 0 <= self.initial_scale_power <= 64:
-            fail("fp16.initial_scale_power", f"expected 0..64, got {self.initial_scale_power}")
+        _require(problems, 0 <= self.initial_scale_power <= 64, "fp16.initial_scale_power",
+                 f"expected 0..64, got {self.initial_scale_power}")
         self.loss_scale_window = fp16["loss_scale_window"]
-        if self.loss_scale_window < 1:
-            fail("fp16.loss_scale_window", f"expected >= 1, got {self.loss_scale_window}")
+        _require(problems, self.loss_scale_window >= 1, "fp16.loss_scale_window",
+                 f"expected >= 1, got {self.loss_scale_window}")
         self.hysteresis = fp16["hysteresis"]
-        if self.hysteresis < 1:
-            fail("fp16.hysteresis", f"expected >= 1, got {self.hysteresis}")
+        _require(problems, self.hysteresis >= 1, "fp16.hysteresis",
+                 f"expected >= 1, got {self.hysteresis}")
         self.min_loss_scale = float(fp16["min_loss_scale"])
-        if not self.min_loss_scale > 0:
-            fail("fp16.min_loss_scale", f"expected > 0, got {self.min_loss_scale}")
+        _require(problems, self.min_loss_scale > 0, "fp16.min_loss_scale",
+                 f"expected > 0, got {self.min_loss_scale}")
 
-    def _zero(self, z: dict, given: dict) -> None:
+    def _zero(self, z: dict, given: Any, problems: Problems) -> None:
         if not isinstance(given, dict):
             return
-        if "stage" in given and z["stage"] not in (0, 1, 2, 3):
-            fail("zero_optimization.stage", f"expected 0, 1, 2 or 3, got {z['stage']}")
+        if "stage" in given:
+            _require(problems, z["stage"] in (0, 1, 2, 3), "zero_optimization.stage",
+                     f"expected 0, 1, 2 or 3, got {z['stage']}")
         for sub in ("offload_optimizer", "offload_param"):
-            if z[sub]["device"] == "nvme":
-                fail(f"zero_optimization.{sub}.device",
-                      "NVMe offload is not supported by tidal; use 'cpu' (chunks in host memory)")
+            _require(problems, z[sub]["device"] != "nvme", f"zero_optimization.{sub}.device",
+                     "NVMe offload is not supported by tidal; use 'cpu' (chunks in host memory)")
+        for path, bad, what in NOT_HONOURED_ERRORS:
+            value = _lookup({"zero_optimization": given}, path)
+            if value is not _MISSING and bad(value):
+                problems.add(".".join(path), f"config key '{'.'.join(path)}': {what}")
         pins = [z[s]["pin_memory"] for s in ("offload_optimizer", "offload_param")
-                if "pin_memory" in given.get(s, {})]
+                if isinstance(given.get(s), dict) and "pin_memory" in given[s]]
         self.pin_memory = all(pins) if pins else True
 
-    def _scheduler(self, r: dict, given: dict) -> None:
+    def _scheduler(self, r: dict, given: dict, problems: Problems, notes: list[str]) -> None:
         s = r["scheduler"]
-        if "scheduler" not in given:
-            self.scheduler = None
+        self.scheduler = None
+        if "scheduler" not in given or not problems.ok("scheduler.type", "scheduler.params"):
             return
         kind = s["type"]
         if kind is None:
-            fail("scheduler.type", f"missing; expected one of {', '.join(_SCHEDULER_PARAMS)}")
+            problems.add("scheduler.type", f"config key 'scheduler.type': missing; expected one of "
+                                           f"{', '.join(_SCHEDULER_PARAMS)}")
+            return
         schema = _SCHEDULER_PARAMS[kind]
-        for key in s["params"]:
-            owners = [t for t, params in _SCHEDULER_PARAMS.items() if key in params]
+        params = dict(s["params"])
+        for key in list(params):
+            owners = [t for t, ps in _SCHEDULER_PARAMS.items() if key in ps]
             if key not in schema and owners:
-                fail(f"scheduler.params.{key}",
-                      f"not a parameter of {kind} (it is one of {', '.join(owners)}); {kind} "
-                      f"takes {', '.join(sorted(schema))}")
-        p = _resolve(schema, s["params"], "scheduler.params")
+                problems.add(f"scheduler.params.{key}",
+                             f"config key 'scheduler.params.{key}': not a parameter of {kind} (it "
+                             f"is one of {', '.join(owners)}); {kind} takes "
+                             f"{', '.join(sorted(schema))}")
+                del params[key]
+        p = _resolve(schema, params, "scheduler.params", problems)
         for key, value in p.items():
+            path = f"scheduler.params.{key}"
+            if not problems.ok(path):
+                continue
             if value is REQUIRED:
-                fail(f"scheduler.params.{key}", f"required by {kind} ({schema[key][2]}), missing")
-            _check_scheduler_range(f"scheduler.params.{key}", value)
+                problems.add(path, f"config key '{path}': required by {kind} ({schema[key][2]}), "
+                                   f"missing")
+                continue
+            with problems.at(path):
+                _check_scheduler_range(path, value)
         total, warm = p.get("total_num_steps"), p.get("warmup_num_steps")
-        if total is not None and warm is not None and total < warm:
+        if isinstance(total, int) and isinstance(warm, int) and total < warm:
             # DeepSpeed logs the same and goes on: the schedule is still defined.
-            warnings.warn(f"config key 'scheduler.params.total_num_steps' = {total} is less than "
-                          f"'scheduler.params.warmup_num_steps' = {warm}: the {kind} schedule "
-                          f"ends before its warm-up does", stacklevel=_stacklevel())
+            notes.append(f"config key 'scheduler.params.total_num_steps' = {total} is less than "
+                         f"'scheduler.params.warmup_num_steps' = {warm}: the {kind} schedule "
+                         f"ends before its warm-up does")
         s["params"] = p  # resolved, so raw compares equal across equivalent configs
         self.scheduler = {"type": kind, "params": dict(p)}
+
+    def _deepspeed_values(self, r: dict, given: dict, problems: Problems,
+                          notes: list[str]) -> None:
+        """DeepSpeed keys whose meaning depends on the rest of the config."""
+        comm = r["communication_data_type"]
+        if comm is not None and comm.lower() != self.precision:
+            notes.append(f"config key 'communication_data_type' = {comm!r} is not used by tidal: "
+                         f"tidal reduces gradients in the parameters' dtype, {self.precision} "
+                         f"here (Note [Data parallel by chunk] in tidal/data_parallel.py)")
+        op = r["gradient_allreduce_op"]
+        if isinstance(op, str) and op.lower() == "sum":
+            if self.world_size > 1:
+                problems.add("gradient_allreduce_op",
+                             f"config key 'gradient_allreduce_op' = {op!r} asks for the ranks' "
+                             f"gradients summed, not averaged; tidal averages them ('mean')")
+            else:
+                notes.append(f"config key 'gradient_allreduce_op' = {op!r} is not used by "
+                             f"tidal: one process has no gradients to sum; with data parallel "
+                             f"ranks tidal averages them ('mean')")
+
+    def _tidal(self, t: dict, given: dict, problems: Problems) -> None:
+        self.device = t["device"]
+        self.chunk_size = t["chunk_size"]
+        _require(problems, self.chunk_size >= 4096 and self.chunk_size % 256 == 0,
+                 "tidal.chunk_size", f"expected at least 4 KiB and a multiple of 256 bytes, got "
+                                     f"{self.chunk_size}")
+        self.device_memory_budget = t["device_memory_budget"]
+        self.host_memory_budget = t["host_memory_budget"]
+        self.device_margin = t["device_margin"]
+        self.warmup_chunk_share = float(t["warmup_chunk_share"])
+        _require(problems, 0 < self.warmup_chunk_share <= 1, "tidal.warmup_chunk_share",
+                 f"expected a number in (0, 1], got {t['warmup_chunk_share']!r}")
+        self.prefetch = t["prefetch"]
+        self.prefetch_depth = t["prefetch_depth"]
+        _require(problems, self.prefetch_depth >= 1, "tidal.prefetch_depth",
+                 f"expected an integer >= 1, got {self.prefetch_depth}")
+        self.eviction_policy = t["eviction_policy"]
+        self.hybrid_adam = t["hybrid_adam"]
+        self.cpu_adam_threads = t["cpu_adam_threads"]
+        _require(problems, self.cpu_adam_threads >= 0, "tidal.cpu_adam_threads",
+                 f"expected an integer >= 0, got {self.cpu_adam_threads}")
+        self.dtr = t["dtr"]
+        if self.dtr:
+            with problems.at("tidal.dtr"):
+                _validate_dtr(self.dtr)
+        self.recompute = t["recompute"]
+        self.activation_checkpointing_given = "activation_checkpointing" in given or \
+            bool(self.recompute)
+        if self.activation_checkpointing_given and \
+                problems.ok("activation_checkpointing", "tidal.recompute"):
+            with problems.at("activation_checkpointing"):
+                _validate_recompute(self.activation_checkpointing, self.recompute)
+
+
+def _require(problems: Problems, ok: bool, path: str, message: str) -> None:
+    """Records "config key `path`: `message`" unless `ok` or `path` is bad already."""
+    if not ok and problems.ok(path):
+        problems.add(path, f"config key '{path}': {message}")
+
+
+def _read(config: "dict | str | os.PathLike | None") -> dict:
+    """The config as a dict: a JSON file read, None as {}."""
+    if config is None:
+        return {}
+    if isinstance(config, (str, os.PathLike)):
+        try:
+            with open(config, encoding="utf-8") as f:
+                config = json.load(f)
+        except OSError as e:
+            raise ConfigError(f"cannot read config file '{config}': {e.strerror}") from None
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"config file '{config}' is not valid JSON: {e}") from None
+    if not isinstance(config, dict):
+        raise ConfigError(f"config key '<root>': expected an object, got "
+                          f"{type(config).__name__} {config!r}")
+    return config
 
 
 # Ranges of the schedules' parameters, by name (names are shared across types).
@@ -516,31 +816,34 @@ _RATE = {"decay_lr_rate", "decay_mom_rate", "lr_range_test_step_rate"}
 
 def _check_scheduler_range(path: str, value: Any) -> None:
     name = path.rsplit(".", 1)[1]
+
+    def fail(message: str) -> None:
+        raise ConfigError(f"config key '{path}': {message}")
     if value is None or isinstance(value, bool):
         return
     if name.endswith("_lr"):
         if not (math.isfinite(value) and value >= 0):
-            fail(path, f"expected a finite learning rate >= 0, got {value!r}")
+            fail(f"expected a finite learning rate >= 0, got {value!r}")
     elif name in _AT_LEAST_1 and value < 1:
-        fail(path, f"expected an integer >= 1, got {value}")
+        fail(f"expected an integer >= 1, got {value}")
     elif name in _AT_LEAST_0 and value < 0:
-        fail(path, f"expected an integer >= 0, got {value}")
+        fail(f"expected an integer >= 0, got {value}")
     elif name == "last_batch_iteration" and value < -1:
-        fail(path, f"expected -1 (start) or a step >= 0, got {value}")
+        fail(f"expected -1 (start) or a step >= 0, got {value}")
     elif name in _UNIT and not 0 <= value <= 1:
-        fail(path, f"expected a ratio in [0, 1], got {value!r}")
+        fail(f"expected a ratio in [0, 1], got {value!r}")
     elif name in _MOMENTUM and not 0 <= value < 1:
-        fail(path, f"expected a momentum (Adam's beta1) in [0, 1), got {value!r}")
+        fail(f"expected a momentum (Adam's beta1) in [0, 1), got {value!r}")
     elif name in _RATE and not (math.isfinite(value) and value >= 0):
-        fail(path, f"expected a finite rate >= 0, got {value!r}")
+        fail(f"expected a finite rate >= 0, got {value!r}")
 
 
-def _legacy_zero(config: dict) -> dict:
-    """DeepSpeed's old "zero_optimization": true/false, as DeepSpeed reads it (stage 1 or 0)."""
+def _legacy_forms(config: dict, notes: list[str]) -> dict:
+    """DeepSpeed's old "zero_optimization": true/false, as DeepSpeed reads it
+    (read_zero_config_deprecated: stage 1 or 0); the note says so."""
     z = config.get("zero_optimization")
     if not isinstance(z, bool):
         return config
-    warnings.warn(f"config key 'zero_optimization' = {z!r} is DeepSpeed's deprecated form; read as "
-                  f"{{\"stage\": {int(z)}}} (write an object such as {{\"stage\": 2}})",
-                  stacklevel=_stacklevel())
+    notes.append(f"config key 'zero_optimization' = {z!r} is DeepSpeed's deprecated form; read as "
+                 f"{{\"stage\": {int(z)}}} (write an object such as {{\"stage\": 2}})")
     return {**config, "zero_optimization": {"stage": 1 if z else 0}}

@@ -322,7 +322,8 @@ def test_total_steps_below_warmup_is_reported_like_deepspeed():
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         c = load({"type": "WarmupDecayLR", "params": {"total_num_steps": 10,
-                                                      "warmup_num_steps": 100}})
+                                                      "warmup_num_steps": 100}},
+                 optimizer={"type": "AdamW"})
     messages = [str(w.message) for w in caught]
     assert messages == ["config key 'scheduler.params.total_num_steps' = 10 is less than "
                         "'scheduler.params.warmup_num_steps' = 100: the WarmupDecayLR schedule "
