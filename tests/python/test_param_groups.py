@@ -182,3 +182,34 @@ def test_bad_groups_are_one_clear_error():
                  "expected lr >= 0, got -1.0"):
         assert part in text, (part, text)
     assert all(p.numel() > 0 for p in model.parameters())  # nothing was put into chunks
+
+
+def test_the_engine_optimizer_works_as_a_torch_optimizer_with_torch_schedulers():
+    # engine.optimizer is a torch.optim.Optimizer: a torch LR scheduler drives
+    # its groups, its step() is engine.step(); its state_dict is refused
+    # (the Adam states live in chunks).
+    torch.manual_seed(0)
+    ref = TinyGPT(d=64, seq=8)
+    model = copy.deepcopy(ref)
+    batches = gpt_batches(6)
+    opt_ref = torch.optim.AdamW(two_rates(ref), lr=LR, weight_decay=0.1)
+    sched_ref = torch.optim.lr_scheduler.LambdaLR(opt_ref, lambda s: 1.0 / (1 + s))
+    engine = tidal.initialize(model, config(), model_parameters=two_rates(model))
+    opt = engine.optimizer
+    assert isinstance(opt, torch.optim.Optimizer)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
+    for x, y in batches:
+        for m, o, s in ((ref, opt_ref, sched_ref), (model, opt, sched)):
+            o.zero_grad()
+            loss = m(x, y)
+            if m is model:
+                engine.backward(loss)
+            else:
+                loss.backward()
+            o.step()
+            s.step()
+    assert [g["lr"] for g in opt.param_groups] == [g["lr"] for g in opt_ref.param_groups]
+    assert engine.global_steps == len(batches)
+    assert_close(engine, ref, [], [])
+    with pytest.raises(tidal.UsageError, match=r"engine.save_checkpoint"):
+        opt.state_dict()

@@ -136,7 +136,7 @@ class Engine:
         # parameters in no group.
         groups, group_of = _param_groups.build_groups(
             model, model_parameters, cfg, lambda p: id(p) in store.by_param)
-        self.optimizer = _param_groups.OptimizerView(groups)
+        self.optimizer = _param_groups.EngineOptimizer(self, groups)
         self._group_of = group_of
         # Gradient sums in chunks (Note [Gradient sums in chunks] in cpu_adam/adam.h).
         self._accumulating = cfg.gradient_accumulation_steps > 1

@@ -96,7 +96,7 @@ def _managed(params):
 
 
 def _optimizer_step(optimizer, args, kwargs):
-    if not _LIVE:
+    if not _LIVE or getattr(optimizer, "_tidal_engine_optimizer", False):
         return
     shape = tuple(len(g["params"]) for g in optimizer.param_groups)
     seen = _verdicts.get(optimizer)

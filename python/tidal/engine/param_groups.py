@@ -15,7 +15,8 @@ several groups: its step is one cpu_adam call per group present in the chunk
 (the chunk pinned once), each over that group's ranges with that group's
 hyperparameters; the device paths do the same per group.
 
-engine.optimizer.param_groups is the live list of dicts, as a torch
+engine.optimizer (an EngineOptimizer, a torch.optim.Optimizer whose step()
+is engine.step()) has param_groups, the live list of dicts, as any torch
 optimizer's: "params", "lr", "initial_lr", "weight_decay", "betas", "eps",
 "name". The step reads "lr", "weight_decay", "betas" and "eps" from it, so a
 script that writes group["lr"] itself is obeyed. The config's scheduler
@@ -28,10 +29,13 @@ cycles momentum (OneCycle) sets every group's betas.
 from __future__ import annotations
 
 import math
+import weakref
 
 import torch
 
-__all__ = ["OptimizerView", "build_groups"]
+from .errors import UsageError
+
+__all__ = ["EngineOptimizer", "build_groups"]
 
 # Keys a group may set, and those torch.optim.AdamW also accepts that tidal
 # honours only at their default (anything else is an error, not ignored).
@@ -40,18 +44,53 @@ _DEFAULT_ONLY = {"amsgrad": False, "maximize": False, "capturable": False, "diff
                  "foreach": None, "fused": None}
 
 
-class OptimizerView:
-    """engine.optimizer: the parameter groups of the engine's Adam (Note
-    [Parameter groups]); the step is engine.step()."""
+class EngineOptimizer(torch.optim.Optimizer):
+    """engine.optimizer: the engine's Adam as a torch optimizer (Note
+    [Parameter groups]), so code written for one works: its param_groups are
+    the engine's groups (the step reads them), torch's LR schedulers drive
+    them, step() is engine.step() and zero_grad() engine.zero_grad(). The
+    Adam states live in the engine's chunks: state_dict() is refused (a dict
+    without them would lose them without a word); checkpoints are
+    engine.save_checkpoint()."""
 
-    def __init__(self, groups: list):
-        self.param_groups = groups
+    def __init__(self, engine, groups: list):
+        # (build_groups gives at least one group; its dicts become param_groups.)
+        super().__init__(groups, {k: groups[0][k] for k in _HYPER})
+        self._engine = weakref.ref(engine)
+
+    _tidal_engine_optimizer = True  # (the torch-optimizer guard lets it step)
 
     def __repr__(self):
-        return f"tidal Adam over {len(self.param_groups)} parameter group(s)"
+        return f"tidal engine Adam over {len(self.param_groups)} parameter group(s)"
+
+    def _live(self):
+        engine = self._engine()
+        if engine is None:
+            raise RuntimeError("tidal: the engine of this optimizer is gone")
+        return engine
+
+    def step(self, closure=None):
+        """engine.step() (at gradient-accumulation boundaries, as DeepSpeed's)."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self._live().step()
+        return loss
 
     def zero_grad(self, set_to_none: bool = True):  # noqa: ARG002 -- gradients live in chunks
-        """Nothing to do: engine.zero_grad() drops pending gradients."""
+        """engine.zero_grad(): drops gradients that wait for a step."""
+        self._live().zero_grad()
+
+    def state_dict(self):
+        raise UsageError(
+            "engine.optimizer.state_dict(): the Adam states (fp32 master, momentum, variance) "
+            "live in tidal's chunks, not in this object; save and resume them with "
+            "engine.save_checkpoint(dir) and engine.load_checkpoint(dir) (as DeepSpeed's "
+            "engine does), which keep the parameter groups too")
+
+    def load_state_dict(self, state_dict):
+        self.state_dict()
 
 
 def _fail(problems: list) -> None:
