@@ -118,8 +118,9 @@ def _harmless():
         attr = getattr(t, n, None)
         if attr is None:
             continue
-        out.add(getattr(attr, "__get__", attr))
-        if hasattr(attr, "__set__"):
+        out.add(attr)  # a method: torch passes the method itself
+        if hasattr(attr, "__set__"):  # a property: torch passes its __get__ / __set__
+            out.add(attr.__get__)
             out.add(attr.__set__)
     return frozenset(out)
 
