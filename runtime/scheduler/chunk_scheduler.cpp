@@ -197,8 +197,49 @@ void ChunkScheduler::end_step() {
   moment_ = -1;
   trim_host_cache();
   following_ = options_.use_trace && !trace_.empty();
+  restore_host_reserve();
   if (options_.prefetch && following_) prefetch();
   debug_validate();
+}
+
+void ChunkScheduler::restore_host_reserve() {
+  const std::size_t reserve = options_.host_eviction_reserve_bytes;
+  if (reserve == 0) return;
+  const std::size_t host_budget = budget_[index_of(MemorySpace::kHost)];
+  const std::size_t device_budget = budget_[index_of(MemorySpace::kDevice)];
+  for (;;) {
+    const std::size_t host_live =
+        pool_.held_bytes(MemorySpace::kHost) - pool_.cached_bytes(MemorySpace::kHost);
+    if (host_live + reserve <= host_budget) return;
+    // The movable host chunk with data that the next step needs first.
+    ChunkId best = kNoChunk;
+    std::int64_t best_use = AccessTrace::kNever;
+    for (ChunkId id : resident_[index_of(MemorySpace::kHost)]) {
+      const Chunk& chunk = store_.chunk(id);
+      if (!chunk.movable() || chunk.all_free()) continue;
+      const std::int64_t use = trace_.empty() ? AccessTrace::kNever - 1 : trace_.next_use(id, -1);
+      if (best == kNoChunk || use < best_use) {
+        best = id;
+        best_use = use;
+      }
+    }
+    if (best == kNoChunk) return;
+    const std::size_t bytes = store_.chunk(best).capacity_bytes();
+    BlockPtr block = pool_.take_cached(MemorySpace::kDevice, bytes);
+    if (!block) {
+      for (;;) {
+        const std::size_t held = pool_.held_bytes(MemorySpace::kDevice);
+        if (held <= device_budget && bytes <= device_budget - held) break;
+        if (!pool_.trim_one(MemorySpace::kDevice)) return;  // never evicts
+      }
+      try {
+        block = pool_.allocate(MemorySpace::kDevice, bytes);
+      } catch (const OutOfMemoryError&) {
+        return;
+      }
+    }
+    move(best, MemorySpace::kDevice, std::move(block));
+  }
 }
 
 // ---- placement ----------------------------------------------------------------
@@ -287,9 +328,13 @@ bool ChunkScheduler::spill_to_device(const RoomRequest& request) {
   const std::size_t bytes = store_.chunk(victim).capacity_bytes();
   BlockPtr block = pool_.take_cached(MemorySpace::kDevice, bytes);
   if (!block) {
-    const std::size_t held = pool_.held_bytes(MemorySpace::kDevice);
+    // Free device blocks the pool keeps (of other sizes) are room too.
     const std::size_t budget = budget_[index_of(MemorySpace::kDevice)];
-    if (held > budget || bytes > budget - held) return false;
+    for (;;) {
+      const std::size_t held = pool_.held_bytes(MemorySpace::kDevice);
+      if (held <= budget && bytes <= budget - held) break;
+      if (!pool_.trim_one(MemorySpace::kDevice)) return false;
+    }
     try {
       block = pool_.allocate(MemorySpace::kDevice, bytes);
     } catch (const OutOfMemoryError&) {
@@ -327,11 +372,32 @@ ChunkId ChunkScheduler::choose_victim(const RoomRequest& request) {
   // Host chunks have nowhere to go (Note [Chunk budgets]).
   if (request.space != MemorySpace::kDevice) return kNoChunk;
   candidates_.clear();
+  // Note [Victims the host can take]: an evicted chunk goes to the host, and
+  // a full host cannot spill for an eviction (Note [One place per chunk]). A
+  // chunk larger than the host's free room (its budget less the bytes of
+  // live blocks: cached free blocks can be trimmed) cannot leave, so the
+  // policy chooses among those that can, when there are any. With host and
+  // device both nearly full, this keeps the fp32 chunks spilled to the
+  // device there (they would not fit back) and moves 16-bit chunks instead.
+  const std::size_t host_budget = budget_[index_of(MemorySpace::kHost)];
+  const std::size_t host_live =
+      pool_.held_bytes(MemorySpace::kHost) - pool_.cached_bytes(MemorySpace::kHost);
+  const std::size_t host_room = host_budget > host_live ? host_budget - host_live : 0;
+  bool any_fits = false;
   for (ChunkId id : resident_[index_of(MemorySpace::kDevice)]) {
     if (id == request.chunk) continue;
     // A prefetch decides as a demand access would at the moment the chunk is
     // needed, when the chunks in use now may be free again: see Note [Prefetch].
-    if (request.prefetch || store_.chunk(id).movable()) candidates_.push_back(id);
+    if (request.prefetch || store_.chunk(id).movable()) {
+      candidates_.push_back(id);
+      any_fits = any_fits || store_.chunk(id).all_free() ||
+                 store_.chunk(id).capacity_bytes() <= host_room;
+    }
+  }
+  if (any_fits) {
+    std::erase_if(candidates_, [&](ChunkId id) {
+      return !store_.chunk(id).all_free() && store_.chunk(id).capacity_bytes() > host_room;
+    });
   }
   if (candidates_.empty()) return kNoChunk;
   const std::int64_t moment = request.prefetch ? request.needed_at - 1 : moment_;

@@ -55,7 +55,12 @@
 // down only (evictions, chunks wanted on the host for CPU compute): a chunk
 // materialized on the host (new bytes) spills once the host holds budget -
 // reserve, and the reserve is there for the moves that make the device's
-// working room.
+// working room. A step fills it (the CPU Adam brings 16-bit chunks down), so
+// end_step() gives it back: host chunks go up into free device room, never
+// evicting, those the next step uses first first (they would come up anyway),
+// until the host holds at most budget - reserve. And a device chunk the host
+// cannot take is not chosen as a victim while another can go (Note [Victims
+// the host can take] in chunk_scheduler.cpp).
 //
 // Note [Prefetch]
 // ~~~~~~~~~~~~~~~
@@ -246,6 +251,9 @@ class ChunkScheduler {
   // Makes host room by moving a host chunk to free device room (Note [One
   // place per chunk]). False when no chunk can go.
   bool spill_to_device(const RoomRequest& request);
+  // After a step: host chunks go up into free device room until the host
+  // reserve is free again (Note [One place per chunk]).
+  void restore_host_reserve();
   // Frees host blocks cached beyond host_cache_blocks whose copies are done.
   void trim_host_cache() { pool_.trim_ready(MemorySpace::kHost, options_.host_cache_blocks); }
   void move(ChunkId id, MemorySpace to, BlockPtr destination);
