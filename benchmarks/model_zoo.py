@@ -201,16 +201,6 @@ def t5():
         dropout_rate=0.0, decoder_start_token_id=0))
 
 
-def t5_external():
-    """T5 with the way out its UnsupportedModelError names: the decoder stack
-    reads its parameters' dtype (transformers' ModuleUtilsMixin.dtype,
-    next(self.parameters()).is_floating_point()) after its embedding ran, and
-    its first parameter is the shared embedding."""
-    model = t5()
-    tidal.register_external_parameter(model.decoder, model.shared.weight)
-    return model
-
-
 def bart():
     return _hf("BartForConditionalGeneration")(_hf("BartConfig")(
         vocab_size=VOCAB, d_model=64, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
@@ -386,9 +376,6 @@ CASES: List[Case] = [
          _masked("AlbertForMaskedLM", "AlbertConfig", embedding_size=32), lm_batches, hf_loss),
     Case("t5", HF, "T5ForConditionalGeneration (relative position buckets, tied embeddings)", t5,
          seq2seq_batches, hf_loss),
-    Case("t5_external", HF, "T5ForConditionalGeneration + tidal.register_external_parameter("
-         "model.decoder, model.shared.weight), the way out t5's error names", t5_external,
-         seq2seq_batches, hf_loss),
     Case("bart", HF, "BartForConditionalGeneration", bart, seq2seq_batches, hf_loss),
     Case("whisper", HF, "WhisperForConditionalGeneration (conv front end, 16 mel bins)", whisper,
          whisper_batches, hf_loss),
@@ -427,16 +414,7 @@ BY_NAME: Dict[str, Case] = {c.name: c for c in CASES}
 # The models tidal refuses today, and why (what was found running them; the
 # test marks them xfail(strict=True), so a fix turns them into failures to
 # un-mark). The result file records the exception itself.
-REFUSED: Dict[str, str] = {
-    "t5": "T5Stack.forward (decoder) calls self.invert_attention_mask, which reads self.dtype: "
-          "transformers' ModuleUtilsMixin.dtype is next(self.parameters()).is_floating_point(), and "
-          "the decoder's first parameter is the shared embedding, detached again after "
-          "decoder.embed_tokens ran. A read through Module.parameters() is not an attribute read, so "
-          "the engine cannot bring it in, and tidal's check refuses is_floating_point on the "
-          "placeholder (.dtype and .device of a placeholder pass: they are right). "
-          "tidal.register_external_parameter(model.decoder, model.shared.weight) is the way out "
-          "(row t5_external).",
-}
+REFUSED: Dict[str, str] = {}
 QUICK = ["llama", "lstm", "resnet"]
 
 

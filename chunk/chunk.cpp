@@ -3,12 +3,11 @@
 namespace tidal {
 
 Chunk::Chunk(ChunkKind kind, ChunkIndex index, DType dtype, std::size_t capacity_elements,
-             bool dedicated, TensorId first_tensor)
+             bool dedicated)
     : kind_(kind),
       index_(index),
       dtype_(dtype),
       capacity_elements_(capacity_elements),
-      dedicated_(dedicated),
-      first_tensor_(first_tensor) {}
+      dedicated_(dedicated) {}
 
 }  // namespace tidal

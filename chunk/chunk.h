@@ -21,7 +21,7 @@ namespace tidal {
 class Chunk {
  public:
   Chunk(ChunkKind kind, ChunkIndex index, DType dtype, std::size_t capacity_elements,
-        bool dedicated, TensorId first_tensor);
+        bool dedicated);
 
   ChunkId id() const { return make_chunk_id(kind_, index_); }
   ChunkKind kind() const { return kind_; }
@@ -35,12 +35,8 @@ class Chunk {
   // Holds a single tensor larger than the configured chunk size.
   bool dedicated() const { return dedicated_; }
 
-  // The tensors of a chunk are a contiguous run of ids (placement appends).
-  TensorId first_tensor() const { return first_tensor_; }
+  // How many tensors it holds; which: ChunkStore::tensors_of (the layout's).
   std::size_t num_tensors() const { return num_tensors_; }
-  bool contains(TensorId tensor) const {
-    return tensor >= first_tensor_ && tensor - first_tensor_ < num_tensors_;
-  }
 
   MemorySpace space() const { return space_; }
   void* payload() const { return payload_; }
@@ -62,7 +58,6 @@ class Chunk {
   std::size_t capacity_elements_;
   std::size_t used_elements_ = 0;
   bool dedicated_;
-  TensorId first_tensor_;
   std::size_t num_tensors_ = 0;
   MemorySpace space_ = MemorySpace::kNone;
   void* payload_ = nullptr;

@@ -1,5 +1,6 @@
 #include "chunk/chunk_layout.h"
 
+#include <algorithm>
 #include <limits>
 
 #include "runtime/core/error.h"
@@ -16,7 +17,7 @@ ChunkLayout::ChunkLayout(std::size_t chunk_elements, std::size_t alignment_eleme
               alignment_elements, " elements), got ", chunk_elements, " elements");
 }
 
-TensorPlacement ChunkLayout::append(std::size_t numel, std::uint8_t pool) {
+TensorPlacement ChunkLayout::append(std::size_t numel, std::uint8_t pool, bool with_previous) {
   TIDAL_CHECK(numel > 0, "chunk layout: tensor ", placements_.size(),
               " has 0 elements; only non-empty tensors are placed in chunks");
   TIDAL_CHECK(numel <= std::numeric_limits<std::size_t>::max() - alignment_,
@@ -30,7 +31,6 @@ TensorPlacement ChunkLayout::append(std::size_t numel, std::uint8_t pool) {
   auto open_chunk = [&](std::size_t capacity, bool dedicated) {
     ChunkExtent extent;
     extent.capacity = capacity;
-    extent.first_tensor = tensor;
     extent.dedicated = dedicated;
     extent.pool = pool;
     extents_.push_back(extent);
@@ -39,30 +39,47 @@ TensorPlacement ChunkLayout::append(std::size_t numel, std::uint8_t pool) {
     return static_cast<ChunkIndex>(extents_.size() - 1);
   };
 
-  if (open_.size() <= pool) open_.resize(std::size_t{pool} + 1, kNoChunk);
+  if (open_.size() <= pool) {
+    std::array<ChunkIndex, kOpenChunks> none;
+    none.fill(kNoChunk);
+    open_.resize(std::size_t{pool} + 1, none);
+    last_.resize(std::size_t{pool} + 1, kNoChunk);
+  }
+  std::array<ChunkIndex, kOpenChunks>& open = open_[pool];
   if (numel > chunk_elements_) {
     placement.chunk = open_chunk(round_up(numel, alignment_), /*dedicated=*/true);
     placement.offset = 0;
-    open_[pool] = kNoChunk;  // the pool's next tensor opens a new chunk: first-use order
+    open.fill(kNoChunk);  // the pool's next tensor opens a new chunk: first-use order
   } else {
     bool placed = false;
-    if (open_[pool] != kNoChunk) {
-      const ChunkExtent& open = extents_[open_[pool]];
-      const std::size_t offset = round_up(open.used, alignment_);
-      if (offset + numel <= open.capacity) {
-        placement.chunk = open_[pool];
+    std::array<ChunkIndex, kOpenChunks + 1> order;
+    std::size_t tries = 0;
+    if (with_previous && std::find(open.begin(), open.end(), last_[pool]) != open.end()) {
+      order[tries++] = last_[pool];
+    }
+    for (ChunkIndex c : open) order[tries++] = c;
+    for (std::size_t i = 0; i < tries; ++i) {
+      const ChunkIndex c = order[i];
+      if (c == kNoChunk) continue;
+      const std::size_t offset = round_up(extents_[c].used, alignment_);
+      if (offset + numel <= extents_[c].capacity) {
+        placement.chunk = c;
         placement.offset = offset;
         placed = true;
+        break;
       }
     }
     if (!placed) {
       placement.chunk = open_chunk(chunk_elements_, /*dedicated=*/false);
       placement.offset = 0;
-      open_[pool] = placement.chunk;
+      for (std::size_t i = 0; i + 1 < kOpenChunks; ++i) open[i] = open[i + 1];
+      open[kOpenChunks - 1] = placement.chunk;
     }
   }
+  last_[pool] = placement.chunk;
   ChunkExtent& extent = extents_[placement.chunk];
   extent.used = placement.offset + numel;
+  extent.tensors.push_back(tensor);
   ++extent.num_tensors;
   total_numel_ += numel;
   placements_.push_back(placement);

@@ -53,7 +53,8 @@ ChunkStore::ChunkStore(const ChunkStoreOptions& options)
              ChunkList(ChunkKind::kVariance, DType::kFloat32),
              ChunkList(ChunkKind::kGradAccum, DType::kFloat32)} {}
 
-TensorId ChunkStore::register_tensor(std::string name, std::size_t numel, std::uint8_t pool) {
+TensorId ChunkStore::register_tensor(std::string name, std::size_t numel, std::uint8_t pool,
+                                     bool with_previous) {
   TIDAL_CHECK(!name.empty(), "chunk store: a tensor needs a non-empty name (tensor ",
               names_.size(), ", ", numel, " elements)");
   TIDAL_CHECK(ids_by_name_.find(name) == ids_by_name_.end(), "chunk store: tensor '", name,
@@ -62,14 +63,14 @@ TensorId ChunkStore::register_tensor(std::string name, std::size_t numel, std::u
   TIDAL_CHECK(numel > 0, "chunk store: tensor '", name,
               "' has 0 elements; only non-empty tensors are placed in chunks");
   const std::size_t chunks_before = layout_.num_chunks();
-  const TensorPlacement placement = layout_.append(numel, pool);
+  const TensorPlacement placement = layout_.append(numel, pool, with_previous);
   const auto tensor = static_cast<TensorId>(names_.size());
   const ChunkExtent& extent = layout_.extent(placement.chunk);
 
   for (ChunkList& list : lists_) {
     if (layout_.num_chunks() > chunks_before) {
       list.chunks_.emplace_back(list.kind(), placement.chunk, list.dtype(), extent.capacity,
-                                extent.dedicated, tensor);
+                                extent.dedicated);
       ++chunks_in_[index_of(MemorySpace::kNone)];
     }
     Chunk& chunk = list.chunks_[placement.chunk];
@@ -187,8 +188,7 @@ std::vector<TensorId> ChunkStore::tensors_in_state(ChunkId id, TensorState state
   const Chunk& c = chunk(id);
   const auto& states = states_[index_of(c.kind())];
   std::vector<TensorId> out;
-  for (std::size_t k = 0; k < c.num_tensors(); ++k) {
-    const auto t = static_cast<TensorId>(c.first_tensor() + k);
+  for (TensorId t : tensors_of(c.index())) {
     if (states[t] == state) out.push_back(t);
   }
   return out;
@@ -206,11 +206,11 @@ std::string ChunkStore::describe_tensors(const std::vector<TensorId>& tensors) c
 
 std::string ChunkStore::describe_chunk(ChunkId id) const {
   const Chunk& c = chunk(id);
-  std::string tensors = c.num_tensors() == 1
-                            ? detail::str_cat("tensor '", names_[c.first_tensor()], "'")
-                            : detail::str_cat("tensors '", names_[c.first_tensor()], "' .. '",
-                                              names_[c.first_tensor() + c.num_tensors() - 1],
-                                              "' (", c.num_tensors(), ")");
+  const std::vector<TensorId>& ids = tensors_of(c.index());
+  std::string tensors = ids.size() == 1
+                            ? detail::str_cat("tensor '", names_[ids.front()], "'")
+                            : detail::str_cat("tensors '", names_[ids.front()], "' .. '",
+                                              names_[ids.back()], "' (", ids.size(), ")");
   return detail::str_cat("chunk ", id, " (", to_string(c.kind()), " #", c.index(), ", ",
                          format_bytes(c.capacity_bytes()), c.dedicated() ? ", dedicated" : "",
                          ", ", tensors, ", ",
@@ -251,21 +251,22 @@ void ChunkStore::validate() const {
                         layout_.num_tensors(), " placed tensors");
   TIDAL_INTERNAL_ASSERT(ids_by_name_.size() == names_.size(), "name index out of step");
 
-  // Layout: each chunk's tensors are a contiguous, ordered, aligned,
-  // non-overlapping run inside its capacity.
-  TensorId next_tensor = 0;
+  // Layout: each chunk's tensors are ordered, aligned and non-overlapping
+  // inside its capacity, and every tensor is listed by the chunk it is
+  // placed in, once.
+  std::size_t listed = 0;
   std::size_t total_capacity = 0;
   for (ChunkIndex c = 0; c < num_chunks; ++c) {
     const ChunkExtent& extent = layout_.extent(c);
-    TIDAL_INTERNAL_ASSERT(extent.first_tensor == next_tensor, "chunk ", c, " starts at tensor ",
-                          extent.first_tensor, ", expected ", next_tensor);
-    TIDAL_INTERNAL_ASSERT(extent.num_tensors > 0, "chunk ", c, " holds no tensor");
+    TIDAL_INTERNAL_ASSERT(extent.num_tensors > 0 && extent.num_tensors == extent.tensors.size(),
+                          "chunk ", c, " lists ", extent.tensors.size(), " tensors, counts ",
+                          extent.num_tensors);
     TIDAL_INTERNAL_ASSERT(extent.capacity % align == 0, "chunk ", c, " capacity ", extent.capacity,
                           " not aligned");
     if (extent.dedicated) {
       TIDAL_INTERNAL_ASSERT(extent.num_tensors == 1, "dedicated chunk ", c, " holds ",
                             extent.num_tensors, " tensors");
-      const std::size_t numel = layout_.placement(extent.first_tensor).numel;
+      const std::size_t numel = layout_.placement(extent.tensors.front()).numel;
       TIDAL_INTERNAL_ASSERT(numel > layout_.chunk_elements() &&
                                 extent.capacity == round_up(numel, align),
                             "dedicated chunk ", c, " of ", extent.capacity, " elements for a tensor of ",
@@ -275,8 +276,7 @@ void ChunkStore::validate() const {
                             extent.capacity);
     }
     std::size_t end = 0;
-    for (std::size_t k = 0; k < extent.num_tensors; ++k) {
-      const TensorId t = static_cast<TensorId>(extent.first_tensor + k);
+    for (TensorId t : extent.tensors) {
       const TensorPlacement& p = layout_.placement(t);
       TIDAL_INTERNAL_ASSERT(p.chunk == c, "tensor ", t, " placed in chunk ", p.chunk,
                             " but listed in chunk ", c);
@@ -289,10 +289,12 @@ void ChunkStore::validate() const {
       end = p.offset + p.numel;
     }
     TIDAL_INTERNAL_ASSERT(extent.used == end, "chunk ", c, " used ", extent.used, " != ", end);
-    next_tensor = static_cast<TensorId>(next_tensor + extent.num_tensors);
+    listed += extent.num_tensors;
     total_capacity += extent.capacity;
   }
-  TIDAL_INTERNAL_ASSERT(next_tensor == layout_.num_tensors(), "chunks hold ", next_tensor,
+  // (Each tensor's placement names one chunk, which lists it: so the counts
+  // adding up means each is listed once.)
+  TIDAL_INTERNAL_ASSERT(listed == layout_.num_tensors(), "chunks list ", listed,
                         " tensors of ", layout_.num_tensors());
   TIDAL_INTERNAL_ASSERT(total_capacity == layout_.total_capacity(), "capacity sum");
 
@@ -314,7 +316,6 @@ void ChunkStore::validate() const {
                                 chunk.dtype() == list.dtype(),
                             "chunk ", c, " of ", to_string(list.kind()), " misfiled");
       TIDAL_INTERNAL_ASSERT(chunk.capacity_elements() == extent.capacity &&
-                                chunk.first_tensor() == extent.first_tensor &&
                                 chunk.num_tensors() == extent.num_tensors &&
                                 chunk.used_elements() == extent.used &&
                                 chunk.dedicated() == extent.dedicated,
@@ -322,9 +323,7 @@ void ChunkStore::validate() const {
       TIDAL_INTERNAL_ASSERT(chunk.capacity_bytes() == extent.capacity * element_size(list.dtype()),
                             "chunk ", chunk.id(), " capacity bytes");
       std::array<std::uint32_t, kNumTensorStates> counts{};
-      for (std::size_t k = 0; k < chunk.num_tensors(); ++k) {
-        ++counts[index_of(states[chunk.first_tensor() + k])];
-      }
+      for (TensorId t : extent.tensors) ++counts[index_of(states[t])];
       for (TensorState s : kAllTensorStates) {
         TIDAL_INTERNAL_ASSERT(counts[index_of(s)] == chunk.count(s), "chunk ", chunk.id(),
                               " counts ", chunk.count(s), " ", to_string(s),

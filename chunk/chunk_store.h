@@ -68,7 +68,10 @@ class ChunkStore {
   // tensor larger than the chunk size gets a dedicated chunk and a warning.
   // Tensors of different pools never share a chunk (Note [Pools keep frozen
   // tensors apart] in chunk_layout.h).
-  TensorId register_tensor(std::string name, std::size_t numel, std::uint8_t pool = 0);
+  // with_previous: the next tensor of the module the previous one belongs to
+  // (ChunkLayout::append).
+  TensorId register_tensor(std::string name, std::size_t numel, std::uint8_t pool = 0,
+                           bool with_previous = false);
 
   std::size_t num_tensors() const { return names_.size(); }
   // Chunks per list (every list has the same number).
@@ -77,6 +80,10 @@ class ChunkStore {
   const std::string& tensor_name(TensorId tensor) const;
   std::size_t tensor_numel(TensorId tensor) const;
   const TensorPlacement& placement(TensorId tensor) const;
+  // The tensors chunk `chunk` holds (in every list), in offset order.
+  const std::vector<TensorId>& tensors_of(ChunkIndex chunk) const {
+    return layout_.extent(chunk).tensors;
+  }
   std::optional<TensorId> find_tensor(std::string_view name) const;
 
   // ---- chunks -------------------------------------------------------------

@@ -438,10 +438,12 @@ Python thread drives a Chunks object.)doc");
            py::arg("prefetch_depth") = 4, py::arg("policy") = "opt",
            py::arg("pin_host_memory") = true, py::arg("compute_stream") = py::none(),
            py::arg("torch_device") = "cpu", py::arg("host_reserve") = 0)
-      .def("register", [](Chunks& c, std::string name, std::size_t numel, std::uint8_t pool) {
-             return c.scheduler().register_tensor(std::move(name), numel, pool);
-           }, py::arg("name"), py::arg("numel"), py::arg("pool") = 0,
-           "Tensors of different pools never share a chunk (Note [Pools keep frozen tensors apart]).")
+      .def("register", [](Chunks& c, std::string name, std::size_t numel, std::uint8_t pool,
+                          bool with_previous) {
+             return c.scheduler().register_tensor(std::move(name), numel, pool, with_previous);
+           }, py::arg("name"), py::arg("numel"), py::arg("pool") = 0, py::arg("with_previous") = false,
+           "Tensors of different pools never share a chunk (Note [Pools keep frozen tensors apart]); "
+           "with_previous: the next tensor of the previous one's module (Note [One layout, five lists]).")
       // Note [Chunk calls release the GIL]: access, release, set_state,
       // set_budget and end_step (and ModuleHooks' hooks) may wait for a copy
       // (a fence of a chunk in flight, an eviction's write-back); they run

@@ -76,8 +76,9 @@ ChunkScheduler::~ChunkScheduler() {
   guarded([&] { d2h_stream_->synchronize(); });
 }
 
-TensorId ChunkScheduler::register_tensor(std::string name, std::size_t numel, std::uint8_t pool) {
-  const TensorId tensor = store_.register_tensor(std::move(name), numel, pool);
+TensorId ChunkScheduler::register_tensor(std::string name, std::size_t numel, std::uint8_t pool,
+                                         bool with_previous) {
+  const TensorId tensor = store_.register_tensor(std::move(name), numel, pool, with_previous);
   sync_slots();
   return tensor;
 }
@@ -281,6 +282,34 @@ bool ChunkScheduler::place(ChunkId id, MemorySpace space, const RoomRequest& req
   return true;
 }
 
+// Note [Swaps through the host's last chunk]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// With host and device full, a chunk coming up from the host needs a device
+// victim to go down, and the victim needs host room that only the incoming
+// chunk's leaving will free: a swap with no room on either side. So
+// evictions fill the host only up to its budget less one fp32 chunk (the
+// swap room, at most the reserve), except an eviction made for a chunk that
+// comes from the host, which may use up to the incoming chunk's own bytes of
+// that room: the victim's copy down lands there, the incoming chunk's copy up
+// then goes into the victim's device block (Note [Block fences] orders the
+// two), and the incoming chunk's host block goes back to the pool. The host
+// holds at most its budget throughout.
+std::size_t ChunkScheduler::eviction_host_budget(ChunkId incoming) const {
+  const std::size_t budget = budget_[index_of(MemorySpace::kHost)];
+  const std::size_t swap_room =
+      std::min(options_.host_eviction_reserve_bytes,
+               store_.chunk_elements() * element_size(DType::kFloat32));
+  std::size_t allowed = budget > swap_room ? budget - swap_room : 0;
+  if (incoming != kNoChunk) {
+    const Chunk& chunk = store_.chunk(incoming);
+    // (budget may be SIZE_MAX: no limit; the sum saturates at the budget.)
+    if (chunk.space() == MemorySpace::kHost) {
+      allowed = chunk.capacity_bytes() >= budget - allowed ? budget : allowed + chunk.capacity_bytes();
+    }
+  }
+  return allowed;
+}
+
 bool ChunkScheduler::make_room(const RoomRequest& request) {
   const MemorySpace space = request.space;
   std::size_t budget = budget_[index_of(space)];
@@ -289,6 +318,8 @@ bool ChunkScheduler::make_room(const RoomRequest& request) {
     // Note [One place per chunk]: the reserve is for moves down.
     const std::size_t reserve = options_.host_eviction_reserve_bytes;
     budget = budget > reserve ? budget - reserve : 0;
+  } else if (space == MemorySpace::kHost && request.evicting_for != kNoChunk) {
+    budget = eviction_host_budget(request.evicting_for);
   }
   for (;;) {
     if (pool_.has_cached(space, request.bytes)) return true;
@@ -379,7 +410,7 @@ ChunkId ChunkScheduler::choose_victim(const RoomRequest& request) {
   // policy chooses among those that can, when there are any. With host and
   // device both nearly full, this keeps the fp32 chunks spilled to the
   // device there (they would not fit back) and moves 16-bit chunks instead.
-  const std::size_t host_budget = budget_[index_of(MemorySpace::kHost)];
+  const std::size_t host_budget = eviction_host_budget(request.chunk);
   const std::size_t host_live =
       pool_.held_bytes(MemorySpace::kHost) - pool_.cached_bytes(MemorySpace::kHost);
   const std::size_t host_room = host_budget > host_live ? host_budget - host_live : 0;

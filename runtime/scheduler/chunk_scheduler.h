@@ -55,7 +55,9 @@
 // down only (evictions, chunks wanted on the host for CPU compute): a chunk
 // materialized on the host (new bytes) spills once the host holds budget -
 // reserve, and the reserve is there for the moves that make the device's
-// working room. A step fills it (the CPU Adam brings 16-bit chunks down), so
+// working room. Evictions stop one fp32 chunk short of the host budget; that
+// last chunk's room is for swaps (Note [Swaps through the host's last chunk]
+// in chunk_scheduler.cpp). A step fills it (the CPU Adam brings 16-bit chunks down), so
 // end_step() gives it back: host chunks go up into free device room, never
 // evicting, those the next step uses first first (they would come up anyway),
 // until the host holds at most budget - reserve. And a device chunk the host
@@ -172,7 +174,8 @@ class ChunkScheduler {
 
   // Registers a tensor in the store (ChunkStore::register_tensor); allowed
   // at any time, e.g. while a model is built straight into chunks.
-  TensorId register_tensor(std::string name, std::size_t numel, std::uint8_t pool = 0);
+  TensorId register_tensor(std::string name, std::size_t numel, std::uint8_t pool = 0,
+                           bool with_previous = false);
   // The store's warning channel (ChunkStore::set_warning_handler, take_warnings).
   void set_warning_handler(WarningHandler handler) { store_.set_warning_handler(std::move(handler)); }
   std::vector<std::string> take_warnings() { return store_.take_warnings(); }
@@ -245,6 +248,9 @@ class ChunkScheduler {
   bool make_room(const RoomRequest& request);
   BlockPtr acquire_block(const RoomRequest& request);
   ChunkId choose_victim(const RoomRequest& request);
+  // The host bytes an eviction made for chunk `incoming` may fill (Note
+  // [Swaps through the host's last chunk] in chunk_scheduler.cpp).
+  std::size_t eviction_host_budget(ChunkId incoming) const;
   // Moves a victim off the device (or drops it when all FREE). False only
   // for a prefetch that could not make room on the host.
   bool evict(ChunkId victim, const RoomRequest& request);

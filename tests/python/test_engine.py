@@ -579,11 +579,14 @@ def test_chunks_are_rebuilt_in_first_use_order_after_the_warm_up():
         moved += chunks.stats()["bytes_host_to_device"] - before
     assert engine.relayouts == 1
     assert_close(engine, ref, ref_losses, losses)
-    # In the new layout the chunk index never decreases along the forward's
-    # first uses: the last layer, used first, is in chunk 0.
+    # In the new layout chunks open in the forward's first-use order: the last
+    # layer, used first, is in chunk 0, and each parameter sits in one of the
+    # two chunks opened last (Note [One layout, five lists]: the tensors after
+    # one that opened a chunk may fill the previous chunk's tail).
     use_order = [r for layer in reversed(model.layers) for r in engine._module_records[layer]]
     chunks = [engine.chunks.placement(r.id)[0] for r in use_order]
-    assert chunks == sorted(chunks) and chunks[0] == 0
+    assert chunks[0] == 0
+    assert all(c >= max(chunks[:i + 1]) - 1 for i, c in enumerate(chunks)), chunks
     assert engine.chunks.num_tensors == len(engine.records)
     engine.chunks.validate()
     # Counters survive the new scheduler: every step's copies are reported.

@@ -195,7 +195,7 @@ class Engine:
                         if p.numel() == 0:
                             continue  # nothing to keep; stays an ordinary tensor
                         dtype = p.dtype
-                        rec = store.add(p, full)
+                        rec = store.add(p, full, module=m)
                         added.append((rec, dtype))
                     elif rec.provisional:
                         rec.name, rec.provisional = full, False
@@ -392,6 +392,21 @@ class Engine:
         s = self.chunks.stats()
         self._spilled_floor = max(0, s["resident_bytes_host"] + s["resident_bytes_device"]
                                   - self.store.capacity_bytes()[0])
+        if self._spilled_floor + largest > limit:
+            host = self.store.capacity_bytes()[0]
+            state = s["resident_bytes_host"] + s["resident_bytes_device"]
+            raise OutOfMemoryError(
+                f"the model's chunks ({state} bytes of states, {len(self.records)} parameters) "
+                f"fit host + device only with no room to compute: the host holds {host} bytes of "
+                f"them (tidal.host_memory_budget {self.store.host_budget} less "
+                f"{self.store.host_reserve} kept for chunks moving down), so {self._spilled_floor} "
+                f"bytes stay on the device, and the largest module needs {largest} bytes of chunks "
+                f"there at once, more than the {limit} bytes the device budget leaves for chunks "
+                f"(tidal.device_memory_budget {self.store.device_budget} - margin "
+                f"{self.store.margin}); activations need room too. Raise "
+                f"tidal.host_memory_budget or tidal.device_memory_budget, or train a smaller model "
+                f"(about {self.store.largest_model_params()} parameters at "
+                f"{self.store.state_bytes_per_param()} bytes each fit these budgets)")
         # Note [The warm-up budget]: chunks get this much while no trace is known.
         self._warmup_chunk_room = min(limit, max(largest + self._spilled_floor,
                                                  int(self.config.warmup_chunk_share * limit)))
@@ -776,12 +791,23 @@ class Engine:
             if provider is not None:
                 torch_side += (f", of which {provider.held_bytes()} are chunk "
                                f"blocks ({provider.name})")
+        pool = ""
+        if self._spilled_floor > 0:
+            # Host and device as one pool: what the host cannot hold stays on
+            # the device, and with activations beside it nothing can swap.
+            host = self.store.capacity_bytes()[0]
+            pool = (f". The model's states fill the host's share ({host} bytes: "
+                    f"tidal.host_memory_budget {self.store.host_budget} less "
+                    f"{self.store.host_reserve} kept for swaps), so {self._spilled_floor} bytes of "
+                    f"them stay on the device: with the activations beside them the device has "
+                    f"no room left for the chunks in use. Raise tidal.host_memory_budget or "
+                    f"tidal.device_memory_budget, or use a smaller batch or model")
         raise OutOfMemoryError(
             f"tidal could not bring the parameters of {where} onto the device: {e}. "
             f"Non-chunk device memory (activations and other torch tensors) is "
             f"{live} bytes now, of the device budget of {self.store.device_budget} bytes "
             f"(margin {self.store.margin}){torch_side}; chunks get what is "
-            f"left") from None
+            f"left{pool}") from None
 
     def param_record_of(self, t):
         """The record of the attached parameter whose slot `t` views, or None
@@ -1436,7 +1462,11 @@ class Engine:
                                      f"rebuild do not fit the host budget of {host} bytes")
             return
         try:
-            final = self.store.relayout(order)
+            owner = {}
+            for m, recs in self._module_records.items():
+                for r in recs:
+                    owner.setdefault(id(r), id(m))
+            final = self.store.relayout(order, [owner.get(id(r)) for r in order])
         except RelayoutError as e:
             warnings.warn(f"tidal: {e}", stacklevel=3)
             return

@@ -91,7 +91,8 @@ def init_context(config=None):
                     # replaced (a tied weight). If it is still there at
                     # tidal.initialize, that is a clear error.
                     if id(p) not in store.by_param and p.numel() > 0 and not p.is_meta:
-                        store.add(p, f"{type(self).__name__}.{name}", provisional=True)
+                        store.add(p, f"{type(self).__name__}.{name}", provisional=True,
+                                  module=self)
 
         originals[cls] = original
         cls.__init__ = __init__

@@ -164,9 +164,12 @@ class ParamStore:
         # Chunks beyond this much host memory spill to free device room (Note
         # [One place per chunk] in runtime/scheduler/chunk_scheduler.h).
         self.host_budget = config.host_memory_budget or int(0.85 * _available_memory_bytes())
-        # Host room kept for evictions from the device (two fp32 chunks), so a
+        # Host room kept for evictions from the device (two fp32 chunks: twice
+        # the chunk size in 16-bit training, where an fp32 chunk holds as many
+        # elements in twice the bytes; the chunk size itself in fp32), so a
         # full host and a full device can still swap chunks.
-        self.host_reserve = min(4 * config.chunk_size, self.host_budget // 4)
+        fp32_chunk = config.chunk_size * (1 if config.precision == "fp32" else 2)
+        self.host_reserve = min(2 * fp32_chunk, self.host_budget // 4)
         self.precision = config.precision
         self.dtype = _TORCH_DTYPES[config.precision]
         # Data parallel (Note [Data parallel by chunk] in tidal/data_parallel.py):
@@ -177,6 +180,7 @@ class ParamStore:
         self.chunks = self._new_chunks()
         self.records: list[ParamRecord] = []
         self._warnings: list[str] = []
+        self._last_module: dict = {}  # pool -> the module of its last registered parameter
         self.by_param: dict[int, ParamRecord] = {}
         self._stale16: dict[int, ParamRecord] = {}  # masters materialized() exposed
         ParamStore._live.add(self)
@@ -195,7 +199,7 @@ class ParamStore:
             compute_stream=stream, torch_device=str(self.torch_device),
             host_reserve=self.host_reserve)
 
-    def relayout(self, order: "list[ParamRecord]") -> dict:
+    def relayout(self, order: "list[ParamRecord]", keys: "list | None" = None) -> dict:
         """Moves every parameter into new chunks, registered in `order`.
 
         Note [Chunks in first-use order]: registration decides which tensors
@@ -215,8 +219,13 @@ class ParamStore:
             "relayout: the order must hold every record once"
         assert self.dp is None, "relayout would move records between data-parallel owners"
         old, new = self.chunks, self._new_chunks()
-        ids = [new.register(f"{i}:{r.name}", r.numel, pool=_pool(r.trainable))
-               for i, r in enumerate(order)]
+        last = {}
+        ids = []
+        for i, r in enumerate(order):
+            pool, key = _pool(r.trainable), (keys[i] if keys is not None else None)
+            ids.append(new.register(f"{i}:{r.name}", r.numel, pool=pool,
+                                    with_previous=key is not None and last.get(pool) == key))
+            last[pool] = key
         new.take_warnings()  # said once, at the first registration
 
         def copy(src_chunks, src_id, dst_chunks, dst_id, r, kind, src_state):
@@ -280,9 +289,12 @@ class ParamStore:
     def placeholder(self) -> torch.Tensor:
         return torch.empty(0, dtype=self.dtype, device=self.torch_device)
 
-    def add(self, param: torch.nn.Parameter, name: str, provisional: bool = False) -> ParamRecord:
+    def add(self, param: torch.nn.Parameter, name: str, provisional: bool = False,
+            module=None) -> ParamRecord:
         """Registers `param`, copies its values into its chunk slots (host) and
-        leaves a placeholder as its data."""
+        leaves a placeholder as its data. `module`: the module it belongs to;
+        a module's parameters share a chunk where they can (Note [One layout,
+        five lists] in chunk/chunk_layout.h)."""
         if not param.is_floating_point():
             raise TypeError(f"parameter '{name}' has dtype {param.dtype}; tidal keeps floating-"
                             f"point parameters (float16/bfloat16/float32) in chunks")
@@ -293,8 +305,12 @@ class ParamStore:
         if param.dtype == torch.float64:
             raise TypeError(f"parameter '{name}' is float64; tidal supports float32, float16 and "
                             f"bfloat16 parameters (convert the model with .float() first)")
+        pool = _pool(param.requires_grad)
+        key = None if module is None else id(module)
+        with_previous = key is not None and self._last_module.get(pool) == key
         tensor_id = self.chunks.register(f"{len(self.records)}:{name}", param.numel(),
-                                         pool=_pool(param.requires_grad))
+                                         pool=pool, with_previous=with_previous)
+        self._last_module[pool] = key
         self._warnings.extend(self.chunks.take_warnings())  # e.g. a tensor larger than a chunk
         record = ParamRecord(param, name, tensor_id, self.chunks.placement(tensor_id)[0])
         src = param.detach().reshape(-1)

@@ -23,10 +23,10 @@ TEST(ChunkLayout, AppendsInRegistrationOrderAtAlignedOffsets) {
   EXPECT_EQ(d.chunk, 1u);
   EXPECT_EQ(d.offset, 64u);
   EXPECT_EQ(layout.num_chunks(), 2u);
-  EXPECT_EQ(layout.extent(0).first_tensor, 0u);
+  EXPECT_EQ(layout.extent(0).tensors, (std::vector<TensorId>{0, 1}));
   EXPECT_EQ(layout.extent(0).num_tensors, 2u);
   EXPECT_EQ(layout.extent(0).used, 65u);
-  EXPECT_EQ(layout.extent(1).first_tensor, 2u);
+  EXPECT_EQ(layout.extent(1).tensors, (std::vector<TensorId>{2, 3}));
   EXPECT_EQ(layout.extent(1).num_tensors, 2u);
   EXPECT_EQ(layout.extent(1).used, 128u);
   EXPECT_EQ(layout.total_numel(), 10u + 33 + 40 + 64);
@@ -61,6 +61,33 @@ TEST(ChunkLayout, OversizeTensorGetsADedicatedChunkAndClosesTheOpenOne) {
   EXPECT_FALSE(layout.extent(layout.append(64).chunk).dedicated);
 }
 
+TEST(ChunkLayout, TheTensorsAfterALargeOneFillThePreviousChunksTail) {
+  ChunkLayout layout(64, 4);
+  EXPECT_EQ(layout.append(40).chunk, 0u);
+  EXPECT_EQ(layout.append(40).chunk, 1u);  // no room in chunk 0's tail of 24
+  const TensorPlacement small = layout.append(20);
+  EXPECT_EQ(small.chunk, 0u);              // the oldest open chunk first
+  EXPECT_EQ(small.offset, 40u);
+  EXPECT_EQ(layout.append(30).chunk, 2u);  // fits neither: chunk 0 closes
+  const TensorPlacement tail = layout.append(4);
+  EXPECT_EQ(tail.chunk, 1u);               // chunk 1's tail, not chunk 0's
+  EXPECT_EQ(tail.offset, 40u);
+  EXPECT_EQ(layout.waste_elements(), 3 * 64u - (40 + 40 + 20 + 30 + 4));
+}
+
+TEST(ChunkLayout, AModulesNextTensorStaysWithThePreviousOne) {
+  ChunkLayout layout(64, 4);
+  EXPECT_EQ(layout.append(40).chunk, 0u);
+  EXPECT_EQ(layout.append(40).chunk, 1u);  // a weight that opens chunk 1
+  const TensorPlacement bias = layout.append(4, 0, /*with_previous=*/true);
+  EXPECT_EQ(bias.chunk, 1u);               // beside its weight, not in chunk 0's tail
+  EXPECT_EQ(bias.offset, 40u);
+  EXPECT_EQ(layout.append(20).chunk, 0u);  // the next module fills chunk 0's tail
+  // With the previous tensor's chunk full, the oldest open chunk with room.
+  EXPECT_EQ(layout.append(16, 0, true).chunk, 1u);
+  EXPECT_EQ(layout.append(8, 0, true).chunk, 2u);
+}
+
 TEST(ChunkLayout, PoolsNeverShareAChunk) {
   // Note [Pools keep frozen tensors apart]: frozen (pool 1) and trainable
   // (pool 0) tensors interleaved, as LoRA adapters between base weights.
@@ -80,8 +107,8 @@ TEST(ChunkLayout, PoolsNeverShareAChunk) {
   EXPECT_EQ(layout.extent(0).pool, 1u);
   EXPECT_EQ(layout.extent(1).pool, 0u);
   EXPECT_EQ(layout.extent(2).pool, 1u);
-  EXPECT_EQ(layout.extent(0).num_tensors, 2u);
-  EXPECT_EQ(layout.extent(1).num_tensors, 2u);
+  EXPECT_EQ(layout.extent(0).tensors, (std::vector<TensorId>{0, 2}));
+  EXPECT_EQ(layout.extent(1).tensors, (std::vector<TensorId>{1, 3}));
   // A dedicated chunk closes only its own pool's open chunk.
   const TensorPlacement big = layout.append(100, 0);
   EXPECT_TRUE(layout.extent(big.chunk).dedicated);

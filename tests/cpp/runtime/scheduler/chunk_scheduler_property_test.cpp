@@ -279,7 +279,11 @@ TEST(ChunkSchedulerProperty, RandomOperationsKeepEveryInvariant) {
     ChunkStore store({.chunk_bytes = chunk_bytes, .param_dtype = dtype});
     const int count = 4 + static_cast<int>(rng() % 36);
     const auto sizes = random_sizes(rng, store.chunk_elements(), count, 5);
-    for (int i = 0; i < count; ++i) store.register_tensor(indexed_name("p", i), sizes[i]);
+    // Every third tensor in a second pool (Note [Pools keep frozen tensors
+    // apart]): chunks whose tensors are not a contiguous run of ids.
+    for (int i = 0; i < count; ++i) {
+      store.register_tensor(indexed_name("p", i), sizes[i], static_cast<std::uint8_t>(i % 3 == 2));
+    }
     store.take_warnings();
     const std::size_t biggest = largest_chunk(store);
     const std::size_t budget = biggest * (1 + rng() % 4) + (rng() % 2 ? chunk_bytes : 0);
@@ -348,7 +352,11 @@ TEST(ChunkSchedulerProperty, RepeatedAndChangingStepsKeepDataAndBudget) {
     ChunkStore store({.chunk_bytes = chunk_bytes});
     const int count = 6 + static_cast<int>(rng() % 30);
     const auto sizes = random_sizes(rng, store.chunk_elements(), count, 3);
-    for (int i = 0; i < count; ++i) store.register_tensor(indexed_name("p", i), sizes[i]);
+    // Every third tensor in a second pool (Note [Pools keep frozen tensors
+    // apart]): chunks whose tensors are not a contiguous run of ids.
+    for (int i = 0; i < count; ++i) {
+      store.register_tensor(indexed_name("p", i), sizes[i], static_cast<std::uint8_t>(i % 3 == 2));
+    }
     store.take_warnings();
     std::size_t biggest16 = 0;
     for (const Chunk& chunk : store.list(ChunkKind::kParam16)) {
