@@ -69,7 +69,8 @@ def data_args(d, *more):
 def test_jsonl_and_a_tokenizer_train_evaluate_and_resume_bit_for_bit_in_a_new_process(
         corpus, tmp_path, keep_device, capsys):
     d, ref = corpus
-    straight = train.run(data_args(d, "--steps", "6", "--eval-every", "2"))
+    straight = train.run(data_args(d, "--steps", "6", "--eval-every", "2", "--save-every", "6",
+                                   "--save-dir", str(tmp_path / "straight")))
     out = capsys.readouterr().out
     vocab = ref.get_vocab_size()
     assert straight["vocab"] == vocab and f"vocabulary {vocab}: the tokenizer's" in out
@@ -86,17 +87,27 @@ def test_jsonl_and_a_tokenizer_train_evaluate_and_resume_bit_for_bit_in_a_new_pr
     assert first["checkpoints"] == [str(tmp_path / "ckpt" / "step3")]
     assert (tmp_path / "ckpt" / "latest").read_text().strip() == "step3"
     # ... resumed by another process: a fresh engine, weights and data position from the file.
+    # With this process's thread count: CPU kernels split their sums by thread, so
+    # bit-exact needs the same count (an earlier test may have changed ours).
     env = {k: v for k, v in os.environ.items() if k != "TIDAL_DEVICE"}
+    env["OMP_NUM_THREADS"] = str(torch.get_num_threads())
     report = tmp_path / "resumed.json"
     proc = subprocess.run([sys.executable, "-m", "tidal.train",
                            *data_args(d, "--steps", "6", "--eval-every", "2", "--resume",
-                                      str(tmp_path / "ckpt"), "--json", str(report))],
+                                      str(tmp_path / "ckpt"), "--save-every", "3", "--json",
+                                      str(report))],
                           capture_output=True, text=True, timeout=300, cwd=ROOT, env=env)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     resumed = json.loads(report.read_text())
     assert "resumed from" in proc.stdout and "after step 3" in proc.stdout
     assert resumed["start_step"] == 3
     assert resumed["losses"] == straight["losses"][3:]          # bit for bit
+    # The last step's update too (no later loss shows it): every slot of the final
+    # checkpoints (weights, Adam moments) has the same CRC-32.
+    def slots(path):
+        return {(e["name"], e["kind"]): e["crc32"]
+                for e in json.loads((path / "meta.json").read_text())["slots"]}
+    assert slots(tmp_path / "ckpt" / "step6") == slots(tmp_path / "straight" / "step6")
     assert resumed["eval"] == straight["eval"][1:]               # steps 4 and 6, the same losses
     # Both sides of the hybrid Adam ran (the simulated device's is the same SIMD kernel).
     for r in (straight, resumed):
@@ -121,6 +132,14 @@ def test_resume_refuses_other_data_and_missing_checkpoints(corpus, tmp_path, kee
     with pytest.raises(SystemExit):
         train.run(data_args(d, "--steps", "1", "--resume", str(tmp_path / "c" / "step1")))
     assert "has done 1 steps and --steps is 1: nothing left to train" in capsys.readouterr().err
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads + 1)
+        with pytest.warns(UserWarning, match=rf"used {threads} CPU threads, this one {threads + 1}; "
+                                             rf".* set OMP_NUM_THREADS={threads} for a bit-exact"):
+            train.run(data_args(d, "--steps", "2", "--resume", str(tmp_path / "c")))
+    finally:
+        torch.set_num_threads(threads)
 
 
 def test_a_nanogpt_token_file_with_meta_pkl_and_val_bin(tmp_path, keep_device):

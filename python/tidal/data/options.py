@@ -15,7 +15,10 @@ draws the batch, and the dropout masks, that the uninterrupted run drew at
 that step; --steps counts from the start of the first run. Validation reads
 fixed held-out windows in eval mode under torch.no_grad(): it draws no random
 numbers and leaves the batch index alone, so evaluating (or not) changes no
-training loss. What the step itself depends on is the engine's to keep: on
+training loss. CPU kernels split their sums by thread, so a bit-exact resume
+needs the saved run's thread count (torch.get_num_threads(), saved too; a
+different one is a warning naming OMP_NUM_THREADS). What the step itself
+depends on is the engine's to keep: on
 the host and on the simulated device every chunk's Adam is the same SIMD
 kernel, so resumed losses equal the uninterrupted ones bit for bit in fp32,
 hybrid Adam or not (tested, the resumed run in another process); on a GPU a
@@ -26,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import warnings
 from pathlib import Path
 from typing import Callable
 
@@ -224,7 +228,7 @@ def save(engine, save_dir, step: int, batches):
     if torch.cuda.is_available():
         rng["cuda"] = torch.cuda.get_rng_state_all()
     state = {_STATE_KEY: {"format": _STATE_FORMAT, "step": step, "data": batches.state_dict(),
-                          "rng": rng}}
+                          "rng": rng, "threads": torch.get_num_threads()}}
     return engine.save_checkpoint(save_dir, tag=f"step{step}", client_state=state)
 
 
@@ -252,6 +256,12 @@ def resume(engine, where, batches) -> tuple[Path, int]:
                         f"(its client_state has no {_STATE_KEY!r} of format {_STATE_FORMAT}), so "
                         f"where its data stood is unknown")
     batches.load_state_dict(state["data"], origin=f"--resume {path}")
+    threads = state.get("threads")
+    if threads is not None and threads != torch.get_num_threads():
+        warnings.warn(f"--resume {path}: the run that saved it used {threads} CPU threads, this one "
+                      f"{torch.get_num_threads()}; CPU kernels split their sums by thread, so the "
+                      f"losses may differ from the uninterrupted run's in the last bits; set "
+                      f"OMP_NUM_THREADS={threads} for a bit-exact resume", stacklevel=2)
     torch.set_rng_state(state["rng"]["cpu"])
     if "cuda" in state["rng"] and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["rng"]["cuda"])
