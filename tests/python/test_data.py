@@ -243,6 +243,9 @@ def test_a_tokenizer_larger_than_the_model_names_both_sizes(tmp_path, tokenizer_
     with pytest.raises(DataError, match=rf"has {ref.get_vocab_size()} ids, the model's vocabulary "
                                         r"100 \(config.json\); the model needs at least as many"):
         data_options.open_batches(args, load_tokenizer(d), 100, "config.json", 8, 2, "cpu")
+    with pytest.raises(DataError, match=rf"{f}: byte-level text needs a vocabulary of at least 256, "
+                                        r"the model's is 100 \(config.json\)"):
+        data_options.open_batches(args, ByteTokenizer(), 100, "config.json", 8, 2, "cpu")
     with pytest.raises(DataError, match=r"--tokenizer .*nope: no such directory"):
         load_tokenizer(tmp_path / "nope")
     (tmp_path / "empty_dir").mkdir()

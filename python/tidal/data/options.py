@@ -152,11 +152,12 @@ def open_batches(args, tokenizer, vocab: int, vocab_name: str, seq: int, batch: 
         return SyntheticBatches(vocab, seq, batch, device, seed=args.seed, rank=rank,
                                 eval_batches=args.eval_batches)
     byte_level = isinstance(tokenizer, ByteTokenizer)
-    tokenizes = args.data not in BUILTIN and data_kind(args.data) != "tokens" if Path(
-        args.data).exists() else False
-    if vocab < tokenizer.vocab_size and (tokenizes or not byte_level):
+    # Text the tokenizer will encode (a *.bin's ids are checked one by one instead).
+    text = [p for p in (args.data, args.eval_data) if p is not None and p not in BUILTIN
+            and Path(p).exists() and data_kind(p) != "tokens"]
+    if vocab < tokenizer.vocab_size and (text or not byte_level):
         if byte_level:
-            raise DataError(f"--data {args.data}: byte-level text needs a vocabulary of at least "
+            raise DataError(f"{text[0]}: byte-level text needs a vocabulary of at least "
                             f"256, the model's is {vocab} ({vocab_name}); give --tokenizer, or a "
                             f"larger model vocabulary")
         raise DataError(f"{tokenizer.name} has {tokenizer.vocab_size} ids, the model's vocabulary "
