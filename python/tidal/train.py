@@ -14,14 +14,24 @@ defaults ship in configs/ at the repository root:
     configs/gpt_quick.json  --quick: a 2-layer model on the simulated device
 
 Data (--data): 'text' (default), byte-level tokens of a corpus made at run time
-from the Python standard library's docstrings; or 'synthetic', a fixed random
-bigram table (see tidal.data). Neither downloads anything.
+from the Python standard library's docstrings; 'synthetic', a fixed random
+bigram table; or your own corpus, --data PATH: a text file, a folder of text
+files, a JSONL file with a "text" field, or a *.bin of token ids (nanoGPT's
+train.bin; --data-dtype uint16|uint32). Text is encoded byte-level, or by a
+local Hugging Face tokenizer (--tokenizer DIR), into a memory-mapped token
+cache (Note [Token sources] in tidal/data/sources.py). The last 5% of the
+tokens are held out (--eval-fraction); --eval-every N prints the validation
+loss. --save-every N --save-dir DIR saves checkpoints; --resume DIR continues
+one with the batches and losses the uninterrupted run would have had (Note
+[Resuming a training script] in tidal/data/options.py). Nothing is downloaded.
 
     tidal-train                          # GPU: preset gpt-350m; else preset tiny, 30 steps
     tidal-train --quick                  # a few dozen steps of a tiny model, < 1 min on CPU
     tidal-train --preset gpt-1.3b --steps 20 --budget 20GB
     tidal-train --hf-config gpt2-config.json --seq 256
     tidal-train --quick --plot memory.png --json report.json
+    tidal-train --quick --data corpus.jsonl --tokenizer tok/ --eval-every 10 \
+        --save-every 20 --save-dir ckpt       # later: --resume ckpt --steps 80
 
 Progress shows loss, tokens/s, model TFLOPS (6 x parameters x tokens / time,
 attention not counted), peak device memory against the budget and the host
@@ -42,7 +52,8 @@ from pathlib import Path
 import torch
 
 import tidal
-from tidal.data import DATA_KINDS, batches
+from tidal.data import DataError, load_tokenizer
+from tidal.data import options as data_options
 from tidal.models.gpt import TinyGPT
 from tidal.profile import plot_memory_profile as plot_memory_timeline
 
@@ -221,8 +232,6 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--lr", type=float, default=None, help="learning rate (overrides optimizer.params.lr)")
     ap.add_argument("--budget", default=None, help="device memory budget, e.g. 20GB "
                                                    "(overrides tidal.device_memory_budget)")
-    ap.add_argument("--data", choices=DATA_KINDS, default="text",
-                    help="text: byte tokens of Python's docstrings; synthetic: a random bigram table")
     ap.add_argument("--seed", type=int, default=0, help="seed of the model init and the data")
     ap.add_argument("--json", default=None, metavar="FILE", help="write the final report here")
     ap.add_argument("--plot", default=None, metavar="PNG",
@@ -233,6 +242,7 @@ def _parser() -> argparse.ArgumentParser:
                          "moves and evictions marked; needs matplotlib)")
     ap.add_argument("--no-progress", action="store_true",
                     help="plain log lines instead of a progress bar")
+    data_options.add_arguments(ap)
     return ap
 
 
@@ -252,6 +262,7 @@ def run(argv=None) -> dict:
     args = ap.parse_args(argv)
     for name in ("steps", "batch", "seq"):
         _positive(ap, f"--{name}", getattr(args, name))
+    data_options.check_arguments(ap, args)
     if args.lr is not None and not (math.isfinite(args.lr) and args.lr >= 0):
         ap.error(f"--lr must be a finite number >= 0, got {args.lr}")
     if args.preset is not None and args.preset not in PRESETS:
@@ -266,6 +277,11 @@ def run(argv=None) -> dict:
 
     info = tidal.get_device().info()
     gpu = info["backend"] == "cuda"
+    try:
+        tokenizer = load_tokenizer(args.tokenizer)
+        vocab_from_data, vocab_origin = data_options.data_vocab(args, tokenizer)
+    except DataError as e:
+        ap.error(str(e))
 
     # The model's shape.
     hf_config = None  # a transformers config: train that architecture itself
@@ -290,6 +306,9 @@ def run(argv=None) -> dict:
         layers, d, heads, positions, vocab = PRESETS[preset]
         shape = ModelShape(layers, d, heads, positions, vocab, source=f"preset {preset}")
         label = preset
+        if vocab_from_data is not None:  # a preset takes the data's vocabulary
+            shape.vocab = vocab_from_data
+            shape.note = f"vocabulary {vocab_from_data}: {vocab_origin}"
     seq = args.seq or min(shape.positions, 1024)
     if seq > shape.positions:
         ap.error(f"--seq {seq} is longer than the model's {shape.positions} positions")
@@ -341,6 +360,21 @@ def run(argv=None) -> dict:
     if shape.note:
         say(f"[tidal-train] note: {shape.note}", flush=True)
 
+    # The data, before the model is built, so a bad file fails fast.
+    try:
+        data = data_options.open_batches(
+            args, tokenizer, shape.vocab, f"the model's, {shape.source}", seq, micro, "cpu",
+            rank=rank, log=lambda line: say(f"[tidal-train] {line}", flush=True))
+    except DataError as e:
+        ap.error(str(e))
+    if args.eval_every and not data.has_eval:
+        ap.error("--eval-every needs a held-out split: --eval-fraction > 0 or --eval-data")
+    if args.data not in data_options.BUILTIN:
+        say(f"[tidal-train] data: {data.name}; {tokenizer.name}", flush=True)
+    if args.eval_every:
+        say(f"[tidal-train] validation every {args.eval_every} steps on {data.describe_eval()}",
+            flush=True)
+
     t0 = time.perf_counter()
     torch.manual_seed(args.seed)
     with tidal.init_context(config):
@@ -367,18 +401,31 @@ def run(argv=None) -> dict:
           f"{info['backend']} ({info['name']}), precision {cfg.precision}, device budget "
           f"{_fmt_bytes(engine.store.device_budget)}", flush=True)
 
-    # (The model above is seeded alike on every rank; the data is not.)
-    data = batches(args.data, shape.vocab, seq, micro, device, seed=args.seed + rank)
+    # (The model above is seeded alike on every rank; the data is not: each
+    # rank draws its own windows, Note [Resumable batches].)
+    data.device = device
+    first = 0
+    if args.resume is not None:
+        try:
+            path, first = data_options.resume(engine, args.resume, data)
+        except ValueError as e:  # DataError, CheckpointError
+            ap.error(str(e))
+        if first >= steps:
+            ap.error(f"--resume {args.resume}: {path} has done {first} steps and --steps is "
+                     f"{steps}: nothing left to train; give a larger --steps")
+        say(f"[tidal-train] resumed from {path} after step {first}", flush=True)
+    save_dir = data_options.save_dir_of(args)
     bar = None
     if not args.no_progress and rank == 0:
         try:
             from tqdm import tqdm
-            bar = tqdm(total=steps, unit="step", dynamic_ncols=True, file=sys.stderr)
+            bar = tqdm(total=steps, initial=first, unit="step", dynamic_ncols=True, file=sys.stderr)
         except ImportError:
             say("[tidal-train] tqdm is not installed: plain progress lines", flush=True)
-    losses, times, applied = [], [], 0
+    write = bar.write if bar is not None else (lambda line: say(line, flush=True))
+    losses, times, applied, evals, saved = [], [], 0, [], []
     start = time.perf_counter()
-    for step in range(steps):
+    for step in range(first, steps):
         t = time.perf_counter()
         total = 0.0
         for _ in range(accum):
@@ -403,6 +450,13 @@ def run(argv=None) -> dict:
             bar.update(1)
         elif step % max(1, steps // 10) == 0 or step == steps - 1:
             say(f"step {step:5d}  {fields}", flush=True)
+        done = step + 1
+        if args.eval_every and (done % args.eval_every == 0 or done == steps):
+            evals.append({"step": done, "loss": data_options.evaluate(engine, forward, data)})
+            write(f"step {step:5d}  validation loss {evals[-1]['loss']:.4f}")
+        if args.save_every and (done % args.save_every == 0 or done == steps):
+            saved.append(str(data_options.save(engine, save_dir, done, data)))
+            write(f"step {step:5d}  saved {saved[-1]}")
     if bar is not None:
         bar.close()
     wall = time.perf_counter() - start
@@ -414,7 +468,8 @@ def run(argv=None) -> dict:
         "model": label, "source": shape.source, "architecture": type(model).__name__,
         "params": n_params, "layers": shape.layers,
         "hidden": shape.hidden, "heads": shape.heads, "vocab": shape.vocab, "seq": seq,
-        "steps": steps, "applied_steps": applied, "micro_batch": micro, "world_size": world,
+        "steps": steps, "start_step": first, "applied_steps": applied, "micro_batch": micro,
+        "world_size": world,
         "global_batch": micro * accum * world,
         "gradient_accumulation_steps": accum, "data": args.data, "config": str(config_path),
         "precision": cfg.precision, "lr": cfg.lr, "first_loss": losses[0], "last_loss": losses[-1],
@@ -422,12 +477,18 @@ def run(argv=None) -> dict:
         "tokens_per_s": tokens_per_step * len(steady) / sum(steady),
         "tflops": 6 * n_params * tokens_per_step * len(steady) / sum(steady) / 1e12,
         "device": info["name"], "backend": info["backend"],
+        "tokenizer": tokenizer.name, "data_source": data.name,
+        "eval": evals, "checkpoints": saved,
         "memory": {k: v for k, v in report.items() if k not in ("scheduler", "host")},
         "host_bytes": report["host"],
     }
     m = summary["memory"]
-    say(f"[tidal-train] report: {steps} steps in {wall:.1f} s; loss {losses[0]:.4f} -> "
+    ran = f"steps {first + 1}-{steps}" if first else f"{steps} steps"
+    say(f"[tidal-train] report: {ran} in {wall:.1f} s; loss {losses[0]:.4f} -> "
           f"{losses[-1]:.4f} (mean of the last {len(tail)}: {summary['last5_mean_loss']:.4f})")
+    if evals:
+        say(f"  validation loss {evals[0]['loss']:.4f} (step {evals[0]['step']}) -> "
+            f"{evals[-1]['loss']:.4f} (step {evals[-1]['step']})")
     say(f"  throughput (steps 3 on): {summary['tokens_per_s']:,.0f} tokens/s, "
           f"{summary['tflops']:.3g} TFLOPS")
     say(f"  device budget {_fmt_bytes(m['device_budget'])} (margin {_fmt_bytes(m['device_margin'])}): "

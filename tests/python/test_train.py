@@ -197,7 +197,7 @@ def test_bad_arguments_exit_with_clear_errors(tmp_path, capsys):
     assert "argument --hf-config: not allowed with argument --preset" in \
         run_error(capsys, "--preset", "tiny", "--hf-config", "x.json")
     assert "--lr must be a finite number >= 0, got -1.0" in run_error(capsys, "--lr", "-1")
-    assert "argument --data: invalid choice: 'wiki'" in run_error(capsys, "--data", "wiki")
+    assert "--data wiki: no such file or directory" in run_error(capsys, "--data", "wiki")
     missing = tmp_path / "nope.json"
     assert f"--hf-config {missing}: [Errno 2] No such file or directory" in \
         run_error(capsys, "--hf-config", str(missing))

@@ -1,6 +1,13 @@
-"""Training data for tidal-train that needs no download.
+"""Training data for tidal-train and scripts/finetune_hf.py.
 
-Two sources of (input, target) token batches:
+A user's corpus (`--data PATH`: a text file, a folder of text files, JSONL
+with a "text" field, or a *.bin of token ids) is read as memory-mapped ids
+(tidal.data.sources, Note [Token sources]), encoded byte-level or by a local
+Hugging Face tokenizer (tidal.data.tokenizer), and cut into resumable batches
+with a held-out split (tidal.data.windows, Note [Resumable batches]); the
+scripts' arguments, validation and checkpoints are in tidal.data.options.
+
+Two built-in sources need no download:
 
 - ``text``: byte-level tokens (vocabulary 256) of a corpus made at run time
   from the docstrings of Python's own standard library (about 0.6 MB of
@@ -20,10 +27,16 @@ import inspect
 import warnings
 from typing import Iterator
 
+import numpy as np
 import torch
 
+from .sources import TokenSource, open_source
+from .tokenizer import ByteTokenizer, DataError, HFTokenizer, load_tokenizer
+from .windows import SyntheticBatches, TokenWindows
+
 __all__ = ["DATA_KINDS", "TEXT_VOCAB", "batches", "synthetic_batches", "text_batches",
-           "text_corpus"]
+           "text_corpus", "DataError", "ByteTokenizer", "HFTokenizer", "load_tokenizer",
+           "TokenSource", "open_source", "TokenWindows", "SyntheticBatches"]
 
 DATA_KINDS = ("text", "synthetic")
 TEXT_VOCAB = 256
@@ -84,22 +97,17 @@ def _build_corpus() -> bytes:
 def text_batches(batch: int, seq: int, device, seed: int = 0) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     """Random windows of the corpus as byte tokens: (input, target shifted by one), int64.
 
+    The whole corpus, no held-out split (TokenWindows with eval_fraction 0).
+
     Args:
         batch: sequences per batch.
         seq: tokens per sequence.
         device: where the batches are put.
         seed: the sampling seed.
     """
-    data = torch.frombuffer(bytearray(text_corpus()), dtype=torch.uint8).long()
-    if data.numel() <= seq + 1:
-        raise ValueError(f"the text corpus has {data.numel()} bytes, too few for sequences of "
-                         f"{seq} tokens; use a shorter --seq or --data synthetic")
-    g = torch.Generator().manual_seed(seed)
-    offsets = torch.arange(seq + 1)
-    while True:
-        start = torch.randint(0, data.numel() - seq - 1, (batch, 1), generator=g)
-        window = data[start + offsets]
-        yield window[:, :-1].to(device), window[:, 1:].to(device)
+    data = np.frombuffer(text_corpus(), dtype=np.uint8)
+    return TokenWindows(data, seq, batch, device, seed=seed, eval_fraction=0.0,
+                        name="the text corpus")
 
 
 def synthetic_batches(vocab: int, seq: int, batch: int, device, seed: int = 0,
@@ -111,18 +119,7 @@ def synthetic_batches(vocab: int, seq: int, batch: int, device, seed: int = 0,
         seq, batch, device, seed: as text_batches.
         branching: successors per token (the loss floor is ln(branching)).
     """
-    g = torch.Generator().manual_seed(seed)
-    zipf = 1.0 / torch.arange(1, vocab + 1, dtype=torch.float64)
-    successors = torch.multinomial(zipf, vocab * branching, replacement=True,
-                                   generator=g).view(vocab, branching)
-    while True:
-        token = torch.multinomial(zipf, batch, replacement=True, generator=g)
-        tokens = [token]
-        for _ in range(seq):
-            pick = torch.randint(0, branching, (batch,), generator=g)
-            tokens.append(successors[tokens[-1], pick])
-        t = torch.stack(tokens, 1)
-        yield t[:, :-1].to(device), t[:, 1:].to(device)
+    return SyntheticBatches(vocab, seq, batch, device, seed=seed, branching=branching)
 
 
 def batches(kind: str, vocab: int, seq: int, batch: int, device, seed: int = 0):

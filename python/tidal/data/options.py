@@ -1,0 +1,269 @@
+"""What tidal-train and scripts/finetune_hf.py share about data: the arguments
+(--data, --tokenizer, --eval-every, --save-every, --resume, ...), the batches
+they make, validation, and checkpoints that resume bit for bit.
+
+Note [Resuming a training script]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+`save()` calls engine.save_checkpoint(dir, tag="step<N>") with a client_state
+{"tidal_train": {...}} holding the steps done, the batches' state (the index
+of the next batch and what the batches depend on: Note [Resumable batches] in
+tidal/data/windows.py) and torch's RNG state (CPU, and CUDA when present),
+taken between two steps. `resume()` loads the checkpoint into an engine built
+as the saved one was (weights, Adam, scaler, scheduler: the engine's part),
+puts the batches at the saved index and sets the RNG state, so the next step
+draws the batch, and the dropout masks, that the uninterrupted run drew at
+that step; --steps counts from the start of the first run. Validation reads
+fixed held-out windows in eval mode under torch.no_grad(): it draws no random
+numbers and leaves the batch index alone, so evaluating (or not) changes no
+training loss. CPU kernels split their sums by thread, so a bit-exact resume
+needs the saved run's thread count (torch.get_num_threads(), saved too; a
+different one is a warning naming OMP_NUM_THREADS). What the step itself
+depends on is the engine's to keep: on
+the host and on the simulated device every chunk's Adam is the same SIMD
+kernel, so resumed losses equal the uninterrupted ones bit for bit in fp32,
+hybrid Adam or not (tested, the resumed run in another process); on a GPU a
+chunk updated on the device goes through torch's fused Adam, and a fresh
+engine starts with no chunk there, so its first steps may round differently.
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import warnings
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+import torch
+
+from .sources import TOKEN_DTYPES, data_kind, open_source, read_nanogpt_meta
+from .tokenizer import ByteTokenizer, DataError
+from .windows import SyntheticBatches, TokenWindows
+
+__all__ = ["BUILTIN", "add_arguments", "check_arguments", "data_vocab", "open_batches",
+           "evaluate", "save_dir_of", "save", "resume"]
+
+BUILTIN = ("text", "synthetic")   # --data keywords: the built-in corpora (tidal.data)
+_STATE_KEY, _STATE_FORMAT = "tidal_train", 1
+
+
+def add_arguments(ap: argparse.ArgumentParser) -> None:
+    """Adds the data, validation and checkpoint arguments to a script's parser.
+
+    Args:
+        ap: the script's parser.
+    """
+    g = ap.add_argument_group("data, validation and checkpoints")
+    g.add_argument("--data", default="text", metavar="PATH",
+                   help="what to train on: a text file, a folder of text files (.txt, .text, .md, "
+                        ".rst), a JSONL file with a 'text' field, or a *.bin of token ids (nanoGPT's "
+                        "train.bin); or a built-in corpus: 'text' (byte tokens of Python's "
+                        "docstrings, the default) or 'synthetic' (a random bigram table)")
+    g.add_argument("--tokenizer", default=None, metavar="DIR",
+                   help="a local Hugging Face tokenizer directory (default: byte-level, 256 ids)")
+    g.add_argument("--data-dtype", choices=tuple(TOKEN_DTYPES), default=None,
+                   help="the ids' dtype in a *.bin (default: from a meta.pkl beside it, else "
+                        "uint16 when the vocabulary is at most 65536, uint32 above)")
+    g.add_argument("--eval-data", default=None, metavar="PATH",
+                   help="a held-out corpus (any --data form, e.g. nanoGPT's val.bin); without "
+                        "it the last --eval-fraction of --data is held out")
+    g.add_argument("--eval-fraction", type=float, default=0.05,
+                   help="share of --data held out for validation: its last tokens (default 0.05; "
+                        "0 trains on everything)")
+    g.add_argument("--eval-every", type=int, default=0, metavar="N",
+                   help="print the validation loss every N steps and after the last (0: never)")
+    g.add_argument("--eval-batches", type=int, default=8, metavar="N",
+                   help="held-out batches per validation (default 8)")
+    g.add_argument("--save-every", type=int, default=0, metavar="N",
+                   help="save a checkpoint every N steps and after the last (needs --save-dir "
+                        "or --resume)")
+    g.add_argument("--save-dir", default=None, metavar="DIR",
+                   help="where checkpoints go (DIR/step<N>/, DIR/latest); default: --resume's DIR")
+    g.add_argument("--resume", default=None, metavar="DIR",
+                   help="continue a run from DIR's latest checkpoint (or DIR/step<N>); --steps "
+                        "counts from the start of the first run")
+    g.add_argument("--cache-dir", default=None, metavar="DIR",
+                   help="where text is tokenized to (default: $TIDAL_DATA_CACHE or "
+                        "~/.cache/tidal/tokens)")
+
+
+def check_arguments(ap: argparse.ArgumentParser, args) -> None:
+    """Exits through ap.error() on values the data arguments cannot take.
+
+    Args:
+        ap: the parser (its error() prints the usage and exits with status 2).
+        args: the parsed arguments.
+    """
+    for name in ("eval_every", "save_every"):
+        if getattr(args, name) < 0:
+            ap.error(f"--{name.replace('_', '-')} must be 0 (never) or a number of steps, got "
+                     f"{getattr(args, name)}")
+    if args.eval_batches < 1:
+        ap.error(f"--eval-batches must be at least 1, got {args.eval_batches}")
+    if not (math.isfinite(args.eval_fraction) and 0 <= args.eval_fraction < 1):
+        ap.error(f"--eval-fraction must be in [0, 1), got {args.eval_fraction}")
+    if args.save_every and args.save_dir is None and args.resume is None:
+        ap.error("--save-every needs --save-dir DIR (or --resume DIR, whose DIR it then saves to)")
+    if args.data in BUILTIN:
+        for flag in ("tokenizer", "data_dtype", "eval_data"):
+            if getattr(args, flag) is not None:
+                ap.error(f"--{flag.replace('_', '-')} applies to --data PATH, not to the built-in "
+                         f"corpus '{args.data}'")
+
+
+def data_vocab(args, tokenizer) -> tuple[int | None, str]:
+    """The vocabulary the data implies, and whose it is: a --tokenizer's, else a
+    nanoGPT meta.pkl's beside a *.bin; (None, "") when the data leaves it open.
+
+    Args:
+        args: the parsed arguments.
+        tokenizer: the loaded tokenizer.
+    """
+    if not isinstance(tokenizer, ByteTokenizer):
+        return tokenizer.vocab_size, f"the tokenizer's ({tokenizer.name})"
+    if args.data not in BUILTIN and Path(args.data).is_file() and data_kind(args.data) == "tokens":
+        meta = read_nanogpt_meta(args.data)
+        if meta is not None:
+            return meta["vocab_size"], f"vocab_size of {Path(args.data).parent / 'meta.pkl'}"
+    return None, ""
+
+
+def _tokens(path, args, tokenizer, vocab, vocab_name, log):
+    return open_source(path, tokenizer, dtype=args.data_dtype, vocab=vocab, vocab_name=vocab_name,
+                       cache_dir=args.cache_dir, log=log)
+
+
+def open_batches(args, tokenizer, vocab: int, vocab_name: str, seq: int, batch: int, device,
+                 rank: int = 0, log: Callable[[str], None] | None = None):
+    """The resumable batches of --data (TokenWindows or SyntheticBatches).
+
+    Args:
+        args: the parsed arguments (add_arguments).
+        tokenizer: the tokenizer of text (load_tokenizer(args.tokenizer)).
+        vocab: the model's vocabulary size; ids must be below it.
+        vocab_name: whose vocabulary that is, for messages.
+        seq, batch: the shape of a batch.
+        device: where batches are put.
+        rank: the data-parallel rank (its own windows).
+        log: progress lines (a token cache being built).
+    """
+    from . import TEXT_VOCAB, text_corpus
+    if args.data == "synthetic":
+        return SyntheticBatches(vocab, seq, batch, device, seed=args.seed, rank=rank,
+                                eval_batches=args.eval_batches)
+    byte_level = isinstance(tokenizer, ByteTokenizer)
+    # Text the tokenizer will encode (a *.bin's ids are checked one by one instead).
+    text = [p for p in (args.data, args.eval_data) if p is not None and p not in BUILTIN
+            and Path(p).exists() and data_kind(p) != "tokens"]
+    if vocab < tokenizer.vocab_size and (text or not byte_level):
+        if byte_level:
+            raise DataError(f"{text[0]}: byte-level text needs a vocabulary of at least "
+                            f"256, the model's is {vocab} ({vocab_name}); give --tokenizer, or a "
+                            f"larger model vocabulary")
+        raise DataError(f"{tokenizer.name} has {tokenizer.vocab_size} ids, the model's vocabulary "
+                        f"{vocab} ({vocab_name}); the model needs at least as many: a tokenizer "
+                        f"made for this model, or a model config with vocab_size >= "
+                        f"{tokenizer.vocab_size}")
+    eval_tokens = None
+    if args.eval_data is not None:
+        eval_tokens = _tokens(args.eval_data, args, tokenizer, vocab, vocab_name, log).tokens
+    if args.data == "text":
+        if vocab < TEXT_VOCAB:
+            raise DataError(f"--data text needs a vocabulary of at least {TEXT_VOCAB} (byte "
+                            f"tokens), the model has {vocab}; use --data synthetic")
+        tokens, name = np.frombuffer(text_corpus(), dtype=np.uint8), "the built-in text corpus"
+    else:
+        source = _tokens(args.data, args, tokenizer, vocab, vocab_name, log)
+        tokens, name = source.tokens, source.description
+    return TokenWindows(tokens, seq, batch, device, seed=args.seed, rank=rank,
+                        eval_fraction=args.eval_fraction, eval_tokens=eval_tokens,
+                        eval_batches=args.eval_batches, name=name)
+
+
+def evaluate(engine, forward, batches) -> float:
+    """The mean loss over the held-out batches: the model in eval mode, under
+    torch.no_grad(), through the engine's forward; the mode is restored after.
+
+    Args:
+        engine: the tidal engine.
+        forward: forward(x, y) -> the scalar loss tensor, run by the engine.
+        batches: TokenWindows or SyntheticBatches (their eval_set()).
+    """
+    was_training = engine.module.training
+    engine.eval()
+    total, n = 0.0, 0
+    try:
+        with torch.no_grad():
+            for x, y in batches.eval_set():
+                total += float(forward(x, y))
+                n += 1
+    finally:
+        engine.train(was_training)
+    return total / n
+
+
+def save_dir_of(args) -> str | None:
+    """Where --save-every writes: --save-dir, else the folder --resume read from
+    (the parent of a DIR/step<N> it named).
+
+    Args:
+        args: the parsed arguments.
+    """
+    if args.save_dir is not None or args.resume is None:
+        return args.save_dir
+    p = Path(args.resume)
+    return str(p.parent if (p / "meta.json").is_file() else p)
+
+
+def save(engine, save_dir, step: int, batches):
+    """Writes a checkpoint after `step` steps with where the data and the RNG stand
+    (Note [Resuming a training script]); returns its path.
+
+    Args:
+        engine: the engine.
+        save_dir: the checkpoint folder (step<N>/ and latest go in it).
+        step: steps done.
+        batches: the run's batches (their state_dict()).
+    """
+    rng = {"cpu": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        rng["cuda"] = torch.cuda.get_rng_state_all()
+    state = {_STATE_KEY: {"format": _STATE_FORMAT, "step": step, "data": batches.state_dict(),
+                          "rng": rng, "threads": torch.get_num_threads()}}
+    return engine.save_checkpoint(save_dir, tag=f"step{step}", client_state=state)
+
+
+def resume(engine, where, batches) -> tuple[Path, int]:
+    """Loads what save() wrote and continues the data and the RNG from it; returns
+    (the checkpoint's path, the steps it had done).
+
+    Args:
+        engine: an engine built as the saved one was.
+        where: a save folder (its latest checkpoint) or one checkpoint, DIR/step<N>.
+        batches: the run's batches; they continue at the saved index.
+    """
+    p = Path(where)
+    if not p.is_dir():
+        raise DataError(f"--resume {where}: no such directory; expected the --save-dir of an "
+                        f"earlier run (or one of its step<N> folders)")
+    load_dir, tag = (p.parent, p.name) if (p / "meta.json").is_file() else (p, None)
+    if tag is None and not (p / "latest").is_file():
+        raise DataError(f"--resume {where}: no checkpoint there (no {p / 'latest'}); expected the "
+                        f"--save-dir of a run with --save-every")
+    path, client = engine.load_checkpoint(load_dir, tag)
+    state = (client or {}).get(_STATE_KEY) if isinstance(client, dict) else None
+    if not isinstance(state, dict) or state.get("format") != _STATE_FORMAT:
+        raise DataError(f"--resume {where}: {path} was not saved by tidal-train or finetune_hf.py "
+                        f"(its client_state has no {_STATE_KEY!r} of format {_STATE_FORMAT}), so "
+                        f"where its data stood is unknown")
+    batches.load_state_dict(state["data"], origin=f"--resume {path}")
+    threads = state.get("threads")
+    if threads is not None and threads != torch.get_num_threads():
+        warnings.warn(f"--resume {path}: the run that saved it used {threads} CPU threads, this one "
+                      f"{torch.get_num_threads()}; CPU kernels split their sums by thread, so the "
+                      f"losses may differ from the uninterrupted run's in the last bits; set "
+                      f"OMP_NUM_THREADS={threads} for a bit-exact resume", stacklevel=2)
+    torch.set_rng_state(state["rng"]["cpu"])
+    if "cuda" in state["rng"] and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["rng"]["cuda"])
+    return path, int(state["step"])
