@@ -319,6 +319,96 @@ def test_bf16_from_the_training_arguments_is_tidals_precision(data, reference, t
     assert_close(trainer.losses, reference.losses[:6], 2e-2)
 
 
+def test_fp16_steps_the_engine_skips_do_not_advance_the_trainers_schedule(data, tmp_path):
+    """fp16 with a loss scale too large for the first gradients: the engine skips
+    those steps (inf gradient norm, scale halved) and the Trainer's linear schedule
+    advances only over the steps that were applied, as under DeepSpeed (and
+    accelerate's GradScaler)."""
+    config = copy.deepcopy(TIDAL)
+    config["fp16"] = {"enabled": "auto", "initial_scale_power": 20, "hysteresis": 1}
+    ours = run(RecordingTidalTrainer, data, training_args(tmp_path, fp16=True, max_steps=8,
+                                                          warmup_steps=0, eval_strategy="no"),
+               tidal_config=config)
+    engine = ours.trainer.engine
+    assert engine.precision == "fp16"
+    skipped = [e["grad_norm"] == float("inf") for e in ours.logs]
+    assert any(skipped) and not all(skipped) and engine.skipped_steps == sum(skipped)
+    applied = 0
+    for entry, was_skipped in zip(ours.logs, skipped):
+        assert entry["learning_rate"] == pytest.approx(3e-3 * (1 - applied / 8), rel=1e-12)
+        applied += not was_skipped
+    assert ours.trainer.lr_scheduler.last_epoch == applied
+    assert ours.losses[-1] < ours.losses[0] - 0.2
+
+
+def test_gradient_checkpointing_of_the_trainer(data, reference, tmp_path):
+    """TrainingArguments(gradient_checkpointing=True): the Trainer turns on the
+    model's own (torch.utils.checkpoint per layer); the replays run under the
+    engine's hooks and the losses are the plain Trainer's without it."""
+    ours = run(RecordingTidalTrainer, data, training_args(tmp_path, gradient_checkpointing=True,
+                                                          max_steps=4, eval_strategy="no"),
+               tidal_config=TIDAL)
+    assert ours.trainer.model.is_gradient_checkpointing
+    # (the warm-up's lrs do not depend on max_steps)
+    assert_close(ours.losses, reference.losses[:4], 1e-5)
+
+
+def test_load_best_model_at_end_loads_the_best_checkpoints_weights(data, tmp_path):
+    """With greater_is_better=True the "best" eval loss is the first one: at the end
+    the engine holds the fp32 weights of checkpoint-4 again, not those of step 8."""
+    ours = run(RecordingTidalTrainer, data,
+               training_args(tmp_path, max_steps=8, eval_steps=4, save_strategy="steps",
+                             save_steps=4, load_best_model_at_end=True,
+                             metric_for_best_model="eval_loss", greater_is_better=True),
+               tidal_config=TIDAL)
+    assert ours.trainer.state.best_model_checkpoint == str(tmp_path / "checkpoint-4")
+    saved = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "checkpoint-4").state_dict()
+    later = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "checkpoint-8").state_dict()
+    now = ours.trainer.engine.state_dict()
+    for name, value in now.items():
+        assert torch.equal(value, saved[name]), name
+    assert not torch.equal(now["lm_head.weight"], later["lm_head.weight"])
+
+
+def test_lora_with_peft(data, tmp_path):
+    """A peft LoRA model (frozen base, trainable adapters) under TidalTrainer trains
+    as under the plain Trainer, and save_model writes peft's adapter folder with
+    the trained adapters."""
+    peft = pytest.importorskip("peft")
+    tokenizer, train, _ = data
+
+    def lora():
+        model = peft.get_peft_model(llama(tokenizer), peft.LoraConfig(
+            r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "v_proj"]))
+        with torch.no_grad():  # (peft starts lora_B at zero)
+            for name, p in model.named_parameters():
+                if "lora_B" in name:
+                    p.normal_(0, 0.02, generator=torch.Generator().manual_seed(len(name)))
+        return model
+
+    results = []
+    for trainer_class, extra in ((ReferenceTrainer, {}), (RecordingTidalTrainer, {
+            "tidal_config": {"tidal": {"chunk_size": "128KiB", "device_memory_budget": "16MiB"}}})):
+        trainer = trainer_class(model=lora(), args=training_args(tmp_path / trainer_class.__name__,
+                                                                 max_steps=4, eval_strategy="no"),
+                                train_dataset=train, data_collator=transformers.default_data_collator,
+                                **extra)
+        trainer.losses = []
+        trainer.train()
+        results.append(trainer)
+    theirs, ours = results
+    assert_close(ours.losses, theirs.losses, 1e-5)
+    ours.save_model(tmp_path / "adapter")
+    assert (tmp_path / "adapter" / "adapter_model.safetensors").is_file()
+    loaded = peft.PeftModel.from_pretrained(llama(tokenizer), tmp_path / "adapter")
+    adapters = {k: v for k, v in ours.engine.state_dict().items() if "lora_" in k}
+    assert adapters
+    state = loaded.state_dict()
+    for name, value in adapters.items():
+        assert torch.equal(state[name], value), name
+        assert torch.allclose(value, theirs.model.state_dict()[name], rtol=1e-4, atol=1e-6), name
+
+
 # ------------------------------------------------------------ "auto" filled
 class HfReference(transformers.integrations.deepspeed.HfTrainerDeepSpeedConfig,
                   accelerate_deepspeed.HfDeepSpeedConfig):
