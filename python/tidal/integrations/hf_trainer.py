@@ -34,9 +34,12 @@ Trainer's DeepSpeed path (`--deepspeed`) hands work to DeepSpeed's engine:
   gradient accumulation (a sum over num_items_in_batch of the whole
   accumulation window, or divided by the window's micro-batches), which is
   why its DeepSpeed path passes scale_wrt_gas=False. engine.backward always
-  divides by gradient_accumulation_steps k, so it is given loss * k: the
-  gradients are those of the Trainer's loss, the seed gradient being
-  fl32(fl32(1/k) * k), exactly 1 for k = 1, 2, 3, 4, 8 (and for most k).
+  multiplies the loss by (loss scale) / k, k = gradient_accumulation_steps,
+  in float32, so it is given loss / c with c = fl32(1/k): the derivative of
+  the chain is c / c, exactly 1 (for every k; times a power-of-two loss
+  scale, exactly that scale), so the gradients are those of the Trainer's
+  loss bit for bit. (loss * k would give fl32(fl32(1/k) * k), which is not 1
+  for k = 41, 47, 55, ...)
   An accumulation window shorter than k (the end of an epoch whose
   micro-batches are not a multiple of k) is refused: engine.step() steps at
   every k-th micro-batch only, as DeepSpeed's engine does.
@@ -82,6 +85,10 @@ __all__ = ["TidalTrainer"]
 logger = logging.getLogger(__name__)
 
 _SCHEDULE_STEP_KEYS = ("total_num_steps", "warmup_num_steps")
+
+
+def _float32(x: float) -> float:
+    return torch.tensor(x, dtype=torch.float32).item()
 
 
 class _EngineModule(torch.nn.Module):
@@ -370,9 +377,9 @@ class TidalTrainer(transformers.Trainer):
         if (not self.model_accepts_loss_kwargs or num_items_in_batch is None) \
                 and self.compute_loss_func is None:
             loss = loss / window
-        # engine.backward divides by `steps`; the Trainer's loss is already
-        # normalised for the window (Note [The Trainer on tidal]).
-        self.engine.backward(loss * steps if steps != 1 else loss)
+        # The Trainer's loss is already normalised for the window, and
+        # engine.backward multiplies by fl32(1/steps) (Note [The Trainer on tidal]).
+        self.engine.backward(loss / _float32(1.0 / steps) if steps != 1 else loss)
         return loss.detach()
 
     def _maybe_log_save_evaluate(self, tr_loss, grad_norm, model, trial, epoch, ignore_keys_for_eval,
