@@ -45,6 +45,14 @@ def simulated_device():
     tidal._C.set_default_device(previous)
 
 
+@pytest.fixture(autouse=True)
+def accelerate_precision_unset(monkeypatch):
+    """TrainingArguments(fp16/bf16=True) writes ACCELERATE_MIXED_PRECISION into the
+    process's environment, and later TrainingArguments without them keep it: each
+    test starts without it, and leaves the environment as it found it."""
+    monkeypatch.delenv("ACCELERATE_MIXED_PRECISION", raising=False)
+
+
 class Blocks(torch.utils.data.Dataset):
     def __init__(self, blocks):
         self.blocks = blocks
@@ -351,6 +359,24 @@ def test_gradient_checkpointing_of_the_trainer(data, reference, tmp_path):
     assert ours.trainer.model.is_gradient_checkpointing
     # (the warm-up's lrs do not depend on max_steps)
     assert_close(ours.losses, reference.losses[:4], 1e-5)
+
+
+def test_a_model_built_in_init_context_with_the_completed_config(data, reference, tmp_path):
+    """trainer_config(config, args) is the config TidalTrainer trains with: a model
+    built straight into chunks under it (post_init's initialisation kept) trains
+    as the plain Trainer's."""
+    tokenizer, train, _ = data
+    args = training_args(tmp_path, max_steps=4, eval_strategy="no")
+    config = trainer_config(TIDAL, args)
+    with tidal.init_context(config):
+        model = llama(tokenizer)
+    assert all(p.numel() == 0 for p in model.parameters())  # (placeholders: in chunks already)
+    trainer = RecordingTidalTrainer(model=model, args=args, train_dataset=train,
+                                    tidal_config=config,
+                                    data_collator=transformers.default_data_collator)
+    trainer.losses = []
+    trainer.train()
+    assert_close(trainer.losses, reference.losses[:4], 1e-5)
 
 
 def test_load_best_model_at_end_loads_the_best_checkpoints_weights(data, tmp_path):

@@ -143,6 +143,8 @@ class _SkippingSchedule:
         self._skipped = self._engine.skipped_steps
 
     def __getattr__(self, name):
+        if name == "scheduler":  # (not set yet: copy, unpickling)
+            raise AttributeError(name)
         return getattr(self.scheduler, name)
 
 
