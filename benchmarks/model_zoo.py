@@ -420,7 +420,7 @@ QUICK = ["llama", "lstm", "resnet"]
 
 # ------------------------------------------------------------ the two runs
 def engine_config(budget=0) -> dict:
-    return {"optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": WEIGHT_DECAY}},
+    return {"gradient_clipping": 0.0, "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": WEIGHT_DECAY}},
             "tidal": {"chunk_size": CHUNK, "device_memory_budget": budget, "device_margin": 1024}}
 
 

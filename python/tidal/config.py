@@ -76,7 +76,9 @@ _TIDAL_SCHEMA: dict[str, Any] = {
     "train_batch_size": (int, None, "samples per optimizer step (micro batch x accumulation)"),
     "train_micro_batch_size_per_gpu": (int, None, "samples per forward/backward"),
     "gradient_accumulation_steps": (int, None, "micro batches per optimizer step"),
-    "gradient_clipping": ((float, int), 0.0, "clip gradients to this global L2 norm; 0 = off"),
+    # DeepSpeed 0.19.8's default (runtime/constants.py GRADIENT_CLIPPING_DEFAULT):
+    # a DeepSpeed config without the key clips at 1.0 there, and so here.
+    "gradient_clipping": ((float, int), 1.0, "clip gradients to this global L2 norm; 0 = off"),
     "steps_per_print": (int, 10, "log every N optimizer steps"),
     # A permission DeepSpeed needs for client optimizers under ZeRO; tidal
     # always runs its own Adam, so either value means the same here.
@@ -409,7 +411,7 @@ class Config:
     micro_batch_size: int | None = None
     train_batch_size: int | None = None
     gradient_accumulation_steps: int = 1
-    gradient_clipping: float = 0.0
+    gradient_clipping: float = 1.0
     steps_per_print: int = 10
     # "Adam" or "AdamW" (DeepSpeed reads the name in any case); the update
     # rule is adam_w_mode (Note [Optimizer types as DeepSpeed resolves them]).

@@ -34,7 +34,7 @@ from tidal.models.gpt import TinyGPT  # noqa: E402
 
 
 def config(spec, budget):
-    cfg = {"optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.01}},
+    cfg = {"gradient_clipping": 0.0, "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.01}},
            "gradient_accumulation_steps": spec.get("accumulation", 1),
            "tidal": {"chunk_size": 16384, "device_memory_budget": budget, "device_margin": 1024,
                      "data_parallel": {"enabled": True, "timeout": spec.get("timeout", 120),

@@ -35,7 +35,7 @@ def config(**top):
     """The tests' config; without a `tidal` block of its own, the device budget
     is measured on this machine for the TinyGPT these tests train
     (engine_helpers.measured_budget: non-chunk memory differs between CPUs)."""
-    cfg = {"optimizer": {"type": "AdamW", "params": {"lr": 2e-3, "weight_decay": 0.01}},
+    cfg = {"gradient_clipping": 0.0, "optimizer": {"type": "AdamW", "params": {"lr": 2e-3, "weight_decay": 0.01}},
            "tidal": {"chunk_size": 16384, "device_margin": 1024}}
     cfg.update(top)
     if "tidal" not in top:

@@ -38,7 +38,7 @@ def simulated_device():
 
 
 def config(budget, chunk=16384):
-    return {"optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.01}},
+    return {"gradient_clipping": 0.0, "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.01}},
             "tidal": {"chunk_size": chunk, "device_memory_budget": budget, "device_margin": 1024}}
 
 

@@ -33,7 +33,7 @@ def simulated_device():
 def config(budget="600KiB", chunk=16384, **tidal_keys):
     t = {"chunk_size": chunk, "device_memory_budget": budget, "device_margin": 1024}
     t.update(tidal_keys)
-    return {"optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.01}},
+    return {"gradient_clipping": 0.0, "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.01}},
             "tidal": t}
 
 

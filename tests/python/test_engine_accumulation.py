@@ -33,7 +33,7 @@ def simulated_device():
 def config(accumulation, budget="64MiB", chunk=16384, precision=None, clip=0.0, **tidal_keys):
     t = {"chunk_size": chunk, "device_memory_budget": budget, "device_margin": 1024}
     t.update(tidal_keys)
-    cfg = {"optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.01}},
+    cfg = {"gradient_clipping": 0.0, "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.01}},
            "gradient_accumulation_steps": accumulation, "tidal": t}
     if clip:
         cfg["gradient_clipping"] = clip

@@ -36,7 +36,7 @@ def simulated_device():
 def config(chunk=4096, **tidal_keys):
     t = {"chunk_size": chunk, "device_memory_budget": "64MiB", "device_margin": 1024}
     t.update(tidal_keys)
-    return {"optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.01}},
+    return {"gradient_clipping": 0.0, "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.01}},
             "tidal": t}
 
 

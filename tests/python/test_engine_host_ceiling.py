@@ -36,7 +36,7 @@ def config(device_budget=0, host_budget=0, **tidal_keys):
     t = {"chunk_size": CHUNK, "device_memory_budget": device_budget, "device_margin": MARGIN,
          "host_memory_budget": host_budget}
     t.update(tidal_keys)
-    return {"optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.01}},
+    return {"gradient_clipping": 0.0, "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.01}},
             "tidal": t}
 
 

@@ -30,7 +30,7 @@ def simulated_device():
 
 
 def config(**extra):
-    cfg = {"optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.01}},
+    cfg = {"gradient_clipping": 0.0, "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.01}},
            "tidal": {"chunk_size": 16384, "device_margin": 1024, "hybrid_adam": False}}
     cfg.update(extra)
     return cfg

@@ -62,7 +62,7 @@ def batches(n=5, seed=3):
 def config(**tidal_keys):
     t = {"chunk_size": 16384, "device_margin": 1024}
     t.update(tidal_keys)
-    return {"optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.01}}, "tidal": t}
+    return {"gradient_clipping": 0.0, "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.01}}, "tidal": t}
 
 
 class _Fitted:

@@ -45,7 +45,7 @@ def batches(n, seed=3):
 
 
 def config(precision="fp32"):
-    cfg = {"optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.01}},
+    cfg = {"gradient_clipping": 0.0, "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.01}},
            "tidal": {"chunk_size": 16384, "device_memory_budget": "64MiB", "device_margin": 1024}}
     if precision != "fp32":
         cfg[precision] = {"enabled": True}

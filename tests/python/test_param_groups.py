@@ -26,7 +26,7 @@ def simulated_device():
 def config(budget="64MiB", **tidal_keys):
     t = {"chunk_size": 16384, "device_memory_budget": budget, "device_margin": 1024}
     t.update(tidal_keys)
-    return {"optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.1}}, "tidal": t}
+    return {"gradient_clipping": 0.0, "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.1}}, "tidal": t}
 
 
 def no_decay(model):
