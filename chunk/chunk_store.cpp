@@ -7,8 +7,16 @@
 namespace tidal {
 namespace {
 
-DType dtype_of(ChunkKind kind, DType param_dtype) {
-  return kind == ChunkKind::kParam16 ? param_dtype : DType::kFloat32;
+DType dtype_of(ChunkKind kind, const ChunkStoreOptions& options) {
+  switch (kind) {
+    case ChunkKind::kParam16:
+      return options.param_dtype;
+    case ChunkKind::kMomentum:
+    case ChunkKind::kVariance:
+      return options.state_dtype;
+    default:
+      return DType::kFloat32;
+  }
 }
 
 std::size_t checked_chunk_elements(const ChunkStoreOptions& options) {
@@ -17,6 +25,9 @@ std::size_t checked_chunk_elements(const ChunkStoreOptions& options) {
                   options.param_dtype == DType::kFloat32,
               "chunk store: the parameter list holds float16, bfloat16 or float32, got ",
               to_string(options.param_dtype));
+  TIDAL_CHECK(options.state_dtype == DType::kFloat32 || options.state_dtype == DType::kBFloat16,
+              "chunk store: the Adam moments are float32 or bfloat16, got ",
+              to_string(options.state_dtype));
   const std::size_t elem = element_size(options.param_dtype);
   TIDAL_CHECK(options.chunk_bytes > 0 && options.chunk_bytes % elem == 0,
               "chunk store: chunk_bytes must be a positive multiple of ", elem, " bytes (one ",
@@ -47,10 +58,10 @@ const char* transition_tip(TensorState from, TensorState to) {
 ChunkStore::ChunkStore(const ChunkStoreOptions& options)
     : options_(options),
       layout_(checked_chunk_elements(options), options.alignment_elements),
-      lists_{ChunkList(ChunkKind::kParam16, dtype_of(ChunkKind::kParam16, options.param_dtype)),
+      lists_{ChunkList(ChunkKind::kParam16, dtype_of(ChunkKind::kParam16, options)),
              ChunkList(ChunkKind::kParam32, DType::kFloat32),
-             ChunkList(ChunkKind::kMomentum, DType::kFloat32),
-             ChunkList(ChunkKind::kVariance, DType::kFloat32),
+             ChunkList(ChunkKind::kMomentum, dtype_of(ChunkKind::kMomentum, options)),
+             ChunkList(ChunkKind::kVariance, dtype_of(ChunkKind::kVariance, options)),
              ChunkList(ChunkKind::kGradAccum, DType::kFloat32)} {}
 
 TensorId ChunkStore::register_tensor(std::string name, std::size_t numel, std::uint8_t pool,
@@ -307,7 +318,7 @@ void ChunkStore::validate() const {
                           list.size(), " chunks, the layout ", num_chunks);
     TIDAL_INTERNAL_ASSERT(states.size() == names_.size(), to_string(list.kind()), " has ",
                           states.size(), " states for ", names_.size(), " tensors");
-    TIDAL_INTERNAL_ASSERT(list.dtype() == dtype_of(list.kind(), options_.param_dtype),
+    TIDAL_INTERNAL_ASSERT(list.dtype() == dtype_of(list.kind(), options_),
                           to_string(list.kind()), " list dtype");
     for (ChunkIndex c = 0; c < num_chunks; ++c) {
       const Chunk& chunk = list[c];

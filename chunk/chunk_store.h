@@ -41,6 +41,10 @@ struct ChunkStoreOptions {
   // fp16 or bf16: the dtype of the 16-bit parameter list. float32 is the
   // engine's exactness mode (compute in fp32; the list is "16-bit" by role).
   DType param_dtype = DType::kFloat16;
+  // float32 or bfloat16: the dtype of the Adam moment lists (momentum and
+  // variance; Note [16-bit optimizer state] in cpu_adam/adam.h). The fp32
+  // master and gradient-sum lists are always float32.
+  DType state_dtype = DType::kFloat32;
   // Every tensor starts at a multiple of this many elements (64 bytes of
   // fp16, a cache line, so SIMD code and device kernels see aligned data).
   std::size_t alignment_elements = 32;

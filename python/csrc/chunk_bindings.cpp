@@ -43,7 +43,7 @@ class Chunks {
          std::size_t device_budget, std::size_t host_budget, bool prefetch,
          std::size_t prefetch_depth, const std::string& policy, bool pin_host_memory,
          std::optional<std::uintptr_t> compute_stream, const std::string& torch_device,
-         std::size_t host_reserve) {
+         std::size_t host_reserve, const std::string& state_dtype) {
     TIDAL_CHECK(device != nullptr, "Chunks: device is None");
     if (compute_stream) {
       compute_stream_ = device->wrap_external_stream(*compute_stream, "torch-compute");
@@ -51,6 +51,7 @@ class Chunks {
     ChunkStoreOptions store_options;
     store_options.chunk_bytes = chunk_bytes;
     store_options.param_dtype = parse_dtype(param_dtype);
+    store_options.state_dtype = parse_dtype(state_dtype);
     ChunkSchedulerOptions options;
     options.device_budget_bytes = device_budget;
     options.host_budget_bytes = host_budget == 0 ? options.host_budget_bytes : host_budget;
@@ -432,12 +433,14 @@ Python thread drives a Chunks object.)doc");
   py::class_<Chunks>(m, "Chunks")
       .def(py::init<std::shared_ptr<Device>, std::size_t, const std::string&, std::size_t,
                     std::size_t, bool, std::size_t, const std::string&, bool,
-                    std::optional<std::uintptr_t>, const std::string&, std::size_t>(),
+                    std::optional<std::uintptr_t>, const std::string&, std::size_t,
+                    const std::string&>(),
            py::arg("device"), py::kw_only(), py::arg("chunk_bytes"), py::arg("param_dtype"),
            py::arg("device_budget"), py::arg("host_budget") = 0, py::arg("prefetch") = true,
            py::arg("prefetch_depth") = 4, py::arg("policy") = "opt",
            py::arg("pin_host_memory") = true, py::arg("compute_stream") = py::none(),
-           py::arg("torch_device") = "cpu", py::arg("host_reserve") = 0)
+           py::arg("torch_device") = "cpu", py::arg("host_reserve") = 0,
+           py::arg("state_dtype") = "float32")
       .def("register", [](Chunks& c, std::string name, std::size_t numel, std::uint8_t pool,
                           bool with_previous) {
              return c.scheduler().register_tensor(std::move(name), numel, pool, with_previous);

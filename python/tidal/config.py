@@ -128,6 +128,9 @@ _TIDAL_SCHEMA: dict[str, Any] = {
         "prefetch_depth": (int, 4, "prefetched chunks that may wait for their use"),
         "eviction_policy": (("opt", "lru"), "opt", "OPT over the trace, or LRU"),
         "hybrid_adam": (bool, True, "update chunks resident on the device there"),
+        "optimizer_state_dtype": (("fp32", "bf16"), "fp32",
+                                  "Adam momentum and variance in fp32 (14 B/param in mixed "
+                                  "precision) or bf16 (10 B/param; arithmetic stays fp32)"),
         "cpu_adam_threads": (int, 0, "CPU Adam threads; 0 = all cores"),
         "dtr": (dict, {}, "DTR of activations under the engine (docs/dtr.md): enabled, "
                           "eviction_threshold, evictee_minimum_size, enable_sqrt_sampling, scorer"),
@@ -441,6 +444,7 @@ class Config:
     prefetch_depth: int = 4
     eviction_policy: str = "opt"
     hybrid_adam: bool = True
+    optimizer_state_dtype: str = "fp32"
     cpu_adam_threads: int = 0
     pin_memory: bool = True
     dtr: dict = field(default_factory=dict)
@@ -767,6 +771,7 @@ class Config:
                  f"expected an integer >= 1, got {self.prefetch_depth}")
         self.eviction_policy = t["eviction_policy"]
         self.hybrid_adam = t["hybrid_adam"]
+        self.optimizer_state_dtype = t["optimizer_state_dtype"]
         self.cpu_adam_threads = t["cpu_adam_threads"]
         _require(problems, self.cpu_adam_threads >= 0, "tidal.cpu_adam_threads",
                  f"expected an integer >= 0, got {self.cpu_adam_threads}")

@@ -197,6 +197,7 @@ def _write_meta(engine, tmp: pathlib.Path, tag, entries, steps, files: dict, rng
         "format": FORMAT,
         "tag": tag,
         "precision": engine.precision,
+        "optimizer_state_dtype": engine.config.optimizer_state_dtype,
         "model": _fingerprint(engine),
         "files": files,
         "world_size": len(rngs),
@@ -311,6 +312,12 @@ def load_checkpoint(engine, load_dir, tag=None, load_optimizer_states=True,
         raise CheckpointError(f"load_checkpoint: {path} has a {theirs} loss scaler, the engine a "
                               f"{type(engine.scaler).__name__} (fp16.loss_scale 0 = dynamic); use "
                               f"the same fp16 settings, or load_optimizer_states=False")
+    theirs = meta.get("optimizer_state_dtype", "fp32")
+    if load_optimizer_states and theirs != engine.config.optimizer_state_dtype:
+        raise CheckpointError(f"load_checkpoint: {path} holds {theirs} Adam moments, the engine "
+                              f"keeps {engine.config.optimizer_state_dtype} "
+                              f"(tidal.optimizer_state_dtype); use the same setting, or "
+                              f"load_optimizer_states=False to start the moments afresh")
     if meta["precision"] != engine.precision:
         raise CheckpointError(f"load_checkpoint: {path} was saved in {meta['precision']}, the engine "
                               f"runs {engine.precision}")

@@ -1681,7 +1681,10 @@ class Engine:
         gradients are temporary device memory), then the 16-bit write-back.
         `sums`: the chunk of fp32 gradient sums (accumulation), read in place
         of the 16-bit gradients and consumed. With bias correction only
-        (torch's fused kernels always correct)."""
+        (torch's fused kernels always correct). bf16 moments
+        (tidal.optimizer_state_dtype) go through fp32 temporaries: torch's
+        fused kernels take fp32 moments only, so on a GPU this path moves
+        more bytes than fp32 moments would (not yet a kernel of our own)."""
         cfg = self.config
         w, m, v, h = views
         b1, b2 = group["betas"]
@@ -1703,14 +1706,28 @@ class Engine:
                 grads = hs if h.dtype == torch.float32 else [g.float() for g in hs]
             if grad_scale != 1.0:
                 torch._foreach_mul_(grads, grad_scale)  # temporaries, or slots overwritten below
-            fused(ws, grads, [m[o:o + n] for o, n in part], [v[o:o + n] for o, n in part], [],
+            ms = [m[o:o + n] for o, n in part]
+            vs = [v[o:o + n] for o, n in part]
+            m32 = ms if m.dtype == torch.float32 else [t.float() for t in ms]
+            v32 = vs if v.dtype == torch.float32 else [t.float() for t in vs]
+            fused(ws, grads, m32, v32, [],
                   list(step_of[start:end]), amsgrad=False, lr=group["lr"], beta1=b1, beta2=b2,
                   weight_decay=group["weight_decay"], eps=group["eps"], maximize=False)
+            if m32 is not ms:
+                torch._foreach_copy_(ms, m32)  # rounded to nearest even
+                torch._foreach_copy_(vs, v32)
             torch._foreach_copy_(hs, ws)
             start = end
 
     def _device_adam(self, w, m, v, g, step, grad_scale, group):
-        """torch.optim.AdamW's single-tensor update on device tensors."""
+        """torch.optim.AdamW's single-tensor update on device tensors (bf16
+        moments widened to fp32 and rounded back)."""
+        if m.dtype != torch.float32:
+            m32, v32 = m.float(), v.float()
+            self._device_adam(w, m32, v32, g, step, grad_scale, group)
+            m.copy_(m32)
+            v.copy_(v32)
+            return
         cfg = self.config
         b1, b2 = group["betas"]
         lr, wd, eps = group["lr"], group["weight_decay"], group["eps"]

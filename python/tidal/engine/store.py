@@ -197,7 +197,8 @@ class ParamStore:
             prefetch=config.prefetch, prefetch_depth=config.prefetch_depth,
             policy=config.eviction_policy, pin_host_memory=config.pin_memory,
             compute_stream=stream, torch_device=str(self.torch_device),
-            host_reserve=self.host_reserve)
+            host_reserve=self.host_reserve,
+            state_dtype="bfloat16" if config.optimizer_state_dtype == "bf16" else "float32")
 
     def relayout(self, order: "list[ParamRecord]", keys: "list | None" = None) -> dict:
         """Moves every parameter into new chunks, registered in `order`.
@@ -342,12 +343,14 @@ class ParamStore:
     def state_bytes_per_param(self, trainable: bool = True) -> int:
         """Chunk bytes per parameter: the 16-bit copy (fp32 in fp32 training) and,
         when trainable, the fp32 master, momentum and variance: 14 in mixed
-        precision, 16 in fp32 (chunk padding aside); with gradient accumulation
-        4 more for the fp32 gradient sums a step holds while its micro-batches
-        run (Note [Gradient sums in chunks] in cpu_adam/adam.h)."""
+        precision, 16 in fp32 (chunk padding aside), 4 less with bf16 moments
+        (tidal.optimizer_state_dtype); with gradient accumulation 4 more for
+        the fp32 gradient sums a step holds while its micro-batches run (Note
+        [Gradient sums in chunks] in cpu_adam/adam.h)."""
         extra = 0
         if trainable:
-            extra = 12 + (4 if self.config.gradient_accumulation_steps > 1 else 0)
+            moments = 4 if self.config.optimizer_state_dtype == "bf16" else 8
+            extra = 4 + moments + (4 if self.config.gradient_accumulation_steps > 1 else 0)
             if self.dp is not None:
                 extra = -(-extra // self.dp.world)  # partitioned by chunk over the ranks
         return torch.empty(0, dtype=self.dtype).element_size() + extra
