@@ -367,3 +367,33 @@ def test_a_fold_that_fails_part_way_leaves_the_weights_and_says_what_to_do():
     assert losses == pytest.approx(ref_losses, rel=1e-5)
     errors = relative_errors(engine, ref)
     assert max(errors.values()) <= 1e-5, errors
+
+
+def test_a_short_last_window_steps_when_the_boundary_is_set():
+    # DeepSpeed's set_gradient_accumulation_boundary: 3 micro-batches a step,
+    # then a window of 2 that the script ends itself (an epoch's last
+    # batches). The script divides its losses (scale_wrt_gas=False), as the
+    # Hugging Face Trainer does; the reference sums param.grad and steps AdamW.
+    torch.manual_seed(0)
+    ref = TinyGPT(d=64, seq=8)
+    model = copy.deepcopy(ref)
+    batches = gpt_batches(5)
+    windows = [3, 3, 3, 2, 2]  # each micro-batch's window length
+    opt = torch.optim.AdamW(ref.parameters(), lr=LR, weight_decay=0.01)
+    for i, (x, y) in enumerate(batches):
+        (ref(x, y) / windows[i]).backward()
+        if i in (2, 4):
+            opt.step()
+            opt.zero_grad()
+    engine = tidal.initialize(model, config(3))
+    for i, (x, y) in enumerate(batches):
+        engine.set_gradient_accumulation_boundary(True if i == 4 else None)
+        engine.backward(engine(x, y) / windows[i], scale_wrt_gas=False)
+        engine.step()
+    assert engine.global_steps == 2
+    weights = engine.parameters_fp32()
+    for name, p in ref.named_parameters():
+        err = (weights[name] - p.detach()).norm() / p.detach().norm()
+        assert err <= 1e-5, f"{name}: relative L2 error {err:.3g}"
+    with pytest.raises(TypeError, match=r"True, False or None, got 1"):
+        engine.set_gradient_accumulation_boundary(1)

@@ -259,6 +259,7 @@ class Engine:
         self.apply_lr_schedule()
         self.global_steps = 0
         self.micro_steps = 0
+        self._forced_boundary: "bool | None" = None
         self.skipped_steps = 0
         self._last_grad_norm: float | None = None
         if self.precision == "fp16":
@@ -950,8 +951,17 @@ class Engine:
     def loss_scale(self) -> float:
         return self.scaler.scale
 
-    def backward(self, loss: torch.Tensor):
-        """Backpropagates `loss` (scaled for fp16, divided by the accumulation steps)."""
+    def backward(self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True):
+        """Backpropagates `loss`, scaled for fp16 and divided by the accumulation
+        steps (DeepSpeed's engine.backward).
+
+        Args:
+            loss: the scalar loss.
+            retain_graph: as torch's; a later engine.backward before the step
+                is still an error with gradient_accumulation_steps 1.
+            scale_wrt_gas: False when the loss is already divided by the
+                accumulation steps (the Hugging Face Trainer does that).
+        """
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
             raise ValueError(f"engine.backward expects a scalar loss tensor, got "
                              f"{type(loss).__name__} {getattr(loss, 'shape', '')}")
@@ -970,13 +980,15 @@ class Engine:
                     f"at each boundary); engine.zero_grad() drops the waiting gradients")
         if self.dp is not None:
             self._dp_begin_backward()
-        scale = self.scaler.scale / self.config.gradient_accumulation_steps
+        scale = self.scaler.scale
+        if scale_wrt_gas:
+            scale = scale / self.config.gradient_accumulation_steps
         scaled = loss.float() * scale if scale != 1.0 else loss
         self._count(True)
         self._hooks.set_engine_backward(True)
         try:
             try:
-                scaled.backward()
+                scaled.backward(retain_graph=retain_graph)
             except RuntimeError as e:
                 # Autograd checks gradient shapes against the tensors of the
                 # forward: a gradient of shape [0] is a parameter that was read
@@ -1044,7 +1056,26 @@ class Engine:
         return self._last_grad_norm
 
     def is_gradient_accumulation_boundary(self) -> bool:
+        """Whether engine.step() steps now: every gradient_accumulation_steps
+        backward passes, or as set_gradient_accumulation_boundary() says."""
+        if self._forced_boundary is not None:
+            return self._forced_boundary
         return self.micro_steps % self.config.gradient_accumulation_steps == 0
+
+    def set_gradient_accumulation_boundary(self, is_boundary: "bool | None"):
+        """Overrides where the accumulation windows end (DeepSpeed's method of
+        the name): True makes the next engine.step() step with the gradients
+        summed so far (a short last window of an epoch), False holds it back;
+        None goes back to every gradient_accumulation_steps backward passes.
+        Set before each micro-batch, as with DeepSpeed.
+
+        Args:
+            is_boundary: True, False, or None.
+        """
+        if is_boundary is not None and not isinstance(is_boundary, bool):
+            raise TypeError(f"set_gradient_accumulation_boundary expects True, False or None, got "
+                            f"{is_boundary!r}")
+        self._forced_boundary = is_boundary
 
     def zero_grad(self):
         """Drops pending gradients (those in 16-bit slots are restored from
