@@ -2,6 +2,7 @@
 
 #include <ATen/ATen.h>
 #include <ATen/core/boxing/KernelFunction.h>
+#include <c10/core/GradMode.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>
 #include <c10/util/Exception.h>
 #include <torch/csrc/autograd/functions/accumulate_grad.h>
@@ -174,6 +175,9 @@ struct Session::OpRecipe final : Recipe {
   std::vector<ParamGeom> params;
   std::vector<std::pair<std::uint32_t, at::Tensor>> scratch;  // batch norm's running stats
   std::optional<RngSaved> rng;
+  // Grad mode when the op ran: kernels read it (Note [What a replay restores]
+  // in interceptor.h).
+  bool grad_mode = true;
   const std::string* name = nullptr;  // the OpInfo's, which the session keeps
 };
 
@@ -398,6 +402,7 @@ void Session::run_handle(const c10::OperatorHandle& op, const OpInfo& info, c10:
     if (!recipe) {
       auto r = make_recipe(op, below, info, std::move(args), scratch);
       r->rng = rng;
+      r->grad_mode = c10::GradMode::is_enabled();
       recipe = std::move(r);
     }
     return recipe;
@@ -541,6 +546,9 @@ void Session::regenerate(std::span<const TensorId> targets) {
       try {
         st = fill();
         t0 = Clock::now();
+        // The kernel sees the grad mode it saw when the op ran (Note [What a
+        // replay restores]); replays below autograd record no graph either way.
+        c10::AutoGradMode grad_mode(r.grad_mode);
         for (;;) {
           try {
             r.op.redispatchBoxed(r.ks, &st);

@@ -38,6 +38,24 @@
 // autocast, a user TorchDispatchMode and torch.func; tidal's errors keep
 // their type; gradients are settled as they are made; and the per-op cost
 // (benchmarks/dtr.py --only overhead) is measured against plain PyTorch.
+//
+// Note [What a replay restores]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// A replay must compute what the op computed, so it runs the recorded op
+// with the recorded arguments on the same keys, and with the thread state
+// its kernel reads restored for the call:
+//   * the generator state of a random op (nondeterministic_seeded), put back
+//     afterwards so the program's random stream is not disturbed;
+//   * grad mode. Kernels read it: the oneDNN RNN (aten.mkldnn_rnn_layer)
+//     returns its workspace only when grad mode is on, and LSTM's backward
+//     reads that workspace. A forward op replayed inside backward (where the
+//     autograd engine turns grad mode off) returned three outputs instead of
+//     four, and the workspace could not be brought back. Replays run below
+//     autograd, so turning grad mode on there records no graph.
+// Both interceptions keep the grad mode in the recipe (OpRecipe::grad_mode
+// here, the recipe tuple in tidal/dtr.py). Autocast and the dispatch keys are
+// not thread state a replay needs: autocast's casts are ops of their own,
+// recorded before ours, and the keys are in the recipe.
 #pragma once
 
 #include <ATen/core/dispatch/Dispatcher.h>

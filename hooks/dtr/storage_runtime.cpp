@@ -95,6 +95,9 @@ void StorageRuntime::replayed(const PlanItem& item, std::span<const at::Tensor> 
                                             core_outputs.begin());
     TIDAL_INTERNAL_ASSERT(k < r.fresh_at.size() && r.fresh_at[k] < outputs.size(), "replay of op ", item.op,
                           " returned ", outputs.size(), " outputs, output ", k, " missing");
+    TIDAL_INTERNAL_ASSERT(outputs[r.fresh_at[k]].defined() && outputs[r.fresh_at[k]].has_storage(), "replay of op ",
+                          item.op, " returned no tensor at output ", r.fresh_at[k],
+                          ", which it returned when recorded (Note [What a replay restores])");
     install(id, outputs[r.fresh_at[k]]);
     auto it = plan_uses_.find(id);
     if (it != plan_uses_.end() && it->second > 0) {
@@ -330,6 +333,12 @@ void StorageRuntime::evict_tensor(const at::Tensor& t) {
   const TensorId id = lookup(t);
   TIDAL_CHECK(id != d::kNoTensor, "tensor is not tracked by DTR");
   evict(id);
+}
+
+std::size_t StorageRuntime::evict_all() {
+  std::size_t n = 0;
+  while (evict_one()) ++n;
+  return n;
 }
 
 TensorId StorageRuntime::id_of(const at::Tensor& t, bool register_external) {

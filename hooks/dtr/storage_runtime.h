@@ -193,6 +193,9 @@ class StorageRuntime {
   std::vector<RecordView> records() const;
   // Test hook: evict this tensor's record now (it must be a candidate).
   void evict_tensor(const at::Tensor& t);
+  // Test hook: evicts every candidate now (the op-table tests force
+  // evictions after every op with it); returns how many.
+  std::size_t evict_all();
   // The recipe of the op that produced `id` (nullptr: none kept).
   const Recipe* producer_recipe(TensorId id) const;
   // Called with each tensor about to be evicted (counters).

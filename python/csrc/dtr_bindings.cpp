@@ -279,6 +279,7 @@ DTR's C++ side (hooks/dtr/). Users call tidal.dtr (python/tidal/dtr.py).)doc");
       .def("state_of", [](Runtime& r, hd::TensorId id) { return r.get().state_of(id); })
       .def("records", [](Runtime& r) { return records_list(r.get().records()); })
       .def("evict_tensor", [](Runtime& r, const at::Tensor& t) { r.get().evict_tensor(t); })
+      .def("evict_all", [](Runtime& r) { return r.get().evict_all(); })
       .def("settle", [](Runtime& r, const at::Tensor& t) { return r.get().settle(t); });
 
   py::class_<PyParamProvider, std::shared_ptr<PyParamProvider>>(
@@ -360,6 +361,8 @@ DTR's C++ side (hooks/dtr/). Users call tidal.dtr (python/tidal/dtr.py).)doc");
            [](hd::Session& s) { return records_list(s.with_runtime([](auto& r) { return r.records(); })); })
       .def("evict_tensor",
            [](hd::Session& s, const at::Tensor& t) { s.with_runtime([&](auto& r) { r.evict_tensor(t); }); })
+      .def("evict_all", [](hd::Session& s) { return s.with_runtime([](auto& r) { return r.evict_all(); }); },
+           "Evicts every candidate now (tests); returns how many.")
       .def("settle",
            [](hd::Session& s, const at::Tensor& t) { return s.with_runtime([&](auto& r) { return r.settle(t); }); },
            py::arg("tensor"), "tensor became an optimizer input (a .grad): no longer tracked or evicted.");

@@ -324,7 +324,7 @@ class _DtrMode(TorchDispatchMode):
                     if rng is not None:
                         _rng_set(rng)  # the retry draws what a replay will draw
             seconds = time.perf_counter() - t0
-            recipe = (func, targs, tkw, rng)
+            recipe = (func, targs, tkw, rng, torch.is_grad_enabled())
             outs = _flat_outputs(out)
             if _providers and outs:
                 outs = [o for o in outs if _param_alias(o) is None]  # views of parameters
@@ -342,6 +342,8 @@ class _DtrMode(TorchDispatchMode):
             raise
         rt.set_hold_evictions(False)
         rt.end_op(info.name)
+        if _after_op is not None:
+            _after_op()
         return out
 
     @staticmethod
@@ -360,21 +362,27 @@ class _DtrMode(TorchDispatchMode):
         rt = self.rt
         try:
             for step, recipe in rt.plan(targets):
-                func, targs, tkw, rng = recipe
+                func, targs, tkw, rng, grad_mode = recipe
                 tensors = rt.replay_inputs(step)
                 a = _fill(targs, tensors)
                 k = _fill(tkw, tensors) if tkw else {}
                 old = _rng_set(rng) if rng is not None else None
+                # The kernel sees the grad mode it saw when the op ran, below autograd
+                # (Note [What a replay restores] in hooks/dtr/interceptor.h).
+                old_grad_mode = torch.is_grad_enabled()
+                torch._C._set_grad_enabled(grad_mode)
                 t0 = time.perf_counter()
                 try:
-                    while True:
-                        try:
-                            out = func(*a, **k)
-                            break
-                        except torch.OutOfMemoryError:
-                            if not rt.evict_one():  # never takes what the plan pinned
-                                raise
+                    with torch._C._AutoDispatchBelowAutograd():
+                        while True:
+                            try:
+                                out = func(*a, **k)
+                                break
+                            except torch.OutOfMemoryError:
+                                if not rt.evict_one():  # never takes what the plan pinned
+                                    raise
                 finally:
+                    torch._C._set_grad_enabled(old_grad_mode)
                     if old is not None:
                         _rng_set(old)
                     for p in _providers:
@@ -404,7 +412,7 @@ _CPP = "cpp"
 # (_C.dtr.interception_status()), else the Python mode with a warning;
 # "python" forces the TorchDispatchMode (the peer of benchmarks/dtr.py --only overhead).
 _interception: Optional[str] = None
-_after_op = None  # tests: called after every intercepted op (C++ interception)
+_after_op = None  # tests: called after every intercepted op (both interceptions)
 
 
 _key_checked = False  # the key passed _C.dtr.interception_status() once in this process
@@ -424,7 +432,8 @@ def _interception_kind() -> str:
 
 
 def _set_after_op(fn) -> None:
-    """Tests: fn() runs after every op DTR intercepts in C++ (None removes it)."""
+    """Tests: fn() runs after every op DTR intercepts, in C++ or in the Python
+    mode (None removes it)."""
     global _after_op
     _after_op = fn
     if _mode is _CPP:
@@ -661,6 +670,13 @@ def reset_peak() -> None:
     """Restarts peak_tracked_bytes and max_op_working_set from now."""
     if _runtime is not None:
         _runtime.reset_peak()
+
+
+def _evict_all() -> int:
+    """Tests: evicts every candidate now; returns how many. With
+    ``_set_after_op(_evict_all)`` every op's results are evicted as soon as
+    it returns, so every later read replays them (the op-table tests)."""
+    return _runtime.evict_all() if _runtime is not None else 0
 
 
 def _validate() -> None:
