@@ -412,10 +412,8 @@ void Session::run_handle(const c10::OperatorHandle& op, const OpInfo& info, c10:
     // (the update would be applied twice), except batch norm's (scratch).
     const bool last_resort = torch::autograd::get_current_graph_task_id() != -1;
     if (runtime_.has_fresh(outputs_)) {
-      const std::vector<at::Tensor> gradients = last_resort ? parameter_gradients() : std::vector<at::Tensor>{};
       runtime_.record(inputs_, ids_, outputs_, seconds, replayable, replayable ? recipe_for() : nullptr,
                       last_resort);
-      for (const at::Tensor& g : gradients) runtime_.settle(g);
     }
   }
   for (const Mutation& m : mutations) {
@@ -423,55 +421,6 @@ void Session::run_handle(const c10::OperatorHandle& op, const OpInfo& info, c10:
   }
   runtime_.set_hold_evictions(false);
   runtime_.end_op(info.name);
-}
-
-// The fresh outputs of this backward op that are gradients of parameters
-// (Note [Gradients are optimizer inputs] in runtime/dtr/rematerializer.cpp):
-// the autograd node running the op has an edge to a parameter's
-// AccumulateGrad, directly or through view nodes (nn.Linear's weight.t(), a
-// reshape), and the output has that parameter's dtype and number of
-// elements. A temporary of that size inside such a node would be settled
-// too (never evicted, no longer tracked): that costs memory accounting, not
-// exactness.
-bool Session::is_view_node(const torch::autograd::Node& n) {
-  const std::type_info* type = &typeid(n);
-  auto it = view_nodes_.find(type);
-  if (it != view_nodes_.end()) return it->second;
-  const std::string name = n.name();
-  bool view = false;
-  for (const char* v : {"TBackward", "ViewBackward", "UnsafeViewBackward", "TransposeBackward", "PermuteBackward",
-                        "ExpandBackward", "SqueezeBackward", "UnsqueezeBackward", "AliasBackward", "ReshapeAlias"}) {
-    view = view || name.rfind(v, 0) == 0;
-  }
-  view_nodes_.emplace(type, view);
-  return view;
-}
-
-std::vector<at::Tensor> Session::parameter_gradients() {
-  std::vector<at::Tensor> out;
-  const auto node = torch::autograd::get_current_node();
-  if (!node) return out;
-  for (const auto& edge : node->next_edges()) {
-    const torch::autograd::Node* n = edge.function.get();
-    // (typeid, not dynamic_cast: torch derives nothing from AccumulateGrad,
-    // and this runs on every edge of every backward op.)
-    auto is_accumulate = [](const torch::autograd::Node* node) {
-      return typeid(*node) == typeid(torch::autograd::AccumulateGrad);
-    };
-    for (int hop = 0; n != nullptr && hop < 4 && !is_accumulate(n); ++hop) {
-      n = is_view_node(*n) && n->next_edges().size() == 1 ? n->next_edges()[0].function.get() : nullptr;
-    }
-    if (n == nullptr || !is_accumulate(n)) continue;
-    const auto* acc = static_cast<const torch::autograd::AccumulateGrad*>(n);
-    const at::Tensor& param = acc->variable;
-    for (const at::Tensor& o : outputs_) {
-      if (o.defined() && o.has_storage() && runtime_.lookup(o) == tidal::dtr::kNoTensor &&
-          o.scalar_type() == param.scalar_type() && o.numel() == param.numel()) {
-        out.push_back(o);
-      }
-    }
-  }
-  return out;
 }
 
 // ------------------------------------------------------------------ replays

@@ -171,8 +171,6 @@ class Session {
   // stats, with scratch, taken out as copies to write into).
   std::shared_ptr<OpRecipe> make_recipe(const c10::OperatorHandle& op, c10::DispatchKeySet below,
                                         const OpInfo& info, torch::jit::Stack&& args, bool scratch) const;
-  std::vector<at::Tensor> parameter_gradients();
-  bool is_view_node(const torch::autograd::Node& n);
   void run_handle(const c10::OperatorHandle& op, const OpInfo& info, c10::DispatchKeySet below,
                   torch::jit::Stack* stack);
 
@@ -204,10 +202,6 @@ class Session {
   std::vector<at::Tensor> outputs_;
   bool activated_here_ = false;
   const std::string* last_op_ = nullptr;  // owned by infos_
-  // Autograd node types that are views, by type_info address (a type seen
-  // through two addresses is only classified twice): hashing a type_index
-  // hashes its name, on every edge of every backward op.
-  std::unordered_map<const std::type_info*, bool> view_nodes_;
   std::unordered_map<std::string, OpCounters> counters_;
   PlanCounters plans_;
 };

@@ -1,10 +1,14 @@
 #include "hooks/dtr/storage_runtime.h"
 
 #include <ATen/ATen.h>
+#include <torch/csrc/autograd/functions/accumulate_grad.h>
+#include <torch/csrc/autograd/graph_task.h>
+#include <torch/csrc/autograd/node.h>
 
 #include <algorithm>
 #include <atomic>
 #include <limits>
+#include <typeinfo>
 #include <utility>
 
 #include "runtime/core/error.h"
@@ -133,6 +137,8 @@ void StorageRuntime::end_plan() {
 OpId StorageRuntime::record(std::span<const at::Tensor> inputs, std::span<const TensorId> ids,
                             std::span<const at::Tensor> outputs, double seconds, bool replayable,
                             RecipePtr recipe, bool last_resort) {
+  // Before the outputs are registered: a gradient is a fresh output.
+  if (last_resort) parameter_gradients(outputs, &gradients_);
   c10::SmallVector<std::size_t, 2> fresh_at;
   std::vector<std::size_t>& bytes = out_bytes_;
   bytes.clear();
@@ -147,7 +153,10 @@ OpId StorageRuntime::record(std::span<const at::Tensor> inputs, std::span<const 
     fresh_at.push_back(i);
     bytes.push_back(impl->nbytes());
   }
-  if (fresh_at.empty()) return -1;
+  if (fresh_at.empty()) {
+    gradients_.clear();
+    return -1;
+  }
   bool can_replay = replayable;
   std::vector<TensorId>& core_inputs = core_inputs_;
   core_inputs.clear();
@@ -171,8 +180,62 @@ OpId StorageRuntime::record(std::span<const at::Tensor> inputs, std::span<const 
     r.recipe = std::move(recipe);
   }
   replays_.emplace(op, std::move(r));
+  if (last_resort) {
+    for (const at::Tensor& g : gradients_) settle(g);
+    gradients_.clear();  // no reference kept: the gradient's owner decides when it dies
+  }
   return op;
 }
+
+// The fresh outputs of the backward op running now that are gradients of
+// parameters (Note [Gradients are optimizer inputs] in
+// runtime/dtr/rematerializer.cpp):
+// the autograd node running the op has an edge to a parameter's
+// AccumulateGrad, directly or through view nodes (nn.Linear's weight.t(), a
+// reshape), and the output has that parameter's dtype and number of
+// elements. A temporary of that size inside such a node would be settled
+// too (never evicted, no longer tracked): that costs memory accounting, not
+// exactness.
+bool StorageRuntime::is_view_node(const torch::autograd::Node& n) {
+  const std::type_info* type = &typeid(n);
+  auto it = view_nodes_.find(type);
+  if (it != view_nodes_.end()) return it->second;
+  const std::string name = n.name();
+  bool view = false;
+  for (const char* v : {"TBackward", "ViewBackward", "UnsafeViewBackward", "TransposeBackward", "PermuteBackward",
+                        "ExpandBackward", "SqueezeBackward", "UnsqueezeBackward", "AliasBackward", "ReshapeAlias"}) {
+    view = view || name.rfind(v, 0) == 0;
+  }
+  view_nodes_.emplace(type, view);
+  return view;
+}
+
+void StorageRuntime::parameter_gradients(std::span<const at::Tensor> outputs, std::vector<at::Tensor>* out) {
+  out->clear();
+  const auto node = torch::autograd::get_current_node();
+  if (!node) return;
+  for (const auto& edge : node->next_edges()) {
+    const torch::autograd::Node* n = edge.function.get();
+    // (typeid, not dynamic_cast: torch derives nothing from AccumulateGrad,
+    // and this runs on every edge of every backward op.)
+    auto is_accumulate = [](const torch::autograd::Node* node) {
+      return typeid(*node) == typeid(torch::autograd::AccumulateGrad);
+    };
+    for (int hop = 0; n != nullptr && hop < 4 && !is_accumulate(n); ++hop) {
+      n = is_view_node(*n) && n->next_edges().size() == 1 ? n->next_edges()[0].function.get() : nullptr;
+    }
+    if (n == nullptr || !is_accumulate(n)) continue;
+    const auto* acc = static_cast<const torch::autograd::AccumulateGrad*>(n);
+    const at::Tensor& param = acc->variable;
+    for (const at::Tensor& o : outputs) {
+      if (o.defined() && o.has_storage() && lookup(o) == d::kNoTensor &&
+          o.scalar_type() == param.scalar_type() && o.numel() == param.numel()) {
+        out->push_back(o);
+      }
+    }
+  }
+}
+
 
 bool StorageRuntime::has_fresh(std::span<const at::Tensor> outputs) const {
   for (const at::Tensor& t : outputs) {

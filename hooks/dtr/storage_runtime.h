@@ -37,11 +37,16 @@
 #include <span>
 #include <string>
 #include <string_view>
+#include <typeinfo>
 #include <memory_resource>
 #include <unordered_map>
 #include <vector>
 
 #include "runtime/dtr/rematerializer.h"
+
+namespace torch::autograd {
+struct Node;
+}
 
 namespace tidal::hooks::dtr {
 
@@ -138,6 +143,10 @@ class StorageRuntime {
   // Records an op that ran on `inputs` (ids from begin_op) and returned
   // `outputs`; outputs whose storage is new are its fresh results. The
   // recipe is kept only when the op can be replayed. Returns the op or -1.
+  // `last_resort`: the op runs in a backward pass (Note [Last-resort
+  // candidates]); its fresh outputs that are parameters' gradients are
+  // settled at once (Note [Gradients are optimizer inputs]), for both
+  // interceptions.
   OpId record(std::span<const at::Tensor> inputs, std::span<const TensorId> ids,
               std::span<const at::Tensor> outputs, double seconds, bool replayable, RecipePtr recipe,
               bool last_resort);
@@ -220,6 +229,10 @@ class StorageRuntime {
   };
 
   TensorId id_of(const at::Tensor& t, bool register_external);
+  // Into *out: those of `outputs` that the backward op running now makes as
+  // parameters' gradients (none outside backward).
+  void parameter_gradients(std::span<const at::Tensor> outputs, std::vector<at::Tensor>* out);
+  bool is_view_node(const torch::autograd::Node& n);
   static InputMetas metas(std::span<const at::Tensor> inputs, std::span<const TensorId> ids);
   std::vector<TensorId> distinct_inputs(OpId op) const;  // op's inputs, each once
   void register_storage(TensorId id, StoragePtr ptr);
@@ -249,6 +262,11 @@ class StorageRuntime {
   std::vector<TensorId> released_tensors_;
   std::vector<OpId> released_ops_;
   mutable std::vector<TensorId> pinned_seen_;  // pinned_bytes()' scratch
+  std::vector<at::Tensor> gradients_;          // record()'s scratch, empty between ops
+  // Autograd node types that are views, by type_info address (a type seen
+  // through two addresses is only classified twice): hashing a type_index
+  // hashes its name, on every edge of every backward op.
+  std::unordered_map<const std::type_info*, bool> view_nodes_;
   std::size_t max_working_set_ = 0;
   bool hold_evictions_ = false;
   std::function<void(TensorId)> on_evict_;

@@ -78,9 +78,11 @@ void add_user_once(TensorRecord& r, OpId op) {
 // GPT-2-small shape: most of the recompute time at 50%). DTR is for
 // activations: a parameter's gradient is settled as soon as the backward op
 // that makes it has run (like a parameter: not tracked, never evicted). The
-// interceptor knows it from the autograd node running the op: an edge to
-// that parameter's AccumulateGrad and an output of its shape (hooks/dtr/
-// interceptor.cpp). That includes the head's half of a tied embedding's
+// storage runtime knows it, for both interceptions, from the autograd node
+// running the op: an edge to that parameter's AccumulateGrad and an output
+// of its shape (StorageRuntime::record in hooks/dtr/storage_runtime.cpp; the
+// Python interception tracked gradients, and an optimizer's in-place update
+// of a parameter then locked them, until it moved there). That includes the head's half of a tied embedding's
 // gradient, which waits in autograd's input buffer for the other half until
 // the end of backward. Under the training engine gradients land in their
 // chunks at once and do not stay.

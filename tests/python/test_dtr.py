@@ -425,3 +425,23 @@ def test_a_random_op_retried_after_an_allocation_failure_replays_what_it_returne
         dtr._runtime.evict_tensor(y)
         assert torch.equal(y + 0, expected)  # replayed from the saved state
         assert torch.equal(keep, x.exp())
+
+
+@pytest.mark.parametrize("interception", ["cpp", "python"])
+def test_parameter_gradients_are_settled_with_both_interceptions(interception, monkeypatch):
+    """Note [Gradients are optimizer inputs]: a parameter's gradient leaves DTR's
+    budget as it is made, with either interception; an optimizer's in-place
+    update of the parameter then leaves nothing locked."""
+    monkeypatch.setattr(dtr, "_interception", interception)
+    torch.manual_seed(0)
+    model, x = mlp(depth=3), torch.randn(32, 64)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with dtr.enabled(eviction_threshold=1 << 40, evictee_minimum_size=KiB):
+        model(x).square().mean().backward()
+        rt = dtr._runtime
+        records = {r[0]: r for r in rt.records()}
+        for name, p in model.named_parameters():
+            rec = records[rt.lookup(p.grad)]
+            assert rec[2] == "resident" and rec[5], (name, rec)  # resident, external
+        opt.step()
+        assert dtr.stats()["locked_bytes"] == 0, dtr.stats()
