@@ -95,6 +95,31 @@ bool Rematerializer::settle(TensorId t) {
   r.external = true;
   r.locked = true;
   r.last_resort = false;
+  // Never evicted from now on, so its recipe is never replayed: the ops that
+  // made it let go of it, and are released (with the records only they read,
+  // a backward pass's worth) once nothing else needs them. Kept, they held
+  // every tensor of the step that an in-place update had locked for as long
+  // as the gradient lived.
+  const auto recipe = std::move(r.recipe);
+  r.recipe.clear();
+  std::vector<TensorId> freed_inputs;
+  for (OpId p : recipe) {
+    OpRecord& o = o_(p);
+    // The slot stays: drivers find an output by its position.
+    for (TensorId& out : o.outputs) {
+      if (out == t) out = kNoTensor;
+    }
+    if (o.target == t) o.target = kNoTensor;
+    if (--o.live_results > 0) continue;
+    for (TensorId in : o.inputs) {
+      auto& users = t_(in).users;
+      users.erase(std::remove(users.begin(), users.end(), p), users.end());
+      freed_inputs.push_back(in);
+    }
+    ops_.erase(p);
+    released_ops_.push_back(p);
+  }
+  for (TensorId in : freed_inputs) try_release(in);
   return true;
 }
 

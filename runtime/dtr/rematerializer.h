@@ -71,7 +71,7 @@ struct TensorRecord {
 struct OpRecord {
   OpId id = -1;
   SmallIds<3> inputs;
-  SmallIds<1> outputs;  // fresh storages
+  SmallIds<1> outputs;  // fresh storages; kNoTensor where one was settled
   TensorId target = kNoTensor;    // in-place op in target's recipe
   double cost = 0.0;              // seconds, measured when it first ran
   bool replayable = true;
@@ -118,8 +118,8 @@ class Rematerializer {
   TensorId add_external(std::size_t bytes);
   // A resident tensor DTR produced that became an optimizer input (a
   // parameter's .grad): from now on treated like an external one (not
-  // tracked, never evicted). False when it is not resident. See Note
-  // [Gradients are optimizer inputs].
+  // tracked, never evicted, its recipe dropped). False when it is not
+  // resident. See Note [Gradients are optimizer inputs].
   bool settle(TensorId t);
 
   // Records an op that read `inputs` and produced fresh storages of

@@ -430,18 +430,25 @@ def test_a_random_op_retried_after_an_allocation_failure_replays_what_it_returne
 @pytest.mark.parametrize("interception", ["cpp", "python"])
 def test_parameter_gradients_are_settled_with_both_interceptions(interception, monkeypatch):
     """Note [Gradients are optimizer inputs]: a parameter's gradient leaves DTR's
-    budget as it is made, with either interception; an optimizer's in-place
-    update of the parameter then leaves nothing locked."""
+    budget as it is made, with either interception, and lets go of its recipe:
+    once the loss is gone, no record of the step is kept for the gradients'
+    sake; an optimizer's in-place update of the parameter then leaves nothing
+    locked."""
     monkeypatch.setattr(dtr, "_interception", interception)
     torch.manual_seed(0)
     model, x = mlp(depth=3), torch.randn(32, 64)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     with dtr.enabled(eviction_threshold=1 << 40, evictee_minimum_size=KiB):
-        model(x).square().mean().backward()
+        loss = model(x).square().mean()
+        loss.backward()
+        del loss
         rt = dtr._runtime
         records = {r[0]: r for r in rt.records()}
         for name, p in model.named_parameters():
             rec = records[rt.lookup(p.grad)]
             assert rec[2] == "resident" and rec[5], (name, rec)  # resident, external
+        s = dtr.stats()
+        assert s["live_ops"] == 0 and s["fake_deleted"] == 0 and s["tracked_bytes"] == 0, s
         opt.step()
         assert dtr.stats()["locked_bytes"] == 0, dtr.stats()
+
