@@ -407,7 +407,9 @@ void Session::run_handle(const c10::OperatorHandle& op, const OpInfo& info, c10:
     }
     return recipe;
   };
-  if (!outputs_.empty()) {
+  // Outputs of ops under no_grad outside backward are not DTR's (Note [What
+  // DTR tracks] in storage_runtime.h).
+  if (!outputs_.empty() && records_outputs_now()) {
     // Fresh outputs of an op that updates its arguments are not replayed
     // (the update would be applied twice), except batch norm's (scratch).
     const bool last_resort = torch::autograd::get_current_graph_task_id() != -1;

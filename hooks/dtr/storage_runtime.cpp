@@ -1,6 +1,7 @@
 #include "hooks/dtr/storage_runtime.h"
 
 #include <ATen/ATen.h>
+#include <c10/core/GradMode.h>
 #include <torch/csrc/autograd/functions/accumulate_grad.h>
 #include <torch/csrc/autograd/graph_task.h>
 #include <torch/csrc/autograd/node.h>
@@ -21,6 +22,10 @@ namespace d = tidal::dtr;
 namespace {
 std::atomic<ChunkArbiter*> g_arbiter{nullptr};
 }  // namespace
+
+bool records_outputs_now() {
+  return c10::GradMode::is_enabled() || torch::autograd::get_current_graph_task_id() != -1;
+}
 
 void set_chunk_arbiter(ChunkArbiter* arbiter) { g_arbiter.store(arbiter); }
 ChunkArbiter* chunk_arbiter() { return g_arbiter.load(); }

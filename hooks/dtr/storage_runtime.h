@@ -83,6 +83,36 @@ struct RecordView {
   long use_count = 0;
 };
 
+// Note [What DTR tracks]
+// ~~~~~~~~~~~~~~~~~~~~~~
+// DTR is for activations: what autograd keeps from the forward pass for
+// backward, and what backward makes on the way. An op's fresh outputs are
+// recorded (tracked, counted against eviction_threshold, evictable) when the
+// op runs with grad mode on or inside a backward pass (the autograd engine
+// runs backward with grad mode off). Outputs of ops run under no_grad (or
+// inference mode) outside backward are not recorded: torch.optim's steps
+// (a step runs under no_grad unless the optimizer is differentiable),
+// gradient clipping, EMA and metric updates, evaluation. They are what a
+// program keeps across steps (an optimizer's exp_avg, a momentum buffer) or
+// uses once; autograd saves none of them. Recorded, an optimizer's state was
+// locked the first time its step updated it in place after reading it, and
+// counted against the threshold from then on: with the two-line switch left
+// on for the whole loop, a model whose optimizer state exceeded the
+// threshold failed at its first opt.step() ("nothing more can be evicted"),
+// and one just under it left DTR too little room and thrashed. An output
+// not recorded becomes external when an op reads it (as a parameter: never
+// evicted, not counted, held while a recipe reads it).
+// Ops under no_grad still pass through DTR: their evicted inputs are brought
+// back (an evaluation that reads an evicted activation), and an in-place
+// update of a tracked or external tensor first regenerates, then locks, what
+// was computed from the old value (Note [DTR records]), so no recipe ever
+// replays a value that is gone.
+// The cost: what a forward pass under no_grad makes is not evicted, so such
+// an inference is not bounded by eviction_threshold. Its activations die at
+// the next op, except those a model keeps (skip connections); with grad mode
+// on and no tensor requiring grad, DTR tracks them and autograd saves nothing.
+bool records_outputs_now();
+
 // Note [The arbiter between chunks and activations]
 // ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 // Under the training engine chunks and activations share the device budget

@@ -247,6 +247,8 @@ void bind_dtr(py::module_& parent) {
 DTR's C++ side (hooks/dtr/). Users call tidal.dtr (python/tidal/dtr.py).)doc");
   m.def("parse_scorer", [](const std::string& name) { return std::string(d::scorer_name(d::parse_scorer(name))); },
         "Checks a scorer name ('dtr_eq', 'local', 'lru', 'size'); returns it.");
+  m.def("records_outputs_now", &hd::records_outputs_now,
+        "Whether the fresh outputs of an op run now are DTR's to track (Note [What DTR tracks]).");
   m.def("interception_status", &hd::interception_status,
         "'' when ops can be intercepted in C++ (Note [DTR on a dispatch key]), else why not.");
 

@@ -15,8 +15,10 @@ autograd (Note [DTR on a dispatch key] in hooks/dtr/interceptor.h; a Python
 ``TorchDispatchMode`` where that key is not available); the C++ core records
 how each storage was computed, evicts the storage with the lowest h_DTR^eq
 score when tracked bytes exceed the threshold, and rematerializes evicted
-storages in place when an op needs them again (see docs/dtr.md). Tracked bytes are the storages produced while DTR is on;
-parameters and inputs made before are not counted and never evicted.
+storages in place when an op needs them again (see docs/dtr.md). Tracked bytes are the storages produced while DTR is on by
+ops run with grad mode on or in a backward pass; what ops under torch.no_grad() make (an optimizer's step, evaluation)
+is not DTR's (Note [What DTR tracks] in hooks/dtr/storage_runtime.h). Parameters and inputs made before enable() are
+not counted and never evicted.
 
 Options (module attributes; assigning a bad value raises ValueError/TypeError):
     eviction_threshold: bytes (int or "5GB"); 0 = evict only when an
@@ -328,7 +330,7 @@ class _DtrMode(TorchDispatchMode):
             outs = _flat_outputs(out)
             if _providers and outs:
                 outs = [o for o in outs if _param_alias(o) is None]  # views of parameters
-            if outs:
+            if outs and _C.dtr.records_outputs_now():  # Note [What DTR tracks]
                 # Fresh outputs of an op that updates its arguments are not replayed
                 # (the update would be applied twice), except batch norm's (scratch).
                 rt.record(inputs, ids, outs, seconds, info.replayable and not declared, recipe,

@@ -181,7 +181,7 @@ def test_path_changes_every_step_with_optimizer():
         return out
 
     ref = steps(twin)
-    # The budget covers the optimizer's state too (momentum buffers are made under DTR).
+    # The momentum buffers are made under no_grad: not DTR's (Note [What DTR tracks]).
     peak = peak_without_budget(lambda m=clone_model(model): steps(m))
     with dtr.enabled(eviction_threshold=int(peak * 0.5), evictee_minimum_size=KiB):
         got = steps(model)
@@ -452,3 +452,53 @@ def test_parameter_gradients_are_settled_with_both_interceptions(interception, m
         opt.step()
         assert dtr.stats()["locked_bytes"] == 0, dtr.stats()
 
+
+@pytest.mark.parametrize("interception", ["cpp", "python"])
+@pytest.mark.parametrize("optimizer", ["adamw", "sgd_momentum"])
+def test_two_line_switch_leaves_an_optimizers_state_alone(optimizer, interception, monkeypatch):
+    """Note [What DTR tracks]: with tidal.dtr.enable() on for the whole loop, what
+    torch.optim's step makes (under no_grad) is not DTR's. An optimizer state four
+    times the threshold neither counts against it nor gets locked, and training is
+    bit for bit that of plain PyTorch. (Tracked, the state was locked at the
+    first step that updated it and the step raised OutOfMemoryError.)"""
+    monkeypatch.setattr(dtr, "_interception", interception)
+    torch.manual_seed(0)
+    model, xs = mlp(depth=4, width=256), [torch.randn(16, 256) for _ in range(4)]
+    twin = clone_model(model)
+    make = {"adamw": lambda m: torch.optim.AdamW(m.parameters(), lr=1e-3),
+            "sgd_momentum": lambda m: torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9)}[optimizer]
+
+    def steps(m, check=None):
+        opt, losses = make(m), []
+        for x in xs:
+            opt.zero_grad(set_to_none=True)
+            loss = m(x).square().mean()
+            loss.backward()
+            losses.append(loss.item())
+            del loss
+            opt.step()
+            if check is not None:
+                check()
+        return losses, [p.detach().clone() for p in m.parameters()]
+
+    ref = steps(twin)
+    peak = peak_without_budget(lambda m=clone_model(model): m(xs[0]).square().mean().backward())
+    threshold = peak // 2
+    state_bytes = sum(p.numel() * p.element_size() for p in model.parameters()) * (2 if optimizer == "adamw" else 1)
+    assert state_bytes > 4 * threshold
+    after_step = []
+    dtr.eviction_threshold = threshold
+    dtr.evictee_minimum_size = KiB
+    dtr.enable()  # the two-line switch, on for the whole loop
+    try:
+        got = steps(model, check=lambda: after_step.append(dtr.stats()))
+        s = dtr.stats()
+        dtr._validate()
+    finally:
+        dtr.disable()
+    assert s["evictions"] > 0
+    assert all(a["locked_bytes"] == 0 and a["tracked_bytes"] == 0 for a in after_step), after_step
+    assert s["peak_tracked_bytes"] <= threshold + s["max_op_working_set"]
+    assert got[0] == ref[0]
+    for a, b in zip(got[1], ref[1]):
+        assert torch.equal(a, b)
