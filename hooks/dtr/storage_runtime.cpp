@@ -34,6 +34,7 @@ void StorageRuntime::begin_op(std::span<const at::Tensor> inputs, std::vector<Te
                               std::vector<TensorId>* missing) {
   sweep();
   core_.tick();
+  tracked_at_begin_ = core_.stats_tracked_bytes();
   ids->clear();
   missing->clear();
   ids->reserve(inputs.size());
@@ -266,6 +267,18 @@ void StorageRuntime::commit_mutation(TensorId target, bool chain, std::span<cons
   }
 }
 
+// Note [One budget error per overrun]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// After each op, tracked bytes must fit within eviction_threshold plus the
+// op's working set; where evicting every candidate cannot make them fit,
+// the op raises tidal.OutOfMemoryError. Only an op that added tracked bytes
+// raises it. An op that added none did not cause the overrun, and raising
+// there repeated the first error under another op's name: when an error
+// unwinds through torch.autograd.profiler.record_function (every torch.optim
+// step is wrapped in one), its exit is an op (profiler::_record_function_
+// exit), and the traceback ended in a second copy of the error. The error
+// names what cannot be evicted (the op's working set, locked tensors, tensors
+// under evictee_minimum_size) and the threshold that would hold them.
 void StorageRuntime::end_op(std::string_view op_name) {
   // Evict before unpinning: the op's inputs and outputs are its working
   // set, and the next op is likely to read its outputs.
@@ -275,18 +288,27 @@ void StorageRuntime::end_op(std::string_view op_name) {
   max_working_set_ = std::max(max_working_set_, working_set);
   const std::size_t threshold = core_.options().eviction_threshold;
   const std::size_t tracked = core_.stats_tracked_bytes();  // stats() scans every record
+  // See Note [One budget error per overrun].
+  const bool overrun = threshold > 0 && tracked > threshold + working_set && tracked > tracked_at_begin_;
+  std::size_t locked = 0, small = 0;
+  if (overrun) core_.unevictable_bytes(&locked, &small);  // before the op's pins go
   for (TensorId id : op_pins_) core_.unpin(id);
   op_pins_.clear();
   drain_released();
-  if (threshold > 0 && tracked > threshold + working_set) {
-    const auto s = core_.stats();
+  if (overrun) {
     TIDAL_THROW(OutOfMemoryError, "DTR cannot keep tracked memory within eviction_threshold=",
-                format_bytes(threshold), " after ", op_name, " (working set ", format_bytes(working_set),
-                "): ", format_bytes(tracked), " stay tracked and nothing more can be evicted (",
-                format_bytes(s.locked_bytes),
-                " locked: no recipe or updated in place; tensors under evictee_minimum_size=",
+                format_bytes(threshold), " after ", op_name, ": ", format_bytes(tracked),
+                " stay tracked and nothing more can be evicted. Of these, ", format_bytes(working_set),
+                " are this op's working set (its inputs and outputs, kept while it runs), ",
+                format_bytes(locked),
+                " are locked (made by ops DTR does not replay, or computed from a tensor an in-place update "
+                "changed after it was read) and ",
+                format_bytes(small), " are tensors under evictee_minimum_size=",
                 format_bytes(core_.options().evictee_minimum_size),
-                " are never evicted). Tip: raise eviction_threshold or lower evictee_minimum_size.");
+                ", which are never evicted. Tip: an eviction_threshold of at least ",
+                format_bytes(tracked - working_set),
+                " fits what cannot be evicted now; or lower evictee_minimum_size. What ops under torch.no_grad() "
+                "make (an optimizer's state) is not tracked.");
   }
 }
 

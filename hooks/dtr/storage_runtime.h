@@ -194,7 +194,8 @@ class StorageRuntime {
 
   // Unpins the op's tensors, evicts down to the threshold, and checks that
   // tracked bytes stay within threshold + this op's working set (throws
-  // tidal::OutOfMemoryError naming the op otherwise).
+  // tidal::OutOfMemoryError naming the op otherwise, when the op added
+  // tracked bytes: Note [One budget error per overrun]).
   void end_op(std::string_view op_name);
   // Drops the op's pins after an error (no checks, no evictions).
   void abandon_op();
@@ -298,6 +299,7 @@ class StorageRuntime {
   // hashes its name, on every edge of every backward op.
   std::unordered_map<const std::type_info*, bool> view_nodes_;
   std::size_t max_working_set_ = 0;
+  std::size_t tracked_at_begin_ = 0;  // tracked bytes when the running op began
   bool hold_evictions_ = false;
   std::function<void(TensorId)> on_evict_;
   std::uint64_t chunk_evictions_ = 0;

@@ -478,6 +478,20 @@ std::size_t Rematerializer::evictable_bytes() const {
   return total;
 }
 
+void Rematerializer::unevictable_bytes(std::size_t* locked, std::size_t* small) const {
+  *locked = 0;
+  *small = 0;
+  for (TensorId t : resident_) {
+    const TensorRecord& r = tensor(t);
+    if (r.pins > 0) continue;
+    if (r.locked) {
+      *locked += r.bytes;
+    } else if (r.bytes < options_.evictee_minimum_size) {
+      *small += r.bytes;
+    }
+  }
+}
+
 bool Rematerializer::on_storage_dead(TensorId t) {
   TensorRecord& r = t_(t);
   r.alive = false;

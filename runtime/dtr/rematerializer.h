@@ -168,6 +168,9 @@ class Rematerializer {
     return options_.eviction_threshold > 0 && tracked_bytes_ > options_.eviction_threshold;
   }
   std::size_t evictable_bytes() const;
+  // Resident tracked bytes that are not pinned and not candidates: locked,
+  // or (not locked) under evictee_minimum_size. For error messages.
+  void unevictable_bytes(std::size_t* locked, std::size_t* small) const;
   std::size_t stats_tracked_bytes() const { return tracked_bytes_; }
 
   // The last user reference to t's storage is gone. Returns true when the

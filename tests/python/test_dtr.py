@@ -297,6 +297,29 @@ def test_impossible_budget_is_a_clear_error():
     assert not dtr.is_enabled()
 
 
+@pytest.mark.parametrize("interception", ["cpp", "python"])
+def test_a_budget_error_comes_once_and_names_what_cannot_be_evicted(interception, monkeypatch):
+    """Note [One budget error per overrun]: the error of the op that overran is the
+    one the user sees, not a copy raised again by the profiler's record_function
+    exit (every torch.optim step runs in one) while it unwinds; and it names the
+    threshold that holds what cannot be evicted."""
+    monkeypatch.setattr(dtr, "_interception", interception)
+    x = torch.randn(256, 256)  # 256 KiB per tensor
+    ys = []  # still held while the error unwinds (as an optimizer's state is)
+    with pytest.raises(tidal.OutOfMemoryError) as info:
+        with dtr.enabled(eviction_threshold="300KiB", evictee_minimum_size="1MiB"):
+            with torch.autograd.profiler.record_function("user block"):
+                for i in range(4):
+                    ys.append(x * i)
+    msg = str(info.value)
+    assert "aten.mul.Tensor" in msg and "record_function" not in msg, msg
+    assert info.value.__context__ is None, f"raised again while unwinding: {info.value.__context__}"
+    # The third product overran: 768 KiB tracked, the op's own 256 KiB output is its working set,
+    # the other 512 KiB are under evictee_minimum_size.
+    assert "of at least 512.00 KiB (524288 bytes)" in msg and "524288 bytes) are tensors under" in msg, msg
+    assert not dtr.is_enabled()
+
+
 def test_counters_return_to_baseline_over_many_steps():
     # 100 steps of a tiny model (1000 take ~10x longer for the same coverage).
     torch.manual_seed(0)

@@ -148,7 +148,15 @@ TEST(StorageRuntime, OverThresholdWithNothingToEvictNamesTheOp) {
   } catch (const tidal::OutOfMemoryError&) {
     FAIL() << "the running op's working set must be allowed over the threshold";
   }
+  // An op that adds nothing did not cause the overrun: it does not raise
+  // (Note [One budget error per overrun]).
   rt.begin_op({}, &ids, &missing);
+  EXPECT_NO_THROW(rt.end_op("profiler._record_function_exit._RecordFunction"));
+  // One that adds 16 KiB does: 48 KiB tracked, 16 KiB of them its working set.
+  rt.begin_op({}, &ids, &missing);
+  const at::Tensor w = at::zeros({64, 64});
+  const at::Tensor fresh[] = {w};
+  rt.record({}, {}, fresh, 1e-3, true, nullptr, false);
   try {
     rt.end_op("aten.next.default");
     FAIL() << "expected tidal::OutOfMemoryError";
@@ -157,6 +165,7 @@ TEST(StorageRuntime, OverThresholdWithNothingToEvictNamesTheOp) {
     EXPECT_NE(msg.find("aten.next.default"), std::string::npos) << msg;
     EXPECT_NE(msg.find("eviction_threshold="), std::string::npos) << msg;
     EXPECT_NE(msg.find("evictee_minimum_size="), std::string::npos) << msg;
+    EXPECT_NE(msg.find("at least 32.00 KiB (32768 bytes)"), std::string::npos) << msg;
   }
 }
 
