@@ -427,8 +427,8 @@ void Session::run_handle(const c10::OperatorHandle& op, const OpInfo& info, c10:
 
 // ------------------------------------------------------------------ replays
 
-void Session::regenerate(std::span<const TensorId> targets) {
-  auto plan = runtime_.plan(targets);
+void Session::regenerate(std::span<const TensorId> targets, bool bounded) {
+  auto plan = runtime_.plan(targets, bounded);
   ++plans_.plans;
   plans_.ops += plan.size();
   plans_.longest = std::max(plans_.longest, plan.size());
@@ -539,7 +539,7 @@ void Session::regenerate_evicted() {
   runtime_.set_eviction_threshold(0);  // bringing tensors back must not evict others
   try {
     auto todo = runtime_.evicted_alive();
-    if (!todo.empty()) regenerate(todo);
+    if (!todo.empty()) regenerate(todo, /*bounded=*/false);
   } catch (...) {
     runtime_.set_eviction_threshold(threshold);
     if (rethrow_) rethrow_(std::current_exception());

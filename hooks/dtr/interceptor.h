@@ -164,7 +164,8 @@ class Session {
   struct OpInfo;
   struct OpRecipe;
   const OpInfo& info_of(const c10::OperatorHandle& op);
-  void regenerate(std::span<const TensorId> targets);
+  // bounded: see StorageRuntime::plan.
+  void regenerate(std::span<const TensorId> targets, bool bounded = true);
   std::int64_t param_of(const at::Tensor& t);
   void collect_inputs(const OpInfo& info, const torch::jit::Stack& stack, std::size_t first);
   // The recipe of the op that just ran on `args` (batch norm's running

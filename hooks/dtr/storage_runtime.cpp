@@ -9,6 +9,7 @@
 #include <algorithm>
 #include <atomic>
 #include <limits>
+#include <sstream>
 #include <typeinfo>
 #include <utility>
 
@@ -35,6 +36,16 @@ void StorageRuntime::begin_op(std::span<const at::Tensor> inputs, std::vector<Te
   sweep();
   core_.tick();
   tracked_at_begin_ = core_.stats_tracked_bytes();
+  // A backward pass ended: a new training step begins (Note [DTR gives up
+  // rather than thrash]).
+  const bool backward = torch::autograd::get_current_graph_task_id() != -1;
+  if (in_backward_ && !backward) {
+    previous_step_ops_ = step_ops_;
+    step_ops_ = 0;
+    step_recomputes_ = 0;
+  }
+  in_backward_ = backward;
+  ++step_ops_;
   ids->clear();
   missing->clear();
   ids->reserve(inputs.size());
@@ -52,12 +63,42 @@ void StorageRuntime::begin_op(std::span<const at::Tensor> inputs, std::vector<Te
   }
 }
 
-std::vector<StorageRuntime::PlanItem> StorageRuntime::plan(std::span<const TensorId> targets) {
+void StorageRuntime::check_recompute_bound(std::size_t plan_steps) const {
+  const double ratio = core_.options().max_recompute_ratio;
+  if (ratio <= 0) return;
+  const std::uint64_t ops = std::max(step_ops_, previous_step_ops_);
+  const std::uint64_t replays = step_recomputes_ + plan_steps;
+  if (static_cast<double>(replays) <= ratio * static_cast<double>(ops)) return;
+  const std::size_t threshold = core_.options().eviction_threshold;
+  std::ostringstream why;
+  why << "tidal.dtr gave up: bringing back the inputs of the next op would replay " << plan_steps
+      << " ops, after " << step_recomputes_ << " replayed already in this training step: " << replays
+      << " recomputes, more than max_recompute_ratio=" << ratio << " x " << ops
+      << " ops (the step's own ops so far, or the previous step's if more). ";
+  if (threshold > 0) {
+    why << "eviction_threshold=" << format_bytes(threshold)
+        << " leaves too little room for what the ops need at once (the largest working set of one op so far "
+           "was "
+        << format_bytes(max_working_set_)
+        << "), and DTR recomputes the same tensors over and over. Tip: raise eviction_threshold, to at least "
+        << format_bytes(std::max(2 * threshold, threshold + max_working_set_)) << " for a start";
+  } else {
+    why << "eviction_threshold=0 (evictions only when an allocation fails): the memory left is too small for "
+           "what the ops need at once, and DTR recomputes the same tensors over and over. Tip: free memory or "
+           "lower the batch size";
+  }
+  why << "; or raise tidal.dtr.max_recompute_ratio (0: no bound) if this much recomputation is intended.";
+  TIDAL_THROW(OutOfMemoryError, why.str());
+}
+
+std::vector<StorageRuntime::PlanItem> StorageRuntime::plan(std::span<const TensorId> targets, bool bounded) {
+  auto steps = core_.regeneration_plan(targets);
+  if (bounded) check_recompute_bound(steps.size());  // before any state changes
   std::vector<PlanItem> out;
   plan_uses_.clear();
   // Targets stay pinned until end_plan(): the caller is about to use them.
   for (TensorId t : targets) ++plan_uses_[t];
-  for (auto& step : core_.regeneration_plan(targets)) {
+  for (auto& step : steps) {
     for (TensorId in : distinct_inputs(step.op)) ++plan_uses_[in];
     out.push_back(PlanItem{step.op, replays_.at(step.op).recipe.get(), std::move(step.chained)});
   }
@@ -98,6 +139,7 @@ std::vector<at::Tensor> StorageRuntime::replay_inputs(OpId op) const {
 
 void StorageRuntime::replayed(const PlanItem& item, std::span<const at::Tensor> outputs, double seconds) {
   const Replay& r = replays_.at(item.op);
+  ++step_recomputes_;
   d::Rematerializer::PlanStep step{item.op, item.chained};
   const auto& core_outputs = core_.op(item.op).outputs;
   for (TensorId id : core_.on_replayed(step, seconds)) {

@@ -113,6 +113,23 @@ struct RecordView {
 // on and no tensor requiring grad, DTR tracks them and autograd saves nothing.
 bool records_outputs_now();
 
+// Note [DTR gives up rather than thrash]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// When eviction_threshold leaves less room than the ops need at once, DTR
+// evicts what the next op reads, replays it, evicts it again: a chain of N
+// layers costs O(N^2) replays in backward, and a run the issue measured took
+// 510 s for three LSTM steps (0.8 s without DTR) with 793,442 recomputes. DTR
+// counts, per training step (from the end of one backward pass to the end of
+// the next), the ops it intercepted and the ops it replayed; a regeneration
+// that would take the replays above max_recompute_ratio (default 10) times
+// the step's ops (this step's so far, or the previous step's if larger: the
+// first ops of a step may bring back tensors of the last one) is not run:
+// tidal.OutOfMemoryError names the replays, the ops and the threshold, and
+// suggests a larger threshold. A regeneration replays each recorded op at
+// most once, so what exceeds several times the step's ops is the same
+// tensors replayed over and over. 0 turns the bound off (the op-table tests,
+// which evict everything after every op on purpose).
+
 // Note [The arbiter between chunks and activations]
 // ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 // Under the training engine chunks and activations share the device budget
@@ -157,13 +174,16 @@ class StorageRuntime {
 
   // Ops to replay, in order, so that `targets` are resident. A tensor a step
   // brings back stays pinned only until the last step of the plan that
-  // reads it, so a deep regeneration holds O(width) memory.
+  // reads it, so a deep regeneration holds O(width) memory. `bounded`: the
+  // plan counts against max_recompute_ratio, and one that would exceed it
+  // throws tidal::OutOfMemoryError instead (Note [DTR gives up rather than
+  // thrash]); bringing tensors back when DTR is turned off is not bounded.
   struct PlanItem {
     OpId op = -1;
     const Recipe* recipe = nullptr;
     std::vector<TensorId> chained;
   };
-  std::vector<PlanItem> plan(std::span<const TensorId> targets);
+  std::vector<PlanItem> plan(std::span<const TensorId> targets, bool bounded = true);
   // The recipe's flat inputs, rebuilt as views of their (resident) storages.
   std::vector<at::Tensor> replay_inputs(OpId op) const;
   // item.op was replayed into `outputs` (its flat outputs) in `seconds`.
@@ -300,6 +320,14 @@ class StorageRuntime {
   std::unordered_map<const std::type_info*, bool> view_nodes_;
   std::size_t max_working_set_ = 0;
   std::size_t tracked_at_begin_ = 0;  // tracked bytes when the running op began
+  // Note [DTR gives up rather than thrash]: ops begun and ops replayed since
+  // the last backward pass ended (a training step), and the ops of the step
+  // before.
+  std::uint64_t step_ops_ = 0;
+  std::uint64_t step_recomputes_ = 0;
+  std::uint64_t previous_step_ops_ = 0;
+  bool in_backward_ = false;
+  void check_recompute_bound(std::size_t plan_steps) const;
   bool hold_evictions_ = false;
   std::function<void(TensorId)> on_evict_;
   std::uint64_t chunk_evictions_ = 0;

@@ -30,8 +30,11 @@ namespace d = tidal::dtr;
 namespace hd = tidal::hooks::dtr;
 
 d::DtrOptions options_of(std::size_t threshold, std::size_t minimum, bool sqrt_sampling, const std::string& scorer,
-                         std::uint64_t seed) {
+                         std::uint64_t seed, double max_recompute_ratio) {
+  TIDAL_CHECK(max_recompute_ratio >= 0, "tidal.dtr.max_recompute_ratio: expected a number >= 0 (0: no bound), got ",
+              max_recompute_ratio);
   d::DtrOptions o;
+  o.max_recompute_ratio = max_recompute_ratio;
   o.eviction_threshold = threshold;
   o.evictee_minimum_size = minimum;
   o.enable_sqrt_sampling = sqrt_sampling;
@@ -128,8 +131,8 @@ class Runtime {
     return py::make_tuple(py::cast(ids), py::cast(missing));
   }
   // [(step, recipe)]: replay_inputs(step) and replayed(step, ...) name a step.
-  py::list plan(const std::vector<hd::TensorId>& targets) {
-    plan_ = rt_.plan(targets);
+  py::list plan(const std::vector<hd::TensorId>& targets, bool bounded) {
+    plan_ = rt_.plan(targets, bounded);
     py::list out;
     for (std::size_t i = 0; i < plan_.size(); ++i) {
       const auto* r = dynamic_cast<const PyRecipe*>(plan_[i].recipe);
@@ -254,14 +257,15 @@ DTR's C++ side (hooks/dtr/). Users call tidal.dtr (python/tidal/dtr.py).)doc");
 
   py::class_<Runtime>(m, "Runtime", "The storage runtime driven op by op by tidal.dtr's Python mode.")
       .def(py::init([](std::size_t threshold, std::size_t minimum, bool sqrt_sampling, const std::string& scorer,
-                       std::uint64_t seed) {
-             return std::make_unique<Runtime>(options_of(threshold, minimum, sqrt_sampling, scorer, seed));
+                       std::uint64_t seed, double max_recompute_ratio) {
+             return std::make_unique<Runtime>(
+                 options_of(threshold, minimum, sqrt_sampling, scorer, seed, max_recompute_ratio));
            }),
            py::arg("eviction_threshold"), py::arg("evictee_minimum_size"), py::arg("enable_sqrt_sampling"),
-           py::arg("scorer") = "dtr_eq", py::arg("seed") = 0x5eed)
+           py::arg("scorer") = "dtr_eq", py::arg("seed") = 0x5eed, py::arg("max_recompute_ratio") = d::DtrOptions{}.max_recompute_ratio)
       .def("set_eviction_threshold", [](Runtime& r, std::size_t b) { r.get().set_eviction_threshold(b); })
       .def("begin_op", &Runtime::begin_op)
-      .def("plan", &Runtime::plan)
+      .def("plan", &Runtime::plan, py::arg("targets"), py::arg("bounded") = true)
       .def("replay_inputs", &Runtime::replay_inputs)
       .def("replayed", &Runtime::replayed)
       .def("end_plan", &Runtime::end_plan)
@@ -295,14 +299,15 @@ DTR's C++ side (hooks/dtr/). Users call tidal.dtr (python/tidal/dtr.py).)doc");
 
   py::class_<hd::Session>(m, "Session", "A DTR session whose ops are intercepted in C++.")
       .def(py::init([](std::size_t threshold, std::size_t minimum, bool sqrt_sampling, const std::string& scorer,
-                       std::uint64_t seed) {
-             auto s = std::make_unique<hd::Session>(options_of(threshold, minimum, sqrt_sampling, scorer, seed));
+                       std::uint64_t seed, double max_recompute_ratio) {
+             auto s = std::make_unique<hd::Session>(
+                 options_of(threshold, minimum, sqrt_sampling, scorer, seed, max_recompute_ratio));
              s->set_rethrow(&rethrow_as_python);
              s->set_is_oom(&is_out_of_memory);
              return s;
            }),
            py::arg("eviction_threshold"), py::arg("evictee_minimum_size"), py::arg("enable_sqrt_sampling"),
-           py::arg("scorer") = "dtr_eq", py::arg("seed") = 0x5eed)
+           py::arg("scorer") = "dtr_eq", py::arg("seed") = 0x5eed, py::arg("max_recompute_ratio") = d::DtrOptions{}.max_recompute_ratio)
       .def("activate", &hd::Session::activate, "Routes this thread's ops through the session.")
       .def("deactivate", &hd::Session::deactivate)
       .def_property_readonly("active", &hd::Session::active)

@@ -27,11 +27,17 @@ Options (module attributes; assigning a bad value raises ValueError/TypeError):
         (default 1 MiB).
     enable_sqrt_sampling: score sqrt(n) random candidates instead of all.
     scorer: "dtr_eq" (default), "local", "lru" or "size".
+    max_recompute_ratio: DTR gives up (tidal.OutOfMemoryError naming the
+        recomputes, the ops and the threshold) rather than thrash when the
+        ops it replays in a training step would exceed this many times the
+        step's ops (default 10; 0: no bound). See Note [DTR gives up rather
+        than thrash] in hooks/dtr/storage_runtime.h.
 """
 
 from __future__ import annotations
 
 import contextlib
+import math
 import sys
 import time
 import types
@@ -42,7 +48,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode
 
 from tidal import _C
-from tidal._schema import check_block, fail
+from tidal._schema import Rule, check_block, fail
 from tidal.device import parse_bytes
 
 __all__ = [
@@ -58,6 +64,7 @@ __all__ = [
     "evictee_minimum_size",
     "enable_sqrt_sampling",
     "scorer",
+    "max_recompute_ratio",
 ]
 
 ByteSize = Union[int, str]
@@ -88,6 +95,15 @@ def _check_bytes(name: str, value: Any) -> int:
     except ValueError as e:
         raise ValueError(f"tidal.dtr.{name}: {value!r} is not a byte size ({e}). "
                          f"Tip: write it like 5GB, 512MiB or 1073741824.") from None
+
+
+def _check_ratio(value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"tidal.dtr.max_recompute_ratio takes a number, got {type(value).__name__} {value!r}")
+    if not math.isfinite(value) or value < 0:
+        raise ValueError(f"tidal.dtr.max_recompute_ratio: expected a finite number >= 0 (0: no bound), got {value!r}. "
+                         f"Tip: the default is 10 (replays up to 10x a training step's ops).")
+    return float(value)
 
 
 def _check_scorer(value: Any) -> str:
@@ -359,11 +375,12 @@ class _DtrMode(TorchDispatchMode):
                 out.extend(t for t in v if isinstance(t, torch.Tensor))
         return out
 
-    def regenerate(self, targets: List[int]) -> None:
-        """Replays recipes until every target is resident (rt.plan uses an explicit stack)."""
+    def regenerate(self, targets: List[int], bounded: bool = True) -> None:
+        """Replays recipes until every target is resident (rt.plan uses an explicit stack);
+        bounded: the replays count against max_recompute_ratio (not when DTR is turned off)."""
         rt = self.rt
         try:
-            for step, recipe in rt.plan(targets):
+            for step, recipe in rt.plan(targets, bounded):
                 func, targs, tkw, rng, grad_mode = recipe
                 tensors = rt.replay_inputs(step)
                 a = _fill(targs, tensors)
@@ -405,6 +422,7 @@ _options: Dict[str, Any] = {
     "evictee_minimum_size": 1 << 20,
     "enable_sqrt_sampling": False,
     "scorer": "dtr_eq",
+    "max_recompute_ratio": 10.0,
 }
 _runtime = None  # _C.dtr.Session (C++ interception) or _C.dtr.Runtime (Python mode)
 _mode: Any = None  # _CPP, or the _DtrMode entered; None while DTR is off
@@ -455,11 +473,14 @@ def _checked(**given) -> Dict[str, Any]:
         out["enable_sqrt_sampling"] = flag
     if given.get("scorer") is not None:
         out["scorer"] = _check_scorer(given["scorer"])
+    if given.get("max_recompute_ratio") is not None:
+        out["max_recompute_ratio"] = _check_ratio(given["max_recompute_ratio"])
     return out
 
 
 def configure(eviction_threshold: Optional[ByteSize] = None, evictee_minimum_size: Optional[ByteSize] = None,
-              enable_sqrt_sampling: Optional[bool] = None, scorer: Optional[str] = None) -> None:
+              enable_sqrt_sampling: Optional[bool] = None, scorer: Optional[str] = None,
+              max_recompute_ratio: Optional[float] = None) -> None:
     """Sets options (all checked before any is applied). The threshold applies at once
     to a running session; the others from the next ``enable()``.
 
@@ -468,9 +489,12 @@ def configure(eviction_threshold: Optional[ByteSize] = None, evictee_minimum_siz
         evictee_minimum_size: bytes; smaller tensors are never evicted.
         enable_sqrt_sampling: score sqrt(n) sampled candidates.
         scorer: "dtr_eq", "local", "lru" or "size".
+        max_recompute_ratio: give up rather than replay more than this many times
+            a training step's ops (0: no bound).
     """
     _options.update(_checked(eviction_threshold=eviction_threshold, evictee_minimum_size=evictee_minimum_size,
-                             enable_sqrt_sampling=enable_sqrt_sampling, scorer=scorer))
+                             enable_sqrt_sampling=enable_sqrt_sampling, scorer=scorer,
+                             max_recompute_ratio=max_recompute_ratio))
     if _runtime is not None:
         _runtime.set_eviction_threshold(_options["eviction_threshold"])
 
@@ -482,6 +506,10 @@ CONFIG_SCHEMA: Dict[str, tuple] = {
     "evictee_minimum_size": ("bytes", None, "smaller tensors are never evicted"),
     "enable_sqrt_sampling": (bool, None, "score sqrt(n) sampled candidates"),
     "scorer": (_SCORERS, None, "the eviction heuristic"),
+    "max_recompute_ratio": (Rule("a finite number >= 0 (0: no bound)",
+                                 lambda v: not isinstance(v, bool) and isinstance(v, (int, float))
+                                 and math.isfinite(v) and v >= 0),
+                            None, "give up rather than replay more than this many times a step's ops"),
 }
 
 
@@ -535,8 +563,9 @@ def enable(**options) -> None:
         disable()
     args = (_options["eviction_threshold"], _options["evictee_minimum_size"], _options["enable_sqrt_sampling"],
             _options["scorer"])
+    kwargs = {"max_recompute_ratio": _options["max_recompute_ratio"]}
     if _interception_kind() == _CPP:
-        session = _C.dtr.Session(*args)
+        session = _C.dtr.Session(*args, **kwargs)
         for p in _providers:
             session.add_provider(p.cpp)
         if _after_op is not None:
@@ -544,7 +573,7 @@ def enable(**options) -> None:
         session.activate()
         _runtime, _mode = session, _CPP
     else:
-        _runtime = _C.dtr.Runtime(*args)
+        _runtime = _C.dtr.Runtime(*args, **kwargs)
         _mode = _DtrMode(_runtime)
         _mode.__enter__()
 
@@ -577,7 +606,7 @@ def disable() -> None:
         with torch.no_grad():
             todo = rt.evicted_alive()
             if todo:
-                mode.regenerate(todo)
+                mode.regenerate(todo, bounded=False)
         left = rt.evicted_alive()
         if left:
             raise _C.InternalError(f"tidal.dtr.disable(): tensors {left} are still evicted")

@@ -3,6 +3,7 @@ budgets enforced by DTR's own accounting (tracked bytes)."""
 
 import copy
 import random
+import time
 
 import pytest
 import torch
@@ -18,7 +19,7 @@ KiB = 1024
 def _dtr_off():
     """Every test starts and ends with DTR off and default options."""
     saved = {k: getattr(dtr, k) for k in ("eviction_threshold", "evictee_minimum_size",
-                                          "enable_sqrt_sampling", "scorer")}
+                                          "enable_sqrt_sampling", "scorer", "max_recompute_ratio")}
     dtr.disable()
     torch.set_num_threads(1)  # replays must match bitwise: same kernels, same threads
     yield
@@ -360,7 +361,13 @@ def test_options_are_checked_and_name_the_value():
         dtr.scorer = "belady"
     with pytest.raises(TypeError):
         dtr.enable_sqrt_sampling = "yes"
+    with pytest.raises(ValueError, match="-1"):
+        dtr.max_recompute_ratio = -1
+    with pytest.raises(TypeError, match="str"):
+        dtr.max_recompute_ratio = "10"
     assert not dtr.is_enabled()
+    dtr.max_recompute_ratio = 3
+    assert dtr.max_recompute_ratio == 3.0
     dtr.eviction_threshold = "5GB"
     assert dtr.eviction_threshold == 5 * 1000**3
     dtr.evictee_minimum_size = "2MiB"
@@ -395,6 +402,10 @@ def test_config_block():
         dtr.from_config({"evict_threshold": "3GB"})
     with pytest.raises(ValueError, match="5 gigs"):
         dtr.from_config({"eviction_threshold": "5 gigs"})
+    with pytest.raises(ValueError, match="max_recompute_ratio.*-2"):
+        dtr.from_config({"max_recompute_ratio": -2})
+    dtr.from_config({"enabled": True, "max_recompute_ratio": 4})
+    assert dtr.max_recompute_ratio == 4.0
 
 
 def test_allocation_failure_evicts_and_retries():
@@ -525,3 +536,48 @@ def test_two_line_switch_leaves_an_optimizers_state_alone(optimizer, interceptio
     assert got[0] == ref[0]
     for a, b in zip(got[1], ref[1]):
         assert torch.equal(a, b)
+
+
+def _chain_step(ws, x, layers):
+    h = x
+    for i in range(layers):
+        h = torch.tanh(h @ ws[i % len(ws)])
+    h.square().mean().backward()
+
+
+@pytest.mark.parametrize("interception", ["cpp", "python"])
+def test_dtr_gives_up_rather_than_thrash(interception, monkeypatch):
+    """Note [DTR gives up rather than thrash]: a 60-layer chain under a threshold of
+    2% of its peak recomputes the same tensors over and
+    over: with the bound off it replays about 15x the ops of its step (a 300-layer
+    chain of 64-wide layers at 0.2% replayed 815,923 ops in 44 s on this 2-core
+    machine, and gave up after 0.4 s with the bound). With the default bound,
+    tidal.OutOfMemoryError comes at once and names the recomputes, the ops, the
+    threshold and a larger threshold to try."""
+    monkeypatch.setattr(dtr, "_interception", interception)
+    torch.manual_seed(0)
+    ws, x, layers = [torch.randn(32, 32, requires_grad=True) for _ in range(4)], torch.randn(64, 32), 60
+    ops = []
+    dtr._set_after_op(lambda: ops.append(1))
+    with dtr.enabled(eviction_threshold=1 << 40, evictee_minimum_size=1):
+        _chain_step(ws, x, layers)
+        peak = dtr.stats()["peak_tracked_bytes"]
+    dtr._set_after_op(None)
+    threshold = peak // 50
+    with dtr.enabled(eviction_threshold=threshold, evictee_minimum_size=1, max_recompute_ratio=0):
+        _chain_step(ws, x, layers)
+        thrashing = dtr.stats()["recomputes"]
+    assert thrashing > 10 * len(ops), (thrashing, len(ops))  # what the bound is for
+    t0 = time.perf_counter()
+    with pytest.raises(tidal.OutOfMemoryError) as info:
+        with dtr.enabled(eviction_threshold=threshold, evictee_minimum_size=1):
+            _chain_step(ws, x, layers)
+    seconds = time.perf_counter() - t0
+    msg = str(info.value)
+    assert "gave up" in msg and "recomputes, more than max_recompute_ratio=10 x " in msg, msg
+    assert f"eviction_threshold={threshold} bytes" in msg or f"({threshold} bytes)" in msg, msg
+    assert "Tip: raise eviction_threshold, to at least" in msg, msg
+    recomputes = dtr.stats()["recomputes"]
+    assert recomputes <= 10 * len(ops) < thrashing, (recomputes, len(ops), thrashing)
+    assert seconds < 5, seconds
+    assert not dtr.is_enabled()

@@ -17,7 +17,7 @@ import tidal.dtr as dtr
 @pytest.fixture(autouse=True)
 def _dtr_off():
     saved = {k: getattr(dtr, k) for k in ("eviction_threshold", "evictee_minimum_size",
-                                          "enable_sqrt_sampling", "scorer")}
+                                          "enable_sqrt_sampling", "scorer", "max_recompute_ratio")}
     dtr.disable()
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # replays must match bitwise: same kernels, same threads
@@ -138,7 +138,9 @@ def test_models_train_bitwise_with_evictions_forced(name, force, interception):
     xs = [torch.randn(10, 4, 16) for _ in range(3)]
     ref = train(twin, xs)
     threshold = 1 << 40 if force == "evict_all" else peak_tracked(model, xs) // 2
-    with dtr.enabled(eviction_threshold=threshold, evictee_minimum_size=1):
+    # Evicting everything after every op replays on purpose what a budget never would.
+    ratio = 0 if force == "evict_all" else None
+    with dtr.enabled(eviction_threshold=threshold, evictee_minimum_size=1, max_recompute_ratio=ratio):
         if force == "evict_all":
             dtr._set_after_op(dtr._evict_all)
         got = train(model, xs)
