@@ -200,6 +200,8 @@ def _template(x: Any, inputs: List[torch.Tensor]) -> Any:
     if isinstance(x, (list, tuple)) and x:
         out = [_template(y, inputs) for y in x]
         return out if isinstance(x, list) else tuple(out)
+    if isinstance(x, dict):  # keyword-only tensors (searchsorted's sorter, attention's attn_mask)
+        return {k: _template(v, inputs) for k, v in x.items()}
     return x
 
 
@@ -218,6 +220,8 @@ def _fill(x: Any, tensors: List[torch.Tensor]) -> Any:
     if isinstance(x, (list, tuple)) and x:
         out = [_fill(y, tensors) for y in x]
         return out if isinstance(x, list) else tuple(out)
+    if isinstance(x, dict):
+        return {k: _fill(v, tensors) for k, v in x.items()}
     return x
 
 

@@ -65,16 +65,18 @@ class Attention(nn.Module):
     """F.scaled_dot_product_attention: _scaled_dot_product_flash_attention_for_cpu
     (output and logsumexp); with dropout, the math path and its random mask."""
 
-    def __init__(self, dropout=0.0, causal=False):
+    def __init__(self, dropout=0.0, causal=False, mask=False):
         super().__init__()
         self.qkv = nn.Linear(16, 48)
         self.out = nn.Linear(16, 16)
-        self.dropout, self.causal = dropout, causal
+        self.dropout, self.causal, self.mask = dropout, causal, mask
 
     def forward(self, x):
         t, b, _ = x.shape
         q, k, v = self.qkv(x.transpose(0, 1)).reshape(b, t, 3, 2, 8).permute(2, 0, 3, 1, 4)
-        y = F.scaled_dot_product_attention(q, k, v, dropout_p=self.dropout, is_causal=self.causal)
+        # A float mask made in forward (tracked, evicted): the kernel's keyword-only attn_mask.
+        mask = (x[:, :, :1].transpose(0, 1) * x[:, :, 1:2].permute(1, 2, 0)).unsqueeze(1) if self.mask else None
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=self.dropout, is_causal=self.causal)
         return self.out(y.transpose(1, 2).reshape(b, t, 16)).square().mean()
 
 
@@ -96,6 +98,7 @@ MODELS = {
     "gru": Gru,
     "sdpa": Attention,
     "sdpa_causal_dropout": lambda: Attention(dropout=0.3, causal=True),
+    "sdpa_float_mask": lambda: Attention(mask=True),
     "batchnorm2d": ConvBn,
 }
 
