@@ -72,7 +72,12 @@ const Session::OpInfo& Session::info_of(const c10::OperatorHandle& op) {
   if (colons != std::string::npos) name.replace(colons, 2, ".");
   info->name = name + "." + (info->op_name.overload_name.empty() ? "default" : info->op_name.overload_name);
   info->num_args = schema.arguments().size();
-  for (std::size_t i = 0; i < schema.arguments().size(); ++i) {
+  // An in-place view op (squeeze_, t_, transpose_, as_strided_) writes the
+  // tensor's sizes and strides, not its storage's bytes: no update of the
+  // data, nothing to replay (replaying squeeze_ on the squeezed geometry
+  // failed). resize_ may reallocate the storage: a real write.
+  const bool metadata_only = op.hasTag(at::Tag::inplace_view) && info->name.rfind("aten.resize", 0) != 0;
+  for (std::size_t i = 0; i < schema.arguments().size() && !metadata_only; ++i) {
     const auto* alias = schema.arguments()[i].alias_info();
     if (alias != nullptr && alias->isWrite()) info->written.push_back(i);
   }
@@ -143,6 +148,11 @@ void flatten_tensors(const c10::IValue& v, std::vector<at::Tensor>* out) {
     }
   }
 }
+
+// An absent Tensor? reaches a boxed kernel as None or, from autograd's
+// backward formulas, as an undefined tensor (batch norm's backward without
+// running statistics).
+bool is_defined_tensor(const c10::IValue& v) { return v.isTensor() && v.toTensor().defined(); }
 
 double seconds_since(Clock::time_point t0) {
   return std::chrono::duration<double>(Clock::now() - t0).count();
@@ -260,7 +270,7 @@ std::shared_ptr<Session::OpRecipe> Session::make_recipe(const c10::OperatorHandl
   r->refs.assign(refs_.begin(), refs_.end());
   if (scratch) {  // batch norm's running stats: replays write into copies
     for (std::uint32_t i : {3u, 4u}) {
-      if (r->args[i].isTensor()) {
+      if (is_defined_tensor(r->args[i])) {
         r->scratch.emplace_back(i, r->args[i].toTensor());
         r->args[i] = c10::IValue();
       }
@@ -318,12 +328,12 @@ void Session::run_handle(const c10::OperatorHandle& op, const OpInfo& info, c10:
   const std::size_t first = stack->size() - info.num_args;
   // Running stats are written, not read: not inputs of the recipe.
   const bool scratch = info.batch_norm && info.num_args > 5 && (*stack)[first + 5].isBool() &&
-                       (*stack)[first + 5].toBool() && (*stack)[first + 3].isTensor();
+                       (*stack)[first + 5].toBool() && is_defined_tensor((*stack)[first + 3]);
   torch::jit::Stack args(stack->begin() + static_cast<std::ptrdiff_t>(first), stack->end());
   std::vector<at::Tensor> scratch_tensors;
   if (scratch) {
     for (std::size_t i : {std::size_t{3}, std::size_t{4}}) {
-      if (args[i].isTensor()) scratch_tensors.push_back(args[i].toTensor());
+      if (is_defined_tensor(args[i])) scratch_tensors.push_back(args[i].toTensor());
     }
     // Leave them out of the inputs.
     torch::jit::Stack view = args;

@@ -132,6 +132,8 @@ std::vector<at::Tensor> StorageRuntime::replay_inputs(OpId op) const {
     c10::Storage storage(it->second);
     at::Tensor t = at::empty({0}, at::TensorOptions().dtype(m.dtype).device(storage.device()));
     t.set_(storage, m.offset, m.sizes, m.strides);
+    if (m.conj) t._set_conj(true);
+    if (m.neg) t._set_neg(true);
     out.push_back(std::move(t));
   }
   return out;
@@ -294,6 +296,16 @@ bool StorageRuntime::has_fresh(std::span<const at::Tensor> outputs) const {
 
 void StorageRuntime::commit_mutation(TensorId target, bool chain, std::span<const at::Tensor> inputs,
                                      std::span<const TensorId> ids, double seconds, RecipePtr recipe) {
+  // A kernel that resized its target's storage (addbmm_ on a self that
+  // broadcasts resizes it to the result, below the dispatcher) left a value
+  // that the target's recipe, replayed, would not fit: lock it, at its new
+  // size. (A chain plan means no op has read the target, so nothing else
+  // needs locking.)
+  auto it = storage_.find(target);
+  if (it != storage_.end() && it->second->nbytes() != core_.tensor(target).bytes) {
+    core_.resize(target, it->second->nbytes());
+    chain = false;
+  }
   d::MutationPlan plan;
   plan.chain = chain;
   std::vector<TensorId> core_inputs;
@@ -496,6 +508,8 @@ StorageRuntime::InputMetas StorageRuntime::metas(std::span<const at::Tensor> inp
     m.strides.assign(t.strides().begin(), t.strides().end());
     m.offset = t.storage_offset();
     m.dtype = t.scalar_type();
+    m.conj = t.is_conj();
+    m.neg = t.is_neg();
     out.push_back(std::move(m));
   }
   return out;

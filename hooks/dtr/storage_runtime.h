@@ -270,6 +270,11 @@ class StorageRuntime {
     c10::SmallVector<int64_t, 5> strides;
     int64_t offset = 0;
     at::ScalarType dtype = at::kFloat;
+    // Lazy conjugation and negation are bits of the view, not of the
+    // storage: a kernel that handles them itself (polar's backward reads a
+    // conjugated view) must get them back in a replay.
+    bool conj = false;
+    bool neg = false;
   };
   // Most ops read one to three tensors: inline, no allocation per op.
   using InputMetas = c10::SmallVector<InputMeta, 3>;

@@ -246,8 +246,11 @@ class _OpInfo:
     def __init__(self, func):
         schema = func._schema
         self.name = str(func)
-        self.written = [(i, a.name) for i, a in enumerate(schema.arguments)
-                        if a.alias_info is not None and a.alias_info.is_write]
+        # An in-place view op (squeeze_, t_) writes sizes and strides, not data
+        # (hooks/dtr/interceptor.cpp, Session::info_of); resize_ may reallocate.
+        metadata_only = torch.Tag.inplace_view in func.tags and not self.name.startswith("aten.resize")
+        self.written = [] if metadata_only else [(i, a.name) for i, a in enumerate(schema.arguments)
+                                                 if a.alias_info is not None and a.alias_info.is_write]
         self.random = torch.Tag.nondeterministic_seeded in func.tags
         ns = func.namespace
         self.replayable = ns not in _NEVER_REPLAY_NAMESPACES and self.name not in _NEVER_REPLAY_OPS

@@ -171,6 +171,11 @@ MutationPlan Rematerializer::prepare_mutation(TensorId target, bool op_replayabl
   plan.chain = !r.external && !r.locked && op_replayable && r.users.empty() &&
                r.state == TensorState::kResident;
   if (plan.chain) return plan;
+  // The op writes into the target, so its memory must be there: a target
+  // that is not also an input (batch norm's running statistics, which
+  // native_batch_norm updates without declaring it) was not brought back
+  // with the op's inputs.
+  if (r.state == TensorState::kEvicted) plan.regenerate.push_back(target);
   // Every evicted tensor whose recipe reads the old value, directly or
   // through dead (fake-deleted) intermediates, must come back now.
   std::unordered_set<TensorId> seen{target};
@@ -238,6 +243,16 @@ OpId Rematerializer::commit_mutation(TensorId target, std::span<const TensorId> 
     }
   }
   return -1;
+}
+
+void Rematerializer::resize(TensorId t, std::size_t bytes) {
+  TensorRecord& r = t_(t);
+  TIDAL_INTERNAL_ASSERT(r.state == TensorState::kResident, "resize of tensor ", t, ", which is not resident");
+  if (!r.external) {
+    tracked_bytes_ = tracked_bytes_ - r.bytes + bytes;
+    peak_tracked_bytes_ = std::max(peak_tracked_bytes_, tracked_bytes_);
+  }
+  r.bytes = bytes;
 }
 
 void Rematerializer::access(TensorId t) { t_(t).last_access = clock_; }

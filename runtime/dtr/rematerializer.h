@@ -95,8 +95,8 @@ struct MutationPlan {
   // true: the op joins the target's recipe (no live op has read the target).
   // false: the target and everything computed from it get locked.
   bool chain = false;
-  // Evicted tensors that must be regenerated before the update, because
-  // their recipes read the value the update destroys.
+  // Evicted tensors that must be regenerated before the update: the target
+  // itself, and those whose recipes read the value the update destroys.
   std::vector<TensorId> regenerate;
 };
 
@@ -135,6 +135,9 @@ class Rematerializer {
   MutationPlan prepare_mutation(TensorId target, bool op_replayable) const;
   OpId commit_mutation(TensorId target, std::span<const TensorId> inputs, double cost_seconds,
                        bool replayable, const MutationPlan& plan);
+
+  // An in-place op resized t's storage to `bytes` (t is resident).
+  void resize(TensorId t, std::size_t bytes);
 
   // Advances the logical clock (one tick per op) and marks a use.
   void tick() { ++clock_; }

@@ -154,3 +154,25 @@ def test_models_train_bitwise_with_evictions_forced(name, force, interception):
     assert len(got) == len(ref)
     for i, (a, b) in enumerate(zip(got, ref)):
         assert a.dtype == b.dtype and torch.equal(a, b), f"{name}: tensor {i} differs"
+
+
+def test_batch_norm_made_under_dtr_trains_bitwise(interception):
+    """A model built while DTR is on (the two-line switch before the model):
+    its running statistics are tracked, and native_batch_norm writes them
+    without declaring it (not an input of the op); evicted, they must come back
+    before the op writes into them."""
+    xs = [torch.randn(10, 4, 16) for _ in range(3)]
+    torch.manual_seed(0)
+    ref = train(ConvBn(), xs)
+    with dtr.enabled(eviction_threshold=1 << 40, evictee_minimum_size=1, max_recompute_ratio=0):
+        dtr._set_after_op(dtr._evict_all)
+        torch.manual_seed(0)
+        model = ConvBn()
+        got = train(model, xs)
+        dtr._set_after_op(None)
+        s = dtr.stats()
+        dtr._validate()
+    assert s["evictions"] > 0 and s["recomputes"] > 0, s
+    assert len(got) == len(ref)
+    for i, (a, b) in enumerate(zip(got, ref)):
+        assert a.dtype == b.dtype and torch.equal(a, b), f"tensor {i} differs"

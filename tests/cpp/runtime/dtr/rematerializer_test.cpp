@@ -370,6 +370,23 @@ TEST(Rematerializer, InPlaceUpdateOfReadTensorLocksDependants) {
   r.validate();
 }
 
+TEST(Rematerializer, InPlaceUpdateOfAnEvictedTargetBringsItBackFirst) {
+  // Batch norm's running statistics are written without being inputs: an
+  // evicted one must come back before the op writes into it.
+  Rematerializer r(opts(0));
+  const TensorId x = r.add_external(kMiB);
+  const TensorId stat = unary(r, x, kMiB);
+  r.evict(stat);
+  auto plan = r.prepare_mutation(stat, /*op_replayable=*/true);
+  EXPECT_FALSE(plan.chain);
+  EXPECT_EQ(plan.regenerate, std::vector<TensorId>{stat});
+  for (const auto& s : r.regeneration_plan(plan.regenerate)) r.on_replayed(s, 0);
+  EXPECT_EQ(r.tensor(stat).state, TensorState::kResident);
+  r.commit_mutation(stat, {}, 0, true, plan);
+  EXPECT_TRUE(r.tensor(stat).locked);
+  r.validate();
+}
+
 TEST(Rematerializer, DtrEqPrefersTensorsAwayFromEvictedNeighbours) {
   Rematerializer r(opts(0, ScorerKind::kDtrEq));
   const TensorId x = r.add_external(kMiB);
