@@ -8,8 +8,9 @@ cd "$ROOT"
 
 DEB_PACKAGES=(build-essential cmake ninja-build libtbb-dev libmimalloc-dev libhwy-dev
               libgtest-dev libgmock-dev pybind11-dev)
+# expecttest: torch's own op database (tests/python/test_dtr_op_db.py) imports it.
 PY_PACKAGES=(torch==2.13.0 numpy pytest scikit-build-core==1.1.2 tqdm matplotlib transformers==4.57.6 hypothesis
-             peft==0.21.2 accelerate==1.15.0)
+             peft==0.21.2 accelerate==1.15.0 expecttest)
 VENV="$ROOT/.venv"
 PY="$VENV/bin/python"
 
@@ -43,7 +44,7 @@ if ! "$PY" - <<'PYCHECK' 2>/dev/null; then
 import importlib.metadata as md
 assert md.version("torch").split("+")[0] == "2.13.0", md.version("torch")
 for name in ("numpy", "pytest", "scikit-build-core", "tqdm", "matplotlib", "transformers", "hypothesis",
-             "peft", "accelerate"):
+             "peft", "accelerate", "expecttest"):
     md.version(name)
 PYCHECK
   log "installing Python packages: ${PY_PACKAGES[*]}"

@@ -2,6 +2,7 @@
 
 #include <ATen/ATen.h>
 #include <ATen/core/boxing/KernelFunction.h>
+#include <c10/core/GradMode.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>
 #include <c10/util/Exception.h>
 #include <torch/csrc/autograd/functions/accumulate_grad.h>
@@ -71,7 +72,12 @@ const Session::OpInfo& Session::info_of(const c10::OperatorHandle& op) {
   if (colons != std::string::npos) name.replace(colons, 2, ".");
   info->name = name + "." + (info->op_name.overload_name.empty() ? "default" : info->op_name.overload_name);
   info->num_args = schema.arguments().size();
-  for (std::size_t i = 0; i < schema.arguments().size(); ++i) {
+  // An in-place view op (squeeze_, t_, transpose_, as_strided_) writes the
+  // tensor's sizes and strides, not its storage's bytes: no update of the
+  // data, nothing to replay (replaying squeeze_ on the squeezed geometry
+  // failed). resize_ may reallocate the storage: a real write.
+  const bool metadata_only = op.hasTag(at::Tag::inplace_view) && info->name.rfind("aten.resize", 0) != 0;
+  for (std::size_t i = 0; i < schema.arguments().size() && !metadata_only; ++i) {
     const auto* alias = schema.arguments()[i].alias_info();
     if (alias != nullptr && alias->isWrite()) info->written.push_back(i);
   }
@@ -143,6 +149,11 @@ void flatten_tensors(const c10::IValue& v, std::vector<at::Tensor>* out) {
   }
 }
 
+// An absent Tensor? reaches a boxed kernel as None or, from autograd's
+// backward formulas, as an undefined tensor (batch norm's backward without
+// running statistics).
+bool is_defined_tensor(const c10::IValue& v) { return v.isTensor() && v.toTensor().defined(); }
+
 double seconds_since(Clock::time_point t0) {
   return std::chrono::duration<double>(Clock::now() - t0).count();
 }
@@ -174,6 +185,9 @@ struct Session::OpRecipe final : Recipe {
   std::vector<ParamGeom> params;
   std::vector<std::pair<std::uint32_t, at::Tensor>> scratch;  // batch norm's running stats
   std::optional<RngSaved> rng;
+  // Grad mode when the op ran: kernels read it (Note [What a replay restores]
+  // in interceptor.h).
+  bool grad_mode = true;
   const std::string* name = nullptr;  // the OpInfo's, which the session keeps
 };
 
@@ -256,7 +270,7 @@ std::shared_ptr<Session::OpRecipe> Session::make_recipe(const c10::OperatorHandl
   r->refs.assign(refs_.begin(), refs_.end());
   if (scratch) {  // batch norm's running stats: replays write into copies
     for (std::uint32_t i : {3u, 4u}) {
-      if (r->args[i].isTensor()) {
+      if (is_defined_tensor(r->args[i])) {
         r->scratch.emplace_back(i, r->args[i].toTensor());
         r->args[i] = c10::IValue();
       }
@@ -314,12 +328,12 @@ void Session::run_handle(const c10::OperatorHandle& op, const OpInfo& info, c10:
   const std::size_t first = stack->size() - info.num_args;
   // Running stats are written, not read: not inputs of the recipe.
   const bool scratch = info.batch_norm && info.num_args > 5 && (*stack)[first + 5].isBool() &&
-                       (*stack)[first + 5].toBool() && (*stack)[first + 3].isTensor();
+                       (*stack)[first + 5].toBool() && is_defined_tensor((*stack)[first + 3]);
   torch::jit::Stack args(stack->begin() + static_cast<std::ptrdiff_t>(first), stack->end());
   std::vector<at::Tensor> scratch_tensors;
   if (scratch) {
     for (std::size_t i : {std::size_t{3}, std::size_t{4}}) {
-      if (args[i].isTensor()) scratch_tensors.push_back(args[i].toTensor());
+      if (is_defined_tensor(args[i])) scratch_tensors.push_back(args[i].toTensor());
     }
     // Leave them out of the inputs.
     torch::jit::Stack view = args;
@@ -398,19 +412,20 @@ void Session::run_handle(const c10::OperatorHandle& op, const OpInfo& info, c10:
     if (!recipe) {
       auto r = make_recipe(op, below, info, std::move(args), scratch);
       r->rng = rng;
+      r->grad_mode = c10::GradMode::is_enabled();
       recipe = std::move(r);
     }
     return recipe;
   };
-  if (!outputs_.empty()) {
+  // Outputs of ops under no_grad outside backward are not DTR's (Note [What
+  // DTR tracks] in storage_runtime.h).
+  if (!outputs_.empty() && records_outputs_now()) {
     // Fresh outputs of an op that updates its arguments are not replayed
     // (the update would be applied twice), except batch norm's (scratch).
     const bool last_resort = torch::autograd::get_current_graph_task_id() != -1;
     if (runtime_.has_fresh(outputs_)) {
-      const std::vector<at::Tensor> gradients = last_resort ? parameter_gradients() : std::vector<at::Tensor>{};
       runtime_.record(inputs_, ids_, outputs_, seconds, replayable, replayable ? recipe_for() : nullptr,
                       last_resort);
-      for (const at::Tensor& g : gradients) runtime_.settle(g);
     }
   }
   for (const Mutation& m : mutations) {
@@ -420,59 +435,10 @@ void Session::run_handle(const c10::OperatorHandle& op, const OpInfo& info, c10:
   runtime_.end_op(info.name);
 }
 
-// The fresh outputs of this backward op that are gradients of parameters
-// (Note [Gradients are optimizer inputs] in runtime/dtr/rematerializer.cpp):
-// the autograd node running the op has an edge to a parameter's
-// AccumulateGrad, directly or through view nodes (nn.Linear's weight.t(), a
-// reshape), and the output has that parameter's dtype and number of
-// elements. A temporary of that size inside such a node would be settled
-// too (never evicted, no longer tracked): that costs memory accounting, not
-// exactness.
-bool Session::is_view_node(const torch::autograd::Node& n) {
-  const std::type_info* type = &typeid(n);
-  auto it = view_nodes_.find(type);
-  if (it != view_nodes_.end()) return it->second;
-  const std::string name = n.name();
-  bool view = false;
-  for (const char* v : {"TBackward", "ViewBackward", "UnsafeViewBackward", "TransposeBackward", "PermuteBackward",
-                        "ExpandBackward", "SqueezeBackward", "UnsqueezeBackward", "AliasBackward", "ReshapeAlias"}) {
-    view = view || name.rfind(v, 0) == 0;
-  }
-  view_nodes_.emplace(type, view);
-  return view;
-}
-
-std::vector<at::Tensor> Session::parameter_gradients() {
-  std::vector<at::Tensor> out;
-  const auto node = torch::autograd::get_current_node();
-  if (!node) return out;
-  for (const auto& edge : node->next_edges()) {
-    const torch::autograd::Node* n = edge.function.get();
-    // (typeid, not dynamic_cast: torch derives nothing from AccumulateGrad,
-    // and this runs on every edge of every backward op.)
-    auto is_accumulate = [](const torch::autograd::Node* node) {
-      return typeid(*node) == typeid(torch::autograd::AccumulateGrad);
-    };
-    for (int hop = 0; n != nullptr && hop < 4 && !is_accumulate(n); ++hop) {
-      n = is_view_node(*n) && n->next_edges().size() == 1 ? n->next_edges()[0].function.get() : nullptr;
-    }
-    if (n == nullptr || !is_accumulate(n)) continue;
-    const auto* acc = static_cast<const torch::autograd::AccumulateGrad*>(n);
-    const at::Tensor& param = acc->variable;
-    for (const at::Tensor& o : outputs_) {
-      if (o.defined() && o.has_storage() && runtime_.lookup(o) == tidal::dtr::kNoTensor &&
-          o.scalar_type() == param.scalar_type() && o.numel() == param.numel()) {
-        out.push_back(o);
-      }
-    }
-  }
-  return out;
-}
-
 // ------------------------------------------------------------------ replays
 
-void Session::regenerate(std::span<const TensorId> targets) {
-  auto plan = runtime_.plan(targets);
+void Session::regenerate(std::span<const TensorId> targets, bool bounded) {
+  auto plan = runtime_.plan(targets, bounded);
   ++plans_.plans;
   plans_.ops += plan.size();
   plans_.longest = std::max(plans_.longest, plan.size());
@@ -541,6 +507,9 @@ void Session::regenerate(std::span<const TensorId> targets) {
       try {
         st = fill();
         t0 = Clock::now();
+        // The kernel sees the grad mode it saw when the op ran (Note [What a
+        // replay restores]); replays below autograd record no graph either way.
+        c10::AutoGradMode grad_mode(r.grad_mode);
         for (;;) {
           try {
             r.op.redispatchBoxed(r.ks, &st);
@@ -580,7 +549,7 @@ void Session::regenerate_evicted() {
   runtime_.set_eviction_threshold(0);  // bringing tensors back must not evict others
   try {
     auto todo = runtime_.evicted_alive();
-    if (!todo.empty()) regenerate(todo);
+    if (!todo.empty()) regenerate(todo, /*bounded=*/false);
   } catch (...) {
     runtime_.set_eviction_threshold(threshold);
     if (rethrow_) rethrow_(std::current_exception());

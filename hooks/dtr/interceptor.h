@@ -38,6 +38,24 @@
 // autocast, a user TorchDispatchMode and torch.func; tidal's errors keep
 // their type; gradients are settled as they are made; and the per-op cost
 // (benchmarks/dtr.py --only overhead) is measured against plain PyTorch.
+//
+// Note [What a replay restores]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// A replay must compute what the op computed, so it runs the recorded op
+// with the recorded arguments on the same keys, and with the thread state
+// its kernel reads restored for the call:
+//   * the generator state of a random op (nondeterministic_seeded), put back
+//     afterwards so the program's random stream is not disturbed;
+//   * grad mode. Kernels read it: the oneDNN RNN (aten.mkldnn_rnn_layer)
+//     returns its workspace only when grad mode is on, and LSTM's backward
+//     reads that workspace. A forward op replayed inside backward (where the
+//     autograd engine turns grad mode off) returned three outputs instead of
+//     four, and the workspace could not be brought back. Replays run below
+//     autograd, so turning grad mode on there records no graph.
+// Both interceptions keep the grad mode in the recipe (OpRecipe::grad_mode
+// here, the recipe tuple in tidal/dtr.py). Autocast and the dispatch keys are
+// not thread state a replay needs: autocast's casts are ops of their own,
+// recorded before ours, and the keys are in the recipe.
 #pragma once
 
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -146,15 +164,14 @@ class Session {
   struct OpInfo;
   struct OpRecipe;
   const OpInfo& info_of(const c10::OperatorHandle& op);
-  void regenerate(std::span<const TensorId> targets);
+  // bounded: see StorageRuntime::plan.
+  void regenerate(std::span<const TensorId> targets, bool bounded = true);
   std::int64_t param_of(const at::Tensor& t);
   void collect_inputs(const OpInfo& info, const torch::jit::Stack& stack, std::size_t first);
   // The recipe of the op that just ran on `args` (batch norm's running
   // stats, with scratch, taken out as copies to write into).
   std::shared_ptr<OpRecipe> make_recipe(const c10::OperatorHandle& op, c10::DispatchKeySet below,
                                         const OpInfo& info, torch::jit::Stack&& args, bool scratch) const;
-  std::vector<at::Tensor> parameter_gradients();
-  bool is_view_node(const torch::autograd::Node& n);
   void run_handle(const c10::OperatorHandle& op, const OpInfo& info, c10::DispatchKeySet below,
                   torch::jit::Stack* stack);
 
@@ -186,10 +203,6 @@ class Session {
   std::vector<at::Tensor> outputs_;
   bool activated_here_ = false;
   const std::string* last_op_ = nullptr;  // owned by infos_
-  // Autograd node types that are views, by type_info address (a type seen
-  // through two addresses is only classified twice): hashing a type_index
-  // hashes its name, on every edge of every backward op.
-  std::unordered_map<const std::type_info*, bool> view_nodes_;
   std::unordered_map<std::string, OpCounters> counters_;
   PlanCounters plans_;
 };

@@ -1,10 +1,16 @@
 #include "hooks/dtr/storage_runtime.h"
 
 #include <ATen/ATen.h>
+#include <c10/core/GradMode.h>
+#include <torch/csrc/autograd/functions/accumulate_grad.h>
+#include <torch/csrc/autograd/graph_task.h>
+#include <torch/csrc/autograd/node.h>
 
 #include <algorithm>
 #include <atomic>
 #include <limits>
+#include <sstream>
+#include <typeinfo>
 #include <utility>
 
 #include "runtime/core/error.h"
@@ -18,6 +24,10 @@ namespace {
 std::atomic<ChunkArbiter*> g_arbiter{nullptr};
 }  // namespace
 
+bool records_outputs_now() {
+  return c10::GradMode::is_enabled() || torch::autograd::get_current_graph_task_id() != -1;
+}
+
 void set_chunk_arbiter(ChunkArbiter* arbiter) { g_arbiter.store(arbiter); }
 ChunkArbiter* chunk_arbiter() { return g_arbiter.load(); }
 
@@ -25,6 +35,17 @@ void StorageRuntime::begin_op(std::span<const at::Tensor> inputs, std::vector<Te
                               std::vector<TensorId>* missing) {
   sweep();
   core_.tick();
+  tracked_at_begin_ = core_.stats_tracked_bytes();
+  // A backward pass ended: a new training step begins (Note [DTR gives up
+  // rather than thrash]).
+  const bool backward = torch::autograd::get_current_graph_task_id() != -1;
+  if (in_backward_ && !backward) {
+    previous_step_ops_ = step_ops_;
+    step_ops_ = 0;
+    step_recomputes_ = 0;
+  }
+  in_backward_ = backward;
+  ++step_ops_;
   ids->clear();
   missing->clear();
   ids->reserve(inputs.size());
@@ -42,12 +63,42 @@ void StorageRuntime::begin_op(std::span<const at::Tensor> inputs, std::vector<Te
   }
 }
 
-std::vector<StorageRuntime::PlanItem> StorageRuntime::plan(std::span<const TensorId> targets) {
+void StorageRuntime::check_recompute_bound(std::size_t plan_steps) const {
+  const double ratio = core_.options().max_recompute_ratio;
+  if (ratio <= 0) return;
+  const std::uint64_t ops = std::max(step_ops_, previous_step_ops_);
+  const std::uint64_t replays = step_recomputes_ + plan_steps;
+  if (static_cast<double>(replays) <= ratio * static_cast<double>(ops)) return;
+  const std::size_t threshold = core_.options().eviction_threshold;
+  std::ostringstream why;
+  why << "tidal.dtr gave up: bringing back the inputs of the next op would replay " << plan_steps
+      << " ops, after " << step_recomputes_ << " replayed already in this training step: " << replays
+      << " recomputes, more than max_recompute_ratio=" << ratio << " x " << ops
+      << " ops (the step's own ops so far, or the previous step's if more). ";
+  if (threshold > 0) {
+    why << "eviction_threshold=" << format_bytes(threshold)
+        << " leaves too little room for what the ops need at once (the largest working set of one op so far "
+           "was "
+        << format_bytes(max_working_set_)
+        << "), and DTR recomputes the same tensors over and over. Tip: raise eviction_threshold, to at least "
+        << format_bytes(std::max(2 * threshold, threshold + max_working_set_)) << " for a start";
+  } else {
+    why << "eviction_threshold=0 (evictions only when an allocation fails): the memory left is too small for "
+           "what the ops need at once, and DTR recomputes the same tensors over and over. Tip: free memory or "
+           "lower the batch size";
+  }
+  why << "; or raise tidal.dtr.max_recompute_ratio (0: no bound) if this much recomputation is intended.";
+  TIDAL_THROW(OutOfMemoryError, why.str());
+}
+
+std::vector<StorageRuntime::PlanItem> StorageRuntime::plan(std::span<const TensorId> targets, bool bounded) {
+  auto steps = core_.regeneration_plan(targets);
+  if (bounded) check_recompute_bound(steps.size());  // before any state changes
   std::vector<PlanItem> out;
   plan_uses_.clear();
   // Targets stay pinned until end_plan(): the caller is about to use them.
   for (TensorId t : targets) ++plan_uses_[t];
-  for (auto& step : core_.regeneration_plan(targets)) {
+  for (auto& step : steps) {
     for (TensorId in : distinct_inputs(step.op)) ++plan_uses_[in];
     out.push_back(PlanItem{step.op, replays_.at(step.op).recipe.get(), std::move(step.chained)});
   }
@@ -81,6 +132,8 @@ std::vector<at::Tensor> StorageRuntime::replay_inputs(OpId op) const {
     c10::Storage storage(it->second);
     at::Tensor t = at::empty({0}, at::TensorOptions().dtype(m.dtype).device(storage.device()));
     t.set_(storage, m.offset, m.sizes, m.strides);
+    if (m.conj) t._set_conj(true);
+    if (m.neg) t._set_neg(true);
     out.push_back(std::move(t));
   }
   return out;
@@ -88,6 +141,7 @@ std::vector<at::Tensor> StorageRuntime::replay_inputs(OpId op) const {
 
 void StorageRuntime::replayed(const PlanItem& item, std::span<const at::Tensor> outputs, double seconds) {
   const Replay& r = replays_.at(item.op);
+  ++step_recomputes_;
   d::Rematerializer::PlanStep step{item.op, item.chained};
   const auto& core_outputs = core_.op(item.op).outputs;
   for (TensorId id : core_.on_replayed(step, seconds)) {
@@ -95,6 +149,9 @@ void StorageRuntime::replayed(const PlanItem& item, std::span<const at::Tensor> 
                                             core_outputs.begin());
     TIDAL_INTERNAL_ASSERT(k < r.fresh_at.size() && r.fresh_at[k] < outputs.size(), "replay of op ", item.op,
                           " returned ", outputs.size(), " outputs, output ", k, " missing");
+    TIDAL_INTERNAL_ASSERT(outputs[r.fresh_at[k]].defined() && outputs[r.fresh_at[k]].has_storage(), "replay of op ",
+                          item.op, " returned no tensor at output ", r.fresh_at[k],
+                          ", which it returned when recorded (Note [What a replay restores])");
     install(id, outputs[r.fresh_at[k]]);
     auto it = plan_uses_.find(id);
     if (it != plan_uses_.end() && it->second > 0) {
@@ -130,6 +187,8 @@ void StorageRuntime::end_plan() {
 OpId StorageRuntime::record(std::span<const at::Tensor> inputs, std::span<const TensorId> ids,
                             std::span<const at::Tensor> outputs, double seconds, bool replayable,
                             RecipePtr recipe, bool last_resort) {
+  // Before the outputs are registered: a gradient is a fresh output.
+  if (last_resort) parameter_gradients(outputs, &gradients_);
   c10::SmallVector<std::size_t, 2> fresh_at;
   std::vector<std::size_t>& bytes = out_bytes_;
   bytes.clear();
@@ -144,7 +203,10 @@ OpId StorageRuntime::record(std::span<const at::Tensor> inputs, std::span<const 
     fresh_at.push_back(i);
     bytes.push_back(impl->nbytes());
   }
-  if (fresh_at.empty()) return -1;
+  if (fresh_at.empty()) {
+    gradients_.clear();
+    return -1;
+  }
   bool can_replay = replayable;
   std::vector<TensorId>& core_inputs = core_inputs_;
   core_inputs.clear();
@@ -168,8 +230,62 @@ OpId StorageRuntime::record(std::span<const at::Tensor> inputs, std::span<const 
     r.recipe = std::move(recipe);
   }
   replays_.emplace(op, std::move(r));
+  if (last_resort) {
+    for (const at::Tensor& g : gradients_) settle(g);
+    gradients_.clear();  // no reference kept: the gradient's owner decides when it dies
+  }
   return op;
 }
+
+// The fresh outputs of the backward op running now that are gradients of
+// parameters (Note [Gradients are optimizer inputs] in
+// runtime/dtr/rematerializer.cpp):
+// the autograd node running the op has an edge to a parameter's
+// AccumulateGrad, directly or through view nodes (nn.Linear's weight.t(), a
+// reshape), and the output has that parameter's dtype and number of
+// elements. A temporary of that size inside such a node would be settled
+// too (never evicted, no longer tracked): that costs memory accounting, not
+// exactness.
+bool StorageRuntime::is_view_node(const torch::autograd::Node& n) {
+  const std::type_info* type = &typeid(n);
+  auto it = view_nodes_.find(type);
+  if (it != view_nodes_.end()) return it->second;
+  const std::string name = n.name();
+  bool view = false;
+  for (const char* v : {"TBackward", "ViewBackward", "UnsafeViewBackward", "TransposeBackward", "PermuteBackward",
+                        "ExpandBackward", "SqueezeBackward", "UnsqueezeBackward", "AliasBackward", "ReshapeAlias"}) {
+    view = view || name.rfind(v, 0) == 0;
+  }
+  view_nodes_.emplace(type, view);
+  return view;
+}
+
+void StorageRuntime::parameter_gradients(std::span<const at::Tensor> outputs, std::vector<at::Tensor>* out) {
+  out->clear();
+  const auto node = torch::autograd::get_current_node();
+  if (!node) return;
+  for (const auto& edge : node->next_edges()) {
+    const torch::autograd::Node* n = edge.function.get();
+    // (typeid, not dynamic_cast: torch derives nothing from AccumulateGrad,
+    // and this runs on every edge of every backward op.)
+    auto is_accumulate = [](const torch::autograd::Node* node) {
+      return typeid(*node) == typeid(torch::autograd::AccumulateGrad);
+    };
+    for (int hop = 0; n != nullptr && hop < 4 && !is_accumulate(n); ++hop) {
+      n = is_view_node(*n) && n->next_edges().size() == 1 ? n->next_edges()[0].function.get() : nullptr;
+    }
+    if (n == nullptr || !is_accumulate(n)) continue;
+    const auto* acc = static_cast<const torch::autograd::AccumulateGrad*>(n);
+    const at::Tensor& param = acc->variable;
+    for (const at::Tensor& o : outputs) {
+      if (o.defined() && o.has_storage() && lookup(o) == d::kNoTensor &&
+          o.scalar_type() == param.scalar_type() && o.numel() == param.numel()) {
+        out->push_back(o);
+      }
+    }
+  }
+}
+
 
 bool StorageRuntime::has_fresh(std::span<const at::Tensor> outputs) const {
   for (const at::Tensor& t : outputs) {
@@ -180,6 +296,16 @@ bool StorageRuntime::has_fresh(std::span<const at::Tensor> outputs) const {
 
 void StorageRuntime::commit_mutation(TensorId target, bool chain, std::span<const at::Tensor> inputs,
                                      std::span<const TensorId> ids, double seconds, RecipePtr recipe) {
+  // A kernel that resized its target's storage (addbmm_ on a self that
+  // broadcasts resizes it to the result, below the dispatcher) left a value
+  // that the target's recipe, replayed, would not fit: lock it, at its new
+  // size. (A chain plan means no op has read the target, so nothing else
+  // needs locking.)
+  auto it = storage_.find(target);
+  if (it != storage_.end() && it->second->nbytes() != core_.tensor(target).bytes) {
+    core_.resize(target, it->second->nbytes());
+    chain = false;
+  }
   d::MutationPlan plan;
   plan.chain = chain;
   std::vector<TensorId> core_inputs;
@@ -195,6 +321,18 @@ void StorageRuntime::commit_mutation(TensorId target, bool chain, std::span<cons
   }
 }
 
+// Note [One budget error per overrun]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// After each op, tracked bytes must fit within eviction_threshold plus the
+// op's working set; where evicting every candidate cannot make them fit,
+// the op raises tidal.OutOfMemoryError. Only an op that added tracked bytes
+// raises it. An op that added none did not cause the overrun, and raising
+// there repeated the first error under another op's name: when an error
+// unwinds through torch.autograd.profiler.record_function (every torch.optim
+// step is wrapped in one), its exit is an op (profiler::_record_function_
+// exit), and the traceback ended in a second copy of the error. The error
+// names what cannot be evicted (the op's working set, locked tensors, tensors
+// under evictee_minimum_size) and the threshold that would hold them.
 void StorageRuntime::end_op(std::string_view op_name) {
   // Evict before unpinning: the op's inputs and outputs are its working
   // set, and the next op is likely to read its outputs.
@@ -204,18 +342,27 @@ void StorageRuntime::end_op(std::string_view op_name) {
   max_working_set_ = std::max(max_working_set_, working_set);
   const std::size_t threshold = core_.options().eviction_threshold;
   const std::size_t tracked = core_.stats_tracked_bytes();  // stats() scans every record
+  // See Note [One budget error per overrun].
+  const bool overrun = threshold > 0 && tracked > threshold + working_set && tracked > tracked_at_begin_;
+  std::size_t locked = 0, small = 0;
+  if (overrun) core_.unevictable_bytes(&locked, &small);  // before the op's pins go
   for (TensorId id : op_pins_) core_.unpin(id);
   op_pins_.clear();
   drain_released();
-  if (threshold > 0 && tracked > threshold + working_set) {
-    const auto s = core_.stats();
+  if (overrun) {
     TIDAL_THROW(OutOfMemoryError, "DTR cannot keep tracked memory within eviction_threshold=",
-                format_bytes(threshold), " after ", op_name, " (working set ", format_bytes(working_set),
-                "): ", format_bytes(tracked), " stay tracked and nothing more can be evicted (",
-                format_bytes(s.locked_bytes),
-                " locked: no recipe or updated in place; tensors under evictee_minimum_size=",
+                format_bytes(threshold), " after ", op_name, ": ", format_bytes(tracked),
+                " stay tracked and nothing more can be evicted. Of these, ", format_bytes(working_set),
+                " are this op's working set (its inputs and outputs, kept while it runs), ",
+                format_bytes(locked),
+                " are locked (made by ops DTR does not replay, or computed from a tensor an in-place update "
+                "changed after it was read) and ",
+                format_bytes(small), " are tensors under evictee_minimum_size=",
                 format_bytes(core_.options().evictee_minimum_size),
-                " are never evicted). Tip: raise eviction_threshold or lower evictee_minimum_size.");
+                ", which are never evicted. Tip: an eviction_threshold of at least ",
+                format_bytes(tracked - working_set),
+                " fits what cannot be evicted now; or lower evictee_minimum_size. What ops under torch.no_grad() "
+                "make (an optimizer's state) is not tracked.");
   }
 }
 
@@ -332,6 +479,12 @@ void StorageRuntime::evict_tensor(const at::Tensor& t) {
   evict(id);
 }
 
+std::size_t StorageRuntime::evict_all() {
+  std::size_t n = 0;
+  while (evict_one()) ++n;
+  return n;
+}
+
 TensorId StorageRuntime::id_of(const at::Tensor& t, bool register_external) {
   if (!t.defined() || !t.has_storage()) return d::kNoTensor;
   c10::StorageImpl* impl = t.storage().unsafeGetStorageImpl();
@@ -355,6 +508,8 @@ StorageRuntime::InputMetas StorageRuntime::metas(std::span<const at::Tensor> inp
     m.strides.assign(t.strides().begin(), t.strides().end());
     m.offset = t.storage_offset();
     m.dtype = t.scalar_type();
+    m.conj = t.is_conj();
+    m.neg = t.is_neg();
     out.push_back(std::move(m));
   }
   return out;

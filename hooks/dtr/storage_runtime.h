@@ -37,11 +37,16 @@
 #include <span>
 #include <string>
 #include <string_view>
+#include <typeinfo>
 #include <memory_resource>
 #include <unordered_map>
 #include <vector>
 
 #include "runtime/dtr/rematerializer.h"
+
+namespace torch::autograd {
+struct Node;
+}
 
 namespace tidal::hooks::dtr {
 
@@ -77,6 +82,53 @@ struct RecordView {
   std::size_t recipe_length = 0;
   long use_count = 0;
 };
+
+// Note [What DTR tracks]
+// ~~~~~~~~~~~~~~~~~~~~~~
+// DTR is for activations: what autograd keeps from the forward pass for
+// backward, and what backward makes on the way. An op's fresh outputs are
+// recorded (tracked, counted against eviction_threshold, evictable) when the
+// op runs with grad mode on or inside a backward pass (the autograd engine
+// runs backward with grad mode off). Outputs of ops run under no_grad (or
+// inference mode) outside backward are not recorded: torch.optim's steps
+// (a step runs under no_grad unless the optimizer is differentiable),
+// gradient clipping, EMA and metric updates, evaluation. They are what a
+// program keeps across steps (an optimizer's exp_avg, a momentum buffer) or
+// uses once; autograd saves none of them. Recorded, an optimizer's state was
+// locked the first time its step updated it in place after reading it, and
+// counted against the threshold from then on: with the two-line switch left
+// on for the whole loop, a model whose optimizer state exceeded the
+// threshold failed at its first opt.step() ("nothing more can be evicted"),
+// and one just under it left DTR too little room and thrashed. An output
+// not recorded becomes external when an op reads it (as a parameter: never
+// evicted, not counted, held while a recipe reads it).
+// Ops under no_grad still pass through DTR: their evicted inputs are brought
+// back (an evaluation that reads an evicted activation), and an in-place
+// update of a tracked or external tensor first regenerates, then locks, what
+// was computed from the old value (Note [DTR records]), so no recipe ever
+// replays a value that is gone.
+// The cost: what a forward pass under no_grad makes is not evicted, so such
+// an inference is not bounded by eviction_threshold. Its activations die at
+// the next op, except those a model keeps (skip connections); with grad mode
+// on and no tensor requiring grad, DTR tracks them and autograd saves nothing.
+bool records_outputs_now();
+
+// Note [DTR gives up rather than thrash]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// When eviction_threshold leaves less room than the ops need at once, DTR
+// evicts what the next op reads, replays it, evicts it again: a chain of N
+// layers costs O(N^2) replays in backward, and a run the issue measured took
+// 510 s for three LSTM steps (0.8 s without DTR) with 793,442 recomputes. DTR
+// counts, per training step (from the end of one backward pass to the end of
+// the next), the ops it intercepted and the ops it replayed; a regeneration
+// that would take the replays above max_recompute_ratio (default 10) times
+// the step's ops (this step's so far, or the previous step's if larger: the
+// first ops of a step may bring back tensors of the last one) is not run:
+// tidal.OutOfMemoryError names the replays, the ops and the threshold, and
+// suggests a larger threshold. A regeneration replays each recorded op at
+// most once, so what exceeds several times the step's ops is the same
+// tensors replayed over and over. 0 turns the bound off (the op-table tests,
+// which evict everything after every op on purpose).
 
 // Note [The arbiter between chunks and activations]
 // ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -122,13 +174,16 @@ class StorageRuntime {
 
   // Ops to replay, in order, so that `targets` are resident. A tensor a step
   // brings back stays pinned only until the last step of the plan that
-  // reads it, so a deep regeneration holds O(width) memory.
+  // reads it, so a deep regeneration holds O(width) memory. `bounded`: the
+  // plan counts against max_recompute_ratio, and one that would exceed it
+  // throws tidal::OutOfMemoryError instead (Note [DTR gives up rather than
+  // thrash]); bringing tensors back when DTR is turned off is not bounded.
   struct PlanItem {
     OpId op = -1;
     const Recipe* recipe = nullptr;
     std::vector<TensorId> chained;
   };
-  std::vector<PlanItem> plan(std::span<const TensorId> targets);
+  std::vector<PlanItem> plan(std::span<const TensorId> targets, bool bounded = true);
   // The recipe's flat inputs, rebuilt as views of their (resident) storages.
   std::vector<at::Tensor> replay_inputs(OpId op) const;
   // item.op was replayed into `outputs` (its flat outputs) in `seconds`.
@@ -138,6 +193,10 @@ class StorageRuntime {
   // Records an op that ran on `inputs` (ids from begin_op) and returned
   // `outputs`; outputs whose storage is new are its fresh results. The
   // recipe is kept only when the op can be replayed. Returns the op or -1.
+  // `last_resort`: the op runs in a backward pass (Note [Last-resort
+  // candidates]); its fresh outputs that are parameters' gradients are
+  // settled at once (Note [Gradients are optimizer inputs]), for both
+  // interceptions.
   OpId record(std::span<const at::Tensor> inputs, std::span<const TensorId> ids,
               std::span<const at::Tensor> outputs, double seconds, bool replayable, RecipePtr recipe,
               bool last_resort);
@@ -155,7 +214,8 @@ class StorageRuntime {
 
   // Unpins the op's tensors, evicts down to the threshold, and checks that
   // tracked bytes stay within threshold + this op's working set (throws
-  // tidal::OutOfMemoryError naming the op otherwise).
+  // tidal::OutOfMemoryError naming the op otherwise, when the op added
+  // tracked bytes: Note [One budget error per overrun]).
   void end_op(std::string_view op_name);
   // Drops the op's pins after an error (no checks, no evictions).
   void abandon_op();
@@ -193,6 +253,9 @@ class StorageRuntime {
   std::vector<RecordView> records() const;
   // Test hook: evict this tensor's record now (it must be a candidate).
   void evict_tensor(const at::Tensor& t);
+  // Test hook: evicts every candidate now (the op-table tests force
+  // evictions after every op with it); returns how many.
+  std::size_t evict_all();
   // The recipe of the op that produced `id` (nullptr: none kept).
   const Recipe* producer_recipe(TensorId id) const;
   // Called with each tensor about to be evicted (counters).
@@ -207,6 +270,11 @@ class StorageRuntime {
     c10::SmallVector<int64_t, 5> strides;
     int64_t offset = 0;
     at::ScalarType dtype = at::kFloat;
+    // Lazy conjugation and negation are bits of the view, not of the
+    // storage: a kernel that handles them itself (polar's backward reads a
+    // conjugated view) must get them back in a replay.
+    bool conj = false;
+    bool neg = false;
   };
   // Most ops read one to three tensors: inline, no allocation per op.
   using InputMetas = c10::SmallVector<InputMeta, 3>;
@@ -217,6 +285,10 @@ class StorageRuntime {
   };
 
   TensorId id_of(const at::Tensor& t, bool register_external);
+  // Into *out: those of `outputs` that the backward op running now makes as
+  // parameters' gradients (none outside backward).
+  void parameter_gradients(std::span<const at::Tensor> outputs, std::vector<at::Tensor>* out);
+  bool is_view_node(const torch::autograd::Node& n);
   static InputMetas metas(std::span<const at::Tensor> inputs, std::span<const TensorId> ids);
   std::vector<TensorId> distinct_inputs(OpId op) const;  // op's inputs, each once
   void register_storage(TensorId id, StoragePtr ptr);
@@ -246,7 +318,21 @@ class StorageRuntime {
   std::vector<TensorId> released_tensors_;
   std::vector<OpId> released_ops_;
   mutable std::vector<TensorId> pinned_seen_;  // pinned_bytes()' scratch
+  std::vector<at::Tensor> gradients_;          // record()'s scratch, empty between ops
+  // Autograd node types that are views, by type_info address (a type seen
+  // through two addresses is only classified twice): hashing a type_index
+  // hashes its name, on every edge of every backward op.
+  std::unordered_map<const std::type_info*, bool> view_nodes_;
   std::size_t max_working_set_ = 0;
+  std::size_t tracked_at_begin_ = 0;  // tracked bytes when the running op began
+  // Note [DTR gives up rather than thrash]: ops begun and ops replayed since
+  // the last backward pass ended (a training step), and the ops of the step
+  // before.
+  std::uint64_t step_ops_ = 0;
+  std::uint64_t step_recomputes_ = 0;
+  std::uint64_t previous_step_ops_ = 0;
+  bool in_backward_ = false;
+  void check_recompute_bound(std::size_t plan_steps) const;
   bool hold_evictions_ = false;
   std::function<void(TensorId)> on_evict_;
   std::uint64_t chunk_evictions_ = 0;

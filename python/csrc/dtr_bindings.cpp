@@ -30,8 +30,11 @@ namespace d = tidal::dtr;
 namespace hd = tidal::hooks::dtr;
 
 d::DtrOptions options_of(std::size_t threshold, std::size_t minimum, bool sqrt_sampling, const std::string& scorer,
-                         std::uint64_t seed) {
+                         std::uint64_t seed, double max_recompute_ratio) {
+  TIDAL_CHECK(max_recompute_ratio >= 0, "tidal.dtr.max_recompute_ratio: expected a number >= 0 (0: no bound), got ",
+              max_recompute_ratio);
   d::DtrOptions o;
+  o.max_recompute_ratio = max_recompute_ratio;
   o.eviction_threshold = threshold;
   o.evictee_minimum_size = minimum;
   o.enable_sqrt_sampling = sqrt_sampling;
@@ -128,8 +131,8 @@ class Runtime {
     return py::make_tuple(py::cast(ids), py::cast(missing));
   }
   // [(step, recipe)]: replay_inputs(step) and replayed(step, ...) name a step.
-  py::list plan(const std::vector<hd::TensorId>& targets) {
-    plan_ = rt_.plan(targets);
+  py::list plan(const std::vector<hd::TensorId>& targets, bool bounded) {
+    plan_ = rt_.plan(targets, bounded);
     py::list out;
     for (std::size_t i = 0; i < plan_.size(); ++i) {
       const auto* r = dynamic_cast<const PyRecipe*>(plan_[i].recipe);
@@ -247,19 +250,22 @@ void bind_dtr(py::module_& parent) {
 DTR's C++ side (hooks/dtr/). Users call tidal.dtr (python/tidal/dtr.py).)doc");
   m.def("parse_scorer", [](const std::string& name) { return std::string(d::scorer_name(d::parse_scorer(name))); },
         "Checks a scorer name ('dtr_eq', 'local', 'lru', 'size'); returns it.");
+  m.def("records_outputs_now", &hd::records_outputs_now,
+        "Whether the fresh outputs of an op run now are DTR's to track (Note [What DTR tracks]).");
   m.def("interception_status", &hd::interception_status,
         "'' when ops can be intercepted in C++ (Note [DTR on a dispatch key]), else why not.");
 
   py::class_<Runtime>(m, "Runtime", "The storage runtime driven op by op by tidal.dtr's Python mode.")
       .def(py::init([](std::size_t threshold, std::size_t minimum, bool sqrt_sampling, const std::string& scorer,
-                       std::uint64_t seed) {
-             return std::make_unique<Runtime>(options_of(threshold, minimum, sqrt_sampling, scorer, seed));
+                       std::uint64_t seed, double max_recompute_ratio) {
+             return std::make_unique<Runtime>(
+                 options_of(threshold, minimum, sqrt_sampling, scorer, seed, max_recompute_ratio));
            }),
            py::arg("eviction_threshold"), py::arg("evictee_minimum_size"), py::arg("enable_sqrt_sampling"),
-           py::arg("scorer") = "dtr_eq", py::arg("seed") = 0x5eed)
+           py::arg("scorer") = "dtr_eq", py::arg("seed") = 0x5eed, py::arg("max_recompute_ratio") = d::DtrOptions{}.max_recompute_ratio)
       .def("set_eviction_threshold", [](Runtime& r, std::size_t b) { r.get().set_eviction_threshold(b); })
       .def("begin_op", &Runtime::begin_op)
-      .def("plan", &Runtime::plan)
+      .def("plan", &Runtime::plan, py::arg("targets"), py::arg("bounded") = true)
       .def("replay_inputs", &Runtime::replay_inputs)
       .def("replayed", &Runtime::replayed)
       .def("end_plan", &Runtime::end_plan)
@@ -279,6 +285,7 @@ DTR's C++ side (hooks/dtr/). Users call tidal.dtr (python/tidal/dtr.py).)doc");
       .def("state_of", [](Runtime& r, hd::TensorId id) { return r.get().state_of(id); })
       .def("records", [](Runtime& r) { return records_list(r.get().records()); })
       .def("evict_tensor", [](Runtime& r, const at::Tensor& t) { r.get().evict_tensor(t); })
+      .def("evict_all", [](Runtime& r) { return r.get().evict_all(); })
       .def("settle", [](Runtime& r, const at::Tensor& t) { return r.get().settle(t); });
 
   py::class_<PyParamProvider, std::shared_ptr<PyParamProvider>>(
@@ -292,14 +299,15 @@ DTR's C++ side (hooks/dtr/). Users call tidal.dtr (python/tidal/dtr.py).)doc");
 
   py::class_<hd::Session>(m, "Session", "A DTR session whose ops are intercepted in C++.")
       .def(py::init([](std::size_t threshold, std::size_t minimum, bool sqrt_sampling, const std::string& scorer,
-                       std::uint64_t seed) {
-             auto s = std::make_unique<hd::Session>(options_of(threshold, minimum, sqrt_sampling, scorer, seed));
+                       std::uint64_t seed, double max_recompute_ratio) {
+             auto s = std::make_unique<hd::Session>(
+                 options_of(threshold, minimum, sqrt_sampling, scorer, seed, max_recompute_ratio));
              s->set_rethrow(&rethrow_as_python);
              s->set_is_oom(&is_out_of_memory);
              return s;
            }),
            py::arg("eviction_threshold"), py::arg("evictee_minimum_size"), py::arg("enable_sqrt_sampling"),
-           py::arg("scorer") = "dtr_eq", py::arg("seed") = 0x5eed)
+           py::arg("scorer") = "dtr_eq", py::arg("seed") = 0x5eed, py::arg("max_recompute_ratio") = d::DtrOptions{}.max_recompute_ratio)
       .def("activate", &hd::Session::activate, "Routes this thread's ops through the session.")
       .def("deactivate", &hd::Session::deactivate)
       .def_property_readonly("active", &hd::Session::active)
@@ -360,6 +368,8 @@ DTR's C++ side (hooks/dtr/). Users call tidal.dtr (python/tidal/dtr.py).)doc");
            [](hd::Session& s) { return records_list(s.with_runtime([](auto& r) { return r.records(); })); })
       .def("evict_tensor",
            [](hd::Session& s, const at::Tensor& t) { s.with_runtime([&](auto& r) { r.evict_tensor(t); }); })
+      .def("evict_all", [](hd::Session& s) { return s.with_runtime([](auto& r) { return r.evict_all(); }); },
+           "Evicts every candidate now (tests); returns how many.")
       .def("settle",
            [](hd::Session& s, const at::Tensor& t) { return s.with_runtime([&](auto& r) { return r.settle(t); }); },
            py::arg("tensor"), "tensor became an optimizer input (a .grad): no longer tracked or evicted.");

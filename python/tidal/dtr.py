@@ -15,8 +15,10 @@ autograd (Note [DTR on a dispatch key] in hooks/dtr/interceptor.h; a Python
 ``TorchDispatchMode`` where that key is not available); the C++ core records
 how each storage was computed, evicts the storage with the lowest h_DTR^eq
 score when tracked bytes exceed the threshold, and rematerializes evicted
-storages in place when an op needs them again (see docs/dtr.md). Tracked bytes are the storages produced while DTR is on;
-parameters and inputs made before are not counted and never evicted.
+storages in place when an op needs them again (see docs/dtr.md). Tracked bytes are the storages produced while DTR is on by
+ops run with grad mode on or in a backward pass; what ops under torch.no_grad() make (an optimizer's step, evaluation)
+is not DTR's (Note [What DTR tracks] in hooks/dtr/storage_runtime.h). Parameters and inputs made before enable() are
+not counted and never evicted.
 
 Options (module attributes; assigning a bad value raises ValueError/TypeError):
     eviction_threshold: bytes (int or "5GB"); 0 = evict only when an
@@ -25,11 +27,17 @@ Options (module attributes; assigning a bad value raises ValueError/TypeError):
         (default 1 MiB).
     enable_sqrt_sampling: score sqrt(n) random candidates instead of all.
     scorer: "dtr_eq" (default), "local", "lru" or "size".
+    max_recompute_ratio: DTR gives up (tidal.OutOfMemoryError naming the
+        recomputes, the ops and the threshold) rather than thrash when the
+        ops it replays in a training step would exceed this many times the
+        step's ops (default 10; 0: no bound). See Note [DTR gives up rather
+        than thrash] in hooks/dtr/storage_runtime.h.
 """
 
 from __future__ import annotations
 
 import contextlib
+import math
 import sys
 import time
 import types
@@ -40,7 +48,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode
 
 from tidal import _C
-from tidal._schema import check_block, fail
+from tidal._schema import Rule, check_block, fail
 from tidal.device import parse_bytes
 
 __all__ = [
@@ -56,6 +64,7 @@ __all__ = [
     "evictee_minimum_size",
     "enable_sqrt_sampling",
     "scorer",
+    "max_recompute_ratio",
 ]
 
 ByteSize = Union[int, str]
@@ -86,6 +95,15 @@ def _check_bytes(name: str, value: Any) -> int:
     except ValueError as e:
         raise ValueError(f"tidal.dtr.{name}: {value!r} is not a byte size ({e}). "
                          f"Tip: write it like 5GB, 512MiB or 1073741824.") from None
+
+
+def _check_ratio(value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"tidal.dtr.max_recompute_ratio takes a number, got {type(value).__name__} {value!r}")
+    if not math.isfinite(value) or value < 0:
+        raise ValueError(f"tidal.dtr.max_recompute_ratio: expected a finite number >= 0 (0: no bound), got {value!r}. "
+                         f"Tip: the default is 10 (replays up to 10x a training step's ops).")
+    return float(value)
 
 
 def _check_scorer(value: Any) -> str:
@@ -182,6 +200,8 @@ def _template(x: Any, inputs: List[torch.Tensor]) -> Any:
     if isinstance(x, (list, tuple)) and x:
         out = [_template(y, inputs) for y in x]
         return out if isinstance(x, list) else tuple(out)
+    if isinstance(x, dict):  # keyword-only tensors (searchsorted's sorter, attention's attn_mask)
+        return {k: _template(v, inputs) for k, v in x.items()}
     return x
 
 
@@ -200,6 +220,8 @@ def _fill(x: Any, tensors: List[torch.Tensor]) -> Any:
     if isinstance(x, (list, tuple)) and x:
         out = [_fill(y, tensors) for y in x]
         return out if isinstance(x, list) else tuple(out)
+    if isinstance(x, dict):
+        return {k: _fill(v, tensors) for k, v in x.items()}
     return x
 
 
@@ -224,8 +246,11 @@ class _OpInfo:
     def __init__(self, func):
         schema = func._schema
         self.name = str(func)
-        self.written = [(i, a.name) for i, a in enumerate(schema.arguments)
-                        if a.alias_info is not None and a.alias_info.is_write]
+        # An in-place view op (squeeze_, t_) writes sizes and strides, not data
+        # (hooks/dtr/interceptor.cpp, Session::info_of); resize_ may reallocate.
+        metadata_only = torch.Tag.inplace_view in func.tags and not self.name.startswith("aten.resize")
+        self.written = [] if metadata_only else [(i, a.name) for i, a in enumerate(schema.arguments)
+                                                 if a.alias_info is not None and a.alias_info.is_write]
         self.random = torch.Tag.nondeterministic_seeded in func.tags
         ns = func.namespace
         self.replayable = ns not in _NEVER_REPLAY_NAMESPACES and self.name not in _NEVER_REPLAY_OPS
@@ -324,11 +349,11 @@ class _DtrMode(TorchDispatchMode):
                     if rng is not None:
                         _rng_set(rng)  # the retry draws what a replay will draw
             seconds = time.perf_counter() - t0
-            recipe = (func, targs, tkw, rng)
+            recipe = (func, targs, tkw, rng, torch.is_grad_enabled())
             outs = _flat_outputs(out)
             if _providers and outs:
                 outs = [o for o in outs if _param_alias(o) is None]  # views of parameters
-            if outs:
+            if outs and _C.dtr.records_outputs_now():  # Note [What DTR tracks]
                 # Fresh outputs of an op that updates its arguments are not replayed
                 # (the update would be applied twice), except batch norm's (scratch).
                 rt.record(inputs, ids, outs, seconds, info.replayable and not declared, recipe,
@@ -342,6 +367,8 @@ class _DtrMode(TorchDispatchMode):
             raise
         rt.set_hold_evictions(False)
         rt.end_op(info.name)
+        if _after_op is not None:
+            _after_op()
         return out
 
     @staticmethod
@@ -355,26 +382,33 @@ class _DtrMode(TorchDispatchMode):
                 out.extend(t for t in v if isinstance(t, torch.Tensor))
         return out
 
-    def regenerate(self, targets: List[int]) -> None:
-        """Replays recipes until every target is resident (rt.plan uses an explicit stack)."""
+    def regenerate(self, targets: List[int], bounded: bool = True) -> None:
+        """Replays recipes until every target is resident (rt.plan uses an explicit stack);
+        bounded: the replays count against max_recompute_ratio (not when DTR is turned off)."""
         rt = self.rt
         try:
-            for step, recipe in rt.plan(targets):
-                func, targs, tkw, rng = recipe
+            for step, recipe in rt.plan(targets, bounded):
+                func, targs, tkw, rng, grad_mode = recipe
                 tensors = rt.replay_inputs(step)
                 a = _fill(targs, tensors)
                 k = _fill(tkw, tensors) if tkw else {}
                 old = _rng_set(rng) if rng is not None else None
+                # The kernel sees the grad mode it saw when the op ran, below autograd
+                # (Note [What a replay restores] in hooks/dtr/interceptor.h).
+                old_grad_mode = torch.is_grad_enabled()
+                torch._C._set_grad_enabled(grad_mode)
                 t0 = time.perf_counter()
                 try:
-                    while True:
-                        try:
-                            out = func(*a, **k)
-                            break
-                        except torch.OutOfMemoryError:
-                            if not rt.evict_one():  # never takes what the plan pinned
-                                raise
+                    with torch._C._AutoDispatchBelowAutograd():
+                        while True:
+                            try:
+                                out = func(*a, **k)
+                                break
+                            except torch.OutOfMemoryError:
+                                if not rt.evict_one():  # never takes what the plan pinned
+                                    raise
                 finally:
+                    torch._C._set_grad_enabled(old_grad_mode)
                     if old is not None:
                         _rng_set(old)
                     for p in _providers:
@@ -395,6 +429,7 @@ _options: Dict[str, Any] = {
     "evictee_minimum_size": 1 << 20,
     "enable_sqrt_sampling": False,
     "scorer": "dtr_eq",
+    "max_recompute_ratio": 10.0,
 }
 _runtime = None  # _C.dtr.Session (C++ interception) or _C.dtr.Runtime (Python mode)
 _mode: Any = None  # _CPP, or the _DtrMode entered; None while DTR is off
@@ -404,7 +439,7 @@ _CPP = "cpp"
 # (_C.dtr.interception_status()), else the Python mode with a warning;
 # "python" forces the TorchDispatchMode (the peer of benchmarks/dtr.py --only overhead).
 _interception: Optional[str] = None
-_after_op = None  # tests: called after every intercepted op (C++ interception)
+_after_op = None  # tests: called after every intercepted op (both interceptions)
 
 
 _key_checked = False  # the key passed _C.dtr.interception_status() once in this process
@@ -424,7 +459,8 @@ def _interception_kind() -> str:
 
 
 def _set_after_op(fn) -> None:
-    """Tests: fn() runs after every op DTR intercepts in C++ (None removes it)."""
+    """Tests: fn() runs after every op DTR intercepts, in C++ or in the Python
+    mode (None removes it)."""
     global _after_op
     _after_op = fn
     if _mode is _CPP:
@@ -444,11 +480,14 @@ def _checked(**given) -> Dict[str, Any]:
         out["enable_sqrt_sampling"] = flag
     if given.get("scorer") is not None:
         out["scorer"] = _check_scorer(given["scorer"])
+    if given.get("max_recompute_ratio") is not None:
+        out["max_recompute_ratio"] = _check_ratio(given["max_recompute_ratio"])
     return out
 
 
 def configure(eviction_threshold: Optional[ByteSize] = None, evictee_minimum_size: Optional[ByteSize] = None,
-              enable_sqrt_sampling: Optional[bool] = None, scorer: Optional[str] = None) -> None:
+              enable_sqrt_sampling: Optional[bool] = None, scorer: Optional[str] = None,
+              max_recompute_ratio: Optional[float] = None) -> None:
     """Sets options (all checked before any is applied). The threshold applies at once
     to a running session; the others from the next ``enable()``.
 
@@ -457,9 +496,12 @@ def configure(eviction_threshold: Optional[ByteSize] = None, evictee_minimum_siz
         evictee_minimum_size: bytes; smaller tensors are never evicted.
         enable_sqrt_sampling: score sqrt(n) sampled candidates.
         scorer: "dtr_eq", "local", "lru" or "size".
+        max_recompute_ratio: give up rather than replay more than this many times
+            a training step's ops (0: no bound).
     """
     _options.update(_checked(eviction_threshold=eviction_threshold, evictee_minimum_size=evictee_minimum_size,
-                             enable_sqrt_sampling=enable_sqrt_sampling, scorer=scorer))
+                             enable_sqrt_sampling=enable_sqrt_sampling, scorer=scorer,
+                             max_recompute_ratio=max_recompute_ratio))
     if _runtime is not None:
         _runtime.set_eviction_threshold(_options["eviction_threshold"])
 
@@ -471,6 +513,10 @@ CONFIG_SCHEMA: Dict[str, tuple] = {
     "evictee_minimum_size": ("bytes", None, "smaller tensors are never evicted"),
     "enable_sqrt_sampling": (bool, None, "score sqrt(n) sampled candidates"),
     "scorer": (_SCORERS, None, "the eviction heuristic"),
+    "max_recompute_ratio": (Rule("a finite number >= 0 (0: no bound)",
+                                 lambda v: not isinstance(v, bool) and isinstance(v, (int, float))
+                                 and math.isfinite(v) and v >= 0),
+                            None, "give up rather than replay more than this many times a step's ops"),
 }
 
 
@@ -524,8 +570,9 @@ def enable(**options) -> None:
         disable()
     args = (_options["eviction_threshold"], _options["evictee_minimum_size"], _options["enable_sqrt_sampling"],
             _options["scorer"])
+    kwargs = {"max_recompute_ratio": _options["max_recompute_ratio"]}
     if _interception_kind() == _CPP:
-        session = _C.dtr.Session(*args)
+        session = _C.dtr.Session(*args, **kwargs)
         for p in _providers:
             session.add_provider(p.cpp)
         if _after_op is not None:
@@ -533,7 +580,7 @@ def enable(**options) -> None:
         session.activate()
         _runtime, _mode = session, _CPP
     else:
-        _runtime = _C.dtr.Runtime(*args)
+        _runtime = _C.dtr.Runtime(*args, **kwargs)
         _mode = _DtrMode(_runtime)
         _mode.__enter__()
 
@@ -566,7 +613,7 @@ def disable() -> None:
         with torch.no_grad():
             todo = rt.evicted_alive()
             if todo:
-                mode.regenerate(todo)
+                mode.regenerate(todo, bounded=False)
         left = rt.evicted_alive()
         if left:
             raise _C.InternalError(f"tidal.dtr.disable(): tensors {left} are still evicted")
@@ -661,6 +708,13 @@ def reset_peak() -> None:
     """Restarts peak_tracked_bytes and max_op_working_set from now."""
     if _runtime is not None:
         _runtime.reset_peak()
+
+
+def _evict_all() -> int:
+    """Tests: evicts every candidate now; returns how many. With
+    ``_set_after_op(_evict_all)`` every op's results are evicted as soon as
+    it returns, so every later read replays them (the op-table tests)."""
+    return _runtime.evict_all() if _runtime is not None else 0
 
 
 def _validate() -> None:

@@ -25,6 +25,11 @@ struct DtrOptions {
   // Score only sqrt(n) randomly sampled candidates instead of all n.
   bool enable_sqrt_sampling = false;
   ScorerKind scorer = ScorerKind::kDtrEq;
+  // DTR gives up (tidal::OutOfMemoryError) rather than thrash when the ops
+  // it replays would exceed this many times the ops of one training step.
+  // 0: no bound. See Note [DTR gives up rather than thrash] in
+  // hooks/dtr/storage_runtime.h.
+  double max_recompute_ratio = 10.0;
   // Seed of the sampling generator (sampling is deterministic per seed).
   std::uint64_t seed = 0x5eed;
 };

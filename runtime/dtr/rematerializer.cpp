@@ -78,9 +78,11 @@ void add_user_once(TensorRecord& r, OpId op) {
 // GPT-2-small shape: most of the recompute time at 50%). DTR is for
 // activations: a parameter's gradient is settled as soon as the backward op
 // that makes it has run (like a parameter: not tracked, never evicted). The
-// interceptor knows it from the autograd node running the op: an edge to
-// that parameter's AccumulateGrad and an output of its shape (hooks/dtr/
-// interceptor.cpp). That includes the head's half of a tied embedding's
+// storage runtime knows it, for both interceptions, from the autograd node
+// running the op: an edge to that parameter's AccumulateGrad and an output
+// of its shape (StorageRuntime::record in hooks/dtr/storage_runtime.cpp; the
+// Python interception tracked gradients, and an optimizer's in-place update
+// of a parameter then locked them, until it moved there). That includes the head's half of a tied embedding's
 // gradient, which waits in autograd's input buffer for the other half until
 // the end of backward. Under the training engine gradients land in their
 // chunks at once and do not stay.
@@ -93,6 +95,31 @@ bool Rematerializer::settle(TensorId t) {
   r.external = true;
   r.locked = true;
   r.last_resort = false;
+  // Never evicted from now on, so its recipe is never replayed: the ops that
+  // made it let go of it, and are released (with the records only they read,
+  // a backward pass's worth) once nothing else needs them. Kept, they held
+  // every tensor of the step that an in-place update had locked for as long
+  // as the gradient lived.
+  const auto recipe = std::move(r.recipe);
+  r.recipe.clear();
+  std::vector<TensorId> freed_inputs;
+  for (OpId p : recipe) {
+    OpRecord& o = o_(p);
+    // The slot stays: drivers find an output by its position.
+    for (TensorId& out : o.outputs) {
+      if (out == t) out = kNoTensor;
+    }
+    if (o.target == t) o.target = kNoTensor;
+    if (--o.live_results > 0) continue;
+    for (TensorId in : o.inputs) {
+      auto& users = t_(in).users;
+      users.erase(std::remove(users.begin(), users.end(), p), users.end());
+      freed_inputs.push_back(in);
+    }
+    ops_.erase(p);
+    released_ops_.push_back(p);
+  }
+  for (TensorId in : freed_inputs) try_release(in);
   return true;
 }
 
@@ -144,6 +171,11 @@ MutationPlan Rematerializer::prepare_mutation(TensorId target, bool op_replayabl
   plan.chain = !r.external && !r.locked && op_replayable && r.users.empty() &&
                r.state == TensorState::kResident;
   if (plan.chain) return plan;
+  // The op writes into the target, so its memory must be there: a target
+  // that is not also an input (batch norm's running statistics, which
+  // native_batch_norm updates without declaring it) was not brought back
+  // with the op's inputs.
+  if (r.state == TensorState::kEvicted) plan.regenerate.push_back(target);
   // Every evicted tensor whose recipe reads the old value, directly or
   // through dead (fake-deleted) intermediates, must come back now.
   std::unordered_set<TensorId> seen{target};
@@ -211,6 +243,16 @@ OpId Rematerializer::commit_mutation(TensorId target, std::span<const TensorId> 
     }
   }
   return -1;
+}
+
+void Rematerializer::resize(TensorId t, std::size_t bytes) {
+  TensorRecord& r = t_(t);
+  TIDAL_INTERNAL_ASSERT(r.state == TensorState::kResident, "resize of tensor ", t, ", which is not resident");
+  if (!r.external) {
+    tracked_bytes_ = tracked_bytes_ - r.bytes + bytes;
+    peak_tracked_bytes_ = std::max(peak_tracked_bytes_, tracked_bytes_);
+  }
+  r.bytes = bytes;
 }
 
 void Rematerializer::access(TensorId t) { t_(t).last_access = clock_; }
@@ -449,6 +491,20 @@ std::size_t Rematerializer::evictable_bytes() const {
     if (is_candidate(r)) total += r.bytes;
   }
   return total;
+}
+
+void Rematerializer::unevictable_bytes(std::size_t* locked, std::size_t* small) const {
+  *locked = 0;
+  *small = 0;
+  for (TensorId t : resident_) {
+    const TensorRecord& r = tensor(t);
+    if (r.pins > 0) continue;
+    if (r.locked) {
+      *locked += r.bytes;
+    } else if (r.bytes < options_.evictee_minimum_size) {
+      *small += r.bytes;
+    }
+  }
 }
 
 bool Rematerializer::on_storage_dead(TensorId t) {

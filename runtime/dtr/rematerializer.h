@@ -71,7 +71,7 @@ struct TensorRecord {
 struct OpRecord {
   OpId id = -1;
   SmallIds<3> inputs;
-  SmallIds<1> outputs;  // fresh storages
+  SmallIds<1> outputs;  // fresh storages; kNoTensor where one was settled
   TensorId target = kNoTensor;    // in-place op in target's recipe
   double cost = 0.0;              // seconds, measured when it first ran
   bool replayable = true;
@@ -95,8 +95,8 @@ struct MutationPlan {
   // true: the op joins the target's recipe (no live op has read the target).
   // false: the target and everything computed from it get locked.
   bool chain = false;
-  // Evicted tensors that must be regenerated before the update, because
-  // their recipes read the value the update destroys.
+  // Evicted tensors that must be regenerated before the update: the target
+  // itself, and those whose recipes read the value the update destroys.
   std::vector<TensorId> regenerate;
 };
 
@@ -118,8 +118,8 @@ class Rematerializer {
   TensorId add_external(std::size_t bytes);
   // A resident tensor DTR produced that became an optimizer input (a
   // parameter's .grad): from now on treated like an external one (not
-  // tracked, never evicted). False when it is not resident. See Note
-  // [Gradients are optimizer inputs].
+  // tracked, never evicted, its recipe dropped). False when it is not
+  // resident. See Note [Gradients are optimizer inputs].
   bool settle(TensorId t);
 
   // Records an op that read `inputs` and produced fresh storages of
@@ -135,6 +135,9 @@ class Rematerializer {
   MutationPlan prepare_mutation(TensorId target, bool op_replayable) const;
   OpId commit_mutation(TensorId target, std::span<const TensorId> inputs, double cost_seconds,
                        bool replayable, const MutationPlan& plan);
+
+  // An in-place op resized t's storage to `bytes` (t is resident).
+  void resize(TensorId t, std::size_t bytes);
 
   // Advances the logical clock (one tick per op) and marks a use.
   void tick() { ++clock_; }
@@ -168,6 +171,9 @@ class Rematerializer {
     return options_.eviction_threshold > 0 && tracked_bytes_ > options_.eviction_threshold;
   }
   std::size_t evictable_bytes() const;
+  // Resident tracked bytes that are not pinned and not candidates: locked,
+  // or (not locked) under evictee_minimum_size. For error messages.
+  void unevictable_bytes(std::size_t* locked, std::size_t* small) const;
   std::size_t stats_tracked_bytes() const { return tracked_bytes_; }
 
   // The last user reference to t's storage is gone. Returns true when the

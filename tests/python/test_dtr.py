@@ -3,6 +3,7 @@ budgets enforced by DTR's own accounting (tracked bytes)."""
 
 import copy
 import random
+import time
 
 import pytest
 import torch
@@ -18,7 +19,7 @@ KiB = 1024
 def _dtr_off():
     """Every test starts and ends with DTR off and default options."""
     saved = {k: getattr(dtr, k) for k in ("eviction_threshold", "evictee_minimum_size",
-                                          "enable_sqrt_sampling", "scorer")}
+                                          "enable_sqrt_sampling", "scorer", "max_recompute_ratio")}
     dtr.disable()
     torch.set_num_threads(1)  # replays must match bitwise: same kernels, same threads
     yield
@@ -181,7 +182,7 @@ def test_path_changes_every_step_with_optimizer():
         return out
 
     ref = steps(twin)
-    # The budget covers the optimizer's state too (momentum buffers are made under DTR).
+    # The momentum buffers are made under no_grad: not DTR's (Note [What DTR tracks]).
     peak = peak_without_budget(lambda m=clone_model(model): steps(m))
     with dtr.enabled(eviction_threshold=int(peak * 0.5), evictee_minimum_size=KiB):
         got = steps(model)
@@ -297,6 +298,29 @@ def test_impossible_budget_is_a_clear_error():
     assert not dtr.is_enabled()
 
 
+@pytest.mark.parametrize("interception", ["cpp", "python"])
+def test_a_budget_error_comes_once_and_names_what_cannot_be_evicted(interception, monkeypatch):
+    """Note [One budget error per overrun]: the error of the op that overran is the
+    one the user sees, not a copy raised again by the profiler's record_function
+    exit (every torch.optim step runs in one) while it unwinds; and it names the
+    threshold that holds what cannot be evicted."""
+    monkeypatch.setattr(dtr, "_interception", interception)
+    x = torch.randn(256, 256)  # 256 KiB per tensor
+    ys = []  # still held while the error unwinds (as an optimizer's state is)
+    with pytest.raises(tidal.OutOfMemoryError) as info:
+        with dtr.enabled(eviction_threshold="300KiB", evictee_minimum_size="1MiB"):
+            with torch.autograd.profiler.record_function("user block"):
+                for i in range(4):
+                    ys.append(x * i)
+    msg = str(info.value)
+    assert "aten.mul.Tensor" in msg and "record_function" not in msg, msg
+    assert info.value.__context__ is None, f"raised again while unwinding: {info.value.__context__}"
+    # The third product overran: 768 KiB tracked, the op's own 256 KiB output is its working set,
+    # the other 512 KiB are under evictee_minimum_size.
+    assert "of at least 512.00 KiB (524288 bytes)" in msg and "524288 bytes) are tensors under" in msg, msg
+    assert not dtr.is_enabled()
+
+
 def test_counters_return_to_baseline_over_many_steps():
     # 100 steps of a tiny model (1000 take ~10x longer for the same coverage).
     torch.manual_seed(0)
@@ -337,7 +361,13 @@ def test_options_are_checked_and_name_the_value():
         dtr.scorer = "belady"
     with pytest.raises(TypeError):
         dtr.enable_sqrt_sampling = "yes"
+    with pytest.raises(ValueError, match="-1"):
+        dtr.max_recompute_ratio = -1
+    with pytest.raises(TypeError, match="str"):
+        dtr.max_recompute_ratio = "10"
     assert not dtr.is_enabled()
+    dtr.max_recompute_ratio = 3
+    assert dtr.max_recompute_ratio == 3.0
     dtr.eviction_threshold = "5GB"
     assert dtr.eviction_threshold == 5 * 1000**3
     dtr.evictee_minimum_size = "2MiB"
@@ -372,6 +402,10 @@ def test_config_block():
         dtr.from_config({"evict_threshold": "3GB"})
     with pytest.raises(ValueError, match="5 gigs"):
         dtr.from_config({"eviction_threshold": "5 gigs"})
+    with pytest.raises(ValueError, match="max_recompute_ratio.*-2"):
+        dtr.from_config({"max_recompute_ratio": -2})
+    dtr.from_config({"enabled": True, "max_recompute_ratio": 4})
+    assert dtr.max_recompute_ratio == 4.0
 
 
 def test_allocation_failure_evicts_and_retries():
@@ -425,3 +459,125 @@ def test_a_random_op_retried_after_an_allocation_failure_replays_what_it_returne
         dtr._runtime.evict_tensor(y)
         assert torch.equal(y + 0, expected)  # replayed from the saved state
         assert torch.equal(keep, x.exp())
+
+
+@pytest.mark.parametrize("interception", ["cpp", "python"])
+def test_parameter_gradients_are_settled_with_both_interceptions(interception, monkeypatch):
+    """Note [Gradients are optimizer inputs]: a parameter's gradient leaves DTR's
+    budget as it is made, with either interception, and lets go of its recipe:
+    once the loss is gone, no record of the step is kept for the gradients'
+    sake; an optimizer's in-place update of the parameter then leaves nothing
+    locked."""
+    monkeypatch.setattr(dtr, "_interception", interception)
+    torch.manual_seed(0)
+    model, x = mlp(depth=3), torch.randn(32, 64)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with dtr.enabled(eviction_threshold=1 << 40, evictee_minimum_size=KiB):
+        loss = model(x).square().mean()
+        loss.backward()
+        del loss
+        rt = dtr._runtime
+        records = {r[0]: r for r in rt.records()}
+        for name, p in model.named_parameters():
+            rec = records[rt.lookup(p.grad)]
+            assert rec[2] == "resident" and rec[5], (name, rec)  # resident, external
+        s = dtr.stats()
+        assert s["live_ops"] == 0 and s["fake_deleted"] == 0 and s["tracked_bytes"] == 0, s
+        opt.step()
+        assert dtr.stats()["locked_bytes"] == 0, dtr.stats()
+
+
+@pytest.mark.parametrize("interception", ["cpp", "python"])
+@pytest.mark.parametrize("optimizer", ["adamw", "sgd_momentum"])
+def test_two_line_switch_leaves_an_optimizers_state_alone(optimizer, interception, monkeypatch):
+    """Note [What DTR tracks]: with tidal.dtr.enable() on for the whole loop, what
+    torch.optim's step makes (under no_grad) is not DTR's. An optimizer state four
+    times the threshold neither counts against it nor gets locked, and training is
+    bit for bit that of plain PyTorch. (Tracked, the state was locked at the
+    first step that updated it and the step raised OutOfMemoryError.)"""
+    monkeypatch.setattr(dtr, "_interception", interception)
+    torch.manual_seed(0)
+    model, xs = mlp(depth=4, width=256), [torch.randn(16, 256) for _ in range(4)]
+    twin = clone_model(model)
+    make = {"adamw": lambda m: torch.optim.AdamW(m.parameters(), lr=1e-3),
+            "sgd_momentum": lambda m: torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9)}[optimizer]
+
+    def steps(m, check=None):
+        opt, losses = make(m), []
+        for x in xs:
+            opt.zero_grad(set_to_none=True)
+            loss = m(x).square().mean()
+            loss.backward()
+            losses.append(loss.item())
+            del loss
+            opt.step()
+            if check is not None:
+                check()
+        return losses, [p.detach().clone() for p in m.parameters()]
+
+    ref = steps(twin)
+    peak = peak_without_budget(lambda m=clone_model(model): m(xs[0]).square().mean().backward())
+    threshold = peak // 2
+    state_bytes = sum(p.numel() * p.element_size() for p in model.parameters()) * (2 if optimizer == "adamw" else 1)
+    assert state_bytes > 4 * threshold
+    after_step = []
+    dtr.eviction_threshold = threshold
+    dtr.evictee_minimum_size = KiB
+    dtr.enable()  # the two-line switch, on for the whole loop
+    try:
+        got = steps(model, check=lambda: after_step.append(dtr.stats()))
+        s = dtr.stats()
+        dtr._validate()
+    finally:
+        dtr.disable()
+    assert s["evictions"] > 0
+    assert all(a["locked_bytes"] == 0 and a["tracked_bytes"] == 0 for a in after_step), after_step
+    assert s["peak_tracked_bytes"] <= threshold + s["max_op_working_set"]
+    assert got[0] == ref[0]
+    for a, b in zip(got[1], ref[1]):
+        assert torch.equal(a, b)
+
+
+def _chain_step(ws, x, layers):
+    h = x
+    for i in range(layers):
+        h = torch.tanh(h @ ws[i % len(ws)])
+    h.square().mean().backward()
+
+
+@pytest.mark.parametrize("interception", ["cpp", "python"])
+def test_dtr_gives_up_rather_than_thrash(interception, monkeypatch):
+    """Note [DTR gives up rather than thrash]: a 60-layer chain under a threshold of
+    2% of its peak recomputes the same tensors over and
+    over: with the bound off it replays about 15x the ops of its step (a 300-layer
+    chain of 64-wide layers at 0.2% replayed 815,923 ops in 44 s on this 2-core
+    machine, and gave up after 0.4 s with the bound). With the default bound,
+    tidal.OutOfMemoryError comes at once and names the recomputes, the ops, the
+    threshold and a larger threshold to try."""
+    monkeypatch.setattr(dtr, "_interception", interception)
+    torch.manual_seed(0)
+    ws, x, layers = [torch.randn(32, 32, requires_grad=True) for _ in range(4)], torch.randn(64, 32), 60
+    ops = []
+    dtr._set_after_op(lambda: ops.append(1))
+    with dtr.enabled(eviction_threshold=1 << 40, evictee_minimum_size=1):
+        _chain_step(ws, x, layers)
+        peak = dtr.stats()["peak_tracked_bytes"]
+    dtr._set_after_op(None)
+    threshold = peak // 50
+    with dtr.enabled(eviction_threshold=threshold, evictee_minimum_size=1, max_recompute_ratio=0):
+        _chain_step(ws, x, layers)
+        thrashing = dtr.stats()["recomputes"]
+    assert thrashing > 10 * len(ops), (thrashing, len(ops))  # what the bound is for
+    t0 = time.perf_counter()
+    with pytest.raises(tidal.OutOfMemoryError) as info:
+        with dtr.enabled(eviction_threshold=threshold, evictee_minimum_size=1):
+            _chain_step(ws, x, layers)
+    seconds = time.perf_counter() - t0
+    msg = str(info.value)
+    assert "gave up" in msg and "recomputes, more than max_recompute_ratio=10 x " in msg, msg
+    assert f"eviction_threshold={threshold} bytes" in msg or f"({threshold} bytes)" in msg, msg
+    assert "Tip: raise eviction_threshold, to at least" in msg, msg
+    recomputes = dtr.stats()["recomputes"]
+    assert recomputes <= 10 * len(ops) < thrashing, (recomputes, len(ops), thrashing)
+    assert seconds < 5, seconds
+    assert not dtr.is_enabled()

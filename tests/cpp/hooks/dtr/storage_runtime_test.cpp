@@ -60,6 +60,41 @@ void regenerate(StorageRuntime& rt, const std::vector<TensorId>& targets) {
   rt.end_plan();
 }
 
+TEST(StorageRuntime, GivesUpRatherThanThrash) {
+  // Note [DTR gives up rather than thrash]: a chain of 10 ops (11 with the
+  // one that reads it) whose tensors are evicted after every regeneration of
+  // its end: each regeneration replays the 10 ops, and the bound (2 x 11)
+  // lets two through and refuses the third before running any of it.
+  for (const double ratio : {2.0, 0.0}) {
+    auto o = opts(0);
+    o.max_recompute_ratio = ratio;
+    StorageRuntime rt(o);
+    const at::Tensor x = at::randn({64, 64});
+    std::vector<at::Tensor> chain{run(rt, sin_of, x)};
+    for (int i = 1; i < 10; ++i) chain.push_back(run(rt, sin_of, chain.back()));
+    const at::Tensor expected = chain.back().clone();
+    std::vector<TensorId> ids, missing;
+    const at::Tensor inputs[] = {chain.back()};
+    rt.begin_op(inputs, &ids, &missing);  // op 11 reads the chain's end
+    rt.end_op("test.read");
+    int regenerations = 0;
+    try {
+      for (; regenerations < 5; ++regenerations) {
+        for (const at::Tensor& t : chain) rt.evict_tensor(t);
+        regenerate(rt, {rt.lookup(chain.back())});
+        EXPECT_TRUE(at::equal(chain.back(), expected));
+      }
+    } catch (const tidal::OutOfMemoryError& e) {
+      const std::string msg = e.what();
+      EXPECT_NE(msg.find("30 recomputes, more than max_recompute_ratio=2 x 11 ops"), std::string::npos) << msg;
+      EXPECT_NE(msg.find("eviction_threshold=0"), std::string::npos) << msg;
+    }
+    EXPECT_EQ(regenerations, ratio > 0 ? 2 : 5) << "ratio " << ratio;
+    EXPECT_EQ(rt.stats().recomputes, static_cast<std::uint64_t>(10 * regenerations));
+    rt.validate();
+  }
+}
+
 TEST(StorageRuntime, EvictionFreesTheStorageAndReplayRefillsIt) {
   StorageRuntime rt(opts(0));
   const at::Tensor x = at::randn({64, 64});
@@ -148,7 +183,15 @@ TEST(StorageRuntime, OverThresholdWithNothingToEvictNamesTheOp) {
   } catch (const tidal::OutOfMemoryError&) {
     FAIL() << "the running op's working set must be allowed over the threshold";
   }
+  // An op that adds nothing did not cause the overrun: it does not raise
+  // (Note [One budget error per overrun]).
   rt.begin_op({}, &ids, &missing);
+  EXPECT_NO_THROW(rt.end_op("profiler._record_function_exit._RecordFunction"));
+  // One that adds 16 KiB does: 48 KiB tracked, 16 KiB of them its working set.
+  rt.begin_op({}, &ids, &missing);
+  const at::Tensor w = at::zeros({64, 64});
+  const at::Tensor fresh[] = {w};
+  rt.record({}, {}, fresh, 1e-3, true, nullptr, false);
   try {
     rt.end_op("aten.next.default");
     FAIL() << "expected tidal::OutOfMemoryError";
@@ -157,6 +200,7 @@ TEST(StorageRuntime, OverThresholdWithNothingToEvictNamesTheOp) {
     EXPECT_NE(msg.find("aten.next.default"), std::string::npos) << msg;
     EXPECT_NE(msg.find("eviction_threshold="), std::string::npos) << msg;
     EXPECT_NE(msg.find("evictee_minimum_size="), std::string::npos) << msg;
+    EXPECT_NE(msg.find("at least 32.00 KiB (32768 bytes)"), std::string::npos) << msg;
   }
 }
 

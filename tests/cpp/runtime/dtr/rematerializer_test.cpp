@@ -273,6 +273,43 @@ TEST(Rematerializer, SettledGradientIsNeitherTrackedNorEvicted) {
   r.validate();
 }
 
+TEST(Rematerializer, SettledGradientLetsGoOfItsRecipe) {
+  // A backward op (g, h) = f(a) where a is a dead activation kept for f's
+  // sake (fake deletion): once g is settled, only h keeps f, and once h is
+  // gone too, f and a are released although g lives on.
+  Rematerializer r(opts(0));
+  const TensorId x = r.add_external(kMiB);
+  const TensorId a = unary(r, x, kMiB);
+  std::vector<TensorId> outs;
+  const std::size_t two[] = {kMiB, kMiB};
+  const TensorId ins[] = {a};
+  r.tick();
+  const OpId f = r.record_op(ins, two, 1e-3, true, &outs, /*last_resort=*/true);
+  const TensorId g = outs[0], h = outs[1];
+  EXPECT_FALSE(r.on_storage_dead(a));
+  EXPECT_TRUE(r.contains(a));  // f reads it
+  EXPECT_TRUE(r.settle(g));
+  EXPECT_TRUE(r.tensor(g).recipe.empty());
+  r.validate();
+  r.evict(h);  // h still comes back through f
+  const TensorId want[] = {h};
+  auto plan = r.regeneration_plan(want);
+  ASSERT_EQ(plan.size(), 2u);
+  r.on_replayed(plan[0], 0);
+  EXPECT_EQ(r.on_replayed(plan[1], 0), std::vector<TensorId>{h});  // g is not installed again
+  EXPECT_FALSE(r.on_storage_dead(h));
+  EXPECT_FALSE(r.contains(a));
+  EXPECT_TRUE(r.contains(g));
+  std::vector<OpId> released;
+  r.take_released_ops(&released);
+  EXPECT_NE(std::find(released.begin(), released.end(), f), released.end());
+  const auto s = r.stats();
+  EXPECT_EQ(s.live_ops, 0u);
+  EXPECT_EQ(s.fake_deleted, 0u);
+  EXPECT_EQ(s.tracked_bytes, 0u);
+  r.validate();
+}
+
 TEST(Rematerializer, LockedDeadTensorKeepsMemoryWhileNeeded) {
   Rematerializer r(opts(0));
   const TensorId x = r.add_external(kMiB);
@@ -330,6 +367,23 @@ TEST(Rematerializer, InPlaceUpdateOfReadTensorLocksDependants) {
   EXPECT_TRUE(r.tensor(ts[0]).locked);
   EXPECT_TRUE(r.tensor(ts[2]).locked);
   EXPECT_EQ(r.choose_evictee(), kNoTensor);
+  r.validate();
+}
+
+TEST(Rematerializer, InPlaceUpdateOfAnEvictedTargetBringsItBackFirst) {
+  // Batch norm's running statistics are written without being inputs: an
+  // evicted one must come back before the op writes into it.
+  Rematerializer r(opts(0));
+  const TensorId x = r.add_external(kMiB);
+  const TensorId stat = unary(r, x, kMiB);
+  r.evict(stat);
+  auto plan = r.prepare_mutation(stat, /*op_replayable=*/true);
+  EXPECT_FALSE(plan.chain);
+  EXPECT_EQ(plan.regenerate, std::vector<TensorId>{stat});
+  for (const auto& s : r.regeneration_plan(plan.regenerate)) r.on_replayed(s, 0);
+  EXPECT_EQ(r.tensor(stat).state, TensorState::kResident);
+  r.commit_mutation(stat, {}, 0, true, plan);
+  EXPECT_TRUE(r.tensor(stat).locked);
   r.validate();
 }
 
