@@ -8,6 +8,7 @@
 #include <limits>
 #include <optional>
 #include <span>
+#include <thread>
 #include <utility>
 
 #include <torch/csrc/autograd/engine.h>
@@ -184,6 +185,9 @@ void ModuleHooks::queue_backward_end() {
   torch::autograd::Engine::get_default_engine().queue_callback([self, raw] {
     if (const std::shared_ptr<ModuleHooks> hooks = self.lock()) {
       hooks->end_backward();
+      // What the engine's _count(False) does after its own backward.
+      hooks->tracer_->set_enforce(false);
+      hooks->set_device_room_maker(false);
       set_host_allocation_counting(false);
       if (raw) hooks->raw_backward_ended_ = true;
     }
@@ -245,6 +249,7 @@ void ModuleHooks::land_gradient(std::size_t param, const at::Tensor& grad) {
   }
   p.landed = true;
   scheduler_->release(TensorRef{kSlot, p.id}, TensorState::kHoldAfterBwd);
+  tracer_->update_nonchunk_limit();
   rebalance_dtr();
 }
 
@@ -588,6 +593,7 @@ void ModuleHooks::make_room_for(const std::vector<std::size_t>& params) {
       need += chunk_bytes(c);
     }
   }
+  reserve_for_chunks(need);
   if (make_room_) {
     tracer_->make_room(need);
   } else {
@@ -595,8 +601,88 @@ void ModuleHooks::make_room_for(const std::vector<std::size_t>& params) {
   }
 }
 
+// Note [Chunks in use and activations share one budget]: raising the chunk
+// room to what the attached parameters need must not take it past the
+// budget beside the non-chunk bytes live now; activations give way first
+// (DTR evicts one at a time, when a session runs), and where they cannot the
+// attach fails with an OutOfMemoryError naming both sides, never an overrun.
+void ModuleHooks::reserve_for_chunks(std::size_t need) {
+  const std::size_t limit = tracer_->limit();
+  dtr::Session* session = dtr::current_session();
+  for (;;) {
+    const std::size_t live = tracer_->live();
+    if (need <= limit && live <= limit - need) return;
+    if (session == nullptr || !session->evict_one()) {
+      TIDAL_THROW(OutOfMemoryError, "chunks in use need ", format_bytes(need),
+                  " on the device and non-chunk device memory (activations and other tensors) "
+                  "holds ", format_bytes(live),
+                  session != nullptr
+                      ? detail::str_cat(" (DTR tracks ", format_bytes(session->tracked_bytes()),
+                                        " of it and can evict no more)")
+                      : std::string(),
+                  ", together past the device budget less the margin, ", format_bytes(limit));
+    }
+    rebalance_dtr();
+  }
+}
+
 ModuleHooks::~ModuleHooks() {
   if (dtr::chunk_arbiter() == this) dtr::set_chunk_arbiter(nullptr);
+  if (room_maker_) set_host_allocation_room_maker(nullptr, std::thread::id());
+}
+
+void ModuleHooks::set_device_room_maker(bool on) {
+  if (!on) {
+    if (room_maker_) set_host_allocation_room_maker(nullptr, std::thread::id());
+    room_maker_ = false;
+    return;
+  }
+  std::weak_ptr<ModuleHooks> self = weak_from_this();
+  if (self.expired()) return;
+  set_host_allocation_room_maker(
+      [self](std::size_t bytes) {
+        const std::shared_ptr<ModuleHooks> hooks = self.lock();
+        return hooks != nullptr && hooks->free_device_room(bytes);
+      },
+      std::this_thread::get_id());
+  room_maker_ = true;
+}
+
+bool ModuleHooks::free_device_room(std::size_t bytes) {
+  // Under DTR with a known link, each piece of room goes to the arbiter's
+  // choice (Note [The arbiter between chunks and activations]): an
+  // activation that costs less per byte to recompute than a chunk's round
+  // trip is evicted instead of a chunk. Without a link, chunks first, and
+  // activations once no chunk can leave.
+  dtr::Session* session = dtr::current_session();
+  const bool arbiter = session != nullptr && dtr_arbiter_ && dtr_link_bytes_per_s_ > 0;
+  std::size_t freed = 0;
+  bool any = false;
+  while (freed < bytes) {
+    if (arbiter && session->best_eviction_seconds_per_byte() <= chunk_seconds_per_byte()) {
+      const std::size_t before = session->tracked_bytes();
+      if (!session->evict_one()) break;
+      const std::size_t after = session->tracked_bytes();
+      freed += before > after ? before - after : 0;
+      any = true;
+      continue;
+    }
+    const std::size_t one = evict_chunk();  // (a cached block or a chunk not in use)
+    if (one > 0) {
+      freed += one;
+      any = true;
+      if (arbiter) session->count_chunk_eviction(one);  // (the arbiter's choice of a chunk)
+      continue;
+    }
+    if (session == nullptr || arbiter) break;
+    const std::size_t before = session->tracked_bytes();
+    if (!session->evict_one()) break;
+    const std::size_t after = session->tracked_bytes();
+    freed += before > after ? before - after : 0;
+    any = true;
+  }
+  tracer_->update_nonchunk_limit();
+  return any;
 }
 
 void ModuleHooks::set_dtr_arbiter(bool on, std::size_t limit, std::size_t cap, double link_bytes_per_s) {
@@ -632,6 +718,7 @@ std::size_t ModuleHooks::evict_chunk() {
     return 0;
   }
   const std::size_t now = scheduler_->stats().held_bytes[device];
+  tracer_->update_nonchunk_limit();
   rebalance_dtr();
   return held > now ? held - now : 0;
 }
@@ -712,6 +799,7 @@ void ModuleHooks::attach_now(const std::vector<std::size_t>& params, bool for_ba
       first_use_.push_back(i);
     }
   }
+  tracer_->update_nonchunk_limit();
   rebalance_dtr();
 }
 
@@ -729,6 +817,7 @@ void ModuleHooks::detach_now(const std::vector<std::size_t>& params, TensorState
       count_chunk(p.chunk, -1);
     }
   }
+  tracer_->update_nonchunk_limit();
   rebalance_dtr();
 }
 

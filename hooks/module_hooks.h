@@ -153,6 +153,12 @@ class ModuleHooks : public dtr::ChunkArbiter, public std::enable_shared_from_thi
   void set_dtr_arbiter(bool on, std::size_t limit, std::size_t cap, double link_bytes_per_s = 0);
   double chunk_seconds_per_byte() const override;
   std::size_t evict_chunk() override;
+  // On the simulated device (Note [The simulated device's budget is a hard
+  // limit] in hooks/host_allocation_counter.h): an allocation that would
+  // pass the budget first moves chunks not in use off the device, on this
+  // thread, before it fails (and DTR evicts activations).
+  void set_device_room_maker(bool on);
+  bool free_device_room(std::size_t bytes);
   // limit - the chunk bytes held on the device, at most cap (when > 0), at
   // least 1 (0 would mean "no threshold").
   std::size_t dtr_threshold() const;
@@ -274,6 +280,7 @@ class ModuleHooks : public dtr::ChunkArbiter, public std::enable_shared_from_thi
   at::Tensor weight_from_master(const Param& p);
   void end_transient(std::size_t module);
   void make_room_for(const std::vector<std::size_t>& params);
+  void reserve_for_chunks(std::size_t need);
   void attach_now(const std::vector<std::size_t>& params, bool for_backward, bool replay);
   void detach_now(const std::vector<std::size_t>& params, TensorState state);
   std::size_t chunk_bytes(ChunkIndex chunk) const;
@@ -312,6 +319,7 @@ class ModuleHooks : public dtr::ChunkArbiter, public std::enable_shared_from_thi
   bool accumulating_ = false;
   // Note [The end of a backward].
   bool backward_end_queued_ = false;
+  bool room_maker_ = false;
   bool engine_backward_ = false;
   bool raw_backward_ended_ = false;
   std::string raw_refusal_;

@@ -16,7 +16,18 @@ std::size_t above(std::int64_t bytes, std::int64_t baseline) {
 
 class HostCounterMeter final : public NonChunkMeter {
  public:
-  HostCounterMeter() : baseline_(host_allocation_counts().live_bytes) {}
+  HostCounterMeter() : baseline_(host_allocation_counts().live_bytes) {
+    reset_host_allocation_device_peak();
+  }
+  ~HostCounterMeter() override { clear_limit(); }
+  void set_limit(std::size_t bytes, std::size_t budget, std::size_t chunk_bytes) override {
+    set_host_allocation_limit({baseline_ + static_cast<std::int64_t>(bytes), baseline_,
+                               static_cast<std::int64_t>(budget), static_cast<std::int64_t>(chunk_bytes)});
+  }
+  void clear_limit() override { set_host_allocation_limit({}); }
+  std::size_t device_peak() override {
+    return static_cast<std::size_t>(std::max<std::int64_t>(0, host_allocation_counts().device_peak_bytes));
+  }
   std::pair<std::size_t, std::size_t> read() override {
     const HostAllocationCounts c = host_allocation_counts();
     return {above(c.live_bytes, baseline_), above(c.peak_bytes, baseline_)};

@@ -18,6 +18,7 @@
 #include <string_view>
 
 #include "runtime/core/error.h"
+#include "runtime/core/uncounted.h"
 
 namespace tidal::hooks::dtr {
 
@@ -101,12 +102,16 @@ struct RngSaved {
   at::Tensor state;
 };
 
+// (Generator states are host-side bookkeeping: Note [tidal's own host
+// allocations] in runtime/core/uncounted.h.)
 at::Tensor get_state(at::Generator& gen) {
+  UncountedScope host_side;
   std::lock_guard<std::mutex> lock(gen.mutex());
   return gen.get_state();
 }
 
 void set_state(at::Generator& gen, const at::Tensor& state) {
+  UncountedScope host_side;
   std::lock_guard<std::mutex> lock(gen.mutex());
   gen.set_state(state);
 }
@@ -566,6 +571,26 @@ void Session::regenerate_evicted() {
 void Session::set_eviction_threshold(std::size_t bytes) {
   std::lock_guard<std::recursive_mutex> lock(mu_);
   runtime_.set_eviction_threshold(bytes);
+}
+
+bool Session::evict_one() {
+  std::lock_guard<std::recursive_mutex> lock(mu_);
+  return runtime_.evict_one();
+}
+
+double Session::best_eviction_seconds_per_byte() {
+  std::lock_guard<std::recursive_mutex> lock(mu_);
+  return runtime_.best_eviction_seconds_per_byte();
+}
+
+void Session::count_chunk_eviction(std::size_t bytes) {
+  std::lock_guard<std::recursive_mutex> lock(mu_);
+  runtime_.count_chunk_eviction(bytes);
+}
+
+std::size_t Session::tracked_bytes() {
+  std::lock_guard<std::recursive_mutex> lock(mu_);
+  return runtime_.tracked_bytes();
 }
 
 void Session::add_provider(std::shared_ptr<ParamProvider> provider) {

@@ -116,6 +116,12 @@ class Session {
   // Brings back every evicted tensor still reachable (tidal.dtr.disable()).
   void regenerate_evicted();
   void set_eviction_threshold(std::size_t bytes);
+  // Evicts the best candidate now (the engine making room for chunks it must
+  // attach); false when nothing can be evicted.
+  bool evict_one();
+  std::size_t tracked_bytes();
+  double best_eviction_seconds_per_byte();
+  void count_chunk_eviction(std::size_t bytes);
   void add_provider(std::shared_ptr<ParamProvider> provider);
   void remove_provider(const ParamProvider* provider);
   // Called after every intercepted op with the session locked (tests).

@@ -383,6 +383,13 @@ bool StorageRuntime::evict_one() {
   return true;
 }
 
+double StorageRuntime::best_eviction_seconds_per_byte() {
+  if (hold_evictions_) return std::numeric_limits<double>::infinity();
+  const TensorId e = core_.choose_evictee();
+  if (e == d::kNoTensor) return std::numeric_limits<double>::infinity();
+  return core_.regeneration_cost(e) / static_cast<double>(std::max<std::size_t>(bytes_of(e), 1));
+}
+
 std::vector<TensorId> StorageRuntime::evicted_alive() {
   sweep();
   std::vector<TensorId> out;

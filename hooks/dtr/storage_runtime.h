@@ -225,6 +225,16 @@ class StorageRuntime {
   void set_hold_evictions(bool hold) { hold_evictions_ = hold; }
   // Frees one candidate; false when none is left (an allocation failed).
   bool evict_one();
+  // The regeneration cost per byte of the tensor evict_one() would evict, or
+  // infinity when there is none (Note [The arbiter between chunks and
+  // activations]).
+  double best_eviction_seconds_per_byte();
+  // A chunk left the device for an allocation of this session's (the
+  // engine's room maker, by the arbiter's choice): counted as evict_to_threshold counts its own.
+  void count_chunk_eviction(std::size_t bytes) {
+    ++chunk_evictions_;
+    chunk_bytes_freed_ += bytes;
+  }
 
   // Evicted tensors a user can still reach.
   std::vector<TensorId> evicted_alive();

@@ -30,7 +30,9 @@ MemoryTracer::MemoryTracer(ChunkScheduler* scheduler, std::unique_ptr<NonChunkMe
 
 void MemoryTracer::set_scheduler(ChunkScheduler* scheduler) {
   TIDAL_CHECK(scheduler != nullptr, "memory tracer: expected a chunk scheduler, got null");
+  if (enforce_) scheduler_->set_device_ceiling(nullptr);
   scheduler_ = scheduler;
+  install_ceiling();
 }
 
 void MemoryTracer::set_warmup_room(std::size_t bytes) { warmup_room_ = std::min(bytes, limit()); }
@@ -45,9 +47,42 @@ void MemoryTracer::set_chunk_budget(std::size_t bytes) {
     scheduler_->set_budget(MemorySpace::kDevice, bytes);
   } catch (const OutOfMemoryError&) {
     // Chunks in use (COMPUTE) hold more than that; the budget stays, and
-    // the next access still cannot exceed it.
-    ++overruns_;
+    // the next access still cannot exceed it. (Not an overrun by itself:
+    // point() counts those, chunks and non-chunk bytes at one moment.)
   }
+}
+
+void MemoryTracer::set_enforce(bool on) {
+  enforce_ = on;
+  install_ceiling();
+  if (on) {
+    update_nonchunk_limit();
+  } else {
+    meter_->clear_limit();
+  }
+}
+
+// Note [Chunks in use and activations share one budget]: the scheduler's
+// chunks never grow past what the non-chunk bytes live now leave.
+void MemoryTracer::install_ceiling() {
+  if (!enforce_) {
+    scheduler_->set_device_ceiling(nullptr);
+    return;
+  }
+  scheduler_->set_device_ceiling([this] {
+    const std::size_t live = meter_->read().first;
+    return limit() > live ? limit() - live : 0;
+  });
+}
+
+MemoryTracer::~MemoryTracer() {
+  if (enforce_ && scheduler_ != nullptr) scheduler_->set_device_ceiling(nullptr);
+}
+
+void MemoryTracer::update_nonchunk_limit() {
+  if (!enforce_) return;
+  const std::size_t held = scheduler_->stats().held_bytes[index_of(MemorySpace::kDevice)];
+  meter_->set_limit(limit() > held ? limit() - held : 0, limit(), held);
 }
 
 void MemoryTracer::point(PointKind kind, std::int64_t what) {
@@ -55,6 +90,7 @@ void MemoryTracer::point(PointKind kind, std::int64_t what) {
   meter_->restart_peak();
   const ChunkSchedulerStats stats = scheduler_->stats();
   const std::size_t held = stats.held_bytes[index_of(MemorySpace::kDevice)];
+  if (held + now > limit()) ++overruns_;  // past the budget at this moment
   peak_nonchunk_ = std::max(peak_nonchunk_, peak);
   peak_total_ = std::max(peak_total_, held + peak);
   const auto k = static_cast<std::uint32_t>(recording_.size());
@@ -69,6 +105,7 @@ void MemoryTracer::point(PointKind kind, std::int64_t what) {
   const std::size_t room = limit() > upcoming ? limit() - upcoming : 0;
   // Note [The warm-up budget]
   set_chunk_budget(has_trace_ ? room : std::min(room, warmup_room_));
+  update_nonchunk_limit();
 }
 
 void MemoryTracer::end_step() {
@@ -95,6 +132,7 @@ void MemoryTracer::grow_warmup_room(std::size_t need) {
   if (budget > scheduler_->budget(MemorySpace::kDevice)) {
     scheduler_->set_budget(MemorySpace::kDevice, budget);
   }
+  update_nonchunk_limit();
 }
 
 void MemoryTracer::make_room(std::size_t need) {
@@ -102,6 +140,7 @@ void MemoryTracer::make_room(std::size_t need) {
   if (need > scheduler_->budget(MemorySpace::kDevice)) {
     scheduler_->set_budget(MemorySpace::kDevice, need);
   }
+  update_nonchunk_limit();
 }
 
 }  // namespace tidal::hooks

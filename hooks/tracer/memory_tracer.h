@@ -60,6 +60,14 @@ class NonChunkMeter {
   // (bytes now, peak since the last restart_peak()), both at least 0.
   virtual std::pair<std::size_t, std::size_t> read() = 0;
   virtual void restart_peak() = 0;
+  // The non-chunk bytes allowed from now on (Note [The simulated device's
+  // budget is a hard limit] in hooks/host_allocation_counter.h), with the
+  // numbers for its error message; a meter that cannot enforce ignores it.
+  virtual void set_limit(std::size_t /*bytes*/, std::size_t /*budget*/, std::size_t /*chunk_bytes*/) {}
+  virtual void clear_limit() {}
+  // The whole device use (chunks + non-chunk bytes) at its worst moment, when
+  // the meter sees it (the limited host counter does); else 0.
+  virtual std::size_t device_peak() { return 0; }
 };
 
 // One trace point of a step, for the memory profile.
@@ -86,6 +94,9 @@ class MemoryTracer {
   // (set_scheduler) first. Restarts the meter's peak.
   MemoryTracer(ChunkScheduler* scheduler, std::unique_ptr<NonChunkMeter> meter,
                MemoryTracerLimits limits);
+  ~MemoryTracer();
+  MemoryTracer(const MemoryTracer&) = delete;
+  MemoryTracer& operator=(const MemoryTracer&) = delete;
 
   // The engine rebuilt its chunks (first-use relayout): the new scheduler.
   void set_scheduler(ChunkScheduler* scheduler);
@@ -94,7 +105,11 @@ class MemoryTracer {
   // A trace point: measure, record the interval that ends here, set the
   // chunk budget for the interval that starts here (Note [The memory
   // tracer]). A budget the chunks in use (COMPUTE) already exceed is left as
-  // it is and counted as an overrun.
+  // it is (the scheduler waits or fails rather than grow). A point where the
+  // chunks held and the non-chunk bytes live now pass the budget less the
+  // margin is an overrun (never on the simulated device, whose budget is a
+  // hard limit; on a GPU without torch's allocator behind the chunks, a
+  // warm-up that guessed wrong).
   void point(PointKind kind, std::int64_t what);
   // The step's last point; its record becomes the trace.
   void end_step();
@@ -110,13 +125,26 @@ class MemoryTracer {
   // `need` (capped by the budget less the margin) whenever it is below.
   void make_room(std::size_t need);
 
+  // Chunks plus every other byte the meter sees stay within the budget less
+  // the margin: the meter's limit follows the chunk bytes on the device.
+  // Call after chunk bytes on the device changed (ModuleHooks does, at every
+  // attach, detach and landing). On: every point and room change too.
+  void set_enforce(bool on);
+  void update_nonchunk_limit();
+
   // Non-chunk bytes now (for error messages); does not restart the peak.
   std::size_t live();
   std::size_t limit() const;  // device budget - margin
   bool warmed_up() const { return has_trace_; }
   std::size_t warmup_room() const { return warmup_room_; }
   std::size_t peak_nonchunk() const { return peak_nonchunk_; }
-  std::size_t peak_total() const { return peak_total_; }
+  // Chunks + non-chunk bytes at one moment where the meter knows it (the
+  // simulated device with the budget enforced), else the largest sum of a
+  // point's chunk bytes and its interval's non-chunk peak (an upper bound).
+  std::size_t peak_total() const {
+    const std::size_t exact = meter_->device_peak();
+    return exact > 0 ? exact : peak_total_;
+  }
   std::uint64_t overruns() const { return overruns_; }
   const std::vector<std::size_t>& trace() const { return trace_; }
   // The trace points of the last completed step.
@@ -124,6 +152,7 @@ class MemoryTracer {
 
  private:
   void set_chunk_budget(std::size_t bytes);
+  void install_ceiling();
 
   ChunkScheduler* scheduler_;
   std::unique_ptr<NonChunkMeter> meter_;
@@ -138,6 +167,7 @@ class MemoryTracer {
   std::size_t peak_nonchunk_ = 0;
   std::size_t peak_total_ = 0;
   std::uint64_t overruns_ = 0;
+  bool enforce_ = false;
 };
 
 }  // namespace tidal::hooks

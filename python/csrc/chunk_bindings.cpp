@@ -21,6 +21,7 @@
 #include "hooks/torch_memory_provider.h"
 #include "hooks/tracer/memory_tracer.h"
 #include "runtime/core/error.h"
+#include "runtime/core/uncounted.h"
 #include "runtime/device/device.h"
 #include "runtime/scheduler/chunk_scheduler.h"
 
@@ -296,6 +297,10 @@ may wait for a chunk copy release the GIL.)doc")
       .def("served", [](Hooks& h, Index p) { return h.get().served(p); }, py::arg("param"),
            "Whether `param` is attached to a weight made from its master (Note [Weights while "
            "gradients wait]).")
+      .def("set_device_room_maker", [](Hooks& h, bool on) { h.get().set_device_room_maker(on); },
+           py::arg("on"),
+           "An allocation past the simulated device's budget first moves chunks not in use off the "
+           "device (on this thread).")
       .def("set_engine_backward", [](Hooks& h, bool on) { h.get().set_engine_backward(on); },
            py::arg("running"))
       .def("set_raw_backward", [](Hooks& h, std::string refusal) { h.get().set_raw_backward(std::move(refusal)); },
@@ -410,6 +415,9 @@ callables, or (neither) torch's CPU allocations counted on the simulated device.
       .def("set_warmup_room", [](Tracer& t, std::size_t bytes) { t.get().set_warmup_room(bytes); },
            py::arg("bytes"))
       .def("live", [](Tracer& t) { return t.get().live(); }, GIL())
+      .def("set_enforce", [](Tracer& t, bool on) { t.get().set_enforce(on); }, py::arg("on"),
+           "Chunks plus the meter's bytes never pass the budget less the margin: the meter's "
+           "limit follows the chunk bytes (Note [The simulated device's budget is a hard limit]).")
       .def_property_readonly("limit", [](Tracer& t) { return t.get().limit(); })
       .def_property_readonly("warmed_up", [](Tracer& t) { return t.get().warmed_up(); })
       .def_property_readonly("warmup_room", [](Tracer& t) { return t.get().warmup_room(); })
@@ -545,6 +553,13 @@ Python thread drives a Chunks object.)doc");
   bind_tracer(m);
   bind_hooks(m);
 
+  m.def("enter_uncounted", [] { ++g_uncounted_depth; },
+        "This thread's allocations are not counted until exit_uncounted() (Note [tidal's own "
+        "host allocations] in runtime/core/uncounted.h).");
+  m.def("exit_uncounted", [] {
+    TIDAL_INTERNAL_ASSERT(g_uncounted_depth > 0, "exit_uncounted without enter_uncounted");
+    --g_uncounted_depth;
+  });
   m.def("set_host_allocation_counting", &hooks::set_host_allocation_counting, py::arg("enabled"),
         "Counts torch's CPU allocations (Note [Counting CPU allocations]).");
   m.def("host_allocation_counting", &hooks::host_allocation_counting);

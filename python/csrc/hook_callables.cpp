@@ -262,12 +262,24 @@ class PackHook {
  public:
   explicit PackHook(HookTarget target) : target_(std::move(target)) {}
 
+  // Note [Saved tensors are packed detached]: a saved tensor that is not a
+  // parameter's alias is packed as a detached alias of its data, never as
+  // the tensor itself. A pack hook returning the tensor an op saved of its
+  // own output (softmax, log_softmax, tanh, exp save theirs) makes a cycle
+  // through C++ (the node holds the packed object, the object's grad_fn is
+  // the node) that Python's collector cannot see: a forward whose backward
+  // never runs (evaluation with grad on, an error, a dropped engine) then
+  // kept its graph, every parameter in it, the unpack hook and with it the
+  // engine, for the life of the process.
   py::object operator()(py::handle obj) {
     if (!target_.hooks || !THPVariable_Check(obj.ptr())) return py::reinterpret_borrow<py::object>(obj);
     const at::Tensor& t = THPVariable_Unpack(obj.ptr());
-    if (t.layout() != at::kStrided || !t.has_storage()) return py::reinterpret_borrow<py::object>(obj);
+    if (t.layout() != at::kStrided || !t.has_storage()) return wrap(t.detach());
     const std::int64_t i = target_.hooks->attached_at(t.storage().data_ptr().get());
-    if (i < 0) return py::reinterpret_borrow<py::object>(obj);
+    if (i < 0) {
+      hooks::dtr::OutsideGuard outside;  // (an alias, not an op DTR records)
+      return wrap(t.detach());
+    }
     return py::cast(PackedParam{static_cast<std::size_t>(i), t.sizes().vec(), t.strides().vec(),
                                 t.storage_offset()});
   }

@@ -259,7 +259,23 @@ class _OpInfo:
         self.alias_only = all(r.alias_info is not None for r in schema.returns)
 
 
+@contextlib.contextmanager
+def _host_side():
+    """Generator states are host-side bookkeeping, not device memory (Note
+    [tidal's own host allocations] in runtime/core/uncounted.h)."""
+    _C.chunks.enter_uncounted()
+    try:
+        yield
+    finally:
+        _C.chunks.exit_uncounted()
+
+
 def _rng_get(args, kwargs, inputs):
+    with _host_side():
+        return _rng_get_now(args, kwargs, inputs)
+
+
+def _rng_get_now(args, kwargs, inputs):
     gen = kwargs.get("generator")
     if gen is None:
         gen = next((a for a in args if isinstance(a, torch.Generator)), None)
@@ -276,6 +292,11 @@ def _rng_get(args, kwargs, inputs):
 
 def _rng_set(saved) -> Any:
     """Installs a saved generator state; returns what to restore afterwards."""
+    with _host_side():
+        return _rng_set_now(saved)
+
+
+def _rng_set_now(saved) -> Any:
     where, state = saved
     if isinstance(where, torch.Generator):
         old = (where, where.get_state())

@@ -207,7 +207,7 @@ void ChunkScheduler::restore_host_reserve() {
   const std::size_t reserve = options_.host_eviction_reserve_bytes;
   if (reserve == 0) return;
   const std::size_t host_budget = budget_[index_of(MemorySpace::kHost)];
-  const std::size_t device_budget = budget_[index_of(MemorySpace::kDevice)];
+  const std::size_t device_budget = device_budget_now();
   for (;;) {
     const std::size_t host_live =
         pool_.held_bytes(MemorySpace::kHost) - pool_.cached_bytes(MemorySpace::kHost);
@@ -310,9 +310,14 @@ std::size_t ChunkScheduler::eviction_host_budget(ChunkId incoming) const {
   return allowed;
 }
 
+std::size_t ChunkScheduler::device_budget_now() const {
+  const std::size_t budget = budget_[index_of(MemorySpace::kDevice)];
+  return ceiling_ ? std::min(budget, ceiling_()) : budget;
+}
+
 bool ChunkScheduler::make_room(const RoomRequest& request) {
   const MemorySpace space = request.space;
-  std::size_t budget = budget_[index_of(space)];
+  std::size_t budget = space == MemorySpace::kDevice ? device_budget_now() : budget_[index_of(space)];
   if (space == MemorySpace::kHost && request.chunk != kNoChunk &&
       !store_.chunk(request.chunk).has_payload()) {
     // Note [One place per chunk]: the reserve is for moves down.
@@ -360,7 +365,7 @@ bool ChunkScheduler::spill_to_device(const RoomRequest& request) {
   BlockPtr block = pool_.take_cached(MemorySpace::kDevice, bytes);
   if (!block) {
     // Free device blocks the pool keeps (of other sizes) are room too.
-    const std::size_t budget = budget_[index_of(MemorySpace::kDevice)];
+    const std::size_t budget = device_budget_now();
     for (;;) {
       const std::size_t held = pool_.held_bytes(MemorySpace::kDevice);
       if (held <= budget && bytes <= budget - held) break;

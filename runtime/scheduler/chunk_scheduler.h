@@ -89,6 +89,7 @@
 #include <array>
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <limits>
 #include <memory>
 #include <string>
@@ -203,6 +204,12 @@ class ChunkScheduler {
   // was, when they cannot.
   void set_budget(MemorySpace space, std::size_t bytes);
   std::size_t budget(MemorySpace space) const { return budget_[index_of(space)]; }
+  // The most chunk bytes the device may hold now beside its other bytes (the
+  // engine's memory tracer: the budget less the margin less the non-chunk
+  // bytes live now); chunks that would grow past it wait or fail, as past
+  // the budget. Null: none. Note [Chunks in use and activations share one
+  // budget] in hooks/module_hooks.cpp.
+  void set_device_ceiling(std::function<std::size_t()> ceiling) { ceiling_ = std::move(ceiling); }
 
   // Moment of the latest access in this step (-1 before the first).
   std::int64_t moment() const { return moment_; }
@@ -270,10 +277,13 @@ class ChunkScheduler {
   void prefetch();
   void clear_all_prefetched();
   [[noreturn]] void throw_no_room(const RoomRequest& request, const char* why) const;
+  // The device budget, or the ceiling when lower.
+  std::size_t device_budget_now() const;
   void debug_validate() const;
 
   std::shared_ptr<Device> device_;
   ChunkSchedulerOptions options_;
+  std::function<std::size_t()> ceiling_;
   ChunkStore store_;
   std::shared_ptr<EvictionPolicy> policy_;
   std::unique_ptr<Stream> h2d_stream_;

@@ -476,7 +476,10 @@ def test_an_out_of_memory_batch_raises_and_leaves_the_engine_usable():
             return str(e)
         return None
 
-    assert "could not bring the parameters" in (fail() or "")
+    # The allocation that would pass the budget fails (Note [The simulated
+    # device's budget is a hard limit]), or the chunks cannot come in.
+    message = fail() or ""
+    assert "ran out of the device budget" in message or "could not bring the parameters" in message
     assert not any(engine._is_attached(r) or engine._uses(r) for r in engine.records)
     assert all(p.numel() == 0 for p in model.parameters())   # all back in their chunks
     losses = train_tidal(engine, small[1:])

@@ -130,10 +130,12 @@ def test_a_warmup_share_outside_zero_to_one_is_a_config_error():
             tidal.Config.load({"tidal": {"warmup_chunk_share": bad}})
 
 
-def test_without_the_warmup_share_the_first_step_passes_the_budget():
-    # The cap is what keeps the first step in budget: with a share of 1 (the
-    # live measurement alone, as before) the warm-up of a GPT whose
-    # activations grow within each interval passes a tight budget.
+def test_the_first_step_stays_in_budget_with_any_warmup_share():
+    # With a share of 1 (the live measurement alone) the warm-up of a GPT
+    # whose activations grow within each interval used to pass a tight
+    # budget; the budget is a hard limit now (Note [The simulated device's
+    # budget is a hard limit]): chunks not in use leave the device when an
+    # activation needs their room, so either share trains within it.
     make, make_batches, chunk = MODELS["gpt"]
     batches = make_batches()
     nonchunk, chunk16, largest = probe(make, batches, chunk, None)
@@ -149,4 +151,4 @@ def test_without_the_warmup_share_the_first_step_passes_the_budget():
             peaks[share] = engine.memory_report()["peak_device_bytes"]
         finally:
             engine.remove_hooks()
-    assert peaks[0.2] <= budget < peaks[1.0], (budget, peaks)
+    assert max(peaks.values()) <= budget, (budget, peaks)

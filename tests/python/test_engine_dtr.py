@@ -4,6 +4,7 @@ References are independent: plain PyTorch with torch.optim.AdamW (no tidal),
 or the engine without DTR, trained in the same process from the same seeds.
 """
 import copy
+import functools
 import math
 import sys
 import time
@@ -17,11 +18,26 @@ from tidal import dtr
 from tidal._C.chunks import MemorySpace
 
 sys.path.insert(0, str(Path(__file__).parent))
-from engine_helpers import gpt_batches, train_tidal  # noqa: E402
+from engine_helpers import gpt_batches, measured_budget, train_tidal  # noqa: E402
 from test_engine import assert_close, config, train_reference  # noqa: E402
 from tidal.models.gpt import TinyGPT, TinyResNet  # noqa: E402
 
-BUDGET = 900 * 1024  # far below the no-DTR activations of the models below
+def dtr_budget(make, batches, slack=0.3, chunk=16384, **tidal_keys):
+    """A device budget measured on this machine (engine_helpers.measured_budget)
+    with room for only `slack` of the engine's no-DTR activations: DTR must
+    evict to train in it, and the engine alone cannot. The budget is a hard
+    limit (Note [The simulated device's budget is a hard limit]), so what
+    DTR does not track (parameter gradients on their way to their slots,
+    the running op's working set) must fit too."""
+    torch.manual_seed(0)
+    cfg = config(budget="64MiB", chunk=chunk, **tidal_keys)
+    return measured_budget(make(), cfg, batches, chunk_share=0.25, slack=slack)
+
+
+@functools.lru_cache(maxsize=None)
+def gpt_budget():
+    """The budget of the GPT tests below: 30% of its no-DTR activations."""
+    return dtr_budget(lambda: TinyGPT(d=64, seq=32), gpt_batches(2, seq=32, batch=8))
 
 
 @pytest.fixture(autouse=True)
@@ -31,8 +47,8 @@ def simulated_device():
     dtr.disable()
 
 
-def dtr_config(budget=BUDGET, hybrid_adam=True, **dtr_keys):
-    cfg = config(budget=budget, hybrid_adam=hybrid_adam)
+def dtr_config(budget=None, hybrid_adam=True, **dtr_keys):
+    cfg = config(budget=gpt_budget() if budget is None else budget, hybrid_adam=hybrid_adam)
     cfg["tidal"]["dtr"] = {"enabled": True, "evictee_minimum_size": 1024, **dtr_keys}
     return cfg
 
@@ -49,8 +65,11 @@ def test_gpt_with_dtr_matches_adamw_below_its_activation_memory(accumulation):
     cfg = dtr_config()
     cfg["gradient_accumulation_steps"] = accumulation
     engine = tidal.initialize(model, cfg)
-    assert dtr.is_enabled()
+    # Note [DTR belongs to the engine's cycle]: on from a forward to the end
+    # of its backward, off between steps.
+    assert not dtr.is_enabled()
     losses = train_tidal(engine, batches)
+    assert not dtr.is_enabled()
     assert_close(engine, ref, ref_losses, losses)
     report = engine.memory_report()
     d = report["dtr"]
@@ -61,7 +80,7 @@ def test_gpt_with_dtr_matches_adamw_below_its_activation_memory(accumulation):
     # Without DTR the same budget cannot hold the activations next to a module's parameters.
     dtr.disable()
     torch.manual_seed(0)
-    plain = tidal.initialize(TinyGPT(d=64, seq=32), config(budget=BUDGET))
+    plain = tidal.initialize(TinyGPT(d=64, seq=32), config(budget=gpt_budget()))
     with pytest.raises(tidal.OutOfMemoryError, match="Non-chunk device memory"):
         train_tidal(plain, batches[:1])
 
@@ -128,16 +147,19 @@ def test_a_tensor_the_user_keeps_across_the_step_keeps_its_values():
     ref = _TwoOutputs()
     x = torch.randn(256, 256)
     _, expected = ref(x)  # plain PyTorch, the weights before the step
-    engine = tidal.initialize(copy.deepcopy(ref), dtr_config(budget="2MiB"))
+    engine = tidal.initialize(copy.deepcopy(ref), dtr_config(budget="64MiB"))
     loss, hidden = engine(x)
-    engine.backward(loss)
-    # Every gradient is in its 16-bit slot now; evict the kept tensor so the
-    # step's end of the DTR session must recompute it from the weights as
-    # they were (the fp32 masters), not from the slots.
+    # Evict the kept tensor: the end of the cycle (Note [DTR belongs to the
+    # engine's cycle]), after backward, when every gradient is in its 16-bit
+    # slot, must recompute it from the weights as they were (the fp32
+    # masters), not from the slots.
     rt = dtr._runtime
     if rt.state_of(rt.lookup(hidden)) == "resident":
         rt.evict_tensor(hidden)
     assert rt.state_of(rt.lookup(hidden)) == "evicted"
+    engine.backward(loss)
+    assert not dtr.is_enabled()
+    assert torch.equal(hidden, expected.detach())
     engine.step()
     assert torch.equal(hidden, expected.detach())
     assert engine.global_steps == 1
@@ -151,7 +173,10 @@ def test_resnet_with_batchnorm_and_dtr_matches_adamw():
     batches = [(torch.randn(16, 3, 32, 32, generator=g), torch.randint(0, 10, (16,), generator=g))
                for _ in range(4)]
     ref_losses = train_reference(ref, batches)
-    engine = tidal.initialize(model, dtr_config(budget="1MiB"))
+    # (DTR saves less here: a convolution's backward holds memory DTR does
+    # not track, so 70% of the no-DTR activations, not 30%.)
+    budget = dtr_budget(lambda: TinyResNet(width=16), batches[:2], slack=0.7)
+    engine = tidal.initialize(model, dtr_config(budget=budget))
     losses = train_tidal(engine, batches)
     assert_close(engine, ref, ref_losses, losses)
     assert engine.memory_report()["dtr"]["recomputes"] > 0
@@ -259,7 +284,7 @@ def test_arbiter_evicts_what_costs_less_per_byte(kind):
     saves recompute end to end depends on when the chunk comes back; the
     per-eviction choice itself is tested in tests/cpp/hooks/dtr.)"""
     link = _link_between_the_two()
-    make, budget, batch = {"cheap": (_CheapActivations, "4MiB", 2048),
+    make, budget, batch = {"cheap": (_CheapActivations, "8MiB", 2048),
                            "costly": (_CostlyActivations, "2MiB", 128)}[kind]
     torch.manual_seed(1)
     batches = [(torch.randn(batch, 256), torch.randn(batch, 256)) for _ in range(3)]

@@ -36,6 +36,7 @@ sits on the critical path.
 from __future__ import annotations
 
 import contextlib
+import warnings
 import weakref
 
 from .. import _C
@@ -71,6 +72,8 @@ class DtrLink:
         self.replay_attaches = 0
         self._ended = {k: 0 for k in _COUNTERS + _PEAKS}
         self.cpp = None
+        self._owns = False  # the DTR session running is this engine's cycle's
+        self._effective_block = block
 
     def start(self, hooks):
         """Registers the engine with tidal.dtr once its ModuleHooks exist, and
@@ -99,8 +102,50 @@ class DtrLink:
         hooks.set_dtr_arbiter(bool(self.enabled_by_config), store.device_budget - store.margin, self.cap, link)
         _dtr.register_param_provider(self)
         if self.enabled_by_config:
-            _dtr.from_config(self._block)
-        weakref.finalize(engine, _dtr.unregister_param_provider, self)
+            block = dict(self._block)
+            if "evictee_minimum_size" not in block:
+                # Note [DTR's defaults under the engine]: MegEngine's 1 MiB is
+                # a GPU-sized default; in a budget of a few MiB no activation
+                # is that large and DTR could evict nothing. Under the engine
+                # the default follows the budget: (budget - margin) / 1024,
+                # between 4 KiB and 1 MiB.
+                limit = store.device_budget - store.margin
+                block["evictee_minimum_size"] = min(1 << 20, max(4096, limit // 1024))
+            _dtr.validate_config(block)  # (a bad key fails at initialize)
+            self._effective_block = block
+        weakref.finalize(engine, _engine_gone, weakref.ref(self))
+
+    # ------------------------------------------------------------- the cycle
+    # Note [DTR belongs to the engine's cycle]: with DTR in the config, DTR
+    # intercepts ops from the start of a forward (begin(), at the root's
+    # forward pre-hook) to the end of that forward's backward, or of the
+    # forward itself under no_grad (end()); the step, checkpoints and
+    # anything the script does between cycles run without it. An error in
+    # forward, backward or the step ends the cycle (end(failed=True)), and so
+    # does the engine being collected: plain PyTorch code in the same process
+    # never meets a session the engine left behind, and the next (smaller)
+    # batch starts a fresh one. DTR turned on by hand (tidal.dtr.enable())
+    # stays the script's: the engine only pauses it around weight changes.
+    def begin(self):
+        if self.enabled_by_config and not _dtr.is_enabled():
+            _dtr.from_config(self._effective_block)
+            self._owns = True
+            self.rebalance()
+
+    def end(self, failed: bool = False):
+        if not self._owns:
+            return
+        self._owns = False
+        if not _dtr.is_enabled():
+            return
+        try:
+            self._add(_dtr._suspend())
+        except Exception as e:  # noqa: BLE001 -- bringing tensors back after a failure
+            if not failed:
+                raise
+            warnings.warn(f"tidal.dtr: ending the failed step's DTR session could not bring every "
+                          f"evicted tensor back ({e}); tensors of that step are gone", stacklevel=3)
+            _dtr._force_off()
 
     @property
     def weights_epoch(self) -> int:
@@ -158,7 +203,10 @@ class DtrLink:
     @contextlib.contextmanager
     def weights_change(self):
         """Ends the DTR session for a block that changes the weights (the
-        optimizer step, loading a checkpoint); the next session starts after."""
+        optimizer step, loading a checkpoint): the engine's cycle ends there
+        (the next forward starts a session); DTR turned on by hand is paused
+        and goes on after."""
+        self.end()
         on = _dtr.is_enabled()
         if on:
             self._add(_dtr._suspend())
@@ -190,3 +238,12 @@ class DtrLink:
         out["replay_attaches"] = self.replay_attaches
         return out
 
+
+def _engine_gone(ref):
+    """weakref.finalize of the engine: its provider goes, and a DTR session of
+    its cycle ends (Note [DTR belongs to the engine's cycle])."""
+    link = ref()
+    if link is None:
+        return
+    _dtr.unregister_param_provider(link)
+    link.end(failed=True)

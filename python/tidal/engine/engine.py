@@ -279,6 +279,11 @@ class Engine:
         # hooks/tracer/memory_tracer.h): one C++ call per trace point.
         self._cuda = store.torch_device.type == "cuda"
         self._tracer = self._new_tracer()
+        # Note [The simulated device's budget is a hard limit]: with torch's
+        # CPU allocations as the meter (not the CPU stand-in of the provider,
+        # whose chunk blocks torch counts too).
+        self._enforce_budget = not self._cuda and not isinstance(
+            store.device.memory_provider(), _C.TorchMemoryProvider)
         self._stats_at_step = self.chunks.stats()
         self._retired_stats: dict | None = None  # counters of a scheduler replaced by relayout
         self._relayout_done = False
@@ -316,6 +321,10 @@ class Engine:
         _external.install(model, self, self._param_names_by_module())
         self._install_state_dict_hooks()
         _guards.register(self)
+        if not self._cuda:
+            # An engine collected mid-step (its forward or backward counting
+            # the simulated device's allocations) leaves no count running.
+            weakref.finalize(self, _C.chunks.set_host_allocation_counting, False)
         self.dtr.start(self._hooks)
         self.dtr.rebalance()
 
@@ -595,6 +604,7 @@ class Engine:
         by gradient_accumulation_steps, as in plain PyTorch)."""
         if not self._hooks.take_backward_ended():
             return
+        self.dtr.end()
         if self._accumulating:
             self._fold_gradients()
         self.micro_steps += 1
@@ -701,9 +711,23 @@ class Engine:
 
     def _count(self, on: bool):
         # Simulated device: torch's CPU allocations during forward and
-        # backward are the non-chunk "device" memory (Note [The memory tracer]).
-        if not self._cuda:
-            _C.chunks.set_host_allocation_counting(on)
+        # backward are the non-chunk "device" memory (Note [The memory
+        # tracer]), limited to what the budget leaves beside the chunks while
+        # they are counted (Note [The simulated device's budget is a hard
+        # limit]; the limit and the room maker are this engine's for that
+        # window only, so another engine never meets them).
+        if self._cuda:
+            return
+        if on:
+            _C.chunks.set_host_allocation_counting(True)
+            if self._enforce_budget:
+                self._tracer.set_enforce(True)
+                self._hooks.set_device_room_maker(True)
+        else:
+            if self._enforce_budget:
+                self._tracer.set_enforce(False)
+                self._hooks.set_device_room_maker(False)
+            _C.chunks.set_host_allocation_counting(False)
 
     def _root_pre(self, module, args):
         if torch._C._current_graph_task_id() == -1:  # (not a recompute inside backward)
@@ -714,6 +738,8 @@ class Engine:
                 self._hooks.end_backward()
         if self._pending_readers:
             self._hook_readers()
+        if torch._C._current_graph_task_id() == -1:
+            self.dtr.begin()  # Note [DTR belongs to the engine's cycle]
         self._count(True)
         if self._saved_hooks is None:
             self._saved_hooks = torch.autograd.graph.saved_tensors_hooks(*self._saved_tensor_pair)
@@ -729,6 +755,8 @@ class Engine:
             self._check_reads = False
         if not torch.is_grad_enabled():
             self._count(False)
+            if torch._C._current_graph_task_id() == -1:
+                self.dtr.end()  # no backward follows a no_grad forward
         if self._saved_hooks is not None:
             hooks, self._saved_hooks = self._saved_hooks, None
             hooks.__exit__(None, None, None)
@@ -922,6 +950,7 @@ class Engine:
             # Whatever failed (an OutOfMemoryError, the model's own error), the
             # forward's hooks did not finish: give their slots back, so the
             # engine can go on with the next batch.
+            oom = self._out_of_memory(e, "forward")
             if self._saved_hooks is not None:
                 hooks, self._saved_hooks = self._saved_hooks, None
                 hooks.__exit__(None, None, None)
@@ -930,9 +959,12 @@ class Engine:
                 mode.__exit__(None, None, None)
             self._count(False)
             self._release_after_error()
+            self.dtr.end(failed=True)
             # A shape error involving an empty tensor is what a parameter read
             # outside its module's forward gives; say so (the error stays).
             text = str(e)
+            if oom is not None:
+                raise oom from e
             if isinstance(e, RuntimeError) and _PLACEHOLDER_HINT not in text and any(
                     s in text for s in ("(0)", "[0]", "x0)", "0 elements", "size 0", "(0x", "[0,", ", 0]")):
                 e.args = (text + _PLACEHOLDER_HINT,) + e.args[1:]
@@ -1003,10 +1035,13 @@ class Engine:
                         f"through its module (call the module), or move the code that reads it into "
                         f"the owning module's forward") from e
                 raise
-        except BaseException:
+        except BaseException as e:
             # The error is what the user sees; the slots this backward left in
             # use are released without raising another one over it.
+            oom = self._out_of_memory(e, "backward")
+            self._count(False)  # (bringing DTR's tensors back is no step's memory)
             self._release_after_error()
+            self.dtr.end(failed=True)
             if self.dp is not None:
                 # Gradients overwrote weights whose masters other ranks own;
                 # only collectives could restore them, and the other ranks are
@@ -1018,6 +1053,8 @@ class Engine:
             # their weights back; a step on part of them would be wrong);
             # earlier micro-batches' sums stay.
             self._drop_landed_gradients()
+            if oom is not None:
+                raise oom from e
             raise
         finally:
             self._hooks.set_engine_backward(False)
@@ -1025,7 +1062,7 @@ class Engine:
         try:
             with _dtr.outside():
                 self._hooks.end_backward()
-            self.dtr.rebalance()
+            self.dtr.end()  # Note [DTR belongs to the engine's cycle]
         except BaseException:
             if self.dp is not None:  # (the other ranks go on with their reductions)
                 self._dp_broken = "ending a backward on this rank failed"
@@ -1036,6 +1073,26 @@ class Engine:
         elif self._accumulating:
             self._fold_gradients()
         self.micro_steps += 1
+
+    def _out_of_memory(self, e, phase: str):
+        """A tidal.OutOfMemoryError saying what the device held when torch's
+        allocator refused an op in `phase` (on the simulated device, the
+        budget's hard limit: Note [The simulated device's budget is a hard
+        limit] in hooks/host_allocation_counter.h), or None for other errors."""
+        if not isinstance(e, torch.OutOfMemoryError) or isinstance(e, OutOfMemoryError):
+            return None
+        running = [self._names.get(self._module_list[i], "?") for i in self._hooks.running()]
+        held = self.chunks.held_bytes(DEVICE)
+        live = self._tracer.live()
+        what = f"; DTR tracks {_dtr.stats().get('tracked_bytes', 0)} bytes of them" \
+            if _dtr.is_enabled() else ""
+        return OutOfMemoryError(
+            f"tidal: the {phase} ran out of the device budget of {self.store.device_budget} bytes "
+            f"(margin {self.store.margin}): {e}. Chunks hold {held} bytes on the device"
+            f"{' (modules running: ' + ', '.join(running[-4:]) + ')' if running else ''}; "
+            f"activations and other tensors {live} bytes{what}. Use a smaller batch, turn on DTR "
+            f"(tidal.dtr) or recompute (activation_checkpointing), or raise "
+            f"tidal.device_memory_budget; the engine goes on with the next batch")
 
     def _release_after_error(self):
         """After a failed forward or backward: every parameter this engine has

@@ -1,0 +1,226 @@
+"""The largest batch at a fixed device budget under the training engine: the
+engine alone, with DTR in its config, and with static recompute ("auto"),
+on three models. Writes benchmarks/results/engine_dtr_batch-<machine>.json.
+
+    python benchmarks/engine_dtr_batch.py [--quick] [--only gpt bert resnet50]
+
+Every trial runs in a fresh process (nothing of one trial's allocator or DTR
+state reaches the next) on the simulated device, with a link of --link. A
+batch fits when two training steps finish with no error: the device budget
+is a hard limit (Note [The simulated device's budget is a hard limit] in
+hooks/host_allocation_counter.h), so chunks plus every byte torch allocates
+while the engine runs never pass it; the trial records the engine's device
+use at its worst moment (peak_device_bytes, chunks and everything else
+together) and its overruns, and a trial with an overrun or a peak past the
+budget less the margin counts as a failure. The search doubles, then
+bisects; then every smaller power of two and the batch just below the
+largest are run too, to check that fits are monotonic. At static
+recompute's largest batch, the step time of DTR and of recompute (medians
+of the timed steps, the same process order for all) are compared.
+
+The models (fp32, 256 KiB chunks):
+  * gpt      TinyGPT(vocab 256, d 128, 6 layers, 4 heads, seq 128): issue 28's;
+  * bert     a BERT-like encoder (transformers' BertForMaskedLM: vocab 256,
+             hidden 128, 6 layers, 4 heads, 512 intermediate, seq 128);
+  * resnet50 ResNet-50's layout (3-4-6-3 bottlenecks, base width 32) on
+             64x64 images, 10 classes, with BatchNorm.
+CPU times: the simulated device's compute is the CPU's, a proxy for a GPU
+where recomputation costs less against memory traffic.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(__file__))
+import common  # noqa: E402
+
+MODELS = {
+    # budget: chosen so the engine alone trains a batch of 1 or 2.
+    "gpt": {"budget": 10 << 20, "cap": 64},
+    "bert": {"budget": 12 << 20, "cap": 64},
+    "resnet50": {"budget": 36 << 20, "cap": 128},
+}
+QUICK = {
+    "gpt": {"budget": 6 << 20, "cap": 16},
+}
+MODES = ("engine", "dtr", "recompute")
+
+
+# --------------------------------------------------------------- one trial
+def _model_and_data(name: str, batch: int, quick: bool):
+    import torch
+
+    g = torch.Generator().manual_seed(1)
+    if name == "gpt":
+        from tidal.models.gpt import TinyGPT
+        shape = dict(vocab=256, d=64 if quick else 128, layers=2 if quick else 6, heads=4,
+                     seq=64 if quick else 128)
+        model = TinyGPT(**shape)
+        data = [(torch.randint(0, 256, (batch, shape["seq"]), generator=g),) * 2 for _ in range(3)]
+        return model, data, (lambda m, b: m(*b))
+    if name == "bert":
+        import transformers
+        cfg = transformers.BertConfig(vocab_size=256, hidden_size=128, num_hidden_layers=6,
+                                      num_attention_heads=4, intermediate_size=512,
+                                      max_position_embeddings=128, hidden_dropout_prob=0.0,
+                                      attention_probs_dropout_prob=0.0)
+        model = transformers.BertForMaskedLM(cfg)
+        data = []
+        for _ in range(3):
+            ids = torch.randint(0, 256, (batch, 128), generator=g)
+            data.append((ids,))
+        return model, data, (lambda m, b: m(input_ids=b[0], labels=b[0]).loss)
+    if name == "resnet50":
+        import torch.nn.functional as F
+        from dtr import ResNet50
+        model = ResNet50(layers=(3, 4, 6, 3), base=32, classes=10)
+        data = [(torch.randn(batch, 3, 64, 64, generator=g), torch.randint(0, 10, (batch,), generator=g))
+                for _ in range(3)]
+        return model, data, (lambda m, b: F.cross_entropy(m(b[0]), b[1]))
+    raise ValueError(name)
+
+
+def trial(name: str, mode: str, batch: int, budget: int, quick: bool, link: str) -> dict:
+    import warnings
+
+    import torch
+
+    import tidal
+    warnings.simplefilter("ignore")
+    tidal.set_device("sim", capacity="8GiB", bandwidth=link)
+    torch.manual_seed(0)
+    model, data, loss_of = _model_and_data(name, batch, quick)
+    cfg = {"gradient_clipping": 0.0, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+           "tidal": {"chunk_size": 256 << 10, "device_memory_budget": budget, "hybrid_adam": False}}
+    if mode == "dtr":
+        cfg["tidal"]["dtr"] = {"enabled": True}
+    elif mode == "recompute":
+        cfg["tidal"]["recompute"] = {"checkpoints": "auto"}
+        cfg["activation_checkpointing"] = {}
+    out = {"model": name, "mode": mode, "batch": batch}
+    try:
+        engine = tidal.initialize(model, cfg)
+        times = []
+        for b in data:
+            t0 = time.perf_counter()
+            engine.backward(loss_of(engine, b))
+            engine.step()
+            times.append(time.perf_counter() - t0)
+        r = engine.memory_report()
+        ok = r["budget_overruns"] == 0 and r["peak_device_bytes"] <= r["device_budget"] - r["device_margin"]
+        out.update(fits=ok, step_seconds=times[1:], peak_device_bytes=r["peak_device_bytes"],
+                   budget_overruns=r["budget_overruns"], device_budget=r["device_budget"],
+                   device_margin=r["device_margin"], chunk_evictions=r["evictions"],
+                   dtr={k: r["dtr"][k] for k in ("evictions", "recomputes", "recompute_seconds",
+                                                 "chunk_evictions")})
+        if not ok:
+            out["why"] = "overrun or peak past the budget"
+    except tidal.OutOfMemoryError as e:
+        out.update(fits=False, why=str(e)[:300])
+    return out
+
+
+def run_trial(name, mode, batch, budget, quick, link) -> dict:
+    cmd = [sys.executable, __file__, "--child", json.dumps([name, mode, batch, budget, quick, link])]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+    lines = [ln for ln in p.stdout.splitlines() if ln.startswith("{")]
+    if p.returncode != 0 or not lines:
+        return {"model": name, "mode": mode, "batch": batch, "fits": False,
+                "why": f"process failed ({p.returncode}): {p.stderr[-400:]}"}
+    return json.loads(lines[-1])
+
+
+# -------------------------------------------------------------- the search
+def largest(fits, cap: int):
+    """The largest batch b <= cap with fits(b): doubling from 1, then bisection."""
+    lo, b = 0, 1
+    while b <= cap and fits(b):
+        lo, b = b, b * 2
+    hi = b if b <= cap else None
+    if hi is None:
+        return lo
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if fits(mid):
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
+def model_part(name: str, spec: dict, quick: bool, link: str) -> dict:
+    trials = []
+
+    def fits_for(mode):
+        def f(b):
+            r = run_trial(name, mode, b, spec["budget"], quick, link)
+            trials.append(r)
+            print(f"    {name} {mode:9s} batch {b:4d}: {'fits' if r['fits'] else 'does not fit'}"
+                  + ("" if r["fits"] else f" ({r.get('why', '')[:90]})"), flush=True)
+            return r["fits"]
+        return f
+
+    out = {"device_budget_bytes": spec["budget"], "batch_cap": spec["cap"], "largest": {},
+           "monotonic": {}}
+    for mode in MODES:
+        best = largest(fits_for(mode), spec["cap"])
+        out["largest"][mode] = best
+        # Monotonic: every smaller power of two and the batch below the largest.
+        tried = {t["batch"]: t["fits"] for t in trials if t["mode"] == mode}
+        check = sorted({b for b in (2 ** k for k in range(12)) if b < best} | ({best - 1} if best > 1 else set()))
+        for b in check:
+            if b not in tried:
+                tried[b] = fits_for(mode)(b)
+        out["monotonic"][mode] = all(tried[b] for b in tried if b <= best)
+    # Step times at recompute's largest batch: DTR against recompute.
+    at = out["largest"]["recompute"]
+    if at > 0:
+        times = {}
+        for mode in ("recompute", "dtr"):
+            r = run_trial(name, mode, at, spec["budget"], quick, link)
+            trials.append(r)
+            times[mode] = statistics.median(r["step_seconds"]) if r["fits"] else None
+        out["step_seconds_at_recompute_batch"] = {"batch": at, **times}
+        if times["recompute"] and times["dtr"]:
+            out["dtr_over_recompute_time"] = times["dtr"] / times["recompute"]
+    e, d, rc = (out["largest"][m] for m in MODES)
+    out["dtr_over_engine"] = d / e if e else None
+    out["dtr_over_recompute"] = d / rc if rc else None
+    out["trials"] = trials
+    return out
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="the GPT only, small (a smoke run, not tabled)")
+    ap.add_argument("--only", nargs="*", choices=sorted(MODELS), default=None)
+    ap.add_argument("--link", default="12GB/s", help="the simulated host-device link")
+    ap.add_argument("--output", default=None)
+    ap.add_argument("--child", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.child:
+        print(json.dumps(trial(*json.loads(args.child))))
+        return 0
+    specs = QUICK if args.quick else {k: v for k, v in MODELS.items() if not args.only or k in args.only}
+    out = {"quick": args.quick, "link": args.link, "models": {}}
+    for name, spec in specs.items():
+        print(f"  {name}: device budget {spec['budget']} bytes", flush=True)
+        out["models"][name] = model_part(name, spec, args.quick, args.link)
+        r = out["models"][name]
+        print(f"{name}: largest batch {r['largest']} (DTR {r['dtr_over_engine']}x the engine alone); "
+              f"monotonic {r['monotonic']}; DTR/recompute time {r.get('dtr_over_recompute_time')}",
+              flush=True)
+    path = common.write_result("engine_dtr_batch-quick" if args.quick else "engine_dtr_batch", out,
+                               args.output)
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
