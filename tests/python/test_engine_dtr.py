@@ -299,3 +299,14 @@ def test_arbiter_evicts_what_costs_less_per_byte(kind):
         assert off["chunk_evictions"] == 0 and off["evictions"] > 0, off
         assert on["chunk_evictions"] > 0, on
         assert on["chunk_bytes_freed"] >= on["chunk_evictions"] * (1 << 18)
+
+
+def test_the_link_is_measured_by_one_chunk_each_way():
+    # On CUDA the arbiter prices a chunk's round trip with the link measured
+    # at start (dtr_link.measure_link): here the same code times the
+    # simulated device's copies, whose link is known. A slow link, so the
+    # simulated transfer time dominates the copy's own work on a busy CPU.
+    from tidal.engine.dtr_link import measure_link
+    device = tidal.set_device("sim", capacity="256MiB", bandwidth="200MB/s")
+    rate = measure_link(device, 8 << 20)
+    assert 0.5 * 200e6 <= rate <= 1.05 * 200e6, rate

@@ -98,7 +98,8 @@ class DtrLink:
         # hooks/dtr/storage_runtime.h); on CUDA the link is not measured
         # yet, and chunks give way first as before.
         store = engine.store
-        link = float(store.device.info().get("sim_copy_bandwidth", 0.0)) if ARBITER else 0.0
+        link = _link_bytes_per_s(store) if ARBITER and self.enabled_by_config else 0.0
+        self.link_bytes_per_s = link
         hooks.set_dtr_arbiter(bool(self.enabled_by_config), store.device_budget - store.margin, self.cap, link)
         _dtr.register_param_provider(self)
         if self.enabled_by_config:
@@ -247,3 +248,40 @@ def _engine_gone(ref):
         return
     _dtr.unregister_param_provider(link)
     link.end(failed=True)
+
+
+def _link_bytes_per_s(store) -> float:
+    """The host-device link the arbiter prices a chunk's round trip with: the
+    simulated device's configured bandwidth, or on CUDA one chunk copied each
+    way once, timed with the device layer's events (the slower direction)."""
+    info = store.device.info()
+    if info.get("backend") != "cuda":
+        return float(info.get("sim_copy_bandwidth", 0.0))
+    return measure_link(store.device, store.config.chunk_size)
+
+
+def measure_link(device, nbytes: int) -> float:
+    """Bytes per second of one `nbytes` copy host->device and one back (the
+    slower of the two), after a warm-up copy each way; 0.0 when the device
+    cannot time copies."""
+    from .. import HostBuffer
+    buf = device.allocate(nbytes)
+    host = HostBuffer(nbytes, pin_with=device)
+    stream = device.create_stream("tidal-link-probe")
+    try:
+        rates = []
+        for copy, args in ((device.copy_h2d, (buf, host)), (device.copy_d2h, (host, buf))):
+            copy(*args, stream)  # warm-up
+            start, end = device.create_event(True), device.create_event(True)
+            start.record(stream)
+            copy(*args, stream)
+            end.record(stream)
+            end.synchronize()
+            seconds = end.elapsed_seconds_since(start)
+            if seconds <= 0:
+                return 0.0
+            rates.append(nbytes / seconds)
+        return min(rates)
+    finally:
+        stream.synchronize()
+        del buf, host
