@@ -455,7 +455,7 @@ def _rates(given: dict, measured: dict) -> dict:
 
 
 # ------------------------------------------------------------------------ the model
-def _traffic(layout: dict, per_param: int, limit: int, activations: int, host_capacity: int,
+def _traffic(layout: dict, limit: int, activations: int, host_capacity: int,
              accumulation: int) -> dict:
     """Bytes each way per step (Note [The pre-flight estimate])."""
     P = layout["param16_trainable_bytes"]
@@ -673,8 +673,11 @@ def estimate(model, config=None, *, precision=None, optimizer_state_dtype=None,
     largest_trainable = int(max(0, room) / padded) if padded else 0
 
     # Traffic and time.
-    traffic = _traffic(layout, per_param, limit, activations, host_capacity,
+    traffic = _traffic(layout, limit, activations, host_capacity,
                        cfg.gradient_accumulation_steps)
+    if not fits:
+        notes.append("it does not fit: the bytes moved and the step time are what they would be "
+                     "with the room")
     if measure is None:
         measure = backend == "sim"
     measured = measure_rates(precision=cfg.precision,
