@@ -119,9 +119,25 @@ class Sample:
 # rates between its own steps, alternating: a plain PyTorch forward + backward
 # of the 2-layer calibration GPT, a training step of the shape, a CPU Adam
 # pass over 2^22 parameters with the engine's kernel. The prediction for a
-# round uses that round's rates: both sides see the same load. The link of
-# the simulated device is a clock (bytes / bandwidth), not CPU work.
+# round uses that round's rates: both sides see the same load. The link is
+# probed there too, with copies of one fp32 chunk each way on the device the
+# engine uses: the simulated link is a clock (bytes / bandwidth), but its copy
+# threads must be scheduled to land each copy, so a loaded CPU slows it too.
 ADAM_PROBE = 1 << 22
+LINK_PROBE_COPIES = 4
+
+
+def _link_probe(dev, host, buf, stream, done) -> tuple:
+    """(h2d, d2h) bytes/s of LINK_PROBE_COPIES copies of `buf`'s size each way."""
+    rates = []
+    for copy in (lambda: dev.copy_h2d(buf, host, stream), lambda: dev.copy_d2h(host, buf, stream)):
+        t = time.perf_counter()
+        for _ in range(LINK_PROBE_COPIES):
+            copy()
+        done.record(stream)
+        done.synchronize()
+        rates.append(LINK_PROBE_COPIES * buf.nbytes / (time.perf_counter() - t))
+    return tuple(rates)
 
 
 def worker(spec: dict) -> dict:
@@ -144,9 +160,14 @@ def worker(spec: dict) -> dict:
     n = ADAM_PROBE
     w, m, v = torch.zeros(n), torch.zeros(n), torch.zeros(n)
     half = torch.full((n,), 1e-3, dtype=dtype)
+    dev = tidal.get_device()
+    size = 2 * family["chunk"] * (2 if family["precision"] == "fp32" else 1)  # an fp32 chunk
+    host, buf = tidal.HostBuffer(size, pin_with=dev), dev.allocate(size)
+    stream, done = dev.create_stream("link-probe"), dev.create_event()
     g = torch.Generator().manual_seed(0)
     out = {"seconds": [], "h2d": [], "d2h": [], "adam_seconds": [], "losses": [], "plain_s": [],
-           "adam_probe_params_per_s": [], "others_cpu_seconds": []}
+           "adam_probe_params_per_s": [], "link_probe_h2d": [], "link_probe_d2h": [],
+           "others_cpu_seconds": []}
     adam = 0.0
     for i in range(spec["warmup"] + spec["steps"]):
         x = torch.randint(0, family["vocab"], (family["batch"], family["seq"]), generator=g)
@@ -162,8 +183,11 @@ def worker(spec: dict) -> dict:
                                         beta2=0.999, eps=1e-8, weight_decay=0.0, adamw_mode=True,
                                         bias_correction=True, loss_scale=1.0, max_grad_norm=0.0,
                                         check_overflow=False, grad=None, num_threads=0)
+        up, down = _link_probe(dev, host, buf, stream, done)
         r = engine.memory_report()
         if i >= spec["warmup"]:
+            out["link_probe_h2d"].append(up)
+            out["link_probe_d2h"].append(down)
             out["seconds"].append(step.seconds)
             out["others_cpu_seconds"].append(step.others)
             out["h2d"].append(r["bytes_host_to_device_last_step"])
@@ -234,9 +258,11 @@ def hook_cost(family, bandwidth, warmup, steps) -> dict:
             "h2d": r["h2d"]}
 
 
-def round_rates(run: dict, link: dict, hooks: float, flops: int) -> dict:
+def round_rates(run: dict, hooks: float, flops: int) -> dict:
     cpu_adam = statistics.median(run["adam_probe_params_per_s"])
-    return {**link, "cpu_adam_params_per_s": cpu_adam, "device_adam_params_per_s": cpu_adam,
+    return {"h2d_bytes_per_s": statistics.median(run["link_probe_h2d"]),
+            "d2h_bytes_per_s": statistics.median(run["link_probe_d2h"]),
+            "cpu_adam_params_per_s": cpu_adam, "device_adam_params_per_s": cpu_adam,
             "device_flops_per_s": flops / statistics.median(run["plain_s"]),
             "seconds_per_module": hooks}
 
@@ -343,7 +369,7 @@ def main():
     for name, shape in shapes.items():
         rounds = []
         for res in runs[name]:
-            rates = round_rates(res, link, hook, flops)
+            rates = round_rates(res, hook, flops)
             est = predict(family, shape, rates)
             rounds.append({"rates": rates, "predicted_step_s": est["time"]["step_s"],
                            "measured_step_s": statistics.median(res["seconds"]),

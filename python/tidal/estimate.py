@@ -322,6 +322,15 @@ def _fused_sdpa(original):
     return sdpa
 
 
+class _MetaAutocast(torch.autocast):
+    """torch.autocast with device_type "meta" read as "cpu": models that switch
+    autocast off around a block (Hugging Face's rotary embeddings) name the
+    device of their tensors, and autocast knows no meta device."""
+
+    def __init__(self, device_type, *args, **kwargs):
+        super().__init__("cpu" if device_type == "meta" else device_type, *args, **kwargs)
+
+
 def _trace(model, facts: dict, precision: str, micro_batch: int, seq: int, inputs=None) -> dict:
     """Activation peak and FLOPs of one forward + backward on the meta device."""
     from torch.utils.flop_counter import FlopCounterMode
@@ -343,8 +352,9 @@ def _trace(model, facts: dict, precision: str, micro_batch: int, seq: int, input
     vocab = facts.get("vocab") or 2
     x = torch.randint(0, vocab, (micro_batch, seq), device="meta")
     live = _LiveBytes(exclude)
-    original = F.scaled_dot_product_attention
+    original, autocast = F.scaled_dot_product_attention, torch.autocast
     F.scaled_dot_product_attention = _fused_sdpa(original)
+    torch.autocast = _MetaAutocast
     try:
         with FlopCounterMode(display=False) as flops, live.mode:
             if facts["kind"] == "tinygpt":
@@ -364,7 +374,7 @@ def _trace(model, facts: dict, precision: str, micro_batch: int, seq: int, input
         return {"error": f"the forward or backward on the meta device failed: "
                          f"{type(e).__name__}: {str(e)[:200]}"}
     finally:
-        F.scaled_dot_product_attention = original
+        F.scaled_dot_product_attention, torch.autocast = original, autocast
     return {"activation_bytes": live.peak, "forward_peak_bytes": forward_peak,
             "flops": flops.get_total_flops()}
 

@@ -141,6 +141,26 @@ def test_bytes_moved_per_step_are_near_the_engines():
                                                                 rel=0.25)
 
 
+@pytest.mark.parametrize("name, precision", [("gpt", "fp32"), ("llama", "bf16")])
+def test_activations_are_near_the_engines(name, precision):
+    # The meta-device count against the engine's measured peak of non-chunk
+    # memory (a Llama: rotary embeddings under autocast, GQA, sdpa with a mask).
+    build = {"gpt": gpt, "llama": llama}[name]
+    cfg = config(precision, device="256MiB")
+    with torch.device("meta"):
+        predicted = estimate(build(), cfg, device_memory="1GiB", seq=32, **NO_RATES)
+    assert not predicted["notes"]
+    torch.manual_seed(0)
+    engine = tidal.initialize(build(), cfg)
+    for _ in range(2):
+        x = torch.randint(0, 256, (2, 32))
+        loss = engine(x, x) if name == "gpt" else engine(input_ids=x, labels=x).loss
+        engine.backward(loss)
+        engine.step()
+    measured = engine.memory_report()["peak_nonchunk_device_bytes"]
+    assert predicted["device"]["activations"] == pytest.approx(measured, rel=0.25)
+
+
 def test_presets_hugging_face_configs_and_meta_models(tmp_path):
     e13 = estimate("gpt-13b", precision="bf16", device_memory="80GB", host_memory="128GB",
                    micro_batch=1, seq=1024, **NO_RATES)
