@@ -1,0 +1,298 @@
+"""The module hooks, the memory tracer and the parameter hooks: where the
+engine meets torch's forward and backward (one C++ call per hook, Note
+[One call per hook] in hooks/module_hooks.h).
+
+A mixin of Engine (engine.py), split from it along its sections; it uses
+the engine's attributes set in Engine.__init__."""
+from __future__ import annotations
+
+import weakref
+
+import torch
+
+from .. import _C
+from .. import dtr as _dtr
+from . import external as _external
+from . import hooks as _hooks
+from .errors import UnsupportedModelError
+
+from .common import OutOfMemoryError
+
+
+class HookWiringMixin:
+    def remove_hooks(self):
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+        _external.uninstall(self.module)
+        if self.recompute_plan is not None:
+            self.recompute_plan.remove()
+            self.recompute_plan = None
+
+    # ------------------------------------------------------------- the tracer
+    def _new_tracer(self):
+        """The tracer with the meter of Note [The memory tracer] for this device."""
+        store = self.store
+        provider = store.device.memory_provider()
+        kwargs = {}
+        if isinstance(provider, _C.TorchMemoryProvider):
+            # Chunk blocks from torch's allocator: torch's allocated bytes less
+            # the blocks the provider holds (on the simulated device's CPU
+            # stand-in, less what was there before this engine).
+            kwargs = {"provider": provider, "provider_baseline": not self._cuda}
+        elif self._cuda:
+            # Chunk blocks from cudaMalloc never use torch's cache: torch's
+            # reserved bytes are the non-chunk memory.
+            dev = store.torch_device
+            kwargs = {"read": lambda: (torch.cuda.memory_reserved(dev), torch.cuda.max_memory_reserved(dev)),
+                      "restart": lambda: torch.cuda.reset_peak_memory_stats(dev)}
+        # Else the simulated device: torch's CPU allocations while forward and
+        # backward run, less what was live when the engine was made.
+        return _C.chunks.MemoryTracer(self.chunks, device_budget=store.device_budget,
+                                      margin=store.margin, warmup_room=self._warmup_chunk_room,
+                                      **kwargs)
+
+    def _end_trace_step(self):
+        self._tracer.end_step()
+        self.dtr.rebalance()
+
+    # ----------------------------------------------------------------- hooks
+    # Each hook is one call into hooks/module_hooks.h (Note [One call per
+    # hook]); Python adds the DTR context and the error messages.
+    def _new_hooks(self):
+        hooks = _C.chunks.ModuleHooks(self.chunks, self._tracer)
+        for r in self._record_list:
+            hooks.add_param(r.param, r.id, r.shape)
+        index = self._record_index
+        for m in self._module_list:
+            hooks.add_module([index[id(r)] for r in self._module_records[m]])
+        hooks.set_make_room(self.dtr.enabled_by_config)
+        hooks.set_track_first_use(True)
+        hooks.set_accumulating(self._accumulating)
+        return hooks
+
+    def _count(self, on: bool):
+        # Simulated device: torch's CPU allocations during forward and
+        # backward are the non-chunk "device" memory (Note [The memory
+        # tracer]), limited to what the budget leaves beside the chunks while
+        # they are counted (Note [The simulated device's budget is a hard
+        # limit]; the limit and the room maker are this engine's for that
+        # window only, so another engine never meets them).
+        if self._cuda:
+            return
+        if on:
+            _C.chunks.set_host_allocation_counting(True)
+            if self._enforce_budget:
+                self._tracer.set_enforce(True)
+                self._hooks.set_device_room_maker(True)
+        else:
+            if self._enforce_budget:
+                self._tracer.set_enforce(False)
+                self._hooks.set_device_room_maker(False)
+            _C.chunks.set_host_allocation_counting(False)
+
+    def _root_pre(self, module, args):
+        if torch._C._current_graph_task_id() == -1:  # (not a recompute inside backward)
+            self._settle_raw_backward()
+            # Parameters read outside any forward since the last (Note
+            # [External parameters]) go back to their chunks.
+            with _dtr.outside():
+                self._hooks.end_backward()
+        if self._pending_readers:
+            self._hook_readers()
+        if torch._C._current_graph_task_id() == -1:
+            self.dtr.begin()  # Note [DTR belongs to the engine's cycle]
+        self._count(True)
+        if self._saved_hooks is None:
+            self._saved_hooks = torch.autograd.graph.saved_tensors_hooks(*self._saved_tensor_pair)
+            self._saved_hooks.__enter__()
+        if self._check_reads and self._reads_mode is None:
+            self._reads_mode = _external.PlaceholderCheck(self)
+            self._reads_mode.__enter__()
+
+    def _root_post(self, module, args, output):
+        if self._reads_mode is not None:
+            mode, self._reads_mode = self._reads_mode, None
+            mode.__exit__(None, None, None)
+            self._check_reads = False
+        if not torch.is_grad_enabled():
+            self._count(False)
+            if torch._C._current_graph_task_id() == -1:
+                self.dtr.end()  # no backward follows a no_grad forward
+        if self._saved_hooks is not None:
+            hooks, self._saved_hooks = self._saved_hooks, None
+            hooks.__exit__(None, None, None)
+
+    def _is_attached(self, record) -> bool:
+        """Whether `record`'s parameter is a view of its slot (COMPUTE)."""
+        return self._hooks.attached(self._record_index[id(record)])
+
+    def _uses(self, record) -> int:
+        """Forward uses of `record`'s parameter in flight (nested or shared modules)."""
+        return self._hooks.uses(self._record_index[id(record)])
+
+    def _attach(self, records, module, replay=False, for_backward=False):
+        """Attaches `records` (those not attached) outside the hooks' own path:
+        a saved tensor unpacked in backward, a DTR recompute's read."""
+        if not records:
+            return
+        index = self._record_index
+        ids = [index[id(r)] for r in records]
+        try:
+            with _dtr.outside():
+                self._hooks.attach(ids, for_backward=for_backward, replay=replay)
+        except OutOfMemoryError as e:
+            self._attach_failed(e, module, records, lambda: self._hooks.attach(
+                ids, for_backward=for_backward, replay=replay))
+        self.dtr.rebalance()
+
+    def _unpack_attach(self, i):
+        """A saved parameter alias is unpacked in backward while its
+        parameter (record index `i`) is not attached."""
+        self._attach([self._record_list[i]], None, for_backward=True)
+
+    def _attach_failed(self, e, module, records, retry):
+        """An attach of `records` (for `module`, or None) raised `e`: retried
+        once where torch's cache may hold the memory, else `e` with the
+        device's side of the story."""
+        # Without the provider, torch's cached free memory is out of the
+        # chunks' reach until torch gives it back. With it, torch's own
+        # OOM path already freed its cache and retried inside the chunk
+        # block's allocation, and the scheduler trimmed and evicted: a
+        # retry would fail the same way.
+        provider = self.store.device.memory_provider()
+        if not isinstance(provider, _C.TorchMemoryProvider):
+            provider = None
+        if self._cuda and provider is None:
+            torch.cuda.empty_cache()
+            try:
+                with _dtr.outside():
+                    retry()
+                return
+            except OutOfMemoryError as e2:
+                e = e2
+        where = f"module '{self._names.get(module, '?')}'" if module is not None else \
+            f"parameter '{records[0].name}'"
+        live = self._tracer.live()
+        torch_side = ""
+        if self._cuda:
+            dev = self.store.torch_device
+            torch_side = (f"; torch has {torch.cuda.memory_allocated(dev)} bytes "
+                          f"allocated and {torch.cuda.memory_reserved(dev)} reserved")
+            if provider is not None:
+                torch_side += (f", of which {provider.held_bytes()} are chunk "
+                               f"blocks ({provider.name})")
+        pool = ""
+        if self._spilled_floor > 0:
+            # Host and device as one pool: what the host cannot hold stays on
+            # the device, and with activations beside it nothing can swap.
+            host = self.store.capacity_bytes()[0]
+            pool = (f". The model's states fill the host's share ({host} bytes: "
+                    f"tidal.host_memory_budget {self.store.host_budget} less "
+                    f"{self.store.host_reserve} kept for swaps), so {self._spilled_floor} bytes of "
+                    f"them stay on the device: with the activations beside them the device has "
+                    f"no room left for the chunks in use. Raise tidal.host_memory_budget or "
+                    f"tidal.device_memory_budget, or use a smaller batch or model")
+        raise OutOfMemoryError(
+            f"tidal could not bring the parameters of {where} onto the device: {e}. "
+            f"Non-chunk device memory (activations and other torch tensors) is "
+            f"{live} bytes now, of the device budget of {self.store.device_budget} bytes "
+            f"(margin {self.store.margin}){torch_side}; chunks get what is "
+            f"left{pool}") from None
+
+    def param_record_of(self, t):
+        """The record of the attached parameter whose slot `t` views, or None
+        (the saved-tensor pack hook and DTR's parameter provider ask this)."""
+        if not isinstance(t, torch.Tensor) or t.layout != torch.strided:
+            return None
+        i = self._hooks.attached_at(t)
+        return None if i < 0 else self._record_list[i]
+
+    def _detach(self, records, state):
+        if not records:
+            return
+        index = self._record_index
+        with _dtr.outside():
+            self._hooks.detach([index[id(r)] for r in records], state)
+        self.dtr.rebalance()
+
+    def _pre_forward(self, module, args):
+        i = self._module_index[module]
+        try:
+            with _dtr.outside():
+                self._hooks.forward_pre(i)
+        except OutOfMemoryError as e:
+            self._forward_pre_failed(i, e)
+        self.dtr.rebalance()
+
+    def _forward_pre_failed(self, i, e):
+        """Module `i`'s forward pre-hook raised `e` (out of memory). A retry
+        (after torch.cuda.empty_cache) only attaches: the trace point was taken."""
+        module = self._module_list[i]
+        self._attach_failed(e, module, self._module_records[module],
+                            lambda: self._hooks.forward_pre(i, trace_point=False))
+
+    def _post_forward(self, module, args, output):
+        grad = torch.is_grad_enabled()
+        with _dtr.outside():
+            self._hooks.forward_post(self._module_index[module], grad)
+        self.dtr.rebalance()
+        if grad:
+            return _hooks.wrap_outputs(self, module, output)
+        return output
+
+    def _wrap_outputs(self, module, output):
+        return _hooks.wrap_outputs(self, module, output)
+
+    def _pre_backward_hook(self, module):
+        """The tensor hook hooks.wrap_outputs puts on `module`'s outputs (made
+        once per module; it holds the engine weakly, as the gradient hooks)."""
+        hook = self._pre_backward_hooks.get(module)
+        if hook is None:
+            ref = weakref.ref(self)
+
+            def hook(grad, module=module):
+                engine = ref()
+                if engine is not None:
+                    engine._pre_backward(module)
+            self._pre_backward_hooks[module] = hook
+        return hook
+
+    def _pre_backward(self, module):
+        i = self._module_index[module]
+        try:
+            with _dtr.outside():
+                self._hooks.backward_pre(i)
+        except OutOfMemoryError as e:
+            self._backward_pre_failed(i, e)
+        self.dtr.rebalance()
+
+    def _backward_pre_failed(self, i, e):
+        """Module `i`'s backward pre-hook raised `e` (out of memory)."""
+        module = self._module_list[i]
+        index = self._record_index
+        ids = [index[id(r)] for r in self._module_records[module]]
+        self._attach_failed(e, module, self._module_records[module],
+                            lambda: self._hooks.attach(ids, for_backward=True))
+
+    def _grad_ready(self, param):
+        r = self.store.by_param[id(param)]
+        g = param.grad
+        if g is None:
+            return
+        if g.layout != torch.strided:
+            raise UnsupportedModelError(
+                f"parameter '{r.name}' got a gradient of layout {g.layout}; tidal's chunks hold "
+                f"dense gradients in the parameters' 16-bit slots (an embedding read with "
+                f"sparse=True?)")
+        i = self._record_index[id(r)]
+        if _dtr.is_enabled():
+            # Under DTR an op in DTR's mode brings an evicted gradient back; no
+            # op runs between it and the landing, so it stays resident.
+            torch.ops.aten.alias.default(g)
+            with _dtr.outside():
+                self._hooks.land_gradient(i, g)
+        else:
+            self._hooks.land_gradient(i, g)
+        self.dtr.rebalance()
+        param.grad = None

@@ -1,0 +1,138 @@
+"""What the engine reports: memory_report(), the memory timeline and profile,
+parameters_fp32().
+
+A mixin of Engine (engine.py), split from it along its sections; it uses
+the engine's attributes set in Engine.__init__."""
+from __future__ import annotations
+
+
+import torch
+
+from .. import _C
+from .. import dtr as _dtr
+
+
+class ReportsMixin:
+    # -------------------------------------------------------------- reports
+    def memory_timeline(self) -> list[tuple]:
+        """Device memory at every hook of the last completed step: tuples of
+        (point, hook name, chunk bytes held, non-chunk peak since the previous
+        point, device budget). Hook names start with fwd/bwd/grad/step."""
+        budget = self.store.device_budget
+        out = []
+        for k, kind, what, held, peak, _ in self._tracer.timeline:
+            out.append((k, self._hook_name(kind, what), held, peak, budget))
+        return out
+
+    def _hook_name(self, kind, what) -> str:
+        if what < 0:
+            return kind
+        if kind == "grad":
+            return f"{kind} {self._record_list[what].name}"
+        module = self._module_list[what]
+        return f"{kind} {self._names.get(module, type(module).__name__)}"
+
+    def memory_profile(self) -> list[dict]:
+        """memory_timeline() as dicts, with the chunk traffic of each interval:
+        the moves host->device and device->host and the evictions since the
+        previous trace point (the first point counts from the previous step's
+        last one)."""
+        budget = self.store.device_budget
+        out = []
+        prev = None
+        for k, kind, what, held, peak, moves in self._tracer.timeline:
+            base = prev if prev is not None else moves
+            out.append({"moment": k, "hook": self._hook_name(kind, what), "chunk_bytes": held,
+                        "non_chunk_bytes": peak, "budget": budget,
+                        "h2d_moves": moves[0] - base[0], "d2h_moves": moves[1] - base[1],
+                        "evictions": moves[2] - base[2]})
+            prev = moves
+        return out
+
+    def export_memory_profile(self, directory, title=None) -> dict:
+        """Writes the last step's memory profile to `directory`: memory_profile.json
+        (memory_profile() with the budget, margin and report) and memory_profile.png
+        (chunks / non-chunk / free per hook, the budget line, chunk moves and
+        evictions marked). Returns {"json": path, "png": path, ...drawing facts}."""
+        import json
+        import pathlib
+
+        from ..profile import plot_memory_profile
+
+        profile = self.memory_profile()
+        if not profile:
+            raise ValueError("no memory profile yet: train at least one step (engine.step()) first")
+        directory = pathlib.Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        report = {k: v for k, v in self.memory_report().items() if k not in ("scheduler", "host")}
+        doc = {"device_budget": self.store.device_budget, "device_margin": self.store.margin,
+               "backend": self.store.backend, "points": profile, "report": report}
+        json_path = directory / "memory_profile.json"
+        json_path.write_text(json.dumps(doc, indent=1, default=str))
+        png = directory / "memory_profile.png"
+        drawn = plot_memory_profile(profile, png, title=title or
+                                    f"tidal: device memory over one step ({self.store.backend})")
+        return {"json": str(json_path), "png": str(png), **drawn}
+
+    def parameters_fp32(self) -> dict[str, torch.Tensor]:
+        """Host copies of the fp32 master weights (16-bit values for frozen params), by name."""
+        with _dtr.outside():
+            return {r.name: self.store.gather(r) for r in self.records}
+
+    def memory_report(self) -> dict:
+        s = self._scheduler_stats()
+        hits = s["prefetch_hits"]
+        misses = s["misses"]
+        steps = self._bytes_per_step
+        return {
+            "backend": self.store.backend,
+            "device_budget": self.store.device_budget,
+            "device_margin": self.store.margin,
+            "peak_chunk_device_bytes": s["peak_resident_bytes_device"],
+            "peak_nonchunk_device_bytes": self._tracer.peak_nonchunk,
+            "peak_device_bytes": self._tracer.peak_total,
+            "peak_chunk_host_bytes": s["peak_resident_bytes_host"],
+            "host_chunk_capacity_bytes": self.store.capacity_bytes()[0],
+            "chunk_spills_to_device": s["spills"],
+            "state_bytes_per_param": self.store.state_bytes_per_param(),
+            "largest_model_params": self.store.largest_model_params(),
+            "host": _C.host_memory_stats(),
+            "bytes_host_to_device_last_step": steps[-1][0] if steps else 0,
+            "bytes_device_to_host_last_step": steps[-1][1] if steps else 0,
+            "evictions": s["evictions"],
+            "prefetches": s["prefetches"],
+            "prefetch_hit_rate": hits / (hits + misses) if hits + misses else 0.0,
+            "budget_overruns": self._tracer.overruns,
+            "cpu_adam_seconds": self._adam_seconds,
+            "adam_chunks_on_device": self._adam_device_chunks,
+            "adam_chunks_on_host": self._adam_host_chunks,
+            "trace_adoptions": s["trace_adoptions"],
+            "trace_divergences": s["trace_divergences"],
+            "steps": self.global_steps,
+            "skipped_steps": self.skipped_steps,
+            "loss_scale": self.scaler.scale,
+            "dtr": self.dtr.report(),
+            "data_parallel": None if self.dp is None else {
+                "rank": self.dp.rank, "world_size": self.dp.world, "backend": self.dp.backend,
+                "owned_chunks": sorted({r.chunk for r in self.records if self.store.owns(r)}),
+                "bytes_sent": self.dp.bytes_sent, "collectives": self.dp.collectives,
+                "overlap_comm": self.dp.overlap, "reduces_in_backward": self._dp_in_backward,
+                "seconds_in_collectives": self.dp.seconds_blocked},
+            "scheduler": s,
+        }
+
+
+
+def _merge_stats(now: dict, retired: "dict | None") -> dict:
+    """A live scheduler's counters plus a replaced one's (peaks: the larger)."""
+    if retired is None:
+        return now
+    out = {}
+    for k, v in now.items():
+        if k.startswith("peak_"):
+            out[k] = max(v, retired[k])
+        elif k.startswith(("resident_", "held_", "budget_")):
+            out[k] = v
+        else:
+            out[k] = v + retired[k]
+    return out

@@ -1,0 +1,101 @@
+"""model.state_dict() and load_state_dict() through the engine's chunks: the
+hooks torch's Module calls, reading and writing the chunk slots.
+
+A mixin of Engine (engine.py), split from it along its sections; it uses
+the engine's attributes set in Engine.__init__."""
+from __future__ import annotations
+
+import weakref
+
+import torch
+
+from .. import dtr as _dtr
+from . import checkpoint as _checkpoint
+from . import param_groups as _param_groups
+from .errors import UsageError
+from .store import PARAM16, PARAM32
+
+
+class StateDictMixin:
+    def _install_state_dict_hooks(self):
+        """model.state_dict() and model.load_state_dict() read and write the
+        chunks: the module itself holds empty placeholders (a torch.save of
+        them would lose the model without a word)."""
+        ref = weakref.ref(self)
+        for m, names in self._param_names_by_module().items():
+            def save(module, state, prefix, local_metadata, names=names):
+                engine = ref()
+                if engine is not None:
+                    engine._fill_state_dict(state, prefix, names)
+
+            def load(module, state, prefix, local_metadata, strict, missing, unexpected, errors,
+                     names=names):
+                engine = ref()
+                if engine is not None:
+                    engine._load_own_state(state, prefix, names, errors)
+            self._handles.append(m.register_state_dict_post_hook(save))
+            self._handles.append(m.register_load_state_dict_pre_hook(load))
+
+    def _fill_state_dict(self, state, prefix, names):
+        """A module's state_dict entries for its parameters: their weights (CPU
+        copies in the parameter's dtype), not the placeholders. keep_vars=True
+        keeps the Parameter objects (tidal's own checkpoints map keys by them)."""
+        for pname, i in names.items():
+            key = prefix + pname
+            value = state.get(key)
+            if value is None or isinstance(value, torch.nn.Parameter):
+                continue
+            state[key] = self._weight_copy(self._record_list[i])
+
+    def _weight_copy(self, record) -> torch.Tensor:
+        """A host copy of `record`'s weight in its 16-bit dtype: the slot, or
+        the master while the slot holds a landed gradient."""
+        i = self._record_index[id(record)]
+        with torch.no_grad(), _dtr.outside():
+            if not self._hooks.landed(i):
+                return self.store.gather(record, PARAM16)
+            if not self.store.owns(record):
+                raise UsageError(
+                    f"model.state_dict() between backward and step under data parallel: the "
+                    f"16-bit slot of '{record.name}' holds its gradient and another rank owns its "
+                    f"master; call it after engine.step() (or use engine.state_dict() on every rank)")
+            return self.store._read(record, PARAM32).to(self.dtype)
+
+    def _load_own_state(self, state, prefix, names, errors):
+        """model.load_state_dict(): a module's parameters are written into the
+        chunks (fp32 master and 16-bit copy); the entry given to torch's own
+        copy becomes an empty tensor, which fits the empty placeholder."""
+        for pname, i in names.items():
+            key = prefix + pname
+            if key not in state:
+                continue
+            record = self._record_list[i]
+            value = state[key]
+            if not isinstance(value, torch.Tensor):
+                continue  # torch's own loader reports it
+            if list(value.shape) != list(record.shape):
+                errors.append(f"size mismatch for {key}: copying a param with shape "
+                              f"{tuple(value.shape)} from checkpoint, the shape in current model "
+                              f"is {tuple(record.shape)}.")
+                state[key] = value.new_empty(0)
+                continue
+            if self._hooks.landed(i):
+                raise UsageError(
+                    f"model.load_state_dict() between backward and step: the slot of "
+                    f"'{record.name}' holds its gradient; call engine.step() or engine.zero_grad() "
+                    f"first")
+            with _dtr.outside():
+                _checkpoint._write_param(self, record, value)
+            state[key] = value.new_empty(0)
+
+    def _group_state(self) -> list:
+        """The parameter groups as a checkpoint keeps them (Note [Parameter groups])."""
+        return _param_groups.state(self.optimizer.param_groups,
+                                   lambda p: self.store.by_param[id(p)].name)
+
+    def _record_of_param(self, p):
+        """The record of parameter `p` if this engine trains it, else None."""
+        r = self.store.by_param.get(id(p))
+        if r is None or r.param is not p or r not in self._record_set:
+            return None
+        return r

@@ -1,0 +1,418 @@
+"""The optimizer step: the gradient norm, clipping and fp16 overflow, Adam per
+chunk on the host (cpu_adam, SIMD) or the device (hybrid Adam), the
+learning-rate schedule and the relayout after the warm-up step.
+
+A mixin of Engine (engine.py), split from it along its sections; it uses
+the engine's attributes set in Engine.__init__."""
+from __future__ import annotations
+
+import collections
+import math
+import time
+import warnings
+
+import torch
+
+from .. import _C
+from .. import dtr as _dtr
+from . import param_groups as _param_groups
+from .store import (DEVICE, GRAD32, HOLD, HOST, MOMENTUM, PARAM16, PARAM32, VARIANCE, RelayoutError,
+                    uncounted)
+
+from .reports_mixin import _merge_stats
+
+
+class StepMixin:
+    def step(self):
+        """The optimizer step, at gradient accumulation boundaries (as DeepSpeed)."""
+        self._settle_raw_backward()
+        if self.micro_steps == 0 or not self.is_gradient_accumulation_boundary():
+            return
+        with self.dtr.weights_change():
+            return self._step()
+
+    def _step(self):
+        self._dp_check()
+        # Parameters still attached from a backward run without
+        # engine.backward (loss.backward()), or read outside any forward; and
+        # the simulated device's meter, which engine.backward would have
+        # stopped.
+        with _dtr.outside():
+            self._hooks.end_backward()
+        self._count(False)
+        accumulating = self._accumulating
+        pending = [r for r in self.records if r.accumulated] if accumulating else self._landed()
+        # Data parallel: the update runs where the masters are; every rank
+        # holds the gradients it reduced into the chunks it owns.
+        owned = pending if self.dp is None else [r for r in pending if self.store.owns(r)]
+        norm, finite = self._grad_norm(owned)
+        scale = self.scaler.scale
+        overflow = not finite
+        if self.precision == "fp16":
+            self.scaler.update(overflow)
+        if overflow:
+            self.skipped_steps += 1
+            if not accumulating:  # (folds restored the weights already)
+                self._restore_params(owned)
+        else:
+            clip = 1.0
+            if self.config.gradient_clipping > 0:
+                clip = min(1.0, self.config.gradient_clipping / (norm + 1e-6))
+            if self.dp is None:
+                self._adam(owned, clip / scale)
+            else:
+                # The all-gather: each chunk's updated 16-bit values from its
+                # owner, started as its update ends, while the owners go on
+                # with their next chunks.
+                try:
+                    self._adam(owned, clip / scale, order=list(self._dp_spans),
+                               after_chunk=self._dp_share)
+                    self._dp_shared()
+                except BaseException as e:
+                    self._dp_sending.clear()
+                    self._dp_broken = f"the step failed part-way ({type(e).__name__})"
+                    raise
+            if self.lr_scheduler is not None:
+                self.lr_scheduler.step()
+                self.apply_lr_schedule()
+        if self.dp is not None and overflow:
+            # The owners' weights came back from their masters: the others'
+            # from the owners.
+            self._dp_broadcast(self._dp_spans)
+        index = self._record_index
+        if accumulating:
+            self._hooks.drop_sums([index[id(r)] for r in owned])
+        else:
+            self._hooks.clear_landed([index[id(r)] for r in pending])
+        for r in pending:
+            r.accumulated = False
+        self._hooks.clear_grad_norm()
+        self._last_grad_norm = norm
+        self.global_steps += 1
+        self.chunks.end_step()
+        self._end_trace_step()
+        now = self.chunks.stats()
+        self._bytes_per_step.append(
+            (now["bytes_host_to_device"] - self._stats_at_step["bytes_host_to_device"],
+             now["bytes_device_to_host"] - self._stats_at_step["bytes_device_to_host"]))
+        self._stats_at_step = now
+        if not self._relayout_done:
+            self._relayout()
+        return not overflow
+
+    def apply_lr_schedule(self):
+        """lr (and OneCycle's betas) for the next step from the LR scheduler's
+        position, for every parameter group in proportion (Note [Parameter groups])."""
+        if self.lr_scheduler is not None:
+            self.lr = self.lr_scheduler.get_lr()
+            betas = self.lr_scheduler.get_betas()
+            self.betas = betas or self.config.betas
+            _param_groups.apply_schedule(self.optimizer.param_groups, self.lr, self.config.lr, betas)
+
+    def _relayout(self):
+        """After the warm-up step: chunks in first-use order (Note [Chunks in first-use order])."""
+        self._relayout_done = True
+        self._hooks.set_track_first_use(False)
+        used = [self._record_list[i] for i in self._hooks.take_first_use()]
+        seen = set(map(id, used))
+        order = used + [r for r in self.store.records if id(r) not in seen]
+        if [r.id for r in order] == [r.id for r in self.store.records]:
+            return  # registration order was already the first-use order
+        s = self.chunks.stats()
+        state = s["resident_bytes_host"] + s["resident_bytes_device"]
+        # The new chunks are filled on the host while the old ones go: only
+        # when the whole state fits the host budget beside both schedulers'
+        # cached blocks (host_cache_blocks = 4 each, fp32 chunks of up to 2x
+        # chunk_size). Otherwise the registration order stays.
+        host = self.store.capacity_bytes()[0]
+        if state + 16 * self.config.chunk_size > host:
+            self.relayout_skipped = (f"the chunk state ({state} bytes) and the blocks of a "
+                                     f"rebuild do not fit the host budget of {host} bytes")
+            return
+        try:
+            owner = {}
+            for m, recs in self._module_records.items():
+                for r in recs:
+                    owner.setdefault(id(r), id(m))
+            final = self.store.relayout(order, [owner.get(id(r)) for r in order])
+        except RelayoutError as e:
+            warnings.warn(f"tidal: {e}", stacklevel=3)
+            return
+        # The replaced scheduler's counters (its relayout copies included)
+        # stay in the reports.
+        self._retired_stats = _merge_stats(final, self._retired_stats)
+        self.chunks = self.store.chunks
+        self._tracer.set_chunks(self.chunks)
+        self._hooks.set_chunks(self.chunks, [r.id for r in self._record_list])
+        self.records = [r for r in self.store.records if r in self._record_set]
+        self._stats_at_step = self.chunks.stats()
+        self._check_budget()
+        self.relayouts += 1
+
+    def _scheduler_stats(self) -> dict:
+        """The scheduler's counters, including those of schedulers replaced by relayout."""
+        return _merge_stats(self.chunks.stats(), self._retired_stats)
+
+    # ----------------------------------------------------------- optimizer
+    def _grad_norm(self, pending) -> tuple[float, bool]:
+        """Global L2 norm of the unscaled gradients and whether all are finite."""
+        scale = self.scaler.scale
+        if self._accumulating:
+            # The sums, once, where their chunks are (Note [Gradient sums in
+            # chunks]; landings measured nothing).
+            index = self._record_index
+            with uncounted(), _dtr.outside():
+                self._hooks.measure_sums([index[id(r)] for r in pending])
+        sum_squares, finite = self._hooks.take_grad_norm()
+        if self.dp is not None:
+            # The landings measured this rank's own gradients; the norm is of
+            # the reduced ones, each measured by its owner, summed over ranks.
+            if not self._accumulating:
+                sum_squares, finite = self._dp_sumsq, math.isfinite(self._dp_sumsq)
+                self._dp_sumsq = 0.0
+            sum_squares, bad = self.dp.all_reduce_sum(
+                [sum_squares if finite else 0.0, 0.0 if finite else 1.0], "sum the gradient norm")
+            finite = bad == 0
+        total = math.sqrt(sum_squares) if finite else float("inf")
+        return total / scale, finite and math.isfinite(total)
+
+    def _weight_from_master(self, record) -> torch.Tensor:
+        """A temporary device tensor holding `record`'s 16-bit weight, made from
+        its fp32 master (while its 16-bit slot holds a gradient)."""
+        c = self.chunks
+        with torch.no_grad(), _dtr.outside():
+            src = c.access(record.id, PARAM32, HOST, [record.numel])
+            try:
+                return src.to(self.store.torch_device, self.dtype, copy=True)
+            finally:
+                c.release(record.id, PARAM32, HOLD)
+
+    def _restore_params(self, records):
+        """Gradients overwrote the 16-bit params: copy them back from fp32."""
+        c = self.chunks
+        with torch.no_grad(), uncounted():
+            for r in records:
+                if not r.trainable:
+                    continue
+                dst = c.access(r.id, PARAM16, HOST, [r.numel])
+                src = c.access(r.id, PARAM32, HOST, [r.numel])
+                dst.copy_(src)
+                c.release(r.id, PARAM32, HOLD)
+                c.release(r.id, PARAM16, HOLD)
+
+    def _host_short(self) -> bool:
+        """The host budget is too small for the state (Note [One place per chunk])."""
+        return self._spilled_floor > 0 or self.chunks.stats()["spills"] > 0
+
+    def _update_on_device(self, chunk: int, kinds, host_short: bool, prefer_device: bool) -> bool:
+        """Whether the update of `chunk` (the optimizer step, or a gradient
+        fold) runs on the device, where it then needs the chunks of `kinds`
+        beside its 16-bit chunk. prefer_device: run there whenever the device
+        has room for them (else only when the host is too full to take the
+        16-bit chunk)."""
+        c = self.chunks
+        # A master the host budget spilled to the device (Note [One place per
+        # chunk]) is updated there: moving it down would only spill another
+        # chunk up.
+        if host_short and c.chunk_space(chunk, PARAM32) == DEVICE:
+            return True
+        if c.chunk_space(chunk, PARAM16) != DEVICE:
+            return False
+        free = c.budget(DEVICE) - c.held_bytes(DEVICE)
+        # The chunk's own capacity: a tensor larger than the chunk size has a
+        # dedicated, larger chunk.
+        need = sum(c.chunk_capacity_bytes(chunk, k) for k in kinds)
+        host_full = c.budget(HOST) - c.held_bytes(HOST) < \
+            c.chunk_capacity_bytes(chunk, PARAM16)
+        return (prefer_device or host_full) and free >= need
+
+    def _adam(self, pending, grad_scale: float, order=None, after_chunk=None):
+        """Adam on `pending`'s chunks, one chunk at a time: in `order` when
+        given (which may name chunks without pending records), calling
+        `after_chunk(chunk)` after each (data parallel: the broadcasts)."""
+        by_chunk = collections.defaultdict(list)
+        for r in pending:
+            by_chunk[r.chunk].append(r)
+        t0 = time.perf_counter()
+        outside = 0.0
+        # The chunks the update needs beside the 16-bit one.
+        kinds = (PARAM32, MOMENTUM, VARIANCE) + ((GRAD32,) if self._accumulating else ())
+        host_short = self._host_short()
+        if host_short:
+            # A host too small for the state (Note [One place per chunk]): the
+            # step needs device room to move chunks through, and forward and
+            # backward are over, so chunks may use what live tensors leave.
+            # (Not otherwise: the budget of backward's last point already
+            # plans for the next step's first interval.)
+            limit = self.store.device_budget - self.store.margin
+            self._tracer.make_room(max(0, limit - self._tracer.live()))
+        with torch.no_grad(), uncounted():
+            for chunk in sorted(by_chunk) if order is None else order:
+                if chunk in by_chunk:
+                    self._adam_update(chunk, by_chunk[chunk], grad_scale, kinds, host_short)
+                if after_chunk is not None:
+                    t1 = time.perf_counter()
+                    after_chunk(chunk)
+                    outside += time.perf_counter() - t1
+        self._adam_seconds += time.perf_counter() - t0 - outside
+
+    def _adam_update(self, chunk, recs, grad_scale: float, kinds, host_short: bool):
+        cfg, c = self.config, self.chunks
+        # Hybrid Adam: on the device when it has room.
+        on_device = self._update_on_device(chunk, kinds, host_short, cfg.hybrid_adam)
+        space = DEVICE if on_device else HOST
+        if on_device:
+            self._adam_device_chunks += 1
+        else:
+            self._adam_host_chunks += 1
+        # One pass per chunk, except on a GPU where torch's fused
+        # kernel cannot compute what the config asks.
+        if space == HOST or self._device_adam_kernel == "simd" or cfg.bias_correction:
+            self._adam_chunk(chunk, recs, grad_scale, space, (PARAM16,) + kinds)
+            return
+        groups = self.optimizer.param_groups
+        for r in recs:
+            group = groups[r.group]
+            r.step += 1
+            g16 = c.access(r.id, PARAM16, space, [r.numel])
+            w = c.access(r.id, PARAM32, space, [r.numel])
+            m = c.access(r.id, MOMENTUM, space, [r.numel])
+            v = c.access(r.id, VARIANCE, space, [r.numel])
+            # The gradient sum (accumulation) or the 16-bit slot.
+            grad = c.access(r.id, GRAD32, space, [r.numel]) if self._accumulating else g16
+            if space == HOST:
+                b1, b2 = group["betas"]
+                _C.cpu_adam.adam_update(
+                    w, m, v, grad, g16 if self.precision != "fp32" else None,
+                    step=r.step, lr=group["lr"], beta1=b1, beta2=b2, eps=group["eps"],
+                    weight_decay=group["weight_decay"], adamw_mode=cfg.adam_w_mode,
+                    bias_correction=cfg.bias_correction, grad_scale=grad_scale,
+                    num_threads=cfg.cpu_adam_threads)
+                if self.precision == "fp32":
+                    g16.copy_(w)
+            else:
+                self._device_adam(w, m, v, grad.to(w.device), r.step, grad_scale, group)
+                g16.copy_(w)
+            for kind in (PARAM16,) + kinds:
+                c.release(r.id, kind, HOLD)
+
+    def _adam_chunk(self, chunk, recs, grad_scale: float, space: str, kinds):
+        """The step of one chunk's tensors in one call over the chunk, in
+        `space`: cpu_adam's adam_chunk_step (SIMD, GIL released: unscale and
+        clip factor, Adam/AdamW and the write-back over the ranges of `recs`)
+        on the host and on the simulated device, whose memory is host memory;
+        torch's fused Adam/AdamW (one multi-tensor kernel) on a GPU. A few chunk
+        calls per chunk instead of 10 per parameter. The 16-bit chunk holds
+        the gradients, or with gradient accumulation the fp32 sum chunk does
+        (Note [Gradient sums in chunks]), and the 16-bit chunk takes the new
+        weights (in fp32 mode it is float32: an exact copy). `kinds`: the
+        chunks the step uses."""
+        cfg = self.config
+        c = self.chunks
+        first = recs[0]
+        held = []
+        try:
+            # Accessing one tensor of each of the chunks pins them in `space`.
+            for kind in kinds:
+                c.access(first.id, kind, space, [first.numel])
+                held.append(kind)
+            for r in recs:
+                r.step += 1
+            views = [c.chunk_view(chunk, k) for k in (PARAM32, MOMENTUM, VARIANCE, PARAM16)]
+            sums = c.chunk_view(chunk, GRAD32) if GRAD32 in kinds else None
+            # One call per parameter group in the chunk (Note [Parameter groups]).
+            by_group = collections.defaultdict(list)
+            for r in recs:
+                by_group[r.group].append(r)
+            for gi, members in sorted(by_group.items()):
+                group = self.optimizer.param_groups[gi]
+                ranges = [(c.placement(r.id)[1], r.numel) for r in members]
+                steps = [r.step for r in members]
+                if space == HOST or self._device_adam_kernel == "simd":
+                    b1, b2 = group["betas"]
+                    _C.cpu_adam.adam_chunk_step(
+                        *views, ranges, step=steps,
+                        lr=group["lr"], beta1=b1, beta2=b2, eps=group["eps"],
+                        weight_decay=group["weight_decay"],
+                        adamw_mode=cfg.adam_w_mode, bias_correction=cfg.bias_correction,
+                        loss_scale=1.0 / grad_scale, max_grad_norm=0.0, check_overflow=False,
+                        grad=sums, num_threads=cfg.cpu_adam_threads)
+                else:
+                    self._fused_chunk_step(views, ranges, steps, grad_scale, group, sums)
+        finally:
+            for kind in held:
+                c.release(first.id, kind, HOLD)
+
+    def _fused_chunk_step(self, views, ranges, steps, grad_scale: float, group, sums=None):
+        """torch's fused Adam/AdamW over the tensors of one device chunk, in
+        groups of at most a quarter of the chunk (the fp32 copies of 16-bit
+        gradients are temporary device memory), then the 16-bit write-back.
+        `sums`: the chunk of fp32 gradient sums (accumulation), read in place
+        of the 16-bit gradients and consumed. With bias correction only
+        (torch's fused kernels always correct). bf16 moments
+        (tidal.optimizer_state_dtype) go through fp32 temporaries: torch's
+        fused kernels take fp32 moments only, so on a GPU this path moves
+        more bytes than fp32 moments would (not yet a kernel of our own)."""
+        cfg = self.config
+        w, m, v, h = views
+        b1, b2 = group["betas"]
+        fused = torch._fused_adamw_ if cfg.adam_w_mode else torch._fused_adam_
+        step_of = torch.tensor(steps, dtype=torch.float32, device=w.device).unbind()
+        group_cap = max(1, w.numel() // 4)
+        start = 0
+        while start < len(ranges):
+            end, size = start, 0
+            while end < len(ranges) and (end == start or size + ranges[end][1] <= group_cap):
+                size += ranges[end][1]
+                end += 1
+            part = ranges[start:end]
+            ws = [w[o:o + n] for o, n in part]
+            hs = [h[o:o + n] for o, n in part]
+            if sums is not None:
+                grads = [sums[o:o + n] for o, n in part]
+            else:
+                grads = hs if h.dtype == torch.float32 else [g.float() for g in hs]
+            if grad_scale != 1.0:
+                torch._foreach_mul_(grads, grad_scale)  # temporaries, or slots overwritten below
+            ms = [m[o:o + n] for o, n in part]
+            vs = [v[o:o + n] for o, n in part]
+            m32 = ms if m.dtype == torch.float32 else [t.float() for t in ms]
+            v32 = vs if v.dtype == torch.float32 else [t.float() for t in vs]
+            fused(ws, grads, m32, v32, [],
+                  list(step_of[start:end]), amsgrad=False, lr=group["lr"], beta1=b1, beta2=b2,
+                  weight_decay=group["weight_decay"], eps=group["eps"], maximize=False)
+            if m32 is not ms:
+                torch._foreach_copy_(ms, m32)  # rounded to nearest even
+                torch._foreach_copy_(vs, v32)
+            torch._foreach_copy_(hs, ws)
+            start = end
+
+    def _device_adam(self, w, m, v, g, step, grad_scale, group):
+        """torch.optim.AdamW's single-tensor update on device tensors (bf16
+        moments widened to fp32 and rounded back)."""
+        if m.dtype != torch.float32:
+            m32, v32 = m.float(), v.float()
+            self._device_adam(w, m32, v32, g, step, grad_scale, group)
+            m.copy_(m32)
+            v.copy_(v32)
+            return
+        cfg = self.config
+        b1, b2 = group["betas"]
+        lr, wd, eps = group["lr"], group["weight_decay"], group["eps"]
+        g = g.float()
+        if grad_scale != 1.0:
+            g = g * grad_scale
+        if wd:
+            if cfg.adam_w_mode:
+                w.mul_(1 - lr * wd)
+            else:
+                g = g.add(w, alpha=wd)
+        m.lerp_(g, 1 - b1)
+        v.mul_(b2).addcmul_(g, g, value=1 - b2)
+        if cfg.bias_correction:
+            bc1 = 1 - b1 ** step
+            bc2 = 1 - b2 ** step
+        else:
+            bc1 = bc2 = 1.0
+        denom = (v.sqrt() / math.sqrt(bc2)).add_(eps)
+        w.addcdiv_(m, denom, value=-lr / bc1)
