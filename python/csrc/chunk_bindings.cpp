@@ -14,6 +14,7 @@
 #include "python/csrc/bindings.h"
 #include "python/csrc/hook_callables.h"
 #include "chunk/chunk_store.h"
+#include "hooks/chunk_step.h"
 #include "hooks/host_allocation_counter.h"
 #include "hooks/module_hooks.h"
 #include "hooks/nonchunk_meters.h"
@@ -502,6 +503,51 @@ Python thread drives a Chunks object.)doc");
              return py::make_tuple(p.chunk, p.offset, p.numel);
            },
            py::arg("id"), "(chunk index, offset in elements, numel) of a tensor.")
+      .def("step_chunk",
+           [](Chunks& c, std::uint32_t chunk, const std::vector<py::tuple>& groups, bool adamw_mode,
+              bool bias_correction, double grad_scale, bool use_sums, bool prefer_device, bool host_short,
+              bool device_simd, int num_threads) {
+             std::vector<hooks::ChunkStepGroup> gs;
+             gs.reserve(groups.size());
+             for (const py::tuple& t : groups) {
+               TIDAL_CHECK(t.size() == 7, "step_chunk: a group is (lr, beta1, beta2, eps, weight_decay, "
+                           "tensor ids, steps), got ", t.size(), " items");
+               hooks::ChunkStepGroup g;
+               g.lr = t[0].cast<double>();
+               g.beta1 = t[1].cast<double>();
+               g.beta2 = t[2].cast<double>();
+               g.eps = t[3].cast<double>();
+               g.weight_decay = t[4].cast<double>();
+               g.tensors = t[5].cast<std::vector<TensorId>>();
+               g.steps = t[6].cast<std::vector<std::int64_t>>();
+               gs.push_back(std::move(g));
+             }
+             hooks::ChunkStepOptions o;
+             o.adamw_mode = adamw_mode;
+             o.bias_correction = bias_correction;
+             o.grad_scale = grad_scale;
+             o.use_sums = use_sums;
+             o.prefer_device = prefer_device;
+             o.host_short = host_short;
+             o.device_simd = device_simd;
+             o.num_threads = num_threads;
+             py::gil_scoped_release no_gil;
+             return hooks::step_chunk(c.scheduler(), c.binding(), chunk, gs, o);
+           },
+           py::arg("chunk"), py::arg("groups"), py::kw_only(), py::arg("adamw_mode"), py::arg("bias_correction"),
+           py::arg("grad_scale"), py::arg("use_sums"), py::arg("prefer_device"), py::arg("host_short"),
+           py::arg("device_simd"), py::arg("num_threads") = 0,
+           "Note [The step of a chunk in one call] (hooks/chunk_step.h): where the update runs, the pins, "
+           "Adam over each group's tensors, the write-back and the releases; returns the space it ran in. "
+           "groups: (lr, beta1, beta2, eps, weight_decay, tensor ids, steps) per parameter group.")
+      .def("update_on_device",
+           [](Chunks& c, std::uint32_t chunk, const std::vector<ChunkKind>& kinds, bool host_short,
+              bool prefer_device) {
+             return hooks::update_on_device(c.scheduler(), chunk, kinds, host_short, prefer_device);
+           },
+           py::arg("chunk"), py::arg("kinds"), py::arg("host_short"), py::arg("prefer_device"),
+           "Whether the update of a chunk (the step, or a gradient fold) runs on the device "
+           "(hooks/chunk_step.h).")
       .def("chunk_space",
            [](Chunks& c, std::uint32_t chunk, ChunkKind kind) {
              return c.scheduler().store().chunk(make_chunk_id(kind, chunk)).space();

@@ -276,7 +276,7 @@ class Engine(ExternalMixin, StateDictMixin, HookWiringMixin, DataParallelMixin, 
         self._adam_seconds = 0.0
         self._adam_device_chunks = 0
         self._adam_host_chunks = 0
-        # The optimizer step of a chunk on the device (_adam_chunk): torch's
+        # The optimizer step of a chunk on the device (hooks/chunk_step.h): torch's
         # fused kernel on a GPU; cpu_adam's SIMD kernel on the simulated
         # device, whose memory is host memory.
         self._device_adam_kernel = "fused" if self._cuda else "simd"

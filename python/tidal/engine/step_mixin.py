@@ -13,7 +13,6 @@ import warnings
 
 import torch
 
-from .. import _C
 from .. import dtr as _dtr
 from . import param_groups as _param_groups
 from .store import (DEVICE, GRAD32, HOLD, HOST, MOMENTUM, PARAM16, PARAM32, VARIANCE, RelayoutError,
@@ -207,24 +206,10 @@ class StepMixin:
     def _update_on_device(self, chunk: int, kinds, host_short: bool, prefer_device: bool) -> bool:
         """Whether the update of `chunk` (the optimizer step, or a gradient
         fold) runs on the device, where it then needs the chunks of `kinds`
-        beside its 16-bit chunk. prefer_device: run there whenever the device
-        has room for them (else only when the host is too full to take the
-        16-bit chunk)."""
-        c = self.chunks
-        # A master the host budget spilled to the device (Note [One place per
-        # chunk]) is updated there: moving it down would only spill another
-        # chunk up.
-        if host_short and c.chunk_space(chunk, PARAM32) == DEVICE:
-            return True
-        if c.chunk_space(chunk, PARAM16) != DEVICE:
-            return False
-        free = c.budget(DEVICE) - c.held_bytes(DEVICE)
-        # The chunk's own capacity: a tensor larger than the chunk size has a
-        # dedicated, larger chunk.
-        need = sum(c.chunk_capacity_bytes(chunk, k) for k in kinds)
-        host_full = c.budget(HOST) - c.held_bytes(HOST) < \
-            c.chunk_capacity_bytes(chunk, PARAM16)
-        return (prefer_device or host_full) and free >= need
+        beside its 16-bit chunk; prefer_device: whenever the device has room
+        (else only when the host is too full to take the 16-bit chunk). The
+        rule is C++'s, one call (hooks/chunk_step.h, update_on_device)."""
+        return self.chunks.update_on_device(chunk, list(kinds), host_short, prefer_device)
 
     def _adam(self, pending, grad_scale: float, order=None, after_chunk=None):
         """Adam on `pending`'s chunks, one chunk at a time: in `order` when
@@ -258,134 +243,57 @@ class StepMixin:
 
     def _adam_update(self, chunk, recs, grad_scale: float, kinds, host_short: bool):
         cfg, c = self.config, self.chunks
-        # Hybrid Adam: on the device when it has room.
-        on_device = self._update_on_device(chunk, kinds, host_short, cfg.hybrid_adam)
-        space = DEVICE if on_device else HOST
-        if on_device:
+        for r in recs:
+            r.step += 1
+        if self._device_adam_kernel != "simd" and not cfg.bias_correction:
+            # torch's fused kernel always corrects the bias: on a GPU without
+            # bias correction, tensor by tensor (_adam_per_tensor).
+            on_device = self._update_on_device(chunk, kinds, host_short, cfg.hybrid_adam)
+            if on_device:
+                self._adam_device_chunks += 1
+                self._adam_per_tensor(recs, grad_scale, kinds, DEVICE)
+                return
+        # Note [The step of a chunk in one call] (hooks/chunk_step.h): where
+        # it runs, the pins, Adam per group and the releases, in one call.
+        by_group = collections.defaultdict(list)
+        for r in recs:
+            by_group[r.group].append(r)
+        groups = []
+        for gi, members in sorted(by_group.items()):
+            group = self.optimizer.param_groups[gi]
+            b1, b2 = group["betas"]
+            groups.append((group["lr"], b1, b2, group["eps"], group["weight_decay"],
+                           [r.id for r in members], [r.step for r in members]))
+        space = c.step_chunk(chunk, groups, adamw_mode=cfg.adam_w_mode,
+                             bias_correction=cfg.bias_correction, grad_scale=grad_scale,
+                             use_sums=GRAD32 in kinds, prefer_device=cfg.hybrid_adam,
+                             host_short=host_short, device_simd=self._device_adam_kernel == "simd",
+                             num_threads=cfg.cpu_adam_threads)
+        if space == DEVICE:
             self._adam_device_chunks += 1
         else:
             self._adam_host_chunks += 1
-        # One pass per chunk, except on a GPU where torch's fused
-        # kernel cannot compute what the config asks.
-        if space == HOST or self._device_adam_kernel == "simd" or cfg.bias_correction:
-            self._adam_chunk(chunk, recs, grad_scale, space, (PARAM16,) + kinds)
-            return
+
+    def _adam_per_tensor(self, recs, grad_scale: float, kinds, space):
+        """torch.optim.AdamW's single-tensor update of each of `recs` in
+        `space` (a GPU without bias correction, which torch's fused kernel
+        cannot leave out)."""
+        c = self.chunks
         groups = self.optimizer.param_groups
         for r in recs:
             group = groups[r.group]
-            r.step += 1
             g16 = c.access(r.id, PARAM16, space, [r.numel])
             w = c.access(r.id, PARAM32, space, [r.numel])
             m = c.access(r.id, MOMENTUM, space, [r.numel])
             v = c.access(r.id, VARIANCE, space, [r.numel])
             # The gradient sum (accumulation) or the 16-bit slot.
-            grad = c.access(r.id, GRAD32, space, [r.numel]) if self._accumulating else g16
-            if space == HOST:
-                b1, b2 = group["betas"]
-                _C.cpu_adam.adam_update(
-                    w, m, v, grad, g16 if self.precision != "fp32" else None,
-                    step=r.step, lr=group["lr"], beta1=b1, beta2=b2, eps=group["eps"],
-                    weight_decay=group["weight_decay"], adamw_mode=cfg.adam_w_mode,
-                    bias_correction=cfg.bias_correction, grad_scale=grad_scale,
-                    num_threads=cfg.cpu_adam_threads)
-                if self.precision == "fp32":
-                    g16.copy_(w)
-            else:
+            grad = c.access(r.id, GRAD32, space, [r.numel]) if GRAD32 in kinds else g16
+            try:
                 self._device_adam(w, m, v, grad.to(w.device), r.step, grad_scale, group)
                 g16.copy_(w)
-            for kind in (PARAM16,) + kinds:
-                c.release(r.id, kind, HOLD)
-
-    def _adam_chunk(self, chunk, recs, grad_scale: float, space: str, kinds):
-        """The step of one chunk's tensors in one call over the chunk, in
-        `space`: cpu_adam's adam_chunk_step (SIMD, GIL released: unscale and
-        clip factor, Adam/AdamW and the write-back over the ranges of `recs`)
-        on the host and on the simulated device, whose memory is host memory;
-        torch's fused Adam/AdamW (one multi-tensor kernel) on a GPU. A few chunk
-        calls per chunk instead of 10 per parameter. The 16-bit chunk holds
-        the gradients, or with gradient accumulation the fp32 sum chunk does
-        (Note [Gradient sums in chunks]), and the 16-bit chunk takes the new
-        weights (in fp32 mode it is float32: an exact copy). `kinds`: the
-        chunks the step uses."""
-        cfg = self.config
-        c = self.chunks
-        first = recs[0]
-        held = []
-        try:
-            # Accessing one tensor of each of the chunks pins them in `space`.
-            for kind in kinds:
-                c.access(first.id, kind, space, [first.numel])
-                held.append(kind)
-            for r in recs:
-                r.step += 1
-            views = [c.chunk_view(chunk, k) for k in (PARAM32, MOMENTUM, VARIANCE, PARAM16)]
-            sums = c.chunk_view(chunk, GRAD32) if GRAD32 in kinds else None
-            # One call per parameter group in the chunk (Note [Parameter groups]).
-            by_group = collections.defaultdict(list)
-            for r in recs:
-                by_group[r.group].append(r)
-            for gi, members in sorted(by_group.items()):
-                group = self.optimizer.param_groups[gi]
-                ranges = [(c.placement(r.id)[1], r.numel) for r in members]
-                steps = [r.step for r in members]
-                if space == HOST or self._device_adam_kernel == "simd":
-                    b1, b2 = group["betas"]
-                    _C.cpu_adam.adam_chunk_step(
-                        *views, ranges, step=steps,
-                        lr=group["lr"], beta1=b1, beta2=b2, eps=group["eps"],
-                        weight_decay=group["weight_decay"],
-                        adamw_mode=cfg.adam_w_mode, bias_correction=cfg.bias_correction,
-                        loss_scale=1.0 / grad_scale, max_grad_norm=0.0, check_overflow=False,
-                        grad=sums, num_threads=cfg.cpu_adam_threads)
-                else:
-                    self._fused_chunk_step(views, ranges, steps, grad_scale, group, sums)
-        finally:
-            for kind in held:
-                c.release(first.id, kind, HOLD)
-
-    def _fused_chunk_step(self, views, ranges, steps, grad_scale: float, group, sums=None):
-        """torch's fused Adam/AdamW over the tensors of one device chunk, in
-        groups of at most a quarter of the chunk (the fp32 copies of 16-bit
-        gradients are temporary device memory), then the 16-bit write-back.
-        `sums`: the chunk of fp32 gradient sums (accumulation), read in place
-        of the 16-bit gradients and consumed. With bias correction only
-        (torch's fused kernels always correct). bf16 moments
-        (tidal.optimizer_state_dtype) go through fp32 temporaries: torch's
-        fused kernels take fp32 moments only, so on a GPU this path moves
-        more bytes than fp32 moments would (not yet a kernel of our own)."""
-        cfg = self.config
-        w, m, v, h = views
-        b1, b2 = group["betas"]
-        fused = torch._fused_adamw_ if cfg.adam_w_mode else torch._fused_adam_
-        step_of = torch.tensor(steps, dtype=torch.float32, device=w.device).unbind()
-        group_cap = max(1, w.numel() // 4)
-        start = 0
-        while start < len(ranges):
-            end, size = start, 0
-            while end < len(ranges) and (end == start or size + ranges[end][1] <= group_cap):
-                size += ranges[end][1]
-                end += 1
-            part = ranges[start:end]
-            ws = [w[o:o + n] for o, n in part]
-            hs = [h[o:o + n] for o, n in part]
-            if sums is not None:
-                grads = [sums[o:o + n] for o, n in part]
-            else:
-                grads = hs if h.dtype == torch.float32 else [g.float() for g in hs]
-            if grad_scale != 1.0:
-                torch._foreach_mul_(grads, grad_scale)  # temporaries, or slots overwritten below
-            ms = [m[o:o + n] for o, n in part]
-            vs = [v[o:o + n] for o, n in part]
-            m32 = ms if m.dtype == torch.float32 else [t.float() for t in ms]
-            v32 = vs if v.dtype == torch.float32 else [t.float() for t in vs]
-            fused(ws, grads, m32, v32, [],
-                  list(step_of[start:end]), amsgrad=False, lr=group["lr"], beta1=b1, beta2=b2,
-                  weight_decay=group["weight_decay"], eps=group["eps"], maximize=False)
-            if m32 is not ms:
-                torch._foreach_copy_(ms, m32)  # rounded to nearest even
-                torch._foreach_copy_(vs, v32)
-            torch._foreach_copy_(hs, ws)
-            start = end
+            finally:
+                for kind in (PARAM16,) + tuple(kinds):
+                    c.release(r.id, kind, HOLD)
 
     def _device_adam(self, w, m, v, g, step, grad_scale, group):
         """torch.optim.AdamW's single-tensor update on device tensors (bf16

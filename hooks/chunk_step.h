@@ -1,0 +1,78 @@
+// The optimizer step of one chunk in one call (issue 32).
+//
+// Note [The step of a chunk in one call]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// The engine's step went back and forth between Python and the scheduler
+// for every chunk: the space decision asked for the chunk's space, the
+// budgets, the held bytes and the capacities one call at a time, then the
+// update made 4 access, N placement, 4 chunk_view, one adam_chunk_step and 4
+// release calls: about 22 + N crossings of the binding per chunk, each
+// taking and dropping the GIL. step_chunk() does it all in C++ with the GIL
+// released: where the update runs (update_on_device(), the rule of hybrid
+// Adam and of a host too small for the state), pinning the chunks of every
+// kind the update uses in that space (access of the chunk's first tensor:
+// COMPUTE, so the payload cannot move), the update over the ranges of the
+// chunk's tensors, one call per parameter group (cpu_adam's adam_chunk_step
+// with SIMD on the host and on the simulated device, whose memory is host
+// memory; torch's fused Adam/AdamW on a GPU), and the releases, also after
+// an error. Python keeps what is Python's: the loss scale, the clip factor,
+// the learning-rate schedule (each group's lr), the steps of the tensors and
+// the order of the chunks. One crossing per chunk; the per-tensor step
+// counts and group membership are passed as plain lists.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "chunk/chunk_id.h"
+#include "chunk/memory_space.h"
+#include "hooks/param_binding.h"
+#include "runtime/scheduler/chunk_scheduler.h"
+
+namespace tidal::hooks {
+
+// One parameter group's share of a chunk: its hyper-parameters and the
+// tensors of the chunk that belong to it, each with the step this update
+// makes (torch's state['step'] after its increment).
+struct ChunkStepGroup {
+  double lr = 1e-3;
+  double beta1 = 0.9;
+  double beta2 = 0.999;
+  double eps = 1e-8;
+  double weight_decay = 0.0;
+  std::vector<TensorId> tensors;
+  std::vector<std::int64_t> steps;
+};
+
+struct ChunkStepOptions {
+  bool adamw_mode = true;
+  bool bias_correction = true;
+  // The factor the 16-bit gradients are multiplied by: clip / loss scale.
+  double grad_scale = 1.0;
+  // Gradient accumulation: the fp32 sums (ChunkKind::kGradAccum) hold the gradients.
+  bool use_sums = false;
+  // Hybrid Adam: update on the device whenever it has room.
+  bool prefer_device = true;
+  // The host budget is too small for the state (Note [One place per chunk]).
+  bool host_short = false;
+  // On the device: cpu_adam's SIMD kernels (the simulated device) or torch's
+  // fused kernel (a GPU).
+  bool device_simd = true;
+  int num_threads = 0;
+};
+
+// Whether the update of `chunk` (the step, or a gradient fold) runs on the
+// device, where it then needs the chunks of `kinds` beside its 16-bit chunk.
+// A master the host budget spilled to the device is updated there; else only
+// a chunk whose 16-bit copy is on the device, when the device has room for
+// the others and prefer_device (or the host is too full to take the 16-bit
+// chunk).
+bool update_on_device(const ChunkScheduler& scheduler, std::uint32_t chunk, const std::vector<ChunkKind>& kinds,
+                      bool host_short, bool prefer_device);
+
+// Note [The step of a chunk in one call]. Returns the space the update ran
+// in. The caller holds no GIL.
+MemorySpace step_chunk(ChunkScheduler& scheduler, const ParamBinding& binding, std::uint32_t chunk,
+                       const std::vector<ChunkStepGroup>& groups, const ChunkStepOptions& options);
+
+}  // namespace tidal::hooks
