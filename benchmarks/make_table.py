@@ -314,6 +314,66 @@ def _engine_batch(r: Dict, name: str) -> List[List[str]]:
     return rows
 
 
+_ENGINE_DTR_MODELS = {
+    "gpt": "TinyGPT (vocab 256, d 128, 6 layers, 4 heads, seq 128)",
+    "bert": "BERT-like encoder (transformers' BertForMaskedLM: vocab 256, hidden 128, 6 layers, seq 128)",
+    "resnet50": "ResNet-50 layout (3-4-6-3 bottlenecks, base width 32, BatchNorm), 64x64 images",
+}
+
+
+def _engine_dtr_batch(r: Dict, name: str) -> List[List[str]]:
+    """One device budget under the engine: the largest batch with the config's
+    tidal.dtr against the engine alone and its static recompute ("auto"), and
+    DTR's step time against recompute's at recompute's largest batch."""
+    if r.get("quick"):
+        return []
+    rows = []
+    for key, m in r["models"].items():
+        big = m["largest"]
+        cap = m["batch_cap"]
+        at_least = ">= " if big["dtr"] >= cap else ""
+        mono = "monotonic" if all(m["monotonic"].values()) else \
+            "NOT monotonic: " + ", ".join(k for k, v in m["monotonic"].items() if not v)
+        what = (f"at a {m['device_budget_bytes'] / 2**20:.0f} MiB device budget, training engine, "
+                f"{_ENGINE_DTR_MODELS.get(key, key)}, fp32 (simulated device; each trial a fresh process, "
+                f"2 steps, the engine's peak within the budget, 0 overruns; fits {mono}; cap {cap})")
+        for peer, label in (("engine", "engine alone"), ("recompute", 'static recompute "auto"')):
+            ratio = f"{at_least}{big['dtr'] / big[peer]:.2f}" if big[peer] else "-"
+            rows.append([f"largest batch {what}", _machine(r), f"{at_least}{big['dtr']} with tidal.dtr",
+                         f"{big[peer]}, {label}", ratio, f"`{name}`"])
+        t = m.get("step_seconds_at_recompute_batch")
+        if t and t.get("dtr") and t.get("recompute"):
+            rows.append([f"step time at recompute's largest batch ({t['batch']}) {what}", _machine(r),
+                         f"{t['dtr'] * 1e3:.0f} ms with tidal.dtr",
+                         f"{t['recompute'] * 1e3:.0f} ms, static recompute \"auto\"",
+                         f"{t['dtr'] / t['recompute']:.2f}", f"`{name}`"])
+    return rows
+
+
+def _engine_arbiter(r: Dict, name: str) -> List[List[str]]:
+    """The arbiter between chunks and activations against chunks first and
+    activations first, under the engine with DTR."""
+    if r.get("quick"):
+        return []
+    m = r["model"]
+    what = (f"at a {r['device_budget_bytes'] / 2**20:.0f} MiB device budget, engine + tidal.dtr, "
+            f"TinyGPT (vocab {m['vocab']} untied, d {m['d']}, {m['layers']} layers, seq {m['seq']}), "
+            f"fp32, link {r['link']} (simulated device)")
+    big, rows = r["largest"], []
+    times = r["step_seconds_median"]
+    for peer, label in (("chunks_first", "chunks first (DTR never evicts a chunk)"),
+                        ("activations_first", "activations first")):
+        ratio = f"{big['arbiter'] / big[peer]:.2f}" if big[peer] else "-"
+        rows.append([f"largest batch {what}", _machine(r), f"{big['arbiter']} with the arbiter",
+                     f"{big[peer]}, {label}", ratio, f"`{name}`"])
+        if times.get("arbiter") and times.get(peer):
+            rows.append([f"step time at batch {r['timed_batch']} {what}", _machine(r),
+                         f"{times['arbiter'] * 1e3:.0f} ms with the arbiter",
+                         f"{times[peer] * 1e3:.0f} ms, {label}",
+                         f"{times['arbiter'] / times[peer]:.2f}", f"`{name}`"])
+    return rows
+
+
 def _engine_overhead(r: Dict, name: str) -> List[List[str]]:
     """The engine's own cost when everything fits: the whole step for a model
     of many small modules (the hooks dominate), the optimizer step alone for
@@ -390,6 +450,8 @@ def _data_parallel(r: Dict, name: str) -> List[List[str]]:
 ROWS: Dict[str, Callable[[Dict, str], List[List[str]]]] = {
     "dtr_batch": _dtr_batch,
     "engine_batch": _engine_batch,
+    "engine_dtr_batch": _engine_dtr_batch,
+    "engine_arbiter": _engine_arbiter,
     "cpu_adam": _cpu_adam,
     "device_bandwidth": _device_bandwidth,
     "chunk_bookkeeping": _chunk_bookkeeping,
