@@ -189,6 +189,11 @@ def model_part(name: str, spec: dict, quick: bool, link: str) -> dict:
         out["step_seconds_at_recompute_batch"] = {"batch": at, **times}
         if times["recompute"] and times["dtr"]:
             out["dtr_over_recompute_time"] = times["dtr"] / times["recompute"]
+    # Monotonic over every trial of the mode, the timing runs included: a
+    # batch at or below the largest that failed anywhere breaks it.
+    for mode in MODES:
+        out["monotonic"][mode] = all(t["fits"] for t in trials
+                                     if t["mode"] == mode and t["batch"] <= out["largest"][mode])
     e, d, rc = (out["largest"][m] for m in MODES)
     out["dtr_over_engine"] = d / e if e else None
     out["dtr_over_recompute"] = d / rc if rc else None

@@ -361,13 +361,15 @@ void Session::run_handle(const c10::OperatorHandle& op, const OpInfo& info, c10:
   };
   std::vector<Mutation> mutations;
   bool declared = false;
+  bool held = false;  // evictions held while the update is prepared
   if (!info.written.empty() || scratch) {
     std::vector<at::Tensor> written;
     for (std::size_t i : info.written) flatten_tensors(args[i], &written);
     declared = !written.empty();
     written.insert(written.end(), scratch_tensors.begin(), scratch_tensors.end());
     if (!written.empty()) {
-      runtime_.set_hold_evictions(true);  // released by end_op, after commit_mutation
+      runtime_.set_hold_evictions(true);  // released by run_mutation, then by end_op after commit_mutation
+      held = true;
       std::vector<TensorId> wids;
       for (const at::Tensor& w : written) {
         TensorId wid = d::kNoTensor;
@@ -390,6 +392,11 @@ void Session::run_handle(const c10::OperatorHandle& op, const OpInfo& info, c10:
 
   std::optional<RngSaved> rng;
   if (info.random) rng = rng_of(*stack, first, inputs_);
+  if (held) {
+    std::vector<TensorId> targets;
+    for (const Mutation& m : mutations) targets.push_back(m.id);
+    runtime_.run_mutation(targets);  // Note [Evictions while an in-place op runs]
+  }
   const auto t0 = Clock::now();
   for (;;) {
     try {
@@ -404,6 +411,7 @@ void Session::run_handle(const c10::OperatorHandle& op, const OpInfo& info, c10:
     }
   }
   const double seconds = seconds_since(t0);
+  if (held) runtime_.set_hold_evictions(true);  // until the commits below
 
   outputs_.clear();
   for (std::size_t i = first; i < stack->size(); ++i) flatten_tensors((*stack)[i], &outputs_);

@@ -375,6 +375,16 @@ void StorageRuntime::abandon_op() {
   drain_released();
 }
 
+void StorageRuntime::run_mutation(std::span<const TensorId> targets) {
+  for (TensorId target : targets) {
+    for (TensorId id : core_.mutation_readers(target)) {
+      core_.pin(id);
+      op_pins_.push_back(id);  // end_op() and abandon_op() unpin them
+    }
+  }
+  hold_evictions_ = false;
+}
+
 bool StorageRuntime::evict_one() {
   if (hold_evictions_) return false;  // an in-place update is being prepared
   const TensorId e = core_.choose_evictee();

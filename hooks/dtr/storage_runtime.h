@@ -223,6 +223,11 @@ class StorageRuntime {
   // While an in-place update is being prepared, the tensors its preparation
   // found resident or brought back must stay so until commit_mutation().
   void set_hold_evictions(bool hold) { hold_evictions_ = hold; }
+  // The in-place op is about to run: its preparation is done. Pins what
+  // reads the targets' old values (Rematerializer::mutation_readers) until
+  // end_op() and lets evictions go on for anything else (Note [Evictions
+  // while an in-place op runs] in runtime/dtr/rematerializer.cpp).
+  void run_mutation(std::span<const TensorId> targets);
   // Frees one candidate; false when none is left (an allocation failed).
   bool evict_one();
   // The regeneration cost per byte of the tensor evict_one() would evict, or

@@ -272,6 +272,7 @@ DTR's C++ side (hooks/dtr/). Users call tidal.dtr (python/tidal/dtr.py).)doc");
       .def("record", &Runtime::record)
       .def("prepare_mutation", &Runtime::prepare_mutation)
       .def("commit_mutation", &Runtime::commit_mutation)
+      .def("run_mutation", [](Runtime& r, const std::vector<hd::TensorId>& targets) { r.get().run_mutation(targets); })
       .def("end_op", [](Runtime& r, const std::string& name) { r.get().end_op(name); })
       .def("abandon_op", [](Runtime& r) { r.get().abandon_op(); })
       .def("evict_one", [](Runtime& r) { return r.get().evict_one(); })

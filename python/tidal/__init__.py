@@ -12,6 +12,7 @@ from tidal import _C
 from tidal._C import InternalError, OutOfMemoryError
 from tidal import dtr, optim, recompute
 from tidal.config import Config, ConfigError
+from tidal.estimate import estimate
 from tidal.engine import (Engine, UnsupportedModelError, UsageError, init_context, initialize,
                           register_external_parameter, set_leaf_modules)
 from tidal.device import (
@@ -33,6 +34,7 @@ __all__ = [
     "Config",
     "ConfigError",
     "Engine",
+    "estimate",
     "init_context",
     "initialize",
     "optim",

@@ -341,7 +341,7 @@ class _DtrMode(TorchDispatchMode):
             declared = self._written(info, recorded_args, kwargs)
             written = declared + scratch
             if written:
-                rt.set_hold_evictions(True)  # released by end_op, after commit_mutation
+                rt.set_hold_evictions(True)  # released by run_mutation, then by end_op after commit_mutation
                 wids = []
                 for w in written:
                     wid = next((ids[i] for i, t in enumerate(inputs) if t is w), -1)
@@ -358,6 +358,8 @@ class _DtrMode(TorchDispatchMode):
                 if regen:
                     self.regenerate(regen)
             rng = _rng_get(args, kwargs, inputs) if info.random else None
+            if written:  # Note [Evictions while an in-place op runs]
+                rt.run_mutation([wid for wid, _ in mutations])
             t0 = time.perf_counter()
             while True:
                 try:
@@ -370,6 +372,8 @@ class _DtrMode(TorchDispatchMode):
                     if rng is not None:
                         _rng_set(rng)  # the retry draws what a replay will draw
             seconds = time.perf_counter() - t0
+            if written:
+                rt.set_hold_evictions(True)  # until the commits below
             recipe = (func, targs, tkw, rng, torch.is_grad_enabled())
             outs = _flat_outputs(out)
             if _providers and outs:

@@ -198,6 +198,44 @@ MutationPlan Rematerializer::prepare_mutation(TensorId target, bool op_replayabl
   return plan;
 }
 
+// Note [Evictions while an in-place op runs]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// Between prepare_mutation() and commit_mutation() nothing that reads the
+// target's old value may be evicted: commit locks those tensors, and one
+// evicted in between could never be replayed (its recipe reads a value the
+// op destroyed). Evictions used to be held for the whole op for this reason,
+// so an in-place op that ran out of memory (batch norm in training updates
+// its running statistics in place: every BatchNorm of a ResNet) could free
+// nothing and failed, though megabytes of unrelated activations were
+// evictable: ResNet-50 under the engine trained a batch of 16 and failed at
+// 14. Now the interception holds evictions only while it prepares and
+// regenerates; while the op itself runs, it pins what mutation_readers()
+// lists (the target and the resident results reached through its users,
+// through dead intermediates, as commit_mutation walks) and lets the
+// allocator's retry evict anything else.
+std::vector<TensorId> Rematerializer::mutation_readers(TensorId target) const {
+  std::vector<TensorId> out;
+  std::unordered_set<TensorId> seen{target};
+  std::vector<TensorId> work{target};
+  if (tensor(target).state == TensorState::kResident) out.push_back(target);
+  while (!work.empty()) {
+    const TensorId x = work.back();
+    work.pop_back();
+    for (OpId c : tensor(x).users) {
+      for_each_result(op(c), [&](TensorId y) {
+        if (!seen.insert(y).second) return;
+        const TensorRecord& ry = tensor(y);
+        if (ry.state == TensorState::kResident) {
+          out.push_back(y);
+        } else if (ry.state == TensorState::kDeleted) {
+          work.push_back(y);
+        }
+      });
+    }
+  }
+  return out;
+}
+
 OpId Rematerializer::commit_mutation(TensorId target, std::span<const TensorId> inputs, double cost_seconds,
                                      bool replayable, const MutationPlan& plan) {
   TensorRecord& r = t_(target);

@@ -135,6 +135,12 @@ class Rematerializer {
   MutationPlan prepare_mutation(TensorId target, bool op_replayable) const;
   OpId commit_mutation(TensorId target, std::span<const TensorId> inputs, double cost_seconds,
                        bool replayable, const MutationPlan& plan);
+  // The resident tensors whose value is, or was computed from, target's
+  // value now (target included): what commit_mutation() would lock. While
+  // the op runs they must stay resident (pinned); anything else may be
+  // evicted to make room for the op (Note [Evictions while an in-place op
+  // runs]). Call after the plan's regenerations.
+  std::vector<TensorId> mutation_readers(TensorId target) const;
 
   // An in-place op resized t's storage to `bytes` (t is resident).
   void resize(TensorId t, std::size_t bytes);

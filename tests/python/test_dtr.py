@@ -436,6 +436,40 @@ def test_allocation_failure_evicts_and_retries():
     assert all(torch.equal(a, b) for a, b in zip(keep, [x.exp(), x.sin(), x.cos()]))
 
 
+@pytest.mark.parametrize("interception", ["cpp", "python"])
+def test_an_in_place_op_that_runs_out_of_memory_evicts_what_does_not_read_its_target(interception,
+                                                                                      monkeypatch):
+    """Note [Evictions while an in-place op runs]: while an in-place op runs,
+    what reads its target's old value stays (it is locked at the commit), and
+    anything else can be evicted for the allocator's retry. Evictions were held
+    for the whole op: batch norm in training (its running statistics are
+    written in place) could free nothing when it ran out, and ResNet-50 under
+    the engine failed at a batch of 14 while 16 trained."""
+    monkeypatch.setattr(dtr, "_interception", interception)
+    calls = {"n": 0}
+
+    @torch.library.custom_op(f"tidal_test::flaky_scale_{interception}", mutates_args=("x",))
+    def flaky_scale_(x: torch.Tensor) -> None:
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise torch.OutOfMemoryError("simulated allocation failure")
+        x.mul_(2)
+
+    op = getattr(torch.ops.tidal_test, f"flaky_scale_{interception}")
+    x = torch.randn(64, 64)
+    with dtr.enabled(eviction_threshold=0, evictee_minimum_size=KiB):
+        unrelated = x.exp()
+        target = x.sin()
+        reader = target.cos()  # reads the value the op destroys
+        op(target)
+        assert calls["n"] == 2 and dtr.stats()["evictions"] == 1
+        assert unrelated.untyped_storage().nbytes() == 0        # evicted for the retry
+        assert reader.untyped_storage().nbytes() == 64 * 64 * 4  # kept: it could not be replayed
+        assert torch.equal(target, x.sin() * 2)
+        assert torch.equal(reader, x.sin().cos())
+        assert torch.equal(unrelated, x.exp())  # brought back on use
+
+
 def test_a_random_op_retried_after_an_allocation_failure_replays_what_it_returned():
     """The failed attempt drew random numbers; the retry starts from the saved
     generator state, so a replay of the recorded op gives the same values."""

@@ -284,6 +284,15 @@ class Engine:
         # whose chunk blocks torch counts too).
         self._enforce_budget = not self._cuda and not isinstance(
             store.device.memory_provider(), _C.TorchMemoryProvider)
+        if self._cuda and isinstance(store.device.memory_provider(), _C.TorchMemoryProvider):
+            # On a GPU whose chunk blocks come from torch's caching allocator,
+            # torch's own per-process cap makes the budget the same promise:
+            # an allocation past it fails in its op (DTR evicts and retries),
+            # as past the card's memory. (Not yet run on a GPU.)
+            dev = store.torch_device
+            total = torch.cuda.get_device_properties(dev).total_memory
+            torch.cuda.set_per_process_memory_fraction(
+                min(1.0, (store.device_budget - store.margin) / total), dev)
         self._stats_at_step = self.chunks.stats()
         self._retired_stats: dict | None = None  # counters of a scheduler replaced by relayout
         self._relayout_done = False

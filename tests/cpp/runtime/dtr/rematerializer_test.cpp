@@ -370,6 +370,36 @@ TEST(Rematerializer, InPlaceUpdateOfReadTensorLocksDependants) {
   r.validate();
 }
 
+TEST(Rematerializer, MutationReadersAreWhatTheCommitLocks) {
+  // Note [Evictions while an in-place op runs]: the readers of the target's
+  // old value (through dead intermediates too) are pinned while the op runs;
+  // the others stay candidates (d reads c, whose value the op leaves alone).
+  Rematerializer r(opts(0));
+  const TensorId x = r.add_external(kMiB);
+  auto ts = chain(r, x, 4);  // a -> b -> c -> d
+  const TensorId other = unary(r, x, kMiB);
+  r.on_storage_dead(ts[1]);  // b dead: c reads a through it
+  auto plan = r.prepare_mutation(ts[0], true);
+  EXPECT_TRUE(plan.regenerate.empty());
+  auto readers = r.mutation_readers(ts[0]);
+  std::sort(readers.begin(), readers.end());
+  EXPECT_EQ(readers, (std::vector<TensorId>{ts[0], ts[2]}));
+  for (TensorId t : readers) r.pin(t);
+  for (int i = 0; i < 2; ++i) {  // d and other go; a and c stay
+    const TensorId e = r.choose_evictee();
+    EXPECT_TRUE(e == ts[3] || e == other) << e;
+    r.evict(e);
+  }
+  EXPECT_EQ(r.choose_evictee(), kNoTensor);
+  for (TensorId t : readers) r.unpin(t);
+  r.commit_mutation(ts[0], {}, 0, true, plan);
+  EXPECT_TRUE(r.tensor(ts[0]).locked);
+  EXPECT_TRUE(r.tensor(ts[2]).locked);
+  EXPECT_FALSE(r.tensor(ts[3]).locked);
+  EXPECT_FALSE(r.tensor(other).locked);
+  r.validate();
+}
+
 TEST(Rematerializer, InPlaceUpdateOfAnEvictedTargetBringsItBackFirst) {
   // Batch norm's running statistics are written without being inputs: an
   // evicted one must come back before the op writes into it.

@@ -1,0 +1,883 @@
+"""tidal-estimate (or tidal.estimate(...)): whether a model fits, and how fast it
+would train, before anything is allocated.
+
+    tidal-estimate gpt-13b --precision bf16 --device-memory 80GB --host-memory 128GB
+    tidal-estimate my_llama/config.json --precision bf16 --micro-batch 4 --seq 2048 --json
+    tidal-estimate tiny --measure          # rates measured on this machine (a few seconds)
+
+The model is a tidal-train preset, a Hugging Face config.json (or a transformers
+config object), or an nn.Module built on the meta device. Nothing is allocated
+but a few chunk records: the model is built (or stays) on the meta device.
+
+Note [The pre-flight estimate]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+Memory. The engine's own objects decide what they can:
+* the chunk layout is the engine's: the model's tensors are registered, in
+  the order tidal.initialize registers a built model (module order, each
+  module's own parameters, a module's next tensor "with the previous", frozen
+  tensors in their own pool), with a tidal._C.chunks.Chunks over a throwaway
+  1 MiB simulated device, which places tensors without allocating anything
+  (Note [One layout, five lists] in chunk/chunk_layout.h). So the chunk
+  count, the padding and the state bytes (the sum of the chunks' capacities
+  in the lists a chunk uses) are the engine's for these shapes;
+* state_bytes_per_param, the budgets (device budget less the margin; host
+  budget less the two-fp32-chunk reserve) and largest_model_params are
+  ParamStore's formulas (python/tidal/engine/store.py), repeated here because
+  ParamStore needs a device and a model in chunks; tests check them equal.
+* activations: one forward and backward of the model on the meta device at
+  the micro batch and sequence length, counting the bytes of live non-parameter
+  tensors (parameter gradients dropped as they are made: they land in chunks),
+  with scaled_dot_product_attention run as the fused kernel (output and
+  logsumexp saved, no score matrix), as it runs on the CPU and on a GPU. The
+  same pass counts the FLOPs (torch.utils.flop_counter).
+
+Traffic per step, in steady state (after the warm-up steps; measured on the
+simulated device, benchmarks/estimate.py). With P the 16-bit chunk bytes, S
+all chunk bytes (P times 1 + e: e = 6 at 14 B/param, 4 at 10 B, 3 in fp32),
+L = device budget - margin, A the activation peak, R = L - A:
+* S <= R: every chunk stays on the device, nothing moves, Adam runs there.
+* otherwise the step's hybrid Adam fills the device up to L: chunks whose
+  master, momentum and variance it holds, H bytes of their 16-bit chunks with
+  H = clamp((L - P) / e, 0, P) (at least what the host budget spilled to the
+  device, spilled / e), are updated there; the other P - H 16-bit bytes go
+  down for forward and their gradients up for the CPU Adam: P - H each way.
+  The next forward's activations then push out what does not fit at the
+  peak, min(A, S - R) bytes, or, where the 16-bit chunks alone do not fit
+  (P > R), the P - R bytes backward fetches again, whichever is larger; it
+  comes back before the step. So each way:
+      bytes = (P - H) + max(min(A, S - R), P - R)
+  (times the micro-batches for the first term with gradient accumulation:
+  each micro-batch's forward and gradient fold move them; not validated).
+  Within 25% where a chunk's states are small beside A (many chunks); with
+  chunks whose states are as large as A the engine keeps fewer chunks'
+  states through the peak than this says.
+
+Time per step (the simulated device computes on the host: a chunk access
+waits for its copy, so copies do not overlap compute):
+    step = compute + hooks + link + CPU Adam + device Adam
+    compute = FLOPs / device FLOP/s, hooks = modules x seconds per module hook,
+    link = bytes up / h2d rate + bytes down / d2h rate,
+    CPU Adam = parameters in host-updated chunks / CPU Adam rate (the device
+    part likewise at the device Adam rate).
+On a GPU, prefetch on a copy stream overlaps the link with compute; the
+estimate then also gives step_s_overlapped = max(compute + hooks, link) +
+Adam (a lower bound; not run on a GPU). The bottleneck is the largest term.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import dataclasses
+import json
+import math
+import os
+import sys
+import time
+import weakref
+from pathlib import Path
+
+import torch
+
+from . import _C
+from .config import Config, ConfigError
+from .device import parse_bytes
+
+__all__ = ["estimate", "measure_rates", "format_estimate", "DEFAULT_RATES", "main"]
+
+_ELEMENT = {"fp32": 4, "bf16": 2, "fp16": 2}
+_TORCH = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+_CHUNK_DTYPES = {"fp16": "float16", "bf16": "bfloat16", "fp32": "float32"}
+
+# Rates used when neither given nor measured, with where they come from.
+DEFAULT_RATES = {
+    "h2d_bytes_per_s": (54.5e9, "measured on an H100 80GB HBM3 (PCIe Gen5, pinned 64 MiB copies): "
+                                "benchmarks/results/device_bandwidth-nvidia-h100-80gb-hbm3.json"),
+    "d2h_bytes_per_s": (55.0e9, "measured on an H100 80GB HBM3: "
+                                "benchmarks/results/device_bandwidth-nvidia-h100-80gb-hbm3.json"),
+    "device_flops_per_s": (395.8e12, "plain PyTorch gpt-1.3b, bf16, batch 8 x 1024, on an H100 "
+                                     "80GB HBM3 (model TFLOPS 6 N T / t): "
+                                     "benchmarks/results/engine-nvidia-h100-80gb-hbm3.json"),
+    "cpu_adam_params_per_s": (1.34e9, "tidal's CPU Adam, 2^26 parameters, 2 threads of a 2-core "
+                                      "AMD EPYC: benchmarks/results/cpu_adam-cpu-2c.json (a host "
+                                      "with more cores and memory channels is faster)"),
+    "device_adam_params_per_s": (1.0e11, "assumed: an H100's 3.35 TB/s over the 32 bytes per "
+                                         "parameter torch's fused Adam reads and writes (not "
+                                         "measured)"),
+    "seconds_per_module": (66.5e-6, "tidal's hooks per module per forward + backward: "
+                                    "benchmarks/results/engine_overhead-cpu-2c.json"),
+}
+_RATE_KEYS = tuple(DEFAULT_RATES)
+
+
+# --------------------------------------------------------------------------- model
+def _preset_model(name: str):
+    from .models.gpt import TinyGPT
+    from .train import PRESETS
+    layers, d, heads, positions, vocab = PRESETS[name]
+    with torch.device("meta"):
+        model = TinyGPT(vocab=vocab, d=d, layers=layers, heads=heads, seq=positions)
+    return model, f"preset {name}", {"kind": "tinygpt", "positions": positions, "vocab": vocab,
+                                     "layers": layers, "hidden": d}
+
+
+def _hf_model(config, origin: str):
+    import transformers
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(config)
+    positions = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
+    return model, origin, {"kind": "causal_lm", "positions": positions,
+                           "vocab": getattr(config, "vocab_size", None),
+                           "layers": getattr(config, "num_hidden_layers", None),
+                           "hidden": getattr(config, "hidden_size", None)}
+
+
+def _json_model(path: Path):
+    from .models.gpt import TinyGPT
+    from .train import _transformers_config, shape_from_hf_config
+    if path.is_dir():
+        path = path / "config.json"
+    try:
+        with open(path, encoding="utf-8") as f:
+            hf = json.load(f)
+    except OSError as e:
+        raise ValueError(f"Hugging Face config '{path}': {e.strerror or e}") from None
+    except ValueError as e:
+        raise ValueError(f"Hugging Face config '{path}' is not JSON: {e}") from None
+    if isinstance(hf, dict) and hf.get("model_type"):
+        return _hf_model(_transformers_config(hf, str(path)),
+                         f"Hugging Face {hf['model_type']} config {path}")
+    shape = shape_from_hf_config(hf, str(path))
+    with torch.device("meta"):
+        model = TinyGPT(vocab=shape.vocab, d=shape.hidden, layers=shape.layers, heads=shape.heads,
+                        seq=shape.positions, tied=shape.tied)
+    return model, shape.source, {"kind": "tinygpt", "positions": shape.positions,
+                                 "vocab": shape.vocab, "layers": shape.layers,
+                                 "hidden": shape.hidden, "note": shape.note}
+
+
+def _resolve_model(model):
+    """(nn.Module, description, facts) for a preset name, a config.json path,
+    a transformers config or an nn.Module."""
+    from .train import PRESETS
+    if isinstance(model, torch.nn.Module):
+        from .models.gpt import TinyGPT
+        kind = "tinygpt" if isinstance(model, TinyGPT) else \
+            "causal_lm" if hasattr(model, "config") and hasattr(model, "generate") else "module"
+        facts = {"kind": kind}
+        if kind == "tinygpt":
+            facts.update(positions=model.wpe.num_embeddings, vocab=model.wte.num_embeddings,
+                         layers=len(model.blocks), hidden=model.wte.embedding_dim)
+        elif kind == "causal_lm":
+            c = model.config
+            facts.update(positions=getattr(c, "max_position_embeddings", None),
+                         vocab=getattr(c, "vocab_size", None))
+        return model, f"{type(model).__name__} (given)", facts
+    if isinstance(model, (str, os.PathLike)):
+        name = os.fspath(model)
+        if name in PRESETS:
+            return _preset_model(name)
+        path = Path(name)
+        if path.exists() or name.endswith(".json"):
+            if not path.exists():
+                raise ValueError(f"Hugging Face config '{name}': no such file")
+            return _json_model(path)
+        import difflib
+        near = difflib.get_close_matches(name, list(PRESETS), n=1, cutoff=0.5)
+        hint = f"; did you mean '{near[0]}'?" if near else ""
+        raise ValueError(f"unknown model '{name}': not a preset{hint} (presets: "
+                         f"{', '.join(PRESETS)}) and no such config.json file")
+    if type(model).__module__.startswith("transformers.") and hasattr(model, "to_dict"):
+        return _hf_model(model, f"transformers {type(model).__name__} ({model.model_type})")
+    raise TypeError(f"tidal.estimate: expected a preset name, a config.json path, a transformers "
+                    f"config or an nn.Module, got {type(model).__name__}")
+
+
+def _module_tensors(model):
+    """The model's parameters as tidal.initialize registers a built model:
+    [(name, numel, trainable, module key)] and {module key: [tensor indexes]}
+    (Engine._setup and ParamStore.add)."""
+    from .engine import external as _external
+    tensors, index, owned_by = [], {}, {}
+    inside_leaf = set()
+    for mname, m in model.named_modules(remove_duplicate=True):
+        if id(m) in inside_leaf:
+            continue
+        if _external.is_leaf(m):
+            inside_leaf.update(id(d) for d in m.modules() if d is not m)
+            owned = m.named_parameters(prefix=mname)
+        else:
+            owned = ((f"{mname}.{pname}" if mname else pname, p)
+                     for pname, p in m.named_parameters(recurse=False))
+        mine = []
+        for full, p in owned:
+            if id(p) not in index:
+                if p.numel() == 0:
+                    continue
+                index[id(p)] = len(tensors)
+                tensors.append((full, p.numel(), bool(p.requires_grad), id(m)))
+            mine.append(index[id(p)])
+        if mine:
+            owned_by[id(m)] = mine
+    return tensors, owned_by
+
+
+def _layout(tensors, owned_by, cfg: Config) -> dict:
+    """The engine's chunk layout for `tensors` (Note [The pre-flight estimate])."""
+    K = _C.chunks.ChunkKind
+    device = _C.create_device("sim", 1 << 20, None, None)  # places, never allocates
+    chunks = _C.chunks.Chunks(
+        device, chunk_bytes=cfg.chunk_size, param_dtype=_CHUNK_DTYPES[cfg.precision],
+        device_budget=1 << 20, host_budget=1 << 20,
+        state_dtype="bfloat16" if cfg.optimizer_state_dtype == "bf16" else "float32")
+    last = {}
+    ids = []
+    for i, (name, numel, trainable, key) in enumerate(tensors):
+        pool = 0 if trainable else 1
+        ids.append(chunks.register(f"{i}:{name}", numel, pool=pool,
+                                   with_previous=last.get(pool) == key))
+        last[pool] = key
+    chunks.take_warnings()
+    n = chunks.num_chunks
+    chunk_of = [chunks.placement(t)[0] for t in ids]
+    trainable_chunk = [False] * n
+    for (name, numel, trainable, key), c in zip(tensors, chunk_of):
+        trainable_chunk[c] = trainable_chunk[c] or trainable
+    cap = {k: [chunks.chunk_capacity_bytes(c, k) for c in range(n)]
+           for k in (K.PARAM16, K.PARAM32, K.MOMENTUM, K.VARIANCE, K.GRAD32)}
+    p16 = sum(cap[K.PARAM16])
+    p16_trainable = sum(b for b, t in zip(cap[K.PARAM16], trainable_chunk) if t)
+    optimizer = sum(cap[K.PARAM32][c] + cap[K.MOMENTUM][c] + cap[K.VARIANCE][c]
+                    for c in range(n) if trainable_chunk[c])
+    sums = sum(cap[K.GRAD32][c] for c in range(n) if trainable_chunk[c]) \
+        if cfg.gradient_accumulation_steps > 1 else 0
+    largest = 0
+    for members in owned_by.values():
+        largest = max(largest, sum(cap[K.PARAM16][c] for c in {chunk_of[i] for i in members}))
+    elements = chunks.chunk_elements
+    return {
+        "chunks": n,
+        "chunk_elements": elements,
+        "dedicated_chunks": sum(1 for b in cap[K.PARAM16] if b > elements * _ELEMENT[cfg.precision]),
+        "param16_bytes": p16,
+        "param16_trainable_bytes": p16_trainable,
+        "optimizer_state_bytes": optimizer,
+        "gradient_sum_bytes": sums,
+        "largest_module_param16_bytes": largest,
+        "state_bytes": p16 + optimizer + sums,
+        "padding_elements": sum(cap[K.PARAM16]) // _ELEMENT[cfg.precision] -
+        sum(t[1] for t in tensors),
+    }
+
+
+# --------------------------------------------------------------------- activations
+class _LiveBytes:
+    """Bytes of live tensors other than the parameters, and their peak, under a
+    TorchDispatchMode (tensors of one storage counted once)."""
+
+    def __init__(self, exclude: set):
+        from torch.utils._python_dispatch import TorchDispatchMode
+        from torch.utils._pytree import tree_leaves
+        outer = self
+        self.exclude, self.sizes, self.refs = exclude, {}, {}
+        self.now = self.peak = 0
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                out = func(*args, **(kwargs or {}))
+                for t in tree_leaves(out):
+                    if isinstance(t, torch.Tensor):
+                        outer._track(t)
+                return out
+
+        self.mode = Mode()
+
+    def _track(self, t):
+        storage = t.untyped_storage()
+        key = storage._cdata
+        if key in self.exclude:
+            return
+        if key not in self.sizes:
+            self.sizes[key], self.refs[key] = storage.nbytes(), 0
+            self.now += self.sizes[key]
+            self.peak = max(self.peak, self.now)
+        self.refs[key] += 1
+        weakref.finalize(t, self._drop, key)
+
+    def _drop(self, key):
+        self.refs[key] -= 1
+        if self.refs[key] == 0:
+            self.now -= self.sizes.pop(key)
+            del self.refs[key]
+
+
+def _fused_sdpa(original):
+    def sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+             enable_gqa=False):
+        if enable_gqa or query.shape[-1] != value.shape[-1]:
+            return original(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p,
+                            is_causal=is_causal, scale=scale, enable_gqa=enable_gqa)
+        out, _ = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            query, key, value, dropout_p, is_causal, attn_mask=attn_mask, scale=scale)
+        return out
+    return sdpa
+
+
+class _MetaAutocast(torch.autocast):
+    """torch.autocast with device_type "meta" read as "cpu": models that switch
+    autocast off around a block (Hugging Face's rotary embeddings) name the
+    device of their tensors, and autocast knows no meta device."""
+
+    def __init__(self, device_type, *args, **kwargs):
+        super().__init__("cpu" if device_type == "meta" else device_type, *args, **kwargs)
+
+
+def _trace(model, facts: dict, precision: str, micro_batch: int, seq: int, inputs=None) -> dict:
+    """Activation peak and FLOPs of one forward + backward on the meta device."""
+    from torch.utils.flop_counter import FlopCounterMode
+    import torch.nn.functional as F
+    if any(not p.is_meta for p in model.parameters()):
+        return {"error": "the model is not on the meta device (build it under "
+                         "`with torch.device('meta'):` to have its activations estimated)"}
+    if inputs is None and facts["kind"] == "module":
+        return {"error": "no inputs for this model: pass inputs=(args...) or a callable "
+                         "(micro_batch, seq) -> args"}
+    model = copy.deepcopy(model)  # meta: no data; the caller's model keeps its dtype
+    if precision != "fp32":
+        model.to(_TORCH[precision])
+    for p in model.parameters():
+        if p.requires_grad:
+            p.register_post_accumulate_grad_hook(lambda p: setattr(p, "grad", None))
+    exclude = {p.untyped_storage()._cdata for p in model.parameters()}
+    exclude |= {b.untyped_storage()._cdata for b in model.buffers()}
+    vocab = facts.get("vocab") or 2
+    x = torch.randint(0, vocab, (micro_batch, seq), device="meta")
+    live = _LiveBytes(exclude)
+    original, autocast = F.scaled_dot_product_attention, torch.autocast
+    F.scaled_dot_product_attention = _fused_sdpa(original)
+    torch.autocast = _MetaAutocast
+    try:
+        with FlopCounterMode(display=False) as flops, live.mode:
+            if facts["kind"] == "tinygpt":
+                loss = model(x, x)
+            elif facts["kind"] == "causal_lm":
+                loss = model(input_ids=x, labels=x).loss
+            else:
+                args = inputs(micro_batch, seq) if callable(inputs) else inputs
+                args = args if isinstance(args, tuple) else (args,)
+                out = model(*args)
+                loss = getattr(out, "loss", None)
+                if loss is None:
+                    loss = out if out.dim() == 0 else out.float().sum()
+            forward_peak = live.peak
+            loss.backward()
+    except Exception as e:  # a model whose forward needs real data (an .item(), ...)
+        return {"error": f"the forward or backward on the meta device failed: "
+                         f"{type(e).__name__}: {str(e)[:200]}"}
+    finally:
+        F.scaled_dot_product_attention, torch.autocast = original, autocast
+    return {"activation_bytes": live.peak, "forward_peak_bytes": forward_peak,
+            "flops": flops.get_total_flops()}
+
+
+# --------------------------------------------------------------------------- rates
+def measure_rates(link: bool = True, adam_params: int = 1 << 24, precision: str = "bf16",
+                  optimizer_state_dtype: str = "fp32", device=None) -> dict:
+    """Rates measured on this machine, for estimate(rates=...): the link of
+    tidal's current device (64 MiB copies each way), tidal's CPU Adam kernel
+    over one chunk of `adam_params` parameters (the engine's adam_chunk_step),
+    and, on the simulated device, the CPU's matrix-multiply FLOP/s in the
+    precision (a 1024 x 1024 x 1024 product: the compute of the simulated
+    device). Returns {rate: (value, source)}."""
+    from .device import get_device
+    out = {}
+    dev = device or get_device()
+    info = dev.info()
+    if link:
+        size = 64 << 20
+        host = _C.HostBuffer(size, pin_with=dev)
+        buf = dev.allocate(size)
+        stream = dev.create_stream("estimate")
+        done = dev.create_event()
+        for name, copy_fn in (("h2d", lambda: dev.copy_h2d(buf, host, stream)),
+                              ("d2h", lambda: dev.copy_d2h(host, buf, stream))):
+            samples = []
+            for _ in range(4):
+                t = time.perf_counter()
+                copy_fn()
+                done.record(stream)
+                done.synchronize()
+                samples.append(size / (time.perf_counter() - t))
+            out[f"{name}_bytes_per_s"] = (sorted(samples)[len(samples) // 2],
+                                          f"measured: 64 MiB copies on tidal's {info['name']}")
+        del buf, host
+    dtype = _TORCH[precision]
+    moments = torch.bfloat16 if optimizer_state_dtype == "bf16" else torch.float32
+    n = adam_params
+    w, m, v = torch.zeros(n), torch.zeros(n, dtype=moments), torch.zeros(n, dtype=moments)
+    half = torch.full((n,), 1e-3, dtype=dtype)
+    samples = []
+    for step in range(1, 6):
+        t = time.perf_counter()
+        _C.cpu_adam.adam_chunk_step(w, m, v, half, [(0, n)], step=[step], lr=1e-3, beta1=0.9,
+                                    beta2=0.999, eps=1e-8, weight_decay=0.0, adamw_mode=True,
+                                    bias_correction=True, loss_scale=1.0, max_grad_norm=0.0,
+                                    check_overflow=False, grad=None, num_threads=0)
+        samples.append(n / (time.perf_counter() - t))
+    rate = sorted(samples[1:])[len(samples[1:]) // 2]
+    out["cpu_adam_params_per_s"] = (rate, f"measured: tidal's CPU Adam over {n} parameters, "
+                                          f"{torch.get_num_threads()} threads")
+    if info["backend"] == "sim":
+        out["device_adam_params_per_s"] = (rate, "the simulated device updates its chunks with "
+                                                 "the same CPU kernel")
+        a = torch.randn(1024, 1024, dtype=dtype)
+        b = torch.randn(1024, 1024, dtype=dtype)
+        samples = []
+        for _ in range(6):
+            t = time.perf_counter()
+            a @ b
+            samples.append(2 * 1024 ** 3 / (time.perf_counter() - t))
+        out["device_flops_per_s"] = (sorted(samples[1:])[len(samples[1:]) // 2],
+                                     f"measured: a 1024^3 {precision} matmul on this CPU (the "
+                                     f"simulated device computes on the host)")
+    return out
+
+
+def _rates(given: dict, measured: dict) -> dict:
+    rates = {}
+    for key in _RATE_KEYS:
+        if given.get(key) is not None:
+            value, source = given[key], "given"
+            if isinstance(value, tuple):
+                value, source = value
+        elif key in measured:
+            value, source = measured[key]
+        else:
+            value, source = DEFAULT_RATES[key]
+        floor_ok = key == "seconds_per_module" and value == 0  # no hook cost: allowed
+        if isinstance(value, bool) or not (isinstance(value, (int, float)) and
+                                           math.isfinite(value) and (value > 0 or floor_ok)):
+            raise ValueError(f"rate '{key}' must be a positive number, got {value!r}")
+        rates[key] = {"value": float(value), "source": source}
+    unknown = set(given) - set(_RATE_KEYS)
+    if unknown:
+        raise ValueError(f"unknown rate(s) {sorted(unknown)}; known: {', '.join(_RATE_KEYS)}")
+    return rates
+
+
+# ------------------------------------------------------------------------ the model
+def _traffic(layout: dict, limit: int, activations: int, host_capacity: int,
+             accumulation: int) -> dict:
+    """Bytes each way per step (Note [The pre-flight estimate])."""
+    P = layout["param16_trainable_bytes"]
+    frozen = layout["param16_bytes"] - P
+    S = layout["state_bytes"]
+    e = (S - layout["param16_bytes"]) / P if P else 0.0
+    R = limit - activations
+    spilled = max(0, S - host_capacity)
+    if S <= R:
+        return {"regime": "all states stay on the device", "bytes_each_way": 0,
+                "hybrid_param16_bytes": P, "host_param16_bytes": 0, "refetch_or_churn_bytes": 0,
+                "spilled_bytes": spilled, "chunk_room_bytes": R}
+    H = min(P, max(0.0, (limit - P - frozen) / e if e else 0.0))
+    if e:
+        H = min(P, max(H, spilled / e))
+    churn = max(min(activations, S - R), P + frozen - R, 0)
+    streaming = P - H
+    each_way = accumulation * streaming + churn
+    regime = ("16-bit chunks stream, some chunks updated on the device" if P + frozen <= R else
+              "16-bit chunks do not fit beside the activations: fetched again in backward")
+    return {"regime": regime, "bytes_each_way": int(each_way), "hybrid_param16_bytes": int(H),
+            "host_param16_bytes": int(streaming), "refetch_or_churn_bytes": int(churn),
+            "spilled_bytes": spilled, "chunk_room_bytes": R}
+
+
+def _config(config, *, precision, optimizer_state_dtype, gradient_accumulation_steps,
+            micro_batch, chunk_size, device_memory_budget, host_memory_budget) -> Config:
+    """The Config the engine would load: the user's config (dict, JSON file or
+    Config) with the estimate's overrides written into it, so the config's
+    own validation applies to them."""
+    if precision is not None and precision not in _ELEMENT:
+        raise ValueError(f"precision must be one of fp32, bf16, fp16, got {precision!r}")
+    if optimizer_state_dtype is not None and optimizer_state_dtype not in ("fp32", "bf16"):
+        raise ValueError(f"optimizer_state_dtype must be 'fp32' or 'bf16', got "
+                         f"{optimizer_state_dtype!r}")
+    for name, value in (("gradient_accumulation_steps", gradient_accumulation_steps),
+                        ("micro_batch", micro_batch)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    if isinstance(config, Config):
+        d = copy.deepcopy(config.raw)
+    elif isinstance(config, (str, os.PathLike)):
+        try:
+            with open(config, encoding="utf-8") as f:
+                d = json.load(f)
+        except OSError as e:
+            raise ValueError(f"config file '{os.fspath(config)}': {e.strerror or e}") from None
+        except ValueError as e:
+            raise ValueError(f"config file '{os.fspath(config)}' is not JSON: {e}") from None
+        if not isinstance(d, dict):
+            raise ValueError(f"config file '{os.fspath(config)}' holds a {type(d).__name__}, "
+                             f"not an object")
+    elif config is None:
+        d = {}
+    elif isinstance(config, dict):
+        d = copy.deepcopy(config)
+    else:
+        raise TypeError(f"config: expected a dict, a JSON file path or a tidal.Config, got "
+                        f"{type(config).__name__}")
+    # The optimizer does not change the estimate; a config without one would
+    # only warn that tidal picks AdamW.
+    d.setdefault("optimizer", {"type": "AdamW"})
+    if gradient_accumulation_steps is not None or micro_batch is not None:
+        d.pop("train_batch_size", None)
+        if gradient_accumulation_steps is not None:
+            d["gradient_accumulation_steps"] = gradient_accumulation_steps
+        if micro_batch is not None:
+            d["train_micro_batch_size_per_gpu"] = micro_batch
+    if precision is not None:
+        d.pop("bfloat16", None)
+        for key in ("fp16", "bf16"):
+            block = dict(d.get(key) or {})
+            block["enabled"] = precision == key
+            d[key] = block
+    t = d.setdefault("tidal", {})
+    if optimizer_state_dtype is not None:
+        t["optimizer_state_dtype"] = optimizer_state_dtype
+    if chunk_size is not None:
+        t["chunk_size"] = parse_bytes(chunk_size)
+    for key, value in (("device_memory_budget", device_memory_budget),
+                       ("host_memory_budget", host_memory_budget)):
+        if value is not None:
+            t[key] = parse_bytes(value)
+    cfg = Config.load(d)
+    if cfg.world_size > 1:
+        raise ValueError("tidal.estimate covers one process; data parallel partitions the "
+                         "optimizer states over the ranks (Note [Data parallel by chunk])")
+    return cfg
+
+
+def estimate(model, config=None, *, precision=None, optimizer_state_dtype=None,
+             gradient_accumulation_steps=None, micro_batch=None, seq=None, chunk_size=None,
+             device_memory=None, host_memory=None, device_memory_budget=None,
+             host_memory_budget=None, rates=None, measure=None, inputs=None,
+             activation_bytes=None) -> dict:
+    """What training `model` with tidal would need and how fast it would go.
+
+    Args:
+        model: a tidal-train preset name ("gpt-13b"), a Hugging Face config.json
+            path (or its folder), a transformers config object, or an nn.Module
+            (on the meta device to have its activations and FLOPs counted).
+        config: a tidal/DeepSpeed config (dict, JSON path or tidal.Config): its
+            precision, optimizer-state dtype, accumulation, micro batch,
+            chunk size and budgets, which the keyword arguments override.
+        precision: "fp32", "bf16" or "fp16".
+        optimizer_state_dtype: "fp32" or "bf16" (tidal.optimizer_state_dtype).
+        gradient_accumulation_steps, micro_batch, seq: the batch shape (seq
+            defaults to the model's positions, at most 1024; micro_batch to 1).
+        chunk_size: bytes of a 16-bit chunk (tidal.chunk_size).
+        device_memory, host_memory: the machine (bytes or "80GB"); None: this
+            machine's (tidal's device capacity; the host's available memory).
+        device_memory_budget, host_memory_budget: as the config keys (0 or
+            None: the device's memory; 85% of the host's).
+        rates: {name: value} over DEFAULT_RATES (link bytes/s each way, CPU
+            and device Adam parameters/s, device FLOP/s, seconds per module).
+        measure: measure on this machine the rates `rates` does not give
+            (None: when the device is detected and is tidal's simulated
+            device, whose rates are this host's; the defaults are a GPU's).
+        inputs: for an nn.Module that is neither a TinyGPT nor a causal LM:
+            its forward's arguments, or a callable (micro_batch, seq) -> args.
+        activation_bytes: the activation peak, instead of the meta-device count.
+
+    Returns:
+        A dict (JSON-serialisable); format_estimate() prints it.
+
+    Raises:
+        ValueError: an unknown preset, a missing config file, a bad size or rate.
+    """
+    cfg = _config(config, precision=precision, optimizer_state_dtype=optimizer_state_dtype,
+                  gradient_accumulation_steps=gradient_accumulation_steps,
+                  micro_batch=micro_batch, chunk_size=chunk_size,
+                  device_memory_budget=device_memory_budget,
+                  host_memory_budget=host_memory_budget)
+    if seq is not None and (isinstance(seq, bool) or not isinstance(seq, int) or seq < 1):
+        raise ValueError(f"seq must be a positive integer, got {seq!r}")
+
+    net, source, facts = _resolve_model(model)
+    tensors, owned_by = _module_tensors(net)
+    if not tensors:
+        raise ValueError(f"{source} has no parameters to train")
+    layout = _layout(tensors, owned_by, cfg)
+    # The padding other chunk sizes would give these tensors (the chunk-size
+    # advisor's question, with the same layout code).
+    by_size = {}
+    for shift in range(24, 31):  # 16 MiB .. 1 GiB
+        size = 1 << shift
+        if size != cfg.chunk_size and size >= cfg.chunk_size // 4:
+            other = _layout(tensors, owned_by, dataclasses.replace(cfg, chunk_size=size))
+            by_size[size] = other["state_bytes"]
+    by_size[cfg.chunk_size] = layout["state_bytes"]
+    params = sum(n for _, n, _, _ in tensors)
+    trainable = sum(n for _, n, tr, _ in tensors if tr)
+
+    # The machine and the budgets (ParamStore.__init__).
+    from .engine.store import _available_memory_bytes
+    if device_memory is None:
+        from .device import get_device
+        info = get_device().info()
+        device_memory, device_source = info["capacity"], f"detected: {info['name']} ({info['backend']})"
+        backend = info["backend"]
+    else:
+        device_memory, device_source = parse_bytes(device_memory), "given"
+        backend = "given"
+    if host_memory is None:
+        host_memory, host_source = _available_memory_bytes(), "detected: available memory"
+    else:
+        host_memory, host_source = parse_bytes(host_memory), "given"
+    for name, value in (("device memory", device_memory), ("host memory", host_memory)):
+        if value <= 0:
+            raise ValueError(f"{name} must be positive, got {value} bytes")
+    budget = cfg.device_memory_budget or device_memory
+    if budget > device_memory:
+        raise ValueError(f"config key 'tidal.device_memory_budget': {budget} bytes is more than "
+                         f"the device has ({device_memory} bytes)")
+    margin = cfg.device_margin or max(budget // 20, 1 << 20)
+    if margin >= budget:
+        raise ValueError(f"config key 'tidal.device_margin': {margin} bytes leaves nothing of the "
+                         f"device budget of {budget} bytes for chunks")
+    host_budget = cfg.host_memory_budget or int(0.85 * host_memory)
+    fp32_chunk = cfg.chunk_size * (1 if cfg.precision == "fp32" else 2)
+    host_reserve = min(2 * fp32_chunk, host_budget // 4)
+    host_capacity, limit = host_budget - host_reserve, budget - margin
+    moments = 4 if cfg.optimizer_state_dtype == "bf16" else 8
+    per_param = _ELEMENT[cfg.precision] + 4 + moments + \
+        (4 if cfg.gradient_accumulation_steps > 1 else 0)
+
+    # Activations and FLOPs.
+    micro = cfg.micro_batch_size or 1
+    positions = facts.get("positions")
+    length = seq or min(positions or 1024, 1024)
+    if positions and length > positions:
+        raise ValueError(f"seq {length} is longer than the model's {positions} positions")
+    traced = _trace(net, facts, cfg.precision, micro, length, inputs) \
+        if activation_bytes is None else {"activation_bytes": parse_bytes(activation_bytes)}
+    notes = []
+    if "error" in traced:
+        notes.append(f"activations not estimated ({traced['error']}); counted as 0")
+    activations = traced.get("activation_bytes", 0)
+    tokens = micro * length * cfg.gradient_accumulation_steps
+    flops = traced.get("flops")
+    if flops is None:
+        flops = 6 * trainable * micro * length
+        notes.append("FLOPs: 6 x parameters x tokens (no meta-device count)")
+    flops *= cfg.gradient_accumulation_steps
+
+    # Fit.
+    state = layout["state_bytes"]
+    spilled = max(0, state - host_capacity)
+    fits_states = state <= host_capacity + limit
+    need_on_device = spilled + layout["largest_module_param16_bytes"] + activations
+    fits = fits_states and need_on_device <= limit
+    largest = (host_capacity + limit) // per_param
+    padded = state / max(1, trainable)  # chunk bytes per parameter with the padding
+    room = host_capacity + limit - activations - layout["largest_module_param16_bytes"]
+    largest_trainable = int(max(0, room) / padded) if padded else 0
+
+    # Traffic and time.
+    traffic = _traffic(layout, limit, activations, host_capacity,
+                       cfg.gradient_accumulation_steps)
+    if not fits:
+        notes.append("it does not fit: the bytes moved and the step time are what they would be "
+                     "with the room")
+    if measure is None:
+        measure = backend == "sim"
+    measured = measure_rates(precision=cfg.precision,
+                             optimizer_state_dtype=cfg.optimizer_state_dtype) if measure else {}
+    r = _rates(dict(rates or {}), measured)
+    value = {k: v["value"] for k, v in r.items()}
+    modules = len(owned_by) + 1
+    hybrid_share = traffic["hybrid_param16_bytes"] / max(1, layout["param16_trainable_bytes"])
+    compute_s = flops / value["device_flops_per_s"]
+    hooks_s = cfg.gradient_accumulation_steps * modules * value["seconds_per_module"]
+    link_s = traffic["bytes_each_way"] / value["h2d_bytes_per_s"] + \
+        traffic["bytes_each_way"] / value["d2h_bytes_per_s"]
+    cpu_adam_s = trainable * (1 - hybrid_share) / value["cpu_adam_params_per_s"]
+    device_adam_s = trainable * hybrid_share / value["device_adam_params_per_s"]
+    step_s = compute_s + hooks_s + link_s + cpu_adam_s + device_adam_s
+    overlapped = max(compute_s + hooks_s, link_s) + cpu_adam_s + device_adam_s
+    parts = {"compute": compute_s + hooks_s, "link": link_s, "cpu_adam": cpu_adam_s,
+             "device_adam": device_adam_s}
+    bottleneck = max(parts, key=parts.get)
+
+    return {
+        "model": {"source": source, "parameters": params, "trainable_parameters": trainable,
+                  "tensors": len(tensors), "modules_with_parameters": len(owned_by),
+                  **({"note": facts["note"]} if facts.get("note") else {})},
+        "precision": cfg.precision,
+        "optimizer_state_dtype": cfg.optimizer_state_dtype,
+        "gradient_accumulation_steps": cfg.gradient_accumulation_steps,
+        "micro_batch": micro, "seq": length,
+        "state_bytes_per_param": per_param,
+        "state_bytes": state,
+        "state_bytes_unpadded": trainable * per_param + (params - trainable) * _ELEMENT[cfg.precision],
+        "largest_model_params": largest,
+        "largest_trainable_params_estimate": largest_trainable,
+        "fits": fits,
+        "fits_states": fits_states,
+        "chunk": {"chunk_size": cfg.chunk_size, **layout,
+                  "padding_fraction": layout["padding_elements"] / max(1, params),
+                  "state_bytes_by_chunk_size": {str(k): v for k, v in sorted(by_size.items())},
+                  "least_padding_chunk_size": min(sorted(by_size), key=by_size.get)},
+        "device": {"memory": device_memory, "memory_source": device_source, "backend": backend,
+                   "budget": budget, "margin": margin, "chunk_limit": limit,
+                   "activations": activations, "activations_forward": traced.get("forward_peak_bytes"),
+                   "chunk_room": limit - activations, "spilled_states": spilled,
+                   "needs_at_once": need_on_device},
+        "host": {"memory": host_memory, "memory_source": host_source, "budget": host_budget,
+                 "reserve": host_reserve, "chunk_capacity": host_capacity,
+                 "states_on_host": min(state, host_capacity)},
+        "traffic": {**traffic, "bytes_host_to_device": traffic["bytes_each_way"],
+                    "bytes_device_to_host": traffic["bytes_each_way"]},
+        "rates": r,
+        "time": {"flops": flops, "tokens": tokens, "compute_s": compute_s, "hooks_s": hooks_s,
+                 "link_s": link_s, "cpu_adam_s": cpu_adam_s, "device_adam_s": device_adam_s,
+                 "step_s": step_s, "step_s_overlapped": overlapped, "bottleneck": bottleneck,
+                 "tokens_per_s": tokens / step_s,
+                 "model_tflops": 6 * trainable * tokens / step_s / 1e12},
+        "notes": notes,
+    }
+
+
+# --------------------------------------------------------------------------- output
+def _b(n) -> str:
+    n = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    return f"{n:.2f} TiB"
+
+
+def _s(x: float) -> str:
+    return f"{x * 1e3:.1f} ms" if x < 1 else f"{x:.2f} s"
+
+
+def format_estimate(e: dict) -> str:
+    """The estimate as the text tidal-estimate prints."""
+    m, c, d, h, t, tr = e["model"], e["chunk"], e["device"], e["host"], e["time"], e["traffic"]
+    lines = [
+        f"model: {m['source']}: {m['parameters'] / 1e6:,.1f}M parameters "
+        f"({m['trainable_parameters'] / 1e6:,.1f}M trainable) in {m['tensors']} tensors",
+        f"  {e['precision']}, optimizer states {e['optimizer_state_dtype']}, micro batch "
+        f"{e['micro_batch']} x seq {e['seq']} x {e['gradient_accumulation_steps']} accumulation",
+        f"states: {e['state_bytes_per_param']} bytes per parameter; {_b(e['state_bytes'])} in "
+        f"{c['chunks']} chunks of {_b(c['chunk_size'])} ({c['padding_fraction']:.1%} padding, "
+        f"{c['dedicated_chunks']} dedicated)" + (
+            "" if c["least_padding_chunk_size"] == c["chunk_size"] else
+            f"; chunks of {_b(c['least_padding_chunk_size'])} would hold them in "
+            f"{_b(c['state_bytes_by_chunk_size'][str(c['least_padding_chunk_size'])])}"),
+        f"device: {_b(d['memory'])} ({d['memory_source']}); budget {_b(d['budget'])} = margin "
+        f"{_b(d['margin'])} + activations {_b(d['activations'])} + chunk room "
+        f"{_b(d['chunk_room'])}",
+        f"host: {_b(h['memory'])} ({h['memory_source']}); budget {_b(h['budget'])} = reserve "
+        f"{_b(h['reserve'])} + chunks {_b(h['chunk_capacity'])}",
+        f"largest_model_params: {e['largest_model_params'] / 1e6:,.1f}M (host + device chunk "
+        f"capacity / {e['state_bytes_per_param']} B); with padding, activations and the largest "
+        f"module: about {e['largest_trainable_params_estimate'] / 1e6:,.1f}M",
+        f"fits: {'yes' if e['fits'] else 'no'} (states {_b(e['state_bytes'])} vs host "
+        f"{_b(h['chunk_capacity'])} + device {_b(d['chunk_limit'])}; on the device at once: "
+        f"{_b(d['needs_at_once'])} of {_b(d['chunk_limit'])})",
+        f"per step: {_b(tr['bytes_each_way'])} each way ({tr['regime']})",
+        f"step time: {_s(t['step_s'])} = compute {_s(t['compute_s'])} + hooks "
+        f"{_s(t['hooks_s'])} + link {_s(t['link_s'])} + CPU Adam {_s(t['cpu_adam_s'])} + device "
+        f"Adam {_s(t['device_adam_s'])}; bottleneck: {t['bottleneck']}",
+        f"  with the link overlapping compute: {_s(t['step_s_overlapped'])}; "
+        f"{t['tokens_per_s']:,.0f} tokens/s, {t['model_tflops']:.3g} model TFLOPS",
+        "rates:",
+    ]
+    units = {"h2d_bytes_per_s": ("GB/s", 1e9), "d2h_bytes_per_s": ("GB/s", 1e9),
+             "device_flops_per_s": ("TFLOP/s", 1e12), "cpu_adam_params_per_s": ("G params/s", 1e9),
+             "device_adam_params_per_s": ("G params/s", 1e9), "seconds_per_module": ("us", 1e-6)}
+    for k, v in e["rates"].items():
+        unit, scale = units[k]
+        lines.append(f"  {k}: {v['value'] / scale:.4g} {unit} ({v['source']})")
+    lines += [f"note: {n}" for n in e["notes"]]
+    return "\n".join(lines)
+
+
+def _parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="tidal-estimate", description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("model", help="a preset (nano, tiny, gpt-125m ... gpt-30b) or a Hugging Face "
+                                   "config.json (or its folder)")
+    ap.add_argument("--config", default=None, metavar="JSON", help="a tidal/DeepSpeed config file")
+    ap.add_argument("--precision", choices=sorted(_ELEMENT), default=None)
+    ap.add_argument("--optimizer-state-dtype", choices=["fp32", "bf16"], default=None)
+    ap.add_argument("--gradient-accumulation", type=int, default=None, metavar="N")
+    ap.add_argument("--micro-batch", type=int, default=None, metavar="N")
+    ap.add_argument("--seq", type=int, default=None, metavar="N")
+    ap.add_argument("--chunk-size", default=None, help="e.g. 64MiB")
+    ap.add_argument("--device-memory", default=None, help="the device's memory, e.g. 80GB "
+                                                          "(default: tidal's device)")
+    ap.add_argument("--host-memory", default=None, help="the host's memory, e.g. 128GB "
+                                                        "(default: available memory here)")
+    ap.add_argument("--device-budget", default=None, help="tidal.device_memory_budget")
+    ap.add_argument("--host-budget", default=None, help="tidal.host_memory_budget")
+    ap.add_argument("--link", default=None, help="link bandwidth each way, e.g. 54.5GB/s")
+    ap.add_argument("--link-d2h", default=None, help="device-to-host bandwidth, if not --link's")
+    ap.add_argument("--tflops", type=float, default=None, help="device TFLOP/s the model reaches")
+    ap.add_argument("--cpu-adam", type=float, default=None, metavar="PARAMS_PER_S",
+                    help="CPU Adam parameters per second")
+    ap.add_argument("--device-adam", type=float, default=None, metavar="PARAMS_PER_S",
+                    help="device Adam parameters per second")
+    ap.add_argument("--measure", action=argparse.BooleanOptionalAction, default=None,
+                    help="measure the rates not given on this machine (link, CPU Adam; CPU "
+                         "FLOP/s on the simulated device); default: when the device is "
+                         "detected and is the simulated device")
+    ap.add_argument("--json", action="store_true", help="print the estimate as JSON")
+    return ap
+
+
+def _bandwidth(text: str, flag: str) -> float:
+    s = text.strip()
+    if s.endswith("/s"):
+        s = s[:-2]
+    try:
+        value = parse_bytes(s)
+    except (ValueError, TypeError) as e:
+        raise ValueError(f"{flag} {text!r}: expected a bandwidth such as 54.5GB/s ({e})") from None
+    if value <= 0:
+        raise ValueError(f"{flag} {text!r}: the bandwidth must be positive")
+    return float(value)
+
+
+def main(argv=None) -> int:
+    """The tidal-estimate console script."""
+    ap = _parser()
+    args = ap.parse_args(argv)
+    try:
+        rates = {}
+        if args.link is not None:
+            rates["h2d_bytes_per_s"] = rates["d2h_bytes_per_s"] = _bandwidth(args.link, "--link")
+        if args.link_d2h is not None:
+            rates["d2h_bytes_per_s"] = _bandwidth(args.link_d2h, "--link-d2h")
+        if args.tflops is not None:
+            rates["device_flops_per_s"] = args.tflops * 1e12
+        if args.cpu_adam is not None:
+            rates["cpu_adam_params_per_s"] = args.cpu_adam
+        if args.device_adam is not None:
+            rates["device_adam_params_per_s"] = args.device_adam
+        e = estimate(args.model, args.config, precision=args.precision,
+                     optimizer_state_dtype=args.optimizer_state_dtype,
+                     gradient_accumulation_steps=args.gradient_accumulation,
+                     micro_batch=args.micro_batch, seq=args.seq, chunk_size=args.chunk_size,
+                     device_memory=args.device_memory, host_memory=args.host_memory,
+                     device_memory_budget=args.device_budget, host_memory_budget=args.host_budget,
+                     rates=rates, measure=args.measure)
+    except (ValueError, TypeError, ConfigError) as err:
+        ap.error(str(err))
+    print(json.dumps(e, indent=2) if args.json else format_estimate(e))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
