@@ -199,7 +199,8 @@ class _Run:
         # recompute saved. The engine's pack/unpack keeps such a tensor as
         # (parameter record, view geometry) and rebuilds it from the
         # re-attached parameter when backward reads it, as it does for the
-        # forward's saved tensors (python/tidal/engine/hooks.py).
+        # forward's saved tensors (PackHook and UnpackHook in
+        # python/csrc/hook_callables.cpp; plan.parameter_aliases is that pair).
         aliases = plan.parameter_aliases
         keep = aliases[0] if aliases is not None else None
 
