@@ -1,6 +1,6 @@
 // Chunk scheduler benchmarks. Prints one JSON object; benchmarks/
 // chunk_bookkeeping.py adds the machine description and writes the result
-// file (see ../shared/BENCHMARKS.md).
+// file (see docs/benchmarks.md).
 //
 // Scenarios:
 // * bookkeeping: ns per access()+release() pair with 10k tensors in 200

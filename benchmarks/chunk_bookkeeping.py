@@ -5,7 +5,7 @@ The measurement is done by the C++ program tidal_bench_chunk_bookkeeping
 (benchmarks/chunk_bookkeeping.cpp): bookkeeping ns per access()+release()
 with 10k tensors in 200 chunks (against a floor loop in the same run), chunk
 move bandwidth (against plain copies in the same run) and a repeated trace
-with prefetch on vs off. This script adds what ../shared/BENCHMARKS.md asks of
+with prefetch on vs off. This script adds what docs/benchmarks.md asks of
 a result: the command, git commit, date, the machine, and writes
 benchmarks/results/chunk_bookkeeping-<machine>.json.
 

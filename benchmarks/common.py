@@ -1,4 +1,4 @@
-"""What every tidal benchmark records next to its numbers (see ../shared/BENCHMARKS.md).
+"""What every tidal benchmark records next to its numbers (see docs/benchmarks.md).
 
 Result files are ``benchmarks/results/<name>-<machine>.json`` and hold the
 command, git commit, date, a machine description, every raw sample, and the

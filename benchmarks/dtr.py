@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
-import math
 import os
 import statistics
 import sys
@@ -34,6 +33,7 @@ from common import machine_info, summarize, write_result  # noqa: E402
 
 import tidal  # noqa: E402
 import tidal.dtr as dtr  # noqa: E402
+from tidal.models.gpt import Block  # noqa: E402
 
 
 # --------------------------------------------------------------------------- models
@@ -85,33 +85,16 @@ class ResNet50(nn.Module):
         return self.head(torch.flatten(F.adaptive_avg_pool2d(x, 1), 1))
 
 
-class GPTBlock(nn.Module):
-    def __init__(self, d, heads, dropout):
-        super().__init__()
-        self.heads, self.dropout = heads, dropout
-        self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
-        self.qkv, self.proj = nn.Linear(d, 3 * d), nn.Linear(d, d)
-        self.fc, self.out = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
-
-    def forward(self, x):
-        b, t, d = x.shape
-        q, k, v = self.qkv(self.ln1(x)).split(d, dim=2)
-        q, k, v = (z.view(b, t, self.heads, d // self.heads).transpose(1, 2) for z in (q, k, v))
-        att = (q @ k.transpose(-2, -1)) / math.sqrt(d // self.heads)
-        mask = torch.ones(t, t, dtype=torch.bool, device=x.device).tril()
-        att = F.dropout(att.masked_fill(~mask, float("-inf")).softmax(-1), self.dropout, self.training)
-        y = (att @ v).transpose(1, 2).reshape(b, t, d)
-        x = x + F.dropout(self.proj(y), self.dropout, self.training)
-        return x + F.dropout(self.out(F.gelu(self.fc(self.ln2(x)))), self.dropout, self.training)
-
-
 class GPT(nn.Module):
     """GPT-2 small's shape (12 layers, d=768, 12 heads, 4x MLP, dropout 0.1)."""
 
     def __init__(self, vocab=8192, d=768, layers=12, heads=12, ctx=1024, dropout=0.1):
         super().__init__()
         self.tok, self.pos = nn.Embedding(vocab, d), nn.Embedding(ctx, d)
-        self.blocks = nn.ModuleList(GPTBlock(d, heads, dropout) for _ in range(layers))
+        # tidal.models.gpt's block with GPT-2's qkv bias and the attention
+        # written out (dropout on its probabilities): the ops DTR sees one by one.
+        self.blocks = nn.ModuleList(Block(d, heads, dropout, qkv_bias=True, attention="explicit")
+                                    for _ in range(layers))
         self.ln = nn.LayerNorm(d)
         self.head = nn.Linear(d, vocab, bias=False)
         self.head.weight = self.tok.weight

@@ -1,6 +1,6 @@
 // Element types a chunk list stores. The chunk store deals in raw bytes and
 // element counts; DType only says how many bytes an element takes and how to
-// name it in messages. No libtorch here (see ../shared/ARCHITECTURE.md).
+// name it in messages. No libtorch here (see docs/architecture.md).
 #pragma once
 
 #include <cstddef>

@@ -113,7 +113,7 @@
 #include "chunk/tensor_state.h"
 #include "hooks/dtr/storage_runtime.h"
 #include "hooks/param_binding.h"
-#include "hooks/tracer/memory_tracer.h"
+#include "runtime/tracer/memory_tracer.h"
 #include "runtime/scheduler/chunk_scheduler.h"
 
 namespace tidal::hooks {

@@ -1,12 +1,12 @@
 // The engine's non-chunk meters for the memory tracer (Note [The memory
-// tracer] in hooks/tracer/memory_tracer.h): what "non-chunk device memory"
+// tracer] in runtime/tracer/memory_tracer.h): what "non-chunk device memory"
 // is on each device.
 #pragma once
 
 #include <memory>
 
 #include "hooks/torch_memory_provider.h"
-#include "hooks/tracer/memory_tracer.h"
+#include "runtime/tracer/memory_tracer.h"
 
 namespace tidal::hooks {
 

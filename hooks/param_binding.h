@@ -12,7 +12,9 @@
 // that autograd saved for backward and that aliases the slot (a view such as
 // weight.t()) would keep the old address, so the engine's saved-tensor hooks
 // pack such tensors as (parameter, view geometry) and rebuild the view from
-// the parameter's data at unpack time (python/tidal/engine/hooks.py).
+// the parameter's data at unpack time (PackHook and UnpackHook in
+// python/csrc/hook_callables.cpp, the pair ModuleHooks.saved_tensor_hooks
+// gives the engine).
 #pragma once
 
 #include <ATen/ATen.h>

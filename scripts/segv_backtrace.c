@@ -9,6 +9,7 @@
 //   cc -O1 -g -shared -fPIC -o build/segv_backtrace.so scripts/segv_backtrace.c -ldl
 //
 // Note [Staying first in line]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 // faulthandler installs its handler after we load and, when it has printed
 // the Python stack, re-raises the signal with raise(): a handler that it
 // chained to would see a raised signal, not the fault address. So we

@@ -60,10 +60,16 @@ STAMP="$VENV/.tidal-build-stamp"
 newest=$(find CMakeLists.txt pyproject.toml chunk runtime cpu_adam hooks python -newer "$STAMP" \
          -type f \( -name '*.cpp' -o -name '*.h' -o -name '*.txt' -o -name '*.toml' -o -name '*.cu' \) \
          -print -quit 2>/dev/null || true)
-if [ ! -f "$STAMP" ] || [ -n "$newest" ] || ! "$PY" -c "import tidal" 2>/dev/null; then
+# The editable install maps each module of the package to its file when it is
+# made, so a Python module added, moved or removed needs it made again too.
+MODULES="$VENV/.tidal-build-modules"
+modules=$(cd python && find tidal -name '*.py' -not -path '*/__pycache__/*' | LC_ALL=C sort)
+if [ ! -f "$STAMP" ] || [ -n "$newest" ] || [ "$modules" != "$(cat "$MODULES" 2>/dev/null)" ] \
+   || ! "$PY" -c "import tidal" 2>/dev/null; then
   log "building tidal (pip install -e . --no-build-isolation)"
   "$PY" -m pip install -q --disable-pip-version-check --no-build-isolation -e . 2>&1 \
     | grep -v "^WARNING: Location" >&2 || true
   "$PY" -c "import tidal" # fail loudly if the build did not work
+  printf '%s\n' "$modules" >"$MODULES"
   touch "$STAMP"
 fi

@@ -20,7 +20,7 @@
 #include "hooks/nonchunk_meters.h"
 #include "hooks/param_binding.h"
 #include "hooks/torch_memory_provider.h"
-#include "hooks/tracer/memory_tracer.h"
+#include "runtime/tracer/memory_tracer.h"
 #include "runtime/core/error.h"
 #include "runtime/core/uncounted.h"
 #include "runtime/device/device.h"
@@ -393,7 +393,7 @@ static void bind_tracer(py::module_& m) {
       .value("STEP", hooks::PointKind::kStep);
   using GIL = py::call_guard<py::gil_scoped_release>;
   py::class_<Tracer>(m, "MemoryTracer", R"doc(
-The engine's memory tracer and device-budget arbiter (hooks/tracer/memory_tracer.h):
+The engine's memory tracer and device-budget arbiter (runtime/tracer/memory_tracer.h):
 one call per trace point measures non-chunk device memory and sets the chunk
 budget. The meter: `provider` (a TorchMemoryProvider), or `read`/`restart`
 callables, or (neither) torch's CPU allocations counted on the simulated device.)doc")

@@ -17,10 +17,14 @@
 //
 // What stays in Python, reached through an engine method each callable
 // keeps:
-//  * under a torch dispatch mode (tidal.dtr, or a user's mode) the whole hook
-//    runs the engine's Python method, which leaves the mode for tidal's own
-//    work (dtr.outside()) as before; an engine with DTR in its config
-//    registers its Python methods and does not make these objects;
+//  * under a Python torch dispatch mode (a user's mode, or tidal.dtr's
+//    TorchDispatchMode where its dispatch key is not available) the whole
+//    hook runs the engine's Python method, which leaves the mode for tidal's
+//    own work (dtr.outside()). DTR on its dispatch key (Note [DTR on a
+//    dispatch key] in hooks/dtr/interceptor.h, the default) is no Python
+//    mode: an engine with DTR in its config makes these objects like any
+//    other, and they keep the engine's own ops out of DTR with
+//    hooks::dtr::OutsideGuard;
 //  * an out-of-memory error goes to the engine's *_failed method (the retry
 //    after torch.cuda.empty_cache, the message with the device's side);
 //  * outputs other than a tensor or a tuple or list of tensors (a dict, a

@@ -45,7 +45,9 @@ __all__ = ["AUTO_FILLED_BY", "Config", "ConfigError", "SCHEMA"]
 # The schema: key -> (kind, default, doc). kind is a type tuple, "bytes", a
 # tuple of choices (strings), a Rule, or a nested dict (see tidal._schema).
 # The keys tidal acts on are here; DeepSpeed's others are merged in from
-# tidal._deepspeed_keys. Documented in README.md, "Configuration".
+# tidal._deepspeed_keys. Documented key by key in docs/config.md, whose tables
+# scripts/config_doc.py writes from these schemas (tests/python/test_config_doc.py
+# fails when they differ).
 # ---------------------------------------------------------------------------
 
 # optimizer.params: the keyword arguments of every class DeepSpeed may build
@@ -332,7 +334,7 @@ def _unknown(full: str, key: Any, schema: dict, path: str) -> str:
     near = did_you_mean(key, [*schema, *(NOT_READ_BY_DEEPSPEED if not path else ())])
     hint = f"; did you mean '{near}'?" if near else ""
     return (f"unknown config key '{full}'{hint} ({where} has {len(schema)} keys, DeepSpeed's and "
-            f"tidal's: see README.md, 'Configuration')")
+            f"tidal's: see docs/config.md in tidal's repository)")
 
 
 def _resolve(schema: dict, given: Any, path: str, problems: Problems) -> dict:

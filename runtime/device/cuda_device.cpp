@@ -21,6 +21,7 @@ namespace tidal {
 namespace {
 
 // Note [No throwing from CUDA destructors]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 // After a sticky CUDA error (an illegal address, a launch failure) every runtime call
 // returns that error, cudaStreamDestroy and cudaFree included. A destructor that threw
 // then would std::terminate the process, taking the Python interpreter with it, before

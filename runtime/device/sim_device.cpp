@@ -359,6 +359,7 @@ class SimDevice final : public Device {
   }
 
   // Note [Simulated pinning follows cudaHostRegister]
+  // ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
   // The simulated device pins nothing (register_host returns false), but it keeps
   // cudaHostRegister's rules so that a pinning bug fails here as it would on a GPU, not
   // first on the GPU machine: the range must be mapped read-write, must not be device

@@ -45,6 +45,7 @@ ChunkScheduler::ChunkScheduler(ChunkStore store, std::shared_ptr<Device> device,
 }
 
 // Note [Destructors after a device error]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 // A destructor runs during stack unwinding (e.g. after an OutOfMemoryError or
 // a device fault); if it threw, std::terminate would end the process and hide
 // the first error. So teardown in runtime/scheduler catches every exception,

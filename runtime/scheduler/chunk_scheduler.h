@@ -208,7 +208,7 @@ class ChunkScheduler {
   // engine's memory tracer: the budget less the margin less the non-chunk
   // bytes live now); chunks that would grow past it wait or fail, as past
   // the budget. Null: none. Note [Chunks in use and activations share one
-  // budget] in hooks/module_hooks.cpp.
+  // budget] in runtime/tracer/memory_tracer.h.
   void set_device_ceiling(std::function<std::size_t()> ceiling) { ceiling_ = std::move(ceiling); }
 
   // Moment of the latest access in this step (-1 before the first).

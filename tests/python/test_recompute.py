@@ -5,7 +5,6 @@ modelled copy engine with a slow link."""
 
 import copy
 import json
-import math
 import subprocess
 import sys
 import time
@@ -21,6 +20,7 @@ from torch.profiler import ProfilerActivity, profile, record_function
 import tidal
 import tidal.dtr as dtr
 import tidal.recompute as rc
+from tidal.models.gpt import Block as GPTBlock
 
 
 @pytest.fixture(autouse=True)
@@ -36,26 +36,11 @@ def _one_thread():
 
 # --------------------------------------------------------------------------- models
 
-class Block(nn.Module):
-    """A GPT-2 block: pre-LN causal attention and MLP, dropout everywhere."""
-
-    def __init__(self, d, heads, p):
-        super().__init__()
-        self.heads, self.p = heads, p
-        self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
-        self.qkv, self.proj = nn.Linear(d, 3 * d), nn.Linear(d, d)
-        self.fc, self.out = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
-
-    def forward(self, x):
-        b, t, d = x.shape
-        q, k, v = self.qkv(self.ln1(x)).split(d, dim=2)
-        q, k, v = (z.view(b, t, self.heads, d // self.heads).transpose(1, 2) for z in (q, k, v))
-        att = (q @ k.transpose(-2, -1)) / math.sqrt(d // self.heads)
-        mask = torch.ones(t, t, dtype=torch.bool).tril()
-        att = F.dropout(att.masked_fill(~mask, float("-inf")).softmax(-1), self.p, self.training)
-        y = (att @ v).transpose(1, 2).reshape(b, t, d)
-        x = x + F.dropout(self.proj(y), self.p, self.training)
-        return x + F.dropout(self.out(F.gelu(self.fc(self.ln2(x)))), self.p, self.training)
+def Block(d, heads, p):
+    """A GPT-2 block (tidal.models.gpt.Block) with GPT-2's qkv bias and its
+    attention written out, dropout on the attention probabilities too: each of
+    its tensors is one recompute saves, replays or offloads."""
+    return GPTBlock(d, heads, p, qkv_bias=True, attention="explicit")
 
 
 class GPT(nn.Module):

@@ -22,16 +22,22 @@ forgotten) and starts a new one afterwards, so no recipe spans a change of
 the weights; weights_epoch guards it.
 
 The arbiter (when the config enables DTR): activations and chunks share the
-device budget B less the margin M. Chunks give way first: at each hook the
-chunk budget is B - M - the non-chunk memory expected before the next hook
-(Note [The memory tracer]). DTR's eviction threshold is B - M - the bytes of
-chunks held on the device, set at every hook and after every attach and
-detach, and capped by the block's eviction_threshold when one is given. So
-DTR evicts activations only once the chunks left on the device are those
-the running modules use (or those the tracer made room for). This is
-"chunks before activations", not a per-eviction cost comparison: bringing a
-chunk back is a copy that prefetch overlaps with compute, while a recompute
-sits on the critical path.
+device budget B less the margin M. At each hook the chunk budget is B - M -
+the non-chunk memory expected before the next hook (Note [The memory
+tracer]). DTR's eviction threshold is B - M - the bytes of chunks held on the
+device (ModuleHooks::dtr_threshold), set at every hook and after every attach,
+detach and landed gradient, and capped by the block's eviction_threshold when
+one is given. When DTR has to evict, the arbiter compares per byte, for each
+eviction (Note [The arbiter between chunks and activations] in
+hooks/dtr/storage_runtime.h): the activation DTR would evict costs its
+regeneration (measured op times) over its bytes, a chunk moved off the device
+costs its copy out now and back later (2 / link bandwidth per byte). The
+cheaper goes: a chunk the running module does not use leaves (the scheduler
+picks which), raising DTR's threshold by what it freed, or the activation is
+evicted. The link is the simulated device's configured bandwidth, or on CUDA
+one chunk copied each way at start (measure_link). With no link known
+(ARBITER = False, or a link that measured 0) a chunk never wins, and chunks
+give way only through the tracer's budgets: "chunks before activations".
 """
 from __future__ import annotations
 
@@ -92,11 +98,11 @@ class DtrLink:
         # The arbiter's formula lives in ModuleHooks, which applies it at
         # every attach, detach and landed gradient (rebalance() below for
         # the engine's Python paths).
-        # With a known link bandwidth (the simulated device's), each of DTR's
+        # With a known link bandwidth (the simulated device's configured one,
+        # or on CUDA the one measure_link times at start), each of DTR's
         # evictions goes to a chunk or an activation by cost (Note [The
         # arbiter between chunks and activations] in
-        # hooks/dtr/storage_runtime.h); on CUDA the link is not measured
-        # yet, and chunks give way first as before.
+        # hooks/dtr/storage_runtime.h); with none, chunks give way first.
         store = engine.store
         link = _link_bytes_per_s(store) if ARBITER and self.enabled_by_config else 0.0
         self.link_bytes_per_s = link

@@ -1,9 +1,11 @@
 """Module and autograd hooks that move parameters in and out of use; each
 hook's work is one call into hooks/module_hooks.h (Note [One call per hook]).
 The hooks torch calls are C++ objects (Note [Hooks torch calls into C++] in
-python/csrc/hook_callables.cpp); this file holds their Python path (under a
-dispatch mode, with DTR in the engine's config, for outputs that are not
-tensors or tuples or lists of them).
+python/csrc/hook_callables.cpp), with DTR in the engine's config too (they
+keep the engine's own ops out of DTR in C++); this file holds their Python
+path: under a Python dispatch mode (a user's, or tidal.dtr's where its
+dispatch key is not available) and for outputs that are not tensors or tuples
+or lists of them.
 
 Forward: a module's pre-hook attaches its parameters (their chunks come to
 the device, COMPUTE), its post-hook detaches them (HOLD_AFTER_FWD, or HOLD

@@ -1,30 +1,51 @@
 """Small GPT and ResNet models (torch.nn, random init, no downloads): the
 main job, the engine tests and the benchmarks use them."""
+import math
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 
 class Block(nn.Module):
-    def __init__(self, d, heads, dropout=0.0):
+    """A GPT-2 block: pre-LN causal self-attention and a 4x GELU MLP, each
+    added to the residual, with dropout on both branches.
+
+    attention: "sdpa" (torch's fused scaled_dot_product_attention) or
+    "explicit": the masked softmax written out as matmuls, with dropout on the
+    attention probabilities too, so that DTR and recompute see (and may
+    evict, replay or offload) each of its tensors; the DTR benchmark and the
+    recompute tests use it. qkv_bias: a bias on the query/key/value
+    projection (GPT-2 has one; off by default, see below).
+    """
+
+    def __init__(self, d, heads, dropout=0.0, qkv_bias=False, attention="sdpa"):
         super().__init__()
+        if attention not in ("sdpa", "explicit"):
+            raise ValueError(f"Block: attention must be 'sdpa' or 'explicit', got {attention!r}")
         self.ln1 = nn.LayerNorm(d)
-        # No qkv bias: the key bias has a gradient of exactly zero in exact
-        # arithmetic (softmax ignores a shift), so Adam turns its rounding
-        # noise into lr-sized steps that no two implementations share.
-        self.qkv = nn.Linear(d, 3 * d, bias=False)
+        # No qkv bias by default: the key bias has a gradient of exactly zero
+        # in exact arithmetic (softmax ignores a shift), so Adam turns its
+        # rounding noise into lr-sized steps that no two implementations share.
+        self.qkv = nn.Linear(d, 3 * d, bias=qkv_bias)
         self.proj = nn.Linear(d, d)
         self.ln2 = nn.LayerNorm(d)
         self.fc = nn.Linear(d, 4 * d)
         self.out = nn.Linear(4 * d, d)
         self.heads = heads
+        self.attention = attention
         self.drop = nn.Dropout(dropout)
 
     def forward(self, x):
         b, t, d = x.shape
         q, k, v = self.qkv(self.ln1(x)).split(d, dim=2)
         q, k, v = (z.view(b, t, self.heads, d // self.heads).transpose(1, 2) for z in (q, k, v))
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        if self.attention == "sdpa":
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        else:
+            att = (q @ k.transpose(-2, -1)) / math.sqrt(d // self.heads)
+            mask = torch.ones(t, t, dtype=torch.bool, device=x.device).tril()
+            y = self.drop(att.masked_fill(~mask, float("-inf")).softmax(-1)) @ v
         y = y.transpose(1, 2).reshape(b, t, d)
         x = x + self.drop(self.proj(y))
         return x + self.drop(self.out(F.gelu(self.fc(self.ln2(x)))))

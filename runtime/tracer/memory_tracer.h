@@ -3,7 +3,10 @@
 // peak, and gives the chunk scheduler the device budget for the interval
 // that starts there. One call per trace point; libtorch-free, so GoogleTest
 // drives it on the simulated device with a scripted meter
-// (tests/cpp/hooks/memory_tracer_test.cpp).
+// (tests/cpp/runtime/tracer/memory_tracer_test.cpp). The layer above the
+// scheduler, below hooks/ (Note [The build's layers] in
+// tests/cpp/check_layers.py); its namespace is still tidal::hooks, the name
+// its one user, hooks/module_hooks.h, and the bindings know it by.
 //
 // Note [The memory tracer]
 // ~~~~~~~~~~~~~~~~~~~~~~~~
@@ -35,6 +38,28 @@
 // parameters attached together need more (tied and shared parameters stay
 // attached through backward), the engine grows the cap to that before the
 // attach (grow_warmup_room). Only the first step is capped.
+//
+// Note [Chunks in use and activations share one budget]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// At every moment, chunk bytes on the device + non-chunk bytes <= limit()
+// (the device budget less the margin). Where the meter can refuse an
+// allocation (the simulated device: set_enforce(true) while the engine's
+// forward and backward run), each side is held to what the other leaves:
+//  * chunks: the scheduler's device ceiling is limit() less the non-chunk
+//    bytes live now (install_ceiling), so chunks, prefetched ones included,
+//    never grow into room that activations hold;
+//  * non-chunk bytes: the meter's limit is limit() less the chunk bytes on
+//    the device (update_nonchunk_limit, after every attach, detach and
+//    landing), so an allocation past it first makes room (chunks not in use
+//    leave, or under DTR with a known link the arbiter's choice: an
+//    activation) and else fails as torch.OutOfMemoryError (Note [The
+//    simulated device's budget is a hard limit] in
+//    hooks/host_allocation_counter.h).
+// And wherever the chunk room grows for the parameters a module needs (the
+// warm-up step, or DTR under the engine), ModuleHooks::reserve_for_chunks
+// first asks activations to give way (DTR evicts one at a time); where they
+// cannot, the attach fails with an OutOfMemoryError naming both sides,
+// never an overrun. point() counts the moments past the budget (overruns()).
 #pragma once
 
 #include <cstddef>

@@ -1,4 +1,4 @@
-#include "hooks/tracer/memory_tracer.h"
+#include "runtime/tracer/memory_tracer.h"
 
 #include <algorithm>
 
@@ -62,8 +62,8 @@ void MemoryTracer::set_enforce(bool on) {
   }
 }
 
-// Note [Chunks in use and activations share one budget]: the scheduler's
-// chunks never grow past what the non-chunk bytes live now leave.
+// The scheduler's chunks never grow past what the non-chunk bytes live now
+// leave (Note [Chunks in use and activations share one budget]).
 void MemoryTracer::install_ceiling() {
   if (!enforce_) {
     scheduler_->set_device_ceiling(nullptr);

@@ -9,7 +9,7 @@
 #include <utility>
 #include <vector>
 
-#include "hooks/tracer/memory_tracer.h"
+#include "runtime/tracer/memory_tracer.h"
 #include "runtime/core/error.h"
 #include "scheduler_test_util.h"
 
