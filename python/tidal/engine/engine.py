@@ -1,6 +1,6 @@
 """The training engine: tidal.initialize(model, config) -> Engine.
 
-See ../shared/ARCHITECTURE.md, "Data flow of one training step", and
+See docs/architecture.md ("One training step") and
 python/tidal/engine/hooks.py for the hook protocol. One step:
 
     loss = engine(batch)        # forward: chunks come to the device per module
@@ -14,7 +14,7 @@ hooks, the tracer), step_mixin.py (the optimizer step), data_parallel_mixin.py,
 external_mixin.py (parameters read outside their module, a raw
 loss.backward()), state_dict_mixin.py and reports_mixin.py.
 
-The engine's meters (Note [The memory tracer] in hooks/tracer/memory_tracer.h)
+The engine's meters (Note [The memory tracer] in runtime/tracer/memory_tracer.h)
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 Every hook is a trace point: one call into the C++ memory tracer measures
 non-chunk device memory (N), records the interval's peak and sets the chunk
@@ -245,7 +245,7 @@ class Engine(ExternalMixin, StateDictMixin, HookWiringMixin, DataParallelMixin, 
         self._handles = []
 
         # Memory tracer and budget arbiter (Note [The memory tracer] in
-        # hooks/tracer/memory_tracer.h): one C++ call per trace point.
+        # runtime/tracer/memory_tracer.h): one C++ call per trace point.
         self._cuda = store.torch_device.type == "cuda"
         self._tracer = self._new_tracer()
         # Note [The simulated device's budget is a hard limit]: with torch's
