@@ -4,11 +4,12 @@ benchmarks/results/engine_arbiter-<machine>.json.
 
     python benchmarks/engine_arbiter.py [--quick]
 
-The model makes them compete: a GPT with a large untied vocabulary head and
-long sequences (TinyGPT vocab 8192, d 128, 4 layers, seq 256, fp32, untied:
-the head's weight and the embedding are 4 MiB each, and the logits and their
-gradient are 8 MiB per sequence), at a device budget that holds a few chunks
-beside the activations of one sequence. The rules, for each eviction DTR
+The model makes them compete: a GPT whose chunks and activations are of a
+size (TinyGPT vocab 2048 untied, d 256, 8 layers, seq 256, fp32: 7.4M
+parameters, 28 MiB of fp32 weights in 1 MiB chunks; 2 MiB logits and 256 KiB
+to 1 MiB activations per sequence), at a 24 MiB device budget, less than the
+weights alone. (With a vocabulary of 8192 the logits' op alone decided the
+largest batch whatever the rule.) The rules, for each eviction DTR
 needs while the engine runs (Note [The arbiter between chunks and
 activations] in hooks/dtr/storage_runtime.h):
   * arbiter            the cheaper per byte: an activation's regeneration
@@ -41,7 +42,7 @@ import common  # noqa: E402
 from engine_dtr_batch import largest  # noqa: E402
 
 RULES = ("arbiter", "chunks_first", "activations_first")
-FULL = {"shape": dict(vocab=8192, d=128, layers=4, heads=4, seq=256), "budget": 40 << 20, "cap": 32,
+FULL = {"shape": dict(vocab=2048, d=256, layers=8, heads=4, seq=256), "budget": 24 << 20, "cap": 16,
         "rounds": 3}
 QUICK = {"shape": dict(vocab=2048, d=64, layers=2, heads=4, seq=128), "budget": 8 << 20, "cap": 8,
          "rounds": 1}

@@ -21,8 +21,15 @@ Per model, interleaved in rounds so machine load hits all alike:
   * tidal        : tidal.initialize with the default config (hybrid Adam:
                    every chunk is updated on the device, where it is; on the
                    simulated device that is the SIMD CPU Adam kernel).
+  * cpuadam      : plain with tidal.optim.CPUAdam (the same SIMD kernels as
+                   the engine's step, standalone: the engine step's peer).
 Each step is timed whole and its optimizer step alone (engine.step() against
-opt.step()). The per-module overhead is (tidal - plain) / modules of the
+opt.step()). Every run of a round is preceded by a pause (a peer timed right
+before another charges it for the other's spinning threads) and the order of
+the runs alternates between rounds. --target forces cpu_adam's SIMD target
+(tidal._C.cpu_adam.available_targets()); the target used is in the file. The
+engine's binding calls per updated chunk in one step (Note [The step of a
+chunk in one call] in hooks/chunk_step.h) are counted too. The per-module overhead is (tidal - plain) / modules of the
 whole step, minus the step-time difference, i.e. what the hooks cost; the
 hook floor is the same for plain_hooks.
 """
@@ -115,6 +122,45 @@ class Plain:
         return t2 - t0, t2 - t1
 
 
+class PlainCPUAdam(Plain):
+    def __init__(self, shape):
+        super().__init__(shape, False)
+        from tidal.optim import CPUAdam
+        self.opt = CPUAdam(self.model.parameters(), lr=1e-3, weight_decay=0.01)
+
+
+class _Counting:
+    """The engine's Chunks object with every method call counted."""
+
+    def __init__(self, chunks):
+        self._chunks, self.calls = chunks, 0
+
+    def __getattr__(self, name):
+        attr = getattr(self._chunks, name)
+        if not callable(attr):
+            return attr
+
+        def call(*a, **k):
+            self.calls += 1
+            return attr(*a, **k)
+        return call
+
+
+def step_calls_per_chunk(engine, x, y) -> float:
+    """Binding calls of engine.step() per chunk it updated, in one step."""
+    loss = engine(x, y)
+    engine.backward(loss)
+    counting = _Counting(engine.chunks)
+    before = engine._adam_device_chunks + engine._adam_host_chunks
+    engine.chunks = counting
+    try:
+        engine.step()
+    finally:
+        engine.chunks = counting._chunks
+    chunks = engine._adam_device_chunks + engine._adam_host_chunks - before
+    return counting.calls / max(chunks, 1)
+
+
 class Tidal:
     def __init__(self, shape):
         cfg = {"optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.01}},
@@ -137,25 +183,31 @@ def main():
     ap.add_argument("--steps", type=int, default=6, help="timed steps per run and round")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--output", default=None)
+    ap.add_argument("--target", default="auto", help="cpu_adam's SIMD target (default: the best)")
     args = ap.parse_args()
     warnings.simplefilter("ignore")
+    tidal._C.cpu_adam.set_target(args.target)
     torch.set_num_threads(os.cpu_count() or 1)
     tidal.set_device("sim", capacity="8GiB")
     shapes = QUICK if args.quick else MODELS
     rounds = 2 if args.quick else args.rounds
-    out = {"quick": args.quick, "rounds": rounds, "steps_per_round": args.steps, "models": {}}
+    out = {"quick": args.quick, "rounds": rounds, "steps_per_round": args.steps,
+           "cpu_adam_target": tidal._C.cpu_adam.target(), "models": {}}
     for name, shape in shapes.items():
         params = sum(p.numel() for p in make(shape).parameters())
         runs = {"plain": Plain(shape, False), "plain_fused": Plain(shape, True),
-                "plain_hooks": Plain(shape, False, hooks=True), "tidal": Tidal(shape)}
+                "plain_hooks": Plain(shape, False, hooks=True), "cpuadam": PlainCPUAdam(shape),
+                "tidal": Tidal(shape)}
         batches = data(shape, args.steps + 2)
         for r in runs.values():  # warm-up (tidal: the trace and the relayout)
             for x, y in batches[:2]:
                 r.run(x, y)
         whole = {k: [] for k in runs}
         step = {k: [] for k in runs}
-        for _ in range(rounds):
-            for k, r in runs.items():
+        for i in range(rounds):
+            for k in (list(runs) if i % 2 == 0 else list(reversed(runs))):
+                r = runs[k]
+                time.sleep(0.5)  # no run pays for the previous one's spinning threads
                 for x, y in batches[2:]:
                     w, s = r.run(x, y)
                     whole[k].append(w)
@@ -174,6 +226,8 @@ def main():
             "ratio_tidal_to_plain": med["tidal"] / med["plain"],
             "optimizer_step_ratio_tidal_to_fused": med_step["tidal"] / med_step["plain_fused"],
             "optimizer_step_ratio_tidal_to_foreach": med_step["tidal"] / med_step["plain"],
+            "optimizer_step_ratio_tidal_to_cpuadam": med_step["tidal"] / med_step["cpuadam"],
+            "step_binding_calls_per_chunk": step_calls_per_chunk(runs["tidal"].engine, *batches[0]),
             "hook_overhead_us_per_module": hooks_us,
             "hook_floor_us_per_module": floor_us,
             "forward_backward_ratio_tidal_to_plain": fwd_bwd("tidal") / fwd_bwd("plain"),
@@ -183,6 +237,7 @@ def main():
         print(f"{name}: {params} params; step tidal {med['tidal'] * 1e3:.2f} ms vs plain "
               f"{med['plain'] * 1e3:.2f} ms ({med['tidal'] / med['plain']:.2f}x); optimizer step tidal "
               f"{med_step['tidal'] * 1e3:.2f} ms vs AdamW fused {med_step['plain_fused'] * 1e3:.2f} ms, "
+              f"CPUAdam {med_step['cpuadam'] * 1e3:.2f} ms, "
               f"foreach {med_step['plain'] * 1e3:.2f} ms; hooks {hooks_us:.1f} us/module (no-op hooks "
               f"of the same kinds: {floor_us:.1f})", flush=True)
     path = common.write_result("engine_overhead-quick" if args.quick else "engine_overhead", out,

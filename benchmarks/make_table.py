@@ -402,19 +402,26 @@ def _engine_overhead(r: Dict, name: str) -> List[List[str]]:
     large = r["models"].get("few_large")
     if large is not None:
         sh = large["shape"]
-        t, f = large["median_optimizer_step_seconds"]["tidal"], \
-            large["median_optimizer_step_seconds"]["plain_fused"]
-        rows.append([
-            f"optimizer step in the engine, {sh['depth']} x Linear({sh['width']}, {sh['width']}) "
-            f"({large['parameters'] / 1e6:.1f}M params), fp32, simulated device (hybrid Adam: "
-            f"the SIMD kernel over the device chunks; 32 bytes per parameter, the fp32 working "
-            f"copy being a chunk of its own)",
-            _machine(r),
-            f"{t * 1e3:.1f} ms",
-            f"{f * 1e3:.1f} ms, torch.optim.AdamW(fused=True) on the same CPU",
-            f"{t / f:.2f}",
-            f"`{name}`",
-        ])
+        opt = large["median_optimizer_step_seconds"]
+        t = opt["tidal"]
+        target = f"; cpu_adam target {r['cpu_adam_target']}" if "cpu_adam_target" in r else ""
+        calls = (f"; {large['step_binding_calls_per_chunk']:.0f} binding calls per chunk"
+                 if "step_binding_calls_per_chunk" in large else "")
+        for peer, label in (("plain_fused", "torch.optim.AdamW(fused=True) on the same CPU"),
+                            ("cpuadam", "tidal.optim.CPUAdam alone on the same CPU")):
+            if peer not in opt:
+                continue
+            rows.append([
+                f"optimizer step in the engine, {sh['depth']} x Linear({sh['width']}, {sh['width']}) "
+                f"({large['parameters'] / 1e6:.1f}M params), fp32, simulated device (hybrid Adam: "
+                f"the SIMD kernel over the device chunks; 32 bytes per parameter, the fp32 working "
+                f"copy being a chunk of its own{target}{calls})",
+                _machine(r),
+                f"{t * 1e3:.1f} ms",
+                f"{opt[peer] * 1e3:.1f} ms, {label}",
+                f"{t / opt[peer]:.2f}",
+                f"`{name}`",
+            ])
     return rows
 
 
