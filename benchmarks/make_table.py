@@ -425,6 +425,30 @@ def _engine_overhead(r: Dict, name: str) -> List[List[str]]:
     return rows
 
 
+def _step_overlap(r: Dict, name: str) -> List[List[str]]:
+    """CPU Adam during backward (tidal.overlap_step) against the step after backward."""
+    if r.get("quick"):
+        return []
+    rows = []
+    sh = r["shape"]
+    for precision, p in r["precisions"].items():
+        o, s = p["overlap"], p["step"]
+        what = (f"TinyGPT (vocab {sh['vocab']}, d {sh['d']}, {sh['layers']} layers, seq {sh['seq']}, batch "
+                f"{sh['batch']}; {p['parameters'] / 1e6:.1f}M params), {precision}, states on the host "
+                f"(hybrid_adam off), simulated device, cpu_adam target {r['cpu_adam_target']}")
+        rows.append([f"CPU Adam time exposed after backward per step, with tidal.overlap_step, {what} "
+                     f"(of {o['adam_seconds_median'] * 1e3:.1f} ms of CPU Adam: "
+                     f"{o['exposed_share_of_adam']:.0%})",
+                     _machine(r), f"{o['exposed_adam_seconds_median'] * 1e3:.1f} ms",
+                     f"{s['exposed_adam_seconds_median'] * 1e3:.1f} ms, the step after backward",
+                     f"{p['exposed_ratio_overlap_to_step']:.2f}", f"`{name}`"])
+        rows.append([f"training step with tidal.overlap_step, {what} (backward and CPU Adam share "
+                     f"the 2 cores)", _machine(r), f"{o['step_seconds_median'] * 1e3:.1f} ms",
+                     f"{s['step_seconds_median'] * 1e3:.1f} ms, the step after backward",
+                     f"{p['step_ratio_overlap_to_step']:.2f}", f"`{name}`"])
+    return rows
+
+
 def _data_parallel(r: Dict, name: str) -> List[List[str]]:
     m = r["model"]
     rows = []
@@ -459,6 +483,7 @@ ROWS: Dict[str, Callable[[Dict, str], List[List[str]]]] = {
     "engine_batch": _engine_batch,
     "engine_dtr_batch": _engine_dtr_batch,
     "engine_arbiter": _engine_arbiter,
+    "step_overlap": _step_overlap,
     "cpu_adam": _cpu_adam,
     "device_bandwidth": _device_bandwidth,
     "chunk_bookkeeping": _chunk_bookkeeping,

@@ -134,6 +134,11 @@ _TIDAL_SCHEMA: dict[str, Any] = {
                                   "Adam momentum and variance in fp32 (14 B/param in mixed "
                                   "precision) or bf16 (10 B/param; arithmetic stays fp32)"),
         "cpu_adam_threads": (int, 0, "CPU Adam threads; 0 = all cores"),
+        "overlap_step": (bool, False, "run the CPU Adam of a chunk as soon as backward has landed "
+                                      "all its gradients, while backward goes on (Note [CPU Adam "
+                                      "during backward]); needs gradient_clipping 0, bf16 or fp32, "
+                                      "gradient_accumulation_steps 1, no DTR, recompute or data "
+                                      "parallel"),
         "dtr": (dict, {}, "DTR of activations under the engine (docs/dtr.md): enabled, "
                           "eviction_threshold, evictee_minimum_size, enable_sqrt_sampling, scorer"),
         "recompute": (dict, {}, "tidal.recompute's own keys (tidal.recompute.from_config; "
@@ -448,6 +453,7 @@ class Config:
     hybrid_adam: bool = True
     optimizer_state_dtype: str = "fp32"
     cpu_adam_threads: int = 0
+    overlap_step: bool = False
     pin_memory: bool = True
     dtr: dict = field(default_factory=dict)
     recompute: dict = field(default_factory=dict)
@@ -788,6 +794,29 @@ class Config:
                 problems.ok("activation_checkpointing", "tidal.recompute"):
             with problems.at("activation_checkpointing"):
                 _validate_recompute(self.activation_checkpointing, self.recompute)
+        self.overlap_step = t["overlap_step"]
+        if self.overlap_step and problems.ok("tidal.overlap_step"):
+            # Note [CPU Adam during backward]: what needs every gradient first.
+            conflicts = []
+            if self.gradient_clipping > 0:
+                conflicts.append(f"gradient_clipping is {self.gradient_clipping:g} (clipping needs "
+                                 f"the global norm before any update: set it to 0)")
+            if self.precision == "fp16":
+                conflicts.append("fp16 is enabled (the overflow check needs every gradient before "
+                                 "any update: use bf16)")
+            if self.gradient_accumulation_steps != 1:
+                conflicts.append(f"gradient_accumulation_steps is {self.gradient_accumulation_steps} "
+                                 f"(the update needs the sums of every micro-batch: use 1)")
+            if self.dtr.get("enabled"):
+                conflicts.append("tidal.dtr is enabled (a replay in backward may read weights an "
+                                 "update already changed)")
+            if self.activation_checkpointing_given:
+                conflicts.append("activation_checkpointing / tidal.recompute is set (a recomputed "
+                                 "segment may read weights an update already changed)")
+            if conflicts:
+                problems.add("tidal.overlap_step", "config key 'tidal.overlap_step': true needs "
+                                                   "every gradient of a chunk to be final when it "
+                                                   "lands, but " + "; ".join(conflicts))
 
 
 def _require(problems: Problems, ok: bool, path: str, message: str) -> None:

@@ -54,7 +54,7 @@ import torch
 from .. import _C
 from .. import dtr as _dtr
 from .. import recompute as _recompute
-from ..config import Config
+from ..config import Config, ConfigError
 from ..lr_schedules import build_scheduler
 from . import checkpoint as _checkpoint
 from . import external as _external
@@ -63,6 +63,7 @@ from . import param_groups as _param_groups
 from .dtr_link import DtrLink
 from .errors import UnsupportedModelError, UsageError
 from .loss_scaler import DynamicLossScaler, StaticLossScaler
+from .overlap import StepOverlap
 from .store import DEVICE, GRAD32, HOST, PARAM16, PARAM32, ParamStore, uncounted
 from .common import OutOfMemoryError, _PLACEHOLDER_HINT, _weak_method
 from .data_parallel_mixin import DataParallelMixin
@@ -282,6 +283,15 @@ class Engine(ExternalMixin, StateDictMixin, HookWiringMixin, DataParallelMixin, 
         self._device_adam_kernel = "fused" if self._cuda else "simd"
         # DTR of activations (Note [DTR under the training engine]).
         self.dtr = DtrLink(self, cfg.dtr)
+        # CPU Adam during backward (Note [CPU Adam during backward] in overlap.py).
+        self._exposed_adam_seconds = 0.0
+        self._overlap = None
+        if cfg.overlap_step:
+            if self.dp is not None:
+                raise ConfigError("config key 'tidal.overlap_step': true needs every gradient of a "
+                                  "chunk to be final when it lands, but this run is data parallel "
+                                  "(each chunk's update waits for its reduction); set it to false")
+            self._overlap = StepOverlap(self)
         self._hooks = self._new_hooks()
         # Saved tensors that alias a parameter's slot are packed as (parameter,
         # geometry) and rebuilt from its data in backward, so nothing keeps a
@@ -373,6 +383,9 @@ class Engine(ExternalMixin, StateDictMixin, HookWiringMixin, DataParallelMixin, 
                     # gradients are all in starts its reduction.
                     self._handles.append(r.param.register_post_accumulate_grad_hook(
                         _weak_method(self._dp_grad_ready)))
+                if self._overlap is not None:
+                    self._handles.append(r.param.register_post_accumulate_grad_hook(
+                        _weak_method(self._overlap_grad_ready)))
 
     def _hook_module(self, m):
         """Module `m`'s forward pre and post hooks (C++ callables)."""
@@ -398,7 +411,17 @@ class Engine(ExternalMixin, StateDictMixin, HookWiringMixin, DataParallelMixin, 
         return out
 
     # ------------------------------------------------------------- user API
+    def _settle_overlap(self, keep: bool = True):
+        """Waits for the CPU Adam updates running since backward and releases
+        their pins (Note [CPU Adam during backward]); keep=False forgets them
+        for the step (they stay applied)."""
+        if self._overlap is not None:
+            self._overlap.finish()
+            if not keep:
+                self._overlap.done.clear()
+
     def __call__(self, *args, **kwargs):
+        self._settle_overlap()
         if self.precision != "fp32":
             def cast(t):
                 if isinstance(t, torch.Tensor) and t.is_floating_point():
@@ -478,6 +501,8 @@ class Engine(ExternalMixin, StateDictMixin, HookWiringMixin, DataParallelMixin, 
         if scale_wrt_gas:
             scale = scale / self.config.gradient_accumulation_steps
         scaled = loss.float() * scale if scale != 1.0 else loss
+        if self._overlap is not None:
+            self._overlap.begin()
         self._count(True)
         self._hooks.set_engine_backward(True)
         try:
@@ -513,7 +538,11 @@ class Engine(ExternalMixin, StateDictMixin, HookWiringMixin, DataParallelMixin, 
                 raise
             # The gradients this backward landed are dropped (their slots get
             # their weights back; a step on part of them would be wrong);
-            # earlier micro-batches' sums stay.
+            # earlier micro-batches' sums stay. Chunks CPU Adam updated
+            # meanwhile keep their update (Note [CPU Adam during backward]).
+            if self._overlap is not None:
+                self._overlap.backward_ended()
+                self._settle_overlap(keep=False)
             self._drop_landed_gradients()
             if oom is not None:
                 raise oom from e
@@ -530,6 +559,8 @@ class Engine(ExternalMixin, StateDictMixin, HookWiringMixin, DataParallelMixin, 
                 self._dp_broken = "ending a backward on this rank failed"
                 self._dp_flight.clear()
             raise
+        if self._overlap is not None:
+            self._overlap.backward_ended()
         if self.dp is not None:
             self._dp_after_backward()
         elif self._accumulating:
@@ -600,6 +631,7 @@ class Engine(ExternalMixin, StateDictMixin, HookWiringMixin, DataParallelMixin, 
         """Drops pending gradients (those in 16-bit slots are restored from
         fp32) and the gradient sums of an unfinished accumulation."""
         self._hooks.take_backward_ended()  # (a loss.backward() whose gradients go now)
+        self._settle_overlap(keep=False)  # (updates made during backward stay)
         self._drop_landed_gradients()
         summed = [r for r in self.records if r.accumulated]
         if summed:
@@ -677,6 +709,7 @@ class Engine(ExternalMixin, StateDictMixin, HookWiringMixin, DataParallelMixin, 
     def save_checkpoint(self, save_dir, tag=None, client_state=None, save_latest=True):
         """Writes model, fp32 master, Adam state, loss scaler, LR scheduler, step
         and RNG state to <save_dir>/<tag>/ atomically (Note [Checkpoint format])."""
+        self._settle_overlap()
         with _dtr.outside():
             return _checkpoint.save_checkpoint(self, save_dir, tag, client_state, save_latest)
 
@@ -684,28 +717,33 @@ class Engine(ExternalMixin, StateDictMixin, HookWiringMixin, DataParallelMixin, 
                         load_lr_scheduler_states=True):
         """Restores a save_checkpoint(); tag None reads <load_dir>/latest.
         Returns (path, client_state), as DeepSpeed's."""
+        self._settle_overlap()
         with self.dtr.weights_change(), _dtr.outside():
             return _checkpoint.load_checkpoint(self, load_dir, tag, load_optimizer_states,
                                                load_lr_scheduler_states)
 
     def state_dict(self) -> dict:
         """fp32 weights and buffers keyed like the model's own state_dict."""
+        self._settle_overlap()
         with _dtr.outside():
             return _checkpoint.state_dict(self)
 
     def load_state_dict(self, state_dict, strict: bool = True):
         """Loads weights (fp32 master and 16-bit copy); Adam state is kept."""
+        self._settle_overlap()
         with self.dtr.weights_change(), _dtr.outside():
             return _checkpoint.load_state_dict(self, state_dict, strict)
 
     def load_pretrained(self, path, strict: bool = True):
         """Loads Hugging Face save_pretrained weights, tensor by tensor."""
+        self._settle_overlap()
         with self.dtr.weights_change(), _dtr.outside():
             return _checkpoint.load_pretrained(self, path, strict)
 
     def save_pretrained(self, save_dir, max_shard_size="5GB", dtype=None):
         """Writes Hugging Face `save_pretrained`-compatible weights (safetensors,
         sharded past `max_shard_size`) and config.json, shard by shard."""
+        self._settle_overlap()
         with _dtr.outside():
             return _checkpoint.save_pretrained(self, save_dir, max_shard_size, dtype)
 

@@ -275,6 +275,11 @@ class HookWiringMixin:
         self._attach_failed(e, module, self._module_records[module],
                             lambda: self._hooks.attach(ids, for_backward=True))
 
+    def _overlap_grad_ready(self, param):
+        """After the landing (hooks run in order): a chunk whose gradients are
+        all in starts its CPU Adam (Note [CPU Adam during backward])."""
+        self._overlap.landed(self.store.by_param[id(param)])
+
     def _grad_ready(self, param):
         r = self.store.by_param[id(param)]
         g = param.grad

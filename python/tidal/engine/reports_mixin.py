@@ -76,6 +76,7 @@ class ReportsMixin:
 
     def parameters_fp32(self) -> dict[str, torch.Tensor]:
         """Host copies of the fp32 master weights (16-bit values for frozen params), by name."""
+        self._settle_overlap()
         with _dtr.outside():
             return {r.name: self.store.gather(r) for r in self.records}
 
@@ -104,6 +105,18 @@ class ReportsMixin:
             "prefetch_hit_rate": hits / (hits + misses) if hits + misses else 0.0,
             "budget_overruns": self._tracer.overruns,
             "cpu_adam_seconds": self._adam_seconds,
+            # Note [CPU Adam during backward]: the update's time in all,
+            # the part spent after backward ended (in engine.step()), and the
+            # part of the worker's that ran while backward went on.
+            "optimizer": {
+                "adam_seconds": self._adam_seconds + (0.0 if self._overlap is None
+                                                      else self._overlap.worker_seconds),
+                "exposed_adam_seconds": self._exposed_adam_seconds,
+                "overlapped_adam_seconds": 0.0 if self._overlap is None
+                else self._overlap.overlapped_seconds,
+                "overlap_step": self._overlap is not None,
+                "chunks_updated_during_backward": 0 if self._overlap is None
+                else self._overlap.launched_chunks},
             "adam_chunks_on_device": self._adam_device_chunks,
             "adam_chunks_on_host": self._adam_host_chunks,
             "trace_adoptions": s["trace_adoptions"],

@@ -40,13 +40,19 @@ class StepMixin:
             self._hooks.end_backward()
         self._count(False)
         accumulating = self._accumulating
+        t_exposed = time.perf_counter()
+        # Chunks CPU Adam updated while backward went on (Note [CPU Adam
+        # during backward]): waited for here, not updated again.
+        done = set() if self._overlap is None else self._overlap.take_done()
         pending = [r for r in self.records if r.accumulated] if accumulating else self._landed()
         # Data parallel: the update runs where the masters are; every rank
         # holds the gradients it reduced into the chunks it owns.
         owned = pending if self.dp is None else [r for r in pending if self.store.owns(r)]
         norm, finite = self._grad_norm(owned)
         scale = self.scaler.scale
-        overflow = not finite
+        # With overlap_step a non-finite gradient is applied, as torch's
+        # AdamW applies it: chunks were updated before it was seen.
+        overflow = not finite and self._overlap is None
         if self.precision == "fp16":
             self.scaler.update(overflow)
         if overflow:
@@ -58,7 +64,7 @@ class StepMixin:
             if self.config.gradient_clipping > 0:
                 clip = min(1.0, self.config.gradient_clipping / (norm + 1e-6))
             if self.dp is None:
-                self._adam(owned, clip / scale)
+                self._adam([r for r in owned if r.chunk not in done] if done else owned, clip / scale)
             else:
                 # The all-gather: each chunk's updated 16-bit values from its
                 # owner, started as its update ends, while the owners go on
@@ -71,6 +77,7 @@ class StepMixin:
                     self._dp_sending.clear()
                     self._dp_broken = f"the step failed part-way ({type(e).__name__})"
                     raise
+            self._exposed_adam_seconds += time.perf_counter() - t_exposed
             if self.lr_scheduler is not None:
                 self.lr_scheduler.step()
                 self.apply_lr_schedule()
