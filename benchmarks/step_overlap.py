@@ -84,7 +84,7 @@ def main():
            "cpu_adam_target": tidal._C.cpu_adam.target(), "precisions": {}}
     for precision in ("fp32", "bf16"):
         engines = {mode: make_engine(shape, precision, mode == "overlap") for mode in ("step", "overlap")}
-        params = sum(p.numel() for p in engines["step"].module.parameters())
+        params = sum(r.numel for r in engines["step"].records)
         for e in engines.values():
             run(e, data[:2])  # warm-up: the trace and the relayout
         samples = {mode: [] for mode in engines}
