@@ -124,3 +124,25 @@ def test_a_failed_backward_releases_the_pins_and_the_engine_goes_on():
     losses = train_tidal(engine, batches[2:])
     assert all(torch.isfinite(torch.tensor(losses)))
     assert engine.memory_report()["budget_overruns"] == 0
+
+
+def test_an_engine_dropped_after_backward_waits_for_its_updates_and_goes():
+    # The worker reads chunk memory: a collected engine waits for it before
+    # its chunks go (weakref.finalize), and nothing of the engine stays.
+    import gc
+    import weakref
+
+    batches = gpt_batches(2)
+    torch.manual_seed(0)
+    engine = tidal.initialize(TinyGPT(d=64, seq=8), overlap_config(True))
+    train_tidal(engine, batches[:1])
+    x, y = batches[1]
+    engine.backward(engine(x, y))
+    assert engine._overlap._jobs  # updates launched during backward, not waited for
+    gone = weakref.ref(engine)
+    del engine
+    gc.collect()
+    assert gone() is None
+    torch.manual_seed(0)
+    again = tidal.initialize(TinyGPT(d=64, seq=8), overlap_config(True))
+    assert all(torch.isfinite(torch.tensor(train_tidal(again, batches))))

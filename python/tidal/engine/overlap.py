@@ -44,6 +44,7 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import time
+import weakref
 
 from .. import _C
 from .store import HOLD, HOST, MOMENTUM, PARAM16, PARAM32, VARIANCE
@@ -58,7 +59,12 @@ class StepOverlap:
     before the step or a forward."""
 
     def __init__(self, engine):
-        self._engine = engine
+        # Weakly: the worker must never outlive the chunks it reads, so a
+        # collected engine first waits for it (_abandon, called as the engine
+        # goes, before its chunks do); a strong reference would make the
+        # engine wait for a cycle collection instead.
+        self._engine_ref = weakref.ref(engine)
+        weakref.finalize(engine, self._abandon)
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="tidal-adam")
         self._waiting: dict[int, int] = {}  # chunk -> gradients it still waits for
         self._recs: dict[int, list] = {}     # chunk -> its trainable records
@@ -70,6 +76,10 @@ class StepOverlap:
         self.launched_chunks = 0
         self.worker_seconds = 0.0      # CPU Adam on the worker
         self.overlapped_seconds = 0.0  # of which before backward ended
+
+    @property
+    def _engine(self):
+        return self._engine_ref()
 
     # ------------------------------------------------------------ backward
     def begin(self):
@@ -169,11 +179,16 @@ class StepOverlap:
         done, self.done = self.finish(), set()
         return done
 
-    def close(self):
-        try:
-            self.finish()
-        finally:
-            self._pool.shutdown(wait=True)
+    def _abandon(self):
+        """The engine is going: wait for the worker (its chunks are still
+        there), forget the pins with the chunks, stop the thread."""
+        for _chunk, future, _recs in self._jobs:
+            try:
+                future.result()
+            except BaseException:  # noqa: BLE001 (nobody is left to tell)
+                pass
+        self._jobs, self._pinned = [], []
+        self._pool.shutdown(wait=False)
 
 
 def _run(views, calls):
