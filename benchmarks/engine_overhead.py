@@ -22,7 +22,9 @@ Per model, interleaved in rounds so machine load hits all alike:
                    every chunk is updated on the device, where it is; on the
                    simulated device that is the SIMD CPU Adam kernel).
   * cpuadam      : plain with tidal.optim.CPUAdam (the same SIMD kernels as
-                   the engine's step, standalone: the engine step's peer).
+                   the engine's step, standalone: the engine step's peer);
+  * tidal_bf16   : (few_large only) the engine in bf16, whose optimizer step
+                   is set beside CPUAdam alone on as many fp32 parameters.
 Each step is timed whole and its optimizer step alone (engine.step() against
 opt.step()). Every run of a round is preceded by a pause (a peer timed right
 before another charges it for the other's spinning threads) and the order of
@@ -162,9 +164,11 @@ def step_calls_per_chunk(engine, x, y) -> float:
 
 
 class Tidal:
-    def __init__(self, shape):
+    def __init__(self, shape, precision="fp32"):
         cfg = {"optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.01}},
                "tidal": {"device": "sim", "chunk_size": "4MiB"}}
+        if precision != "fp32":
+            cfg[precision] = {"enabled": True}
         self.engine = tidal.initialize(make(shape), cfg)
 
     def run(self, x, y):
@@ -198,6 +202,10 @@ def main():
         runs = {"plain": Plain(shape, False), "plain_fused": Plain(shape, True),
                 "plain_hooks": Plain(shape, False, hooks=True), "cpuadam": PlainCPUAdam(shape),
                 "tidal": Tidal(shape)}
+        if name == "few_large":
+            # The engine's bf16 step (bf16 gradients in, bf16 weights out, fp32
+            # master and moments) against CPUAdam alone on as many fp32 parameters.
+            runs["tidal_bf16"] = Tidal(shape, "bf16")
         batches = data(shape, args.steps + 2)
         for r in runs.values():  # warm-up (tidal: the trace and the relayout)
             for x, y in batches[:2]:
@@ -227,13 +235,17 @@ def main():
             "optimizer_step_ratio_tidal_to_fused": med_step["tidal"] / med_step["plain_fused"],
             "optimizer_step_ratio_tidal_to_foreach": med_step["tidal"] / med_step["plain"],
             "optimizer_step_ratio_tidal_to_cpuadam": med_step["tidal"] / med_step["cpuadam"],
+            **({"optimizer_step_ratio_tidal_bf16_to_cpuadam": med_step["tidal_bf16"] / med_step["cpuadam"]}
+               if "tidal_bf16" in runs else {}),
             "step_binding_calls_per_chunk": step_calls_per_chunk(runs["tidal"].engine, *batches[0]),
             "hook_overhead_us_per_module": hooks_us,
             "hook_floor_us_per_module": floor_us,
             "forward_backward_ratio_tidal_to_plain": fwd_bwd("tidal") / fwd_bwd("plain"),
             "forward_backward_ratio_tidal_to_plain_hooks": fwd_bwd("tidal") / fwd_bwd("plain_hooks"),
         }
-        runs["tidal"].engine.remove_hooks()
+        for k in ("tidal", "tidal_bf16"):
+            if k in runs:
+                runs[k].engine.remove_hooks()
         print(f"{name}: {params} params; step tidal {med['tidal'] * 1e3:.2f} ms vs plain "
               f"{med['plain'] * 1e3:.2f} ms ({med['tidal'] / med['plain']:.2f}x); optimizer step tidal "
               f"{med_step['tidal'] * 1e3:.2f} ms vs AdamW fused {med_step['plain_fused'] * 1e3:.2f} ms, "

@@ -407,6 +407,17 @@ def _engine_overhead(r: Dict, name: str) -> List[List[str]]:
         target = f"; cpu_adam target {r['cpu_adam_target']}" if "cpu_adam_target" in r else ""
         calls = (f"; {large['step_binding_calls_per_chunk']:.0f} binding calls per chunk"
                  if "step_binding_calls_per_chunk" in large else "")
+        if "tidal_bf16" in opt and "cpuadam" in opt:
+            rows.append([
+                f"optimizer step in the engine in bf16 (bf16 gradients in, bf16 weights out, fp32 "
+                f"master and moments), {sh['depth']} x Linear({sh['width']}, {sh['width']}) "
+                f"({large['parameters'] / 1e6:.1f}M params), simulated device{target}",
+                _machine(r),
+                f"{opt['tidal_bf16'] * 1e3:.1f} ms",
+                f"{opt['cpuadam'] * 1e3:.1f} ms, tidal.optim.CPUAdam alone on as many fp32 parameters",
+                f"{opt['tidal_bf16'] / opt['cpuadam']:.2f}",
+                f"`{name}`",
+            ])
         for peer, label in (("plain_fused", "torch.optim.AdamW(fused=True) on the same CPU"),
                             ("cpuadam", "tidal.optim.CPUAdam alone on the same CPU")):
             if peer not in opt:
