@@ -15,6 +15,7 @@
 #include "python/csrc/hook_callables.h"
 #include "chunk/chunk_store.h"
 #include "hooks/chunk_step.h"
+#include "hooks/engine_chunks.h"
 #include "hooks/host_allocation_counter.h"
 #include "hooks/module_hooks.h"
 #include "hooks/nonchunk_meters.h"
@@ -29,54 +30,7 @@
 namespace tidal::python {
 namespace {
 
-DType parse_dtype(const std::string& name) {
-  if (name == "float16") return DType::kFloat16;
-  if (name == "bfloat16") return DType::kBFloat16;
-  if (name == "float32") return DType::kFloat32;
-  TIDAL_CHECK_TYPE(false, "unsupported parameter dtype '", name,
-                   "'; tidal keeps parameters as float16, bfloat16 or float32");
-}
-
-// The scheduler, the stream it orders against and the parameter binding, in
-// destruction order: binding, scheduler, then the stream it points to.
-class Chunks {
- public:
-  Chunks(std::shared_ptr<Device> device, std::size_t chunk_bytes, const std::string& param_dtype,
-         std::size_t device_budget, std::size_t host_budget, bool prefetch,
-         std::size_t prefetch_depth, const std::string& policy, bool pin_host_memory,
-         std::optional<std::uintptr_t> compute_stream, const std::string& torch_device,
-         std::size_t host_reserve, const std::string& state_dtype) {
-    TIDAL_CHECK(device != nullptr, "Chunks: device is None");
-    if (compute_stream) {
-      compute_stream_ = device->wrap_external_stream(*compute_stream, "torch-compute");
-    }
-    ChunkStoreOptions store_options;
-    store_options.chunk_bytes = chunk_bytes;
-    store_options.param_dtype = parse_dtype(param_dtype);
-    store_options.state_dtype = parse_dtype(state_dtype);
-    ChunkSchedulerOptions options;
-    options.device_budget_bytes = device_budget;
-    options.host_budget_bytes = host_budget == 0 ? options.host_budget_bytes : host_budget;
-    options.use_trace = true;
-    options.prefetch = prefetch;
-    options.prefetch_depth = prefetch_depth;
-    options.pin_host_memory = pin_host_memory;
-    options.host_eviction_reserve_bytes = host_reserve;
-    options.compute_stream = compute_stream_.get();
-    options.policy = make_eviction_policy(policy);
-    scheduler_ = std::make_unique<ChunkScheduler>(ChunkStore(store_options), std::move(device),
-                                                  options);
-    binding_ = std::make_unique<hooks::ParamBinding>(*scheduler_, at::Device(torch_device));
-  }
-
-  ChunkScheduler& scheduler() { return *scheduler_; }
-  hooks::ParamBinding& binding() { return *binding_; }
-
- private:
-  std::unique_ptr<Stream> compute_stream_;
-  std::unique_ptr<ChunkScheduler> scheduler_;
-  std::unique_ptr<hooks::ParamBinding> binding_;
-};
+using Chunks = hooks::EngineChunks;  // hooks/engine_chunks.h
 
 py::dict stats_dict(const ChunkSchedulerStats& s) {
   py::dict d;
@@ -440,10 +394,26 @@ Python thread drives a Chunks object.)doc");
   bind_enums(m);  // first: the signatures below name them
 
   py::class_<Chunks>(m, "Chunks")
-      .def(py::init<std::shared_ptr<Device>, std::size_t, const std::string&, std::size_t,
-                    std::size_t, bool, std::size_t, const std::string&, bool,
-                    std::optional<std::uintptr_t>, const std::string&, std::size_t,
-                    const std::string&>(),
+      .def(py::init([](std::shared_ptr<Device> device, std::size_t chunk_bytes, const std::string& param_dtype,
+                       std::size_t device_budget, std::size_t host_budget, bool prefetch,
+                       std::size_t prefetch_depth, const std::string& policy, bool pin_host_memory,
+                       std::optional<std::uintptr_t> compute_stream, const std::string& torch_device,
+                       std::size_t host_reserve, const std::string& state_dtype) {
+             hooks::EngineChunksOptions o;
+             o.chunk_bytes = chunk_bytes;
+             o.param_dtype = param_dtype;
+             o.state_dtype = state_dtype;
+             o.device_budget = device_budget;
+             o.host_budget = host_budget;
+             o.prefetch = prefetch;
+             o.prefetch_depth = prefetch_depth;
+             o.policy = policy;
+             o.pin_host_memory = pin_host_memory;
+             o.compute_stream = compute_stream;
+             o.torch_device = torch_device;
+             o.host_reserve = host_reserve;
+             return std::make_unique<Chunks>(std::move(device), o);
+           }),
            py::arg("device"), py::kw_only(), py::arg("chunk_bytes"), py::arg("param_dtype"),
            py::arg("device_budget"), py::arg("host_budget") = 0, py::arg("prefetch") = true,
            py::arg("prefetch_depth") = 4, py::arg("policy") = "opt",
