@@ -160,3 +160,16 @@ def timed_engine_steps(engine, batches) -> tuple:
         losses.append(loss.item())
         times.append(time.perf_counter() - t0)
     return times, losses
+
+
+def run_child(script: str, payload, failed: Dict, timeout: float = 900) -> Dict:
+    """Runs `script --child JSON(payload)` in a fresh Python process and
+    returns the last JSON object it printed; on a crash or no output,
+    `failed` with fits False and the process's error tail as "why"."""
+    cmd = [sys.executable, script, "--child", json.dumps(payload)]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    lines = [ln for ln in p.stdout.splitlines() if ln.startswith("{")]
+    if p.returncode != 0 or not lines:
+        return {**failed, "fits": False, "why": f"process failed ({p.returncode}): {p.stderr[-400:]}"}
+    return json.loads(lines[-1])
+

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import copy
 import os
 import statistics
 import sys

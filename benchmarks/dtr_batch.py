@@ -151,9 +151,7 @@ def resnet_part(quick: bool) -> dict:
     return {"model": f"ResNet layout {layers}, base width {base}, {size}x{size} images, 10 classes",
             "fixed_memory_bytes": memory, "memory_is": f"no-DTR tracked peak at batch {base_batch}",
             "evictee_minimum_size": dtr.evictee_minimum_size, "batch_cap": cap,
-            "link": link,
             "largest_batch_without_dtr": plain_batch, "largest_batch_with_dtr": dtr_batch,
-            "largest_batch_with_dtr_chunks_first": first_batch, "trials_with_dtr_chunks_first": first_trials,
             "ratio": dtr_batch / plain_batch if plain_batch else None,
             "trials_without_dtr": plain_trials, "trials_with_dtr": dtr_trials, "step_seconds": times,
             "with_dtr_peak_and_threshold": {str(k): {"peak_tracked_bytes": v[0], "threshold": v[1]}

@@ -33,7 +33,6 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 
@@ -96,13 +95,7 @@ def trial(rule: str, batch: int, spec: dict, link: str) -> dict:
 
 
 def run_trial(rule, batch, spec, link) -> dict:
-    cmd = [sys.executable, __file__, "--child", json.dumps([rule, batch, spec, link])]
-    p = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
-    lines = [ln for ln in p.stdout.splitlines() if ln.startswith("{")]
-    if p.returncode != 0 or not lines:
-        return {"rule": rule, "batch": batch, "fits": False,
-                "why": f"process failed ({p.returncode}): {p.stderr[-400:]}"}
-    return json.loads(lines[-1])
+    return common.run_child(__file__, [rule, batch, spec, link], {"rule": rule, "batch": batch})
 
 
 def main(argv=None):

@@ -33,7 +33,6 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 
@@ -127,13 +126,8 @@ def trial(name: str, mode: str, batch: int, budget: int, quick: bool, link: str)
 
 
 def run_trial(name, mode, batch, budget, quick, link) -> dict:
-    cmd = [sys.executable, __file__, "--child", json.dumps([name, mode, batch, budget, quick, link])]
-    p = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
-    lines = [ln for ln in p.stdout.splitlines() if ln.startswith("{")]
-    if p.returncode != 0 or not lines:
-        return {"model": name, "mode": mode, "batch": batch, "fits": False,
-                "why": f"process failed ({p.returncode}): {p.stderr[-400:]}"}
-    return json.loads(lines[-1])
+    return common.run_child(__file__, [name, mode, batch, budget, quick, link],
+                            {"model": name, "mode": mode, "batch": batch})
 
 
 # -------------------------------------------------------------- the search

@@ -245,6 +245,11 @@ def main():
         }
         for k in ("tidal", "tidal_bf16"):
             if k in runs:
+                r = runs[k].engine.memory_report()  # the budget is a promise
+                if r["budget_overruns"] or r["peak_device_bytes"] > r["device_budget"] - r["device_margin"]:
+                    raise SystemExit(f"{name} {k}: the device budget was overrun: {r['budget_overruns']} "
+                                     f"overruns, peak {r['peak_device_bytes']} of {r['device_budget']}")
+                out["models"][name][f"{k}_budget_overruns"] = r["budget_overruns"]
                 runs[k].engine.remove_hooks()
         print(f"{name}: {params} params; step tidal {med['tidal'] * 1e3:.2f} ms vs plain "
               f"{med['plain'] * 1e3:.2f} ms ({med['tidal'] / med['plain']:.2f}x); optimizer step tidal "

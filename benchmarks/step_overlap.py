@@ -92,6 +92,11 @@ def main():
             for mode in (("step", "overlap") if k % 2 == 0 else ("overlap", "step")):
                 time.sleep(1.0)
                 samples[mode].extend(run(engines[mode], data[2:]))
+        for mode, e in engines.items():  # the budget is a promise
+            r = e.memory_report()
+            if r["budget_overruns"] or r["peak_device_bytes"] > r["device_budget"] - r["device_margin"]:
+                raise SystemExit(f"{precision} {mode}: the device budget was overrun: {r['budget_overruns']} "
+                                 f"overruns, peak {r['peak_device_bytes']} of {r['device_budget']}")
         res = {"parameters": params}
         for mode, s in samples.items():
             whole, adam, exposed, overlapped = (statistics.median(col) for col in zip(*s))
@@ -101,6 +106,8 @@ def main():
                          "exposed_share_of_adam": exposed / adam if adam else None,
                          "chunks_updated_during_backward":
                              engines[mode].memory_report()["optimizer"]["chunks_updated_during_backward"],
+                         "budget_overruns": engines[mode].memory_report()["budget_overruns"],
+                         "peak_device_bytes": engines[mode].memory_report()["peak_device_bytes"],
                          "samples": s}
         res["step_ratio_overlap_to_step"] = res["overlap"]["step_seconds_median"] / \
             res["step"]["step_seconds_median"]

@@ -110,16 +110,9 @@ def _module_tensors(model):
     (Engine._setup and ParamStore.add)."""
     from .engine import external as _external
     tensors, index, owned_by = [], {}, {}
-    inside_leaf = set()
-    for mname, m in model.named_modules(remove_duplicate=True):
-        if id(m) in inside_leaf:
+    for _mname, m, owned in _external.owned_parameters(model):
+        if owned is None:
             continue
-        if _external.is_leaf(m):
-            inside_leaf.update(id(d) for d in m.modules() if d is not m)
-            owned = m.named_parameters(prefix=mname)
-        else:
-            owned = ((f"{mname}.{pname}" if mname else pname, p)
-                     for pname, p in m.named_parameters(recurse=False))
         mine = []
         for full, p in owned:
             if id(p) not in index:

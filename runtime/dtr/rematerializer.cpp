@@ -178,6 +178,14 @@ MutationPlan Rematerializer::prepare_mutation(TensorId target, bool op_replayabl
   if (r.state == TensorState::kEvicted) plan.regenerate.push_back(target);
   // Every evicted tensor whose recipe reads the old value, directly or
   // through dead (fake-deleted) intermediates, must come back now.
+  for_each_reader(target, [&](TensorId y, const TensorRecord& ry) {
+    if (ry.state == TensorState::kEvicted) plan.regenerate.push_back(y);
+  });
+  return plan;
+}
+
+template <class F>
+void Rematerializer::for_each_reader(TensorId target, F&& visit) const {
   std::unordered_set<TensorId> seen{target};
   std::vector<TensorId> work{target};
   while (!work.empty()) {
@@ -187,15 +195,14 @@ MutationPlan Rematerializer::prepare_mutation(TensorId target, bool op_replayabl
       for_each_result(op(c), [&](TensorId y) {
         if (!seen.insert(y).second) return;
         const TensorRecord& ry = tensor(y);
-        if (ry.state == TensorState::kEvicted) {
-          plan.regenerate.push_back(y);
-        } else if (ry.state == TensorState::kDeleted) {
+        if (ry.state == TensorState::kDeleted) {
           work.push_back(y);
+        } else {
+          visit(y, ry);
         }
       });
     }
   }
-  return plan;
 }
 
 // Note [Evictions while an in-place op runs]
@@ -215,24 +222,10 @@ MutationPlan Rematerializer::prepare_mutation(TensorId target, bool op_replayabl
 // allocator's retry evict anything else.
 std::vector<TensorId> Rematerializer::mutation_readers(TensorId target) const {
   std::vector<TensorId> out;
-  std::unordered_set<TensorId> seen{target};
-  std::vector<TensorId> work{target};
   if (tensor(target).state == TensorState::kResident) out.push_back(target);
-  while (!work.empty()) {
-    const TensorId x = work.back();
-    work.pop_back();
-    for (OpId c : tensor(x).users) {
-      for_each_result(op(c), [&](TensorId y) {
-        if (!seen.insert(y).second) return;
-        const TensorRecord& ry = tensor(y);
-        if (ry.state == TensorState::kResident) {
-          out.push_back(y);
-        } else if (ry.state == TensorState::kDeleted) {
-          work.push_back(y);
-        }
-      });
-    }
-  }
+  for_each_reader(target, [&](TensorId y, const TensorRecord& ry) {
+    if (ry.state == TensorState::kResident) out.push_back(y);
+  });
   return out;
 }
 

@@ -205,6 +205,13 @@ class Rematerializer {
   void validate() const;
 
  private:
+  // Calls visit(y, record) for every tensor computed from `target`'s value,
+  // directly or through dead (fake-deleted) intermediates, which are walked
+  // through and not visited: what prepare_mutation() and mutation_readers()
+  // look at, and commit_mutation() locks.
+  template <class F>
+  void for_each_reader(TensorId target, F&& visit) const;
+
   TensorRecord& t_(TensorId t);
   OpRecord& o_(OpId o);
   bool is_candidate(const TensorRecord& r) const;

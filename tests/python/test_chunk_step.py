@@ -17,6 +17,7 @@ from tidal import _C
 sys.path.insert(0, str(Path(__file__).parent))
 from engine_helpers import gpt_batches, train_tidal  # noqa: E402
 from test_engine import assert_close, config, train_reference  # noqa: E402
+from test_step_overlap import within_budget  # noqa: E402
 from tidal.models.gpt import TinyGPT  # noqa: E402
 
 
@@ -70,6 +71,7 @@ def test_the_step_is_one_binding_call_per_chunk(hybrid):
     # Besides: the step's bookkeeping, once per step, never per chunk.
     assert sum(counting.calls.values()) <= 4, counting.calls
     assert_close(engine, ref, ref_losses, losses)
+    within_budget(engine)
 
 
 def test_a_failed_chunk_step_releases_its_pins_and_the_engine_goes_on():
@@ -93,3 +95,4 @@ def test_a_failed_chunk_step_releases_its_pins_and_the_engine_goes_on():
         assert engine.chunks.state(a.id, kind) != _C.chunks.TensorState.COMPUTE, kind
     losses += train_tidal(engine, batches[1:])
     assert_close(engine, ref, ref_losses, losses)
+    within_budget(engine)

@@ -24,6 +24,13 @@ def simulated_device():
     tidal.set_device("sim", capacity="1GiB")
 
 
+def within_budget(engine):
+    """The budget is a promise: the device peak stayed within it, no overrun."""
+    r = engine.memory_report()
+    assert r["budget_overruns"] == 0
+    assert r["peak_device_bytes"] <= r["device_budget"] - r["device_margin"], r
+
+
 def overlap_config(overlap, precision="fp32"):
     # hybrid_adam off: every chunk is updated on the host, by CPU Adam.
     cfg = config(budget="64MiB", hybrid_adam=False, overlap_step=overlap)
@@ -49,6 +56,7 @@ def test_updates_during_backward_give_the_weights_of_the_step(precision):
         else:
             assert opt["chunks_updated_during_backward"] == 0 and opt["overlapped_adam_seconds"] == 0
             assert opt["exposed_adam_seconds"] > 0
+        within_budget(engine)
         masters[overlap] = engine.parameters_fp32()
     for name, want in masters[False].items():
         assert torch.equal(masters[True][name], want), name
@@ -63,6 +71,7 @@ def test_against_adamw():
     engine = tidal.initialize(model, overlap_config(True))
     losses = train_tidal(engine, batches)
     assert_close(engine, ref, ref_losses, losses)
+    within_budget(engine)
 
 
 @pytest.mark.parametrize("key, value, named", [
@@ -101,6 +110,7 @@ def test_a_forward_between_backward_and_step_waits_and_the_next_steps_train():
             assert torch.isfinite(engine(x, y))
             engine.train()
         engine.step()
+    within_budget(engine)
     want = plain.parameters_fp32()
     for name, got in engine.parameters_fp32().items():
         assert torch.equal(got, want[name]), name
@@ -123,7 +133,7 @@ def test_a_failed_backward_releases_the_pins_and_the_engine_goes_on():
     assert engine.memory_report()["optimizer"]["chunks_updated_during_backward"] > launched
     losses = train_tidal(engine, batches[2:])
     assert all(torch.isfinite(torch.tensor(losses)))
-    assert engine.memory_report()["budget_overruns"] == 0
+    within_budget(engine)
 
 
 def test_an_engine_dropped_after_backward_waits_for_its_updates_and_goes():
@@ -146,3 +156,4 @@ def test_an_engine_dropped_after_backward_waits_for_its_updates_and_goes():
     torch.manual_seed(0)
     again = tidal.initialize(TinyGPT(d=64, seq=8), overlap_config(True))
     assert all(torch.isfinite(torch.tensor(train_tidal(again, batches))))
+    within_budget(again)

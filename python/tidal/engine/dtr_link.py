@@ -47,7 +47,7 @@ import weakref
 
 from .. import _C
 from .. import dtr as _dtr
-from .store import DEVICE
+
 
 # False: DTR's evictions never go to chunks (chunks give way only through
 # the tracer's plan: the rule before the arbiter); benchmarks/dtr_batch.py's

@@ -138,9 +138,8 @@ class Engine(ExternalMixin, StateDictMixin, HookWiringMixin, DataParallelMixin, 
         self._module_records: dict[torch.nn.Module, list] = {}
         self._names: dict[torch.nn.Module, str] = {}
         added = []  # (record, the parameter's dtype) registered here
-        inside_leaf = set()  # descendants of leaf modules: no hooks of their own
         try:
-            for mname, m in model.named_modules(remove_duplicate=True):
+            for mname, m, owned in _external.owned_parameters(model):
                 self._names[m] = mname or type(m).__name__
                 if getattr(m, "sparse", False) is True and any(
                         p.requires_grad for p in m.parameters(recurse=False)):
@@ -149,15 +148,8 @@ class Engine(ExternalMixin, StateDictMixin, HookWiringMixin, DataParallelMixin, 
                         f"gradients are sparse tensors, and tidal's chunks hold dense gradients "
                         f"in the parameters' 16-bit slots; build it with sparse=False (or "
                         f"freeze its parameters)")
-                if id(m) in inside_leaf:
-                    continue
-                if _external.is_leaf(m):
-                    # One unit (tidal.set_leaf_modules): its subtree's parameters.
-                    inside_leaf.update(id(d) for d in m.modules() if d is not m)
-                    owned = m.named_parameters(prefix=mname)
-                else:
-                    owned = ((f"{mname}.{pname}" if mname else pname, p)
-                             for pname, p in m.named_parameters(recurse=False))
+                if owned is None:
+                    continue  # inside a leaf module (tidal.set_leaf_modules): no hooks of its own
                 recs = []
                 for full, p in owned:
                     rec = store.by_param.get(id(p))

@@ -232,5 +232,24 @@ def is_leaf(module: torch.nn.Module) -> bool:
     return bool(module.__dict__.get(_LEAF_ATTR, False))
 
 
+def owned_parameters(model: torch.nn.Module):
+    """(name, module, its parameters as [(full name, parameter)] or None) for
+    every module of `model`, in the order tidal.initialize registers them: a
+    module owns its own parameters, a leaf module (tidal.set_leaf_modules)
+    its whole subtree's, and a module inside a leaf owns none (None). The
+    engine's registration and tidal.estimate's layout both walk this."""
+    inside_leaf = set()
+    for mname, m in model.named_modules(remove_duplicate=True):
+        if id(m) in inside_leaf:
+            yield mname, m, None
+            continue
+        if is_leaf(m):
+            inside_leaf.update(id(d) for d in m.modules() if d is not m)
+            yield mname, m, list(m.named_parameters(prefix=mname))
+        else:
+            yield mname, m, [(f"{mname}.{pname}" if mname else pname, p)
+                             for pname, p in m.named_parameters(recurse=False)]
+
+
 def marked_external(module: torch.nn.Module) -> list:
     return list(module.__dict__.get(_EXTERNAL_ATTR, {}).values())

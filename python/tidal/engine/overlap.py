@@ -71,6 +71,7 @@ class StepOverlap:
         self._jobs: list[tuple[int, object, list]] = []  # (chunk, future, records)
         self._pinned: list[tuple[int, int]] = []         # (tensor id, chunk kind)
         self._backward_end = None
+        self._host_short = False
         self.done: set[int] = set()  # chunks updated since the last step
         # Totals over the run (memory_report()["optimizer"]).
         self.launched_chunks = 0
@@ -92,6 +93,9 @@ class StepOverlap:
         self._recs = dict(recs)
         self._waiting = {chunk: len(rs) for chunk, rs in recs.items()}
         self._backward_end = None
+        # A host too small for the state (Note [One place per chunk]): the
+        # step makes room first, so nothing is launched in this backward.
+        self._host_short = e._host_short()
 
     def landed(self, record):
         """A gradient landed (the engine's gradient hook)."""
@@ -113,8 +117,8 @@ class StepOverlap:
     def _launch(self, chunk: int):
         e = self._engine
         cfg, c = e.config, e.chunks
-        if e._host_short() or e._update_on_device(chunk, (PARAM32, MOMENTUM, VARIANCE), False,
-                                                  cfg.hybrid_adam):
+        if self._host_short or e._update_on_device(chunk, (PARAM32, MOMENTUM, VARIANCE), False,
+                                                   cfg.hybrid_adam):
             return  # the step updates it (on the device, or with room made first)
         recs = self._recs[chunk]
         first = recs[0]
@@ -131,12 +135,8 @@ class StepOverlap:
         views = [c.chunk_view(chunk, k) for k in (PARAM32, MOMENTUM, VARIANCE, PARAM16)]
         for r in recs:
             r.step += 1
-        by_group = collections.defaultdict(list)
-        for r in recs:
-            by_group[r.group].append(r)
         calls = []
-        for gi, members in sorted(by_group.items()):
-            group = e.optimizer.param_groups[gi]
+        for group, members in e._by_group(recs):
             b1, b2 = group["betas"]
             calls.append(dict(ranges=[(c.placement(r.id)[1], r.numel) for r in members],
                               step=[r.step for r in members], lr=group["lr"], beta1=b1, beta2=b2,

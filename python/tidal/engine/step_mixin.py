@@ -262,15 +262,8 @@ class StepMixin:
                 return
         # Note [The step of a chunk in one call] (hooks/chunk_step.h): where
         # it runs, the pins, Adam per group and the releases, in one call.
-        by_group = collections.defaultdict(list)
-        for r in recs:
-            by_group[r.group].append(r)
-        groups = []
-        for gi, members in sorted(by_group.items()):
-            group = self.optimizer.param_groups[gi]
-            b1, b2 = group["betas"]
-            groups.append((group["lr"], b1, b2, group["eps"], group["weight_decay"],
-                           [r.id for r in members], [r.step for r in members]))
+        groups = [(g["lr"], *g["betas"], g["eps"], g["weight_decay"], [r.id for r in members],
+                   [r.step for r in members]) for g, members in self._by_group(recs)]
         space = c.step_chunk(chunk, groups, adamw_mode=cfg.adam_w_mode,
                              bias_correction=cfg.bias_correction, grad_scale=grad_scale,
                              use_sums=GRAD32 in kinds, prefer_device=cfg.hybrid_adam,
@@ -280,6 +273,14 @@ class StepMixin:
             self._adam_device_chunks += 1
         else:
             self._adam_host_chunks += 1
+
+    def _by_group(self, recs):
+        """[(param group, its records among `recs`)] in group order: one
+        update call per group of a chunk (Note [Parameter groups])."""
+        by_group = collections.defaultdict(list)
+        for r in recs:
+            by_group[r.group].append(r)
+        return [(self.optimizer.param_groups[gi], members) for gi, members in sorted(by_group.items())]
 
     def _adam_per_tensor(self, recs, grad_scale: float, kinds, space):
         """torch.optim.AdamW's single-tensor update of each of `recs` in
