@@ -425,12 +425,24 @@ def _engine_overhead(r: Dict, name: str) -> List[List[str]]:
             rows.append([
                 f"optimizer step in the engine, {sh['depth']} x Linear({sh['width']}, {sh['width']}) "
                 f"({large['parameters'] / 1e6:.1f}M params), fp32, simulated device (hybrid Adam: "
-                f"the SIMD kernel over the device chunks; 32 bytes per parameter, the fp32 working "
-                f"copy being a chunk of its own{target}{calls})",
+                f"the SIMD kernel over the device chunks; 32 bytes of traffic per parameter against "
+                f"28, the fp32 working copy written beside the master: Note [The fp32 working "
+                f"copy] in hooks/chunk_step.h{target}{calls})",
                 _machine(r),
                 f"{t * 1e3:.1f} ms",
                 f"{opt[peer] * 1e3:.1f} ms, {label}",
                 f"{t / opt[peer]:.2f}",
+                f"`{name}`",
+            ])
+        if "tidal_onetbb" in opt:
+            rows.append([
+                f"optimizer step in the engine right after backward, fp32, {sh['depth']} x "
+                f"Linear({sh['width']}, {sh['width']}): CPU Adam on torch's intra-op threads "
+                f"(tidal.cpu_adam_pool \"torch\", the default) against oneTBB's{target}",
+                _machine(r),
+                f"{t * 1e3:.1f} ms",
+                f"{opt['tidal_onetbb'] * 1e3:.1f} ms, the same engine with tidal.cpu_adam_pool \"onetbb\"",
+                f"{t / opt['tidal_onetbb']:.2f}",
                 f"`{name}`",
             ])
     return rows
@@ -457,6 +469,13 @@ def _step_overlap(r: Dict, name: str) -> List[List[str]]:
                      f"the 2 cores)", _machine(r), f"{o['step_seconds_median'] * 1e3:.1f} ms",
                      f"{s['step_seconds_median'] * 1e3:.1f} ms, the step after backward",
                      f"{p['step_ratio_overlap_to_step']:.2f}", f"`{name}`"])
+        if "overlap_onetbb" in p:
+            t = p["overlap_onetbb"]
+            rows.append([f"training step with tidal.overlap_step, CPU Adam on torch's intra-op threads "
+                         f"(tidal.cpu_adam_pool \"torch\", the default) against oneTBB's, {what}",
+                         _machine(r), f"{o['step_seconds_median'] * 1e3:.1f} ms",
+                         f"{t['step_seconds_median'] * 1e3:.1f} ms, the same with tidal.cpu_adam_pool "
+                         f"\"onetbb\"", f"{p['step_ratio_overlap_to_overlap_onetbb']:.2f}", f"`{name}`"])
     return rows
 
 

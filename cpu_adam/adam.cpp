@@ -229,6 +229,10 @@ void run_blocks(const BlockMap& map, const ExecOptions& exec, Body&& body) {
     body(std::size_t{0}, n);
     return;
   }
+  if (exec.runner != nullptr) {  // Note [Whose threads run the update]
+    exec.runner->run(n, exec.max_threads, [&](std::size_t b0, std::size_t b1) { body(b0, b1); });
+    return;
+  }
 #if defined(TIDAL_CPU_ADAM_TSAN)
   // See Note [ThreadSanitizer and oneTBB]: block b goes to thread b % threads.
   const std::size_t threads = std::min<std::size_t>(

@@ -82,6 +82,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <optional>
 #include <span>
 #include <string>
@@ -158,6 +159,31 @@ enum class CopyStores : std::uint8_t {
   kCache,   // never stream
 };
 
+// Note [Whose threads run the update]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// By default oneTBB runs the blocks (Note [Deterministic blocks]). Inside a
+// training step the process has a second pool: torch's intra-op threads
+// (OpenMP in the CPU wheels), which ran backward a moment before and, with
+// libgomp's default wait policy, spin for a while before they sleep. A
+// oneTBB update started then competes with them for the same cores. A
+// BlockRunner hands the blocks to another pool instead; hooks/ (the libtorch
+// side) has one over at::parallel_for, so the update runs on the very
+// threads that just ran backward (tidal.cpu_adam_pool, "torch"). The blocks
+// and the order of every reduction are the same under any runner, so the
+// results are bitwise those of oneTBB. cpu_adam itself stays libtorch-free.
+class BlockRunner {
+ public:
+  virtual ~BlockRunner() = default;
+  // Calls body(b0, b1) over ranges that cover [0, num_blocks) exactly once,
+  // possibly in parallel, on at most max_threads threads (0: the pool's
+  // own count), and returns when all have run. The first exception a body
+  // throws is rethrown.
+  virtual void run(std::size_t num_blocks, int max_threads,
+                   const std::function<void(std::size_t, std::size_t)>& body) const = 0;
+  // A name for reports ("onetbb", "torch").
+  virtual const char* name() const = 0;
+};
+
 struct ExecOptions {
   // Upper bound on the threads one call uses; 0 uses the calling oneTBB
   // arena, which is every core unless the caller limited it. A value > 0 runs
@@ -169,6 +195,9 @@ struct ExecOptions {
   // How a param_copy that is not the grad buffer is stored (Note [Streaming
   // the param copy]). Values are the same either way.
   CopyStores copy_stores = CopyStores::kAuto;
+  // Whose threads run the blocks (Note [Whose threads run the update]);
+  // null: oneTBB's. Not owned; must outlive the call.
+  const BlockRunner* runner = nullptr;
 };
 
 // One update pass (pass 2 of Note [CPU Adam passes]) over every span. The

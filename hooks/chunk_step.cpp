@@ -91,7 +91,7 @@ void simd_step(const std::array<const Chunk*, 4>& c, const Chunk* sums, const Ch
   opt.loss_scale = 1.0 / o.grad_scale;
   opt.max_grad_norm = 0.0;
   opt.check_overflow = false;
-  ca::adam_chunk_step(h, chunk, ranges, opt, ca::ExecOptions{o.num_threads});
+  ca::adam_chunk_step(h, chunk, ranges, opt, ca::ExecOptions{o.num_threads, ca::CopyStores::kAuto, o.runner});
 }
 
 // torch's fused Adam/AdamW over the group's tensors on a GPU, in parts of at

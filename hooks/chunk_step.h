@@ -19,6 +19,24 @@
 // the learning-rate schedule (each group's lr), the steps of the tensors and
 // the order of the chunks. One crossing per chunk; the per-tensor step
 // counts and group membership are passed as plain lists.
+//
+// Note [The fp32 working copy]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// In fp32 training the "16-bit" list is fp32 by role: the working copy that
+// forward and backward read, beside the fp32 master. Its slot takes the
+// gradient after backward (Note [One layout, five lists]), so the bytes per
+// parameter are those of any weights + gradients + moments layout: 16 (4
+// working copy or gradient, 4 master, 4 + 4 moments). What it costs is
+// traffic: the step reads master, gradient, m and v and writes master, m, v
+// and the working copy, 32 bytes per parameter where torch's fused AdamW
+// (weights updated in place, gradients apart) moves 28, so at the memory
+// bandwidth limit the engine's fp32 step takes about 32/28 = 1.14x that of
+// CPUAdam alone (benchmarks/engine_overhead.py). Dropping the copy means
+// binding the parameters to their master slots and landing gradients in the
+// other list: two chunk kinds per module in backward for the scheduler to
+// place and prefetch, a change to the chunks' life cycle that has not been
+// made. In 16-bit training the copy is the 16-bit weights the model needs
+// anyway, and the step moves fewer bytes than CPUAdam over fp32 parameters.
 #pragma once
 
 #include <cstdint>
@@ -26,6 +44,7 @@
 
 #include "chunk/chunk_id.h"
 #include "chunk/memory_space.h"
+#include "cpu_adam/adam.h"
 #include "hooks/param_binding.h"
 #include "runtime/scheduler/chunk_scheduler.h"
 
@@ -59,6 +78,9 @@ struct ChunkStepOptions {
   // fused kernel (a GPU).
   bool device_simd = true;
   int num_threads = 0;
+  // Whose threads run cpu_adam's blocks (Note [Whose threads run the
+  // update] in cpu_adam/adam.h); null: oneTBB's.
+  const cpu_adam::BlockRunner* runner = nullptr;
 };
 
 // Whether the update of `chunk` (the step, or a gradient fold) runs on the

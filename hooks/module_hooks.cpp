@@ -360,7 +360,7 @@ std::vector<std::string> ModuleHooks::release_all() noexcept {
 
 void ModuleHooks::fold_gradients(const std::vector<std::size_t>& params,
                                  const std::vector<bool>& first, MemorySpace space,
-                                 int num_threads) {
+                                 int num_threads, const cpu_adam::BlockRunner* runner) {
   TIDAL_CHECK(first.size() == params.size(), "ModuleHooks.fold_gradients: ", first.size(),
               " first flags for ", params.size(), " parameters");
   for (std::size_t i : params) {
@@ -407,7 +407,7 @@ void ModuleHooks::fold_gradients(const std::vector<std::size_t>& params,
     if (host_memory) {
       const std::optional<cpu_adam::DType> dtype = cpu_adam_dtype(binding_->dtype(kSlot));
       TIDAL_INTERNAL_ASSERT(dtype.has_value(), "a 16-bit chunk list of another dtype");
-      cpu_adam::fold_gradients(*dtype, spans, cpu_adam::ExecOptions{num_threads});
+      cpu_adam::fold_gradients(*dtype, spans, cpu_adam::ExecOptions{num_threads, cpu_adam::CopyStores::kAuto, runner});
     } else {
       for (std::size_t k = 0; k < params.size(); ++k) {
         if (first[k]) {
@@ -601,138 +601,8 @@ void ModuleHooks::make_room_for(const std::vector<std::size_t>& params) {
   }
 }
 
-// Note [Chunks in use and activations share one budget]: raising the chunk
-// room to what the attached parameters need must not take it past the
-// budget beside the non-chunk bytes live now; activations give way first
-// (DTR evicts one at a time, when a session runs), and where they cannot the
-// attach fails with an OutOfMemoryError naming both sides, never an overrun.
-void ModuleHooks::reserve_for_chunks(std::size_t need) {
-  const std::size_t limit = tracer_->limit();
-  dtr::Session* session = dtr::current_session();
-  for (;;) {
-    const std::size_t live = tracer_->live();
-    if (need <= limit && live <= limit - need) return;
-    if (session == nullptr || !session->evict_one()) {
-      TIDAL_THROW(OutOfMemoryError, "chunks in use need ", format_bytes(need),
-                  " on the device and non-chunk device memory (activations and other tensors) "
-                  "holds ", format_bytes(live),
-                  session != nullptr
-                      ? detail::str_cat(" (DTR tracks ", format_bytes(session->tracked_bytes()),
-                                        " of it and can evict no more)")
-                      : std::string(),
-                  ", together past the device budget less the margin, ", format_bytes(limit));
-    }
-    rebalance_dtr();
-  }
-}
-
 ModuleHooks::~ModuleHooks() {
-  if (dtr::chunk_arbiter() == this) dtr::set_chunk_arbiter(nullptr);
   if (room_maker_) set_host_allocation_room_maker(nullptr, std::thread::id());
-}
-
-void ModuleHooks::set_device_room_maker(bool on) {
-  if (!on) {
-    if (room_maker_) set_host_allocation_room_maker(nullptr, std::thread::id());
-    room_maker_ = false;
-    return;
-  }
-  std::weak_ptr<ModuleHooks> self = weak_from_this();
-  if (self.expired()) return;
-  set_host_allocation_room_maker(
-      [self](std::size_t bytes) {
-        const std::shared_ptr<ModuleHooks> hooks = self.lock();
-        return hooks != nullptr && hooks->free_device_room(bytes);
-      },
-      std::this_thread::get_id());
-  room_maker_ = true;
-}
-
-bool ModuleHooks::free_device_room(std::size_t bytes) {
-  // Under DTR with a known link, each piece of room goes to the arbiter's
-  // choice (Note [The arbiter between chunks and activations]): an
-  // activation that costs less per byte to recompute than a chunk's round
-  // trip is evicted instead of a chunk. Without a link, chunks first, and
-  // activations once no chunk can leave.
-  dtr::Session* session = dtr::current_session();
-  const bool arbiter = session != nullptr && dtr_arbiter_ && dtr_link_bytes_per_s_ > 0;
-  std::size_t freed = 0;
-  bool any = false;
-  while (freed < bytes) {
-    if (arbiter && session->best_eviction_seconds_per_byte() <= chunk_seconds_per_byte()) {
-      const std::size_t before = session->tracked_bytes();
-      if (!session->evict_one()) break;
-      const std::size_t after = session->tracked_bytes();
-      freed += before > after ? before - after : 0;
-      any = true;
-      continue;
-    }
-    const std::size_t one = evict_chunk();  // (a cached block or a chunk not in use)
-    if (one > 0) {
-      freed += one;
-      any = true;
-      if (arbiter) session->count_chunk_eviction(one);  // (the arbiter's choice of a chunk)
-      continue;
-    }
-    if (session == nullptr || arbiter) break;
-    const std::size_t before = session->tracked_bytes();
-    if (!session->evict_one()) break;
-    const std::size_t after = session->tracked_bytes();
-    freed += before > after ? before - after : 0;
-    any = true;
-  }
-  tracer_->update_nonchunk_limit();
-  return any;
-}
-
-void ModuleHooks::set_dtr_arbiter(bool on, std::size_t limit, std::size_t cap, double link_bytes_per_s) {
-  dtr_arbiter_ = on;
-  dtr_limit_ = limit;
-  dtr_cap_ = cap;
-  dtr_link_bytes_per_s_ = link_bytes_per_s;
-  if (on && link_bytes_per_s > 0) {
-    dtr::set_chunk_arbiter(this);
-  } else if (dtr::chunk_arbiter() == this) {
-    dtr::set_chunk_arbiter(nullptr);
-  }
-}
-
-double ModuleHooks::chunk_seconds_per_byte() const {
-  if (!dtr_arbiter_ || dtr_link_bytes_per_s_ <= 0) return std::numeric_limits<double>::infinity();
-  // The block's eviction_threshold binds: a chunk leaving would not raise DTR's threshold.
-  if (dtr_cap_ > 0 && dtr_threshold() >= dtr_cap_) return std::numeric_limits<double>::infinity();
-  return 2.0 / dtr_link_bytes_per_s_;  // out now, back when next used
-}
-
-std::size_t ModuleHooks::evict_chunk() {
-  const std::size_t device = index_of(MemorySpace::kDevice);
-  const std::size_t held = scheduler_->stats().held_bytes[device];
-  const std::size_t budget = scheduler_->budget(MemorySpace::kDevice);
-  if (held == 0) return 0;
-  try {
-    // One byte under what is held: the scheduler frees a cached block or
-    // moves one chunk (its choice, by the trace) off the device.
-    scheduler_->set_budget(MemorySpace::kDevice, held - 1);
-  } catch (const OutOfMemoryError&) {
-    scheduler_->set_budget(MemorySpace::kDevice, budget);  // every chunk there is in use
-    return 0;
-  }
-  const std::size_t now = scheduler_->stats().held_bytes[device];
-  tracer_->update_nonchunk_limit();
-  rebalance_dtr();
-  return held > now ? held - now : 0;
-}
-
-std::size_t ModuleHooks::dtr_threshold() const {
-  const std::size_t held = scheduler_->stats().held_bytes[index_of(MemorySpace::kDevice)];
-  std::size_t limit = dtr_limit_ > held ? dtr_limit_ - held : 0;
-  if (dtr_cap_ > 0) limit = std::min(limit, dtr_cap_);
-  return std::max<std::size_t>(limit, 1);
-}
-
-void ModuleHooks::rebalance_dtr() const {
-  if (!dtr_arbiter_) return;
-  if (dtr::Session* s = dtr::current_session()) s->set_eviction_threshold(dtr_threshold());
 }
 
 // Note [Weights while gradients wait]: a temporary device tensor holding

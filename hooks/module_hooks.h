@@ -102,6 +102,7 @@
 #include <ATen/ATen.h>
 #include <c10/core/GradMode.h>
 
+#include <atomic>
 #include <cstddef>
 #include <cstdint>
 #include <memory>
@@ -111,6 +112,7 @@
 
 #include "chunk/chunk_id.h"
 #include "chunk/tensor_state.h"
+#include "cpu_adam/adam.h"
 #include "hooks/dtr/storage_runtime.h"
 #include "hooks/param_binding.h"
 #include "runtime/tracer/memory_tracer.h"
@@ -146,11 +148,17 @@ class ModuleHooks : public dtr::ChunkArbiter, public std::enable_shared_from_thi
   // python/tidal/engine/dtr_link.py): while on, every attach, detach and
   // landed gradient sets the running DTR session's eviction threshold to
   // dtr_threshold().
-  // link_bytes_per_s > 0 also makes this the chunk arbiter of DTR's
-  // sessions (Note [The arbiter between chunks and activations] in
-  // hooks/dtr/storage_runtime.h): evictions go to a chunk when its round
-  // trip over the link costs less per byte than the activation's recompute.
+  // link_bytes_per_s > 0 also prices chunks for the sessions this engine's
+  // parameter provider joins (Note [The arbiter between chunks and
+  // activations] in hooks/dtr/storage_runtime.h): evictions go to a chunk
+  // when its round trip over the link costs less per byte than the
+  // activation's recompute.
   void set_dtr_arbiter(bool on, std::size_t limit, std::size_t cap, double link_bytes_per_s = 0);
+  // The DTR session routing ops now, told by this engine's parameter
+  // provider (EngineParamProvider, engine_dtr.h), or nullptr: the session
+  // chunk attaches evict activations for and whose threshold the arbiter
+  // sets. Not owned; the session clears it before it goes.
+  void set_dtr_session(dtr::ActivationRoom* session) { dtr_session_.store(session); }
   double chunk_seconds_per_byte() const override;
   std::size_t evict_chunk() override;
   // On the simulated device (Note [The simulated device's budget is a hard
@@ -211,7 +219,8 @@ class ModuleHooks : public dtr::ChunkArbiter, public std::enable_shared_from_thi
   // its parameter no longer counts as landed; on an error the gradients stay
   // in their slots (still landed) and new sums hold nothing.
   void fold_gradients(const std::vector<std::size_t>& params, const std::vector<bool>& first,
-                      MemorySpace space, int num_threads = 0);
+                      MemorySpace space, int num_threads = 0,
+                      const cpu_adam::BlockRunner* runner = nullptr);
   // Measures the gradient sums of `params` where their chunks are, into what
   // take_grad_norm() returns.
   void measure_sums(const std::vector<std::size_t>& params);
@@ -312,6 +321,7 @@ class ModuleHooks : public dtr::ChunkArbiter, public std::enable_shared_from_thi
   std::vector<std::size_t> first_use_;
   bool make_room_ = false;
   bool dtr_arbiter_ = false;
+  std::atomic<dtr::ActivationRoom*> dtr_session_{nullptr};
   std::size_t dtr_limit_ = 0;
   std::size_t dtr_cap_ = 0;
   double dtr_link_bytes_per_s_ = 0;

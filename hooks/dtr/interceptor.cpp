@@ -197,6 +197,7 @@ struct Session::OpRecipe final : Recipe {
 };
 
 Session::Session(d::DtrOptions options) : runtime_(options) {
+  runtime_.set_arbiter(&arbiters_);
   runtime_.set_on_evict([this](TensorId id) {
     const auto* r = dynamic_cast<const OpRecipe*>(runtime_.producer_recipe(id));
     auto& c = counters_[r == nullptr ? std::string("(no recipe)") : *r->name];
@@ -216,7 +217,7 @@ Session::PlanCounters Session::plan_counters() {
 }
 
 Session::~Session() {
-  if (current_session() == this) deactivate();
+  if (active()) deactivate();
 }
 
 std::int64_t Session::param_of(const at::Tensor& t) {
@@ -604,18 +605,33 @@ std::size_t Session::tracked_bytes() {
 void Session::add_provider(std::shared_ptr<ParamProvider> provider) {
   std::lock_guard<std::recursive_mutex> lock(mu_);
   TIDAL_CHECK(providers_.size() < 0x7fff, "too many parameter providers");
-  if (std::find(providers_.begin(), providers_.end(), provider) == providers_.end()) {
-    providers_.push_back(std::move(provider));
+  if (provider == nullptr ||
+      std::find(providers_.begin(), providers_.end(), provider) != providers_.end()) {
+    return;
   }
+  arbiters_.add(provider.get(), provider->arbiter());
+  if (active()) provider->session_changed(this);
+  providers_.push_back(std::move(provider));
 }
 
-void Session::remove_provider(const ParamProvider* provider) {
+void Session::remove_provider(ParamProvider* provider) {
   std::lock_guard<std::recursive_mutex> lock(mu_);
+  arbiters_.remove(provider);
   // Recipes name providers by position: keep the slot, so later ones keep theirs.
   for (auto& p : providers_) {
-    if (p.get() == provider) p.reset();
+    if (p.get() == provider) {
+      p->session_changed(nullptr);
+      p.reset();
+    }
   }
   while (!providers_.empty() && !providers_.back()) providers_.pop_back();
+}
+
+void Session::notify_providers(ActivationRoom* routing) {
+  std::lock_guard<std::recursive_mutex> lock(mu_);
+  for (const auto& p : providers_) {
+    if (p) p->session_changed(routing);
+  }
 }
 
 void Session::set_after_op(std::function<void()> fn) {
@@ -642,6 +658,9 @@ void Session::set_rethrow(std::function<void(std::exception_ptr)> fn) {
 
 namespace {
 
+// The one process-wide pointer of DTR: the dispatcher calls a plain
+// function, which finds the session routing ops here. Engines do not read
+// it: a session tells them (ParamProvider::session_changed).
 std::atomic<Session*> g_session{nullptr};
 std::mutex g_register_mu;
 std::optional<c10::RegistrationHandleRAII> g_fallback;  // kept for the process
@@ -675,8 +694,6 @@ std::string interception_status() {
   return "";
 }
 
-Session* current_session() { return g_session.load(std::memory_order_acquire); }
-
 void Session::activate() {
   // The scan of every op for kernels on the key runs once per process (about
   // 50 us; the engine starts a session at every step).
@@ -698,13 +715,14 @@ void Session::activate() {
               "another tidal.dtr session is active in this process; disable it first");
   c10::impl::tls_set_dispatch_key_included(kKey, true);
   activated_here_ = true;
+  notify_providers(this);
 }
 
 void Session::deactivate() {
   if (activated_here_) c10::impl::tls_set_dispatch_key_included(kKey, false);
   activated_here_ = false;
   Session* expected = this;
-  g_session.compare_exchange_strong(expected, nullptr);
+  if (g_session.compare_exchange_strong(expected, nullptr)) notify_providers(nullptr);
 }
 
 bool Session::active() const { return g_session.load(std::memory_order_acquire) == this; }

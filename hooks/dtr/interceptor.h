@@ -97,12 +97,20 @@ class ParamProvider {
   // not be replayed.
   virtual std::uint64_t weights_epoch() const = 0;
   virtual std::string param_name(std::int64_t param) const = 0;
+  // The engine's side of the arbiter (Note [The arbiter between chunks and
+  // activations] in storage_runtime.h), held weakly by the session; empty:
+  // the engine moves no chunks for DTR.
+  virtual std::weak_ptr<ChunkArbiter> arbiter() const { return {}; }
+  // The session that routes ops now and evicts for the engine when chunks
+  // need room, or nullptr once it stops (deactivated, this provider removed,
+  // or gone). Called with the session locked; must not call back into it.
+  virtual void session_changed(ActivationRoom* routing) { (void)routing; }
 };
 
-class Session {
+class Session final : public ActivationRoom {
  public:
   explicit Session(tidal::dtr::DtrOptions options);
-  ~Session();
+  ~Session() override;
 
   // Routes this thread's ops through this session (registering the
   // fallback on first use). Throws tidal::Error naming why when the key
@@ -115,15 +123,16 @@ class Session {
 
   // Brings back every evicted tensor still reachable (tidal.dtr.disable()).
   void regenerate_evicted();
-  void set_eviction_threshold(std::size_t bytes);
-  // Evicts the best candidate now (the engine making room for chunks it must
-  // attach); false when nothing can be evicted.
-  bool evict_one();
-  std::size_t tracked_bytes();
-  double best_eviction_seconds_per_byte();
-  void count_chunk_eviction(std::size_t bytes);
+  // ActivationRoom, under the session's lock.
+  void set_eviction_threshold(std::size_t bytes) override;
+  bool evict_one() override;
+  std::size_t tracked_bytes() override;
+  double best_eviction_seconds_per_byte() override;
+  void count_chunk_eviction(std::size_t bytes) override;
+  // A provider's arbiter joins the session's (ArbiterSet), and the provider
+  // hears of the session while it routes ops (session_changed()).
   void add_provider(std::shared_ptr<ParamProvider> provider);
-  void remove_provider(const ParamProvider* provider);
+  void remove_provider(ParamProvider* provider);
   // Called after every intercepted op with the session locked (tests).
   void set_after_op(std::function<void()> fn);
   // Called with the exception of an intercepted op, before it propagates
@@ -180,6 +189,8 @@ class Session {
                                         const OpInfo& info, torch::jit::Stack&& args, bool scratch) const;
   void run_handle(const c10::OperatorHandle& op, const OpInfo& info, c10::DispatchKeySet below,
                   torch::jit::Stack* stack);
+  // Tells every provider which session routes ops now (this or nullptr).
+  void notify_providers(ActivationRoom* routing);
 
   // Recursive: a provider's callback (Python) may set the threshold or read
   // the counters while an op holds the session.
@@ -188,6 +199,7 @@ class Session {
   // runtime_ (declared first) and a replaced entry is kept (retired_).
   std::unordered_map<const c10::FunctionSchema*, std::unique_ptr<OpInfo>> infos_;
   std::vector<std::unique_ptr<OpInfo>> retired_;
+  ArbiterSet arbiters_;  // the providers' arbiters; runtime_ points at it
   StorageRuntime runtime_;
   std::vector<std::shared_ptr<ParamProvider>> providers_;
   std::function<void()> after_op_;
@@ -216,9 +228,6 @@ class Session {
 // Whether the fallback can own DispatchKey::Fake in this process: "" when
 // it can, else why not (another fallback there, ops with kernels on it).
 std::string interception_status();
-
-// The session the fallback routes to, or none (ops pass through).
-Session* current_session();
 
 // Excludes the key on this thread while alive (tidal.dtr.outside()).
 class OutsideGuard {

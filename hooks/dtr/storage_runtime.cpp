@@ -20,16 +20,36 @@ namespace tidal::hooks::dtr {
 
 namespace d = tidal::dtr;
 
-namespace {
-std::atomic<ChunkArbiter*> g_arbiter{nullptr};
-}  // namespace
-
 bool records_outputs_now() {
   return c10::GradMode::is_enabled() || torch::autograd::get_current_graph_task_id() != -1;
 }
 
-void set_chunk_arbiter(ChunkArbiter* arbiter) { g_arbiter.store(arbiter); }
-ChunkArbiter* chunk_arbiter() { return g_arbiter.load(); }
+void ArbiterSet::add(const void* owner, std::weak_ptr<ChunkArbiter> arbiter) {
+  remove(owner);
+  items_.emplace_back(owner, std::move(arbiter));
+}
+
+void ArbiterSet::remove(const void* owner) {
+  std::erase_if(items_, [owner](const auto& item) { return item.first == owner; });
+}
+
+std::pair<std::shared_ptr<ChunkArbiter>, double> ArbiterSet::cheapest() const {
+  std::pair<std::shared_ptr<ChunkArbiter>, double> best{nullptr, std::numeric_limits<double>::infinity()};
+  for (const auto& [owner, weak] : items_) {
+    std::shared_ptr<ChunkArbiter> a = weak.lock();
+    if (a == nullptr) continue;
+    const double price = a->chunk_seconds_per_byte();
+    if (price < best.second) best = {std::move(a), price};
+  }
+  return best;
+}
+
+double ArbiterSet::chunk_seconds_per_byte() const { return cheapest().second; }
+
+std::size_t ArbiterSet::evict_chunk() {
+  const std::shared_ptr<ChunkArbiter> a = cheapest().first;
+  return a == nullptr ? 0 : a->evict_chunk();
+}
 
 void StorageRuntime::begin_op(std::span<const at::Tensor> inputs, std::vector<TensorId>* ids,
                               std::vector<TensorId>* missing) {
@@ -585,7 +605,7 @@ void StorageRuntime::evict(TensorId id) {
 void StorageRuntime::evict_to_threshold() {
   if (hold_evictions_ || !core_.over_threshold()) return;
   const std::size_t pinned = pinned_bytes();
-  ChunkArbiter* arbiter = chunk_arbiter();
+  ChunkArbiter* arbiter = arbiter_;
   // The threshold is read again each round: a chunk leaving raises it.
   while (core_.options().eviction_threshold > 0 &&
          core_.stats_tracked_bytes() > core_.options().eviction_threshold + pinned) {

@@ -34,6 +34,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <utility>
 #include <span>
 #include <string>
 #include <string_view>
@@ -143,6 +144,11 @@ bool records_outputs_now();
 // threshold by what it freed, or the activation is evicted. Chunks in use
 // by the running module (COMPUTE) cannot leave, and the running op's tensors
 // are pinned, so its working set stays reserved.
+// No process global ties a runtime to an engine: a session learns the
+// arbiters of the engines that registered with it (ParamProvider::arbiter()
+// in interceptor.h) and sets its runtime's arbiter (set_arbiter(), an
+// ArbiterSet over them); the engine learns the session routing ops from
+// ParamProvider::session_changed().
 class ChunkArbiter {
  public:
   virtual ~ChunkArbiter() = default;
@@ -153,9 +159,39 @@ class ChunkArbiter {
   // freed (0: none could go).
   virtual std::size_t evict_chunk() = 0;
 };
-// The engine's arbiter that every DTR session consults (nullptr: none).
-void set_chunk_arbiter(ChunkArbiter* arbiter);
-ChunkArbiter* chunk_arbiter();
+// What an engine asks of the DTR session routing ops (either interception:
+// the C++ Session, or the runtime of the Python mode): room made by
+// evicting activations, and the threshold the arbiter sets. The engine is
+// told which one routes ops now (ParamProvider::session_changed).
+class ActivationRoom {
+ public:
+  virtual ~ActivationRoom() = default;
+  virtual void set_eviction_threshold(std::size_t bytes) = 0;
+  // Evicts the best candidate now; false when nothing can be evicted.
+  virtual bool evict_one() = 0;
+  virtual std::size_t tracked_bytes() = 0;
+  virtual double best_eviction_seconds_per_byte() = 0;
+  // A chunk left the device for this session's allocation, by the arbiter's choice.
+  virtual void count_chunk_eviction(std::size_t bytes) = 0;
+};
+
+// The arbiters of every engine registered with one session, held weakly (an
+// engine may go first): the cheapest chunk is the one priced, and moved.
+// Not thread-safe: used under its session's lock.
+class ArbiterSet final : public ChunkArbiter {
+ public:
+  // `owner` names the entry for remove() (the engine's parameter provider).
+  void add(const void* owner, std::weak_ptr<ChunkArbiter> arbiter);
+  void remove(const void* owner);
+  bool empty() const { return items_.empty(); }
+  double chunk_seconds_per_byte() const override;
+  std::size_t evict_chunk() override;
+
+ private:
+  // The live arbiter with the lowest price, and the price.
+  std::pair<std::shared_ptr<ChunkArbiter>, double> cheapest() const;
+  std::vector<std::pair<const void*, std::weak_ptr<ChunkArbiter>>> items_;
+};
 
 class StorageRuntime {
  public:
@@ -166,6 +202,9 @@ class StorageRuntime {
 
   const tidal::dtr::DtrOptions& options() const { return core_.options(); }
   void set_eviction_threshold(std::size_t bytes) { core_.set_eviction_threshold(bytes); }
+  // The arbiter asked at each eviction (Note [The arbiter between chunks and
+  // activations]); nullptr: activations only. Not owned.
+  void set_arbiter(ChunkArbiter* arbiter) { arbiter_ = arbiter; }
 
   // Registers unknown inputs as external, pins and touches every input.
   // *ids gets one id per input (kNoTensor for tensors without storage),
@@ -349,6 +388,7 @@ class StorageRuntime {
   bool in_backward_ = false;
   void check_recompute_bound(std::size_t plan_steps) const;
   bool hold_evictions_ = false;
+  ChunkArbiter* arbiter_ = nullptr;
   std::function<void(TensorId)> on_evict_;
   std::uint64_t chunk_evictions_ = 0;
   std::size_t chunk_bytes_freed_ = 0;

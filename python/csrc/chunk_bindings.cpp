@@ -21,6 +21,7 @@
 #include "hooks/nonchunk_meters.h"
 #include "hooks/param_binding.h"
 #include "hooks/torch_memory_provider.h"
+#include "hooks/torch_threads.h"
 #include "runtime/tracer/memory_tracer.h"
 #include "runtime/core/error.h"
 #include "runtime/core/uncounted.h"
@@ -67,7 +68,7 @@ py::dict stats_dict(const ChunkSchedulerStats& s) {
 
 // Non-chunk memory read through Python (CUDA where torch's caching
 // allocator could not be reached: torch.cuda.memory_reserved and its peak).
-class CallbackMeter final : public hooks::NonChunkMeter {
+class CallbackMeter final : public NonChunkMeter {
  public:
   CallbackMeter(py::function read, py::function restart)
       : read_(std::move(read)), restart_(std::move(restart)) {}
@@ -99,7 +100,7 @@ class Tracer {
          std::shared_ptr<hooks::TorchMemoryProvider> provider, bool provider_baseline,
          std::optional<py::function> read, std::optional<py::function> restart)
       : chunks_(std::move(chunks)) {
-    std::unique_ptr<hooks::NonChunkMeter> meter;
+    std::unique_ptr<NonChunkMeter> meter;
     if (provider != nullptr) {
       meter = hooks::make_provider_meter(std::move(provider), provider_baseline);
     } else if (read && restart) {
@@ -108,9 +109,9 @@ class Tracer {
       TIDAL_CHECK(!read && !restart, "MemoryTracer: give both read and restart, or neither");
       meter = hooks::make_host_counter_meter();
     }
-    tracer_ = std::make_unique<hooks::MemoryTracer>(
+    tracer_ = std::make_unique<MemoryTracer>(
         &chunks_.cast<Chunks&>().scheduler(), std::move(meter),
-        hooks::MemoryTracerLimits{device_budget, margin, warmup_room});
+        MemoryTracerLimits{device_budget, margin, warmup_room});
   }
   ~Tracer() {
     py::gil_scoped_release nogil;  // a callback meter's destructor takes the GIL itself
@@ -120,17 +121,17 @@ class Tracer {
     tracer_->set_scheduler(&chunks.cast<Chunks&>().scheduler());
     chunks_ = std::move(chunks);
   }
-  hooks::MemoryTracer& get() { return *tracer_; }
+  MemoryTracer& get() { return *tracer_; }
 
  private:
   py::object chunks_;
-  std::unique_ptr<hooks::MemoryTracer> tracer_;
+  std::unique_ptr<MemoryTracer> tracer_;
 };
 
-py::list timeline_list(const std::vector<hooks::TracePoint>& points) {
+py::list timeline_list(const std::vector<TracePoint>& points) {
   py::list out;
-  for (const hooks::TracePoint& p : points) {
-    out.append(py::make_tuple(p.index, hooks::to_string(p.kind), p.what, p.chunk_bytes,
+  for (const TracePoint& p : points) {
+    out.append(py::make_tuple(p.index, tidal::to_string(p.kind), p.what, p.chunk_bytes,
                               p.nonchunk_peak,
                               py::make_tuple(p.moves_host_to_device, p.moves_device_to_host,
                                              p.evictions)));
@@ -320,11 +321,11 @@ may wait for a chunk copy release the GIL.)doc")
            py::arg("on"))
       .def("fold_gradients",
            [](Hooks& h, const std::vector<Index>& params, const std::vector<bool>& first,
-              MemorySpace space, int num_threads) {
-             h.get().fold_gradients(params, first, space, num_threads);
+              MemorySpace space, int num_threads, const std::string& pool) {
+             h.get().fold_gradients(params, first, space, num_threads, hooks::block_runner(pool));
            },
            GIL(), py::arg("params"), py::arg("first"), py::arg("space"), py::kw_only(),
-           py::arg("num_threads") = 0,
+           py::arg("num_threads") = 0, py::arg("pool") = "onetbb",
            "Gradient accumulation: the landed gradients of one chunk's `params` into their "
            "fp32 sums, weights back into the 16-bit slots (Note [Gradient sums in chunks]).")
       .def("measure_sums", [](Hooks& h, const std::vector<Index>& params) { h.get().measure_sums(params); },
@@ -340,11 +341,11 @@ may wait for a chunk copy release the GIL.)doc")
 }
 
 static void bind_tracer(py::module_& m) {
-  py::enum_<hooks::PointKind>(m, "PointKind", "Where a trace point is.")
-      .value("FORWARD", hooks::PointKind::kForward)
-      .value("BACKWARD", hooks::PointKind::kBackward)
-      .value("GRAD", hooks::PointKind::kGrad)
-      .value("STEP", hooks::PointKind::kStep);
+  py::enum_<PointKind>(m, "PointKind", "Where a trace point is.")
+      .value("FORWARD", PointKind::kForward)
+      .value("BACKWARD", PointKind::kBackward)
+      .value("GRAD", PointKind::kGrad)
+      .value("STEP", PointKind::kStep);
   using GIL = py::call_guard<py::gil_scoped_release>;
   py::class_<Tracer>(m, "MemoryTracer", R"doc(
 The engine's memory tracer and device-budget arbiter (runtime/tracer/memory_tracer.h):
@@ -359,7 +360,7 @@ callables, or (neither) torch's CPU allocations counted on the simulated device.
            py::arg("provider_baseline") = false, py::arg("read") = py::none(),
            py::arg("restart") = py::none())
       .def("set_chunks", &Tracer::set_chunks, py::arg("chunks"))
-      .def("point", [](Tracer& t, hooks::PointKind kind, std::int64_t what) { t.get().point(kind, what); },
+      .def("point", [](Tracer& t, PointKind kind, std::int64_t what) { t.get().point(kind, what); },
            GIL(), py::arg("kind"), py::arg("what") = -1)
       .def("end_step", [](Tracer& t) { t.get().end_step(); }, GIL())
       .def("drop_step", [](Tracer& t) { t.get().drop_step(); })
@@ -476,7 +477,7 @@ Python thread drives a Chunks object.)doc");
       .def("step_chunk",
            [](Chunks& c, std::uint32_t chunk, const std::vector<py::tuple>& groups, bool adamw_mode,
               bool bias_correction, double grad_scale, bool use_sums, bool prefer_device, bool host_short,
-              bool device_simd, int num_threads) {
+              bool device_simd, int num_threads, const std::string& pool) {
              std::vector<hooks::ChunkStepGroup> gs;
              gs.reserve(groups.size());
              for (const py::tuple& t : groups) {
@@ -501,12 +502,13 @@ Python thread drives a Chunks object.)doc");
              o.host_short = host_short;
              o.device_simd = device_simd;
              o.num_threads = num_threads;
+             o.runner = hooks::block_runner(pool);
              py::gil_scoped_release no_gil;
              return hooks::step_chunk(c.scheduler(), c.binding(), chunk, gs, o);
            },
            py::arg("chunk"), py::arg("groups"), py::kw_only(), py::arg("adamw_mode"), py::arg("bias_correction"),
            py::arg("grad_scale"), py::arg("use_sums"), py::arg("prefer_device"), py::arg("host_short"),
-           py::arg("device_simd"), py::arg("num_threads") = 0,
+           py::arg("device_simd"), py::arg("num_threads") = 0, py::arg("pool") = "onetbb",
            "Note [The step of a chunk in one call] (hooks/chunk_step.h): where the update runs, the pins, "
            "Adam over each group's tensors, the write-back and the releases; returns the space it ran in. "
            "groups: (lr, beta1, beta2, eps, weight_decay, tensor ids, steps) per parameter group.")

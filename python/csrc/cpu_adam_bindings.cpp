@@ -18,6 +18,7 @@
 #include <vector>
 
 #include "cpu_adam/adam.h"
+#include "hooks/torch_threads.h"
 #include "python/csrc/bindings.h"
 #include "runtime/core/error.h"
 
@@ -182,7 +183,8 @@ released while the kernels run.)doc");
       [](const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& grads,
          const std::vector<at::Tensor>& exp_avgs, const std::vector<at::Tensor>& exp_avg_sqs,
          const std::vector<std::int64_t>& steps, double lr, double beta1, double beta2, double eps,
-         double weight_decay, bool adamw_mode, bool bias_correction, int num_threads) {
+         double weight_decay, bool adamw_mode, bool bias_correction, int num_threads,
+         const std::string& pool) {
         const std::size_t n = params.size();
         TIDAL_CHECK(grads.size() == n && exp_avgs.size() == n && exp_avg_sqs.size() == n &&
                         steps.size() == n,
@@ -213,13 +215,14 @@ released while the kernels run.)doc");
         }
         const ca::AdamHyperParams h =
             hyper(lr, beta1, beta2, eps, weight_decay, adamw_mode, bias_correction);
+        const ca::ExecOptions exec{num_threads, ca::CopyStores::kAuto, tidal::hooks::block_runner(pool)};
         py::gil_scoped_release no_gil;
-        ca::adam_update(h, dtypes, spans, 1.0, ca::ExecOptions{num_threads});
+        ca::adam_update(h, dtypes, spans, 1.0, exec);
       },
       py::arg("params"), py::arg("grads"), py::arg("exp_avgs"), py::arg("exp_avg_sqs"),
       py::arg("steps"), py::kw_only(), py::arg("lr"), py::arg("beta1"), py::arg("beta2"),
       py::arg("eps"), py::arg("weight_decay"), py::arg("adamw_mode") = true,
-      py::arg("bias_correction") = true, py::arg("num_threads") = 0,
+      py::arg("bias_correction") = true, py::arg("num_threads") = 0, py::arg("pool") = "onetbb",
       R"doc(One Adam/AdamW step over fp32 tensors, one span per param, all in one
 parallel pass. steps[i] is the step this update makes (torch's state['step']
 after its increment). Used by tidal.optim.CPUAdam.)doc");
@@ -309,7 +312,7 @@ For a global norm over many buffers, add the sum_squares of each.)doc");
          double beta2, double eps, double weight_decay, bool adamw_mode, bool bias_correction,
          double loss_scale, double max_grad_norm, bool check_overflow,
          const std::optional<ca::GradStats>& known_stats, const std::optional<at::Tensor>& grad,
-         int num_threads) {
+         int num_threads, const std::string& pool) {
         const Flat p = flat(param, "param");
         TIDAL_CHECK_TYPE(p.dtype == ca::DType::kFloat32,
                          "param must be torch.float32 (the fp32 master chunk), got ",
@@ -363,8 +366,9 @@ For a global norm over many buffers, add the sum_squares of each.)doc");
         opt.max_grad_norm = max_grad_norm;
         opt.check_overflow = check_overflow;
         opt.known_stats = known_stats;
+        const ca::ExecOptions exec{num_threads, ca::CopyStores::kAuto, tidal::hooks::block_runner(pool)};
         py::gil_scoped_release no_gil;
-        return ca::adam_chunk_step(h, chunk, rs, opt, ca::ExecOptions{num_threads});
+        return ca::adam_chunk_step(h, chunk, rs, opt, exec);
       },
       py::arg("param"), py::arg("exp_avg"), py::arg("exp_avg_sq"), py::arg("half"),
       py::arg("ranges") = py::none(), py::kw_only(), py::arg("step"), py::arg("lr"),
@@ -373,7 +377,7 @@ For a global norm over many buffers, add the sum_squares of each.)doc");
       py::arg("bias_correction") = true, py::arg("loss_scale") = 1.0,
       py::arg("max_grad_norm") = 0.0, py::arg("check_overflow") = true,
       py::arg("known_stats") = py::none(), py::arg("grad") = py::none(),
-      py::arg("num_threads") = 0,
+      py::arg("num_threads") = 0, py::arg("pool") = "onetbb",
       R"doc(The optimizer step of one chunk in one call (cpu_adam/adam.h, adam_chunk_step).
 
 param (float32), exp_avg and exp_avg_sq (float32 or bfloat16) and half (float16

@@ -11,6 +11,7 @@
 #include <torch/csrc/Exceptions.h>
 #include <torch/csrc/utils/pybind.h>
 
+#include <algorithm>
 #include <atomic>
 #include <memory>
 #include <string>
@@ -19,6 +20,7 @@
 
 #include "hooks/dtr/interceptor.h"
 #include "hooks/dtr/storage_runtime.h"
+#include "hooks/engine_dtr.h"
 #include "hooks/module_hooks.h"
 #include "python/csrc/bindings.h"
 #include "runtime/core/error.h"
@@ -121,9 +123,45 @@ struct PyRecipe final : hd::Recipe {
 };
 
 // The storage runtime driven by the Python TorchDispatchMode, op by op.
-class Runtime {
+// Like the C++ Session it is an engine's ActivationRoom while its mode is
+// entered (activate() to deactivate()), and it prices the engines' chunks
+// through their arbiters (hooks/engine_dtr.h).
+class Runtime final : public hd::ActivationRoom {
  public:
-  explicit Runtime(d::DtrOptions options) : rt_(options) {}
+  explicit Runtime(d::DtrOptions options) : rt_(options) { rt_.set_arbiter(&arbiters_); }
+  ~Runtime() override { deactivate(); }
+
+  void add_provider(const std::shared_ptr<hd::ParamProvider>& p) {
+    if (std::find(providers_.begin(), providers_.end(), p) != providers_.end()) return;
+    arbiters_.add(p.get(), p->arbiter());
+    providers_.push_back(p);
+    if (active_) p->session_changed(this);
+  }
+  void remove_provider(hd::ParamProvider* p) {
+    arbiters_.remove(p);
+    for (auto it = providers_.begin(); it != providers_.end(); ++it) {
+      if (it->get() != p) continue;
+      p->session_changed(nullptr);
+      providers_.erase(it);
+      return;
+    }
+  }
+  void activate() {
+    active_ = true;
+    for (const auto& p : providers_) p->session_changed(this);
+  }
+  void deactivate() {
+    if (!active_) return;
+    active_ = false;
+    for (const auto& p : providers_) p->session_changed(nullptr);
+  }
+
+  // ActivationRoom (this mode runs on the thread that entered it).
+  void set_eviction_threshold(std::size_t bytes) override { rt_.set_eviction_threshold(bytes); }
+  bool evict_one() override { return rt_.evict_one(); }
+  std::size_t tracked_bytes() override { return rt_.tracked_bytes(); }
+  double best_eviction_seconds_per_byte() override { return rt_.best_eviction_seconds_per_byte(); }
+  void count_chunk_eviction(std::size_t bytes) override { rt_.count_chunk_eviction(bytes); }
 
   py::tuple begin_op(const std::vector<at::Tensor>& inputs) {
     std::vector<hd::TensorId> ids, missing;
@@ -167,7 +205,10 @@ class Runtime {
   hd::StorageRuntime& get() { return rt_; }
 
  private:
+  hd::ArbiterSet arbiters_;  // declared first: rt_ points at it
   hd::StorageRuntime rt_;
+  std::vector<std::shared_ptr<hd::ParamProvider>> providers_;
+  bool active_ = false;
   std::vector<hd::StorageRuntime::PlanItem> plan_;
 };
 
@@ -176,10 +217,10 @@ class Runtime {
 // The training engine's parameters (Note [DTR with chunk-managed
 // parameters]): alias() is C++ (called for every tensor of every op),
 // the rest calls back into Python (only while replaying).
-class PyParamProvider final : public hd::ParamProvider {
+class PyParamProvider final : public hooks::EngineParamProvider {
  public:
   PyParamProvider(py::handle hooks, py::function view, py::function end_replay_step, py::function name)
-      : hooks_(module_hooks_of(hooks)), view_(std::move(view)), end_(std::move(end_replay_step)),
+      : EngineParamProvider(module_hooks_of(hooks)), view_(std::move(view)), end_(std::move(end_replay_step)),
         name_(std::move(name)) {}
   ~PyParamProvider() override {
     py::gil_scoped_acquire gil;
@@ -188,11 +229,6 @@ class PyParamProvider final : public hd::ParamProvider {
     name_ = py::function();
   }
 
-  std::int64_t alias(const at::Tensor& t) override {
-    if (!t.defined() || !t.has_storage() || t.layout() != at::kStrided) return -1;
-    auto hooks = hooks_.lock();
-    return hooks ? hooks->attached_at(t.storage().data_ptr().get()) : -1;
-  }
   at::Tensor view(std::int64_t param, at::IntArrayRef sizes, at::IntArrayRef strides,
                   std::int64_t offset) override {
     py::gil_scoped_acquire gil;
@@ -212,17 +248,13 @@ class PyParamProvider final : public hd::ParamProvider {
       throw_python_error();
     }
   }
-  std::uint64_t weights_epoch() const override { return epoch_.load(); }
   std::string param_name(std::int64_t param) const override {
     py::gil_scoped_acquire gil;
     return py::str(name_(param));
   }
-  void set_epoch(std::uint64_t e) { epoch_.store(e); }
 
  private:
-  std::weak_ptr<hooks::ModuleHooks> hooks_;
   py::function view_, end_, name_;
-  std::atomic<std::uint64_t> epoch_{0};
 };
 
 // Holds a Python callable for the session's after-op hook.
@@ -264,6 +296,10 @@ DTR's C++ side (hooks/dtr/). Users call tidal.dtr (python/tidal/dtr.py).)doc");
            py::arg("eviction_threshold"), py::arg("evictee_minimum_size"), py::arg("enable_sqrt_sampling"),
            py::arg("scorer") = "dtr_eq", py::arg("seed") = 0x5eed, py::arg("max_recompute_ratio") = d::DtrOptions{}.max_recompute_ratio)
       .def("set_eviction_threshold", [](Runtime& r, std::size_t b) { r.get().set_eviction_threshold(b); })
+      .def("add_provider", [](Runtime& r, std::shared_ptr<PyParamProvider> p) { r.add_provider(p); })
+      .def("remove_provider", [](Runtime& r, PyParamProvider* p) { r.remove_provider(p); })
+      .def("activate", &Runtime::activate, "Its mode is entered: engines may ask it for room.")
+      .def("deactivate", &Runtime::deactivate)
       .def("begin_op", &Runtime::begin_op)
       .def("plan", &Runtime::plan, py::arg("targets"), py::arg("bounded") = true)
       .def("replay_inputs", &Runtime::replay_inputs)
@@ -295,7 +331,7 @@ DTR's C++ side (hooks/dtr/). Users call tidal.dtr (python/tidal/dtr.py).)doc");
            py::arg("end_replay_step"), py::arg("name"),
            "hooks: the engine's ModuleHooks; view(index, size, stride, offset) -> tensor; "
            "end_replay_step(); name(index) -> str.")
-      .def_property("weights_epoch", &PyParamProvider::weights_epoch, &PyParamProvider::set_epoch)
+      .def_property("weights_epoch", &PyParamProvider::weights_epoch, &PyParamProvider::set_weights_epoch)
       .def("alias", &PyParamProvider::alias, py::arg("tensor"));
 
   py::class_<hd::Session>(m, "Session", "A DTR session whose ops are intercepted in C++.")
@@ -317,7 +353,7 @@ DTR's C++ side (hooks/dtr/). Users call tidal.dtr (python/tidal/dtr.py).)doc");
            "Brings back every evicted tensor still reachable.")
       .def("set_eviction_threshold", &hd::Session::set_eviction_threshold)
       .def("add_provider", [](hd::Session& s, std::shared_ptr<PyParamProvider> p) { s.add_provider(std::move(p)); })
-      .def("remove_provider", [](hd::Session& s, const PyParamProvider* p) { s.remove_provider(p); })
+      .def("remove_provider", [](hd::Session& s, PyParamProvider* p) { s.remove_provider(p); })
       .def("set_after_op",
            [](hd::Session& s, py::object fn) {
              if (fn.is_none()) {

@@ -140,6 +140,10 @@ _TIDAL_SCHEMA: dict[str, Any] = {
                                   "Adam momentum and variance in fp32 (14 B/param in mixed "
                                   "precision) or bf16 (10 B/param; arithmetic stays fp32)"),
         "cpu_adam_threads": (int, 0, "CPU Adam threads; 0 = all cores"),
+        "cpu_adam_pool": (("torch", "onetbb"), "torch",
+                          "whose threads run CPU Adam: torch's intra-op pool (the threads that "
+                          "just ran backward) or oneTBB's; results are bitwise the same (Note "
+                          "[Whose threads run the update] in cpu_adam/adam.h)"),
         "overlap_step": (bool, False, "run the CPU Adam of a chunk as soon as backward has landed "
                                       "all its gradients, while backward goes on (Note [CPU Adam "
                                       "during backward]); needs gradient_clipping 0, bf16 or fp32, "
@@ -323,6 +327,7 @@ class Config:
     hybrid_adam: bool = True
     optimizer_state_dtype: str = "fp32"
     cpu_adam_threads: int = 0
+    cpu_adam_pool: str = "torch"
     overlap_step: bool = False
     pin_memory: bool = True
     dtr: dict = field(default_factory=dict)
@@ -651,6 +656,7 @@ class Config:
         self.hybrid_adam = t["hybrid_adam"]
         self.optimizer_state_dtype = t["optimizer_state_dtype"]
         self.cpu_adam_threads = t["cpu_adam_threads"]
+        self.cpu_adam_pool = t["cpu_adam_pool"]
         _require(problems, self.cpu_adam_threads >= 0, "tidal.cpu_adam_threads",
                  f"expected an integer >= 0, got {self.cpu_adam_threads}")
         self.dtr = t["dtr"]

@@ -158,7 +158,10 @@ class _ParamRef:
 #     (the engine restarts the DTR session at every step, which brings back
 #     every evicted tensor first, so it is not reached);
 #   * cpp: a _C.dtr.ParamProvider, the same three for the C++ interception
-#     (alias() there is ModuleHooks::attached_at, with no Python per op).
+#     (alias() there is ModuleHooks::attached_at, with no Python per op), and
+#     the engine's side of the arbiter and of the session in C++ (Note in
+#     hooks/engine_dtr.h): each session or runtime is given every provider's
+#     cpp, in either interception.
 # Inputs that alias a parameter are templated as _ParamRef instead of
 # slots: they are not recipe inputs for the core (parameters are never
 # evicted), and replays rebuild them through the provider. Outputs that
@@ -170,14 +173,14 @@ def register_param_provider(provider) -> None:
     """Called by the training engine (Note [DTR with chunk-managed parameters])."""
     if provider not in _providers:
         _providers.append(provider)
-        if _mode is _CPP:
+        if _runtime is not None:
             _runtime.add_provider(provider.cpp)
 
 
 def unregister_param_provider(provider) -> None:
     if provider in _providers:
         _providers.remove(provider)
-        if _mode is _CPP:
+        if _runtime is not None:
             _runtime.remove_provider(provider.cpp)
 
 
@@ -606,8 +609,11 @@ def enable(**options) -> None:
         _runtime, _mode = session, _CPP
     else:
         _runtime = _C.dtr.Runtime(*args, **kwargs)
+        for p in _providers:
+            _runtime.add_provider(p.cpp)
         _mode = _DtrMode(_runtime)
         _mode.__enter__()
+        _runtime.activate()  # engines may ask it for room from now on
 
 
 def disable() -> None:
@@ -631,6 +637,7 @@ def disable() -> None:
     if _get_current_dispatch_mode() is not mode:
         raise RuntimeError("tidal.dtr.disable(): another TorchDispatchMode was entered after "
                            "tidal.dtr.enable() and is still active; exit it first")
+    rt.deactivate()
     mode.__exit__(None, None, None)
     _mode = None
     try:
@@ -710,9 +717,9 @@ def outside():
 
 def _force_off() -> None:
     global _runtime, _mode
-    if _mode is _CPP:
+    if _runtime is not None:
         _runtime.deactivate()
-    elif _mode is not None and _get_current_dispatch_mode() is _mode:
+    if _mode is not _CPP and _mode is not None and _get_current_dispatch_mode() is _mode:
         _mode.__exit__(None, None, None)
     if _runtime is not None:
         _runtime.clear()

@@ -61,7 +61,11 @@ class CPUAdam(torch.optim.Optimizer):
         adamw_mode: True for AdamW's decoupled decay, False for Adam's L2.
         bias_correction: False drops Adam's bias correction (step size
             ``lr``, denominator ``sqrt(v) + eps``); torch has no such switch.
-        num_threads: threads per step; 0 uses every core oneTBB sees.
+        num_threads: threads per step; 0 uses every core of the pool.
+        thread_pool: whose threads run the update: "torch" (torch's intra-op
+            pool, the threads that just ran backward) or "onetbb"; the
+            results are bitwise the same (Note [Whose threads run the
+            update] in cpu_adam/adam.h).
 
     ``amsgrad`` and ``maximize`` are not supported; a state dict that turns
     them on is refused with NotImplementedError rather than ignored.
@@ -78,6 +82,7 @@ class CPUAdam(torch.optim.Optimizer):
         bias_correction: bool = True,
         *,
         num_threads: int = 0,
+        thread_pool: str = "torch",
     ) -> None:
         if not 0.0 <= lr:
             raise ValueError(f"Invalid learning rate: {lr} (expected >= 0)")
@@ -91,6 +96,8 @@ class CPUAdam(torch.optim.Optimizer):
             raise ValueError(f"Invalid weight_decay value: {weight_decay} (expected >= 0)")
         if int(num_threads) < 0:
             raise ValueError(f"num_threads must be >= 0 (0: all cores), got {num_threads}")
+        if thread_pool not in ("torch", "onetbb"):
+            raise ValueError(f"thread_pool must be 'torch' or 'onetbb', got {thread_pool!r}")
         defaults = dict(
             lr=float(lr),
             betas=(float(betas[0]), float(betas[1])),
@@ -104,6 +111,7 @@ class CPUAdam(torch.optim.Optimizer):
         )
         super().__init__(params, defaults)
         self.num_threads = int(num_threads)
+        self.thread_pool = thread_pool
         for gi, group in enumerate(self.param_groups):
             for pi, p in enumerate(group["params"]):
                 _check_param(p, f"param_groups[{gi}]['params'][{pi}]")
@@ -111,6 +119,7 @@ class CPUAdam(torch.optim.Optimizer):
     def __setstate__(self, state: dict[str, Any]) -> None:
         super().__setstate__(state)
         self.__dict__.setdefault("num_threads", 0)
+        self.__dict__.setdefault("thread_pool", "torch")
         for group in self.param_groups:
             self._adopt_group(group)
 
@@ -207,6 +216,7 @@ class CPUAdam(torch.optim.Optimizer):
                 adamw_mode=bool(group["adamw_mode"]),
                 bias_correction=bool(group["bias_correction"]),
                 num_threads=self.num_threads,
+                pool=self.thread_pool,
             )
             # Count the step only once it has been made.
             for t in step_tensors:

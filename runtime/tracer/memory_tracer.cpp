@@ -4,7 +4,7 @@
 
 #include "runtime/core/error.h"
 
-namespace tidal::hooks {
+namespace tidal {
 
 const char* to_string(PointKind kind) {
   switch (kind) {
@@ -143,4 +143,4 @@ void MemoryTracer::make_room(std::size_t need) {
   update_nonchunk_limit();
 }
 
-}  // namespace tidal::hooks
+}  // namespace tidal

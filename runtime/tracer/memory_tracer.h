@@ -5,8 +5,7 @@
 // drives it on the simulated device with a scripted meter
 // (tests/cpp/runtime/tracer/memory_tracer_test.cpp). The layer above the
 // scheduler, below hooks/ (Note [The build's layers] in
-// tests/cpp/check_layers.py); its namespace is still tidal::hooks, the name
-// its one user, hooks/module_hooks.h, and the bindings know it by.
+// tests/cpp/check_layers.py), in namespace tidal beside the scheduler.
 //
 // Note [The memory tracer]
 // ~~~~~~~~~~~~~~~~~~~~~~~~
@@ -70,7 +69,7 @@
 
 #include "runtime/scheduler/chunk_scheduler.h"
 
-namespace tidal::hooks {
+namespace tidal {
 
 // Where a trace point is: a module's forward pre-hook, its backward
 // pre-hook, a parameter's gradient hook, or the end of a step.
@@ -195,4 +194,4 @@ class MemoryTracer {
   bool enforce_ = false;
 };
 
-}  // namespace tidal::hooks
+}  // namespace tidal

@@ -96,3 +96,31 @@ def test_a_failed_chunk_step_releases_its_pins_and_the_engine_goes_on():
     losses += train_tidal(engine, batches[1:])
     assert_close(engine, ref, ref_losses, losses)
     within_budget(engine)
+
+
+def test_both_thread_pools_train_bitwise_alike_and_like_adamw():
+    """tidal.cpu_adam_pool (Note [Whose threads run the update] in
+    cpu_adam/adam.h): torch's intra-op threads and oneTBB's run the same
+    blocks, so the engine's weights are bitwise equal, and AdamW's within
+    1e-5; a pool tidal does not know is a ConfigError naming it."""
+    torch.manual_seed(0)
+    # 805K parameters in chunks of 512K elements (1 MiB of 16-bit): each
+    # chunk's update spans several of cpu_adam's 32K-element blocks, so it
+    # goes to the pool (below two blocks it runs on the calling thread).
+    ref = TinyGPT(d=128, seq=8)
+    assert sum(p.numel() for p in ref.parameters()) > 16 * _C.cpu_adam.block_elements
+    batches = gpt_batches(3)
+    engines, losses = {}, {}
+    for pool in ("torch", "onetbb"):
+        engines[pool] = tidal.initialize(copy.deepcopy(ref), config(budget="64MiB", chunk="1MiB",
+                                                                    cpu_adam_pool=pool))
+        losses[pool] = train_tidal(engines[pool], batches)
+        within_budget(engines[pool])
+    assert losses["torch"] == losses["onetbb"]
+    got, other = engines["torch"].parameters_fp32(), engines["onetbb"].parameters_fp32()
+    assert got.keys() == other.keys()
+    for name in got:
+        assert torch.equal(got[name], other[name]), name
+    assert_close(engines["torch"], ref, train_reference(ref, batches), losses["torch"])
+    with pytest.raises(tidal.ConfigError, match="cpu_adam_pool.*'tbb'"):
+        tidal.initialize(TinyGPT(d=64, seq=8), config(cpu_adam_pool="tbb"))

@@ -223,7 +223,7 @@ def test_byte_sizes_parse_with_decimal_and_binary_units():
      "unknown config key 'activation_checkpointing.partition_activation'; did you mean "
      "'partition_activations'?"),
     ({"tidal": {"mystery": "1GB"}}, "unknown config key 'tidal.mystery' (valid keys in section "
-                                    "'tidal': chunk_size, cpu_adam_threads, data_parallel, device,"),
+                                    "'tidal': chunk_size, cpu_adam_pool, cpu_adam_threads, data_parallel, device,"),
     ({"optimizer": {"type": "AdamX"}},
      "config key 'optimizer.type': 'AdamX' is neither one of DeepSpeed 0.19.8's optimizer names nor "
      "a class of torch.optim, so DeepSpeed fails on it too; tidal runs 'Adam' and 'AdamW' (any "

@@ -521,6 +521,58 @@ def test_results_do_not_depend_on_the_thread_count():
             assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("threads", [0, 1, 3])
+def test_torch_intra_op_threads_give_the_bytes_of_onetbbs(threads):
+    """Note [Whose threads run the update]: the same fixed blocks and reduction
+    order on torch's pool (at::parallel_for) as on oneTBB's, through the
+    optimizer and the chunk step, and AdamW's result within 1e-5."""
+    gen = torch.Generator().manual_seed(12)
+    init = [torch.randn(70001, generator=gen), torch.randn(300000, generator=gen)]
+    grads = [[torch.randn(t.shape, generator=gen) for t in init] for _ in range(3)]
+    out = {}
+    for pool in ("torch", "onetbb"):
+        ps = [torch.nn.Parameter(t.clone()) for t in init]
+        opt = CPUAdam(ps, lr=1e-3, weight_decay=0.05, num_threads=threads, thread_pool=pool)
+        for g in grads:
+            for p, gi in zip(ps, g):
+                p.grad = gi.clone()
+            opt.step()
+        out[pool] = [p.detach().clone() for p in ps] + [opt.state[p][k] for p in ps
+                                                        for k in ("exp_avg", "exp_avg_sq")]
+    for a, b in zip(out["torch"], out["onetbb"]):
+        assert torch.equal(a, b)
+    ref = [torch.nn.Parameter(t.clone()) for t in init]
+    adamw = torch.optim.AdamW(ref, lr=1e-3, weight_decay=0.05)
+    for g in grads:
+        for p, gi in zip(ref, g):
+            p.grad = gi.clone()
+        adamw.step()
+    for a, b in zip(out["torch"], ref):
+        torch.testing.assert_close(a, b.detach(), rtol=1e-5, atol=1e-6)
+    n = (1 << 18) + 5
+    chunk = {}
+    for pool in ("torch", "onetbb"):
+        gen = torch.Generator().manual_seed(13)
+        bufs = [torch.randn(n, generator=gen), torch.zeros(n), torch.zeros(n),
+                (torch.randn(n, generator=gen) * 64).bfloat16()]
+        r = _C.cpu_adam.adam_chunk_step(*bufs, ranges=[(0, 1000), (4096, n - 4096)], step=[1, 2],
+                                        lr=1e-3, loss_scale=64.0, max_grad_norm=10.0,
+                                        num_threads=threads, pool=pool)
+        chunk[pool] = (bufs, r.grad_norm)
+    assert chunk["torch"][1] == chunk["onetbb"][1]
+    for a, b in zip(chunk["torch"][0], chunk["onetbb"][0]):
+        assert torch.equal(a, b)
+
+
+def test_an_unknown_thread_pool_is_a_value_error_naming_it():
+    with pytest.raises(ValueError, match="'omp'"):
+        CPUAdam([torch.nn.Parameter(torch.zeros(3))], thread_pool="omp")
+    with pytest.raises(ValueError, match="'omp'.*'torch' or 'onetbb'"):
+        _C.cpu_adam.adam_update_tensors([torch.zeros(3)], [torch.zeros(3)], [torch.zeros(3)],
+                                        [torch.zeros(3)], [1], lr=1e-3, beta1=0.9, beta2=0.999,
+                                        eps=1e-8, weight_decay=0.0, pool="omp")
+
+
 # --- state dicts -------------------------------------------------------------------
 
 

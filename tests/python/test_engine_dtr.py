@@ -274,15 +274,19 @@ def _train_with_dtr(make, budget, batches, link):
     return engine, losses, d
 
 
+@pytest.mark.parametrize("interception", ["cpp", "python"])
 @pytest.mark.parametrize("kind", ["cheap", "costly"])
-def test_arbiter_evicts_what_costs_less_per_byte(kind):
+def test_arbiter_evicts_what_costs_less_per_byte(kind, interception, monkeypatch):
     """Note [The arbiter between chunks and activations]: with large cheap
     activations DTR's evictions mostly go to activations (recompute wins);
     with small costly activations and many parameter chunks, chunks leave
     (which never happens under the chunks-first rule: the arbiter off, no
-    link bandwidth known). Both train like torch.optim.AdamW. (Whether that
-    saves recompute end to end depends on when the chunk comes back; the
-    per-eviction choice itself is tested in tests/cpp/hooks/dtr.)"""
+    link bandwidth known). Both train like torch.optim.AdamW, in both
+    interceptions: each session or runtime learns the engine's arbiter from
+    its parameter provider (hooks/engine_dtr.h), no process global. (Whether
+    that saves recompute end to end depends on when the chunk comes back;
+    the per-eviction choice itself is tested in tests/cpp/hooks/dtr.)"""
+    monkeypatch.setattr(dtr, "_interception", interception)
     link = _link_between_the_two()
     make, budget, batch = {"cheap": (_CheapActivations, "8MiB", 2048),
                            "costly": (_CostlyActivations, "2MiB", 128)}[kind]

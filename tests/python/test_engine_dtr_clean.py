@@ -3,7 +3,7 @@
 The budget is a promise: chunks plus every byte torch allocates while the
 engine runs stay within it (Note [The simulated device's budget is a hard
 limit] in hooks/host_allocation_counter.h, Note [Chunks in use and
-activations share one budget] in hooks/module_hooks.cpp). An out-of-memory
+activations share one budget] in runtime/tracer/memory_tracer.h). An out-of-memory
 error from a DTR engine in forward or backward leaves the process as it was:
 DTR intercepts nothing outside the engine's cycle (Note [DTR belongs to the
 engine's cycle] in python/tidal/engine/dtr_link.py), the weights and

@@ -78,6 +78,7 @@ class DtrLink:
         self.replay_attaches = 0
         self._ended = {k: 0 for k in _COUNTERS + _PEAKS}
         self.cpp = None
+        self._hooks = None  # the engine's ModuleHooks, from start()
         self._owns = False  # the DTR session running is this engine's cycle's
         self._effective_block = block
 
@@ -85,6 +86,7 @@ class DtrLink:
         """Registers the engine with tidal.dtr once its ModuleHooks exist, and
         applies the config's dtr block ("enabled": false leaves DTR as it is)."""
         engine = self._engine()
+        self._hooks = hooks
         # The C++ interception's view of the parameters: alias lookups in C++
         # (ModuleHooks::attached_at), replays through view() below. The
         # callbacks hold this link weakly (it holds them).
@@ -176,19 +178,14 @@ class DtrLink:
         return e
 
     def record(self, i: int):
-        return self._live_engine()._record_list[i]
+        return self._live_engine().replay_record(i)
 
     def view(self, record, size, stride, offset):
-        e = self._live_engine()
-        if e._hooks.landed(e._record_index[id(record)]):
-            # The 16-bit slot holds the gradient now; the weight it held is
-            # the fp32 master rounded to 16 bits (CPU Adam writes it so).
-            return e._weight_from_master(record).as_strided(size, stride, offset)
-        if not e._is_attached(record):
-            e._attach([record], None, replay=True)
+        t, attached = self._live_engine().replay_view(record, size, stride, offset)
+        if attached:
             self._replay_attached.append(record)
             self.replay_attaches += 1
-        return record.param.data.as_strided(size, stride, offset)
+        return t
 
     def end_replay_step(self):
         if not self._replay_attached:
@@ -196,15 +193,14 @@ class DtrLink:
         e = self._engine()
         replayed, self._replay_attached = self._replay_attached, []
         if e is not None:
-            done = [r for r in replayed if e._is_attached(r) and e._uses(r) == 0]
-            e._detach(done, _C.chunks.TensorState.HOLD)
+            e.release_replayed(replayed)
 
     # ------------------------------------------------------------ arbiter
     def rebalance(self):
         """DTR's threshold = device budget - margin - chunks held on the device."""
         if not self.enabled_by_config or not _dtr.is_enabled():
             return
-        _dtr._set_eviction_threshold(self._engine()._hooks.dtr_threshold())
+        _dtr._set_eviction_threshold(self._hooks.dtr_threshold())
 
     # ----------------------------------------------------- weights change
     @contextlib.contextmanager

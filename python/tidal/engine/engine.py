@@ -693,7 +693,7 @@ class Engine(ExternalMixin, StateDictMixin, HookWiringMixin, DataParallelMixin, 
                 self._hooks.fold_gradients(
                     [index[id(r)] for r in recs], [not r.accumulated for r in recs],
                     DEVICE if on_device else HOST,
-                    num_threads=self.config.cpu_adam_threads)
+                    num_threads=self.config.cpu_adam_threads, pool=self.config.cpu_adam_pool)
                 for r in recs:  # (no longer landed: the fold says so)
                     r.accumulated = True
 

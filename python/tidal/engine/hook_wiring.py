@@ -208,6 +208,31 @@ class HookWiringMixin:
         i = self._hooks.attached_at(t)
         return None if i < 0 else self._record_list[i]
 
+    # ------------------------------------ DTR's replays (engine/dtr_link.py)
+    # What the engine offers tidal.dtr's replays, as three calls, so the link
+    # touches none of the engine's internals.
+    def replay_record(self, i: int):
+        """The record of parameter index `i` (ModuleHooks' numbering)."""
+        return self._record_list[i]
+
+    def replay_view(self, record, size, stride, offset):
+        """(`record`'s weight as this view, whether this call attached it).
+        After its gradient hook its 16-bit slot holds the gradient: the view
+        is then of a temporary weight made from the fp32 master (Note [Weights
+        while gradients wait]); else the parameter is attached for the replay
+        (its chunk comes to the device through the scheduler)."""
+        if self._hooks.landed(self._record_index[id(record)]):
+            return self._weight_from_master(record).as_strided(size, stride, offset), False
+        attached = not self._is_attached(record)
+        if attached:
+            self._attach([record], None, replay=True)
+        return record.param.data.as_strided(size, stride, offset), attached
+
+    def release_replayed(self, records):
+        """Detaches what replay_view() attached once no forward uses it."""
+        done = [r for r in records if self._is_attached(r) and self._uses(r) == 0]
+        self._detach(done, _C.chunks.TensorState.HOLD)
+
     def _detach(self, records, state):
         if not records:
             return

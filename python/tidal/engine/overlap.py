@@ -143,7 +143,7 @@ class StepOverlap:
                               eps=group["eps"], weight_decay=group["weight_decay"],
                               adamw_mode=cfg.adam_w_mode, bias_correction=cfg.bias_correction,
                               loss_scale=1.0, max_grad_norm=0.0, check_overflow=False,
-                              num_threads=cfg.cpu_adam_threads))
+                              num_threads=cfg.cpu_adam_threads, pool=cfg.cpu_adam_pool))
         self._jobs.append((chunk, self._pool.submit(_run, views, calls), recs))
         self.launched_chunks += 1
 

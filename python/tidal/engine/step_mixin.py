@@ -268,7 +268,7 @@ class StepMixin:
                              bias_correction=cfg.bias_correction, grad_scale=grad_scale,
                              use_sums=GRAD32 in kinds, prefer_device=cfg.hybrid_adam,
                              host_short=host_short, device_simd=self._device_adam_kernel == "simd",
-                             num_threads=cfg.cpu_adam_threads)
+                             num_threads=cfg.cpu_adam_threads, pool=cfg.cpu_adam_pool)
         if space == DEVICE:
             self._adam_device_chunks += 1
         else:

@@ -5,8 +5,11 @@
 #include <gtest/gtest.h>
 #include <tbb/global_control.h>
 
+#include <atomic>
 #include <cstring>
+#include <functional>
 #include <limits>
+#include <thread>
 #include <vector>
 
 #include "cpu_adam/adam.h"
@@ -106,6 +109,76 @@ TEST(AdamThreads, AnOverflowInAnyBlockLeavesEverySpanUntouched) {
     const GradSpan grads[] = {{a.gp(), a.count}, {b.gp(), b.count}};
     EXPECT_FALSE(grad_stats(d.grad, grads, 1.0, ExecOptions{3}).finite);
   }
+}
+
+// Note [Whose threads run the update]: another pool's runner. This one runs
+// uneven ranges, the last first, each on a thread of its own, and counts
+// which blocks it was asked for.
+class ReversedRunner final : public BlockRunner {
+ public:
+  void run(std::size_t n, int max_threads, const std::function<void(std::size_t, std::size_t)>& body) const override {
+    last_max_threads = max_threads;
+    std::vector<std::pair<std::size_t, std::size_t>> ranges;
+    for (std::size_t b = 0, len = 1; b < n; b += len, ++len) ranges.emplace_back(b, std::min(n, b + len));
+    std::vector<std::thread> threads;
+    for (auto it = ranges.rbegin(); it != ranges.rend(); ++it) {
+      threads.emplace_back([&, r = *it] {
+        for (std::size_t b = r.first; b < r.second; ++b) seen[b].fetch_add(1);
+        body(r.first, r.second);
+      });
+    }
+    for (std::thread& t : threads) t.join();
+    ++calls;
+  }
+  const char* name() const override { return "reversed"; }
+  mutable std::vector<std::atomic<int>> seen = std::vector<std::atomic<int>>(64);
+  mutable int calls = 0;
+  mutable int last_max_threads = -1;
+};
+
+TEST(AdamThreads, AnotherPoolsRunnerGivesTheSameBytesAndCoversEveryBlockOnce) {
+  const AdamDTypes d{DType::kBFloat16, DType::kFloat32, DType::kBFloat16};
+  const AdamHyperParams h = non_default_hyper(true, true);
+  const std::size_t lengths[] = {9 * kBlockElements + 7, 3, 2 * kBlockElements};
+  std::vector<SpanData> initial;
+  std::size_t total = 0;
+  for (std::size_t i = 0; i < std::size(lengths); ++i) {
+    initial.emplace_back(d, lengths[i], i, static_cast<std::uint32_t>(90 + i));
+    total += lengths[i];
+  }
+  const std::size_t blocks = [&] {
+    std::size_t b = 0;
+    for (std::size_t n : lengths) b += (n + kBlockElements - 1) / kBlockElements;
+    return b;
+  }();
+  ASSERT_LE(blocks, 64u);
+  std::vector<SpanData> want = initial, got = initial;
+  auto spans_of = [](std::vector<SpanData>& v) {
+    std::vector<AdamSpan> spans;
+    for (SpanData& s : v) spans.push_back(s.span(3));
+    return spans;
+  };
+  auto grads_of = [](std::vector<SpanData>& v) {
+    std::vector<GradSpan> grads;
+    for (SpanData& s : v) grads.push_back({s.gp(), s.count});
+    return grads;
+  };
+  const GradStats want_stats = grad_stats(d.grad, grads_of(want), 0.5, ExecOptions{});
+  adam_update(h, d, spans_of(want), 0.5, ExecOptions{});
+
+  ReversedRunner runner;
+  const ExecOptions exec{5, CopyStores::kAuto, &runner};
+  const GradStats got_stats = grad_stats(d.grad, grads_of(got), 0.5, exec);
+  adam_update(h, d, spans_of(got), 0.5, exec);
+  EXPECT_EQ(runner.calls, 2) << "both passes of " << total << " elements go to the runner";
+  EXPECT_EQ(runner.last_max_threads, 5);
+  for (std::size_t b = 0; b < runner.seen.size(); ++b) {
+    EXPECT_EQ(runner.seen[b].load(), b < blocks ? 2 : 0) << "block " << b;
+  }
+  EXPECT_EQ(got_stats.finite, want_stats.finite);
+  EXPECT_EQ(std::memcmp(&got_stats.sum_squares, &want_stats.sum_squares, sizeof(double)), 0)
+      << got_stats.sum_squares << " vs " << want_stats.sum_squares;
+  for (std::size_t i = 0; i < got.size(); ++i) EXPECT_TRUE(same_bytes(got[i], want[i])) << "span " << i;
 }
 
 }  // namespace

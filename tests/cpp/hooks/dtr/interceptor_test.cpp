@@ -10,6 +10,9 @@
 #include <torch/library.h>
 
 #include <atomic>
+#include <limits>
+#include <memory>
+#include <string>
 #include <thread>
 #include <vector>
 
@@ -60,11 +63,102 @@ TEST(DtrInterceptor, TheKeyIsFreeAndOursOnceActive) {
   {
     Active on(s);
     EXPECT_TRUE(c10::Dispatcher::singleton().hasBackendFallbackForDispatchKey(c10::DispatchKey::Fake));
-    EXPECT_EQ(current_session(), &s);
+    EXPECT_TRUE(s.active());
     EXPECT_EQ(interception_status(), "");  // our own fallback does not count against us
   }
-  EXPECT_EQ(current_session(), nullptr);
+  EXPECT_FALSE(s.active());
 }
+
+// An engine's side as the session sees it (hooks/engine_dtr.h): an arbiter,
+// and the sessions it was told route ops.
+class CheapChunks final : public ChunkArbiter {
+ public:
+  double chunk_seconds_per_byte() const override {
+    return left > 0 ? 1e-12 : std::numeric_limits<double>::infinity();
+  }
+  std::size_t evict_chunk() override {
+    if (left == 0) return 0;
+    --left;
+    ++evicted;
+    session->set_eviction_threshold(threshold += 64 * kKiB);  // the room the chunk left
+    return 64 * kKiB;
+  }
+  Session* session = nullptr;
+  std::size_t threshold = 0;
+  int left = 0;
+  int evicted = 0;
+};
+
+class FakeEngine final : public ParamProvider {
+ public:
+  explicit FakeEngine(std::weak_ptr<ChunkArbiter> arbiter) : arbiter_(std::move(arbiter)) {}
+  std::int64_t alias(const at::Tensor&) override { return -1; }
+  at::Tensor view(std::int64_t, at::IntArrayRef, at::IntArrayRef, std::int64_t) override {
+    TIDAL_THROW(InternalError, "no parameters here");
+  }
+  void end_replay_step() override {}
+  std::uint64_t weights_epoch() const override { return 0; }
+  std::string param_name(std::int64_t) const override { return "none"; }
+  std::weak_ptr<ChunkArbiter> arbiter() const override { return arbiter_; }
+  void session_changed(ActivationRoom* routing) override {
+    told.push_back(routing == nullptr ? "none" : routing == expected ? "it" : "another");
+  }
+  ActivationRoom* expected = nullptr;
+  std::vector<std::string> told;
+
+ private:
+  std::weak_ptr<ChunkArbiter> arbiter_;
+};
+
+TEST(DtrInterceptor, ASessionTellsItsEnginesWhileItRoutesOpsWithNoGlobal) {
+  auto a = std::make_shared<FakeEngine>(std::weak_ptr<ChunkArbiter>());
+  auto b = std::make_shared<FakeEngine>(std::weak_ptr<ChunkArbiter>());
+  {
+    Session s(opts(0));
+    a->expected = b->expected = &s;
+    s.add_provider(a);
+    EXPECT_TRUE(a->told.empty());  // not routing yet
+    s.activate();
+    s.add_provider(b);  // joins a session already routing
+    s.deactivate();
+    EXPECT_EQ(a->told, (std::vector<std::string>{"it", "none"}));
+    EXPECT_EQ(b->told, (std::vector<std::string>{"it", "none"}));
+    s.activate();
+    s.remove_provider(a.get());
+    EXPECT_EQ(a->told, (std::vector<std::string>{"it", "none", "it", "none"}));
+  }  // destroyed while routing
+  EXPECT_EQ(b->told, (std::vector<std::string>{"it", "none", "it", "none"}));
+}
+
+// Note [The arbiter between chunks and activations]: the session asks the
+// arbiters of the engines registered with it, the cheapest first, and one
+// whose engine is gone is skipped.
+TEST(DtrInterceptor, EvictionsGoToARegisteredEnginesChunksWhileTheyAreCheaper) {
+  Session s(opts(40 * kKiB));
+  auto cheap = std::make_shared<CheapChunks>();
+  cheap->session = &s;
+  cheap->threshold = 40 * kKiB;
+  cheap->left = 2;
+  auto gone = std::make_shared<CheapChunks>();
+  gone->left = 100;
+  auto engine = std::make_shared<FakeEngine>(cheap);
+  s.add_provider(std::make_shared<FakeEngine>(gone));
+  gone.reset();  // that engine is collected: its arbiter must not be asked
+  s.add_provider(engine);
+  std::vector<at::Tensor> ys;
+  {
+    Active on(s);
+    at::Tensor h = at::randn({64, 64});
+    // 16 KiB kept per round: 256 KiB past 40 KiB and the 128 KiB two chunks free.
+    for (int i = 0; i < 16; ++i) ys.push_back(h = at::tanh(h) * 1.5);
+  }
+  EXPECT_EQ(cheap->evicted, 2);  // both chunks went before any activation
+  const RuntimeStats st = s.with_runtime([](StorageRuntime& rt) { return rt.stats(); });
+  EXPECT_EQ(st.chunk_evictions, 2u);
+  EXPECT_GT(st.evictions, 0u);  // then activations
+  s.regenerate_evicted();
+}
+
 
 TEST(DtrInterceptor, GradientsAreBitwiseEqualWithForcedEvictions) {
   const Mlp mlp(8);

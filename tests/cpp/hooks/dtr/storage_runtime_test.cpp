@@ -210,9 +210,9 @@ class FakeArbiter final : public ChunkArbiter {
  public:
   FakeArbiter(StorageRuntime& rt, double seconds_per_byte, std::size_t chunk, int chunks)
       : rt_(rt), cost_(seconds_per_byte), chunk_(chunk), left_(chunks) {
-    set_chunk_arbiter(this);
+    rt_.set_arbiter(this);
   }
-  ~FakeArbiter() override { set_chunk_arbiter(nullptr); }
+  ~FakeArbiter() override { rt_.set_arbiter(nullptr); }
   double chunk_seconds_per_byte() const override {
     return left_ > 0 ? cost_ : std::numeric_limits<double>::infinity();
   }

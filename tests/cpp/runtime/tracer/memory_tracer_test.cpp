@@ -13,7 +13,7 @@
 #include "runtime/core/error.h"
 #include "scheduler_test_util.h"
 
-namespace tidal::hooks {
+namespace tidal {
 namespace {
 
 using testing::kKiB;
@@ -216,4 +216,4 @@ TEST(MemoryTracer, AMarginThatLeavesNothingIsAnError) {
 }
 
 }  // namespace
-}  // namespace tidal::hooks
+}  // namespace tidal

@@ -1,0 +1,15 @@
+#include "hooks/engine_dtr.h"
+
+namespace tidal::hooks {
+
+std::int64_t EngineParamProvider::alias(const at::Tensor& t) {
+  if (!t.defined() || !t.has_storage() || t.layout() != at::kStrided) return -1;
+  const std::shared_ptr<ModuleHooks> hooks = hooks_.lock();
+  return hooks ? hooks->attached_at(t.storage().data_ptr().get()) : -1;
+}
+
+void EngineParamProvider::session_changed(dtr::ActivationRoom* routing) {
+  if (const std::shared_ptr<ModuleHooks> hooks = hooks_.lock()) hooks->set_dtr_session(routing);
+}
+
+}  // namespace tidal::hooks
