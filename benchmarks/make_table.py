@@ -407,6 +407,9 @@ def _engine_overhead(r: Dict, name: str) -> List[List[str]]:
         target = f"; cpu_adam target {r['cpu_adam_target']}" if "cpu_adam_target" in r else ""
         calls = (f"; {large['step_binding_calls_per_chunk']:.0f} binding calls per chunk"
                  if "step_binding_calls_per_chunk" in large else "")
+        if "tidal_median_adam_seconds" in large:
+            calls += (f"; {large['tidal_median_adam_seconds'] * 1e3:.1f} ms of the step in the chunk "
+                      f"updates, the rest Python's bookkeeping")
         if "tidal_bf16" in opt and "cpuadam" in opt:
             rows.append([
                 f"optimizer step in the engine in bf16 (bf16 gradients in, bf16 weights out, fp32 "
