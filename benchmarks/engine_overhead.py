@@ -31,8 +31,8 @@ Per model, interleaved in rounds so machine load hits all alike:
                    Note [Whose threads run the update] in cpu_adam/adam.h).
 Each step is timed whole and its optimizer step alone (engine.step() against
 opt.step()), and for the engine the part of engine.step() spent in its chunk
-updates (memory_report()["optimizer"]["adam_seconds"]; the rest is Python's
-bookkeeping of the step). Every run of a round is preceded by a pause (a peer timed right
+loop (memory_report()["optimizer"]["adam_seconds"]: one C++ update call per
+chunk and the Python around each call; the rest is the step's bookkeeping). Every run of a round is preceded by a pause (a peer timed right
 before another charges it for the other's spinning threads) and the order of
 the runs alternates between rounds. --target forces cpu_adam's SIMD target
 (tidal._C.cpu_adam.available_targets()); the target used is in the file. The
@@ -176,7 +176,7 @@ class Tidal:
         if precision != "fp32":
             cfg[precision] = {"enabled": True}
         self.engine = tidal.initialize(make(shape), cfg)
-        self.adam = []  # per step: the part of engine.step() inside the chunk updates
+        self.adam = []  # per step: the part of engine.step() in its chunk loop
 
     def run(self, x, y):
         t0 = time.perf_counter()
@@ -262,8 +262,8 @@ def main():
         }
         for k in ("tidal", "tidal_bf16", "tidal_onetbb"):
             if k in runs:
-                # The chunk updates (one C++ call each) against the rest of
-                # engine.step() (Python's bookkeeping): the timed steps only.
+                # The chunk loop (one C++ update call per chunk and the Python
+                # around it) within engine.step(): the timed steps only.
                 out["models"][name][f"{k}_median_adam_seconds"] = statistics.median(runs[k].adam[-len(step[k]):])
                 r = runs[k].engine.memory_report()  # the budget is a promise
                 if r["budget_overruns"] or r["peak_device_bytes"] > r["device_budget"] - r["device_margin"]:

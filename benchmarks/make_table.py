@@ -408,8 +408,8 @@ def _engine_overhead(r: Dict, name: str) -> List[List[str]]:
         calls = (f"; {large['step_binding_calls_per_chunk']:.0f} binding calls per chunk"
                  if "step_binding_calls_per_chunk" in large else "")
         if "tidal_median_adam_seconds" in large:
-            calls += (f"; {large['tidal_median_adam_seconds'] * 1e3:.1f} ms of the step in the chunk "
-                      f"updates, the rest Python's bookkeeping")
+            calls += (f"; {large['tidal_median_adam_seconds'] * 1e3:.1f} ms of the step in its chunk "
+                      f"loop: one C++ update call per chunk and the Python around it")
         if "tidal_bf16" in opt and "cpuadam" in opt:
             rows.append([
                 f"optimizer step in the engine in bf16 (bf16 gradients in, bf16 weights out, fp32 "
