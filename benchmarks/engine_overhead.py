@@ -206,7 +206,12 @@ def main():
     rounds = 2 if args.quick else args.rounds
     out = {"quick": args.quick, "rounds": rounds, "steps_per_round": args.steps,
            "cpu_adam_target": tidal._C.cpu_adam.target(), "cpu_adam_pool": "torch (default); "
-           "*_onetbb runs: onetbb", "models": {}}
+           "*_onetbb runs: onetbb",
+           # How torch's OpenMP threads wait between parallel regions (ACTIVE:
+           # they spin, as Intel's OpenMP does for 200 ms by default).
+           "omp_environment": {k: os.environ.get(k) for k in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT",
+                                                             "OMP_NUM_THREADS")},
+           "models": {}}
     for name, shape in shapes.items():
         params = sum(p.numel() for p in make(shape).parameters())
         runs = {"plain": Plain(shape, False), "plain_fused": Plain(shape, True),

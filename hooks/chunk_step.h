@@ -31,12 +31,18 @@
 // and the working copy, 32 bytes per parameter where torch's fused AdamW
 // (weights updated in place, gradients apart) moves 28, so at the memory
 // bandwidth limit the engine's fp32 step takes about 32/28 = 1.14x that of
-// CPUAdam alone (benchmarks/engine_overhead.py). Dropping the copy means
-// binding the parameters to their master slots and landing gradients in the
-// other list: two chunk kinds per module in backward for the scheduler to
-// place and prefetch, a change to the chunks' life cycle that has not been
-// made. In 16-bit training the copy is the 16-bit weights the model needs
-// anyway, and the step moves fewer bytes than CPUAdam over fp32 parameters.
+// CPUAdam alone (benchmarks/engine_overhead.py). It stays because of the
+// link, the scarcer bandwidth on a GPU: a chunk updated on the host goes
+// down carrying its gradients and comes back carrying the new weights, 8
+// bytes per parameter over the link. Without the copy the gradients would
+// land in a list of their own (or in the master's slot) while the weights
+// stay in theirs: for a chunk updated on the host both the gradients and
+// the weights would go down, 12 bytes per parameter, and backward would hold
+// two kinds of chunk per module on the device. Saving 4 bytes of host
+// memory traffic per parameter at the price of 4 bytes over the link is a
+// loss wherever the link is slower than host memory, as PCIe is. In 16-bit
+// training the copy is the 16-bit weights the model needs anyway, and the
+// step moves fewer bytes than CPUAdam over fp32 parameters.
 #pragma once
 
 #include <cstdint>
