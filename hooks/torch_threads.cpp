@@ -2,6 +2,8 @@
 
 #include <ATen/Parallel.h>
 
+#include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <string>
 
@@ -11,12 +13,21 @@ namespace tidal::hooks {
 
 void TorchIntraOpRunner::run(std::size_t num_blocks, int max_threads,
                              const std::function<void(std::size_t, std::size_t)>& body) const {
-  const auto n = static_cast<std::int64_t>(num_blocks);
-  // at::parallel_for splits [0, n) into one contiguous range per thread, on
-  // min(threads, n / grain) threads: a grain of n / max_threads caps them.
-  const std::int64_t grain = max_threads > 0 ? (n + max_threads - 1) / max_threads : 1;
-  at::parallel_for(0, n, grain, [&](std::int64_t b0, std::int64_t b1) {
-    body(static_cast<std::size_t>(b0), static_cast<std::size_t>(b1));
+  std::int64_t threads = at::get_num_threads();
+  if (max_threads > 0) threads = std::min<std::int64_t>(threads, max_threads);
+  threads = std::clamp<std::int64_t>(threads, 1, static_cast<std::int64_t>(num_blocks));
+  // One task per thread, each taking the next block until none is left:
+  // at::parallel_for alone would give each thread a fixed contiguous share,
+  // and one thread held up (by another pool spinning on its core, say) would
+  // hold up the step, where oneTBB's stealing moves its work to the others.
+  // Inside a parallel region at::parallel_for calls this once, and the one
+  // task runs every block.
+  std::atomic<std::size_t> next{0};
+  at::parallel_for(0, threads, 1, [&](std::int64_t, std::int64_t) {
+    for (std::size_t b = next.fetch_add(1, std::memory_order_relaxed); b < num_blocks;
+         b = next.fetch_add(1, std::memory_order_relaxed)) {
+      body(b, b + 1);
+    }
   });
 }
 

@@ -10,8 +10,9 @@ namespace tidal::hooks {
 
 // Runs the blocks with at::parallel_for: on torch's intra-op pool (OpenMP
 // in the CPU wheels), at most torch.get_num_threads() threads, fewer when
-// max_threads asks. Called inside a parallel region it runs on the calling
-// thread, as every at::parallel_for does.
+// max_threads asks, each taking the next block while any is left. Called
+// inside a parallel region it runs on the calling thread, as every
+// at::parallel_for does.
 class TorchIntraOpRunner final : public cpu_adam::BlockRunner {
  public:
   void run(std::size_t num_blocks, int max_threads,
