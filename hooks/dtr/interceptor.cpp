@@ -620,7 +620,7 @@ void Session::remove_provider(ParamProvider* provider) {
   // Recipes name providers by position: keep the slot, so later ones keep theirs.
   for (auto& p : providers_) {
     if (p.get() == provider) {
-      p->session_changed(nullptr);
+      if (active()) p->session_changed(nullptr);
       p.reset();
     }
   }

@@ -141,7 +141,7 @@ class Runtime final : public hd::ActivationRoom {
     arbiters_.remove(p);
     for (auto it = providers_.begin(); it != providers_.end(); ++it) {
       if (it->get() != p) continue;
-      p->session_changed(nullptr);
+      if (active_) p->session_changed(nullptr);
       providers_.erase(it);
       return;
     }

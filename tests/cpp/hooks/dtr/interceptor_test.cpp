@@ -126,6 +126,11 @@ TEST(DtrInterceptor, ASessionTellsItsEnginesWhileItRoutesOpsWithNoGlobal) {
     s.activate();
     s.remove_provider(a.get());
     EXPECT_EQ(a->told, (std::vector<std::string>{"it", "none", "it", "none"}));
+    Session idle(opts(0));  // (not routing: it tells nothing)
+    auto c = std::make_shared<FakeEngine>(std::weak_ptr<ChunkArbiter>());
+    idle.add_provider(c);
+    idle.remove_provider(c.get());
+    EXPECT_TRUE(c->told.empty());
   }  // destroyed while routing
   EXPECT_EQ(b->told, (std::vector<std::string>{"it", "none", "it", "none"}));
 }
