@@ -162,6 +162,21 @@ def timed_engine_steps(engine, batches) -> tuple:
     return times, losses
 
 
+def budget_kept(report: Dict) -> bool:
+    """The budget is a promise: an engine's memory_report() with no overrun
+    and a device peak within the budget less the margin."""
+    return (report["budget_overruns"] == 0
+            and report["peak_device_bytes"] <= report["device_budget"] - report["device_margin"])
+
+
+def check_budget(report: Dict, label: str) -> None:
+    """Fails the benchmark (a run with an overrun is a failure) unless budget_kept(report)."""
+    if not budget_kept(report):
+        raise SystemExit(f"{label}: the device budget was overrun: {report['budget_overruns']} overruns, "
+                         f"peak {report['peak_device_bytes']} of {report['device_budget']} bytes "
+                         f"(margin {report['device_margin']})")
+
+
 def run_child(script: str, payload, failed: Dict, timeout: float = 900) -> Dict:
     """Runs `script --child JSON(payload)` in a fresh Python process and
     returns the last JSON object it printed; on a crash or no output,

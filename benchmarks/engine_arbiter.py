@@ -79,7 +79,7 @@ def trial(rule: str, batch: int, spec: dict, link: str) -> dict:
             engine.step()
             times.append(time.perf_counter() - t0)
         r = engine.memory_report()
-        ok = r["budget_overruns"] == 0 and r["peak_device_bytes"] <= r["device_budget"] - r["device_margin"]
+        ok = common.budget_kept(r)
         out.update(fits=ok, step_seconds=times[1:], peak_device_bytes=r["peak_device_bytes"],
                    budget_overruns=r["budget_overruns"], device_budget=r["device_budget"],
                    device_margin=r["device_margin"], chunk_evictions=r["evictions"],

@@ -112,7 +112,7 @@ def trial(name: str, mode: str, batch: int, budget: int, quick: bool, link: str)
             engine.step()
             times.append(time.perf_counter() - t0)
         r = engine.memory_report()
-        ok = r["budget_overruns"] == 0 and r["peak_device_bytes"] <= r["device_budget"] - r["device_margin"]
+        ok = common.budget_kept(r)
         out.update(fits=ok, step_seconds=times[1:], peak_device_bytes=r["peak_device_bytes"],
                    budget_overruns=r["budget_overruns"], device_budget=r["device_budget"],
                    device_margin=r["device_margin"], chunk_evictions=r["evictions"],
@@ -148,7 +148,15 @@ def largest(fits, cap: int):
     return lo
 
 
-def model_part(name: str, spec: dict, quick: bool, link: str) -> dict:
+def _monotonic(out, trials):
+    """Monotonic over every trial of a mode, the timing runs included: a
+    batch at or below the largest that failed anywhere breaks it."""
+    for mode in MODES:
+        out["monotonic"][mode] = all(t["fits"] for t in trials
+                                     if t["mode"] == mode and t["batch"] <= out["largest"][mode])
+
+
+def model_part(name: str, spec: dict, quick: bool, link: str, rounds: int) -> dict:
     trials = []
 
     def fits_for(mode):
@@ -170,15 +178,10 @@ def model_part(name: str, spec: dict, quick: bool, link: str) -> dict:
         check = sorted({b for b in (2 ** k for k in range(12)) if b < best} | ({best - 1} if best > 1 else set()))
         for b in check:
             if b not in tried:
-                tried[b] = fits_for(mode)(b)
-        out["monotonic"][mode] = all(tried[b] for b in tried if b <= best)
+                fits_for(mode)(b)  # (recorded in trials)
     # Step times at recompute's largest batch: DTR against recompute.
-    timing(name, spec, out, trials, quick, link, rounds=1)
-    # Monotonic over every trial of the mode, the timing runs included: a
-    # batch at or below the largest that failed anywhere breaks it.
-    for mode in MODES:
-        out["monotonic"][mode] = all(t["fits"] for t in trials
-                                     if t["mode"] == mode and t["batch"] <= out["largest"][mode])
+    timing(name, spec, out, trials, quick, link, rounds)
+    _monotonic(out, trials)
     e, d, rc = (out["largest"][m] for m in MODES)
     out["dtr_over_engine"] = d / e if e else None
     out["dtr_over_recompute"] = d / rc if rc else None
@@ -196,16 +199,19 @@ def timing(name, spec, out, trials, quick, link, rounds):
     if at <= 0:
         return
     samples = {"recompute": [], "dtr": []}
+    failed = set()  # a mode that failed once is not timed again
     for k in range(rounds):
         for mode in (("recompute", "dtr") if k % 2 == 0 else ("dtr", "recompute")):
+            if mode in failed:
+                continue
             time.sleep(1.0)
             r = run_trial(name, mode, at, spec["budget"], quick, link)
             trials.append({**r, "timing": True})
             if r["fits"]:
                 samples[mode].extend(r["step_seconds"])
             else:
-                samples[mode] = None
-                break
+                failed.add(mode)
+    samples = {m: (None if m in failed else v) for m, v in samples.items()}
     times = {m: (statistics.median(v) if v else None) for m, v in samples.items()}
     out["step_seconds_at_recompute_batch"] = {"batch": at, "rounds": rounds, **times,
                                               "samples": samples}
@@ -223,9 +229,7 @@ def retime(path, rounds, link, quick):
     for name, out in record["models"].items():
         trials = [t for t in out["trials"] if not t.get("timing")]
         timing(name, specs[name], out, trials, quick, link, rounds)
-        for mode in MODES:  # the timing runs count for monotonic too
-            out["monotonic"][mode] = all(t["fits"] for t in trials
-                                         if t["mode"] == mode and t["batch"] <= out["largest"][mode])
+        _monotonic(out, trials)
         out["trials"] = trials
         print(f"{name}: at batch {out['largest']['recompute']}: DTR/recompute time "
               f"{out.get('dtr_over_recompute_time')}", flush=True)
@@ -243,7 +247,8 @@ def main(argv=None):
     ap.add_argument("--output", default=None)
     ap.add_argument("--retime", metavar="RESULT_FILE",
                     help="re-measure only the step times of RESULT_FILE (on a quiet machine)")
-    ap.add_argument("--rounds", type=int, default=3, help="timed processes per mode with --retime")
+    ap.add_argument("--rounds", type=int, default=3,
+                    help="timed processes per mode, alternating (the search and --retime)")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.child:
@@ -256,7 +261,7 @@ def main(argv=None):
     out = {"quick": args.quick, "link": args.link, "models": {}}
     for name, spec in specs.items():
         print(f"  {name}: device budget {spec['budget']} bytes", flush=True)
-        out["models"][name] = model_part(name, spec, args.quick, args.link)
+        out["models"][name] = model_part(name, spec, args.quick, args.link, 1 if args.quick else args.rounds)
         r = out["models"][name]
         print(f"{name}: largest batch {r['largest']} (DTR {r['dtr_over_engine']}x the engine alone); "
               f"monotonic {r['monotonic']}; DTR/recompute time {r.get('dtr_over_recompute_time')}",

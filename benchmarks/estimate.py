@@ -198,6 +198,7 @@ def worker(spec: dict) -> dict:
         adam = r["cpu_adam_seconds"]
         out["losses"].append(loss.item())
     r = engine.memory_report()
+    common.check_budget(r, "estimate worker")
     out.update(peak_nonchunk_device_bytes=r["peak_nonchunk_device_bytes"],
                peak_device_bytes=r["peak_device_bytes"], budget_overruns=r["budget_overruns"],
                peak_chunk_host_bytes=r["peak_chunk_host_bytes"],

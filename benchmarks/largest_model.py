@@ -89,10 +89,9 @@ def trial(spec: dict) -> dict:
             why.append(f"the loss did not fall: {losses}")
         if engine.skipped_steps:
             why.append(f"{engine.skipped_steps} skipped steps")
-        if r["budget_overruns"]:
-            why.append(f"{r['budget_overruns']} device budget overruns")
-        if r["peak_device_bytes"] > device:
-            why.append(f"device peak {r['peak_device_bytes']} > budget {device}")
+        if not common.budget_kept(r):
+            why.append(f"device budget overrun: {r['budget_overruns']} overruns, peak "
+                       f"{r['peak_device_bytes']} > budget {r['device_budget']} less margin {r['device_margin']}")
         if r["peak_chunk_host_bytes"] > host:
             why.append(f"host peak {r['peak_chunk_host_bytes']} > budget {host}")
         out["trains"] = not why

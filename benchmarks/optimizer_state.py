@@ -67,6 +67,7 @@ def main():
         for states in ("fp32", "bf16"):
             r = run(args.preset, args.steps, states, eval_every, args.seed, workdir,
                     2 if args.quick else 8)
+            common.check_budget(r["memory"], f"{states} moments")
             final = sum(r["losses"][-tail:]) / tail
             runs[states] = {
                 "state_bytes_per_param": r["memory"]["state_bytes_per_param"],

@@ -25,29 +25,34 @@ bool records_outputs_now() {
 }
 
 void ArbiterSet::add(const void* owner, std::weak_ptr<ChunkArbiter> arbiter) {
-  remove(owner);
+  remove(owner);  // (and forgets the last price)
   items_.emplace_back(owner, std::move(arbiter));
 }
 
 void ArbiterSet::remove(const void* owner) {
   std::erase_if(items_, [owner](const auto& item) { return item.first == owner; });
+  priced_.reset();
 }
 
-std::pair<std::shared_ptr<ChunkArbiter>, double> ArbiterSet::cheapest() const {
-  std::pair<std::shared_ptr<ChunkArbiter>, double> best{nullptr, std::numeric_limits<double>::infinity()};
+double ArbiterSet::chunk_seconds_per_byte() const {
+  double best = std::numeric_limits<double>::infinity();
+  priced_.reset();
   for (const auto& [owner, weak] : items_) {
-    std::shared_ptr<ChunkArbiter> a = weak.lock();
+    const std::shared_ptr<ChunkArbiter> a = weak.lock();
     if (a == nullptr) continue;
     const double price = a->chunk_seconds_per_byte();
-    if (price < best.second) best = {std::move(a), price};
+    if (price < best) {
+      best = price;
+      priced_ = a;
+    }
   }
   return best;
 }
 
-double ArbiterSet::chunk_seconds_per_byte() const { return cheapest().second; }
-
 std::size_t ArbiterSet::evict_chunk() {
-  const std::shared_ptr<ChunkArbiter> a = cheapest().first;
+  if (priced_.expired()) chunk_seconds_per_byte();
+  const std::shared_ptr<ChunkArbiter> a = priced_.lock();
+  priced_.reset();
   return a == nullptr ? 0 : a->evict_chunk();
 }
 
@@ -610,11 +615,15 @@ void StorageRuntime::evict_to_threshold() {
   while (core_.options().eviction_threshold > 0 &&
          core_.stats_tracked_bytes() > core_.options().eviction_threshold + pinned) {
     const TensorId e = core_.choose_evictee();
-    if (arbiter != nullptr) {
+    // The chunk's price first: with no link known it is infinite, and the
+    // activation's (a regeneration plan) is not worth computing.
+    const double chunk = arbiter != nullptr ? arbiter->chunk_seconds_per_byte()
+                                            : std::numeric_limits<double>::infinity();
+    if (chunk < std::numeric_limits<double>::infinity()) {
       const double activation = e == d::kNoTensor ? std::numeric_limits<double>::infinity()
                                                   : core_.regeneration_cost(e) /
                                                         static_cast<double>(std::max<std::size_t>(bytes_of(e), 1));
-      if (arbiter->chunk_seconds_per_byte() < activation) {
+      if (chunk < activation) {
         const std::size_t freed = arbiter->evict_chunk();
         if (freed > 0) {
           ++chunk_evictions_;

@@ -183,14 +183,15 @@ class ArbiterSet final : public ChunkArbiter {
   // `owner` names the entry for remove() (the engine's parameter provider).
   void add(const void* owner, std::weak_ptr<ChunkArbiter> arbiter);
   void remove(const void* owner);
-  bool empty() const { return items_.empty(); }
+  // The lowest price of the live arbiters; remembers whose it was.
   double chunk_seconds_per_byte() const override;
+  // Moves a chunk of the arbiter the last price came from (priced again
+  // first when none is remembered).
   std::size_t evict_chunk() override;
 
  private:
-  // The live arbiter with the lowest price, and the price.
-  std::pair<std::shared_ptr<ChunkArbiter>, double> cheapest() const;
   std::vector<std::pair<const void*, std::weak_ptr<ChunkArbiter>>> items_;
+  mutable std::weak_ptr<ChunkArbiter> priced_;
 };
 
 class StorageRuntime {

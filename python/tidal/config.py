@@ -35,6 +35,7 @@ from ._deepspeed_keys import (DEEPSPEED_SCHEMA, NOT_HONOURED, NOT_HONOURED_ERROR
                               NOT_READ_BY_DEEPSPEED, NULLABLE_BLOCKS, REMOVED)
 from ._schema import NONE as _NONE
 from ._schema import ConfigError, Problems, check_value, did_you_mean, unknown_key
+from .dtr import config_enables as _dtr_enabled
 from .dtr import validate_config as _validate_dtr
 from .lr_schedules import PARAMS as _SCHEDULER_PARAMS
 from .lr_schedules import REQUIRED
@@ -683,7 +684,7 @@ class Config:
             if self.gradient_accumulation_steps != 1:
                 conflicts.append(f"gradient_accumulation_steps is {self.gradient_accumulation_steps} "
                                  f"(the update needs the sums of every micro-batch: use 1)")
-            if self.dtr.get("enabled"):
+            if _dtr_enabled(self.dtr):
                 conflicts.append("tidal.dtr is enabled (a replay in backward may read weights an "
                                  "update already changed)")
             if self.activation_checkpointing_given:

@@ -581,6 +581,12 @@ def from_config(block: Dict[str, Any]) -> None:
         disable()
 
 
+def config_enables(block: Dict[str, Any]) -> bool:
+    """Whether an engine config's "tidal": {"dtr": block} turns DTR on: a
+    non-empty block does unless it says "enabled": false."""
+    return bool(block) and bool(block.get("enabled", True))
+
+
 def is_enabled() -> bool:
     """Whether DTR intercepts ops now."""
     return _mode is not None

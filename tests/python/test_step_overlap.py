@@ -86,11 +86,56 @@ def test_what_needs_every_gradient_first_is_refused(key, value, named):
         tidal.initialize(TinyGPT(d=64, seq=8), cfg)
 
 
-def test_with_dtr_is_refused():
+@pytest.mark.parametrize("block", [{"enabled": True}, {"evictee_minimum_size": 4096}])
+def test_with_dtr_is_refused(block):
+    # A dtr block without "enabled" turns DTR on too (tidal.dtr.config_enables).
     cfg = overlap_config(True)
-    cfg["tidal"]["dtr"] = {"enabled": True}
+    cfg["tidal"]["dtr"] = block
     with pytest.raises(tidal.ConfigError, match="tidal.overlap_step.*tidal.dtr is enabled"):
         tidal.initialize(TinyGPT(d=64, seq=8), cfg)
+
+
+def test_dtr_turned_on_by_hand_updates_nothing_during_backward():
+    """A replay in backward could read updated weights: with tidal.dtr on by
+    hand every chunk waits for engine.step(), and the weights are those of
+    the engine without overlap."""
+    batches = gpt_batches(3)
+    masters = {}
+    for overlap in (False, True):
+        torch.manual_seed(0)
+        engine = tidal.initialize(TinyGPT(d=64, seq=8), overlap_config(overlap))
+        with tidal.dtr.enabled(eviction_threshold="1GiB"):
+            train_tidal(engine, batches)
+        assert engine.memory_report()["optimizer"]["chunks_updated_during_backward"] == 0
+        within_budget(engine)
+        masters[overlap] = engine.parameters_fp32()
+    for name, want in masters[False].items():
+        assert torch.equal(masters[True][name], want), name
+
+
+class _SharedInsideCheckpoint(torch.nn.Module):
+    """One weight used outside and inside a reentrant checkpoint: its
+    gradient lands twice in one backward (once per autograd graph task)."""
+
+    def __init__(self):
+        super().__init__()
+        self.shared = torch.nn.Linear(64, 64)
+        self.other = torch.nn.Linear(64, 64)
+
+    def forward(self, x, y):
+        h = self.shared(x)
+        h = torch.utils.checkpoint.checkpoint(lambda t: self.shared(torch.tanh(t)), h, use_reentrant=True)
+        return torch.nn.functional.mse_loss(self.other(h), y)
+
+
+def test_a_second_use_after_its_chunks_update_started_fails_loudly():
+    """Never silently wrong weights: the chunk's master is in use by its
+    update, so the second use in backward fails, naming the tensor."""
+    torch.manual_seed(0)
+    engine = tidal.initialize(_SharedInsideCheckpoint(), overlap_config(True))
+    x, y = torch.randn(4, 64), torch.randn(4, 64)
+    with pytest.raises(Exception, match="shared.weight.*already in use"):
+        engine.backward(engine(x, y))
 
 
 def test_a_forward_between_backward_and_step_waits_and_the_next_steps_train():

@@ -73,7 +73,7 @@ class DtrLink:
         self._epoch = 0
         self._replay_attached: list = []
         self._block = block
-        self.enabled_by_config = bool(block) and block.get("enabled", True)
+        self.enabled_by_config = _dtr.config_enables(block)
         self.cap = _dtr.validate_config(block).get("eviction_threshold", 0) if block else 0
         self.replay_attaches = 0
         self._ended = {k: 0 for k in _COUNTERS + _PEAKS}

@@ -113,6 +113,10 @@ class Engine(ExternalMixin, StateDictMixin, HookWiringMixin, DataParallelMixin, 
         # The config's activation_checkpointing / tidal.recompute block: the
         # plan is made first, so a bad checkpoint name fails before anything
         # moves into chunks (Note [Recompute under the training engine]).
+        if cfg.overlap_step and store.dp is not None:  # (refused before anything moves into chunks)
+            raise ConfigError("config key 'tidal.overlap_step': true needs every gradient of a "
+                              "chunk to be final when it lands, but this run is data parallel "
+                              "(each chunk's update waits for its reduction); set it to false")
         self.recompute_plan = None
         if cfg.activation_checkpointing_given:
             self.recompute_plan = _recompute.from_config(model, cfg.activation_checkpointing,
@@ -277,13 +281,7 @@ class Engine(ExternalMixin, StateDictMixin, HookWiringMixin, DataParallelMixin, 
         self.dtr = DtrLink(self, cfg.dtr)
         # CPU Adam during backward (Note [CPU Adam during backward] in overlap.py).
         self._exposed_adam_seconds = 0.0
-        self._overlap = None
-        if cfg.overlap_step:
-            if self.dp is not None:
-                raise ConfigError("config key 'tidal.overlap_step': true needs every gradient of a "
-                                  "chunk to be final when it lands, but this run is data parallel "
-                                  "(each chunk's update waits for its reduction); set it to false")
-            self._overlap = StepOverlap(self)
+        self._overlap = StepOverlap(self) if cfg.overlap_step else None
         self._hooks = self._new_hooks()
         # Saved tensors that alias a parameter's slot are packed as (parameter,
         # geometry) and rebuilt from its data in backward, so nothing keeps a

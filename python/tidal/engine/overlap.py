@@ -47,6 +47,7 @@ import time
 import weakref
 
 from .. import _C
+from .. import dtr as _dtr
 from .store import HOLD, HOST, MOMENTUM, PARAM16, PARAM32, VARIANCE
 
 _KINDS = (PARAM16, PARAM32, MOMENTUM, VARIANCE)
@@ -67,6 +68,7 @@ class StepOverlap:
         weakref.finalize(engine, self._abandon)
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="tidal-adam")
         self._waiting: dict[int, int] = {}  # chunk -> gradients it still waits for
+        self._landed_ids: set[int] = set()    # tensors whose gradient landed in this backward
         self._recs: dict[int, list] = {}     # chunk -> its trainable records
         self._jobs: list[tuple[int, object, list]] = []  # (chunk, future, records)
         self._pinned: list[tuple[int, int]] = []         # (tensor id, chunk kind)
@@ -91,16 +93,26 @@ class StepOverlap:
             if r.trainable and e.store.owns(r):
                 recs[r.chunk].append(r)
         self._recs = dict(recs)
-        self._waiting = {chunk: len(rs) for chunk, rs in recs.items()}
+        # DTR turned on by hand (tidal.dtr.enable(); the config's is refused):
+        # a replay in backward could read weights already updated, so no
+        # chunk is updated during this backward.
+        self._waiting = {} if _dtr.is_enabled() else {chunk: len(rs) for chunk, rs in recs.items()}
+        self._landed_ids = set()
         self._backward_end = None
         # A host too small for the state (Note [One place per chunk]): the
         # step makes room first, so nothing is launched in this backward.
         self._host_short = e._host_short()
 
     def landed(self, record):
-        """A gradient landed (the engine's gradient hook)."""
-        if not record.trainable:
+        """A gradient landed (trainable records only): counted once per
+        parameter, so a second landing (a reentrant checkpoint in the model,
+        Note [Weights while gradients wait]) cannot start its chunk before
+        the others' gradients are in. Once the chunk's update started, a
+        second use of the parameter in that backward finds its master chunk
+        in use (COMPUTE) and fails there, naming the tensor."""
+        if record.id in self._landed_ids:
             return
+        self._landed_ids.add(record.id)
         left = self._waiting.get(record.chunk)
         if left is None:
             return
