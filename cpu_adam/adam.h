@@ -180,8 +180,6 @@ class BlockRunner {
   // throws is rethrown.
   virtual void run(std::size_t num_blocks, int max_threads,
                    const std::function<void(std::size_t, std::size_t)>& body) const = 0;
-  // A name for reports ("onetbb", "torch").
-  virtual const char* name() const = 0;
 };
 
 struct ExecOptions {

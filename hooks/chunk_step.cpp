@@ -100,6 +100,8 @@ void simd_step(const std::array<const Chunk*, 4>& c, const Chunk* sums, const Ch
 // torch's fused kernels always correct the bias and take fp32 moments only.
 void fused_step(const std::array<const Chunk*, 4>& c, const Chunk* sums, const ChunkStepGroup& g,
                 const std::vector<ca::ChunkRange>& ranges, const ChunkStepOptions& o, const at::Device& device) {
+  TIDAL_CHECK(o.bias_correction, "step_chunk: torch's fused Adam always corrects the bias; without bias "
+              "correction a chunk on a GPU is updated tensor by tensor (the engine's _adam_per_tensor)");
   auto view = [&](const Chunk* ch) {
     const auto numel = static_cast<std::int64_t>(ch->capacity_bytes() / element_size(ch->dtype()));
     return slot_view(ch->payload(), {numel}, scalar_type_of(ch->dtype()), device);
@@ -131,7 +133,15 @@ void fused_step(const std::array<const Chunk*, 4>& c, const Chunk* sums, const C
       v32.push_back(v.scalar_type() == at::kFloat ? vs.back() : vs.back().to(at::kFloat));
       steps.push_back(at::full({}, static_cast<double>(ranges[i].step), w.options()));
     }
-    if (o.grad_scale != 1.0) at::_foreach_mul_(grads, o.grad_scale);  // temporaries, or slots overwritten below
+    if (o.grad_scale != 1.0) {
+      // In place on temporaries or on 16-bit slots the write-back overwrites;
+      // the gradient sums are left as they are (as the SIMD path leaves them).
+      if (s.defined()) {
+        grads = at::_foreach_mul(grads, o.grad_scale);
+      } else {
+        at::_foreach_mul_(grads, o.grad_scale);
+      }
+    }
     if (o.adamw_mode) {
       at::_fused_adamw_(ws, grads, m32, v32, {}, steps, g.lr, g.beta1, g.beta2, g.weight_decay, g.eps, false, false);
     } else {

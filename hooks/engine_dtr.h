@@ -36,10 +36,8 @@ class EngineParamProvider : public dtr::ParamProvider {
   std::weak_ptr<dtr::ChunkArbiter> arbiter() const override { return hooks_; }
   void session_changed(dtr::ActivationRoom* routing) override;
 
- protected:
-  std::weak_ptr<ModuleHooks> hooks_;
-
  private:
+  std::weak_ptr<ModuleHooks> hooks_;
   std::atomic<std::uint64_t> epoch_{0};
 };
 

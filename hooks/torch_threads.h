@@ -17,7 +17,6 @@ class TorchIntraOpRunner final : public cpu_adam::BlockRunner {
  public:
   void run(std::size_t num_blocks, int max_threads,
            const std::function<void(std::size_t, std::size_t)>& body) const override;
-  const char* name() const override { return "torch"; }
 };
 
 // The runner of a pool name: "torch" (TorchIntraOpRunner) or "onetbb"

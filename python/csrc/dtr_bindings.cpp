@@ -132,7 +132,7 @@ class Runtime final : public hd::ActivationRoom {
   ~Runtime() override { deactivate(); }
 
   void add_provider(const std::shared_ptr<hd::ParamProvider>& p) {
-    if (std::find(providers_.begin(), providers_.end(), p) != providers_.end()) return;
+    if (p == nullptr || std::find(providers_.begin(), providers_.end(), p) != providers_.end()) return;
     arbiters_.add(p.get(), p->arbiter());
     providers_.push_back(p);
     if (active_) p->session_changed(this);

@@ -9,8 +9,8 @@ only the layers below it (LAYERS: the ones it names, and theirs in turn):
     python (python/csrc, tidal._C)
       -> hooks (hooks/, libtorch)
            -> tracer (runtime/tracer) -> scheduler (runtime/scheduler)
-                -> device and host memory (runtime/device, runtime/memory)
-                     -> chunk (chunk/) -> core (runtime/core)
+                -> device and host memory (runtime/device, runtime/memory) -> core
+                -> chunk (chunk/) -> core (runtime/core)
            -> cpu_adam (cpu_adam/) -> core
            -> dtr_torch (hooks/dtr, libtorch) -> dtr (runtime/dtr) -> core
 
@@ -38,8 +38,8 @@ from pathlib import Path
 LAYERS: dict[str, tuple[str, tuple[str, ...], tuple[str, ...], bool]] = {
     "core": ("tidal_core", ("runtime/core",), (), False),
     "chunk": ("tidal_chunk", ("chunk",), ("core",), False),
-    "device": ("tidal_device", ("runtime/device", "runtime/memory"), ("chunk",), False),
-    "scheduler": ("tidal_scheduler", ("runtime/scheduler",), ("device",), False),
+    "device": ("tidal_device", ("runtime/device", "runtime/memory"), ("core",), False),
+    "scheduler": ("tidal_scheduler", ("runtime/scheduler",), ("device", "chunk"), False),
     "tracer": ("tidal_tracer", ("runtime/tracer",), ("scheduler",), False),
     "cpu_adam": ("tidal_cpu_adam", ("cpu_adam",), ("core",), False),
     "dtr": ("tidal_dtr", ("runtime/dtr",), ("core",), False),
@@ -210,8 +210,15 @@ def check_cmake(root: Path, cmake: Path, by_target: dict[str, str], edges: dict[
 
 def self_test() -> int:
     """The check on made-up trees: a clean one passes, each kind of breach is found."""
+    with tempfile.TemporaryDirectory(prefix="tidal-layers-") as top:
+        return _self_test(Path(top))
+
+
+def _self_test(top: Path) -> int:
+    made = iter(range(1000))
+
     def tree(files: dict[str, str]) -> Path:
-        d = Path(tempfile.mkdtemp(prefix="tidal-layers-"))
+        d = top / str(next(made))
         for rel, text in files.items():
             (d / rel).parent.mkdir(parents=True, exist_ok=True)
             (d / rel).write_text(text)
@@ -247,6 +254,8 @@ def self_test() -> int:
     breaches = {
         "an upward include": ({"chunk/bad.h": '#include "runtime/scheduler/s.h"\n'}, "may not use"),
         "a sideways include": ({"cpu_adam/bad.cpp": '#include "chunk/chunk.h"\n'}, "may not use"),
+        "the device layer on the chunk store": ({"runtime/device/bad.cpp": '#include "chunk/chunk.h"\n'},
+                                                "may not use"),
         "libtorch below hooks": ({"runtime/scheduler/bad.cpp": "#include <ATen/ATen.h>\n"}, "without libtorch"),
         "an upward link": ({"runtime/CMakeLists.txt": "add_library(tidal_device STATIC d.cpp)\n"
                                                       "target_link_libraries(tidal_device PUBLIC tidal_core\n"

@@ -130,7 +130,6 @@ class ReversedRunner final : public BlockRunner {
     for (std::thread& t : threads) t.join();
     ++calls;
   }
-  const char* name() const override { return "reversed"; }
   mutable std::vector<std::atomic<int>> seen = std::vector<std::atomic<int>>(64);
   mutable int calls = 0;
   mutable int last_max_threads = -1;
