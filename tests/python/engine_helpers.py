@@ -9,6 +9,13 @@ def gpt_batches(n, vocab=96, seq=8, batch=2, seed=1):
              torch.randint(0, vocab, (batch, seq), generator=g)) for _ in range(n)]
 
 
+def within_budget(engine):
+    """The budget is a promise: the device peak stayed within it, no overrun."""
+    r = engine.memory_report()
+    assert r["budget_overruns"] == 0
+    assert r["peak_device_bytes"] <= r["device_budget"] - r["device_margin"], r
+
+
 def train_tidal(engine, batches):
     losses = []
     for x, y in batches:

@@ -18,7 +18,7 @@ import torch
 import tidal
 
 sys.path.insert(0, str(Path(__file__).parent))
-from engine_helpers import Reversed, gpt_batches, measured_budget, train_tidal  # noqa: E402
+from engine_helpers import Reversed, gpt_batches, measured_budget, train_tidal, within_budget  # noqa: E402
 from tidal.models.gpt import TinyGPT, TinyResNet  # noqa: E402
 
 LR = 2e-3
@@ -484,6 +484,7 @@ def test_an_out_of_memory_batch_raises_and_leaves_the_engine_usable():
     assert all(p.numel() == 0 for p in model.parameters())   # all back in their chunks
     losses = train_tidal(engine, small[1:])
     assert all(torch.isfinite(torch.tensor(losses)))
+    within_budget(engine)
     engine.chunks.validate()
 
 

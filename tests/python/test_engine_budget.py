@@ -11,7 +11,6 @@ its last); the tests then run budgets
 from the smallest that can work (margin + 1.25 N + L) up to the whole state
 (margin + 1.25 N + C).
 """
-import copy
 import sys
 from pathlib import Path
 
@@ -22,7 +21,7 @@ import tidal
 from tidal._C.chunks import ChunkKind
 
 sys.path.insert(0, str(Path(__file__).parent))
-from engine_helpers import Reversed, gpt_batches, train_tidal  # noqa: E402
+from engine_helpers import Reversed, gpt_batches, train_tidal, within_budget  # noqa: E402
 from tidal.models.gpt import TinyGPT  # noqa: E402
 
 
@@ -148,6 +147,7 @@ def test_the_first_step_stays_in_budget_with_any_warmup_share():
         engine = tidal.initialize(make(), cfg)
         try:
             train_tidal(engine, batches[:1])
+            within_budget(engine)
             peaks[share] = engine.memory_report()["peak_device_bytes"]
         finally:
             engine.remove_hooks()

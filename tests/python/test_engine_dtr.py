@@ -18,7 +18,7 @@ from tidal import dtr
 from tidal._C.chunks import MemorySpace
 
 sys.path.insert(0, str(Path(__file__).parent))
-from engine_helpers import gpt_batches, measured_budget, train_tidal  # noqa: E402
+from engine_helpers import gpt_batches, measured_budget, train_tidal, within_budget  # noqa: E402
 from test_engine import assert_close, config, train_reference  # noqa: E402
 from tidal.models.gpt import TinyGPT, TinyResNet  # noqa: E402
 
@@ -71,6 +71,7 @@ def test_gpt_with_dtr_matches_adamw_below_its_activation_memory(accumulation):
     losses = train_tidal(engine, batches)
     assert not dtr.is_enabled()
     assert_close(engine, ref, ref_losses, losses)
+    within_budget(engine)
     report = engine.memory_report()
     d = report["dtr"]
     assert d["managed_threshold"] and d["evictions"] > 0 and d["recomputes"] > 0
@@ -163,6 +164,7 @@ def test_a_tensor_the_user_keeps_across_the_step_keeps_its_values():
     engine.step()
     assert torch.equal(hidden, expected.detach())
     assert engine.global_steps == 1
+    within_budget(engine)
 
 
 def test_resnet_with_batchnorm_and_dtr_matches_adamw():
@@ -179,6 +181,7 @@ def test_resnet_with_batchnorm_and_dtr_matches_adamw():
     engine = tidal.initialize(model, dtr_config(budget=budget))
     losses = train_tidal(engine, batches)
     assert_close(engine, ref, ref_losses, losses)
+    within_budget(engine)
     assert engine.memory_report()["dtr"]["recomputes"] > 0
     for name, b in ref.named_buffers():  # running stats updated once per step, not per replay
         assert torch.allclose(dict(engine.module.named_buffers())[name], b, rtol=1e-5, atol=1e-6), name
@@ -269,6 +272,7 @@ def _train_with_dtr(make, budget, batches, link):
     cfg["tidal"]["dtr"] = {"enabled": True, "evictee_minimum_size": 512}
     engine = tidal.initialize(model, cfg)
     losses = train_tidal(engine, batches)
+    within_budget(engine)
     d = engine.memory_report()["dtr"]
     dtr.disable()
     return engine, losses, d
@@ -288,10 +292,11 @@ def test_arbiter_evicts_what_costs_less_per_byte(kind, interception, monkeypatch
     the per-eviction choice itself is tested in tests/cpp/hooks/dtr.)"""
     monkeypatch.setattr(dtr, "_interception", interception)
     link = _link_between_the_two()
-    make, budget, batch = {"cheap": (_CheapActivations, "8MiB", 2048),
-                           "costly": (_CostlyActivations, "2MiB", 128)}[kind]
+    make, batch = {"cheap": (_CheapActivations, 2048), "costly": (_CostlyActivations, 128)}[kind]
     torch.manual_seed(1)
     batches = [(torch.randn(batch, 256), torch.randn(batch, 256)) for _ in range(3)]
+    # Room for 30% of the no-DTR activations, measured here: DTR must evict.
+    budget = dtr_budget(make, batches[:2], slack=0.3, chunk=1 << 18)
     engine, losses, on = _train_with_dtr(make, budget, batches, link)
     torch.manual_seed(0)
     ref = make()

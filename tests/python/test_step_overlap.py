@@ -14,7 +14,7 @@ import torch
 import tidal
 
 sys.path.insert(0, str(Path(__file__).parent))
-from engine_helpers import gpt_batches, train_tidal  # noqa: E402
+from engine_helpers import gpt_batches, train_tidal, within_budget  # noqa: E402
 from test_engine import assert_close, config, train_reference  # noqa: E402
 from tidal.models.gpt import TinyGPT  # noqa: E402
 
@@ -22,13 +22,6 @@ from tidal.models.gpt import TinyGPT  # noqa: E402
 @pytest.fixture(autouse=True)
 def simulated_device():
     tidal.set_device("sim", capacity="1GiB")
-
-
-def within_budget(engine):
-    """The budget is a promise: the device peak stayed within it, no overrun."""
-    r = engine.memory_report()
-    assert r["budget_overruns"] == 0
-    assert r["peak_device_bytes"] <= r["device_budget"] - r["device_margin"], r
 
 
 def overlap_config(overlap, precision="fp32"):
