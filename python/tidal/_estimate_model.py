@@ -28,8 +28,7 @@ def _preset_model(name: str):
     layers, d, heads, positions, vocab = PRESETS[name]
     with torch.device("meta"):
         model = TinyGPT(vocab=vocab, d=d, layers=layers, heads=heads, seq=positions)
-    return model, f"preset {name}", {"kind": "tinygpt", "positions": positions, "vocab": vocab,
-                                     "layers": layers, "hidden": d}
+    return model, f"preset {name}", {"kind": "tinygpt", "positions": positions, "vocab": vocab}
 
 
 def _hf_model(config, origin: str):
@@ -38,9 +37,7 @@ def _hf_model(config, origin: str):
         model = transformers.AutoModelForCausalLM.from_config(config)
     positions = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
     return model, origin, {"kind": "causal_lm", "positions": positions,
-                           "vocab": getattr(config, "vocab_size", None),
-                           "layers": getattr(config, "num_hidden_layers", None),
-                           "hidden": getattr(config, "hidden_size", None)}
+                           "vocab": getattr(config, "vocab_size", None)}
 
 
 def _json_model(path: Path):
@@ -63,8 +60,7 @@ def _json_model(path: Path):
         model = TinyGPT(vocab=shape.vocab, d=shape.hidden, layers=shape.layers, heads=shape.heads,
                         seq=shape.positions, tied=shape.tied)
     return model, shape.source, {"kind": "tinygpt", "positions": shape.positions,
-                                 "vocab": shape.vocab, "layers": shape.layers,
-                                 "hidden": shape.hidden, "note": shape.note}
+                                 "vocab": shape.vocab, "note": shape.note}
 
 
 def _resolve_model(model):

@@ -7,8 +7,10 @@ would train, before anything is allocated.
 
 The model is a tidal-train preset, a Hugging Face config.json (or a transformers
 config object), or an nn.Module built on the meta device (resolved, laid out
-in chunks and traced by _estimate_model.py). Nothing is allocated
-but a few chunk records: the model is built (or stays) on the meta device.
+in chunks and traced by _estimate_model.py). The model is built (or stays)
+on the meta device and nothing of its size is allocated; measured rates
+(--measure, the default on the simulated device) allocate a 64 MiB probe on
+host and device and run CPU Adam over 2^24 parameters.
 
 Note [The pre-flight estimate]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -80,13 +82,9 @@ import torch
 from . import _C
 from .config import Config, ConfigError
 from .device import parse_bytes
-from ._estimate_model import _resolve_model, _module_tensors, _layout, _trace
+from ._estimate_model import _ELEMENT, _TORCH, _layout, _module_tensors, _resolve_model, _trace
 
 __all__ = ["estimate", "measure_rates", "format_estimate", "DEFAULT_RATES", "main"]
-
-_ELEMENT = {"fp32": 4, "bf16": 2, "fp16": 2}
-_TORCH = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-_CHUNK_DTYPES = {"fp16": "float16", "bf16": "bfloat16", "fp32": "float32"}
 
 # Rates used when neither given nor measured, with where they come from.
 DEFAULT_RATES = {
