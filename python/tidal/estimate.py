@@ -258,11 +258,14 @@ def _config(config, *, precision, optimizer_state_dtype, gradient_accumulation_s
     # only warn that tidal picks AdamW.
     d.setdefault("optimizer", {"type": "AdamW"})
     if gradient_accumulation_steps is not None or micro_batch is not None:
+        # The figure not overridden keeps what the config makes of it (from
+        # train_batch_size too); then train_batch_size goes, which the
+        # override would contradict.
+        base = Config.load(copy.deepcopy(d))
         d.pop("train_batch_size", None)
-        if gradient_accumulation_steps is not None:
-            d["gradient_accumulation_steps"] = gradient_accumulation_steps
-        if micro_batch is not None:
-            d["train_micro_batch_size_per_gpu"] = micro_batch
+        d["gradient_accumulation_steps"] = gradient_accumulation_steps or base.gradient_accumulation_steps
+        if (micro_batch or base.micro_batch_size) is not None:
+            d["train_micro_batch_size_per_gpu"] = micro_batch or base.micro_batch_size
     if precision is not None:
         d.pop("bfloat16", None)
         for key in ("fp16", "bf16"):

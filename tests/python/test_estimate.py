@@ -237,3 +237,14 @@ def test_benchmark_runs_quick(script, tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(out.read_text())
     assert result["simulated"] and result["result"]["quick"]
+
+
+@pytest.mark.parametrize("given, override, want", [
+    # The figure not overridden keeps what train_batch_size made of it.
+    ({"train_batch_size": 32, "train_micro_batch_size_per_gpu": 8}, {"micro_batch": 4}, (4, 4)),
+    ({"train_batch_size": 32, "gradient_accumulation_steps": 4}, {"gradient_accumulation_steps": 2},
+     (8, 2)),
+])
+def test_a_batch_override_keeps_the_other_figure_of_the_config(given, override, want):
+    e = estimate("nano", given, device_memory="1GB", host_memory="4GB", seq=16, **override, **NO_RATES)
+    assert (e["micro_batch"], e["gradient_accumulation_steps"]) == want
