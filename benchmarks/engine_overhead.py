@@ -25,9 +25,9 @@ Per model, interleaved in rounds so machine load hits all alike:
                    the engine's step, standalone: the engine step's peer);
   * tidal_bf16   : (few_large only) the engine in bf16, whose optimizer step
                    is set beside CPUAdam alone on as many fp32 parameters;
-  * tidal_onetbb, cpuadam_onetbb : (few_large only) the engine and CPUAdam
-                   with oneTBB's threads running the update instead of
-                   torch's intra-op pool, the default (tidal.cpu_adam_pool,
+  * tidal_torch, cpuadam_torch : (few_large only) the engine and CPUAdam
+                   with torch's intra-op threads running the update instead
+                   of oneTBB's, the default (tidal.cpu_adam_pool,
                    Note [Whose threads run the update] in cpu_adam/adam.h).
 Each step is timed whole and its optimizer step alone (engine.step() against
 opt.step()), and for the engine the part of engine.step() spent in its chunk
@@ -131,7 +131,7 @@ class Plain:
 
 
 class PlainCPUAdam(Plain):
-    def __init__(self, shape, pool="torch"):
+    def __init__(self, shape, pool="onetbb"):
         super().__init__(shape, False)
         from tidal.optim import CPUAdam
         self.opt = CPUAdam(self.model.parameters(), lr=1e-3, weight_decay=0.01, thread_pool=pool)
@@ -170,7 +170,7 @@ def step_calls_per_chunk(engine, x, y) -> float:
 
 
 class Tidal:
-    def __init__(self, shape, precision="fp32", pool="torch"):
+    def __init__(self, shape, precision="fp32", pool="onetbb"):
         cfg = {"optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.01}},
                "tidal": {"device": "sim", "chunk_size": "4MiB", "cpu_adam_pool": pool}}
         if precision != "fp32":
@@ -206,8 +206,8 @@ def main():
     shapes = QUICK if args.quick else MODELS
     rounds = 2 if args.quick else args.rounds
     out = {"quick": args.quick, "rounds": rounds, "steps_per_round": args.steps,
-           "cpu_adam_target": tidal._C.cpu_adam.target(), "cpu_adam_pool": "torch (default); "
-           "*_onetbb runs: onetbb",
+           "cpu_adam_target": tidal._C.cpu_adam.target(), "cpu_adam_pool": "onetbb (default); "
+           "*_torch runs: torch",
            # How torch's OpenMP threads wait between parallel regions (ACTIVE:
            # they spin, as Intel's OpenMP does for 200 ms by default).
            "omp_environment": {k: os.environ.get(k) for k in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT",
@@ -222,8 +222,8 @@ def main():
             # The engine's bf16 step (bf16 gradients in, bf16 weights out, fp32
             # master and moments) against CPUAdam alone on as many fp32 parameters.
             runs["tidal_bf16"] = Tidal(shape, "bf16")
-            runs["tidal_onetbb"] = Tidal(shape, pool="onetbb")
-            runs["cpuadam_onetbb"] = PlainCPUAdam(shape, pool="onetbb")
+            runs["tidal_torch"] = Tidal(shape, pool="torch")
+            runs["cpuadam_torch"] = PlainCPUAdam(shape, pool="torch")
         batches = data(shape, args.steps + 2)
         for r in runs.values():  # warm-up (tidal: the trace and the relayout)
             for x, y in batches[:2]:
@@ -255,18 +255,18 @@ def main():
             "optimizer_step_ratio_tidal_to_cpuadam": med_step["tidal"] / med_step["cpuadam"],
             **({"optimizer_step_ratio_tidal_bf16_to_cpuadam": med_step["tidal_bf16"] / med_step["cpuadam"]}
                if "tidal_bf16" in runs else {}),
-            **({"optimizer_step_ratio_tidal_onetbb_to_cpuadam_onetbb":
-                med_step["tidal_onetbb"] / med_step["cpuadam_onetbb"],
-                "optimizer_step_ratio_tidal_to_tidal_onetbb": med_step["tidal"] / med_step["tidal_onetbb"],
-                "optimizer_step_ratio_cpuadam_to_cpuadam_onetbb": med_step["cpuadam"] / med_step["cpuadam_onetbb"]}
-               if "tidal_onetbb" in runs else {}),
+            **({"optimizer_step_ratio_tidal_torch_to_cpuadam_torch":
+                med_step["tidal_torch"] / med_step["cpuadam_torch"],
+                "optimizer_step_ratio_tidal_torch_to_tidal": med_step["tidal_torch"] / med_step["tidal"],
+                "optimizer_step_ratio_cpuadam_torch_to_cpuadam": med_step["cpuadam_torch"] / med_step["cpuadam"]}
+               if "tidal_torch" in runs else {}),
             "step_binding_calls_per_chunk": step_calls_per_chunk(runs["tidal"].engine, *batches[0]),
             "hook_overhead_us_per_module": hooks_us,
             "hook_floor_us_per_module": floor_us,
             "forward_backward_ratio_tidal_to_plain": fwd_bwd("tidal") / fwd_bwd("plain"),
             "forward_backward_ratio_tidal_to_plain_hooks": fwd_bwd("tidal") / fwd_bwd("plain_hooks"),
         }
-        for k in ("tidal", "tidal_bf16", "tidal_onetbb"):
+        for k in ("tidal", "tidal_bf16", "tidal_torch"):
             if k in runs:
                 # The chunk loop (one C++ update call per chunk and the Python
                 # around it) within engine.step(): the timed steps only.

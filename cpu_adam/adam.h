@@ -168,7 +168,10 @@ enum class CopyStores : std::uint8_t {
 // oneTBB update started then competes with them for the same cores. A
 // BlockRunner hands the blocks to another pool instead; hooks/ (the libtorch
 // side) has one over at::parallel_for, so the update runs on the very
-// threads that just ran backward (tidal.cpu_adam_pool, "torch"). The blocks
+// threads that just ran backward (tidal.cpu_adam_pool "torch", opt-in: on
+// the 2-core AMD machine of benchmarks/results/engine_overhead-cpu-2c.json
+// it is level with oneTBB inside the engine and slower for CPUAdam alone;
+// the spinning it avoids was measured on an Intel Xeon). The blocks
 // and the order of every reduction are the same under any runner, so the
 // results are bitwise those of oneTBB. cpu_adam itself stays libtorch-free.
 class BlockRunner {

@@ -141,9 +141,9 @@ _TIDAL_SCHEMA: dict[str, Any] = {
                                   "Adam momentum and variance in fp32 (14 B/param in mixed "
                                   "precision) or bf16 (10 B/param; arithmetic stays fp32)"),
         "cpu_adam_threads": (int, 0, "CPU Adam threads; 0 = all cores"),
-        "cpu_adam_pool": (("torch", "onetbb"), "torch",
-                          "whose threads run CPU Adam: torch's intra-op pool (the threads that "
-                          "just ran backward) or oneTBB's; results are bitwise the same (Note "
+        "cpu_adam_pool": (("onetbb", "torch"), "onetbb",
+                          "whose threads run CPU Adam: oneTBB's, or torch's intra-op pool (the "
+                          "threads that just ran backward); results are bitwise the same (Note "
                           "[Whose threads run the update] in cpu_adam/adam.h)"),
         "overlap_step": (bool, False, "run the CPU Adam of a chunk as soon as backward has landed "
                                       "all its gradients, while backward goes on (Note [CPU Adam "
@@ -328,7 +328,7 @@ class Config:
     hybrid_adam: bool = True
     optimizer_state_dtype: str = "fp32"
     cpu_adam_threads: int = 0
-    cpu_adam_pool: str = "torch"
+    cpu_adam_pool: str = "onetbb"
     overlap_step: bool = False
     pin_memory: bool = True
     dtr: dict = field(default_factory=dict)

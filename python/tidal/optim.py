@@ -62,9 +62,9 @@ class CPUAdam(torch.optim.Optimizer):
         bias_correction: False drops Adam's bias correction (step size
             ``lr``, denominator ``sqrt(v) + eps``); torch has no such switch.
         num_threads: threads per step; 0 uses every core of the pool.
-        thread_pool: whose threads run the update: "torch" (torch's intra-op
-            pool, the threads that just ran backward) or "onetbb"; the
-            results are bitwise the same (Note [Whose threads run the
+        thread_pool: whose threads run the update: "onetbb" or "torch"
+            (torch's intra-op pool, the threads that just ran backward);
+            the results are bitwise the same (Note [Whose threads run the
             update] in cpu_adam/adam.h).
 
     ``amsgrad`` and ``maximize`` are not supported; a state dict that turns
@@ -82,7 +82,7 @@ class CPUAdam(torch.optim.Optimizer):
         bias_correction: bool = True,
         *,
         num_threads: int = 0,
-        thread_pool: str = "torch",
+        thread_pool: str = "onetbb",
     ) -> None:
         if not 0.0 <= lr:
             raise ValueError(f"Invalid learning rate: {lr} (expected >= 0)")
@@ -119,7 +119,7 @@ class CPUAdam(torch.optim.Optimizer):
     def __setstate__(self, state: dict[str, Any]) -> None:
         super().__setstate__(state)
         self.__dict__.setdefault("num_threads", 0)
-        self.__dict__.setdefault("thread_pool", "torch")
+        self.__dict__.setdefault("thread_pool", "onetbb")
         for group in self.param_groups:
             self._adopt_group(group)
 
