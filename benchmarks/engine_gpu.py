@@ -13,9 +13,10 @@ starts them, collects what they report and writes the result file.
         steps with the loss falling, against (host + device) / 14 B
                                                        -> engine_largest-<machine>.json
     python benchmarks/engine_gpu.py crash
-        the gpt-350m crash: tidal-train as is, without pinning, with 256 MiB
-        chunks, and pinned HostBuffers of the dedicated-chunk sizes up to ~6 GB,
-        each its own process; which crash and how  -> gpu_crash-<machine>.json
+        the gpt-350m crash: tidal-train as is, then (only when that fails, or
+        with --all-cases) without pinning, with 256 MiB chunks, and pinned
+        HostBuffers of the dedicated-chunk sizes up to ~6 GB, each its own
+        process; which crash and how               -> gpu_crash-<machine>.json
 
 --quick runs each on the simulated device (tidal) and the CPU (plain PyTorch)
 with tiny shapes, in seconds: it proves the script runs (tests/python/
@@ -503,9 +504,17 @@ def cmd_crash(args):
     ]
     result = {"quick": quick, "preset": preset, "cases": []}
     name = args.name or ("gpu_crash-quick" if quick else "gpu_crash")
-    gdb = subprocess.run(["sh", "-c", "command -v gdb"], capture_output=True, text=True).stdout.strip()
+    # The device image has no gdb but has cuda-gdb, which debugs host code too.
+    gdb = subprocess.run(["sh", "-c", "command -v gdb || command -v cuda-gdb"], capture_output=True,
+                         text=True).stdout.strip().splitlines()
+    gdb = gdb[0] if gdb else ""
     result["gdb"] = gdb or None
     for label, argv in cases:
+        if label != "train" and not args.all_cases and result["cases"] and result["cases"][0]["ok"]:
+            # The variants only narrow down a crash of the plain run; when it trains, the
+            # device time goes to the next phase (--all-cases runs them anyway).
+            result.setdefault("skipped", []).append(label)
+            continue
         rec = child(label, argv, args.timeout, env=tidal_env(quick), log_dir=args.log_dir)
         rec["ok"] = rec["rc"] == 0  # tidal.train writes no --json here: exit 0 is success
         if rec["rc"] is not None and rec["rc"] < 0 and gdb:
@@ -540,7 +549,9 @@ def main(argv=None):
     lg.add_argument("--steps", type=int, default=None)
     lg.add_argument("--batch", type=int, default=None)
     lg.add_argument("--time-limit", type=float, default=520, help="stop starting shapes after this many seconds")
-    sub.add_parser("crash", parents=[common_args])
+    cr = sub.add_parser("crash", parents=[common_args])
+    cr.add_argument("--all-cases", action="store_true",
+                    help="run the diagnostic variants even when the plain tidal-train run passes")
     p = sub.add_parser("peer", parents=[common_args], help="one run in this process (used by the others)")
     p.add_argument("--kind", choices=sorted(PEERS), required=True)
     p.add_argument("--json", required=True)

@@ -25,9 +25,10 @@
 #   build     CUDA build for sm_90 of only what the GPU phases run: tidal._C and the
 #             device/scheduler/chunk C++ test binaries                          ~300 s cold
 #   cpp       those GoogleTest binaries on the real GPU (gtest JSON per binary)     ~60 s
-#   crash     engine_gpu.py crash: tidal-train --preset gpt-350m --steps 3, then pinning
-#             off, then 256 MiB chunks, then pinned HostBuffers of 98.25/196.5 MiB up to
-#             6 GiB, each its own process; under gdb too when gdb exists        ~240 s
+#   crash     engine_gpu.py crash: tidal-train --preset gpt-350m --steps 3; only when it
+#             fails (or CRASH_ALL_CASES=1): pinning off, 256 MiB chunks, pinned HostBuffers
+#             of 98.25/196.5 MiB up to 6 GiB, each its own process; under gdb too when gdb
+#             exists                                                     ~60 s passing, ~240 s not
 #   bench1b   engine_gpu.py bench: gpt-1.3b bf16, micro batch 8, seq 1024: plain PyTorch
 #             + fused AdamW vs tidal (whole GPU) vs tidal (a quarter of the model states),
 #             and the bf16 matmul rate                                          ~240 s
@@ -49,7 +50,8 @@
 #   seconds this call may use; phase limits are cut to fit, so summary.json is always
 #   written), GPU_RUN_QUICK=1 (every measurement with --quick on the simulated device / CPU,
 #   no CUDA build: how tests/python/test_gpu_scripts.py runs this script without a GPU),
-#   TIDAL_RESULTS_DIR (write result files there instead of benchmarks/results).
+#   TIDAL_RESULTS_DIR (write result files there instead of benchmarks/results),
+#   CRASH_ALL_CASES=1 (the crash phase runs its diagnostic variants even when gpt-350m trains).
 # Carry size: .deps/debs ~1.4 MiB (11 .deb files) + .deps/wheels ~6 MiB + .deps/prebuilt
 #   (stripped, printed by `build`; leave it out if the total passes ~60 MiB).
 set -uo pipefail
@@ -199,7 +201,7 @@ phase_cpp() {
 }
 
 phase_crash() {
-  x "$PY" benchmarks/engine_gpu.py crash "${Q[@]}" --timeout 60 --log-dir "$OUT/crash"
+  x "$PY" benchmarks/engine_gpu.py crash "${Q[@]}" ${CRASH_ALL_CASES:+--all-cases} --timeout 60 --log-dir "$OUT/crash"
 }
 
 phase_bench1b() {

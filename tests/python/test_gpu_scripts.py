@@ -62,7 +62,7 @@ def test_phases_survive_a_crashed_phase_and_the_crash_phase_runs(tmp_path):
     # `cpp` dies of a segfault (the test hook); the run goes on to `crash`, and the
     # summary, the crashed phase's log and the crash phase's result file say what happened.
     rc, out = _run(["bash", str(SCRIPT), "reporter", "cpp", "crash"],
-                   _env(tmp_path, GPU_RUN_QUICK="1", GPU_RUN_SELFTEST_SEGV="cpp"))
+                   _env(tmp_path, GPU_RUN_QUICK="1", GPU_RUN_SELFTEST_SEGV="cpp", CRASH_ALL_CASES="1"))
     assert rc == 1, out  # one phase failed
     outdir = tmp_path / "out"
     summary = json.loads((outdir / "summary.json").read_text())
@@ -88,6 +88,18 @@ def test_phases_survive_a_crashed_phase_and_the_crash_phase_runs(tmp_path):
     pin = cases["pinloop"]["report"]
     assert pin["bytes"] >= 16 << 20 and pin["buffers"] == len([l for l in open(cases["pinloop"]["log"])
                                                                  if "roundtrip ok" in l])
+
+
+def test_crash_skips_the_variants_when_the_plain_run_trains(tmp_path):
+    # Without --all-cases a passing tidal-train is the answer: the variants that narrow
+    # down a crash are recorded as skipped, not run (device time goes to the next phase).
+    out = tmp_path / "crash.json"
+    rc, text = _run([sys.executable, "benchmarks/engine_gpu.py", "crash", "--quick", "--output", str(out)],
+                    _env(tmp_path))
+    assert rc == 0, text
+    crash = json.loads(out.read_text())
+    assert [c["label"] for c in crash["cases"]] == ["train"] and crash["cases"][0]["ok"]
+    assert crash["skipped"] == ["train_no_pin", "train_chunk_256MiB", "pinloop"] and crash["crashed"] == []
 
 
 def test_engine_bench_quick_has_the_three_peers_and_their_ratios(tmp_path):
