@@ -173,7 +173,8 @@ phase_build() {
   x cmake -S . -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DTIDAL_WITH_CUDA=ON \
     -DCMAKE_CUDA_ARCHITECTURES=90 -DTIDAL_BUILD_PYTHON=ON -DTIDAL_PYTHON_INPLACE=ON \
     -DTIDAL_BUILD_TESTS=ON -DTIDAL_BUILD_BENCHMARKS=OFF -DPython_EXECUTABLE="$(command -v "$PY")" || return $?
-  x cmake --build "$BUILD" -j "$(nproc)" --target _C $CPP_TESTS || return $?
+  # -k 0: every compile error in one call, not only the first (device time is short).
+  x cmake --build "$BUILD" -j "$(nproc)" --target _C $CPP_TESTS -- -k 0 || return $?
   ((DRY)) && return 0
   # For the next call on a bare machine: stripped copies and the stamp, back through $OUT.
   mkdir -p "$OUT/prebuilt"

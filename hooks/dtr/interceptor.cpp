@@ -7,7 +7,7 @@
 #include <c10/util/Exception.h>
 #include <torch/csrc/autograd/functions/accumulate_grad.h>
 #include <torch/csrc/autograd/graph_task.h>
-#include <torch/csrc/autograd/node.h>
+#include <torch/csrc/autograd/function.h>  // torch::autograd::Node (node.h only from torch 2.12)
 
 #include <algorithm>
 #include <atomic>
