@@ -187,7 +187,10 @@ phase_build() {
   done
   echo "$stamp" >"$OUT/prebuilt/stamp"
   say "prebuilt for the next call: $(du -sh "$OUT/prebuilt" | cut -f1) in \$OUT/prebuilt (cp -r it to .deps/)"
-  "$PY" -c "import tidal; print(tidal.device_info())"
+  "$PY" -c "import tidal; print(tidal.device_info())" || return $?
+  # The module shares the process's C++ runtime (the gpt-350m segfault's cause:
+  # Note [One libstdc++ in the process], cmake/OneLibstdcxx.cmake).
+  "$PY" -m pytest -q -p no:cacheprovider tests/python/test_native_module.py -k "module_uses or warning"
 }
 
 phase_cpp() {
