@@ -400,7 +400,12 @@ def cmd_bench(args):
     quarter = int(margin + act + states / 4)
     result["quarter_budget"] = {"bytes": quarter, "model_state_bytes": states, "activation_bytes": act,
                                 "device_margin": margin, "activation_basis": basis}
-    runs["tidal_quarter"] = child("tidal_quarter", peer_argv("tidal", quick, shape, steps, batch, budget=quarter),
+    # The same margin as the whole-GPU run, set explicitly: the default (5% of this smaller
+    # budget) would leave the chunks the rest of the whole run's margin on top of their
+    # quarter (the first H200 run gave them 57% of the states).
+    quarter_config = _config_file(quick, device_margin=margin) if margin else None
+    runs["tidal_quarter"] = child("tidal_quarter", peer_argv("tidal", quick, shape, steps, batch, budget=quarter,
+                                                             config=quarter_config),
                                   args.timeout, env=tidal_env(quick), log_dir=args.log_dir)
     # The figures next to each other.
     table = {}
@@ -476,15 +481,16 @@ def cmd_largest(args):
     return 0 if best else 1
 
 
-def _crash_config(quick, chunk=None, pin=None):
+def _config_file(quick, pin=None, **tidal_keys):
+    """tidal-train's default config for this device with `tidal_keys` set (and pinning
+    turned on or off), written to a temporary file; returns its path."""
     from tidal import train as ttrain
     with open(ttrain.default_config_path(False, not quick)) as f:
         cfg = json.load(f)
-    if chunk:
-        cfg.setdefault("tidal", {})["chunk_size"] = chunk
+    cfg.setdefault("tidal", {}).update(tidal_keys)
     if pin is not None:
         cfg["zero_optimization"] = {"offload_optimizer": {"pin_memory": pin}, "offload_param": {"pin_memory": pin}}
-    fd, path = tempfile.mkstemp(prefix="tidal_crash_", suffix=".json")
+    fd, path = tempfile.mkstemp(prefix="tidal_engine_gpu_", suffix=".json")
     with os.fdopen(fd, "w") as f:
         json.dump(cfg, f)
     return path
@@ -498,8 +504,8 @@ def cmd_crash(args):
     sizes = "1048576,2097152" if quick else "103022592,206045184"  # 98.25 / 196.5 MiB: gpt-350m's dedicated chunks
     cases = [
         ("train", train),
-        ("train_no_pin", train + ["--config", _crash_config(quick, pin=False)]),
-        ("train_chunk_256MiB", train + ["--config", _crash_config(quick, chunk="4MiB" if quick else "256MiB")]),
+        ("train_no_pin", train + ["--config", _config_file(quick, pin=False)]),
+        ("train_chunk_256MiB", train + ["--config", _config_file(quick, chunk_size="4MiB" if quick else "256MiB")]),
         ("pinloop", peer_argv("pinloop", quick, extra=["--sizes", sizes, "--total", "16MiB" if quick else "6GiB"])),
     ]
     result = {"quick": quick, "preset": preset, "cases": []}

@@ -130,6 +130,8 @@ def test_engine_bench_quick_has_the_three_peers_and_their_ratios(tmp_path):
     act, margin = mem["peak_nonchunk_device_bytes"], mem["device_margin"]
     assert q["activation_bytes"] == act and q["bytes"] == int(margin + act + 14 * n / 4)
     assert t["tidal_quarter"]["device_budget"] == q["bytes"]
+    # ... with the whole run's margin, so the chunks' room is the quarter itself.
+    assert r["runs"]["tidal_quarter"]["report"]["memory"]["device_margin"] == margin
 
 
 def test_engine_largest_quick_steps_up_and_reports_against_the_limit(tmp_path):

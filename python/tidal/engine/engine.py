@@ -254,11 +254,16 @@ class Engine(ExternalMixin, StateDictMixin, HookWiringMixin, DataParallelMixin, 
             # On a GPU whose chunk blocks come from torch's caching allocator,
             # torch's own per-process cap makes the budget the same promise:
             # an allocation past it fails in its op (DTR evicts and retries),
-            # as past the card's memory. (Not yet run on a GPU.)
+            # as past the card's memory. The cap is the whole budget: the
+            # chunks plan within the budget less the margin, and the margin is
+            # the allocator's room for what the trace does not see (block
+            # rounding, fragmentation, library workspaces). On an H200 a cap
+            # at the budget less the margin failed gpt-6.7b's forward and
+            # gpt-1.3b's backward with 0.6-1.2 GiB reserved but unallocated
+            # (benchmarks/results/engine*-nvidia-h200.json).
             dev = store.torch_device
             total = torch.cuda.get_device_properties(dev).total_memory
-            torch.cuda.set_per_process_memory_fraction(
-                min(1.0, (store.device_budget - store.margin) / total), dev)
+            torch.cuda.set_per_process_memory_fraction(min(1.0, store.device_budget / total), dev)
         self._stats_at_step = self.chunks.stats()
         self._retired_stats: dict | None = None  # counters of a scheduler replaced by relayout
         self._relayout_done = False
