@@ -48,8 +48,7 @@ TensorPlacement ChunkLayout::append(std::size_t numel, std::uint8_t pool, bool w
   std::array<ChunkIndex, kOpenChunks>& open = open_[pool];
   if (numel > chunk_elements_) {
     placement.chunk = open_chunk(round_up(numel, alignment_), /*dedicated=*/true);
-    placement.offset = 0;
-    open.fill(kNoChunk);  // the pool's next tensor opens a new chunk: first-use order
+    placement.offset = 0;  // the open chunks stay open (Note [One layout, five lists])
   } else {
     bool placed = false;
     std::array<ChunkIndex, kOpenChunks + 1> order;

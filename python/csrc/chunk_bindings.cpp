@@ -384,7 +384,15 @@ callables, or (neither) torch's CPU allocations counted on the simulated device.
       .def_property_readonly("timeline", [](Tracer& t) { return timeline_list(t.get().timeline()); },
                              "The last completed step's points: (index, kind, what, chunk bytes held, "
                              "non-chunk peak of the interval ending there, (moves host->device, "
-                             "moves device->host, evictions)).");
+                             "moves device->host, evictions)).")
+      .def_property_readonly(
+          "timeline_base",
+          [](Tracer& t) {
+            const TracePoint& b = t.get().timeline_base();
+            return py::make_tuple(b.moves_host_to_device, b.moves_device_to_host, b.evictions);
+          },
+          "The counters the timeline's first interval counts from: the previous step's last "
+          "point's (moves host->device, moves device->host, evictions).");
 }
 
 void bind_chunks(py::module_& parent) {

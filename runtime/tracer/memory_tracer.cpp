@@ -110,6 +110,16 @@ void MemoryTracer::point(PointKind kind, std::int64_t what) {
 
 void MemoryTracer::end_step() {
   point(PointKind::kStep, -1);
+  // The step's point closes the step: its counters include the evictions the
+  // point made to trim the chunks to the next interval's budget, and the next
+  // step's first point counts from here (Note [The memory tracer]: every
+  // move of a step is in one of its intervals).
+  const ChunkSchedulerStats stats = scheduler_->stats();
+  TracePoint& last = timeline_recording_.back();
+  last.moves_host_to_device = stats.moves_host_to_device;
+  last.moves_device_to_host = stats.moves_device_to_host;
+  last.evictions = stats.evictions;
+  timeline_base_ = timeline_.empty() ? timeline_recording_.front() : timeline_.back();
   timeline_.swap(timeline_recording_);
   timeline_recording_.clear();
   trace_.swap(recording_);

@@ -173,6 +173,9 @@ class MemoryTracer {
   const std::vector<std::size_t>& trace() const { return trace_; }
   // The trace points of the last completed step.
   const std::vector<TracePoint>& timeline() const { return timeline_; }
+  // The point its first interval counts from: the previous step's last point
+  // (the first step's own first point). Its counters only are meaningful.
+  const TracePoint& timeline_base() const { return timeline_base_; }
 
  private:
   void set_chunk_budget(std::size_t bytes);
@@ -188,6 +191,7 @@ class MemoryTracer {
   std::vector<std::size_t> recording_;   // this step's, so far
   std::vector<TracePoint> timeline_;
   std::vector<TracePoint> timeline_recording_;
+  TracePoint timeline_base_;
   std::size_t peak_nonchunk_ = 0;
   std::size_t peak_total_ = 0;
   std::uint64_t overruns_ = 0;

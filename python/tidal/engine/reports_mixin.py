@@ -36,12 +36,13 @@ class ReportsMixin:
         """memory_timeline() as dicts, with the chunk traffic of each interval:
         the moves host->device and device->host and the evictions since the
         previous trace point (the first point counts from the previous step's
-        last one)."""
+        last one, which closes that step after its optimizer step: the
+        intervals hold every move of the step)."""
         budget = self.store.device_budget
         out = []
-        prev = None
+        prev = self._tracer.timeline_base
         for k, kind, what, held, peak, moves in self._tracer.timeline:
-            base = prev if prev is not None else moves
+            base = prev
             out.append({"moment": k, "hook": self._hook_name(kind, what), "chunk_bytes": held,
                         "non_chunk_bytes": peak, "budget": budget,
                         "h2d_moves": moves[0] - base[0], "d2h_moves": moves[1] - base[1],

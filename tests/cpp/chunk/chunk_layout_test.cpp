@@ -44,21 +44,44 @@ TEST(ChunkLayout, ExactFitFillsAChunk) {
   EXPECT_EQ(layout.waste_elements(), 63u);
 }
 
-TEST(ChunkLayout, OversizeTensorGetsADedicatedChunkAndClosesTheOpenOne) {
+TEST(ChunkLayout, OversizeTensorGetsADedicatedChunkAndTheOpenOneStaysOpen) {
   ChunkLayout layout(64, 32);
   layout.append(8);                                // chunk 0, room left
   const TensorPlacement big = layout.append(100);  // dedicated chunk 1 of 128
-  const TensorPlacement after = layout.append(8);  // a new chunk 2, not chunk 0
+  const TensorPlacement after = layout.append(8);  // chunk 0's tail, not a new chunk
   EXPECT_EQ(big.chunk, 1u);
   EXPECT_EQ(big.offset, 0u);
   EXPECT_TRUE(layout.extent(1).dedicated);
   EXPECT_EQ(layout.extent(1).capacity, 128u);
   EXPECT_EQ(layout.extent(1).num_tensors, 1u);
-  EXPECT_EQ(after.chunk, 2u);
-  EXPECT_FALSE(layout.extent(2).dedicated);
+  EXPECT_EQ(after.chunk, 0u);
+  EXPECT_EQ(after.offset, 32u);
   EXPECT_EQ(layout.dedicated_chunks(), 1u);
+  // Nothing joins a dedicated chunk, even "with the previous" (its bias).
+  const TensorPlacement big2 = layout.append(100);
+  EXPECT_NE(layout.append(8, 0, /*with_previous=*/true).chunk, big2.chunk);
+  EXPECT_EQ(layout.extent(big2.chunk).num_tensors, 1u);
   // A tensor of exactly the chunk size is not oversize.
   EXPECT_FALSE(layout.extent(layout.append(64).chunk).dedicated);
+}
+
+TEST(ChunkLayout, AModelWithDedicatedWeightsPacksItsSmallTensorsTogether) {
+  // A GPT block whose qkv and MLP weights are larger than a chunk: between them
+  // only half a chunk of projection and a few small tensors per block. With the
+  // open chunks kept across dedicated chunks, four blocks' small tensors need
+  // three regular chunks; when each dedicated chunk closed them, eight.
+  ChunkLayout layout(64, 4);
+  for (int block = 0; block < 4; ++block) {
+    layout.append(4);    // ln1
+    layout.append(192);  // qkv (dedicated)
+    layout.append(32);   // proj: half a chunk
+    layout.append(4);    // ln2
+    layout.append(256);  // fc (dedicated)
+    layout.append(256);  // out (dedicated)
+  }
+  EXPECT_EQ(layout.dedicated_chunks(), 12u);
+  EXPECT_EQ(layout.num_chunks() - layout.dedicated_chunks(), 3u);
+  EXPECT_LE(layout.waste_elements(), 64u + 16u);
 }
 
 TEST(ChunkLayout, TheTensorsAfterALargeOneFillThePreviousChunksTail) {
@@ -109,11 +132,12 @@ TEST(ChunkLayout, PoolsNeverShareAChunk) {
   EXPECT_EQ(layout.extent(2).pool, 1u);
   EXPECT_EQ(layout.extent(0).tensors, (std::vector<TensorId>{0, 2}));
   EXPECT_EQ(layout.extent(1).tensors, (std::vector<TensorId>{1, 3}));
-  // A dedicated chunk closes only its own pool's open chunk.
+  // A dedicated chunk belongs to its pool; both pools go on in their open chunks.
   const TensorPlacement big = layout.append(100, 0);
   EXPECT_TRUE(layout.extent(big.chunk).dedicated);
+  EXPECT_EQ(layout.extent(big.chunk).pool, 0u);
   EXPECT_EQ(layout.append(4, 1).chunk, 2u);   // pool 1 goes on in its chunk
-  EXPECT_EQ(layout.append(4, 0).chunk, 4u);   // pool 0 opens a new one
+  EXPECT_EQ(layout.append(4, 0).chunk, 1u);   // pool 0 too: chunk 1's tail
 }
 
 TEST(ChunkLayout, RejectsBadSizes) {
