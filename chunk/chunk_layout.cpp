@@ -53,10 +53,20 @@ TensorPlacement ChunkLayout::append(std::size_t numel, std::uint8_t pool, bool w
     bool placed = false;
     std::array<ChunkIndex, kOpenChunks + 1> order;
     std::size_t tries = 0;
-    if (with_previous && std::find(open.begin(), open.end(), last_[pool]) != open.end()) {
+    // A small tensor (a bias, a LayerNorm) goes to the fullest open chunk where
+    // it fits, not beside its weight: Note [One layout, five lists].
+    const bool small = numel <= chunk_elements_ / kSmallTensorDivisor;
+    if (with_previous && !small && std::find(open.begin(), open.end(), last_[pool]) != open.end()) {
       order[tries++] = last_[pool];
     }
     for (ChunkIndex c : open) order[tries++] = c;
+    if (small) {
+      std::stable_sort(order.begin(), order.begin() + tries, [&](ChunkIndex a, ChunkIndex b) {
+        const std::size_t ua = a == kNoChunk ? 0 : extents_[a].used;
+        const std::size_t ub = b == kNoChunk ? 0 : extents_[b].used;
+        return ua > ub;
+      });
+    }
     for (std::size_t i = 0; i < tries; ++i) {
       const ChunkIndex c = order[i];
       if (c == kNoChunk) continue;

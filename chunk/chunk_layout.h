@@ -29,7 +29,14 @@
 // opens the next chunk, and the next module's tensors may still fill that
 // tail. With one open chunk, a GPT whose weights are an eighth of a chunk
 // left 8% of every list as padding (tails no later tensor could use); with
-// two, 2%, and a module's bias stays beside its weight.
+// two, 2%.
+// * A small tensor (at most 1/1024 of a chunk: biases, LayerNorms) goes to
+//   the fullest open chunk where it fits, not beside its module's weight.
+//   Beside it, the bias of a weight of half a chunk left less than half a
+//   chunk, so the next half-chunk weight never paired with it: gpt-1.3b
+//   (hidden 2048, MLP weights of 32 MiB in bf16) padded 33% at 64 MiB chunks,
+//   10% now. The bias still sits in one of the two chunks opened last, which
+//   are used around the same time.
 // * A tensor larger than chunk_elements gets a dedicated chunk sized to it
 //   (rounded up to the alignment). Nothing else joins a dedicated chunk, and
 //   the pool's open chunks stay open across it: the tensors after it fill
@@ -38,7 +45,8 @@
 //   between them; when each dedicated chunk closed the open ones, every block
 //   opened two regular chunks for half a chunk of tensors, and the padding was
 //   41% of gpt-6.7b's states at 64 MiB chunks, 23% of gpt-13b's and 22% of
-//   gpt-20b's (8%, 2% and 0.1% now; tests/python/test_chunk_padding.py). So
+//   gpt-20b's (3%, 2% and 0.1% now, with the small tensors' rule below;
+//   tests/python/test_chunk_padding.py). So
 //   chunk index order is first-use order up to the open chunks' tails, as it
 //   is without dedicated chunks.
 //
@@ -119,6 +127,8 @@ class ChunkLayout {
   // Each pool's open chunk (kNoChunk: none).
   static constexpr ChunkIndex kNoChunk = static_cast<ChunkIndex>(-1);
   static constexpr std::size_t kOpenChunks = 2;
+  // At most chunk_elements / kSmallTensorDivisor elements: a small tensor.
+  static constexpr std::size_t kSmallTensorDivisor = 1024;
   std::vector<std::array<ChunkIndex, kOpenChunks>> open_;  // oldest first
   std::vector<ChunkIndex> last_;  // each pool's last tensor's chunk
 };

@@ -84,6 +84,34 @@ TEST(ChunkLayout, AModelWithDedicatedWeightsPacksItsSmallTensorsTogether) {
   EXPECT_LE(layout.waste_elements(), 64u + 16u);
 }
 
+TEST(ChunkLayout, SmallTensorsGoToTheFullestOpenChunkSoHalfChunkWeightsPair) {
+  // gpt-1.3b's MLP at 64 MiB chunks: weights of exactly half a chunk, each
+  // with a bias. Beside its weight a bias leaves less than half a chunk, and
+  // every weight opened a chunk of its own (8 chunks, half of them padding).
+  // Now the weights pair from the second block on (the first block's biases
+  // fill the first chunk's tail).
+  ChunkLayout layout(4096, 4);
+  for (int block = 0; block < 4; ++block) {
+    layout.append(2048);                          // fc.weight
+    layout.append(4, 0, /*with_previous=*/true);  // fc.bias: small
+    layout.append(2048);                          // out.weight
+    layout.append(4, 0, /*with_previous=*/true);  // out.bias
+  }
+  EXPECT_EQ(layout.num_chunks(), 6u);
+  // A bias still sits in one of the two chunks opened last.
+  for (TensorId t = 1; t < layout.num_tensors(); t += 2) {
+    EXPECT_GE(layout.placement(t).chunk + 1, layout.placement(t - 1).chunk) << "tensor " << t;
+  }
+  // Not small (more than 1/1024 of a chunk): beside its weight, as before.
+  ChunkLayout big(4096, 4);
+  big.append(3000);
+  big.append(2000);                             // opens chunk 1, less full than chunk 0
+  const TensorPlacement bias = big.append(8, 0, /*with_previous=*/true);
+  EXPECT_EQ(bias.chunk, 1u);
+  // A small one goes to the fullest: chunk 0.
+  EXPECT_EQ(big.append(4, 0, /*with_previous=*/true).chunk, 0u);
+}
+
 TEST(ChunkLayout, TheTensorsAfterALargeOneFillThePreviousChunksTail) {
   ChunkLayout layout(64, 4);
   EXPECT_EQ(layout.append(40).chunk, 0u);
