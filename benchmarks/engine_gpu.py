@@ -447,6 +447,15 @@ def cmd_largest(args):
     result = {"quick": quick, "steps": steps, "micro_batch": batch, "host_bytes": host, "device_bytes": dev,
               "limit_params": limit, "limit_formula": "(host + device memory) / 14 B", "tried": []}
     name = args.name or ("engine_largest-quick" if quick else "engine_largest")
+    # A linear warm-up over the run: at the config's full lr from the first step,
+    # gpt-6.7b's loss went 11.7 -> 25.7 on the H200 (plain PyTorch's gpt-1.3b spikes
+    # too), and "trains" asks for a falling loss in 5 steps.
+    with open(_config_file(quick)) as f:
+        lr = json.load(f)["optimizer"]["params"]["lr"]
+    schedule = {"type": "WarmupLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": lr,
+                                               "warmup_num_steps": 2 * steps, "warmup_type": "linear"}}
+    result["scheduler"] = schedule
+    run_config = _config_file(quick, top={"scheduler": schedule})
     deadline = time.monotonic() + args.time_limit
     best = None
     for s in shapes:
@@ -454,8 +463,8 @@ def cmd_largest(args):
         if left < 30:
             result["stopped"] = f"time limit: {left:.0f} s left before {s}"
             break
-        rec = child(f"largest {s}", peer_argv("tidal", quick, s, steps, batch), min(args.timeout, left),
-                    env=tidal_env(quick), log_dir=args.log_dir)
+        rec = child(f"largest {s}", peer_argv("tidal", quick, s, steps, batch, config=run_config),
+                    min(args.timeout, left), env=tidal_env(quick), log_dir=args.log_dir)
         rec["shape"] = s
         rec["params"] = params_of(s)
         if rec["ok"]:
@@ -481,13 +490,15 @@ def cmd_largest(args):
     return 0 if best else 1
 
 
-def _config_file(quick, pin=None, **tidal_keys):
+def _config_file(quick, pin=None, top=None, **tidal_keys):
     """tidal-train's default config for this device with `tidal_keys` set (and pinning
-    turned on or off), written to a temporary file; returns its path."""
+    turned on or off, and the top-level keys `top`), written to a temporary file;
+    returns its path."""
     from tidal import train as ttrain
     with open(ttrain.default_config_path(False, not quick)) as f:
         cfg = json.load(f)
     cfg.setdefault("tidal", {}).update(tidal_keys)
+    cfg.update(top or {})
     if pin is not None:
         cfg["zero_optimization"] = {"offload_optimizer": {"pin_memory": pin}, "offload_param": {"pin_memory": pin}}
     fd, path = tempfile.mkstemp(prefix="tidal_engine_gpu_", suffix=".json")

@@ -148,6 +148,12 @@ def test_engine_largest_quick_steps_up_and_reports_against_the_limit(tmp_path):
     assert big["shape"] == "quick-gpt2" and big["last_loss"] < big["first_loss"]
     assert r["limit_params"] == pytest.approx((r["host_bytes"] + r["device_bytes"]) / 14)
     assert big["params_over_limit"] == pytest.approx(n / r["limit_params"])
+    # Every shape ran with the linear warm-up over twice its steps, from the config's lr.
+    schedule = r["scheduler"]
+    assert schedule["type"] == "WarmupLR" and schedule["params"]["warmup_num_steps"] == 2 * r["steps"]
+    for t in r["tried"]:
+        used = json.loads(Path(t["report"]["config"]).read_text())
+        assert used["scheduler"] == schedule and t["report"]["lr"] == schedule["params"]["warmup_max_lr"]
 
 
 @pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None,
