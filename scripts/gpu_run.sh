@@ -12,10 +12,13 @@
 #   du -sh .deps                       # must stay under the 64 MiB carry limit (with prebuilt/, below)
 # THERE, one phase group per device call (`run`, carry [".deps"]; each call <= 600 s; the
 # machine goes back after 30 s idle, so a later call may find a bare machine):
-#   call 1: bash scripts/gpu_run.sh reporter build cpp crash  # ~9.5 min: build, C++ device tests, the crash
-#   call 2: bash scripts/gpu_run.sh build bench1b dp largest  # ~9 min (largest takes what is left)
-#   call 3: bash scripts/gpu_run.sh build deepspeed dtr       # ~9 min
-# (~28 of the 30 device-minutes).
+#   call 1: bash scripts/gpu_run.sh reporter build cpp crash bench1b largest  # ~9.5 min (largest takes what is left)
+#   call 2: bash scripts/gpu_run.sh build dp dtr deepspeed    # what is left of the 15 device-minutes
+# The device tool brings back at most 8 files from its $OUT: run as
+#   R=$OUT; OUT=/tmp/g bash scripts/gpu_run.sh ...; tar czf $R/g.tgz -C /tmp g
+# A session has 15 device-minutes, a machine's start included (~30 s). The build takes 53-73 s
+# on the H200's 16 cores (measured 2026-11-26), so a later call on a bare machine rebuilds
+# rather than carrying .deps/prebuilt.
 # `build` is a no-op when the machine still has build/gpu, and a 10 s install when the
 # previous call's $OUT/prebuilt (the stripped _C module and test binaries, with a stamp of
 # the source they were built from) was copied to .deps/prebuilt here and carried:
@@ -23,7 +26,7 @@
 # Phases (the issue's "On the GPU, in this order"):
 #   reporter  proves the crash reporter works on this machine (a deliberate segfault)  ~5 s
 #   build     CUDA build for sm_90 of only what the GPU phases run: tidal._C and the
-#             device/scheduler/chunk C++ test binaries                          ~300 s cold
+#             device/scheduler/chunk C++ test binaries        ~75 s cold on 16 cores
 #   cpp       those GoogleTest binaries on the real GPU (gtest JSON per binary)     ~60 s
 #   crash     engine_gpu.py crash: tidal-train --preset gpt-350m --steps 3; only when it
 #             fails (or CRASH_ALL_CASES=1): pinning off, 256 MiB chunks, pinned HostBuffers
@@ -45,7 +48,7 @@
 # machine), copied to $OUT with the logs.
 #
 # Usage: bash scripts/gpu_run.sh [--dry-run] [PHASE...]   (or GPU_RUN_PHASES="..."; default
-#   "reporter build cpp crash"). --dry-run prints the time plan and every command, runs nothing.
+#   "reporter build cpp crash bench1b largest"). --dry-run prints the time plan and every command, runs nothing.
 # Environment: OUT (default build/gpu-out), PYTHON (python3), GPU_RUN_BUDGET_S (570: the
 #   seconds this call may use; phase limits are cut to fit, so summary.json is always
 #   written), GPU_RUN_QUICK=1 (every measurement with --quick on the simulated device / CPU,
@@ -72,7 +75,8 @@ Q=(); ((QUICK)) && Q=(--quick)
 
 # Seconds each phase is planned for and its own time limit (the limit is cut to what is
 # left of GPU_RUN_BUDGET_S when the phase starts).
-declare -A EST=([reporter]=5 [build]=300 [cpp]=60 [crash]=200 [bench1b]=240 [dp]=60 [largest]=300 [deepspeed]=400 [dtr]=130)
+# Measured on the H200 (2026-11-26): build 53-73 s, cpp 2 s, crash 19 s passing, bench1b 72 s, dp 14 s.
+declare -A EST=([reporter]=5 [build]=75 [cpp]=10 [crash]=30 [bench1b]=120 [dp]=20 [largest]=300 [deepspeed]=400 [dtr]=130)
 declare -A LIMIT=([reporter]=30 [build]=420 [cpp]=120 [crash]=300 [bench1b]=270 [dp]=120 [largest]=330 [deepspeed]=420 [dtr]=150)
 
 DRY=0
@@ -87,7 +91,7 @@ while (($#)); do
   esac
   shift
 done
-((${#PHASES[@]})) || read -ra PHASES <<<"${GPU_RUN_PHASES:-reporter build cpp crash}"
+((${#PHASES[@]})) || read -ra PHASES <<<"${GPU_RUN_PHASES:-reporter build cpp crash bench1b largest}"
 for p in "${PHASES[@]}" ${INNER:+"$INNER"}; do
   [[ " $ALL_PHASES " == *" $p "* ]] || { echo "gpu_run.sh: unknown phase '$p' (phases: $ALL_PHASES)" >&2; exit 2; }
 done
@@ -319,9 +323,9 @@ plan_total=0
     printf '[gpu_run]   %-10s ~%4d s (limit %d s)\n' "$p" "$e" "${LIMIT[$p]}"
   done
   printf '[gpu_run]   total      ~%4d s of %d s\n' "$plan_total" "$BUDGET"
-  say "the whole run (30 device-minutes, 10 a call): call 1 = reporter build cpp crash (~9.5 min),"
-  say "  call 2 = build bench1b dp largest (~9), call 3 = build deepspeed dtr (~9): ~28 min with .deps/prebuilt"
-  say "  carried after call 1 (without it each later call rebuilds, ~5 min, and drops its last phase)"
+  say "the whole run (15 device-minutes a session, 10 a call): call 1 = reporter build cpp crash bench1b largest"
+  say "  (~9.5 min, largest takes what is left), call 2 = build dp dtr deepspeed (what is left; a bare"
+  say "  machine rebuilds in ~1 min)"
   ((plan_total <= BUDGET)) || say "WARNING: the plan (${plan_total} s) passes this call's budget: later phases get what is left, or split the call"
 } | tee "$OUT/plan.txt"
 
