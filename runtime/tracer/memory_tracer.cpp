@@ -32,6 +32,14 @@ void MemoryTracer::set_scheduler(ChunkScheduler* scheduler) {
   TIDAL_CHECK(scheduler != nullptr, "memory tracer: expected a chunk scheduler, got null");
   if (enforce_) scheduler_->set_device_ceiling(nullptr);
   scheduler_ = scheduler;
+  // A new scheduler counts its moves from its own start: the next step's
+  // timeline counts from its counters now, not from the old one's.
+  const ChunkSchedulerStats stats = scheduler_->stats();
+  next_base_ = TracePoint{};
+  next_base_.moves_host_to_device = stats.moves_host_to_device;
+  next_base_.moves_device_to_host = stats.moves_device_to_host;
+  next_base_.evictions = stats.evictions;
+  has_next_base_ = true;
   install_ceiling();
 }
 
@@ -112,14 +120,19 @@ void MemoryTracer::end_step() {
   point(PointKind::kStep, -1);
   // The step's point closes the step: its counters include the evictions the
   // point made to trim the chunks to the next interval's budget, and the next
-  // step's first point counts from here (Note [The memory tracer]: every
-  // move of a step is in one of its intervals).
+  // step's first interval counts from here, so every move between two step
+  // points is in one interval of the later step.
   const ChunkSchedulerStats stats = scheduler_->stats();
   TracePoint& last = timeline_recording_.back();
   last.moves_host_to_device = stats.moves_host_to_device;
   last.moves_device_to_host = stats.moves_device_to_host;
   last.evictions = stats.evictions;
-  timeline_base_ = timeline_.empty() ? timeline_recording_.front() : timeline_.back();
+  if (has_next_base_) {
+    timeline_base_ = next_base_;  // the scheduler changed since the last step point
+    has_next_base_ = false;
+  } else {
+    timeline_base_ = timeline_.empty() ? timeline_recording_.front() : timeline_.back();
+  }
   timeline_.swap(timeline_recording_);
   timeline_recording_.clear();
   trace_.swap(recording_);

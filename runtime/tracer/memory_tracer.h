@@ -174,7 +174,8 @@ class MemoryTracer {
   // The trace points of the last completed step.
   const std::vector<TracePoint>& timeline() const { return timeline_; }
   // The point its first interval counts from: the previous step's last point
-  // (the first step's own first point). Its counters only are meaningful.
+  // (the first step's own first point; after set_scheduler, the new
+  // scheduler's counters then). Its counters only are meaningful.
   const TracePoint& timeline_base() const { return timeline_base_; }
 
  private:
@@ -192,6 +193,8 @@ class MemoryTracer {
   std::vector<TracePoint> timeline_;
   std::vector<TracePoint> timeline_recording_;
   TracePoint timeline_base_;
+  TracePoint next_base_;  // set_scheduler: where the next step's timeline counts from
+  bool has_next_base_ = false;
   std::size_t peak_nonchunk_ = 0;
   std::size_t peak_total_ = 0;
   std::uint64_t overruns_ = 0;

@@ -702,6 +702,27 @@ def test_memory_profile_counts_the_chunk_traffic_of_each_interval():
         assert sum(p[key] for p in profile) == after[counter] - before[counter] > 0, key
 
 
+def test_memory_profile_after_the_relayout_counts_the_new_schedulers_moves():
+    # The relayout after the warm-up replaces the scheduler, whose counters start
+    # again: the next step's intervals count from the new one's, not the old one's.
+    torch.manual_seed(0)
+    model = Reversed()
+    g = torch.Generator().manual_seed(5)
+    batches = [(torch.randn(4, 32, generator=g), torch.randn(4, 32, generator=g)) for _ in range(3)]
+    engine = tidal.initialize(model, fitted(config(chunk=4096 * 4), model, batches))
+    train_tidal(engine, batches[:1])
+    assert engine.relayouts == 1
+    before = engine.chunks.stats()
+    train_tidal(engine, batches[1:2])
+    after = engine.chunks.stats()
+    profile = engine.memory_profile()
+    for key, counter in (("h2d_moves", "moves_host_to_device"), ("d2h_moves", "moves_device_to_host"),
+                         ("evictions", "evictions")):
+        assert all(p[key] >= 0 for p in profile), key
+        assert sum(p[key] for p in profile) == after[counter] - before[counter] > 0, key
+    within_budget(engine)
+
+
 def test_an_fp16_overflow_does_not_advance_the_lr_schedule():
     torch.manual_seed(0)
     cfg = config()
