@@ -38,6 +38,9 @@ Traffic per step, in steady state (after the warm-up steps; measured on the
 simulated device, benchmarks/estimate.py). With P the 16-bit chunk bytes, S
 all chunk bytes (P times 1 + e: e = 6 at 14 B/param, 4 at 10 B, 3 in fp32),
 L = device budget - margin, A the activation peak, R = L - A:
+* tidal.hybrid_adam false: Adam runs on the host for every chunk whose states
+  the host holds, so their P - H 16-bit bytes go down and back each step
+  (H = spilled / e), plus max(P - R, 0) fetched again in backward.
 * S <= R: every chunk stays on the device, nothing moves, Adam runs there.
 * otherwise the step's hybrid Adam fills the device up to L: chunks whose
   master, momentum and variance it holds, H bytes of their 16-bit chunks with
@@ -195,7 +198,7 @@ def _rates(given: dict, measured: dict) -> dict:
 
 # ------------------------------------------------------------------------ the model
 def _traffic(layout: dict, limit: int, activations: int, host_capacity: int,
-             accumulation: int) -> dict:
+             accumulation: int, hybrid: bool = True) -> dict:
     """Bytes each way per step (Note [The pre-flight estimate])."""
     P = layout["param16_trainable_bytes"]
     frozen = layout["param16_bytes"] - P
@@ -203,6 +206,17 @@ def _traffic(layout: dict, limit: int, activations: int, host_capacity: int,
     e = (S - layout["param16_bytes"]) / P if P else 0.0
     R = limit - activations
     spilled = max(0, S - host_capacity)
+    if not hybrid:
+        # tidal.hybrid_adam false: every chunk's Adam runs on the host (but the
+        # states the host cannot hold, updated where they are), so each step
+        # every other 16-bit chunk goes down for the update and back up; those
+        # that do not fit beside the activations are fetched again in backward.
+        H = min(P, spilled / e) if e else 0.0
+        churn = max(P + frozen - R, 0)
+        return {"regime": "hybrid Adam off: every 16-bit chunk goes to the host's CPU Adam",
+                "bytes_each_way": int(accumulation * (P - H) + churn), "hybrid_param16_bytes": int(H),
+                "host_param16_bytes": int(P - H), "refetch_or_churn_bytes": int(churn),
+                "spilled_bytes": spilled, "chunk_room_bytes": R}
     if S <= R:
         return {"regime": "all states stay on the device", "bytes_each_way": 0,
                 "hybrid_param16_bytes": P, "host_param16_bytes": 0, "refetch_or_churn_bytes": 0,
@@ -416,7 +430,7 @@ def estimate(model, config=None, *, precision=None, optimizer_state_dtype=None,
 
     # Traffic and time.
     traffic = _traffic(layout, limit, activations, host_capacity,
-                       cfg.gradient_accumulation_steps)
+                       cfg.gradient_accumulation_steps, hybrid=cfg.hybrid_adam)
     if not fits:
         notes.append("it does not fit: the bytes moved and the step time are what they would be "
                      "with the room")

@@ -145,6 +145,39 @@ def test_bytes_moved_per_step_are_near_the_engines():
                                                                 rel=0.25)
 
 
+@pytest.mark.parametrize("device", ["64MiB", "6MiB"], ids=["all-fits", "streams"])
+def test_bytes_moved_without_hybrid_adam_are_the_engines(device):
+    # tidal.hybrid_adam false: every step each 16-bit chunk goes to the host's
+    # CPU Adam and back, even when the whole state would fit on the device.
+    cfg = config(chunk="64KiB", device=device, host="256MiB")
+    cfg["train_micro_batch_size_per_gpu"] = 4
+    cfg["tidal"]["hybrid_adam"] = False
+
+    def build():
+        return TinyGPT(vocab=256, d=128, layers=4, heads=4, seq=32)
+
+    with torch.device("meta"):
+        predicted = estimate(build(), cfg, device_memory="1GiB", seq=32, **NO_RATES)
+    torch.manual_seed(0)
+    with tidal.init_context(cfg):
+        model = build()
+    engine = tidal.initialize(model, cfg)
+    g = torch.Generator().manual_seed(0)
+    for _ in range(4):
+        x = torch.randint(0, 256, (4, 32), generator=g)
+        engine.backward(engine(x, torch.roll(x, -1, 1)))
+        engine.step()
+    within_budget(engine)
+    r = engine.memory_report()
+    measured = r["bytes_host_to_device_last_step"]
+    assert measured >= predicted["chunk"]["param16_trainable_bytes"] > 0
+    assert predicted["traffic"]["hybrid_param16_bytes"] == 0
+    assert predicted["traffic"]["bytes_host_to_device"] == pytest.approx(measured, rel=0.25)
+    assert predicted["time"]["device_adam_s"] == 0 and predicted["time"]["cpu_adam_s"] > 0
+    if device == "64MiB":  # nothing but the update moves: exactly the 16-bit chunks
+        assert measured == predicted["chunk"]["param16_trainable_bytes"]
+
+
 @pytest.mark.parametrize("name, precision", [("gpt", "fp32"), ("llama", "bf16")])
 def test_activations_are_near_the_engines(name, precision):
     # The meta-device count against the engine's measured peak of non-chunk
