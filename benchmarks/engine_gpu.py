@@ -450,8 +450,7 @@ def cmd_largest(args):
     # A linear warm-up over the run: at the config's full lr from the first step,
     # gpt-6.7b's loss went 11.7 -> 25.7 on the H200 (plain PyTorch's gpt-1.3b spikes
     # too), and "trains" asks for a falling loss in 5 steps.
-    with open(_config_file(quick)) as f:
-        lr = json.load(f)["optimizer"]["params"]["lr"]
+    lr = _default_config(quick)["optimizer"]["params"]["lr"]
     schedule = {"type": "WarmupLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": lr,
                                                "warmup_num_steps": 2 * steps, "warmup_type": "linear"}}
     result["scheduler"] = schedule
@@ -490,13 +489,18 @@ def cmd_largest(args):
     return 0 if best else 1
 
 
+def _default_config(quick):
+    """tidal-train's default config for this device (configs/gpt_gpu.json on a GPU)."""
+    from tidal import train as ttrain
+    with open(ttrain.default_config_path(False, not quick)) as f:
+        return json.load(f)
+
+
 def _config_file(quick, pin=None, top=None, **tidal_keys):
     """tidal-train's default config for this device with `tidal_keys` set (and pinning
     turned on or off, and the top-level keys `top`), written to a temporary file;
     returns its path."""
-    from tidal import train as ttrain
-    with open(ttrain.default_config_path(False, not quick)) as f:
-        cfg = json.load(f)
+    cfg = _default_config(quick)
     cfg.setdefault("tidal", {}).update(tidal_keys)
     cfg.update(top or {})
     if pin is not None:
