@@ -68,13 +68,18 @@ bool ModuleHooks::free_device_room(std::size_t bytes) {
   const bool arbiter = session != nullptr && dtr_arbiter_ && dtr_link_bytes_per_s_ > 0;
   std::size_t freed = 0;
   bool any = false;
+  // One activation evicted; false when none can go.
+  auto evict_activation = [&] {
+    const std::size_t before = session->tracked_bytes();
+    if (!session->evict_one()) return false;
+    const std::size_t after = session->tracked_bytes();
+    freed += before > after ? before - after : 0;
+    any = true;
+    return true;
+  };
   while (freed < bytes) {
     if (arbiter && session->best_eviction_seconds_per_byte() <= chunk_seconds_per_byte()) {
-      const std::size_t before = session->tracked_bytes();
-      if (!session->evict_one()) break;
-      const std::size_t after = session->tracked_bytes();
-      freed += before > after ? before - after : 0;
-      any = true;
+      if (!evict_activation()) break;
       continue;
     }
     const std::size_t one = evict_chunk();  // (a cached block or a chunk not in use)
@@ -84,12 +89,7 @@ bool ModuleHooks::free_device_room(std::size_t bytes) {
       if (arbiter) session->count_chunk_eviction(one);  // (the arbiter's choice of a chunk)
       continue;
     }
-    if (session == nullptr || arbiter) break;
-    const std::size_t before = session->tracked_bytes();
-    if (!session->evict_one()) break;
-    const std::size_t after = session->tracked_bytes();
-    freed += before > after ? before - after : 0;
-    any = true;
+    if (session == nullptr || arbiter || !evict_activation()) break;
   }
   tracer_->update_nonchunk_limit();
   return any;

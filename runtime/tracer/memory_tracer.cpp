@@ -6,6 +6,17 @@
 
 namespace tidal {
 
+namespace {
+
+// A trace point's copy of the scheduler's move counters.
+void take_moves(TracePoint& point, const ChunkSchedulerStats& stats) {
+  point.moves_host_to_device = stats.moves_host_to_device;
+  point.moves_device_to_host = stats.moves_device_to_host;
+  point.evictions = stats.evictions;
+}
+
+}  // namespace
+
 const char* to_string(PointKind kind) {
   switch (kind) {
     case PointKind::kForward: return "fwd";
@@ -34,11 +45,8 @@ void MemoryTracer::set_scheduler(ChunkScheduler* scheduler) {
   scheduler_ = scheduler;
   // A new scheduler counts its moves from its own start: the next step's
   // timeline counts from its counters now, not from the old one's.
-  const ChunkSchedulerStats stats = scheduler_->stats();
   next_base_ = TracePoint{};
-  next_base_.moves_host_to_device = stats.moves_host_to_device;
-  next_base_.moves_device_to_host = stats.moves_device_to_host;
-  next_base_.evictions = stats.evictions;
+  take_moves(next_base_, scheduler_->stats());
   has_next_base_ = true;
   install_ceiling();
 }
@@ -103,8 +111,8 @@ void MemoryTracer::point(PointKind kind, std::int64_t what) {
   peak_total_ = std::max(peak_total_, held + peak);
   const auto k = static_cast<std::uint32_t>(recording_.size());
   recording_.push_back(peak);  // the interval that ends here
-  timeline_recording_.push_back({k, kind, what, held, peak, stats.moves_host_to_device,
-                                 stats.moves_device_to_host, stats.evictions});
+  timeline_recording_.push_back({k, kind, what, held, peak});
+  take_moves(timeline_recording_.back(), stats);
   std::size_t upcoming = now;
   if (has_trace_) {
     const std::size_t next = k + 1 < trace_.size() ? trace_[k + 1] : trace_max_;
@@ -122,11 +130,7 @@ void MemoryTracer::end_step() {
   // point made to trim the chunks to the next interval's budget, and the next
   // step's first interval counts from here, so every move between two step
   // points is in one interval of the later step.
-  const ChunkSchedulerStats stats = scheduler_->stats();
-  TracePoint& last = timeline_recording_.back();
-  last.moves_host_to_device = stats.moves_host_to_device;
-  last.moves_device_to_host = stats.moves_device_to_host;
-  last.evictions = stats.evictions;
+  take_moves(timeline_recording_.back(), scheduler_->stats());
   if (has_next_base_) {
     timeline_base_ = next_base_;  // the scheduler changed since the last step point
     has_next_base_ = false;
