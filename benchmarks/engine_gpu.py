@@ -517,11 +517,13 @@ def cmd_crash(args):
     train = [sys.executable, "-m", "tidal.train", "--preset", preset, "--steps", "3", "--data", "synthetic",
              "--no-progress"]
     sizes = "1048576,2097152" if quick else "103022592,206045184"  # 98.25 / 196.5 MiB: gpt-350m's dedicated chunks
-    cases = [
-        ("train", train),
-        ("train_no_pin", train + ["--config", _config_file(quick, pin=False)]),
-        ("train_chunk_256MiB", train + ["--config", _config_file(quick, chunk_size="4MiB" if quick else "256MiB")]),
-        ("pinloop", peer_argv("pinloop", quick, extra=["--sizes", sizes, "--total", "16MiB" if quick else "6GiB"])),
+    cases = [  # (label, argv made when the case runs: a skipped one writes no config file)
+        ("train", lambda: train),
+        ("train_no_pin", lambda: train + ["--config", _config_file(quick, pin=False)]),
+        ("train_chunk_256MiB",
+         lambda: train + ["--config", _config_file(quick, chunk_size="4MiB" if quick else "256MiB")]),
+        ("pinloop", lambda: peer_argv("pinloop", quick, extra=["--sizes", sizes, "--total",
+                                                               "16MiB" if quick else "6GiB"])),
     ]
     result = {"quick": quick, "preset": preset, "cases": []}
     name = args.name or ("gpu_crash-quick" if quick else "gpu_crash")
@@ -530,12 +532,13 @@ def cmd_crash(args):
                          text=True).stdout.strip().splitlines()
     gdb = gdb[0] if gdb else ""
     result["gdb"] = gdb or None
-    for label, argv in cases:
+    for label, make_argv in cases:
         if label != "train" and not args.all_cases and result["cases"] and result["cases"][0]["ok"]:
             # The variants only narrow down a crash of the plain run; when it trains, the
             # device time goes to the next phase (--all-cases runs them anyway).
             result.setdefault("skipped", []).append(label)
             continue
+        argv = make_argv()
         rec = child(label, argv, args.timeout, env=tidal_env(quick), log_dir=args.log_dir)
         rec["ok"] = rec["rc"] == 0  # tidal.train writes no --json here: exit 0 is success
         if rec["rc"] is not None and rec["rc"] < 0 and gdb:

@@ -116,11 +116,12 @@ def test_the_largest_model_formula_is_the_stores():
     assert e["device"]["budget"] == 80 * 10**9 and e["host"]["budget"] == int(0.85 * 128 * 10**9)
 
 
-def test_bytes_moved_per_step_are_near_the_engines():
-    # A GPT whose states are about twice the device budget (the "streams"
-    # shape of benchmarks/estimate.py, smaller): bytes are deterministic.
-    cfg = config(chunk="64KiB", device="6MiB", host="256MiB")
+def _predicted_and_trained(device, steps, **tidal_keys):
+    """The estimate and the engine's memory_report() after `steps` steps, for one
+    GPT (micro batch 4 x seq 32, 64 KiB chunks) at a device budget of `device`."""
+    cfg = config(chunk="64KiB", device=device, host="256MiB")
     cfg["train_micro_batch_size_per_gpu"] = 4
+    cfg["tidal"].update(tidal_keys)
 
     def build():
         return TinyGPT(vocab=256, d=128, layers=4, heads=4, seq=32)
@@ -132,12 +133,18 @@ def test_bytes_moved_per_step_are_near_the_engines():
         model = build()
     engine = tidal.initialize(model, cfg)
     g = torch.Generator().manual_seed(0)
-    for _ in range(6):
+    for _ in range(steps):
         x = torch.randint(0, 256, (4, 32), generator=g)
         engine.backward(engine(x, torch.roll(x, -1, 1)))
         engine.step()
     within_budget(engine)
-    r = engine.memory_report()
+    return predicted, engine.memory_report()
+
+
+def test_bytes_moved_per_step_are_near_the_engines():
+    # A GPT whose states are about twice the device budget (the "streams"
+    # shape of benchmarks/estimate.py, smaller): bytes are deterministic.
+    predicted, r = _predicted_and_trained("6MiB", 6)
     measured = r["bytes_host_to_device_last_step"]
     assert measured > 0
     assert predicted["traffic"]["bytes_host_to_device"] == pytest.approx(measured, rel=0.25)
@@ -149,26 +156,7 @@ def test_bytes_moved_per_step_are_near_the_engines():
 def test_bytes_moved_without_hybrid_adam_are_the_engines(device):
     # tidal.hybrid_adam false: every step each 16-bit chunk goes to the host's
     # CPU Adam and back, even when the whole state would fit on the device.
-    cfg = config(chunk="64KiB", device=device, host="256MiB")
-    cfg["train_micro_batch_size_per_gpu"] = 4
-    cfg["tidal"]["hybrid_adam"] = False
-
-    def build():
-        return TinyGPT(vocab=256, d=128, layers=4, heads=4, seq=32)
-
-    with torch.device("meta"):
-        predicted = estimate(build(), cfg, device_memory="1GiB", seq=32, **NO_RATES)
-    torch.manual_seed(0)
-    with tidal.init_context(cfg):
-        model = build()
-    engine = tidal.initialize(model, cfg)
-    g = torch.Generator().manual_seed(0)
-    for _ in range(4):
-        x = torch.randint(0, 256, (4, 32), generator=g)
-        engine.backward(engine(x, torch.roll(x, -1, 1)))
-        engine.step()
-    within_budget(engine)
-    r = engine.memory_report()
+    predicted, r = _predicted_and_trained(device, 4, hybrid_adam=False)
     measured = r["bytes_host_to_device_last_step"]
     assert measured >= predicted["chunk"]["param16_trainable_bytes"] > 0
     assert predicted["traffic"]["hybrid_param16_bytes"] == 0

@@ -11,7 +11,6 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "scripts" / "gpu_run.sh"
@@ -30,6 +29,15 @@ def _env(tmp_path, **extra):
 def _run(argv, env, timeout=240):
     p = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
     return p.returncode, p.stdout + p.stderr
+
+
+def _engine_gpu_quick(cmd, tmp_path):
+    """benchmarks/engine_gpu.py CMD --quick; its result file, once it exits 0."""
+    out = tmp_path / f"{cmd}.json"
+    rc, text = _run([sys.executable, "benchmarks/engine_gpu.py", cmd, "--quick", "--output", str(out)],
+                    _env(tmp_path))
+    assert rc == 0, text
+    return json.loads(out.read_text())
 
 
 def _tiny_gpt_params(layers, d, heads, seq, vocab):
@@ -93,21 +101,13 @@ def test_phases_survive_a_crashed_phase_and_the_crash_phase_runs(tmp_path):
 def test_crash_skips_the_variants_when_the_plain_run_trains(tmp_path):
     # Without --all-cases a passing tidal-train is the answer: the variants that narrow
     # down a crash are recorded as skipped, not run (device time goes to the next phase).
-    out = tmp_path / "crash.json"
-    rc, text = _run([sys.executable, "benchmarks/engine_gpu.py", "crash", "--quick", "--output", str(out)],
-                    _env(tmp_path))
-    assert rc == 0, text
-    crash = json.loads(out.read_text())
+    crash = _engine_gpu_quick("crash", tmp_path)
     assert [c["label"] for c in crash["cases"]] == ["train"] and crash["cases"][0]["ok"]
     assert crash["skipped"] == ["train_no_pin", "train_chunk_256MiB", "pinloop"] and crash["crashed"] == []
 
 
 def test_engine_bench_quick_has_the_three_peers_and_their_ratios(tmp_path):
-    out = tmp_path / "engine.json"
-    rc, text = _run([sys.executable, "benchmarks/engine_gpu.py", "bench", "--quick", "--output", str(out)],
-                    _env(tmp_path))
-    assert rc == 0, text
-    r = json.loads(out.read_text())
+    r = _engine_gpu_quick("bench", tmp_path)
     assert all(r["runs"][k]["ok"] for k in ("matmul", "plain", "tidal_whole", "tidal_quarter"))
     n = _tiny_gpt_params(2, 64, 4, 64, 256)  # --quick: the nano preset, counted by torch
     assert r["params"] == n == r["runs"]["plain"]["report"]["params"] == r["runs"]["tidal_whole"]["report"]["params"]
@@ -135,11 +135,7 @@ def test_engine_bench_quick_has_the_three_peers_and_their_ratios(tmp_path):
 
 
 def test_engine_largest_quick_steps_up_and_reports_against_the_limit(tmp_path):
-    out = tmp_path / "largest.json"
-    rc, text = _run([sys.executable, "benchmarks/engine_gpu.py", "largest", "--quick", "--output", str(out)],
-                    _env(tmp_path))
-    assert rc == 0, text
-    r = json.loads(out.read_text())
+    r = _engine_gpu_quick("largest", tmp_path)
     assert [t["shape"] for t in r["tried"]] == ["nano", "quick-gpt2"] and all(t["trained"] for t in r["tried"])
     # quick-gpt2 is not a preset: it trains through --hf-config; the engine built that shape.
     n = _tiny_gpt_params(2, 96, 4, 64, 256)

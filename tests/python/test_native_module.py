@@ -73,7 +73,9 @@ def _run_module(python, module):
     return p.returncode, p.stdout.strip()
 
 
-@pytest.mark.skipif(shutil.which("cmake") is None or shutil.which("g++") is None, reason="needs cmake and g++")
+@pytest.mark.skipif(shutil.which("cmake") is None or shutil.which("g++") is None,
+                    reason="reproduces GCC's -static-libstdc++ (the GPU image's toolchain): needs g++ "
+                           "and cmake on PATH")
 def test_the_link_recipe_keeps_one_runtime_under_a_static_libstdcxx_toolchain(tmp_path):
     src = tmp_path / "src"
     src.mkdir()
