@@ -10,25 +10,33 @@ reference is the states' own size (14 B per parameter of the model, counted by
 torch), against the chunks the engine's layout code (the same C++ the engine and
 tidal-estimate use) allocates for them.
 """
-import pytest
+import json
+import subprocess
+import sys
+from pathlib import Path
 
-from tidal import estimate
-from tidal._estimate_model import _resolve_model
-
-
+ROOT = Path(__file__).resolve().parents[2]
 # gpt-1.3b: weights of half a 64 MiB chunk, each with a bias (33% before small
 # tensors went to the fullest open chunk); the others: weights larger than a chunk.
-@pytest.mark.parametrize("preset, most", [("gpt-1.3b", 0.11), ("gpt-6.7b", 0.035), ("gpt-13b", 0.03),
-                                          ("gpt-20b", 0.01)])
-def test_dedicated_weights_leave_little_padding(preset, most):
-    r = estimate(preset, config={"bf16": {"enabled": True}, "tidal": {"chunk_size": "64MiB"}},
-                 device_memory=80 << 30, host_memory=512 << 30, measure=False, micro_batch=1)
-    net, _, _ = _resolve_model(preset)
-    params = sum(p.numel() for p in net.parameters())
-    assert r["chunk"]["chunk_size"] == 64 << 20 and r["chunk"]["dedicated_chunks"] > 0
-    assert r["state_bytes_unpadded"] == 14 * params
-    padding = r["state_bytes"] / (14 * params) - 1
-    assert 0 <= padding <= most, f"{preset}: chunks hold {padding:.1%} more than the states"
+MOST = {"gpt-1.3b": 0.11, "gpt-6.7b": 0.035, "gpt-13b": 0.03, "gpt-20b": 0.01}
+
+
+def test_dedicated_weights_leave_little_padding(tmp_path):
+    # benchmarks/chunk_padding.py: tidal.estimate's layout against 14 B per
+    # parameter counted by torch (its result file is the README's figure).
+    out = tmp_path / "padding.json"
+    p = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "chunk_padding.py"), "--presets",
+                        ",".join(MOST), "--chunks", "64MiB", "--output", str(out)],
+                       capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr[-3000:]
+    rows = {r["preset"]: r for r in json.loads(out.read_text())["rows"]}
+    assert set(rows) == set(MOST)
+    for preset, most in MOST.items():
+        r = rows[preset]
+        assert r["chunk_size"] == 64 << 20 and r["dedicated_chunks"] > 0
+        assert r["unpadded_state_bytes"] == 14 * r["params"]
+        assert r["padding"] == r["state_bytes"] / r["unpadded_state_bytes"] - 1
+        assert 0 <= r["padding"] <= most, f"{preset}: chunks hold {r['padding']:.1%} more than the states"
 
 
 def test_small_tensors_between_dedicated_ones_share_chunks():
