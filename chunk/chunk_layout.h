@@ -46,7 +46,8 @@
 //   opened two regular chunks for half a chunk of tensors, and the padding was
 //   41% of gpt-6.7b's states at 64 MiB chunks, 23% of gpt-13b's and 22% of
 //   gpt-20b's (3%, 2% and 0.1% now, with the small tensors' rule above;
-//   tests/python/test_chunk_padding.py). So chunk index order is first-use
+//   benchmarks/results/chunk_padding-cpu-2c.json, the old layout's in
+//   history/). So chunk index order is first-use
 //   order up to the open chunks' tails, as it is without dedicated chunks.
 //
 // Note [Pools keep frozen tensors apart]
