@@ -57,6 +57,7 @@ from .. import recompute as _recompute
 from ..config import Config, ConfigError
 from ..lr_schedules import build_scheduler
 from . import checkpoint as _checkpoint
+from . import device_cap as _device_cap
 from . import external as _external
 from . import guards as _guards
 from . import param_groups as _param_groups
@@ -261,9 +262,12 @@ class Engine(ExternalMixin, StateDictMixin, HookWiringMixin, DataParallelMixin, 
             # at the budget less the margin failed gpt-6.7b's forward and
             # gpt-1.3b's backward with 0.6-1.2 GiB reserved but unallocated
             # (benchmarks/results/engine*-nvidia-h200.json).
+            # The cap lasts while this engine lives (Note [torch's cap belongs
+            # to the live engines] in device_cap.py).
             dev = store.torch_device
             total = torch.cuda.get_device_properties(dev).total_memory
-            torch.cuda.set_per_process_memory_fraction(min(1.0, store.device_budget / total), dev)
+            index = dev.index if dev.index is not None else torch.cuda.current_device()
+            _device_cap.CAPS.claim(self, index, store.device_budget / total)
         self._stats_at_step = self.chunks.stats()
         self._retired_stats: dict | None = None  # counters of a scheduler replaced by relayout
         self._relayout_done = False

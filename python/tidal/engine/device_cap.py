@@ -1,0 +1,95 @@
+"""torch's per-process cap on a GPU, held while an engine lives.
+
+Note [torch's cap belongs to the live engines]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+An engine on a GPU whose chunk blocks come from torch's caching allocator
+caps torch at its budget (torch.cuda.set_per_process_memory_fraction; why,
+in Engine.__init__). The cap is process-wide state, and an engine has no
+close(): it ends when it is collected. Left behind, the cap would limit
+whatever the process does afterwards: plain evaluation, a second model, a
+peer benchmark in the same process.
+
+So each engine holds a claim on its device, and the cap is always the claim
+of the newest live engine there; when the last claim goes, the device gets
+back the fraction it had before the first (1.0, torch's default, where this
+torch cannot read it). A claim ends when its engine is collected
+(weakref.finalize); not at interpreter exit, where the cap no longer matters
+and torch may be half torn down. A fraction somebody else set
+while claims were live is theirs: it is kept when the claims end, and a
+claim ending re-applies the newest remaining claim only while the current
+fraction is still one tidal set.
+"""
+from __future__ import annotations
+
+import threading
+import weakref
+
+import torch
+
+
+class DeviceCaps:
+    """The live claims per device. `get(index) -> float` and
+    `set(fraction, index)` reach torch (swapped out by the tests)."""
+
+    def __init__(self, get=None, set=None):
+        self._get = get or _torch_get
+        self._set = set or _torch_set
+        self._lock = threading.Lock()
+        self._claims: dict[int, list] = {}  # device -> [[token, fraction], ...], oldest first
+        self._before: dict[int, float] = {}  # device -> the fraction before its first claim
+
+    def claim(self, owner, device: int, fraction: float) -> None:
+        """Caps `device` at `fraction` until `owner` is collected."""
+        if not float(fraction) > 0.0:
+            raise ValueError(f"torch's per-process cap: expected a fraction in (0, 1], got "
+                             f"{fraction!r}")
+        fraction = min(1.0, float(fraction))
+        token = object()
+        with self._lock:
+            claims = self._claims.setdefault(device, [])
+            if not claims:
+                self._before[device] = self._get(device)
+            claims.append([token, fraction])
+            self._set(fraction, device)
+        weakref.finalize(owner, self._release, device, token).atexit = False
+
+    def _release(self, device: int, token) -> None:
+        with self._lock:
+            claims = self._claims.get(device, [])
+            ours = [f for _, f in claims]
+            remaining = [c for c in claims if c[0] is not token]
+            if len(remaining) == len(claims):
+                return
+            self._claims[device] = remaining
+            current = self._get(device)
+            if not any(_same(current, f) for f in ours):
+                if not remaining:
+                    self._before.pop(device, None)
+                return  # set by somebody else since: theirs
+            target = remaining[-1][1] if remaining else self._before.pop(device)
+            if not _same(target, current):
+                self._set(target, device)
+
+    def claims(self, device: int) -> list[float]:
+        """The live claims' fractions on `device`, oldest first."""
+        with self._lock:
+            return [f for _, f in self._claims.get(device, [])]
+
+
+def _same(a: float, b: float) -> bool:
+    # torch keeps the cap in bytes (the fraction times the card's memory,
+    # rounded down) and reads it back as bytes / memory, so a fraction read
+    # back differs from the one set by at most 1 / memory.
+    return abs(a - b) <= 1e-9
+
+
+def _torch_get(device: int) -> float:
+    get = getattr(torch.cuda, "get_per_process_memory_fraction", None)
+    return 1.0 if get is None else float(get(device))
+
+
+def _torch_set(fraction: float, device: int) -> None:
+    torch.cuda.set_per_process_memory_fraction(fraction, device)
+
+
+CAPS = DeviceCaps()
