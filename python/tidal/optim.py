@@ -21,6 +21,21 @@ __all__ = ["CPUAdam"]
 _TORCH_ONLY_FLAGS = ("amsgrad", "maximize")
 
 
+def _number(name: str, value: Any) -> float:
+    """A hyperparameter as a float: a Python number or a one-element tensor
+    (as torch's optimizers take), else ValueError naming it."""
+    if torch.is_tensor(value):
+        if value.numel() != 1:
+            raise ValueError(f"Invalid {name}: a tensor of shape {tuple(value.shape)} (Tensor "
+                             f"{name} must be 1-element)")
+        if value.is_complex() or value.dtype == torch.bool:
+            raise ValueError(f"Invalid {name}: a {value.dtype} tensor (expected a real number)")
+        return float(value.item())
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"Invalid {name}: {value!r} (expected a real number)")
+    return float(value)
+
+
 def _check_param(p: torch.Tensor, where: str) -> None:
     if p.device.type != "cpu":
         raise ValueError(
@@ -84,6 +99,11 @@ class CPUAdam(torch.optim.Optimizer):
         num_threads: int = 0,
         thread_pool: str = "onetbb",
     ) -> None:
+        lr, eps, weight_decay = (_number(n, v) for n, v in (("lr", lr), ("eps", eps),
+                                                             ("weight_decay", weight_decay)))
+        if not isinstance(betas, (tuple, list)) or len(betas) != 2:
+            raise ValueError(f"Invalid betas: {betas!r} (expected two numbers in [0, 1))")
+        betas = (_number("betas[0]", betas[0]), _number("betas[1]", betas[1]))
         if not 0.0 <= lr:
             raise ValueError(f"Invalid learning rate: {lr} (expected >= 0)")
         if not 0.0 <= eps:
