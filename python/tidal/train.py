@@ -201,6 +201,16 @@ def default_config_path(quick: bool, gpu: bool) -> Path:
     return path
 
 
+def _build_seconds(in_context: float, initialize: float, store_seconds: dict) -> dict:
+    """Where building the model into chunks went: `in_context` seconds in
+    tidal.init_context, of them `store_seconds` (ParamStore.seconds) in the
+    store and the rest the model's own construction and initialisation; then
+    `initialize` seconds in tidal.initialize."""
+    chunks = sum(store_seconds.values())
+    return {"seconds": in_context + initialize, "model_init": max(in_context - chunks, 0.0),
+            **store_seconds, "initialize": initialize}
+
+
 def _fmt_bytes(n: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if abs(n) < 1024 or unit == "TiB":
@@ -377,14 +387,17 @@ def run(argv=None) -> dict:
 
     t0 = time.perf_counter()
     torch.manual_seed(args.seed)
-    with tidal.init_context(config):
+    with tidal.init_context(config) as store:
         if hf_config is not None:
             import transformers
             model = transformers.AutoModelForCausalLM.from_config(hf_config)
         else:
             model = TinyGPT(vocab=shape.vocab, d=shape.hidden, layers=shape.layers,
                             heads=shape.heads, seq=shape.positions, tied=shape.tied)
+    t_built = time.perf_counter()
+    in_context = dict(store.seconds)
     engine = tidal.initialize(model)
+    t_initialized = time.perf_counter()
 
     def forward(x, y):
         if hf_config is not None:
@@ -397,9 +410,14 @@ def run(argv=None) -> dict:
         say(f"[tidal-train] {type(model).__name__}: {n_params / 1e6:.1f}M parameters", flush=True)
     device = engine.store.torch_device
     info = tidal.get_device().info()
-    say(f"[tidal-train] built into chunks in {time.perf_counter() - t0:.1f} s on "
+    build = _build_seconds(t_built - t0, t_initialized - t_built, in_context)
+    say(f"[tidal-train] built into chunks in {build['seconds']:.1f} s on "
           f"{info['backend']} ({info['name']}), precision {cfg.precision}, device budget "
           f"{_fmt_bytes(engine.store.device_budget)}", flush=True)
+    say(f"  of which: the model's own init {build['model_init']:.1f} s, chunk memory "
+        f"{build['chunk_memory']:.1f} s, writing values and zeroed moments "
+        f"{build['write']:.1f} s, bookkeeping {build['register']:.1f} s, "
+        f"tidal.initialize {build['initialize']:.1f} s", flush=True)
 
     # (The model above is seeded alike on every rank; the data is not: each
     # rank draws its own windows, Note [Resumable batches].)
@@ -477,7 +495,7 @@ def run(argv=None) -> dict:
         "tokens_per_s": tokens_per_step * len(steady) / sum(steady),
         "tflops": 6 * n_params * tokens_per_step * len(steady) / sum(steady) / 1e12,
         "device": info["name"], "backend": info["backend"],
-        "tokenizer": tokenizer.name, "data_source": data.name,
+        "tokenizer": tokenizer.name, "data_source": data.name, "build_seconds": build,
         "eval": evals, "checkpoints": saved,
         "memory": {k: v for k, v in report.items() if k not in ("scheduler", "host")},
         "host_bytes": report["host"],

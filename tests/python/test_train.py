@@ -66,11 +66,18 @@ def test_quick_run_trains_and_the_loss_falls(tmp_path):
     assert mem["evictions"] > 0 and mem["bytes_host_to_device_last_step"] > 0  # chunks moved
     assert mem["peak_chunk_device_bytes"] <= mem["device_budget"] - mem["device_margin"]
     assert report["tokens_per_s"] > 0 and report["tflops"] > 0
+    # Where building into chunks went: its parts add up to its wall time, and
+    # writing the values and zeroed moments into the slots took some of it.
+    build = report["build_seconds"]
+    parts = ("model_init", "register", "chunk_memory", "write", "initialize")
+    assert sum(build[k] for k in parts) == pytest.approx(build["seconds"], abs=1e-6), build
+    assert build["write"] > 0 and all(build[k] >= 0 for k in parts), build
     text = proc.stdout
     assert "[tidal-train] preset nano: 0.1M parameters, 2 layers, hidden 64" in text
     assert "[tidal-train] report: 40 steps in" in text
     for line in ("throughput (steps 3 on):", "device budget 4.0 MiB (margin 256.0 KiB): peak chunks",
-                 "host: peak chunks", "evictions", "in CPU Adam"):
+                 "host: peak chunks", "evictions", "in CPU Adam",
+                 "of which: the model's own init"):
         assert line in text
     # --no-progress: ten plain lines with the figures of the bar.
     steps = [ln for ln in text.splitlines() if ln.startswith("step ")]
