@@ -9,8 +9,10 @@ starts them, collects what they report and writes the result file.
         budget vs tidal with a quarter of the model states as budget, and the
         bf16 matmul rate measured in the same run      -> engine-<machine>.json
     python benchmarks/engine_gpu.py largest [--shapes gpt-6.7b,gpt-8b,...]
-        steps up through GPT shapes until one fails; the largest that trains 5
-        steps with the loss falling, against (host + device) / 14 B
+        the largest GPT shape that trains 5 steps with the loss falling, against
+        (host + device) / 14 B: starts at the largest tidal.estimate predicts to
+        fit this machine, then steps up while shapes train, or down until one
+        does (each try of a 13-20B model costs minutes of registration)
                                                        -> engine_largest-<machine>.json
     python benchmarks/engine_gpu.py crash
         the gpt-350m crash: tidal-train as is, then (only when that fails, or
@@ -64,9 +66,13 @@ EXTRA_SHAPES = {
     "gpt-10b": (48, 4096, 32, 1024, 50304),
     "gpt-14b": (44, 5120, 40, 1024, 50304),
     "gpt-16b": (48, 5120, 40, 1024, 50304),
+    # Between 16b (0.75 of an H200 box's (host + device) / 14 B) and 20b (more than all of
+    # it): tidal.estimate puts the 85% goal at about 17.3B there.
+    "gpt-17b": (54, 5120, 40, 1024, 50304),
+    "gpt-18b": (56, 5120, 40, 1024, 50304),
     "quick-gpt2": (2, 96, 4, 64, 256),  # --quick: exercises the --hf-config route
 }
-LARGEST_FULL = "gpt-6.7b,gpt-8b,gpt-10b,gpt-13b,gpt-14b,gpt-16b,gpt-20b"
+LARGEST_FULL = "gpt-6.7b,gpt-8b,gpt-10b,gpt-13b,gpt-14b,gpt-16b,gpt-17b,gpt-18b,gpt-20b"
 LARGEST_QUICK = "nano,quick-gpt2"
 
 
@@ -441,12 +447,22 @@ def cmd_largest(args):
     quick = args.quick
     shapes = (args.shapes or (LARGEST_QUICK if quick else LARGEST_FULL)).split(",")
     steps = args.steps or 5
-    batch = args.batch or (2 if quick else 4)
-    host, dev = host_total_bytes(), device_total_bytes(quick)
+    # Batch 1 on a GPU: the largest model is the question, and activations take device room
+    # from the chunks (tidal.estimate: 0.88 of the limit at batch 1 on an H200 box, 0.85 at 2).
+    batch = args.batch or (2 if quick else 1)
+    given = args.host_bytes is not None or args.device_bytes is not None
+    if args.predict_only != given or (given and None in (args.host_bytes, args.device_bytes)):
+        raise SystemExit("largest: --predict-only goes with both --host-bytes and --device-bytes "
+                         "(another machine's memory), and they with it")
+    host = args.host_bytes if given else host_total_bytes()
+    dev = args.device_bytes if given else device_total_bytes(quick)
     limit = (host + dev) / STATE_BYTES_PER_PARAM
     result = {"quick": quick, "steps": steps, "micro_batch": batch, "host_bytes": host, "device_bytes": dev,
               "limit_params": limit, "limit_formula": "(host + device memory) / 14 B", "tried": []}
     name = args.name or ("engine_largest-quick" if quick else "engine_largest")
+    if args.predict_only:
+        name = args.name or "engine_largest_prediction"
+        result["memory_source"] = "given (--host-bytes, --device-bytes): another machine's; nothing ran"
     # A linear warm-up over the run: at the config's full lr from the first step,
     # gpt-6.7b's loss went 11.7 -> 25.7 on the H200 (plain PyTorch's gpt-1.3b spikes
     # too), and "trains" asks for a falling loss in 5 steps.
@@ -454,39 +470,124 @@ def cmd_largest(args):
     schedule = {"type": "WarmupLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": lr,
                                                "warmup_num_steps": 2 * steps, "warmup_type": "linear"}}
     result["scheduler"] = schedule
-    run_config = _config_file(quick, top={"scheduler": schedule})
+    # The budgets: the host's and the margin, set so that (host + device) can be used up to
+    # the goal (tidal's defaults, 85% of the available host memory and 5% of the device, leave
+    # about 0.79 of it at batch 4). Under --quick the config's own.
+    tidal_keys = {}
+    if not quick:
+        tidal_keys["host_memory_budget"] = int(args.host_fraction * host)
+        tidal_keys["device_margin"] = _parse_bytes(args.device_margin)
+    result["tidal_keys"] = tidal_keys
+    run_config = _config_file(quick, top={"scheduler": schedule}, **tidal_keys)
+    result["predicted"] = _predicted_fits(shapes, run_config, batch, dev, host)
+    start = _search_start(shapes, result["predicted"])
+    result["predicted_largest"] = shapes[start] if result["predicted"][shapes[start]]["fits"] else None
+    result["order"] = (f"from {shapes[start]} ({'the largest tidal.estimate predicts to fit' if result['predicted_largest'] else 'none is predicted to fit: the smallest'}), "
+                       f"up while shapes train, else down until one does")
+    if args.predict_only:
+        for s in shapes:
+            result["predicted"][s]["params_over_limit"] = params_of(s) / limit
+        path = common.write_result(name, result, output=result_path(name, args.output))
+        log(f"wrote {path}: predicted largest {result['predicted_largest']}")
+        return 0
     deadline = time.monotonic() + args.time_limit
-    best = None
-    for s in shapes:
+
+    def attempt(s):
         left = deadline - time.monotonic()
         if left < 30:
             result["stopped"] = f"time limit: {left:.0f} s left before {s}"
-            break
+            return None
         rec = child(f"largest {s}", peer_argv("tidal", quick, s, steps, batch, config=run_config),
                     min(args.timeout, left), env=tidal_env(quick), log_dir=args.log_dir)
         rec["shape"] = s
         rec["params"] = params_of(s)
+        rec["predicted_fits"] = result["predicted"][s]["fits"]
         if rec["ok"]:
             rec.update(_derive(rec, s, shape_of(s)[3]))
             rec["trained"] = rec["loss_falling"] and rec["report"]["steps"] >= steps
         else:
             rec["trained"] = False
         result["tried"].append(rec)
-        if rec["trained"]:
-            best = rec
         common.write_result(name, result, output=result_path(name, args.output))
         if not rec["trained"]:
-            result["stopped"] = f"{s}: {rec['ended']}" + ("" if rec["ok"] else f" ({rec.get('error', 'no report')})")
-            break
+            rec["failure"] = rec["ended"] + ("" if rec["ok"] else f" ({rec.get('error', 'no report')})")
+        return rec["trained"]
+
+    best_shape = _search(shapes, start, attempt)
+    best = next((t for t in result["tried"] if t["shape"] == best_shape), None)
+    if "stopped" not in result:  # not the time limit
+        failed = [t for t in result["tried"] if not t["trained"]]
+        if best and failed:
+            result["stopped"] = f"{best['shape']} trains; {failed[-1]['shape']} does not: {failed[-1]['failure']}"
+        elif best:
+            result["stopped"] = f"every shape from {shapes[start]} up trains ({shapes[-1]} is the last)"
+        else:
+            result["stopped"] = f"no shape down to {shapes[0]} trains: {failed[-1]['failure']}"
     if best:
         result["largest"] = {"shape": best["shape"], "params": best["params"],
                              "tokens_per_s": best["tokens_per_s"], "tflops": best["tflops"],
                              "tflops_with_attention": best["tflops_with_attention"],
                              "params_over_limit": best["params"] / limit,
+                             "predicted_largest": result["predicted_largest"],
                              "first_loss": best["report"]["first_loss"], "last_loss": best["report"]["last_loss"]}
     path = common.write_result(name, result, output=result_path(name, args.output))
     log(f"wrote {path}: largest {result.get('largest')}; stopped: {result.get('stopped')}")
     return 0 if best else 1
+
+
+def _parse_bytes(text):
+    from tidal.device import parse_bytes
+    return parse_bytes(text)
+
+
+def _predicted_fits(shapes, config_path, batch, device_bytes, host_bytes):
+    """tidal.estimate's verdict for each shape on this machine under the run's config and
+    micro batch: {shape: {fits, params, state_bytes, largest_model_params}} (fits None and
+    the error where the estimate fails)."""
+    from tidal.estimate import estimate
+    from tidal.train import PRESETS
+    folder = tempfile.mkdtemp(prefix="tidal_predict_")
+    out = {}
+    for s in shapes:
+        model = s
+        if s not in PRESETS:
+            model = os.path.join(folder, f"{s}.json")
+            _gpt2_config(s, model)
+        try:
+            e = estimate(model, config=config_path, device_memory=device_bytes, host_memory=host_bytes,
+                         micro_batch=batch, seq=shape_of(s)[3])
+            out[s] = {"fits": bool(e["fits"]), "params": e["model"]["parameters"],
+                      "state_bytes": e["state_bytes"], "largest_model_params": e["largest_model_params"]}
+        except Exception as ex:  # noqa: BLE001 -- a prediction is advice: record it, go on
+            out[s] = {"fits": None, "error": f"{type(ex).__name__}: {ex}"}
+    return out
+
+
+def _search_start(shapes, predicted):
+    """The index of the largest shape predicted to fit (shapes go smallest first), else 0."""
+    fits = [i for i, s in enumerate(shapes) if predicted[s]["fits"]]
+    return fits[-1] if fits else 0
+
+
+def _search(shapes, start, attempt):
+    """The largest of `shapes` (smallest first) for which attempt(shape) is True, trying as
+    few as it can from `start`: up while shapes train, else down until one does. attempt
+    returns None to stop (out of time). Returns the shape, or None."""
+    best, up, i = None, None, start
+    while 0 <= i < len(shapes):
+        ok = attempt(shapes[i])
+        if ok is None:
+            break
+        if ok:
+            best = shapes[i]
+            if up is False:
+                break  # came down to one that trains: the one above it failed
+            up, i = True, i + 1
+        else:
+            if up:
+                break  # the one above a shape that trains failed
+            up, i = False, i - 1
+    return best
 
 
 def _default_config(quick):
@@ -573,6 +674,14 @@ def main(argv=None):
     lg.add_argument("--steps", type=int, default=None)
     lg.add_argument("--batch", type=int, default=None)
     lg.add_argument("--time-limit", type=float, default=520, help="stop starting shapes after this many seconds")
+    lg.add_argument("--host-fraction", type=float, default=0.9,
+                    help="tidal.host_memory_budget as this fraction of the host's memory (not under --quick)")
+    lg.add_argument("--device-margin", default="3GiB",
+                    help="tidal.device_margin: torch's caching allocator's room (not under --quick)")
+    lg.add_argument("--predict-only", action="store_true",
+                    help="write tidal.estimate's verdicts for --host-bytes/--device-bytes, train nothing")
+    lg.add_argument("--host-bytes", type=int, default=None, help="with --predict-only: the host's memory")
+    lg.add_argument("--device-bytes", type=int, default=None, help="with --predict-only: the device's memory")
     cr = sub.add_parser("crash", parents=[common_args])
     cr.add_argument("--all-cases", action="store_true",
                     help="run the diagnostic variants even when the plain tidal-train run passes")

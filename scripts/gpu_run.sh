@@ -38,8 +38,11 @@
 #   dp        data parallel's NCCL path (issue 17) with world size 1: torchrun
 #             --nproc_per_node 1 -m tidal.train, tidal.data_parallel forced on with
 #             backend nccl; $OUT/dp.json is the report (world_size, loss, bytes sent) ~60 s
-#   largest   engine_gpu.py largest: gpt-6.7b, 8b, 10b, 13b, 14b, 16b, 20b until one fails
-#             or the phase's time is up (LARGEST_SHAPES=... to start higher)     ~300 s
+#   largest   engine_gpu.py largest over gpt-6.7b, 8b, 10b, 13b, 14b, 16b, 17b, 18b, 20b (batch 1,
+#             host budget 90% of the host, margin 3 GiB): starts at the largest tidal.estimate
+#             predicts to fit (gpt-18b, 0.88 of (host + device) / 14 B, on the H200 box), then up
+#             while shapes train or down until one does; registration alone is ~12 s per 1B
+#             parameters there (gpt-6.7b: 78 s), so one 18B try takes most of it    ~300 s
 #   deepspeed deepspeed_gpu.py: ZeRO-2 + offload_optimizer, ZeRO-3 + offload_param, at
 #             gpt-1.3b and up to the largest tidal trained (engine_largest result) ~400 s
 #   dtr       benchmarks/dtr.py, dtr_batch.py and recompute.py on the GPU when they take

@@ -134,14 +134,22 @@ def test_engine_bench_quick_has_the_three_peers_and_their_ratios(tmp_path):
     assert r["runs"]["tidal_quarter"]["report"]["memory"]["device_margin"] == margin
 
 
-def test_engine_largest_quick_steps_up_and_reports_against_the_limit(tmp_path):
+def test_engine_largest_quick_starts_at_the_prediction_and_reports_against_the_limit(tmp_path):
     r = _engine_gpu_quick("largest", tmp_path)
-    assert [t["shape"] for t in r["tried"]] == ["nano", "quick-gpt2"] and all(t["trained"] for t in r["tried"])
-    # quick-gpt2 is not a preset: it trains through --hf-config; the engine built that shape.
+    # tidal.estimate predicts both quick shapes fit: the search starts at the larger, which
+    # trains, and it is the last shape.
+    assert {s: p["fits"] for s, p in r["predicted"].items()} == {"nano": True, "quick-gpt2": True}
+    assert r["predicted_largest"] == "quick-gpt2"
+    assert [t["shape"] for t in r["tried"]] == ["quick-gpt2"] and r["tried"][0]["trained"]
+    assert r["tried"][0]["predicted_fits"] is True
+    assert r["stopped"] == "every shape from quick-gpt2 up trains (quick-gpt2 is the last)"
+    # quick-gpt2 is not a preset: it trains through --hf-config; the engine built that shape,
+    # and the estimate counted the same parameters.
     n = _tiny_gpt_params(2, 96, 4, 64, 256)
-    assert r["tried"][1]["report"]["params"] == n
+    assert r["tried"][0]["report"]["params"] == n == r["predicted"]["quick-gpt2"]["params"]
     big = r["largest"]
     assert big["shape"] == "quick-gpt2" and big["last_loss"] < big["first_loss"]
+    assert big["predicted_largest"] == "quick-gpt2"
     assert r["limit_params"] == pytest.approx((r["host_bytes"] + r["device_bytes"]) / 14)
     assert big["params_over_limit"] == pytest.approx(n / r["limit_params"])
     # Every shape ran with the linear warm-up over twice its steps, from the config's lr.
@@ -150,6 +158,71 @@ def test_engine_largest_quick_steps_up_and_reports_against_the_limit(tmp_path):
     for t in r["tried"]:
         used = json.loads(Path(t["report"]["config"]).read_text())
         assert used["scheduler"] == schedule and t["report"]["lr"] == schedule["params"]["warmup_max_lr"]
+    assert r["tidal_keys"] == {}  # --quick: the config's own budgets
+
+
+def test_largest_predict_only_gives_another_machines_verdicts_and_trains_nothing(tmp_path):
+    out = tmp_path / "prediction.json"
+    # The H200 box of the 2026-11-26 run (engine_largest-nvidia-h200.json's host and device bytes).
+    rc, text = _run([sys.executable, "benchmarks/engine_gpu.py", "largest", "--predict-only",
+                     "--host-bytes", "135148564480", "--device-bytes", "150109880320",
+                     "--output", str(out)], _env(tmp_path))
+    assert rc == 0, text
+    r = json.loads(out.read_text())
+    assert r["tried"] == [] and "nothing ran" in r["memory_source"] and r["micro_batch"] == 1
+    assert r["tidal_keys"] == {"host_memory_budget": int(0.9 * 135148564480), "device_margin": 3 << 30}
+    fits = [s for s, p in r["predicted"].items() if p["fits"]]
+    # Smaller shapes fit where larger ones do, and the search starts at the largest that fits.
+    order = list(r["predicted"])
+    assert fits == order[:len(fits)] and r["predicted_largest"] == fits[-1]
+    assert r["predicted"]["gpt-20b"]["fits"] is False  # 0.99 of the limit: no room for activations
+    rc, text = _run([sys.executable, "benchmarks/engine_gpu.py", "largest", "--predict-only",
+                     "--output", str(out)], _env(tmp_path))
+    assert rc != 0 and "--predict-only goes with both --host-bytes and --device-bytes" in text
+
+
+def _engine_gpu_module():
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import engine_gpu
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    return engine_gpu
+
+
+SHAPES = ["a", "b", "c", "d", "e"]
+
+
+@pytest.mark.parametrize("trains,start,tried,best", [
+    ({"a", "b", "c"}, 2, ["c", "d"], "c"),            # the prediction was right
+    ({"a", "b", "c", "d", "e"}, 2, ["c", "d", "e"], "e"),  # too modest: up to the last
+    ({"a"}, 2, ["c", "b", "a"], "a"),                 # too bold: down until one trains
+    (set(), 2, ["c", "b", "a"], None),                # nothing trains
+    ({"a", "b"}, 0, ["a", "b", "c"], "b"),            # nothing predicted to fit: from the smallest
+])
+def test_largest_search_tries_from_the_prediction_until_the_boundary(trains, start, tried, best):
+    g = _engine_gpu_module()
+    seen = []
+
+    def attempt(s):
+        seen.append(s)
+        return s in trains
+    assert g._search(SHAPES, start, attempt) == best
+    assert seen == tried
+
+
+def test_largest_search_stops_when_time_is_up_and_keeps_what_trained():
+    g = _engine_gpu_module()
+    answers = iter([True, None])
+    assert g._search(SHAPES, 1, lambda s: next(answers)) == "b"
+
+
+def test_largest_search_starts_at_the_largest_predicted_to_fit():
+    g = _engine_gpu_module()
+    predicted = {"a": {"fits": True}, "b": {"fits": True}, "c": {"fits": None},
+                 "d": {"fits": False}, "e": {"fits": False}}
+    assert g._search_start(SHAPES, predicted) == 1
+    assert g._search_start(SHAPES, {s: {"fits": False} for s in SHAPES}) == 0
 
 
 @pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None,
