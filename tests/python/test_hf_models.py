@@ -17,7 +17,7 @@ import transformers
 import tidal
 
 sys.path.insert(0, str(Path(__file__).parent))
-from engine_helpers import measured_budget  # noqa: E402
+from engine_helpers import measured_budget, within_budget  # noqa: E402
 
 LR = 2e-3
 
@@ -230,3 +230,40 @@ def test_the_finetune_example_trains_a_local_model_and_saves_it(tmp_path):
     changed = [k for k, v in tuned.state_dict().items()
                if v.is_floating_point() and not torch.equal(v, base.state_dict()[k])]
     assert "transformer.h.0.mlp.c_fc.weight" in changed
+
+
+def test_the_engine_passes_what_it_lacks_to_the_model_as_deepspeed_does():
+    # DeepSpeedEngine.__getattr__ hands unknown attributes to its module, so
+    # DeepSpeed users write engine.generate(...). Greedy decoding between steps
+    # gives plain PyTorch's tokens, with the chunks moving, and training goes on.
+    torch.manual_seed(0)
+    ref = llama()
+    engine = tidal.initialize(copy.deepcopy(ref), fitted_config(llama))
+    opt = torch.optim.AdamW(ref.parameters(), lr=LR, weight_decay=0.01)
+    data = batches(4)
+    prompt = torch.randint(0, 128, (2, 5), generator=torch.Generator().manual_seed(9))
+    for i, b in enumerate(data):
+        out = engine(**b)
+        engine.backward(out.loss)
+        engine.step()
+        ref(**b).loss.backward()
+        opt.step()
+        opt.zero_grad()
+        if i == 1:
+            want = ref.generate(prompt, max_new_tokens=12, do_sample=False, pad_token_id=0)
+            got = engine.generate(prompt, max_new_tokens=12, do_sample=False, pad_token_id=0)
+            assert torch.equal(got, want), (got, want)
+    weights = engine.parameters_fp32()
+    for key, p in ref.named_parameters():
+        err = (weights[key] - p.detach()).norm() / p.norm().clamp_min(1e-12)
+        assert err <= 1e-5, f"{key}: relative L2 error {err:.3g}"
+    within_budget(engine)
+    assert engine.memory_report()["evictions"] > 0
+    # The engine's own names win; a name neither has, or a private one, is an error.
+    assert isinstance(engine.config, tidal.config.Config)
+    assert engine.generation_config is engine.module.generation_config
+    with pytest.raises(AttributeError, match="no attribute 'no_such_thing', nor has its model "
+                                             "\\(a LlamaForCausalLM\\)"):
+        engine.no_such_thing
+    with pytest.raises(AttributeError, match="no attribute '_modules'"):
+        engine._modules

@@ -456,6 +456,20 @@ class Engine(ExternalMixin, StateDictMixin, HookWiringMixin, DataParallelMixin, 
 
     forward = __call__
 
+    def __getattr__(self, name):
+        # As DeepSpeed's engine: what the engine does not define is the
+        # model's (engine.generate(...), engine.gradient_checkpointing_enable(),
+        # engine.config is still the engine's). Private names stay the
+        # engine's own: copy, pickle and a half-built engine look them up.
+        module = self.__dict__.get("module")
+        if module is not None and not name.startswith("_"):
+            try:
+                return getattr(module, name)
+            except AttributeError:
+                raise AttributeError(f"'{type(self).__name__}' object has no attribute '{name}', "
+                                     f"nor has its model (a {type(module).__name__})") from None
+        raise AttributeError(f"'{type(self).__name__}' object has no attribute '{name}'")
+
     def train(self, mode: bool = True):
         self.module.train(mode)
         return self
