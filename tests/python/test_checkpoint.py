@@ -83,7 +83,8 @@ def test_resuming_reproduces_the_uninterrupted_run_bit_for_bit(tmp_path):
 
 
 def test_loss_scaler_and_steps_survive_a_round_trip(tmp_path):
-    cfg = {"fp16": {"enabled": True, "initial_scale_power": 8, "hysteresis": 1}}
+    cfg = {"fp16": {"enabled": True, "initial_scale_power": 8, "hysteresis": 1},
+           "train_micro_batch_size_per_gpu": 2}
     engine = engine_for(**cfg)
     train(engine, batches(2))
     x, y = batches(1, seed=7)[0]
@@ -94,6 +95,7 @@ def test_loss_scaler_and_steps_survive_a_round_trip(tmp_path):
     other.load_checkpoint(tmp_path, tag="overflowed")
     assert other.loss_scale == engine.loss_scale == 2 ** 7
     assert other.skipped_steps == 1 and other.global_steps == 3
+    assert other.global_samples == engine.global_samples == 6  # DeepSpeed's count, saved too
     assert [r.step for r in other.records] == [r.step for r in engine.records]
 
 

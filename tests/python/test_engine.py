@@ -802,3 +802,59 @@ def test_a_dropped_engine_is_collected_and_gives_its_memory_back():
     # At most the baseline: an earlier test's leftovers may go meanwhile.
     assert after["host"]["allocated"] <= before["host"]["allocated"], (before, after)
     assert after["device"]["in_use"] <= before["device"]["in_use"], (before, after)
+
+
+def test_deepspeeds_engine_queries_answer_as_deepspeed_does():
+    # A DeepSpeed loop's logging: get_lr / get_mom per parameter group, the
+    # batch sizes, was_step_applied, global_samples. The reference for the lr
+    # is DeepSpeed's WarmupLR written out: linear, min + (max - min) * i / n
+    # at iteration i, which starts at -1 (the min) and goes up by one after
+    # each applied step, so the first two steps run at the min.
+    torch.manual_seed(0)
+    model = TinyGPT(d=64, seq=8)
+    cfg = config(budget="64MiB", chunk=1 << 16)
+    cfg.update({"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2,
+                "fp16": {"enabled": True, "initial_scale_power": 8, "hysteresis": 1},
+                "scheduler": {"type": "WarmupLR", "params": {
+                    "warmup_min_lr": 0.0, "warmup_max_lr": LR, "warmup_num_steps": 4,
+                    "warmup_type": "linear"}}})
+    cfg["optimizer"]["params"]["betas"] = [0.8, 0.95]
+    head = [p for n, p in model.named_parameters() if n.startswith("ln_f")]
+    rest = [p for n, p in model.named_parameters() if not n.startswith("ln_f")]
+    engine = tidal.initialize(model, cfg, model_parameters=[
+        {"params": rest}, {"params": head, "lr": LR / 2}])
+    assert (engine.train_micro_batch_size_per_gpu(), engine.gradient_accumulation_steps(),
+            engine.train_batch_size()) == (2, 2, 4)
+    assert engine.fp16_enabled() and not engine.bfloat16_enabled()
+    assert not engine.was_step_applied() and engine.global_samples == 0
+    assert engine.get_mom() == [(0.8, 0.95), (0.8, 0.95)]
+    batches = gpt_batches(8)
+
+    def warmup_lr(applied):
+        return LR * max(applied - 1, 0) / 4
+    applied = 0
+    for k in range(4):
+        lr = warmup_lr(applied)
+        assert engine.get_lr() == pytest.approx([lr, lr / 2]), k
+        for i, (x, y) in enumerate(batches[2 * k:2 * k + 2]):
+            loss = engine(x, y)
+            engine.backward(loss * float("inf") if k == 2 else loss)  # step 2 overflows
+            engine.step()
+            boundary = i == 1
+            assert engine.was_step_applied() == (boundary and k != 2), (k, i)
+        applied += k != 2
+        assert engine.global_samples == 4 * (k + 1)
+    assert engine.skipped_steps == 1 and engine.global_steps == 4
+    # The overflow did not advance the schedule: three applied steps.
+    assert applied == 3 and engine.get_lr() == pytest.approx([LR * 2 / 4, LR * 2 / 8])
+    # A window cut short at one backward pass counts its 2 samples, as DeepSpeed's does.
+    engine.set_gradient_accumulation_boundary(True)
+    x, y = batches[0]
+    engine.backward(engine(x, y))
+    engine.step()
+    engine.set_gradient_accumulation_boundary(None)
+    assert engine.was_step_applied() and engine.global_samples == 18
+    # A config with no batch named: DeepSpeed's None.
+    other = tidal.initialize(TinyGPT(d=32, seq=8), config(budget="64MiB", chunk=1 << 16))
+    assert other.train_micro_batch_size_per_gpu() is None and other.train_batch_size() is None
+    assert other.gradient_accumulation_steps() == 1 and not other.fp16_enabled()

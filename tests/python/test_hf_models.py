@@ -7,7 +7,6 @@ engine.save_pretrained writes what transformers' from_pretrained loads.
 """
 import copy
 import sys
-import warnings
 from pathlib import Path
 
 import pytest

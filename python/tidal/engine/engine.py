@@ -225,7 +225,10 @@ class Engine(ExternalMixin, StateDictMixin, HookWiringMixin, DataParallelMixin, 
         self.lr, self.betas = cfg.lr, cfg.betas
         self.apply_lr_schedule()
         self.global_steps = 0
+        self.global_samples = 0  # samples of the steps taken, as DeepSpeed counts them
+        self._step_applied = False
         self.micro_steps = 0
+        self._micro_steps_at_step = 0
         self._forced_boundary: "bool | None" = None
         self.skipped_steps = 0
         self._last_grad_norm: float | None = None
@@ -617,6 +620,39 @@ class Engine(ExternalMixin, StateDictMixin, HookWiringMixin, DataParallelMixin, 
         before clipping (inf after an fp16 overflow); None before the first
         step. DeepSpeed's name."""
         return self._last_grad_norm
+
+    # DeepSpeed's engine queries, with DeepSpeedEngine's names and results, so
+    # a DeepSpeed training loop's logging runs as it is.
+    def get_lr(self) -> list:
+        """The learning rate of each parameter group for the next step."""
+        return [g["lr"] for g in self.optimizer.param_groups]
+
+    def get_mom(self) -> list:
+        """Adam's (beta1, beta2) of each parameter group (OneCycle cycles them)."""
+        return [g["betas"] for g in self.optimizer.param_groups]
+
+    def was_step_applied(self) -> bool:
+        """Whether the last engine.step() changed the weights: False between
+        accumulation boundaries, after an fp16 overflow and before any step."""
+        return self._step_applied
+
+    def train_micro_batch_size_per_gpu(self) -> "int | None":
+        """The config's micro batch (None when it names none)."""
+        return self.config.micro_batch_size
+
+    def gradient_accumulation_steps(self) -> int:
+        return self.config.gradient_accumulation_steps
+
+    def train_batch_size(self) -> "int | None":
+        """Samples per optimizer step over every rank (micro batch x accumulation
+        x data-parallel ranks; None when the config names no batch)."""
+        return self.config.train_batch_size
+
+    def fp16_enabled(self) -> bool:
+        return self.precision == "fp16"
+
+    def bfloat16_enabled(self) -> bool:
+        return self.precision == "bf16"
 
     def is_gradient_accumulation_boundary(self) -> bool:
         """Whether engine.step() steps now: every gradient_accumulation_steps

@@ -25,10 +25,19 @@ class StepMixin:
     def step(self):
         """The optimizer step, at gradient accumulation boundaries (as DeepSpeed)."""
         self._settle_raw_backward()
+        self._step_applied = False
         if self.micro_steps == 0 or not self.is_gradient_accumulation_boundary():
             return
         with self.dtr.weights_change():
-            return self._step()
+            applied = self._step()
+        self._step_applied = bool(applied)
+        # DeepSpeed's count: the window's backward passes x samples per pass
+        # over the ranks (a window set_gradient_accumulation_boundary cut short
+        # counts what it had).
+        per_pass = (self.train_batch_size() or 0) // self.config.gradient_accumulation_steps
+        self.global_samples += per_pass * (self.micro_steps - self._micro_steps_at_step)
+        self._micro_steps_at_step = self.micro_steps
+        return applied
 
     def _step(self):
         self._dp_check()
