@@ -186,7 +186,8 @@ DEEPSPEED_SCHEMA: dict[str, Any] = {
     "vocabulary_size": _doc((int, NONE), None),
     "zero_force_ds_cpu_optimizer": (bool, True, "accepted; tidal always uses its own Adam"),
     "use_data_before_expert_parallelism": _doc(bool, False),
-    "dataloader_drop_last": _doc(bool, False),
+    "dataloader_drop_last": (bool, False, "the loader tidal.deepspeed.initialize(training_data=...) "
+                                          "builds drops the last short batch"),
     "log_level": _doc(_STR, None),
     "sequence_parallel_size": _doc(int, 1),
     "data_parallel_size": _doc((int, NONE), None),
@@ -440,9 +441,6 @@ NOT_HONOURED: list[Unused] = [
     Unused(("vocabulary_size",),
            "tidal does not check the vocabulary's alignment (DeepSpeed only logs a hint)",
            (None,)),
-    Unused(("dataloader_drop_last",),
-           "tidal builds no data loader (tidal.initialize takes no training data); pass "
-           "drop_last=True to your own DataLoader", (False,)),
     Unused(("log_level",), "tidal reports through Python's warnings and exceptions", (None,)),
     Unused(("wall_clock_breakdown",), "tidal has no per-phase timers; engine.memory_report() gives "
                                       "cpu_adam_seconds", (False,)),

@@ -307,13 +307,15 @@ def test_the_old_bfloat16_block_is_read_only_without_bf16():
 
 def test_deepspeeds_own_format_examples_load_and_what_tidal_lacks_is_reported():
     c, messages = load(CONFIGS / "deepspeed_format_examples.json")
+    # dataloader_drop_last is used: tidal.deepspeed.initialize(training_data=...)'s loader.
+    assert c.raw["dataloader_drop_last"] is True
     assert c.precision == "bf16" and c.gradient_clipping == 1.0
     # Values that are DeepSpeed's defaults (gradient_predivide_factor 1.0,
     # gradient_allreduce_op "mean", bf16.check_grad_overflow true, timers on,
     # aio's defaults, ...) ask for nothing and are not reported.
     assert reported(messages) == {
         "communication_data_type", "prescale_gradients", "disable_allgather", "dump_state",
-        "disable_python_gc", "vocabulary_size", "wall_clock_breakdown", "dataloader_drop_last",
+        "disable_python_gc", "vocabulary_size", "wall_clock_breakdown",
         "comms_logger.enabled", "comms_logger.prof_ops", "flops_profiler.enabled",
         "flops_profiler.top_modules", "checkpoint.checkpoint_serialization"}
     assert ("config keys 'comms_logger.enabled' = True, 'comms_logger.prof_ops' = ['all_reduce', "
@@ -423,6 +425,7 @@ HONOURED = {
     "fp16.min_loss_scale", "bf16.enabled", "bfloat16.enabled", "scheduler.type",
     "scheduler.params", "zero_optimization.offload_optimizer.pin_memory",
     "zero_optimization.offload_param.pin_memory", "gradient_allreduce_op",
+    "dataloader_drop_last",  # tidal.deepspeed.initialize's loader (test_deepspeed_initialize.py)
 }
 
 

@@ -213,7 +213,10 @@ def _write_meta(engine, tmp: pathlib.Path, tag, entries, steps, files: dict, rng
     }
     buf = io.BytesIO()
     torch.save({"buffers": {k: v.detach().cpu() for k, v in engine.module.named_buffers()},
-                "rng": rngs[0], "rng_ranks": rngs, "client_state": client_state}, buf)
+                "rng": rngs[0], "rng_ranks": rngs, "client_state": client_state,
+                # (a torch scheduler's state need not be JSON: here, not in the meta)
+                "client_lr_scheduler": None if engine.client_lr_scheduler is None else
+                engine.client_lr_scheduler.state_dict()}, buf)
     _write_atomic(tmp / _EXTRA, buf.getvalue())
     _write_atomic(tmp / _META, json.dumps(meta, indent=1).encode())
     _fsync_dir(tmp)
@@ -391,6 +394,9 @@ def load_checkpoint(engine, load_dir, tag=None, load_optimizer_states=True,
     if load_lr_scheduler_states and engine.lr_scheduler is not None and meta["lr_scheduler"]:
         engine.lr_scheduler.load_state_dict(meta["lr_scheduler"])
         engine.apply_lr_schedule()
+    client = extra.get("client_lr_scheduler")
+    if load_lr_scheduler_states and engine.client_lr_scheduler is not None and client is not None:
+        engine.client_lr_scheduler.load_state_dict(client)
     buffers = dict(engine.module.named_buffers())
     with torch.no_grad():
         for k, v in extra["buffers"].items():

@@ -222,6 +222,10 @@ class Engine(ExternalMixin, StateDictMixin, HookWiringMixin, DataParallelMixin, 
         # DeepSpeed's LR schedules; stepped after each optimizer step that
         # was not skipped by an fp16 overflow.
         self.lr_scheduler = build_scheduler(cfg)
+        # deepspeed.initialize's lr_scheduler argument (tidal.deepspeed): a
+        # scheduler over self.optimizer, stepped after each applied step.
+        self.client_lr_scheduler = None
+        self.training_dataloader = None  # tidal.deepspeed.initialize(training_data=...)
         self.lr, self.betas = cfg.lr, cfg.betas
         self.apply_lr_schedule()
         self.global_steps = 0

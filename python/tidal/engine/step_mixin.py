@@ -90,6 +90,12 @@ class StepMixin:
             if self.lr_scheduler is not None:
                 self.lr_scheduler.step()
                 self.apply_lr_schedule()
+            # torch's LR schedulers check that the optimizer stepped before
+            # them (optimizer.step, wrapped, sets this flag); the engine's step
+            # is that step, so a scheduler stepped after it does not warn.
+            self.optimizer._opt_called = True
+            if self.client_lr_scheduler is not None:
+                self.client_lr_scheduler.step()
         if self.dp is not None and overflow:
             # The owners' weights came back from their masters: the others'
             # from the owners.
