@@ -31,6 +31,14 @@ naming the argument (never a silent difference):
 * dist_init_required, distributed_port: only their defaults; tidal's data
   parallelism starts torch.distributed from the config's tidal.data_parallel
   block.
+* args.local_rank, when args has it, is set to the engine's, as DeepSpeed does.
+
+add_config_arguments(parser) adds DeepSpeed's --deepspeed and
+--deepspeed_config (and the deprecated --deepscale, --deepscale_config);
+init_distributed(...) starts torch.distributed under a launcher
+(torchrun's RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT), as DeepSpeed's does;
+without a launcher DeepSpeed would look for MPI, and tidal trains the one
+process with no process group.
 
 Returns (engine, engine.optimizer, the DataLoader or None, the scheduler: the
 client's, else the config's engine.lr_scheduler, else None).
@@ -47,7 +55,7 @@ from .config import Config, ConfigError
 from .engine import initialize as _initialize
 from .engine.errors import UsageError
 
-__all__ = ["initialize"]
+__all__ = ["initialize", "add_config_arguments", "init_distributed"]
 
 _DEFAULT_PORT = 29500  # DeepSpeed's TORCH_DISTRIBUTED_DEFAULT_PORT
 
@@ -161,5 +169,61 @@ def initialize(args: Any = None, model: "torch.nn.Module | None" = None, optimiz
         engine.client_lr_scheduler = scheduler
     engine.training_dataloader = None if training_data is None else \
         _loader(engine, training_data, collate_fn)
+    if args is not None and hasattr(args, "local_rank"):
+        args.local_rank = engine.local_rank
     scheduler = engine.client_lr_scheduler or engine.lr_scheduler
     return engine, engine.optimizer, engine.training_dataloader, scheduler
+
+
+def add_config_arguments(parser):
+    """DeepSpeed's command-line arguments on an argparse parser (returned)."""
+    import argparse
+    group = parser.add_argument_group("DeepSpeed", "DeepSpeed configurations")
+    group.add_argument("--deepspeed", default=False, action="store_true",
+                       help="accepted, as DeepSpeed's flag (tidal trains either way)")
+    group.add_argument("--deepspeed_config", default=None, type=str,
+                       help="DeepSpeed json configuration file.")
+    group.add_argument("--deepscale", default=False, action="store_true", help=argparse.SUPPRESS)
+    group.add_argument("--deepscale_config", default=None, type=str, help=argparse.SUPPRESS)
+    return parser
+
+
+_LAUNCHER_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+def init_distributed(dist_backend: "str | None" = None, auto_mpi_discovery: bool = True,
+                     distributed_port: int = _DEFAULT_PORT, verbose: bool = True, timeout=None,
+                     init_method: "str | None" = None, dist_init_required: "bool | None" = None,
+                     config: Any = None, rank: int = -1, world_size: int = -1) -> None:
+    """deepspeed.init_distributed: starts torch.distributed where a launcher
+    (or init_method with rank and world_size) says how; does nothing when it
+    is already started, or in one process without a launcher (DeepSpeed
+    would try MPI there; tidal needs no process group for one process).
+    dist_init_required=False asks that it be started already."""
+    import datetime
+
+    import torch.distributed as dist
+    del auto_mpi_discovery, verbose, config  # (MPI discovery, logging, comms profiling: none here)
+    if dist.is_available() and dist.is_initialized():
+        return
+    if dist_init_required is False:
+        raise UsageError("tidal.deepspeed.init_distributed(dist_init_required=False): "
+                         "torch.distributed is not initialized; initialize it first, or pass "
+                         "dist_init_required=None")
+    launched = all(k in os.environ for k in _LAUNCHER_ENV)
+    if not launched and not (init_method and rank >= 0 and world_size >= 1):
+        return
+    if not dist.is_available():
+        raise UsageError("tidal.deepspeed.init_distributed: this torch build has no "
+                         "torch.distributed")
+    if not launched and distributed_port != _DEFAULT_PORT:
+        os.environ.setdefault("MASTER_PORT", str(distributed_port))
+    backend = dist_backend or ("nccl" if torch.cuda.is_available() else "gloo")
+    kwargs = {"backend": backend, "timeout": timeout or datetime.timedelta(minutes=30)}
+    if init_method:
+        kwargs["init_method"] = init_method
+    if rank >= 0:
+        kwargs["rank"] = rank
+    if world_size >= 1:
+        kwargs["world_size"] = world_size
+    dist.init_process_group(**kwargs)

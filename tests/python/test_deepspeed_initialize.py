@@ -191,3 +191,141 @@ def test_training_data_needs_a_micro_batch_and_the_last_batch_drops_when_asked()
     _, _, loader, _ = ds.initialize(model=Net(), training_data=Pairs(), config=config(),
                                     collate_fn=lambda items: len(items))
     assert sorted(loader) == [2, 3, 3, 3, 3, 3, 3]
+
+
+class SmallCNN(torch.nn.Module):
+    """A CIFAR-10 tutorial-shaped net (conv, pool, conv, three linears), shrunk, with
+    smooth activations and average pooling, so that a last-bit difference between two
+    Adam implementations (which differs by CPU) cannot flip a ReLU or a max-pool's
+    choice and part the runs."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv1 = torch.nn.Conv2d(3, 6, 3)
+        self.conv2 = torch.nn.Conv2d(6, 8, 3)
+        self.fc1 = torch.nn.Linear(8 * 2 * 2, 24)
+        self.fc2 = torch.nn.Linear(24, 16)
+        self.fc3 = torch.nn.Linear(16, 10)
+
+    def forward(self, x):
+        x = torch.nn.functional.avg_pool2d(torch.tanh(self.conv1(x)), 2)
+        x = torch.tanh(self.conv2(x)).flatten(1)
+        return self.fc3(torch.tanh(self.fc2(torch.tanh(self.fc1(x)))))
+
+
+class Images(torch.utils.data.Dataset):
+    def __init__(self, n=40):
+        g = torch.Generator().manual_seed(11)
+        self.x = torch.randn(n, 3, 10, 10, generator=g)
+        self.y = torch.randint(0, 10, (n,), generator=g)
+
+    def __len__(self):
+        return len(self.x)
+
+    def __getitem__(self, i):
+        return self.x[i], self.y[i]
+
+
+def test_the_deepspeed_cifar_tutorials_loop_runs_as_it_is(tmp_path):
+    # The shape of DeepSpeedExamples' training/cifar script: its own argparse with
+    # DeepSpeed's arguments, the config file from --deepspeed_config, initialize with
+    # training_data, inputs moved to model_engine.device, the loss outside the
+    # engine. The reference is plain PyTorch over the same batches with what that
+    # config means in DeepSpeed: "Adam" with weight decay is AdamW, and WarmupLR's
+    # default warm-up is logarithmic, lr = max * log(i + 1) / log(n) at iteration i < n
+    # and max from n on (i starts at -1, the min, and counts applied steps).
+    cfg = {"train_batch_size": 4, "steps_per_print": 2000,
+           "optimizer": {"type": "Adam", "params": {"lr": 0.01, "betas": [0.8, 0.999],
+                                                    "eps": 1e-8, "weight_decay": 3e-7}},
+           "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 0, "warmup_max_lr": 0.01,
+                                                        "warmup_num_steps": 6}},
+           "gradient_clipping": 1.0,
+           "zero_optimization": {"stage": 0},
+           "tidal": {"chunk_size": 4096, "device_margin": 1024}}
+    path = tmp_path / "ds_config.json"
+    path.write_text(json.dumps(cfg))
+    parser = argparse.ArgumentParser(description="CIFAR")
+    parser.add_argument("--epochs", type=int, default=1)
+    parser.add_argument("--local_rank", type=int, default=-1)
+    parser = ds.add_config_arguments(parser)
+    args = parser.parse_args(["--deepspeed", "--deepspeed_config", str(path)])
+    assert args.deepspeed and args.deepspeed_config == str(path)
+    ds.init_distributed()  # no launcher: one process, no process group
+    assert not torch.distributed.is_initialized()
+    torch.manual_seed(0)
+    net = SmallCNN()
+    ref = copy.deepcopy(net)
+    parameters = filter(lambda p: p.requires_grad, net.parameters())
+    with pytest.warns(UserWarning, match="'zero_optimization.stage' = 0 is not used by tidal"):
+        model_engine, optimizer, trainloader, _ = ds.initialize(
+            args=args, model=net, model_parameters=parameters, training_data=Images())
+    assert args.local_rank == model_engine.local_rank == 0
+    assert model_engine.device == torch.device("cpu") and model_engine.world_size == 1
+    assert model_engine.global_rank == 0 and not model_engine.fp16_enabled()
+    criterion = torch.nn.CrossEntropyLoss()
+    torch.manual_seed(1)
+    seen, losses = [], []
+    for i, data in enumerate(trainloader):
+        inputs, labels = data[0].to(model_engine.device), data[1].to(model_engine.device)
+        outputs = model_engine(inputs)
+        loss = criterion(outputs, labels)
+        model_engine.backward(loss)
+        model_engine.step()
+        seen.append((inputs, labels))
+        losses.append(loss.item())
+    assert len(seen) == 10 and model_engine.global_steps == 10
+    opt = torch.optim.AdamW(ref.parameters(), lr=0.0, betas=(0.8, 0.999), eps=1e-8,
+                            weight_decay=3e-7)
+    ref_losses = []
+    for k, (x, y) in enumerate(seen):
+        i = k - 1  # WarmupLR's iteration before step k: -1, then one more per step
+        gamma = 0.0 if i < 0 else math.log(i + 1) / math.log(6) if i < 6 else 1.0
+        opt.param_groups[0]["lr"] = 0.01 * gamma
+        loss = criterion(ref(x), y)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad()
+        ref_losses.append(loss.item())
+    assert all(math.isclose(a, b, rel_tol=1e-5) for a, b in zip(losses, ref_losses)), \
+        (losses, ref_losses)
+    weights = model_engine.parameters_fp32()
+    for key, p in ref.named_parameters():
+        err = (weights[key] - p.detach()).norm() / p.norm()
+        assert err <= 1e-5, f"{key}: relative L2 error {err:.3g}"
+
+
+def test_local_rank_is_the_launchers_and_init_distributed_wants_what_it_is_told(monkeypatch):
+    monkeypatch.setenv("LOCAL_RANK", "3")
+    engine, *_ = ds.initialize(model=Net(), config=config())
+    assert engine.local_rank == 3 and engine.world_size == 1
+    with pytest.raises(UsageError, match="dist_init_required=False"):
+        ds.init_distributed(dist_init_required=False)
+
+
+_UNDER_A_LAUNCHER = """
+import os, socket, sys, torch, tidal
+from tidal import deepspeed as ds
+s = socket.socket(); s.bind(("127.0.0.1", 0)); port = s.getsockname()[1]; s.close()
+os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+                  MASTER_PORT=str(port))
+tidal.set_device("sim", capacity="1GiB")
+ds.init_distributed()
+assert torch.distributed.is_initialized() and torch.distributed.get_backend() == "gloo"
+model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 1))
+engine, *_ = ds.initialize(model=model, config={
+    "train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}})
+x = torch.randn(2, 8)
+engine.backward(engine(x).sum())
+engine.step()
+print("ranks", engine.global_rank, engine.world_size, engine.train_batch_size())
+torch.distributed.destroy_process_group()
+"""
+
+
+def test_init_distributed_under_a_launcher_starts_the_process_group():
+    import subprocess
+    proc = subprocess.run([sys.executable, "-c", _UNDER_A_LAUNCHER], capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "ranks 0 1 2" in proc.stdout

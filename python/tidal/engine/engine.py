@@ -46,6 +46,7 @@ there). What N is depends on the device (Engine._new_tracer, hook_wiring.py):
 from __future__ import annotations
 
 import collections
+import os
 import warnings
 import weakref
 
@@ -627,6 +628,25 @@ class Engine(ExternalMixin, StateDictMixin, HookWiringMixin, DataParallelMixin, 
 
     # DeepSpeed's engine queries, with DeepSpeedEngine's names and results, so
     # a DeepSpeed training loop's logging runs as it is.
+    @property
+    def device(self) -> torch.device:
+        """Where the model computes: inputs go here (x.to(engine.device))."""
+        return self.store.torch_device
+
+    @property
+    def local_rank(self) -> int:
+        """The launcher's LOCAL_RANK (0 without one), as DeepSpeed's."""
+        return int(os.environ.get("LOCAL_RANK", "0"))
+
+    @property
+    def global_rank(self) -> int:
+        return 0 if self.dp is None else self.dp.rank
+
+    @property
+    def world_size(self) -> int:
+        """The data-parallel ranks (1 without data parallel)."""
+        return 1 if self.dp is None else self.dp.world
+
     def get_lr(self) -> list:
         """The learning rate of each parameter group for the next step."""
         return [g["lr"] for g in self.optimizer.param_groups]
