@@ -101,3 +101,33 @@ def test_a_fraction_that_is_no_cap_is_refused(bad):
     with pytest.raises(ValueError, match="fraction in \\(0, 1\\]"):
         caps.claim(Engine(), 0, bad)
     assert t.sets == 0 and caps.claims(0) == []
+
+
+def test_an_engine_collected_inside_a_claim_does_not_deadlock_and_still_gives_back():
+    # Engines sit in reference cycles (their model's hooks hold them): the cycle
+    # collector frees them, at any allocation, here inside torch's get() during
+    # another engine's claim on the same thread.
+    import threading
+    t = Torch()
+    collect = []
+
+    def get(device):
+        if collect:
+            gc.collect()
+        return t.get(device)
+    caps = DeviceCaps(get, t.set)
+    a = Engine()
+    a.self = a  # a cycle: only the collector frees it
+    caps.claim(a, 0, 0.5)
+    del a
+    collect.append(True)
+    b = Engine()
+    done = threading.Event()
+
+    def claim_b():
+        caps.claim(b, 1, 0.25)
+        done.set()
+    threading.Thread(target=claim_b, daemon=True).start()
+    assert done.wait(30), "claim() deadlocked on the finalizer of a collected engine"
+    assert near(t.get(0), 1.0) and caps.claims(0) == []  # a's claim ended, device 0 back
+    assert near(t.get(1), 0.25) and caps.claims(1) == [0.25]

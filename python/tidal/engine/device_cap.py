@@ -18,9 +18,16 @@ and torch may be half torn down. A fraction somebody else set
 while claims were live is theirs: it is kept when the claims end, and a
 claim ending re-applies the newest remaining claim only while the current
 fraction is still one tidal set.
+
+An engine sits in reference cycles (its model's hooks hold it), so it is
+freed by the cycle collector, which runs at any allocation, also inside
+claim() on the same thread. So the finalizer never waits for the lock: it
+queues its claim's end and applies it when the lock is free (at once, or when
+the claim() under way, or the next, is done).
 """
 from __future__ import annotations
 
+import collections
 import threading
 import weakref
 
@@ -37,6 +44,7 @@ class DeviceCaps:
         self._lock = threading.Lock()
         self._claims: dict[int, list] = {}  # device -> [[token, fraction], ...], oldest first
         self._before: dict[int, float] = {}  # device -> the fraction before its first claim
+        self._ended: collections.deque = collections.deque()  # (device, token) to release
 
     def claim(self, owner, device: int, fraction: float) -> None:
         """Caps `device` at `fraction` until `owner` is collected."""
@@ -46,33 +54,52 @@ class DeviceCaps:
         fraction = min(1.0, float(fraction))
         token = object()
         with self._lock:
+            self._release_ended()
             claims = self._claims.setdefault(device, [])
             if not claims:
                 self._before[device] = self._get(device)
             claims.append([token, fraction])
             self._set(fraction, device)
-        weakref.finalize(owner, self._release, device, token).atexit = False
+        weakref.finalize(owner, self._ended_claim, device, token).atexit = False
+        self._release_when_free()
+
+    def _ended_claim(self, device: int, token) -> None:
+        # (the finalizer: never waits for the lock, see the Note)
+        self._ended.append((device, token))
+        self._release_when_free()
+
+    def _release_when_free(self) -> None:
+        while self._ended and self._lock.acquire(blocking=False):
+            try:
+                self._release_ended()
+            finally:
+                self._lock.release()
+
+    def _release_ended(self) -> None:
+        """Ends the queued claims; the lock is held."""
+        while self._ended:
+            self._release(*self._ended.popleft())
 
     def _release(self, device: int, token) -> None:
-        with self._lock:
-            claims = self._claims.get(device, [])
-            ours = [f for _, f in claims]
-            remaining = [c for c in claims if c[0] is not token]
-            if len(remaining) == len(claims):
-                return
-            self._claims[device] = remaining
-            current = self._get(device)
-            if not any(_same(current, f) for f in ours):
-                if not remaining:
-                    self._before.pop(device, None)
-                return  # set by somebody else since: theirs
-            target = remaining[-1][1] if remaining else self._before.pop(device)
-            if not _same(target, current):
-                self._set(target, device)
+        claims = self._claims.get(device, [])
+        ours = [f for _, f in claims]
+        remaining = [c for c in claims if c[0] is not token]
+        if len(remaining) == len(claims):
+            return
+        self._claims[device] = remaining
+        current = self._get(device)
+        if not any(_same(current, f) for f in ours):
+            if not remaining:
+                self._before.pop(device, None)
+            return  # set by somebody else since: theirs
+        target = remaining[-1][1] if remaining else self._before.pop(device)
+        if not _same(target, current):
+            self._set(target, device)
 
     def claims(self, device: int) -> list[float]:
         """The live claims' fractions on `device`, oldest first."""
         with self._lock:
+            self._release_ended()
             return [f for _, f in self._claims.get(device, [])]
 
 
