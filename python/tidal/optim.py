@@ -22,8 +22,9 @@ _TORCH_ONLY_FLAGS = ("amsgrad", "maximize")
 
 
 def _number(name: str, value: Any) -> float:
-    """A hyperparameter as a float: a Python number or a one-element tensor
-    (as torch's optimizers take), else ValueError naming it."""
+    """A hyperparameter as a float: a real number (Python's, NumPy's, anything
+    float() takes but a string or a bool) or a one-element tensor, as torch's
+    optimizers take; else ValueError naming it."""
     if torch.is_tensor(value):
         if value.numel() != 1:
             raise ValueError(f"Invalid {name}: a tensor of shape {tuple(value.shape)} (Tensor "
@@ -31,9 +32,15 @@ def _number(name: str, value: Any) -> float:
         if value.is_complex() or value.dtype == torch.bool:
             raise ValueError(f"Invalid {name}: a {value.dtype} tensor (expected a real number)")
         return float(value.item())
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
+    if isinstance(value, (bool, str, bytes)) or getattr(value, "dtype", None) == bool:
         raise ValueError(f"Invalid {name}: {value!r} (expected a real number)")
-    return float(value)
+    if getattr(value, "ndim", 0) or getattr(value, "size", 1) != 1:
+        raise ValueError(f"Invalid {name}: an array of shape {getattr(value, 'shape', '?')} "
+                         f"(expected one number)")
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"Invalid {name}: {value!r} (expected a real number)") from None
 
 
 def _check_param(p: torch.Tensor, where: str) -> None:
@@ -98,12 +105,23 @@ class CPUAdam(torch.optim.Optimizer):
         *,
         num_threads: int = 0,
         thread_pool: str = "onetbb",
+        amsgrad: bool = False,
+        maximize: bool = False,
     ) -> None:
+        # torch's switches for other update rules: taken when off (a call written
+        # for torch.optim.AdamW passes them), refused when on.
+        for flag, on in (("amsgrad", amsgrad), ("maximize", maximize)):
+            if on:
+                raise NotImplementedError(
+                    f"CPUAdam: {flag}=True asks for another update rule, which CPUAdam does not "
+                    f"implement; train with torch.optim.AdamW(..., {flag}=True) instead.")
         lr, eps, weight_decay = (_number(n, v) for n, v in (("lr", lr), ("eps", eps),
                                                              ("weight_decay", weight_decay)))
-        if not isinstance(betas, (tuple, list)) or len(betas) != 2:
-            raise ValueError(f"Invalid betas: {betas!r} (expected two numbers in [0, 1))")
-        betas = (_number("betas[0]", betas[0]), _number("betas[1]", betas[1]))
+        try:
+            beta1, beta2 = betas
+        except (TypeError, ValueError):
+            raise ValueError(f"Invalid betas: {betas!r} (expected two numbers in [0, 1))") from None
+        betas = (_number("betas[0]", beta1), _number("betas[1]", beta2))
         if not 0.0 <= lr:
             raise ValueError(f"Invalid learning rate: {lr} (expected >= 0)")
         if not 0.0 <= eps:
