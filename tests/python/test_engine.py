@@ -847,14 +847,44 @@ def test_deepspeeds_engine_queries_answer_as_deepspeed_does():
     assert engine.skipped_steps == 1 and engine.global_steps == 4
     # The overflow did not advance the schedule: three applied steps.
     assert applied == 3 and engine.get_lr() == pytest.approx([LR * 2 / 4, LR * 2 / 8])
-    # A window cut short at one backward pass counts its 2 samples, as DeepSpeed's does.
+    # A window cut short at one backward pass: DeepSpeed (managed accumulation, its
+    # default) still counts train_batch_size() for the step.
     engine.set_gradient_accumulation_boundary(True)
     x, y = batches[0]
     engine.backward(engine(x, y))
     engine.step()
     engine.set_gradient_accumulation_boundary(None)
-    assert engine.was_step_applied() and engine.global_samples == 18
+    assert engine.was_step_applied() and engine.global_samples == 20
     # A config with no batch named: DeepSpeed's None.
     other = tidal.initialize(TinyGPT(d=32, seq=8), config(budget="64MiB", chunk=1 << 16))
     assert other.train_micro_batch_size_per_gpu() is None and other.train_batch_size() is None
     assert other.gradient_accumulation_steps() == 1 and not other.fp16_enabled()
+
+
+def test_module_methods_that_would_act_on_placeholders_are_the_engines_and_refuse():
+    # What the engine lacks is the model's (engine.generate, ...), but nn.Module's
+    # conversions would act on placeholders and return the model: the engine's
+    # own return the engine where they are no-ops and refuse the rest by name.
+    torch.manual_seed(0)
+    engine = tidal.initialize(TinyGPT(d=32, seq=8), config(budget="64MiB", chunk=1 << 16))
+    assert engine.to(engine.device) is engine and engine.to("cpu") is engine
+    assert engine.cpu() is engine and engine.float() is engine  # fp32 on the simulated device
+    with pytest.raises(tidal.UsageError, match="engine.to\\('cuda'\\): the parameters live in chunks"):
+        engine.to("cuda")
+    with pytest.raises(tidal.UsageError, match="engine.to\\(torch.float16\\)"):
+        engine.to(torch.float16)
+    for name in ("half", "bfloat16", "double"):
+        with pytest.raises(tidal.UsageError, match=f"engine.{name}\\(\\): the parameters' dtype is "
+                                                    f"the config's precision \\(fp32"):
+            getattr(engine, name)()
+    with pytest.raises(tidal.UsageError, match="engine.apply\\(fn\\): the model's parameters are "
+                                                "placeholders"):
+        engine.apply(lambda m: None)
+    with pytest.raises(tidal.UsageError, match="engine.requires_grad_\\(\\)"):
+        engine.requires_grad_(False)
+    # Still passed through: the model's own queries.
+    assert [n for n, _ in engine.named_parameters()] == [n for n, _ in engine.module.named_parameters()]
+    # ... and training still works after the refusals.
+    x, y = gpt_batches(1)[0]
+    engine.backward(engine(x, y))
+    assert engine.step() is True

@@ -386,10 +386,10 @@ def load_checkpoint(engine, load_dir, tag=None, load_optimizer_states=True,
     eng = meta["engine"]
     engine.global_steps = int(eng["global_steps"])
     engine.micro_steps = int(eng["micro_steps"])
-    engine._micro_steps_at_step = engine.micro_steps
     engine.skipped_steps = int(eng["skipped_steps"])
-    # (checkpoints written before it was saved: the steps' samples are unknown)
-    engine.global_samples = int(eng.get("global_samples", 0))
+    # (checkpoints written before it was saved: DeepSpeed's count for the steps)
+    engine.global_samples = int(eng.get("global_samples",
+                                        engine.global_steps * (engine.train_batch_size() or 0)))
     engine.lr = float(eng["lr"])
     if load_lr_scheduler_states and engine.lr_scheduler is not None and meta["lr_scheduler"]:
         engine.lr_scheduler.load_state_dict(meta["lr_scheduler"])

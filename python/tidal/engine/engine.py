@@ -233,7 +233,6 @@ class Engine(ExternalMixin, StateDictMixin, HookWiringMixin, DataParallelMixin, 
         self.global_samples = 0  # samples of the steps taken, as DeepSpeed counts them
         self._step_applied = False
         self.micro_steps = 0
-        self._micro_steps_at_step = 0
         self._forced_boundary: "bool | None" = None
         self.skipped_steps = 0
         self._last_grad_norm: float | None = None
@@ -481,6 +480,60 @@ class Engine(ExternalMixin, StateDictMixin, HookWiringMixin, DataParallelMixin, 
     def train(self, mode: bool = True):
         self.module.train(mode)
         return self
+
+    # nn.Module's methods that move or convert parameters, or write to them:
+    # the model's would act on placeholders (the values live in chunks) and
+    # return the model, not the engine, so they are the engine's, and refuse
+    # what they cannot do rather than do nothing.
+    def to(self, *args, **kwargs):
+        """Returns the engine when asked for its own device and no dtype."""
+        device, dtype, _, _ = torch._C._nn._parse_to(*args, **kwargs)
+        if dtype is None and (device is None or _same_device(device, self.device)):
+            return self
+        raise UsageError(
+            f"engine.to({', '.join(map(repr, args))}): the parameters live in chunks, on "
+            f"{self.device} as the budget allows and in {self.precision} as the config says "
+            f"(bf16/fp16 keys); inputs go to engine.device, and a dtype is chosen in the config")
+
+    def cuda(self, device=None):
+        return self.to(torch.device("cuda", device) if isinstance(device, int) else device or "cuda")
+
+    def cpu(self):
+        return self.to("cpu")
+
+    def _refuse_conversion(self, name: str):
+        raise UsageError(f"engine.{name}(): the parameters' dtype is the config's precision "
+                         f"({self.precision}: the 'bf16' / 'fp16' blocks), fixed when "
+                         f"tidal.initialize put them into chunks")
+
+    def half(self):
+        return self if self.precision == "fp16" else self._refuse_conversion("half")
+
+    def bfloat16(self):
+        return self if self.precision == "bf16" else self._refuse_conversion("bfloat16")
+
+    def float(self):
+        return self if self.precision == "fp32" else self._refuse_conversion("float")
+
+    def double(self):
+        self._refuse_conversion("double")
+
+    def type(self, dst_type=None):
+        self._refuse_conversion("type")
+
+    def apply(self, fn):
+        raise UsageError(
+            "engine.apply(fn): the model's parameters are placeholders while the engine trains "
+            "them (their values live in chunks), so fn would change nothing; initialise weights "
+            "before tidal.initialize, or build the model in tidal.init_context (its modules' "
+            "own initialisation writes into the chunks), or load them with "
+            "engine.load_state_dict")
+
+    def requires_grad_(self, requires_grad: bool = True):
+        raise UsageError(
+            "engine.requires_grad_(): which parameters train is fixed by tidal.initialize (the "
+            "frozen ones keep only their 16-bit copy in chunks); set requires_grad on the model "
+            "before it, or pass model_parameters")
 
     def eval(self):
         return self.train(False)
@@ -819,6 +872,14 @@ class Engine(ExternalMixin, StateDictMixin, HookWiringMixin, DataParallelMixin, 
         self._settle_overlap()
         with _dtr.outside():
             return _checkpoint.save_pretrained(self, save_dir, max_shard_size, dtype)
+
+def _same_device(a: torch.device, b: torch.device) -> bool:
+    if a.type != b.type:
+        return False
+    if a.type != "cuda" or a.index is None or b.index is None:
+        return True
+    return a.index == b.index
+
 
 def initialize(model: torch.nn.Module, config=None, model_parameters=None) -> Engine:
     """Puts `model`'s parameters into chunks and returns the Engine that trains it.

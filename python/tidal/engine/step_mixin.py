@@ -31,12 +31,15 @@ class StepMixin:
         with self.dtr.weights_change():
             applied = self._step()
         self._step_applied = bool(applied)
-        # DeepSpeed's count: the window's backward passes x samples per pass
-        # over the ranks (a window set_gradient_accumulation_boundary cut short
-        # counts what it had).
-        per_pass = (self.train_batch_size() or 0) // self.config.gradient_accumulation_steps
-        self.global_samples += per_pass * (self.micro_steps - self._micro_steps_at_step)
-        self._micro_steps_at_step = self.micro_steps
+        # DeepSpeed's count (managed accumulation, its default): the config's
+        # train_batch_size per step, a window set_gradient_accumulation_boundary
+        # cut short included.
+        self.global_samples += self.train_batch_size() or 0
+        # A client LR scheduler (tidal.deepspeed.initialize), after each applied
+        # step as DeepSpeed's; last, so a scheduler that raises leaves a step
+        # whose bookkeeping is done.
+        if applied and self.client_lr_scheduler is not None:
+            self.client_lr_scheduler.step()
         return applied
 
     def _step(self):
@@ -94,8 +97,6 @@ class StepMixin:
             # them (optimizer.step, wrapped, sets this flag); the engine's step
             # is that step, so a scheduler stepped after it does not warn.
             self.optimizer._opt_called = True
-            if self.client_lr_scheduler is not None:
-                self.client_lr_scheduler.step()
         if self.dp is not None and overflow:
             # The owners' weights came back from their masters: the others'
             # from the owners.
