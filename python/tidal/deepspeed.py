@@ -6,8 +6,10 @@ A DeepSpeed training script starts with
         args=args, model=model, model_parameters=params, training_data=dataset, config=cfg)
 
 and with `from tidal import deepspeed` the same line builds a tidal engine.
-What DeepSpeed does with each argument, tidal does, or refuses with an error
-naming the argument (never a silent difference):
+What DeepSpeed 0.19.8 does with each argument, tidal does, or refuses with an
+error naming the argument (never a silent difference). Everything that can
+be refused is refused before the model's weights move into chunks, so a
+refused call leaves the model as it was.
 
 * config / config_params / args.deepspeed_config (args.deepscale_config):
   where the config comes from, with DeepSpeed's rules (one source only).
@@ -15,22 +17,27 @@ naming the argument (never a silent difference):
 * optimizer: refused. tidal runs its own Adam over the chunks, from the
   config's "optimizer" block; a client optimizer would hold a second copy of
   states that never move.
-* training_data (+ collate_fn): a DataLoader of micro batches
-  (train_micro_batch_size_per_gpu), shuffled, sharded over the
-  data-parallel ranks (DistributedSampler) or over this process
-  (RandomSampler), dropping the last short batch when the config's
-  dataloader_drop_last says so, as DeepSpeedDataLoader; it is also
-  engine.training_dataloader.
-* lr_scheduler: a scheduler, or a callable that takes the optimizer and
-  returns one (torch's LR schedulers work: engine.optimizer is a
-  torch.optim.Optimizer whose groups the step reads). The engine steps it
-  after each optimizer step that was applied, as DeepSpeed does, and
-  checkpoints keep its state. A config "scheduler" block as well is refused
-  (DeepSpeed would quietly use the config's).
+* training_data (+ collate_fn): DeepSpeedDataLoader's batches: micro batches
+  (train_micro_batch_size_per_gpu) drawn by a DistributedSampler over the
+  data-parallel ranks (one replica without data parallel): shuffled with
+  seed 0, the same order every epoch unless the script calls
+  loader.sampler.set_epoch; the last short batch dropped when the config's
+  dataloader_drop_last says so. It is also engine.training_dataloader.
+* lr_scheduler: a callable that takes the optimizer and returns a scheduler
+  (torch's LR schedulers work: engine.optimizer is a torch.optim.Optimizer
+  whose groups the step reads). The engine steps it after each applied
+  optimizer step, as DeepSpeed does, and checkpoints keep its state. As in
+  DeepSpeed it replaces the config's "scheduler" block, which is then not
+  used (a warning says so). A scheduler object is refused: it is bound to an
+  optimizer made before the engine's, which tidal would not step.
+  ReduceLROnPlateau is refused too: it steps on a metric, which DeepSpeed
+  fills with the batch size; step it yourself.
 * mpu, mesh_param: refused (tidal has no model or sequence parallelism).
-* dist_init_required, distributed_port: only their defaults; tidal's data
-  parallelism starts torch.distributed from the config's tidal.data_parallel
-  block.
+* dist_init_required: None (DeepSpeed's default) leaves torch.distributed to
+  tidal's data parallelism (the config's tidal.data_parallel block, or
+  torchrun's environment); True starts it as init_distributed does; False
+  asks that it be started already. distributed_port: only DeepSpeed's
+  default (DeepSpeed uses it to discover MPI, which tidal does not).
 * args.local_rank, when args has it, is set to the engine's, as DeepSpeed does.
 
 add_config_arguments(parser) adds DeepSpeed's --deepspeed and
@@ -45,13 +52,16 @@ client's, else the config's engine.lr_scheduler, else None).
 """
 from __future__ import annotations
 
-import json
+import copy
+import dataclasses
 import os
+import warnings
 from typing import Any
 
 import torch
 
-from .config import Config, ConfigError
+from . import data_parallel as _dp
+from .config import Config, ConfigError, _read
 from .engine import initialize as _initialize
 from .engine.errors import UsageError
 
@@ -86,36 +96,85 @@ def _config_source(args, config, config_params):
     return config
 
 
-def _read(config):
-    """The config as a dict (a path is read here, so its scheduler block can be seen)."""
+def _load(config, client_scheduler: bool) -> Config:
+    """The config, loaded once; with a client scheduler, without its own
+    "scheduler" block (DeepSpeed builds only the client's), with a warning."""
     if isinstance(config, Config):
-        return config.raw, config
-    if isinstance(config, (str, os.PathLike)):
-        with open(config, encoding="utf-8") as f:
-            return json.load(f), config
-    return config, config
+        if client_scheduler and config.scheduler is not None:
+            _scheduler_not_used(config.scheduler.get("type"))
+            config = dataclasses.replace(config, scheduler=None)
+        return config
+    raw = _read(config)
+    if client_scheduler and raw.get("scheduler"):
+        raw = copy.deepcopy(raw)
+        block = raw.pop("scheduler")
+        _scheduler_not_used(block.get("type") if isinstance(block, dict) else block)
+    return Config.load(raw)
 
 
-def _loader(engine, dataset, collate_fn):
-    from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, RandomSampler
-    micro = engine.train_micro_batch_size_per_gpu()
-    if micro is None:
+def _scheduler_not_used(kind) -> None:
+    warnings.warn(f"config key 'scheduler' ({kind!r}) is not used: the lr_scheduler passed to "
+                  f"tidal.deepspeed.initialize schedules the learning rate, as DeepSpeed's "
+                  f"initialize does", stacklevel=4)
+
+
+def _groups(model, model_parameters) -> int:
+    """How many parameter groups engine.optimizer will have."""
+    if model_parameters is None:
+        return 1
+    return sum(1 for g in model_parameters if isinstance(g, dict)) or 1
+
+
+def _check_scheduler(make, groups: int, lr: float):
+    """Refuses, before any weight moves, a scheduler the engine could not step:
+    `make` is tried on a stand-in optimizer with the engine's number of groups."""
+    if not callable(make) or hasattr(make, "step"):
+        raise UsageError(
+            f"tidal.deepspeed.initialize: lr_scheduler={type(make).__name__} is a scheduler "
+            f"object, bound to an optimizer made before the engine's (which tidal would not "
+            f"step); pass a callable that takes the optimizer: "
+            f"lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, ...)")
+    stand_in = torch.optim.SGD([{"params": [torch.nn.Parameter(torch.zeros(1))]}
+                                for _ in range(groups)], lr=lr)
+    made = make(stand_in)
+    if isinstance(made, torch.optim.lr_scheduler.ReduceLROnPlateau):
+        raise UsageError(
+            "tidal.deepspeed.initialize: lr_scheduler makes a ReduceLROnPlateau, which steps on "
+            "a metric (DeepSpeed passes it the batch size); pass no lr_scheduler and call its "
+            "step(metric) yourself after each evaluation, on engine.optimizer")
+    if getattr(made, "optimizer", stand_in) is not stand_in:
+        raise UsageError("tidal.deepspeed.initialize: lr_scheduler's callable returned a "
+                         "scheduler of another optimizer than the one it was given")
+    for method in ("step", "state_dict", "load_state_dict"):
+        if not callable(getattr(made, method, None)):
+            raise UsageError(f"tidal.deepspeed.initialize: lr_scheduler's callable returned a "
+                             f"{type(made).__name__} without {method}(); DeepSpeed needs "
+                             f"step(), state_dict() and load_state_dict()")
+
+
+def _check_data(cfg: Config, dataset) -> None:
+    from torch.utils.data import IterableDataset
+    if cfg.micro_batch_size is None:
         raise ConfigError("tidal.deepspeed.initialize(training_data=...) batches by the config's "
                           "train_micro_batch_size_per_gpu (or train_batch_size), and the config "
                           "names neither")
+    if isinstance(dataset, IterableDataset) and _dp.wanted(cfg.data_parallel):
+        raise UsageError("tidal.deepspeed.initialize: an IterableDataset cannot be sharded over "
+                         "the data-parallel ranks by a sampler; shard it yourself and build the "
+                         "DataLoader")
+
+
+def _loader(engine, dataset, collate_fn):
+    from torch.utils.data import DataLoader, DistributedSampler, IterableDataset
+    micro = engine.train_micro_batch_size_per_gpu()
     drop_last = bool(engine.config.raw.get("dataloader_drop_last", False))
-    pin = engine.store.torch_device.type == "cuda"
+    pin = engine.device.type == "cuda"
     if isinstance(dataset, IterableDataset):
-        if engine.dp is not None:
-            raise UsageError("tidal.deepspeed.initialize: an IterableDataset cannot be sharded over "
-                             "the data-parallel ranks by a sampler; shard it yourself and build "
-                             "the DataLoader")
         return DataLoader(dataset, batch_size=micro, collate_fn=collate_fn, drop_last=drop_last,
                           pin_memory=pin)
-    if engine.dp is not None:
-        sampler = DistributedSampler(dataset, num_replicas=engine.dp.world, rank=engine.dp.rank)
-    else:
-        sampler = RandomSampler(dataset)
+    # DeepSpeedDataLoader's sampler under its launcher (local_rank >= 0): distributed over the
+    # data-parallel ranks, one replica without them.
+    sampler = DistributedSampler(dataset, num_replicas=engine.world_size, rank=engine.global_rank)
     return DataLoader(dataset, batch_size=micro, sampler=sampler, collate_fn=collate_fn,
                       drop_last=drop_last, pin_memory=pin)
 
@@ -140,33 +199,23 @@ def initialize(args: Any = None, model: "torch.nn.Module | None" = None, optimiz
             raise UsageError(f"tidal.deepspeed.initialize: {name}={value!r}: tidal has no model or "
                              f"sequence parallelism (one GPU, or data parallel over "
                              f"tidal.data_parallel)")
-    if dist_init_required is not None or distributed_port != _DEFAULT_PORT:
+    if distributed_port != _DEFAULT_PORT:
         raise UsageError(
-            f"tidal.deepspeed.initialize: dist_init_required={dist_init_required!r}, "
-            f"distributed_port={distributed_port!r}: tidal's data parallelism starts "
-            f"torch.distributed itself from the config's tidal.data_parallel block (under "
-            f"torchrun, from its environment); leave these at DeepSpeed's defaults")
-    raw, config = _read(_config_source(args, config, config_params))
-    if lr_scheduler is not None and isinstance(raw, dict) and raw.get("scheduler"):
-        raise UsageError(
-            f"tidal.deepspeed.initialize: lr_scheduler={type(lr_scheduler).__name__} and the "
-            f"config's 'scheduler' block ({raw['scheduler'].get('type')!r}): DeepSpeed would use "
-            f"the config's and drop yours without a word; keep one")
-    engine = _initialize(model, config, model_parameters)
+            f"tidal.deepspeed.initialize: distributed_port={distributed_port!r}: DeepSpeed uses "
+            f"it to discover MPI, which tidal does not; torch.distributed takes MASTER_PORT from "
+            f"the launcher (torchrun --master_port)")
+    if dist_init_required is not None:
+        init_distributed(dist_init_required=dist_init_required)
+    cfg = _load(_config_source(args, config, config_params), lr_scheduler is not None)
+    if model_parameters is not None:
+        model_parameters = list(model_parameters)  # (an iterator is read twice below)
     if lr_scheduler is not None:
-        scheduler = lr_scheduler(engine.optimizer) if callable(lr_scheduler) and \
-            not hasattr(lr_scheduler, "step") else lr_scheduler
-        if getattr(scheduler, "optimizer", engine.optimizer) is not engine.optimizer:
-            raise UsageError(
-                "tidal.deepspeed.initialize: lr_scheduler is bound to another optimizer; tidal's "
-                "optimizer exists only once the engine does, so pass a callable: "
-                "lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, ...)")
-        for method in ("step", "state_dict", "load_state_dict"):
-            if not callable(getattr(scheduler, method, None)):
-                raise UsageError(f"tidal.deepspeed.initialize: lr_scheduler "
-                                 f"({type(scheduler).__name__}) has no {method}(); DeepSpeed "
-                                 f"needs step(), state_dict() and load_state_dict() too")
-        engine.client_lr_scheduler = scheduler
+        _check_scheduler(lr_scheduler, _groups(model, model_parameters), cfg.lr)
+    if training_data is not None:
+        _check_data(cfg, training_data)
+    engine = _initialize(model, cfg, model_parameters)
+    if lr_scheduler is not None:
+        engine.client_lr_scheduler = lr_scheduler(engine.optimizer)
     engine.training_dataloader = None if training_data is None else \
         _loader(engine, training_data, collate_fn)
     if args is not None and hasattr(args, "local_rank"):
@@ -207,9 +256,8 @@ def init_distributed(dist_backend: "str | None" = None, auto_mpi_discovery: bool
     if dist.is_available() and dist.is_initialized():
         return
     if dist_init_required is False:
-        raise UsageError("tidal.deepspeed.init_distributed(dist_init_required=False): "
-                         "torch.distributed is not initialized; initialize it first, or pass "
-                         "dist_init_required=None")
+        raise UsageError("tidal.deepspeed: dist_init_required=False, but torch.distributed is "
+                         "not initialized; initialize it first, or pass dist_init_required=None")
     launched = all(k in os.environ for k in _LAUNCHER_ENV)
     if not launched and not (init_method and rank >= 0 and world_size >= 1):
         return

@@ -79,15 +79,20 @@ def test_a_deepspeed_loop_trains_as_plain_pytorch_with_the_same_scheduler():
     assert optimizer is engine.optimizer and loader is engine.training_dataloader
     assert isinstance(scheduler, torch.optim.lr_scheduler.LambdaLR)
     assert scheduler is engine.client_lr_scheduler and scheduler.optimizer is engine.optimizer
-    # DeepSpeedDataLoader: micro batches of the config's size, shuffled, the last short
-    # one kept (dataloader_drop_last false): 20 samples -> 7 batches.
+    # DeepSpeedDataLoader: micro batches of the config's size from a DistributedSampler
+    # (one replica here): shuffled with seed 0, the same order each epoch whatever
+    # torch's seed; the last short batch kept (dataloader_drop_last false).
     assert loader.batch_size == 3 and len(loader) == 7
-    assert isinstance(loader.sampler, torch.utils.data.RandomSampler)
+    assert isinstance(loader.sampler, torch.utils.data.DistributedSampler)
     torch.manual_seed(5)
     batches = list(loader)
+    torch.manual_seed(6)
+    again = list(loader)
+    assert all(torch.equal(a[0], b[0]) for a, b in zip(batches, again))
     assert [len(b[0]) for b in batches] == [3] * 6 + [2]
     seen = torch.cat([b[0] for b in batches])
-    assert sorted(seen[:, 0].tolist()) == sorted(Pairs().x[:, 0].tolist())  # every sample once
+    order = torch.randperm(20, generator=torch.Generator().manual_seed(0))  # DistributedSampler's
+    assert torch.equal(seen, Pairs().x[order])
     # The loop, and plain PyTorch + AdamW + the same scheduler over the same batches.
     opt = torch.optim.AdamW(ref.parameters(), lr=LR, weight_decay=0.01)
     ref_sched = warmup(opt)
@@ -161,29 +166,53 @@ def test_the_config_comes_from_where_deepspeed_takes_it(tmp_path):
     ({"config_params": {}}, "both config and config_params"),
     ({"optimizer": "adam"}, "optimizer=str: tidal runs its own Adam/AdamW"),
     ({"mpu": object()}, "mpu=.*no model or sequence parallelism"),
-    ({"dist_init_required": True}, "dist_init_required=True"),
-    ({"distributed_port": 1234}, "distributed_port=1234"),
-    ({"lr_scheduler": warmup, "config": config(scheduler={"type": "WarmupLR", "params": {}})},
-     "lr_scheduler=function and the config's 'scheduler' block \\('WarmupLR'\\)"),
+    ({"dist_init_required": False}, "dist_init_required=False, but torch.distributed is not "
+                                    "initialized"),
+    ({"distributed_port": 1234}, "distributed_port=1234: DeepSpeed uses it to discover MPI"),
     ({"lr_scheduler": torch.optim.lr_scheduler.StepLR(
         torch.optim.SGD([torch.nn.Parameter(torch.ones(1))], lr=1.0), 1)},
-     "bound to another optimizer"),
+     "lr_scheduler=StepLR is a scheduler object, bound to an optimizer made before the engine's"),
+    ({"lr_scheduler": lambda opt: torch.optim.lr_scheduler.ReduceLROnPlateau(opt)},
+     "ReduceLROnPlateau, which steps on a metric"),
+    ({"lr_scheduler": lambda opt: object()}, "returned a object without step\\(\\)"),
     ({"model": None}, "requires a model"),
 ])
-def test_what_tidal_cannot_do_is_refused_naming_it(kwargs, message):
-    call = {"model": Net(), "config": config()}
+def test_what_tidal_cannot_do_is_refused_naming_it_and_the_model_keeps_its_weights(kwargs, message):
+    torch.manual_seed(0)
+    model = Net()
+    before = {k: v.detach().clone() for k, v in model.named_parameters()}
+    call = {"model": model, "config": config()}
     call.update(kwargs)
     if call["config"] is None:
         del call["config"]
     with pytest.raises(UsageError, match=message):
         ds.initialize(**call)
+    # Refused before anything moved into chunks: the same model trains after.
+    for k, v in model.named_parameters():
+        assert torch.equal(v.detach(), before[k]), k
+    engine, *_ = ds.initialize(model=model, config=config())
+    x, y = Pairs()[0:3]
+    engine.backward(engine(x, y))
+    assert engine.step() is True
+
+
+def test_the_client_scheduler_replaces_the_configs_as_in_deepspeed():
+    # DeepSpeed's _configure_lr_scheduler builds the client's and never the config's.
+    cfg = config(scheduler={"type": "WarmupLR", "params": {"warmup_num_steps": 3}})
+    with pytest.warns(UserWarning, match="config key 'scheduler' \\('WarmupLR'\\) is not used: the "
+                                         "lr_scheduler passed"):
+        engine, _, _, sched = ds.initialize(model=Net(), lr_scheduler=warmup, config=cfg)
+    assert engine.lr_scheduler is None and sched is engine.client_lr_scheduler
+    assert engine.get_lr() == [pytest.approx(LR / 4)]  # LambdaLR's first factor, not WarmupLR's 0
 
 
 def test_training_data_needs_a_micro_batch_and_the_last_batch_drops_when_asked():
     cfg = config()
     del cfg["train_micro_batch_size_per_gpu"]
+    model = Net()
     with pytest.raises(ConfigError, match="train_micro_batch_size_per_gpu"):
-        ds.initialize(model=Net(), training_data=Pairs(), config=cfg)
+        ds.initialize(model=model, training_data=Pairs(), config=cfg)
+    assert all(p.numel() > 0 for p in model.parameters())  # refused before the chunks
     _, _, loader, _ = ds.initialize(model=Net(), training_data=Pairs(),
                                     config=config(dataloader_drop_last=True))
     assert len(loader) == 6 and all(len(b[0]) == 3 for b in loader)
@@ -301,6 +330,8 @@ def test_local_rank_is_the_launchers_and_init_distributed_wants_what_it_is_told(
     assert engine.local_rank == 3 and engine.world_size == 1
     with pytest.raises(UsageError, match="dist_init_required=False"):
         ds.init_distributed(dist_init_required=False)
+    ds.init_distributed(dist_init_required=True)  # no launcher: one process, no process group
+    assert not torch.distributed.is_initialized()
 
 
 _UNDER_A_LAUNCHER = """
@@ -329,3 +360,28 @@ def test_init_distributed_under_a_launcher_starts_the_process_group():
                           timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "ranks 0 1 2" in proc.stdout
+
+
+def test_a_scheduler_that_raises_leaves_the_step_done_once():
+    # The client scheduler steps last: when it raises, the optimizer step's
+    # bookkeeping is done, and stepping again applies nothing twice.
+    class Broken(torch.optim.lr_scheduler.LambdaLR):
+        def step(self, *a, **k):
+            if getattr(self, "armed", False):
+                raise RuntimeError("the scheduler broke")
+            super().step(*a, **k)
+
+    def make(opt):
+        return Broken(opt, lambda k: 1.0)
+    engine, _, _, sched = ds.initialize(model=Net(), lr_scheduler=make, config=config())
+    sched.armed = True
+    x, y = Pairs()[0:3]
+    engine.backward(engine(x, y))
+    with pytest.raises(RuntimeError, match="the scheduler broke"):
+        engine.step()
+    assert engine.global_steps == 1 and engine.was_step_applied()
+    after = {k: v.clone() for k, v in engine.parameters_fp32().items()}
+    sched.armed = False
+    engine.step()  # no new gradients: nothing to apply
+    for k, v in engine.parameters_fp32().items():
+        assert torch.equal(v, after[k]), k

@@ -66,12 +66,14 @@ def test_quick_run_trains_and_the_loss_falls(tmp_path):
     assert mem["evictions"] > 0 and mem["bytes_host_to_device_last_step"] > 0  # chunks moved
     assert mem["peak_chunk_device_bytes"] <= mem["device_budget"] - mem["device_margin"]
     assert report["tokens_per_s"] > 0 and report["tflops"] > 0
-    # Where building into chunks went: its parts add up to its wall time, and
-    # writing the values and zeroed moments into the slots took some of it.
+    # Where building into chunks went (the model's own init is the rest of the
+    # context's time, so it is the parts that are checked): each part was
+    # timed, none is more than the whole, and the printed total is the file's.
     build = report["build_seconds"]
-    parts = ("model_init", "register", "chunk_memory", "write", "initialize")
-    assert sum(build[k] for k in parts) == pytest.approx(build["seconds"], abs=1e-6), build
-    assert build["write"] > 0 and all(build[k] >= 0 for k in parts), build
+    measured = ("register", "chunk_memory", "write", "initialize")
+    assert build["write"] > 0 and build["register"] > 0 and build["initialize"] > 0, build
+    assert all(0 <= build[k] <= build["seconds"] for k in measured + ("model_init",)), build
+    assert f"built into chunks in {build['seconds']:.1f} s" in proc.stdout
     text = proc.stdout
     assert "[tidal-train] preset nano: 0.1M parameters, 2 layers, hidden 64" in text
     assert "[tidal-train] report: 40 steps in" in text
