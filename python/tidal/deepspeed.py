@@ -49,19 +49,23 @@ process with no process group.
 
 Returns (engine, engine.optimizer, the DataLoader or None, the scheduler: the
 client's, else the config's engine.lr_scheduler, else None).
+
+deepspeed.zero.Init and deepspeed.zero.GatheredParameters, for scripts that
+build models larger than memory (see the Note below their code), are
+zero.Init and zero.GatheredParameters here.
 """
 from __future__ import annotations
 
-import copy
-import dataclasses
+import contextlib
 import os
+import types
 import warnings
 from typing import Any
 
 import torch
 
 from . import data_parallel as _dp
-from .config import Config, ConfigError, _read
+from .config import Config, ConfigError
 from .engine import initialize as _initialize
 from .engine.errors import UsageError
 
@@ -96,26 +100,10 @@ def _config_source(args, config, config_params):
     return config
 
 
-def _load(config, client_scheduler: bool) -> Config:
-    """The config, loaded once; with a client scheduler, without its own
-    "scheduler" block (DeepSpeed builds only the client's), with a warning."""
-    if isinstance(config, Config):
-        if client_scheduler and config.scheduler is not None:
-            _scheduler_not_used(config.scheduler.get("type"))
-            config = dataclasses.replace(config, scheduler=None)
-        return config
-    raw = _read(config)
-    if client_scheduler and raw.get("scheduler"):
-        raw = copy.deepcopy(raw)
-        block = raw.pop("scheduler")
-        _scheduler_not_used(block.get("type") if isinstance(block, dict) else block)
-    return Config.load(raw)
-
-
 def _scheduler_not_used(kind) -> None:
     warnings.warn(f"config key 'scheduler' ({kind!r}) is not used: the lr_scheduler passed to "
                   f"tidal.deepspeed.initialize schedules the learning rate, as DeepSpeed's "
-                  f"initialize does", stacklevel=4)
+                  f"initialize does", stacklevel=3)
 
 
 def _groups(model, model_parameters) -> int:
@@ -206,7 +194,7 @@ def initialize(args: Any = None, model: "torch.nn.Module | None" = None, optimiz
             f"the launcher (torchrun --master_port)")
     if dist_init_required is not None:
         init_distributed(dist_init_required=dist_init_required)
-    cfg = _load(_config_source(args, config, config_params), lr_scheduler is not None)
+    cfg = Config.load(_config_source(args, config, config_params))
     if model_parameters is not None:
         model_parameters = list(model_parameters)  # (an iterator is read twice below)
     if lr_scheduler is not None:
@@ -215,6 +203,13 @@ def initialize(args: Any = None, model: "torch.nn.Module | None" = None, optimiz
         _check_data(cfg, training_data)
     engine = _initialize(model, cfg, model_parameters)
     if lr_scheduler is not None:
+        if engine.lr_scheduler is not None:
+            # DeepSpeed builds the client's and not the config's. (The config
+            # itself stays as given: a model built in zero.Init with it is
+            # adopted only under the same config.)
+            _scheduler_not_used(cfg.scheduler.get("type"))
+            engine.lr_scheduler = None
+            engine.lr = cfg.lr
         engine.client_lr_scheduler = lr_scheduler(engine.optimizer)
     engine.training_dataloader = None if training_data is None else \
         _loader(engine, training_data, collate_fn)
@@ -275,3 +270,143 @@ def init_distributed(dist_backend: "str | None" = None, auto_mpi_discovery: bool
     if world_size >= 1:
         kwargs["world_size"] = world_size
     dist.init_process_group(**kwargs)
+
+
+# Note [zero.Init and GatheredParameters over init_context]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# DeepSpeed's ZeRO-3 scripts build a large model under zero.Init(config), so no
+# module's parameters are ever whole in memory, and reach a parameter's values
+# in code that runs after its module's __init__ (weight init, tying, loading)
+# through GatheredParameters(params, modifier_rank=0). tidal.init_context is
+# zero.Init's counterpart: each module's parameters go into host chunks when
+# its __init__ returns. GatheredParameters maps to ParamStore's
+# materialized_params: inside it, each parameter this store holds has its
+# values; with modifier_rank given (one process: rank 0 is this one) they are
+# the fp32 master slot itself, so what the code writes is kept (the 16-bit
+# slot follows at the exit); with modifier_rank None they are a copy in the
+# parameter's dtype, and what the code writes is dropped, as DeepSpeed drops
+# it. Once an engine trains the parameters (between steps), reading is a copy
+# of what forward computes with; writing is refused (engine.load_state_dict
+# writes into chunks). Parameters
+# no store holds are left as they are, as DeepSpeed leaves non-ZeRO ones.
+
+
+class _Init:
+    """deepspeed.zero.Init: a tidal.init_context with DeepSpeed's arguments."""
+
+    def __init__(self, module=None, data_parallel_group=None, mem_efficient_linear=True,
+                 remote_device=None, pin_memory=False, config_dict_or_path=None, config=None,
+                 enabled=True, dtype=None, mpu=None, **rest):
+        for name, value in (("module", module), ("data_parallel_group", data_parallel_group),
+                            ("mpu", mpu), *rest.items()):
+            if value not in (None, False):
+                raise UsageError(
+                    f"tidal.deepspeed.zero.Init: {name}={value!r} is not supported: it builds "
+                    f"new modules into chunks (an existing module: tidal.deepspeed.initialize "
+                    f"puts it into chunks), in one process group")
+        if remote_device not in (None, "none", "cpu"):
+            raise UsageError(f"tidal.deepspeed.zero.Init: remote_device={remote_device!r}: tidal "
+                             f"keeps chunks in host memory and on the device, not on NVMe")
+        if config is not None and config_dict_or_path is not None:
+            raise UsageError("tidal.deepspeed.zero.Init: both config and config_dict_or_path "
+                             "(DeepSpeed's names for the same): pass one")
+        self.config = Config.load(config if config is not None else config_dict_or_path)
+        wanted = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[
+            self.config.precision]
+        if dtype is not None and dtype != wanted:
+            raise UsageError(f"tidal.deepspeed.zero.Init: dtype={dtype} but the config trains in "
+                             f"{self.config.precision} ({wanted}); the config's precision decides")
+        self.enabled = enabled
+        self._context = None
+
+    def __enter__(self):
+        if self.enabled:
+            from .engine.init_context import init_context
+            self._context = init_context(self.config)
+            self.store = self._context.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        if self._context is not None:
+            context, self._context = self._context, None
+            return context.__exit__(*exc)
+        return False
+
+
+class _GatheredParameters:
+    """deepspeed.zero.GatheredParameters (Note [zero.Init and GatheredParameters
+    over init_context])."""
+
+    def __init__(self, params, modifier_rank=None, fwd_module=None, enabled=True):
+        if isinstance(params, torch.Tensor):
+            params = [params]
+        self.params = [p for p in (params or []) if p is not None]
+        self.modifier_rank = modifier_rank
+        self.enabled = enabled
+        self._stack = None
+
+    def __enter__(self):
+        if not self.enabled:
+            return self
+        from .engine.store import ParamStore
+        stack = contextlib.ExitStack()
+        try:
+            for store, params in _by_store(self.params).items():
+                engine_owned = store not in ParamStore._unadopted
+                if self.modifier_rank is None:
+                    stack.enter_context(_copies(store, params))
+                elif engine_owned:
+                    raise UsageError(
+                        "tidal.deepspeed.zero.GatheredParameters(..., modifier_rank=...): these "
+                        "parameters are trained by an engine; write new values with "
+                        "engine.load_state_dict({name: tensor}, strict=False) between steps")
+                else:
+                    # (callbacks run last first: the 16-bit slots follow once
+                    # the masters are released)
+                    stack.callback(store.sync_param16)
+                    stack.enter_context(store.materialized_params(params))
+        except BaseException:
+            stack.close()
+            raise
+        self._stack = stack
+        return self
+
+    def __exit__(self, *exc):
+        if self._stack is not None:
+            stack, self._stack = self._stack, None
+            stack.close()
+        return False
+
+
+def _by_store(params) -> dict:
+    from .engine.store import ParamStore
+    out: dict = {}
+    for p in params:
+        store = ParamStore.owning([p])
+        if store is not None:
+            out.setdefault(store, []).append(p)
+    return out
+
+
+@contextlib.contextmanager
+def _copies(store, params):
+    """Each parameter holds a copy of its values (its dtype, its device) while
+    inside; what is written to them is dropped at the exit, where each gets back
+    the data it had (a placeholder; or, under an engine between steps, or an
+    enclosing context, a view of its slot)."""
+    done = []
+    try:
+        for p in params:
+            old = p.data
+            if p.numel() == 0:
+                p.data = store.gather(store.by_param[id(p)]).to(p.dtype)
+            else:
+                p.data = old.clone()
+            done.append((p, old))
+        yield
+    finally:
+        for p, old in reversed(done):
+            p.data = old
+
+
+zero = types.SimpleNamespace(Init=_Init, GatheredParameters=_GatheredParameters)

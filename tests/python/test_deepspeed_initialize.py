@@ -6,6 +6,7 @@ naming the argument. DeepSpeed's behaviour cited is 0.19.8's
 (deepspeed/__init__.py initialize, runtime/dataloader.py DeepSpeedDataLoader,
 runtime/engine.py _take_model_step)."""
 import argparse
+import contextlib
 import copy
 import json
 import math
@@ -385,3 +386,101 @@ def test_a_scheduler_that_raises_leaves_the_step_done_once():
     engine.step()  # no new gradients: nothing to apply
     for k, v in engine.parameters_fp32().items():
         assert torch.equal(v, after[k]), k
+
+
+# --- zero.Init and GatheredParameters (Note [zero.Init and GatheredParameters
+# over init_context] in tidal/deepspeed.py) -------------------------------------
+
+class Tied(torch.nn.Module):
+    """Code that reaches a parameter after its module's __init__, as ZeRO-3 scripts
+    write it: a custom init of the first layer and a copy into the second, under
+    GatheredParameters(modifier_rank=0); a read under modifier_rank=None."""
+
+    def __init__(self, gathered, seen):
+        super().__init__()
+        self.a = torch.nn.Linear(16, 16)
+        self.b = torch.nn.Linear(16, 16)
+        with gathered([self.a.weight, self.b.weight], modifier_rank=0):
+            torch.nn.init.orthogonal_(self.a.weight)
+            self.b.weight.data.copy_(self.a.weight.data * 0.5)
+        with gathered(self.a.bias):  # read only: what is written here is dropped
+            seen.append(self.a.bias.detach().clone())
+            self.a.bias.data.zero_()
+
+    def forward(self, x, y):
+        return torch.nn.functional.mse_loss(self.b(torch.tanh(self.a(x))), y)
+
+
+def _plain_gathered(params, modifier_rank=None):
+    # What GatheredParameters is without ZeRO: the parameters as they are (the
+    # read-only block's write is kept here, so the reference undoes it).
+    return contextlib.nullcontext()
+
+
+def test_zero_init_builds_into_chunks_and_gathered_parameters_writes_or_reads():
+    cfg = config()
+    torch.manual_seed(0)
+    seen_ref = []
+    ref = Tied(_plain_gathered, seen_ref)
+    with torch.no_grad():
+        ref.a.bias.copy_(seen_ref[0])  # (undo the write the read-only block drops)
+    torch.manual_seed(0)
+    seen = []
+    with ds.zero.Init(config_dict_or_path=cfg):
+        model = Tied(ds.zero.GatheredParameters, seen)
+    assert all(p.numel() == 0 for p in model.parameters())  # in chunks, built there
+    assert torch.equal(seen[0], seen_ref[0])
+    engine, *_ = ds.initialize(model=model, config=cfg)
+    weights = engine.parameters_fp32()
+    for key, p in ref.named_parameters():
+        assert torch.equal(weights[key], p.detach()), key
+    # With an engine: the values to read (its parameter as the engine keeps it between
+    # steps, or a copy); writing goes through engine.load_state_dict.
+    before = model.a.weight.data
+    with ds.zero.GatheredParameters([model.a.weight, torch.nn.Parameter(torch.ones(2))]):
+        assert torch.equal(model.a.weight, weights["a.weight"])
+        model.a.weight.data.zero_()  # dropped, as DeepSpeed drops it
+    assert model.a.weight.data.data_ptr() == before.data_ptr()
+    assert torch.equal(engine.parameters_fp32()["a.weight"], weights["a.weight"])
+    assert torch.equal(model.a.weight.detach(), weights["a.weight"])
+    with pytest.raises(UsageError, match="trained by an engine; write new values with "
+                                         "engine.load_state_dict"):
+        with ds.zero.GatheredParameters(model.a.weight, modifier_rank=0):
+            pass
+    x, y = torch.randn(4, 16), torch.randn(4, 16)
+    engine.backward(engine(x, y))
+    assert engine.step() is True
+    # After a step too (the parameter a placeholder or the engine's own view).
+    before = (model.a.weight.numel(), model.a.weight.data.data_ptr())
+    with ds.zero.GatheredParameters(model.a.weight):
+        assert torch.equal(model.a.weight, engine.parameters_fp32()["a.weight"])
+    assert (model.a.weight.numel(), model.a.weight.data.data_ptr()) == before
+
+
+def test_zero_init_under_a_config_scheduler_and_a_client_one():
+    # The DeepSpeed ZeRO-3 pattern: one config for zero.Init and initialize; the
+    # client scheduler replaces the config's, and the model built in zero.Init
+    # is adopted under the same config.
+    cfg = config(scheduler={"type": "WarmupLR", "params": {"warmup_num_steps": 3}})
+    with ds.zero.Init(config=cfg):
+        model = Net()
+    with pytest.warns(UserWarning, match="config key 'scheduler' \\('WarmupLR'\\) is not used"):
+        engine, _, _, sched = ds.initialize(model=model, config=cfg, lr_scheduler=warmup)
+    assert sched is engine.client_lr_scheduler and engine.get_lr() == [pytest.approx(LR / 4)]
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    ({"module": torch.nn.Linear(2, 2)}, "module=Linear"),
+    ({"remote_device": "nvme"}, "remote_device='nvme'"),
+    ({"dtype": torch.float16}, "dtype=torch.float16 but the config trains in fp32"),
+    ({"config": {}, "config_dict_or_path": {}}, "both config and config_dict_or_path"),
+])
+def test_zero_init_refuses_what_it_cannot_do(kwargs, message):
+    with pytest.raises(UsageError, match=message):
+        ds.zero.Init(**kwargs)
+
+
+def test_zero_init_disabled_builds_an_ordinary_model():
+    with ds.zero.Init(enabled=False):
+        model = Net()
+    assert all(p.numel() > 0 for p in model.parameters())

@@ -459,10 +459,16 @@ class ParamStore:
         enclosing materialized() holds already, are left as they are. Not for
         use during training (the slots must be idle).
         """
+        with self.materialized_params(module.parameters()):
+            yield
+
+    @contextlib.contextmanager
+    def materialized_params(self, params):
+        """materialized() for the parameters `params` (those this store holds)."""
         c = self.chunks
         held = []
         try:
-            for p in module.parameters():
+            for p in params:
                 r = self.by_param.get(id(p))
                 if r is None or r.param is not p or p.numel() != 0:
                     continue  # not ours, or materialized already
