@@ -26,7 +26,9 @@ refused call leaves the model as it was.
 * lr_scheduler: a callable that takes the optimizer and returns a scheduler
   (torch's LR schedulers work: engine.optimizer is a torch.optim.Optimizer
   whose groups the step reads). The engine steps it after each applied
-  optimizer step, as DeepSpeed does, and checkpoints keep its state. As in
+  optimizer step, as DeepSpeed does, and checkpoints keep its state (the
+  callable is called twice: first on a stand-in optimizer, to refuse before
+  any weight moves what the engine could not step). As in
   DeepSpeed it replaces the config's "scheduler" block, which is then not
   used (a warning says so). A scheduler object is refused: it is bound to an
   optimizer made before the engine's, which tidal would not step.
@@ -57,6 +59,7 @@ zero.Init and zero.GatheredParameters here.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import types
 import warnings
@@ -106,24 +109,29 @@ def _scheduler_not_used(kind) -> None:
                   f"initialize does", stacklevel=3)
 
 
-def _groups(model, model_parameters) -> int:
+def _groups(model_parameters) -> int:
     """How many parameter groups engine.optimizer will have."""
-    if model_parameters is None:
+    if model_parameters is None or isinstance(model_parameters, torch.Tensor):
+        return 1
+    if isinstance(model_parameters, dict):
         return 1
     return sum(1 for g in model_parameters if isinstance(g, dict)) or 1
 
 
-def _check_scheduler(make, groups: int, lr: float):
+def _check_scheduler(make, groups: int, cfg: Config):
     """Refuses, before any weight moves, a scheduler the engine could not step:
-    `make` is tried on a stand-in optimizer with the engine's number of groups."""
-    if not callable(make) or hasattr(make, "step"):
+    `make` is tried on a stand-in AdamW with the engine's number of groups and
+    the config's hyperparameters (so it is called twice: here, and on
+    engine.optimizer)."""
+    if not callable(make) or (hasattr(make, "step") and not isinstance(make, type)):
         raise UsageError(
             f"tidal.deepspeed.initialize: lr_scheduler={type(make).__name__} is a scheduler "
             f"object, bound to an optimizer made before the engine's (which tidal would not "
             f"step); pass a callable that takes the optimizer: "
             f"lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, ...)")
-    stand_in = torch.optim.SGD([{"params": [torch.nn.Parameter(torch.zeros(1))]}
-                                for _ in range(groups)], lr=lr)
+    stand_in = torch.optim.AdamW([{"params": [torch.nn.Parameter(torch.zeros(1))]}
+                                  for _ in range(groups)], lr=cfg.lr, betas=tuple(cfg.betas),
+                                 eps=cfg.eps, weight_decay=cfg.weight_decay)
     made = make(stand_in)
     if isinstance(made, torch.optim.lr_scheduler.ReduceLROnPlateau):
         raise UsageError(
@@ -195,21 +203,21 @@ def initialize(args: Any = None, model: "torch.nn.Module | None" = None, optimiz
     if dist_init_required is not None:
         init_distributed(dist_init_required=dist_init_required)
     cfg = Config.load(_config_source(args, config, config_params))
-    if model_parameters is not None:
+    if model_parameters is not None and not isinstance(model_parameters, (torch.Tensor, dict)):
         model_parameters = list(model_parameters)  # (an iterator is read twice below)
     if lr_scheduler is not None:
-        _check_scheduler(lr_scheduler, _groups(model, model_parameters), cfg.lr)
+        _check_scheduler(lr_scheduler, _groups(model_parameters), cfg)
+        if cfg.scheduler is not None:
+            # DeepSpeed builds the client's and not the config's: the engine
+            # gets no schedule of its own (its groups keep the config's lr and
+            # betas). cfg.raw stays as given, so a model built in zero.Init
+            # with this config is adopted.
+            _scheduler_not_used(cfg.scheduler.get("type"))
+            cfg = dataclasses.replace(cfg, scheduler=None)
     if training_data is not None:
         _check_data(cfg, training_data)
     engine = _initialize(model, cfg, model_parameters)
     if lr_scheduler is not None:
-        if engine.lr_scheduler is not None:
-            # DeepSpeed builds the client's and not the config's. (The config
-            # itself stays as given: a model built in zero.Init with it is
-            # adopted only under the same config.)
-            _scheduler_not_used(cfg.scheduler.get("type"))
-            engine.lr_scheduler = None
-            engine.lr = cfg.lr
         engine.client_lr_scheduler = lr_scheduler(engine.optimizer)
     engine.training_dataloader = None if training_data is None else \
         _loader(engine, training_data, collate_fn)

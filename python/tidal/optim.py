@@ -34,9 +34,14 @@ def _number(name: str, value: Any) -> float:
         return float(value.item())
     if isinstance(value, (bool, str, bytes)) or getattr(value, "dtype", None) == bool:
         raise ValueError(f"Invalid {name}: {value!r} (expected a real number)")
-    if getattr(value, "ndim", 0) or getattr(value, "size", 1) != 1:
-        raise ValueError(f"Invalid {name}: an array of shape {getattr(value, 'shape', '?')} "
-                         f"(expected one number)")
+    item = getattr(value, "item", None)
+    if callable(item) and not isinstance(value, (int, float)):  # NumPy's scalars and arrays
+        try:
+            value = item()
+        except (TypeError, ValueError):
+            raise ValueError(f"Invalid {name}: {value!r} (expected one number)") from None
+        if isinstance(value, (bool, str, bytes)):
+            raise ValueError(f"Invalid {name}: {value!r} (expected a real number)")
     try:
         return float(value)
     except (TypeError, ValueError):

@@ -813,12 +813,12 @@ def test_hyperparameters_as_torch_takes_them():
     import numpy as np
     p = torch.nn.Parameter(torch.ones(3))
     opt = CPUAdam([p], lr=np.float32(1e-3), betas=np.array([0.9, 0.99]), eps=np.float64(1e-8),
-                  weight_decay=np.int64(0), amsgrad=False, maximize=False)
+                  weight_decay=np.array([0.0]), amsgrad=False, maximize=False)
     g = opt.param_groups[0]
     assert g["lr"] == pytest.approx(1e-3) and g["betas"] == (0.9, 0.99) and g["eps"] == 1e-8
     assert all(type(v) is float for v in (g["lr"], g["eps"], g["weight_decay"], *g["betas"]))
     for bad, what in ((dict(lr="0.1"), "Invalid lr: '0.1'"), (dict(lr=True), "Invalid lr: True"),
-                      (dict(lr=np.array([1e-3, 1e-3])), "Invalid lr: an array of shape \\(2,\\)"),
+                      (dict(lr=np.array([1e-3, 1e-3])), "Invalid lr: .* \\(expected one number\\)"),
                       (dict(betas=(0.9,)), "Invalid betas"),
                       (dict(maximize=True), "maximize=True asks for another update rule")):
         with pytest.raises((ValueError, NotImplementedError), match=what):

@@ -197,14 +197,53 @@ def test_what_tidal_cannot_do_is_refused_naming_it_and_the_model_keeps_its_weigh
     assert engine.step() is True
 
 
-def test_the_client_scheduler_replaces_the_configs_as_in_deepspeed():
-    # DeepSpeed's _configure_lr_scheduler builds the client's and never the config's.
-    cfg = config(scheduler={"type": "WarmupLR", "params": {"warmup_num_steps": 3}})
-    with pytest.warns(UserWarning, match="config key 'scheduler' \\('WarmupLR'\\) is not used: the "
-                                         "lr_scheduler passed"):
+@pytest.mark.parametrize("block", [
+    {"type": "WarmupLR", "params": {"warmup_num_steps": 3}},
+    # OneCycle cycles beta1 too: none of it may stay behind.
+    {"type": "OneCycle", "params": {"cycle_min_lr": 1e-5, "cycle_max_lr": 1e-2,
+                                    "cycle_first_step_size": 3}},
+])
+def test_the_client_scheduler_replaces_the_configs_as_in_deepspeed(block):
+    # DeepSpeed's _configure_lr_scheduler builds the client's and never the config's:
+    # the groups keep the config's betas, and the lr is the client's alone.
+    cfg = config(scheduler=block)
+    cfg["optimizer"]["params"]["betas"] = [0.85, 0.995]
+    with pytest.warns(UserWarning, match=f"config key 'scheduler' \\('{block['type']}'\\) is not "
+                                         f"used: the lr_scheduler passed"):
         engine, _, _, sched = ds.initialize(model=Net(), lr_scheduler=warmup, config=cfg)
     assert engine.lr_scheduler is None and sched is engine.client_lr_scheduler
-    assert engine.get_lr() == [pytest.approx(LR / 4)]  # LambdaLR's first factor, not WarmupLR's 0
+    x, y = Pairs()[0:3]
+    for k in range(3):
+        assert engine.get_lr() == [pytest.approx(LR * min(1.0, (k + 1) / 4))], k  # LambdaLR's
+        assert engine.get_mom() == [(0.85, 0.995)], k
+        engine.backward(engine(x, y))
+        engine.step()
+
+
+def test_scheduler_classes_and_callables_that_read_the_optimizers_groups_are_taken():
+    class Halving(torch.optim.lr_scheduler.LambdaLR):
+        def __init__(self, opt):
+            super().__init__(opt, lambda k: 0.5 ** k)
+
+    def by_betas(opt):  # reads Adam's own keys, which a stand-in SGD would lack
+        beta1 = opt.param_groups[0]["betas"][0]
+        return torch.optim.lr_scheduler.LambdaLR(opt, lambda k: beta1)
+    engine, _, _, sched = ds.initialize(model=Net(), lr_scheduler=Halving, config=config())
+    assert isinstance(sched, Halving) and sched.optimizer is engine.optimizer
+    engine, _, _, sched = ds.initialize(model=Net(), lr_scheduler=by_betas, config=config())
+    assert engine.get_lr() == [pytest.approx(LR * 0.9)]
+
+
+def test_model_parameters_as_one_group_dict_or_one_tensor():
+    net = Net()
+    engine, *_ = ds.initialize(model=net, config=config(), model_parameters={
+        "params": list(net.parameters()), "lr": LR / 2}, lr_scheduler=warmup)
+    assert engine.get_lr() == [pytest.approx(LR / 8)]
+    net = Net()
+    engine, *_ = ds.initialize(model=net, config=config(),
+                               model_parameters=net.layers[0].weight)
+    assert len(engine.optimizer.param_groups) == 1
+    assert engine.optimizer.param_groups[0]["params"] == [net.layers[0].weight]
 
 
 def test_training_data_needs_a_micro_batch_and_the_last_batch_drops_when_asked():
@@ -455,6 +494,30 @@ def test_zero_init_builds_into_chunks_and_gathered_parameters_writes_or_reads():
     with ds.zero.GatheredParameters(model.a.weight):
         assert torch.equal(model.a.weight, engine.parameters_fp32()["a.weight"])
     assert (model.a.weight.numel(), model.a.weight.data.data_ptr()) == before
+
+
+def test_gathered_parameters_nest_and_keep_every_write():
+    # Nested, on other parameters, and under init_context's own materialized():
+    # each exit syncs only what it released; the outer writes after it land too.
+    cfg = config()
+    with ds.zero.Init(config_dict_or_path=cfg) as init:
+        a, b = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
+        with ds.zero.GatheredParameters(a.weight, modifier_rank=0):
+            with ds.zero.GatheredParameters(b.weight, modifier_rank=0):
+                b.weight.data.fill_(2.0)
+            a.weight.data.fill_(1.0)
+        with init.store.materialized(a):
+            with ds.zero.GatheredParameters(b.bias, modifier_rank=0):
+                b.bias.data.fill_(3.0)
+            a.bias.data.fill_(4.0)
+        model = torch.nn.Sequential(a, b)
+    engine, *_ = ds.initialize(model=model, config=cfg)
+    w = engine.parameters_fp32()
+    for key, value in (("0.weight", 1.0), ("1.weight", 2.0), ("1.bias", 3.0), ("0.bias", 4.0)):
+        assert torch.equal(w[key], torch.full_like(w[key], value)), key
+    # ... the 16-bit copies too (forward computes with them): fp32 here, so equal.
+    out = engine(torch.ones(1, 4))
+    assert torch.allclose(out, torch.full((1, 4), 2.0 * (4.0 * 1.0 + 4.0) * 4 + 3.0))
 
 
 def test_zero_init_under_a_config_scheduler_and_a_client_one():

@@ -2,6 +2,7 @@
 [torch's cap belongs to the live engines] in engine/device_cap.py): claims
 against a stand-in for torch's cap that keeps it in bytes, as torch does."""
 import gc
+import weakref
 
 import pytest
 
@@ -116,10 +117,16 @@ def test_an_engine_collected_inside_a_claim_does_not_deadlock_and_still_gives_ba
             gc.collect()
         return t.get(device)
     caps = DeviceCaps(get, t.set)
-    a = Engine()
-    a.self = a  # a cycle: only the collector frees it
-    caps.claim(a, 0, 0.5)
-    del a
+    gc.disable()  # (the collector runs only where the test says)
+    try:
+        a = Engine()
+        a.self = a  # a cycle: only the collector frees it
+        alive = weakref.ref(a)
+        caps.claim(a, 0, 0.5)
+        del a
+        assert alive() is not None
+    finally:
+        gc.enable()
     collect.append(True)
     b = Engine()
     done = threading.Event()

@@ -873,6 +873,11 @@ def test_module_methods_that_would_act_on_placeholders_are_the_engines_and_refus
         engine.to("cuda")
     with pytest.raises(tidal.UsageError, match="engine.to\\(torch.float16\\)"):
         engine.to(torch.float16)
+    assert engine.to(torch.float32) is engine and engine.to(dtype=torch.float32) is engine
+    with pytest.raises(tidal.UsageError, match="engine.to\\(dtype=torch.float64\\)"):
+        engine.to(dtype=torch.float64)
+    with pytest.raises(tidal.UsageError, match="engine.to\\(0\\)"):
+        engine.to(0)
     for name in ("half", "bfloat16", "double"):
         with pytest.raises(tidal.UsageError, match=f"engine.{name}\\(\\): the parameters' dtype is "
                                                     f"the config's precision \\(fp32"):

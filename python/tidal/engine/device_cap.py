@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import collections
 import threading
+import warnings
 import weakref
 
 import torch
@@ -76,9 +77,15 @@ class DeviceCaps:
                 self._lock.release()
 
     def _release_ended(self) -> None:
-        """Ends the queued claims; the lock is held."""
+        """Ends the queued claims; the lock is held. A failure to give a
+        fraction back is a warning, not an error of the claim under way."""
         while self._ended:
-            self._release(*self._ended.popleft())
+            device, token = self._ended.popleft()
+            try:
+                self._release(device, token)
+            except Exception as e:  # noqa: BLE001 -- torch refused the fraction
+                warnings.warn(f"tidal: giving torch's memory fraction of device {device} back "
+                              f"failed: {e}", stacklevel=2)
 
     def _release(self, device: int, token) -> None:
         claims = self._claims.get(device, [])
@@ -100,7 +107,9 @@ class DeviceCaps:
         """The live claims' fractions on `device`, oldest first."""
         with self._lock:
             self._release_ended()
-            return [f for _, f in self._claims.get(device, [])]
+            out = [f for _, f in self._claims.get(device, [])]
+        self._release_when_free()
+        return out
 
 
 def _same(a: float, b: float) -> bool:

@@ -486,14 +486,19 @@ class Engine(ExternalMixin, StateDictMixin, HookWiringMixin, DataParallelMixin, 
     # return the model, not the engine, so they are the engine's, and refuse
     # what they cannot do rather than do nothing.
     def to(self, *args, **kwargs):
-        """Returns the engine when asked for its own device and no dtype."""
-        device, dtype, _, _ = torch._C._nn._parse_to(*args, **kwargs)
-        if dtype is None and (device is None or _same_device(device, self.device)):
+        """Returns the engine when asked for its own device and dtype."""
+        shown = ", ".join([repr(a) for a in args] + [f"{k}={v!r}" for k, v in kwargs.items()])
+        try:
+            device, dtype, _, _ = torch._C._nn._parse_to(*args, **kwargs)
+        except (TypeError, ValueError, RuntimeError) as e:
+            raise UsageError(f"engine.to({shown}): {e}") from None
+        if (dtype is None or dtype == self.dtype) and (device is None or
+                                                       _same_device(device, self.device)):
             return self
         raise UsageError(
-            f"engine.to({', '.join(map(repr, args))}): the parameters live in chunks, on "
-            f"{self.device} as the budget allows and in {self.precision} as the config says "
-            f"(bf16/fp16 keys); inputs go to engine.device, and a dtype is chosen in the config")
+            f"engine.to({shown}): the parameters live in chunks, on {self.device} as the "
+            f"budget allows and in {self.precision} as the config says (bf16/fp16 keys); "
+            f"inputs go to engine.device, and a dtype is chosen in the config")
 
     def cuda(self, device=None):
         return self.to(torch.device("cuda", device) if isinstance(device, int) else device or "cuda")

@@ -184,6 +184,7 @@ class ParamStore:
         self._last_module: dict = {}  # pool -> the module of its last registered parameter
         self.by_param: dict[int, ParamRecord] = {}
         self._stale16: dict[int, ParamRecord] = {}  # masters materialized() exposed
+        self._held32: set[int] = set()  # records whose master a materialized() holds now
         # Where registration's time went (add): bookkeeping and host chunk
         # memory as it is first touched (allocated, and pinned on a GPU), and
         # writing the values and zeroed moments into the slots. tidal-train
@@ -478,17 +479,21 @@ class ParamStore:
                 held.append((r, kind))
                 if kind == PARAM32:
                     self._stale16[id(r)] = r
+                    self._held32.add(id(r))
             yield
         finally:
             for r, kind in held:
                 c.release(r.id, kind, HOLD)
                 r.param.data = self.placeholder()
+                self._held32.discard(id(r))
 
     def sync_param16(self) -> None:
         """Copies the fp32 masters materialized() exposed into their 16-bit
-        slots (rounded), as registration does."""
+        slots (rounded), as registration does; those an enclosing
+        materialized() still holds stay for a later call."""
         c = self.chunks
-        stale, self._stale16 = self._stale16, {}
+        stale = {k: r for k, r in self._stale16.items() if k not in self._held32}
+        self._stale16 = {k: r for k, r in self._stale16.items() if k in self._held32}
         with uncounted(), torch.no_grad():
             for r in stale.values():
                 src = c.access(r.id, PARAM32, HOST, [r.numel])
