@@ -22,7 +22,7 @@ from tidal.config import ConfigError
 from tidal.engine.errors import UsageError
 
 sys.path.insert(0, str(Path(__file__).parent))
-from engine_helpers import measured_budget, within_budget  # noqa: E402
+from engine_helpers import TanhMLP, measured_budget, within_budget  # noqa: E402
 
 LR = 2e-3
 
@@ -32,15 +32,8 @@ def simulated_device():
     tidal.set_device("sim", capacity="1GiB")
 
 
-class Net(torch.nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.layers = torch.nn.ModuleList(torch.nn.Linear(32, 32) for _ in range(6))
-
-    def forward(self, x, y):
-        for layer in self.layers:
-            x = torch.tanh(layer(x))
-        return torch.nn.functional.mse_loss(x, y)
+def Net():
+    return TanhMLP(32, 6)
 
 
 class Pairs(torch.utils.data.Dataset):

@@ -22,7 +22,7 @@ from tidal.optim import CPUAdam
 common_optimizers = pytest.importorskip("torch.testing._internal.common_optimizers")
 
 sys.path.insert(0, str(Path(__file__).parent))
-from engine_helpers import measured_budget, train_tidal, within_budget  # noqa: E402
+from engine_helpers import TanhMLP, measured_budget, train_tidal, within_budget  # noqa: E402
 
 ADAMS = (torch.optim.Adam, torch.optim.AdamW)
 CPUADAM_KEYS = ("lr", "betas", "eps", "weight_decay")
@@ -165,15 +165,8 @@ def test_cpu_adam_refuses_what_torch_refuses(cls, error):
 
 # --- the engine, from a DeepSpeed config ----------------------------------------
 
-class _Net(torch.nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.layers = torch.nn.ModuleList(torch.nn.Linear(48, 48) for _ in range(6))
-
-    def forward(self, x, y):
-        for layer in self.layers:
-            x = torch.tanh(layer(x))
-        return torch.nn.functional.mse_loss(x, y)
+def _Net():
+    return TanhMLP(48, 6)
 
 
 def _batches(n=6):
