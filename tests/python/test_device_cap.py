@@ -138,3 +138,14 @@ def test_an_engine_collected_inside_a_claim_does_not_deadlock_and_still_gives_ba
     assert done.wait(30), "claim() deadlocked on the finalizer of a collected engine"
     assert near(t.get(0), 1.0) and caps.claims(0) == []  # a's claim ended, device 0 back
     assert near(t.get(1), 0.25) and caps.claims(1) == [0.25]
+
+
+def test_a_cap_torch_refuses_leaves_no_claim_behind():
+    t = Torch()
+
+    def refuse(fraction, device):
+        raise RuntimeError("no")
+    caps = DeviceCaps(t.get, refuse)
+    with pytest.raises(RuntimeError, match="no"):
+        caps.claim(Engine(), 0, 0.5)
+    assert caps.claims(0) == []

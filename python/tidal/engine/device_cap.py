@@ -57,10 +57,11 @@ class DeviceCaps:
         with self._lock:
             self._release_ended()
             claims = self._claims.setdefault(device, [])
+            before = self._get(device) if not claims else None
+            self._set(fraction, device)  # (a refusal leaves no claim behind)
             if not claims:
-                self._before[device] = self._get(device)
+                self._before[device] = before
             claims.append([token, fraction])
-            self._set(fraction, device)
         weakref.finalize(owner, self._ended_claim, device, token).atexit = False
         self._release_when_free()
 
