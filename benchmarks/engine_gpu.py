@@ -475,8 +475,9 @@ def cmd_largest(args):
     # about 0.79 of it at batch 4). Under --quick the config's own.
     tidal_keys = {}
     if not quick:
+        from tidal.device import parse_bytes
         tidal_keys["host_memory_budget"] = int(args.host_fraction * host)
-        tidal_keys["device_margin"] = _parse_bytes(args.device_margin)
+        tidal_keys["device_margin"] = parse_bytes(args.device_margin)
     result["tidal_keys"] = tidal_keys
     run_config = _config_file(quick, top={"scheduler": schedule}, **tidal_keys)
     result["predicted"] = _predicted_fits(shapes, run_config, batch, dev, host)
@@ -533,11 +534,6 @@ def cmd_largest(args):
     path = common.write_result(name, result, output=result_path(name, args.output))
     log(f"wrote {path}: largest {result.get('largest')}; stopped: {result.get('stopped')}")
     return 0 if best else 1
-
-
-def _parse_bytes(text):
-    from tidal.device import parse_bytes
-    return parse_bytes(text)
 
 
 def _predicted_fits(shapes, config_path, batch, device_bytes, host_bytes):

@@ -55,17 +55,7 @@ import torch
 sys.path.insert(0, os.path.dirname(__file__))
 import common  # noqa: E402
 import tidal  # noqa: E402
-
-
-class Chain(torch.nn.Module):
-    def __init__(self, width: int, depth: int):
-        super().__init__()
-        self.layers = torch.nn.ModuleList(torch.nn.Linear(width, width) for _ in range(depth))
-
-    def forward(self, x, y):
-        for layer in self.layers:
-            x = torch.tanh(layer(x))
-        return torch.nn.functional.mse_loss(x, y)
+from tidal.models.gpt import TanhChain  # noqa: E402
 
 
 MODELS = {
@@ -80,7 +70,7 @@ QUICK = {
 
 def make(shape, seed=0):
     torch.manual_seed(seed)
-    return Chain(shape["width"], shape["depth"])
+    return TanhChain(shape["width"], shape["depth"])
 
 
 def data(shape, n, seed=1):

@@ -71,6 +71,7 @@ from . import data_parallel as _dp
 from .config import Config, ConfigError
 from .engine import initialize as _initialize
 from .engine.errors import UsageError
+from .engine.store import _TORCH_DTYPES, ParamStore
 
 __all__ = ["initialize", "add_config_arguments", "init_distributed"]
 
@@ -111,9 +112,7 @@ def _scheduler_not_used(kind) -> None:
 
 def _groups(model_parameters) -> int:
     """How many parameter groups engine.optimizer will have."""
-    if model_parameters is None or isinstance(model_parameters, torch.Tensor):
-        return 1
-    if isinstance(model_parameters, dict):
+    if model_parameters is None or isinstance(model_parameters, (torch.Tensor, dict)):
         return 1
     return sum(1 for g in model_parameters if isinstance(g, dict)) or 1
 
@@ -319,8 +318,7 @@ class _Init:
             raise UsageError("tidal.deepspeed.zero.Init: both config and config_dict_or_path "
                              "(DeepSpeed's names for the same): pass one")
         self.config = Config.load(config if config is not None else config_dict_or_path)
-        wanted = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[
-            self.config.precision]
+        wanted = _TORCH_DTYPES[self.config.precision]
         if dtype is not None and dtype != wanted:
             raise UsageError(f"tidal.deepspeed.zero.Init: dtype={dtype} but the config trains in "
                              f"{self.config.precision} ({wanted}); the config's precision decides")
@@ -341,53 +339,31 @@ class _Init:
         return False
 
 
-class _GatheredParameters:
+@contextlib.contextmanager
+def _gathered_parameters(params, modifier_rank=None, fwd_module=None, enabled=True):
     """deepspeed.zero.GatheredParameters (Note [zero.Init and GatheredParameters
     over init_context])."""
-
-    def __init__(self, params, modifier_rank=None, fwd_module=None, enabled=True):
-        if isinstance(params, torch.Tensor):
-            params = [params]
-        self.params = [p for p in (params or []) if p is not None]
-        self.modifier_rank = modifier_rank
-        self.enabled = enabled
-        self._stack = None
-
-    def __enter__(self):
-        if not self.enabled:
-            return self
-        from .engine.store import ParamStore
-        stack = contextlib.ExitStack()
-        try:
-            for store, params in _by_store(self.params).items():
-                engine_owned = store not in ParamStore._unadopted
-                if self.modifier_rank is None:
-                    stack.enter_context(_copies(store, params))
-                elif engine_owned:
-                    raise UsageError(
-                        "tidal.deepspeed.zero.GatheredParameters(..., modifier_rank=...): these "
-                        "parameters are trained by an engine; write new values with "
-                        "engine.load_state_dict({name: tensor}, strict=False) between steps")
-                else:
-                    # (callbacks run last first: the 16-bit slots follow once
-                    # the masters are released)
-                    stack.callback(store.sync_param16)
-                    stack.enter_context(store.materialized_params(params))
-        except BaseException:
-            stack.close()
-            raise
-        self._stack = stack
-        return self
-
-    def __exit__(self, *exc):
-        if self._stack is not None:
-            stack, self._stack = self._stack, None
-            stack.close()
-        return False
+    if isinstance(params, torch.Tensor):
+        params = [params]
+    params = [p for p in (params or []) if p is not None]
+    with contextlib.ExitStack() as stack:
+        for store, held in (_by_store(params) if enabled else {}).items():
+            if modifier_rank is None:
+                stack.enter_context(_copies(store, held))
+            elif store not in ParamStore._unadopted:
+                raise UsageError(
+                    "tidal.deepspeed.zero.GatheredParameters(..., modifier_rank=...): these "
+                    "parameters are trained by an engine; write new values with "
+                    "engine.load_state_dict({name: tensor}, strict=False) between steps")
+            else:
+                # (callbacks run last first: the 16-bit slots follow once the
+                # masters are released)
+                stack.callback(store.sync_param16)
+                stack.enter_context(store.materialized_params(held))
+        yield
 
 
 def _by_store(params) -> dict:
-    from .engine.store import ParamStore
     out: dict = {}
     for p in params:
         store = ParamStore.owning([p])
@@ -417,4 +393,4 @@ def _copies(store, params):
             p.data = old
 
 
-zero = types.SimpleNamespace(Init=_Init, GatheredParameters=_GatheredParameters)
+zero = types.SimpleNamespace(Init=_Init, GatheredParameters=_gathered_parameters)

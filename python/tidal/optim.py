@@ -21,6 +21,15 @@ __all__ = ["CPUAdam"]
 _TORCH_ONLY_FLAGS = ("amsgrad", "maximize")
 
 
+def _refuse_torch_only(settings: dict, where: str = "") -> None:
+    """NotImplementedError for amsgrad/maximize turned on in `settings`."""
+    for flag in _TORCH_ONLY_FLAGS:
+        if settings.get(flag, False):
+            raise NotImplementedError(
+                f"CPUAdam: {where}{flag}=True asks for another update rule, which CPUAdam does "
+                f"not implement; train with torch.optim.AdamW(..., {flag}=True) instead.")
+
+
 def _number(name: str, value: Any) -> float:
     """A hyperparameter as a float: a real number (Python's, NumPy's, anything
     float() takes but a string or a bool) or a one-element tensor, as torch's
@@ -115,11 +124,7 @@ class CPUAdam(torch.optim.Optimizer):
     ) -> None:
         # torch's switches for other update rules: taken when off (a call written
         # for torch.optim.AdamW passes them), refused when on.
-        for flag, on in (("amsgrad", amsgrad), ("maximize", maximize)):
-            if on:
-                raise NotImplementedError(
-                    f"CPUAdam: {flag}=True asks for another update rule, which CPUAdam does not "
-                    f"implement; train with torch.optim.AdamW(..., {flag}=True) instead.")
+        _refuse_torch_only({"amsgrad": amsgrad, "maximize": maximize})
         lr, eps, weight_decay = (_number(n, v) for n, v in (("lr", lr), ("eps", eps),
                                                              ("weight_decay", weight_decay)))
         try:
@@ -142,10 +147,10 @@ class CPUAdam(torch.optim.Optimizer):
         if thread_pool not in ("torch", "onetbb"):
             raise ValueError(f"thread_pool must be 'torch' or 'onetbb', got {thread_pool!r}")
         defaults = dict(
-            lr=float(lr),
-            betas=(float(betas[0]), float(betas[1])),
-            eps=float(eps),
-            weight_decay=float(weight_decay),
+            lr=lr,
+            betas=betas,
+            eps=eps,
+            weight_decay=weight_decay,
             adamw_mode=bool(adamw_mode),
             bias_correction=bool(bias_correction),
             # Mirrors adamw_mode under torch.optim.Adam's name, so a CPUAdam
@@ -169,12 +174,7 @@ class CPUAdam(torch.optim.Optimizer):
     @staticmethod
     def _adopt_group(group: dict[str, Any]) -> None:
         """Fills CPUAdam's keys into a group that came from torch.optim.Adam/AdamW."""
-        for flag in _TORCH_ONLY_FLAGS:
-            if group.get(flag, False):
-                raise NotImplementedError(
-                    f"CPUAdam: this parameter group has {flag}=True, which CPUAdam does not "
-                    f"implement; train it with torch.optim.AdamW(..., {flag}=True) instead."
-                )
+        _refuse_torch_only(group, "a parameter group with ")
         if "adamw_mode" not in group:
             group["adamw_mode"] = bool(group.get("decoupled_weight_decay", False))
         group.setdefault("bias_correction", True)

@@ -70,17 +70,3 @@ def measured_budget(model, cfg, batches, chunk_share=0.25, slack=1.25):
     finally:
         probe.remove_hooks()
 
-
-class TanhMLP(torch.nn.Module):
-    """`depth` square Linear layers with tanh, an MSE loss: smooth (a last-bit
-    difference between Adam implementations flips no ReLU), one chunk or so per
-    layer at small chunk sizes."""
-
-    def __init__(self, width=32, depth=6):
-        super().__init__()
-        self.layers = torch.nn.ModuleList(torch.nn.Linear(width, width) for _ in range(depth))
-
-    def forward(self, x, y):
-        for layer in self.layers:
-            x = torch.tanh(layer(x))
-        return torch.nn.functional.mse_loss(x, y)

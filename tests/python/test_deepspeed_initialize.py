@@ -22,7 +22,8 @@ from tidal.config import ConfigError
 from tidal.engine.errors import UsageError
 
 sys.path.insert(0, str(Path(__file__).parent))
-from engine_helpers import TanhMLP, measured_budget, within_budget  # noqa: E402
+from engine_helpers import measured_budget, within_budget  # noqa: E402
+from tidal.models.gpt import TanhChain  # noqa: E402
 
 LR = 2e-3
 
@@ -33,7 +34,7 @@ def simulated_device():
 
 
 def Net():
-    return TanhMLP(32, 6)
+    return TanhChain(32, 6)
 
 
 class Pairs(torch.utils.data.Dataset):

@@ -22,7 +22,8 @@ from tidal.optim import CPUAdam
 common_optimizers = pytest.importorskip("torch.testing._internal.common_optimizers")
 
 sys.path.insert(0, str(Path(__file__).parent))
-from engine_helpers import TanhMLP, measured_budget, train_tidal, within_budget  # noqa: E402
+from engine_helpers import measured_budget, train_tidal, within_budget  # noqa: E402
+from tidal.models.gpt import TanhChain  # noqa: E402
 
 ADAMS = (torch.optim.Adam, torch.optim.AdamW)
 CPUADAM_KEYS = ("lr", "betas", "eps", "weight_decay")
@@ -166,7 +167,7 @@ def test_cpu_adam_refuses_what_torch_refuses(cls, error):
 # --- the engine, from a DeepSpeed config ----------------------------------------
 
 def _Net():
-    return TanhMLP(48, 6)
+    return TanhChain(48, 6)
 
 
 def _batches(n=6):

@@ -42,11 +42,10 @@ class ReportsMixin:
         out = []
         prev = self._tracer.timeline_base
         for k, kind, what, held, peak, moves in self._tracer.timeline:
-            base = prev
             out.append({"moment": k, "hook": self._hook_name(kind, what), "chunk_bytes": held,
                         "non_chunk_bytes": peak, "budget": budget,
-                        "h2d_moves": moves[0] - base[0], "d2h_moves": moves[1] - base[1],
-                        "evictions": moves[2] - base[2]})
+                        "h2d_moves": moves[0] - prev[0], "d2h_moves": moves[1] - prev[1],
+                        "evictions": moves[2] - prev[2]})
             prev = moves
         return out
 

@@ -1,4 +1,4 @@
-"""Small GPT and ResNet models (torch.nn, random init, no downloads): the
+"""Small GPT, ResNet and MLP models (torch.nn, random init, no downloads): the
 main job, the engine tests and the benchmarks use them."""
 import math
 
@@ -95,3 +95,19 @@ class TinyResNet(nn.Module):
         x = F.relu(x + self.bn2(self.c2(F.relu(self.bn1(self.c1(x))))))
         logits = self.head(x.mean((2, 3)))
         return logits if y is None else F.cross_entropy(logits, y)
+
+
+class TanhChain(nn.Module):
+    """`depth` square Linear layers with tanh and an MSE loss (forward(x, y)):
+    many modules of one size, and smooth, so a last-bit difference between two
+    Adam implementations flips no ReLU. benchmarks/engine_overhead.py times
+    the hooks on it; the engine tests train it against torch's optimizers."""
+
+    def __init__(self, width=32, depth=6):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(width, width) for _ in range(depth))
+
+    def forward(self, x, y):
+        for layer in self.layers:
+            x = torch.tanh(layer(x))
+        return F.mse_loss(x, y)
