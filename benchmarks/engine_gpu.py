@@ -368,6 +368,11 @@ def _derive(run, name, seq, budget=None):
             "cpu_adam_seconds_per_step": m["cpu_adam_seconds"] / max(1, r["steps"]),
             "adam_chunks_on_device": m["adam_chunks_on_device"], "adam_chunks_on_host": m["adam_chunks_on_host"],
             "loss_falling": r["last_loss"] < r["first_loss"],
+            # A budget is a promise: the device peak within the budget less the margin
+            # and no overrun, or the run failed.
+            "budget_overruns": m["budget_overruns"],
+            "within_budget": m["budget_overruns"] == 0
+            and m["peak_device_bytes"] <= m["device_budget"] - m["device_margin"],
         })
     return out
 
@@ -505,13 +510,17 @@ def cmd_largest(args):
         rec["predicted_fits"] = result["predicted"][s]["fits"]
         if rec["ok"]:
             rec.update(_derive(rec, s, shape_of(s)[3]))
-            rec["trained"] = rec["loss_falling"] and rec["report"]["steps"] >= steps
+            rec["trained"] = (rec["loss_falling"] and rec["within_budget"]
+                              and rec["report"]["steps"] >= steps)
         else:
             rec["trained"] = False
         result["tried"].append(rec)
         common.write_result(name, result, output=result_path(name, args.output))
         if not rec["trained"]:
-            rec["failure"] = rec["ended"] + ("" if rec["ok"] else f" ({rec.get('error', 'no report')})")
+            rec["failure"] = rec["ended"] + ("" if rec["ok"] else f" ({rec.get('error', 'no report')})") \
+                + ("" if not rec["ok"] or rec["within_budget"] else
+                   f" (over its budget: {rec['budget_overruns']} overruns, peak "
+                   f"{rec['peak_device_bytes']} of {rec['device_budget']} bytes)")
         return rec["trained"]
 
     best_shape = _search(shapes, start, attempt)

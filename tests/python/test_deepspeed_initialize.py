@@ -133,6 +133,7 @@ def test_the_client_scheduler_is_saved_and_resumed(tmp_path):
     other.load_checkpoint(tmp_path)
     assert other_sched.state_dict() == sched.state_dict() and other_sched.last_epoch == 2
     assert other.get_lr() == engine.get_lr() == [pytest.approx(LR * 3 / 4)]
+    within_budget(engine)
 
 
 def test_the_config_comes_from_where_deepspeed_takes_it(tmp_path):
@@ -189,6 +190,7 @@ def test_what_tidal_cannot_do_is_refused_naming_it_and_the_model_keeps_its_weigh
     x, y = Pairs()[0:3]
     engine.backward(engine(x, y))
     assert engine.step() is True
+    within_budget(engine)
 
 
 @pytest.mark.parametrize("block", [
@@ -212,6 +214,7 @@ def test_the_client_scheduler_replaces_the_configs_as_in_deepspeed(block):
         assert engine.get_mom() == [(0.85, 0.995)], k
         engine.backward(engine(x, y))
         engine.step()
+    within_budget(engine)
 
 
 def test_scheduler_classes_and_callables_that_read_the_optimizers_groups_are_taken():
@@ -356,6 +359,7 @@ def test_the_deepspeed_cifar_tutorials_loop_runs_as_it_is(tmp_path):
     for key, p in ref.named_parameters():
         err = (weights[key] - p.detach()).norm() / p.norm()
         assert err <= 1e-5, f"{key}: relative L2 error {err:.3g}"
+    within_budget(model_engine)
 
 
 def test_local_rank_is_the_launchers_and_init_distributed_wants_what_it_is_told(monkeypatch):
@@ -419,6 +423,7 @@ def test_a_scheduler_that_raises_leaves_the_step_done_once():
     engine.step()  # no new gradients: nothing to apply
     for k, v in engine.parameters_fp32().items():
         assert torch.equal(v, after[k]), k
+    within_budget(engine)
 
 
 # --- zero.Init and GatheredParameters (Note [zero.Init and GatheredParameters
@@ -488,6 +493,7 @@ def test_zero_init_builds_into_chunks_and_gathered_parameters_writes_or_reads():
     with ds.zero.GatheredParameters(model.a.weight):
         assert torch.equal(model.a.weight, engine.parameters_fp32()["a.weight"])
     assert (model.a.weight.numel(), model.a.weight.data.data_ptr()) == before
+    within_budget(engine)
 
 
 def test_gathered_parameters_nest_and_keep_every_write():
@@ -512,6 +518,7 @@ def test_gathered_parameters_nest_and_keep_every_write():
     # ... the 16-bit copies too (forward computes with them): fp32 here, so equal.
     out = engine(torch.ones(1, 4))
     assert torch.allclose(out, torch.full((1, 4), 2.0 * (4.0 * 1.0 + 4.0) * 4 + 3.0))
+    within_budget(engine)
 
 
 def test_zero_init_under_a_config_scheduler_and_a_client_one():

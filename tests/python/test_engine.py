@@ -812,7 +812,7 @@ def test_deepspeeds_engine_queries_answer_as_deepspeed_does():
     # each applied step, so the first two steps run at the min.
     torch.manual_seed(0)
     model = TinyGPT(d=64, seq=8)
-    cfg = config(budget="64MiB", chunk=1 << 16)
+    cfg = config(budget=0, chunk=1 << 16)  # (0: the whole simulated device)
     cfg.update({"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2,
                 "fp16": {"enabled": True, "initial_scale_power": 8, "hysteresis": 1},
                 "scheduler": {"type": "WarmupLR", "params": {
@@ -856,7 +856,8 @@ def test_deepspeeds_engine_queries_answer_as_deepspeed_does():
     engine.set_gradient_accumulation_boundary(None)
     assert engine.was_step_applied() and engine.global_samples == 20
     # A config with no batch named: DeepSpeed's None.
-    other = tidal.initialize(TinyGPT(d=32, seq=8), config(budget="64MiB", chunk=1 << 16))
+    within_budget(engine)
+    other = tidal.initialize(TinyGPT(d=32, seq=8), config(budget=0, chunk=1 << 16))
     assert other.train_micro_batch_size_per_gpu() is None and other.train_batch_size() is None
     assert other.gradient_accumulation_steps() == 1 and not other.fp16_enabled()
 
@@ -866,7 +867,7 @@ def test_module_methods_that_would_act_on_placeholders_are_the_engines_and_refus
     # conversions would act on placeholders and return the model: the engine's
     # own return the engine where they are no-ops and refuse the rest by name.
     torch.manual_seed(0)
-    engine = tidal.initialize(TinyGPT(d=32, seq=8), config(budget="64MiB", chunk=1 << 16))
+    engine = tidal.initialize(TinyGPT(d=32, seq=8), config(budget=0, chunk=1 << 16))
     assert engine.to(engine.device) is engine and engine.to("cpu") is engine
     assert engine.cpu() is engine and engine.float() is engine  # fp32 on the simulated device
     with pytest.raises(tidal.UsageError, match="engine.to\\('cuda'\\): the parameters live in chunks"):
@@ -893,3 +894,4 @@ def test_module_methods_that_would_act_on_placeholders_are_the_engines_and_refus
     x, y = gpt_batches(1)[0]
     engine.backward(engine(x, y))
     assert engine.step() is True
+    within_budget(engine)

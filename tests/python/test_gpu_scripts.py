@@ -117,6 +117,7 @@ def test_engine_bench_quick_has_the_three_peers_and_their_ratios(tmp_path):
     assert t["plain"]["tflops_with_attention"] == pytest.approx((6 * n + 12 * 2 * 64 * 64) * plain["tokens_per_s"] / 1e12)
     for k in ("tidal_whole", "tidal_quarter"):
         assert t[k]["tokens_per_s"] > 0 and t[k]["loss_falling"]
+        assert t[k]["within_budget"] and t[k]["budget_overruns"] == 0
         assert 0 <= t[k]["prefetch_hit_rate"] <= 1 and t[k]["cpu_adam_seconds_per_step"] >= 0
         assert t[k]["tflops_over_matmul_rate"] == pytest.approx(t[k]["tflops_with_attention"] / r["matmul_bf16_tflops"])
     ratios = r["ratios"]
@@ -141,6 +142,7 @@ def test_engine_largest_quick_starts_at_the_prediction_and_reports_against_the_l
     assert {s: p["fits"] for s, p in r["predicted"].items()} == {"nano": True, "quick-gpt2": True}
     assert r["predicted_largest"] == "quick-gpt2"
     assert [t["shape"] for t in r["tried"]] == ["quick-gpt2"] and r["tried"][0]["trained"]
+    assert r["tried"][0]["within_budget"] and r["tried"][0]["budget_overruns"] == 0
     assert r["tried"][0]["predicted_fits"] is True
     assert r["stopped"] == "every shape from quick-gpt2 up trains (quick-gpt2 is the last)"
     # quick-gpt2 is not a preset: it trains through --hf-config; the engine built that shape,

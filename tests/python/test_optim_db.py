@@ -246,6 +246,7 @@ def test_deepspeeds_adam_is_torchs_adamw(simulated_device):
     weights = engine.parameters_fp32()
     for key, p in ref.named_parameters():
         torch.testing.assert_close(weights[key], p.detach(), rtol=RTOL, atol=ATOL, msg=key)
+    within_budget(engine)
 
 
 @pytest.mark.parametrize("cls,error", CONFIG_ERROR_INPUTS)
