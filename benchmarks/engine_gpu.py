@@ -476,8 +476,10 @@ def cmd_largest(args):
                                                "warmup_num_steps": 2 * steps, "warmup_type": "linear"}}
     result["scheduler"] = schedule
     # The budgets: the host's and the margin, set so that (host + device) can be used up to
-    # the goal (tidal's defaults, 85% of the available host memory and 5% of the device, leave
-    # about 0.79 of it at batch 4). Under --quick the config's own.
+    # the goal: with tidal's defaults (85% of the host, a 5% margin) and batch 4 the largest
+    # shape predicted to fit an H200 box is gpt-16b, 0.75 of it
+    # (benchmarks/results/engine_largest_prediction_defaults-cpu-2c.json). Under --quick the
+    # config's own.
     tidal_keys = {}
     if not quick:
         from tidal.device import parse_bytes
