@@ -602,7 +602,7 @@ void ModuleHooks::make_room_for(const std::vector<std::size_t>& params) {
 }
 
 ModuleHooks::~ModuleHooks() {
-  if (room_maker_) set_host_allocation_room_maker(nullptr, std::thread::id());
+  if (room_maker_) set_device_room_maker(false);
 }
 
 // Note [Weights while gradients wait]: a temporary device tensor holding

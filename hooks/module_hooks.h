@@ -165,8 +165,14 @@ class ModuleHooks : public dtr::ChunkArbiter, public std::enable_shared_from_thi
   // limit] in hooks/host_allocation_counter.h): an allocation that would
   // pass the budget first moves chunks not in use off the device, on this
   // thread, before it fails (and DTR evicts activations).
+  // On a GPU (after set_cuda_room) the same room maker answers torch's cache
+  // misses instead (Note [Room on a cache miss] in hooks/cuda_room.h), on
+  // whatever thread allocates (backward runs on autograd's device thread).
   void set_device_room_maker(bool on);
   bool free_device_room(std::size_t bytes);
+  // The engine's GPU: device `ordinal` and its budget `cap` (torch's cap for
+  // this engine); from then on set_device_room_maker arms the CUDA callback.
+  void set_cuda_room(int ordinal, std::size_t cap);
   // limit - the chunk bytes held on the device, at most cap (when > 0), at
   // least 1 (0 would mean "no threshold").
   std::size_t dtr_threshold() const;
@@ -330,6 +336,9 @@ class ModuleHooks : public dtr::ChunkArbiter, public std::enable_shared_from_thi
   // Note [The end of a backward].
   bool backward_end_queued_ = false;
   bool room_maker_ = false;
+  int cuda_ordinal_ = -1;          // set_cuda_room: the CUDA callback instead of the host counter's
+  std::size_t cuda_cap_ = 0;
+  std::uint64_t cuda_room_token_ = 0;  // nonzero while this engine's callback is armed
   bool engine_backward_ = false;
   bool raw_backward_ended_ = false;
   std::string raw_refusal_;

@@ -9,6 +9,7 @@
 #include <memory>
 #include <thread>
 
+#include "hooks/cuda_room.h"
 #include "hooks/host_allocation_counter.h"
 #include "hooks/module_hooks.h"
 #include "runtime/core/error.h"
@@ -43,19 +44,35 @@ void ModuleHooks::reserve_for_chunks(std::size_t need) {
 
 void ModuleHooks::set_device_room_maker(bool on) {
   if (!on) {
-    if (room_maker_) set_host_allocation_room_maker(nullptr, std::thread::id());
+    if (cuda_room_token_ != 0) {
+      disarm_cuda_room(cuda_room_token_);
+      cuda_room_token_ = 0;
+    } else if (room_maker_) {
+      set_host_allocation_room_maker(nullptr, std::thread::id());
+    }
     room_maker_ = false;
     return;
   }
   std::weak_ptr<ModuleHooks> self = weak_from_this();
   if (self.expired()) return;
-  set_host_allocation_room_maker(
-      [self](std::size_t bytes) {
-        const std::shared_ptr<ModuleHooks> hooks = self.lock();
-        return hooks != nullptr && hooks->free_device_room(bytes);
-      },
-      std::this_thread::get_id());
+  RoomMaker maker = [self](std::size_t bytes) {
+    const std::shared_ptr<ModuleHooks> hooks = self.lock();
+    return hooks != nullptr && hooks->free_device_room(bytes);
+  };
+  if (cuda_ordinal_ >= 0) {
+    if (cuda_room_token_ == 0) cuda_room_token_ = arm_cuda_room(cuda_ordinal_, cuda_cap_, std::move(maker));
+  } else {
+    set_host_allocation_room_maker(std::move(maker), std::this_thread::get_id());
+  }
   room_maker_ = true;
+}
+
+void ModuleHooks::set_cuda_room(int ordinal, std::size_t cap) {
+  TIDAL_CHECK(ordinal >= 0 && cap > 0, "set_cuda_room: expected a device ordinal >= 0 and a cap > 0, got ",
+              ordinal, " and ", cap);
+  track_cuda_requests(ordinal);
+  cuda_ordinal_ = ordinal;
+  cuda_cap_ = cap;
 }
 
 bool ModuleHooks::free_device_room(std::size_t bytes) {

@@ -47,6 +47,9 @@ class ProviderMeter final : public NonChunkMeter {
     return {above(provider_->other_bytes(), baseline_), above(provider_->other_peak_bytes(), baseline_)};
   }
   void restart_peak() override { provider_->reset_window(); }
+  std::size_t device_reserved_peak() override {
+    return static_cast<std::size_t>(std::max<std::int64_t>(0, provider_->reserved_peak_bytes()));
+  }
 
  private:
   std::shared_ptr<TorchMemoryProvider> provider_;

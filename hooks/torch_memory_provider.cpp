@@ -10,15 +10,46 @@
 #include "hooks/host_allocation_counter.h"
 #include "runtime/core/error.h"
 
-#if defined(TIDAL_WITH_CUDA)
-// A CPU build of torch ships c10/cuda headers without the generated
-// c10/cuda/impl/cuda_cmake_macros.h; on Linux it only defines
-// C10_CUDA_BUILD_SHARED_LIBS, which matters on Windows alone.
-#define C10_CUDA_NO_CMAKE_CONFIGURE_FILE
-#include <c10/cuda/CUDACachingAllocator.h>
-#endif
+#include "hooks/cuda_room.h"
+#include "hooks/torch_cuda_allocator.h"
 
 namespace tidal::hooks {
+
+#if defined(TIDAL_WITH_CUDA)
+// Mangled name of c10::cuda::CUDACachingAllocator::allocator (std::atomic<CUDAAllocator*>).
+constexpr const char* kAllocatorSymbol = "_ZN3c104cuda20CUDACachingAllocator9allocatorE";
+
+void* find_c10_cuda_symbol(const char* symbol, std::string* why) {
+  // Only if torch already loaded it: a CUDA build of torch does at import.
+  void* lib = dlopen("libc10_cuda.so", RTLD_NOW | RTLD_NOLOAD);
+  if (lib == nullptr) {
+    const char* e = dlerror();
+    *why = detail::str_cat("libc10_cuda.so is not loaded in this process (", e != nullptr ? e : "?",
+                           "); is torch a CPU build?");
+    return nullptr;
+  }
+  void* found = dlsym(lib, symbol);
+  if (found == nullptr) {
+    const char* e = dlerror();
+    *why = detail::str_cat("libc10_cuda.so has no ", symbol, " (", e != nullptr ? e : "?",
+                           "): this torch's CUDA allocator is not the one tidal was built against");
+  }
+  dlclose(lib);  // torch keeps it loaded; NOLOAD took one more reference
+  return found;
+}
+
+c10::cuda::CUDACachingAllocator::CUDAAllocator* find_torch_cuda_allocator() {
+  std::string why;
+  void* symbol = find_c10_cuda_symbol(kAllocatorSymbol, &why);
+  TIDAL_CHECK_SUPPORTED(symbol != nullptr, "chunk memory from torch's CUDA caching allocator: ", why);
+  auto* allocator =
+      static_cast<std::atomic<c10::cuda::CUDACachingAllocator::CUDAAllocator*>*>(symbol)->load();
+  TIDAL_CHECK_RUNTIME(allocator != nullptr && allocator->initialized(),
+                      "torch's CUDA caching allocator is not initialized; call "
+                      "torch.cuda.init() first");
+  return allocator;
+}
+#endif
 
 TorchMemoryProvider::TorchMemoryProvider(std::unique_ptr<Source> source)
     : source_(std::move(source)) {
@@ -32,6 +63,7 @@ void TorchMemoryProvider::close_interval() {
   // held_ was constant since the last restart of torch's peak, so the peak of
   // everything else in that interval is torch's peak less held_.
   window_peak_ = std::max(window_peak_, source_->peak_allocated_bytes() - held_);
+  window_reserved_peak_ = std::max(window_reserved_peak_, source_->peak_reserved_bytes());
 }
 
 void* TorchMemoryProvider::allocate(std::size_t bytes) {
@@ -86,10 +118,16 @@ std::int64_t TorchMemoryProvider::other_peak_bytes() const {
   return std::max(window_peak_, source_->peak_allocated_bytes() - held_);
 }
 
+std::int64_t TorchMemoryProvider::reserved_peak_bytes() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return std::max(window_reserved_peak_, source_->peak_reserved_bytes());
+}
+
 void TorchMemoryProvider::reset_window() {
   std::lock_guard<std::mutex> lock(mutex_);
   source_->reset_peak();
   window_peak_ = source_->allocated_bytes() - held_;
+  window_reserved_peak_ = source_->peak_reserved_bytes();
 }
 
 std::int64_t TorchMemoryProvider::allocations() const {
@@ -151,29 +189,6 @@ class CpuSource final : public TorchMemoryProvider::Source {
 #if defined(TIDAL_WITH_CUDA)
 namespace cca = c10::cuda::CUDACachingAllocator;
 
-// Mangled name of c10::cuda::CUDACachingAllocator::allocator (std::atomic<CUDAAllocator*>).
-constexpr const char* kAllocatorSymbol = "_ZN3c104cuda20CUDACachingAllocator9allocatorE";
-
-cca::CUDAAllocator* find_torch_cuda_allocator() {
-  // Only if torch already loaded it: a CUDA build of torch does at import.
-  void* lib = dlopen("libc10_cuda.so", RTLD_NOW | RTLD_NOLOAD);
-  TIDAL_CHECK_SUPPORTED(lib != nullptr,
-                        "chunk memory from torch's CUDA caching allocator needs a CUDA build of "
-                        "torch, but libc10_cuda.so is not loaded in this process (",
-                        dlerror(), "); is torch a CPU build?");
-  void* symbol = dlsym(lib, kAllocatorSymbol);
-  const char* why = symbol == nullptr ? dlerror() : nullptr;
-  dlclose(lib);  // torch keeps it loaded; NOLOAD took one more reference
-  TIDAL_CHECK_SUPPORTED(symbol != nullptr, "libc10_cuda.so has no ", kAllocatorSymbol, " (",
-                        why != nullptr ? why : "?",
-                        "): this torch's CUDA allocator is not the one tidal was built against");
-  auto* allocator = static_cast<std::atomic<cca::CUDAAllocator*>*>(symbol)->load();
-  TIDAL_CHECK_RUNTIME(allocator != nullptr && allocator->initialized(),
-                      "torch's CUDA caching allocator is not initialized; call "
-                      "torch.cuda.init() first");
-  return allocator;
-}
-
 class CudaSource final : public TorchMemoryProvider::Source {
  public:
   CudaSource(cca::CUDAAllocator* allocator, int ordinal, std::uintptr_t stream)
@@ -186,6 +201,7 @@ class CudaSource final : public TorchMemoryProvider::Source {
   // The caller (CudaDevice::do_allocate_from) made the device current: torch
   // allocates on the current device.
   void* allocate(std::size_t bytes) override {
+    const ChunkBlockScope chunk_block;  // (Note [Room on a cache miss]: no room made for it)
     try {
       return allocator_->raw_alloc_with_stream(bytes, stream_);
     } catch (const c10::OutOfMemoryError&) {
@@ -194,12 +210,18 @@ class CudaSource final : public TorchMemoryProvider::Source {
       return nullptr;
     }
   }
-  void free(void* ptr) override { allocator_->raw_delete(ptr); }
+  void free(void* ptr) override {
+    const ChunkBlockScope chunk_block;
+    allocator_->raw_delete(ptr);
+  }
   std::int64_t allocated_bytes() const override {
     return allocator_->getDeviceStats(ordinal_).allocated_bytes[kAggregate].current;
   }
   std::int64_t peak_allocated_bytes() const override {
     return allocator_->getDeviceStats(ordinal_).allocated_bytes[kAggregate].peak;
+  }
+  std::int64_t peak_reserved_bytes() const override {
+    return allocator_->getDeviceStats(ordinal_).reserved_bytes[kAggregate].peak;
   }
   void reset_peak() override { allocator_->resetPeakStats(ordinal_); }
 

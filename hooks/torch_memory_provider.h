@@ -93,6 +93,9 @@ class TorchMemoryProvider final : public DeviceMemoryProvider {
     // Bytes allocated now, and the most since reset_peak().
     virtual std::int64_t allocated_bytes() const = 0;
     virtual std::int64_t peak_allocated_bytes() const = 0;
+    // The most reserved since reset_peak() (chunk blocks, tensors and the
+    // allocator's cache); -1 where the source does not keep a cache of its own.
+    virtual std::int64_t peak_reserved_bytes() const { return -1; }
     virtual void reset_peak() = 0;
   };
 
@@ -110,6 +113,10 @@ class TorchMemoryProvider final : public DeviceMemoryProvider {
   // The peak of other_bytes() since reset_window(), exactly (Note [Chunk memory
   // and torch's caching allocator]).
   std::int64_t other_peak_bytes() const;
+  // The most torch reserved at one moment since reset_window() (chunk blocks
+  // included: the device's whole use by torch and tidal), exactly; -1 where
+  // the source keeps no cache (the CPU stand-in).
+  std::int64_t reserved_peak_bytes() const;
   // Restarts the window: torch's peak and the window peak start from now.
   void reset_window();
   std::int64_t allocations() const;
@@ -124,6 +131,7 @@ class TorchMemoryProvider final : public DeviceMemoryProvider {
   std::unordered_map<void*, std::int64_t> counted_;  // block -> bytes torch counted for it
   std::int64_t held_ = 0;
   std::int64_t window_peak_ = 0;
+  std::int64_t window_reserved_peak_ = -1;
   std::int64_t allocations_ = 0;
   std::int64_t frees_ = 0;
 };

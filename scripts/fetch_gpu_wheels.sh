@@ -30,5 +30,8 @@ fi
 "$PY" -m pip download --only-binary=:all: --python-version 3.12 --implementation cp \
   --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 --platform any \
   -d "$DEST" hjson py-cpuinfo pydantic msgpack einops psutil packaging ninja
-ls -la "$DEST"
-du -sh "$DEST"
+# pytest for the GPU phases that run tests (gpu_run.sh unpacks it only where the image lacks it).
+"$PY" -m pip download --only-binary=:all: --python-version 3.12 --implementation cp \
+  --platform manylinux_2_17_x86_64 --platform any -d "$ROOT/.deps/pytest" pytest
+ls -la "$DEST" "$ROOT/.deps/pytest"
+du -sh "$DEST" "$ROOT/.deps/pytest"

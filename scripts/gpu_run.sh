@@ -28,6 +28,8 @@
 #   build     CUDA build for sm_90 of only what the GPU phases run: tidal._C and the
 #             device/scheduler/chunk C++ test binaries        ~75 s cold on 16 cores
 #   cpp       those GoogleTest binaries on the real GPU (gtest JSON per binary)     ~60 s
+#   room      tests/python/test_cuda_room.py: the caching allocator model against torch's
+#             allocator, and room made on torch's cache misses (JUnit XML)       ~30 s
 #   crash     engine_gpu.py crash: tidal-train --preset gpt-350m --steps 3; only when it
 #             fails (or CRASH_ALL_CASES=1): pinning off, 256 MiB chunks, pinned HostBuffers
 #             of 98.25/196.5 MiB up to 6 GiB, each its own process; under gdb too when gdb
@@ -43,6 +45,8 @@
 #             predicts to fit (gpt-18b, 0.88 of (host + device) / 14 B, on the H200 box), then up
 #             while shapes train or down until one does; registration alone is ~12 s per 1B
 #             parameters there (gpt-6.7b: 78 s), so one 18B try takes most of it    ~300 s
+#   big       engine_gpu.py big: gpt-6.7b, micro batch 4 x 16 accumulation (64k tokens a step),
+#             TFLOPS against the goal of 300 (issue 39 step 4)                   ~200 s
 #   deepspeed deepspeed_gpu.py: ZeRO-2 + offload_optimizer, ZeRO-3 + offload_param, at
 #             gpt-1.3b and up to the largest tidal trained (engine_largest result) ~400 s
 #   dtr       benchmarks/dtr.py, dtr_batch.py and recompute.py on the GPU when they take
@@ -72,15 +76,15 @@ PREFIX="${TIDAL_DEPS_PREFIX:-/tmp/tidal-deps}"
 DS_SITE=/tmp/tidal-ds-site
 RESULTS_DIR="${TIDAL_RESULTS_DIR:-benchmarks/results}"  # where the scripts write (engine_gpu.result_path)
 SEGV_SO="$BUILD/segv_backtrace.so"
-ALL_PHASES="reporter build cpp crash bench1b dp largest deepspeed dtr"
+ALL_PHASES="reporter build cpp room crash bench1b dp largest big deepspeed dtr"
 CPP_TESTS="tidal_runtime_tests tidal_scheduler_tests tidal_chunk_tests"
 Q=(); ((QUICK)) && Q=(--quick)
 
 # Seconds each phase is planned for and its own time limit (the limit is cut to what is
 # left of GPU_RUN_BUDGET_S when the phase starts).
 # Measured on the H200 (2026-11-26): build 53-73 s, cpp 2 s, crash 19 s passing, bench1b 72 s, dp 14 s.
-declare -A EST=([reporter]=5 [build]=75 [cpp]=10 [crash]=30 [bench1b]=120 [dp]=20 [largest]=300 [deepspeed]=400 [dtr]=130)
-declare -A LIMIT=([reporter]=30 [build]=420 [cpp]=120 [crash]=300 [bench1b]=270 [dp]=120 [largest]=330 [deepspeed]=420 [dtr]=150)
+declare -A EST=([reporter]=5 [build]=75 [cpp]=10 [room]=30 [crash]=30 [bench1b]=120 [dp]=20 [largest]=300 [big]=200 [deepspeed]=400 [dtr]=130)
+declare -A LIMIT=([reporter]=30 [build]=420 [cpp]=120 [room]=120 [crash]=300 [bench1b]=270 [dp]=120 [largest]=330 [big]=300 [deepspeed]=420 [dtr]=150)
 
 DRY=0
 INNER=""
@@ -145,6 +149,19 @@ source_stamp() {
     | sha256sum | cut -c1-16
 }
 
+# pytest, when the image lacks it: the carried wheels (.deps/pytest, fetched by
+# scripts/fetch_gpu_wheels.sh) unpacked onto PYTHONPATH, as the deepspeed phase does.
+ensure_pytest() {
+  ((DRY)) && return 0
+  "$PY" -c "import pytest" 2>/dev/null && return 0
+  shopt -s nullglob
+  local w site=/tmp/tidal-pytest-site
+  mkdir -p "$site"
+  for w in .deps/pytest/*.whl; do "$PY" -m zipfile -e "$w" "$site"; done
+  export PYTHONPATH="$PYTHONPATH:$site"
+  "$PY" -c "import pytest" || { say "no pytest on this machine and none carried (.deps/pytest)"; return 1; }
+}
+
 # --- phases (each runs as `gpu_run.sh --phase-inner NAME`, its own process) -------------
 phase_reporter() {
   # A deliberate segfault in Python under the reporter: the log must show the fault
@@ -197,6 +214,7 @@ phase_build() {
   "$PY" -c "import tidal; print(tidal.device_info())" || return $?
   # The module shares the process's C++ runtime (the gpt-350m segfault's cause:
   # Note [One libstdc++ in the process], cmake/OneLibstdcxx.cmake).
+  ensure_pytest || return $?
   "$PY" -m pytest -q -p no:cacheprovider tests/python/test_native_module.py -k "module_uses or warning"
 }
 
@@ -209,6 +227,14 @@ phase_cpp() {
     x timeout -k 10 100 "$f" --gtest_output="json:$OUT/cpp-$t.json" || rc=1
   done
   return $rc
+}
+
+phase_room() {
+  # One budget for every device byte (tests/python/test_cuda_room.py): the caching
+  # allocator model against torch's own allocator, and torch's cache-miss callback making
+  # room (Note [Room on a cache miss] in hooks/cuda_room.h). JUnit XML in $OUT/room.xml.
+  ensure_pytest || return $?
+  x "$PY" -m pytest -q -p no:cacheprovider tests/python/test_cuda_room.py --junitxml="$OUT/room.xml" -rs
 }
 
 phase_crash() {
@@ -237,6 +263,12 @@ json.dump(cfg, open(sys.argv[2], "w"), indent=1)' "$base" "$OUT/dp_config.json" 
 phase_largest() {
   x "$PY" benchmarks/engine_gpu.py largest "${Q[@]}" ${LARGEST_SHAPES:+--shapes "$LARGEST_SHAPES"} --timeout 400 --time-limit $((PHASE_LIMIT - 60)) \
     --log-dir "$OUT/largest"
+}
+
+phase_big() {
+  # Issue 39's step 4: gpt-6.7b (states past the device) at micro batch 4 x 16 accumulation,
+  # TFLOPS by 6 N per token against the matmul rate of the same run.
+  x "$PY" benchmarks/engine_gpu.py big "${Q[@]}" --timeout $((PHASE_LIMIT - 20)) --log-dir "$OUT/big"
 }
 
 phase_deepspeed() {

@@ -15,6 +15,7 @@
 #include "python/csrc/hook_callables.h"
 #include "chunk/chunk_store.h"
 #include "hooks/chunk_step.h"
+#include "hooks/cuda_room.h"
 #include "hooks/engine_chunks.h"
 #include "hooks/host_allocation_counter.h"
 #include "hooks/module_hooks.h"
@@ -257,6 +258,10 @@ may wait for a chunk copy release the GIL.)doc")
            py::arg("on"),
            "An allocation past the simulated device's budget first moves chunks not in use off the "
            "device (on this thread).")
+      .def("set_cuda_room", [](Hooks& h, int ordinal, std::size_t cap) { h.get().set_cuda_room(ordinal, cap); },
+           py::arg("ordinal"), py::arg("cap"),
+           "On a GPU: set_device_room_maker arms torch's cache-miss callback for device `ordinal` "
+           "under `cap` bytes (Note [Room on a cache miss] in hooks/cuda_room.h).")
       .def("set_engine_backward", [](Hooks& h, bool on) { h.get().set_engine_backward(on); },
            py::arg("running"))
       .def("set_raw_backward", [](Hooks& h, std::string refusal) { h.get().set_raw_backward(std::move(refusal)); },
@@ -379,6 +384,7 @@ callables, or (neither) torch's CPU allocations counted on the simulated device.
       .def_property_readonly("warmup_room", [](Tracer& t) { return t.get().warmup_room(); })
       .def_property_readonly("peak_nonchunk", [](Tracer& t) { return t.get().peak_nonchunk(); })
       .def_property_readonly("peak_total", [](Tracer& t) { return t.get().peak_total(); })
+      .def_property_readonly("peak_reserved", [](Tracer& t) { return t.get().peak_reserved(); })
       .def_property_readonly("overruns", [](Tracer& t) { return t.get().overruns(); })
       .def_property_readonly("trace", [](Tracer& t) { return t.get().trace(); })
       .def_property_readonly("timeline", [](Tracer& t) { return timeline_list(t.get().timeline()); },
@@ -598,6 +604,19 @@ Python thread drives a Chunks object.)doc");
     return d;
   });
   m.def("reset_host_allocation_peak", &hooks::reset_host_allocation_peak);
+  m.def("cuda_room_counts", [] {
+    const hooks::CudaRoomCounts c = hooks::cuda_room_counts();
+    py::dict d;
+    d["misses"] = c.misses;
+    d["made_room"] = c.made_room;
+    d["bytes_asked"] = c.bytes_asked;
+    d["short_of_room"] = c.short_of_room;
+    d["errors"] = c.errors;
+    d["largest_request"] = c.largest_request;
+    d["last_error"] = c.last_error;
+    return d;
+  }, "What the room maker on torch's cache misses did (Note [Room on a cache miss] in hooks/cuda_room.h).");
+  m.def("reset_cuda_room_counts", &hooks::reset_cuda_room_counts);
   // Tensor.untyped_storage() makes a Python storage object, which PyTorch
   // then keeps alive with the StorageImpl: one more owner per storage ever
   // looked at, which breaks DTR's "no user reference" test (use_count() == 1).

@@ -8,11 +8,13 @@
 #include <variant>
 
 #include "cpu_adam/simd_target.h"
+#include "hooks/cuda_room.h"
 #include "hooks/torch_memory_provider.h"
 #include "python/csrc/bindings.h"
 #include "runtime/core/error.h"
 #include "runtime/core/units.h"
 #include "runtime/device/select.h"
+#include "runtime/memory/caching_allocator_model.h"
 #include "runtime/memory/host_buffer.h"
 
 namespace tidal::python {
@@ -240,6 +242,57 @@ caching allocator]).)doc")
         py::arg("stream"),
         "Chunk memory from torch's CUDA caching allocator on device `ordinal`, blocks on "
         "`stream` (a cudaStream_t as int). Raises NotImplementedError unless torch is a CUDA build.");
+  // Note [Who owns a device byte] (runtime/memory/caching_allocator_model.h):
+  // the model, for the GPU run that checks it against torch's own allocator.
+  py::class_<CachingAllocatorModel>(m, "CachingAllocatorModel", R"doc(
+torch's CUDA caching allocator as a model: allocate(bytes, cap) places a request
+as torch would (0 when it fails under the cap), free(handle) gives it back,
+use() says reserved, allocated, active and inactive split bytes.)doc")
+      .def(py::init<>())
+      .def("allocate", [](CachingAllocatorModel& m, std::size_t bytes, std::size_t cap) {
+             return m.allocate(bytes, [cap] { return cap; }, nullptr);
+           }, py::arg("bytes"), py::arg("cap") = ~std::size_t{0})
+      .def("free", &CachingAllocatorModel::free, py::arg("handle"))
+      .def("release_cached", &CachingAllocatorModel::release_cached)
+      .def("use", [](const CachingAllocatorModel& m) {
+        const AllocatorUse u = m.use();
+        py::dict d;
+        d["reserved"] = u.reserved;
+        d["allocated"] = u.allocated;
+        d["active"] = u.active;
+        d["inactive_split"] = u.inactive_split;
+        d["segments"] = m.segments();
+        return d;
+      })
+      .def_property_readonly("last_failure", &CachingAllocatorModel::last_failure)
+      .def("validate", &CachingAllocatorModel::validate);
+  m.def("room_to_make", [](std::size_t reserved, std::size_t active, std::size_t inactive_split,
+                           std::size_t cap, std::size_t largest_request) {
+          AllocatorUse u;
+          u.reserved = reserved;
+          u.allocated = active;
+          u.active = active;
+          u.inactive_split = inactive_split;
+          return room_to_make(u, cap, largest_request);
+        }, py::arg("reserved"), py::arg("active"), py::arg("inactive_split"), py::arg("cap"),
+        py::arg("largest_request"));
+  // Note [Room on a cache miss] (hooks/cuda_room.h), with a Python room maker:
+  // for the GPU tests of the callback itself.
+  m.def("arm_cuda_room", [](int ordinal, std::size_t cap, py::function maker) {
+          // (Dropped with the GIL, whichever thread disarms or replaces it.)
+          std::shared_ptr<py::function> held(new py::function(std::move(maker)), [](py::function* f) {
+            py::gil_scoped_acquire gil;
+            delete f;
+          });
+          return hooks::arm_cuda_room(ordinal, cap, [held](std::size_t bytes) {
+            py::gil_scoped_acquire gil;
+            return (*held)(bytes).cast<bool>();
+          });
+        }, py::arg("ordinal"), py::arg("cap"), py::arg("maker"),
+        "While armed, torch's cache misses on device `ordinal` call maker(bytes) until a segment for "
+        "the largest request seen fits under `cap` (maker returns whether it freed anything). "
+        "Returns a token for disarm_cuda_room.");
+  m.def("disarm_cuda_room", &hooks::disarm_cuda_room, py::arg("token"));
   m.def("torch_cpu_memory_provider", &hooks::make_torch_cpu_memory_provider,
         "Memory from torch's CPU allocator, always counted by the host allocation counter: the "
         "simulated device's stand-in for torch_cuda_memory_provider (tests).");

@@ -103,10 +103,17 @@ void MemoryTracer::update_nonchunk_limit() {
 
 void MemoryTracer::point(PointKind kind, std::int64_t what) {
   const auto [now, peak] = meter_->read();
+  const std::size_t reserved = meter_->device_reserved_peak();
   meter_->restart_peak();
   const ChunkSchedulerStats stats = scheduler_->stats();
   const std::size_t held = stats.held_bytes[index_of(MemorySpace::kDevice)];
-  if (held + now > limit()) ++overruns_;  // past the budget at this moment
+  if (reserved > 0) {
+    // Note [Who owns a device byte]: the budget is a promise in reserved bytes.
+    peak_reserved_ = std::max(peak_reserved_, reserved);
+    if (reserved > limits_.device_budget) ++overruns_;
+  } else if (held + now > limit()) {
+    ++overruns_;  // past the budget at this moment
+  }
   peak_nonchunk_ = std::max(peak_nonchunk_, peak);
   peak_total_ = std::max(peak_total_, held + peak);
   const auto k = static_cast<std::uint32_t>(recording_.size());

@@ -92,6 +92,13 @@ class NonChunkMeter {
   // The whole device use (chunks + non-chunk bytes) at its worst moment, when
   // the meter sees it (the limited host counter does); else 0.
   virtual std::size_t device_peak() { return 0; }
+  // What the device held at its worst moment since the last restart_peak(),
+  // as its allocator holds it: chunk blocks, tensors and the allocator's
+  // cached bytes (torch's reserved bytes on a GPU; the caching allocator
+  // model's on the simulated device with tidal.simulated_allocator on). 0 when
+  // the meter does not know (Note [Who owns a device byte] in
+  // runtime/memory/caching_allocator_model.h).
+  virtual std::size_t device_reserved_peak() { return 0; }
 };
 
 // One trace point of a step, for the memory profile.
@@ -169,7 +176,13 @@ class MemoryTracer {
     const std::size_t exact = meter_->device_peak();
     return exact > 0 ? exact : peak_total_;
   }
+  // Trace points whose interval passed the budget: where the meter knows the
+  // reserved bytes, the device's reserved peak past the device budget (the
+  // cap torch or the model enforces); else chunks and non-chunk bytes live at
+  // the point past the budget less the margin.
   std::uint64_t overruns() const { return overruns_; }
+  // The largest device_reserved_peak() seen (0 where the meter does not know).
+  std::size_t peak_reserved() const { return peak_reserved_; }
   const std::vector<std::size_t>& trace() const { return trace_; }
   // The trace points of the last completed step.
   const std::vector<TracePoint>& timeline() const { return timeline_; }
@@ -198,6 +211,7 @@ class MemoryTracer {
   std::size_t peak_nonchunk_ = 0;
   std::size_t peak_total_ = 0;
   std::uint64_t overruns_ = 0;
+  std::size_t peak_reserved_ = 0;
   bool enforce_ = false;
 };
 

@@ -275,6 +275,11 @@ class Engine(ExternalMixin, StateDictMixin, HookWiringMixin, DataParallelMixin, 
             total = torch.cuda.get_device_properties(dev).total_memory
             index = dev.index if dev.index is not None else torch.cuda.current_device()
             _device_cap.CAPS.claim(self, index, store.device_budget / total)
+        # Note [Room on a cache miss] in hooks/cuda_room.h: with chunk blocks in
+        # torch's cache, a miss past the cap first moves chunks off the device.
+        self._cuda_room = self._cuda and isinstance(store.device.memory_provider(), _C.TorchMemoryProvider)
+        if self._cuda_room:
+            _C.chunks.reset_cuda_room_counts()
         self._stats_at_step = self.chunks.stats()
         self._retired_stats: dict | None = None  # counters of a scheduler replaced by relayout
         self._relayout_done = False

@@ -67,6 +67,12 @@ class HookWiringMixin:
         for m in self._module_list:
             hooks.add_module([index[id(r)] for r in self._module_records[m]])
         hooks.set_make_room(self.dtr.enabled_by_config)
+        if self._cuda_room:
+            # Note [Room on a cache miss] (hooks/cuda_room.h): torch's cache
+            # misses make room under the engine's budget, torch's cap.
+            dev = self.store.torch_device
+            index = dev.index if dev.index is not None else torch.cuda.current_device()
+            hooks.set_cuda_room(index, self.store.device_budget)
         hooks.set_track_first_use(True)
         hooks.set_accumulating(self._accumulating)
         return hooks
@@ -79,6 +85,10 @@ class HookWiringMixin:
         # limit]; the limit and the room maker are this engine's for that
         # window only, so another engine never meets them).
         if self._cuda:
+            # The same room maker, answering torch's cache misses while
+            # forward and backward run (Note [Room on a cache miss]).
+            if self._cuda_room:
+                self._hooks.set_device_room_maker(on)
             return
         if on:
             _C.chunks.set_host_allocation_counting(True)

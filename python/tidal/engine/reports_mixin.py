@@ -92,6 +92,14 @@ class ReportsMixin:
             "peak_chunk_device_bytes": s["peak_resident_bytes_device"],
             "peak_nonchunk_device_bytes": self._tracer.peak_nonchunk,
             "peak_device_bytes": self._tracer.peak_total,
+            # Note [Who owns a device byte]: what the device's allocator held
+            # at its worst moment (torch's reserved bytes on a GPU; the caching
+            # allocator model's on the simulated device with
+            # tidal.simulated_allocator on), chunk blocks included; 0 where
+            # nothing reserves beyond what is allocated (the exact simulated
+            # device, whose peak_device_bytes is both).
+            "peak_reserved_device_bytes": self._tracer.peak_reserved,
+            "room_on_cache_miss": _C.chunks.cuda_room_counts() if self._cuda_room else None,
             "peak_chunk_host_bytes": s["peak_resident_bytes_host"],
             "host_chunk_capacity_bytes": self.store.capacity_bytes()[0],
             "chunk_spills_to_device": s["spills"],

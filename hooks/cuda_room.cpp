@@ -1,0 +1,210 @@
+#include "hooks/cuda_room.h"
+
+#include <atomic>
+#include <memory>
+#include <mutex>
+#include <utility>
+
+#include "hooks/torch_cuda_allocator.h"
+#include "runtime/core/error.h"
+#include "runtime/memory/caching_allocator_model.h"
+
+namespace tidal::hooks {
+namespace {
+
+thread_local int t_chunk_blocks = 0;  // ChunkBlockScope depth
+thread_local bool t_making_room = false;
+
+// What the callback needs while armed; replaced whole, read under the mutex.
+struct Armed {
+  std::uint64_t token = 0;
+  int ordinal = -1;
+  std::size_t cap = 0;
+  RoomMaker maker;
+};
+
+struct State {
+  std::mutex mutex;  // guards armed, counts' strings and the token counter
+  std::shared_ptr<const Armed> armed;
+  std::uint64_t next_token = 1;
+  std::atomic<int> tracked{-1};
+  std::atomic<std::size_t> largest{0};
+  std::atomic<std::uint64_t> misses{0}, made_room{0}, bytes_asked{0}, short_of_room{0}, errors{0};
+  std::string last_error;
+  bool installed = false;
+};
+
+State& state() {
+  // Leaked on purpose: torch may call the callback and the tracker while the
+  // process exits.
+  static State* s = new State;
+  return *s;
+}
+
+#if defined(TIDAL_WITH_CUDA)
+namespace cca = c10::cuda::CUDACachingAllocator;
+
+constexpr std::size_t kAggregate = static_cast<std::size_t>(c10::CachingAllocator::StatType::AGGREGATE);
+// Bounds the rounds of one miss: each round frees at least one chunk or
+// activation, and torch's statistics are read again after each.
+constexpr int kMaxRounds = 64;
+
+cca::CUDAAllocator* g_allocator = nullptr;  // set once by install(), before the callback can run
+
+bool make_room_on_miss() {
+  State& s = state();
+  std::shared_ptr<const Armed> armed;
+  {
+    std::lock_guard<std::mutex> lock(s.mutex);
+    armed = s.armed;
+  }
+  if (armed == nullptr || t_chunk_blocks > 0 || t_making_room) return false;
+  s.misses.fetch_add(1, std::memory_order_relaxed);
+  t_making_room = true;
+  bool freed = false;
+  try {
+    for (int round = 0; round < kMaxRounds; ++round) {
+      const auto stats = g_allocator->getDeviceStats(static_cast<c10::DeviceIndex>(armed->ordinal));
+      AllocatorUse use;
+      use.reserved = static_cast<std::size_t>(stats.reserved_bytes[kAggregate].current);
+      use.allocated = static_cast<std::size_t>(stats.allocated_bytes[kAggregate].current);
+      use.active = static_cast<std::size_t>(stats.active_bytes[kAggregate].current);
+      use.inactive_split = static_cast<std::size_t>(stats.inactive_split_bytes[kAggregate].current);
+      const std::size_t need = room_to_make(use, armed->cap, s.largest.load(std::memory_order_relaxed));
+      if (need == 0) break;
+      if (!armed->maker(need)) {
+        s.short_of_room.fetch_add(1, std::memory_order_relaxed);
+        break;
+      }
+      if (!freed) s.made_room.fetch_add(1, std::memory_order_relaxed);
+      s.bytes_asked.fetch_add(need, std::memory_order_relaxed);
+      freed = true;
+    }
+  } catch (const std::exception& e) {
+    s.errors.fetch_add(1, std::memory_order_relaxed);
+    std::lock_guard<std::mutex> lock(s.mutex);
+    s.last_error = e.what();
+  } catch (...) {
+    s.errors.fetch_add(1, std::memory_order_relaxed);
+    std::lock_guard<std::mutex> lock(s.mutex);
+    s.last_error = "unknown exception";
+  }
+  t_making_room = false;
+  return freed;
+}
+
+// torch creates one of these per miss and calls Execute().
+class RoomCallback final : public c10::FreeMemoryCallback {
+ public:
+  bool Execute() override { return make_room_on_miss(); }
+};
+
+void note_request(const cca::TraceEntry& entry) {
+  if (entry.action_ != cca::TraceEntry::Action::ALLOC || t_chunk_blocks > 0) return;
+  State& s = state();
+  const int ordinal = s.tracked.load(std::memory_order_relaxed);
+  if (ordinal < 0 || entry.device_ != ordinal) return;
+  std::size_t seen = s.largest.load(std::memory_order_relaxed);
+  while (entry.size_ > seen &&
+         !s.largest.compare_exchange_weak(seen, entry.size_, std::memory_order_relaxed)) {
+  }
+}
+
+// The registry accessor returns a std::string-keyed registry, so its mangled
+// name carries the cxx11 ABI tag; the untagged name is tried too.
+constexpr const char* kRegistrySymbols[] = {"_ZN3c1031FreeCudaMemoryCallbacksRegistryB5cxx11Ev",
+                                            "_ZN3c1031FreeCudaMemoryCallbacksRegistryEv"};
+constexpr const char* kCallbackKey = "tidal_device_room";
+
+void install() {
+  State& s = state();
+  std::lock_guard<std::mutex> lock(s.mutex);
+  if (s.installed) return;
+  cca::CUDAAllocator* allocator = find_torch_cuda_allocator();
+  using Registry = c10::Registry<std::string, std::unique_ptr<c10::FreeMemoryCallback>>;
+  using Accessor = Registry* (*)();
+  std::string why;
+  void* symbol = nullptr;
+  for (const char* name : kRegistrySymbols) {
+    symbol = find_c10_cuda_symbol(name, &why);
+    if (symbol != nullptr) break;
+  }
+  TIDAL_CHECK_SUPPORTED(symbol != nullptr, "room for activations on a cache miss: ", why);
+  Registry* registry = reinterpret_cast<Accessor>(symbol)();
+  TIDAL_CHECK_RUNTIME(registry != nullptr, "torch's FreeCudaMemoryCallbacksRegistry is null");
+  g_allocator = allocator;
+  // (Registering a key twice ends the process: a second copy of this module
+  // in the process finds its key and uses that copy's callback.)
+  if (!registry->Has(kCallbackKey)) {
+    registry->Register(kCallbackKey, [] { return std::unique_ptr<c10::FreeMemoryCallback>(new RoomCallback); });
+  }
+  allocator->attachAllocatorTraceTracker(note_request);
+  s.installed = true;
+}
+#endif
+
+}  // namespace
+
+ChunkBlockScope::ChunkBlockScope() { ++t_chunk_blocks; }
+ChunkBlockScope::~ChunkBlockScope() { --t_chunk_blocks; }
+bool ChunkBlockScope::active() { return t_chunk_blocks > 0; }
+
+void track_cuda_requests(int ordinal) {
+#if defined(TIDAL_WITH_CUDA)
+  TIDAL_CHECK(ordinal >= 0, "expected a CUDA device ordinal >= 0, got ", ordinal);
+  install();
+  state().tracked.store(ordinal, std::memory_order_relaxed);
+#else
+  (void)ordinal;
+  TIDAL_THROW(NotImplementedError, "room on a CUDA cache miss: tidal was built without the CUDA backend");
+#endif
+}
+
+std::uint64_t arm_cuda_room(int ordinal, std::size_t cap, RoomMaker maker) {
+  track_cuda_requests(ordinal);
+  TIDAL_CHECK(cap > 0, "room on a CUDA cache miss: expected a cap > 0 bytes");
+  TIDAL_CHECK(maker != nullptr, "room on a CUDA cache miss: expected a room maker");
+  State& s = state();
+  auto armed = std::make_shared<Armed>();
+  armed->ordinal = ordinal;
+  armed->cap = cap;
+  armed->maker = std::move(maker);
+  std::lock_guard<std::mutex> lock(s.mutex);
+  armed->token = s.next_token++;
+  s.armed = std::move(armed);
+  return s.armed->token;
+}
+
+void disarm_cuda_room(std::uint64_t token) {
+  State& s = state();
+  std::lock_guard<std::mutex> lock(s.mutex);
+  if (s.armed != nullptr && s.armed->token == token) s.armed.reset();
+}
+
+CudaRoomCounts cuda_room_counts() {
+  State& s = state();
+  CudaRoomCounts c;
+  c.misses = s.misses.load(std::memory_order_relaxed);
+  c.made_room = s.made_room.load(std::memory_order_relaxed);
+  c.bytes_asked = s.bytes_asked.load(std::memory_order_relaxed);
+  c.short_of_room = s.short_of_room.load(std::memory_order_relaxed);
+  c.errors = s.errors.load(std::memory_order_relaxed);
+  c.largest_request = s.largest.load(std::memory_order_relaxed);
+  std::lock_guard<std::mutex> lock(s.mutex);
+  c.last_error = s.last_error;
+  return c;
+}
+
+void reset_cuda_room_counts() {
+  State& s = state();
+  s.misses = 0;
+  s.made_room = 0;
+  s.bytes_asked = 0;
+  s.short_of_room = 0;
+  s.errors = 0;
+  s.largest = 0;
+  std::lock_guard<std::mutex> lock(s.mutex);
+  s.last_error.clear();
+}
+
+}  // namespace tidal::hooks
