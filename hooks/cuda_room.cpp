@@ -30,6 +30,8 @@ struct State {
   std::atomic<int> tracked{-1};
   std::atomic<std::size_t> largest{0};
   std::atomic<std::uint64_t> misses{0}, made_room{0}, bytes_asked{0}, short_of_room{0}, errors{0};
+  // CudaAllocatorTotals, written by the tracker under torch's allocator lock.
+  std::atomic<std::int64_t> requested{0}, requested_peak{0}, reserved{0}, reserved_peak{0};
   std::string last_error;
   bool installed = false;
 };
@@ -99,14 +101,40 @@ class RoomCallback final : public c10::FreeMemoryCallback {
   bool Execute() override { return make_room_on_miss(); }
 };
 
+void raise_to(std::atomic<std::int64_t>& peak, std::int64_t value) {
+  std::int64_t seen = peak.load(std::memory_order_relaxed);
+  while (value > seen && !peak.compare_exchange_weak(seen, value, std::memory_order_relaxed)) {
+  }
+}
+
+void add(std::atomic<std::int64_t>& live, std::atomic<std::int64_t>& peak, std::int64_t delta) {
+  const std::int64_t now = live.fetch_add(delta, std::memory_order_relaxed) + delta;
+  if (delta > 0) raise_to(peak, now);
+}
+
+// The allocator's trace tracker (called under its lock, after each action).
 void note_request(const cca::TraceEntry& entry) {
-  if (entry.action_ != cca::TraceEntry::Action::ALLOC || t_chunk_blocks > 0) return;
   State& s = state();
   const int ordinal = s.tracked.load(std::memory_order_relaxed);
   if (ordinal < 0 || entry.device_ != ordinal) return;
-  std::size_t seen = s.largest.load(std::memory_order_relaxed);
-  while (entry.size_ > seen &&
-         !s.largest.compare_exchange_weak(seen, entry.size_, std::memory_order_relaxed)) {
+  const auto size = static_cast<std::int64_t>(entry.size_);
+  using Action = cca::TraceEntry::Action;
+  switch (entry.action_) {
+    case Action::ALLOC: {
+      add(s.requested, s.requested_peak, size);
+      if (t_chunk_blocks > 0) break;
+      std::size_t seen = s.largest.load(std::memory_order_relaxed);
+      while (entry.size_ > seen &&
+             !s.largest.compare_exchange_weak(seen, entry.size_, std::memory_order_relaxed)) {
+      }
+      break;
+    }
+    case Action::FREE_REQUESTED: add(s.requested, s.requested_peak, -size); break;
+    case Action::SEGMENT_ALLOC:
+    case Action::SEGMENT_MAP: add(s.reserved, s.reserved_peak, size); break;
+    case Action::SEGMENT_FREE:
+    case Action::SEGMENT_UNMAP: add(s.reserved, s.reserved_peak, -size); break;
+    default: break;
   }
 }
 
@@ -153,7 +181,17 @@ void track_cuda_requests(int ordinal) {
 #if defined(TIDAL_WITH_CUDA)
   TIDAL_CHECK(ordinal >= 0, "expected a CUDA device ordinal >= 0, got ", ordinal);
   install();
-  state().tracked.store(ordinal, std::memory_order_relaxed);
+  State& s = state();
+  if (s.tracked.load(std::memory_order_relaxed) == ordinal) return;
+  // From torch's statistics now on; the tracker keeps them from here.
+  const auto stats = g_allocator->getDeviceStats(static_cast<c10::DeviceIndex>(ordinal));
+  const auto requested = static_cast<std::int64_t>(stats.requested_bytes[kAggregate].current);
+  const auto reserved = static_cast<std::int64_t>(stats.reserved_bytes[kAggregate].current);
+  s.requested = requested;
+  s.requested_peak = requested;
+  s.reserved = reserved;
+  s.reserved_peak = reserved;
+  s.tracked.store(ordinal, std::memory_order_relaxed);
 #else
   (void)ordinal;
   TIDAL_THROW(NotImplementedError, "room on a CUDA cache miss: tidal was built without the CUDA backend");
@@ -193,6 +231,18 @@ CudaRoomCounts cuda_room_counts() {
   std::lock_guard<std::mutex> lock(s.mutex);
   c.last_error = s.last_error;
   return c;
+}
+
+CudaAllocatorTotals cuda_allocator_totals() {
+  State& s = state();
+  return {s.requested.load(std::memory_order_relaxed), s.requested_peak.load(std::memory_order_relaxed),
+          s.reserved.load(std::memory_order_relaxed), s.reserved_peak.load(std::memory_order_relaxed)};
+}
+
+void reset_cuda_allocator_peaks() {
+  State& s = state();
+  s.requested_peak = s.requested.load(std::memory_order_relaxed);
+  s.reserved_peak = s.reserved.load(std::memory_order_relaxed);
 }
 
 void reset_cuda_room_counts() {

@@ -72,6 +72,20 @@ void disarm_cuda_room(std::uint64_t token);
 CudaRoomCounts cuda_room_counts();
 void reset_cuda_room_counts();
 
+// torch's allocator on the tracked device, as its trace tracker reports it,
+// so tidal never resets torch's own statistics (they stay the user's): bytes
+// requested and live (chunk blocks included), bytes reserved, and the peak of
+// each since reset_cuda_allocator_peaks(). Starts from torch's statistics
+// when tracking starts (track_cuda_requests).
+struct CudaAllocatorTotals {
+  std::int64_t requested = 0;
+  std::int64_t requested_peak = 0;
+  std::int64_t reserved = 0;
+  std::int64_t reserved_peak = 0;
+};
+CudaAllocatorTotals cuda_allocator_totals();
+void reset_cuda_allocator_peaks();
+
 // While one lives on a thread, torch allocations there are chunk blocks.
 class ChunkBlockScope {
  public:

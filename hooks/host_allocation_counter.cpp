@@ -4,12 +4,15 @@
 #include <c10/core/CPUAllocator.h>
 #include <c10/util/Exception.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cstring>
+#include <memory>
 #include <mutex>
 #include <unordered_map>
 
 #include "runtime/core/uncounted.h"
+#include "runtime/memory/caching_allocator_model.h"
 
 namespace tidal::hooks {
 namespace {
@@ -25,17 +28,30 @@ class CountingAllocator final : public c10::Allocator {
   c10::DataPtr allocate(std::size_t bytes) override {
     // Note [tidal's own host allocations]: not the device's.
     const bool counting = enabled_.load(std::memory_order_relaxed) && !uncounted_now();
-    if (counting) check_limit(bytes);
-    c10::DataPtr inner = base_->allocate(bytes);
+    CachingAllocatorModel::Handle handle = 0;
+    if (counting) {
+      // The exact limit, where an engine set one; then the model, while one
+      // is on (it enforces only under a reserved cap).
+      check_limit(bytes);
+      if (model_users_.load(std::memory_order_relaxed) > 0) handle = place_in_model(bytes);
+    }
+    c10::DataPtr inner;
+    try {
+      inner = base_->allocate(bytes);
+    } catch (...) {
+      if (handle != 0) free_in_model(handle);
+      throw;
+    }
     if (!counting || base_free_ == nullptr || inner.get() == nullptr ||
         inner.get() != inner.get_context()) {
+      if (handle != 0) free_in_model(handle);
       return inner;
     }
     void* data = inner.release_context();
     const c10::Device device = inner.device();
     {
       std::lock_guard<std::mutex> lock(mutex_);
-      sizes_[data] = static_cast<std::int64_t>(bytes);
+      sizes_[data] = Counted{static_cast<std::int64_t>(bytes), handle, ++sequence_};
     }
     const auto n = static_cast<std::int64_t>(bytes);
     const std::int64_t live = live_.fetch_add(n, std::memory_order_relaxed) + n;
@@ -65,14 +81,60 @@ class CountingAllocator final : public c10::Allocator {
     maker_thread_ = thread;
   }
   void set_limit(const HostAllocationLimit& limit) {
+    std::lock_guard<std::recursive_mutex> model_lock(model_mutex_);  // (before mutex_, always)
     {
       std::lock_guard<std::mutex> lock(mutex_);
       limit_info_ = limit;
-      limit_.store(limit.limit, std::memory_order_relaxed);
-      offset_.store(limit.limit < 0 ? kNoOffset : limit.chunk_bytes - limit.baseline,
-                    std::memory_order_relaxed);
+      const bool limited = limit.limit >= 0 || limit.reserved_cap >= 0;
+      limit_.store(limit.reserved_cap >= 0 ? -1 : limit.limit, std::memory_order_relaxed);
+      offset_.store(limited ? limit.chunk_bytes - limit.baseline : kNoOffset, std::memory_order_relaxed);
+    }
+    if (model_ != nullptr && limit.reserved_cap >= 0) {
+      // Chunk blocks that came to the device take the place of cached segments:
+      // on a GPU their allocation makes torch give back whole free segments.
+      if (static_cast<std::int64_t>(model_->use().reserved) > limit.reserved_cap) model_->release_cached();
+      note_reserved();
     }
     note_device_use(live_.load(std::memory_order_relaxed));
+  }
+
+  void set_model(bool on) {
+    std::lock_guard<std::recursive_mutex> model_lock(model_mutex_);
+    if (on) {
+      if (model_ == nullptr) model_ = std::make_unique<CachingAllocatorModel>();
+      model_->release_cached();
+      if (model_users_.fetch_add(1, std::memory_order_relaxed) == 0) {
+        largest_request_ = 0;
+        model_misses_ = model_made_room_ = model_failures_ = 0;
+      }
+      reserved_peak_ = 0;
+    } else if (model_users_.load(std::memory_order_relaxed) > 0) {
+      model_users_.fetch_sub(1, std::memory_order_relaxed);
+    }
+  }
+
+  HostAllocationModelUse model_use() {
+    std::lock_guard<std::recursive_mutex> model_lock(model_mutex_);
+    HostAllocationModelUse u;
+    u.on = model_users_.load(std::memory_order_relaxed) > 0;
+    if (model_ != nullptr) {
+      const AllocatorUse a = model_->use();
+      u.reserved = static_cast<std::int64_t>(a.reserved);
+      u.allocated = static_cast<std::int64_t>(a.allocated);
+      u.stuck = static_cast<std::int64_t>(a.active + a.inactive_split);
+    }
+    u.largest_request = static_cast<std::int64_t>(largest_request_);
+    u.device_reserved_peak = reserved_peak_;
+    u.misses = model_misses_;
+    u.made_room = model_made_room_;
+    u.failures = model_failures_;
+    return u;
+  }
+
+  void reset_reserved_peak() {
+    std::lock_guard<std::recursive_mutex> model_lock(model_mutex_);
+    reserved_peak_ = 0;
+    note_reserved();
   }
   void reset_device_peak() { device_peak_.store(0, std::memory_order_relaxed); }
   bool enabled() const { return enabled_.load(std::memory_order_relaxed); }
@@ -96,6 +158,81 @@ class CountingAllocator final : public c10::Allocator {
     std::int64_t peak = device_peak_.load(std::memory_order_relaxed);
     while (use > peak && !device_peak_.compare_exchange_weak(peak, use, std::memory_order_relaxed)) {
     }
+  }
+
+  // Note [Who owns a device byte]: the allocation placed as torch would place
+  // it, under the reserved cap, room made on a miss; else OutOfMemoryError.
+  CachingAllocatorModel::Handle place_in_model(std::size_t bytes) {
+    std::lock_guard<std::recursive_mutex> model_lock(model_mutex_);
+    if (model_ == nullptr) model_ = std::make_unique<CachingAllocatorModel>();
+    auto cap = [this]() -> std::size_t {
+      std::lock_guard<std::mutex> lock(mutex_);
+      return limit_info_.reserved_cap < 0 ? ~std::size_t{0}
+                                           : static_cast<std::size_t>(limit_info_.reserved_cap);
+    };
+    // A miss asks as torch asks its free-memory callbacks (Note [Room on a
+    // cache miss]): for what a segment for the largest request seen needs.
+    auto on_miss = [&]() -> bool {
+      RoomMaker maker;
+      {
+        std::lock_guard<std::mutex> lock(mutex_);
+        if (limit_info_.reserved_cap < 0 || std::this_thread::get_id() != maker_thread_) return false;
+        maker = maker_;
+      }
+      if (!maker || making_room_) return false;
+      bool any = false;
+      making_room_ = true;
+      try {
+        for (int round = 0; round < 64; ++round) {
+          const std::size_t need = room_to_make(model_->use(), cap(), largest_request_);
+          if (need == 0) break;
+          if (round == 0) ++model_misses_;
+          if (!maker(need)) break;
+          if (!any) ++model_made_room_;
+          any = true;
+        }
+      } catch (...) {
+        making_room_ = false;
+        throw;
+      }
+      making_room_ = false;
+      return any;
+    };
+    const CachingAllocatorModel::Handle handle = model_->allocate(bytes, cap, on_miss);
+    if (handle == 0) {
+      ++model_failures_;
+      HostAllocationLimit info;
+      {
+        std::lock_guard<std::mutex> lock(mutex_);
+        info = limit_info_;
+      }
+      TORCH_CHECK_WITH(OutOfMemoryError, false, "tidal (simulated device, torch's CUDA caching allocator "
+                       "rules): ", model_->last_failure(), "; the cap is the device budget (",
+                       info.budget, " bytes less the margin) less the chunk bytes on the device (",
+                       info.chunk_bytes, "). The model reserves as torch would on a GPU: whole segments, "
+                       "freed blocks kept cached in them (tidal.simulated_allocator)");
+    }
+    largest_request_ = std::max(largest_request_, bytes);
+    note_reserved();
+    return handle;
+  }
+
+  void free_in_model(CachingAllocatorModel::Handle handle) {
+    std::lock_guard<std::recursive_mutex> model_lock(model_mutex_);
+    if (model_ != nullptr) model_->free(handle);
+  }
+
+  // The model's reserved bytes + the chunk bytes of the limit, into the peak;
+  // caller holds model_mutex_.
+  void note_reserved() {
+    if (model_ == nullptr) return;
+    std::int64_t chunk = 0;
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      if (limit_info_.reserved_cap < 0) return;
+      chunk = limit_info_.chunk_bytes;
+    }
+    reserved_peak_ = std::max(reserved_peak_, static_cast<std::int64_t>(model_->use().reserved) + chunk);
   }
 
   // Note [The simulated device's budget is a hard limit].
@@ -152,7 +289,49 @@ class CountingAllocator final : public c10::Allocator {
   RoomMaker maker_;
   std::thread::id maker_thread_;
   std::mutex mutex_;
-  std::unordered_map<void*, std::int64_t> sizes_;
+  struct Counted {
+    std::int64_t bytes = 0;
+    CachingAllocatorModel::Handle handle = 0;  // in the model, or 0
+    std::uint64_t sequence = 0;                // the order of counted allocations
+  };
+  std::unordered_map<void*, Counted> sizes_;
+  // Note [A meter's baseline]: per open baseline (by the sequence number it
+  // opened at), the bytes freed since of allocations counted before it.
+  std::uint64_t sequence_ = 0;
+  struct Baseline {
+    std::int64_t freed = 0;
+    int meters = 0;  // (meters opened at the same sequence share one)
+  };
+  std::unordered_map<std::uint64_t, Baseline> baselines_;
+
+ public:
+  std::uint64_t open_baseline() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    ++baselines_[sequence_].meters;
+    return sequence_;
+  }
+  std::int64_t baseline_freed(std::uint64_t id) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    const auto it = baselines_.find(id);
+    return it == baselines_.end() ? 0 : it->second.freed;
+  }
+  void close_baseline(std::uint64_t id) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    const auto it = baselines_.find(id);
+    if (it != baselines_.end() && --it->second.meters == 0) baselines_.erase(it);
+  }
+
+ private:
+  // Note [Who owns a device byte]: the model and what goes with it, under
+  // model_mutex_ (taken before mutex_ wherever both are held; recursive: a
+  // room maker frees counted tensors, DTR's activations, inside a placement).
+  std::recursive_mutex model_mutex_;
+  std::unique_ptr<CachingAllocatorModel> model_;
+  std::atomic<int> model_users_{0};
+  std::size_t largest_request_ = 0;
+  std::int64_t reserved_peak_ = 0;
+  std::uint64_t model_misses_ = 0, model_made_room_ = 0, model_failures_ = 0;
+  bool making_room_ = false;
 };
 
 CountingAllocator& counter() {
@@ -168,16 +347,20 @@ CountingAllocator& counter() {
 
 void CountingAllocator::release(void* data) {
   CountingAllocator& self = counter();
-  std::int64_t bytes = 0;
+  Counted counted;
   {
     std::lock_guard<std::mutex> lock(self.mutex_);
     auto it = self.sizes_.find(data);
     if (it != self.sizes_.end()) {
-      bytes = it->second;
+      counted = it->second;
       self.sizes_.erase(it);
+      for (auto& [opened, baseline] : self.baselines_) {
+        if (counted.sequence <= opened) baseline.freed += counted.bytes;
+      }
     }
   }
-  self.live_.fetch_sub(bytes, std::memory_order_relaxed);
+  if (counted.handle != 0) self.free_in_model(counted.handle);
+  self.live_.fetch_sub(counted.bytes, std::memory_order_relaxed);
   self.base_free_(data);
 }
 
@@ -192,5 +375,11 @@ void reset_host_allocation_device_peak() { counter().reset_device_peak(); }
 void set_host_allocation_room_maker(RoomMaker maker, std::thread::id thread) {
   counter().set_room_maker(std::move(maker), thread);
 }
+void set_host_allocation_model(bool on) { counter().set_model(on); }
+std::uint64_t open_host_allocation_baseline() { return counter().open_baseline(); }
+std::int64_t host_allocation_baseline_freed(std::uint64_t id) { return counter().baseline_freed(id); }
+void close_host_allocation_baseline(std::uint64_t id) { counter().close_baseline(id); }
+HostAllocationModelUse host_allocation_model_use() { return counter().model_use(); }
+void reset_host_allocation_reserved_peak() { counter().reset_reserved_peak(); }
 
 }  // namespace tidal::hooks

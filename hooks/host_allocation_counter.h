@@ -45,20 +45,69 @@ void reset_host_allocation_device_peak();
 // (budget - margin - chunk bytes held) whenever the chunk bytes change, so
 // chunks plus every other byte the meter sees never pass the budget: DTR's
 // interception evicts and retries on that error, as it does on a GPU's, and
-// without DTR the op fails and the engine says what is held.
+// without DTR the op fails and the engine says what is held. With torch's
+// caching rules on (set_host_allocation_model, tidal.simulated_allocator) the
+// limit is in the bytes those rules reserve instead, the whole budget less the
+// chunks, as torch's cap on a GPU (Note [Who owns a device byte] in
+// runtime/memory/caching_allocator_model.h).
 struct HostAllocationLimit {
   std::int64_t limit = -1;        // live bytes allowed; < 0: none
   std::int64_t baseline = 0;      // live bytes that are not the engine's (for the message)
   std::int64_t budget = 0;        // the device budget less the margin (for the message)
   std::int64_t chunk_bytes = 0;   // chunk bytes on the device (for the message)
+  // With torch's caching rules on (set_host_allocation_model): the bytes the
+  // model may reserve (the device budget less the chunk bytes on the device,
+  // plus what it held when the engine's meter was made); < 0: none. Replaces
+  // `limit`, which is then ignored.
+  std::int64_t reserved_cap = -1;
 };
 void set_host_allocation_limit(const HostAllocationLimit& limit);
+
+// Note [Who owns a device byte] (runtime/memory/caching_allocator_model.h):
+// while on (a count of users, one per engine meter that asks), every counted
+// allocation is also placed by a CachingAllocatorModel as torch's CUDA caching
+// allocator would place it on a GPU. With a reserved_cap set, an allocation
+// the model cannot place under it fails as torch.OutOfMemoryError, after a
+// miss asked the room maker for room_to_make() bytes, as on a GPU (Note [Room
+// on a cache miss] in hooks/cuda_room.h). Turning it on gives the model's
+// cache back (torch's empty_cache), as a fresh engine's meter starts.
+void set_host_allocation_model(bool on);
+struct HostAllocationModelUse {
+  bool on = false;
+  std::int64_t reserved = 0;        // the model's segments
+  std::int64_t allocated = 0;       // its blocks handed out
+  std::int64_t stuck = 0;           // what it cannot give back: active + inactive split
+  std::int64_t largest_request = 0;  // the largest counted request since it was turned on
+  // With a reserved_cap: the most the device held at one moment (the model's
+  // reserved bytes + the chunk bytes of the limit) since
+  // reset_host_allocation_reserved_peak().
+  std::int64_t device_reserved_peak = 0;
+  std::uint64_t misses = 0;         // misses that asked the room maker
+  std::uint64_t made_room = 0;      // ... and got room
+  std::uint64_t failures = 0;       // allocations it could not place (OutOfMemoryError)
+};
+HostAllocationModelUse host_allocation_model_use();
+void reset_host_allocation_reserved_peak();
 // Called when a counted allocation on `thread` would pass the limit, before
 // it fails: may free device room (chunks not in use leave the device) and
 // update the limit; returns whether it freed anything. Not called again
 // while it runs. Null: none.
 using RoomMaker = std::function<bool(std::size_t bytes)>;
 void set_host_allocation_room_maker(RoomMaker maker, std::thread::id thread);
+
+// Note [A meter's baseline]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~
+// A meter counts from what was live when it was made (its baseline: counted
+// tensors of earlier windows, a previous engine's leftovers). When those die
+// while the meter measures (the cycle collector frees a dead engine's tensors
+// in the middle of a step), the live bytes fall by them, and a peak taken
+// against the fixed baseline comes out short by as much: a budget measured so
+// was too small, by chance of collection. So a meter opens a baseline: from
+// then on the counter adds up, for it, the bytes freed of allocations counted
+// before it opened, and the meter's baseline is what was live then less those.
+std::uint64_t open_host_allocation_baseline();
+std::int64_t host_allocation_baseline_freed(std::uint64_t id);
+void close_host_allocation_baseline(std::uint64_t id);
 
 // Installs the wrapper once (idempotent) and turns counting on or off.
 void set_host_allocation_counting(bool enabled);

@@ -16,26 +16,69 @@ std::size_t above(std::int64_t bytes, std::int64_t baseline) {
 
 class HostCounterMeter final : public NonChunkMeter {
  public:
-  HostCounterMeter() : baseline_(host_allocation_counts().live_bytes) {
+  HostCounterMeter(std::size_t device_budget, bool torch_caching)
+      : baseline_id_(open_host_allocation_baseline()),
+        baseline_at_open_(host_allocation_counts().live_bytes),
+        device_budget_(static_cast<std::int64_t>(device_budget)),
+        caching_(torch_caching) {
     reset_host_allocation_device_peak();
+    if (caching_) {
+      // (Gives the model's cache back; what stays is the live blocks of earlier windows.)
+      set_host_allocation_model(true);
+      reserved_baseline_ = host_allocation_model_use().reserved;
+    }
   }
-  ~HostCounterMeter() override { clear_limit(); }
+  ~HostCounterMeter() override {
+    clear_limit();
+    if (caching_) set_host_allocation_model(false);
+    close_host_allocation_baseline(baseline_id_);
+  }
   void set_limit(std::size_t bytes, std::size_t budget, std::size_t chunk_bytes) override {
-    set_host_allocation_limit({baseline_ + static_cast<std::int64_t>(bytes), baseline_,
-                               static_cast<std::int64_t>(budget), static_cast<std::int64_t>(chunk_bytes)});
+    const std::int64_t base = baseline();
+    HostAllocationLimit limit{base + static_cast<std::int64_t>(bytes), base,
+                              static_cast<std::int64_t>(budget), static_cast<std::int64_t>(chunk_bytes)};
+    if (caching_) {
+      // Note [Who owns a device byte]: the whole budget, in reserved bytes, as
+      // torch's cap on a GPU; the margin stays the allocator's room.
+      limit.reserved_cap =
+          std::max<std::int64_t>(0, device_budget_ - static_cast<std::int64_t>(chunk_bytes) + reserved_baseline_);
+    }
+    set_host_allocation_limit(limit);
   }
   void clear_limit() override { set_host_allocation_limit({}); }
   std::size_t device_peak() override {
     return static_cast<std::size_t>(std::max<std::int64_t>(0, host_allocation_counts().device_peak_bytes));
   }
-  std::pair<std::size_t, std::size_t> read() override {
-    const HostAllocationCounts c = host_allocation_counts();
-    return {above(c.live_bytes, baseline_), above(c.peak_bytes, baseline_)};
+  std::size_t device_reserved_peak() override {
+    if (!caching_) return 0;
+    return above(host_allocation_model_use().device_reserved_peak, reserved_baseline_);
   }
-  void restart_peak() override { reset_host_allocation_peak(); }
+  std::pair<std::size_t, std::size_t> read() override {
+    const std::int64_t base = baseline();
+    const HostAllocationCounts c = host_allocation_counts();
+    std::size_t now = above(c.live_bytes, base);
+    if (caching_) {
+      // What the model cannot give back is not room for chunks.
+      now = std::max(now, above(host_allocation_model_use().stuck, reserved_baseline_));
+    }
+    return {now, above(c.peak_bytes, base)};
+  }
+  void restart_peak() override {
+    reset_host_allocation_peak();
+    if (caching_) reset_host_allocation_reserved_peak();
+  }
 
  private:
-  std::int64_t baseline_;
+  // Note [A meter's baseline].
+  std::int64_t baseline() const {
+    return std::max<std::int64_t>(0, baseline_at_open_ - host_allocation_baseline_freed(baseline_id_));
+  }
+
+  std::uint64_t baseline_id_;
+  std::int64_t baseline_at_open_;
+  std::int64_t device_budget_;
+  bool caching_;
+  std::int64_t reserved_baseline_ = 0;
 };
 
 class ProviderMeter final : public NonChunkMeter {
@@ -58,8 +101,8 @@ class ProviderMeter final : public NonChunkMeter {
 
 }  // namespace
 
-std::unique_ptr<NonChunkMeter> make_host_counter_meter() {
-  return std::make_unique<HostCounterMeter>();
+std::unique_ptr<NonChunkMeter> make_host_counter_meter(std::size_t device_budget, bool torch_caching) {
+  return std::make_unique<HostCounterMeter>(device_budget, torch_caching);
 }
 
 std::unique_ptr<NonChunkMeter> make_provider_meter(std::shared_ptr<TorchMemoryProvider> provider,

@@ -214,21 +214,14 @@ class CudaSource final : public TorchMemoryProvider::Source {
     const ChunkBlockScope chunk_block;
     allocator_->raw_delete(ptr);
   }
-  std::int64_t allocated_bytes() const override {
-    return allocator_->getDeviceStats(ordinal_).allocated_bytes[kAggregate].current;
-  }
-  std::int64_t peak_allocated_bytes() const override {
-    return allocator_->getDeviceStats(ordinal_).allocated_bytes[kAggregate].peak;
-  }
-  std::int64_t peak_reserved_bytes() const override {
-    return allocator_->getDeviceStats(ordinal_).reserved_bytes[kAggregate].peak;
-  }
-  void reset_peak() override { allocator_->resetPeakStats(ordinal_); }
+  // From torch's trace tracker (hooks/cuda_room.h): requested bytes and their
+  // peaks, kept by tidal, so torch's own statistics are never reset.
+  std::int64_t allocated_bytes() const override { return cuda_allocator_totals().requested; }
+  std::int64_t peak_allocated_bytes() const override { return cuda_allocator_totals().requested_peak; }
+  std::int64_t peak_reserved_bytes() const override { return cuda_allocator_totals().reserved_peak; }
+  void reset_peak() override { reset_cuda_allocator_peaks(); }
 
  private:
-  static constexpr std::size_t kAggregate =
-      static_cast<std::size_t>(c10::CachingAllocator::StatType::AGGREGATE);
-
   cca::CUDAAllocator* allocator_;
   c10::DeviceIndex ordinal_;
   cudaStream_t stream_;
@@ -242,8 +235,9 @@ std::shared_ptr<TorchMemoryProvider> make_torch_cuda_memory_provider(int ordinal
 #if defined(TIDAL_WITH_CUDA)
   TIDAL_CHECK(ordinal >= 0, "torch CUDA memory provider: expected a device ordinal >= 0, got ",
               ordinal);
-  return std::make_shared<TorchMemoryProvider>(
-      std::make_unique<CudaSource>(find_torch_cuda_allocator(), ordinal, stream));
+  cca::CUDAAllocator* allocator = find_torch_cuda_allocator();
+  track_cuda_requests(ordinal);  // (the tracker that keeps the statistics CudaSource reads)
+  return std::make_shared<TorchMemoryProvider>(std::make_unique<CudaSource>(allocator, ordinal, stream));
 #else
   (void)ordinal;
   (void)stream;

@@ -25,13 +25,14 @@
 //   cudaMalloc; only then does allocate() return nullptr, and the scheduler
 //   trims its own cached blocks and evicts chunks before it gives up
 //   (ChunkScheduler::acquire_block);
-// * when torch runs out for an activation, the cached chunk blocks it can
-//   reuse are those the scheduler freed; chunks still resident are the
-//   engine's to limit, by the budget it derives from the trace (Note [The
-//   memory tracer] in python/tidal/engine/engine.py). There is no hook that
-//   evicts resident chunks from inside torch's OOM path (torch's
-//   FreeCudaMemoryCallbacksRegistry is C++ in libc10_cuda, which this build
-//   cannot link; see below); DTR and the budget handle activations instead.
+// * when torch's cache has no block for an activation, the cached chunk
+//   blocks it can reuse are those the scheduler freed; chunks still resident
+//   are the engine's to limit, by the budget it derives from the trace (Note
+//   [The memory tracer] in python/tidal/engine/engine.py), and while forward
+//   and backward run, torch's free-memory callback moves resident chunks off
+//   the device before torch reserves past its cap (Note [Room on a cache
+//   miss] in hooks/cuda_room.h; the registry is found at run time like the
+//   allocator, below).
 // * the budget now counts all of it: chunk blocks are in torch's allocated and
 //   reserved bytes, so torch's stats are the device's whole use by torch and
 //   tidal. The engine subtracts the bytes this provider holds to get the
@@ -39,23 +40,25 @@
 //   of torch's allocated bytes across each call, so torch's rounding is
 //   included).
 //
-// Measuring non-chunk peaks exactly. torch keeps one peak of allocated bytes
-// (chunks included). Between two chunk-block calls the bytes this provider
-// holds are constant, so there (peak - held) is the non-chunk peak. At each
-// call, before the held bytes change, the provider folds (peak - held) into
-// its window peak and then restarts torch's peak at the current value; at a
-// trace point other_peak_bytes() = max(window peak, peak now - held) is the
-// exact non-chunk peak since reset_window(). Chunk-block calls are rare (the
-// scheduler's BlockPool reuses blocks), so restarting torch's peak there costs
-// nothing; the engine restarts it at every trace point anyway.
+// Measuring non-chunk peaks exactly. The source keeps one peak of the bytes
+// live (chunks included). Between two chunk-block calls the bytes this
+// provider holds are constant, so there (peak - held) is the non-chunk peak.
+// At each call, before the held bytes change, the provider folds (peak -
+// held) into its window peak and then restarts the source's peak at the
+// current value; at a trace point other_peak_bytes() = max(window peak, peak
+// now - held) is the exact non-chunk peak since reset_window(). On a GPU the
+// source's counts are tidal's own, kept from torch's allocator trace tracker
+// (requested bytes, reserved bytes and their peaks: CudaAllocatorTotals in
+// hooks/cuda_room.h), so torch's statistics (max_memory_allocated and the
+// like) are never reset behind the user's back.
 //
 // Why the functions are found at run time. tidal builds against torch's
 // headers but must link and import with a CPU build of torch (this project's
 // CI), which has no libc10_cuda.so. The CUDA source therefore opens the
 // already loaded libc10_cuda.so (dlopen RTLD_NOLOAD: a CUDA build of torch
 // loaded it at `import torch`) and reads c10::cuda::CUDACachingAllocator::allocator,
-// the one exported object raw_alloc_with_stream / raw_delete / getDeviceStats /
-// resetPeakStats reach through (they are inline in CUDACachingAllocator.h and
+// the one exported object raw_alloc_with_stream / raw_delete / getDeviceStats
+// reach through (they are inline in CUDACachingAllocator.h and
 // call virtual functions on it; virtual calls need no link-time symbols). With
 // a CPU build of torch the lookup fails with an error saying so. Going through
 // torch's Python API (torch.cuda.caching_allocator_alloc) instead would have
@@ -117,7 +120,7 @@ class TorchMemoryProvider final : public DeviceMemoryProvider {
   // included: the device's whole use by torch and tidal), exactly; -1 where
   // the source keeps no cache (the CPU stand-in).
   std::int64_t reserved_peak_bytes() const;
-  // Restarts the window: torch's peak and the window peak start from now.
+  // Restarts the window: the source's peak and the window peak start from now.
   void reset_window();
   std::int64_t allocations() const;
   std::int64_t frees() const;

@@ -99,7 +99,7 @@ class Tracer {
  public:
   Tracer(py::object chunks, std::size_t device_budget, std::size_t margin, std::size_t warmup_room,
          std::shared_ptr<hooks::TorchMemoryProvider> provider, bool provider_baseline,
-         std::optional<py::function> read, std::optional<py::function> restart)
+         std::optional<py::function> read, std::optional<py::function> restart, bool torch_caching)
       : chunks_(std::move(chunks)) {
     std::unique_ptr<NonChunkMeter> meter;
     if (provider != nullptr) {
@@ -108,7 +108,7 @@ class Tracer {
       meter = std::make_unique<CallbackMeter>(std::move(*read), std::move(*restart));
     } else {
       TIDAL_CHECK(!read && !restart, "MemoryTracer: give both read and restart, or neither");
-      meter = hooks::make_host_counter_meter();
+      meter = hooks::make_host_counter_meter(device_budget, torch_caching);
     }
     tracer_ = std::make_unique<MemoryTracer>(
         &chunks_.cast<Chunks&>().scheduler(), std::move(meter),
@@ -359,11 +359,11 @@ budget. The meter: `provider` (a TorchMemoryProvider), or `read`/`restart`
 callables, or (neither) torch's CPU allocations counted on the simulated device.)doc")
       .def(py::init<py::object, std::size_t, std::size_t, std::size_t,
                     std::shared_ptr<hooks::TorchMemoryProvider>, bool, std::optional<py::function>,
-                    std::optional<py::function>>(),
+                    std::optional<py::function>, bool>(),
            py::arg("chunks"), py::kw_only(), py::arg("device_budget"), py::arg("margin"),
            py::arg("warmup_room"), py::arg("provider") = nullptr,
            py::arg("provider_baseline") = false, py::arg("read") = py::none(),
-           py::arg("restart") = py::none())
+           py::arg("restart") = py::none(), py::arg("torch_caching") = false)
       .def("set_chunks", &Tracer::set_chunks, py::arg("chunks"))
       .def("point", [](Tracer& t, PointKind kind, std::int64_t what) { t.get().point(kind, what); },
            GIL(), py::arg("kind"), py::arg("what") = -1)
@@ -604,6 +604,20 @@ Python thread drives a Chunks object.)doc");
     return d;
   });
   m.def("reset_host_allocation_peak", &hooks::reset_host_allocation_peak);
+  m.def("host_allocation_model_use", [] {
+    const hooks::HostAllocationModelUse u = hooks::host_allocation_model_use();
+    py::dict d;
+    d["on"] = u.on;
+    d["reserved"] = u.reserved;
+    d["allocated"] = u.allocated;
+    d["stuck"] = u.stuck;
+    d["largest_request"] = u.largest_request;
+    d["device_reserved_peak"] = u.device_reserved_peak;
+    d["misses"] = u.misses;
+    d["made_room"] = u.made_room;
+    d["failures"] = u.failures;
+    return d;
+  }, "The simulated device's caching allocator model (Note [Who owns a device byte]).");
   m.def("cuda_room_counts", [] {
     const hooks::CudaRoomCounts c = hooks::cuda_room_counts();
     py::dict d;

@@ -137,6 +137,17 @@ _TIDAL_SCHEMA: dict[str, Any] = {
         "prefetch_depth": (int, 4, "prefetched chunks that may wait for their use"),
         "eviction_policy": (("opt", "lru"), "opt", "OPT over the trace, or LRU"),
         "hybrid_adam": (bool, True, "update chunks resident on the device there"),
+        "room_on_miss": (bool, True, "an allocation the device's allocator cannot serve within the "
+                                     "budget (torch's caching allocator on a GPU, its model or the exact "
+                                     "count on the simulated device) first moves chunks not in use off "
+                                     "the device (or, under DTR, evicts an activation); off: it fails"),
+        "simulated_allocator": (("auto", "torch_caching", "exact"), "auto",
+                                "the simulated device's non-chunk allocations: placed by torch's CUDA "
+                                "caching allocator's rules (segments, a cache; the budget held in the "
+                                "bytes they reserve, so it fails where a GPU would), in exact bytes "
+                                "(the budget less the margin held in live bytes), or auto: torch's "
+                                "rules when the device budget is at least 1 GiB (below, torch's 2 and "
+                                "20 MiB segments are too coarse for the budget)"),
         "optimizer_state_dtype": (("fp32", "bf16"), "fp32",
                                   "Adam momentum and variance in fp32 (14 B/param in mixed "
                                   "precision) or bf16 (10 B/param; arithmetic stays fp32)"),
@@ -326,6 +337,8 @@ class Config:
     prefetch_depth: int = 4
     eviction_policy: str = "opt"
     hybrid_adam: bool = True
+    simulated_allocator: str = "auto"
+    room_on_miss: bool = True
     optimizer_state_dtype: str = "fp32"
     cpu_adam_threads: int = 0
     cpu_adam_pool: str = "onetbb"
@@ -655,6 +668,8 @@ class Config:
                  f"expected an integer >= 1, got {self.prefetch_depth}")
         self.eviction_policy = t["eviction_policy"]
         self.hybrid_adam = t["hybrid_adam"]
+        self.simulated_allocator = t["simulated_allocator"]
+        self.room_on_miss = t["room_on_miss"]
         self.optimizer_state_dtype = t["optimizer_state_dtype"]
         self.cpu_adam_threads = t["cpu_adam_threads"]
         self.cpu_adam_pool = t["cpu_adam_pool"]

@@ -59,6 +59,13 @@
 // first asks activations to give way (DTR evicts one at a time); where they
 // cannot, the attach fails with an OutOfMemoryError naming both sides,
 // never an overrun. point() counts the moments past the budget (overruns()).
+// Where the meter knows the bytes the device's allocator reserves (torch's on
+// a GPU, the caching allocator model's on the simulated device), the promise
+// is kept in those bytes against the whole budget instead, the margin being
+// the allocator's room, and a request past it first makes room on the
+// allocator's miss (Note [Who owns a device byte] in
+// runtime/memory/caching_allocator_model.h); the meter's live bytes are then
+// what the allocator cannot give back.
 #pragma once
 
 #include <cstddef>

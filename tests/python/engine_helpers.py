@@ -10,10 +10,16 @@ def gpt_batches(n, vocab=96, seq=8, batch=2, seed=1):
 
 
 def within_budget(engine):
-    """The budget is a promise: the device peak stayed within it, no overrun."""
+    """The budget is a promise: no overrun, and the device peak stayed within it
+    (Note [Who owns a device byte]): the reserved peak within the budget where
+    the allocator's reserved bytes are metered (torch's caching rules), else the
+    peak in use within the budget less the margin."""
     r = engine.memory_report()
     assert r["budget_overruns"] == 0
-    assert r["peak_device_bytes"] <= r["device_budget"] - r["device_margin"], r
+    if r["peak_reserved_device_bytes"]:
+        assert r["peak_reserved_device_bytes"] <= r["device_budget"], r
+    else:
+        assert r["peak_device_bytes"] <= r["device_budget"] - r["device_margin"], r
 
 
 def train_tidal(engine, batches):

@@ -153,3 +153,38 @@ def test_a_miss_past_the_cap_makes_room_before_torch_fails():
     # Asked for what a 100 MiB segment needs beyond the 56 MiB the cap left.
     assert 44 * MiB in r["asked"], r
     assert r["reserved"] <= r["cap"], r
+
+
+@needs_gpu
+def test_the_engine_leaves_torchs_statistics_to_the_user():
+    # tidal keeps its own counts from torch's trace tracker (CudaAllocatorTotals in
+    # hooks/cuda_room.h): a peak the user made before training is still torch's peak
+    # after it, and the engine's own peaks are measured all the same.
+    r = run_child("""
+        import json
+        import torch
+        import tidal
+        from tidal.models.gpt import TinyGPT
+        dev = torch.device("cuda", 0)
+        big = torch.empty(3 << 30, dtype=torch.uint8, device=dev)
+        del big
+        before = torch.cuda.max_memory_allocated(dev)
+        torch.manual_seed(0)
+        engine = tidal.initialize(TinyGPT(vocab=512, d=256, layers=4, heads=4, seq=128),
+                                  {"train_micro_batch_size_per_gpu": 4, "bf16": {"enabled": True},
+                                   "tidal": {"device": "cuda", "chunk_size": "1MiB"}})
+        for _ in range(3):
+            x = torch.randint(0, 512, (4, 128), device=dev)
+            loss = engine(x, x)
+            engine.backward(loss)
+            engine.step()
+        m = engine.memory_report()
+        print(json.dumps({"before": before, "after": torch.cuda.max_memory_allocated(dev),
+                          "nonchunk_peak": m["peak_nonchunk_device_bytes"],
+                          "reserved_peak": m["peak_reserved_device_bytes"], "overruns": m["budget_overruns"],
+                          "torch_reserved_peak": torch.cuda.max_memory_reserved(dev)}))
+    """)
+    assert r["before"] >= 3 << 30
+    assert r["after"] >= r["before"], r  # not reset behind the user's back
+    assert r["nonchunk_peak"] > 0 and r["overruns"] == 0, r
+    assert 0 < r["reserved_peak"] <= r["torch_reserved_peak"], r

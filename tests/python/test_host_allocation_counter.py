@@ -34,3 +34,32 @@ def test_a_training_step_leaves_the_count_where_it_started(dtype):
         assert counts()["allocations"] > 0  # the step was counted at all
     finally:
         _C.chunks.set_host_allocation_counting(False)
+
+
+@pytest.mark.parametrize("torch_caching", [False, True], ids=["exact", "torch-caching"])
+def test_leftovers_dying_during_a_measurement_do_not_shrink_it(torch_caching):
+    # Note [A meter's baseline]: a tensor counted before the meter was made (a dead
+    # engine's leftover) and freed while the meter measures must not be taken off
+    # the bytes it measures; with a fixed baseline the measured bytes came out short
+    # by its size, and a budget measured so failed later, by chance of collection.
+    device = _C.create_device("sim", 1 << 30, None, None)
+    chunks = _C.chunks.Chunks(device, chunk_bytes=1 << 12, param_dtype="float32",
+                              device_budget=1 << 30, host_budget=1 << 30)
+    counts = _C.chunks.host_allocation_counts
+    _C.chunks.set_host_allocation_counting(True)
+    try:
+        leftover = torch.empty(1 << 20, dtype=torch.uint8)
+        tracer = _C.chunks.MemoryTracer(chunks, device_budget=1 << 30, margin=1 << 20, warmup_room=1 << 20,
+                                        torch_caching=torch_caching)
+        start = counts()["live_bytes"]
+        activation = torch.empty(3 << 20, dtype=torch.uint8)
+        del leftover
+        assert counts()["live_bytes"] == start + (3 << 20) - (1 << 20)
+        # (Under torch's caching rules the 3 MiB block split a 20 MiB segment that
+        # cannot be given back while it lives: that is what chunks cannot use.)
+        assert tracer.live() == (20 << 20 if torch_caching else 3 << 20)
+        del activation
+        assert tracer.live() == 0
+        del tracer
+    finally:
+        _C.chunks.set_host_allocation_counting(False)

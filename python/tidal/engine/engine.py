@@ -75,6 +75,10 @@ from .reports_mixin import ReportsMixin
 from .state_dict_mixin import StateDictMixin
 from .step_mixin import StepMixin
 
+# tidal.simulated_allocator "auto": torch's caching rules from this device
+# budget on (its 2 and 20 MiB segments are too coarse below).
+SIM_CACHING_MIN_BUDGET = 1 << 30
+
 
 class Engine(ExternalMixin, StateDictMixin, HookWiringMixin, DataParallelMixin, StepMixin,
              ReportsMixin):
@@ -252,6 +256,12 @@ class Engine(ExternalMixin, StateDictMixin, HookWiringMixin, DataParallelMixin, 
         # Memory tracer and budget arbiter (Note [The memory tracer] in
         # runtime/tracer/memory_tracer.h): one C++ call per trace point.
         self._cuda = store.torch_device.type == "cuda"
+        # Note [Who owns a device byte]: the simulated device fails where a GPU
+        # would, its non-chunk allocations placed by torch's caching rules.
+        self._sim_caching = not self._cuda and not isinstance(
+            store.device.memory_provider(), _C.TorchMemoryProvider) and (
+            cfg.simulated_allocator == "torch_caching"
+            or (cfg.simulated_allocator == "auto" and store.device_budget >= SIM_CACHING_MIN_BUDGET))
         self._tracer = self._new_tracer()
         # Note [The simulated device's budget is a hard limit]: with torch's
         # CPU allocations as the meter (not the CPU stand-in of the provider,

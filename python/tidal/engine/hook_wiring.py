@@ -47,7 +47,11 @@ class HookWiringMixin:
             kwargs = {"read": lambda: (torch.cuda.memory_reserved(dev), torch.cuda.max_memory_reserved(dev)),
                       "restart": lambda: torch.cuda.reset_peak_memory_stats(dev)}
         # Else the simulated device: torch's CPU allocations while forward and
-        # backward run, less what was live when the engine was made.
+        # backward run, less what was live when the engine was made; placed by
+        # torch's caching allocator's rules where tidal.simulated_allocator says
+        # (Note [Who owns a device byte] in runtime/memory/caching_allocator_model.h).
+        elif self._sim_caching:
+            kwargs = {"torch_caching": True}
         return _C.chunks.MemoryTracer(self.chunks, device_budget=store.device_budget,
                                       margin=store.margin, warmup_room=self._warmup_chunk_room,
                                       **kwargs)
@@ -87,14 +91,15 @@ class HookWiringMixin:
         if self._cuda:
             # The same room maker, answering torch's cache misses while
             # forward and backward run (Note [Room on a cache miss]).
-            if self._cuda_room:
+            if self._cuda_room and self.config.room_on_miss:
                 self._hooks.set_device_room_maker(on)
             return
         if on:
             _C.chunks.set_host_allocation_counting(True)
             if self._enforce_budget:
                 self._tracer.set_enforce(True)
-                self._hooks.set_device_room_maker(True)
+                if self.config.room_on_miss:
+                    self._hooks.set_device_room_maker(True)
         else:
             if self._enforce_budget:
                 self._tracer.set_enforce(False)

@@ -99,7 +99,10 @@ class ReportsMixin:
             # nothing reserves beyond what is allocated (the exact simulated
             # device, whose peak_device_bytes is both).
             "peak_reserved_device_bytes": self._tracer.peak_reserved,
-            "room_on_cache_miss": _C.chunks.cuda_room_counts() if self._cuda_room else None,
+            "room_on_cache_miss": _C.chunks.cuda_room_counts() if self._cuda_room else
+            _C.chunks.host_allocation_model_use() if self._sim_caching else None,
+            "simulated_allocator": None if self._cuda else
+            "torch_caching" if self._sim_caching else "exact",
             "peak_chunk_host_bytes": s["peak_resident_bytes_host"],
             "host_chunk_capacity_bytes": self.store.capacity_bytes()[0],
             "chunk_spills_to_device": s["spills"],
