@@ -42,6 +42,12 @@ const void* storage_data(const at::Tensor& t) {
   return t.storage().data_ptr().get();
 }
 
+// A tensor's version counter: in-place writes through it (or through views of
+// it) count; Tensor::set_data keeps it, `p.data` makes another.
+std::uint32_t version_of(const at::Tensor& t) {
+  return t.unsafeGetTensorImpl()->version_counter().current_version();
+}
+
 // dst = src: a memcpy for contiguous CPU tensors of one dtype and size (a
 // gradient landing in its slot on the simulated device; copy_ costs ~2 us of
 // dispatch for a small tensor), else torch's copy_ into dst's data, which
@@ -72,6 +78,7 @@ std::size_t ModuleHooks::add_param(at::Tensor param, TensorId id, std::vector<st
   p.id = id;
   p.shape = std::move(shape);
   p.chunk = scheduler_->store().placement(id).chunk;
+  p.version_attached = p.version_detached = version_of(p.param);
   params_.push_back(std::move(p));
   return params_.size() - 1;
 }
@@ -153,6 +160,23 @@ void ModuleHooks::forward_post(std::size_t module, bool grad_enabled) {
     if (--p.uses == 0 && p.attached) scratch_.push_back(i);
   }
   end_transient(module);
+  if (torch::autograd::get_current_graph_task_id() != -1) {
+    // Note [A recompute inside backward]: a forward run by backward is an
+    // activation checkpoint's recompute. Non-reentrant checkpointing keeps
+    // what it recomputes for the segment's backward itself (its own saved-
+    // tensor hooks, not the engine's: Note [Parameters keep their
+    // TensorImpl]), views of the parameters' slots among them, so the slots
+    // must stay where they are until that backward has used them: the
+    // parameters stay attached until their gradient lands (land_gradient) or
+    // the backward ends, as backward_pre's do. Detached here, their chunks
+    // could move and the views read moved memory: wrong gradients, silently.
+    for (std::size_t i : scratch_) {
+      if (std::find(backward_attached_.begin(), backward_attached_.end(), i) == backward_attached_.end()) {
+        backward_attached_.push_back(i);
+      }
+    }
+    return;
+  }
   detach_now(scratch_, grad_enabled ? TensorState::kHoldAfterFwd : TensorState::kHold);
 }
 
@@ -344,6 +368,7 @@ std::vector<std::string> ModuleHooks::release_all() noexcept {
       }
     }
     try {
+      note_detach(p);
       p.param.set_data(binding_->placeholder(kSlot, MemorySpace::kDevice));
     } catch (...) {
     }
@@ -660,8 +685,13 @@ void ModuleHooks::attach_now(const std::vector<std::size_t>& params, bool for_ba
   }
   for (std::size_t i : params) {
     Param& p = params_[i];
+    // Note [Writes to a parameter]: a write since the detach hit the placeholder.
+    const std::uint32_t version = version_of(p.param);
+    if (version != p.version_detached) p.lost = true;
+    p.version_attached = version;
+    p.slot_data = storage_data(p.param);
     p.attached = true;
-    attached_by_data_[storage_data(p.param)] = i;
+    attached_by_data_[p.slot_data] = i;
     if (!p.served) count_chunk(p.chunk, +1);
     if (for_backward) backward_attached_.push_back(i);
     if (track_first_use_ && !replay && !p.first_used) {
@@ -678,7 +708,8 @@ void ModuleHooks::detach_now(const std::vector<std::size_t>& params, TensorState
     Param& p = params_[i];
     if (!p.attached) continue;
     if (!p.served) scheduler_->release(TensorRef{kSlot, p.id}, state);
-    attached_by_data_.erase(storage_data(p.param));
+    attached_by_data_.erase(p.slot_data);
+    note_detach(p);
     p.param.set_data(binding_->placeholder(kSlot, MemorySpace::kDevice));
     p.attached = false;
     if (p.served) {
@@ -689,6 +720,79 @@ void ModuleHooks::detach_now(const std::vector<std::size_t>& params, TensorState
   }
   tracer_->update_nonchunk_limit();
   rebalance_dtr();
+}
+
+// Note [Writes to a parameter]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// Scripts write parameters outside forward: EMA weights, weight clipping,
+// re-initialising a head, loading weights by hand, pruning masks. Between
+// steps a parameter is an empty placeholder unless a read through its module
+// attached it (Note [External parameters]), so a write either reached the
+// 16-bit slot (attached) or nothing (a held Parameter, a placeholder), and the
+// fp32 master, from which the step makes the next 16-bit copy, never. The
+// parameter's version counter (which set_data keeps) says that a write
+// happened and when: between an attach and a detach, to the slot; else to a
+// placeholder. take_param_writes() tells the engine, which puts what the slot
+// holds (or a tensor set as `p.data`) into the master and refuses a lost write
+// by name (python/tidal/engine/external_mixin.py). A write through `p.data`
+// (a tensor with a version counter of its own) is not seen this way: on an
+// attached parameter it reaches the slot and shows as data that differs from
+// the master only where the engine compares them; on a placeholder it writes
+// nothing.
+void ModuleHooks::note_detach(Param& p) {
+  const std::uint32_t version = version_of(p.param);
+  if (version != p.version_attached) {
+    if (p.served || storage_data(p.param) != p.slot_data) {
+      p.lost = true;  // a weight made from the master, or data set in a forward
+    } else {
+      p.written = true;
+    }
+  }
+  p.version_detached = version;
+}
+
+ModuleHooks::ParamWrites ModuleHooks::take_param_writes() {
+  ParamWrites out;
+  for (std::size_t i = 0; i < params_.size(); ++i) {
+    Param& p = params_[i];
+    const std::uint32_t version = version_of(p.param);
+    if (p.attached) {
+      if (!p.served && storage_data(p.param) != p.slot_data) {
+        // `p.data = t` on an attached parameter: t goes to the engine, the
+        // parameter back to its slot.
+        out.assigned.emplace_back(i, p.param.detach().clone());
+        p.param.set_data(slot_view(const_cast<void*>(p.slot_data), p.shape,
+                                   binding_->dtype(kSlot), binding_->torch_device(MemorySpace::kDevice)));
+      } else if (version != p.version_attached) {
+        (p.served ? p.lost : p.written) = true;
+      }
+      p.version_attached = version_of(p.param);
+    } else {
+      if (p.param.numel() != 0) {
+        out.assigned.emplace_back(i, p.param.detach().clone());
+        p.param.set_data(binding_->placeholder(kSlot, MemorySpace::kDevice));
+      } else if (version != p.version_detached) {
+        p.lost = true;
+      }
+      p.version_detached = version_of(p.param);
+    }
+    if (p.written) out.written.push_back(i);
+    if (p.lost) out.lost.push_back(i);
+    p.written = p.lost = false;
+  }
+  return out;
+}
+
+void ModuleHooks::sync_param_writes() {
+  for (Param& p : params_) {
+    const std::uint32_t version = version_of(p.param);
+    if (p.attached) {
+      p.version_attached = version;
+    } else {
+      p.version_detached = version;
+    }
+    p.written = p.lost = false;
+  }
 }
 
 }  // namespace tidal::hooks

@@ -236,6 +236,22 @@ class ModuleHooks : public dtr::ChunkArbiter, public std::enable_shared_from_thi
 
   // ---- queries -------------------------------------------------------------
   bool attached(std::size_t param) const { return params_.at(param).attached; }
+
+  // Note [Writes to a parameter]: what user code did to the parameters since
+  // the last call (or sync_param_writes): `written`, in-place writes the
+  // 16-bit slot holds; `assigned`, a tensor set as the parameter's data
+  // (`p.data = t`), returned with the parameter put back as it was; `lost`,
+  // in-place writes to an empty placeholder or to a weight made from the
+  // master (nothing holds them).
+  struct ParamWrites {
+    std::vector<std::size_t> written;
+    std::vector<std::pair<std::size_t, at::Tensor>> assigned;
+    std::vector<std::size_t> lost;
+  };
+  ParamWrites take_param_writes();
+  // The parameters' current versions count as seen (torch's own copy into
+  // the placeholders in load_state_dict, after the engine wrote the chunks).
+  void sync_param_writes();
   // Attached to a weight made from its master (Note [Weights while gradients wait]).
   bool served(std::size_t param) const { return params_.at(param).served; }
   // The hooked modules whose forward is running, innermost last.
@@ -287,9 +303,19 @@ class ModuleHooks : public dtr::ChunkArbiter, public std::enable_shared_from_thi
     bool finite = true;
     double sum_squares = 0.0;
     at::Tensor norm;
+    // Note [Writes to a parameter]: its version counter when it was last
+    // attached and detached, the slot its data viewed while attached, and
+    // what a write did since the engine last took the writes.
+    std::uint32_t version_attached = 0;
+    std::uint32_t version_detached = 0;
+    const void* slot_data = nullptr;
+    bool written = false;  // written while attached to its slot: the slot has it
+    bool lost = false;     // written while detached (or on a weight from the master)
   };
 
   void queue_backward_end();
+  // Note [Writes to a parameter]: before the parameter's data goes to the placeholder.
+  void note_detach(Param& p);
   void measure_gradient(std::size_t param, const at::Tensor& grad);
   void measure_sum(const at::Tensor& sum);
   at::Tensor weight_from_master(const Param& p);

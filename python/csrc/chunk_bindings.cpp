@@ -262,6 +262,16 @@ may wait for a chunk copy release the GIL.)doc")
            py::arg("ordinal"), py::arg("cap"),
            "On a GPU: set_device_room_maker arms torch's cache-miss callback for device `ordinal` "
            "under `cap` bytes (Note [Room on a cache miss] in hooks/cuda_room.h).")
+      .def("take_param_writes", [](Hooks& h) {
+             hooks::ModuleHooks::ParamWrites w = h.get().take_param_writes();
+             return py::make_tuple(w.written, w.assigned, w.lost);
+           },
+           "(written, assigned, lost) since the last call: parameter indexes whose in-place writes "
+           "the 16-bit slot holds, (index, tensor) set as a parameter's data (the parameter put "
+           "back), and indexes whose writes nothing holds (Note [Writes to a parameter] in "
+           "hooks/module_hooks.cpp).")
+      .def("sync_param_writes", [](Hooks& h) { h.get().sync_param_writes(); },
+           "The parameters' versions now count as seen.")
       .def("set_engine_backward", [](Hooks& h, bool on) { h.get().set_engine_backward(on); },
            py::arg("running"))
       .def("set_raw_backward", [](Hooks& h, std::string refusal) { h.get().set_raw_backward(std::move(refusal)); },

@@ -323,11 +323,15 @@ class Engine(ExternalMixin, StateDictMixin, HookWiringMixin, DataParallelMixin, 
         # Note [External parameters]: readers found in a forward are hooked
         # at the start of the next (module -> record indexes to add).
         self._pending_readers: dict = {}
+        # Parameters attached by reads outside a forward, oldest first (Note
+        # [Writes to a parameter] in hooks/module_hooks.cpp).
+        self._outside_reads: list = []
         self._check_reads = True  # the first forward runs under PlaceholderCheck
         self._reads_mode = None
         self._install_hooks()
         self._hooks.set_raw_backward(self._raw_backward_refusal())
         _external.install(model, self, self._param_names_by_module())
+        _guards.guard_conversions(model, self)  # Note [Conversions of a trained model]
         self._install_state_dict_hooks()
         _guards.register(self)
         if not self._cuda:
@@ -492,6 +496,13 @@ class Engine(ExternalMixin, StateDictMixin, HookWiringMixin, DataParallelMixin, 
                                      f"nor has its model (a {type(module).__name__})") from None
         raise AttributeError(f"'{type(self).__name__}' object has no attribute '{name}'")
 
+    def num_parameters(self, only_trainable: bool = False) -> int:
+        """Elements of the parameters the engine keeps in chunks (trainable
+        and frozen, or only trainable), as Hugging Face's
+        model.num_parameters() counts them: iterating model.parameters()
+        outside a forward counts the empty placeholders (docs/parameters.md)."""
+        return sum(r.numel for r in self.records if r.trainable or not only_trainable)
+
     def train(self, mode: bool = True):
         self.module.train(mode)
         return self
@@ -542,12 +553,11 @@ class Engine(ExternalMixin, StateDictMixin, HookWiringMixin, DataParallelMixin, 
         self._refuse_conversion("type")
 
     def apply(self, fn):
-        raise UsageError(
-            "engine.apply(fn): the model's parameters are placeholders while the engine trains "
-            "them (their values live in chunks), so fn would change nothing; initialise weights "
-            "before tidal.initialize, or build the model in tidal.init_context (its modules' "
-            "own initialisation writes into the chunks), or load them with "
-            "engine.load_state_dict")
+        """model.apply(fn), returning the engine: what fn writes through a
+        module's attributes (module.weight) is kept, as any write between
+        steps is (Note [Writes to a parameter] in hooks/module_hooks.cpp)."""
+        self.module.apply(fn)
+        return self
 
     def requires_grad_(self, requires_grad: bool = True):
         raise UsageError(
@@ -856,6 +866,7 @@ class Engine(ExternalMixin, StateDictMixin, HookWiringMixin, DataParallelMixin, 
         """Writes model, fp32 master, Adam state, loss scaler, LR scheduler, step
         and RNG state to <save_dir>/<tag>/ atomically (Note [Checkpoint format])."""
         self._settle_overlap()
+        self._settle_outside()
         with _dtr.outside():
             return _checkpoint.save_checkpoint(self, save_dir, tag, client_state, save_latest)
 
@@ -864,32 +875,43 @@ class Engine(ExternalMixin, StateDictMixin, HookWiringMixin, DataParallelMixin, 
         """Restores a save_checkpoint(); tag None reads <load_dir>/latest.
         Returns (path, client_state), as DeepSpeed's."""
         self._settle_overlap()
+        self._settle_outside(discard=True)
         with self.dtr.weights_change(), _dtr.outside():
-            return _checkpoint.load_checkpoint(self, load_dir, tag, load_optimizer_states,
-                                               load_lr_scheduler_states)
+            result = _checkpoint.load_checkpoint(self, load_dir, tag, load_optimizer_states,
+                                                 load_lr_scheduler_states)
+        self._hooks.sync_param_writes()  # (the load wrote the chunks, not the parameters)
+        return result
 
     def state_dict(self) -> dict:
         """fp32 weights and buffers keyed like the model's own state_dict."""
         self._settle_overlap()
+        self._settle_outside()
         with _dtr.outside():
             return _checkpoint.state_dict(self)
 
     def load_state_dict(self, state_dict, strict: bool = True):
         """Loads weights (fp32 master and 16-bit copy); Adam state is kept."""
         self._settle_overlap()
+        self._settle_outside(discard=True)
         with self.dtr.weights_change(), _dtr.outside():
-            return _checkpoint.load_state_dict(self, state_dict, strict)
+            result = _checkpoint.load_state_dict(self, state_dict, strict)
+        self._hooks.sync_param_writes()  # (the load wrote the chunks, not the parameters)
+        return result
 
     def load_pretrained(self, path, strict: bool = True):
         """Loads Hugging Face save_pretrained weights, tensor by tensor."""
         self._settle_overlap()
+        self._settle_outside(discard=True)
         with self.dtr.weights_change(), _dtr.outside():
-            return _checkpoint.load_pretrained(self, path, strict)
+            result = _checkpoint.load_pretrained(self, path, strict)
+        self._hooks.sync_param_writes()  # (the load wrote the chunks, not the parameters)
+        return result
 
     def save_pretrained(self, save_dir, max_shard_size="5GB", dtype=None):
         """Writes Hugging Face `save_pretrained`-compatible weights (safetensors,
         sharded past `max_shard_size`) and config.json, shard by shard."""
         self._settle_overlap()
+        self._settle_outside()
         with _dtr.outside():
             return _checkpoint.save_pretrained(self, save_dir, max_shard_size, dtype)
 

@@ -7,10 +7,14 @@ from __future__ import annotations
 
 
 
+import torch
+
 from .. import dtr as _dtr
+from . import checkpoint as _checkpoint
 from . import external as _external
-from .errors import UnsupportedModelError
+from .errors import UnsupportedModelError, UsageError
 from .loss_scaler import StaticLossScaler
+from .store import HOLD, PARAM16, PARAM32, uncounted
 
 from .common import OutOfMemoryError
 
@@ -38,8 +42,111 @@ class ExternalMixin:
             with _dtr.outside():
                 hooks.read_param(i, learn)
         except OutOfMemoryError as e:
-            self._attach_failed(e, module, [record], lambda: hooks.read_param(i, learn))
+            if running or not self._room_for_outside_read(i):
+                self._attach_failed(e, module, [record], lambda: hooks.read_param(i, learn))
+        if not running:
+            self._outside_reads.append(i)
         self.dtr.rebalance()
+
+    def _room_for_outside_read(self, i: int) -> bool:
+        """A read outside a forward found no device room: the parameters read
+        outside a forward before it go back to their chunks, oldest first,
+        each with what was written to it (model.apply(init_fn) over a model
+        larger than the device reads one module at a time), until parameter
+        `i` fits. False when none is left to go."""
+        hooks = self._hooks
+        while self._outside_reads:
+            j = self._outside_reads.pop(0)
+            if not hooks.attached(j) or hooks.served(j):
+                continue
+            with _dtr.outside():
+                hooks.detach([j], HOLD)
+            self._carry_slot(self._record_list[j])
+            try:
+                with _dtr.outside():
+                    hooks.read_param(i, True)
+                return True
+            except OutOfMemoryError:
+                continue
+        return False
+
+    # ------------------------------------------------ writes between steps
+    def _settle_outside(self, discard: bool = False):
+        """Where the engine takes the weights back (a forward's start, the step,
+        state_dict and saving): what user code wrote to the parameters since
+        goes into the chunks, a write nothing holds is a UsageError naming the
+        parameter, and the parameters read outside a forward go back to their
+        chunks (Note [Writes to a parameter] in hooks/module_hooks.cpp).
+        discard: the writes are overwritten anyway (a load follows)."""
+        hooks = self._hooks
+        written, assigned, lost = hooks.take_param_writes()
+        if lost and not discard:
+            with _dtr.outside():
+                hooks.end_backward()
+            self._outside_reads.clear()
+            raise UsageError(self._lost_writes_message(lost))
+        # Attached by a read outside a forward: a write through `p.data`
+        # bumps no version, so their slots are compared with the masters.
+        attached = [] if discard else [i for i in range(len(self._record_list))
+                                       if hooks.attached(i) and not hooks.served(i)]
+        with _dtr.outside():
+            hooks.end_backward()
+        self._outside_reads.clear()
+        if discard:
+            return
+        records = self._record_list
+        for i in sorted(set(written) | set(attached)):
+            self._carry_slot(records[i])
+        for i, value in assigned:
+            r = records[i]
+            if list(value.shape) != list(r.shape):
+                raise UsageError(
+                    f"'{r.name}'.data was set to a tensor of shape {tuple(value.shape)}; the "
+                    f"parameter has shape {tuple(r.shape)}. tidal keeps a parameter's shape; the "
+                    f"value was not taken (the parameter keeps its previous one)")
+            with _dtr.outside():
+                _checkpoint._write_param(self, r, value)
+
+    def _carry_slot(self, record):
+        """The 16-bit slot of `record` holds a value user code wrote: the fp32
+        master takes it where the two differ (elsewhere it keeps its own bits,
+        which the slot holds rounded)."""
+        if not (record.trainable and self.store.owns(record)):
+            return  # (no master here: the slot is the value)
+        c = self.chunks
+        # Both where they are: another tensor of the slot's chunk may be in use.
+        where = lambda kind: c.chunk_space(record.chunk, kind)  # noqa: E731
+        with torch.no_grad(), uncounted(), _dtr.outside():
+            slot = c.access(record.id, PARAM16, where(PARAM16), [record.numel])
+            try:
+                value = slot.clone()
+            finally:
+                c.release(record.id, PARAM16, HOLD)
+            master = c.access(record.id, PARAM32, where(PARAM32), [record.numel])
+            try:
+                value = value.to(master.device)
+                changed = value != master.to(value.dtype)
+                if bool(changed.any()):
+                    master[changed] = value[changed].to(master.dtype)
+            finally:
+                c.release(record.id, PARAM32, HOLD)
+
+    def _lost_writes_message(self, lost) -> str:
+        names = [self._record_list[i].name for i in lost]
+        shown = ", ".join(f"'{n}'" for n in names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
+        first = names[0]
+        owner, _, attr = first.rpartition(".")
+        path = f"model.{first}" if owner else first
+        return (f"tidal: an in-place write to {shown} outside a forward reached nothing: there the "
+                f"parameter object held an empty placeholder (its values live in tidal's chunks), or "
+                f"between backward and step a weight made from its master, so the write is lost and "
+                f"training would go on without it. Ways that keep it: write through the module's "
+                f"attribute, which brings the parameter in (under torch.no_grad(): "
+                f"{path}.mul_(...), torch.nn.init.zeros_({path}), model.apply(init_fn) that uses "
+                f"module.weight); set {path}.data = new_tensor; use tidal.deepspeed.zero."
+                f"GatheredParameters([...], modifier_rank=0); or load values with "
+                f"model.load_state_dict(...). Between backward and step, write after engine.step(). "
+                f"The parameters keep their previous values")
 
     # ------------------------------------------------ loss.backward() itself
     def _raw_backward_refusal(self) -> str:

@@ -30,7 +30,7 @@ import torch
 
 from .errors import UsageError
 
-__all__ = ["engine_of", "install", "register"]
+__all__ = ["engine_of", "guard_conversions", "install", "register", "unguard_conversions"]
 
 _LIVE: "weakref.WeakSet" = weakref.WeakSet()
 _installed = False
@@ -139,3 +139,46 @@ def _clip_guard(original, name):
 
     guarded.__wrapped_by_tidal__ = True
     return guarded
+
+
+# Note [Conversions of a trained model]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# nn.Module's conversions (to, cuda, cpu, half, float, double, bfloat16, type)
+# all go through Module._apply(fn). On a model an engine trains they would
+# convert the empty placeholders and the buffers and leave the weights in the
+# chunks as they were: model.double() changed nothing the model computes with,
+# without a word. The engine refuses them by name (Engine.to and the like);
+# so does the model: each of its modules gets an _apply that tries `fn` on an
+# empty tensor of each parameter's dtype and device, lets a conversion that
+# changes neither through (model.to(its own device) is common in scripts) and
+# refuses one that would, naming the dtype and device it asked for.
+def guard_conversions(model: torch.nn.Module, engine) -> None:
+    ref = weakref.ref(engine)
+    for m in model.modules():
+        if "_apply" not in m.__dict__:
+            m.__dict__["_apply"] = functools.partial(_guarded_apply, m, ref)
+
+
+def unguard_conversions(model: torch.nn.Module) -> None:
+    for m in model.modules():
+        f = m.__dict__.get("_apply")
+        if isinstance(f, functools.partial) and f.func is _guarded_apply:
+            del m.__dict__["_apply"]
+
+
+def _guarded_apply(module, ref, fn, recurse=True):
+    engine = ref()
+    if engine is not None and engine in _LIVE:
+        for name, p in module.named_parameters(recurse=recurse):
+            if engine._record_of_param(p) is None:
+                continue
+            out = fn(torch.empty(0, dtype=p.dtype, device=p.device))
+            if isinstance(out, torch.Tensor) and (out.dtype != p.dtype or out.device != p.device):
+                raise UsageError(
+                    f"a conversion of the model to {out.dtype} on {out.device} (model.to, .half, "
+                    f".float, .double, .bfloat16, .cuda, .cpu or .type): tidal trains its parameters "
+                    f"(e.g. '{name}') in chunks, in {p.dtype} as the config's precision says and on "
+                    f"the device as the budget allows; converting the model would change only the "
+                    f"empty placeholders and the buffers. Choose the dtype with the config's 'bf16' / "
+                    f"'fp16' blocks before tidal.initialize, and send inputs to engine.device")
+    return type(module)._apply(module, fn, recurse)

@@ -13,6 +13,7 @@ import torch
 from .. import _C
 from .. import dtr as _dtr
 from . import external as _external
+from . import guards as _guards
 from . import hooks as _hooks
 from .errors import UnsupportedModelError
 
@@ -25,6 +26,8 @@ class HookWiringMixin:
             h.remove()
         self._handles.clear()
         _external.uninstall(self.module)
+        _guards.unguard_conversions(self.module)
+        self._count(False)  # (nothing of the engine's stays running for plain PyTorch code)
         if self.recompute_plan is not None:
             self.recompute_plan.remove()
             self.recompute_plan = None
@@ -106,13 +109,24 @@ class HookWiringMixin:
                 self._hooks.set_device_room_maker(False)
             _C.chunks.set_host_allocation_counting(False)
 
+    def _hold_count(self):
+        """Between a forward and its backward the simulated device's count goes
+        on (the backward frees what the forward saved) but nothing is limited:
+        code there is the script's own, and a forward whose backward never
+        comes (evaluation with grad on) must leave nothing that plain PyTorch
+        code can meet. engine.backward() limits again."""
+        if self._cuda or not self._enforce_budget:
+            return
+        self._tracer.set_enforce(False)
+        self._hooks.set_device_room_maker(False)
+
     def _root_pre(self, module, args):
         if torch._C._current_graph_task_id() == -1:  # (not a recompute inside backward)
             self._settle_raw_backward()
             # Parameters read outside any forward since the last (Note
-            # [External parameters]) go back to their chunks.
-            with _dtr.outside():
-                self._hooks.end_backward()
+            # [External parameters]) go back to their chunks, with what user
+            # code wrote to them (Note [Writes to a parameter]).
+            self._settle_outside()
         if self._pending_readers:
             self._hook_readers()
         if torch._C._current_graph_task_id() == -1:
@@ -134,6 +148,8 @@ class HookWiringMixin:
             self._count(False)
             if torch._C._current_graph_task_id() == -1:
                 self.dtr.end()  # no backward follows a no_grad forward
+        elif torch._C._current_graph_task_id() == -1:
+            self._hold_count()
         if self._saved_hooks is not None:
             hooks, self._saved_hooks = self._saved_hooks, None
             hooks.__exit__(None, None, None)

@@ -33,13 +33,23 @@ class StateDictMixin:
                 engine = ref()
                 if engine is not None:
                     engine._load_own_state(state, prefix, names, errors)
+
+            def loaded(module, incompatible):
+                # torch copied the emptied entries into the placeholders after
+                # the engine wrote the chunks: no user write (Note [Writes to a
+                # parameter] in hooks/module_hooks.cpp).
+                engine = ref()
+                if engine is not None:
+                    engine._hooks.sync_param_writes()
             self._handles.append(m.register_state_dict_post_hook(save))
             self._handles.append(m.register_load_state_dict_pre_hook(load))
+            self._handles.append(m.register_load_state_dict_post_hook(loaded))
 
     def _fill_state_dict(self, state, prefix, names):
         """A module's state_dict entries for its parameters: their weights (CPU
         copies in the parameter's dtype), not the placeholders. keep_vars=True
         keeps the Parameter objects (tidal's own checkpoints map keys by them)."""
+        self._settle_between_steps()
         for pname, i in names.items():
             key = prefix + pname
             value = state.get(key)
@@ -65,6 +75,7 @@ class StateDictMixin:
         """model.load_state_dict(): a module's parameters are written into the
         chunks (fp32 master and 16-bit copy); the entry given to torch's own
         copy becomes an empty tensor, which fits the empty placeholder."""
+        self._settle_between_steps(discard=True)
         for pname, i in names.items():
             key = prefix + pname
             if key not in state:
@@ -87,6 +98,12 @@ class StateDictMixin:
             with _dtr.outside():
                 _checkpoint._write_param(self, record, value)
             state[key] = value.new_empty(0)
+
+    def _settle_between_steps(self, discard: bool = False):
+        """_settle_outside() where no forward or backward is running (a
+        state_dict inside one reads the parameters as they are)."""
+        if not self._hooks.running() and torch._C._current_graph_task_id() == -1:
+            self._settle_outside(discard)
 
     def _group_state(self) -> list:
         """The parameter groups as a checkpoint keeps them (Note [Parameter groups])."""

@@ -48,8 +48,7 @@ class StepMixin:
         # engine.backward (loss.backward()), or read outside any forward; and
         # the simulated device's meter, which engine.backward would have
         # stopped.
-        with _dtr.outside():
-            self._hooks.end_backward()
+        self._settle_outside()
         self._count(False)
         accumulating = self._accumulating
         t_exposed = time.perf_counter()

@@ -1,0 +1,209 @@
+"""What a script does to a parameter outside forward, against plain PyTorch
+(Note [Writes to a parameter] in hooks/module_hooks.cpp; the table in
+docs/parameters.md, one test per row).
+
+Each case trains a TanhChain two steps, does the same thing between them to a
+plain PyTorch copy (torch.optim.AdamW) and to the model tidal trains, trains
+on, and compares the weights: a write tidal keeps must give plain PyTorch's
+weights; a write it cannot keep must be a tidal.UsageError naming the
+parameter, with the weights as if the write had not been made. Every case
+runs at a budget where chunks move and at one where everything fits.
+"""
+import copy
+
+import pytest
+import torch
+
+import tidal
+from tidal.models.gpt import TanhChain
+
+LR = 1e-2
+BUDGETS = {"chunks-move": "160KiB", "all-fits": 0}
+
+
+def _engine(model, budget):
+    return tidal.initialize(model, {
+        "train_micro_batch_size_per_gpu": 4, "gradient_clipping": 0.0,
+        "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.0}},
+        "tidal": {"device": "sim", "chunk_size": "16KiB", "device_memory_budget": budget,
+                  "device_margin": "4KiB", "simulated_allocator": "exact"}})
+
+
+def _data():
+    g = torch.Generator().manual_seed(3)
+    return [(torch.randn(4, 64, generator=g), torch.randn(4, 64, generator=g)) for _ in range(3)]
+
+
+class Pair:
+    """A TanhChain trained by tidal and its plain PyTorch twin."""
+
+    def __init__(self, budget):
+        torch.manual_seed(0)
+        self.model = TanhChain(width=64, depth=6)
+        self.ref = copy.deepcopy(self.model)
+        self.opt = torch.optim.AdamW(self.ref.parameters(), lr=LR, weight_decay=0.0)
+        self.engine = _engine(self.model, budget)
+        self.data = _data()
+
+    def step(self, i):
+        x, y = self.data[i]
+        loss = self.engine(x, y)
+        self.engine.backward(loss)
+        self.engine.step()
+        loss = self.ref(x, y)
+        loss.backward()
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+
+    def assert_same(self):
+        got = self.engine.state_dict()
+        for k, v in self.ref.state_dict().items():
+            torch.testing.assert_close(got[k].float(), v.float(), rtol=1e-4, atol=5e-5,
+                                       msg=lambda m, k=k: f"{k}: {m}")
+
+
+def _moved(engine, budget):
+    # Where the case says chunks move, they did.
+    if budget:
+        assert engine.memory_report()["evictions"] > 0
+
+
+KEPT = {
+    # in-place through the module's attribute (it brings the parameter in)
+    "attribute mul_": lambda m: m.layers[0].weight.mul_(0.5),
+    "attribute copy_": lambda m: m.layers[2].bias.copy_(torch.linspace(-1, 1, 64)),
+    "init through the attribute": lambda m: torch.nn.init.zeros_(m.layers[1].weight),
+    # through .data (no version count: the slot is compared with the master)
+    "attribute .data clamp_": lambda m: m.layers[3].weight.data.clamp_(-0.01, 0.01),
+    # a tensor set as the data, through a held Parameter
+    "held parameter .data =": lambda m: setattr(dict(m.named_parameters())["layers.4.weight"], "data",
+                                                torch.full((64, 64), 0.003)),
+    # model.apply(init_fn), module by module (over the device budget at the small one)
+    "model.apply(init)": lambda m: m.apply(
+        lambda mod: torch.nn.init.constant_(mod.weight, 0.01) if isinstance(mod, torch.nn.Linear) else None),
+    "model.apply(reset_parameters)": lambda m: (torch.manual_seed(5), m.apply(
+        lambda mod: mod.reset_parameters() if isinstance(mod, torch.nn.Linear) else None)),
+}
+
+
+@pytest.mark.parametrize("budget", list(BUDGETS.values()), ids=list(BUDGETS))
+@pytest.mark.parametrize("case", list(KEPT))
+def test_a_write_between_steps_is_kept_as_in_plain_pytorch(case, budget):
+    pair = Pair(budget)
+    pair.step(0)
+    with torch.no_grad():
+        KEPT[case](pair.model)
+        KEPT[case](pair.ref)
+    pair.step(1)
+    pair.step(2)
+    pair.assert_same()
+    _moved(pair.engine, budget)
+
+
+def test_engine_apply_is_model_apply():
+    pair = Pair(BUDGETS["chunks-move"])
+    pair.step(0)
+    init = lambda mod: torch.nn.init.constant_(mod.bias, -0.02) if isinstance(mod, torch.nn.Linear) else None  # noqa: E731
+    with torch.no_grad():
+        assert pair.engine.apply(init) is pair.engine
+        pair.ref.apply(init)
+    pair.step(1)
+    pair.assert_same()
+
+
+LOST = {
+    # a Parameter held from named_parameters(): an empty placeholder between steps
+    "held parameter mul_": lambda m: dict(m.named_parameters())["layers.1.weight"].mul_(0.5),
+    "held parameter init": lambda m: torch.nn.init.ones_(list(m.parameters())[3]),
+}
+
+
+@pytest.mark.parametrize("budget", list(BUDGETS.values()), ids=list(BUDGETS))
+@pytest.mark.parametrize("case", list(LOST))
+def test_a_write_nothing_can_hold_is_a_usage_error_and_changes_nothing(case, budget):
+    pair = Pair(budget)
+    pair.step(0)
+    with torch.no_grad():
+        LOST[case](pair.model)  # (the plain twin is not edited: tidal keeps the old values)
+    with pytest.raises(tidal.UsageError, match=r"'layers\.1\.(weight|bias)'.*outside a forward reached nothing"):
+        pair.step(1)
+    pair.ref.zero_grad(set_to_none=True)
+    pair.step(1)  # the engine goes on, with the weights it had
+    pair.assert_same()
+
+
+def test_a_write_between_backward_and_step_is_refused():
+    pair = Pair(BUDGETS["chunks-move"])
+    x, y = pair.data[0]
+    pair.engine.backward(pair.engine(x, y))
+    with torch.no_grad():
+        pair.model.layers[0].weight.mul_(0.5)  # a weight made from the master: the slot holds a gradient
+    with pytest.raises(tidal.UsageError, match=r"'layers\.0\.weight'.*between backward and step"):
+        pair.engine.step()
+
+
+def test_a_data_tensor_of_another_shape_is_refused_by_name():
+    pair = Pair(BUDGETS["chunks-move"])
+    pair.step(0)
+    dict(pair.model.named_parameters())["layers.2.weight"].data = torch.zeros(3, 3)
+    with pytest.raises(tidal.UsageError, match=r"'layers\.2\.weight'\.data was set to a tensor of shape \(3, 3\)"):
+        pair.step(1)
+
+
+@pytest.mark.parametrize("budget", list(BUDGETS.values()), ids=list(BUDGETS))
+def test_reads_outside_forward_leave_saving_working(budget, tmp_path):
+    pair = Pair(budget)
+    pair.step(0)
+    m = pair.model
+    assert tuple(m.layers[0].weight.shape) == (64, 64)
+    norm = float(m.layers[5].weight.detach().norm())
+    assert norm == pytest.approx(float(pair.ref.layers[5].weight.norm()), rel=1e-5)
+    state = m.state_dict()  # (raised "illegal state transition COMPUTE -> COMPUTE")
+    torch.testing.assert_close(state["layers.5.weight"], pair.ref.layers[5].weight.detach(), rtol=1e-5, atol=1e-6)
+    _ = m.layers[1].bias.sum()
+    pair.engine.save_checkpoint(tmp_path, tag="t")
+    pair.step(1)
+    pair.assert_same()
+
+
+def test_load_state_dict_is_not_taken_for_a_write():
+    pair = Pair(BUDGETS["chunks-move"])
+    pair.step(0)
+    state = {k: v * 0.5 for k, v in pair.ref.state_dict().items()}
+    pair.model.load_state_dict(state)
+    pair.ref.load_state_dict(state)
+    pair.step(1)
+    pair.assert_same()
+
+
+@pytest.mark.parametrize("convert", [lambda m: m.double(), lambda m: m.half(), lambda m: m.to(torch.float64),
+                                     lambda m: m.layers[0].bfloat16()],
+                         ids=["double", "half", "to-float64", "submodule-bfloat16"])
+def test_conversions_of_the_trained_model_are_refused_by_name(convert):
+    pair = Pair(BUDGETS["chunks-move"])
+    pair.step(0)
+    with pytest.raises(tidal.UsageError, match=r"a conversion of the model to torch\.(float64|float16|bfloat16)"):
+        convert(pair.model)
+    assert pair.model.to("cpu") is pair.model  # its own device and dtype: nothing to do
+    assert pair.model.float() is pair.model
+    pair.step(1)
+    pair.assert_same()
+
+
+def test_a_forward_without_backward_leaves_nothing_running():
+    pair = Pair(BUDGETS["chunks-move"])
+    pair.step(0)
+    x, y = pair.data[1]
+    pair.engine(x, y)  # grad on, no backward (evaluation without no_grad)
+    big = torch.randn(1000, 1000)  # 4 MB: far past the 160 KiB "device"; plain PyTorch code
+    assert big.numel() == 10 ** 6
+    pair.engine.remove_hooks()
+    assert not tidal._C.chunks.host_allocation_counting()
+
+
+def test_num_parameters_counts_the_chunks_not_the_placeholders():
+    pair = Pair(BUDGETS["chunks-move"])
+    expected = sum(p.numel() for p in pair.ref.parameters())
+    assert sum(p.numel() for p in pair.model.parameters()) == 0  # (docs/parameters.md: the placeholders)
+    assert pair.engine.num_parameters() == expected
+    assert pair.engine.num_parameters(only_trainable=True) == expected
