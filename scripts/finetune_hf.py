@@ -103,7 +103,8 @@ def main(argv=None) -> dict:
     first = 0
     if args.resume is not None:
         try:
-            path, first = data_options.resume(engine, args.resume, data)
+            path, first = data_options.resume(engine, args.resume, data, lr=args.lr,
+                                              log=lambda line: print(f"[finetune] {line}", flush=True))
         except ValueError as e:  # DataError, CheckpointError
             ap.error(str(e))
         if first >= args.steps:

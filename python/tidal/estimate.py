@@ -551,8 +551,9 @@ def format_estimate(e: dict) -> str:
 
 
 def _parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="tidal-estimate", description=__doc__.split("\n\n")[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    from .train import CommandLineParser  # (tidal.train imports the package, which imports us)
+    ap = CommandLineParser(prog="tidal-estimate", description=__doc__.split("\n\n")[0],
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("model", help="a preset (nano, tiny, gpt-125m ... gpt-30b) or a Hugging Face "
                                    "config.json (or its folder)")
     ap.add_argument("--config", default=None, metavar="JSON", help="a tidal/DeepSpeed config file")
@@ -597,7 +598,14 @@ def _bandwidth(text: str, flag: str) -> float:
 
 
 def main(argv=None) -> int:
-    """The tidal-estimate console script."""
+    """The tidal-estimate console script: a failure is one line on stderr, exit
+    status 2 (Note [One line per failure] in tidal/train.py)."""
+    from .train import one_line_warnings
+    with one_line_warnings("tidal-estimate"):
+        return _main(argv)
+
+
+def _main(argv) -> int:
     ap = _parser()
     args = ap.parse_args(argv)
     try:

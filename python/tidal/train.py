@@ -23,7 +23,11 @@ cache (Note [Token sources] in tidal/data/sources.py). The last 5% of the
 tokens are held out (--eval-fraction); --eval-every N prints the validation
 loss. --save-every N --save-dir DIR saves checkpoints; --resume DIR continues
 one with the batches and losses the uninterrupted run would have had (Note
-[Resuming a training script] in tidal/data/options.py). Nothing is downloaded.
+[Resuming a training script] in tidal/data/options.py), at the checkpoint's
+learning rate, or at --lr's from the next step when given (a note says which:
+Note [Hyperparameters on resume]). Nothing is downloaded. A failure is one
+line on stderr naming the flag or file and what to do (Note [One line per
+failure]).
 
     tidal-train                          # GPU: preset gpt-350m; else preset tiny, 30 steps
     tidal-train --quick                  # a few dozen steps of a tiny model, < 1 min on CPU
@@ -40,6 +44,7 @@ memory of the chunks; the end prints the memory report.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import difflib
 import json
@@ -47,6 +52,7 @@ import math
 import os
 import sys
 import time
+import warnings
 from pathlib import Path
 
 import torch
@@ -58,7 +64,7 @@ from tidal.models.gpt import TinyGPT
 from tidal.profile import plot_memory_profile as plot_memory_timeline
 
 __all__ = ["PRESETS", "ModelShape", "shape_from_hf_config", "default_config_path",
-           "plot_memory_timeline", "run", "main"]
+           "plot_memory_timeline", "CommandLineParser", "one_line_warnings", "run", "main"]
 
 PRESETS = {
     # name: (layers, hidden, heads, seq, vocab). Parameters ~ 12 * layers * hidden^2.
@@ -112,6 +118,19 @@ def _need(cfg: dict, keys: tuple[str, ...], origin: str, what: str) -> int:
                      f"hidden_size, num_attention_heads, max_position_embeddings and vocab_size")
 
 
+def _typo(key: str, known, given) -> "str | None":
+    """The known key `key` is likely a misspelling of (one the config does not set)."""
+    near = difflib.get_close_matches(key, sorted(set(known) - set(given)), n=1, cutoff=0.8)
+    return near[0] if near else None
+
+
+# The keys shape_from_hf_config reads.
+_SHAPE_KEYS = ("model_type", "n_layer", "n_embd", "n_head", "n_positions", "n_ctx", "vocab_size",
+               "n_inner", "tie_word_embeddings", "num_hidden_layers", "hidden_size",
+               "num_attention_heads", "max_position_embeddings", "intermediate_size",
+               "num_key_value_heads")
+
+
 def shape_from_hf_config(cfg: dict, origin: str = "the Hugging Face config") -> ModelShape:
     """The TinyGPT shape of a Hugging Face GPT-2 or LLaMA-style config.
 
@@ -132,6 +151,10 @@ def shape_from_hf_config(cfg: dict, origin: str = "the Hugging Face config") -> 
     """
     if not isinstance(cfg, dict):
         raise ValueError(f"{origin}: expected a JSON object, got {type(cfg).__name__}")
+    for key in cfg:  # a misspelt optional key would leave its default without a word
+        near = _typo(key, _SHAPE_KEYS, cfg) if key not in _SHAPE_KEYS else None
+        if near is not None:
+            raise ValueError(f"{origin}: unknown key '{key}'; did you mean '{near}'? fix the key")
     model_type = cfg.get("model_type")
     llama_like = "num_hidden_layers" in cfg or "hidden_size" in cfg
     if model_type == "gpt2" or (model_type is None and not llama_like):
@@ -171,9 +194,59 @@ def shape_from_hf_config(cfg: dict, origin: str = "the Hugging Face config") -> 
     return shape
 
 
-def _transformers_config(cfg: dict, origin: str):
+# Keys a config.json may hold that no config class reads: what save_pretrained
+# and the Hub write beside the model's settings.
+_HF_METADATA = frozenset({"_name_or_path", "_commit_hash", "transformers_version", "architectures",
+                          "auto_map", "model_type", "torch_dtype", "dtype", "quantization_config",
+                          "custom_pipelines", "attn_implementation", "_attn_implementation"})
+
+
+def _check_hf_keys(cfg: dict, config_class, origin: str, warn) -> None:
+    """Names the keys of a config.json that its config class does not read
+    (transformers would keep them as plain attributes and build the model with
+    the defaults they were meant to replace): a likely misspelling of a key the
+    config leaves out is an error, any other unknown key a warning."""
+    import inspect
+    try:
+        defaults = config_class()
+    except (TypeError, ValueError):  # a composite config (encoder-decoder): not a causal LM
+        return
+    known = set(defaults.to_dict()) | set(getattr(config_class, "attribute_map", {}))
+    for c in config_class.__mro__:
+        if "__init__" in vars(c):
+            known |= set(inspect.signature(c.__init__).parameters)
+    known |= _HF_METADATA
+    unknown = [k for k in cfg if k not in known]
+    typos = [(k, _typo(k, known, cfg)) for k in unknown]
+    wrong = [(k, near) for k, near in typos if near is not None]
+    if wrong:
+        k, near = wrong[0]
+        default = getattr(defaults, near, None)
+        raise ValueError(
+            f"{origin}: unknown key '{k}'; did you mean '{near}'? {config_class.__name__} does not "
+            f"read '{k}', so {near} would be its default ({default!r})"
+            + (f" (also: {', '.join(f'{a!r} -> {b!r}' for a, b in wrong[1:])})" if wrong[1:] else "")
+            + "; fix the key")
+    if unknown:
+        message = (f"{origin}: {config_class.__name__} does not read "
+                   f"{', '.join(repr(k) for k in unknown)}: the model is built without "
+                   f"{'it' if len(unknown) == 1 else 'them'}")
+        if warn is None:
+            warnings.warn(message, stacklevel=4)
+        else:
+            warn(message)
+
+
+def _transformers_config(cfg: dict, origin: str, warn=None):
     """The transformers config of a config.json with a model_type, for
-    AutoModelForCausalLM (the architecture trained as it is)."""
+    AutoModelForCausalLM (the architecture trained as it is).
+
+    Args:
+        cfg: the parsed config.json.
+        origin: how messages name it.
+        warn: called with the line naming keys the config class does not read
+            (default: warnings.warn); a likely misspelling is a ValueError.
+    """
     try:
         import transformers
     except ImportError:
@@ -181,10 +254,18 @@ def _transformers_config(cfg: dict, origin: str):
                          "which needs transformers: pip install transformers") from None
     kind = cfg["model_type"]
     try:
+        config_class = transformers.CONFIG_MAPPING[kind]
+    except KeyError:
+        near = difflib.get_close_matches(str(kind), list(transformers.CONFIG_MAPPING.keys()), n=3)
+        hint = f"; did you mean {' or '.join(map(repr, near))}?" if near else ""
+        raise ValueError(f"model_type '{kind}' is not a transformers model type (transformers "
+                         f"{transformers.__version__}){hint}") from None
+    _check_hf_keys(cfg, config_class, origin, warn)
+    try:
         config = transformers.AutoConfig.for_model(kind, **{k: v for k, v in cfg.items()
                                                               if k != "model_type"})
-    except (ValueError, KeyError) as e:
-        raise ValueError(f"model_type '{kind}' is not a transformers model type ({e})") from None
+    except (ValueError, TypeError, KeyError) as e:
+        raise ValueError(f"{origin}: transformers' {config_class.__name__} refuses it: {e}") from None
     if type(config) not in transformers.AutoModelForCausalLM._model_mapping:
         raise ValueError(f"model_type '{kind}' has no causal language model in transformers "
                          f"(AutoModelForCausalLM); tidal-train trains causal LMs")
@@ -219,9 +300,66 @@ def _fmt_bytes(n: float) -> str:
     return f"{n:.1f} TiB"
 
 
+# Note [One line per failure]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# What a user of tidal-train or tidal-estimate can get wrong -- an argument, a
+# file, a budget, a full disk -- ends the command with one line on stderr,
+# "tidal-train: error: ...", that names the flag, file or value and what to do,
+# and a nonzero status: 2 for what is found before training starts (as
+# argparse's own errors), 1 for a failure during training (a checkpoint that
+# cannot be written, the device budget running out at a step). Only the error
+# types that mean "bad input" are caught (DataError, ConfigError, OSError of a
+# file the user named, tidal.OutOfMemoryError, SaveError), each where it can
+# arise, so a bug of tidal's own still ends in its traceback. Warnings print
+# as one line too (one_line_warnings).
+
+
+class CommandLineParser(argparse.ArgumentParser):
+    """argparse whose errors are one line, `PROG: error: MESSAGE`, exit status 2
+    (Note [One line per failure]): the message names the flag or file and what to
+    do, so the usage block (tidal-train --help) would only push it up the screen."""
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {' '.join(str(message).splitlines())}\n")
+
+
+def _fail(message: str, status: int = 1):
+    """Ends a run that failed while training with one line on stderr (Note [One
+    line per failure])."""
+    sys.stderr.flush()
+    print(f"tidal-train: error: {' '.join(str(message).splitlines())}", file=sys.stderr, flush=True)
+    raise SystemExit(status)
+
+
+@contextlib.contextmanager
+def one_line_warnings(prog: str):
+    """Within it, a warning prints as one line, `PROG: warning: MESSAGE`, not as
+    Python's file:line header and source line; the previous handling is restored
+    after (Note [One line per failure]).
+
+    Args:
+        prog: the command's name.
+    """
+    with warnings.catch_warnings():
+        def show(message, category, filename, lineno, file=None, line=None):
+            print(f"{prog}: warning: {' '.join(str(message).splitlines())}",
+                  file=file or sys.stderr, flush=True)
+        warnings.showwarning = show
+        yield
+
+
+def _writable_parent(ap, flag: str, path) -> None:
+    """Refuses an output path whose folder is missing before training, not after it."""
+    if path is None:
+        return
+    parent = Path(path).resolve().parent
+    if not parent.is_dir():
+        ap.error(f"{flag} {path}: the folder {parent} does not exist; create it first")
+
+
 def _parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="tidal-train", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = CommandLineParser(prog="tidal-train", description=__doc__,
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
     model = ap.add_mutually_exclusive_group()
     model.add_argument("--preset", default=None,
                        help=f"model shape: {', '.join(PRESETS)} (default: gpt-350m on a GPU, "
@@ -284,6 +422,14 @@ def run(argv=None) -> dict:
             import matplotlib  # noqa: F401  -- fail before training, not after
         except ImportError:
             ap.error("--plot and --profile need matplotlib: pip install matplotlib")
+    save_dir = data_options.save_dir_of(args)
+    if save_dir is not None and Path(save_dir).exists() and not Path(save_dir).is_dir():
+        ap.error(f"--save-dir {save_dir}: a file, expected a folder for the checkpoints (or a new "
+                 f"name)")
+    _writable_parent(ap, "--json", args.json)
+    _writable_parent(ap, "--plot", args.plot)
+    if args.profile is not None and Path(args.profile).exists() and not Path(args.profile).is_dir():
+        ap.error(f"--profile {args.profile}: a file, expected a folder (or a new name)")
 
     info = tidal.get_device().info()
     gpu = info["backend"] == "cuda"
@@ -299,8 +445,17 @@ def run(argv=None) -> dict:
         try:
             with open(args.hf_config, encoding="utf-8") as f:
                 hf = json.load(f)
+        except OSError as e:
+            ap.error(f"--hf-config {args.hf_config}: {e}")
+        except ValueError as e:  # JSONDecodeError, UnicodeDecodeError
+            ap.error(f"--hf-config {args.hf_config}: not JSON ({e}); expected a Hugging Face "
+                     f"config.json")
+        try:
             if isinstance(hf, dict) and hf.get("model_type"):
-                hf_config = _transformers_config(hf, args.hf_config)
+                hf_config = _transformers_config(
+                    hf, args.hf_config,
+                    warn=lambda line: print(f"tidal-train: warning: {line}", file=sys.stderr,
+                                            flush=True))
                 c = hf_config
                 shape = ModelShape(c.num_hidden_layers, c.hidden_size, c.num_attention_heads,
                                    getattr(c, "max_position_embeddings", None) or 1 << 30,
@@ -308,8 +463,10 @@ def run(argv=None) -> dict:
                                    source=f"Hugging Face {hf['model_type']} config {args.hf_config}")
             else:
                 shape = shape_from_hf_config(hf, args.hf_config)
-        except (OSError, ValueError) as e:  # json.JSONDecodeError is a ValueError
-            ap.error(f"--hf-config {args.hf_config}: {e}")
+        except ValueError as e:
+            msg = str(e)  # (shape_from_hf_config's name the file already)
+            ap.error(f"--hf-config {msg}" if msg.startswith(f"{args.hf_config}: ")
+                     else f"--hf-config {args.hf_config}: {msg}")
         label = Path(args.hf_config).name
     else:
         preset = args.preset or ("nano" if args.quick else "gpt-350m" if gpu else "tiny")
@@ -329,8 +486,17 @@ def run(argv=None) -> dict:
     # The training config: the file, then the command line's overrides.
     try:
         config_path = Path(args.config) if args.config else default_config_path(args.quick, gpu)
+    except FileNotFoundError as e:
+        ap.error(str(e))
+    try:
         with open(config_path, encoding="utf-8") as f:
             config = json.load(f)
+    except OSError as e:
+        ap.error(f"--config {config_path}: {e.strerror or e}")
+    except ValueError as e:  # JSONDecodeError, UnicodeDecodeError
+        ap.error(f"--config {config_path}: not JSON ({e}); a DeepSpeed-style config is one JSON "
+                 f"object (configs/gpt_quick.json is an example)")
+    try:
         if not isinstance(config, dict):
             raise tidal.ConfigError(f"config file '{config_path}' holds a {type(config).__name__}, "
                                     f"not an object")
@@ -345,8 +511,8 @@ def run(argv=None) -> dict:
         if args.budget is not None:
             config.setdefault("tidal", {})["device_memory_budget"] = args.budget
         cfg = tidal.Config.load(config)
-    except (OSError, ValueError) as e:  # ConfigError and JSONDecodeError are ValueErrors
-        ap.error(str(e))
+    except ValueError as e:  # ConfigError
+        ap.error(_config_error(e, args, config_path))
     micro = cfg.micro_batch_size or 1
     if cfg.micro_batch_size is None:
         config["train_micro_batch_size_per_gpu"] = micro
@@ -387,16 +553,22 @@ def run(argv=None) -> dict:
 
     t0 = time.perf_counter()
     torch.manual_seed(args.seed)
-    with tidal.init_context(config) as store:
-        if hf_config is not None:
-            import transformers
-            model = transformers.AutoModelForCausalLM.from_config(hf_config)
-        else:
-            model = TinyGPT(vocab=shape.vocab, d=shape.hidden, layers=shape.layers,
-                            heads=shape.heads, seq=shape.positions, tied=shape.tied)
-    t_built = time.perf_counter()
-    in_context = dict(store.seconds)
-    engine = tidal.initialize(model)
+    try:
+        with tidal.init_context(config) as store:
+            if hf_config is not None:
+                import transformers
+                model = transformers.AutoModelForCausalLM.from_config(hf_config)
+            else:
+                model = TinyGPT(vocab=shape.vocab, d=shape.hidden, layers=shape.layers,
+                                heads=shape.heads, seq=shape.positions, tied=shape.tied)
+        t_built = time.perf_counter()
+        in_context = dict(store.seconds)
+        engine = tidal.initialize(model)
+    except tidal.ConfigError as e:  # a budget the device cannot give, ...
+        ap.error(_config_error(e, args, config_path))
+    except tidal.OutOfMemoryError as e:  # the model's states do not fit
+        ap.error(f"{shape.source} does not fit: {e} (--budget sets the device budget; "
+                 f"tidal-estimate tells what fits before anything is built)")
     t_initialized = time.perf_counter()
 
     def forward(x, y):
@@ -423,16 +595,19 @@ def run(argv=None) -> dict:
     # rank draws its own windows, Note [Resumable batches].)
     data.device = device
     first = 0
+    resumed_from = None
     if args.resume is not None:
         try:
-            path, first = data_options.resume(engine, args.resume, data)
+            path, first = data_options.resume(engine, args.resume, data, lr=args.lr,
+                                              log=lambda line: say(f"[tidal-train] note: {line}",
+                                                                   flush=True))
         except ValueError as e:  # DataError, CheckpointError
             ap.error(str(e))
         if first >= steps:
             ap.error(f"--resume {args.resume}: {path} has done {first} steps and --steps is "
                      f"{steps}: nothing left to train; give a larger --steps")
         say(f"[tidal-train] resumed from {path} after step {first}", flush=True)
-    save_dir = data_options.save_dir_of(args)
+        resumed_from = path
     bar = None
     if not args.no_progress and rank == 0:
         try:
@@ -446,13 +621,18 @@ def run(argv=None) -> dict:
     for step in range(first, steps):
         t = time.perf_counter()
         total = 0.0
-        for _ in range(accum):
-            x, y = next(data)
-            loss = forward(x, y)
-            engine.backward(loss)
-            total += loss.item()
-        if engine.step():
-            applied += 1
+        try:
+            for _ in range(accum):
+                x, y = next(data)
+                loss = forward(x, y)
+                engine.backward(loss)
+                total += loss.item()
+            if engine.step():
+                applied += 1
+        except tidal.OutOfMemoryError as e:
+            if bar is not None:
+                bar.close()
+            _fail(_out_of_budget(e, step, saved[-1] if saved else resumed_from))
         times.append(time.perf_counter() - t)
         if engine.dp is not None:  # the global batch's mean loss
             total = engine.dp.all_reduce_sum([total], "average the loss")[0] / world
@@ -473,7 +653,12 @@ def run(argv=None) -> dict:
             evals.append({"step": done, "loss": data_options.evaluate(engine, forward, data)})
             write(f"step {step:5d}  validation loss {evals[-1]['loss']:.4f}")
         if args.save_every and (done % args.save_every == 0 or done == steps):
-            saved.append(str(data_options.save(engine, save_dir, done, data)))
+            try:
+                saved.append(str(data_options.save(engine, save_dir, done, data)))
+            except data_options.SaveError as e:
+                if bar is not None:
+                    bar.close()
+                _fail(f"after step {done}: {e}")
             write(f"step {step:5d}  saved {saved[-1]}")
     if bar is not None:
         bar.close()
@@ -490,7 +675,10 @@ def run(argv=None) -> dict:
         "world_size": world,
         "global_batch": micro * accum * world,
         "gradient_accumulation_steps": accum, "data": args.data, "config": str(config_path),
-        "precision": cfg.precision, "lr": cfg.lr, "first_loss": losses[0], "last_loss": losses[-1],
+        # The rate the steps used (a resumed run's: Note [Hyperparameters on resume]),
+        # before a scheduler's factor.
+        "precision": cfg.precision, "lr": engine.optimizer.param_groups[0]["initial_lr"],
+        "first_loss": losses[0], "last_loss": losses[-1],
         "last5_mean_loss": sum(tail) / len(tail), "losses": losses, "seconds": wall,
         "tokens_per_s": tokens_per_step * len(steady) / sum(steady),
         "tflops": 6 * n_params * tokens_per_step * len(steady) / sum(steady) / 1e12,
@@ -524,6 +712,17 @@ def run(argv=None) -> dict:
           f"{m['skipped_steps']}, loss scale {m['loss_scale']:g}", flush=True)
     title = (f"tidal: device memory over one step ({label}, budget "
              f"{_fmt_bytes(engine.store.device_budget)}, {info['backend']})")
+    try:
+        _write_outputs(args, engine, summary, title, rank, say)
+    except OSError as e:
+        where = f" ({e.filename})" if e.filename else ""
+        _fail(f"writing the report failed: {e.strerror or e}{where}; the run itself finished"
+              f"{f' and saved {saved[-1]}' if saved else ''}")
+    return summary
+
+
+def _write_outputs(args, engine, summary, title, rank, say) -> None:
+    """--profile, --plot and --json."""
     if args.profile and rank == 0:
         written = engine.export_memory_profile(args.profile, title=title)
         summary["profile"] = written
@@ -537,12 +736,36 @@ def run(argv=None) -> dict:
     if args.json and rank == 0:
         with open(args.json, "w", encoding="utf-8") as f:
             json.dump(summary, f, indent=2)
-    return summary
+
+
+def _config_error(e: ValueError, args, config_path) -> str:
+    """A ConfigError's message naming where the value came from: --budget, or the file."""
+    text = str(e)
+    if args.budget is not None and "device_memory_budget" in text:
+        if "is more than the" not in text:
+            return f"--budget {args.budget}: {text}"
+        capacity = tidal.get_device().info()["capacity"]  # (the device the config chose)
+        return (f"--budget {args.budget}: {text}; give at most {_fmt_bytes(capacity)} "
+                f"({capacity} bytes), or 0 for the whole device")
+    return f"{'--config' if args.config else 'the config'} {config_path}: {text}"
+
+
+def _out_of_budget(e, step: int, last) -> str:
+    """The message of a step that ran out of the device budget; tidal-train stops
+    there (the engine would go on with the next batch, which has the same shape).
+    `last`: the run's newest checkpoint, None if it has none."""
+    text = str(e).strip().removesuffix("; the engine goes on with the next batch")
+    kept = (f"{last} is intact and --resume {last} continues from it" if last is not None
+            else "the run has no checkpoint")
+    return (f"step {step + 1}: {text}; tidal-train stops here, {kept}; --budget raises the device "
+            f"budget, --batch lowers the micro batch")
 
 
 def main(argv=None) -> int:
-    """The tidal-train console script: run(argv), exit status 0."""
-    run(argv)
+    """The tidal-train console script: run(argv), exit status 0; a failure is one
+    line on stderr and a nonzero status (Note [One line per failure])."""
+    with one_line_warnings("tidal-train"):
+        run(argv)
     return 0
 
 

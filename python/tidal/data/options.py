@@ -24,11 +24,29 @@ kernel, so resumed losses equal the uninterrupted ones bit for bit in fp32,
 hybrid Adam or not (tested, the resumed run in another process); on a GPU a
 chunk updated on the device goes through torch's fused Adam, and a fresh
 engine starts with no chunk there, so its first steps may round differently.
+
+Note [Hyperparameters on resume]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+load_checkpoint restores the parameter groups' lr, weight decay, betas and eps
+as they were saved (DeepSpeed restores its optimizer's param_groups alike),
+so a resumed run continues at the checkpoint's rate whatever its config says.
+A rate given on the command line (`resume(lr=...)`, the scripts' --lr) is a
+request to change it, and it applies, exactly: every group takes the initial
+lr the fresh engine built from this command line has (the config with --lr
+written in), and the lr of the next step is that, or with a scheduler in the
+config the scheduler's value at the loaded position scaled by it (Note
+[Parameter groups] in tidal/engine/param_groups.py): what a run started with
+that --lr would use at that step. Adam's moments and step counts stay the
+checkpoint's. Either way one line says what differs: the rate that now
+applies and the one the checkpoint trained at, or, without --lr, each value
+of the config that the checkpoint's overrides.
 """
 from __future__ import annotations
 
 import argparse
+import errno
 import math
+import shutil
 import warnings
 from pathlib import Path
 from typing import Callable
@@ -40,11 +58,19 @@ from .sources import TOKEN_DTYPES, data_kind, open_source, read_nanogpt_meta
 from .tokenizer import ByteTokenizer, DataError
 from .windows import SyntheticBatches, TokenWindows
 
-__all__ = ["BUILTIN", "add_arguments", "check_arguments", "data_vocab", "open_batches",
-           "evaluate", "save_dir_of", "save", "resume"]
+__all__ = ["BUILTIN", "SaveError", "add_arguments", "check_arguments", "data_vocab",
+           "open_batches", "evaluate", "save_dir_of", "save", "resume"]
 
 BUILTIN = ("text", "synthetic")   # --data keywords: the built-in corpora (tidal.data)
 _STATE_KEY, _STATE_FORMAT = "tidal_train", 1
+_ELEMENT_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+
+
+class SaveError(RuntimeError):
+    """A checkpoint that could not be written (a full disk, a folder that is not
+    writable); the message names the checkpoint, the bytes it needed and what to
+    do. The engine's save is atomic (Note [Checkpoint format]), so the previous
+    checkpoint is intact."""
 
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
@@ -230,10 +256,107 @@ def save(engine, save_dir, step: int, batches):
         rng["cuda"] = torch.cuda.get_rng_state_all()
     state = {_STATE_KEY: {"format": _STATE_FORMAT, "step": step, "data": batches.state_dict(),
                           "rng": rng, "threads": torch.get_num_threads()}}
-    return engine.save_checkpoint(save_dir, tag=f"step{step}", client_state=state)
+    try:
+        return engine.save_checkpoint(save_dir, tag=f"step{step}", client_state=state)
+    except OSError as e:
+        raise SaveError(_save_failed(engine, Path(save_dir), f"step{step}", e)) from None
 
 
-def resume(engine, where, batches) -> tuple[Path, int]:
+def _checkpoint_bytes(engine) -> int:
+    """The bytes of a checkpoint's slots (Note [Checkpoint format]): per trainable
+    parameter its 16-bit copy (fp32 in fp32 training), fp32 master and two
+    moments; per frozen one its 16-bit copy."""
+    element = _ELEMENT_BYTES[engine.precision]
+    moments = 4 if engine.config.optimizer_state_dtype == "bf16" else 8
+    return sum(r.numel * (element + 4 + moments if r.trainable else element)
+               for r in engine.records)
+
+
+def _save_failed(engine, root: Path, tag: str, e: OSError) -> str:
+    need = _checkpoint_bytes(engine)
+    where = root
+    while not where.exists() and where != where.parent:
+        where = where.parent
+    try:
+        free = f", {shutil.disk_usage(where).free:,} bytes free there"
+    except OSError:
+        free = ""
+    full = e.errno in (errno.ENOSPC, errno.EDQUOT)
+    why = e.strerror or str(e)
+    if e.filename is not None and not full:
+        why += f" ({e.filename})"
+    latest = root / "latest"
+    previous = latest.read_text().strip() if latest.is_file() else ""
+    if previous and previous != tag and (root / previous).is_dir():
+        after = previous.removeprefix("step")
+        kept = (f"{root / previous} is intact (--resume {root} continues from it"
+                f"{f', after step {after}' if after.isdigit() else ''})")
+    else:
+        kept = "no earlier checkpoint of this run is in it"
+    todo = ("free space on that disk, or give --save-dir DIR on one with room" if full else
+            "give --save-dir DIR on a writable disk with room")
+    return (f"--save-dir {root}: saving checkpoint {root / tag} failed: {why} (errno {e.errno}), "
+            f"writing about {need:,} bytes (weights and Adam states){free}; {kept}; {todo}")
+
+
+def _check_latest(p: Path, where) -> None:
+    """The tag a save folder's `latest` names is a checkpoint there (or the copy a
+    killed save left aside, which load_checkpoint takes: Note [Checkpoint format])."""
+    tag = (p / "latest").read_text(errors="replace").strip()
+    if tag and "/" not in tag and ((p / tag / "meta.json").is_file()
+                                   or any(p.glob(f".{tag}.old-*/meta.json"))):
+        return
+    found = sorted((c.name for c in p.iterdir() if (c / "meta.json").is_file()),
+                   key=lambda n: (len(n), n))
+    there = (f"the checkpoints there are {', '.join(found)}: give --resume {p / found[-1]}"
+             if found else "there is no checkpoint in it")
+    named = f"names {tag!r}, which is not a checkpoint in {p}" if tag else "is empty"
+    raise DataError(f"--resume {where}: {p / 'latest'} {named}; {there} (or start a new run)")
+
+
+def _group_values(engine, betas: bool) -> list:
+    keys = ("initial_lr", "weight_decay", "eps") + (("betas",) if betas else ())
+    return [{k: tuple(float(b) for b in g[k]) if k == "betas" else float(g[k]) for k in keys}
+            for g in engine.optimizer.param_groups]
+
+
+def _hyperparameters(engine, fresh: list, lr: float | None, path: Path, step: int) -> str | None:
+    """Applies --lr to a loaded engine, or keeps the checkpoint's rate; returns the
+    line that says what differs (Note [Hyperparameters on resume]), None when
+    nothing does."""
+    scheduler = engine.lr_scheduler
+    betas = scheduler is None or scheduler.get_betas() is None  # else the schedule's
+    loaded = _group_values(engine, betas)
+    parts = []
+    if lr is not None:
+        groups = engine.optimizer.param_groups
+        for g, f in zip(groups, fresh, strict=True):
+            g["initial_lr"] = g["lr"] = f["initial_lr"]
+        if scheduler is None:
+            engine.lr = groups[0]["lr"]
+        else:
+            engine.apply_lr_schedule()
+        if [f["initial_lr"] for f in fresh] != [g["initial_lr"] for g in loaded]:
+            was = ", ".join(f"{g['initial_lr']:g}" for g in loaded)
+            parts.append(f"--lr {lr:g} applies from step {step + 1} on; {path} trained at {was}")
+    kept = []
+    for key, name in (("initial_lr", "lr"), ("weight_decay", "weight_decay"), ("eps", "eps"),
+                      ("betas", "betas")):
+        if key not in loaded[0] or (key == "initial_lr" and lr is not None):
+            continue
+        ours, theirs = [f[key] for f in fresh], [g[key] for g in loaded]
+        if ours != theirs:
+            show = (lambda v: str(list(v))) if key == "betas" else (lambda v: f"{v:g}")
+            kept.append(f"{name} {', '.join(map(show, theirs))} (the config says "
+                        f"{', '.join(map(show, ours))})")
+    if kept:
+        tip = "; --lr changes the rate" if kept[0].startswith("lr ") else ""
+        parts.append(f"{path} continues with its own {'; '.join(kept)}{tip}")
+    return "; ".join(parts) or None
+
+
+def resume(engine, where, batches, lr: float | None = None,
+           log: Callable[[str], None] | None = None) -> tuple[Path, int]:
     """Loads what save() wrote and continues the data and the RNG from it; returns
     (the checkpoint's path, the steps it had done).
 
@@ -241,6 +364,11 @@ def resume(engine, where, batches) -> tuple[Path, int]:
         engine: an engine built as the saved one was.
         where: a save folder (its latest checkpoint) or one checkpoint, DIR/step<N>.
         batches: the run's batches; they continue at the saved index.
+        lr: the learning rate the command line gives (--lr, already written into
+            the engine's config), which then applies from the next step; None:
+            the checkpoint's continues (Note [Hyperparameters on resume]).
+        log: called with the line that says which hyperparameters differ from
+            the checkpoint's, if any.
     """
     p = Path(where)
     if not p.is_dir():
@@ -250,6 +378,9 @@ def resume(engine, where, batches) -> tuple[Path, int]:
     if tag is None and not (p / "latest").is_file():
         raise DataError(f"--resume {where}: no checkpoint there (no {p / 'latest'}); expected the "
                         f"--save-dir of a run with --save-every")
+    if tag is None:
+        _check_latest(p, where)
+    fresh = _group_values(engine, True)
     path, client = engine.load_checkpoint(load_dir, tag)
     state = (client or {}).get(_STATE_KEY) if isinstance(client, dict) else None
     if not isinstance(state, dict) or state.get("format") != _STATE_FORMAT:
@@ -266,4 +397,8 @@ def resume(engine, where, batches) -> tuple[Path, int]:
     torch.set_rng_state(state["rng"]["cpu"])
     if "cuda" in state["rng"] and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["rng"]["cuda"])
-    return path, int(state["step"])
+    step = int(state["step"])
+    line = _hyperparameters(engine, fresh, lr, path, step)
+    if line is not None and log is not None:
+        log(line)
+    return path, step

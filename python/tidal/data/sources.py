@@ -32,9 +32,25 @@ differently from the whole text at once (byte-level cannot).
 Checks, each a DataError naming the file: missing, empty, a folder with no
 text files, a JSONL line that is not JSON, not an object or without a "text"
 string (by line number), text that is not UTF-8 under a Hugging Face tokenizer
-(by line number), a *.bin whose size is not a multiple of its dtype, and ids
-at or beyond the vocabulary in a *.bin (the first such offset and value; the
-file is scanned once, a block at a time, through a fixed buffer).
+(by line number), a text file that is binary (Note [Binary data read as
+text]), a *.bin whose size is not a multiple of its dtype, ids at or beyond
+the vocabulary in a *.bin (the first such offset and value), and a *.bin read
+as uint16 whose every other id is 0, the pattern of small uint32 ids (the
+file is scanned once, a block at a time, through a fixed buffer, for both).
+A token cache that cannot be written (a full disk) names the cache file, the
+bytes written and the bytes the write wanted, and --cache-dir.
+
+Note [Binary data read as text]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+Byte-level tokens take any bytes, so a model checkpoint, an archive or a
+UTF-16 file given as --data would train without a word. Text has no NUL byte
+and almost no C0 control characters (tab, newline, carriage return, form
+feed and escape aside), while binary data has about one byte in nine of them.
+So the first TEXT_SNIFF_BYTES of each text file are checked: a NUL, or more
+than 1% control characters (and at least 8), is a DataError that names the
+first such byte, and the format when its magic number is a known one (gzip,
+zip, UTF-16, ...). Only the start is read, so the check costs nothing on a
+large corpus; binary data that starts with a page of text is not caught.
 
 The dtype of a *.bin: --data-dtype when given; else the vocab_size of a
 nanoGPT meta.pkl beside it; else the vocabulary the ids must fit (the
@@ -45,7 +61,6 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import io
 import json
 import os
 import pickle
@@ -57,12 +72,14 @@ import numpy as np
 from .tokenizer import ByteTokenizer, DataError
 
 __all__ = ["TEXT_SUFFIXES", "TOKEN_DTYPES", "TokenSource", "data_kind", "default_cache_dir",
-           "dtype_for_vocab", "read_nanogpt_meta", "check_token_ids", "open_token_file",
-           "tokenize_to_cache", "open_source"]
+           "dtype_for_vocab", "read_nanogpt_meta", "check_token_ids", "check_text",
+           "open_token_file", "tokenize_to_cache", "open_source"]
 
 TEXT_SUFFIXES = (".txt", ".text", ".md", ".rst")
 TOKEN_DTYPES = {"uint16": np.uint16, "uint32": np.uint32}
 PIECE_BYTES = 1 << 20       # text read and encoded this much at a time
+TEXT_SNIFF_BYTES = 1 << 16  # the start of a text file checked for binary data
+_PAIRED_ZEROS_MIN = 256     # ids a uint16 file needs before its zero pattern is judged
 _ENCODE_BATCH = 256         # pieces (or JSONL documents) per encoder call
 _SCAN_TOKENS = 1 << 22      # ids per block of the vocabulary scan
 _CACHE_VERSION = 1
@@ -158,33 +175,47 @@ def read_nanogpt_meta(bin_path) -> dict | None:
     return value
 
 
-def check_token_ids(path, dtype, limit: int, limit_name: str) -> int:
-    """Scans a token file for ids >= `limit`, a fixed buffer at a time; returns the count of ids.
+def check_token_ids(path, dtype, limit: int | None, limit_name: str) -> int:
+    """Scans a token file, a fixed buffer at a time, for ids >= `limit` and, read as
+    uint16, for the zero in every other id of uint32 ids (Note [Token sources]);
+    returns the count of ids.
 
     Args:
         path: the file.
         dtype: its ids' dtype.
-        limit: the vocabulary size ids must stay below.
+        limit: the vocabulary size ids must stay below (None: not checked).
         limit_name: what the limit is, for the message ("the tokenizer's", ...).
     """
     dtype = np.dtype(dtype)
     buf = np.empty(_SCAN_TOKENS, dtype=dtype)
     offset = 0
+    # Whether an id at an even / odd offset of the file is not 0 (uint16 only).
+    nonzero = [False, False]
     with open(path, "rb", buffering=0) as f:
         while True:
             got = f.readinto(memoryview(buf).cast("B"))
             if not got:
-                return offset
+                break
             n = got // dtype.itemsize
             block = buf[:n]
-            if n and int(block.max()) >= limit:
+            if n and limit is not None and int(block.max()) >= limit:
                 i = int(np.argmax(block >= limit))
                 raise DataError(
                     f"{path}: token id {int(block[i])} at offset {offset + i} (byte "
                     f"{(offset + i) * dtype.itemsize}) is not below the vocabulary size {limit} "
                     f"({limit_name}); the file was written with another tokenizer, or its dtype "
                     f"is not {dtype.name} (--data-dtype)")
+            if dtype == np.uint16:
+                for parity in (0, 1):
+                    # block[j] is at file offset offset + j: parity p starts at j = (p - offset) % 2
+                    nonzero[parity] = nonzero[parity] or bool(block[(parity - offset) % 2::2].any())
             offset += n
+    if dtype == np.uint16 and offset >= _PAIRED_ZEROS_MIN and nonzero[0] and not nonzero[1]:
+        raise DataError(
+            f"{path}: read as uint16, every id at an odd offset is 0 ({offset // 2:,} of them) and "
+            f"not every one at an even offset: the layout of uint32 ids below 65536, which would "
+            f"train on a 0 after every token; give --data-dtype uint32")
+    return offset
 
 
 def open_token_file(path, dtype=None, vocab: int | None = None, vocab_name: str = "the model's",
@@ -221,13 +252,50 @@ def open_token_file(path, dtype=None, vocab: int | None = None, vocab_name: str 
     limit, name = vocab, vocab_name
     if meta_vocab is not None and (limit is None or meta_vocab < limit):
         limit, name = meta_vocab, f"vocab_size of {p.parent / 'meta.pkl'}"
-    if check and limit is not None:
+    if check:
         check_token_ids(p, np_dtype, limit, name)
     tokens = np.memmap(p, dtype=np_dtype, mode="r")
     return TokenSource(tokens, f"{p} ({np_dtype.name}, {tokens.size:,} tokens)", meta_vocab, p)
 
 
 # ---------------------------------------------------------------- text to ids
+# Magic numbers of binary formats a corpus is often kept in, for the message.
+_MAGIC = ((b"\x1f\x8b", "gzip-compressed: decompress it first (gunzip)"),
+          (b"PK\x03\x04", "a zip archive: extract it first"),
+          (b"BZh", "bzip2-compressed: decompress it first (bunzip2)"),
+          (b"\xfd7zXZ\x00", "xz-compressed: decompress it first (unxz)"),
+          (b"(\xb5/\xfd", "zstd-compressed: decompress it first (unzstd)"),
+          (b"\xff\xfe", "UTF-16 text: convert it to UTF-8 (iconv -f UTF-16 -t UTF-8)"),
+          (b"\xfe\xff", "UTF-16 text: convert it to UTF-8 (iconv -f UTF-16 -t UTF-8)"))
+# C0 control characters that text does not hold: all but tab, newline, vertical
+# tab, form feed, carriage return and escape (Note [Binary data read as text]).
+_CONTROL = np.zeros(256, dtype=bool)
+_CONTROL[[c for c in range(32) if c not in (9, 10, 11, 12, 13, 27)]] = True
+
+
+def check_text(path) -> None:
+    """Raises a DataError when a file given as text starts with binary data
+    (Note [Binary data read as text]).
+
+    Args:
+        path: the text file.
+    """
+    with open(path, "rb") as f:
+        head = f.read(TEXT_SNIFF_BYTES)
+    data = np.frombuffer(head, dtype=np.uint8)
+    controls = _CONTROL[data]
+    count = int(controls.sum())
+    if not count or (0 not in head and (count * 100 <= len(head) or count < 8)):
+        return
+    what = next((w for magic, w in _MAGIC if head.startswith(magic)), None)
+    if what is None:
+        what = ("binary data, not text: token ids go in a *.bin (with --data-dtype), a "
+                "document in a text or JSONL file")
+    first = int(np.argmax(controls))
+    raise DataError(f"{path}: {what} (byte {first} is 0x{head[first]:02x}; {count:,} of the first "
+                    f"{len(head):,} bytes are control characters, which text does not hold)")
+
+
 def _text_files(root: Path) -> list[Path]:
     files, others = [], []
     for f in sorted(root.rglob("*")):
@@ -310,6 +378,7 @@ def _documents(path: Path, kind: str, field: str):
                 yield text, path, number, True
         return
     for f in (_text_files(path) if kind == "folder" else [path]):
+        check_text(f)
         first = True
         for piece, line in _text_pieces(f):
             yield piece, f, line, first
@@ -333,6 +402,76 @@ def _cache_key(path: Path, kind: str, files: list[Path], tokenizer, field: str) 
             "tokenizer": tokenizer.fingerprint,
             "files": [[str(f.resolve()), f.stat().st_size, f.stat().st_mtime_ns] for f in files]}
     return hashlib.sha256(json.dumps(desc, sort_keys=True).encode()).hexdigest()[:16]
+
+
+class _CacheWriter:
+    """A token cache being written: the ids go to a temporary file, which commit()
+    renames to `out` and then describes (Note [Token sources]); discard() removes
+    what is left of a build that did not commit. Every write error (a full disk,
+    a read-only --cache-dir) is a DataError that names the cache file, the bytes
+    written and wanted, and --cache-dir.
+
+    Args:
+        cache_dir: the cache folder (made if missing).
+        out: the cache file.
+        source: the text source, for messages.
+        text_bytes: the source's size, for the estimate of the cache's.
+    """
+
+    def __init__(self, cache_dir: Path, out: Path, source: Path, text_bytes: int):
+        self.cache_dir, self.out, self.source, self.text_bytes = cache_dir, out, source, text_bytes
+        self.tmp = cache_dir / f".{out.stem}.{os.getpid()}.tmp"
+        self.written = 0   # bytes of ids in the temporary file
+        self.read = 0      # bytes of text they were encoded from
+        self.file = None
+        try:
+            cache_dir.mkdir(parents=True, exist_ok=True)
+            self.file = open(self.tmp, "wb", buffering=0)  # (whole batches: no buffer to lose)
+        except OSError as e:
+            raise self._error(e, 0) from None
+
+    def _error(self, e: OSError, wanted: int) -> DataError:
+        what = (f"{e.strerror or e} (errno {e.errno})" if e.errno is not None else str(e))
+        if self.read:
+            need = -(-self.text_bytes * (self.written + wanted) // self.read)  # (rounded up)
+            size = (f"with {self.written:,} bytes written and {wanted:,} more to write; the whole "
+                    f"cache takes about {need:,} bytes")
+        else:
+            size = "before writing anything"
+        removed = "the partial cache was removed and " if self.file is not None else ""
+        return DataError(f"--cache-dir {self.cache_dir}: cannot write the token cache of "
+                         f"{self.source} to {self.out}: {what}, {size}; free space there, or give "
+                         f"--cache-dir DIR (or TIDAL_DATA_CACHE) on a disk with room; {removed}"
+                         f"{self.source} is untouched")
+
+    def write(self, data: bytes) -> None:
+        view = memoryview(data)
+        try:
+            while view.nbytes:
+                n = self.file.write(view)
+                self.written += n
+                view = view[n:]
+        except OSError as e:
+            raise self._error(e, view.nbytes) from None
+
+    def commit(self, description: dict, desc: Path) -> None:
+        """Flushes the ids to disk, renames them into place and writes `desc` last."""
+        desc_tmp = self.cache_dir / f".{desc.name}.{os.getpid()}.tmp"
+        try:
+            os.fsync(self.file.fileno())
+            self.file.close()
+            os.replace(self.tmp, self.out)
+            desc_tmp.write_text(json.dumps(description))
+            os.replace(desc_tmp, desc)
+        except OSError as e:
+            desc_tmp.unlink(missing_ok=True)
+            self.out.unlink(missing_ok=True)  # never reused without its description
+            raise self._error(e, 0) from None
+
+    def discard(self) -> None:
+        if self.file is not None:
+            self.file.close()
+        self.tmp.unlink(missing_ok=True)
 
 
 def tokenize_to_cache(path, tokenizer, cache_dir=None, field: str = "text",
@@ -362,60 +501,56 @@ def tokenize_to_cache(path, tokenizer, cache_dir=None, field: str = "text",
             tokens = np.memmap(out, dtype=dtype, mode="r")
             return TokenSource(tokens, f"{p} ({n:,} tokens, cached in {out})",
                                tokenizer.vocab_size, p, out)
-    cache_dir.mkdir(parents=True, exist_ok=True)
     if tokenizer.eos_id is not None:
         sep = np.array([tokenizer.eos_id], dtype=dtype)
     else:
         sep = np.asarray(bytearray(tokenizer.encode_batch(["\n\n"])[0])
                          if isinstance(tokenizer, ByteTokenizer)
                          else tokenizer.encode_batch(["\n\n"])[0], dtype=dtype)
-    tmp = cache_dir / f".{stem}.{os.getpid()}.tmp"
+    text_bytes = sum(f.stat().st_size for f in files)
+    writer = _CacheWriter(cache_dir, out, p, text_bytes)
     count = documents = 0
     try:
-        with open(tmp, "wb") as f:
-            writer = io.BufferedWriter(f, 1 << 20)
-            batch: list = []
-            size = 0
+        batch: list = []
+        size = 0
 
-            def flush():
-                nonlocal count, documents
-                ids = tokenizer.encode_batch([piece for piece, _ in batch])
-                for (_, starts), piece_ids in zip(batch, ids):
-                    if starts:
-                        if documents:
-                            writer.write(sep.tobytes())
-                            count += sep.size
-                        documents += 1
-                    arr = (np.frombuffer(piece_ids, dtype=np.uint8).astype(dtype, copy=False)
-                           if isinstance(piece_ids, (bytes, bytearray))
-                           else np.asarray(piece_ids, dtype=dtype))
-                    writer.write(arr.tobytes())
-                    count += arr.size
-                batch.clear()
+        def flush():
+            nonlocal count, documents
+            ids = tokenizer.encode_batch([piece for piece, _ in batch])
+            parts = []
+            for (_, starts), piece_ids in zip(batch, ids):
+                if starts:
+                    if documents:
+                        parts.append(sep.tobytes())
+                        count += sep.size
+                    documents += 1
+                arr = (np.frombuffer(piece_ids, dtype=np.uint8).astype(dtype, copy=False)
+                       if isinstance(piece_ids, (bytes, bytearray))
+                       else np.asarray(piece_ids, dtype=dtype))
+                parts.append(arr.tobytes())
+                count += arr.size
+            batch.clear()
+            writer.write(b"".join(parts))
 
-            for piece, file, line, starts in _documents(p, kind, field):
-                if tokenizer.wants_text:
-                    piece = _decode(piece, file, line)
-                batch.append((piece, starts))
-                size += len(piece)
-                if len(batch) >= _ENCODE_BATCH or size >= PIECE_BYTES:
-                    flush()
-                    size = 0
-            if batch:
+        for piece, file, line, starts in _documents(p, kind, field):
+            writer.read += len(piece)
+            if tokenizer.wants_text:
+                piece = _decode(piece, file, line)
+            batch.append((piece, starts))
+            size += len(piece)
+            if len(batch) >= _ENCODE_BATCH or size >= PIECE_BYTES:
                 flush()
-            writer.flush()
-            os.fsync(f.fileno())
+                size = 0
+        if batch:
+            flush()
         if count == 0:
             what = {"jsonl": "no JSON lines with text", "folder": f"only empty text files ({len(files)})",
                     "text": "no text"}[kind]
             raise DataError(f"--data {path}: {what}; nothing to train on")
-        os.replace(tmp, out)
-        desc_tmp = cache_dir / f".{stem}.json.{os.getpid()}.tmp"
-        desc_tmp.write_text(json.dumps({"tokens": count, "dtype": dtype.name, "source": str(p.resolve()),
-                                        "documents": documents, "tokenizer": tokenizer.name}))
-        os.replace(desc_tmp, desc)
+        writer.commit({"tokens": count, "dtype": dtype.name, "source": str(p.resolve()),
+                       "documents": documents, "tokenizer": tokenizer.name}, desc)
     finally:
-        tmp.unlink(missing_ok=True)
+        writer.discard()
     if log is not None:
         log(f"tokenized {p} ({documents:,} documents, {count:,} tokens, {tokenizer.name}) into {out}")
     tokens = np.memmap(out, dtype=dtype, mode="r")
@@ -438,6 +573,14 @@ def open_source(path, tokenizer, *, dtype=None, vocab: int | None = None,
         field: the JSONL text field.
         log: progress lines (a cache being built).
     """
+    try:
+        return _open_source(path, tokenizer, dtype, vocab, vocab_name, cache_dir, field, log)
+    except OSError as e:  # reading the corpus (the cache's writes are DataErrors already)
+        raise DataError(f"--data {path}: cannot read {e.filename or path}: "
+                        f"{e.strerror or e}") from None
+
+
+def _open_source(path, tokenizer, dtype, vocab, vocab_name, cache_dir, field, log) -> TokenSource:
     p = _exists(path)
     kind = data_kind(p)
     if kind == "tokens":
@@ -452,6 +595,7 @@ def open_source(path, tokenizer, *, dtype=None, vocab: int | None = None,
         raise DataError(f"--data-dtype {dtype} applies to a *.bin of token ids; --data {path} is "
                         f"{'a folder' if kind == 'folder' else 'JSONL' if kind == 'jsonl' else 'text'}")
     if kind == "text" and isinstance(tokenizer, ByteTokenizer):
+        check_text(p)
         tokens = np.memmap(p, dtype=np.uint8, mode="r")   # the bytes are the ids
         return TokenSource(tokens, f"{p} ({tokens.size:,} bytes, byte-level)", 256, p)
     return tokenize_to_cache(p, tokenizer, cache_dir, field, log)
