@@ -3,9 +3,14 @@
 #include <atomic>
 #include <memory>
 #include <mutex>
+#include <thread>
 #include <utility>
 
 #include "hooks/torch_cuda_allocator.h"
+
+#if defined(TIDAL_WITH_CUDA)
+#include <cuda_runtime_api.h>
+#endif
 #include "runtime/core/error.h"
 #include "runtime/memory/caching_allocator_model.h"
 
@@ -25,10 +30,19 @@ struct Armed {
 
 struct State {
   std::mutex mutex;  // guards armed, counts' strings and the token counter
+  // Held while installing, never by the callback or the tracker: installing
+  // takes torch's allocator locks, and the callback runs under them.
+  std::mutex install_mutex;
   std::shared_ptr<const Armed> armed;
   std::uint64_t next_token = 1;
   std::atomic<int> tracked{-1};
+  // The thread whose allocations may make room (set by the engine's hooks as
+  // they run: forward on the script's thread, backward on autograd's).
+  std::atomic<std::thread::id> room_thread{std::thread::id()};
+  // The largest non-chunk request of the previous window and of this one
+  // (roll_cuda_request_window at each step's end).
   std::atomic<std::size_t> largest{0};
+  std::atomic<std::size_t> largest_before{0};
   std::atomic<std::uint64_t> misses{0}, made_room{0}, bytes_asked{0}, short_of_room{0}, errors{0};
   // CudaAllocatorTotals, written by the tracker under torch's allocator lock.
   std::atomic<std::int64_t> requested{0}, requested_peak{0}, reserved{0}, reserved_peak{0};
@@ -61,6 +75,15 @@ bool make_room_on_miss() {
     armed = s.armed;
   }
   if (armed == nullptr || t_chunk_blocks > 0 || t_making_room) return false;
+  // Only on the thread running the engine's hooks (the scheduler is not
+  // thread-safe), and only for a miss on the engine's device: evicting its
+  // chunks makes no room on another GPU.
+  if (std::this_thread::get_id() != s.room_thread.load(std::memory_order_relaxed)) return false;
+  int device = -1;
+  if (cudaGetDevice(&device) != cudaSuccess || device != armed->ordinal) {
+    (void)cudaGetLastError();
+    return false;
+  }
   s.misses.fetch_add(1, std::memory_order_relaxed);
   t_making_room = true;
   bool freed = false;
@@ -72,7 +95,9 @@ bool make_room_on_miss() {
       use.allocated = static_cast<std::size_t>(stats.allocated_bytes[kAggregate].current);
       use.active = static_cast<std::size_t>(stats.active_bytes[kAggregate].current);
       use.inactive_split = static_cast<std::size_t>(stats.inactive_split_bytes[kAggregate].current);
-      const std::size_t need = room_to_make(use, armed->cap, s.largest.load(std::memory_order_relaxed));
+      const std::size_t largest = std::max(s.largest.load(std::memory_order_relaxed),
+                                           s.largest_before.load(std::memory_order_relaxed));
+      const std::size_t need = room_to_make(use, armed->cap, largest);
       if (need == 0) break;
       if (!armed->maker(need)) {
         s.short_of_room.fetch_add(1, std::memory_order_relaxed);
@@ -146,9 +171,14 @@ constexpr const char* kCallbackKey = "tidal_device_room";
 
 void install() {
   State& s = state();
-  std::lock_guard<std::mutex> lock(s.mutex);
+  std::lock_guard<std::mutex> lock(s.install_mutex);
   if (s.installed) return;
   cca::CUDAAllocator* allocator = find_torch_cuda_allocator();
+  // The free-memory callbacks and the trace tracker are the native caching
+  // allocator's (PYTORCH_CUDA_ALLOC_CONF=backend:cudaMallocAsync has neither).
+  const std::string backend = allocator->name();
+  TIDAL_CHECK_SUPPORTED(backend == "native", "room on a CUDA cache miss needs torch's native caching "
+                        "allocator; this process uses '", backend, "' (PYTORCH_CUDA_ALLOC_CONF backend)");
   using Registry = c10::Registry<std::string, std::unique_ptr<c10::FreeMemoryCallback>>;
   using Accessor = Registry* (*)();
   std::string why;
@@ -161,12 +191,14 @@ void install() {
   Registry* registry = reinterpret_cast<Accessor>(symbol)();
   TIDAL_CHECK_RUNTIME(registry != nullptr, "torch's FreeCudaMemoryCallbacksRegistry is null");
   g_allocator = allocator;
-  // (Registering a key twice ends the process: a second copy of this module
-  // in the process finds its key and uses that copy's callback.)
+  // The tracker first (it may refuse); then the callback, which can do
+  // nothing until an engine arms it. (Registering a key twice ends the
+  // process: a second copy of this module in the process finds its key and
+  // uses that copy's callback.)
+  allocator->attachAllocatorTraceTracker(note_request);
   if (!registry->Has(kCallbackKey)) {
     registry->Register(kCallbackKey, [] { return std::unique_ptr<c10::FreeMemoryCallback>(new RoomCallback); });
   }
-  allocator->attachAllocatorTraceTracker(note_request);
   s.installed = true;
 }
 #endif
@@ -213,6 +245,19 @@ std::uint64_t arm_cuda_room(int ordinal, std::size_t cap, RoomMaker maker) {
   return s.armed->token;
 }
 
+std::uint64_t armed_cuda_room() {
+  State& s = state();
+  std::lock_guard<std::mutex> lock(s.mutex);
+  return s.armed == nullptr ? 0 : s.armed->token;
+}
+
+void set_cuda_room_thread() { state().room_thread.store(std::this_thread::get_id(), std::memory_order_relaxed); }
+
+void roll_cuda_request_window() {
+  State& s = state();
+  s.largest_before.store(s.largest.exchange(0, std::memory_order_relaxed), std::memory_order_relaxed);
+}
+
 void disarm_cuda_room(std::uint64_t token) {
   State& s = state();
   std::lock_guard<std::mutex> lock(s.mutex);
@@ -227,7 +272,8 @@ CudaRoomCounts cuda_room_counts() {
   c.bytes_asked = s.bytes_asked.load(std::memory_order_relaxed);
   c.short_of_room = s.short_of_room.load(std::memory_order_relaxed);
   c.errors = s.errors.load(std::memory_order_relaxed);
-  c.largest_request = s.largest.load(std::memory_order_relaxed);
+  c.largest_request = std::max(s.largest.load(std::memory_order_relaxed),
+                               s.largest_before.load(std::memory_order_relaxed));
   std::lock_guard<std::mutex> lock(s.mutex);
   c.last_error = s.last_error;
   return c;
@@ -253,6 +299,7 @@ void reset_cuda_room_counts() {
   s.short_of_room = 0;
   s.errors = 0;
   s.largest = 0;
+  s.largest_before = 0;
   std::lock_guard<std::mutex> lock(s.mutex);
   s.last_error.clear();
 }

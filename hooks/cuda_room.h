@@ -38,7 +38,8 @@
 //  * never re-entered on a thread (an allocation inside the room maker);
 //  * never throws into torch: an error is kept for the memory report, and
 //    torch goes on to its own out-of-memory path;
-//  * one device: the armed engine's (tidal runs one device per process).
+//  * only for a miss on the armed engine's device (cudaGetDevice: torch
+//    allocates on the current device), on the thread running its hooks.
 #pragma once
 
 #include <cstddef>
@@ -69,6 +70,15 @@ void track_cuda_requests(int ordinal);
 // arming came since.
 std::uint64_t arm_cuda_room(int ordinal, std::size_t cap, RoomMaker maker);
 void disarm_cuda_room(std::uint64_t token);
+// The token of the arming in force, or 0.
+std::uint64_t armed_cuda_room();
+// Misses on this thread may make room from now on (the engine's hooks call
+// it as they run; no other thread touches the scheduler).
+void set_cuda_room_thread();
+// The largest request the room is sized for: this window's and the last's
+// (an engine rolls it at each step's end, so a request outside training,
+// an evaluation or a load, stops counting after a step).
+void roll_cuda_request_window();
 CudaRoomCounts cuda_room_counts();
 void reset_cuda_room_counts();
 

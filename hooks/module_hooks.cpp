@@ -1,5 +1,7 @@
 #include "hooks/module_hooks.h"
 
+#include "hooks/cuda_room.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -130,6 +132,7 @@ void ModuleHooks::check_module(std::size_t module) const {
 
 void ModuleHooks::forward_pre(std::size_t module, bool trace_point) {
   check_module(module);
+  if (cuda_ordinal_ >= 0) set_cuda_room_thread();  // (Note [Room on a cache miss])
   if (trace_point) tracer_->point(PointKind::kForward, static_cast<std::int64_t>(module));
   const std::vector<std::size_t>& params = modules_[module];
   scratch_.clear();
@@ -160,7 +163,7 @@ void ModuleHooks::forward_post(std::size_t module, bool grad_enabled) {
     if (--p.uses == 0 && p.attached) scratch_.push_back(i);
   }
   end_transient(module);
-  if (torch::autograd::get_current_graph_task_id() != -1) {
+  if (torch::autograd::get_current_graph_task_id() != -1 && !PackedRecomputeScope::active()) {
     // Note [A recompute inside backward]: a forward run by backward is an
     // activation checkpoint's recompute. Non-reentrant checkpointing keeps
     // what it recomputes for the segment's backward itself (its own saved-
@@ -170,6 +173,9 @@ void ModuleHooks::forward_post(std::size_t module, bool grad_enabled) {
     // parameters stay attached until their gradient lands (land_gradient) or
     // the backward ends, as backward_pre's do. Detached here, their chunks
     // could move and the views read moved memory: wrong gradients, silently.
+    // (tidal's own recompute keeps such views as (parameter, geometry) through
+    // the engine's pair and rebuilds them when backward reads them: inside a
+    // PackedRecomputeScope the parameters go as after any forward.)
     for (std::size_t i : scratch_) {
       if (std::find(backward_attached_.begin(), backward_attached_.end(), i) == backward_attached_.end()) {
         backward_attached_.push_back(i);
@@ -221,6 +227,7 @@ void ModuleHooks::queue_backward_end() {
 
 void ModuleHooks::backward_pre(std::size_t module) {
   check_module(module);
+  if (cuda_ordinal_ >= 0) set_cuda_room_thread();  // (Note [Room on a cache miss])
   queue_backward_end();
   tracer_->point(PointKind::kBackward, static_cast<std::int64_t>(module));
   scratch_.clear();
@@ -235,6 +242,7 @@ void ModuleHooks::backward_pre(std::size_t module) {
 
 void ModuleHooks::land_gradient(std::size_t param, const at::Tensor& grad) {
   check_param(param);
+  if (cuda_ordinal_ >= 0) set_cuda_room_thread();  // (Note [Room on a cache miss])
   queue_backward_end();
   tracer_->point(PointKind::kGrad, static_cast<std::int64_t>(param));
   c10::NoGradGuard no_grad;
@@ -242,6 +250,17 @@ void ModuleHooks::land_gradient(std::size_t param, const at::Tensor& grad) {
               " got a gradient of layout ", grad.layout(),
               "; tidal's chunk slots hold dense (strided) gradients");
   Param& p = params_[param];
+  // Note [Writes to a parameter]: a write the slot held (made in the forward,
+  // or before a loss.backward()) and nobody carried is overwritten now.
+  // engine.backward() carries them first; here it can only be named.
+  if (p.attached && !p.served && version_of(p.param) != p.version_attached) {
+    p.lost = true;
+    p.version_attached = version_of(p.param);
+  }
+  if (p.written) {
+    p.written = false;
+    p.lost = true;
+  }
   // (A landed parameter that is attached is served: its slot holds the
   // gradient, Note [Weights while gradients wait].)
   if (p.attached && !p.landed) {
@@ -722,6 +741,19 @@ void ModuleHooks::detach_now(const std::vector<std::size_t>& params, TensorState
   rebalance_dtr();
 }
 
+namespace {
+thread_local int t_packed_recompute = 0;
+}  // namespace
+
+PackedRecomputeScope::PackedRecomputeScope() { ++t_packed_recompute; }
+PackedRecomputeScope::~PackedRecomputeScope() { --t_packed_recompute; }
+bool PackedRecomputeScope::active() { return t_packed_recompute > 0; }
+void PackedRecomputeScope::enter() { ++t_packed_recompute; }
+void PackedRecomputeScope::exit() {
+  TIDAL_INTERNAL_ASSERT(t_packed_recompute > 0, "PackedRecomputeScope::exit without enter");
+  --t_packed_recompute;
+}
+
 // Note [Writes to a parameter]
 // ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 // Scripts write parameters outside forward: EMA weights, weight clipping,
@@ -781,6 +813,20 @@ ModuleHooks::ParamWrites ModuleHooks::take_param_writes() {
     p.written = p.lost = false;
   }
   return out;
+}
+
+void ModuleHooks::sync_param_writes(const std::vector<std::size_t>& params) {
+  for (std::size_t i : params) {
+    check_param(i);
+    Param& p = params_[i];
+    const std::uint32_t version = version_of(p.param);
+    if (p.attached) {
+      p.version_attached = version;
+    } else {
+      p.version_detached = version;
+    }
+    p.written = p.lost = false;
+  }
 }
 
 void ModuleHooks::sync_param_writes() {

@@ -120,6 +120,21 @@
 
 namespace tidal::hooks {
 
+// On this thread, a recompute that packs what it saves through the engine's
+// saved-tensor pair (tidal.recompute under an engine): its forward lets the
+// parameters go as any forward does (Note [A recompute inside backward] in
+// module_hooks.cpp). enter()/exit() for Python's context manager.
+class PackedRecomputeScope {
+ public:
+  PackedRecomputeScope();
+  ~PackedRecomputeScope();
+  PackedRecomputeScope(const PackedRecomputeScope&) = delete;
+  PackedRecomputeScope& operator=(const PackedRecomputeScope&) = delete;
+  static bool active();
+  static void enter();
+  static void exit();
+};
+
 class ModuleHooks : public dtr::ChunkArbiter, public std::enable_shared_from_this<ModuleHooks> {
  public:
   // None of the three is owned; set_chunks replaces the first two.
@@ -252,6 +267,7 @@ class ModuleHooks : public dtr::ChunkArbiter, public std::enable_shared_from_thi
   // The parameters' current versions count as seen (torch's own copy into
   // the placeholders in load_state_dict, after the engine wrote the chunks).
   void sync_param_writes();
+  void sync_param_writes(const std::vector<std::size_t>& params);
   // Attached to a weight made from its master (Note [Weights while gradients wait]).
   bool served(std::size_t param) const { return params_.at(param).served; }
   // The hooked modules whose forward is running, innermost last.

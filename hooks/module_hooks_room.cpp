@@ -60,7 +60,11 @@ void ModuleHooks::set_device_room_maker(bool on) {
     return hooks != nullptr && hooks->free_device_room(bytes);
   };
   if (cuda_ordinal_ >= 0) {
-    if (cuda_room_token_ == 0) cuda_room_token_ = arm_cuda_room(cuda_ordinal_, cuda_cap_, std::move(maker));
+    // (Re-armed when another engine armed since: its maker must not run for us.)
+    if (cuda_room_token_ == 0 || armed_cuda_room() != cuda_room_token_) {
+      cuda_room_token_ = arm_cuda_room(cuda_ordinal_, cuda_cap_, std::move(maker));
+    }
+    set_cuda_room_thread();
   } else {
     set_host_allocation_room_maker(std::move(maker), std::this_thread::get_id());
   }

@@ -41,7 +41,7 @@ class HostCounterMeter final : public NonChunkMeter {
       // Note [Who owns a device byte]: the whole budget, in reserved bytes, as
       // torch's cap on a GPU; the margin stays the allocator's room.
       limit.reserved_cap =
-          std::max<std::int64_t>(0, device_budget_ - static_cast<std::int64_t>(chunk_bytes) + reserved_baseline_);
+          std::max<std::int64_t>(0, device_budget_ - static_cast<std::int64_t>(chunk_bytes) + reserved_baseline());
     }
     set_host_allocation_limit(limit);
   }
@@ -51,7 +51,7 @@ class HostCounterMeter final : public NonChunkMeter {
   }
   std::size_t device_reserved_peak() override {
     if (!caching_) return 0;
-    return above(host_allocation_model_use().device_reserved_peak, reserved_baseline_);
+    return above(host_allocation_model_use().device_reserved_peak, reserved_baseline());
   }
   std::pair<std::size_t, std::size_t> read() override {
     const std::int64_t base = baseline();
@@ -59,7 +59,7 @@ class HostCounterMeter final : public NonChunkMeter {
     std::size_t now = above(c.live_bytes, base);
     if (caching_) {
       // What the model cannot give back is not room for chunks.
-      now = std::max(now, above(host_allocation_model_use().stuck, reserved_baseline_));
+      now = std::max(now, above(host_allocation_model_use().stuck, reserved_baseline()));
     }
     return {now, above(c.peak_bytes, base)};
   }
@@ -72,6 +72,15 @@ class HostCounterMeter final : public NonChunkMeter {
   // Note [A meter's baseline].
   std::int64_t baseline() const {
     return std::max<std::int64_t>(0, baseline_at_open_ - host_allocation_baseline_freed(baseline_id_));
+  }
+
+  // What the model held for the baseline's tensors, in the share of them still
+  // alive (exact when all or none are; the segments they leave go back to the
+  // model's cache, which the cap then counts against the budget).
+  std::int64_t reserved_baseline() const {
+    if (baseline_at_open_ <= 0 || reserved_baseline_ <= 0) return 0;
+    const double alive = static_cast<double>(baseline()) / static_cast<double>(baseline_at_open_);
+    return static_cast<std::int64_t>(static_cast<double>(reserved_baseline_) * std::min(1.0, alive));
   }
 
   std::uint64_t baseline_id_;

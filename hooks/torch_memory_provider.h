@@ -36,9 +36,10 @@
 // * the budget now counts all of it: chunk blocks are in torch's allocated and
 //   reserved bytes, so torch's stats are the device's whole use by torch and
 //   tidal. The engine subtracts the bytes this provider holds to get the
-//   non-chunk memory; held_bytes() is what torch counted for them (the change
-//   of torch's allocated bytes across each call, so torch's rounding is
-//   included).
+//   non-chunk memory; held_bytes() is what the source counted for them (the
+//   change of its live bytes across each call: on a GPU the bytes requested,
+//   as torch's trace tracker reports them, so without torch's 512-byte
+//   rounding; the reserved bytes, which the budget is held in, include it).
 //
 // Measuring non-chunk peaks exactly. The source keeps one peak of the bytes
 // live (chunks included). Between two chunk-block calls the bytes this

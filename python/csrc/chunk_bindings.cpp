@@ -270,8 +270,16 @@ may wait for a chunk copy release the GIL.)doc")
            "the 16-bit slot holds, (index, tensor) set as a parameter's data (the parameter put "
            "back), and indexes whose writes nothing holds (Note [Writes to a parameter] in "
            "hooks/module_hooks.cpp).")
-      .def("sync_param_writes", [](Hooks& h) { h.get().sync_param_writes(); },
-           "The parameters' versions now count as seen.")
+      .def("sync_param_writes",
+           [](Hooks& h, std::optional<std::vector<Index>> params) {
+             if (params) {
+               h.get().sync_param_writes(std::vector<std::size_t>(params->begin(), params->end()));
+             } else {
+               h.get().sync_param_writes();
+             }
+           },
+           py::arg("params") = py::none(),
+           "The versions of `params` (None: all) now count as seen.")
       .def("set_engine_backward", [](Hooks& h, bool on) { h.get().set_engine_backward(on); },
            py::arg("running"))
       .def("set_raw_backward", [](Hooks& h, std::string refusal) { h.get().set_raw_backward(std::move(refusal)); },
@@ -628,6 +636,10 @@ Python thread drives a Chunks object.)doc");
     d["failures"] = u.failures;
     return d;
   }, "The simulated device's caching allocator model (Note [Who owns a device byte]).");
+  m.def("enter_packed_recompute", &hooks::PackedRecomputeScope::enter,
+        "tidal.recompute's replay on this thread packs parameter views through the engine's pair "
+        "(Note [A recompute inside backward] in hooks/module_hooks.cpp).");
+  m.def("exit_packed_recompute", &hooks::PackedRecomputeScope::exit);
   m.def("cuda_room_counts", [] {
     const hooks::CudaRoomCounts c = hooks::cuda_room_counts();
     py::dict d;
@@ -641,6 +653,8 @@ Python thread drives a Chunks object.)doc");
     return d;
   }, "What the room maker on torch's cache misses did (Note [Room on a cache miss] in hooks/cuda_room.h).");
   m.def("reset_cuda_room_counts", &hooks::reset_cuda_room_counts);
+  m.def("roll_cuda_request_window", &hooks::roll_cuda_request_window,
+        "A step ended: the room made on a miss is sized by this step's and the last step's requests.");
   // Tensor.untyped_storage() makes a Python storage object, which PyTorch
   // then keeps alive with the StorageImpl: one more owner per storage ever
   // looked at, which breaks DTR's "no user reference" test (use_count() == 1).

@@ -588,6 +588,9 @@ class Engine(ExternalMixin, StateDictMixin, HookWiringMixin, DataParallelMixin, 
                              f"{type(loss).__name__} {getattr(loss, 'shape', '')}")
         self._dp_check()
         self._settle_raw_backward()
+        # A write since the forward began (nn.Embedding's max_norm, a clamp in a
+        # hook) goes into the master before the gradients take the slots.
+        self._settle_outside(end_reads=False)
         if not self._accumulating:
             landed = self._hooks.landed_params()
             if landed:
@@ -875,7 +878,7 @@ class Engine(ExternalMixin, StateDictMixin, HookWiringMixin, DataParallelMixin, 
         """Restores a save_checkpoint(); tag None reads <load_dir>/latest.
         Returns (path, client_state), as DeepSpeed's."""
         self._settle_overlap()
-        self._settle_outside(discard=True)
+        self._settle_outside()
         with self.dtr.weights_change(), _dtr.outside():
             result = _checkpoint.load_checkpoint(self, load_dir, tag, load_optimizer_states,
                                                  load_lr_scheduler_states)
@@ -892,7 +895,7 @@ class Engine(ExternalMixin, StateDictMixin, HookWiringMixin, DataParallelMixin, 
     def load_state_dict(self, state_dict, strict: bool = True):
         """Loads weights (fp32 master and 16-bit copy); Adam state is kept."""
         self._settle_overlap()
-        self._settle_outside(discard=True)
+        self._settle_outside()
         with self.dtr.weights_change(), _dtr.outside():
             result = _checkpoint.load_state_dict(self, state_dict, strict)
         self._hooks.sync_param_writes()  # (the load wrote the chunks, not the parameters)
@@ -901,7 +904,7 @@ class Engine(ExternalMixin, StateDictMixin, HookWiringMixin, DataParallelMixin, 
     def load_pretrained(self, path, strict: bool = True):
         """Loads Hugging Face save_pretrained weights, tensor by tensor."""
         self._settle_overlap()
-        self._settle_outside(discard=True)
+        self._settle_outside()
         with self.dtr.weights_change(), _dtr.outside():
             result = _checkpoint.load_pretrained(self, path, strict)
         self._hooks.sync_param_writes()  # (the load wrote the chunks, not the parameters)

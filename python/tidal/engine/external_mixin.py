@@ -7,16 +7,30 @@ from __future__ import annotations
 
 
 
+import sys
+
 import torch
 
 from .. import dtr as _dtr
-from . import checkpoint as _checkpoint
 from . import external as _external
 from .errors import UnsupportedModelError, UsageError
 from .loss_scaler import StaticLossScaler
 from .store import HOLD, PARAM16, PARAM32, uncounted
 
 from .common import OutOfMemoryError
+
+
+_APPLY = torch.nn.Module.apply.__code__
+
+
+def _inside_module_apply() -> bool:
+    """Whether nn.Module.apply is on this thread's Python stack."""
+    f = sys._getframe(2)
+    while f is not None:
+        if f.f_code is _APPLY:
+            return True
+        f = f.f_back
+    return False
 
 
 class ExternalMixin:
@@ -42,7 +56,9 @@ class ExternalMixin:
             with _dtr.outside():
                 hooks.read_param(i, learn)
         except OutOfMemoryError as e:
-            if running or not self._room_for_outside_read(i):
+            # (Only under model.apply(fn), which reads module by module: elsewhere
+            # a parameter the script holds would turn empty behind its back.)
+            if running or not _inside_module_apply() or not self._room_for_outside_read(i):
                 self._attach_failed(e, module, [record], lambda: hooks.read_param(i, learn))
         if not running:
             self._outside_reads.append(i)
@@ -71,57 +87,69 @@ class ExternalMixin:
         return False
 
     # ------------------------------------------------ writes between steps
-    def _settle_outside(self, discard: bool = False):
+    def _settle_outside(self, end_reads: bool = True):
         """Where the engine takes the weights back (a forward's start, the step,
-        state_dict and saving): what user code wrote to the parameters since
-        goes into the chunks, a write nothing holds is a UsageError naming the
-        parameter, and the parameters read outside a forward go back to their
-        chunks (Note [Writes to a parameter] in hooks/module_hooks.cpp).
-        discard: the writes are overwritten anyway (a load follows)."""
+        state_dict, saving and loading) and before a backward overwrites the
+        16-bit slots with gradients: what user code wrote to the parameters
+        since goes into the chunks, and a write nothing holds is a UsageError
+        naming the parameter, raised after every write that could be kept was
+        (Note [Writes to a parameter] in hooks/module_hooks.cpp). end_reads:
+        the parameters read outside a forward go back to their chunks (not
+        before a backward: the graph may hold views of them)."""
         hooks = self._hooks
-        written, assigned, lost = hooks.take_param_writes()
-        if lost and not discard:
-            with _dtr.outside():
-                hooks.end_backward()
-            self._outside_reads.clear()
-            raise UsageError(self._lost_writes_message(lost))
-        # Attached by a read outside a forward: a write through `p.data`
-        # bumps no version, so their slots are compared with the masters.
-        attached = [] if discard else [i for i in range(len(self._record_list))
-                                       if hooks.attached(i) and not hooks.served(i)]
-        with _dtr.outside():
-            hooks.end_backward()
-        self._outside_reads.clear()
-        if discard:
-            return
         records = self._record_list
-        for i in sorted(set(written) | set(attached)):
-            self._carry_slot(records[i])
+        written, assigned, lost = hooks.take_param_writes()
+        lost = set(lost)
+        # Brought in by a read outside a forward: a write through `p.data`
+        # bumps no version, so their 16-bit values are compared with the masters.
+        reads = [i for i in range(len(records)) if hooks.attached(i) and not hooks.served(i)] \
+            if end_reads else []
+        for i in sorted(set(written) | set(reads)):
+            if hooks.landed(i):
+                if i in written:
+                    lost.add(i)  # (the slot holds the gradient now)
+                continue
+            self._carry_slot(records[i], records[i].param.detach() if hooks.attached(i) else None)
+        problems = []
         for i, value in assigned:
             r = records[i]
             if list(value.shape) != list(r.shape):
-                raise UsageError(
-                    f"'{r.name}'.data was set to a tensor of shape {tuple(value.shape)}; the "
-                    f"parameter has shape {tuple(r.shape)}. tidal keeps a parameter's shape; the "
-                    f"value was not taken (the parameter keeps its previous one)")
+                problems.append(
+                    f"'{r.name}'.data was set to a tensor of shape {tuple(value.shape)}; the parameter "
+                    f"has shape {tuple(r.shape)}. tidal keeps a parameter's shape; the value was not "
+                    f"taken (the parameter keeps its previous one)")
+                continue
+            if hooks.landed(i):
+                lost.add(i)
+                continue
+            self._write_value(r, value, attached=hooks.attached(i))
+        if end_reads:
             with _dtr.outside():
-                _checkpoint._write_param(self, r, value)
+                hooks.end_backward()
+            self._outside_reads.clear()
+        if lost:
+            problems.insert(0, self._lost_writes_message(sorted(lost)))
+        if problems:
+            raise UsageError("; ".join(problems))
 
-    def _carry_slot(self, record):
-        """The 16-bit slot of `record` holds a value user code wrote: the fp32
-        master takes it where the two differ (elsewhere it keeps its own bits,
-        which the slot holds rounded)."""
+    def _carry_slot(self, record, value=None):
+        """The 16-bit value of `record` (`value`, the attached parameter's; else
+        its slot) holds what user code wrote: the fp32 master takes it where
+        the two differ (elsewhere it keeps its own bits, which the 16-bit copy
+        holds rounded)."""
         if not (record.trainable and self.store.owns(record)):
             return  # (no master here: the slot is the value)
         c = self.chunks
         # Both where they are: another tensor of the slot's chunk may be in use.
         where = lambda kind: c.chunk_space(record.chunk, kind)  # noqa: E731
         with torch.no_grad(), uncounted(), _dtr.outside():
-            slot = c.access(record.id, PARAM16, where(PARAM16), [record.numel])
-            try:
-                value = slot.clone()
-            finally:
-                c.release(record.id, PARAM16, HOLD)
+            if value is None:
+                slot = c.access(record.id, PARAM16, where(PARAM16), [record.numel])
+                try:
+                    value = slot.clone()
+                finally:
+                    c.release(record.id, PARAM16, HOLD)
+            value = value.reshape(-1)
             master = c.access(record.id, PARAM32, where(PARAM32), [record.numel])
             try:
                 value = value.to(master.device)
@@ -130,6 +158,28 @@ class ExternalMixin:
                     master[changed] = value[changed].to(master.dtype)
             finally:
                 c.release(record.id, PARAM32, HOLD)
+
+    def _write_value(self, record, value, attached: bool):
+        """`p.data = value`: the 16-bit copy (through the attached parameter,
+        whose data is its slot again) and the fp32 master take `value`."""
+        c = self.chunks
+        where = lambda kind: c.chunk_space(record.chunk, kind)  # noqa: E731
+        flat = value.detach().reshape(-1)
+        with torch.no_grad(), uncounted(), _dtr.outside():
+            if attached:
+                record.param.data.copy_(value.detach().reshape(record.shape))
+            else:
+                slot = c.access(record.id, PARAM16, where(PARAM16), [record.numel])
+                try:
+                    slot.copy_(flat)
+                finally:
+                    c.release(record.id, PARAM16, HOLD)
+            if record.trainable and self.store.owns(record):
+                master = c.access(record.id, PARAM32, where(PARAM32), [record.numel])
+                try:
+                    master.copy_(flat)
+                finally:
+                    c.release(record.id, PARAM32, HOLD)
 
     def _lost_writes_message(self, lost) -> str:
         names = [self._record_list[i].name for i in lost]
@@ -143,10 +193,10 @@ class ExternalMixin:
                 f"training would go on without it. Ways that keep it: write through the module's "
                 f"attribute, which brings the parameter in (under torch.no_grad(): "
                 f"{path}.mul_(...), torch.nn.init.zeros_({path}), model.apply(init_fn) that uses "
-                f"module.weight); set {path}.data = new_tensor; use tidal.deepspeed.zero."
-                f"GatheredParameters([...], modifier_rank=0); or load values with "
-                f"model.load_state_dict(...). Between backward and step, write after engine.step(). "
-                f"The parameters keep their previous values")
+                f"module.weight); set {path}.data = new_tensor; or load values with "
+                f"model.load_state_dict(...). Between backward and step, write after engine.step(); "
+                f"a write during a forward, with engine.backward(loss) rather than loss.backward(). "
+                f"These parameters keep their previous values (docs/parameters.md)")
 
     # ------------------------------------------------ loss.backward() itself
     def _raw_backward_refusal(self) -> str:

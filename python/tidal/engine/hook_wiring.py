@@ -62,6 +62,8 @@ class HookWiringMixin:
     def _end_trace_step(self):
         self._tracer.end_step()
         self.dtr.rebalance()
+        if self._cuda_room:
+            _C.chunks.roll_cuda_request_window()
 
     # ----------------------------------------------------------------- hooks
     # Each hook is one call into hooks/module_hooks.h (Note [One call per

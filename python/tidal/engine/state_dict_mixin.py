@@ -75,7 +75,7 @@ class StateDictMixin:
         """model.load_state_dict(): a module's parameters are written into the
         chunks (fp32 master and 16-bit copy); the entry given to torch's own
         copy becomes an empty tensor, which fits the empty placeholder."""
-        self._settle_between_steps(discard=True)
+        self._settle_between_steps()
         for pname, i in names.items():
             key = prefix + pname
             if key not in state:
@@ -99,11 +99,11 @@ class StateDictMixin:
                 _checkpoint._write_param(self, record, value)
             state[key] = value.new_empty(0)
 
-    def _settle_between_steps(self, discard: bool = False):
+    def _settle_between_steps(self):
         """_settle_outside() where no forward or backward is running (a
         state_dict inside one reads the parameters as they are)."""
         if not self._hooks.running() and torch._C._current_graph_task_id() == -1:
-            self._settle_outside(discard)
+            self._settle_outside()
 
     def _group_state(self) -> list:
         """The parameter groups as a checkpoint keeps them (Note [Parameter groups])."""

@@ -40,6 +40,20 @@ def _recompute_guard() -> Iterator[None]:
         _tls.recomputing -= 1
 
 
+@contextlib.contextmanager
+def _packed_recompute() -> Iterator[None]:
+    """Under an engine: this replay keeps parameter views as (parameter,
+    geometry) (plan.parameter_aliases), so the engine lets the parameters go
+    after the replay's forward (Note [A recompute inside backward] in
+    hooks/module_hooks.cpp)."""
+    from .. import _C
+    _C.chunks.enter_packed_recompute()
+    try:
+        yield
+    finally:
+        _C.chunks.exit_packed_recompute()
+
+
 _CHAIN = object()  # stands for the previous block's output in a recorded call
 
 
@@ -221,6 +235,8 @@ class _Run:
         plan._trace("recompute_begin", self)
         with contextlib.ExitStack() as stack:
             stack.enter_context(_recompute_guard())
+            if aliases is not None:
+                stack.enter_context(_packed_recompute())
             stack.enter_context(torch.enable_grad())
             if self.rng is not None:
                 cpu, cuda = self.rng
