@@ -8,6 +8,7 @@ from __future__ import annotations
 
 
 import sys
+import weakref
 
 import torch
 
@@ -62,7 +63,31 @@ class ExternalMixin:
                 self._attach_failed(e, module, [record], lambda: hooks.read_param(i, learn))
         if not running:
             self._outside_reads.append(i)
+        elif not learn:
+            self._attach_for_this_backward(record)
         self.dtr.rebalance()
+
+    def _attach_for_this_backward(self, record):
+        """A read the engine learns only for the next forward: in this step's
+        backward no module's backward hook brings the parameter in, and
+        autograd would accumulate its gradient against the empty placeholder
+        (torch's "size of tensor a (0) must match" for a parameter used only
+        through expand or view: Reformer's axial position embeddings). A
+        one-time hook on the parameter attaches it before its gradient
+        accumulates."""
+        ref = weakref.ref(self)
+        handle = None
+
+        def attach(grad):
+            engine = ref()
+            if handle is not None:
+                handle.remove()
+            if engine is not None and not engine._hooks.attached(engine._record_index[id(record)]):
+                engine._attach([record], None, for_backward=True)
+            return grad
+
+        if record.trainable:
+            handle = record.param.register_hook(attach)
 
     def _room_for_outside_read(self, i: int) -> bool:
         """A read outside a forward found no device room: the parameters read

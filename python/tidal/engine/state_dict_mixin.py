@@ -37,10 +37,12 @@ class StateDictMixin:
             def loaded(module, incompatible):
                 # torch copied the emptied entries into the placeholders after
                 # the engine wrote the chunks: no user write (Note [Writes to a
-                # parameter] in hooks/module_hooks.cpp).
+                # parameter] in hooks/module_hooks.cpp). The root's hook runs last.
                 engine = ref()
                 if engine is not None:
                     engine._hooks.sync_param_writes()
+                    if module is engine.module:
+                        engine._loading_state = False
             self._handles.append(m.register_state_dict_post_hook(save))
             self._handles.append(m.register_load_state_dict_pre_hook(load))
             self._handles.append(m.register_load_state_dict_post_hook(loaded))
@@ -75,7 +77,12 @@ class StateDictMixin:
         """model.load_state_dict(): a module's parameters are written into the
         chunks (fp32 master and 16-bit copy); the entry given to torch's own
         copy becomes an empty tensor, which fits the empty placeholder."""
-        self._settle_between_steps()
+        # The writes made before this load go in once, at its first module:
+        # the copies torch makes into the placeholders of the modules loaded
+        # so far are the load's own, not writes (the root's post-hook syncs).
+        if not getattr(self, "_loading_state", False):
+            self._settle_between_steps()
+            self._loading_state = True
         for pname, i in names.items():
             key = prefix + pname
             if key not in state:
