@@ -29,11 +29,16 @@ class CountingAllocator final : public c10::Allocator {
     // Note [tidal's own host allocations]: not the device's.
     const bool counting = enabled_.load(std::memory_order_relaxed) && !uncounted_now();
     CachingAllocatorModel::Handle handle = 0;
+    std::uint64_t sequence = 0;
     if (counting) {
       // The exact limit, where an engine set one; then the model, while one
       // is on (it enforces only under a reserved cap).
       check_limit(bytes);
-      if (model_users_.load(std::memory_order_relaxed) > 0) handle = place_in_model(bytes);
+      {
+        std::lock_guard<std::mutex> lock(mutex_);
+        sequence = ++sequence_;
+      }
+      if (model_users_.load(std::memory_order_relaxed) > 0) handle = place_in_model(bytes, sequence);
     }
     c10::DataPtr inner;
     try {
@@ -49,12 +54,17 @@ class CountingAllocator final : public c10::Allocator {
     }
     void* data = inner.release_context();
     const c10::Device device = inner.device();
+    const auto n = static_cast<std::int64_t>(bytes);
+    std::int64_t live = 0;
     {
       std::lock_guard<std::mutex> lock(mutex_);
-      sizes_[data] = Counted{static_cast<std::int64_t>(bytes), handle, ++sequence_};
+      sizes_[data] = Counted{n, handle, sequence};
+      live = live_.fetch_add(n, std::memory_order_relaxed) + n;
+      // Note [A meter's baseline]: each baseline's own peak.
+      for (auto& [opened, baseline] : baselines_) {
+        baseline.peak_own = std::max(baseline.peak_own, live + baseline.freed);
+      }
     }
-    const auto n = static_cast<std::int64_t>(bytes);
-    const std::int64_t live = live_.fetch_add(n, std::memory_order_relaxed) + n;
     allocations_.fetch_add(1, std::memory_order_relaxed);
     std::int64_t peak = peak_.load(std::memory_order_relaxed);
     while (live > peak && !peak_.compare_exchange_weak(peak, live, std::memory_order_relaxed)) {
@@ -113,6 +123,42 @@ class CountingAllocator final : public c10::Allocator {
     }
   }
 
+  // Note [A meter's baseline]: a block of a baseline left the model; what
+  // the baseline keeps reserved is walked again when next asked, and a
+  // reserved cap counting it falls with it.
+  void forget_baseline_block(std::uint64_t sequence) {
+    std::lock_guard<std::recursive_mutex> model_lock(model_mutex_);  // (before mutex_, always)
+    std::int64_t cap = -1;
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      for (auto& [opened, baseline] : baselines_) {
+        if (sequence <= opened) baseline.reserved = -1;
+      }
+      if (model_ == nullptr || limit_info_.reserved_cap < 0 || sequence > limit_info_.baseline_id) return;
+      const auto held = static_cast<std::int64_t>(model_->reserved_holding_tags_up_to(limit_info_.baseline_id));
+      limit_info_.reserved_cap =
+          std::max<std::int64_t>(0, limit_info_.reserved_cap - limit_info_.reserved_baseline + held);
+      limit_info_.reserved_baseline = held;
+      cap = limit_info_.reserved_cap;
+    }
+    if (static_cast<std::int64_t>(model_->use().reserved) > cap) model_->release_cached();
+  }
+
+  // Note [A meter's baseline]: an allocation of the limit's baseline died;
+  // the limit's baseline falls with it, so the engine's bytes keep their room
+  // and no more.
+  void leave_limit_baseline(std::uint64_t sequence, std::int64_t bytes) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    const bool limited = limit_info_.limit >= 0 || limit_info_.reserved_cap >= 0;
+    if (!limited || sequence == 0 || sequence > limit_info_.baseline_id) return;
+    limit_info_.baseline -= bytes;
+    if (limit_info_.limit >= 0) {
+      limit_info_.limit -= bytes;
+      if (limit_info_.reserved_cap < 0) limit_.store(limit_info_.limit, std::memory_order_relaxed);
+    }
+    offset_.store(limit_info_.chunk_bytes - limit_info_.baseline, std::memory_order_relaxed);
+  }
+
   HostAllocationModelUse model_use() {
     std::lock_guard<std::recursive_mutex> model_lock(model_mutex_);
     HostAllocationModelUse u;
@@ -143,8 +189,11 @@ class CountingAllocator final : public c10::Allocator {
             allocations_.load(std::memory_order_relaxed), device_peak_.load(std::memory_order_relaxed)};
   }
   void reset_peak() {
-    peak_.store(live_.load(std::memory_order_relaxed), std::memory_order_relaxed);
+    std::lock_guard<std::mutex> lock(mutex_);
+    const std::int64_t live = live_.load(std::memory_order_relaxed);
+    peak_.store(live, std::memory_order_relaxed);
     allocations_.store(0, std::memory_order_relaxed);
+    for (auto& [opened, baseline] : baselines_) baseline.peak_own = live + baseline.freed;
   }
 
  private:
@@ -162,7 +211,7 @@ class CountingAllocator final : public c10::Allocator {
 
   // Note [Who owns a device byte]: the allocation placed as torch would place
   // it, under the reserved cap, room made on a miss; else OutOfMemoryError.
-  CachingAllocatorModel::Handle place_in_model(std::size_t bytes) {
+  CachingAllocatorModel::Handle place_in_model(std::size_t bytes, std::uint64_t sequence) {
     std::lock_guard<std::recursive_mutex> model_lock(model_mutex_);
     if (model_ == nullptr) model_ = std::make_unique<CachingAllocatorModel>();
     auto cap = [this]() -> std::size_t {
@@ -198,7 +247,7 @@ class CountingAllocator final : public c10::Allocator {
       making_room_ = false;
       return any;
     };
-    const CachingAllocatorModel::Handle handle = model_->allocate(bytes, cap, on_miss);
+    const CachingAllocatorModel::Handle handle = model_->allocate(bytes, cap, on_miss, sequence);
     if (handle == 0) {
       ++model_failures_;
       HostAllocationLimit info;
@@ -300,6 +349,12 @@ class CountingAllocator final : public c10::Allocator {
   std::uint64_t sequence_ = 0;
   struct Baseline {
     std::int64_t freed = 0;
+    // The max of live bytes + freed since the last peak reset: the peak of
+    // what is not the baseline's, plus the baseline at opening.
+    std::int64_t peak_own = 0;
+    // What the model keeps reserved for the baseline's live blocks; < 0:
+    // to be walked again (one of them was freed).
+    std::int64_t reserved = -1;
     int meters = 0;  // (meters opened at the same sequence share one)
   };
   std::unordered_map<std::uint64_t, Baseline> baselines_;
@@ -307,13 +362,20 @@ class CountingAllocator final : public c10::Allocator {
  public:
   std::uint64_t open_baseline() {
     std::lock_guard<std::mutex> lock(mutex_);
-    ++baselines_[sequence_].meters;
+    Baseline& b = baselines_[sequence_];
+    if (b.meters++ == 0) b.peak_own = live_.load(std::memory_order_relaxed);
     return sequence_;
   }
-  std::int64_t baseline_freed(std::uint64_t id) {
+  HostAllocationBaseline baseline(std::uint64_t id) {
+    std::lock_guard<std::recursive_mutex> model_lock(model_mutex_);  // (before mutex_, always)
     std::lock_guard<std::mutex> lock(mutex_);
     const auto it = baselines_.find(id);
-    return it == baselines_.end() ? 0 : it->second.freed;
+    if (it == baselines_.end()) return {};
+    Baseline& b = it->second;
+    if (b.reserved < 0) {
+      b.reserved = model_ == nullptr ? 0 : static_cast<std::int64_t>(model_->reserved_holding_tags_up_to(id));
+    }
+    return {b.freed, b.peak_own, b.reserved};
   }
   void close_baseline(std::uint64_t id) {
     std::lock_guard<std::mutex> lock(mutex_);
@@ -357,10 +419,14 @@ void CountingAllocator::release(void* data) {
       for (auto& [opened, baseline] : self.baselines_) {
         if (counted.sequence <= opened) baseline.freed += counted.bytes;
       }
+      self.live_.fetch_sub(counted.bytes, std::memory_order_relaxed);
     }
   }
-  if (counted.handle != 0) self.free_in_model(counted.handle);
-  self.live_.fetch_sub(counted.bytes, std::memory_order_relaxed);
+  if (counted.handle != 0) {
+    self.free_in_model(counted.handle);
+    self.forget_baseline_block(counted.sequence);
+  }
+  if (counted.bytes != 0) self.leave_limit_baseline(counted.sequence, counted.bytes);
   self.base_free_(data);
 }
 
@@ -377,7 +443,7 @@ void set_host_allocation_room_maker(RoomMaker maker, std::thread::id thread) {
 }
 void set_host_allocation_model(bool on) { counter().set_model(on); }
 std::uint64_t open_host_allocation_baseline() { return counter().open_baseline(); }
-std::int64_t host_allocation_baseline_freed(std::uint64_t id) { return counter().baseline_freed(id); }
+HostAllocationBaseline host_allocation_baseline(std::uint64_t id) { return counter().baseline(id); }
 void close_host_allocation_baseline(std::uint64_t id) { counter().close_baseline(id); }
 HostAllocationModelUse host_allocation_model_use() { return counter().model_use(); }
 void reset_host_allocation_reserved_peak() { counter().reset_reserved_peak(); }

@@ -60,6 +60,12 @@ struct HostAllocationLimit {
   // plus what it held when the engine's meter was made); < 0: none. Replaces
   // `limit`, which is then ignored.
   std::int64_t reserved_cap = -1;
+  // Note [A meter's baseline]: the allocations counted up to this sequence
+  // number are the baseline's (0: none); as they die, `limit` and `baseline`
+  // fall by their bytes, and `reserved_cap` by what the model stops
+  // reserving for them (`reserved_baseline`, which the cap includes).
+  std::uint64_t baseline_id = 0;
+  std::int64_t reserved_baseline = 0;
 };
 void set_host_allocation_limit(const HostAllocationLimit& limit);
 
@@ -105,8 +111,18 @@ void set_host_allocation_room_maker(RoomMaker maker, std::thread::id thread);
 // was too small, by chance of collection. So a meter opens a baseline: from
 // then on the counter adds up, for it, the bytes freed of allocations counted
 // before it opened, and the meter's baseline is what was live then less those.
+// Its peak is kept apart too (a peak taken while a baseline tensor lived, less
+// the smaller baseline after it died, would come out long by as much), and so
+// is what the caching model keeps reserved for the baseline's blocks (the
+// segments that hold one of them), walked again as one of them dies.
+struct HostAllocationBaseline {
+  std::int64_t freed = 0;     // bytes of the baseline's allocations freed since it opened
+  std::int64_t peak_own = 0;  // max of (live bytes + freed) since the last peak reset
+  std::int64_t reserved = 0;  // the model's segments holding a live block of the baseline
+};
+// Its id: allocations counted with a sequence number up to it are its own.
 std::uint64_t open_host_allocation_baseline();
-std::int64_t host_allocation_baseline_freed(std::uint64_t id);
+HostAllocationBaseline host_allocation_baseline(std::uint64_t id);
 void close_host_allocation_baseline(std::uint64_t id);
 
 // Installs the wrapper once (idempotent) and turns counting on or off.

@@ -22,11 +22,9 @@ class HostCounterMeter final : public NonChunkMeter {
         device_budget_(static_cast<std::int64_t>(device_budget)),
         caching_(torch_caching) {
     reset_host_allocation_device_peak();
-    if (caching_) {
-      // (Gives the model's cache back; what stays is the live blocks of earlier windows.)
-      set_host_allocation_model(true);
-      reserved_baseline_ = host_allocation_model_use().reserved;
-    }
+    // (Turning the model on gives its cache back; what stays is the live
+    // blocks of earlier windows, the baseline's.)
+    if (caching_) set_host_allocation_model(true);
   }
   ~HostCounterMeter() override {
     clear_limit();
@@ -37,11 +35,13 @@ class HostCounterMeter final : public NonChunkMeter {
     const std::int64_t base = baseline();
     HostAllocationLimit limit{base + static_cast<std::int64_t>(bytes), base,
                               static_cast<std::int64_t>(budget), static_cast<std::int64_t>(chunk_bytes)};
+    limit.baseline_id = baseline_id_;
     if (caching_) {
       // Note [Who owns a device byte]: the whole budget, in reserved bytes, as
       // torch's cap on a GPU; the margin stays the allocator's room.
+      limit.reserved_baseline = reserved_baseline();
       limit.reserved_cap =
-          std::max<std::int64_t>(0, device_budget_ - static_cast<std::int64_t>(chunk_bytes) + reserved_baseline());
+          std::max<std::int64_t>(0, device_budget_ - static_cast<std::int64_t>(chunk_bytes) + limit.reserved_baseline);
     }
     set_host_allocation_limit(limit);
   }
@@ -61,7 +61,8 @@ class HostCounterMeter final : public NonChunkMeter {
       // What the model cannot give back is not room for chunks.
       now = std::max(now, above(host_allocation_model_use().stuck, reserved_baseline()));
     }
-    return {now, above(c.peak_bytes, base)};
+    // (The baseline's own peak: see Note [A meter's baseline].)
+    return {now, above(host_allocation_baseline(baseline_id_).peak_own, baseline_at_open_)};
   }
   void restart_peak() override {
     reset_host_allocation_peak();
@@ -71,23 +72,18 @@ class HostCounterMeter final : public NonChunkMeter {
  private:
   // Note [A meter's baseline].
   std::int64_t baseline() const {
-    return std::max<std::int64_t>(0, baseline_at_open_ - host_allocation_baseline_freed(baseline_id_));
+    return std::max<std::int64_t>(0, baseline_at_open_ - host_allocation_baseline(baseline_id_).freed);
   }
 
-  // What the model held for the baseline's tensors, in the share of them still
-  // alive (exact when all or none are; the segments they leave go back to the
-  // model's cache, which the cap then counts against the budget).
-  std::int64_t reserved_baseline() const {
-    if (baseline_at_open_ <= 0 || reserved_baseline_ <= 0) return 0;
-    const double alive = static_cast<double>(baseline()) / static_cast<double>(baseline_at_open_);
-    return static_cast<std::int64_t>(static_cast<double>(reserved_baseline_) * std::min(1.0, alive));
-  }
+  // What the model keeps reserved for the baseline's tensors still alive (the
+  // segments they leave go back to the model's cache, which the cap then
+  // counts against the budget).
+  std::int64_t reserved_baseline() const { return host_allocation_baseline(baseline_id_).reserved; }
 
   std::uint64_t baseline_id_;
   std::int64_t baseline_at_open_;
   std::int64_t device_budget_;
   bool caching_;
-  std::int64_t reserved_baseline_ = 0;
 };
 
 class ProviderMeter final : public NonChunkMeter {

@@ -36,6 +36,7 @@ struct CachingAllocatorModel::Block {
   std::size_t size = 0;
   bool small = false;
   bool allocated = false;
+  std::uint64_t tag = 0;
   Block* prev = nullptr;
   Block* next = nullptr;
   bool split() const { return prev != nullptr || next != nullptr; }
@@ -100,7 +101,7 @@ void CachingAllocatorModel::note_peaks() {
 
 CachingAllocatorModel::Handle CachingAllocatorModel::allocate(std::size_t bytes,
                                                             const std::function<std::size_t()>& cap,
-                                                            const OnMiss& on_miss) {
+                                                            const OnMiss& on_miss, std::uint64_t tag) {
   const std::size_t size = torch_cache::round_size(bytes);
   const bool small = size <= torch_cache::kSmallSize;
   const std::size_t segment = torch_cache::segment_size(size);
@@ -141,6 +142,7 @@ CachingAllocatorModel::Handle CachingAllocatorModel::allocate(std::size_t bytes,
     inactive_split_ += rest->size;
   }
   block->allocated = true;
+  block->tag = tag;
   allocated_ += block->size;
   ++live_blocks_;
   note_peaks();
@@ -202,6 +204,20 @@ AllocatorUse CachingAllocatorModel::use() const {
 void CachingAllocatorModel::reset_peaks() {
   peak_reserved_ = reserved_;
   peak_allocated_ = allocated_;
+}
+
+std::size_t CachingAllocatorModel::reserved_holding_tags_up_to(std::uint64_t tag) const {
+  std::size_t bytes = 0;
+  for (const Block* head : heads_) {
+    std::size_t segment = 0;
+    bool held = false;
+    for (const Block* b = head; b != nullptr; b = b->next) {
+      segment += b->size;
+      held = held || (b->allocated && b->tag != 0 && b->tag <= tag);
+    }
+    if (held) bytes += segment;
+  }
+  return bytes;
 }
 
 std::size_t CachingAllocatorModel::block_size(Handle handle) const {

@@ -97,7 +97,10 @@ class CachingAllocatorModel {
   // reserved + its size <= cap(); else every whole free segment is released
   // and the segment tried once more. 0 when that fails too (nothing was
   // placed; the cache may have been released). `cap` is read after on_miss.
-  Handle allocate(std::size_t bytes, const std::function<std::size_t()>& cap, const OnMiss& on_miss);
+  // `tag`: the owner's mark on the block (its allocation's order), read by
+  // reserved_holding_tags_up_to.
+  Handle allocate(std::size_t bytes, const std::function<std::size_t()>& cap, const OnMiss& on_miss,
+                  std::uint64_t tag = 0);
   // torch's free: the block goes back to its pool, merged with free neighbours.
   void free(Handle handle);
   // torch's empty_cache: every whole free segment is released. Returns the bytes.
@@ -109,6 +112,9 @@ class CachingAllocatorModel {
   void reset_peaks();
   std::size_t segments() const { return segments_; }
   std::size_t live_blocks() const { return live_blocks_; }
+  // The bytes of the segments that hold a live block tagged <= `tag` (what
+  // those blocks keep reserved; 0 < tag). Walks every block.
+  std::size_t reserved_holding_tags_up_to(std::uint64_t tag) const;
   // The block size of a live handle.
   std::size_t block_size(Handle handle) const;
   // What the last failed allocate() saw (for the error message).

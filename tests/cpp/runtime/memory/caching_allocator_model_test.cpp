@@ -57,6 +57,29 @@ TEST(CachingAllocatorModel, SmallRequestsShareTwoMiBSegments) {
   EXPECT_EQ(m.use().reserved, 0u);
 }
 
+TEST(CachingAllocatorModel, ReservedHoldingTagsCountsWholeSegmentsOfOldBlocks) {
+  CachingAllocatorModel m;
+  // Tags 1 and 2 share a 2 MiB segment; tag 3 has a 20 MiB one; tag 5 shares it.
+  const auto a = m.allocate(1000, cap_of(kNoCap), nullptr, 1);
+  const auto b = m.allocate(1000, cap_of(kNoCap), nullptr, 2);
+  const auto c = m.allocate(3 * kMiB, cap_of(kNoCap), nullptr, 3);
+  const auto d = m.allocate(2 * kMiB, cap_of(kNoCap), nullptr, 5);
+  EXPECT_EQ(m.segments(), 2u);
+  EXPECT_EQ(m.reserved_holding_tags_up_to(0), 0u);
+  EXPECT_EQ(m.reserved_holding_tags_up_to(1), 2 * kMiB);
+  EXPECT_EQ(m.reserved_holding_tags_up_to(3), 22 * kMiB);
+  m.free(c);  // the 20 MiB segment is held by tag 5 alone now
+  EXPECT_EQ(m.reserved_holding_tags_up_to(4), 2 * kMiB);
+  EXPECT_EQ(m.reserved_holding_tags_up_to(5), 22 * kMiB);
+  m.free(a);
+  EXPECT_EQ(m.reserved_holding_tags_up_to(1), 0u);
+  EXPECT_EQ(m.reserved_holding_tags_up_to(2), 2 * kMiB);
+  m.free(b);
+  m.free(d);
+  EXPECT_EQ(m.reserved_holding_tags_up_to(10), 0u);
+  m.validate();
+}
+
 TEST(CachingAllocatorModel, MidSizedRequestsSplitTwentyMiB) {
   CachingAllocatorModel m;
   const auto a = m.allocate(5 * kMiB, cap_of(kNoCap), nullptr);
