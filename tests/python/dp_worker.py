@@ -4,9 +4,9 @@ Launched N times with torchrun's environment (MASTER_ADDR, MASTER_PORT, RANK,
 WORLD_SIZE); tidal.initialize finds WORLD_SIZE and makes the process group
 itself. Trains TinyGPT on the simulated device over a fixed list of global
 batches: rank r takes its slice of each. Rank 0 writes, to the spec's "out":
-the global mean loss of each micro-batch (averaged over the ranks), the fp32
-weights (engine.state_dict(), gathered from the owners) and each rank's memory
-figures.
+the global mean loss of each micro-batch (averaged over the ranks), the global
+gradient norm of each step (engine.get_global_grad_norm()), the fp32 weights
+(engine.state_dict(), gathered from the owners) and each rank's memory figures.
 
 The spec (JSON in argv[1]): steps, global_batch, accumulation, clip, budget
 ("measured" or bytes), width, save (dir, after step k), load (dir),
@@ -28,7 +28,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 import tidal  # noqa: E402
-from engine_helpers import gpt_batches, measured_budget  # noqa: E402
+from engine_helpers import gpt_batches, measured_budget, within_budget  # noqa: E402
 from test_engine import LR  # noqa: E402
 from tidal.models.gpt import TinyGPT  # noqa: E402
 
@@ -81,7 +81,7 @@ def main():
         # This rank's backward never reaches that parameter.
         dict(engine.module.named_parameters())[unused["param"]].requires_grad_(False)
     kill = spec.get("kill")
-    losses = []
+    losses, norms = [], []
     started = time.time()
     for i, (x, y) in enumerate(batches):
         xs, ys = x[rank * micro:(rank + 1) * micro], y[rank * micro:(rank + 1) * micro]
@@ -94,7 +94,10 @@ def main():
             engine.zero_grad()
             loss = engine(xs, ys)
             engine.backward(loss)
+        steps = engine.global_steps
         engine.step()
+        if engine.global_steps > steps:
+            norms.append(engine.get_global_grad_norm())
         mean = torch.tensor([loss.item()], dtype=torch.float64)
         torch.distributed.all_reduce(mean)
         losses.append(mean.item() / world)
@@ -102,6 +105,7 @@ def main():
                 engine.is_gradient_accumulation_boundary():
             engine.save_checkpoint(spec["save"]["dir"], tag="ckpt")
     weights = {k: v.tolist() for k, v in engine.state_dict().items()}
+    within_budget(engine)  # every rank: no overrun, the peak within its budget
     report = engine.memory_report()
     mine = {"rank": rank, "evictions": report["evictions"], "prefetches": report["prefetches"],
             "optimizer_state_bytes": optimizer_state_bytes(engine),
@@ -111,7 +115,7 @@ def main():
     reports = [None] * world
     torch.distributed.all_gather_object(reports, mine)
     if rank == 0:
-        Path(spec["out"]).write_text(json.dumps({"losses": losses, "weights": weights,
+        Path(spec["out"]).write_text(json.dumps({"losses": losses, "norms": norms, "weights": weights,
                                                  "reports": reports, "steps": engine.global_steps}))
     torch.distributed.barrier()
 

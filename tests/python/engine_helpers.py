@@ -22,6 +22,14 @@ def within_budget(engine):
         assert r["peak_device_bytes"] <= r["device_budget"] - r["device_margin"], r
 
 
+def moved_within_budget(engine):
+    """within_budget, and chunks moved (evictions): for a budget below the
+    state, as measured_budget makes, where a test means the chunks to move."""
+    r = engine.memory_report()
+    assert r["evictions"] > 0, r
+    within_budget(engine)
+
+
 def train_tidal(engine, batches):
     losses = []
     for x, y in batches:

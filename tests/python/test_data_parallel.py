@@ -20,7 +20,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 from engine_helpers import gpt_batches  # noqa: E402
-from test_engine import train_reference  # noqa: E402
+from test_engine import assert_clip_fires, train_reference  # noqa: E402
 from tidal.models.gpt import TinyGPT  # noqa: E402
 
 WORKER = Path(__file__).parent / "dp_worker.py"
@@ -63,14 +63,16 @@ def run_ok(world, spec, tmp_path):
     return result
 
 
-def reference(spec, start=0):
-    """One process, plain PyTorch + AdamW, the whole global batch per micro-step."""
+def reference(spec, start=0, norms=None):
+    """One process, plain PyTorch + AdamW, the whole global batch per micro-step
+    (`norms`, a list, gets each step's gradient norm before clipping)."""
     torch.manual_seed(0)
     model = TinyGPT(d=spec.get("width", 64), seq=8)
     accumulation = spec.get("accumulation", 1)
     batches = gpt_batches(spec["steps"] * accumulation + start, batch=spec["global_batch"],
                           seed=3)[start:]
-    losses = train_reference(model, batches, clip=spec.get("clip", 0.0), accumulation=accumulation)
+    losses = train_reference(model, batches, clip=spec.get("clip", 0.0), accumulation=accumulation,
+                             norms=norms)
     return model, losses
 
 
@@ -127,6 +129,23 @@ def test_mixed_precision_tracks_the_fp32_reference(precision, tol, tmp_path):
         assert abs(a - b) <= tol * abs(a), (losses, result["losses"])
     assert_same_weights_on_every_rank(result)
     assert all(r["skipped_steps"] == 0 for r in result["reports"])
+
+
+@pytest.mark.parametrize("clip, fires", [(1.25, "some"), (50.0, "never")])
+def test_clipping_by_the_global_norm_fires_where_clip_grad_norm_does(clip, fires, tmp_path):
+    """Each rank holds the gradients of its own chunks; the norm is global
+    (about 1.1-1.3 here, for the sums of two micro-batches): 1.25 clips the
+    first step only, 50 none. A clip factor not capped at 1 would scale the
+    gradients of the other steps up."""
+    spec = {"steps": 4, "global_batch": 4, "accumulation": 2, "clip": clip}
+    norms = []
+    model, losses = reference(spec, norms=norms)
+    assert_clip_fires(norms, clip, fires)
+    result = run_ok(2, spec, tmp_path)
+    assert result["norms"] == pytest.approx(norms, rel=1e-5)
+    assert_matches(result, model, losses)
+    assert all(r["evictions"] > 0 for r in result["reports"])
+    assert_same_weights_on_every_rank(result)
 
 
 def test_fp16_overflow_is_global(tmp_path):

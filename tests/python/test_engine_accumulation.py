@@ -17,11 +17,11 @@ import tidal
 from tidal._C.chunks import ChunkKind, MemorySpace
 
 sys.path.insert(0, str(Path(__file__).parent))
-from engine_helpers import gpt_batches, measured_budget  # noqa: E402
+from engine_helpers import gpt_batches, measured_budget, moved_within_budget, within_budget  # noqa: E402
 # DeepSpeed's loop (step() acts at accumulation boundaries only), and plain
 # PyTorch accumulating in param.grad with torch.optim.AdamW.
 from engine_helpers import train_tidal as train  # noqa: E402
-from test_engine import LR, train_reference as reference_fp32  # noqa: E402
+from test_engine import LR, assert_clip_fires, train_reference as reference_fp32  # noqa: E402
 from tidal.models.gpt import TinyGPT  # noqa: E402
 
 
@@ -112,6 +112,40 @@ def test_fp32_accumulation_matches_adamw(where):
         assert report["adam_chunks_on_host"] > 0
     else:
         assert report["adam_chunks_on_host"] == 0
+    within_budget(engine)
+
+
+@pytest.mark.parametrize("clip, fires", [(1.3, "some"), (50.0, "never")])
+def test_clipping_of_the_summed_gradients_fires_where_clip_grad_norm_does(clip, fires):
+    # The norm is that of the sums over the micro-batches (about 1.2-1.7
+    # here): 1.3 clips the first steps and not the last ones, 50 none. With
+    # a factor not capped at 1, the unclipped steps would scale up.
+    torch.manual_seed(0)
+    ref = TinyGPT(d=64, seq=8)
+    model = copy.deepcopy(ref)
+    batches = gpt_batches(12)
+    norms = []
+    ref_losses = reference_fp32(ref, batches, accumulation=3, clip=clip, norms=norms)
+    assert_clip_fires(norms, clip, fires)
+    cfg = config(3, clip=clip)
+    cfg["tidal"]["device_memory_budget"] = measured_budget(model, cfg, batches)
+    engine = tidal.initialize(model, cfg)
+    losses, seen = [], []
+    for x, y in batches:
+        loss = engine(x, y)
+        engine.backward(loss)
+        steps = engine.global_steps
+        engine.step()
+        losses.append(loss.item())
+        if engine.global_steps > steps:
+            seen.append(engine.get_global_grad_norm())
+    assert engine.global_steps == 4
+    assert seen == pytest.approx(norms, rel=1e-5)
+    for a, b in zip(ref_losses, losses, strict=True):
+        assert abs(a - b) <= 1e-5 * abs(a), (ref_losses, losses)
+    errors = relative_errors(engine, ref)
+    assert max(errors.values()) <= 1e-5, errors
+    moved_within_budget(engine)
 
 
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
@@ -139,6 +173,7 @@ def test_mixed_precision_accumulation_matches_fp32_sums_of_16_bit_gradients(prec
         assert abs(a - b) <= 2e-2 * abs(a), (ref_losses, losses)
     errors = relative_errors(engine, master)
     assert max(errors.values()) <= 2e-3, errors
+    moved_within_budget(engine)
 
 
 class Branchy(torch.nn.Module):

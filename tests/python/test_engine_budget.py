@@ -1,6 +1,7 @@
 """The device budget holds: the engine's peak (chunk bytes plus non-chunk
 device memory at the same moment, memory_report()["peak_device_bytes"])
-never exceeds tidal.device_memory_budget, the warm-up step included (Note
+never exceeds tidal.device_memory_budget less its margin, and no overrun is
+counted (engine_helpers.within_budget), the warm-up step included (Note
 [The warm-up budget] in python/tidal/engine/engine.py).
 
 Budgets are measured on this machine, not constants: a probe trains each
@@ -101,14 +102,15 @@ def test_peak_device_bytes_stay_within_the_budget_from_the_first_step(name, prec
     smallest = margin + int(1.25 * nonchunk) + largest
     whole = margin + int(1.25 * nonchunk) + chunk16
     assert smallest < whole, (smallest, whole)
-    moved = 0
+    evictions = {}
     for frac in (0.0, 0.25, 0.5, 1.0):
         budget = int(smallest + frac * (whole - smallest))
         torch.manual_seed(0)
         engine = tidal.initialize(make(), config(chunk, budget, precision))
         try:
             losses = train_tidal(engine, batches)
-            report = engine.memory_report()
+            within_budget(engine)
+            evictions[frac] = engine.memory_report()["evictions"]
         except tidal.OutOfMemoryError as e:
             # The smallest budget is an estimate (non-chunk memory differs a
             # little when chunks move): there, a clear error naming the
@@ -118,9 +120,8 @@ def test_peak_device_bytes_stay_within_the_budget_from_the_first_step(name, prec
         finally:
             engine.remove_hooks()
         assert all(torch.isfinite(torch.tensor(losses))), losses
-        assert report["peak_device_bytes"] <= budget, (frac, budget, report["peak_device_bytes"])
-        moved += report["evictions"]
-    assert moved > 0  # the small budgets made chunks move
+    # The budgets below the whole state made chunks move.
+    assert all(evictions[frac] > 0 for frac in evictions if frac < 1.0), evictions
 
 
 def test_a_warmup_share_outside_zero_to_one_is_a_config_error():
@@ -139,7 +140,6 @@ def test_the_first_step_stays_in_budget_with_any_warmup_share():
     batches = make_batches()
     nonchunk, chunk16, largest = probe(make, batches, chunk, None)
     budget = 4096 + int(1.05 * nonchunk) + chunk16 // 2
-    peaks = {}
     for share in (0.2, 1.0):
         torch.manual_seed(0)
         cfg = config(chunk, budget)
@@ -148,7 +148,7 @@ def test_the_first_step_stays_in_budget_with_any_warmup_share():
         try:
             train_tidal(engine, batches[:1])
             within_budget(engine)
-            peaks[share] = engine.memory_report()["peak_device_bytes"]
+            # Half the chunks fit: they moved.
+            assert engine.memory_report()["evictions"] > 0, share
         finally:
             engine.remove_hooks()
-    assert max(peaks.values()) <= budget, (budget, peaks)

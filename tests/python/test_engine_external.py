@@ -22,7 +22,7 @@ from torch.utils.checkpoint import checkpoint
 import tidal
 
 sys.path.insert(0, str(Path(__file__).parent))
-from engine_helpers import measured_budget, train_tidal  # noqa: E402
+from engine_helpers import measured_budget, moved_within_budget, train_tidal, within_budget  # noqa: E402
 
 LR = 2e-3
 VOCAB = 64
@@ -72,7 +72,7 @@ def assert_same(engine, ref, ref_losses, losses):
         assert torch.equal(weights[name], p.detach()), name
 
 
-def train_both(make, batches, moves=True):
+def train_both(make, batches):
     """(engine, reference) after training `make()` both ways; equal or fail."""
     torch.manual_seed(0)
     ref = make()
@@ -81,9 +81,7 @@ def train_both(make, batches, moves=True):
     engine = tidal.initialize(model, small_budget(model, batches))
     losses = train_tidal(engine, batches)
     assert_same(engine, ref, ref_losses, losses)
-    if moves:
-        report = engine.memory_report()
-        assert report["evictions"] > 0 and report["budget_overruns"] == 0, report
+    moved_within_budget(engine)
     return engine, ref
 
 
@@ -218,6 +216,7 @@ def test_reads_after_the_warm_up_take_no_slow_path(monkeypatch):
     reads.clear()
     train_tidal(engine, batches[1:])
     assert reads == []
+    moved_within_budget(engine)
 
 
 def test_torch_transformer_encoder_and_decoder_train_exactly():
@@ -282,11 +281,13 @@ def test_a_read_tidal_cannot_see_is_a_clear_error_naming_module_and_parameter():
 
 
 def test_register_external_parameter_before_initialize_serves_the_read():
+    # Width 32: each weight a chunk of its own, so a.weight's chunk can move
+    # while the root holds b.weight for its whole forward.
     def make():
-        m = HeldReference()
+        m = HeldReference(32)
         tidal.register_external_parameter(m, m.b.weight)
         return m
-    train_both(make, float_batches(4), moves=False)
+    train_both(make, float_batches(4, d=32))
 
 
 def test_register_external_parameter_after_initialize_serves_the_read():
@@ -302,18 +303,21 @@ def test_register_external_parameter_after_initialize_serves_the_read():
 
 def test_leaf_modules_bring_a_whole_subtree():
     class Outer(torch.nn.Module):
-        def __init__(self):
+        """A layer before the leaf, whose chunk makes room for the leaf's."""
+
+        def __init__(self, d=32):
             super().__init__()
-            self.inner = HeldReference()
+            self.pre = torch.nn.Linear(d, d)
+            self.inner = HeldReference(d)
 
         def forward(self, x, y):
-            return self.inner(x, y)
+            return self.inner(torch.tanh(self.pre(x)), y)
 
     def make():
         m = Outer()
         tidal.set_leaf_modules(m, [HeldReference])
         return m
-    engine, _ = train_both(make, float_batches(4), moves=False)
+    engine, _ = train_both(make, float_batches(4, d=32))
     inner = engine.module.inner
     assert {r.name for r in engine._module_records[inner]} == {
         "inner.a.weight", "inner.a.bias", "inner.b.weight", "inner.b.bias"}
@@ -344,6 +348,7 @@ def test_evaluation_between_backward_and_step_sees_the_weights():
     weights = engine.parameters_fp32()
     for name, p in ref.named_parameters():
         assert torch.equal(weights[name], p.detach()), name
+    moved_within_budget(engine)
 
 
 def test_two_engine_backwards_before_a_step_are_an_error():
@@ -377,9 +382,12 @@ def test_a_retained_graph_backward_twice_sums_as_torch_does():
     weights = engine.parameters_fp32()
     for name, p in ref.named_parameters():
         assert torch.equal(weights[name], p.detach()), name
+    moved_within_budget(engine)
 
 
-def test_a_second_forward_and_backward_before_the_step_sums_as_torch_does():
+def train_two_backwards_per_step():
+    """(engine, reference) after steps of two forward and backward passes
+    each, by loss.backward() on the model, under a measured budget."""
     torch.manual_seed(0)
     ref = AttentionLM()
     model = copy.deepcopy(ref)
@@ -393,9 +401,25 @@ def test_a_second_forward_and_backward_before_the_step_sums_as_torch_does():
         opt.step()
         opt.zero_grad()
         engine.step()
+    return engine, ref
+
+
+def test_a_second_forward_and_backward_before_the_step_sums_as_torch_does():
+    engine, ref = train_two_backwards_per_step()
     weights = engine.parameters_fp32()
     for name, p in ref.named_parameters():
         assert torch.equal(weights[name], p.detach()), name
+    assert engine.memory_report()["evictions"] > 0
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "the tracer counts one budget overrun in the first step's second backward (held chunk "
+    "bytes + live non-chunk bytes past the budget less the margin at a 'grad' point), while "
+    "the simulated device's exact peak stays within it: issue 46 found it; when it is fixed "
+    "this test passes, and the mark must go"))
+def test_a_second_forward_and_backward_before_the_step_stays_within_the_budget():
+    engine, _ = train_two_backwards_per_step()
+    within_budget(engine)
 
 
 class SharedCheckpointed(torch.nn.Module):
@@ -420,7 +444,7 @@ class SharedCheckpointed(torch.nn.Module):
 
 
 def test_a_shared_layer_in_two_reentrant_checkpoints_trains_exactly():
-    train_both(SharedCheckpointed, token_batches(4), moves=False)
+    train_both(SharedCheckpointed, token_batches(4))
 
 
 # -------------------------------------------------------------- misuses
@@ -537,6 +561,7 @@ def test_loss_backward_with_accumulation_trains_as_plain_pytorch():
     weights = engine.parameters_fp32()
     for name, p in ref.named_parameters():
         torch.testing.assert_close(weights[name], p.detach(), rtol=1e-6, atol=1e-7)
+    moved_within_budget(engine)
 
 
 def test_loss_backward_under_fp16_loss_scaling_is_refused_before_anything_lands():
