@@ -107,6 +107,12 @@ class CPUAdam(torch.optim.Optimizer):
     them on is refused with NotImplementedError rather than ignored.
     """
 
+    # The parameters are checked when the optimizer is built and again at each
+    # step. DeepSpeed's DeepSpeedCPUAdam (tidal.deepspeed.ops.adam), built on
+    # the model's parameters whatever their dtype (DeepSpeed's engine hands it
+    # fp32 host masters), checks them at the step only.
+    _checks_params_when_built = True
+
     def __init__(
         self,
         params: Iterable[Any],
@@ -160,9 +166,10 @@ class CPUAdam(torch.optim.Optimizer):
         super().__init__(params, defaults)
         self.num_threads = int(num_threads)
         self.thread_pool = thread_pool
-        for gi, group in enumerate(self.param_groups):
-            for pi, p in enumerate(group["params"]):
-                _check_param(p, f"param_groups[{gi}]['params'][{pi}]")
+        if self._checks_params_when_built:
+            for gi, group in enumerate(self.param_groups):
+                for pi, p in enumerate(group["params"]):
+                    _check_param(p, f"param_groups[{gi}]['params'][{pi}]")
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         super().__setstate__(state)

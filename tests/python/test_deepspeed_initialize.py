@@ -160,17 +160,18 @@ def test_the_config_comes_from_where_deepspeed_takes_it(tmp_path):
     ({"args": argparse.Namespace(deepscale_config="a.json", deepspeed_config="b.json"),
       "config": None}, "both deepscale_config and deepspeed_config"),
     ({"config_params": {}}, "both config and config_params"),
-    ({"optimizer": "adam"}, "optimizer=str: tidal runs its own Adam/AdamW"),
+    ({"optimizer": "adam"}, "optimizer=str is not a torch.optim.Optimizer"),
     ({"mpu": object()}, "mpu=.*no model or sequence parallelism"),
     ({"dist_init_required": False}, "dist_init_required=False, but torch.distributed is not "
                                     "initialized"),
     ({"distributed_port": 1234}, "distributed_port=1234: DeepSpeed uses it to discover MPI"),
     ({"lr_scheduler": torch.optim.lr_scheduler.StepLR(
         torch.optim.SGD([torch.nn.Parameter(torch.ones(1))], lr=1.0), 1)},
-     "lr_scheduler=StepLR is a scheduler object, bound to an optimizer made before the engine's"),
+     "lr_scheduler=StepLR is a scheduler object, bound to an optimizer the engine does not run; "
+     "pass that optimizer as optimizer= too"),
     ({"lr_scheduler": lambda opt: torch.optim.lr_scheduler.ReduceLROnPlateau(opt)},
      "ReduceLROnPlateau, which steps on a metric"),
-    ({"lr_scheduler": lambda opt: object()}, "returned a object without step\\(\\)"),
+    ({"lr_scheduler": lambda opt: object()}, "callable returned \\(a object\\) has no step\\(\\)"),
     ({"model": None}, "requires a model"),
 ])
 def test_what_tidal_cannot_do_is_refused_naming_it_and_the_model_keeps_its_weights(kwargs, message):
@@ -362,6 +363,21 @@ def test_the_deepspeed_cifar_tutorials_loop_runs_as_it_is(tmp_path):
     within_budget(model_engine)
 
 
+@pytest.mark.parametrize("precision,dtype", [("bf16", torch.bfloat16), ("fp16", torch.float16)])
+def test_a_16_bit_config_casts_the_model_before_its_masters_are_made(precision, dtype):
+    # DeepSpeed casts the parameters to the config's 16-bit dtype, then builds its fp32
+    # masters from them (runtime/engine.py _configure_distributed_model before
+    # _configure_optimizer): the masters start from the rounded values.
+    torch.manual_seed(0)
+    model = Net()
+    values = {k: v.detach().clone() for k, v in model.named_parameters()}
+    engine, *_ = ds.initialize(model=model, config=config(**{precision: {"enabled": True}}))
+    masters = engine.parameters_fp32()
+    for key, value in values.items():
+        assert torch.equal(masters[key], value.to(dtype).float()), key
+    assert all(p.dtype == dtype for p in model.parameters())
+
+
 def test_local_rank_is_the_launchers_and_init_distributed_wants_what_it_is_told(monkeypatch):
     monkeypatch.setenv("LOCAL_RANK", "3")
     engine, *_ = ds.initialize(model=Net(), config=config())
@@ -426,8 +442,8 @@ def test_a_scheduler_that_raises_leaves_the_step_done_once():
     within_budget(engine)
 
 
-# --- zero.Init and GatheredParameters (Note [zero.Init and GatheredParameters
-# over init_context] in tidal/deepspeed.py) -------------------------------------
+# --- zero.Init and GatheredParameters (Note [zero.Init and GatheredParameters over
+# init_context] in tidal/_deepspeed_compat/runtime/zero/partition_parameters.py) ----
 
 class Tied(torch.nn.Module):
     """Code that reaches a parameter after its module's __init__, as ZeRO-3 scripts
@@ -531,6 +547,7 @@ def test_zero_init_under_a_config_scheduler_and_a_client_one():
     with pytest.warns(UserWarning, match="config key 'scheduler' \\('WarmupLR'\\) is not used"):
         engine, _, _, sched = ds.initialize(model=model, config=cfg, lr_scheduler=warmup)
     assert sched is engine.client_lr_scheduler and engine.get_lr() == [pytest.approx(LR / 4)]
+    assert engine.lr_scheduler is None  # one schedule: the client's (not also zero.Init's config's)
 
 
 @pytest.mark.parametrize("kwargs,message", [

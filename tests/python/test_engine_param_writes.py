@@ -302,3 +302,30 @@ def test_parameters_held_across_reads_never_turn_empty():
     for w, layer in zip(ws, pair.ref.layers):
         assert w.numel() == 64 * 64
         torch.testing.assert_close(w.detach().norm(), layer.weight.detach().norm(), rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("budget", list(BUDGETS.values()), ids=list(BUDGETS))
+def test_gathered_copies_dropped_as_deepspeed_drops_them(budget):
+    # DeepSpeed's GatheredParameters(params) with modifier_rank=None hands out
+    # copies and drops what is written to them (DeepSpeed-Chat's
+    # save_zero_three_model reads this way; an EMA might write). Under tidal the
+    # write bumps the parameter's version count (set_data keeps it): unless the
+    # context settles it, the next forward takes it for a write to a placeholder
+    # (a UsageError) or carries the 16-bit values of an attached one into the
+    # master. Training goes on as if nothing had been written.
+    from tidal.deepspeed import zero
+
+    pair = Pair(budget)
+    pair.step(0)
+    _ = pair.model.layers[1].weight.shape  # one parameter attached by a read, the others placeholders
+    params = list(pair.model.parameters())
+    with torch.no_grad(), zero.GatheredParameters(params, modifier_rank=None):
+        norms = [p.norm().item() for p in params]
+        for p in params:
+            p.mul_(0.0)
+    want = [p.norm().item() for p in pair.ref.parameters()]
+    assert norms == pytest.approx(want, rel=1e-6)
+    pair.step(1)
+    pair.step(2)
+    pair.assert_same()
+    _moved(pair.engine, budget)

@@ -402,14 +402,29 @@ def load_checkpoint(engine, load_dir, tag=None, load_optimizer_states=True,
         for k, v in extra["buffers"].items():
             if k in buffers:
                 buffers[k].copy_(v)
-    rng = extra["rng"]
-    rank = store.dp.rank if store.dp is not None else 0
-    if rank < len(extra.get("rng_ranks", [])):
-        rng = extra["rng_ranks"][rank]
-    torch.set_rng_state(rng["cpu"])
-    if "cuda" in rng and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(rng["cuda"])
+    if getattr(engine, "restore_rng_on_load", True):  # Note [The RNG on load_checkpoint]
+        rng = extra["rng"]
+        rank = store.dp.rank if store.dp is not None else 0
+        if rank < len(extra.get("rng_ranks", [])):
+            rng = extra["rng_ranks"][rank]
+        torch.set_rng_state(rng["cpu"])
+        if "cuda" in rng and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(rng["cuda"])
     return path, extra["client_state"]
+
+
+# Note [The RNG on load_checkpoint]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# save_checkpoint keeps each rank's global torch RNG state (CPU and CUDA).
+# tidal.initialize's engine restores it on load, so a resumed run draws the
+# dropout masks and shuffles the uninterrupted run would have drawn.
+# DeepSpeed's load_checkpoint does not touch the process's RNG (0.19.8,
+# runtime/engine.py: no RNG state in its checkpoints): a DeepSpeed script
+# seeds at its start and its resumed run goes on from there (HelloDeepSpeed
+# seeds, builds the model, loads, then shuffles and drops out). So the engine
+# tidal.deepspeed.initialize returns sets engine.restore_rng_on_load = False
+# and its load_checkpoint leaves the RNG as it was; the state is saved either
+# way. The attribute is the engine's: another engine in the process keeps its own.
 
 
 # ---------------------------------------------------------------- state dicts

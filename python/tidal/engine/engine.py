@@ -314,6 +314,7 @@ class Engine(ExternalMixin, StateDictMixin, HookWiringMixin, DataParallelMixin, 
         self._exposed_adam_seconds = 0.0
         self._overlap = StepOverlap(self) if cfg.overlap_step else None
         self._hooks = self._new_hooks()
+        store.writes_forgetter = weakref.WeakMethod(self._forget_writes)
         # Saved tensors that alias a parameter's slot are packed as (parameter,
         # geometry) and rebuilt from its data in backward, so nothing keeps a
         # chunk address across a move (Note [Parameters keep their TensorImpl]
@@ -495,6 +496,15 @@ class Engine(ExternalMixin, StateDictMixin, HookWiringMixin, DataParallelMixin, 
                 raise AttributeError(f"'{type(self).__name__}' object has no attribute '{name}', "
                                      f"nor has its model (a {type(module).__name__})") from None
         raise AttributeError(f"'{type(self).__name__}' object has no attribute '{name}'")
+
+    def _forget_writes(self, records) -> None:
+        # ParamStore.forget_writes: these parameters' version counts as they are
+        # now (writes to copies dropped on purpose are not the user's writes).
+        if getattr(self, "_hooks", None) is None:
+            return
+        index = [self._record_index[id(r)] for r in records if id(r) in self._record_index]
+        if index:
+            self._hooks.sync_param_writes(index)
 
     def num_parameters(self, only_trainable: bool = False) -> int:
         """Elements of the parameters the engine keeps in chunks (trainable

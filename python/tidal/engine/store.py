@@ -118,6 +118,10 @@ class ParamStore:
 
     def __init__(self, config: Config):
         self.config = config
+        # The engine that trains this store's parameters sets it (a weak
+        # reference to its forget_writes): writes to copies that were dropped
+        # on purpose must not be taken for lost writes (forget_writes below).
+        self.writes_forgetter = None
         if config.device != "auto" or get_device().info()["backend"] not in ("sim", "cuda"):
             set_device(config.device)
         device = get_device()
@@ -289,6 +293,15 @@ class ParamStore:
                 if record is not None and record.param is p:
                     return store
         return None
+
+    def forget_writes(self, records) -> None:
+        """What was written to these parameters' data since the engine last
+        looked was dropped on purpose (GatheredParameters' copies): the engine
+        takes their version counts as they are now (Note [Writes to a
+        parameter] in hooks/module_hooks.cpp)."""
+        forget = self.writes_forgetter() if self.writes_forgetter is not None else None
+        if forget is not None:
+            forget(records)
 
     def adopted(self) -> None:
         if self in ParamStore._unadopted:

@@ -1,0 +1,1 @@
+"""deepspeed.runtime: its zero package (runtime/zero)."""

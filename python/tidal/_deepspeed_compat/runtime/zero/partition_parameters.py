@@ -1,0 +1,208 @@
+"""deepspeed.runtime.zero.partition_parameters: zero.Init, GatheredParameters,
+ZeroParamStatus, and the ZeRO-3 attributes DeepSpeed scripts read on a
+parameter (Note [DeepSpeed's ZeRO-3 attributes on tidal's parameters])."""
+from __future__ import annotations
+
+import contextlib
+import itertools
+from enum import Enum
+
+import torch
+
+from ....config import Config
+from ....engine.errors import UsageError
+from ....engine.external import register_external_parameter
+from ....engine.store import _TORCH_DTYPES, ParamStore
+
+__all__ = ["GatheredParameters", "Init", "ZeroParamStatus", "ZeroParamType",
+           "mark_zero_params", "register_external_parameter"]
+
+
+class ZeroParamType(Enum):
+    """DeepSpeed's: how a parameter is held."""
+    NORMAL = 1
+    PARTITIONED = 2
+    REMOTE = 3
+
+
+class ZeroParamStatus(Enum):
+    """DeepSpeed's: whether a parameter's values are in its .data."""
+    AVAILABLE = 1
+    NOT_AVAILABLE = 2
+    INFLIGHT = 3
+
+
+# Note [DeepSpeed's ZeRO-3 attributes on tidal's parameters]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# A parameter tidal keeps in chunks is an empty placeholder outside forward,
+# as a ZeRO-3 parameter is under DeepSpeed, at every ZeRO stage. DeepSpeed's
+# ZeRO-3 (partition_parameters.py, Init._convert_to_deepspeed_param) marks
+# each parameter it partitions with ds_shape and ds_numel (the whole
+# parameter's), ds_id, ds_status, ds_param_type, ds_persist and ds_tensor (its
+# rank's partition, None until partitioned), and scripts read them to count
+# and to fetch: DeepSpeed-Chat and the SuperOffload fine-tune count
+# `p.ds_numel if hasattr(p, "ds_tensor") else p.numel()`, transformers' and
+# peft's counters take ds_numel where numel() is 0, and DeepSpeed-Chat's
+# saving gathers the parameters with ds_id whose ds_status is NOT_AVAILABLE.
+# So every parameter tidal puts into chunks gets them (zero.Init's at its
+# exit, tidal.deepspeed.initialize's engine at its start): ds_shape/ds_numel
+# its shape and element count, a ds_id of its own, ds_status NOT_AVAILABLE
+# (the values come through GatheredParameters, even at the moments the
+# parameter holds a view), ds_param_type PARTITIONED, ds_persist False, and
+# ds_tensor None: there is no partition tensor to hand out (the values live in
+# chunk slots; read them through GatheredParameters). A plain
+# `sum(p.numel() ...)` still counts the placeholders (0); engine.num_parameters()
+# gives the count.
+_ids = itertools.count()
+
+
+def mark_zero_params(records) -> None:
+    """Sets Note [DeepSpeed's ZeRO-3 attributes on tidal's parameters] on the
+    parameter of each ParamRecord in `records` (one marked already keeps its
+    ds_id)."""
+    for r in records:
+        p = r.param
+        if not hasattr(p, "ds_id"):
+            p.ds_id = next(_ids)
+        p.ds_shape = torch.Size(r.shape)
+        p.ds_numel = r.numel
+        p.ds_param_type = ZeroParamType.PARTITIONED
+        p.ds_status = ZeroParamStatus.NOT_AVAILABLE
+        p.ds_persist = False
+        p.ds_tensor = None
+
+
+# Note [zero.Init and GatheredParameters over init_context]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# DeepSpeed's ZeRO-3 scripts build a large model under zero.Init(config), so no
+# module's parameters are ever whole in memory, and reach a parameter's values
+# in code that runs after its module's __init__ (weight init, tying, loading)
+# through GatheredParameters(params, modifier_rank=0). tidal.init_context is
+# zero.Init's counterpart: each module's parameters go into host chunks when
+# its __init__ returns. GatheredParameters maps to ParamStore's
+# materialized_params: inside it, each parameter this store holds has its
+# values; with modifier_rank given (one process: rank 0 is this one) they are
+# the fp32 master slot itself, so what the code writes is kept (the 16-bit
+# slot follows at the exit); with modifier_rank None they are a copy in the
+# parameter's dtype, and what the code writes is dropped, as DeepSpeed drops
+# it. Once an engine trains the parameters (between steps), reading is a copy
+# of what forward computes with; writing is refused (engine.load_state_dict
+# writes into chunks). Parameters
+# no store holds are left as they are, as DeepSpeed leaves non-ZeRO ones.
+
+
+class Init:
+    """deepspeed.zero.Init: a tidal.init_context with DeepSpeed's arguments
+    (Note [zero.Init and GatheredParameters over init_context]); the
+    parameters built inside get DeepSpeed's ZeRO-3 attributes (Note
+    [DeepSpeed's ZeRO-3 attributes on tidal's parameters])."""
+
+    def __init__(self, module=None, data_parallel_group=None, mem_efficient_linear=True,
+                 remote_device=None, pin_memory=False, config_dict_or_path=None, config=None,
+                 enabled=True, dtype=None, mpu=None, **rest):
+        for name, value in (("module", module), ("data_parallel_group", data_parallel_group),
+                            ("mpu", mpu), *rest.items()):
+            if value not in (None, False):
+                raise UsageError(
+                    f"tidal.deepspeed.zero.Init: {name}={value!r} is not supported: it builds "
+                    f"new modules into chunks (an existing module: tidal.deepspeed.initialize "
+                    f"puts it into chunks), in one process group")
+        if remote_device not in (None, "none", "cpu"):
+            raise UsageError(f"tidal.deepspeed.zero.Init: remote_device={remote_device!r}: tidal "
+                             f"keeps chunks in host memory and on the device, not on NVMe")
+        if config is not None and config_dict_or_path is not None:
+            raise UsageError("tidal.deepspeed.zero.Init: both config and config_dict_or_path "
+                             "(DeepSpeed's names for the same): pass one")
+        self.config = Config.load(config if config is not None else config_dict_or_path)
+        wanted = _TORCH_DTYPES[self.config.precision]
+        if dtype is not None and dtype != wanted:
+            raise UsageError(f"tidal.deepspeed.zero.Init: dtype={dtype} but the config trains in "
+                             f"{self.config.precision} ({wanted}); the config's precision decides")
+        self.enabled = enabled
+        self._context = None
+
+    def __enter__(self):
+        if self.enabled:
+            from ....engine.init_context import init_context
+            self._context = init_context(self.config)
+            self.store = self._context.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        if self._context is not None:
+            context, self._context = self._context, None
+            swallowed = context.__exit__(*exc)
+            if exc[0] is None:
+                mark_zero_params(self.store.by_param.values())
+            return swallowed
+        return False
+
+
+@contextlib.contextmanager
+def GatheredParameters(params, modifier_rank=None, fwd_module=None, enabled=True):
+    """deepspeed.zero.GatheredParameters: inside, `params` (one or a list) hold
+    their values (Note [zero.Init and GatheredParameters over init_context]).
+
+    Args:
+        params: parameters; None entries and parameters no store holds are skipped.
+        modifier_rank: None: copies to read (writes dropped); a rank: the
+            masters to write (only before an engine trains them).
+        fwd_module: a module whose forward reads `params`: they are registered as
+            its external parameters, as DeepSpeed registers them
+            (tidal.register_external_parameter).
+        enabled: False: nothing happens.
+    """
+    if isinstance(params, torch.Tensor):
+        params = [params]
+    params = [p for p in (params or []) if p is not None]
+    if enabled and fwd_module is not None:
+        for p in params:
+            register_external_parameter(fwd_module, p)
+    with contextlib.ExitStack() as stack:
+        for store, held in (_by_store(params) if enabled else {}).items():
+            if modifier_rank is None:
+                stack.enter_context(_copies(store, held))
+            elif store not in ParamStore._unadopted:
+                raise UsageError(
+                    "tidal.deepspeed.zero.GatheredParameters(..., modifier_rank=...): these "
+                    "parameters are trained by an engine; write new values with "
+                    "engine.load_state_dict({name: tensor}, strict=False) between steps")
+            else:
+                # (callbacks run last first: the 16-bit slots follow once the
+                # masters are released)
+                stack.callback(store.sync_param16)
+                stack.enter_context(store.materialized_params(held))
+        yield
+
+
+def _by_store(params) -> dict:
+    out: dict = {}
+    for p in params:
+        store = ParamStore.owning([p])
+        if store is not None:
+            out.setdefault(store, []).append(p)
+    return out
+
+
+@contextlib.contextmanager
+def _copies(store, params):
+    """Each parameter holds a copy of its values (its dtype, its device) while
+    inside; what is written to them is dropped at the exit, where each gets back
+    the data it had (a placeholder; or, under an engine between steps, or an
+    enclosing context, a view of its slot)."""
+    done = []
+    try:
+        for p in params:
+            old = p.data
+            if p.numel() == 0:
+                p.data = store.gather(store.by_param[id(p)]).to(p.dtype)
+            else:
+                p.data = old.clone()
+            done.append((p, old))
+        yield
+    finally:
+        for p, old in reversed(done):
+            p.data = old
+        # (A write to a copy bumped its parameter's version count: dropped, as
+        # DeepSpeed drops it, not a write the engine must keep or name.)
+        store.forget_writes([store.by_param[id(p)] for p, _ in done])
