@@ -212,6 +212,11 @@ void ModuleHooks::queue_backward_end() {
   std::weak_ptr<ModuleHooks> self = weak_from_this();
   if (self.expired()) return;
   const bool raw = !engine_backward_;
+  if (raw && raw_limit_ && cuda_ordinal_ < 0) {
+    // Limited from here as under engine.backward() (set_raw_backward_limits).
+    tracer_->set_enforce(true);
+    if (raw_room_maker_) set_device_room_maker(true);
+  }
   torch::autograd::Engine::get_default_engine().queue_callback([self, raw] {
     if (const std::shared_ptr<ModuleHooks> hooks = self.lock()) {
       hooks->end_backward();

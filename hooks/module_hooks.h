@@ -208,6 +208,15 @@ class ModuleHooks : public dtr::ChunkArbiter, public std::enable_shared_from_thi
   // a backward it does not run raises `refusal` unless it is empty.
   void set_engine_backward(bool running) { engine_backward_ = running; }
   void set_raw_backward(std::string refusal) { raw_refusal_ = std::move(refusal); }
+  // Note [The end of a backward]: a backward engine.backward() does not run
+  // (loss.backward() on the model) limits the simulated device again at its
+  // first hook, as engine.backward() does before it starts (between a forward
+  // and its backward nothing is limited): `limit` turns the tracer's hard
+  // limit on, `room_maker` the room maker with it.
+  void set_raw_backward_limits(bool limit, bool room_maker) {
+    raw_limit_ = limit;
+    raw_room_maker_ = room_maker;
+  }
   // Whether a backward that engine.backward() did not run ended since the last call.
   bool take_backward_ended() {
     const bool ended = raw_backward_ended_;
@@ -383,6 +392,8 @@ class ModuleHooks : public dtr::ChunkArbiter, public std::enable_shared_from_thi
   std::uint64_t cuda_room_token_ = 0;  // nonzero while this engine's callback is armed
   bool engine_backward_ = false;
   bool raw_backward_ended_ = false;
+  bool raw_limit_ = false;
+  bool raw_room_maker_ = false;
   std::string raw_refusal_;
   // Scratch of the hooks, reused to keep them free of allocations.
   std::vector<std::size_t> scratch_;

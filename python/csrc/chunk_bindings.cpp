@@ -282,6 +282,9 @@ may wait for a chunk copy release the GIL.)doc")
            "The versions of `params` (None: all) now count as seen.")
       .def("set_engine_backward", [](Hooks& h, bool on) { h.get().set_engine_backward(on); },
            py::arg("running"))
+      .def("set_raw_backward_limits",
+           [](Hooks& h, bool limit, bool room_maker) { h.get().set_raw_backward_limits(limit, room_maker); },
+           py::arg("limit"), py::arg("room_maker"))
       .def("set_raw_backward", [](Hooks& h, std::string refusal) { h.get().set_raw_backward(std::move(refusal)); },
            py::arg("refusal"),
            "Non-empty: a backward not run by engine.backward() raises this (Note [The end of a backward]).")

@@ -331,6 +331,7 @@ class Engine(ExternalMixin, StateDictMixin, HookWiringMixin, DataParallelMixin, 
         self._reads_mode = None
         self._install_hooks()
         self._hooks.set_raw_backward(self._raw_backward_refusal())
+        self._hooks.set_raw_backward_limits(self._enforce_budget, self._enforce_budget and self.config.room_on_miss)
         _external.install(model, self, self._param_names_by_module())
         _guards.guard_conversions(model, self)  # Note [Conversions of a trained model]
         self._install_state_dict_hooks()
