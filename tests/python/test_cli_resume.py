@@ -111,3 +111,31 @@ def test_lr_on_resume_under_a_warmup_schedule_is_the_run_started_with_that_lr(
     # The rate for step 5, by the formula: 0.02 x 3 / 10.
     assert groups(tmp_path / "ck" / "step4")[0]["lr"] == pytest.approx(0.02 * 3 / 10, rel=1e-12)
     assert groups(tmp_path / "ck" / "step4")[0]["initial_lr"] == 0.02
+
+
+def test_clipping_and_accumulation_changed_on_resume_apply_and_are_named(tmp_path, keep_device, capsys):
+    # The config's values a checkpoint does not restore (Note [Hyperparameters on
+    # resume]): this run's apply from the next step, and one line says so.
+    config = json.loads((ROOT / "configs" / "gpt_quick.json").read_text())
+    trained_clip = float(config.get("gradient_clipping", 1.0))
+    trained_accum = int(config.get("gradient_accumulation_steps", 1))
+    ck = tmp_path / "ck"
+    train.run(quick("--steps", "2", "--save-every", "2", "--save-dir", str(ck)))
+    same = train.run(quick("--steps", "3", "--resume", str(ck / "step2"), "--save-every", "3",
+                           "--save-dir", str(tmp_path / "same")))
+    assert "note:" not in capsys.readouterr().out
+    config.update(gradient_clipping=1e-4, gradient_accumulation_steps=trained_accum + 1)
+    other = tmp_path / "other.json"
+    other.write_text(json.dumps(config))
+    changed = train.run(quick("--steps", "3", "--resume", str(ck / "step2"), "--config", str(other),
+                              "--save-every", "3", "--save-dir", str(tmp_path / "changed")))
+    notes = [line for line in capsys.readouterr().out.splitlines() if "note:" in line]
+    assert notes == [f"[tidal-train] note: gradient_clipping 0.0001 applies from step 3 on "
+                     f"({ck / 'step2'} trained with {trained_clip:g}); gradient_accumulation_steps "
+                     f"{trained_accum + 1} applies from step 3 on ({ck / 'step2'} trained with "
+                     f"{trained_accum})"]
+    assert changed["gradient_accumulation_steps"] == trained_accum + 1
+    assert same["gradient_accumulation_steps"] == trained_accum
+    # The clip at 1e-4 (far below any gradient norm) changed step 3's update.
+    a, b = slots(tmp_path / "same" / "step3"), slots(tmp_path / "changed" / "step3")
+    assert any(a[k] != b[k] for k in a if k[1] == "param32")

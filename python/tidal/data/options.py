@@ -39,7 +39,11 @@ config the scheduler's value at the loaded position scaled by it (Note
 that --lr would use at that step. Adam's moments and step counts stay the
 checkpoint's. Either way one line says what differs: the rate that now
 applies and the one the checkpoint trained at, or, without --lr, each value
-of the config that the checkpoint's overrides.
+of the config that the checkpoint's overrides. The config's values a
+checkpoint does not restore and a step depends on (gradient_clipping,
+gradient_accumulation_steps) are this run's; where they differ from the ones
+the checkpoint trained with (kept in its client state), the same line says
+that they apply from the next step.
 """
 from __future__ import annotations
 
@@ -255,7 +259,8 @@ def save(engine, save_dir, step: int, batches):
     if torch.cuda.is_available():
         rng["cuda"] = torch.cuda.get_rng_state_all()
     state = {_STATE_KEY: {"format": _STATE_FORMAT, "step": step, "data": batches.state_dict(),
-                          "rng": rng, "threads": torch.get_num_threads()}}
+                          "rng": rng, "threads": torch.get_num_threads(),
+                          "settings": _step_settings(engine)}}
     try:
         return engine.save_checkpoint(save_dir, tag=f"step{step}", client_state=state)
     except OSError as e:
@@ -399,6 +404,32 @@ def resume(engine, where, batches, lr: float | None = None,
         torch.cuda.set_rng_state_all(state["rng"]["cuda"])
     step = int(state["step"])
     line = _hyperparameters(engine, fresh, lr, path, step)
+    changed = _changed_settings(engine, state.get("settings"), path, step)
+    if changed is not None:
+        line = changed if line is None else f"{line}; {changed}"
     if line is not None and log is not None:
         log(line)
     return path, step
+
+
+def _step_settings(engine) -> dict:
+    """The config's values a checkpoint does not restore and a step depends on
+    (Note [Hyperparameters on resume])."""
+    return {"gradient_clipping": float(engine.config.gradient_clipping),
+            "gradient_accumulation_steps": int(engine.config.gradient_accumulation_steps)}
+
+
+def _changed_settings(engine, saved, path: Path, step: int) -> str | None:
+    """The part of the resume line for the config's values the checkpoint does
+    not restore: they apply from the next step as this run's config gives them,
+    and the line says so; None when none changed (or the checkpoint predates
+    saving them)."""
+    if not isinstance(saved, dict):
+        return None
+    parts = []
+    for key, value in _step_settings(engine).items():
+        if key in saved and saved[key] != value:
+            parts.append(f"{key} {value:g} applies from step {step + 1} on ({path} trained with "
+                         f"{saved[key]:g})")
+    return "; ".join(parts) or None
+
