@@ -84,3 +84,11 @@ def measured_budget(model, cfg, batches, chunk_share=0.25, slack=1.25):
     finally:
         probe.remove_hooks()
 
+
+
+def raw_numel(p) -> int:
+    """The elements a parameter's data holds now: 0 for tidal's placeholder.
+    (p.numel() answers the parameter's own count while an engine trains it:
+    Note [A parameter object stays the user's] in tidal/engine/user_param.py.)"""
+    with torch._C.DisableTorchFunctionSubclass():
+        return p.numel()

@@ -414,9 +414,11 @@ def test_hellodeepspeeds_bert_trains_and_resumes_as_under_deepspeed(tmp_path):
     assert_close_losses(losses, ref_losses, rel=1e-5)
     assert_close_weights(first.parameters_fp32(), ref.fp32(), rel=1e-5)
     assert saved["step"] == 3 and (tmp_path / "global_step3").is_dir()
-    # HelloDeepSpeed's log line counts the parameters: placeholders under tidal
-    # (as under ZeRO-3); DeepSpeed's ZeRO-3 count and the engine's give the number.
+    # HelloDeepSpeed's log line counts the parameters by numel(): the number, as
+    # DeepSpeed's ZeRO-3 count and the engine's (the placeholders answer their
+    # shapes: Note [A parameter object stays the user's]).
     count = sum(p.numel() for p in ref.model.parameters())
+    assert sum(p.numel() for p in first.module.parameters()) == count
     assert deepspeed_count(first.module) == first.num_parameters() == count
     # Resumed from global_step3 in a fresh run (the script's load_checkpoint_dir):
     # DeepSpeed's load_checkpoint leaves the RNG where the script's seed and model

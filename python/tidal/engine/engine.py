@@ -60,6 +60,7 @@ from ..lr_schedules import build_scheduler
 from . import checkpoint as _checkpoint
 from . import device_cap as _device_cap
 from . import external as _external
+from . import user_param as _user_param
 from . import guards as _guards
 from . import param_groups as _param_groups
 from .dtr_link import DtrLink
@@ -333,6 +334,7 @@ class Engine(ExternalMixin, StateDictMixin, HookWiringMixin, DataParallelMixin, 
         self._hooks.set_raw_backward(self._raw_backward_refusal())
         self._hooks.set_raw_backward_limits(self._enforce_budget, self._enforce_budget and self.config.room_on_miss)
         _external.install(model, self, self._param_names_by_module())
+        _user_param.install(self)  # Note [A parameter object stays the user's]
         _guards.guard_conversions(model, self)  # Note [Conversions of a trained model]
         self._install_state_dict_hooks()
         _guards.register(self)

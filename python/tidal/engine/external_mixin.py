@@ -36,9 +36,28 @@ def _inside_module_apply() -> bool:
 
 class ExternalMixin:
     # ------------------------------------------------ external parameters
-    def _read_param(self, i: int):
+    def _serves_user_reads(self) -> bool:
+        """Whether a use of a held parameter's placeholder is a read to serve
+        now (Note [A parameter object stays the user's] in user_param.py): not
+        inside a forward or a backward, nor while a state dict is read or
+        written through the placeholders."""
+        return not (self._hooks.running() or torch._C._current_graph_task_id() != -1
+                    or getattr(self, "_loading_state", False) or getattr(self, "_state_io", None) is not None)
+
+    def _read_for_user(self, indexes):
+        """Parameters `indexes`, held by a script and used outside a forward,
+        come in as reads through their attributes do; they make room for each
+        other, oldest first, but not for those of the same call."""
+        keep = set()
+        for i in indexes:
+            self._read_param(i, room=True, keep=keep)
+            keep.add(i)
+
+    def _read_param(self, i: int, room: bool = False, keep=()):
         """A read of parameter `i` found its placeholder (ParameterReads;
-        Note [External parameters] in hooks/module_hooks.h)."""
+        Note [External parameters] in hooks/module_hooks.h). room: reads
+        outside a forward before it go back to their chunks when the device is
+        full (those in `keep` stay), as under model.apply."""
         hooks = self._hooks
         record = self._record_list[i]
         running = hooks.running()
@@ -59,7 +78,7 @@ class ExternalMixin:
         except OutOfMemoryError as e:
             # (Only under model.apply(fn), which reads module by module: elsewhere
             # a parameter the script holds would turn empty behind its back.)
-            if running or not _inside_module_apply() or not self._room_for_outside_read(i):
+            if running or not (room or _inside_module_apply()) or not self._room_for_outside_read(i, keep):
                 self._attach_failed(e, module, [record], lambda: hooks.read_param(i, learn))
         if not running:
             self._outside_reads.append(i)
@@ -89,15 +108,20 @@ class ExternalMixin:
         if record.trainable:
             handle = record.param.register_hook(attach)
 
-    def _room_for_outside_read(self, i: int) -> bool:
+    def _room_for_outside_read(self, i: int, keep=()) -> bool:
         """A read outside a forward found no device room: the parameters read
         outside a forward before it go back to their chunks, oldest first,
         each with what was written to it (model.apply(init_fn) over a model
         larger than the device reads one module at a time), until parameter
         `i` fits. False when none is left to go."""
         hooks = self._hooks
-        while self._outside_reads:
-            j = self._outside_reads.pop(0)
+        k = 0
+        while k < len(self._outside_reads):
+            j = self._outside_reads[k]
+            if j in keep:
+                k += 1
+                continue
+            del self._outside_reads[k]
             if not hooks.attached(j) or hooks.served(j):
                 continue
             with _dtr.outside():

@@ -13,6 +13,7 @@ import torch
 from .. import _C
 from .. import dtr as _dtr
 from . import external as _external
+from . import user_param as _user_param
 from . import guards as _guards
 from . import hooks as _hooks
 from .errors import UnsupportedModelError
@@ -26,6 +27,7 @@ class HookWiringMixin:
             h.remove()
         self._handles.clear()
         _external.uninstall(self.module)
+        _user_param.uninstall(self)
         _guards.unguard_conversions(self.module)
         self._count(False)  # (nothing of the engine's stays running for plain PyTorch code)
         if self.recompute_plan is not None:
@@ -126,6 +128,7 @@ class HookWiringMixin:
         if torch._C._current_graph_task_id() == -1:  # (not a recompute inside backward)
             self._settle_raw_backward()
             self._loading_state = False  # (a load_state_dict that raised midway)
+            self._state_io = None  # (a state_dict that raised midway)
             # Parameters read outside any forward since the last (Note
             # [External parameters]) go back to their chunks, with what user
             # code wrote to them (Note [Writes to a parameter]).

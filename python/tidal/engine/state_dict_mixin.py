@@ -22,6 +22,21 @@ class StateDictMixin:
         chunks: the module itself holds empty placeholders (a torch.save of
         them would lose the model without a word)."""
         ref = weakref.ref(self)
+        self._state_io = None  # the module whose state_dict() is running (Note [A parameter object stays the user's])
+
+        def saving(module, prefix, keep_vars):
+            engine = ref()
+            if engine is not None and engine._state_io is None:
+                engine._state_io = module
+
+        def saved(module, state, prefix, local_metadata):
+            engine = ref()
+            if engine is not None and engine._state_io is module:
+                engine._state_io = None
+        for m in self.module.modules():
+            # (torch's Module.state_dict runs on the placeholders; the values
+            # come from the hooks below.)
+            self._handles.append(m.register_state_dict_pre_hook(saving))
         for m, names in self._param_names_by_module().items():
             def save(module, state, prefix, local_metadata, names=names):
                 engine = ref()
@@ -46,6 +61,8 @@ class StateDictMixin:
             self._handles.append(m.register_state_dict_post_hook(save))
             self._handles.append(m.register_load_state_dict_pre_hook(load))
             self._handles.append(m.register_load_state_dict_post_hook(loaded))
+        for m in self.module.modules():
+            self._handles.append(m.register_state_dict_post_hook(saved))  # (after the values)
 
     def _fill_state_dict(self, state, prefix, names):
         """A module's state_dict entries for its parameters: their weights (CPU

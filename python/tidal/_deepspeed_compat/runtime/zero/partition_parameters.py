@@ -51,8 +51,8 @@ class ZeroParamStatus(Enum):
 # parameter holds a view), ds_param_type PARTITIONED, ds_persist False, and
 # ds_tensor None: there is no partition tensor to hand out (the values live in
 # chunk slots; read them through GatheredParameters). A plain
-# `sum(p.numel() ...)` still counts the placeholders (0); engine.num_parameters()
-# gives the count.
+# `sum(p.numel() ...)` counts the same (Note [A parameter object stays the
+# user's] in tidal/engine/user_param.py), as does engine.num_parameters().
 _ids = itertools.count()
 
 
