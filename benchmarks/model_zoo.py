@@ -2,7 +2,7 @@
 downloaded), trained in plain PyTorch + tidal.optim.CPUAdam and under
 tidal.initialize on the simulated device with a device budget below its
 state, and compared bit for bit. Writes benchmarks/results/model_zoo-<machine>.json;
-the README's "Models tried" table is generated from it (benchmarks/make_table.py).
+the "Models tried" table of docs/models.md is generated from it (benchmarks/make_table.py).
 
     python benchmarks/model_zoo.py [--steps 5] [--only llama lstm ...] [--quick] [--output F]
 

@@ -23,7 +23,7 @@ MOST = {"gpt-1.3b": 0.11, "gpt-6.7b": 0.035, "gpt-13b": 0.03, "gpt-20b": 0.01}
 
 def test_dedicated_weights_leave_little_padding(tmp_path):
     # benchmarks/chunk_padding.py: tidal.estimate's layout against 14 B per
-    # parameter counted by torch (its result file is the README's figure).
+    # parameter counted by torch (its result file is the figure in docs/engine.md).
     out = tmp_path / "padding.json"
     p = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "chunk_padding.py"), "--presets",
                         ",".join(MOST), "--chunks", "64MiB", "--output", str(out)],

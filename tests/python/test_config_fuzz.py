@@ -115,7 +115,7 @@ def _apply(m):
 
 
 def _within_bounds(c: Config):
-    """What a Config that loaded promises (docs/README config table)."""
+    """What a Config that loaded promises (the key tables of docs/config.md)."""
     assert math.isfinite(c.lr) and c.lr >= 0
     assert len(c.betas) == 2 and all(0 <= b < 1 for b in c.betas)
     assert c.eps > 0 and math.isfinite(c.eps)

@@ -7,8 +7,8 @@ under tidal.initialize on the simulated device with a measured device budget
 below its state; the losses and the whole state_dict (weights, tied keys,
 buffers) must be equal bit for bit, chunks must have been evicted, and no
 step may have gone over the budget. The models, their data and both training
-loops are benchmarks/model_zoo.py's (its result file makes the README's
-"Models tried" table); the models tidal refuses today are
+loops are benchmarks/model_zoo.py's (its result file makes the "Models
+tried" table of docs/models.md); the models tidal refuses today are
 model_zoo.REFUSED, marked xfail(strict=True) on the exception they raise.
 """
 import json
