@@ -373,3 +373,31 @@ def test_gathered_copies_dropped_as_deepspeed_drops_them(budget):
     pair.step(2)
     pair.assert_same()
     _moved(pair.engine, budget)
+
+
+@pytest.mark.parametrize("budget", list(BUDGETS.values()), ids=list(BUDGETS))
+def test_a_write_into_a_state_dict_entry_is_kept_as_in_plain_pytorch(budget):
+    # Plain PyTorch's entries share the parameters' memory (Note [Writes into a
+    # state dict]): a write into one, while the dict lives, is a write to the model.
+    pair = Pair(budget)
+    pair.step(0)
+    got, want = pair.model.state_dict(), pair.ref.state_dict()
+    with torch.no_grad():
+        for sd in (got, want):
+            sd["layers.0.weight"].mul_(0.5)
+            sd["layers.2.bias"].copy_(torch.linspace(-1, 1, 64))
+    pair.step(1)
+    pair.step(2)
+    pair.assert_same()
+    _moved(pair.engine, budget)
+    del got, want
+
+
+def test_a_write_into_a_state_dict_entry_between_backward_and_step_is_named():
+    pair = Pair(BUDGETS["chunks-move"])
+    sd = pair.model.state_dict()
+    x, y = pair.data[0]
+    pair.engine.backward(pair.engine(x, y))
+    sd["layers.1.weight"].zero_()
+    with pytest.raises(tidal.UsageError, match=r"'layers\.1\.weight'"):
+        pair.engine.step()

@@ -172,6 +172,7 @@ class ExternalMixin:
                 lost.add(i)
                 continue
             self._write_value(r, value, attached=hooks.attached(i))
+        self._settle_state_copies(lost)
         if end_reads:
             with _dtr.outside():
                 hooks.end_backward()
@@ -207,6 +208,34 @@ class ExternalMixin:
                     master[changed] = value[changed].to(master.dtype)
             finally:
                 c.release(record.id, PARAM32, HOLD)
+
+    # Note [Writes into a state dict]
+    # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+    # Plain PyTorch's model.state_dict() holds the parameters' own memory
+    # (detached views), so a script that writes into an entry (clamping,
+    # pruning by mask, loading by hand into the dict it got) writes into the
+    # model. tidal's entries are copies of the chunks' 16-bit weights; each one
+    # is remembered with its version count, and where the engine takes the
+    # weights back an entry still alive that was written since goes into the
+    # parameter, 16-bit copy and fp32 master, as `p.data = entry` would (after
+    # the writes to the parameters themselves); between backward and step it is
+    # a write that reaches nothing (a UsageError naming it). Entries that died
+    # are forgotten; nothing is copied back otherwise.
+    def _settle_state_copies(self, lost):
+        hooks = self._hooks
+        kept = []
+        for ref, i, version in getattr(self, "_state_copies", ()):
+            t = ref()
+            if t is None:
+                continue
+            if t._version != version:
+                if hooks.landed(i):
+                    lost.add(i)
+                else:
+                    self._write_value(self._record_list[i], t, attached=hooks.attached(i))
+                version = t._version
+            kept.append((ref, i, version))
+        self._state_copies = kept
 
     def _write_value(self, record, value, attached: bool):
         """`p.data = value`: the 16-bit copy (through the attached parameter,

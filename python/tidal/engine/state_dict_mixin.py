@@ -22,6 +22,7 @@ class StateDictMixin:
         chunks: the module itself holds empty placeholders (a torch.save of
         them would lose the model without a word)."""
         ref = weakref.ref(self)
+        self._state_copies = []  # (tensor weakref, index, its version): Note [Writes into a state dict]
         self._state_io = None  # the module whose state_dict() is running (Note [A parameter object stays the user's])
 
         def saving(module, prefix, keep_vars):
@@ -74,7 +75,11 @@ class StateDictMixin:
             value = state.get(key)
             if value is None or isinstance(value, torch.nn.Parameter):
                 continue
-            state[key] = self._weight_copy(self._record_list[i])
+            copy = self._weight_copy(self._record_list[i])
+            state[key] = copy
+            # Note [Writes into a state dict]: plain PyTorch's entries share the
+            # parameters' memory, so a write into one is a write to the model.
+            self._state_copies.append((weakref.ref(copy), i, copy._version))
 
     def _weight_copy(self, record) -> torch.Tensor:
         """A host copy of `record`'s weight in its 16-bit dtype: the slot, or
