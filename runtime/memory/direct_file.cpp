@@ -1,0 +1,249 @@
+#include "runtime/memory/direct_file.h"
+
+#include <dirent.h>
+#include <fcntl.h>
+#include <sys/file.h>
+#include <sys/stat.h>
+#include <sys/statvfs.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <cerrno>
+#include <cstdlib>
+#include <cstring>
+#include <regex>
+#include <utility>
+
+#include "runtime/core/error.h"
+
+namespace tidal {
+namespace {
+
+std::size_t round_up(std::size_t bytes, std::size_t to) { return (bytes + to - 1) / to * to; }
+
+std::string errno_text(int err) { return std::string(std::strerror(err)); }
+
+std::atomic<unsigned> file_counter{0};
+
+// Note [Chunks on NVMe: the file]: a tidal-*.slots file whose lock can be
+// taken belongs to a process that is gone.
+std::vector<std::string> remove_stale(const std::string& dir) {
+  std::vector<std::string> removed;
+  DIR* d = ::opendir(dir.c_str());
+  if (d == nullptr) return removed;
+  static const std::regex name(R"(tidal-[0-9]+-[0-9]+\.slots)");
+  while (dirent* e = ::readdir(d)) {
+    if (!std::regex_match(e->d_name, name)) continue;
+    const std::string path = dir + "/" + e->d_name;
+    const int fd = ::open(path.c_str(), O_RDWR | O_CLOEXEC);
+    if (fd < 0) continue;
+    if (::flock(fd, LOCK_EX | LOCK_NB) == 0) {
+      if (::unlink(path.c_str()) == 0) removed.push_back(path);
+    }
+    ::close(fd);
+  }
+  ::closedir(d);
+  return removed;
+}
+
+}  // namespace
+
+AlignedBuffer::AlignedBuffer(std::size_t bytes) : size_(round_up(bytes, kDirectAlignment)) {
+  if (size_ == 0) return;
+  data_ = std::aligned_alloc(kDirectAlignment, size_);
+  TIDAL_CHECK_WITH(OutOfMemoryError, data_ != nullptr, "AlignedBuffer: could not allocate ",
+                   format_bytes(size_), " of host memory aligned to ", kDirectAlignment, " bytes");
+}
+
+AlignedBuffer::~AlignedBuffer() { std::free(data_); }
+
+AlignedBuffer::AlignedBuffer(AlignedBuffer&& other) noexcept
+    : data_(std::exchange(other.data_, nullptr)), size_(std::exchange(other.size_, 0)) {}
+
+AlignedBuffer& AlignedBuffer::operator=(AlignedBuffer&& other) noexcept {
+  if (this != &other) {
+    std::free(data_);
+    data_ = std::exchange(other.data_, nullptr);
+    size_ = std::exchange(other.size_, 0);
+  }
+  return *this;
+}
+
+std::uint64_t DirectFile::free_bytes(const std::string& dir) {
+  struct statvfs s {};
+  if (::statvfs(dir.c_str(), &s) != 0) return 0;
+  return static_cast<std::uint64_t>(s.f_bavail) * s.f_frsize;
+}
+
+DirectFile::DirectFile(const DirectFileOptions& options)
+    : slot_bytes_(round_up(options.slot_bytes, kDirectAlignment)),
+      slots_(options.slots),
+      request_bytes_(round_up(options.request_bytes, kDirectAlignment)) {
+  TIDAL_CHECK(options.slot_bytes > 0 && options.slots > 0, "DirectFile: expected slot_bytes > 0 and slots > 0, got ",
+              options.slot_bytes, " and ", options.slots);
+  TIDAL_CHECK(options.threads >= 1 && options.threads <= 1024, "DirectFile: expected 1 to 1024 threads, got ",
+              options.threads);
+  TIDAL_CHECK(options.request_bytes > 0, "DirectFile: expected request_bytes > 0, got 0");
+  struct stat st {};
+  TIDAL_CHECK(!options.dir.empty() && ::stat(options.dir.c_str(), &st) == 0 && S_ISDIR(st.st_mode),
+              "DirectFile: the folder '", options.dir, "' does not exist or is not a folder (nvme_path must "
+              "name an existing folder on the disk to use)");
+  removed_stale_ = remove_stale(options.dir);
+  path_ = detail::str_cat(options.dir, "/tidal-", ::getpid(), "-", file_counter.fetch_add(1), ".slots");
+  fd_ = ::open(path_.c_str(), O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC | O_DIRECT, 0600);
+  if (fd_ < 0 && errno == EINVAL) {
+    // No O_DIRECT on this file system (tmpfs, some FUSE file systems).
+    ::unlink(path_.c_str());
+    TIDAL_CHECK(options.allow_buffered, "DirectFile: the file system of '", options.dir,
+                "' does not support direct I/O (O_DIRECT: ", errno_text(EINVAL),
+                "), as tmpfs does not; name a folder on a disk, or allow buffered I/O (the page cache "
+                "then holds a second copy of every chunk)");
+    direct_ = false;
+    fd_ = ::open(path_.c_str(), O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
+  }
+  TIDAL_CHECK_RUNTIME(fd_ >= 0, "DirectFile: could not create '", path_, "': ", errno_text(errno));
+  if (::flock(fd_, LOCK_EX | LOCK_NB) != 0) {
+    const int err = errno;
+    ::close(fd_);
+    ::unlink(path_.c_str());
+    TIDAL_THROW(Error, "DirectFile: could not lock '", path_, "': ", errno_text(err));
+  }
+  const std::size_t total = slot_bytes_ * slots_;
+  const int err = ::posix_fallocate(fd_, 0, static_cast<off_t>(total));
+  if (err != 0) {
+    const std::uint64_t free = free_bytes(options.dir);
+    ::close(fd_);
+    ::unlink(path_.c_str());
+    TIDAL_THROW(Error, "DirectFile: could not reserve ", format_bytes(total), " for ", slots_, " slots of ",
+                format_bytes(slot_bytes_), " in '", path_, "': ", errno_text(err), "; the file system has ",
+                format_bytes(free), " free");
+  }
+  threads_.reserve(static_cast<std::size_t>(options.threads));
+  for (int i = 0; i < options.threads; ++i) threads_.emplace_back([this] { worker(); });
+}
+
+DirectFile::~DirectFile() {
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    stopping_ = true;
+  }
+  work_.notify_all();
+  for (std::thread& t : threads_) t.join();
+  if (fd_ >= 0) ::close(fd_);
+  if (!path_.empty()) ::unlink(path_.c_str());
+}
+
+DirectFile::Ticket DirectFile::write(std::size_t slot, const void* src, std::size_t bytes) {
+  return submit(true, slot, const_cast<char*>(static_cast<const char*>(src)), bytes);
+}
+
+DirectFile::Ticket DirectFile::read(std::size_t slot, void* dst, std::size_t bytes) {
+  return submit(false, slot, static_cast<char*>(dst), bytes);
+}
+
+DirectFile::Ticket DirectFile::submit(bool write, std::size_t slot, char* buffer, std::size_t bytes) {
+  const char* what = write ? "write" : "read";
+  TIDAL_CHECK_INDEX(slot < slots_, "DirectFile::", what, ": slot ", slot, " of a file of ", slots_, " slots");
+  TIDAL_CHECK(bytes > 0 && bytes <= slot_bytes_, "DirectFile::", what, ": expected 1 to ", slot_bytes_,
+              " bytes (a slot), got ", bytes);
+  TIDAL_CHECK(reinterpret_cast<std::uintptr_t>(buffer) % kDirectAlignment == 0 && bytes % kDirectAlignment == 0,
+              "DirectFile::", what, ": direct I/O needs a buffer aligned to ", kDirectAlignment,
+              " bytes and a multiple of it in size; got address ", static_cast<const void*>(buffer), " and ",
+              bytes, " bytes (use AlignedBuffer)");
+  std::unique_lock<std::mutex> lock(mutex_);
+  const Ticket ticket = next_ticket_++;
+  Pending& p = pending_[ticket];
+  const std::size_t base = slot * slot_bytes_;
+  for (std::size_t off = 0; off < bytes; off += request_bytes_) {
+    const std::size_t n = std::min(request_bytes_, bytes - off);
+    queue_.push_back(Request{ticket, write, base + off, buffer + off, n, slot});
+    ++p.left;
+  }
+  lock.unlock();
+  work_.notify_all();
+  return ticket;
+}
+
+std::string DirectFile::describe_failure(const Request& r, int err, long done) const {
+  const char* what = r.write ? "writing" : "reading";
+  std::string cause = err != 0 ? errno_text(err) : detail::str_cat("the file ended after ", done, " bytes");
+  return detail::str_cat("DirectFile: ", what, " ", r.bytes, " bytes at offset ", r.offset, " (slot ", r.slot,
+                         ") of '", path_, "' failed: ", cause, "; the file system has ",
+                         format_bytes(free_bytes(path_.substr(0, path_.rfind('/')))), " free");
+}
+
+void DirectFile::worker() {
+  for (;;) {
+    Request r{};
+    {
+      std::unique_lock<std::mutex> lock(mutex_);
+      work_.wait(lock, [this] { return stopping_ || !queue_.empty(); });
+      if (queue_.empty()) return;  // (stopping, nothing left)
+      r = queue_.front();
+      queue_.pop_front();
+    }
+    std::string error;
+    std::size_t done = 0;
+    while (done < r.bytes) {
+      const off_t at = static_cast<off_t>(r.offset + done);
+      const ssize_t n = r.write ? ::pwrite(fd_, r.buffer + done, r.bytes - done, at)
+                                : ::pread(fd_, r.buffer + done, r.bytes - done, at);
+      if (n < 0 && errno == EINTR) continue;
+      if (n <= 0) {
+        error = describe_failure(r, n < 0 ? errno : 0, static_cast<long>(done));
+        break;
+      }
+      done += static_cast<std::size_t>(n);
+    }
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      Pending& p = pending_[r.ticket];
+      if (!error.empty() && p.error.empty()) p.error = std::move(error);
+      (r.write ? bytes_written_ : bytes_read_) += done;
+      --p.left;
+    }
+    done_.notify_all();
+  }
+}
+
+void DirectFile::wait(Ticket ticket) {
+  std::unique_lock<std::mutex> lock(mutex_);
+  TIDAL_CHECK(pending_.count(ticket) == 1, "DirectFile::wait: ticket ", ticket,
+              " is not pending (waited for already?)");
+  // (Looked up each time: a submit while this waits may rehash the map.)
+  done_.wait(lock, [&] { return pending_.find(ticket)->second.left == 0; });
+  auto it = pending_.find(ticket);
+  std::string error = std::move(it->second.error);
+  pending_.erase(it);
+  lock.unlock();
+  TIDAL_CHECK_RUNTIME(error.empty(), error);
+}
+
+void DirectFile::wait_all() {
+  std::vector<Ticket> tickets;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    for (const auto& [t, p] : pending_) tickets.push_back(t);
+  }
+  std::string first;
+  for (Ticket t : tickets) {
+    try {
+      wait(t);
+    } catch (const Error& e) {
+      if (first.empty()) first = e.what();
+    }
+  }
+  TIDAL_CHECK_RUNTIME(first.empty(), first);
+}
+
+std::uint64_t DirectFile::bytes_read() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return bytes_read_;
+}
+
+std::uint64_t DirectFile::bytes_written() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return bytes_written_;
+}
+
+}  // namespace tidal

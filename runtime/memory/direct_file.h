@@ -1,0 +1,146 @@
+// A file of fixed-size slots on a disk, read and written with direct,
+// asynchronous I/O: the storage under the third memory space (chunks on NVMe,
+// issue 44). libtorch-free; the engine's use of it comes later.
+//
+// Note [Chunks on NVMe: the file]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// A chunk is a large, aligned, fixed-size block, which is what direct I/O
+// wants: each slot of the file holds one, at an offset that is a multiple of
+// the slot size (rounded up to 4 KiB). A read or write of a slot is split into
+// requests of `request_bytes` (1 MiB, as DeepSpeed's aio handle uses) that a
+// pool of threads issues with pread/pwrite on an O_DIRECT descriptor, up to
+// `threads` at a time: on a drive, queue depth is what reaches its rate, and
+// a thread per request in flight needs no kernel interface beyond POSIX
+// (io_uring, through liburing, is the other way the issue names; not built
+// here). Submission returns at once with a ticket; wait() returns when every
+// request of it has completed, or throws the first failure, naming the path,
+// the slot, the bytes, errno's text and the bytes free on the file system.
+//
+// The file is made whole at creation (posix_fallocate of slots x slot
+// bytes): a disk too small fails there, before anything trains, naming the
+// bytes needed and free. It is named tidal-<pid>-<n>.slots and held with an
+// exclusive flock for its life; the destructor closes and removes it. Files
+// of a process that was killed are found by create() in the same folder (a
+// tidal-*.slots file whose lock can be taken: its owner is gone), removed,
+// and reported in removed_stale(). A file system without O_DIRECT (tmpfs)
+// is refused unless `allow_buffered` is set, and then direct() is false (the
+// caller warns: the page cache then holds a second copy of every slot).
+//
+// Buffers given to read/write must be aligned to kDirectAlignment and
+// their byte count a multiple of it (O_DIRECT's rule); AlignedBuffer makes
+// such buffers. The caller keeps a buffer alive and untouched until its
+// ticket is waited for.
+#pragma once
+
+#include <condition_variable>
+#include <cstddef>
+#include <cstdint>
+#include <deque>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <unordered_map>
+#include <vector>
+
+namespace tidal {
+
+constexpr std::size_t kDirectAlignment = 4096;
+
+// A heap buffer aligned for direct I/O (not pinned; the device layer pins).
+class AlignedBuffer {
+ public:
+  AlignedBuffer() = default;
+  explicit AlignedBuffer(std::size_t bytes);
+  ~AlignedBuffer();
+  AlignedBuffer(AlignedBuffer&& other) noexcept;
+  AlignedBuffer& operator=(AlignedBuffer&& other) noexcept;
+  AlignedBuffer(const AlignedBuffer&) = delete;
+  AlignedBuffer& operator=(const AlignedBuffer&) = delete;
+  void* data() const { return data_; }
+  std::size_t size() const { return size_; }
+
+ private:
+  void* data_ = nullptr;
+  std::size_t size_ = 0;
+};
+
+struct DirectFileOptions {
+  std::string dir;               // the folder (nvme_path)
+  std::size_t slot_bytes = 0;    // bytes per slot (a chunk's), rounded up to 4 KiB
+  std::size_t slots = 0;         // slots in the file
+  std::size_t request_bytes = std::size_t{1} << 20;  // one pread/pwrite
+  int threads = 8;               // requests in flight at most
+  bool allow_buffered = false;   // no O_DIRECT on the file system: buffered I/O instead of an error
+};
+
+class DirectFile {
+ public:
+  using Ticket = std::uint64_t;
+
+  explicit DirectFile(const DirectFileOptions& options);
+  ~DirectFile();
+  DirectFile(const DirectFile&) = delete;
+  DirectFile& operator=(const DirectFile&) = delete;
+
+  // Writes `bytes` from `src` to the start of `slot`; returns at once.
+  Ticket write(std::size_t slot, const void* src, std::size_t bytes);
+  // Reads `bytes` of `slot` into `dst`; returns at once.
+  Ticket read(std::size_t slot, void* dst, std::size_t bytes);
+  // Returns when the ticket's requests are done; throws the first failure.
+  void wait(Ticket ticket);
+  // Waits for every ticket not yet waited for (their failures are thrown too).
+  void wait_all();
+
+  const std::string& path() const { return path_; }
+  std::size_t slot_bytes() const { return slot_bytes_; }
+  std::size_t slots() const { return slots_; }
+  bool direct() const { return direct_; }
+  // Files of killed processes this one removed at creation.
+  const std::vector<std::string>& removed_stale() const { return removed_stale_; }
+  // Bytes read and written since creation (completed requests).
+  std::uint64_t bytes_read() const;
+  std::uint64_t bytes_written() const;
+
+  // Free bytes of the file system holding `dir` (statvfs), for messages and budgets.
+  static std::uint64_t free_bytes(const std::string& dir);
+
+ private:
+  struct Request {
+    Ticket ticket;
+    bool write;
+    std::size_t offset;
+    char* buffer;
+    std::size_t bytes;
+    std::size_t slot;
+  };
+  struct Pending {
+    std::size_t left = 0;
+    std::string error;  // the first failure
+  };
+
+  Ticket submit(bool write, std::size_t slot, char* buffer, std::size_t bytes);
+  void worker();
+  std::string describe_failure(const Request& r, int err, long done) const;
+
+  std::string path_;
+  std::size_t slot_bytes_ = 0;
+  std::size_t slots_ = 0;
+  std::size_t request_bytes_ = 0;
+  int fd_ = -1;
+  bool direct_ = true;
+  std::vector<std::string> removed_stale_;
+
+  mutable std::mutex mutex_;
+  std::condition_variable work_;
+  std::condition_variable done_;
+  std::deque<Request> queue_;
+  std::unordered_map<Ticket, Pending> pending_;
+  Ticket next_ticket_ = 1;
+  bool stopping_ = false;
+  std::uint64_t bytes_read_ = 0;
+  std::uint64_t bytes_written_ = 0;
+  std::vector<std::thread> threads_;
+};
+
+}  // namespace tidal
