@@ -153,11 +153,18 @@ def test_engine_with_chunk_blocks_from_torch_matches_adamw_and_traces_the_same_m
 
     # Without a provider the counter never sees chunk blocks (they are in the
     # simulated arena): its non-chunk peaks are the independent count.
-    plain, plain_losses, plain_trace = run_engine(copy.deepcopy(ref), cfg, batches, None)
-    plain.remove_hooks()
-
-    provider = _C.torch_cpu_memory_provider()
-    engine, losses, trace = run_engine(copy.deepcopy(ref), cfg, batches, provider)
+    # (The cycle collector stays off while both run: earlier tests' garbage
+    # collected in one run's step, finalizers that allocate included, would be
+    # that run's allocations; the two traces compare the chunk blocks' share.)
+    gc.collect()
+    gc.disable()
+    try:
+        plain, plain_losses, plain_trace = run_engine(copy.deepcopy(ref), cfg, batches, None)
+        plain.remove_hooks()
+        provider = _C.torch_cpu_memory_provider()
+        engine, losses, trace = run_engine(copy.deepcopy(ref), cfg, batches, provider)
+    finally:
+        gc.enable()
     device = engine.store.device
 
     # Chunk blocks came from the provider, all of them, and they are counted.
