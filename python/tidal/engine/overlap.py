@@ -47,6 +47,13 @@ its gradients are folded into their fp32 sums on the host (on the hook's
 thread, the fold the end of backward would make) and the worker updates from
 the sums.
 
+A parameter used again after its gradient landed (a reentrant checkpoint
+replays it, Note [Weights while gradients wait]) lands twice; its chunk's
+update would race the replay. The engine's first backward launches nothing
+and notes such parameters; from then on their chunks wait for the step. (A
+graph that starts to do so later finds the chunk's master in use and fails,
+naming the tensor.)
+
 What stays out, and why (a ConfigError when tidal.overlap_step is set to
 true; with the default, the step is not overlapped and
 memory_report()["optimizer"]["overlap_step_off"] says why): DTR and
@@ -144,6 +151,9 @@ class StepOverlap:
         self.step_host_chunks: set[int] = set()  # filled by the step
         self._last_invalid = False  # the last step clipped or overflowed
         self.folded_early: set[int] = set()  # chunks whose sums this backward folded
+        # Records whose gradient landed twice in one backward (Note [Weights
+        # while gradients wait]): their chunks wait for the step.
+        self._relanded: set = set()
         # Totals over the run (memory_report()["optimizer"]).
         self.launched_chunks = 0
         self.undone_chunks = 0
@@ -170,14 +180,17 @@ class StepOverlap:
         self._landed_ids = set()
         self._backward_end = None
         self.folded_early = set()
-        speculate = last_micro_batch and not _dtr.is_enabled()
+        # Not in the engine's first backward (the warm-up, which records the
+        # trace and finds the parameters whose gradients land twice).
+        speculate = last_micro_batch and not _dtr.is_enabled() and e.global_steps > 0
         if speculate and self._last_invalid:
             speculate = False
             self.steps_not_speculated += 1
         # DTR turned on by hand (tidal.dtr.enable(); the config's turns
         # overlap off): a replay in backward could read weights already
         # updated, so no chunk is updated during this backward.
-        self._waiting = {chunk: len(rs) for chunk, rs in recs.items()} if speculate else {}
+        self._waiting = {chunk: len(rs) for chunk, rs in recs.items()
+                         if not any(r in self._relanded for r in rs)} if speculate else {}
         # A host too small for the state (Note [One place per chunk]): the
         # step makes room first, so nothing is launched in this backward.
         self._host_short = e._host_short()
@@ -193,6 +206,9 @@ class StepOverlap:
         second use of the parameter in that backward finds its master chunk
         in use (COMPUTE) and fails there, naming the tensor."""
         if record.id in self._landed_ids:
+            # Used again after its gradient landed (a reentrant checkpoint
+            # replays it): its chunk is never launched again (below).
+            self._relanded.add(record)
             return
         self._landed_ids.add(record.id)
         left = self._waiting.get(record.chunk)
@@ -221,6 +237,8 @@ class StepOverlap:
         if self._host_short or not self._on_host_by_plan(chunk):
             return  # the step updates it (on the device, or with room made first)
         recs = self._recs[chunk]
+        if any(r in self._relanded for r in recs):
+            return
         if c.chunk_space(chunk, PARAM16) == DEVICE and any(
                 c.state(r.id, PARAM16) == _COMPUTE for r in e.records if r.chunk == chunk):
             return  # another tensor of the chunk is in use on the device: it cannot move now
