@@ -7,7 +7,7 @@ overlap, in the same run. Writes benchmarks/results/step_overlap_clip-<machine>.
 
 A GPT (TinyGPT vocab 8192, d 256, 8 layers, seq 64, batch 4, 1 MiB chunks)
 with the default config: gradient_clipping 1.0, hybrid Adam on, bf16, at a
-device budget (24 MiB) where most states are on the host, on the simulated
+device budget (48 MiB) where most states are on the host, on the simulated
 device. Three cases, each with tidal.overlap_step off and on (the default),
 run in alternating order over rounds, a pause before each:
   * "no_clip": every loss scaled by a factor that keeps the gradient norm
@@ -44,7 +44,7 @@ import common  # noqa: E402
 import tidal  # noqa: E402
 from tidal.models.gpt import TinyGPT  # noqa: E402
 
-FULL = dict(vocab=8192, d=256, layers=8, heads=4, seq=64, batch=4, budget="24MiB")
+FULL = dict(vocab=8192, d=256, layers=8, heads=4, seq=64, batch=4, budget="48MiB")
 QUICK = dict(vocab=512, d=64, layers=2, heads=4, seq=16, batch=2, budget="2MiB")
 CASES = {"no_clip": ("bf16", 1.0), "clip_some": ("bf16", 20.0), "fp16_overflow": ("fp16", 1e5)}
 
