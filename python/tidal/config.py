@@ -156,11 +156,15 @@ _TIDAL_SCHEMA: dict[str, Any] = {
                           "whose threads run CPU Adam: oneTBB's, or torch's intra-op pool (the "
                           "threads that just ran backward); results are bitwise the same (Note "
                           "[Whose threads run the update] in cpu_adam/adam.h)"),
-        "overlap_step": (bool, False, "run the CPU Adam of a chunk as soon as backward has landed "
-                                      "all its gradients, while backward goes on (Note [CPU Adam "
-                                      "during backward]); needs gradient_clipping 0, bf16 or fp32, "
-                                      "gradient_accumulation_steps 1, no DTR, recompute or data "
-                                      "parallel"),
+        "overlap_step": (bool, True, "run the CPU Adam of a chunk as soon as backward has landed "
+                                     "all its gradients, while backward goes on, as a speculation "
+                                     "the step validates (clipping, fp16 overflow) and undoes "
+                                     "where it must (Notes [CPU Adam during backward], "
+                                     "[Speculative updates and their undo]); with accumulation in "
+                                     "the last micro-batch's backward. Not with DTR, recompute or "
+                                     "data parallel: true there is an error, the default turns it "
+                                     "off (memory_report()['optimizer']['overlap_step_off'] says "
+                                     "why)"),
         "dtr": (dict, {}, "DTR of activations under the engine (docs/dtr.md): enabled, "
                           "eviction_threshold, evictee_minimum_size, enable_sqrt_sampling, scorer"),
         "recompute": (dict, {}, "tidal.recompute's own keys (tidal.recompute.from_config; "
@@ -342,7 +346,11 @@ class Config:
     optimizer_state_dtype: str = "fp32"
     cpu_adam_threads: int = 0
     cpu_adam_pool: str = "onetbb"
-    overlap_step: bool = False
+    overlap_step: bool = True
+    # Whether the config file set tidal.overlap_step, and why the default is
+    # off for this config (None: it is on).
+    overlap_step_given: bool = False
+    overlap_step_off: str | None = None
     pin_memory: bool = True
     dtr: dict = field(default_factory=dict)
     recompute: dict = field(default_factory=dict)
@@ -687,28 +695,25 @@ class Config:
             with problems.at("activation_checkpointing"):
                 _validate_recompute(self.activation_checkpointing, self.recompute)
         self.overlap_step = t["overlap_step"]
+        self.overlap_step_given = isinstance(given.get("tidal"), dict) and \
+            "overlap_step" in given["tidal"]
+        self.overlap_step_off = None if self.overlap_step else "tidal.overlap_step is false"
         if self.overlap_step and problems.ok("tidal.overlap_step"):
-            # Note [CPU Adam during backward]: what needs every gradient first.
+            # Note [CPU Adam during backward]: what it does not cover.
             conflicts = []
-            if self.gradient_clipping > 0:
-                conflicts.append(f"gradient_clipping is {self.gradient_clipping:g} (clipping needs "
-                                 f"the global norm before any update: set it to 0)")
-            if self.precision == "fp16":
-                conflicts.append("fp16 is enabled (the overflow check needs every gradient before "
-                                 "any update: use bf16)")
-            if self.gradient_accumulation_steps != 1:
-                conflicts.append(f"gradient_accumulation_steps is {self.gradient_accumulation_steps} "
-                                 f"(the update needs the sums of every micro-batch: use 1)")
             if _dtr_enabled(self.dtr):
                 conflicts.append("tidal.dtr is enabled (a replay in backward may read weights an "
                                  "update already changed)")
             if self.activation_checkpointing_given:
                 conflicts.append("activation_checkpointing / tidal.recompute is set (a recomputed "
                                  "segment may read weights an update already changed)")
-            if conflicts:
+            if conflicts and self.overlap_step_given:
                 problems.add("tidal.overlap_step", "config key 'tidal.overlap_step': true needs "
                                                    "every gradient of a chunk to be final when it "
-                                                   "lands, but " + "; ".join(conflicts))
+                                                   "lands, but " + "; ".join(conflicts) +
+                                                   "; set it to false")
+            elif conflicts:
+                self.overlap_step_off = "; ".join(conflicts)
 
 
 def _require(problems: Problems, ok: bool, path: str, message: str) -> None:

@@ -31,8 +31,15 @@ def hook_types(model):
 
 def test_the_hooks_are_cpp_callables_with_and_without_dtr_in_the_config():
     model = TinyGPT(d=64, seq=8)
-    engine = tidal.initialize(model, config())
+    engine = tidal.initialize(model, config(overlap_step=False))
     assert hook_types(model) == (["ForwardPreHook"], ["ForwardPostHook"], ["GradHook"])
+    engine.remove_hooks()
+    # tidal.overlap_step (on by default) adds one Python hook per parameter
+    # after the landing: it counts the chunk's gradients and starts its update
+    # (Note [CPU Adam during backward]); not yet a C++ callable.
+    model = TinyGPT(d=64, seq=8)
+    engine = tidal.initialize(model, config())
+    assert hook_types(model) == (["ForwardPreHook"], ["ForwardPostHook"], ["GradHook", "function"])
     engine.remove_hooks()
     model = TinyGPT(d=64, seq=8)
     cfg = config()

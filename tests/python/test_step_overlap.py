@@ -1,9 +1,11 @@
-"""CPU Adam during backward (Note [CPU Adam during backward] in
-python/tidal/engine/overlap.py), on the simulated device with the states on
-the host: the weights are those of the engine without overlap, bit for bit,
-and torch.optim.AdamW's within the engine's tolerance; chunks are updated
-while backward goes on; what the config refuses is named; an error in
-backward releases the pins and the engine trains on."""
+"""CPU Adam during backward (Notes [CPU Adam during backward] and
+[Speculative updates and their undo] in python/tidal/engine/overlap.py), on
+the simulated device with chunks moving (a measured budget below the state):
+the weights are those of the engine without overlap, bit for bit, where the
+clip fires and where it does not, with an fp16 overflow, with gradient
+accumulation and with hybrid Adam; and torch.optim.AdamW +
+clip_grad_norm_'s within the engine's tolerance. It is on by default; what it
+does not cover is refused when asked for and off by default, saying why."""
 import copy
 import sys
 from pathlib import Path
@@ -14,8 +16,9 @@ import torch
 import tidal
 
 sys.path.insert(0, str(Path(__file__).parent))
-from engine_helpers import gpt_batches, train_tidal, within_budget  # noqa: E402
-from test_engine import assert_close, config, train_reference  # noqa: E402
+from engine_helpers import (gpt_batches, measured_budget, moved_within_budget, train_tidal,  # noqa: E402
+                            within_budget)
+from test_engine import LR, assert_close, config, fitted  # noqa: E402
 from tidal.models.gpt import TinyGPT  # noqa: E402
 
 
@@ -24,82 +27,256 @@ def simulated_device():
     tidal.set_device("sim", capacity="1GiB")
 
 
-def overlap_config(overlap, precision="fp32"):
-    # hybrid_adam off: every chunk is updated on the host, by CPU Adam.
-    cfg = config(budget="64MiB", hybrid_adam=False, overlap_step=overlap)
-    if precision != "fp32":
-        cfg[precision] = {"enabled": True}
+# Loss factors per step: the gradient norm of TinyGPT(d=64) is about 2 at
+# factor 1 and about 20 at factor 10, so a max norm of 5 clips on the steps
+# with factor 10 only (and 50 on none). Steps 2 and 6 clip after a step that
+# did not: their speculative updates are undone.
+FACTORS = [1, 1, 10, 1, 1, 1, 10, 10, 1, 1]
+
+
+def make_config(overlap, precision="fp32", clip=0.0, hybrid=True, accumulation=1):
+    cfg = config(budget="64MiB", hybrid_adam=hybrid, overlap_step=overlap)
+    cfg["gradient_clipping"] = clip
+    cfg["gradient_accumulation_steps"] = accumulation
+    if precision == "fp16":
+        cfg["fp16"] = {"enabled": True, "initial_scale_power": 8, "hysteresis": 1}
+    elif precision == "bf16":
+        cfg["bf16"] = {"enabled": True}
     return cfg
 
 
-@pytest.mark.parametrize("precision", ["fp32", "bf16"])
-def test_updates_during_backward_give_the_weights_of_the_step(precision):
-    batches = gpt_batches(6)
-    masters = {}
+def train(engine, batches, factors=None):
+    """engine.backward(loss * factor) and engine.step() per batch; the losses."""
+    losses = []
+    for i, (x, y) in enumerate(batches):
+        loss = engine(x, y)
+        engine.backward(loss * (factors[i % len(factors)] if factors else 1))
+        engine.step()
+        losses.append(loss.item())
+    return losses
+
+
+def reference(model, batches, factors, clip, accumulation=1):
+    """torch.optim.AdamW and torch.nn.utils.clip_grad_norm_ on `model`; the
+    losses and each step's gradient norm before clipping."""
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.01)
+    losses, norms = [], []
+    for i, (x, y) in enumerate(batches):
+        loss = model(x, y)
+        (loss * factors[i % len(factors)] / accumulation).backward()
+        losses.append(loss.item())
+        if (i + 1) % accumulation == 0:
+            norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), clip or float("inf")).item())
+            opt.step()
+            opt.zero_grad()
+    return losses, norms
+
+
+def pair(cfg_of, batches, factors=None, model=None):
+    """The engine without overlap and the one with it, trained on the same
+    batches from the same weights under the same measured budget."""
+    model = model or (torch.manual_seed(0), TinyGPT(d=64, seq=8))[1]
+    budget = fitted(cfg_of(False), model, batches)["tidal"]["device_memory_budget"]
+    engines = {}
     for overlap in (False, True):
-        torch.manual_seed(0)
-        engine = tidal.initialize(TinyGPT(d=64, seq=8), overlap_config(overlap, precision))
-        train_tidal(engine, batches)
-        opt = engine.memory_report()["optimizer"]
-        if overlap:
-            # Every chunk but those holding a tensor whose gradient lands last
-            # (the tied embedding's) was updated while backward went on.
-            assert opt["chunks_updated_during_backward"] > 0
-            assert opt["overlapped_adam_seconds"] > 0
-        else:
-            assert opt["chunks_updated_during_backward"] == 0 and opt["overlapped_adam_seconds"] == 0
-            assert opt["exposed_adam_seconds"] > 0
-        within_budget(engine)
-        masters[overlap] = engine.parameters_fp32()
-    for name, want in masters[False].items():
-        assert torch.equal(masters[True][name], want), name
+        cfg = cfg_of(overlap)
+        cfg["tidal"]["device_memory_budget"] = budget
+        engines[overlap] = tidal.initialize(copy.deepcopy(model), cfg)
+        train(engines[overlap], batches, factors)
+        moved_within_budget(engines[overlap])
+    return engines[False], engines[True]
 
 
-def test_against_adamw():
+def assert_bitwise(plain, overlapped):
+    want = plain.parameters_fp32()
+    for name, got in overlapped.parameters_fp32().items():
+        assert torch.equal(got, want[name]), name
+    assert plain.skipped_steps == overlapped.skipped_steps
+    assert plain.get_global_grad_norm() == overlapped.get_global_grad_norm()
+
+
+def optimizer_report(engine):
+    return engine.memory_report()["optimizer"]
+
+
+@pytest.mark.parametrize("precision, clip, hybrid", [
+    ("fp32", 0.0, False), ("fp32", 5.0, True), ("fp32", 50.0, True), ("bf16", 5.0, True),
+    ("bf16", 5.0, False), ("fp16", 5.0, True),
+])
+def test_weights_are_those_of_the_step_without_overlap_bit_for_bit(precision, clip, hybrid):
+    batches = gpt_batches(len(FACTORS))
+    plain, overlapped = pair(lambda o: make_config(o, precision, clip, hybrid), batches, FACTORS)
+    assert_bitwise(plain, overlapped)
+    opt = optimizer_report(overlapped)
+    assert opt["overlap_step"] and opt["chunks_updated_during_backward"] > 0, opt
+    assert opt["overlapped_adam_seconds"] > 0 and opt["overlap_undo_bytes"] > 0, opt
+    assert not optimizer_report(plain)["chunks_updated_during_backward"]
+    if clip == 5.0:
+        # Steps 2 and 6 clipped after a step that did not: undone and made
+        # again; step 7 clipped after 6 did, so its backward did not speculate.
+        assert opt["undone_chunk_updates"] > 0 and opt["steps_not_speculated"] > 0, opt
+    else:
+        assert opt["undone_chunk_updates"] == 0 and opt["steps_not_speculated"] == 0, opt
+
+
+@pytest.mark.parametrize("clip, fires", [(5.0, "some"), (50.0, "never")])
+def test_against_adamw_and_clip_grad_norm(clip, fires):
     torch.manual_seed(0)
     ref = TinyGPT(d=64, seq=8)
     model = copy.deepcopy(ref)
-    batches = gpt_batches(8)
-    ref_losses = train_reference(ref, batches)
-    engine = tidal.initialize(model, overlap_config(True))
-    losses = train_tidal(engine, batches)
+    batches = gpt_batches(len(FACTORS))
+    ref_losses, norms = reference(ref, batches, FACTORS, clip)
+    clipped = [n > clip for n in norms]
+    assert (any(clipped) and not all(clipped)) if fires == "some" else not any(clipped), norms
+    engine = tidal.initialize(model, fitted(make_config(True, clip=clip), model, batches))
+    losses, seen = [], []
+    for i, (x, y) in enumerate(batches):
+        loss = engine(x, y)
+        engine.backward(loss * FACTORS[i])
+        engine.step()
+        losses.append(loss.item())
+        seen.append(engine.get_global_grad_norm())
+    assert seen == pytest.approx(norms, rel=1e-5)
     assert_close(engine, ref, ref_losses, losses)
-    within_budget(engine)
+    opt = optimizer_report(engine)
+    assert opt["chunks_updated_during_backward"] > 0
+    assert (opt["undone_chunk_updates"] > 0) == (fires == "some"), opt
+    moved_within_budget(engine)
 
 
-@pytest.mark.parametrize("key, value, named", [
-    ("gradient_clipping", 1.0, "gradient_clipping is 1"),
-    ("fp16", {"enabled": True}, "fp16 is enabled"),
-    ("gradient_accumulation_steps", 2, "gradient_accumulation_steps is 2"),
+def test_fp16_overflow_undoes_the_updates_and_skips_the_step():
+    # Factor 1e5 at a loss scale of 256 overflows fp16 gradients.
+    factors = [1, 1, 1e5, 1, 1]
+    batches = gpt_batches(len(factors))
+    plain, overlapped = pair(lambda o: make_config(o, "fp16", 50.0), batches, factors)
+    assert overlapped.skipped_steps == 1
+    assert_bitwise(plain, overlapped)
+    assert plain.loss_scale == overlapped.loss_scale
+    opt = optimizer_report(overlapped)
+    assert opt["undone_chunk_updates"] > 0 and opt["steps_not_speculated"] == 1, opt
+
+
+@pytest.mark.parametrize("hybrid", [False, True])
+def test_accumulation_updates_during_the_last_micro_batch(hybrid):
+    # The third step clips (with hybrid Adam, the first whose backward
+    # launches: the plan comes from the second step).
+    factors = [1, 1, 1, 1, 1, 1, 10, 10, 10, 1, 1, 1]
+    batches = gpt_batches(len(factors))
+    plain, overlapped = pair(lambda o: make_config(o, "bf16", 5.0, hybrid, accumulation=3),
+                             batches, factors)
+    assert_bitwise(plain, overlapped)
+    opt = optimizer_report(overlapped)
+    assert opt["chunks_updated_during_backward"] > 0 and opt["undone_chunk_updates"] > 0, opt
+
+
+def test_accumulation_against_adamw_and_clip_grad_norm():
+    factors = [1, 1, 1, 10, 10, 10, 1, 1, 1]
+    torch.manual_seed(0)
+    ref = TinyGPT(d=64, seq=8)
+    model = copy.deepcopy(ref)
+    batches = gpt_batches(len(factors))
+    ref_losses, norms = reference(ref, batches, factors, 5.0, accumulation=3)
+    assert [n > 5.0 for n in norms] == [False, True, False], norms
+    cfg = make_config(True, clip=5.0, hybrid=False, accumulation=3)
+    cfg["tidal"]["device_memory_budget"] = fitted(make_config(False, clip=5.0, hybrid=False,
+                                                              accumulation=3),
+                                                  model, batches)["tidal"]["device_memory_budget"]
+    engine = tidal.initialize(model, cfg)
+    losses = []
+    for i, (x, y) in enumerate(batches):
+        loss = engine(x, y)
+        engine.backward(loss * factors[i])
+        engine.step()
+        losses.append(loss.item())
+    assert_close(engine, ref, ref_losses, losses)
+    assert optimizer_report(engine)["chunks_updated_during_backward"] > 0
+    moved_within_budget(engine)
+
+
+def test_hybrid_adam_updates_the_host_chunks_during_backward():
+    """The plan (the chunks the last step updated on the host) launches them
+    at their landing: after the first steps, the step itself updates none on
+    the host, and the device still updates some."""
+    batches = gpt_batches(6)
+    torch.manual_seed(0)
+    model = TinyGPT(d=64, seq=8)
+    cfg = make_config(True, clip=50.0)
+    # Room for the device's update of some chunks (the 16-bit chunks' bytes
+    # beside the activations), still well below the state.
+    cfg["tidal"]["device_memory_budget"] = measured_budget(model, cfg, batches, chunk_share=1.5)
+    engine = tidal.initialize(model, cfg)
+    train(engine, batches[:3])
+    before = engine.memory_report()
+    host_in_step = []
+    for x, y in batches[3:]:
+        engine.backward(engine(x, y))
+        engine.step()
+        host_in_step.append(len(engine._overlap.step_host_chunks))
+    after = engine.memory_report()
+    launched = after["optimizer"]["chunks_updated_during_backward"] - \
+        before["optimizer"]["chunks_updated_during_backward"]
+    assert host_in_step == [0, 0, 0], host_in_step
+    assert launched > 0
+    assert after["adam_chunks_on_device"] > before["adam_chunks_on_device"], after
+    moved_within_budget(engine)
+
+
+def test_on_by_default_with_deepspeeds_defaults():
+    # gradient_clipping 1.0 (DeepSpeed's default value in its configs),
+    # hybrid Adam, bf16; the losses scaled so the norm stays below 1.
+    cfg = config()  # (tidal.overlap_step not given)
+    cfg.update(gradient_clipping=1.0, bf16={"enabled": True})
+    assert "overlap_step" not in cfg["tidal"]
+    batches = gpt_batches(3)
+    torch.manual_seed(0)
+    model = TinyGPT(d=64, seq=8)
+    cfg["tidal"]["device_memory_budget"] = fitted(copy.deepcopy(cfg), model, batches)["tidal"][
+        "device_memory_budget"]
+    engine = tidal.initialize(model, cfg)
+    train(engine, batches, [0.1])
+    assert engine.get_global_grad_norm() < 1.0
+    opt = optimizer_report(engine)
+    assert opt["overlap_step"] and opt["overlap_step_off"] is None
+    assert opt["chunks_updated_during_backward"] > 0
+    moved_within_budget(engine)
+    cfg["tidal"]["overlap_step"] = False
+    off = tidal.initialize(TinyGPT(d=64, seq=8), cfg)
+    train(off, batches, [0.1])
+    moved_within_budget(off)
+    assert optimizer_report(off)["overlap_step_off"] == "tidal.overlap_step is false"
+    assert optimizer_report(off)["chunks_updated_during_backward"] == 0
+
+
+@pytest.mark.parametrize("key, block, named", [
+    ("dtr", {"enabled": True}, "tidal.dtr is enabled"),
+    ("dtr", {"evictee_minimum_size": 4096}, "tidal.dtr is enabled"),
+    ("activation_checkpointing", {"number_checkpoints": 2}, "tidal.recompute is set"),
 ])
-def test_what_needs_every_gradient_first_is_refused(key, value, named):
-    cfg = overlap_config(True)
-    cfg[key] = value
+def test_dtr_and_recompute_refused_when_asked_for_and_off_by_default(key, block, named):
+    cfg = make_config(True)
+    if key == "dtr":
+        cfg["tidal"][key] = block
+    else:
+        cfg[key] = block
     with pytest.raises(tidal.ConfigError, match=f"tidal.overlap_step.*{named}"):
         tidal.initialize(TinyGPT(d=64, seq=8), cfg)
-
-
-@pytest.mark.parametrize("block", [{"enabled": True}, {"evictee_minimum_size": 4096}])
-def test_with_dtr_is_refused(block):
-    # A dtr block without "enabled" turns DTR on too (tidal.dtr.config_enables).
-    cfg = overlap_config(True)
-    cfg["tidal"]["dtr"] = block
-    with pytest.raises(tidal.ConfigError, match="tidal.overlap_step.*tidal.dtr is enabled"):
-        tidal.initialize(TinyGPT(d=64, seq=8), cfg)
+    del cfg["tidal"]["overlap_step"]
+    engine = tidal.initialize(TinyGPT(d=64, seq=8), cfg)
+    assert named in optimizer_report(engine)["overlap_step_off"]
+    assert engine._overlap is None
 
 
 def test_dtr_turned_on_by_hand_updates_nothing_during_backward():
     """A replay in backward could read updated weights: with tidal.dtr on by
-    hand every chunk waits for engine.step(), and the weights are those of
-    the engine without overlap."""
+    hand every chunk waits for engine.step()."""
     batches = gpt_batches(3)
     masters = {}
     for overlap in (False, True):
         torch.manual_seed(0)
-        engine = tidal.initialize(TinyGPT(d=64, seq=8), overlap_config(overlap))
+        engine = tidal.initialize(TinyGPT(d=64, seq=8), make_config(overlap, clip=1.0))
         with tidal.dtr.enabled(eviction_threshold="1GiB"):
             train_tidal(engine, batches)
-        assert engine.memory_report()["optimizer"]["chunks_updated_during_backward"] == 0
+        assert optimizer_report(engine)["chunks_updated_during_backward"] == 0
         within_budget(engine)
         masters[overlap] = engine.parameters_fp32()
     for name, want in masters[False].items():
@@ -121,56 +298,122 @@ class _SharedInsideCheckpoint(torch.nn.Module):
         return torch.nn.functional.mse_loss(self.other(h), y)
 
 
-def test_a_second_use_after_its_chunks_update_started_fails_loudly():
-    """Never silently wrong weights: the chunk's master is in use by its
-    update, so the second use in backward fails, naming the tensor."""
-    torch.manual_seed(0)
-    engine = tidal.initialize(_SharedInsideCheckpoint(), overlap_config(True))
-    x, y = torch.randn(4, 64), torch.randn(4, 64)
-    with pytest.raises(Exception, match="shared.weight.*already in use"):
-        engine.backward(engine(x, y))
+def test_a_weight_used_again_after_its_gradient_landed_waits_for_the_step():
+    """A reentrant checkpoint replays a weight whose gradient already landed:
+    the first backward (which launches nothing) finds it, its chunk is never
+    updated during backward, and the weights are those without overlap."""
+    data = [(torch.randn(4, 64), torch.randn(4, 64)) for _ in range(4)]
+    runs = {}
+    for overlap in (False, True):
+        torch.manual_seed(0)
+        engine = tidal.initialize(_SharedInsideCheckpoint(), make_config(overlap, hybrid=False))
+        train_tidal(engine, data)
+        within_budget(engine)
+        runs[overlap] = engine
+    shared = runs[True].store.by_param[id(runs[True].module.shared.weight)]
+    assert shared in runs[True]._overlap._relanded
+    assert optimizer_report(runs[True])["chunks_updated_during_backward"] > 0
+    assert_bitwise(runs[False], runs[True])
 
 
-def test_a_forward_between_backward_and_step_waits_and_the_next_steps_train():
-    # An evaluation between backward and step waits for the updates running
-    # (their pins go) and sees the weights they wrote; the step then updates
-    # the rest, and training goes on as without the evaluation.
-    batches = gpt_batches(4)
-    torch.manual_seed(0)
-    plain = tidal.initialize(TinyGPT(d=64, seq=8), overlap_config(True))
-    train_tidal(plain, batches)
-    torch.manual_seed(0)
-    engine = tidal.initialize(TinyGPT(d=64, seq=8), overlap_config(True))
-    for x, y in batches:
-        engine.backward(engine(x, y))
-        with torch.no_grad():
-            engine.eval()
-            assert torch.isfinite(engine(x, y))
-            engine.train()
+def _between(engine, batches, act):
+    """Train, calling act(engine, x, y) between each backward and step."""
+    for i, (x, y) in enumerate(batches):
+        engine.backward(engine(x, y) * FACTORS[i])
+        act(engine, x, y)
         engine.step()
-    within_budget(engine)
-    want = plain.parameters_fp32()
-    for name, got in engine.parameters_fp32().items():
-        assert torch.equal(got, want[name]), name
 
 
-def test_a_failed_backward_releases_the_pins_and_the_engine_goes_on():
+def _evaluate(engine, x, y):
+    with torch.no_grad():
+        engine.eval()
+        assert torch.isfinite(engine(x, y))
+        engine.train()
+
+
+@pytest.mark.parametrize("act", [_evaluate, lambda e, x, y: e.state_dict(),
+                                 lambda e, x, y: e.parameters_fp32()])
+def test_what_reads_the_weights_between_backward_and_step_sees_the_step_without_overlap(act):
+    # A forward (an evaluation), a state_dict: the speculative updates are
+    # undone first, and the step makes them again.
+    batches = gpt_batches(4)
+    runs = {}
+    for overlap in (False, True):
+        torch.manual_seed(0)
+        engine = tidal.initialize(TinyGPT(d=64, seq=8), make_config(overlap, clip=5.0, hybrid=False))
+        got = []
+        _between(engine, batches, lambda e, x, y: got.append(act(e, x, y)))
+        within_budget(engine)
+        runs[overlap] = (engine, got)
+    assert_bitwise(runs[False][0], runs[True][0])
+    if isinstance(runs[False][1][0], dict):
+        for a, b in zip(runs[False][1], runs[True][1]):
+            for k in a:
+                assert torch.equal(a[k], b[k]), k
+    assert optimizer_report(runs[True][0])["undone_chunk_updates"] > 0
+
+
+def test_zero_grad_after_backward_takes_the_updates_back():
+    batches = gpt_batches(4)
+    runs = {}
+    for overlap in (False, True):
+        torch.manual_seed(0)
+        engine = tidal.initialize(TinyGPT(d=64, seq=8), make_config(overlap, hybrid=False))
+        train_tidal(engine, batches[:2])
+        x, y = batches[2]
+        engine.backward(engine(x, y))
+        engine.zero_grad()
+        engine.step()  # (nothing to update)
+        train_tidal(engine, batches[3:])
+        runs[overlap] = engine
+    assert optimizer_report(runs[True])["undone_chunk_updates"] > 0
+    assert_bitwise(runs[False], runs[True])
+
+
+def test_a_failed_backward_takes_the_updates_back_and_the_engine_goes_on():
+    batches = gpt_batches(4)
+    runs = {}
+    for overlap in (False, True):
+        torch.manual_seed(0)
+        engine = tidal.initialize(TinyGPT(d=64, seq=8), make_config(overlap, hybrid=False))
+        train_tidal(engine, batches[:1])
+        x, y = batches[1]
+        # Late in backward (the first block's), after chunks of later blocks were launched.
+        boom = engine.module.blocks[0].register_full_backward_hook(
+            lambda *a: (_ for _ in ()).throw(RuntimeError("boom in backward")))
+        loss = engine(x, y)
+        launched = optimizer_report(engine)["chunks_updated_during_backward"]
+        with pytest.raises(RuntimeError, match="boom in backward"):
+            engine.backward(loss)
+        boom.remove()
+        assert (optimizer_report(engine)["chunks_updated_during_backward"] > launched) == overlap
+        train_tidal(engine, batches[2:])
+        within_budget(engine)
+        runs[overlap] = engine
+    assert optimizer_report(runs[True])["undone_chunk_updates"] > 0
+    assert_bitwise(runs[False], runs[True])
+
+
+def test_a_failed_last_micro_batch_refuses_the_step_until_zero_grad():
+    # Its chunks' sums were folded at their landing: they hold part of a
+    # failed micro-batch, so the step says so instead of using them.
     batches = gpt_batches(4)
     torch.manual_seed(0)
-    engine = tidal.initialize(TinyGPT(d=64, seq=8), overlap_config(True))
-    train_tidal(engine, batches[:1])
-    x, y = batches[1]
-    # Late in backward (the first block's), after chunks of later blocks were launched.
+    engine = tidal.initialize(TinyGPT(d=64, seq=8), make_config(True, hybrid=False, accumulation=2))
+    train_tidal(engine, batches[:2])
+    x, y = batches[2]
+    engine.backward(engine(x, y))
     boom = engine.module.blocks[0].register_full_backward_hook(
         lambda *a: (_ for _ in ()).throw(RuntimeError("boom in backward")))
-    loss = engine(x, y)
-    launched = engine.memory_report()["optimizer"]["chunks_updated_during_backward"]
-    with pytest.raises(RuntimeError, match="boom in backward"):
-        engine.backward(loss)
+    with pytest.raises(RuntimeError, match="boom in backward") as info:
+        engine.backward(engine(*batches[3]))
     boom.remove()
-    assert engine.memory_report()["optimizer"]["chunks_updated_during_backward"] > launched
-    losses = train_tidal(engine, batches[2:])
-    assert all(torch.isfinite(torch.tensor(losses)))
+    assert any("zero_grad" in n for n in getattr(info.value, "__notes__", []))
+    engine.backward(engine(*batches[3]))  # (the micro-batch again)
+    with pytest.raises(tidal.UsageError, match="accumulation sums.*zero_grad"):
+        engine.step()
+    engine.zero_grad()
+    assert all(torch.isfinite(torch.tensor(train_tidal(engine, batches))))
     within_budget(engine)
 
 
@@ -182,7 +425,7 @@ def test_an_engine_dropped_after_backward_waits_for_its_updates_and_goes():
 
     batches = gpt_batches(2)
     torch.manual_seed(0)
-    engine = tidal.initialize(TinyGPT(d=64, seq=8), overlap_config(True))
+    engine = tidal.initialize(TinyGPT(d=64, seq=8), make_config(True, hybrid=False))
     train_tidal(engine, batches[:1])
     x, y = batches[1]
     engine.backward(engine(x, y))
@@ -192,6 +435,6 @@ def test_an_engine_dropped_after_backward_waits_for_its_updates_and_goes():
     gc.collect()
     assert gone() is None
     torch.manual_seed(0)
-    again = tidal.initialize(TinyGPT(d=64, seq=8), overlap_config(True))
+    again = tidal.initialize(TinyGPT(d=64, seq=8), make_config(True, hybrid=False))
     assert all(torch.isfinite(torch.tensor(train_tidal(again, batches))))
     within_budget(again)

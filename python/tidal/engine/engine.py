@@ -120,10 +120,17 @@ class Engine(ExternalMixin, StateDictMixin, HookWiringMixin, DataParallelMixin, 
         # The config's activation_checkpointing / tidal.recompute block: the
         # plan is made first, so a bad checkpoint name fails before anything
         # moves into chunks (Note [Recompute under the training engine]).
-        if cfg.overlap_step and store.dp is not None:  # (refused before anything moves into chunks)
-            raise ConfigError("config key 'tidal.overlap_step': true needs every gradient of a "
-                              "chunk to be final when it lands, but this run is data parallel "
-                              "(each chunk's update waits for its reduction); set it to false")
+        # Note [CPU Adam during backward]: what it does not cover. Refused
+        # before anything moves into chunks where the config asks for it;
+        # with the default, the step is not overlapped and the report says why.
+        self.overlap_step_off = cfg.overlap_step_off
+        if cfg.overlap_step and store.dp is not None:
+            if cfg.overlap_step_given:
+                raise ConfigError("config key 'tidal.overlap_step': true needs every gradient of "
+                                  "a chunk to be final when it lands, but this run is data "
+                                  "parallel (each chunk's update would wait for its reduction, "
+                                  "which is not built); set it to false")
+            self.overlap_step_off = "data parallel (a chunk's update would wait for its reduction)"
         self.recompute_plan = None
         if cfg.activation_checkpointing_given:
             self.recompute_plan = _recompute.from_config(model, cfg.activation_checkpointing,
@@ -313,7 +320,11 @@ class Engine(ExternalMixin, StateDictMixin, HookWiringMixin, DataParallelMixin, 
         self.dtr = DtrLink(self, cfg.dtr)
         # CPU Adam during backward (Note [CPU Adam during backward] in overlap.py).
         self._exposed_adam_seconds = 0.0
-        self._overlap = StepOverlap(self) if cfg.overlap_step else None
+        self._overlap = StepOverlap(self) if cfg.overlap_step and self.overlap_step_off is None \
+            else None
+        # Set when a failed backward left chunks whose sums it had folded
+        # (Note [CPU Adam during backward]): the step refuses until zero_grad().
+        self._sums_broken = None
         self._hooks = self._new_hooks()
         store.writes_forgetter = weakref.WeakMethod(self._forget_writes)
         # Saved tensors that alias a parameter's slot are packed as (parameter,
@@ -440,14 +451,14 @@ class Engine(ExternalMixin, StateDictMixin, HookWiringMixin, DataParallelMixin, 
         return out
 
     # ------------------------------------------------------------- user API
-    def _settle_overlap(self, keep: bool = True):
-        """Waits for the CPU Adam updates running since backward and releases
-        their pins (Note [CPU Adam during backward]); keep=False forgets them
-        for the step (they stay applied)."""
+    def _settle_overlap(self):
+        """Waits for the CPU Adam updates running since backward, releases
+        their pins and takes back every one no step has validated (Note
+        [Speculative updates and their undo]): whatever needs the chunks
+        between backward and step sees them as the step without overlap
+        would."""
         if self._overlap is not None:
-            self._overlap.finish()
-            if not keep:
-                self._overlap.done.clear()
+            self._overlap.undo()
 
     def __call__(self, *args, **kwargs):
         self._settle_overlap()
@@ -622,7 +633,10 @@ class Engine(ExternalMixin, StateDictMixin, HookWiringMixin, DataParallelMixin, 
             scale = scale / self.config.gradient_accumulation_steps
         scaled = loss.float() * scale if scale != 1.0 else loss
         if self._overlap is not None:
-            self._overlap.begin()
+            # Only the backward before the step's boundary launches updates.
+            last = self._forced_boundary if self._forced_boundary is not None else \
+                (self.micro_steps + 1) % self.config.gradient_accumulation_steps == 0
+            self._overlap.begin(last)
         self._count(True)
         self._hooks.set_engine_backward(True)
         try:
@@ -659,10 +673,18 @@ class Engine(ExternalMixin, StateDictMixin, HookWiringMixin, DataParallelMixin, 
             # The gradients this backward landed are dropped (their slots get
             # their weights back; a step on part of them would be wrong);
             # earlier micro-batches' sums stay. Chunks CPU Adam updated
-            # meanwhile keep their update (Note [CPU Adam during backward]).
+            # meanwhile are taken back (Note [Speculative updates and their
+            # undo]); sums it folded early hold part of this backward.
             if self._overlap is not None:
                 self._overlap.backward_ended()
-                self._settle_overlap(keep=False)
+                self._settle_overlap()
+                if self._overlap.folded_early:
+                    self._sums_broken = (
+                        f"the backward that failed had folded the gradients of "
+                        f"{len(self._overlap.folded_early)} chunks into their accumulation sums "
+                        f"(tidal.overlap_step), which now hold part of a failed micro-batch")
+                    e.add_note("tidal: " + self._sums_broken + "; call engine.zero_grad() to "
+                               "start the step afresh")
             self._drop_landed_gradients()
             if oom is not None:
                 raise oom from e
@@ -803,7 +825,8 @@ class Engine(ExternalMixin, StateDictMixin, HookWiringMixin, DataParallelMixin, 
         """Drops pending gradients (those in 16-bit slots are restored from
         fp32) and the gradient sums of an unfinished accumulation."""
         self._hooks.take_backward_ended()  # (a loss.backward() whose gradients go now)
-        self._settle_overlap(keep=False)  # (updates made during backward stay)
+        self._settle_overlap()  # (updates made during backward are taken back)
+        self._sums_broken = None
         self._drop_landed_gradients()
         summed = [r for r in self.records if r.accumulated]
         if summed:
@@ -858,6 +881,17 @@ class Engine(ExternalMixin, StateDictMixin, HookWiringMixin, DataParallelMixin, 
             e.add_note("tidal: folding this micro-batch's gradients into the accumulation sums "
                        "failed part-way; call engine.zero_grad() to start the step afresh")
             raise
+
+    def _fold_chunk(self, chunk, recs, space):
+        """One chunk's landed gradients into their sums in `space` (the
+        overlapped step folds a chunk at its last landing)."""
+        index = self._record_index
+        with torch.no_grad(), uncounted(), _dtr.outside():
+            self._hooks.fold_gradients(
+                [index[id(r)] for r in recs], [not r.accumulated for r in recs], space,
+                num_threads=self.config.cpu_adam_threads, pool=self.config.cpu_adam_pool)
+        for r in recs:
+            r.accumulated = True
 
     def _fold_chunks(self, by_chunk, index, host_short):
         with torch.no_grad(), uncounted(), _dtr.outside():

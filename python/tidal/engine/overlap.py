@@ -1,43 +1,100 @@
-"""CPU Adam during backward (issue 32): tidal.overlap_step.
+"""CPU Adam during backward (issues 32 and 43): tidal.overlap_step.
 
 Note [CPU Adam during backward]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 Without it the optimizer step starts when backward has ended, so the whole
 CPU Adam time is added to each step: the most common complaint of offload
-users. With "tidal": {"overlap_step": true}, a chunk's update starts as soon
-as backward has landed the gradient of every trainable tensor it holds (the
-per-chunk readiness the data-parallel overlap tracks too), on a worker
-thread, while backward goes on; engine.step() waits for the updates still
-running and updates the rest (chunks with a tensor that got no gradient,
+users. With "tidal": {"overlap_step": true} (the default), a chunk's update
+starts as soon as backward has landed the gradient of every trainable tensor
+it holds, on a worker thread, while backward goes on; engine.step() waits for
+the updates still running, validates them (Note [Speculative updates and
+their undo]) and updates the rest (chunks with a tensor that got no gradient,
 chunks updated on the device) as before.
 
 The worker touches no scheduler: at launch, on the thread that landed the
-last gradient, the chunk's 16-bit, master, momentum and variance chunks are
-pinned on the host (accessed: COMPUTE, so their payloads cannot move) and the
-worker runs cpu_adam's adam_chunk_step over raw chunk views (the GIL is
-released inside); the step, or the next forward, waits for it and releases
-the pins. Only chunks the step would update on the host are launched (hybrid
-Adam keeps device chunks for the step), and none while the host is too small
-for the state (Note [One place per chunk]).
+last gradient, the chunk's 16-bit, master, momentum and variance chunks (and
+with accumulation its fp32 gradient sums) are pinned on the host (accessed:
+COMPUTE, so their payloads cannot move) and the worker runs cpu_adam's
+adam_chunk_step over raw chunk views (the GIL is released inside); the step,
+or whatever else needs the chunks first, waits for it and releases the pins.
+None is launched while the host is too small for the state (Note [One place
+per chunk]).
 
-The semantics, chosen so that the math is the step's own: the update of a
-chunk needs nothing but its own gradients only when nothing global decides
-the step. So overlap_step refuses (a ConfigError at initialize)
-gradient_clipping > 0 and fp16 (both need the global norm or the overflow
-check of every gradient first), gradient accumulation (the sums of later
-micro-batches), DTR and recompute (a replay in backward could read a weight
-an update already changed) and data parallel (each chunk's update waits for
-its reduction). Under these rules the weights are those of the step without
-overlap, bit for bit (tests/python/test_step_overlap.py, and against
-torch.optim.AdamW). What differs, and the docs say so:
-  * a non-finite gradient (bf16, fp32) is applied as torch.optim.AdamW applies
-    it; without overlap the engine skips such a step;
-  * a backward that fails after some chunks were updated leaves those
-    updates (and their step counts); without overlap it leaves the last good
-    step;
-  * a forward between backward and step (an evaluation) sees the new weights
-    of the chunks already updated (it waits for them first), and
-    engine.zero_grad() after backward cannot take back an update.
+Which chunks (hybrid Adam). The step updates a chunk on the device when its
+16-bit chunk is there with room for the rest at the end of backward, and on
+the host otherwise. At a gradient's landing the chunk is usually still on the
+device (backward just wrote it), so asking where it is now would send nearly
+every chunk to the step. The access sequence repeats every step, so where a
+chunk was updated in the last step is where it will be at the end of this
+backward: before each backward the plan is the set of chunks the last step
+updated on the host (during backward or after it), and exactly those are
+launched, moved to the host at their landing (the copy their eviction makes
+later anyway). The device's Adam takes the rest in the step; moving the
+planned chunks early only leaves it more room, so the plan is stable. Until
+a step has been recorded (the warm-up step, which runs without a trace,
+does not count; nor do steps before a relayout renumbers the chunks)
+nothing is launched: the step decides, as without overlap, and its choice
+becomes the plan. (Deciding at the landing instead
+sends every chunk to the host, since none is known to have room then, and
+the device's share is lost for good.) On the simulated device both spaces
+run the same SIMD kernel, so the weights are bitwise those of the step
+without overlap; on a GPU a chunk's space decides which kernel (cpu_adam or
+torch's fused Adam) updates it, as hybrid Adam always did.
+
+Gradient accumulation: only the last micro-batch's backward (the one before
+the boundary the step consumes) launches updates; at a chunk's last landing
+its gradients are folded into their fp32 sums on the host (on the hook's
+thread, the fold the end of backward would make) and the worker updates from
+the sums.
+
+A parameter used again after its gradient landed (a reentrant checkpoint
+replays it, Note [Weights while gradients wait]) lands twice; its chunk's
+update would race the replay. The engine's first backward launches nothing
+and notes such parameters; from then on their chunks wait for the step. (A
+graph that starts to do so later finds the chunk's master in use and fails,
+naming the tensor.)
+
+What stays out, and why (a ConfigError when tidal.overlap_step is set to
+true; with the default, the step is not overlapped and
+memory_report()["optimizer"]["overlap_step_off"] says why): DTR and
+recompute (a replay in backward could read a weight an update already
+changed), and data parallel (each chunk's update would have to wait for its
+reduction; not built). tidal.dtr turned on by hand updates nothing during the
+backwards it covers.
+
+Note [Speculative updates and their undo]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+Gradient clipping and the fp16 overflow check need every gradient before any
+update: the clip factor is min(1, max_norm / (norm + 1e-6)) of the global
+norm, and an overflow skips the step. A chunk's update during backward is
+therefore a speculation that the clip will not fire (factor exactly 1.0) and
+that every gradient is finite; it uses the step's own grad scale (1 / loss
+scale), so where the speculation holds the result is the step's, bit for
+bit. Before it updates a chunk the worker copies what the update overwrites
+(the span of the chunk's trainable tensors in the master, momentum, variance
+and 16-bit chunks: the 16-bit slot holds the gradient, or with accumulation
+the weights) into undo buffers. engine.step() validates: where the clip
+fires or a gradient is not finite, each speculative update is undone (the
+buffers copied back, the steps counted back) and the step goes on as the
+step without overlap does, from the same bits, so a clipped step too equals
+the non-overlapped one. Anything else that needs the chunks between backward
+and step (a forward, zero_grad, a checkpoint, a state_dict, a failed
+backward) undoes them the same way: an update counts only once a step has
+validated it.
+
+Undoing is cheap next to updating (a copy back), but the update itself is
+then wasted, so speculation is predicted: a backward speculates only when
+the last step neither clipped nor overflowed (steps that clip tend to come
+in runs, early in training or at a loss spike; an fp16 overflow lowers the
+scale, and the next step usually passes). Counted in memory_report()
+["optimizer"]: speculative_updates, undone_updates, steps_not_speculated.
+
+The cost is host memory: undo buffers as large as the spans of the chunks
+updated during backward (14 bytes per parameter with 16-bit weights and
+fp32 moments, 16 in fp32), kept from step to step so the copies run on
+mapped pages (memory_report()["optimizer"]["overlap_undo_bytes"]). A chunk
+whose buffers would not fit the host budget beside the chunks it holds is
+left to the step.
 """
 from __future__ import annotations
 
@@ -46,18 +103,25 @@ import concurrent.futures
 import time
 import weakref
 
+import torch
+
 from .. import _C
 from .. import dtr as _dtr
-from .store import HOLD, HOST, MOMENTUM, PARAM16, PARAM32, VARIANCE
+from .store import DEVICE, GRAD32, HOLD, HOST, MOMENTUM, PARAM16, PARAM32, VARIANCE, uncounted
 
 _KINDS = (PARAM16, PARAM32, MOMENTUM, VARIANCE)
+# What an update overwrites, in the order of the worker's views and of the undo buffers.
+_UNDO_KINDS = (PARAM32, MOMENTUM, VARIANCE, PARAM16)
+_COMPUTE = _C.chunks.TensorState.COMPUTE
 
 
 class StepOverlap:
-    """Launches each chunk's CPU Adam as its last gradient lands (Note [CPU
-    Adam during backward]); the engine calls begin() before a backward,
-    landed() from the gradient hook, backward_ended() after it, and finish()
-    before the step or a forward."""
+    """Launches each chunk's CPU Adam as its last gradient lands, as a
+    speculation the step validates or undoes (Notes [CPU Adam during
+    backward], [Speculative updates and their undo]); the engine calls
+    begin() before a backward, landed() from the gradient hook,
+    backward_ended() after it, validate() in the step and undo() before
+    anything else that needs the chunks."""
 
     def __init__(self, engine):
         # Weakly: the worker must never outlive the chunks it reads, so a
@@ -70,38 +134,69 @@ class StepOverlap:
         self._waiting: dict[int, int] = {}  # chunk -> gradients it still waits for
         self._landed_ids: set[int] = set()    # tensors whose gradient landed in this backward
         self._recs: dict[int, list] = {}     # chunk -> its trainable records
-        self._jobs: list[tuple[int, object, list]] = []  # (chunk, future, records)
-        self._pinned: list[tuple[int, int]] = []         # (tensor id, chunk kind)
+        self._jobs: list[tuple[int, object]] = []  # (chunk, future)
+        self._pinned: list[tuple[int, int]] = []   # (tensor id, chunk kind)
         self._backward_end = None
         self._host_short = False
-        self.done: set[int] = set()  # chunks updated since the last step
+        self._grad_scale = 1.0
+        self._use_sums = False
+        # chunk -> (records, lo, hi): updated speculatively, not yet validated.
+        self._pending: dict[int, tuple[list, int, int]] = {}
+        # chunk -> undo buffers (Note [Speculative updates and their undo]).
+        self._undo: dict[int, list] = {}
+        self._layout = None  # the scheduler the plan and the buffers are for
+        # Hybrid Adam: the chunks the last step updated on the host (None: no
+        # step recorded for this layout yet).
+        self.plan: set[int] | None = None
+        self.step_host_chunks: set[int] = set()  # filled by the step
+        self._last_invalid = False  # the last step clipped or overflowed
+        self.folded_early: set[int] = set()  # chunks whose sums this backward folded
+        # Records whose gradient landed twice in one backward (Note [Weights
+        # while gradients wait]): their chunks wait for the step.
+        self._relanded: set = set()
         # Totals over the run (memory_report()["optimizer"]).
         self.launched_chunks = 0
-        self.worker_seconds = 0.0      # CPU Adam on the worker
+        self.undone_chunks = 0
+        self.steps_not_speculated = 0
+        self.worker_seconds = 0.0      # CPU Adam on the worker, undone updates included
         self.overlapped_seconds = 0.0  # of which before backward ended
+        self.undo_bytes = 0
 
     @property
     def _engine(self):
         return self._engine_ref()
 
     # ------------------------------------------------------------ backward
-    def begin(self):
-        """Before a backward: each chunk waits for the gradients of its trainable tensors."""
+    def begin(self, last_micro_batch: bool):
+        """Before a backward: each chunk waits for the gradients of its
+        trainable tensors, when this backward may launch updates."""
         e = self._engine
+        self._forget_layout_if_changed()
         recs = collections.defaultdict(list)
         for r in e.records:
             if r.trainable and e.store.owns(r):
                 recs[r.chunk].append(r)
         self._recs = dict(recs)
-        # DTR turned on by hand (tidal.dtr.enable(); the config's is refused):
-        # a replay in backward could read weights already updated, so no
-        # chunk is updated during this backward.
-        self._waiting = {} if _dtr.is_enabled() else {chunk: len(rs) for chunk, rs in recs.items()}
         self._landed_ids = set()
         self._backward_end = None
+        self.folded_early = set()
+        # Not in the engine's first backward (the warm-up, which records the
+        # trace and finds the parameters whose gradients land twice).
+        speculate = last_micro_batch and not _dtr.is_enabled() and e.global_steps > 0
+        if speculate and self._last_invalid:
+            speculate = False
+            self.steps_not_speculated += 1
+        # DTR turned on by hand (tidal.dtr.enable(); the config's turns
+        # overlap off): a replay in backward could read weights already
+        # updated, so no chunk is updated during this backward.
+        self._waiting = {chunk: len(rs) for chunk, rs in recs.items()
+                         if not any(r in self._relanded for r in rs)} if speculate else {}
         # A host too small for the state (Note [One place per chunk]): the
         # step makes room first, so nothing is launched in this backward.
         self._host_short = e._host_short()
+        # The grad scale the step uses where the clip does not fire.
+        self._grad_scale = 1.0 / e.scaler.scale
+        self._use_sums = e._accumulating
 
     def landed(self, record):
         """A gradient landed (trainable records only): counted once per
@@ -111,6 +206,9 @@ class StepOverlap:
         second use of the parameter in that backward finds its master chunk
         in use (COMPUTE) and fails there, naming the tensor."""
         if record.id in self._landed_ids:
+            # Used again after its gradient landed (a reentrant checkpoint
+            # replays it): its chunk is never launched again (below).
+            self._relanded.add(record)
             return
         self._landed_ids.add(record.id)
         left = self._waiting.get(record.chunk)
@@ -126,17 +224,40 @@ class StepOverlap:
         self._backward_end = time.perf_counter()
         self._waiting = {}
 
+    def _on_host_by_plan(self, chunk: int) -> bool:
+        e = self._engine
+        if not e.config.hybrid_adam:
+            return True  # (the host is too small for the state: nothing launched)
+        # No step recorded for this layout: the step decides, and its choice is the plan.
+        return self.plan is not None and chunk in self.plan
+
     def _launch(self, chunk: int):
         e = self._engine
         cfg, c = e.config, e.chunks
-        if self._host_short or e._update_on_device(chunk, (PARAM32, MOMENTUM, VARIANCE), False,
-                                                   cfg.hybrid_adam):
+        if self._host_short or not self._on_host_by_plan(chunk):
             return  # the step updates it (on the device, or with room made first)
         recs = self._recs[chunk]
+        if any(r in self._relanded for r in recs):
+            return
+        if c.chunk_space(chunk, PARAM16) == DEVICE and any(
+                c.state(r.id, PARAM16) == _COMPUTE for r in e.records if r.chunk == chunk):
+            return  # another tensor of the chunk is in use on the device: it cannot move now
+        spans = [c.placement(r.id)[1] for r in recs]
+        lo = min(spans)
+        hi = max(off + r.numel for off, r in zip(spans, recs))
+        undo = self._undo_buffers(chunk, hi - lo)
+        if undo is None:
+            return  # no host room for the undo buffers: the step updates it
+        if self._use_sums:
+            # Note [Gradient sums in chunks]: the fold the end of backward
+            # would make, for this chunk, on the host where it is updated.
+            e._fold_chunk(chunk, recs, HOST)
+            self.folded_early.add(chunk)
+        kinds = _KINDS + ((GRAD32,) if self._use_sums else ())
         first = recs[0]
         pinned = []
         try:
-            for kind in _KINDS:
+            for kind in kinds:
                 c.access(first.id, kind, HOST, [first.numel])
                 pinned.append((first.id, kind))
         except BaseException:
@@ -144,31 +265,72 @@ class StepOverlap:
                 c.release(tid, kind, HOLD)
             raise
         self._pinned.extend(pinned)
-        views = [c.chunk_view(chunk, k) for k in (PARAM32, MOMENTUM, VARIANCE, PARAM16)]
+        views = [c.chunk_view(chunk, k) for k in _UNDO_KINDS]
+        grad = c.chunk_view(chunk, GRAD32) if self._use_sums else None
         for r in recs:
             r.step += 1
         calls = []
         for group, members in e._by_group(recs):
             b1, b2 = group["betas"]
+            # The step's own arithmetic (hooks/chunk_step.cpp, simd_step):
+            # loss_scale is 1 / grad_scale, with grad_scale = clip / scale at clip 1.
             calls.append(dict(ranges=[(c.placement(r.id)[1], r.numel) for r in members],
                               step=[r.step for r in members], lr=group["lr"], beta1=b1, beta2=b2,
                               eps=group["eps"], weight_decay=group["weight_decay"],
                               adamw_mode=cfg.adam_w_mode, bias_correction=cfg.bias_correction,
-                              loss_scale=1.0, max_grad_norm=0.0, check_overflow=False,
+                              loss_scale=1.0 / self._grad_scale, max_grad_norm=0.0,
+                              check_overflow=False, grad=grad,
                               num_threads=cfg.cpu_adam_threads, pool=cfg.cpu_adam_pool))
-        self._jobs.append((chunk, self._pool.submit(_run, views, calls), recs))
+        self._pending[chunk] = (recs, lo, hi)
+        self._jobs.append((chunk, self._pool.submit(_run, views, calls, undo, lo, hi)))
         self.launched_chunks += 1
 
+    def _undo_buffers(self, chunk: int, numel: int):
+        """The chunk's undo buffers (one per kind of _UNDO_KINDS, at least
+        `numel` long), kept across steps; None where new ones would not fit
+        the host budget beside the chunks it holds."""
+        bufs = self._undo.get(chunk)
+        if bufs is not None and bufs[0].numel() >= numel:
+            return bufs
+        e = self._engine
+        c = e.chunks
+        dtypes = [c.chunk_view(chunk, k).dtype for k in _UNDO_KINDS]
+        size = sum(numel * d.itemsize for d in dtypes)
+        old = 0 if bufs is None else sum(b.numel() * b.element_size() for b in bufs)
+        if c.held_bytes(HOST) + self.undo_bytes - old + size > e.store.capacity_bytes()[0]:
+            return None
+        with uncounted():  # (host memory, not the simulated device's)
+            bufs = [torch.empty(numel, dtype=d) for d in dtypes]
+        self._undo[chunk] = bufs
+        self.undo_bytes += size - old
+        return bufs
+
+    def _forget_layout_if_changed(self):
+        """A relayout renumbers the chunks: the plan and the buffers were for the old ones."""
+        chunks = self._engine.chunks
+        if self._layout is not chunks:
+            self._layout = chunks
+            self.plan = None
+            self._undo = {}
+            self.undo_bytes = 0
+
     # ---------------------------------------------------------------- step
-    def finish(self) -> set:
-        """Waits for every launched update and releases the pins; returns the
-        chunks updated since the last step (also in self.done). Raises the
-        first error a worker met, after every pin is released."""
+    def finish(self):
+        """Waits for every launched update and releases the pins. Raises the
+        first error a worker met, after every pin is released (the chunks it
+        updated stay pending, so an undo can still take them back)."""
         error = None
         end = self._backward_end
-        for chunk, future, _recs in self._jobs:
+        for chunk, future in self._jobs:
             try:
                 t0, t1 = future.result()
+            except _UndoCopyFailed as ex:
+                # Nothing was updated: the chunk is as backward left it.
+                recs, _lo, _hi = self._pending.pop(chunk)
+                for r in recs:
+                    r.step -= 1
+                error = error or ex.__cause__ or ex
+                continue
             except BaseException as ex:  # noqa: BLE001 (re-raised below)
                 error = error or ex
                 continue
@@ -177,7 +339,6 @@ class StepOverlap:
                 self.overlapped_seconds += max(0.0, min(t1, end) - t0)
             else:  # a forward or an error before backward ended: all of it overlapped
                 self.overlapped_seconds += t1 - t0
-            self.done.add(chunk)
         self._jobs = []
         c = self._engine.chunks
         for tid, kind in self._pinned:
@@ -185,27 +346,76 @@ class StepOverlap:
         self._pinned = []
         if error is not None:
             raise error
-        return self.done
 
-    def take_done(self) -> set:
-        done, self.done = self.finish(), set()
+    def validate(self, valid: bool) -> set:
+        """In the step, after finish(): the chunks whose speculative update
+        stands (valid: the clip factor is 1.0 and every gradient finite);
+        otherwise every one is undone and the step updates them as if none
+        had run. Also the prediction for the next backward."""
+        self._last_invalid = not valid
+        if not valid:
+            self.undo()
+        done = set(self._pending)
+        self._pending = {}
         return done
+
+    def undo(self):
+        """Waits for the updates running and takes back every one not yet
+        validated: the undo buffers go back into the chunks, the steps are
+        counted back (Note [Speculative updates and their undo])."""
+        try:
+            self.finish()
+        finally:
+            if self._pending:
+                self._restore()
+
+    def _restore(self):
+        e = self._engine
+        c = e.chunks
+        pending, self._pending = self._pending, {}
+        with torch.no_grad():
+            for chunk, (recs, lo, hi) in pending.items():
+                first = recs[0]
+                pinned = []
+                try:
+                    for kind in _UNDO_KINDS:
+                        c.access(first.id, kind, HOST, [first.numel])
+                        pinned.append(kind)
+                    for kind, buf in zip(_UNDO_KINDS, self._undo[chunk]):
+                        c.chunk_view(chunk, kind)[lo:hi].copy_(buf[:hi - lo])
+                finally:
+                    for kind in pinned:
+                        c.release(first.id, kind, HOLD)
+                for r in recs:
+                    r.step -= 1
+                self.undone_chunks += 1
 
     def _abandon(self):
         """The engine is going: wait for the worker (its chunks are still
         there), forget the pins with the chunks, stop the thread."""
-        for _chunk, future, _recs in self._jobs:
+        for _chunk, future in self._jobs:
             try:
                 future.result()
             except BaseException:  # noqa: BLE001 (nobody is left to tell)
                 pass
-        self._jobs, self._pinned = [], []
+        self._jobs, self._pinned, self._pending = [], [], {}
         self._pool.shutdown(wait=False)
 
 
-def _run(views, calls):
-    """On the worker: cpu_adam over one chunk, one call per parameter group."""
+class _UndoCopyFailed(Exception):
+    """The worker could not copy a chunk into its undo buffers; it updated nothing."""
+
+
+def _run(views, calls, undo, lo, hi):
+    """On the worker: the undo copy, then cpu_adam over one chunk, one call
+    per parameter group."""
     t0 = time.perf_counter()
+    try:
+        with torch.no_grad():
+            for view, buf in zip(views, undo):
+                buf[:hi - lo].copy_(view[lo:hi])
+    except BaseException as e:
+        raise _UndoCopyFailed(str(e)) from e
     w, m, v, h = views
     for kw in calls:
         _C.cpu_adam.adam_chunk_step(w, m, v, h, **kw)

@@ -126,8 +126,19 @@ class ReportsMixin:
                 "overlapped_adam_seconds": 0.0 if self._overlap is None
                 else self._overlap.overlapped_seconds,
                 "overlap_step": self._overlap is not None,
+                # Why the step is not overlapped (None: it is).
+                "overlap_step_off": self.overlap_step_off,
                 "chunks_updated_during_backward": 0 if self._overlap is None
-                else self._overlap.launched_chunks},
+                else self._overlap.launched_chunks,
+                # Note [Speculative updates and their undo]: the updates made
+                # during backward that a step (or anything before it) took
+                # back, the backwards that did not speculate because the last
+                # step clipped or overflowed, and the host bytes of the undo
+                # buffers.
+                "undone_chunk_updates": 0 if self._overlap is None else self._overlap.undone_chunks,
+                "steps_not_speculated": 0 if self._overlap is None
+                else self._overlap.steps_not_speculated,
+                "overlap_undo_bytes": 0 if self._overlap is None else self._overlap.undo_bytes},
             "adam_chunks_on_device": self._adam_device_chunks,
             "adam_chunks_on_host": self._adam_host_chunks,
             "trace_adoptions": s["trace_adoptions"],

@@ -18,6 +18,7 @@ from . import param_groups as _param_groups
 from .store import (DEVICE, GRAD32, HOLD, HOST, MOMENTUM, PARAM16, PARAM32, VARIANCE, RelayoutError,
                     uncounted)
 
+from .errors import UsageError
 from .reports_mixin import _merge_stats
 
 
@@ -52,18 +53,29 @@ class StepMixin:
         self._count(False)
         accumulating = self._accumulating
         t_exposed = time.perf_counter()
-        # Chunks CPU Adam updated while backward went on (Note [CPU Adam
-        # during backward]): waited for here, not updated again.
-        done = set() if self._overlap is None else self._overlap.take_done()
+        overlap = self._overlap
+        if overlap is not None:
+            # Chunks CPU Adam updated while backward went on (Note [CPU Adam
+            # during backward]): waited for here; validated below.
+            if self._sums_broken:
+                raise UsageError(f"engine.step(): {self._sums_broken}; call engine.zero_grad() "
+                                 f"and run this step's micro-batches again")
+            overlap.finish()
         pending = [r for r in self.records if r.accumulated] if accumulating else self._landed()
         # Data parallel: the update runs where the masters are; every rank
         # holds the gradients it reduced into the chunks it owns.
         owned = pending if self.dp is None else [r for r in pending if self.store.owns(r)]
         norm, finite = self._grad_norm(owned)
         scale = self.scaler.scale
-        # With overlap_step a non-finite gradient is applied, as torch's
-        # AdamW applies it: chunks were updated before it was seen.
-        overflow = not finite and self._overlap is None
+        overflow = not finite
+        clip = 1.0
+        if not overflow and self.config.gradient_clipping > 0:
+            clip = min(1.0, self.config.gradient_clipping / (norm + 1e-6))
+        # Note [Speculative updates and their undo]: the updates made during
+        # backward stand where the step would have made them the same way,
+        # and are undone (to be made here) where it clips or skips.
+        done = set() if overlap is None else overlap.validate(not overflow and clip == 1.0)
+        self._adam_host_chunks += len(done)
         if self.precision == "fp16":
             self.scaler.update(overflow)
         if overflow:
@@ -71,9 +83,6 @@ class StepMixin:
             if not accumulating:  # (folds restored the weights already)
                 self._restore_params(owned)
         else:
-            clip = 1.0
-            if self.config.gradient_clipping > 0:
-                clip = min(1.0, self.config.gradient_clipping / (norm + 1e-6))
             if self.dp is None:
                 self._adam([r for r in owned if r.chunk not in done] if done else owned, clip / scale)
             else:
@@ -89,6 +98,11 @@ class StepMixin:
                     self._dp_broken = f"the step failed part-way ({type(e).__name__})"
                     raise
             self._exposed_adam_seconds += time.perf_counter() - t_exposed
+            if overlap is not None and self.global_steps > 0:
+                # Hybrid Adam: where this step's chunks were updated is the
+                # plan of the next backward (Note [CPU Adam during backward]);
+                # not the warm-up step's, which ran without a trace.
+                overlap.plan = overlap.step_host_chunks | done
             if self.lr_scheduler is not None:
                 self.lr_scheduler.step()
                 self.apply_lr_schedule()
@@ -245,6 +259,8 @@ class StepMixin:
         # The chunks the update needs beside the 16-bit one.
         kinds = (PARAM32, MOMENTUM, VARIANCE) + ((GRAD32,) if self._accumulating else ())
         host_short = self._host_short()
+        if self._overlap is not None:
+            self._overlap.step_host_chunks = set()
         if host_short:
             # A host too small for the state (Note [One place per chunk]): the
             # step needs device room to move chunks through, and forward and
@@ -288,6 +304,8 @@ class StepMixin:
             self._adam_device_chunks += 1
         else:
             self._adam_host_chunks += 1
+            if self._overlap is not None:
+                self._overlap.step_host_chunks.add(chunk)
 
     def _by_group(self, recs):
         """[(param group, its records among `recs`)] in group order: one
