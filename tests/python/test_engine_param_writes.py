@@ -401,3 +401,28 @@ def test_a_write_into_a_state_dict_entry_between_backward_and_step_is_named():
     sd["layers.1.weight"].zero_()
     with pytest.raises(tidal.UsageError, match=r"'layers\.1\.weight'"):
         pair.engine.step()
+
+
+@pytest.mark.parametrize("budget", list(BUDGETS.values()), ids=list(BUDGETS))
+def test_reads_between_backward_and_step_see_the_weights_as_without_overlap(budget):
+    # CPU Adam during backward (on by default) holds the chunks it updates; a
+    # read of a held parameter or an attribute between backward and step takes
+    # those updates back first (Note [Speculative updates and their undo]) and
+    # reads the weights of before the step, as plain PyTorch does. (It crashed
+    # with an illegal state transition COMPUTE -> COMPUTE.)
+    pair = Pair(budget)
+    for i in range(3):
+        x, y = pair.data[i]
+        pair.engine.backward(pair.engine(x, y))
+        got = torch.stack([p.detach().float().norm() for p in pair.model.parameters()])
+        attribute = pair.model.layers[0].weight.detach().clone()
+        pair.engine.step()
+        pair.ref(x, y).backward()
+        want = torch.stack([p.detach().float().norm() for p in pair.ref.parameters()])
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=5e-5)
+        torch.testing.assert_close(attribute, pair.ref.layers[0].weight.detach(), rtol=1e-4, atol=5e-5)
+        pair.opt.step()
+        pair.opt.zero_grad(set_to_none=True)
+    pair.assert_same()
+    _moved(pair.engine, budget)
+    assert pair.engine.memory_report()["budget_overruns"] == 0

@@ -61,6 +61,11 @@ class ExternalMixin:
         hooks = self._hooks
         record = self._record_list[i]
         running = hooks.running()
+        if not running:
+            # Between backward and step, the CPU Adam updates made during
+            # backward hold their chunks: taken back first, as for any other
+            # use of the chunks there (Note [Speculative updates and their undo]).
+            self._settle_overlap()
         learn, module = True, None
         if running:
             module = self._module_list[running[-1]]
