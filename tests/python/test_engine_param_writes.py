@@ -426,3 +426,23 @@ def test_reads_between_backward_and_step_see_the_weights_as_without_overlap(budg
     pair.assert_same()
     _moved(pair.engine, budget)
     assert pair.engine.memory_report()["budget_overruns"] == 0
+
+
+def test_gathered_copies_between_backward_and_step_are_the_weights_before_it():
+    from tidal.deepspeed import zero
+
+    pair = Pair(BUDGETS["chunks-move"])
+    pair.step(0)
+    x, y = pair.data[1]
+    pair.engine.backward(pair.engine(x, y))
+    params = list(pair.model.parameters())
+    with torch.no_grad(), zero.GatheredParameters(params, modifier_rank=None):
+        got = [p.detach().clone() for p in params]
+    pair.engine.step()
+    for g, want in zip(got, pair.ref.parameters()):
+        torch.testing.assert_close(g, want.detach(), rtol=1e-4, atol=5e-5)
+    pair.ref(x, y).backward()
+    pair.opt.step()
+    pair.opt.zero_grad(set_to_none=True)
+    pair.step(2)
+    pair.assert_same()

@@ -122,6 +122,9 @@ class ParamStore:
         # reference to its forget_writes): writes to copies that were dropped
         # on purpose must not be taken for lost writes (forget_writes below).
         self.writes_forgetter = None
+        # ... and a weak reference to its _settle_overlap: code outside the engine
+        # that reads the chunks between backward and step calls settle_engine() first.
+        self.overlap_settler = None
         if config.device != "auto" or get_device().info()["backend"] not in ("sim", "cuda"):
             set_device(config.device)
         device = get_device()
@@ -302,6 +305,14 @@ class ParamStore:
         forget = self.writes_forgetter() if self.writes_forgetter is not None else None
         if forget is not None:
             forget(records)
+
+    def settle_engine(self) -> None:
+        """Before chunks are read outside the engine: the CPU Adam updates made
+        during backward are waited for and taken back (Note [Speculative updates
+        and their undo] in overlap.py)."""
+        settle = self.overlap_settler() if self.overlap_settler is not None else None
+        if settle is not None:
+            settle()
 
     def adopted(self) -> None:
         if self in ParamStore._unadopted:

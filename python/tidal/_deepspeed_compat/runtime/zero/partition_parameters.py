@@ -191,6 +191,7 @@ def _copies(store, params):
     the data it had (a placeholder; or, under an engine between steps, or an
     enclosing context, a view of its slot)."""
     done = []
+    store.settle_engine()  # (between backward and step: before the chunks are read)
     try:
         for p in params:
             old = p.data
