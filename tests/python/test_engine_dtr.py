@@ -82,7 +82,10 @@ def test_gpt_with_dtr_matches_adamw_below_its_activation_memory(accumulation):
     dtr.disable()
     torch.manual_seed(0)
     plain = tidal.initialize(TinyGPT(d=64, seq=32), config(budget=gpt_budget()))
-    with pytest.raises(tidal.OutOfMemoryError, match="Non-chunk device memory"):
+    # (Where it runs out, bringing a module's parameters in or an activation in
+    # backward, depends on what else the process holds; both messages name the
+    # non-chunk bytes.)
+    with pytest.raises(tidal.OutOfMemoryError, match="(?i)non-chunk device memory"):
         train_tidal(plain, batches[:1])
 
 
