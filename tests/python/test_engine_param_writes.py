@@ -446,3 +446,42 @@ def test_gathered_copies_between_backward_and_step_are_the_weights_before_it():
     pair.opt.zero_grad(set_to_none=True)
     pair.step(2)
     pair.assert_same()
+
+
+@pytest.mark.parametrize("budget", list(BUDGETS.values()), ids=list(BUDGETS))
+def test_a_write_into_a_dropped_state_dict_is_kept_as_in_plain_pytorch(budget):
+    # model.state_dict()[k].mul_(m) in one statement: the dict dies at once.
+    pair = Pair(budget)
+    pair.step(0)
+    with torch.no_grad():
+        for m in (pair.model, pair.ref):
+            m.state_dict()["layers.3.weight"].mul_(0.25)
+            m.state_dict()["layers.4.bias"].zero_()
+    pair.step(1)
+    pair.step(2)
+    pair.assert_same()
+
+
+def test_state_dict_entries_are_plain_tensors_to_torch(tmp_path):
+    import copy as copy_module
+    import pickle
+
+    pair = Pair(BUDGETS["chunks-move"])
+    pair.step(0)
+    sd = pair.model.state_dict()
+    value = sd["layers.0.weight"]
+    assert isinstance(value, torch.Tensor)
+    assert type(value * 2) is torch.Tensor and type(value.detach()) is torch.Tensor
+    torch.save(sd, tmp_path / "sd.pt")
+    loaded = torch.load(tmp_path / "sd.pt", weights_only=True)
+    assert type(loaded["layers.0.weight"]) is torch.Tensor
+    assert torch.equal(loaded["layers.0.weight"], value)
+    assert type(pickle.loads(pickle.dumps(value))) is torch.Tensor
+    # A deep copy is the user's own: writing into it leaves the model alone.
+    best = copy_module.deepcopy(sd)
+    assert type(best["layers.0.weight"]) is torch.Tensor
+    best["layers.0.weight"].zero_()
+    del best
+    pair.step(1)
+    pair.step(2)
+    pair.assert_same()

@@ -221,13 +221,23 @@ class ExternalMixin:
     # pruning by mask, loading by hand into the dict it got) writes into the
     # model. tidal's entries are copies of the chunks' 16-bit weights; each one
     # is remembered with its version count, and where the engine takes the
-    # weights back an entry still alive that was written since goes into the
-    # parameter, 16-bit copy and fp32 master, as `p.data = entry` would (after
-    # the writes to the parameters themselves); between backward and step it is
-    # a write that reaches nothing (a UsageError naming it). Entries that died
-    # are forgotten; nothing is copied back otherwise.
+    # weights back an entry written since goes into the parameter, 16-bit copy
+    # and fp32 master, as `p.data = entry` would (after the writes to the
+    # parameters themselves); between backward and step it is a write that
+    # reaches nothing (a UsageError naming it). An entry is a StateDictEntry
+    # (state_dict_mixin.py): a plain tensor to torch (its functions return
+    # plain tensors; it pickles and deep-copies as one) whose __del__, after a
+    # write, hands a copy of its value to the engine, so a dict dropped right
+    # after the write (`model.state_dict()[k].mul_(m)`) is not lost either.
+    # Nothing is copied back otherwise.
     def _settle_state_copies(self, lost):
         hooks = self._hooks
+        dropped, self._dropped_state_writes = getattr(self, "_dropped_state_writes", []), []
+        for i, value in dropped:
+            if hooks.landed(i):
+                lost.add(i)
+            else:
+                self._write_value(self._record_list[i], value, attached=hooks.attached(i))
         kept = []
         for ref, i, version in getattr(self, "_state_copies", ()):
             t = ref()

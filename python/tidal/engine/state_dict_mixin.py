@@ -5,6 +5,7 @@ A mixin of Engine (engine.py), split from it along its sections; it uses
 the engine's attributes set in Engine.__init__."""
 from __future__ import annotations
 
+import sys
 import weakref
 
 import torch
@@ -13,7 +14,41 @@ from .. import dtr as _dtr
 from . import checkpoint as _checkpoint
 from . import param_groups as _param_groups
 from .errors import UsageError
-from .store import PARAM16, PARAM32
+from .store import PARAM16, PARAM32, uncounted
+
+
+class StateDictEntry(torch.Tensor):
+    """A tensor of model.state_dict() under a tidal engine (Note [Writes into a
+    state dict] in external_mixin.py): an ordinary tensor (torch functions
+    return plain tensors; it pickles and deep-copies as one) that, when it dies
+    after a write, hands its value to the engine, as plain PyTorch's entries,
+    which share the parameters' memory, would have written the model."""
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    @staticmethod
+    def wrap(copy: torch.Tensor, engine, index: int) -> "StateDictEntry":
+        entry = torch.Tensor._make_subclass(StateDictEntry, copy)
+        entry._tidal_engine = weakref.ref(engine)
+        entry._tidal_index = index
+        entry._tidal_version = entry._version
+        return entry
+
+    def __del__(self):
+        if sys.is_finalizing() or self._version == self._tidal_version:
+            return  # (at interpreter exit there is no model left to write to)
+        engine = self._tidal_engine()
+        if engine is None:
+            return
+        with uncounted():  # (tidal's own bytes, also when collected inside a forward)
+            value = torch.Tensor._make_subclass(torch.Tensor, self).clone()
+        engine._dropped_state_writes.append((self._tidal_index, value))
+
+    def __reduce_ex__(self, protocol):
+        return torch.Tensor._make_subclass(torch.Tensor, self).__reduce_ex__(protocol)
+
+    def __deepcopy__(self, memo):
+        return torch.Tensor._make_subclass(torch.Tensor, self).__deepcopy__(memo)
 
 
 class StateDictMixin:
@@ -23,6 +58,7 @@ class StateDictMixin:
         them would lose the model without a word)."""
         ref = weakref.ref(self)
         self._state_copies = []  # (tensor weakref, index, its version): Note [Writes into a state dict]
+        self._dropped_state_writes = []  # (index, value) of entries written, then dropped
         self._state_io = None  # the module whose state_dict() is running (Note [A parameter object stays the user's])
 
         def saving(module, prefix, keep_vars):
@@ -75,11 +111,11 @@ class StateDictMixin:
             value = state.get(key)
             if value is None or isinstance(value, torch.nn.Parameter):
                 continue
-            copy = self._weight_copy(self._record_list[i])
-            state[key] = copy
             # Note [Writes into a state dict]: plain PyTorch's entries share the
             # parameters' memory, so a write into one is a write to the model.
-            self._state_copies.append((weakref.ref(copy), i, copy._version))
+            entry = StateDictEntry.wrap(self._weight_copy(self._record_list[i]), self, i)
+            state[key] = entry
+            self._state_copies.append((weakref.ref(entry), i, entry._version))
 
     def _weight_copy(self, record) -> torch.Tensor:
         """A host copy of `record`'s weight in its 16-bit dtype: the slot, or
