@@ -6,7 +6,6 @@ the simulated device: DeepSpeed's CPU accelerator), checked against torch and
 against what the device itself reports."""
 import importlib
 import logging
-import socket
 import sys
 from pathlib import Path
 
@@ -28,26 +27,6 @@ CFG = {"train_micro_batch_size_per_gpu": 2, "gradient_clipping": 0.0,
 @pytest.fixture(autouse=True)
 def simulated_device():
     tidal.set_device("sim", capacity="1GiB")
-
-
-@pytest.fixture
-def one_rank_launcher(monkeypatch):
-    """The environment torchrun (or deepspeed's launcher) gives one rank; the
-    process groups started under it are destroyed after the test."""
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
-    for key, value in (("RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0"),
-                       ("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", str(port))):
-        monkeypatch.setenv(key, value)
-    engines = []
-    yield engines
-    for engine in engines:
-        if engine.dp is not None:
-            engine.dp.close()
-    if torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()
 
 
 def test_deepspeeds_import_lines_work_with_the_package_name_changed():

@@ -19,7 +19,6 @@ import argparse
 import copy
 import json
 import math
-import socket
 import sys
 from pathlib import Path
 
@@ -46,26 +45,6 @@ pytestmark = pytest.mark.filterwarnings("ignore:config key")
 @pytest.fixture(autouse=True)
 def simulated_device():
     tidal.set_device("sim", capacity="1GiB")
-
-
-@pytest.fixture
-def one_rank_launcher(monkeypatch):
-    """The environment the deepspeed launcher (or torchrun) gives a one-GPU run;
-    the process groups started under it are destroyed after the test."""
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
-    for key, value in (("RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0"),
-                       ("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", str(port))):
-        monkeypatch.setenv(key, value)
-    engines = []
-    yield engines
-    for engine in engines:
-        if engine.dp is not None:
-            engine.dp.close()
-    if torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()
 
 
 class MixedPrecision:

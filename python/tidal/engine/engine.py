@@ -326,8 +326,7 @@ class Engine(ExternalMixin, StateDictMixin, HookWiringMixin, DataParallelMixin, 
         # (Note [CPU Adam during backward]): the step refuses until zero_grad().
         self._sums_broken = None
         self._hooks = self._new_hooks()
-        store.writes_forgetter = weakref.WeakMethod(self._forget_writes)
-        store.overlap_settler = weakref.WeakMethod(self._settle_overlap)
+        store.engine_ref = weakref.ref(self)
         # Saved tensors that alias a parameter's slot are packed as (parameter,
         # geometry) and rebuilt from its data in backward, so nothing keeps a
         # chunk address across a move (Note [Parameters keep their TensorImpl]

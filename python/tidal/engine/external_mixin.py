@@ -239,17 +239,18 @@ class ExternalMixin:
             else:
                 self._write_value(self._record_list[i], value, attached=hooks.attached(i))
         kept = []
-        for ref, i, version in getattr(self, "_state_copies", ()):
+        for ref in getattr(self, "_state_copies", ()):
             t = ref()
             if t is None:
                 continue
-            if t._version != version:
-                if hooks.landed(i):
-                    lost.add(i)
+            if t._version != t._tidal_version:
+                if hooks.landed(t._tidal_index):
+                    lost.add(t._tidal_index)
                 else:
-                    self._write_value(self._record_list[i], t, attached=hooks.attached(i))
-                version = t._version
-            kept.append((ref, i, version))
+                    self._write_value(self._record_list[t._tidal_index], t,
+                                      attached=hooks.attached(t._tidal_index))
+                t._tidal_version = t._version  # (taken: its death hands nothing over again)
+            kept.append(ref)
         self._state_copies = kept
 
     def _write_value(self, record, value, attached: bool):

@@ -57,7 +57,7 @@ class StateDictMixin:
         chunks: the module itself holds empty placeholders (a torch.save of
         them would lose the model without a word)."""
         ref = weakref.ref(self)
-        self._state_copies = []  # (tensor weakref, index, its version): Note [Writes into a state dict]
+        self._state_copies = []  # weakrefs of the StateDictEntry tensors handed out: Note [Writes into a state dict]
         self._dropped_state_writes = []  # (index, value) of entries written, then dropped
         self._state_io = None  # the module whose state_dict() is running (Note [A parameter object stays the user's])
 
@@ -115,7 +115,7 @@ class StateDictMixin:
             # parameters' memory, so a write into one is a write to the model.
             entry = StateDictEntry.wrap(self._weight_copy(self._record_list[i]), self, i)
             state[key] = entry
-            self._state_copies.append((weakref.ref(entry), i, entry._version))
+            self._state_copies.append(weakref.ref(entry))
 
     def _weight_copy(self, record) -> torch.Tensor:
         """A host copy of `record`'s weight in its 16-bit dtype: the slot, or

@@ -118,13 +118,10 @@ class ParamStore:
 
     def __init__(self, config: Config):
         self.config = config
-        # The engine that trains this store's parameters sets it (a weak
-        # reference to its forget_writes): writes to copies that were dropped
-        # on purpose must not be taken for lost writes (forget_writes below).
-        self.writes_forgetter = None
-        # ... and a weak reference to its _settle_overlap: code outside the engine
-        # that reads the chunks between backward and step calls settle_engine() first.
-        self.overlap_settler = None
+        # A weak reference to the engine that trains this store's parameters
+        # (it sets it), for code outside the engine that reads the chunks or
+        # writes to copies (forget_writes, settle_engine below).
+        self.engine_ref = None
         if config.device != "auto" or get_device().info()["backend"] not in ("sim", "cuda"):
             set_device(config.device)
         device = get_device()
@@ -302,17 +299,17 @@ class ParamStore:
         looked was dropped on purpose (GatheredParameters' copies): the engine
         takes their version counts as they are now (Note [Writes to a
         parameter] in hooks/module_hooks.cpp)."""
-        forget = self.writes_forgetter() if self.writes_forgetter is not None else None
-        if forget is not None:
-            forget(records)
+        engine = self.engine_ref() if self.engine_ref is not None else None
+        if engine is not None:
+            engine._forget_writes(records)
 
     def settle_engine(self) -> None:
         """Before chunks are read outside the engine: the CPU Adam updates made
         during backward are waited for and taken back (Note [Speculative updates
         and their undo] in overlap.py)."""
-        settle = self.overlap_settler() if self.overlap_settler is not None else None
-        if settle is not None:
-            settle()
+        engine = self.engine_ref() if self.engine_ref is not None else None
+        if engine is not None:
+            engine._settle_overlap()
 
     def adopted(self) -> None:
         if self in ParamStore._unadopted:

@@ -45,6 +45,8 @@ import weakref
 
 import torch
 
+from .external import _HARMLESS, _tensors
+
 __all__ = ["install", "uninstall"]
 
 # id(param) -> (engine weakref, record index) for every parameter a live engine trains.
@@ -81,7 +83,6 @@ def _len(shape):
 
 def _passing():
     """Functions that need no values: run on the placeholder as they are."""
-    from .external import _HARMLESS
     t = torch.Tensor
     extra = [t.data.__set__, t.register_hook, t.register_post_accumulate_grad_hook, t.__reduce_ex__,
              t.__setstate__, t.__deepcopy__, t.storage_offset, t.untyped_storage, t.data_ptr,
@@ -92,23 +93,6 @@ def _passing():
 _SHAPE = _shape_answers()
 _PASS = _passing()
 _TIDAL_PREFIX = __name__.split(".")[0] + "."
-
-
-def _tensors(args, kwargs):
-    for a in args:
-        if isinstance(a, torch.Tensor):
-            yield a
-        elif isinstance(a, (list, tuple)):
-            for b in a:
-                if isinstance(b, torch.Tensor):
-                    yield b
-    for a in kwargs.values():
-        if isinstance(a, torch.Tensor):
-            yield a
-        elif isinstance(a, (list, tuple)):
-            for b in a:
-                if isinstance(b, torch.Tensor):
-                    yield b
 
 
 def _placeholders(args, kwargs):

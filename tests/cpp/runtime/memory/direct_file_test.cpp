@@ -207,7 +207,7 @@ TEST(DirectFile, ADiskTooSmallFailsAtCreationNamingTheBytes) {
 TEST(DirectFile, AFileSystemWithoutDirectIoIsRefusedUnlessBufferedIsAllowed) {
   // tmpfs refuses O_DIRECT on older kernels and accepts it on newer ones; either
   // way the outcome is one of the two documented ones.
-  if (!exists("/dev/shm")) GTEST_SKIP() << "no /dev/shm";
+  if (!exists("/dev/shm")) GTEST_SKIP() << "no /dev/shm on this machine: no tmpfs to try the O_DIRECT refusal on";
   DirectFileOptions o;
   o.dir = "/dev/shm";
   o.slot_bytes = 4 * kKiB;
