@@ -32,14 +32,15 @@ class HostCounterMeter final : public NonChunkMeter {
     close_host_allocation_baseline(baseline_id_);
   }
   void set_limit(std::size_t bytes, std::size_t budget, std::size_t chunk_bytes) override {
-    const std::int64_t base = baseline();
+    const HostAllocationBaseline b = host_allocation_baseline(baseline_id_);
+    const std::int64_t base = baseline(b);
     HostAllocationLimit limit{base + static_cast<std::int64_t>(bytes), base,
                               static_cast<std::int64_t>(budget), static_cast<std::int64_t>(chunk_bytes)};
     limit.baseline_id = baseline_id_;
     if (caching_) {
       // Note [Who owns a device byte]: the whole budget, in reserved bytes, as
       // torch's cap on a GPU; the margin stays the allocator's room.
-      limit.reserved_baseline = reserved_baseline();
+      limit.reserved_baseline = b.reserved;
       limit.reserved_cap =
           std::max<std::int64_t>(0, device_budget_ - static_cast<std::int64_t>(chunk_bytes) + limit.reserved_baseline);
     }
@@ -51,18 +52,18 @@ class HostCounterMeter final : public NonChunkMeter {
   }
   std::size_t device_reserved_peak() override {
     if (!caching_) return 0;
-    return above(host_allocation_model_use().device_reserved_peak, reserved_baseline());
+    return above(host_allocation_model_use().device_reserved_peak, host_allocation_baseline(baseline_id_).reserved);
   }
   std::pair<std::size_t, std::size_t> read() override {
-    const std::int64_t base = baseline();
-    const HostAllocationCounts c = host_allocation_counts();
-    std::size_t now = above(c.live_bytes, base);
+    const HostAllocationBaseline b = host_allocation_baseline(baseline_id_);  // (once per read)
+    std::size_t now = above(host_allocation_counts().live_bytes, baseline(b));
     if (caching_) {
-      // What the model cannot give back is not room for chunks.
-      now = std::max(now, above(host_allocation_model_use().stuck, reserved_baseline()));
+      // What the model cannot give back is not room for chunks; what it keeps
+      // reserved for the baseline's tensors still alive is not the engine's.
+      now = std::max(now, above(host_allocation_model_use().stuck, b.reserved));
     }
     // (The baseline's own peak: see Note [A meter's baseline].)
-    return {now, above(host_allocation_baseline(baseline_id_).peak_own, baseline_at_open_)};
+    return {now, above(b.peak_own, baseline_at_open_)};
   }
   void restart_peak() override {
     reset_host_allocation_peak();
@@ -70,15 +71,10 @@ class HostCounterMeter final : public NonChunkMeter {
   }
 
  private:
-  // Note [A meter's baseline].
-  std::int64_t baseline() const {
-    return std::max<std::int64_t>(0, baseline_at_open_ - host_allocation_baseline(baseline_id_).freed);
+  // Note [A meter's baseline]: what was live at opening, less what of it died.
+  std::int64_t baseline(const HostAllocationBaseline& b) const {
+    return std::max<std::int64_t>(0, baseline_at_open_ - b.freed);
   }
-
-  // What the model keeps reserved for the baseline's tensors still alive (the
-  // segments they leave go back to the model's cache, which the cap then
-  // counts against the budget).
-  std::int64_t reserved_baseline() const { return host_allocation_baseline(baseline_id_).reserved; }
 
   std::uint64_t baseline_id_;
   std::int64_t baseline_at_open_;
