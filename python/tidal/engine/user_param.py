@@ -126,10 +126,12 @@ class _UserParameter:
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         with torch._C.DisableTorchFunctionSubclass():
-            if func not in _PASS and not sys._getframe(1).f_globals.get("__name__", "").startswith(
-                    _TIDAL_PREFIX):
+            # (The placeholder test first: inside a forward the parameters are
+            # attached, and it is the cheapest way out.)
+            if func not in _PASS:
                 found = _placeholders(args, kwargs)
-                if found is not None:
+                if found is not None and not sys._getframe(1).f_globals.get("__name__", "").startswith(
+                        _TIDAL_PREFIX):
                     engine, held = found
                     answer = _SHAPE.get(func)
                     if answer is not None and len(held) == 1 and args and args[0] is held[0][0]:
