@@ -164,6 +164,10 @@ void ChunkStore::set_state(TensorRef ref, TensorState to) {
               "' (", to_string(ref.kind), " slot): cannot enter ", to_string(to),
               " while its chunk ", chunk.id(),
               " has no payload; the owner of chunk memory must place the chunk first");
+  // Nothing computes on a chunk in the disk's file (its payload is a token).
+  TIDAL_CHECK(to != TensorState::kCompute || chunk.space_ != MemorySpace::kDisk, "tensor '",
+              names_[ref.tensor], "' (", to_string(ref.kind), " slot): cannot enter COMPUTE while its chunk ",
+              chunk.id(), " is on disk; the owner of chunk memory must read it into host or device memory first");
   --chunk.state_counts_[index_of(slot)];
   ++chunk.state_counts_[index_of(to)];
   slot = to;
@@ -346,6 +350,8 @@ void ChunkStore::validate() const {
       TIDAL_INTERNAL_ASSERT(chunk.has_payload() || chunk.all_free(), "chunk ", chunk.id(),
                             " has no payload but ", chunk.num_tensors() - chunk.count(TensorState::kFree),
                             " slots hold data");
+      TIDAL_INTERNAL_ASSERT(chunk.space() != MemorySpace::kDisk || chunk.count(TensorState::kCompute) == 0,
+                            "chunk ", chunk.id(), " is on disk with COMPUTE slots");
       bytes[index_of(chunk.space())] += chunk.has_payload() ? chunk.capacity_bytes() : 0;
       ++chunks[index_of(chunk.space())];
     }

@@ -117,7 +117,8 @@ class ChunkStore {
   // exactly when space is kNone). Refuses (ValueError) to move a chunk with a
   // COMPUTE slot and to drop the payload of a chunk that is not all FREE.
   void set_payload(ChunkId id, void* payload, MemorySpace space);
-  // The first element of the tensor's slot, or null when its chunk has no payload.
+  // The first element of the tensor's slot, or null when its chunk has no
+  // payload in memory (none, or on disk).
   void* tensor_data(TensorRef ref) const;
   std::size_t tensor_bytes(TensorRef ref) const;
   // Bytes and number of chunks whose payload is in `space`.
@@ -188,7 +189,7 @@ inline void* ChunkStore::tensor_data(TensorRef ref) const {
   check_ref(ref, "chunk store: tensor_data");
   const TensorPlacement& at = layout_.placement(ref.tensor);
   const Chunk& c = lists_[index_of(ref.kind)].chunks_[at.chunk];
-  if (!c.has_payload()) return nullptr;
+  if (!c.has_payload() || c.space() == MemorySpace::kDisk) return nullptr;
   return static_cast<char*>(c.payload()) + at.offset * element_size(c.dtype());
 }
 

@@ -1,6 +1,8 @@
 // Where a chunk's payload lives. A chunk is in exactly one memory space at a
 // time; kNone means it holds no payload (all its tensors are FREE, or it was
-// never materialized).
+// never materialized). kDisk: the payload is in the scheduler's file on a
+// disk (Note [Chunks on NVMe: the tier] in runtime/scheduler/disk_tier.h);
+// nothing computes on it there, so its address is a token, not memory.
 #pragma once
 
 #include <cstddef>
@@ -8,10 +10,10 @@
 
 namespace tidal {
 
-enum class MemorySpace : std::uint8_t { kNone = 0, kHost = 1, kDevice = 2 };
+enum class MemorySpace : std::uint8_t { kNone = 0, kHost = 1, kDevice = 2, kDisk = 3 };
 
 // Number of MemorySpace values, for arrays indexed by space.
-inline constexpr std::size_t kNumMemorySpaces = 3;
+inline constexpr std::size_t kNumMemorySpaces = 4;
 
 constexpr std::size_t index_of(MemorySpace space) { return static_cast<std::size_t>(space); }
 
@@ -23,6 +25,8 @@ constexpr const char* to_string(MemorySpace space) {
       return "host";
     case MemorySpace::kDevice:
       return "device";
+    case MemorySpace::kDisk:
+      return "disk";
   }
   return "unknown memory space";
 }

@@ -79,8 +79,7 @@ DirectFile::DirectFile(const DirectFileOptions& options)
     : slot_bytes_(round_up(options.slot_bytes, kDirectAlignment)),
       slots_(options.slots),
       request_bytes_(round_up(options.request_bytes, kDirectAlignment)) {
-  TIDAL_CHECK(options.slot_bytes > 0 && options.slots > 0, "DirectFile: expected slot_bytes > 0 and slots > 0, got ",
-              options.slot_bytes, " and ", options.slots);
+  TIDAL_CHECK(options.slot_bytes > 0, "DirectFile: expected slot_bytes > 0, got 0");
   TIDAL_CHECK(options.threads >= 1 && options.threads <= 1024, "DirectFile: expected 1 to 1024 threads, got ",
               options.threads);
   TIDAL_CHECK(options.request_bytes > 0, "DirectFile: expected request_bytes > 0, got 0");
@@ -108,18 +107,40 @@ DirectFile::DirectFile(const DirectFileOptions& options)
     ::unlink(path_.c_str());
     TIDAL_THROW(Error, "DirectFile: could not lock '", path_, "': ", errno_text(err));
   }
-  const std::size_t total = slot_bytes_ * slots_;
-  const int err = ::posix_fallocate(fd_, 0, static_cast<off_t>(total));
-  if (err != 0) {
-    const std::uint64_t free = free_bytes(options.dir);
+  const std::size_t slots = slots_;
+  slots_ = 0;
+  try {
+    reserve_to(slots, options.dir);
+  } catch (...) {
     ::close(fd_);
     ::unlink(path_.c_str());
-    TIDAL_THROW(Error, "DirectFile: could not reserve ", format_bytes(total), " for ", slots_, " slots of ",
-                format_bytes(slot_bytes_), " in '", path_, "': ", errno_text(err), "; the file system has ",
-                format_bytes(free), " free");
+    throw;
   }
   threads_.reserve(static_cast<std::size_t>(options.threads));
   for (int i = 0; i < options.threads; ++i) threads_.emplace_back([this] { worker(); });
+}
+
+void DirectFile::reserve_to(std::size_t slots, const std::string& dir) {
+  if (slots <= slots_) return;
+  const std::size_t from = slot_bytes_ * slots_;
+  const std::size_t total = slot_bytes_ * slots;
+  const int err = ::posix_fallocate(fd_, static_cast<off_t>(from), static_cast<off_t>(total - from));
+  if (err != 0) {
+    TIDAL_THROW(OutOfMemoryError, "DirectFile: could not reserve ", format_bytes(total - from), " more (",
+                format_bytes(total), " in all, ", slots, " slots of ", format_bytes(slot_bytes_), ") in '", path_,
+                "': ", errno_text(err), "; the file system has ", format_bytes(free_bytes(dir)), " free");
+  }
+  std::lock_guard<std::mutex> lock(mutex_);
+  slots_ = slots;
+}
+
+void DirectFile::grow(std::size_t slots) { reserve_to(slots, path_.substr(0, path_.rfind('/'))); }
+
+bool DirectFile::done(Ticket ticket) const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  auto it = pending_.find(ticket);
+  TIDAL_CHECK(it != pending_.end(), "DirectFile::done: ticket ", ticket, " is not pending (waited for already?)");
+  return it->second.left == 0;
 }
 
 DirectFile::~DirectFile() {
@@ -143,14 +164,14 @@ DirectFile::Ticket DirectFile::read(std::size_t slot, void* dst, std::size_t byt
 
 DirectFile::Ticket DirectFile::submit(bool write, std::size_t slot, char* buffer, std::size_t bytes) {
   const char* what = write ? "write" : "read";
+  std::unique_lock<std::mutex> lock(mutex_);
   TIDAL_CHECK_INDEX(slot < slots_, "DirectFile::", what, ": slot ", slot, " of a file of ", slots_, " slots");
-  TIDAL_CHECK(bytes > 0 && bytes <= slot_bytes_, "DirectFile::", what, ": expected 1 to ", slot_bytes_,
-              " bytes (a slot), got ", bytes);
+  TIDAL_CHECK(bytes > 0 && bytes <= (slots_ - slot) * slot_bytes_, "DirectFile::", what, ": expected 1 to ",
+              (slots_ - slot) * slot_bytes_, " bytes (slot ", slot, " to the end of the file), got ", bytes);
   TIDAL_CHECK(reinterpret_cast<std::uintptr_t>(buffer) % kDirectAlignment == 0 && bytes % kDirectAlignment == 0,
               "DirectFile::", what, ": direct I/O needs a buffer aligned to ", kDirectAlignment,
               " bytes and a multiple of it in size; got address ", static_cast<const void*>(buffer), " and ",
               bytes, " bytes (use AlignedBuffer)");
-  std::unique_lock<std::mutex> lock(mutex_);
   const Ticket ticket = next_ticket_++;
   Pending& p = pending_[ticket];
   const std::size_t base = slot * slot_bytes_;

@@ -68,7 +68,7 @@ class AlignedBuffer {
 struct DirectFileOptions {
   std::string dir;               // the folder (nvme_path)
   std::size_t slot_bytes = 0;    // bytes per slot (a chunk's), rounded up to 4 KiB
-  std::size_t slots = 0;         // slots in the file
+  std::size_t slots = 0;         // slots in the file at creation (grow() adds more)
   std::size_t request_bytes = std::size_t{1} << 20;  // one pread/pwrite
   int threads = 8;               // requests in flight at most
   bool allow_buffered = false;   // no O_DIRECT on the file system: buffered I/O instead of an error
@@ -83,12 +83,20 @@ class DirectFile {
   DirectFile(const DirectFile&) = delete;
   DirectFile& operator=(const DirectFile&) = delete;
 
-  // Writes `bytes` from `src` to the start of `slot`; returns at once.
+  // Writes `bytes` from `src` from the start of `slot` on (into the slots
+  // after it when `bytes` is more than a slot); returns at once.
   Ticket write(std::size_t slot, const void* src, std::size_t bytes);
-  // Reads `bytes` of `slot` into `dst`; returns at once.
+  // Reads `bytes` from the start of `slot` on into `dst`; returns at once.
   Ticket read(std::size_t slot, void* dst, std::size_t bytes);
   // Returns when the ticket's requests are done; throws the first failure.
   void wait(Ticket ticket);
+  // Whether every request of the ticket has completed (wait() then returns
+  // at once); never blocks.
+  bool done(Ticket ticket) const;
+  // Makes the file `slots` slots long (posix_fallocate), so a write there
+  // cannot fail for want of space; throws naming the path, the bytes needed
+  // and the bytes free when the file system cannot hold them. Never shrinks.
+  void grow(std::size_t slots);
   // Waits for every ticket not yet waited for (their failures are thrown too).
   void wait_all();
 
@@ -122,6 +130,7 @@ class DirectFile {
   Ticket submit(bool write, std::size_t slot, char* buffer, std::size_t bytes);
   void worker();
   std::string describe_failure(const Request& r, int err, long done) const;
+  void reserve_to(std::size_t slots, const std::string& dir);
 
   std::string path_;
   std::size_t slot_bytes_ = 0;

@@ -34,6 +34,15 @@
 
 namespace tidal {
 
+// A disk read into or write out of a block still in flight (Note [Chunks on
+// NVMe: the tier] in disk_tier.h). wait() rethrows a failure every time.
+class PendingIo {
+ public:
+  virtual ~PendingIo() = default;
+  virtual bool done() = 0;
+  virtual void wait() = 0;
+};
+
 struct Block {
   MemorySpace space = MemorySpace::kNone;
   std::size_t bytes = 0;
@@ -46,6 +55,18 @@ struct Block {
   bool maybe_pending = false;
   // The stream of the fence's latest record, or null.
   Stream* fenced_on = nullptr;
+  // A host block's disk I/O in flight: one more piece of work on the block,
+  // waited for on the host before any other (a stream cannot wait for it).
+  std::shared_ptr<PendingIo> io;
+
+  // Waits for the disk I/O; keeps it (and rethrows) when it failed.
+  bool finish_io() {
+    if (!io) return false;
+    const bool pending = !io->done();
+    io->wait();
+    io.reset();
+    return pending;
+  }
 
   // Records the fence on `stream` after work issued there.
   void record_fence(Stream& stream) {
@@ -54,20 +75,22 @@ struct Block {
     fenced_on = &stream;
   }
   // Makes work issued next on `stream` wait for the fence.
-  void order_before(Stream& stream) const {
+  void order_before(Stream& stream) {
+    finish_io();
     if (maybe_pending && fenced_on != &stream) stream.wait(*fence);
   }
   // Blocks the calling thread until the fence completed. Returns whether it
   // had to wait.
   bool wait_on_host() {
-    if (!maybe_pending) return false;
+    const bool io_pending = finish_io();
+    if (!maybe_pending) return io_pending;
     const bool pending = !fence->query();
     if (pending) fence->synchronize();
     maybe_pending = false;
     fenced_on = nullptr;
-    return pending;
+    return pending || io_pending;
   }
-  bool ready() const { return !maybe_pending || fence->query(); }
+  bool ready() const { return (!io || io->done()) && (!maybe_pending || fence->query()); }
 };
 
 using BlockPtr = std::unique_ptr<Block>;

@@ -37,6 +37,16 @@ ChunkScheduler::ChunkScheduler(ChunkStore store, std::shared_ptr<Device> device,
               " on device) that nobody owns; give the scheduler a fresh store");
   TIDAL_CHECK(!options_.prefetch || options_.prefetch_depth > 0,
               "chunk scheduler: prefetch_depth must be at least 1 when prefetch is on, got 0");
+  if (!options_.disk_path.empty()) {
+    DiskTierOptions d;
+    d.dir = options_.disk_path;
+    d.budget_bytes = options_.disk_budget_bytes;
+    d.threads = options_.disk_threads;
+    d.request_bytes = options_.disk_request_bytes;
+    d.allow_buffered = options_.disk_allow_buffered;
+    disk_ = std::make_unique<DiskTier>(d);
+    budget_[index_of(MemorySpace::kDisk)] = disk_->budget_bytes();
+  }
   budget_[index_of(MemorySpace::kHost)] = options_.host_budget_bytes;
   budget_[index_of(MemorySpace::kDevice)] =
       options_.device_budget_bytes > 0 ? options_.device_budget_bytes : device_->capacity();
@@ -267,6 +277,25 @@ bool ChunkScheduler::place(ChunkId id, MemorySpace space, const RoomRequest& req
     if (!request.prefetch) ++stats_.materializations;
     return true;
   }
+  if (chunk.space() == MemorySpace::kDisk) {
+    // Note [Chunks on NVMe: the tier]: read into the host; a chunk wanted on
+    // the device goes on up from there (a prefetch stops at the host, so it
+    // never blocks on the read).
+    RoomRequest host = request;
+    host.space = MemorySpace::kHost;
+    BlockPtr block = acquire_block(host);
+    if (!block) return false;
+    read_from_disk(id, std::move(block));
+    if (request.prefetch && space == MemorySpace::kDevice) slot.staged = true;
+    if (space == MemorySpace::kHost || request.prefetch) {
+      if (!request.prefetch) ++stats_.misses;
+      return true;
+    }
+  } else if (slot.staged && !request.prefetch) {
+    // A prefetch read it from disk to the host for this access.
+    ++stats_.prefetch_hits;
+    clear_prefetched(id, /*wasted=*/false);
+  }
   TIDAL_CHECK(chunk.movable(), "chunk scheduler: ",
               request.has_tensor
                   ? detail::str_cat("tensor '", store_.tensor_name(request.tensor.tensor), "' (",
@@ -335,11 +364,65 @@ bool ChunkScheduler::make_room(const RoomRequest& request) {
     const ChunkId victim = choose_victim(request);
     if (victim == kNoChunk) {
       if (spill_to_device(request)) continue;
+      if (write_to_disk_for(request)) continue;
       if (request.prefetch) return false;
       throw_no_room(request, nullptr);
     }
     if (!evict(victim, request)) return false;
   }
+}
+
+bool ChunkScheduler::write_to_disk_for(const RoomRequest& request) {
+  if (!disk_ || request.space != MemorySpace::kHost) return false;
+  candidates_.clear();
+  for (ChunkId id : resident_[index_of(MemorySpace::kHost)]) {
+    if (id == request.chunk || id == request.evicting_for) continue;
+    if ((options_.disk_kinds & (1u << index_of(kind_of(id)))) == 0) continue;
+    if (store_.chunk(id).movable()) candidates_.push_back(id);
+  }
+  if (candidates_.empty()) return false;
+  const std::int64_t moment = request.prefetch ? request.needed_at - 1 : moment_;
+  const EvictionContext context(store_, request.prefetch ? &trace_ : live_trace(), moment, last_use_);
+  const ChunkId victim = policy_->choose_victim(context, MemorySpace::kHost, candidates_);
+  TIDAL_CHECK(std::find(candidates_.begin(), candidates_.end(), victim) != candidates_.end(),
+              "eviction policy '", policy_->name(), "' chose chunk ", victim,
+              ", which is not one of the ", candidates_.size(), " candidates it was given");
+  // A prefetch writes out only what the access it serves would (Note [Prefetch]).
+  if (request.prefetch && trace_.next_use(victim, moment_) <= request.needed_at) return false;
+  if (store_.chunk(victim).all_free()) {
+    drop_payload(victim);
+    return true;
+  }
+  write_to_disk(victim);
+  return true;
+}
+
+void ChunkScheduler::write_to_disk(ChunkId id) {
+  const std::size_t bytes = store_.chunk(id).capacity_bytes();
+  disk_->ensure_home(id, bytes, store_.describe_chunk(id));  // may throw; nothing moved yet
+  BlockPtr source = detach(id);
+  source->wait_on_host();  // a copy down into it lands first
+  source->io = disk_->write(id, source->data, bytes);
+  auto token = std::make_unique<Block>();
+  token->space = MemorySpace::kDisk;
+  token->bytes = bytes;
+  token->data = disk_->token(id);
+  attach(id, std::move(token));
+  pool_.give_back(std::move(source));  // reused after the write (Block::io)
+  ++stats_.moves_host_to_disk;
+  stats_.bytes_host_to_disk += bytes;
+  if (slots_[id].prefetched) clear_prefetched(id, /*wasted=*/true);
+}
+
+void ChunkScheduler::read_from_disk(ChunkId id, BlockPtr block) {
+  TIDAL_INTERNAL_ASSERT(block->space == MemorySpace::kHost, "disk read into a ", to_string(block->space), " block");
+  block->wait_on_host();  // whatever still reads the block (a copy, a write) ends first
+  const std::size_t bytes = block->bytes;
+  BlockPtr token = detach(id);
+  block->io = disk_->read(id, block->data, bytes);
+  attach(id, std::move(block));
+  ++stats_.moves_disk_to_host;
+  stats_.bytes_disk_to_host += bytes;
 }
 
 bool ChunkScheduler::spill_to_device(const RoomRequest& request) {
@@ -465,6 +548,7 @@ bool ChunkScheduler::evict(ChunkId victim, const RoomRequest& request) {
   host.chunk = victim;
   host.evicting_for = request.chunk;
   host.prefetch = request.prefetch;
+  host.needed_at = request.needed_at;
   BlockPtr block = acquire_block(host);
   if (!block) return false;
   move(victim, MemorySpace::kHost, std::move(block));
@@ -505,7 +589,8 @@ void ChunkScheduler::drop_payload(ChunkId id) {
   BlockPtr block = detach(id);
   store_.set_payload(id, nullptr, MemorySpace::kNone);
   const bool host = block->space == MemorySpace::kHost;
-  pool_.give_back(std::move(block));
+  // A chunk on disk keeps its home for when it comes back.
+  if (block->space != MemorySpace::kDisk) pool_.give_back(std::move(block));
   if (host) trim_host_cache();
   ++stats_.payload_drops;
   if (slots_[id].prefetched) clear_prefetched(id, /*wasted=*/true);
@@ -577,6 +662,7 @@ void ChunkScheduler::clear_prefetched(ChunkId id, bool wasted) {
   TIDAL_INTERNAL_ASSERT(slot.prefetched && outstanding_prefetches_ > 0, "chunk ", id,
                         " was not prefetched");
   slot.prefetched = false;
+  slot.staged = false;
   --outstanding_prefetches_;
   if (wasted) ++stats_.prefetches_wasted;
 }
@@ -601,7 +687,10 @@ void ChunkScheduler::set_budget(MemorySpace space, std::size_t bytes) {
       RoomRequest request;
       request.space = space;
       const ChunkId victim = choose_victim(request);
-      if (victim == kNoChunk) throw_no_room(request, "shrinking the budget");
+      if (victim == kNoChunk) {
+        if (write_to_disk_for(request)) continue;
+        throw_no_room(request, "shrinking the budget");
+      }
       evict(victim, request);
     }
   } catch (...) {
@@ -643,8 +732,11 @@ void ChunkScheduler::throw_no_room(const RoomRequest& request, const char* why) 
     pinned += detail::str_cat(pinned.empty() ? "" : "; ", store_.describe_chunk(id), " by ",
                               store_.describe_tensors(store_.tensors_in_state(id, TensorState::kCompute)));
   }
-  if (space == MemorySpace::kHost) {
-    message += "; chunks on the host have nowhere to be evicted to";
+  if (space == MemorySpace::kHost && disk_) {
+    message += detail::str_cat("; no host chunk can go to disk (", format_bytes(disk_->held_bytes()),
+                               " in '", disk_->path(), "'): the others are in use or of lists kept off disk");
+  } else if (space == MemorySpace::kHost) {
+    message += "; chunks on the host have nowhere to be evicted to (no NVMe tier)";
   } else {
     message += detail::str_cat("; nothing left to evict: pinned in COMPUTE: ",
                                pinned.empty() ? std::string("nothing") : pinned);
@@ -672,12 +764,18 @@ ChunkSchedulerStats ChunkScheduler::stats() const {
     out.held_bytes[s] = pool_.held_bytes(space);
     out.budget_bytes[s] = budget_[s];
   }
+  if (disk_) {
+    const std::size_t s = index_of(MemorySpace::kDisk);
+    out.resident_bytes[s] = store_.bytes_in(MemorySpace::kDisk);
+    out.held_bytes[s] = disk_->held_bytes();
+    out.budget_bytes[s] = budget_[s];
+  }
   return out;
 }
 
 void ChunkScheduler::reset_stats() {
   stats_ = ChunkSchedulerStats{};
-  for (MemorySpace space : {MemorySpace::kHost, MemorySpace::kDevice}) {
+  for (MemorySpace space : {MemorySpace::kHost, MemorySpace::kDevice, MemorySpace::kDisk}) {
     stats_.peak_resident_bytes[index_of(space)] = store_.bytes_in(space);
   }
 }
@@ -717,6 +815,11 @@ void ChunkScheduler::validate() const {
     if (block.space == MemorySpace::kDevice) {
       TIDAL_INTERNAL_ASSERT(device_->owns(block.data, block.bytes), "chunk ", id,
                             " payload is not a live device allocation");
+    } else if (block.space == MemorySpace::kDisk) {
+      TIDAL_INTERNAL_ASSERT(disk_ != nullptr && block.data == disk_->token(id), "chunk ", id,
+                            " on disk without the tier's token");
+      TIDAL_INTERNAL_ASSERT((options_.disk_kinds & (1u << index_of(kind_of(id)))) != 0, "chunk ", id,
+                            " of a list kept off disk is on disk");
     } else {
       TIDAL_INTERNAL_ASSERT(block.host.data() == block.data && block.host.size() == block.bytes,
                             "chunk ", id, " host payload is not its host buffer");
@@ -738,6 +841,15 @@ void ChunkScheduler::validate() const {
                           "peak below resident");
   }
   TIDAL_INTERNAL_ASSERT(resident_[index_of(MemorySpace::kNone)].empty(), "resident list of none");
+  TIDAL_INTERNAL_ASSERT(resident_[index_of(MemorySpace::kDisk)].size() == store_.chunks_in(MemorySpace::kDisk),
+                        "resident list of disk has ", resident_[index_of(MemorySpace::kDisk)].size(),
+                        " chunks, the store ", store_.chunks_in(MemorySpace::kDisk));
+  if (disk_) {
+    TIDAL_INTERNAL_ASSERT(store_.bytes_in(MemorySpace::kDisk) <= disk_->held_bytes() &&
+                              disk_->held_bytes() <= disk_->budget_bytes(),
+                          "disk: ", store_.bytes_in(MemorySpace::kDisk), " bytes of chunks in a file of ",
+                          disk_->held_bytes(), ", budget ", disk_->budget_bytes());
+  }
   TIDAL_INTERNAL_ASSERT(prefetched == outstanding_prefetches_, prefetched,
                         " chunks flagged prefetched, counted ", outstanding_prefetches_);
   TIDAL_INTERNAL_ASSERT(options_.prefetch ? outstanding_prefetches_ <= options_.prefetch_depth

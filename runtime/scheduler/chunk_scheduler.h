@@ -90,6 +90,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <functional>
+#include <initializer_list>
 #include <limits>
 #include <memory>
 #include <string>
@@ -99,6 +100,7 @@
 #include "runtime/device/device.h"
 #include "runtime/scheduler/access_trace.h"
 #include "runtime/scheduler/block_pool.h"
+#include "runtime/scheduler/disk_tier.h"
 #include "runtime/scheduler/eviction_policy.h"
 
 namespace tidal {
@@ -130,6 +132,24 @@ struct ChunkSchedulerOptions {
   Stream* compute_stream = nullptr;
   // Null: OptPolicy.
   std::shared_ptr<EvictionPolicy> policy;
+  // The disk tier (Note [Chunks on NVMe: the tier] in disk_tier.h): chunks
+  // of the lists in disk_kinds (bit index_of(kind)) go to a file in this
+  // folder when the host is full. Empty: no disk tier (a full host is an
+  // error, as before).
+  std::string disk_path;
+  // Bytes of the file at most; 0: the file system's free space less 10%.
+  std::size_t disk_budget_bytes = 0;
+  std::uint8_t disk_kinds = disk_kind_bits({ChunkKind::kParam32, ChunkKind::kMomentum, ChunkKind::kVariance});
+  int disk_threads = 8;
+  std::size_t disk_request_bytes = std::size_t{1} << 20;
+  // A folder whose file system has no O_DIRECT (tmpfs): buffered I/O instead of an error.
+  bool disk_allow_buffered = false;
+
+  static constexpr std::uint8_t disk_kind_bits(std::initializer_list<ChunkKind> kinds) {
+    std::uint8_t bits = 0;
+    for (ChunkKind kind : kinds) bits = static_cast<std::uint8_t>(bits | (1u << index_of(kind)));
+    return bits;
+  }
 };
 
 struct ChunkSchedulerStats {
@@ -150,13 +170,17 @@ struct ChunkSchedulerStats {
   std::uint64_t moves_device_to_host = 0;
   std::uint64_t bytes_host_to_device = 0;
   std::uint64_t bytes_device_to_host = 0;
+  std::uint64_t moves_host_to_disk = 0;  // writes of chunks to the disk tier
+  std::uint64_t moves_disk_to_host = 0;  // reads of chunks back (prefetched ones included)
+  std::uint64_t bytes_host_to_disk = 0;
+  std::uint64_t bytes_disk_to_host = 0;
   std::uint64_t steps = 0;
   std::uint64_t trace_adoptions = 0;   // end_step() took a new trace (first one included)
   std::uint64_t trace_divergences = 0; // steps that departed from the trace
   // Indexed by index_of(MemorySpace); the kNone entry stays 0.
   std::array<std::size_t, kNumMemorySpaces> resident_bytes{};
   std::array<std::size_t, kNumMemorySpaces> peak_resident_bytes{};
-  std::array<std::size_t, kNumMemorySpaces> held_bytes{};  // resident + cached blocks
+  std::array<std::size_t, kNumMemorySpaces> held_bytes{};  // resident + cached blocks; disk: the file
   std::array<std::size_t, kNumMemorySpaces> budget_bytes{};
 };
 
@@ -222,6 +246,9 @@ class ChunkScheduler {
   // Zeroes the counters; peaks restart from what is resident now.
   void reset_stats();
 
+  // The disk tier, or null without one.
+  const DiskTier* disk() const { return disk_.get(); }
+
   // Checks the store's invariants and the scheduler's own: every payload is
   // one live block of the chunk's size in the chunk's space, resident lists
   // match the store, held bytes = resident + cached <= budget in each space,
@@ -234,6 +261,7 @@ class ChunkScheduler {
     BlockPtr block;          // the payload; null without one
     std::uint32_t resident_pos = 0;  // index in resident_[space]
     bool prefetched = false; // moved by prefetch, not accessed since
+    bool staged = false;     // prefetched from disk to the host for a use on the device
   };
   // Who needs room: for messages and for the prefetch rule.
   struct RoomRequest {
@@ -267,6 +295,12 @@ class ChunkScheduler {
   // After a step: host chunks go up into free device room until the host
   // reserve is free again (Note [One place per chunk]).
   void restore_host_reserve();
+  // Makes host room by writing a host chunk to the disk tier (Note [Chunks
+  // on NVMe: the tier]). False when there is no tier or no chunk can go.
+  bool write_to_disk_for(const RoomRequest& request);
+  void write_to_disk(ChunkId id);
+  // Reads chunk `id` from the disk tier into `block` (a host block).
+  void read_from_disk(ChunkId id, BlockPtr block);
   // Frees host blocks cached beyond host_cache_blocks whose copies are done.
   void trim_host_cache() { pool_.trim_ready(MemorySpace::kHost, options_.host_cache_blocks); }
   void move(ChunkId id, MemorySpace to, BlockPtr destination);
@@ -288,6 +322,8 @@ class ChunkScheduler {
   std::shared_ptr<EvictionPolicy> policy_;
   std::unique_ptr<Stream> h2d_stream_;
   std::unique_ptr<Stream> d2h_stream_;
+  // Before pool_: blocks with disk I/O in flight go before the file.
+  std::unique_ptr<DiskTier> disk_;
   BlockPool pool_;
   std::array<std::size_t, kNumMemorySpaces> budget_{};
 

@@ -177,10 +177,44 @@ TEST(DirectFile, BadInputNamesTheValue) {
   DirectFile f(o);
   AlignedBuffer b(8 * kKiB);
   EXPECT_THROW(f.write(2, b.data(), 4 * kKiB), IndexError);
-  EXPECT_THROW(f.write(0, b.data(), 8 * kKiB), ValueError);  // more than a slot
+  EXPECT_THROW(f.write(1, b.data(), 8 * kKiB), ValueError);  // past the end of the file
   EXPECT_THROW(f.write(0, static_cast<char*>(b.data()) + 512, 4 * kKiB), ValueError);  // misaligned
   EXPECT_THROW(f.read(0, b.data(), 1000), ValueError);  // not a multiple of 4 KiB
   EXPECT_THROW(f.wait(12345), ValueError);
+}
+
+TEST(DirectFile, GrowsAndARequestSpansSlots) {
+  // The disk tier's use: page-sized slots, a chunk's home a run of them,
+  // the file grown as homes are given.
+  TempDir dir;
+  DirectFileOptions o;
+  o.dir = dir.path();
+  o.slot_bytes = 4 * kKiB;
+  o.slots = 0;
+  o.request_bytes = 8 * kKiB;
+  o.allow_buffered = true;
+  DirectFile f(o);
+  EXPECT_EQ(f.slots(), 0u);
+  AlignedBuffer out(24 * kKiB), in(24 * kKiB);
+  fill(out, 7);
+  EXPECT_THROW(f.write(0, out.data(), 24 * kKiB), IndexError);
+  f.grow(2);
+  f.grow(8);
+  f.grow(3);  // never shrinks
+  EXPECT_EQ(f.slots(), 8u);
+  struct stat st {};
+  ASSERT_EQ(::stat(f.path().c_str(), &st), 0);
+  EXPECT_GE(static_cast<std::size_t>(st.st_size), 8 * 4 * kKiB);
+  const DirectFile::Ticket w = f.write(2, out.data(), 24 * kKiB);  // slots 2..7
+  f.wait(w);
+  const DirectFile::Ticket r = f.read(2, in.data(), 24 * kKiB);
+  f.wait(r);
+  EXPECT_EQ(std::memcmp(in.data(), out.data(), 24 * kKiB), 0);
+  const DirectFile::Ticket r2 = f.read(2, in.data(), 4 * kKiB);
+  while (!f.done(r2)) {
+  }
+  f.wait(r2);
+  EXPECT_THROW(f.done(r2), ValueError);  // waited for already
 }
 
 TEST(DirectFile, ADiskTooSmallFailsAtCreationNamingTheBytes) {

@@ -1,0 +1,106 @@
+// The third memory space: chunks in a file on a disk (NVMe), below the host.
+// Internal to the chunk scheduler, which decides what goes there; this type
+// keeps where each chunk lives in the file and issues the I/O.
+//
+// Note [Chunks on NVMe: the tier]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// With a disk tier, a full host budget no longer ends training: when the
+// host needs room and no host chunk can go up to the device (Note [One place
+// per chunk] in chunk_scheduler.h), the scheduler writes a host chunk to the
+// disk, chosen by the eviction policy (OPT from the trace: the chunk used
+// last) among the lists allowed there (ChunkSchedulerOptions::disk_kinds:
+// the fp32 master and Adam's moments by default, as DeepSpeed's
+// offload_optimizer "nvme"; the 16-bit parameters too with offload_param).
+// A chunk on disk is read back into a host block when it is accessed; one
+// wanted on the device goes up through the host. Nothing computes on a disk
+// chunk: its store payload is a token (a distinct address, never read).
+//
+// Each chunk gets a home in the file at its first write, as many 4 KiB pages
+// as its capacity, and keeps it: a chunk never changes size, so the file
+// grows by one home per chunk that ever went to disk and is never
+// fragmented. The file grows with posix_fallocate before the write, so a
+// full disk fails there, before any chunk leaves the host, naming the path,
+// the bytes needed and the bytes free; the NVMe budget bounds the homes in
+// the same way.
+//
+// Writes are write-behind and reads can be issued ahead: a write leaves the
+// chunk's host block in the pool with its I/O attached (Block::io), and
+// whoever takes the block next waits for it (Note [Block fences] in
+// block_pool.h: the I/O is one more piece of work on the block); a read is
+// issued into a host block and the access that needs the chunk waits for it.
+// The trace's prefetch issues reads of disk chunks ahead of their use (into
+// host room made by writing chunks used later to disk), so CPU Adam sweeping
+// chunks on disk finds the next ones read while it updates this one, and
+// their writes run while it updates the next. A read of a chunk whose write
+// is still in flight waits for the write first.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <deque>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "chunk/chunk_id.h"
+#include "runtime/memory/direct_file.h"
+#include "runtime/scheduler/block_pool.h"
+
+namespace tidal {
+
+struct DiskTierOptions {
+  std::string dir;                                  // nvme_path: an existing folder on the disk
+  std::size_t budget_bytes = 0;                     // 0: the file system's free space less 10%
+  int threads = 8;                                  // I/O requests in flight
+  std::size_t request_bytes = std::size_t{1} << 20; // bytes per pread/pwrite
+  bool allow_buffered = false;                      // a folder without O_DIRECT (tmpfs): buffered I/O
+};
+
+class DiskTier {
+ public:
+  explicit DiskTier(const DiskTierOptions& options);
+  ~DiskTier();
+  DiskTier(const DiskTier&) = delete;
+  DiskTier& operator=(const DiskTier&) = delete;
+
+  // Gives chunk `id` (of `bytes`) its home if it has none: grows the file.
+  // Throws OutOfMemoryError naming the path, the bytes needed, the budget
+  // and the bytes free when the budget or the file system cannot hold it;
+  // nothing changes then. `what` describes the chunk for the message.
+  void ensure_home(ChunkId id, std::size_t bytes, const std::string& what);
+  // Writes `bytes` from `src` (aligned to kDirectAlignment, whole pages
+  // readable) to the home of `id` (ensure_home first); returns at once.
+  std::shared_ptr<PendingIo> write(ChunkId id, const void* src, std::size_t bytes);
+  // Reads the home of `id` into `dst`; returns at once. Waits for a write
+  // of `id` still in flight first.
+  std::shared_ptr<PendingIo> read(ChunkId id, void* dst, std::size_t bytes);
+  // The store payload of a chunk on disk: a distinct, stable address.
+  void* token(ChunkId id);
+
+  // Bytes of all homes (the file's size).
+  std::size_t held_bytes() const { return pages_ * kDirectAlignment; }
+  std::size_t budget_bytes() const { return budget_; }
+  const std::string& path() const { return file_->path(); }
+  bool direct() const { return file_->direct(); }
+  const std::vector<std::string>& removed_stale() const { return file_->removed_stale(); }
+  std::uint64_t bytes_read() const { return file_->bytes_read(); }
+  std::uint64_t bytes_written() const { return file_->bytes_written(); }
+  // Returns when every write and read issued has completed.
+  void wait_all();
+
+ private:
+  struct Home {
+    std::size_t page = 0;
+    std::size_t pages = 0;
+    bool assigned = false;
+  };
+  std::shared_ptr<DirectFile> file_;
+  std::string dir_;
+  std::size_t budget_ = 0;
+  std::size_t pages_ = 0;                                 // pages of homes given
+  std::vector<Home> homes_;                               // by ChunkId
+  std::vector<std::shared_ptr<PendingIo>> last_write_;    // by ChunkId
+  std::deque<char> tokens_;                               // by ChunkId; a deque keeps addresses
+};
+
+}  // namespace tidal
