@@ -34,6 +34,13 @@ EngineChunks::EngineChunks(std::shared_ptr<Device> device, const EngineChunksOpt
   options.host_eviction_reserve_bytes = o.host_reserve;
   options.compute_stream = compute_stream_.get();
   options.policy = make_eviction_policy(o.policy);
+  options.disk_path = o.disk_path;
+  options.disk_budget_bytes = o.disk_budget;
+  options.disk_kinds = 0;
+  for (ChunkKind kind : o.disk_kinds) options.disk_kinds = static_cast<std::uint8_t>(options.disk_kinds | (1u << index_of(kind)));
+  options.disk_threads = o.disk_threads;
+  options.disk_request_bytes = o.disk_request_bytes;
+  options.disk_allow_buffered = o.disk_allow_buffered;
   scheduler_ = std::make_unique<ChunkScheduler>(ChunkStore(store_options), std::move(device), options);
   binding_ = std::make_unique<ParamBinding>(*scheduler_, at::Device(o.torch_device));
 }

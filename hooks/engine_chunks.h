@@ -11,6 +11,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <vector>
 
 #include "hooks/param_binding.h"
 #include "runtime/device/device.h"
@@ -31,6 +32,14 @@ struct EngineChunksOptions {
   std::optional<std::uintptr_t> compute_stream;  // torch's stream, to order copies against
   std::string torch_device = "cpu";     // how device memory is addressed by torch
   std::size_t host_reserve = 0;
+  // The disk tier (Note [Chunks on NVMe: the tier] in runtime/scheduler/disk_tier.h);
+  // empty path: none.
+  std::string disk_path;
+  std::size_t disk_budget = 0;          // 0: free space less 10%
+  std::vector<ChunkKind> disk_kinds;    // the lists that may go to disk
+  int disk_threads = 8;
+  std::size_t disk_request_bytes = std::size_t{1} << 20;
+  bool disk_allow_buffered = false;
 };
 
 class EngineChunks {

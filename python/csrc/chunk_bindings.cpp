@@ -53,11 +53,15 @@ py::dict stats_dict(const ChunkSchedulerStats& s) {
   TIDAL_FIELD(moves_device_to_host);
   TIDAL_FIELD(bytes_host_to_device);
   TIDAL_FIELD(bytes_device_to_host);
+  TIDAL_FIELD(moves_host_to_disk);
+  TIDAL_FIELD(moves_disk_to_host);
+  TIDAL_FIELD(bytes_host_to_disk);
+  TIDAL_FIELD(bytes_disk_to_host);
   TIDAL_FIELD(steps);
   TIDAL_FIELD(trace_adoptions);
   TIDAL_FIELD(trace_divergences);
 #undef TIDAL_FIELD
-  for (MemorySpace space : {MemorySpace::kHost, MemorySpace::kDevice}) {
+  for (MemorySpace space : {MemorySpace::kHost, MemorySpace::kDevice, MemorySpace::kDisk}) {
     const std::string n = to_string(space);
     d[py::str("resident_bytes_" + n)] = s.resident_bytes[index_of(space)];
     d[py::str("peak_resident_bytes_" + n)] = s.peak_resident_bytes[index_of(space)];
@@ -191,7 +195,8 @@ static void bind_enums(py::module_& m) {
   py::enum_<MemorySpace>(m, "MemorySpace", "Where a chunk is (chunk/memory_space.h).")
       .value("NONE", MemorySpace::kNone)
       .value("HOST", MemorySpace::kHost)
-      .value("DEVICE", MemorySpace::kDevice);
+      .value("DEVICE", MemorySpace::kDevice)
+      .value("DISK", MemorySpace::kDisk);
 }
 
 static void bind_hooks(py::module_& m) {
@@ -434,7 +439,10 @@ Python thread drives a Chunks object.)doc");
                        std::size_t device_budget, std::size_t host_budget, bool prefetch,
                        std::size_t prefetch_depth, const std::string& policy, bool pin_host_memory,
                        std::optional<std::uintptr_t> compute_stream, const std::string& torch_device,
-                       std::size_t host_reserve, const std::string& state_dtype) {
+                       std::size_t host_reserve, const std::string& state_dtype,
+                       const std::string& disk_path, std::size_t disk_budget,
+                       const std::vector<ChunkKind>& disk_kinds, int disk_threads,
+                       std::size_t disk_request_bytes, bool disk_allow_buffered) {
              hooks::EngineChunksOptions o;
              o.chunk_bytes = chunk_bytes;
              o.param_dtype = param_dtype;
@@ -448,6 +456,12 @@ Python thread drives a Chunks object.)doc");
              o.compute_stream = compute_stream;
              o.torch_device = torch_device;
              o.host_reserve = host_reserve;
+             o.disk_path = disk_path;
+             o.disk_budget = disk_budget;
+             o.disk_kinds = disk_kinds;
+             o.disk_threads = disk_threads;
+             o.disk_request_bytes = disk_request_bytes;
+             o.disk_allow_buffered = disk_allow_buffered;
              return std::make_unique<Chunks>(std::move(device), o);
            }),
            py::arg("device"), py::kw_only(), py::arg("chunk_bytes"), py::arg("param_dtype"),
@@ -455,7 +469,11 @@ Python thread drives a Chunks object.)doc");
            py::arg("prefetch_depth") = 4, py::arg("policy") = "opt",
            py::arg("pin_host_memory") = true, py::arg("compute_stream") = py::none(),
            py::arg("torch_device") = "cpu", py::arg("host_reserve") = 0,
-           py::arg("state_dtype") = "float32")
+           py::arg("state_dtype") = "float32", py::arg("disk_path") = "", py::arg("disk_budget") = 0,
+           py::arg("disk_kinds") = std::vector<ChunkKind>{ChunkKind::kParam32, ChunkKind::kMomentum,
+                                                          ChunkKind::kVariance},
+           py::arg("disk_threads") = 8, py::arg("disk_request_bytes") = std::size_t{1} << 20,
+           py::arg("disk_allow_buffered") = false)
       .def("register", [](Chunks& c, std::string name, std::size_t numel, std::uint8_t pool,
                           bool with_previous) {
              return c.scheduler().register_tensor(std::move(name), numel, pool, with_previous);
@@ -473,7 +491,11 @@ Python thread drives a Chunks object.)doc");
       // caller waits), as before: the GIL was never the scheduler's lock.
       .def("access",
            [](Chunks& c, TensorId id, ChunkKind kind, MemorySpace space,
-              const std::vector<std::int64_t>& shape) { return c.binding().access(id, kind, space, shape); },
+              const std::vector<std::int64_t>& shape) {
+             // A chunk on disk is read into the host (asking for it "where it is").
+             if (space == MemorySpace::kDisk) space = MemorySpace::kHost;
+             return c.binding().access(id, kind, space, shape);
+           },
            py::call_guard<py::gil_scoped_release>(), py::arg("id"), py::arg("kind"), py::arg("space"), py::arg("shape"),
            "Access (COMPUTE) one slot and return a view of it; release() ends the use.")
       .def("chunk_view",
@@ -483,8 +505,9 @@ Python thread drives a Chunks object.)doc");
              // accessed (COMPUTE), so the payload cannot move meanwhile.
              const ChunkStore& store = c.scheduler().store();
              const Chunk& ch = store.chunk(make_chunk_id(kind, chunk));
-             TIDAL_CHECK(ch.has_payload(), "chunk_view: ", store.describe_chunk(make_chunk_id(kind, chunk)),
-                         " has no payload");
+             TIDAL_CHECK(ch.has_payload() && ch.space() != MemorySpace::kDisk, "chunk_view: ",
+                         store.describe_chunk(make_chunk_id(kind, chunk)),
+                         ch.has_payload() ? " is on disk; access it first" : " has no payload");
              const auto numel = static_cast<std::int64_t>(ch.capacity_bytes() / element_size(ch.dtype()));
              return hooks::slot_view(ch.payload(), {numel}, hooks::scalar_type_of(ch.dtype()),
                                      c.binding().torch_device(ch.space()));
@@ -592,6 +615,31 @@ Python thread drives a Chunks object.)doc");
            [](Chunks& c, MemorySpace space) { return c.scheduler().stats().held_bytes[index_of(space)]; },
            py::arg("space"), "Chunk bytes held in a space (resident + cached blocks); for hooks.")
       .def("stats", [](Chunks& c) { return stats_dict(c.scheduler().stats()); })
+      .def("reserve_disk", [](Chunks& c) { c.scheduler().reserve_disk(); },
+           py::call_guard<py::gil_scoped_release>(),
+           "Gives every chunk of the NVMe tier's lists its home in the file now: a disk too "
+           "small fails before training (ChunkScheduler::reserve_disk).")
+      .def("close_disk", [](Chunks& c) { c.scheduler().close_disk(); },
+           py::call_guard<py::gil_scoped_release>(),
+           "Removes the NVMe tier's file now; an error while a chunk is on disk.")
+      .def_property_readonly(
+          "disk",
+          [](Chunks& c) -> py::object {
+            const DiskTier* d = c.scheduler().disk();
+            if (d == nullptr) return py::none();
+            py::dict out;
+            out["path"] = d->path();
+            out["direct"] = d->direct();
+            out["memory_backed"] = d->memory_backed();
+            out["removed_stale"] = d->removed_stale();
+            out["budget_bytes"] = d->budget_bytes();
+            out["file_bytes"] = d->held_bytes();
+            out["bytes_read"] = d->bytes_read();
+            out["bytes_written"] = d->bytes_written();
+            return out;
+          },
+          "The disk tier: its file, whether it does direct I/O, stale files removed at its "
+          "start, its budget and size, bytes read and written; None without one.")
       .def("move_counts",
            [](Chunks& c) {
              const ChunkSchedulerStats s = c.scheduler().stats();

@@ -84,7 +84,8 @@ def _doc(kind: Any, default: Any) -> tuple:
 # ---------------------------------------------------------------------------
 _OFFLOAD_COMMON = {
     "device": (("cpu", "none", "nvme"), "none", "where DeepSpeed offloads (tidal: chunks decide)"),
-    "nvme_path": (_STR, None, "NVMe offload folder (not supported)"),
+    "nvme_path": (_STR, None, "the NVMe tier's folder (device 'nvme'): chunks go to a file there "
+                              "when the host budget is full"),
     "pin_memory": (bool, True, "pin host chunks"),
 }
 _ZERO = {
@@ -92,8 +93,8 @@ _ZERO = {
     "offload_optimizer": {
         **_OFFLOAD_COMMON,
         "buffer_count": (int, 4, "NVMe offload buffers"),
-        "pipeline_read": (bool, False, "NVMe offload read pipelining"),
-        "pipeline_write": (bool, False, "NVMe offload write pipelining"),
+        "pipeline_read": (bool, False, "NVMe reads ahead of use (tidal: always, along the trace)"),
+        "pipeline_write": (bool, False, "NVMe writes behind (tidal: always)"),
         "fast_init": (bool, False, "NVMe offload fast initialisation"),
         "ratio": (_NUM, 1.0, "share of optimizer states offloaded"),
         "super_offload": _doc(bool, False),
@@ -246,7 +247,8 @@ DEEPSPEED_SCHEMA: dict[str, Any] = {
                    "param_dtype": _doc(_dtype_name(True), None),
                    "buffer_dtype": _doc(_dtype_name(True), None),
                    "keep_in_fp32_modules": _doc(_FP32_MODULES, "auto")},
-    "aio": {"block_size": _doc(int, 1048576), "queue_depth": _doc(int, 8),
+    "aio": {"block_size": (int, 1048576, "bytes per NVMe read or write request"),
+            "queue_depth": (int, 8, "NVMe requests in flight (threads of O_DIRECT pread/pwrite)"),
             "intra_op_parallelism": _doc(int, 1), "single_submit": _doc(bool, False),
             "overlap_events": _doc(bool, True), "use_gds": _doc(bool, False)},
     "timers": {"throughput": {"enabled": _doc(bool, True), "synchronized": _doc(bool, True)}},
@@ -292,14 +294,17 @@ class Unused:
             tuple, a predicate, or None when every value is reported.
         switch: (path, DeepSpeed's default) of the `enabled` key the block's
             other keys depend on; while it is off, they are not reported.
+        when: a predicate of the whole given config; the key is reported only
+            where it holds (None: always).
     """
 
-    __slots__ = ("path", "what", "quiet", "switch")
+    __slots__ = ("path", "what", "quiet", "switch", "when")
 
     def __init__(self, path: tuple[str, ...], what: str,
                  quiet: tuple | Callable[[Any], bool] | None = None,
-                 switch: tuple[tuple[str, ...], Any] | None = None):
-        self.path, self.what, self.quiet, self.switch = path, what, quiet, switch
+                 switch: tuple[tuple[str, ...], Any] | None = None,
+                 when: Callable[[dict], bool] | None = None):
+        self.path, self.what, self.quiet, self.switch, self.when = path, what, quiet, switch, when
 
     def asks_nothing(self, value: Any) -> bool:
         if self.quiet is None:
@@ -315,8 +320,10 @@ _COMM = ("they tune DeepSpeed's bucketed data-parallel communication; tidal redu
          "broadcasts whole chunks (Note [Data parallel by chunk] in tidal/data_parallel.py)")
 _ZERO3 = ("tidal's chunk scheduler decides what stays on the device (OPT eviction over the step's "
           "trace, prefetch), so ZeRO-3's fetch, persistence and module-hook settings do not apply")
-_NVME = ("they configure NVMe offload, which tidal does not have; host buffering follows "
-         "tidal.chunk_size and tidal.host_memory_budget")
+_NVME = ("tidal's NVMe tier stages chunks through host chunk memory (tidal.chunk_size, within "
+         "tidal.host_memory_budget), not separate swap buffers")
+_AIO = ("tidal's NVMe tier issues O_DIRECT pread/pwrite from a thread pool (aio.block_size bytes "
+        "each, aio.queue_depth in flight); it has no other aio settings")
 _STATES = "tidal keeps optimizer states in chunks in host memory and on the device as the budget allows"
 _MASTER = "tidal keeps fp32 master weights and fp32 Adam states in chunks"
 _LOGS = ("tidal writes no TensorBoard, W&B, CSV or Comet logs; log the loss engine(...) returns, "
@@ -339,12 +346,21 @@ def _block_rows(block: str, schema: dict, what: str, switch: str | None = "enabl
 
 
 S = DEEPSPEED_SCHEMA
+
+
+def _offload_device(given: dict, sub: str) -> Any:
+    block = given.get("zero_optimization")
+    block = block.get(sub) if isinstance(block, dict) else None
+    return block.get("device") if isinstance(block, dict) else None
+
+
 NOT_HONOURED: list[Unused] = [
     # --- zero_optimization
     Unused(("zero_optimization", "stage"), _STAGE),
-    Unused(("zero_optimization", "offload_optimizer", "device"), _STATES),
+    Unused(("zero_optimization", "offload_optimizer", "device"), _STATES, ("nvme",)),
     Unused(("zero_optimization", "offload_param", "device"),
-           "tidal moves parameter chunks between host and device as the budget requires"),
+           "tidal moves parameter chunks between host and device as the budget requires",
+           ("nvme",)),
     Unused(("zero_optimization", "cpu_offload"), _STATES, (False, None)),
     Unused(("zero_optimization", "cpu_offload_param"),
            "tidal moves parameter chunks between host and device as the budget requires",
@@ -380,8 +396,15 @@ NOT_HONOURED: list[Unused] = [
                 "stage3_gather_fp16_weights_on_model_save")],
     *[Unused(("zero_optimization", sub, k), _NVME)
       for sub in ("offload_optimizer", "offload_param")
-      for k in ("nvme_path", "buffer_count", "buffer_size", "max_in_cpu", "pipeline_read",
-                "pipeline_write", "fast_init") if k in S["zero_optimization"][sub]],
+      for k in ("buffer_count", "buffer_size", "max_in_cpu", "fast_init")
+      if k in S["zero_optimization"][sub]],
+    *[Unused(("zero_optimization", sub, key),
+             f"it is read only with zero_optimization.{sub}.device 'nvme'" +
+             ("" if key == "nvme_path" else " (tidal's NVMe tier always reads ahead along the "
+                                           "trace and writes behind)"),
+             when=lambda given, sub=sub: _offload_device(given, sub) != "nvme")
+      for sub in ("offload_optimizer", "offload_param")
+      for key in ("nvme_path", "pipeline_read", "pipeline_write") if key in S["zero_optimization"][sub]],
     Unused(("zero_optimization", "offload_optimizer", "ratio"),
            "tidal offloads optimizer states by chunk as the device budget requires, not by a "
            "fixed share", (1, 1.0)),
@@ -496,7 +519,8 @@ NOT_HONOURED: list[Unused] = [
            (None,)),
     Unused(("data_types", "keep_in_fp32_modules"),
            "tidal keeps no modules in fp32 by name", ("auto",)),
-    *_block_rows("aio", S["aio"], _NVME, None),
+    *[r for r in _block_rows("aio", S["aio"], _AIO, None)
+      if r.path[-1] not in ("block_size", "queue_depth")],
     # --- features handed whole to DeepSpeed components tidal lacks
     Unused(("data_efficiency",), "tidal has no data-efficiency pipeline (curriculum learning, "
                                  "random-LTD); feed batches in the order you want",

@@ -148,6 +148,11 @@ _TIDAL_SCHEMA: dict[str, Any] = {
                                 "(the budget less the margin held in live bytes), or auto: torch's "
                                 "rules when the device budget is at least 1 GiB (below, torch's 2 and "
                                 "20 MiB segments are too coarse for the budget)"),
+        "nvme_budget": ("bytes", 0, "bytes the NVMe tier's file may grow to (offload to 'nvme'); "
+                                    "0 = the free space of nvme_path's file system less 10%"),
+        "nvme_allow_buffered": (bool, False, "nvme_path on tmpfs (host memory) or on a file system "
+                                             "without direct I/O: go on with a warning (buffered I/O) "
+                                             "instead of an error"),
         "optimizer_state_dtype": (("fp32", "bf16"), "fp32",
                                   "Adam momentum and variance in fp32 (14 B/param in mixed "
                                   "precision) or bf16 (10 B/param; arithmetic stays fp32)"),
@@ -285,6 +290,8 @@ def _report_not_honoured(given: dict, notes: list[str]) -> None:
         value = _lookup(given, row.path)
         if value is _MISSING or row.asks_nothing(value):
             continue
+        if row.when is not None and not row.when(given):
+            continue
         if row.switch is not None:
             switch_path, default = row.switch
             on = _lookup(given, switch_path)
@@ -352,6 +359,15 @@ class Config:
     overlap_step_given: bool = False
     overlap_step_off: str | None = None
     pin_memory: bool = True
+    # The NVMe tier (Note [Chunks on NVMe: the tier] in runtime/scheduler/disk_tier.h):
+    # the folder, which lists go there ("optimizer": fp32 master and Adam's
+    # moments; "param": the 16-bit parameters), and the aio block's I/O shape.
+    nvme_path: str | None = None
+    nvme_lists: tuple = ()
+    nvme_budget: int = 0
+    nvme_allow_buffered: bool = False
+    aio_block_size: int = 1 << 20
+    aio_queue_depth: int = 8
     dtr: dict = field(default_factory=dict)
     recompute: dict = field(default_factory=dict)
     data_parallel: dict = field(default_factory=lambda: _dp.validate_config({}))
@@ -398,6 +414,7 @@ class Config:
         _require(problems, c.steps_per_print >= 1, "steps_per_print",
                  f"expected an integer >= 1, got {c.steps_per_print}")
         c._zero(r["zero_optimization"], config.get("zero_optimization", {}), problems)
+        c._aio(r["aio"], problems)
         c._optimizer(r, config, problems, notes)
         c._precision(r, config, problems)
         c._scheduler(r, config, problems, notes)
@@ -588,9 +605,7 @@ class Config:
         if "stage" in given:
             _require(problems, z["stage"] in (0, 1, 2, 3), "zero_optimization.stage",
                      f"expected 0, 1, 2 or 3, got {z['stage']}")
-        for sub in ("offload_optimizer", "offload_param"):
-            _require(problems, z[sub]["device"] != "nvme", f"zero_optimization.{sub}.device",
-                     "NVMe offload is not supported by tidal; use 'cpu' (chunks in host memory)")
+        self._nvme(z, problems)
         for path, bad, what in NOT_HONOURED_ERRORS:
             value = _lookup({"zero_optimization": given}, path)
             if value is not _MISSING and bad(value):
@@ -598,6 +613,52 @@ class Config:
         pins = [z[s]["pin_memory"] for s in ("offload_optimizer", "offload_param")
                 if isinstance(given.get(s), dict) and "pin_memory" in given[s]]
         self.pin_memory = all(pins) if pins else True
+
+    def _nvme(self, z: dict, problems: Problems) -> None:
+        # Note [Chunks on NVMe: the tier]: offload_optimizer "nvme" puts the
+        # fp32 master and Adam's moments on the disk tier when the host is
+        # full, offload_param "nvme" the 16-bit parameters too; one folder.
+        paths = {}
+        lists = []
+        for sub, what in (("offload_optimizer", "optimizer"), ("offload_param", "param")):
+            block = z[sub]
+            if block["device"] != "nvme":
+                continue
+            lists.append(what)
+            path = block["nvme_path"]
+            if not isinstance(path, str) or not path:
+                problems.add(f"zero_optimization.{sub}.nvme_path",
+                             f"config key 'zero_optimization.{sub}.nvme_path': expected the folder "
+                             f"for the NVMe tier's file when device is 'nvme', got {path!r}")
+                continue
+            if not os.path.isdir(path):
+                problems.add(f"zero_optimization.{sub}.nvme_path",
+                             f"config key 'zero_optimization.{sub}.nvme_path': {path!r} is not an "
+                             f"existing folder; expected a folder on the disk to use")
+                continue
+            paths[sub] = os.path.abspath(path)
+        if len(set(paths.values())) > 1:
+            problems.add("zero_optimization.offload_param.nvme_path",
+                         f"config keys 'zero_optimization.offload_optimizer.nvme_path' "
+                         f"({paths['offload_optimizer']!r}) and 'zero_optimization.offload_param."
+                         f"nvme_path' ({paths['offload_param']!r}) differ; tidal keeps every chunk "
+                         f"on disk in one file: give both the same folder")
+        self.nvme_lists = tuple(lists)
+        self.nvme_path = next(iter(paths.values())) if paths else None
+
+    def _aio(self, a: dict, problems: Problems) -> None:
+        # DeepSpeed's aio block shapes the NVMe tier's I/O: block_size bytes
+        # per request, queue_depth requests in flight (threads of O_DIRECT
+        # pread/pwrite, Note [Chunks on NVMe: the file]).
+        if a is None:  # "aio": null
+            return
+        self.aio_block_size = a["block_size"]
+        _require(problems, self.aio_block_size >= 4096 and self.aio_block_size % 4096 == 0,
+                 "aio.block_size", f"expected a multiple of 4096 bytes (direct I/O's unit), got "
+                                   f"{self.aio_block_size}")
+        self.aio_queue_depth = a["queue_depth"]
+        _require(problems, 1 <= self.aio_queue_depth <= 1024, "aio.queue_depth",
+                 f"expected 1 to 1024 requests in flight, got {self.aio_queue_depth}")
 
     def _scheduler(self, r: dict, given: dict, problems: Problems, notes: list[str]) -> None:
         s = r["scheduler"]
@@ -679,6 +740,13 @@ class Config:
         self.simulated_allocator = t["simulated_allocator"]
         self.room_on_miss = t["room_on_miss"]
         self.optimizer_state_dtype = t["optimizer_state_dtype"]
+        self.nvme_budget = t["nvme_budget"]
+        self.nvme_allow_buffered = t["nvme_allow_buffered"]
+        if self.nvme_path is not None and _dp.wanted(self.data_parallel):
+            problems.add("zero_optimization.offload_optimizer.device",
+                         "config key 'zero_optimization.offload_optimizer.device': 'nvme' with "
+                         "tidal.data_parallel is not built yet; use 'cpu' with data parallel, or "
+                         "NVMe on one process")
         self.cpu_adam_threads = t["cpu_adam_threads"]
         self.cpu_adam_pool = t["cpu_adam_pool"]
         _require(problems, self.cpu_adam_threads >= 0, "tidal.cpu_adam_threads",

@@ -4,6 +4,7 @@
 #include <fcntl.h>
 #include <sys/file.h>
 #include <sys/stat.h>
+#include <sys/statfs.h>
 #include <sys/statvfs.h>
 #include <unistd.h>
 
@@ -87,6 +88,18 @@ DirectFile::DirectFile(const DirectFileOptions& options)
   TIDAL_CHECK(!options.dir.empty() && ::stat(options.dir.c_str(), &st) == 0 && S_ISDIR(st.st_mode),
               "DirectFile: the folder '", options.dir, "' does not exist or is not a folder (nvme_path must "
               "name an existing folder on the disk to use)");
+  // A RAM-backed file system (tmpfs, ramfs) holds its files in host memory:
+  // chunks "on disk" there would never leave RAM, whether or not the kernel
+  // takes O_DIRECT on it (Linux 6.6 and later do on tmpfs).
+  struct statfs fs {};
+  if (::statfs(options.dir.c_str(), &fs) == 0 &&
+      (fs.f_type == kTmpfsMagic || fs.f_type == kRamfsMagic)) {
+    TIDAL_CHECK(options.allow_buffered, "DirectFile: the folder '", options.dir, "' is on ",
+                fs.f_type == kTmpfsMagic ? "tmpfs" : "ramfs",
+                ", whose files are host memory: chunks there would not leave RAM, and it has no direct "
+                "I/O (O_DIRECT) to a disk; name a folder on a disk, or allow it (tidal.nvme_allow_buffered)");
+    memory_backed_ = true;
+  }
   removed_stale_ = remove_stale(options.dir);
   path_ = detail::str_cat(options.dir, "/tidal-", ::getpid(), "-", file_counter.fetch_add(1), ".slots");
   fd_ = ::open(path_.c_str(), O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC | O_DIRECT, 0600);

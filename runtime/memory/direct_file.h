@@ -71,7 +71,7 @@ struct DirectFileOptions {
   std::size_t slots = 0;         // slots in the file at creation (grow() adds more)
   std::size_t request_bytes = std::size_t{1} << 20;  // one pread/pwrite
   int threads = 8;               // requests in flight at most
-  bool allow_buffered = false;   // no O_DIRECT on the file system: buffered I/O instead of an error
+  bool allow_buffered = false;   // tmpfs/ramfs, or no O_DIRECT: go on (buffered I/O) instead of an error
 };
 
 class DirectFile {
@@ -104,6 +104,8 @@ class DirectFile {
   std::size_t slot_bytes() const { return slot_bytes_; }
   std::size_t slots() const { return slots_; }
   bool direct() const { return direct_; }
+  // The folder is on tmpfs or ramfs (allowed only with allow_buffered).
+  bool memory_backed() const { return memory_backed_; }
   // Files of killed processes this one removed at creation.
   const std::vector<std::string>& removed_stale() const { return removed_stale_; }
   // Bytes read and written since creation (completed requests).
@@ -138,6 +140,9 @@ class DirectFile {
   std::size_t request_bytes_ = 0;
   int fd_ = -1;
   bool direct_ = true;
+  bool memory_backed_ = false;
+  static constexpr long kTmpfsMagic = 0x01021994;
+  static constexpr long kRamfsMagic = 0x858458f6;
   std::vector<std::string> removed_stale_;
 
   mutable std::mutex mutex_;

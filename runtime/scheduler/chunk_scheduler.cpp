@@ -397,6 +397,41 @@ bool ChunkScheduler::write_to_disk_for(const RoomRequest& request) {
   return true;
 }
 
+void ChunkScheduler::reserve_disk() {
+  if (!disk_) return;
+  std::size_t need = 0;
+  std::size_t count = 0;
+  for (ChunkId id = 0; id < store_.chunk_id_limit(); ++id) {
+    if ((options_.disk_kinds & (1u << index_of(kind_of(id)))) == 0 || disk_->has_home(id)) continue;
+    need += DiskTier::home_bytes(store_.chunk(id).capacity_bytes());
+    ++count;
+  }
+  if (count == 0) return;
+  const std::size_t held = disk_->held_bytes();
+  const std::uint64_t free = DirectFile::free_bytes(disk_->dir());
+  TIDAL_CHECK_WITH(OutOfMemoryError, held + need <= disk_->budget_bytes() && need <= free,
+                   "the NVMe tier needs ", format_bytes(held + need), " for ", count,
+                   " chunks of the lists it holds (file '", disk_->path(), "'), but the NVMe budget is ",
+                   format_bytes(disk_->budget_bytes()), " and the file system has ", format_bytes(free),
+                   " free. Tip: free disk space, choose another nvme_path, raise tidal.nvme_budget, "
+                   "or keep the 16-bit parameters off disk (offload_param 'cpu')");
+  for (ChunkId id = 0; id < store_.chunk_id_limit(); ++id) {
+    if ((options_.disk_kinds & (1u << index_of(kind_of(id)))) == 0) continue;
+    disk_->ensure_home(id, store_.chunk(id).capacity_bytes(), store_.describe_chunk(id));
+  }
+}
+
+void ChunkScheduler::close_disk() {
+  if (!disk_) return;
+  TIDAL_CHECK(store_.chunks_in(MemorySpace::kDisk) == 0, "chunk scheduler: close_disk with ",
+              store_.chunks_in(MemorySpace::kDisk), " chunks on disk (", format_bytes(store_.bytes_in(MemorySpace::kDisk)),
+              "); their data would be lost");
+  pool_.trim_all(MemorySpace::kHost);  // blocks with a write in flight hold the file
+  disk_.reset();
+  budget_[index_of(MemorySpace::kDisk)] = 0;
+  debug_validate();
+}
+
 void ChunkScheduler::write_to_disk(ChunkId id) {
   const std::size_t bytes = store_.chunk(id).capacity_bytes();
   disk_->ensure_home(id, bytes, store_.describe_chunk(id));  // may throw; nothing moved yet

@@ -248,6 +248,16 @@ class ChunkScheduler {
 
   // The disk tier, or null without one.
   const DiskTier* disk() const { return disk_.get(); }
+  // Gives every chunk of the lists allowed on disk its home in the file now
+  // (Note [Chunks on NVMe: the tier]), so a disk too small fails here, before
+  // training, and never in the middle of a step; throws OutOfMemoryError
+  // naming the path, the bytes needed, the budget and the bytes free. Call
+  // after registration; chunks registered later get their home when they
+  // first go to disk. No-op without a disk tier.
+  void reserve_disk();
+  // Removes the disk tier's file now (after a failed start, whose traceback
+  // may keep the scheduler alive): ValueError while a chunk is on disk.
+  void close_disk();
 
   // Checks the store's invariants and the scheduler's own: every payload is
   // one live block of the chunk's size in the chunk's space, resident lists

@@ -77,11 +77,18 @@ class DiskTier {
   // The store payload of a chunk on disk: a distinct, stable address.
   void* token(ChunkId id);
 
+  bool has_home(ChunkId id) const { return id < homes_.size() && homes_[id].assigned; }
+  // Bytes of the home of a chunk of `capacity_bytes` (whole pages).
+  static std::size_t home_bytes(std::size_t capacity_bytes) {
+    return (capacity_bytes + kDirectAlignment - 1) / kDirectAlignment * kDirectAlignment;
+  }
+  const std::string& dir() const { return dir_; }
   // Bytes of all homes (the file's size).
   std::size_t held_bytes() const { return pages_ * kDirectAlignment; }
   std::size_t budget_bytes() const { return budget_; }
   const std::string& path() const { return file_->path(); }
   bool direct() const { return file_->direct(); }
+  bool memory_backed() const { return file_->memory_backed(); }
   const std::vector<std::string>& removed_stale() const { return file_->removed_stale(); }
   std::uint64_t bytes_read() const { return file_->bytes_read(); }
   std::uint64_t bytes_written() const { return file_->bytes_written(); }

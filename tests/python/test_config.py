@@ -270,11 +270,16 @@ def test_byte_sizes_parse_with_decimal_and_binary_units():
     ({"fp16": {"enabled": True}, "bf16": {"enabled": True}},
      "config keys 'fp16.enabled' and 'bf16.enabled' are both true; enable at most one"),
     ({"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "nvme",
-                                                              "nvme_path": "/local_nvme"}}},
-     "config key 'zero_optimization.offload_optimizer.device': NVMe offload is not supported by "
-     "tidal; use 'cpu' (chunks in host memory)"),
+                                                              "nvme_path": "/no/such/nvme"}}},
+     "config key 'zero_optimization.offload_optimizer.nvme_path': '/no/such/nvme' is not an "
+     "existing folder; expected a folder on the disk to use"),
     ({"zero_optimization": {"offload_param": {"device": "nvme"}}},
-     "config key 'zero_optimization.offload_param.device': NVMe offload is not supported by tidal"),
+     "config key 'zero_optimization.offload_param.nvme_path': expected the folder for the NVMe "
+     "tier's file when device is 'nvme', got None"),
+    ({"aio": {"block_size": 1000}},
+     "config key 'aio.block_size': expected a multiple of 4096 bytes (direct I/O's unit), got 1000"),
+    ({"aio": {"queue_depth": 0}},
+     "config key 'aio.queue_depth': expected 1 to 1024 requests in flight, got 0"),
     ({"zero_optimization": {"offload_param": {"device": "disk"}}},
      "config key 'zero_optimization.offload_param.device': expected one of 'cpu', 'none', 'nvme', "
      "got 'disk'"),

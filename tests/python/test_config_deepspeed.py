@@ -389,7 +389,8 @@ def test_deepspeed_key_groups_are_reported_with_what_tidal_does(config, keys, wh
     ({"zero_optimization": {"zenflow": {"topk_ratio": 0.1}}},
      "config key 'zero_optimization.zenflow': ZenFlow updates the less important gradients later"),
     ({"zero_optimization": {"offload_param": {"device": "nvme"}}},
-     "config key 'zero_optimization.offload_param.device': NVMe offload is not supported"),
+     "config key 'zero_optimization.offload_param.nvme_path': expected the folder for the NVMe "
+     "tier's file"),
     ({"communication_data_type": "int8"},
      "config key 'communication_data_type': expected 'fp16', 'bf16' or 'fp32' (any case) or null, "
      "got 'int8'"),
@@ -426,6 +427,7 @@ HONOURED = {
     "scheduler.params", "zero_optimization.offload_optimizer.pin_memory",
     "zero_optimization.offload_param.pin_memory", "gradient_allreduce_op",
     "dataloader_drop_last",  # tidal.deepspeed.initialize's loader (test_deepspeed_initialize.py)
+    "aio.block_size", "aio.queue_depth",  # the NVMe tier's requests (test_engine_nvme.py)
 }
 
 
@@ -648,7 +650,8 @@ def test_every_problem_of_a_config_is_in_one_error():
         "unknown config key 'gradient_cliping'; did you mean 'gradient_clipping'?",
         "config key 'tidal.eviction_policy': expected one of 'opt', 'lru', got 'lfu'",
         "config key 'zero_optimization.stage': expected 0, 1, 2 or 3, got 4",
-        "config key 'zero_optimization.offload_optimizer.device': NVMe offload is not supported",
+        "config key 'zero_optimization.offload_optimizer.nvme_path': expected the folder for the "
+        "NVMe tier's file when device is 'nvme', got None",
         "config key 'optimizer.type': 'Lamb' is DeepSpeed's FusedLamb (LAMB) optimizer",
         "config key 'optimizer.params.lr': expected a finite learning rate >= 0, got -1",
         "config keys 'fp16.enabled' and 'bf16.enabled' are both true",

@@ -140,6 +140,8 @@ class Engine(ExternalMixin, StateDictMixin, HookWiringMixin, DataParallelMixin, 
         except BaseException:
             if self.recompute_plan is not None:
                 self.recompute_plan.remove()
+            if store.release_if_empty():  # an NVMe tier's file goes now, not with the traceback
+                self.chunks = None
             raise
         if self.recompute_plan is not None:
             self.recompute_plan.parameter_aliases = self._saved_tensor_pair
@@ -199,6 +201,9 @@ class Engine(ExternalMixin, StateDictMixin, HookWiringMixin, DataParallelMixin, 
                     if all(rec is not r for r in recs):
                         recs.append(rec)
             self._module_records.setdefault(model, [])
+            # Every chunk of the NVMe tier's lists gets its home in the file
+            # now: a disk too small fails here, not in a step.
+            store.chunks.reserve_disk()
         except BaseException:
             store.give_back(added)  # the model keeps its values
             raise
@@ -374,7 +379,13 @@ class Engine(ExternalMixin, StateDictMixin, HookWiringMixin, DataParallelMixin, 
         # Chunks the host budget cannot hold live on the device all the time
         # (Note [One place per chunk]): a floor under the chunk room.
         s = self.chunks.stats()
+        # The lists on the NVMe tier (Note [Chunks on NVMe: the tier]) go to
+        # disk instead when the host is full.
+        c = self.chunks
+        to_disk = sum(c.chunk_capacity_bytes(i, k) for k in self.store.disk_kinds()
+                      for i in range(c.num_chunks))
         self._spilled_floor = max(0, s["resident_bytes_host"] + s["resident_bytes_device"]
+                                  + s["resident_bytes_disk"] - to_disk
                                   - self.store.capacity_bytes()[0])
         if self._spilled_floor + largest > limit:
             host = self.store.capacity_bytes()[0]

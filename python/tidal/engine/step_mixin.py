@@ -181,6 +181,7 @@ class StepMixin:
         self._hooks.set_chunks(self.chunks, [r.id for r in self._record_list])
         self.records = [r for r in self.store.records if r in self._record_set]
         self._stats_at_step = self.chunks.stats()
+        self.chunks.reserve_disk()
         self._check_budget()
         self.relayouts += 1
 

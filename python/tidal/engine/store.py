@@ -201,7 +201,15 @@ class ParamStore:
         stream = None
         if self.torch_device.type == "cuda":
             stream = torch.cuda.current_stream(self.torch_device).cuda_stream
-        return _C.chunks.Chunks(
+        disk = {}
+        if config.nvme_path is not None:
+            # Note [Chunks on NVMe: the tier] in runtime/scheduler/disk_tier.h.
+            kinds = self.disk_kinds()
+            disk = dict(disk_path=config.nvme_path, disk_budget=config.nvme_budget, disk_kinds=kinds,
+                        disk_threads=config.aio_queue_depth,
+                        disk_request_bytes=config.aio_block_size,
+                        disk_allow_buffered=config.nvme_allow_buffered)
+        chunks = _C.chunks.Chunks(
             self.device, chunk_bytes=config.chunk_size,
             param_dtype=_CHUNK_DTYPES[config.precision],
             device_budget=self.device_budget - self.margin, host_budget=self.host_budget,
@@ -209,7 +217,38 @@ class ParamStore:
             policy=config.eviction_policy, pin_host_memory=config.pin_memory,
             compute_stream=stream, torch_device=str(self.torch_device),
             host_reserve=self.host_reserve,
-            state_dtype="bfloat16" if config.optimizer_state_dtype == "bf16" else "float32")
+            state_dtype="bfloat16" if config.optimizer_state_dtype == "bf16" else "float32", **disk)
+        info = chunks.disk
+        if info is not None:
+            if info["removed_stale"]:
+                warnings.warn(f"tidal: removed {len(info['removed_stale'])} NVMe file(s) a killed "
+                              f"process left in {config.nvme_path}: "
+                              f"{', '.join(info['removed_stale'])}", stacklevel=3)
+            if info["memory_backed"]:
+                warnings.warn(f"tidal: {config.nvme_path} is on tmpfs (tidal.nvme_allow_buffered): "
+                              f"chunks of the NVMe tier stay in host memory there, beyond "
+                              f"tidal.host_memory_budget", stacklevel=3)
+            elif not info["direct"]:
+                warnings.warn(f"tidal: {config.nvme_path} has no direct I/O (O_DIRECT): the NVMe "
+                              f"tier uses buffered I/O, and the page cache holds a second copy of "
+                              f"every chunk on it", stacklevel=3)
+        return chunks
+
+    def release_if_empty(self) -> bool:
+        """After a failed initialize gave every parameter back: the chunks go
+        now, and an NVMe tier's file with them (an exception's traceback may
+        keep the store alive long after)."""
+        if self.records or self.chunks is None:
+            return False
+        self.chunks.close_disk()
+        self.chunks = None
+        return True
+
+    def disk_kinds(self) -> list:
+        """The chunk lists that may live on the NVMe tier (none without one)."""
+        lists = self.config.nvme_lists if self.config.nvme_path is not None else ()
+        return ([PARAM16] if "param" in lists else []) + \
+            ([PARAM32, MOMENTUM, VARIANCE] if "optimizer" in lists else [])
 
     def relayout(self, order: "list[ParamRecord]", keys: "list | None" = None) -> dict:
         """Moves every parameter into new chunks, registered in `order`.
@@ -412,7 +451,10 @@ class ParamStore:
     def _no_room_message(self, name: str, numel: int, error: Exception) -> str:
         host, device = self.capacity_bytes()
         params = sum(r.numel for r in self.records)
-        return (f"the model's states do not fit in host + device memory: parameter '{name}' "
+        where = "host + device memory"
+        if self.config.nvme_path is not None:
+            where += f" and the NVMe tier in {self.config.nvme_path} (tidal.nvme_budget, free disk space)"
+        return (f"the model's states do not fit in {where}: parameter '{name}' "
                 f"({numel} elements) found no room after {len(self.records)} parameters of "
                 f"{params} elements ({self.state_bytes_per_param()} bytes per trainable "
                 f"parameter in {self.precision}); chunks may hold {host} bytes on the host "

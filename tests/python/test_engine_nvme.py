@@ -1,0 +1,233 @@
+"""The NVMe tier under the engine (Note [Chunks on NVMe: the tier] in
+runtime/scheduler/disk_tier.h): DeepSpeed's offload_optimizer / offload_param
+"nvme" puts chunks in a file when the host budget is full. A model trains to
+the same losses and weights with and without it (exact in fp32 and bf16), a
+model whose states need three times the host budget trains with the loss
+falling, and the faults the issue names are clear errors that lose nothing."""
+import copy
+import gc
+import os
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+import tidal
+from tidal._C.chunks import ChunkKind, MemorySpace
+
+sys.path.insert(0, str(Path(__file__).parent))
+from engine_helpers import gpt_batches, train_tidal, within_budget  # noqa: E402
+from tidal.models.gpt import TinyGPT  # noqa: E402
+
+CHUNK = 8192
+MARGIN = 4096
+DEVICE = 1_200_000  # room for TinyGPT's activations and a few chunks
+
+
+@pytest.fixture(autouse=True)
+def simulated_device():
+    tidal.set_device("sim", capacity="1GiB")
+
+
+def config(nvme=None, host=0, device=DEVICE, precision="fp32", param=False, **tidal_keys):
+    t = {"chunk_size": CHUNK, "device_memory_budget": device, "device_margin": MARGIN,
+         "host_memory_budget": host}
+    t.update(tidal_keys)
+    c = {"gradient_clipping": 1.0, "tidal": t,
+         "optimizer": {"type": "AdamW", "params": {"lr": 2e-3, "weight_decay": 0.01}}}
+    if nvme is not None:
+        z = {"offload_optimizer": {"device": "nvme", "nvme_path": str(nvme)}}
+        if param:
+            z["offload_param"] = {"device": "nvme", "nvme_path": str(nvme)}
+        c["zero_optimization"] = z
+    if precision == "bf16":
+        c["bf16"] = {"enabled": True}
+    return c
+
+
+def make_model():
+    torch.manual_seed(0)
+    return TinyGPT(vocab=96, d=64, layers=3, heads=4, seq=16)
+
+
+def state_bytes(model):
+    return 16 * sum(p.numel() for p in model.parameters())
+
+
+def initialize(model, cfg):
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*dedicated chunk.*")
+        return tidal.initialize(model, cfg)
+
+
+def slots_files(folder):
+    return sorted(p.name for p in Path(folder).glob("tidal-*.slots"))
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_a_twin_trains_to_the_same_losses_and_weights_with_and_without_nvme(tmp_path, precision):
+    ref = make_model()
+    batches = gpt_batches(5, vocab=96, seq=16, batch=4)
+    plain = initialize(copy.deepcopy(ref), config(precision=precision))
+    plain_losses = train_tidal(plain, batches)
+    host = state_bytes(ref) // 4
+    engine = initialize(copy.deepcopy(ref), config(tmp_path, host=host, precision=precision))
+    losses = train_tidal(engine, batches)
+    assert losses == plain_losses
+    want, got = plain.parameters_fp32(), engine.parameters_fp32()
+    for name in want:
+        assert torch.equal(want[name], got[name]), name
+    s = engine.chunks.stats()
+    assert s["moves_host_to_disk"] > 0 and s["moves_disk_to_host"] > 0, s
+    assert s["bytes_host_to_disk"] == engine.chunks.disk["bytes_written"]
+    assert s["bytes_disk_to_host"] == engine.chunks.disk["bytes_read"]
+    report = engine.memory_report()
+    assert report["peak_chunk_host_bytes"] <= host, report
+    within_budget(engine)
+
+
+def test_states_three_times_the_host_budget_train_with_the_loss_falling(tmp_path):
+    model = make_model()
+    state = state_bytes(model)
+    host = state // 3
+    gc.collect()
+    baseline = tidal._C.host_memory_stats()["allocated"]
+    engine = initialize(model, config(tmp_path, host=host))
+    batch = gpt_batches(1, vocab=96, seq=16, batch=4)
+    losses = train_tidal(engine, batch * 5)  # one batch again and again: the loss must fall
+    assert all(b < a for a, b in zip(losses, losses[1:])), losses
+    s = engine.chunks.stats()
+    # Most of the state is not in host memory: on disk, and on the device.
+    assert s["resident_bytes_disk"] + s["resident_bytes_device"] >= state - host, s
+    assert s["resident_bytes_disk"] > 0, s
+    assert engine.memory_report()["peak_chunk_host_bytes"] <= host
+    # What the process holds for chunk payloads stays within the host budget.
+    assert tidal._C.host_memory_stats()["allocated"] - baseline <= host
+    # The file holds one home per chunk of the lists on disk: 12 of the 16 bytes per parameter.
+    assert engine.chunks.disk["file_bytes"] <= state * 12 // 16 + 64 * 4096
+    within_budget(engine)
+
+
+def test_offload_param_puts_the_16_bit_chunks_on_disk_too(tmp_path):
+    model = make_model()
+    engine = initialize(model, config(tmp_path, host=state_bytes(model) // 8, param=True,
+                                      hybrid_adam=False))
+    train_tidal(engine, gpt_batches(2, vocab=96, seq=16, batch=4))
+    c = engine.chunks
+    kinds = {k for k in (ChunkKind.PARAM16, ChunkKind.PARAM32, ChunkKind.MOMENTUM, ChunkKind.VARIANCE)
+             for i in range(c.num_chunks) if c.chunk_space(i, k) == MemorySpace.DISK}
+    assert ChunkKind.PARAM16 in kinds, kinds
+    # And without offload_param they stay off it.
+    other = initialize(make_model(), config(tmp_path, host=state_bytes(model) // 3))
+    train_tidal(other, gpt_batches(2, vocab=96, seq=16, batch=4))
+    c = other.chunks
+    assert all(c.chunk_space(i, ChunkKind.PARAM16) != MemorySpace.DISK for i in range(c.num_chunks))
+
+
+def test_the_file_goes_with_the_engine(tmp_path):
+    engine = initialize(make_model(), config(tmp_path, host=state_bytes(make_model()) // 3))
+    train_tidal(engine, gpt_batches(1, vocab=96, seq=16, batch=4))
+    path = engine.chunks.disk["path"]
+    assert os.path.exists(path) and Path(path).parent == tmp_path
+    engine.remove_hooks()
+    del engine
+    gc.collect()
+    assert not os.path.exists(path)
+    assert slots_files(tmp_path) == []
+
+
+def test_a_file_a_killed_process_left_is_removed_with_a_warning(tmp_path):
+    stale = tmp_path / "tidal-999999-3.slots"
+    stale.write_bytes(b"\0" * 4096)
+    with pytest.warns(UserWarning, match=r"removed 1 NVMe file\(s\) a killed process left in .*"
+                                         r"tidal-999999-3\.slots"):
+        engine = tidal.initialize(make_model(), config(tmp_path))
+    assert not stale.exists()
+    engine.remove_hooks()
+
+
+def test_a_disk_too_small_fails_at_initialize_and_loses_nothing(tmp_path):
+    model = make_model()
+    before = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    with pytest.raises(tidal.OutOfMemoryError) as info:
+        initialize(model, config(tmp_path, host=state_bytes(model) // 3, nvme_budget="64KiB"))
+    message = str(info.value)
+    assert "NVMe" in message and str(tmp_path) in message, message
+    assert "64.00 KiB" in message and "free" in message, message
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, before[k]), k
+    gc.collect()
+    assert slots_files(tmp_path) == []  # the failed engine's file is gone too
+
+
+@pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="no tmpfs at /dev/shm")
+def test_a_folder_on_tmpfs_is_refused_or_allowed_with_a_warning():
+    shm = Path(os.environ.get("TIDAL_TEST_TMPFS", "/dev/shm")) / f"tidal-nvme-test-{os.getpid()}"
+    shm.mkdir()
+    try:
+        with pytest.raises(ValueError) as info:
+            initialize(make_model(), config(shm))
+        assert "is on tmpfs, whose files are host memory" in str(info.value), str(info.value)
+        assert str(shm) in str(info.value), str(info.value)
+        with pytest.warns(UserWarning, match="is on tmpfs .* stay in host memory"):
+            engine = tidal.initialize(make_model(), config(shm, host=state_bytes(make_model()) // 3,
+                                                           nvme_allow_buffered=True))
+        train_tidal(engine, gpt_batches(2, vocab=96, seq=16, batch=4))
+        assert engine.chunks.stats()["moves_host_to_disk"] > 0
+        engine.remove_hooks()
+    finally:
+        for f in shm.iterdir():
+            f.unlink()
+        shm.rmdir()
+
+
+def test_a_checkpoint_of_an_nvme_engine_saves_and_loads_like_any_other(tmp_path):
+    nvme = tmp_path / "nvme"
+    nvme.mkdir()
+    host = state_bytes(make_model()) // 3
+    batches = gpt_batches(4, vocab=96, seq=16, batch=4)
+    first = initialize(make_model(), config(nvme, host=host))
+    train_tidal(first, batches[:2])
+    first.save_checkpoint(tmp_path / "ckpt")
+    assert first.chunks.stats()["resident_bytes_disk"] > 0
+    rest = train_tidal(first, batches[2:])
+    second = initialize(make_model(), config(nvme, host=host))
+    second.load_checkpoint(tmp_path / "ckpt")
+    assert train_tidal(second, batches[2:]) == rest
+    want, got = first.parameters_fp32(), second.parameters_fp32()
+    for name in want:
+        assert torch.equal(want[name], got[name]), name
+    # And into an engine without NVMe: the same state.
+    third = initialize(make_model(), config())
+    third.load_checkpoint(tmp_path / "ckpt")
+    assert train_tidal(third, batches[2:]) == rest
+
+
+def test_config_keys_of_the_nvme_tier(tmp_path):
+    other = tmp_path / "other"
+    other.mkdir()
+    with pytest.raises(tidal.ConfigError, match="differ; tidal keeps every chunk on disk in one file"):
+        tidal.Config.load({"zero_optimization": {
+            "offload_optimizer": {"device": "nvme", "nvme_path": str(tmp_path)},
+            "offload_param": {"device": "nvme", "nvme_path": str(other)}}})
+    with pytest.raises(tidal.ConfigError, match="'nvme' with tidal.data_parallel is not built yet"):
+        tidal.Config.load({"zero_optimization": {"offload_optimizer": {"device": "nvme",
+                                                                         "nvme_path": str(tmp_path)}},
+                           "tidal": {"data_parallel": {"enabled": True}}})
+    with pytest.warns(UserWarning) as record:
+        c = tidal.Config.load({"aio": {"block_size": 262144, "queue_depth": 32, "single_submit": True},
+                               "zero_optimization": {"offload_optimizer": {
+                                   "device": "nvme", "nvme_path": str(tmp_path), "buffer_count": 8,
+                                   "pipeline_read": True}}})
+    text = "\n".join(str(w.message) for w in record)
+    assert c.nvme_path == str(tmp_path) and c.nvme_lists == ("optimizer",)
+    assert c.aio_block_size == 262144 and c.aio_queue_depth == 32
+    assert "'zero_optimization.offload_optimizer.buffer_count' = 8 is not used by tidal" in text
+    assert "'aio.single_submit' = True is not used by tidal" in text
+    assert "pipeline_read" not in text and "'aio.block_size'" not in text
+    with pytest.warns(UserWarning, match="'zero_optimization.offload_optimizer.nvme_path' = .* is "
+                                         "not used by tidal: it is read only with"):
+        tidal.Config.load({"zero_optimization": {"offload_optimizer": {
+            "device": "cpu", "nvme_path": str(tmp_path)}}})
