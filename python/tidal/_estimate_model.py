@@ -23,8 +23,7 @@ _CHUNK_DTYPES = {"fp16": "float16", "bf16": "bfloat16", "fp32": "float32"}
 
 # --------------------------------------------------------------------------- model
 def _preset_model(name: str):
-    from .models.gpt import TinyGPT
-    from .train import PRESETS
+    from .models.gpt import PRESETS, TinyGPT
     layers, d, heads, positions, vocab = PRESETS[name]
     with torch.device("meta"):
         model = TinyGPT(vocab=vocab, d=d, layers=layers, heads=heads, seq=positions)
@@ -66,7 +65,7 @@ def _json_model(path: Path):
 def _resolve_model(model):
     """(nn.Module, description, facts) for a preset name, a config.json path,
     a transformers config or an nn.Module."""
-    from .train import PRESETS
+    from .models.gpt import PRESETS
     if isinstance(model, torch.nn.Module):
         from .models.gpt import TinyGPT
         kind = "tinygpt" if isinstance(model, TinyGPT) else \

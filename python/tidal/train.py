@@ -60,26 +60,11 @@ import torch
 import tidal
 from tidal.data import DataError, load_tokenizer
 from tidal.data import options as data_options
-from tidal.models.gpt import TinyGPT
+from tidal.models.gpt import PRESETS, TinyGPT  # PRESETS: tidal-train --preset, re-exported
 from tidal.profile import plot_memory_profile as plot_memory_timeline
 
 __all__ = ["PRESETS", "ModelShape", "shape_from_hf_config", "default_config_path",
            "plot_memory_timeline", "CommandLineParser", "one_line_warnings", "run", "main"]
-
-PRESETS = {
-    # name: (layers, hidden, heads, seq, vocab). Parameters ~ 12 * layers * hidden^2.
-    "nano": (2, 64, 4, 64, 256),          # --quick
-    "tiny": (4, 128, 4, 64, 256),         # the simulated-device default
-    "gpt-125m": (12, 768, 12, 1024, 50304),
-    "gpt-350m": (24, 1024, 16, 1024, 50304),
-    "gpt-1.3b": (24, 2048, 16, 1024, 50304),
-    "gpt-2.7b": (32, 2560, 32, 1024, 50304),
-    "gpt-4b": (36, 3072, 24, 1024, 50304),
-    "gpt-6.7b": (32, 4096, 32, 1024, 50304),
-    "gpt-13b": (40, 5120, 40, 1024, 50304),
-    "gpt-20b": (44, 6144, 64, 1024, 50304),
-    "gpt-30b": (48, 7168, 56, 1024, 50304),
-}
 
 CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs"
 _QUICK_STEPS = 40
