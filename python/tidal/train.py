@@ -579,20 +579,9 @@ def run(argv=None) -> dict:
     # (The model above is seeded alike on every rank; the data is not: each
     # rank draws its own windows, Note [Resumable batches].)
     data.device = device
-    first = 0
-    resumed_from = None
-    if args.resume is not None:
-        try:
-            path, first = data_options.resume(engine, args.resume, data, lr=args.lr,
-                                              log=lambda line: say(f"[tidal-train] note: {line}",
-                                                                   flush=True))
-        except ValueError as e:  # DataError, CheckpointError
-            ap.error(str(e))
-        if first >= steps:
-            ap.error(f"--resume {args.resume}: {path} has done {first} steps and --steps is "
-                     f"{steps}: nothing left to train; give a larger --steps")
-        say(f"[tidal-train] resumed from {path} after step {first}", flush=True)
-        resumed_from = path
+    resumed_from, first = data_options.resume_from_args(
+        ap, args, engine, data, steps, say=lambda line: say(f"[tidal-train] {line}", flush=True),
+        note=lambda line: say(f"[tidal-train] note: {line}", flush=True))
     bar = None
     if not args.no_progress and rank == 0:
         try:
