@@ -3,8 +3,9 @@ Writes benchmarks/results/dtr_batch-<machine>.json.
 
     python benchmarks/dtr_batch.py [--quick]
 
-Two parts, each a search over batch sizes (doubling, then bisection) for the
-largest batch whose training steps succeed:
+Two parts, each a search over batch sizes (doubling, then bisection, within
+1/8: benchmarks/batch_search.py) for the largest batch whose training steps
+succeed:
 
   * resnet50 (tidal.dtr alone): ResNet-50 (benchmarks/dtr.py's, random init)
     on 32x32 images. The memory is fixed at the no-DTR peak of batch
@@ -39,6 +40,7 @@ import warnings
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
+import batch_search  # noqa: E402
 import common  # noqa: E402
 import tidal  # noqa: E402
 from tidal import dtr  # noqa: E402
@@ -47,42 +49,12 @@ from dtr import ResNet50, measure_peak, step_fn  # noqa: E402
 from tidal.models.gpt import TinyGPT  # noqa: E402
 
 
-def largest(fits, start: int, cap: int) -> tuple[int, list]:
-    """The largest batch in [1, cap] for which fits(batch) holds (fits is
-    monotone: doubling from `start`, then bisection). Returns it and the trials."""
-    trials = []
-
-    def probe(b):
-        ok = fits(b)
-        trials.append({"batch": b, "fits": ok})
-        print(f"    batch {b}: {'fits' if ok else 'does not fit'}", flush=True)
-        return ok
-
-    lo, hi = 0, None
-    b = start
-    while b <= cap:
-        if probe(b):
-            lo = b
-            b *= 2
-        else:
-            hi = b
-            break
-    if lo == 0:
-        hi = start
-        b = start // 2
-        while b >= 1 and not probe(b):
-            hi = b
-            b //= 2
-        lo = max(b, 0)
-    if hi is None:
-        return lo, trials  # fits up to the cap
-    while hi - lo > max(1, lo // 8):  # within 1/8
-        mid = (lo + hi) // 2
-        if probe(mid):
-            lo = mid
-        else:
-            hi = mid
-    return lo, trials
+def _search(fits, start: int, cap: int, label: str) -> tuple[int, list]:
+    """The largest batch in [1, cap] for which fits(batch) holds, within 1/8
+    (batch_search.largest from `start`), and its trials."""
+    trials: list = []
+    best = batch_search.largest(batch_search.logged(fits, trials, label), cap, start=start, within=8)
+    return best, trials
 
 
 # ------------------------------------------------------------------ resnet50
@@ -132,8 +104,8 @@ def resnet_part(quick: bool) -> dict:
         return False
 
     peaks: dict = {}
-    plain_batch, plain_trials = largest(fits_plain, base_batch, cap)
-    dtr_batch, dtr_trials = largest(fits_dtr, plain_batch, cap)
+    plain_batch, plain_trials = _search(fits_plain, base_batch, cap, "    resnet50 without DTR")
+    dtr_batch, dtr_trials = _search(fits_dtr, plain_batch, cap, "    resnet50 with DTR")
 
     def seconds(b, on):
         torch.manual_seed(0)
@@ -189,38 +161,28 @@ def engine_part(quick: bool, link: str) -> dict:
         return common.token_batches(shape["vocab"], shape["seq"], b, n)
 
     def train(b, with_dtr, n=2):
-        torch.manual_seed(0)
-        engine = tidal.initialize(TinyGPT(**shape), config(with_dtr))
-        try:
-            times, losses = common.timed_engine_steps(engine, batches(b, n))
-            return times, losses, engine.memory_report()
-        finally:
-            dtr.disable()
-            engine.remove_hooks()
-            gc.collect()
+        return batch_search.train_engine(lambda: TinyGPT(**shape), config(with_dtr), batches(b, n),
+                                         before_remove=dtr.disable)
 
     def fits(with_dtr):
-        def f(b):
-            try:
-                _, _, report = train(b, with_dtr)
-            except tidal.OutOfMemoryError:
-                return False
-            # The peaks of chunks and of DTR's tracked bytes (working sets
-            # included), summed although they need not coincide: a batch
-            # fits only if they stay within the device budget.
-            return not with_dtr or \
-                report["peak_chunk_device_bytes"] + report["dtr"]["peak_tracked_bytes"] <= budget
-        return f
+        # The peaks of chunks and of DTR's tracked bytes (working sets
+        # included), summed although they need not coincide: a batch
+        # fits only if they stay within the device budget.
+        return batch_search.fits_unless_oom(
+            lambda b: train(b, with_dtr)[2],
+            lambda report: not with_dtr or
+            report["peak_chunk_device_bytes"] + report["dtr"]["peak_tracked_bytes"] <= budget)
 
     params = sum(p.numel() for p in TinyGPT(**shape).parameters())
     print(f"  engine_gpt: {params} parameters, device budget {budget} bytes", flush=True)
-    plain_batch, plain_trials = largest(fits(False), 4, cap)
-    dtr_batch, dtr_trials = largest(fits(True), max(plain_batch, 1), cap)
+    plain_batch, plain_trials = _search(fits(False), 4, cap, "    engine_gpt without DTR")
+    dtr_batch, dtr_trials = _search(fits(True), max(plain_batch, 1), cap, "    engine_gpt with DTR")
     # The same search with DTR's evictions never given to a chunk (chunks give
     # way only through the tracer's plan): the rule before the arbiter.
     dtr_link.ARBITER = False
     try:
-        first_batch, first_trials = largest(fits(True), max(plain_batch, 1), cap)
+        first_batch, first_trials = _search(fits(True), max(plain_batch, 1), cap,
+                                            "    engine_gpt with DTR, chunks first")
     finally:
         dtr_link.ARBITER = True
     if plain_batch == 0:

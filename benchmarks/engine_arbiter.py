@@ -22,7 +22,7 @@ activations] in hooks/dtr/storage_runtime.h):
                        activation is always the cheaper.
 For each rule: the largest batch that trains (two steps, no error, no
 overrun, the engine's peak within the budget less the margin; every trial in
-a fresh process; doubling then bisection, as benchmarks/engine_dtr_batch.py)
+a fresh process; doubling then bisection: benchmarks/batch_search.py)
 and the step time at the largest batch all three train (median of the timed
 steps over rounds in alternating order), with the chunk bytes moved and the
 recomputes. CPU times: the simulated device's compute is the CPU's.
@@ -34,11 +34,10 @@ import json
 import os
 import statistics
 import sys
-import time
 
 sys.path.insert(0, os.path.dirname(__file__))
+import batch_search  # noqa: E402
 import common  # noqa: E402
-from engine_dtr_batch import largest  # noqa: E402
 
 RULES = ("arbiter", "chunks_first", "activations_first")
 FULL = {"shape": dict(vocab=2048, d=256, layers=8, heads=4, seq=256), "budget": 24 << 20, "cap": 16,
@@ -69,29 +68,10 @@ def trial(rule: str, batch: int, spec: dict, link: str) -> dict:
     cfg = {"gradient_clipping": 0.0, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
            "tidal": {"chunk_size": 1 << 20, "device_memory_budget": spec["budget"], "hybrid_adam": False,
                      "dtr": {"enabled": True}}}
-    out = {"rule": rule, "batch": batch}
-    try:
-        engine = tidal.initialize(model, cfg)
-        times = []
-        for b in data:
-            t0 = time.perf_counter()
-            engine.backward(engine(*b))
-            engine.step()
-            times.append(time.perf_counter() - t0)
-        r = engine.memory_report()
-        ok = common.budget_kept(r)
-        out.update(fits=ok, step_seconds=times[1:], peak_device_bytes=r["peak_device_bytes"],
-                   budget_overruns=r["budget_overruns"], device_budget=r["device_budget"],
-                   device_margin=r["device_margin"], chunk_evictions=r["evictions"],
-                   bytes_host_to_device_last_step=r["bytes_host_to_device_last_step"],
-                   bytes_device_to_host_last_step=r["bytes_device_to_host_last_step"],
-                   dtr={k: r["dtr"][k] for k in ("evictions", "recomputes", "recompute_seconds",
-                                                 "chunk_evictions", "chunk_bytes_freed")})
-        if not ok:
-            out["why"] = "overrun or peak past the budget"
-    except tidal.OutOfMemoryError as e:
-        out.update(fits=False, why=str(e)[:300])
-    return out
+    return batch_search.engine_trial(
+        {"rule": rule, "batch": batch}, model, data, lambda m, b: m(*b), cfg,
+        report_keys=("bytes_host_to_device_last_step", "bytes_device_to_host_last_step"),
+        dtr_keys=batch_search.DTR_KEYS + ("chunk_bytes_freed",))
 
 
 def run_trial(rule, batch, spec, link) -> dict:
@@ -112,29 +92,20 @@ def main(argv=None):
     trials = []
 
     def fits_for(rule):
-        def f(b):
-            r = run_trial(rule, b, spec, args.link)
-            trials.append(r)
-            print(f"  {rule:17s} batch {b:3d}: {'fits' if r['fits'] else 'does not fit'}"
-                  + ("" if r["fits"] else f" ({r.get('why', '')[:100]})"), flush=True)
-            return r["fits"]
-        return f
+        return batch_search.logged(lambda b: run_trial(rule, b, spec, args.link), trials, f"  {rule:17s}")
 
-    best = {rule: largest(fits_for(rule), spec["cap"]) for rule in RULES}
+    best = {rule: batch_search.largest(fits_for(rule), spec["cap"]) for rule in RULES}
     at = min(best.values())
     times = {rule: [] for rule in RULES}
     moved = {}
     if at > 0:
-        for k in range(spec["rounds"]):
-            order = RULES if k % 2 == 0 else tuple(reversed(RULES))
-            for rule in order:
-                time.sleep(1.0)  # a pause: no rule pays for the previous one's threads
-                r = run_trial(rule, at, spec, args.link)
-                trials.append({**r, "timing": True})
-                if r["fits"]:
-                    times[rule].extend(r["step_seconds"])
-                    moved[rule] = {k: r[k] for k in ("chunk_evictions", "bytes_host_to_device_last_step",
-                                                      "bytes_device_to_host_last_step", "dtr")}
+        for rule in batch_search.alternating(RULES, spec["rounds"]):
+            r = run_trial(rule, at, spec, args.link)
+            trials.append({**r, "timing": True})
+            if r["fits"]:
+                times[rule].extend(r["step_seconds"])
+                moved[rule] = {k: r[k] for k in ("chunk_evictions", "bytes_host_to_device_last_step",
+                                                  "bytes_device_to_host_last_step", "dtr")}
     out = {
         "quick": args.quick,
         "link": args.link,

@@ -14,7 +14,7 @@ A batch fits when two steps train with the strict criterion of
 benchmarks/dtr_batch.py: no OutOfMemoryError, and the engine's peak of chunk
 bytes plus non-chunk bytes at the same moment (memory_report's
 peak_device_bytes) within the budget. The search doubles, then bisects
-(dtr_batch.largest). Also the step time at each config's largest batch and at
+(batch_search.largest, within 1/8, as dtr_batch.py). Also the step time at each config's largest batch and at
 the largest batch of `none` (CPU times, the simulated device: a check of the
 mechanism, not a GPU figure). The peer is the engine without recompute in the
 same run.
@@ -22,7 +22,6 @@ same run.
 from __future__ import annotations
 
 import argparse
-import gc
 import os
 import statistics
 import sys
@@ -31,9 +30,9 @@ import warnings
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
+import batch_search  # noqa: E402
 import common  # noqa: E402
 import tidal  # noqa: E402
-from dtr_batch import largest  # noqa: E402
 from tidal.models.gpt import TinyGPT  # noqa: E402
 
 PLANS = {
@@ -73,23 +72,11 @@ def main():
         return common.token_batches(shape["vocab"], shape["seq"], b, n)
 
     def train(b, plan, n=2):
-        torch.manual_seed(0)
-        engine = tidal.initialize(TinyGPT(**shape), config(plan))
-        try:
-            times, losses = common.timed_engine_steps(engine, batches(b, n))
-            return times, losses, engine.memory_report()
-        finally:
-            engine.remove_hooks()
-            gc.collect()
+        return batch_search.train_engine(lambda: TinyGPT(**shape), config(plan), batches(b, n))
 
     def fits(plan):
-        def f(b):
-            try:
-                _, _, report = train(b, plan)
-            except tidal.OutOfMemoryError:
-                return False
-            return report["peak_device_bytes"] <= budget
-        return f
+        return batch_search.fits_unless_oom(lambda b: train(b, plan)[2],
+                                            lambda report: report["peak_device_bytes"] <= budget)
 
     params = sum(p.numel() for p in TinyGPT(**shape).parameters())
     print(f"engine_batch: {params} parameters, device budget {budget} bytes", flush=True)
@@ -100,7 +87,9 @@ def main():
     start = 4
     for plan in PLANS:
         print(f"  {plan}:", flush=True)
-        best, trials = largest(fits(plan), start, cap)
+        trials: list = []
+        best = batch_search.largest(batch_search.logged(fits(plan), trials, f"    {plan}"), cap, start=start,
+                                    within=8)
         out["configs"][plan] = {"largest_batch": best, "trials": trials}
     base = out["configs"]["none"]["largest_batch"]
     if base == 0:

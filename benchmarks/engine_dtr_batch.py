@@ -34,9 +34,9 @@ import json
 import os
 import statistics
 import sys
-import time
 
 sys.path.insert(0, os.path.dirname(__file__))
+import batch_search  # noqa: E402
 import common  # noqa: E402
 
 MODELS = {
@@ -102,27 +102,7 @@ def trial(name: str, mode: str, batch: int, budget: int, quick: bool, link: str)
     elif mode == "recompute":
         cfg["tidal"]["recompute"] = {"checkpoints": "auto"}
         cfg["activation_checkpointing"] = {}
-    out = {"model": name, "mode": mode, "batch": batch}
-    try:
-        engine = tidal.initialize(model, cfg)
-        times = []
-        for b in data:
-            t0 = time.perf_counter()
-            engine.backward(loss_of(engine, b))
-            engine.step()
-            times.append(time.perf_counter() - t0)
-        r = engine.memory_report()
-        ok = common.budget_kept(r)
-        out.update(fits=ok, step_seconds=times[1:], peak_device_bytes=r["peak_device_bytes"],
-                   budget_overruns=r["budget_overruns"], device_budget=r["device_budget"],
-                   device_margin=r["device_margin"], chunk_evictions=r["evictions"],
-                   dtr={k: r["dtr"][k] for k in ("evictions", "recomputes", "recompute_seconds",
-                                                 "chunk_evictions")})
-        if not ok:
-            out["why"] = "overrun or peak past the budget"
-    except tidal.OutOfMemoryError as e:
-        out.update(fits=False, why=str(e)[:300])
-    return out
+    return batch_search.engine_trial({"model": name, "mode": mode, "batch": batch}, model, data, loss_of, cfg)
 
 
 def run_trial(name, mode, batch, budget, quick, link) -> dict:
@@ -131,23 +111,6 @@ def run_trial(name, mode, batch, budget, quick, link) -> dict:
 
 
 # -------------------------------------------------------------- the search
-def largest(fits, cap: int):
-    """The largest batch b <= cap with fits(b): doubling from 1, then bisection."""
-    lo, b = 0, 1
-    while b <= cap and fits(b):
-        lo, b = b, b * 2
-    hi = b if b <= cap else None
-    if hi is None:
-        return lo
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        if fits(mid):
-            lo = mid
-        else:
-            hi = mid
-    return lo
-
-
 def _monotonic(out, trials):
     """Monotonic over every trial of a mode, the timing runs included: a
     batch at or below the largest that failed anywhere breaks it."""
@@ -160,18 +123,13 @@ def model_part(name: str, spec: dict, quick: bool, link: str, rounds: int) -> di
     trials = []
 
     def fits_for(mode):
-        def f(b):
-            r = run_trial(name, mode, b, spec["budget"], quick, link)
-            trials.append(r)
-            print(f"    {name} {mode:9s} batch {b:4d}: {'fits' if r['fits'] else 'does not fit'}"
-                  + ("" if r["fits"] else f" ({r.get('why', '')[:90]})"), flush=True)
-            return r["fits"]
-        return f
+        return batch_search.logged(lambda b: run_trial(name, mode, b, spec["budget"], quick, link), trials,
+                                   f"    {name} {mode:9s}")
 
     out = {"device_budget_bytes": spec["budget"], "batch_cap": spec["cap"], "largest": {},
            "monotonic": {}}
     for mode in MODES:
-        best = largest(fits_for(mode), spec["cap"])
+        best = batch_search.largest(fits_for(mode), spec["cap"])
         out["largest"][mode] = best
         # Monotonic: every smaller power of two and the batch below the largest.
         tried = {t["batch"]: t["fits"] for t in trials if t["mode"] == mode}
@@ -200,17 +158,13 @@ def timing(name, spec, out, trials, quick, link, rounds):
         return
     samples = {"recompute": [], "dtr": []}
     failed = set()  # a mode that failed once is not timed again
-    for k in range(rounds):
-        for mode in (("recompute", "dtr") if k % 2 == 0 else ("dtr", "recompute")):
-            if mode in failed:
-                continue
-            time.sleep(1.0)
-            r = run_trial(name, mode, at, spec["budget"], quick, link)
-            trials.append({**r, "timing": True})
-            if r["fits"]:
-                samples[mode].extend(r["step_seconds"])
-            else:
-                failed.add(mode)
+    for mode in batch_search.alternating(("recompute", "dtr"), rounds, skip=failed):
+        r = run_trial(name, mode, at, spec["budget"], quick, link)
+        trials.append({**r, "timing": True})
+        if r["fits"]:
+            samples[mode].extend(r["step_seconds"])
+        else:
+            failed.add(mode)
     samples = {m: (None if m in failed else v) for m, v in samples.items()}
     times = {m: (statistics.median(v) if v else None) for m, v in samples.items()}
     out["step_seconds_at_recompute_batch"] = {"batch": at, "rounds": rounds, **times,

@@ -58,20 +58,6 @@ STATE_BYTES_PER_PARAM = 14
 GiB = 1 << 30
 MiB = 1 << 20
 
-# Shapes the largest-model search uses beyond tidal.train.PRESETS (which has no
-# 8b/10b/14b): (layers, hidden, heads, seq, vocab), trained through
-# tidal-train --hf-config with a GPT-2 config (TinyGPT blocks, the same model).
-EXTRA_SHAPES = {
-    "gpt-8b": (40, 4096, 32, 1024, 50304),
-    "gpt-10b": (48, 4096, 32, 1024, 50304),
-    "gpt-14b": (44, 5120, 40, 1024, 50304),
-    "gpt-16b": (48, 5120, 40, 1024, 50304),
-    # Between 16b (0.75 of an H200 box's (host + device) / 14 B) and 20b (more than all of
-    # it): tidal.estimate puts the 85% goal at about 17.3B there.
-    "gpt-17b": (54, 5120, 40, 1024, 50304),
-    "gpt-18b": (56, 5120, 40, 1024, 50304),
-    "quick-gpt2": (2, 96, 4, 64, 256),  # --quick: exercises the --hf-config route
-}
 LARGEST_FULL = "gpt-6.7b,gpt-8b,gpt-10b,gpt-13b,gpt-14b,gpt-16b,gpt-17b,gpt-18b,gpt-20b"
 LARGEST_QUICK = "nano,quick-gpt2"
 
@@ -90,12 +76,11 @@ def log(*a):
 
 
 def shape_of(name):
-    from tidal.train import PRESETS
-    if name in PRESETS:
-        return PRESETS[name]
-    if name in EXTRA_SHAPES:
-        return EXTRA_SHAPES[name]
-    raise SystemExit(f"unknown shape '{name}': expected one of {', '.join(list(PRESETS) + list(EXTRA_SHAPES))}")
+    """(layers, hidden, heads, seq, vocab) of a GPT shape (tidal.models.gpt.SHAPES)."""
+    from tidal.models.gpt import SHAPES
+    if name in SHAPES:
+        return SHAPES[name]
+    raise SystemExit(f"unknown shape '{name}': expected one of {', '.join(SHAPES)}")
 
 
 def params_of(name):
@@ -655,7 +640,7 @@ def _predicted_fits(shapes, config_path, batch, device_bytes, host_bytes):
     micro batch: {shape: {fits, params, state_bytes, largest_model_params}} (fits None and
     the error where the estimate fails)."""
     from tidal.estimate import estimate
-    from tidal.train import PRESETS
+    from tidal.models.gpt import PRESETS
     folder = tempfile.mkdtemp(prefix="tidal_predict_")
     out = {}
     for s in shapes:

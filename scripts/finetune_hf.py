@@ -100,17 +100,8 @@ def main(argv=None) -> dict:
           f"missing {len(missing)}, unexpected {len(unexpected)} keys", flush=True)
 
     data.device = engine.store.torch_device
-    first = 0
-    if args.resume is not None:
-        try:
-            path, first = data_options.resume(engine, args.resume, data, lr=args.lr,
-                                              log=lambda line: print(f"[finetune] {line}", flush=True))
-        except ValueError as e:  # DataError, CheckpointError
-            ap.error(str(e))
-        if first >= args.steps:
-            ap.error(f"--resume {args.resume}: {path} has done {first} steps and --steps is "
-                     f"{args.steps}: nothing left to train; give a larger --steps")
-        print(f"[finetune] resumed from {path} after step {first}", flush=True)
+    _, first = data_options.resume_from_args(ap, args, engine, data, args.steps,
+                                             say=lambda line: print(f"[finetune] {line}", flush=True))
     save_dir = data_options.save_dir_of(args)
 
     def forward(x, _y):

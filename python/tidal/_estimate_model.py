@@ -5,7 +5,6 @@ and backward on the meta device for the activation peak and the FLOPs."""
 from __future__ import annotations
 
 import copy
-import json
 import os
 import weakref
 from pathlib import Path
@@ -13,6 +12,7 @@ from pathlib import Path
 import torch
 
 from . import _C
+from ._schema import read_json_object
 from .config import Config
 
 
@@ -23,8 +23,7 @@ _CHUNK_DTYPES = {"fp16": "float16", "bf16": "bfloat16", "fp32": "float32"}
 
 # --------------------------------------------------------------------------- model
 def _preset_model(name: str):
-    from .models.gpt import TinyGPT
-    from .train import PRESETS
+    from .models.gpt import PRESETS, TinyGPT
     layers, d, heads, positions, vocab = PRESETS[name]
     with torch.device("meta"):
         model = TinyGPT(vocab=vocab, d=d, layers=layers, heads=heads, seq=positions)
@@ -45,14 +44,8 @@ def _json_model(path: Path):
     from .train import _transformers_config, shape_from_hf_config
     if path.is_dir():
         path = path / "config.json"
-    try:
-        with open(path, encoding="utf-8") as f:
-            hf = json.load(f)
-    except OSError as e:
-        raise ValueError(f"Hugging Face config '{path}': {e.strerror or e}") from None
-    except ValueError as e:
-        raise ValueError(f"Hugging Face config '{path}' is not JSON: {e}") from None
-    if isinstance(hf, dict) and hf.get("model_type"):
+    hf = read_json_object(path, "Hugging Face config")
+    if hf.get("model_type"):
         return _hf_model(_transformers_config(hf, str(path)),
                          f"Hugging Face {hf['model_type']} config {path}")
     shape = shape_from_hf_config(hf, str(path))
@@ -66,7 +59,7 @@ def _json_model(path: Path):
 def _resolve_model(model):
     """(nn.Module, description, facts) for a preset name, a config.json path,
     a transformers config or an nn.Module."""
-    from .train import PRESETS
+    from .models.gpt import PRESETS
     if isinstance(model, torch.nn.Module):
         from .models.gpt import TinyGPT
         kind = "tinygpt" if isinstance(model, TinyGPT) else \

@@ -15,24 +15,54 @@ A kind is one of:
   * a tuple of strings: the allowed choices (a wrong case is suggested);
   * ``dict``: an object, checked by its owner;
   * a :class:`Rule`: a predicate with the words that say what it allows.
+
+A config read from a file is read by :func:`read_json_object` (the config
+file, tidal.estimate's config and its Hugging Face config.json), so every
+such file fails with one ConfigError shape.
 """
 from __future__ import annotations
 
 import difflib
+import json
 import math
+import os
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
 
 from . import _C
 
 __all__ = ["ConfigError", "NONE", "Problems", "Rule", "check_value", "did_you_mean", "fail",
-           "unknown_key"]
+           "read_json_object", "unknown_key"]
 
 NONE = type(None)
 
 
 class ConfigError(ValueError):
     """A config value tidal cannot use; the message names the key."""
+
+
+def read_json_object(path: "str | os.PathLike", what: str = "config file") -> dict:
+    """The JSON object in the file at `path`.
+
+    Args:
+        path: the file.
+        what: what the file is, for the errors ("config file", "Hugging Face config").
+
+    Raises:
+        ConfigError: the file cannot be read, is not JSON, or holds something
+            other than an object; the message names `what` and the file.
+    """
+    name = os.fspath(path)
+    try:
+        with open(path, encoding="utf-8") as f:
+            value = json.load(f)
+    except OSError as e:
+        raise ConfigError(f"cannot read {what} '{name}': {e.strerror or e}") from None
+    except ValueError as e:  # json.JSONDecodeError, UnicodeDecodeError
+        raise ConfigError(f"{what} '{name}' is not valid JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise ConfigError(f"{what} '{name}': expected an object, got {type(value).__name__}")
+    return value
 
 
 @dataclass(frozen=True)

@@ -791,17 +791,12 @@ def _require(problems: Problems, ok: bool, path: str, message: str) -> None:
 
 
 def _read(config: "dict | str | os.PathLike | None") -> dict:
-    """The config as a dict: a JSON file read, None as {}."""
+    """The config as a dict: a JSON file read (read_json_object), None as {}."""
+    from ._schema import read_json_object
     if config is None:
         return {}
     if isinstance(config, (str, os.PathLike)):
-        try:
-            with open(config, encoding="utf-8") as f:
-                config = json.load(f)
-        except OSError as e:
-            raise ConfigError(f"cannot read config file '{config}': {e.strerror}") from None
-        except json.JSONDecodeError as e:
-            raise ConfigError(f"config file '{config}' is not valid JSON: {e}") from None
+        return read_json_object(config)
     if not isinstance(config, dict):
         raise ConfigError(f"config key '<root>': expected an object, got "
                           f"{type(config).__name__} {config!r}")

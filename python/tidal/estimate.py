@@ -83,6 +83,7 @@ import time
 import torch
 
 from . import _C
+from ._schema import read_json_object
 from .config import Config, ConfigError
 from .device import parse_bytes
 from ._estimate_model import _ELEMENT, _TORCH, _layout, _module_tensors, _resolve_model, _trace
@@ -251,16 +252,7 @@ def _config(config, *, precision, optimizer_state_dtype, gradient_accumulation_s
     if isinstance(config, Config):
         d = copy.deepcopy(config.raw)
     elif isinstance(config, (str, os.PathLike)):
-        try:
-            with open(config, encoding="utf-8") as f:
-                d = json.load(f)
-        except OSError as e:
-            raise ValueError(f"config file '{os.fspath(config)}': {e.strerror or e}") from None
-        except ValueError as e:
-            raise ValueError(f"config file '{os.fspath(config)}' is not JSON: {e}") from None
-        if not isinstance(d, dict):
-            raise ValueError(f"config file '{os.fspath(config)}' holds a {type(d).__name__}, "
-                             f"not an object")
+        d = read_json_object(config)
     elif config is None:
         d = {}
     elif isinstance(config, dict):

@@ -60,26 +60,11 @@ import torch
 import tidal
 from tidal.data import DataError, load_tokenizer
 from tidal.data import options as data_options
-from tidal.models.gpt import TinyGPT
+from tidal.models.gpt import PRESETS, TinyGPT  # PRESETS: tidal-train --preset, re-exported
 from tidal.profile import plot_memory_profile as plot_memory_timeline
 
 __all__ = ["PRESETS", "ModelShape", "shape_from_hf_config", "default_config_path",
            "plot_memory_timeline", "CommandLineParser", "one_line_warnings", "run", "main"]
-
-PRESETS = {
-    # name: (layers, hidden, heads, seq, vocab). Parameters ~ 12 * layers * hidden^2.
-    "nano": (2, 64, 4, 64, 256),          # --quick
-    "tiny": (4, 128, 4, 64, 256),         # the simulated-device default
-    "gpt-125m": (12, 768, 12, 1024, 50304),
-    "gpt-350m": (24, 1024, 16, 1024, 50304),
-    "gpt-1.3b": (24, 2048, 16, 1024, 50304),
-    "gpt-2.7b": (32, 2560, 32, 1024, 50304),
-    "gpt-4b": (36, 3072, 24, 1024, 50304),
-    "gpt-6.7b": (32, 4096, 32, 1024, 50304),
-    "gpt-13b": (40, 5120, 40, 1024, 50304),
-    "gpt-20b": (44, 6144, 64, 1024, 50304),
-    "gpt-30b": (48, 7168, 56, 1024, 50304),
-}
 
 CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs"
 _QUICK_STEPS = 40
@@ -594,20 +579,9 @@ def run(argv=None) -> dict:
     # (The model above is seeded alike on every rank; the data is not: each
     # rank draws its own windows, Note [Resumable batches].)
     data.device = device
-    first = 0
-    resumed_from = None
-    if args.resume is not None:
-        try:
-            path, first = data_options.resume(engine, args.resume, data, lr=args.lr,
-                                              log=lambda line: say(f"[tidal-train] note: {line}",
-                                                                   flush=True))
-        except ValueError as e:  # DataError, CheckpointError
-            ap.error(str(e))
-        if first >= steps:
-            ap.error(f"--resume {args.resume}: {path} has done {first} steps and --steps is "
-                     f"{steps}: nothing left to train; give a larger --steps")
-        say(f"[tidal-train] resumed from {path} after step {first}", flush=True)
-        resumed_from = path
+    resumed_from, first = data_options.resume_from_args(
+        ap, args, engine, data, steps, say=lambda line: say(f"[tidal-train] {line}", flush=True),
+        note=lambda line: say(f"[tidal-train] note: {line}", flush=True))
     bar = None
     if not args.no_progress and rank == 0:
         try:

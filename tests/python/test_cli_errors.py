@@ -299,7 +299,7 @@ def test_a_truncated_config_names_the_file(tmp_path, capsys):
         f"tidal-train: error: --config {path}: not JSON ({e.value}); a DeepSpeed-style config is "
         f"one JSON object (configs/gpt_quick.json is an example)")
     assert fails(capsys, ["nano", "--config", str(path), "--no-measure"], main=estimate_main) == \
-        f"tidal-estimate: error: config file '{path}' is not JSON: {e.value}"
+        f"tidal-estimate: error: config file '{path}' is not valid JSON: {e.value}"
 
 
 def test_a_latest_file_naming_a_missing_checkpoint(tmp_path, keep_device, capsys):

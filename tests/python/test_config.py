@@ -311,5 +311,5 @@ def test_file_errors_name_the_file(tmp_path):
         tidal.Config.load(tmp_path / "missing.json")
     listed = tmp_path / "list.json"
     listed.write_text("[1, 2]")
-    with pytest.raises(tidal.ConfigError, match=r"config key '<root>': expected an object, got list"):
+    with pytest.raises(tidal.ConfigError, match=r"config file '.*list\.json': expected an object, got list"):
         tidal.Config.load(str(listed))

@@ -63,7 +63,7 @@ from .tokenizer import ByteTokenizer, DataError
 from .windows import SyntheticBatches, TokenWindows
 
 __all__ = ["BUILTIN", "SaveError", "add_arguments", "check_arguments", "data_vocab",
-           "open_batches", "evaluate", "save_dir_of", "save", "resume"]
+           "open_batches", "evaluate", "save_dir_of", "save", "resume", "resume_from_args"]
 
 BUILTIN = ("text", "synthetic")   # --data keywords: the built-in corpora (tidal.data)
 _STATE_KEY, _STATE_FORMAT = "tidal_train", 1
@@ -410,6 +410,37 @@ def resume(engine, where, batches, lr: float | None = None,
     if line is not None and log is not None:
         log(line)
     return path, step
+
+
+def resume_from_args(ap: argparse.ArgumentParser, args, engine, batches, steps: int,
+                     say: Callable[[str], None],
+                     note: Callable[[str], None] | None = None) -> tuple[Path | None, int]:
+    """--resume for a training command (tidal-train, scripts/finetune_hf.py):
+    :func:`resume` from args.resume when it is given, with args.lr; an error,
+    or a checkpoint that has done `steps` already, ends the command through
+    ap.error. Returns (the checkpoint's path, the steps it had done), or
+    (None, 0) without --resume.
+
+    Args:
+        ap: the command's parser (its errors exit with status 2).
+        args: the parsed arguments (resume, lr).
+        engine, batches: as for :func:`resume`.
+        steps: the steps the run trains in all (--steps).
+        say: prints a line of the command's own: "resumed from ...".
+        note: prints the line on hyperparameters that differ from the
+            checkpoint's; `say` when None.
+    """
+    if args.resume is None:
+        return None, 0
+    try:
+        path, first = resume(engine, args.resume, batches, lr=args.lr, log=note or say)
+    except ValueError as e:  # DataError, CheckpointError
+        ap.error(str(e))
+    if first >= steps:
+        ap.error(f"--resume {args.resume}: {path} has done {first} steps and --steps is "
+                 f"{steps}: nothing left to train; give a larger --steps")
+    say(f"resumed from {path} after step {first}")
+    return path, first
 
 
 def _step_settings(engine) -> dict:

@@ -6,6 +6,38 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+# GPT shapes, name: (layers, hidden, heads, seq, vocab), of TinyGPT (a GPT-2
+# model). Parameters ~ 12 * layers * hidden^2. The one table of them: tidal-train,
+# tidal.estimate and the benchmarks read it here.
+PRESETS = {  # tidal-train --preset
+    "nano": (2, 64, 4, 64, 256),          # --quick
+    "tiny": (4, 128, 4, 64, 256),         # the simulated-device default
+    "gpt-125m": (12, 768, 12, 1024, 50304),
+    "gpt-350m": (24, 1024, 16, 1024, 50304),
+    "gpt-1.3b": (24, 2048, 16, 1024, 50304),
+    "gpt-2.7b": (32, 2560, 32, 1024, 50304),
+    "gpt-4b": (36, 3072, 24, 1024, 50304),
+    "gpt-6.7b": (32, 4096, 32, 1024, 50304),
+    "gpt-13b": (40, 5120, 40, 1024, 50304),
+    "gpt-20b": (44, 6144, 64, 1024, 50304),
+    "gpt-30b": (48, 7168, 56, 1024, 50304),
+}
+# Shapes beyond the presets, for the largest-model search (benchmarks/engine_gpu.py):
+# no tidal-train preset, so they train through tidal-train --hf-config with a GPT-2
+# config (TinyGPT blocks, the same model).
+BEYOND_PRESETS = {
+    "gpt-8b": (40, 4096, 32, 1024, 50304),
+    "gpt-10b": (48, 4096, 32, 1024, 50304),
+    "gpt-14b": (44, 5120, 40, 1024, 50304),
+    "gpt-16b": (48, 5120, 40, 1024, 50304),
+    # Between 16b (0.75 of an H200 box's (host + device) / 14 B) and 20b (more than all of
+    # it): tidal.estimate puts the 85% goal at about 17.3B there.
+    "gpt-17b": (54, 5120, 40, 1024, 50304),
+    "gpt-18b": (56, 5120, 40, 1024, 50304),
+    "quick-gpt2": (2, 96, 4, 64, 256),  # engine_gpu.py --quick: exercises the --hf-config route
+}
+SHAPES = {**PRESETS, **BEYOND_PRESETS}
+
 
 class Block(nn.Module):
     """A GPT-2 block: pre-LN causal self-attention and a 4x GELU MLP, each

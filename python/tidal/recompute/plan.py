@@ -1,6 +1,10 @@
 """The plan installed on a model (Recompute): the wrapped forwards, the
-memory-target plan chosen after the first forward measured every block, the
-offload copies and their prefetch in backward order, and the counters."""
+memory-target plan chosen after the first forward measured every block, when
+a run is replayed in backward, the offload copies and their prefetch in
+backward order, and the counters.
+
+The plan drives its runs (run.py) through their public methods; a run never
+calls back into the plan."""
 
 from __future__ import annotations
 
@@ -19,7 +23,7 @@ from tidal import dtr as _dtr
 from tidal.device import get_device
 
 from .copies import CopyEvent, _contiguous_strides, _dense, _DeviceLink, _host_tensor
-from .run import _chain_value, _recomputing, _Run, _storage_nbytes, _unpack
+from .run import ParameterAliases, Run, chain_value, recomputing, storage_nbytes
 from .segments import Segment, _mark_offload, _qual, plan_for_target
 
 
@@ -53,7 +57,7 @@ class Recompute:
         self._cuda_streams: Dict[int, Any] = {}
         self._wrapped: Dict[nn.Module, Tuple[Optional[Callable], Callable]] = {}
         self._where: Dict[nn.Module, Tuple[Optional[Segment], int]] = {}
-        self._open: Dict[int, _Run] = {}        # segment index -> run whose forward is in progress
+        self._open: Dict[int, Run] = {}        # segment index -> run whose forward is in progress
         self._order: List[weakref.ref] = []     # runs in forward order (backward walks it backwards)
         self._pending: collections.deque = collections.deque()  # runs whose d2h may still run
         self._next_run_id = 0
@@ -66,7 +70,7 @@ class Recompute:
         self.target_estimate: Optional[int] = None
         # (pack, unpack) of the training engine's parameter aliases, or None.
         # See Note [Recompute under the training engine].
-        self.parameter_aliases: Optional[Tuple[Callable[[torch.Tensor], Any], Callable[[Any], torch.Tensor]]] = None
+        self.parameter_aliases: Optional[ParameterAliases] = None
         self._lock = threading.Lock()
         self._set_segments(segments)
         todo = [m for seg in segments for m in seg.modules]
@@ -134,7 +138,7 @@ class Recompute:
 
     # -- forward ---------------------------------------------------------------
     def _forward(self, module: nn.Module, orig: Callable, args: tuple, kwargs: dict) -> Any:
-        if (not self._active or _recomputing() or not torch.is_grad_enabled()
+        if (not self._active or recomputing() or not torch.is_grad_enabled()
                 or torch.is_inference_mode_enabled()):
             return orig(*args, **kwargs)
         seg, j = self._where.get(module, (None, 0))
@@ -151,12 +155,17 @@ class Recompute:
             if stale is not None and len(seg.modules) > 1:
                 raise RuntimeError(f"tidal.recompute: {seg!r} started again before its last block "
                                    f"'{seg.names[-1]}' ran; the blocks of a segment must run in order.")
-            run = _Run(self, seg)
+            run = Run(seg, self._next_run_id)
+            self._next_run_id += 1
             if measuring:
                 run.measure = []
                 run.param_ptrs = frozenset(_C.chunks.storage_data_ptr(t)
                                            for t in list(module.parameters()) + list(module.buffers()))
-            run.begin(args, kwargs)
+            run.begin(args, kwargs, self.preserve_rng_state)
+            x = run.ckpt
+            if seg.offload and x is not None and x.numel() > 0:
+                run.ckpt = None
+                run.host = self._offload(run, x)
             self._trace("forward_begin", run)
         else:
             run = self._open.get(seg.index)
@@ -166,14 +175,14 @@ class Recompute:
             run.add_call(j, args, kwargs)
         self._open[seg.index] = run
         try:
-            with torch.autograd.graph.saved_tensors_hooks(run.pack, _unpack):
+            with torch.autograd.graph.saved_tensors_hooks(run.pack, self._unpack):
                 out = orig(*args, **kwargs)
         except BaseException:
             self._open.pop(seg.index, None)
             raise
         run.next_block = j + 1
         if j + 1 < len(seg.modules):
-            run.chain_out = _chain_value(out)
+            run.chain_out = chain_value(out)
             return out
         self._open.pop(seg.index, None)
         run.end(out)
@@ -194,17 +203,17 @@ class Recompute:
         i = next(k for k, b in enumerate(blocks) if b is module)
         return Segment(-1 - i, [_qual(name, i)], [module], False)
 
-    def _record_measurement(self, module: nn.Module, run: _Run) -> None:
+    def _record_measurement(self, module: nn.Module, run: Run) -> None:
         blocks = self.chain[1]  # type: ignore[index]
         if self._measuring is None:
             self._measuring = {"act": [0] * len(blocks), "inp": [0] * len(blocks), "seen": [False] * len(blocks)}
         m = self._measuring
         i = next(k for k, b in enumerate(blocks) if b is module)
-        sizes = {_C.chunks.storage_data_ptr(t): _storage_nbytes(t) for t in run.measure or ()}
+        sizes = {_C.chunks.storage_data_ptr(t): storage_nbytes(t) for t in run.measure or ()}
         m["act"][i] = sum(n for ptr, n in sizes.items() if ptr not in run.param_ptrs)
         run.measure = None
         ck = run.ckpt if run.ckpt is not None else run.d2h_src
-        m["inp"][i] = _storage_nbytes(ck) if ck is not None else 0
+        m["inp"][i] = storage_nbytes(ck) if ck is not None else 0
         m["seen"][i] = True
         if all(m["seen"]):
             self._measured = {"act": m["act"], "inp": m["inp"]}
@@ -230,6 +239,41 @@ class Recompute:
         _mark_offload(segs, self.offload, keep_last=m == len(blocks))
         self._set_segments(segs)
 
+    # -- backward: the first unpack of a run replays it ---------------------------
+    def _unpack(self, handle: Tuple[Run, int]) -> torch.Tensor:
+        run, i = handle
+        v = run.take(i)
+        if v is None:
+            self._before_recompute(run)
+            self._recompute(run)
+            v = run.take(i)
+        aliases = self.parameter_aliases
+        return aliases[1](v) if aliases is not None else v  # type: ignore[return-value]
+
+    def _checkpoint(self, run: Run) -> Optional[torch.Tensor]:
+        """A run's checkpoint on the device, waiting for its prefetch if it was offloaded."""
+        if run.host is None:
+            return run.ckpt
+        if run.h2d is None:
+            self._prefetch(run, late=True)
+        waited = self._wait(run)
+        self._trace("use", run, waited=waited)
+        return run.prefetched
+
+    def _recompute(self, run: Run) -> None:
+        ck = self._checkpoint(run)
+        run.check_input(ck)
+        t0 = time.perf_counter()
+        self._trace("recompute_begin", run)
+        run.replay(ck, self.parameter_aliases)
+        # The recomputed tensors hold what they need of the checkpoint; a second
+        # backward (retain_graph) brings it back again.
+        run.prefetched, run.h2d = None, None
+        seconds = time.perf_counter() - t0
+        self._counters["recomputes"] += 1
+        self._counters["recompute_seconds"] += seconds
+        self._trace("recompute_end", run, seconds=seconds)
+
     # -- offload -------------------------------------------------------------------
     def _cuda_stream(self, device: torch.device):
         s = self._cuda_streams.get(device.index)
@@ -251,7 +295,7 @@ class Recompute:
             self._link = _DeviceLink(device, shared=not own)
         return self._link
 
-    def _offload(self, run: _Run, x: torch.Tensor) -> torch.Tensor:
+    def _offload(self, run: Run, x: torch.Tensor) -> torch.Tensor:
         """Starts the device->host copy of a checkpoint; returns the host tensor."""
         run.device = x.device
         self._counters["offloaded_bytes"] += x.numel() * x.element_size()
@@ -298,7 +342,7 @@ class Recompute:
             with self._lock:
                 self._pending.extendleft(reversed(keep))
 
-    def _prefetch(self, run: _Run, late: bool = False) -> None:
+    def _prefetch(self, run: Run, late: bool = False) -> None:
         """Starts the host->device copy of an offloaded checkpoint."""
         if run.host is None or run.h2d is not None:
             return
@@ -320,7 +364,7 @@ class Recompute:
         run.prefetched, run.h2d = dst, ev
         self._trace("h2d_issued", run, nbytes=ev.nbytes, late=late)
 
-    def _wait(self, run: _Run) -> float:
+    def _wait(self, run: Run) -> float:
         ev = run.h2d
         assert ev is not None
         if ev._cuda is not None:
@@ -334,7 +378,7 @@ class Recompute:
         self._trace("h2d_done", run, started=ev.started_at, completed=ev.completed_at)
         return waited
 
-    def _before_recompute(self, run: _Run) -> None:
+    def _before_recompute(self, run: Run) -> None:
         """A segment's backward begins: prefetch the next ones in backward order."""
         if self.synchronize_boundaries:
             self.synchronize()
@@ -371,7 +415,7 @@ class Recompute:
         self._drain(wait=True)
 
     # -- reporting -----------------------------------------------------------------
-    def _trace(self, what: str, run: _Run, **info: Any) -> None:
+    def _trace(self, what: str, run: Run, **info: Any) -> None:
         if self._trace_on:
             self.trace.append({"event": what, "segment": run.seg.index, "run": run.id,
                                "t": time.perf_counter(), **info})

@@ -1,14 +1,18 @@
-"""One forward execution of a segment until its backward is done (_Run):
+"""One forward execution of a segment until its backward is done (Run):
 what autograd saved is packed as (run, index) handles, and the first unpack in
 backward reruns the segment from its checkpoint with the forward's RNG and
-autocast state and scratch batch-norm statistics."""
+autocast state and scratch batch-norm statistics.
+
+A run knows nothing of the plan that made it: the plan (plan.py) hands it its
+id and settings, moves its checkpoint to the host and back, and decides when it
+reruns (``Recompute._unpack``); the run records the forward and replays it
+(:meth:`Run.replay`) from the checkpoint it is given."""
 
 from __future__ import annotations
 
 import contextlib
 import threading
-import time
-from typing import TYPE_CHECKING, Any, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
@@ -21,13 +25,17 @@ from tidal._C import HostBuffer
 from .copies import CopyEvent
 from .segments import Segment
 
-if TYPE_CHECKING:
-    from .plan import Recompute
+__all__ = ["ParameterAliases", "Run", "chain_value", "recomputing", "storage_nbytes"]
+
+# (pack, unpack) of the training engine's parameter aliases; see
+# Note [Recompute under the training engine].
+ParameterAliases = Tuple[Callable[[torch.Tensor], Any], Callable[[Any], torch.Tensor]]
 
 _tls = threading.local()  # .recomputing: > 0 while a segment is being rerun on this thread
 
 
-def _recomputing() -> bool:
+def recomputing() -> bool:
+    """Whether a segment is being rerun on this thread."""
     return getattr(_tls, "recomputing", 0) > 0
 
 
@@ -66,26 +74,32 @@ def _detach_like(x: Any) -> Any:
     return x
 
 
-def _chain_value(out: Any) -> Any:
+def chain_value(out: Any) -> Any:
+    """What the next block of a chain takes as its first argument."""
     return out[0] if isinstance(out, (tuple, list)) and out else out
 
 
-def _storage_nbytes(t: torch.Tensor) -> int:
+def storage_nbytes(t: torch.Tensor) -> int:
+    """The bytes under a tensor (0 for a storage DTR has evicted)."""
     # Not t.untyped_storage(): see storage_data_ptr in python/csrc/chunk_bindings.cpp.
     if t.layout != torch.strided:
         return t.numel() * t.element_size()
     return _C.chunks.storage_nbytes(t)
 
 
-class _Run:
+class Run:
     """The state of one forward pass through a segment until its backward is
     done: the checkpoint (or its host copy), the calls to replay, the RNG and
-    autocast state, and the metadata of every tensor autograd saved."""
+    autocast state, and the metadata of every tensor autograd saved.
 
-    def __init__(self, plan: "Recompute", seg: Segment):
-        self.plan, self.seg = plan, seg
-        self.id = plan._next_run_id
-        plan._next_run_id += 1
+    Args:
+        seg: the segment this run goes through.
+        run_id: the plan's number for it (in traces and copy events).
+    """
+
+    def __init__(self, seg: Segment, run_id: int):
+        self.seg = seg
+        self.id = run_id
         self.calls: List[Tuple[Any, Any]] = []  # per block: (args, kwargs), detached
         self.chain_out: Any = None              # previous block's output while forward runs
         self.next_block = 0
@@ -93,8 +107,8 @@ class _Run:
         self.values: Optional[List[Optional[torch.Tensor]]] = None
         self.rng: Optional[Tuple[torch.Tensor, Dict[int, torch.Tensor]]] = None
         self.autocast: List[Tuple[str, bool, torch.dtype]] = []
-        # the checkpoint: args[0] of the first call is _CHAIN-free; when offloaded
-        # `ckpt` is None while the copy lives on the host.
+        # the checkpoint: args[0] of the first call is _CHAIN-free; when the plan
+        # offloads it, `ckpt` is None while the copy lives on the host.
         self.ckpt: Optional[torch.Tensor] = None
         self.ckpt_version = 0
         self.ckpt_requires_grad = False
@@ -112,9 +126,11 @@ class _Run:
         self.done_backward = False
 
     # -- forward ---------------------------------------------------------------
-    def begin(self, args: tuple, kwargs: dict) -> None:
-        plan = self.plan
-        if plan.preserve_rng_state:
+    def begin(self, args: tuple, kwargs: dict, preserve_rng_state: bool) -> None:
+        """The segment's first block starts: keeps its input as the checkpoint
+        (``ckpt``; the plan may then move it to the host) and the RNG and
+        autocast state a replay restores."""
+        if preserve_rng_state:
             cuda = {}
             if torch.cuda.is_available() and torch.cuda.is_initialized():
                 for t in _tensors((args, kwargs)):
@@ -133,17 +149,14 @@ class _Run:
         if _dtr.is_enabled():
             # Pinned for DTR: the plan's own copy, made outside DTR's mode, is never
             # evicted (nor counted); DTR manages everything else.
-            if x.numel() and _storage_nbytes(x) == 0:
+            if x.numel() and storage_nbytes(x) == 0:
                 torch.ops.aten.alias.default(x)  # an evicted input comes back through DTR first
             with torch.no_grad(), _dtr.outside():
                 x = x.detach().clone()
         else:
             x = x.detach()  # shares the version counter: in-place updates of the input are caught
         self.ckpt_version = x._version
-        if self.seg.offload and x.numel() > 0:
-            self.host = plan._offload(self, x)
-        else:
-            self.ckpt = x
+        self.ckpt = x
 
     def add_call(self, j: int, args: tuple, kwargs: dict) -> None:
         if self.next_block != j:
@@ -158,7 +171,7 @@ class _Run:
                 f"Tip: give each block its own segment (segments=<number of blocks>).")
         self.calls.append(((_CHAIN,) + tuple(tree_map(_detach_like, args[1:])), tree_map(_detach_like, kwargs)))
 
-    def pack(self, t: torch.Tensor) -> Tuple["_Run", int]:
+    def pack(self, t: torch.Tensor) -> Tuple["Run", int]:
         i = len(self.meta)
         self.meta.append((t.shape, t.dtype, t.device))
         if self.measure is not None:
@@ -174,34 +187,31 @@ class _Run:
                 f"rerun from that input. Tip: leave this module out of the checkpoints.")
 
     # -- backward --------------------------------------------------------------
-    def unpack(self, i: int) -> torch.Tensor:
+    def take(self, i: int) -> Optional[torch.Tensor]:
+        """Saved tensor ``i`` once a replay made it (handed out once), or None
+        when the segment must be replayed first."""
         values = self.values
         if values is None or values[i] is None:
-            self.plan._before_recompute(self)
-            self.recompute()
-            values = self.values
-        v = values[i]  # type: ignore[index]
-        values[i] = None  # type: ignore[index]
-        aliases = self.plan.parameter_aliases
-        return aliases[1](v) if aliases is not None else v  # type: ignore[return-value]
+            return None
+        v = values[i]
+        values[i] = None
+        return v
 
-    def checkpoint(self) -> Optional[torch.Tensor]:
-        """The checkpoint on the device, waiting for its prefetch if it was offloaded."""
-        if self.host is None:
-            return self.ckpt
-        plan = self.plan
-        if self.h2d is None:
-            plan._prefetch(self, late=True)
-        waited = plan._wait(self)
-        plan._trace("use", self, waited=waited)
-        return self.prefetched
-
-    def recompute(self) -> None:
-        plan = self.plan
-        ck = self.checkpoint()
+    def check_input(self, ck: Optional[torch.Tensor]) -> None:
+        """Raises when the checkpoint kept on the device was modified in place
+        after the forward pass (a host copy is the forward's own)."""
         if ck is not None and self.host is None and ck._version != self.ckpt_version:
             raise RuntimeError(f"tidal.recompute: the input of {self.seg!r} was modified in place after the "
                                f"forward pass; the segment cannot be recomputed from it.")
+
+    def replay(self, ck: Optional[torch.Tensor], aliases: Optional[ParameterAliases]) -> None:
+        """Reruns the segment from its checkpoint ``ck`` (on the device) and
+        keeps what autograd saved, for :meth:`take`.
+
+        Args:
+            ck: the checkpoint (None when the segment had no tensor input).
+            aliases: the training engine's parameter aliases, or None.
+        """
         n = len(self.meta)
         values: List[Optional[torch.Tensor]] = [None] * n
         count = [0]
@@ -215,7 +225,6 @@ class _Run:
         # re-attached parameter when backward reads it, as it does for the
         # forward's saved tensors (PackHook and UnpackHook in
         # python/csrc/hook_callables.cpp; plan.parameter_aliases is that pair).
-        aliases = plan.parameter_aliases
         keep = aliases[0] if aliases is not None else None
 
         def pack_again(t: torch.Tensor) -> None:
@@ -231,8 +240,6 @@ class _Run:
                 values[k] = keep(t) if keep is not None else t
             return None
 
-        t0 = time.perf_counter()
-        plan._trace("recompute_begin", self)
         with contextlib.ExitStack() as stack:
             stack.enter_context(_recompute_guard())
             if aliases is not None:
@@ -255,20 +262,13 @@ class _Run:
                     args = (first,) + tuple(tree_map(_detach_like, args[1:]))
                 else:
                     args = tree_map(_detach_like, args)
-                y = _chain_value(module(*args, **tree_map(_detach_like, kwargs)))
+                y = chain_value(module(*args, **tree_map(_detach_like, kwargs)))
             del y
         if count[0] != n:
             raise RuntimeError(f"tidal.recompute: recomputing {seg!r} saved {count[0]} tensors, the forward "
                                f"saved {n}: the segment does not run the same ops again. Leave it out of "
                                f"the checkpoints.")
-        # The recomputed tensors hold what they need of the checkpoint; a second
-        # backward (retain_graph) brings it back again.
-        self.prefetched, self.h2d = None, None
         self.values = values
-        seconds = time.perf_counter() - t0
-        plan._counters["recomputes"] += 1
-        plan._counters["recompute_seconds"] += seconds
-        plan._trace("recompute_end", self, seconds=seconds)
 
 
 def _detach_like_ckpt(ck: Optional[torch.Tensor], requires_grad: bool) -> Optional[torch.Tensor]:
@@ -282,11 +282,6 @@ def _detach_like_ckpt(ck: Optional[torch.Tensor], requires_grad: bool) -> Option
 
 def _never_unpacked(_: Any) -> Any:
     raise RuntimeError("tidal.recompute: internal error: a tensor saved during recompute was unpacked")
-
-
-def _unpack(handle: Tuple[_Run, int]) -> torch.Tensor:
-    run, i = handle
-    return run.unpack(i)
 
 
 def _tensors(tree: Any) -> List[torch.Tensor]:
