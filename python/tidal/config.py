@@ -20,7 +20,6 @@ placeholder]).
 from __future__ import annotations
 
 import copy
-import json
 import math
 import os
 import sys
@@ -34,7 +33,7 @@ from ._deepspeed_rules import (_CLASS_PARAMS, _POPPED_BY_DEEPSPEED, _WEIGHT_DECA
 from ._deepspeed_keys import (DEEPSPEED_SCHEMA, NOT_HONOURED, NOT_HONOURED_ERRORS,
                               NOT_READ_BY_DEEPSPEED, NULLABLE_BLOCKS, REMOVED)
 from ._schema import NONE as _NONE
-from ._schema import ConfigError, Problems, check_value, did_you_mean, unknown_key
+from ._schema import ConfigError, Problems, check_value, did_you_mean, read_json_object, unknown_key
 from .dtr import config_enables as _dtr_enabled
 from .dtr import validate_config as _validate_dtr
 from .lr_schedules import PARAMS as _SCHEDULER_PARAMS
@@ -792,7 +791,6 @@ def _require(problems: Problems, ok: bool, path: str, message: str) -> None:
 
 def _read(config: "dict | str | os.PathLike | None") -> dict:
     """The config as a dict: a JSON file read (read_json_object), None as {}."""
-    from ._schema import read_json_object
     if config is None:
         return {}
     if isinstance(config, (str, os.PathLike)):
