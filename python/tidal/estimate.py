@@ -77,6 +77,7 @@ import dataclasses
 import json
 import math
 import os
+import shutil
 import sys
 import time
 
@@ -107,6 +108,11 @@ DEFAULT_RATES = {
                                          "measured)"),
     "seconds_per_module": (13.8e-6, "tidal's hooks per module per forward + backward: "
                                     "benchmarks/results/engine_overhead-cpu-2c.json"),
+    "disk_read_bytes_per_s": (6.0e9, "assumed: a PCIe Gen5 NVMe drive's read rate as DeepSpeed "
+                                     "publishes it (tidal's O_DIRECT file reaches dd's rate: "
+                                     "benchmarks/results/nvme_bandwidth-cpu-2c.json)"),
+    "disk_write_bytes_per_s": (3.3e9, "assumed: a PCIe Gen5 NVMe drive's write rate as DeepSpeed "
+                                      "publishes it (benchmarks/results/nvme_bandwidth-cpu-2c.json)"),
 }
 _RATE_KEYS = tuple(DEFAULT_RATES)
 
@@ -298,7 +304,7 @@ def estimate(model, config=None, *, precision=None, optimizer_state_dtype=None,
              gradient_accumulation_steps=None, micro_batch=None, seq=None, chunk_size=None,
              device_memory=None, host_memory=None, device_memory_budget=None,
              host_memory_budget=None, rates=None, measure=None, inputs=None,
-             activation_bytes=None) -> dict:
+             activation_bytes=None, nvme=None, nvme_param=None) -> dict:
     """What training `model` with tidal would need and how fast it would go.
 
     Args:
@@ -325,6 +331,11 @@ def estimate(model, config=None, *, precision=None, optimizer_state_dtype=None,
         inputs: for an nn.Module that is neither a TinyGPT nor a causal LM:
             its forward's arguments, or a callable (micro_batch, seq) -> args.
         activation_bytes: the activation peak, instead of the meta-device count.
+        nvme: bytes the NVMe tier may use (Note [Chunks on NVMe: the tier]);
+            None: the config's (tidal.nvme_budget, or the free space of its
+            nvme_path less 10%) where it offloads to "nvme", else no tier.
+        nvme_param: the 16-bit parameters go to the tier too (offload_param
+            "nvme"); None: as the config says (with `nvme` alone: no).
 
     Returns:
         A dict (JSON-serialisable); format_estimate() prints it.
@@ -409,16 +420,39 @@ def estimate(model, config=None, *, precision=None, optimizer_state_dtype=None,
         notes.append("FLOPs: 6 x parameters x tokens (no meta-device count)")
     flops *= cfg.gradient_accumulation_steps
 
+    # The NVMe tier: what may go there, and how much room it has.
+    lists = cfg.nvme_lists if cfg.nvme_path is not None else ()
+    if nvme is None and cfg.nvme_path is not None:
+        nvme = cfg.nvme_budget or int(0.9 * shutil.disk_usage(cfg.nvme_path).free)
+    nvme = parse_bytes(nvme) if nvme is not None else 0
+    if nvme < 0:
+        raise ValueError(f"nvme must be a size >= 0, got {nvme} bytes")
+    if nvme and not lists:
+        lists = ("optimizer",)
+    if nvme_param is not None:
+        lists = tuple(x for x in lists if x != "param") + (("param",) if nvme_param else ())
+    disk_per_param = ((_ELEMENT[cfg.precision] if "param" in lists else 0) +
+                      (4 + moments if "optimizer" in lists else 0)) if nvme else 0
+
     # Fit.
     state = layout["state_bytes"]
-    spilled = max(0, state - host_capacity)
-    fits_states = state <= host_capacity + limit
+    eligible = int(state * disk_per_param / per_param)  # the padding shared pro rata
+    on_disk = min(nvme, eligible, max(0, state - host_capacity))
+    spilled = max(0, state - host_capacity - on_disk)
+    fits_states = state <= host_capacity + limit + on_disk
     need_on_device = spilled + layout["largest_module_param16_bytes"] + activations
     fits = fits_states and need_on_device <= limit
-    largest = (host_capacity + limit) // per_param
+    largest = (host_capacity + limit + nvme) // per_param
+    if disk_per_param:
+        largest = min(largest, (host_capacity + limit) // (per_param - disk_per_param)
+                      if per_param > disk_per_param else largest)
     padded = state / max(1, trainable)  # chunk bytes per parameter with the padding
     room = host_capacity + limit - activations - layout["largest_module_param16_bytes"]
     largest_trainable = int(max(0, room) / padded) if padded else 0
+    if disk_per_param:
+        in_memory = padded * (per_param - disk_per_param) / per_param
+        largest_trainable = int(min(max(0, room + nvme) / padded,
+                                    max(0, room) / in_memory if in_memory else float("inf")))
 
     # Traffic and time.
     traffic = _traffic(layout, limit, activations, host_capacity,
@@ -438,12 +472,18 @@ def estimate(model, config=None, *, precision=None, optimizer_state_dtype=None,
     hooks_s = cfg.gradient_accumulation_steps * modules * value["seconds_per_module"]
     link_s = traffic["bytes_each_way"] / value["h2d_bytes_per_s"] + \
         traffic["bytes_each_way"] / value["d2h_bytes_per_s"]
-    cpu_adam_s = trainable * (1 - hybrid_share) / value["cpu_adam_params_per_s"]
-    device_adam_s = trainable * hybrid_share / value["device_adam_params_per_s"]
-    step_s = compute_s + hooks_s + link_s + cpu_adam_s + device_adam_s
-    overlapped = max(compute_s + hooks_s, link_s) + cpu_adam_s + device_adam_s
+    # Chunks on disk are updated on the host, where they are read to.
+    host_adam = max(trainable * (1 - hybrid_share),
+                    min(trainable, on_disk / disk_per_param if disk_per_param else 0))
+    cpu_adam_s = host_adam / value["cpu_adam_params_per_s"]
+    device_adam_s = (trainable - host_adam) / value["device_adam_params_per_s"]
+    # Every chunk on disk is read once and written once a step (Adam updates
+    # it); reads run ahead and writes behind, beside CPU Adam.
+    disk_s = on_disk / value["disk_read_bytes_per_s"] + on_disk / value["disk_write_bytes_per_s"]
+    step_s = compute_s + hooks_s + link_s + cpu_adam_s + device_adam_s + disk_s
+    overlapped = max(compute_s + hooks_s, link_s) + max(cpu_adam_s, disk_s) + device_adam_s
     parts = {"compute": compute_s + hooks_s, "link": link_s, "cpu_adam": cpu_adam_s,
-             "device_adam": device_adam_s}
+             "device_adam": device_adam_s, "disk": disk_s}
     bottleneck = max(parts, key=parts.get)
 
     return {
@@ -473,11 +513,15 @@ def estimate(model, config=None, *, precision=None, optimizer_state_dtype=None,
         "host": {"memory": host_memory, "memory_source": host_source, "budget": host_budget,
                  "reserve": host_reserve, "chunk_capacity": host_capacity,
                  "states_on_host": min(state, host_capacity)},
+        "nvme": {"budget": nvme, "lists": list(lists), "bytes_per_param": disk_per_param,
+                 "eligible_states": eligible if nvme else 0, "states_on_disk": on_disk},
         "traffic": {**traffic, "bytes_host_to_device": traffic["bytes_each_way"],
-                    "bytes_device_to_host": traffic["bytes_each_way"]},
+                    "bytes_device_to_host": traffic["bytes_each_way"],
+                    "bytes_disk_read": on_disk, "bytes_disk_write": on_disk},
         "rates": r,
         "time": {"flops": flops, "tokens": tokens, "compute_s": compute_s, "hooks_s": hooks_s,
                  "link_s": link_s, "cpu_adam_s": cpu_adam_s, "device_adam_s": device_adam_s,
+                 "disk_s": disk_s,
                  "step_s": step_s, "step_s_overlapped": overlapped, "bottleneck": bottleneck,
                  "tokens_per_s": tokens / step_s,
                  "model_tflops": 6 * trainable * tokens / step_s / 1e12},
@@ -518,23 +562,33 @@ def format_estimate(e: dict) -> str:
         f"{_b(d['chunk_room'])}",
         f"host: {_b(h['memory'])} ({h['memory_source']}); budget {_b(h['budget'])} = reserve "
         f"{_b(h['reserve'])} + chunks {_b(h['chunk_capacity'])}",
-        f"largest_model_params: {e['largest_model_params'] / 1e6:,.1f}M (host + device chunk "
-        f"capacity / {e['state_bytes_per_param']} B); with padding, activations and the largest "
+        f"largest_model_params: {e['largest_model_params'] / 1e6:,.1f}M (host + device" +
+        (" + NVMe" if e["nvme"]["budget"] else "") + f" chunk capacity / {e['state_bytes_per_param']} B" +
+        (f", the {e['state_bytes_per_param'] - e['nvme']['bytes_per_param']} B kept off disk within "
+         f"host + device" if e["nvme"]["budget"] else "") + "); with padding, activations and the largest "
         f"module: about {e['largest_trainable_params_estimate'] / 1e6:,.1f}M",
         f"fits: {'yes' if e['fits'] else 'no'} (states {_b(e['state_bytes'])} vs host "
-        f"{_b(h['chunk_capacity'])} + device {_b(d['chunk_limit'])}; on the device at once: "
-        f"{_b(d['needs_at_once'])} of {_b(d['chunk_limit'])})",
+        f"{_b(h['chunk_capacity'])} + device {_b(d['chunk_limit'])}" +
+        (f" + NVMe {_b(e['nvme']['states_on_disk'])} of {_b(e['nvme']['budget'])}"
+         if e["nvme"]["budget"] else "") +
+        f"; on the device at once: {_b(d['needs_at_once'])} of {_b(d['chunk_limit'])})",
+        *([f"NVMe: {', '.join(e['nvme']['lists'])} lists ({e['nvme']['bytes_per_param']} B per "
+           f"parameter) may go to disk: {_b(e['nvme']['states_on_disk'])} there, read and written "
+           f"once a step"] if e["nvme"]["budget"] else []),
         f"per step: {_b(tr['bytes_each_way'])} each way ({tr['regime']})",
         f"step time: {_s(t['step_s'])} = compute {_s(t['compute_s'])} + hooks "
         f"{_s(t['hooks_s'])} + link {_s(t['link_s'])} + CPU Adam {_s(t['cpu_adam_s'])} + device "
-        f"Adam {_s(t['device_adam_s'])}; bottleneck: {t['bottleneck']}",
-        f"  with the link overlapping compute: {_s(t['step_s_overlapped'])}; "
+        f"Adam {_s(t['device_adam_s'])}" + (f" + disk {_s(t['disk_s'])}" if t["disk_s"] else "") +
+        f"; bottleneck: {t['bottleneck']}",
+        f"  with the link overlapping compute" + (" and the disk CPU Adam" if t["disk_s"] else "") +
+        f": {_s(t['step_s_overlapped'])}; "
         f"{t['tokens_per_s']:,.0f} tokens/s, {t['model_tflops']:.3g} model TFLOPS",
         "rates:",
     ]
     units = {"h2d_bytes_per_s": ("GB/s", 1e9), "d2h_bytes_per_s": ("GB/s", 1e9),
              "device_flops_per_s": ("TFLOP/s", 1e12), "cpu_adam_params_per_s": ("G params/s", 1e9),
-             "device_adam_params_per_s": ("G params/s", 1e9), "seconds_per_module": ("us", 1e-6)}
+             "device_adam_params_per_s": ("G params/s", 1e9), "seconds_per_module": ("us", 1e-6),
+             "disk_read_bytes_per_s": ("GB/s", 1e9), "disk_write_bytes_per_s": ("GB/s", 1e9)}
     for k, v in e["rates"].items():
         unit, scale = units[k]
         lines.append(f"  {k}: {v['value'] / scale:.4g} {unit} ({v['source']})")
@@ -572,6 +626,12 @@ def _parser() -> argparse.ArgumentParser:
                     help="measure the rates not given on this machine (link, CPU Adam; CPU "
                          "FLOP/s on the simulated device); default: when the device is "
                          "detected and is the simulated device")
+    ap.add_argument("--nvme", default=None, help="disk the NVMe tier may use, e.g. 2TB (default: "
+                                                 "the config's, where it offloads to 'nvme')")
+    ap.add_argument("--nvme-param", action=argparse.BooleanOptionalAction, default=None,
+                    help="the 16-bit parameters go to the NVMe tier too (offload_param 'nvme')")
+    ap.add_argument("--disk-read", default=None, help="the disk's read rate, e.g. 6GB/s")
+    ap.add_argument("--disk-write", default=None, help="the disk's write rate, e.g. 3.3GB/s")
     ap.add_argument("--json", action="store_true", help="print the estimate as JSON")
     return ap
 
@@ -612,13 +672,17 @@ def _main(argv) -> int:
             rates["cpu_adam_params_per_s"] = args.cpu_adam
         if args.device_adam is not None:
             rates["device_adam_params_per_s"] = args.device_adam
+        if args.disk_read is not None:
+            rates["disk_read_bytes_per_s"] = _bandwidth(args.disk_read, "--disk-read")
+        if args.disk_write is not None:
+            rates["disk_write_bytes_per_s"] = _bandwidth(args.disk_write, "--disk-write")
         e = estimate(args.model, args.config, precision=args.precision,
                      optimizer_state_dtype=args.optimizer_state_dtype,
                      gradient_accumulation_steps=args.gradient_accumulation,
                      micro_batch=args.micro_batch, seq=args.seq, chunk_size=args.chunk_size,
                      device_memory=args.device_memory, host_memory=args.host_memory,
                      device_memory_budget=args.device_budget, host_memory_budget=args.host_budget,
-                     rates=rates, measure=args.measure)
+                     rates=rates, measure=args.measure, nvme=args.nvme, nvme_param=args.nvme_param)
     except (ValueError, TypeError, ConfigError) as err:
         ap.error(str(err))
     print(json.dumps(e, indent=2) if args.json else format_estimate(e))

@@ -231,3 +231,20 @@ def test_config_keys_of_the_nvme_tier(tmp_path):
                                          "not used by tidal: it is read only with"):
         tidal.Config.load({"zero_optimization": {"offload_optimizer": {
             "device": "cpu", "nvme_path": str(tmp_path)}}})
+
+
+def test_the_estimate_knows_the_tier(tmp_path):
+    model = make_model()
+    host = state_bytes(model) // 3
+    kw = dict(device_memory="1GiB", host_memory="64GiB", measure=False, micro_batch=4, seq=16)
+    without = tidal.estimate(make_model().to("meta"), config(host=host), **kw)
+    with_nvme = tidal.estimate(make_model().to("meta"), config(tmp_path, host=host), **kw)
+    assert not without["fits_states"] and with_nvme["fits_states"], (without, with_nvme)
+    assert with_nvme["nvme"]["lists"] == ["optimizer"] and with_nvme["nvme"]["bytes_per_param"] == 12
+    assert with_nvme["largest_model_params"] > without["largest_model_params"]
+    # And the engine trains what the estimate says fits, moving at most what it says.
+    engine = initialize(make_model(), config(tmp_path, host=host))
+    train_tidal(engine, gpt_batches(3, vocab=96, seq=16, batch=4))
+    s = engine.chunks.stats()
+    assert s["resident_bytes_disk"] <= with_nvme["nvme"]["states_on_disk"]
+    assert with_nvme["time"]["disk_s"] > 0
