@@ -577,8 +577,35 @@ class Rows(NamedTuple):
     skip_quick: bool = False  # a result file with "quick": true gives none
 
 
+def _nvme_bandwidth(r: Dict) -> List[Figure]:
+    where = f"{r['slots']} chunks of {_mib(r['slot_bytes'])}, {r['threads']} requests of {_mib(r['request_bytes'])} in flight"
+    return [Figure(f"NVMe tier's file, {way} ({where})", _spread(r[f"tidal_{way}_gb_per_s"], "GB/s"),
+                   f"{r[f'dd_{way}_gb_per_s']['median']:.2f} GB/s, dd bs=1M with O_DIRECT on the same folder",
+                   f"{r[f'{way}_ratio_tidal_to_dd']:.2f}")
+            for way in ("write", "read")]
+
+
+def _nvme_train(r: Dict) -> List[Figure]:
+    m = r["model"]
+    what = (f"{m['params'] / 1e6:.1f}M-parameter GPT in {m['precision']}, optimizer states on the NVMe tier "
+            f"(states {r['states_over_host_budget']:.1f}x the host budget of {_mib(r['host_budget'])}, "
+            f"simulated device)")
+    step = r["nvme_step_seconds"]
+    return [
+        Figure(f"training step, {what}", _spread(step, "ms", ".0f", 1e3),
+               f"{r['memory_step_seconds']['median'] * 1e3:.0f} ms, the same model with the states in host memory",
+               f"{r['step_ratio_nvme_to_memory']:.2f}"),
+        Figure(f"disk bytes per step, {what}",
+               f"{_mib(r['disk_read_bytes_per_step'])} read, {_mib(r['disk_written_bytes_per_step'])} written",
+               f"{_mib(r['disk_min_bytes_per_step_each_way'])} each way, the minimum (every chunk on disk read and "
+               f"written once)", f"{max(r['read_over_min'], r['written_over_min']):.2f}"),
+    ]
+
+
 # Per result file's "benchmark" field.
 PERFORMANCE: Dict[str, Rows] = {
+    "nvme_bandwidth": Rows(_nvme_bandwidth),
+    "nvme_train": Rows(_nvme_train, skip_quick=True),
     "dtr_batch": Rows(_dtr_batch),
     "engine_batch": Rows(_engine_batch),
     "engine_dtr_batch": Rows(_engine_dtr_batch, skip_quick=True),
@@ -886,6 +913,9 @@ SUMMARY: List[Tuple[str, Callable[[Figure], bool], str]] = [
     ("recompute", lambda f: f.what.startswith("largest batch") and "BERT-Large" in f.what,
      "the largest batch at a fixed activation memory, tidal.recompute + offload against "
      "torch.utils.checkpoint (BERT-Large shape, CPU)"),
+    ("nvme_train", lambda f: f.what.startswith("training step"),
+     "a training step with the optimizer states 3x the host budget on the NVMe tier (simulated "
+     "device), against the same model in host memory"),
 ]
 
 
