@@ -291,8 +291,11 @@ bool ChunkScheduler::place(ChunkId id, MemorySpace space, const RoomRequest& req
       if (!request.prefetch) ++stats_.misses;
       return true;
     }
-  } else if (slot.staged && !request.prefetch) {
-    // A prefetch read it from disk to the host for this access.
+  }
+  // A prefetch that read the chunk from disk to the host for this access
+  // counts as a prefetch hit; the rest of the way up is not another miss.
+  const bool staged = slot.staged && !request.prefetch;
+  if (staged) {
     ++stats_.prefetch_hits;
     clear_prefetched(id, /*wasted=*/false);
   }
@@ -308,7 +311,7 @@ bool ChunkScheduler::place(ChunkId id, MemorySpace space, const RoomRequest& req
   BlockPtr block = acquire_block(request);
   if (!block) return false;
   move(id, space, std::move(block));
-  if (!request.prefetch) ++stats_.misses;
+  if (!request.prefetch && !staged) ++stats_.misses;
   return true;
 }
 

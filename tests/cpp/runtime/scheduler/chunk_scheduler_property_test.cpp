@@ -7,7 +7,10 @@
 // make room.
 #include <gtest/gtest.h>
 
+#include <stdlib.h>
+
 #include <algorithm>
+#include <cstdlib>
 #include <cstring>
 #include <map>
 #include <random>
@@ -437,6 +440,83 @@ TEST(ChunkSchedulerProperty, RepeatedAndChangingStepsKeepDataAndBudget) {
     EXPECT_GE(s.stats().trace_adoptions, 1u);
     h.verify_all();
   }
+}
+
+// The training-like program with the disk tier under a host budget of a few
+// chunks (Note [Chunks on NVMe: the tier]): every list may go to disk, so the
+// optimizer's sweep over all five lists cycles the states through the file.
+// No access may fail, and every byte survives any number of trips.
+TEST(ChunkSchedulerProperty, TheDiskTierKeepsDataUnderASmallHostBudget) {
+  char dir_template[] = "/tmp/tidal_property_disk_XXXXXX";
+  const char* dir = ::mkdtemp(dir_template);
+  ASSERT_NE(dir, nullptr);
+  for (unsigned seed = 200; seed < 212; ++seed) {
+    SCOPED_TRACE(indexed_name("seed ", seed));
+    std::mt19937 rng(seed);
+    const std::size_t chunk_bytes = (std::size_t{4} << (rng() % 3)) * kKiB;
+    ChunkStore store({.chunk_bytes = chunk_bytes});
+    const int count = 6 + static_cast<int>(rng() % 30);
+    const auto sizes = random_sizes(rng, store.chunk_elements(), count, 3);
+    for (int i = 0; i < count; ++i) {
+      store.register_tensor(indexed_name("p", i), sizes[i], static_cast<std::uint8_t>(i % 3 == 2));
+    }
+    store.take_warnings();
+    const std::size_t biggest = largest_chunk(store);
+    std::size_t biggest16 = 0;
+    for (const Chunk& chunk : store.list(ChunkKind::kParam16)) {
+      biggest16 = std::max(biggest16, chunk.capacity_bytes());
+    }
+    const std::size_t device_budget = biggest16 * 2;
+    auto device = testing::make_device(4 * device_budget + kKiB * kKiB, seed % 3 == 0 ? 50e6 : 0);
+    ChunkSchedulerOptions options;
+    options.device_budget_bytes = device_budget;
+    // One tensor's five slots at once, the swap room and a chunk more.
+    options.host_budget_bytes = biggest * (7 + rng() % 4);
+    options.host_eviction_reserve_bytes = rng() % 2 ? 2 * biggest : 0;
+    options.prefetch = rng() % 4 != 0;
+    options.prefetch_depth = 1 + rng() % 4;
+    options.policy = make_eviction_policy(rng() % 3 ? "opt" : "lru");
+    options.disk_path = dir;
+    options.disk_threads = 1 + static_cast<int>(rng() % 4);
+    options.disk_request_bytes = kDirectAlignment * (1 + rng() % 3);
+    options.disk_kinds = ChunkSchedulerOptions::disk_kind_bits(
+        {ChunkKind::kParam16, ChunkKind::kParam32, ChunkKind::kMomentum, ChunkKind::kVariance,
+         ChunkKind::kGradAccum});
+    ChunkScheduler s(std::move(store), device, options);
+    Harness h(s, nullptr, rng);
+    h.set_initial_budgets();
+    std::vector<TensorId> order(static_cast<std::size_t>(count));
+    for (int i = 0; i < count; ++i) order[static_cast<std::size_t>(i)] = static_cast<TensorId>(i);
+    for (int step = 0; step < 4; ++step) {
+      for (TensorId t : order) {
+        h.access({ChunkKind::kParam16, t}, kDev, false);
+        h.release({ChunkKind::kParam16, t}, TensorState::kHoldAfterFwd);
+      }
+      h.check();
+      for (auto t = order.rbegin(); t != order.rend(); ++t) {
+        h.access({ChunkKind::kParam16, *t}, kDev, /*mutate=*/true);
+        h.release({ChunkKind::kParam16, *t}, TensorState::kHoldAfterBwd);
+      }
+      h.check();
+      for (TensorId t : order) {
+        for (ChunkKind kind : kAllChunkKinds) h.access({kind, t}, kHost, /*mutate=*/true);
+        for (ChunkKind kind : kAllChunkKinds) h.release({kind, t}, TensorState::kHold);
+        h.check();
+        if (::testing::Test::HasFatalFailure()) return;
+      }
+      s.end_step();
+      h.check();
+      if (step == 1) std::shuffle(order.begin(), order.end(), rng);  // the graph changes once
+    }
+    EXPECT_EQ(h.no_room(), 0);
+    EXPECT_EQ(h.pinned(), 0);
+    const ChunkSchedulerStats st = s.stats();
+    EXPECT_GT(st.moves_host_to_disk, 0u);
+    EXPECT_GT(st.moves_disk_to_host, 0u);
+    h.verify_all();
+  }
+  const std::string cmd = std::string("rm -rf '") + dir + "'";
+  EXPECT_EQ(std::system(cmd.c_str()), 0);
 }
 
 }  // namespace
