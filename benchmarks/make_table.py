@@ -579,10 +579,15 @@ class Rows(NamedTuple):
 
 def _nvme_bandwidth(r: Dict) -> List[Figure]:
     where = f"{r['slots']} chunks of {_mib(r['slot_bytes'])}, {r['threads']} requests of {_mib(r['request_bytes'])} in flight"
-    return [Figure(f"NVMe tier's file, {way} ({where})", _spread(r[f"tidal_{way}_gb_per_s"], "GB/s"),
-                   f"{r[f'dd_{way}_gb_per_s']['median']:.2f} GB/s, dd bs=1M with O_DIRECT on the same folder",
-                   f"{r[f'{way}_ratio_tidal_to_dd']:.2f}")
-            for way in ("write", "read")]
+    out = []
+    for backend in r.get("backends", []):
+        for way in ("write", "read"):
+            cpu = r[f"{backend}_{way}_cpu_s_per_gb"]["median"]
+            out.append(Figure(f"NVMe tier's file, {way}, {backend} backend ({where})",
+                              f"{_spread(r[f'{backend}_{way}_gb_per_s'], 'GB/s')}, {cpu:.2f} CPU s/GB",
+                              f"{r[f'dd_{way}_gb_per_s']['median']:.2f} GB/s, dd bs=1M with O_DIRECT on the same folder",
+                              f"{r[f'{backend}_{way}_ratio_to_dd']:.2f}"))
+    return out
 
 
 def _nvme_train(r: Dict) -> List[Figure]:

@@ -40,6 +40,7 @@ struct EngineChunksOptions {
   int disk_threads = 8;
   std::size_t disk_request_bytes = std::size_t{1} << 20;
   bool disk_allow_buffered = false;
+  std::string disk_backend = "threads"; // "threads", "io_uring", "auto"
 };
 
 class EngineChunks {

@@ -6,7 +6,7 @@ set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
 
-DEB_PACKAGES=(build-essential cmake ninja-build libtbb-dev libmimalloc-dev libhwy-dev
+DEB_PACKAGES=(build-essential cmake ninja-build libtbb-dev libmimalloc-dev libhwy-dev liburing-dev
               libgtest-dev libgmock-dev pybind11-dev)
 # expecttest: torch's own op database (tests/python/test_dtr_op_db.py) imports it.
 PY_PACKAGES=(torch==2.13.0 numpy pytest scikit-build-core==1.1.2 tqdm matplotlib transformers==4.57.6 hypothesis

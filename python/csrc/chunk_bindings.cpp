@@ -442,7 +442,8 @@ Python thread drives a Chunks object.)doc");
                        std::size_t host_reserve, const std::string& state_dtype,
                        const std::string& disk_path, std::size_t disk_budget,
                        const std::vector<ChunkKind>& disk_kinds, int disk_threads,
-                       std::size_t disk_request_bytes, bool disk_allow_buffered) {
+                       std::size_t disk_request_bytes, bool disk_allow_buffered,
+                       const std::string& disk_backend) {
              hooks::EngineChunksOptions o;
              o.chunk_bytes = chunk_bytes;
              o.param_dtype = param_dtype;
@@ -462,6 +463,7 @@ Python thread drives a Chunks object.)doc");
              o.disk_threads = disk_threads;
              o.disk_request_bytes = disk_request_bytes;
              o.disk_allow_buffered = disk_allow_buffered;
+             o.disk_backend = disk_backend;
              return std::make_unique<Chunks>(std::move(device), o);
            }),
            py::arg("device"), py::kw_only(), py::arg("chunk_bytes"), py::arg("param_dtype"),
@@ -473,7 +475,7 @@ Python thread drives a Chunks object.)doc");
            py::arg("disk_kinds") = std::vector<ChunkKind>{ChunkKind::kParam32, ChunkKind::kMomentum,
                                                           ChunkKind::kVariance},
            py::arg("disk_threads") = 8, py::arg("disk_request_bytes") = std::size_t{1} << 20,
-           py::arg("disk_allow_buffered") = false)
+           py::arg("disk_allow_buffered") = false, py::arg("disk_backend") = "threads")
       .def("register", [](Chunks& c, std::string name, std::size_t numel, std::uint8_t pool,
                           bool with_previous) {
              return c.scheduler().register_tensor(std::move(name), numel, pool, with_previous);
@@ -631,6 +633,7 @@ Python thread drives a Chunks object.)doc");
             out["path"] = d->path();
             out["direct"] = d->direct();
             out["memory_backed"] = d->memory_backed();
+            out["backend"] = d->backend();
             out["removed_stale"] = d->removed_stale();
             out["budget_bytes"] = d->budget_bytes();
             out["file_bytes"] = d->held_bytes();

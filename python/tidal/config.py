@@ -149,6 +149,11 @@ _TIDAL_SCHEMA: dict[str, Any] = {
                                 "20 MiB segments are too coarse for the budget)"),
         "nvme_budget": ("bytes", 0, "bytes the NVMe tier's file may grow to (offload to 'nvme'); "
                                     "0 = the free space of nvme_path's file system less 10%"),
+        "nvme_io": (("threads", "io_uring", "auto"), "threads",
+                    "how the NVMe tier issues its O_DIRECT requests: a thread pool of pread/pwrite "
+                    "(faster on the disk measured, benchmarks/results/nvme_bandwidth-cpu-2c.json), "
+                    "io_uring (where tidal was built with liburing and the kernel allows it), or "
+                    "auto: io_uring when it can, else the threads"),
         "nvme_allow_buffered": (bool, False, "nvme_path on tmpfs (host memory) or on a file system "
                                              "without direct I/O: go on with a warning (buffered I/O) "
                                              "instead of an error"),
@@ -365,6 +370,7 @@ class Config:
     nvme_lists: tuple = ()
     nvme_budget: int = 0
     nvme_allow_buffered: bool = False
+    nvme_io: str = "threads"
     aio_block_size: int = 1 << 20
     aio_queue_depth: int = 8
     dtr: dict = field(default_factory=dict)
@@ -741,6 +747,7 @@ class Config:
         self.optimizer_state_dtype = t["optimizer_state_dtype"]
         self.nvme_budget = t["nvme_budget"]
         self.nvme_allow_buffered = t["nvme_allow_buffered"]
+        self.nvme_io = t["nvme_io"]
         if self.nvme_path is not None and _dp.wanted(self.data_parallel):
             problems.add("zero_optimization.offload_optimizer.device",
                          "config key 'zero_optimization.offload_optimizer.device': 'nvme' with "

@@ -10,6 +10,7 @@
 
 #include <atomic>
 #include <cerrno>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <regex>
@@ -17,7 +18,41 @@
 
 #include "runtime/core/error.h"
 
+#if defined(TIDAL_WITH_IO_URING)
+#include <liburing.h>
+#endif
+
 namespace tidal {
+
+#if defined(TIDAL_WITH_IO_URING)
+struct DirectFile::Ring {
+  io_uring ring{};
+  unsigned depth = 0;
+  unsigned in_flight = 0;
+  bool stop_sent = false;
+};
+#else
+struct DirectFile::Ring {
+  unsigned depth = 0;
+  unsigned in_flight = 0;
+};
+#endif
+
+bool io_uring_built() {
+#if defined(TIDAL_WITH_IO_URING)
+  return true;
+#else
+  return false;
+#endif
+}
+
+DirectIoBackend parse_direct_io_backend(const std::string& name) {
+  if (name == "auto") return DirectIoBackend::kAuto;
+  if (name == "threads") return DirectIoBackend::kThreads;
+  if (name == "io_uring") return DirectIoBackend::kIoUring;
+  TIDAL_THROW(ValueError, "NVMe I/O backend '", name, "': expected 'auto', 'threads' or 'io_uring'");
+}
+
 namespace {
 
 std::size_t round_up(std::size_t bytes, std::size_t to) { return (bytes + to - 1) / to * to; }
@@ -129,8 +164,121 @@ DirectFile::DirectFile(const DirectFileOptions& options)
     ::unlink(path_.c_str());
     throw;
   }
+  if (options.backend != DirectIoBackend::kThreads &&
+      start_ring(static_cast<unsigned>(options.threads), options.backend == DirectIoBackend::kIoUring)) {
+    return;
+  }
   threads_.reserve(static_cast<std::size_t>(options.threads));
   for (int i = 0; i < options.threads; ++i) threads_.emplace_back([this] { worker(); });
+}
+
+bool DirectFile::start_ring(unsigned depth, bool required) {
+#if defined(TIDAL_WITH_IO_URING)
+  auto ring = std::make_unique<Ring>();
+  const int err = ::io_uring_queue_init(depth, &ring->ring, 0);
+  if (err < 0) {
+    if (!required) return false;
+    ::close(fd_);
+    ::unlink(path_.c_str());
+    TIDAL_THROW(Error, "DirectFile: io_uring_queue_init(", depth, ") failed for '", path_, "': ",
+                errno_text(-err), " (io_uring may be disabled here: kernel.io_uring_disabled, or a "
+                "container's seccomp profile); use the 'threads' backend");
+  }
+  ring->depth = depth;
+  ring_ = std::move(ring);
+  threads_.emplace_back([this] { reaper(); });
+  return true;
+#else
+  if (required) {
+    ::close(fd_);
+    ::unlink(path_.c_str());
+    TIDAL_THROW(ValueError, "DirectFile: the io_uring backend was asked for, but this build has no "
+                "liburing (install liburing-dev and rebuild); use the 'threads' backend");
+  }
+  (void)depth;
+  return false;
+#endif
+}
+
+void DirectFile::pump_locked() {
+#if defined(TIDAL_WITH_IO_URING)
+  Ring& g = *ring_;
+  bool any = false;
+  while (g.in_flight < g.depth && !queue_.empty()) {
+    io_uring_sqe* sqe = ::io_uring_get_sqe(&g.ring);
+    if (sqe == nullptr) break;
+    auto* r = new Request(queue_.front());
+    queue_.pop_front();
+    if (r->write) {
+      ::io_uring_prep_write(sqe, fd_, r->buffer, static_cast<unsigned>(r->bytes), static_cast<__u64>(r->offset));
+    } else {
+      ::io_uring_prep_read(sqe, fd_, r->buffer, static_cast<unsigned>(r->bytes), static_cast<__u64>(r->offset));
+    }
+    ::io_uring_sqe_set_data(sqe, r);
+    ++g.in_flight;
+    any = true;
+  }
+  if (any) {
+    // (Runs on the reaper thread too, so it reports instead of throwing: the
+    // prepared entries stay on the ring and go with the next submit.)
+    const int n = ::io_uring_submit(&g.ring);
+    if (n < 0) {
+      std::fprintf(stderr, "tidal: DirectFile: io_uring_submit on '%s' failed: %s\n", path_.c_str(),
+                   std::strerror(-n));
+    }
+  }
+#endif
+}
+
+void DirectFile::reaper() {
+#if defined(TIDAL_WITH_IO_URING)
+  Ring& g = *ring_;
+  for (;;) {
+    io_uring_cqe* cqe = nullptr;
+    const int err = ::io_uring_wait_cqe(&g.ring, &cqe);
+    if (err == -EINTR) continue;
+    if (err < 0) {
+      std::fprintf(stderr, "tidal: DirectFile: io_uring_wait_cqe on '%s' failed: %s\n", path_.c_str(),
+                   std::strerror(-err));
+      return;
+    }
+    auto* r = static_cast<Request*>(::io_uring_cqe_get_data(cqe));
+    const int res = cqe->res;
+    ::io_uring_cqe_seen(&g.ring, cqe);
+    if (r == nullptr) return;  // the destructor's stop
+    std::unique_ptr<Request> owned(r);
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      --g.in_flight;
+      if (res == -EINTR || res == -EAGAIN) {
+        queue_.push_front(*r);
+      } else if (res < 0) {
+        finish_locked(*r, 0, describe_failure(*r, -res, 0));
+      } else if (res == 0) {
+        finish_locked(*r, 0, describe_failure(*r, 0, 0));
+      } else if (static_cast<std::size_t>(res) < r->bytes) {
+        // A short transfer: the rest goes again, counted when it lands.
+        (r->write ? bytes_written_ : bytes_read_) += static_cast<std::size_t>(res);
+        Request rest = *r;
+        rest.offset += static_cast<std::size_t>(res);
+        rest.buffer += res;
+        rest.bytes -= static_cast<std::size_t>(res);
+        queue_.push_front(rest);
+      } else {
+        finish_locked(*r, r->bytes, {});
+      }
+      pump_locked();
+    }
+    done_.notify_all();
+  }
+#endif
+}
+
+void DirectFile::finish_locked(const Request& r, std::size_t done, std::string error) {
+  Pending& p = pending_[r.ticket];
+  if (!error.empty() && p.error.empty()) p.error = std::move(error);
+  (r.write ? bytes_written_ : bytes_read_) += done;
+  --p.left;
 }
 
 void DirectFile::reserve_to(std::size_t slots, const std::string& dir) {
@@ -158,11 +306,27 @@ bool DirectFile::done(Ticket ticket) const {
 
 DirectFile::~DirectFile() {
   {
-    std::lock_guard<std::mutex> lock(mutex_);
+    std::unique_lock<std::mutex> lock(mutex_);
     stopping_ = true;
+#if defined(TIDAL_WITH_IO_URING)
+    if (ring_) {
+      // Every request lands before the file and the buffers go; then a NOP
+      // without data tells the reaper to stop.
+      done_.wait(lock, [this] { return queue_.empty() && ring_->in_flight == 0; });
+      io_uring_sqe* sqe = ::io_uring_get_sqe(&ring_->ring);
+      if (sqe != nullptr) {
+        ::io_uring_prep_nop(sqe);
+        ::io_uring_sqe_set_data(sqe, nullptr);
+        ::io_uring_submit(&ring_->ring);
+      }
+    }
+#endif
   }
   work_.notify_all();
   for (std::thread& t : threads_) t.join();
+#if defined(TIDAL_WITH_IO_URING)
+  if (ring_) ::io_uring_queue_exit(&ring_->ring);
+#endif
   if (fd_ >= 0) ::close(fd_);
   if (!path_.empty()) ::unlink(path_.c_str());
 }
@@ -192,6 +356,10 @@ DirectFile::Ticket DirectFile::submit(bool write, std::size_t slot, char* buffer
     const std::size_t n = std::min(request_bytes_, bytes - off);
     queue_.push_back(Request{ticket, write, base + off, buffer + off, n, slot});
     ++p.left;
+  }
+  if (ring_) {
+    pump_locked();
+    return ticket;
   }
   lock.unlock();
   work_.notify_all();
@@ -231,10 +399,7 @@ void DirectFile::worker() {
     }
     {
       std::lock_guard<std::mutex> lock(mutex_);
-      Pending& p = pending_[r.ticket];
-      if (!error.empty() && p.error.empty()) p.error = std::move(error);
-      (r.write ? bytes_written_ : bytes_read_) += done;
-      --p.left;
+      finish_locked(r, done, std::move(error));
     }
     done_.notify_all();
   }

@@ -7,12 +7,20 @@
 // A chunk is a large, aligned, fixed-size block, which is what direct I/O
 // wants: each slot of the file holds one, at an offset that is a multiple of
 // the slot size (rounded up to 4 KiB). A read or write of a slot is split into
-// requests of `request_bytes` (1 MiB, as DeepSpeed's aio handle uses) that a
-// pool of threads issues with pread/pwrite on an O_DIRECT descriptor, up to
-// `threads` at a time: on a drive, queue depth is what reaches its rate, and
-// a thread per request in flight needs no kernel interface beyond POSIX
-// (io_uring, through liburing, is the other way the issue names; not built
-// here). Submission returns at once with a ticket; wait() returns when every
+// requests of `request_bytes` (1 MiB, as DeepSpeed's aio handle uses), up to
+// `threads` in flight at a time (on a drive, queue depth is what reaches its
+// rate), issued on an O_DIRECT descriptor by one of two backends:
+// * threads: a pool of `threads` threads, each issuing pread/pwrite, which
+//   needs no kernel interface beyond POSIX;
+// * io_uring (built where liburing is found, TIDAL_WITH_IO_URING): the
+//   submitting thread queues the requests on a ring of `threads` entries and
+//   one reaper thread takes the completions, resubmitting the rest of a short
+//   transfer and feeding the ring from the queue; no thread per request
+//   (whether that saves CPU depends on the drive and the request size:
+//   benchmarks/nvme_bandwidth.py measures both, with their CPU time).
+// kAuto takes io_uring where it is built and the kernel gives a ring
+// (containers may forbid it), the threads otherwise; backend() says which.
+// Submission returns at once with a ticket; wait() returns when every
 // request of it has completed, or throws the first failure, naming the path,
 // the slot, the bytes, errno's text and the bytes free on the file system.
 //
@@ -65,6 +73,13 @@ class AlignedBuffer {
   std::size_t size_ = 0;
 };
 
+enum class DirectIoBackend { kAuto, kThreads, kIoUring };
+
+// "auto", "threads", "io_uring"; ValueError naming them otherwise.
+DirectIoBackend parse_direct_io_backend(const std::string& name);
+// Whether this build has the io_uring backend.
+bool io_uring_built();
+
 struct DirectFileOptions {
   std::string dir;               // the folder (nvme_path)
   std::size_t slot_bytes = 0;    // bytes per slot (a chunk's), rounded up to 4 KiB
@@ -72,6 +87,7 @@ struct DirectFileOptions {
   std::size_t request_bytes = std::size_t{1} << 20;  // one pread/pwrite
   int threads = 8;               // requests in flight at most
   bool allow_buffered = false;   // tmpfs/ramfs, or no O_DIRECT: go on (buffered I/O) instead of an error
+  DirectIoBackend backend = DirectIoBackend::kThreads;  // kIoUring: an error where it cannot run
 };
 
 class DirectFile {
@@ -106,6 +122,8 @@ class DirectFile {
   bool direct() const { return direct_; }
   // The folder is on tmpfs or ramfs (allowed only with allow_buffered).
   bool memory_backed() const { return memory_backed_; }
+  // "threads" or "io_uring": the backend issuing the requests.
+  const char* backend() const { return ring_ ? "io_uring" : "threads"; }
   // Files of killed processes this one removed at creation.
   const std::vector<std::string>& removed_stale() const { return removed_stale_; }
   // Bytes read and written since creation (completed requests).
@@ -129,8 +147,15 @@ class DirectFile {
     std::string error;  // the first failure
   };
 
+  struct Ring;  // io_uring's state (direct_file.cpp)
   Ticket submit(bool write, std::size_t slot, char* buffer, std::size_t bytes);
   void worker();
+  // io_uring: moves queued requests onto the ring while it has room; mutex_ held.
+  void pump_locked();
+  void reaper();
+  // A request finished (`done` bytes of it, `error` empty or the failure); mutex_ held.
+  void finish_locked(const Request& r, std::size_t done, std::string error);
+  bool start_ring(unsigned depth, bool required);
   std::string describe_failure(const Request& r, int err, long done) const;
   void reserve_to(std::size_t slots, const std::string& dir);
 
@@ -155,6 +180,7 @@ class DirectFile {
   std::uint64_t bytes_read_ = 0;
   std::uint64_t bytes_written_ = 0;
   std::vector<std::thread> threads_;
+  std::unique_ptr<Ring> ring_;
 };
 
 }  // namespace tidal

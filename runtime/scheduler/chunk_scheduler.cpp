@@ -44,6 +44,7 @@ ChunkScheduler::ChunkScheduler(ChunkStore store, std::shared_ptr<Device> device,
     d.threads = options_.disk_threads;
     d.request_bytes = options_.disk_request_bytes;
     d.allow_buffered = options_.disk_allow_buffered;
+    d.backend = options_.disk_backend;
     disk_ = std::make_unique<DiskTier>(d);
     budget_[index_of(MemorySpace::kDisk)] = disk_->budget_bytes();
   }

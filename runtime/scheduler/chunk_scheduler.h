@@ -144,6 +144,7 @@ struct ChunkSchedulerOptions {
   std::size_t disk_request_bytes = std::size_t{1} << 20;
   // A folder whose file system has no O_DIRECT (tmpfs): buffered I/O instead of an error.
   bool disk_allow_buffered = false;
+  DirectIoBackend disk_backend = DirectIoBackend::kThreads;
 
   static constexpr std::uint8_t disk_kind_bits(std::initializer_list<ChunkKind> kinds) {
     std::uint8_t bits = 0;

@@ -53,6 +53,7 @@ DiskTier::DiskTier(const DiskTierOptions& options) : dir_(options.dir) {
   f.request_bytes = options.request_bytes;
   f.threads = options.threads;
   f.allow_buffered = options.allow_buffered;
+  f.backend = options.backend;
   file_ = std::make_shared<DirectFile>(f);
   if (options.budget_bytes > 0) {
     budget_ = options.budget_bytes;

@@ -54,6 +54,7 @@ struct DiskTierOptions {
   int threads = 8;                                  // I/O requests in flight
   std::size_t request_bytes = std::size_t{1} << 20; // bytes per pread/pwrite
   bool allow_buffered = false;                      // a folder without O_DIRECT (tmpfs): buffered I/O
+  DirectIoBackend backend = DirectIoBackend::kThreads;  // see Note [Chunks on NVMe: the file]
 };
 
 class DiskTier {
@@ -89,6 +90,7 @@ class DiskTier {
   const std::string& path() const { return file_->path(); }
   bool direct() const { return file_->direct(); }
   bool memory_backed() const { return file_->memory_backed(); }
+  const char* backend() const { return file_->backend(); }
   const std::vector<std::string>& removed_stale() const { return file_->removed_stale(); }
   std::uint64_t bytes_read() const { return file_->bytes_read(); }
   std::uint64_t bytes_written() const { return file_->bytes_written(); }

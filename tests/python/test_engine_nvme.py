@@ -248,3 +248,25 @@ def test_the_estimate_knows_the_tier(tmp_path):
     s = engine.chunks.stats()
     assert s["resident_bytes_disk"] <= with_nvme["nvme"]["states_on_disk"]
     assert with_nvme["time"]["disk_s"] > 0
+
+
+def test_both_io_backends_train_to_the_same_losses(tmp_path):
+    batches = gpt_batches(3, vocab=96, seq=16, batch=4)
+    host = state_bytes(make_model()) // 3
+    runs = {}
+    for io in ("threads", "io_uring", "auto"):
+        try:
+            engine = initialize(make_model(), config(tmp_path, host=host, nvme_io=io))
+        except ValueError as e:
+            # Built without liburing, or a kernel that forbids io_uring: a clear error naming it.
+            assert io == "io_uring" and "io_uring" in str(e), str(e)
+            continue
+        runs[io] = (train_tidal(engine, batches), engine.chunks.disk["backend"])
+        assert engine.chunks.stats()["moves_host_to_disk"] > 0
+        engine.remove_hooks()
+    assert runs["threads"][1] == "threads"
+    assert runs["auto"][1] == ("io_uring" if "io_uring" in runs else "threads")
+    for io, (losses, backend) in runs.items():
+        assert losses == runs["threads"][0], io
+    with pytest.raises(tidal.ConfigError, match="tidal.nvme_io"):
+        tidal.Config.load({"tidal": {"nvme_io": "aio"}})

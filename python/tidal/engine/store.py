@@ -208,7 +208,7 @@ class ParamStore:
             disk = dict(disk_path=config.nvme_path, disk_budget=config.nvme_budget, disk_kinds=kinds,
                         disk_threads=config.aio_queue_depth,
                         disk_request_bytes=config.aio_block_size,
-                        disk_allow_buffered=config.nvme_allow_buffered)
+                        disk_allow_buffered=config.nvme_allow_buffered, disk_backend=config.nvme_io)
         chunks = _C.chunks.Chunks(
             self.device, chunk_bytes=config.chunk_size,
             param_dtype=_CHUNK_DTYPES[config.precision],
