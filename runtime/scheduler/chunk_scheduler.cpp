@@ -439,9 +439,11 @@ void ChunkScheduler::close_disk() {
 void ChunkScheduler::write_to_disk(ChunkId id) {
   const std::size_t bytes = store_.chunk(id).capacity_bytes();
   disk_->ensure_home(id, bytes, store_.describe_chunk(id));  // may throw; nothing moved yet
+  Block& host = *slots_[id].block;
+  host.wait_on_host();  // a copy down into it lands first
+  std::shared_ptr<PendingIo> io = disk_->write(id, host.data, bytes);  // may throw; nothing moved yet
   BlockPtr source = detach(id);
-  source->wait_on_host();  // a copy down into it lands first
-  source->io = disk_->write(id, source->data, bytes);
+  source->io = std::move(io);
   auto token = std::make_unique<Block>();
   token->space = MemorySpace::kDisk;
   token->bytes = bytes;
@@ -455,10 +457,17 @@ void ChunkScheduler::write_to_disk(ChunkId id) {
 
 void ChunkScheduler::read_from_disk(ChunkId id, BlockPtr block) {
   TIDAL_INTERNAL_ASSERT(block->space == MemorySpace::kHost, "disk read into a ", to_string(block->space), " block");
-  block->wait_on_host();  // whatever still reads the block (a copy, a write) ends first
+  std::shared_ptr<PendingIo> io;
+  try {
+    block->wait_on_host();  // whatever still reads the block (a copy, a write) ends first
+    io = disk_->read(id, block->data, block->bytes);
+  } catch (...) {
+    pool_.give_back(std::move(block));  // the chunk stays on disk; the block is the pool's again
+    throw;
+  }
   const std::size_t bytes = block->bytes;
   BlockPtr token = detach(id);
-  block->io = disk_->read(id, block->data, bytes);
+  block->io = std::move(io);
   attach(id, std::move(block));
   ++stats_.moves_disk_to_host;
   stats_.bytes_disk_to_host += bytes;
