@@ -681,6 +681,11 @@ def run(argv=None) -> dict:
     say(f"  last step moved {_fmt_bytes(m['bytes_host_to_device_last_step'])} host->device, "
           f"{_fmt_bytes(m['bytes_device_to_host_last_step'])} device->host; evictions "
           f"{m['evictions']}, prefetch hit rate {m['prefetch_hit_rate']:.0%}")
+    if m.get("nvme"):
+        n = m["nvme"]
+        say(f"  NVMe: {_fmt_bytes(n['bytes_on_disk'])} of chunks on disk now (peak "
+            f"{_fmt_bytes(n['peak_bytes_on_disk'])}) in {n['path']} ({n['backend']}); "
+            f"{_fmt_bytes(n['bytes_read'])} read, {_fmt_bytes(n['bytes_written'])} written in all")
     say(f"  Adam: {m['cpu_adam_seconds']:.2f} s in CPU Adam, chunks updated on the device "
           f"{m['adam_chunks_on_device']} / on the host {m['adam_chunks_on_host']}; skipped steps "
           f"{m['skipped_steps']}, loss scale {m['loss_scale']:g}", flush=True)

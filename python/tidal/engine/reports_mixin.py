@@ -153,6 +153,13 @@ class ReportsMixin:
                 "bytes_sent": self.dp.bytes_sent, "collectives": self.dp.collectives,
                 "overlap_comm": self.dp.overlap, "reduces_in_backward": self._dp_in_backward,
                 "seconds_in_collectives": self.dp.seconds_blocked},
+            # The NVMe tier (Note [Chunks on NVMe: the tier]), None without one.
+            "nvme": None if self.chunks.disk is None else {
+                **{k: self.chunks.disk[k] for k in ("path", "backend", "direct", "file_bytes")},
+                "bytes_on_disk": s["resident_bytes_disk"],
+                "peak_bytes_on_disk": s["peak_resident_bytes_disk"],
+                "bytes_read": s["bytes_disk_to_host"], "bytes_written": s["bytes_host_to_disk"],
+                "chunks_read": s["moves_disk_to_host"], "chunks_written": s["moves_host_to_disk"]},
             "scheduler": s,
         }
 
