@@ -85,6 +85,10 @@ def test_a_twin_trains_to_the_same_losses_and_weights_with_and_without_nvme(tmp_
     assert s["bytes_disk_to_host"] == engine.chunks.disk["bytes_read"]
     report = engine.memory_report()
     assert report["peak_chunk_host_bytes"] <= host, report
+    n = report["nvme"]
+    assert n["bytes_read"] == engine.chunks.disk["bytes_read"] and n["chunks_written"] > 0, n
+    assert 0 < n["peak_bytes_on_disk"] <= n["file_bytes"] and n["backend"] == "threads", n
+    assert plain.memory_report()["nvme"] is None
     within_budget(engine)
 
 
