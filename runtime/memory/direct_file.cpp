@@ -13,7 +13,9 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <mutex>
 #include <regex>
+#include <set>
 #include <utility>
 
 #include "runtime/core/error.h"
@@ -60,6 +62,39 @@ std::size_t round_up(std::size_t bytes, std::size_t to) { return (bytes + to - 1
 std::string errno_text(int err) { return std::string(std::strerror(err)); }
 
 std::atomic<unsigned> file_counter{0};
+
+// Note [Chunks on NVMe: the file]: the files of live DirectFiles, removed at
+// exit() even where a DirectFile is never destroyed (a Python object alive at
+// interpreter exit). Leaked on purpose: it must outlive every static.
+struct LiveFiles {
+  std::mutex mutex;
+  std::set<std::string> paths;
+};
+LiveFiles& live_files() {
+  static LiveFiles* files = new LiveFiles;
+  return *files;
+}
+void remove_live_files_at_exit() {
+  LiveFiles& f = live_files();
+  std::lock_guard<std::mutex> lock(f.mutex);
+  for (const std::string& path : f.paths) ::unlink(path.c_str());
+  f.paths.clear();
+}
+void register_live_file(const std::string& path) {
+  static const bool registered = [] {
+    std::atexit(remove_live_files_at_exit);
+    return true;
+  }();
+  (void)registered;
+  LiveFiles& f = live_files();
+  std::lock_guard<std::mutex> lock(f.mutex);
+  f.paths.insert(path);
+}
+void forget_live_file(const std::string& path) {
+  LiveFiles& f = live_files();
+  std::lock_guard<std::mutex> lock(f.mutex);
+  f.paths.erase(path);
+}
 
 // Note [Chunks on NVMe: the file]: a tidal-*.slots file whose lock can be
 // taken belongs to a process that is gone.
@@ -155,6 +190,7 @@ DirectFile::DirectFile(const DirectFileOptions& options)
     ::unlink(path_.c_str());
     TIDAL_THROW(Error, "DirectFile: could not lock '", path_, "': ", errno_text(err));
   }
+  register_live_file(path_);
   const std::size_t slots = slots_;
   slots_ = 0;
   try {
@@ -328,7 +364,10 @@ DirectFile::~DirectFile() {
   if (ring_) ::io_uring_queue_exit(&ring_->ring);
 #endif
   if (fd_ >= 0) ::close(fd_);
-  if (!path_.empty()) ::unlink(path_.c_str());
+  if (!path_.empty()) {
+    ::unlink(path_.c_str());
+    forget_live_file(path_);
+  }
 }
 
 DirectFile::Ticket DirectFile::write(std::size_t slot, const void* src, std::size_t bytes) {

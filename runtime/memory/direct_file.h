@@ -27,7 +27,8 @@
 // The file is made whole at creation (posix_fallocate of slots x slot
 // bytes): a disk too small fails there, before anything trains, naming the
 // bytes needed and free. It is named tidal-<pid>-<n>.slots and held with an
-// exclusive flock for its life; the destructor closes and removes it. Files
+// exclusive flock for its life; the destructor closes and removes it, and an
+// atexit handler removes the files of DirectFiles still alive at exit(). Files
 // of a process that was killed are found by create() in the same folder (a
 // tidal-*.slots file whose lock can be taken: its owner is gone), removed,
 // and reported in removed_stale(). A file system without O_DIRECT (tmpfs)

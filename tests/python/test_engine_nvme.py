@@ -274,3 +274,36 @@ def test_both_io_backends_train_to_the_same_losses(tmp_path):
         assert losses == runs["threads"][0], io
     with pytest.raises(tidal.ConfigError, match="tidal.nvme_io"):
         tidal.Config.load({"tidal": {"nvme_io": "aio"}})
+
+
+_CHILD = """
+import os, signal, sys, warnings
+sys.path.insert(0, {tests!r})
+import tidal
+from test_engine_nvme import config, make_model, state_bytes, initialize
+tidal.set_device("sim", capacity="1GiB")
+engine = initialize(make_model(), config({folder!r}, host=state_bytes(make_model()) // 3))
+keep = [engine]
+keep.append(keep)  # a cycle: nothing guarantees the engine is destroyed at exit
+print(engine.chunks.disk["path"], flush=True)
+if sys.argv[1] == "kill":
+    os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def test_the_file_goes_at_exit_and_a_killed_process_file_at_the_next_start(tmp_path):
+    import subprocess
+    code = _CHILD.format(tests=str(Path(__file__).parent), folder=str(tmp_path))
+    out = subprocess.run([sys.executable, "-c", code, "exit"], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    path = out.stdout.strip().splitlines()[-1]
+    assert Path(path).parent == tmp_path
+    assert slots_files(tmp_path) == [], "the file outlived a normal exit"
+    killed = subprocess.run([sys.executable, "-c", code, "kill"], capture_output=True, text=True, timeout=300)
+    assert killed.returncode == -9, killed.stderr
+    left = killed.stdout.strip().splitlines()[-1]
+    assert slots_files(tmp_path) == [Path(left).name]  # SIGKILL runs nothing
+    with pytest.warns(UserWarning, match="removed 1 NVMe file"):
+        engine = tidal.initialize(make_model(), config(tmp_path))
+    assert not Path(left).exists()
+    engine.remove_hooks()
