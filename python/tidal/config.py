@@ -748,11 +748,6 @@ class Config:
         self.nvme_budget = t["nvme_budget"]
         self.nvme_allow_buffered = t["nvme_allow_buffered"]
         self.nvme_io = t["nvme_io"]
-        if self.nvme_path is not None and _dp.wanted(self.data_parallel):
-            problems.add("zero_optimization.offload_optimizer.device",
-                         "config key 'zero_optimization.offload_optimizer.device': 'nvme' with "
-                         "tidal.data_parallel is not built yet; use 'cpu' with data parallel, or "
-                         "NVMe on one process")
         self.cpu_adam_threads = t["cpu_adam_threads"]
         self.cpu_adam_pool = t["cpu_adam_pool"]
         _require(problems, self.cpu_adam_threads >= 0, "tidal.cpu_adam_threads",

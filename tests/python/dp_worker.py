@@ -41,6 +41,9 @@ def config(spec, budget):
                                        "overlap_comm": spec.get("overlap", True)}}}
     if spec.get("clip"):
         cfg["gradient_clipping"] = spec["clip"]
+    if spec.get("nvme"):
+        cfg["zero_optimization"] = {"offload_optimizer": {"device": "nvme", "nvme_path": spec["nvme"]}}
+        cfg["tidal"]["host_memory_budget"] = spec["host_budget"]
     if spec.get("precision"):
         cfg[spec["precision"]] = {"enabled": True}
         if spec["precision"] == "fp16":
@@ -69,6 +72,8 @@ def main():
     if budget == "measured":
         probe = config(spec, 0)
         probe["tidal"]["data_parallel"] = {"enabled": False}
+        probe.pop("zero_optimization", None)
+        probe["tidal"].pop("host_memory_budget", None)
         budget = measured_budget(model_of(spec, rank), probe,
                                  [(x[:micro], y[:micro]) for x, y in batches[:2]])
     engine = tidal.initialize(model_of(spec, rank), config(spec, budget))
@@ -111,7 +116,8 @@ def main():
             "optimizer_state_bytes": optimizer_state_bytes(engine),
             "data_parallel": report["data_parallel"], "seconds": time.time() - started,
             "skipped_steps": report["skipped_steps"], "loss_scale": report["loss_scale"],
-            "weights_crc": weights_crc(engine)}
+            "weights_crc": weights_crc(engine),
+            "nvme_chunks_written": (report["nvme"] or {}).get("chunks_written", 0)}
     reports = [None] * world
     torch.distributed.all_gather_object(reports, mine)
     if rank == 0:

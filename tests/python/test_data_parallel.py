@@ -102,6 +102,19 @@ def test_ranks_match_one_process_with_the_whole_batch(world, tmp_path):
     assert len(started) == 1 and started.pop() > 0, result["reports"]
 
 
+def test_ranks_with_their_optimizer_states_on_nvme_match_one_process(tmp_path):
+    # Each rank's own file in one folder (a file per process); a host budget
+    # of a few chunks sends the states each rank owns to its disk tier.
+    nvme = tmp_path / "nvme"
+    nvme.mkdir()
+    spec = {"steps": 4, "global_batch": 4, "nvme": str(nvme), "host_budget": 1024 * 1024}
+    result = run_ok(2, spec, tmp_path)
+    assert_matches(result, *reference(spec))
+    assert all(r["nvme_chunks_written"] > 0 for r in result["reports"]), result["reports"]
+    assert_same_weights_on_every_rank(result)
+    assert list(nvme.glob("tidal-*.slots")) == []
+
+
 def assert_same_weights_on_every_rank(result):
     crcs = [r["weights_crc"] for r in result["reports"]]
     assert len(set(crcs)) == 1, crcs

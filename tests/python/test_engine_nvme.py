@@ -216,10 +216,6 @@ def test_config_keys_of_the_nvme_tier(tmp_path):
         tidal.Config.load({"zero_optimization": {
             "offload_optimizer": {"device": "nvme", "nvme_path": str(tmp_path)},
             "offload_param": {"device": "nvme", "nvme_path": str(other)}}})
-    with pytest.raises(tidal.ConfigError, match="'nvme' with tidal.data_parallel is not built yet"):
-        tidal.Config.load({"zero_optimization": {"offload_optimizer": {"device": "nvme",
-                                                                         "nvme_path": str(tmp_path)}},
-                           "tidal": {"data_parallel": {"enabled": True}}})
     with pytest.warns(UserWarning) as record:
         c = tidal.Config.load({"aio": {"block_size": 262144, "queue_depth": 32, "single_submit": True},
                                "zero_optimization": {"offload_optimizer": {
