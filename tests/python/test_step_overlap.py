@@ -156,6 +156,45 @@ def test_fp16_overflow_undoes_the_updates_and_skips_the_step():
     assert opt["undone_chunk_updates"] > 0 and opt["steps_not_speculated"] == 1, opt
 
 
+def test_after_a_clipped_step_the_next_backward_waits_and_each_step_is_the_plain_one():
+    """Note [Speculative updates and their undo]: a backward after a step
+    that clipped launches nothing (speculating there would most often be
+    undone, and an undo costs the step about what the update does); one
+    that follows a step that did not clip launches again. Every step's
+    weights, not only the last, are those of the engine without overlap."""
+    batches = gpt_batches(len(FACTORS))
+    torch.manual_seed(0)
+    model = TinyGPT(d=64, seq=8)
+    budget = fitted(make_config(False, clip=5.0, hybrid=False), model, batches)["tidal"][
+        "device_memory_budget"]
+    engines = []
+    for overlap in (False, True):
+        cfg = make_config(overlap, clip=5.0, hybrid=False)
+        cfg["tidal"]["device_memory_budget"] = budget
+        engines.append(tidal.initialize(copy.deepcopy(model), cfg))
+    plain, overlapped = engines
+    launched, clipped = [], []
+    for i, (x, y) in enumerate(batches):
+        before = optimizer_report(overlapped)["chunks_updated_during_backward"]
+        for e in engines:
+            e.backward(e(x, y) * FACTORS[i])
+        launched.append(optimizer_report(overlapped)["chunks_updated_during_backward"] - before)
+        for e in engines:
+            e.step()
+        assert_bitwise(plain, overlapped)
+        clipped.append(plain.get_global_grad_norm() > 5.0)
+    assert clipped == [f == 10 for f in FACTORS], clipped
+    # Step 0 is the warm-up (no launch); then a backward launches exactly when
+    # the step before it did not clip.
+    assert launched[0] == 0
+    for i in range(1, len(FACTORS)):
+        assert (launched[i] > 0) == (not clipped[i - 1]), (i, launched, clipped)
+    opt = optimizer_report(overlapped)
+    assert opt["steps_not_speculated"] == sum(clipped[:-1]), opt
+    for e in engines:
+        moved_within_budget(e)
+
+
 @pytest.mark.parametrize("hybrid", [False, True])
 def test_accumulation_updates_during_the_last_micro_batch(hybrid):
     # The third step clips (with hybrid Adam, the first whose backward

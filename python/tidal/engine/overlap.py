@@ -82,12 +82,20 @@ and step (a forward, zero_grad, a checkpoint, a state_dict, a failed
 backward) undoes them the same way: an update counts only once a step has
 validated it.
 
-Undoing is cheap next to updating (a copy back), but the update itself is
-then wasted, so speculation is predicted: a backward speculates only when
+An undone update costs the step more than no speculation: the copy back,
+in the step, reads and writes as many bytes as Adam itself (the master,
+both moments and the 16-bit slot), and then the step updates the chunk
+anyway. The update cannot be made right
+without an undo either: the clip factor scales the gradient inside both
+moments (v takes its square), and it is known only when the last gradient
+has landed. So speculation is predicted: a backward speculates only when
 the last step neither clipped nor overflowed (steps that clip tend to come
 in runs, early in training or at a loss spike; an fp16 overflow lowers the
-scale, and the next step usually passes). Counted in memory_report()
-["optimizer"]: speculative_updates, undone_updates, steps_not_speculated.
+scale, and the next step usually passes). The backward after a step that
+clipped updates nothing and its step updates every chunk, as without
+overlap (test_step_overlap.py checks both, step by step). Counted in
+memory_report()["optimizer"]: chunks_updated_during_backward,
+undone_chunk_updates, steps_not_speculated.
 
 The cost is host memory: undo buffers as large as the spans of the chunks
 updated during backward (14 bytes per parameter with 16-bit weights and
