@@ -54,13 +54,28 @@ and notes such parameters; from then on their chunks wait for the step. (A
 graph that starts to do so later finds the chunk's master in use and fails,
 naming the tensor.)
 
+Data parallel (Note [Data parallel by chunk] in tidal/data_parallel.py): a
+landing is one rank's gradient, not the chunk's; the sum over the ranks is
+final when the chunk's reduction lands on its owner. So the owner launches
+a chunk there (_dp_finish calls reduced()), during backward with
+overlap_comm and right after it without; the step updates the owner's other
+chunks and broadcasts every chunk, those updated during backward included,
+in the same order on every rank. The global norm and the fp16 overflow are
+the ranks' together, so every rank validates or undoes alike. Not with
+gradient accumulation: there the end of backward folds the owners' reduced
+gradients into their sums and broadcasts the weights back
+(_dp_after_backward), which an update in flight would race; nothing is
+launched.
+
 What stays out, and why (a ConfigError when tidal.overlap_step is set to
 true; with the default, the step is not overlapped and
 memory_report()["optimizer"]["overlap_step_off"] says why): DTR and
-recompute (a replay in backward could read a weight an update already
-changed), and data parallel (each chunk's update would have to wait for its
-reduction; not built). tidal.dtr turned on by hand updates nothing during the
-backwards it covers.
+recompute. A replay in backward (a DTR rematerialization, a recomputed
+segment) may read a weight of a chunk whose update already started; which
+weights a replay reads depends on what DTR evicted, which changes from step
+to step, so no plan made from an earlier backward can tell which chunks are
+safe, and the weight would be read from a master the update is rewriting.
+tidal.dtr turned on by hand updates nothing during the backwards it covers.
 
 Note [Speculative updates and their undo]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -145,6 +160,7 @@ class StepOverlap:
         self._jobs: list[tuple[int, object]] = []  # (chunk, future)
         self._pinned: list[tuple[int, int]] = []   # (tensor id, chunk kind)
         self._backward_end = None
+        self._speculating = False  # this backward (and its reductions) may launch updates
         self._host_short = False
         self._grad_scale = 1.0
         self._use_sums = False
@@ -191,14 +207,23 @@ class StepOverlap:
         # Not in the engine's first backward (the warm-up, which records the
         # trace and finds the parameters whose gradients land twice).
         speculate = last_micro_batch and not _dtr.is_enabled() and e.global_steps > 0
+        if e.dp is not None and e._accumulating:
+            # Data parallel with accumulation: the end of backward folds the
+            # owners' reduced gradients and broadcasts the weights back
+            # (_dp_after_backward), which an update in flight would race.
+            speculate = False
         if speculate and self._last_invalid:
             speculate = False
             self.steps_not_speculated += 1
         # DTR turned on by hand (tidal.dtr.enable(); the config's turns
         # overlap off): a replay in backward could read weights already
         # updated, so no chunk is updated during this backward.
+        self._speculating = speculate
+        # Data parallel: a landing is not final; the owner launches a chunk
+        # when its reduction lands (reduced()).
         self._waiting = {chunk: len(rs) for chunk, rs in recs.items()
-                         if not any(r in self._relanded for r in rs)} if speculate else {}
+                         if not any(r in self._relanded for r in rs)} \
+            if speculate and e.dp is None else {}
         # A host too small for the state (Note [One place per chunk]): the
         # step makes room first, so nothing is launched in this backward.
         self._host_short = e._host_short()
@@ -227,6 +252,14 @@ class StepOverlap:
         if left == 0:
             del self._waiting[record.chunk]
             self._launch(record.chunk)
+
+    def reduced(self, chunk: int, landed):
+        """Data parallel, on the chunk's owner: its reduced gradients are in
+        its 16-bit slots (_dp_finish, during backward or right after it);
+        `landed` flags the chunk's trainable records that got a gradient.
+        Their sum over the ranks is final, so the update may start."""
+        if self._speculating and chunk in self._recs and all(landed):
+            self._launch(chunk)
 
     def backward_ended(self):
         self._backward_end = time.perf_counter()
@@ -348,6 +381,7 @@ class StepOverlap:
             else:  # a forward or an error before backward ended: all of it overlapped
                 self.overlapped_seconds += t1 - t0
         self._jobs = []
+        self._speculating = False
         c = self._engine.chunks
         for tid, kind in self._pinned:
             c.release(tid, kind, HOLD)
