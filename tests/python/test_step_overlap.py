@@ -355,6 +355,46 @@ def test_a_weight_used_again_after_its_gradient_landed_waits_for_the_step():
     assert_bitwise(runs[False], runs[True])
 
 
+class _NonReentrantSegments(torch.nn.Module):
+    """Three segments under torch.utils.checkpoint(use_reentrant=False), one
+    weight used in the first and the last: every recompute in backward runs
+    before the gradients of the weights it reads land (one autograd graph:
+    a weight's gradient lands once, after all its uses)."""
+
+    def __init__(self):
+        super().__init__()
+        self.shared = torch.nn.Linear(64, 64)
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(64, 64) for _ in range(4))
+
+    def _segment(self, i, t):
+        t = torch.tanh(self.layers[i](t))
+        return torch.tanh(self.shared(t)) if i in (0, 3) else torch.tanh(self.layers[i + 1](t))
+
+    def forward(self, x, y):
+        for i in (0, 1, 3):
+            x = torch.utils.checkpoint.checkpoint(self._segment, i, x, use_reentrant=False)
+        return torch.nn.functional.mse_loss(x, y)
+
+
+def test_non_reentrant_checkpoints_in_the_model_overlap_exactly():
+    """A model's own non-reentrant checkpoints (recompute in backward, one
+    weight in two segments): no gradient lands twice, chunks are updated
+    during backward, and the weights are those without overlap bit for bit."""
+    data = [(torch.randn(4, 64), torch.randn(4, 64)) for _ in range(5)]
+    runs = {}
+    for overlap in (False, True):
+        torch.manual_seed(0)
+        cfg = make_config(overlap, clip=50.0, hybrid=False)
+        cfg["tidal"]["chunk_size"] = "32KiB"  # (two fp32 weights a chunk: several chunks)
+        engine = tidal.initialize(_NonReentrantSegments(), cfg)
+        train_tidal(engine, data)
+        within_budget(engine)
+        runs[overlap] = engine
+    assert not runs[True]._overlap._relanded
+    assert optimizer_report(runs[True])["chunks_updated_during_backward"] > 0
+    assert_bitwise(runs[False], runs[True])
+
+
 def _between(engine, batches, act):
     """Train, calling act(engine, x, y) between each backward and step."""
     for i, (x, y) in enumerate(batches):

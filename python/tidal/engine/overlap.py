@@ -69,12 +69,29 @@ launched.
 
 What stays out, and why (a ConfigError when tidal.overlap_step is set to
 true; with the default, the step is not overlapped and
-memory_report()["optimizer"]["overlap_step_off"] says why): DTR and
-recompute. A replay in backward (a DTR rematerialization, a recomputed
-segment) may read a weight of a chunk whose update already started; which
-weights a replay reads depends on what DTR evicted, which changes from step
-to step, so no plan made from an earlier backward can tell which chunks are
-safe, and the weight would be read from a master the update is rewriting.
+memory_report()["optimizer"]["overlap_step_off"] says why; the config
+decides, tidal/config.py): DTR and recompute.
+  * Recompute (tidal.recompute, and torch.utils.checkpoint with
+    use_reentrant=False in a model) runs in the one autograd graph: a
+    segment is recomputed when backward first unpacks one of its saved
+    tensors, before any node of the segment runs backward, and a weight's
+    gradient lands once, after the backward of all its uses. So no
+    recompute reads a weight whose gradient has landed, and a chunk is
+    launched only when all its gradients have: the order alone makes the
+    overlap exact (test_step_overlap.py checks it for checkpoints in a
+    model, a weight in two segments included). The config still turns it
+    off when tidal.recompute is set (not changed here).
+  * DTR replays single ops, in whatever order its evictions ask, and a
+    replay may read a weight whose gradient has landed: a tensor that
+    depends on the weight through no gradient (an integer index, a mask, a
+    detached value) can be needed by a backward node that runs after the
+    weight's uses did (a mixture-of-experts router's top-k indices, needed
+    by the dispatch's backward after the router's gradient landed). Its
+    chunk is pinned on the host and its master under update then: the
+    replay would fail on the pin or read a master being rewritten. Which replays happen depends on what was evicted, which
+    changes from step to step, so no plan from an earlier backward can
+    tell; making it exact needs the replay to wait for and undo that
+    chunk's update before it reads.
 tidal.dtr turned on by hand updates nothing during the backwards it covers.
 
 Note [Speculative updates and their undo]
