@@ -170,7 +170,14 @@ def main():
     out = {"quick": args.quick, "shape": shape, "idle_seconds": args.idle, "rounds": rounds,
            "steps_per_round": steps, "budgets": budgets, "chunk_size": chunk_size,
            "cpu_adam_target": tidal._C.cpu_adam.target(), "simulated_device": True,
-           "torch_threads": torch.get_num_threads(), "cases": {}}
+           "torch_threads": torch.get_num_threads(),
+           "notes": ("Simulated device: a chunk move is a memcpy on a CPU thread sharing the 2 cores with "
+                     "CPU Adam; on a GPU the copy engines take it. The machine was shared with other "
+                     "agents' builds and tests (load average read at start and end below): single "
+                     "samples vary by 2-3x; read the paired ratios' medians and the bests. fp32's floor "
+                     "is 32/28 = 1.14x (the engine writes the fp32 working copy too, Note [The fp32 "
+                     "working copy] in hooks/chunk_step.h)."),
+           "load_average_at_start": os.getloadavg(), "cases": {}}
     piece = 256 << 10 if args.quick else 4 << 20
     out["memcpy_bytes_per_second_at_start"] = memcpy_bytes_per_second(piece)
     copier = Copier(piece)
@@ -252,6 +259,7 @@ def main():
                   f"{nf['median'] * 1e3:.2f} ms (best {nf['min'] * 1e3:.2f}), "
                   f"{nf['bytes_moved_per_step_median'] / 2**20:.1f} MiB moved ~ "
                   f"{nf['copy_seconds_median'] * 1e3:.2f} ms", flush=True)
+    out["load_average_at_end"] = os.getloadavg()
     path = common.write_result("step_overlap_idle-quick" if args.quick else "step_overlap_idle", out,
                                args.output)
     print(f"wrote {path}")
