@@ -517,3 +517,23 @@ def test_an_engine_dropped_after_backward_waits_for_its_updates_and_goes():
     again = tidal.initialize(TinyGPT(d=64, seq=8), make_config(True, hybrid=False))
     assert all(torch.isfinite(torch.tensor(train_tidal(again, batches))))
     within_budget(again)
+
+
+@pytest.mark.parametrize("script", ["step_overlap.py", "step_overlap_clip.py", "step_overlap_idle.py"])
+def test_the_benchmarks_quick_mode_runs_and_writes_its_result(script, tmp_path):
+    import json
+    import subprocess
+
+    root = Path(__file__).resolve().parents[2]
+    out = tmp_path / "result.json"
+    subprocess.run([sys.executable, str(root / "benchmarks" / script), "--quick", "--output", str(out)],
+                   check=True, timeout=600, capture_output=True)
+    result = json.loads(out.read_text())
+    assert result["quick"] and result["git_commit"] and result["machine"]["cpu_cores"]
+    if script == "step_overlap_idle.py":
+        for case in result["cases"].values():
+            assert case["ratio_step_to_cpuadam_paired"]["n"] == len(case["cpuadam"]["samples"]) > 0
+            # The same bytes moved are timed again as the link's copies.
+            assert all(len(p) == 4 for p in case["step"]["parts"])
+        assert result["cases"]["host_fp32"]["step"]["bytes_moved_per_step_median"] > 0
+        assert result["cases"]["device_fp32"]["step"]["bytes_moved_per_step_median"] == 0
