@@ -324,3 +324,17 @@ def test_cpu_adam_during_backward_waits_under_accumulation(tmp_path):
     assert_matches(result, *reference(spec))
     assert all(r["optimizer"]["overlap_step"] and r["optimizer"]["chunks_updated_during_backward"] == 0
                for r in result["reports"])
+
+
+def test_zero_grad_after_a_backward_that_updated_chunks_takes_them_back(tmp_path):
+    """Data parallel, overlap_step on: at batch 4 the owners' updates made
+    during backward are taken back by zero_grad (the redone micro-batch is
+    what the step uses); every rank ends bitwise where overlap_step false does."""
+    spec = {"steps": 6, "global_batch": 4, "clip": 50.0, "redo": 4}
+    off = run_ok(2, dict(spec, overlap_step=False), tmp_path)
+    on = run_ok(2, dict(spec, overlap_step=True), tmp_path)
+    _bitwise(off, on)
+    assert_same_weights_on_every_rank(on)
+    opt = [r["optimizer"] for r in on["reports"]]
+    assert sum(o["undone_chunk_updates"] for o in opt) > 0, opt
+    assert all(o["chunks_updated_during_backward"] > 0 for o in opt), opt
