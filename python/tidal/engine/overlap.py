@@ -303,7 +303,7 @@ class StepOverlap:
         spans = [c.placement(r.id)[1] for r in recs]
         lo = min(spans)
         hi = max(off + r.numel for off, r in zip(spans, recs))
-        undo = self._undo_buffers(chunk, hi - lo)
+        undo = self._undo_buffers(chunk, recs[0], hi - lo)
         if undo is None:
             return  # no host room for the undo buffers: the step updates it
         if self._use_sums:
@@ -343,16 +343,23 @@ class StepOverlap:
         self._jobs.append((chunk, self._pool.submit(_run, views, calls, undo, lo, hi)))
         self.launched_chunks += 1
 
-    def _undo_buffers(self, chunk: int, numel: int):
+    def _undo_buffers(self, chunk: int, first, numel: int):
         """The chunk's undo buffers (one per kind of _UNDO_KINDS, at least
         `numel` long), kept across steps; None where new ones would not fit
-        the host budget beside the chunks it holds."""
+        the host budget beside the chunks it holds. `first`: a record of the
+        chunk."""
         bufs = self._undo.get(chunk)
         if bufs is not None and bufs[0].numel() >= numel:
             return bufs
         e = self._engine
         c = e.chunks
-        dtypes = [c.chunk_view(chunk, k).dtype for k in _UNDO_KINDS]
+        # Each kind's dtype from an access of its slot, not chunk_view: a
+        # chunk may have no payload in reach now (moved out), and an access
+        # is what brings it back.
+        dtypes = []
+        for kind in _UNDO_KINDS:
+            dtypes.append(c.access(first.id, kind, HOST, [first.numel]).dtype)
+            c.release(first.id, kind, HOLD)
         size = sum(numel * d.itemsize for d in dtypes)
         old = 0 if bufs is None else sum(b.numel() * b.element_size() for b in bufs)
         if c.held_bytes(HOST) + self.undo_bytes - old + size > e.store.capacity_bytes()[0]:
