@@ -159,7 +159,8 @@ class StepOverlap:
     """Launches each chunk's CPU Adam as its last gradient lands, as a
     speculation the step validates or undoes (Notes [CPU Adam during
     backward], [Speculative updates and their undo]); the engine calls
-    begin() before a backward, landed() from the gradient hook,
+    begin() before a backward, landed() from the gradient hook (under data
+    parallel reduced() when a chunk's reduction lands on its owner),
     backward_ended() after it, validate() in the step and undo() before
     anything else that needs the chunks."""
 
