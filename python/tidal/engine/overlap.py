@@ -88,10 +88,11 @@ decides, tidal/config.py): DTR and recompute.
     weight's uses did (a mixture-of-experts router's top-k indices, needed
     by the dispatch's backward after the router's gradient landed). Its
     chunk is pinned on the host and its master under update then: the
-    replay would fail on the pin or read a master being rewritten. Which replays happen depends on what was evicted, which
-    changes from step to step, so no plan from an earlier backward can
-    tell; making it exact needs the replay to wait for and undo that
-    chunk's update before it reads.
+    replay would fail on the pin or read a master being rewritten. Which
+    replays happen depends on what was evicted, which changes from step to
+    step, so no plan from an earlier backward can tell; making it exact
+    needs the replay to wait for and undo that chunk's update before it
+    reads.
 tidal.dtr turned on by hand updates nothing during the backwards it covers.
 
 Note [Speculative updates and their undo]
@@ -117,10 +118,9 @@ validated it.
 An undone update costs the step more than no speculation: the copy back,
 in the step, reads and writes as many bytes as Adam itself (the master,
 both moments and the 16-bit slot), and then the step updates the chunk
-anyway. The update cannot be made right
-without an undo either: the clip factor scales the gradient inside both
-moments (v takes its square), and it is known only when the last gradient
-has landed. So speculation is predicted: a backward speculates only when
+anyway. Nor can the update be made right without an undo: the clip
+factor scales the gradient inside both moments (v takes its square), and it
+is known only when the last gradient has landed. So speculation is predicted: a backward speculates only when
 the last step neither clipped nor overflowed (steps that clip tend to come
 in runs, early in training or at a loss spike; an fp16 overflow lowers the
 scale, and the next step usually passes). The backward after a step that
@@ -237,8 +237,8 @@ class StepOverlap:
         # overlap off): a replay in backward could read weights already
         # updated, so no chunk is updated during this backward.
         self._speculating = speculate
-        # Data parallel: a landing is not final; the owner launches a chunk
-        # when its reduction lands (reduced()).
+        # (Data parallel: a landing is not final; the owner launches a chunk
+        # when its reduction lands, reduced().)
         self._waiting = {chunk: len(rs) for chunk, rs in recs.items()
                          if not any(r in self._relanded for r in rs)} \
             if speculate and e.dp is None else {}
