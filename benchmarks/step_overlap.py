@@ -22,34 +22,23 @@ the device and the host's cores are free.
 """
 from __future__ import annotations
 
-import argparse
 import os
 import statistics
 import sys
 import time
-import warnings
-
-import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 import common  # noqa: E402
+import step_overlap_common as so  # noqa: E402
 import tidal  # noqa: E402
-from tidal.models.gpt import TinyGPT  # noqa: E402
 
 FULL = dict(vocab=8192, d=256, layers=8, heads=4, seq=64, batch=4)
 QUICK = dict(vocab=512, d=64, layers=2, heads=4, seq=16, batch=2)
 
 
 def make_engine(shape, precision, overlap, pool="onetbb"):
-    torch.manual_seed(0)
-    model = TinyGPT(vocab=shape["vocab"], d=shape["d"], layers=shape["layers"], heads=shape["heads"],
-                    seq=shape["seq"])
-    cfg = {"gradient_clipping": 0.0, "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},
-           "tidal": {"chunk_size": "1MiB", "device_memory_budget": "1GiB", "hybrid_adam": False,
-                     "overlap_step": overlap, "cpu_adam_pool": pool}}
-    if precision != "fp32":
-        cfg[precision] = {"enabled": True}
-    return tidal.initialize(model, cfg)
+    return so.gpt_engine(shape, precision, 0.0, chunk_size="1MiB", device_memory_budget="1GiB",
+                         hybrid_adam=False, overlap_step=overlap, cpu_adam_pool=pool)
 
 
 def run(engine, batches):
@@ -68,20 +57,9 @@ def run(engine, batches):
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--steps", type=int, default=6)
-    ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--output", default=None)
-    args = ap.parse_args()
-    warnings.simplefilter("ignore")
-    tidal.set_device("sim", capacity="8GiB")
-    shape = QUICK if args.quick else FULL
-    rounds = 1 if args.quick else args.rounds
-    steps = 2 if args.quick else args.steps
-    g = torch.Generator().manual_seed(1)
-    data = [(torch.randint(0, shape["vocab"], (shape["batch"], shape["seq"]), generator=g),) * 2
-            for _ in range(steps + 2)]
+    args = so.parse_args(__doc__, rounds=3, steps=6)
+    shape, rounds, steps = so.start(args, FULL, QUICK)
+    data = so.token_batches(shape, steps + 2)
     out = {"quick": args.quick, "shape": shape, "rounds": rounds, "steps_per_round": steps,
            "cpu_adam_target": tidal._C.cpu_adam.target(),
            "cpu_adam_pool": "onetbb, except overlap_torch: torch", "precisions": {}}
@@ -92,10 +70,8 @@ def main():
         for e in engines.values():
             run(e, data[:2])  # warm-up: the trace and the relayout
         samples = {mode: [] for mode in engines}
-        for k in range(rounds):
-            for mode in (list(engines) if k % 2 == 0 else list(reversed(engines))):
-                time.sleep(1.0)
-                samples[mode].extend(run(engines[mode], data[2:]))
+        for _, mode in so.alternating(engines, rounds):
+            samples[mode].extend(run(engines[mode], data[2:]))
         res = {"parameters": params}
         for mode, s in samples.items():
             r = engines[mode].memory_report()

@@ -30,19 +30,17 @@ not a GPU's speed.
 """
 from __future__ import annotations
 
-import argparse
 import os
 import statistics
 import sys
 import time
-import warnings
 
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 import common  # noqa: E402
+import step_overlap_common as so  # noqa: E402
 import tidal  # noqa: E402
-from tidal.models.gpt import TinyGPT  # noqa: E402
 
 FULL = dict(vocab=8192, d=256, layers=8, heads=4, seq=64, batch=4, budget="48MiB")
 QUICK = dict(vocab=512, d=64, layers=2, heads=4, seq=16, batch=2, budget="2MiB")
@@ -50,17 +48,8 @@ CASES = {"no_clip": ("bf16", 1.0), "clip_some": ("bf16", 20.0), "fp16_overflow":
 
 
 def make_engine(shape, precision, overlap):
-    torch.manual_seed(0)
-    model = TinyGPT(vocab=shape["vocab"], d=shape["d"], layers=shape["layers"], heads=shape["heads"],
-                    seq=shape["seq"])
-    cfg = {"gradient_clipping": 1.0, "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},
-           "tidal": {"chunk_size": "1MiB" if shape["d"] >= 256 else "64KiB",
-                     "device_memory_budget": shape["budget"], "overlap_step": overlap}}
-    if precision == "fp16":
-        cfg["fp16"] = {"enabled": True, "initial_scale_power": 8, "hysteresis": 1}
-    else:
-        cfg[precision] = {"enabled": True}
-    return tidal.initialize(model, cfg)
+    return so.gpt_engine(shape, precision, 1.0, chunk_size="1MiB" if shape["d"] >= 256 else "64KiB",
+                         device_memory_budget=shape["budget"], overlap_step=overlap)
 
 
 def run(engine, batches, factors):
@@ -79,20 +68,9 @@ def run(engine, batches, factors):
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--steps", type=int, default=8)
-    ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--output", default=None)
-    args = ap.parse_args()
-    warnings.simplefilter("ignore")
-    tidal.set_device("sim", capacity="8GiB")
-    shape = QUICK if args.quick else FULL
-    rounds = 1 if args.quick else args.rounds
-    steps = 4 if args.quick else args.steps
-    g = torch.Generator().manual_seed(1)
-    data = [(torch.randint(0, shape["vocab"], (shape["batch"], shape["seq"]), generator=g),) * 2
-            for _ in range(steps + 3)]
+    args = so.parse_args(__doc__, rounds=3, steps=8)
+    shape, rounds, steps = so.start(args, FULL, QUICK, quick_steps=4)
+    data = so.token_batches(shape, steps + 3)
     # The factor that puts the first batch's gradient norm at 0.5.
     probe = make_engine(shape, "bf16", False)
     probe.backward(probe(*data[0]))
@@ -109,11 +87,9 @@ def main():
             run(e, data[:3], [base] * 3)  # warm-up: the trace, the relayout, hybrid Adam's plan
         samples = {mode: [] for mode in engines}
         norms = {}
-        for k in range(rounds):
-            for mode in (list(engines) if k % 2 == 0 else list(reversed(engines))):
-                time.sleep(1.0)
-                s, norms[mode] = run(engines[mode], data[3:], factors)
-                samples[mode].extend(s)
+        for _, mode in so.alternating(engines, rounds):
+            s, norms[mode] = run(engines[mode], data[3:], factors)
+            samples[mode].extend(s)
         res = {"precision": precision, "factors": factors, "grad_norms_last_round": norms["on"]}
         for mode, s in samples.items():
             r = engines[mode].memory_report()

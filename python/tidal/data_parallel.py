@@ -63,7 +63,13 @@ A step, with gradients in the 16-bit slots (Note [Gradient sums in chunks]):
      then starting the broadcast of the chunk's 16-bit values (the
      all-gather), so a chunk's broadcast runs while its owner updates the
      next chunks it owns; the other ranks receive into a buffer and copy it
-     into their chunk when it arrives (Engine._dp_share).
+     into their chunk when it arrives (Engine._dp_share). With
+     tidal.overlap_step (the default) an owner starts a chunk's CPU Adam as
+     soon as the chunk's reduction has landed in step 2 (the sum over the
+     ranks is final then), during backward with overlap_comm; the step
+     validates it on the global norm and still broadcasts every chunk in
+     the one order (Note [CPU Adam during backward] in
+     tidal/engine/overlap.py; not under accumulation).
 Reductions run in the parameters' dtype, as DeepSpeed's do.
 
 Not done: the broadcasts after the step are all waited for before step()

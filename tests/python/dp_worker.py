@@ -15,7 +15,8 @@ backward), redo (at that batch: backward, zero_grad, forward and backward
 again, as a loop that drops a micro-batch), model_seed and width_of (per-rank overrides that make the models
 differ), overlap (tidal.data_parallel.overlap_comm), precision ("bf16" or
 "fp16", with scale_power), unused (rank, param: that rank's backward never
-reaches the parameter; "all": no rank's does).
+reaches the parameter; "all": no rank's does), overlap_step (tidal.overlap_step;
+absent: the default), factors (step i's loss times factors[i % len]).
 """
 import json
 import os
@@ -44,6 +45,8 @@ def config(spec, budget):
     if spec.get("nvme"):
         cfg["zero_optimization"] = {"offload_optimizer": {"device": "nvme", "nvme_path": spec["nvme"]}}
         cfg["tidal"]["host_memory_budget"] = spec["host_budget"]
+    if "overlap_step" in spec:
+        cfg["tidal"]["overlap_step"] = spec["overlap_step"]
     if spec.get("precision"):
         cfg[spec["precision"]] = {"enabled": True}
         if spec["precision"] == "fp16":
@@ -94,7 +97,8 @@ def main():
         if kill and rank == kill["rank"] and i == kill["step"]:
             # Dies in the middle of backward, without a word to the others.
             loss.register_hook(lambda g: os.kill(os.getpid(), signal.SIGKILL))
-        engine.backward(loss)
+        factors = spec.get("factors")
+        engine.backward(loss * factors[i % len(factors)] if factors else loss)
         if i == spec.get("redo"):
             engine.zero_grad()
             loss = engine(xs, ys)
@@ -116,6 +120,7 @@ def main():
             "optimizer_state_bytes": optimizer_state_bytes(engine),
             "data_parallel": report["data_parallel"], "seconds": time.time() - started,
             "skipped_steps": report["skipped_steps"], "loss_scale": report["loss_scale"],
+            "optimizer": report["optimizer"],
             "weights_crc": weights_crc(engine),
             "nvme_chunks_written": (report["nvme"] or {}).get("chunks_written", 0)}
     reports = [None] * world

@@ -272,3 +272,82 @@ def test_a_parameter_no_rank_reaches_is_named_and_training_goes_on(tmp_path):
         assert "trainable parameters got no gradient in this backward (blocks.1.fc.weight)" in out, \
             out[-3000:]
     assert_same_weights_on_every_rank(result)
+
+
+def _bitwise(a, b):
+    """Two runs' results: the same losses, norms and weights, bit for bit."""
+    assert a["losses"] == b["losses"]
+    assert a["norms"] == b["norms"]
+    assert a["weights"].keys() == b["weights"].keys()
+    for name in a["weights"]:
+        assert a["weights"][name] == b["weights"][name], name
+    assert [r["weights_crc"] for r in a["reports"]] == [r["weights_crc"] for r in b["reports"]]
+    assert [r["skipped_steps"] for r in a["reports"]] == [r["skipped_steps"] for r in b["reports"]]
+
+
+# Loss factors per step (TinyGPT(d=64): a global norm of about 2 at factor 1,
+# 20 at factor 10): clipping at 5 fires on the factor-10 steps only, and
+# steps 2 and 5 clip after a step that did not (their speculative updates
+# are undone and made again).
+DP_FACTORS = [1, 1, 10, 1, 1, 10, 1, 1]
+
+
+@pytest.mark.parametrize("precision, clip, overlap_comm", [
+    (None, 0.0, True), (None, 5.0, True), ("bf16", 5.0, True), (None, 5.0, False), ("fp16", 0.0, True),
+])
+def test_cpu_adam_during_backward_equals_the_step_without_it(precision, clip, overlap_comm, tmp_path):
+    """Note [CPU Adam during backward] under data parallel: each owner
+    launches a chunk's update as its reduction lands (during backward with
+    overlap_comm, right after it without); the weights, losses and global
+    norms are those of tidal.overlap_step false bit for bit, where the clip
+    fires and where it does not. fp16 starts at a loss scale of 2^20, which
+    overflows and is lowered step by step: the overflowing steps undo."""
+    spec = {"steps": len(DP_FACTORS), "global_batch": 4, "clip": clip, "factors": DP_FACTORS,
+            "overlap": overlap_comm}
+    if precision:
+        spec.update(precision=precision, scale_power=20)
+    off = run_ok(2, dict(spec, overlap_step=False), tmp_path)
+    on = run_ok(2, dict(spec, overlap_step=True), tmp_path)
+    _bitwise(off, on)
+    assert_same_weights_on_every_rank(on)
+    opt = [r["optimizer"] for r in on["reports"]]
+    assert all(o["overlap_step"] and o["overlap_step_off"] is None for o in opt), opt
+    # Every rank owns chunks and updated some during backward.
+    assert all(o["chunks_updated_during_backward"] > 0 for o in opt), opt
+    assert all(r["optimizer"]["chunks_updated_during_backward"] == 0 for r in off["reports"])
+    fired = [n > clip for n in off["norms"]] if clip else [False]
+    if clip:
+        assert any(fired) and not all(fired), off["norms"]
+    undone = sum(o["undone_chunk_updates"] for o in opt)
+    if any(fired) or precision == "fp16":
+        assert undone > 0, opt
+    else:
+        assert undone == 0, opt
+    if precision == "fp16":
+        assert on["reports"][0]["skipped_steps"] > 0
+
+
+def test_cpu_adam_during_backward_waits_under_accumulation(tmp_path):
+    """Data parallel with gradient accumulation: the end of backward folds
+    the owners' reduced gradients and broadcasts the weights back, which an
+    update in flight would race, so nothing is launched; the result is the
+    reference's."""
+    spec = {"steps": 2, "global_batch": 4, "accumulation": 2}
+    result = run_ok(2, spec, tmp_path)
+    assert_matches(result, *reference(spec))
+    assert all(r["optimizer"]["overlap_step"] and r["optimizer"]["chunks_updated_during_backward"] == 0
+               for r in result["reports"])
+
+
+def test_zero_grad_after_a_backward_that_updated_chunks_takes_them_back(tmp_path):
+    """Data parallel, overlap_step on: at batch 4 the owners' updates made
+    during backward are taken back by zero_grad (the redone micro-batch is
+    what the step uses); every rank ends bitwise where overlap_step false does."""
+    spec = {"steps": 6, "global_batch": 4, "clip": 50.0, "redo": 4}
+    off = run_ok(2, dict(spec, overlap_step=False), tmp_path)
+    on = run_ok(2, dict(spec, overlap_step=True), tmp_path)
+    _bitwise(off, on)
+    assert_same_weights_on_every_rank(on)
+    opt = [r["optimizer"] for r in on["reports"]]
+    assert sum(o["undone_chunk_updates"] for o in opt) > 0, opt
+    assert all(o["chunks_updated_during_backward"] > 0 for o in opt), opt

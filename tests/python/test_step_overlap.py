@@ -156,6 +156,45 @@ def test_fp16_overflow_undoes_the_updates_and_skips_the_step():
     assert opt["undone_chunk_updates"] > 0 and opt["steps_not_speculated"] == 1, opt
 
 
+def test_after_a_clipped_step_the_next_backward_waits_and_each_step_is_the_plain_one():
+    """Note [Speculative updates and their undo]: a backward after a step
+    that clipped launches nothing (speculating there would most often be
+    undone, and an undo costs the step about what the update does); one
+    that follows a step that did not clip launches again. Every step's
+    weights, not only the last, are those of the engine without overlap."""
+    batches = gpt_batches(len(FACTORS))
+    torch.manual_seed(0)
+    model = TinyGPT(d=64, seq=8)
+    budget = fitted(make_config(False, clip=5.0, hybrid=False), model, batches)["tidal"][
+        "device_memory_budget"]
+    engines = []
+    for overlap in (False, True):
+        cfg = make_config(overlap, clip=5.0, hybrid=False)
+        cfg["tidal"]["device_memory_budget"] = budget
+        engines.append(tidal.initialize(copy.deepcopy(model), cfg))
+    plain, overlapped = engines
+    launched, clipped = [], []
+    for i, (x, y) in enumerate(batches):
+        before = optimizer_report(overlapped)["chunks_updated_during_backward"]
+        for e in engines:
+            e.backward(e(x, y) * FACTORS[i])
+        launched.append(optimizer_report(overlapped)["chunks_updated_during_backward"] - before)
+        for e in engines:
+            e.step()
+        assert_bitwise(plain, overlapped)
+        clipped.append(plain.get_global_grad_norm() > 5.0)
+    assert clipped == [f == 10 for f in FACTORS], clipped
+    # Step 0 is the warm-up (no launch); then a backward launches exactly when
+    # the step before it did not clip.
+    assert launched[0] == 0
+    for i in range(1, len(FACTORS)):
+        assert (launched[i] > 0) == (not clipped[i - 1]), (i, launched, clipped)
+    opt = optimizer_report(overlapped)
+    assert opt["steps_not_speculated"] == sum(clipped[:-1]), opt
+    for e in engines:
+        moved_within_budget(e)
+
+
 @pytest.mark.parametrize("hybrid", [False, True])
 def test_accumulation_updates_during_the_last_micro_batch(hybrid):
     # The third step clips (with hybrid Adam, the first whose backward
@@ -316,6 +355,46 @@ def test_a_weight_used_again_after_its_gradient_landed_waits_for_the_step():
     assert_bitwise(runs[False], runs[True])
 
 
+class _NonReentrantSegments(torch.nn.Module):
+    """Three segments under torch.utils.checkpoint(use_reentrant=False), one
+    weight used in the first and the last: every recompute in backward runs
+    before the gradients of the weights it reads land (one autograd graph:
+    a weight's gradient lands once, after all its uses)."""
+
+    def __init__(self):
+        super().__init__()
+        self.shared = torch.nn.Linear(64, 64)
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(64, 64) for _ in range(4))
+
+    def _segment(self, i, t):
+        t = torch.tanh(self.layers[i](t))
+        return torch.tanh(self.shared(t)) if i in (0, 3) else torch.tanh(self.layers[i + 1](t))
+
+    def forward(self, x, y):
+        for i in (0, 1, 3):
+            x = torch.utils.checkpoint.checkpoint(self._segment, i, x, use_reentrant=False)
+        return torch.nn.functional.mse_loss(x, y)
+
+
+def test_non_reentrant_checkpoints_in_the_model_overlap_exactly():
+    """A model's own non-reentrant checkpoints (recompute in backward, one
+    weight in two segments): no gradient lands twice, chunks are updated
+    during backward, and the weights are those without overlap bit for bit."""
+    data = [(torch.randn(4, 64), torch.randn(4, 64)) for _ in range(5)]
+    runs = {}
+    for overlap in (False, True):
+        torch.manual_seed(0)
+        cfg = make_config(overlap, clip=50.0, hybrid=False)
+        cfg["tidal"]["chunk_size"] = "32KiB"  # (two fp32 weights a chunk: several chunks)
+        engine = tidal.initialize(_NonReentrantSegments(), cfg)
+        train_tidal(engine, data)
+        within_budget(engine)
+        runs[overlap] = engine
+    assert not runs[True]._overlap._relanded
+    assert optimizer_report(runs[True])["chunks_updated_during_backward"] > 0
+    assert_bitwise(runs[False], runs[True])
+
+
 def _between(engine, batches, act):
     """Train, calling act(engine, x, y) between each backward and step."""
     for i, (x, y) in enumerate(batches):
@@ -438,3 +517,23 @@ def test_an_engine_dropped_after_backward_waits_for_its_updates_and_goes():
     again = tidal.initialize(TinyGPT(d=64, seq=8), make_config(True, hybrid=False))
     assert all(torch.isfinite(torch.tensor(train_tidal(again, batches))))
     within_budget(again)
+
+
+@pytest.mark.parametrize("script", ["step_overlap.py", "step_overlap_clip.py", "step_overlap_idle.py"])
+def test_the_benchmarks_quick_mode_runs_and_writes_its_result(script, tmp_path):
+    import json
+    import subprocess
+
+    root = Path(__file__).resolve().parents[2]
+    out = tmp_path / "result.json"
+    subprocess.run([sys.executable, str(root / "benchmarks" / script), "--quick", "--output", str(out)],
+                   check=True, timeout=600, capture_output=True)
+    result = json.loads(out.read_text())
+    assert result["quick"] and result["git_commit"] and result["machine"]["cpu_cores"]
+    if script == "step_overlap_idle.py":
+        for case in result["cases"].values():
+            assert case["ratio_step_to_cpuadam_paired"]["n"] == len(case["cpuadam"]["samples"]) > 0
+            # The same bytes moved are timed again as the link's copies.
+            assert all(len(p) == 4 for p in case["step"]["parts"])
+        assert result["cases"]["host_fp32"]["step"]["bytes_moved_per_step_median"] > 0
+        assert result["cases"]["device_fp32"]["step"]["bytes_moved_per_step_median"] == 0

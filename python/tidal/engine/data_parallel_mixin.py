@@ -183,6 +183,9 @@ class DataParallelMixin:
                     self._dp_sq.append(sum(t.float().square().sum() for t in src))
             finally:
                 c.release(first.id, PARAM16, HOLD)
+        if self._overlap is not None:
+            # Note [CPU Adam during backward]: the chunk's gradients are final.
+            self._overlap.reduced(chunk, landed)
 
     def _dp_after_backward(self):
         """Note [Data parallel by chunk], steps 2 and 3: the chunks whose

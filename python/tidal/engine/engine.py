@@ -55,7 +55,7 @@ import torch
 from .. import _C
 from .. import dtr as _dtr
 from .. import recompute as _recompute
-from ..config import Config, ConfigError
+from ..config import Config
 from ..lr_schedules import build_scheduler
 from . import checkpoint as _checkpoint
 from . import device_cap as _device_cap
@@ -124,13 +124,6 @@ class Engine(ExternalMixin, StateDictMixin, HookWiringMixin, DataParallelMixin, 
         # before anything moves into chunks where the config asks for it;
         # with the default, the step is not overlapped and the report says why.
         self.overlap_step_off = cfg.overlap_step_off
-        if cfg.overlap_step and store.dp is not None:
-            if cfg.overlap_step_given:
-                raise ConfigError("config key 'tidal.overlap_step': true needs every gradient of "
-                                  "a chunk to be final when it lands, but this run is data "
-                                  "parallel (each chunk's update would wait for its reduction, "
-                                  "which is not built); set it to false")
-            self.overlap_step_off = "data parallel (a chunk's update would wait for its reduction)"
         self.recompute_plan = None
         if cfg.activation_checkpointing_given:
             self.recompute_plan = _recompute.from_config(model, cfg.activation_checkpointing,
@@ -434,7 +427,9 @@ class Engine(ExternalMixin, StateDictMixin, HookWiringMixin, DataParallelMixin, 
                     # gradients are all in starts its reduction.
                     self._handles.append(r.param.register_post_accumulate_grad_hook(
                         _weak_method(self._dp_grad_ready)))
-                if self._overlap is not None:
+                if self._overlap is not None and self.dp is None:
+                    # (Data parallel: a landing is not final; the owner
+                    # launches a chunk when its reduction lands, _dp_finish.)
                     self._handles.append(r.param.register_post_accumulate_grad_hook(
                         _weak_method(self._overlap_grad_ready)))
 

@@ -54,13 +54,46 @@ and notes such parameters; from then on their chunks wait for the step. (A
 graph that starts to do so later finds the chunk's master in use and fails,
 naming the tensor.)
 
+Data parallel (Note [Data parallel by chunk] in tidal/data_parallel.py): a
+landing is one rank's gradient, not the chunk's; the sum over the ranks is
+final when the chunk's reduction lands on its owner. So the owner launches
+a chunk there (_dp_finish calls reduced()), during backward with
+overlap_comm and right after it without; the step updates the owner's other
+chunks and broadcasts every chunk, those updated during backward included,
+in the same order on every rank. The global norm and the fp16 overflow are
+the ranks' together, so every rank validates or undoes alike. Not with
+gradient accumulation: there the end of backward folds the owners' reduced
+gradients into their sums and broadcasts the weights back
+(_dp_after_backward), which an update in flight would race; nothing is
+launched.
+
 What stays out, and why (a ConfigError when tidal.overlap_step is set to
 true; with the default, the step is not overlapped and
-memory_report()["optimizer"]["overlap_step_off"] says why): DTR and
-recompute (a replay in backward could read a weight an update already
-changed), and data parallel (each chunk's update would have to wait for its
-reduction; not built). tidal.dtr turned on by hand updates nothing during the
-backwards it covers.
+memory_report()["optimizer"]["overlap_step_off"] says why; the config
+decides, tidal/config.py): DTR and recompute.
+  * Recompute (tidal.recompute, and torch.utils.checkpoint with
+    use_reentrant=False in a model) runs in the one autograd graph: a
+    segment is recomputed when backward first unpacks one of its saved
+    tensors, before any node of the segment runs backward, and a weight's
+    gradient lands once, after the backward of all its uses. So no
+    recompute reads a weight whose gradient has landed, and a chunk is
+    launched only when all its gradients have: the order alone makes the
+    overlap exact (test_step_overlap.py checks it for checkpoints in a
+    model, a weight in two segments included). The config still turns it
+    off when tidal.recompute is set (not changed here).
+  * DTR replays single ops, in whatever order its evictions ask, and a
+    replay may read a weight whose gradient has landed: a tensor that
+    depends on the weight through no gradient (an integer index, a mask, a
+    detached value) can be needed by a backward node that runs after the
+    weight's uses did (a mixture-of-experts router's top-k indices, needed
+    by the dispatch's backward after the router's gradient landed). Its
+    chunk is pinned on the host and its master under update then: the
+    replay would fail on the pin or read a master being rewritten. Which
+    replays happen depends on what was evicted, which changes from step to
+    step, so no plan from an earlier backward can tell; making it exact
+    needs the replay to wait for and undo that chunk's update before it
+    reads.
+tidal.dtr turned on by hand updates nothing during the backwards it covers.
 
 Note [Speculative updates and their undo]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -82,12 +115,19 @@ and step (a forward, zero_grad, a checkpoint, a state_dict, a failed
 backward) undoes them the same way: an update counts only once a step has
 validated it.
 
-Undoing is cheap next to updating (a copy back), but the update itself is
-then wasted, so speculation is predicted: a backward speculates only when
+An undone update costs the step more than no speculation: the copy back,
+in the step, reads and writes as many bytes as Adam itself (the master,
+both moments and the 16-bit slot), and then the step updates the chunk
+anyway. Nor can the update be made right without an undo: the clip
+factor scales the gradient inside both moments (v takes its square), and it
+is known only when the last gradient has landed. So speculation is predicted: a backward speculates only when
 the last step neither clipped nor overflowed (steps that clip tend to come
 in runs, early in training or at a loss spike; an fp16 overflow lowers the
-scale, and the next step usually passes). Counted in memory_report()
-["optimizer"]: speculative_updates, undone_updates, steps_not_speculated.
+scale, and the next step usually passes). The backward after a step that
+clipped updates nothing and its step updates every chunk, as without
+overlap (test_step_overlap.py checks both, step by step). Counted in
+memory_report()["optimizer"]: chunks_updated_during_backward,
+undone_chunk_updates, steps_not_speculated.
 
 The cost is host memory: undo buffers as large as the spans of the chunks
 updated during backward (14 bytes per parameter with 16-bit weights and
@@ -119,7 +159,8 @@ class StepOverlap:
     """Launches each chunk's CPU Adam as its last gradient lands, as a
     speculation the step validates or undoes (Notes [CPU Adam during
     backward], [Speculative updates and their undo]); the engine calls
-    begin() before a backward, landed() from the gradient hook,
+    begin() before a backward, landed() from the gradient hook (under data
+    parallel reduced() when a chunk's reduction lands on its owner),
     backward_ended() after it, validate() in the step and undo() before
     anything else that needs the chunks."""
 
@@ -137,6 +178,7 @@ class StepOverlap:
         self._jobs: list[tuple[int, object]] = []  # (chunk, future)
         self._pinned: list[tuple[int, int]] = []   # (tensor id, chunk kind)
         self._backward_end = None
+        self._speculating = False  # this backward (and its reductions) may launch updates
         self._host_short = False
         self._grad_scale = 1.0
         self._use_sums = False
@@ -183,14 +225,23 @@ class StepOverlap:
         # Not in the engine's first backward (the warm-up, which records the
         # trace and finds the parameters whose gradients land twice).
         speculate = last_micro_batch and not _dtr.is_enabled() and e.global_steps > 0
+        if e.dp is not None and e._accumulating:
+            # Data parallel with accumulation: the end of backward folds the
+            # owners' reduced gradients and broadcasts the weights back
+            # (_dp_after_backward), which an update in flight would race.
+            speculate = False
         if speculate and self._last_invalid:
             speculate = False
             self.steps_not_speculated += 1
         # DTR turned on by hand (tidal.dtr.enable(); the config's turns
         # overlap off): a replay in backward could read weights already
         # updated, so no chunk is updated during this backward.
+        self._speculating = speculate
+        # (Data parallel: a landing is not final; the owner launches a chunk
+        # when its reduction lands, reduced().)
         self._waiting = {chunk: len(rs) for chunk, rs in recs.items()
-                         if not any(r in self._relanded for r in rs)} if speculate else {}
+                         if not any(r in self._relanded for r in rs)} \
+            if speculate and e.dp is None else {}
         # A host too small for the state (Note [One place per chunk]): the
         # step makes room first, so nothing is launched in this backward.
         self._host_short = e._host_short()
@@ -220,6 +271,14 @@ class StepOverlap:
             del self._waiting[record.chunk]
             self._launch(record.chunk)
 
+    def reduced(self, chunk: int, landed):
+        """Data parallel, on the chunk's owner: its reduced gradients are in
+        its 16-bit slots (_dp_finish, during backward or right after it);
+        `landed` flags the chunk's trainable records that got a gradient.
+        Their sum over the ranks is final, so the update may start."""
+        if self._speculating and chunk in self._recs and all(landed):
+            self._launch(chunk)
+
     def backward_ended(self):
         self._backward_end = time.perf_counter()
         self._waiting = {}
@@ -245,7 +304,7 @@ class StepOverlap:
         spans = [c.placement(r.id)[1] for r in recs]
         lo = min(spans)
         hi = max(off + r.numel for off, r in zip(spans, recs))
-        undo = self._undo_buffers(chunk, hi - lo)
+        undo = self._undo_buffers(chunk, recs[0], hi - lo)
         if undo is None:
             return  # no host room for the undo buffers: the step updates it
         if self._use_sums:
@@ -285,16 +344,23 @@ class StepOverlap:
         self._jobs.append((chunk, self._pool.submit(_run, views, calls, undo, lo, hi)))
         self.launched_chunks += 1
 
-    def _undo_buffers(self, chunk: int, numel: int):
+    def _undo_buffers(self, chunk: int, first, numel: int):
         """The chunk's undo buffers (one per kind of _UNDO_KINDS, at least
         `numel` long), kept across steps; None where new ones would not fit
-        the host budget beside the chunks it holds."""
+        the host budget beside the chunks it holds. `first`: a record of the
+        chunk."""
         bufs = self._undo.get(chunk)
         if bufs is not None and bufs[0].numel() >= numel:
             return bufs
         e = self._engine
         c = e.chunks
-        dtypes = [c.chunk_view(chunk, k).dtype for k in _UNDO_KINDS]
+        # Each kind's dtype from an access of its slot, not chunk_view: a
+        # chunk may have no payload in reach now (moved out), and an access
+        # is what brings it back.
+        dtypes = []
+        for kind in _UNDO_KINDS:
+            dtypes.append(c.access(first.id, kind, HOST, [first.numel]).dtype)
+            c.release(first.id, kind, HOLD)
         size = sum(numel * d.itemsize for d in dtypes)
         old = 0 if bufs is None else sum(b.numel() * b.element_size() for b in bufs)
         if c.held_bytes(HOST) + self.undo_bytes - old + size > e.store.capacity_bytes()[0]:
@@ -340,6 +406,7 @@ class StepOverlap:
             else:  # a forward or an error before backward ended: all of it overlapped
                 self.overlapped_seconds += t1 - t0
         self._jobs = []
+        self._speculating = False
         c = self._engine.chunks
         for tid, kind in self._pinned:
             c.release(tid, kind, HOLD)

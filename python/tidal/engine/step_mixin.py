@@ -90,8 +90,10 @@ class StepMixin:
                 # owner, started as its update ends, while the owners go on
                 # with their next chunks.
                 try:
-                    self._adam(owned, clip / scale, order=list(self._dp_spans),
-                               after_chunk=self._dp_share)
+                    # (Every chunk is broadcast, those updated during
+                    # backward too: after_chunk runs for each of `order`.)
+                    self._adam([r for r in owned if r.chunk not in done] if done else owned,
+                               clip / scale, order=list(self._dp_spans), after_chunk=self._dp_share)
                     self._dp_shared()
                 except BaseException as e:
                     self._dp_sending.clear()
