@@ -170,10 +170,10 @@ _TIDAL_SCHEMA: dict[str, Any] = {
                                      "the step validates (clipping, fp16 overflow) and undoes "
                                      "where it must (Notes [CPU Adam during backward], "
                                      "[Speculative updates and their undo]); with accumulation in "
-                                     "the last micro-batch's backward. Not with DTR, recompute or "
-                                     "data parallel: true there is an error, the default turns it "
-                                     "off (memory_report()['optimizer']['overlap_step_off'] says "
-                                     "why)"),
+                                     "the last micro-batch's backward; under data parallel an owner "
+                                     "starts a chunk's update when its reduction lands. Not with "
+                                     "DTR: true there is an error, the default turns it off "
+                                     "(memory_report()['optimizer']['overlap_step_off'] says why)"),
         "dtr": (dict, {}, "DTR of activations under the engine (docs/dtr.md): enabled, "
                           "eviction_threshold, evictee_minimum_size, enable_sqrt_sampling, scorer"),
         "recompute": (dict, {}, "tidal.recompute's own keys (tidal.recompute.from_config; "
@@ -773,9 +773,6 @@ class Config:
             if _dtr_enabled(self.dtr):
                 conflicts.append("tidal.dtr is enabled (a replay in backward may read weights an "
                                  "update already changed)")
-            if self.activation_checkpointing_given:
-                conflicts.append("activation_checkpointing / tidal.recompute is set (a recomputed "
-                                 "segment may read weights an update already changed)")
             if conflicts and self.overlap_step_given:
                 problems.add("tidal.overlap_step", "config key 'tidal.overlap_step': true needs "
                                                    "every gradient of a chunk to be final when it "

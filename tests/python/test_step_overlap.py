@@ -289,7 +289,6 @@ def test_on_by_default_with_deepspeeds_defaults():
 @pytest.mark.parametrize("key, block, named", [
     ("dtr", {"enabled": True}, "tidal.dtr is enabled"),
     ("dtr", {"evictee_minimum_size": 4096}, "tidal.dtr is enabled"),
-    ("activation_checkpointing", {"number_checkpoints": 2}, "tidal.recompute is set"),
 ])
 def test_dtr_and_recompute_refused_when_asked_for_and_off_by_default(key, block, named):
     cfg = make_config(True)
@@ -391,6 +390,30 @@ def test_non_reentrant_checkpoints_in_the_model_overlap_exactly():
         within_budget(engine)
         runs[overlap] = engine
     assert not runs[True]._overlap._relanded
+    assert optimizer_report(runs[True])["chunks_updated_during_backward"] > 0
+    assert_bitwise(runs[False], runs[True])
+
+
+@pytest.mark.parametrize("block", [{"number_checkpoints": 2}, {"number_checkpoints": 2, "cpu_checkpointing": True}],
+                         ids=["recompute", "recompute-offload"])
+def test_tidal_recompute_overlaps_exactly(block):
+    """tidal.recompute (activation_checkpointing in the config, offloaded or
+    not) with overlap_step on by default: chunks are updated during backward
+    and every step's weights are those without overlap, bit for bit."""
+    batches = gpt_batches(4)
+    runs = {}
+    for overlap in (False, True):
+        torch.manual_seed(0)
+        cfg = make_config(overlap, clip=50.0, hybrid=False)
+        cfg["activation_checkpointing"] = dict(block)
+        if overlap:
+            del cfg["tidal"]["overlap_step"]  # the default
+        engine = tidal.initialize(TinyGPT(d=64, seq=8), cfg)
+        assert engine.recompute_plan is not None
+        train(engine, batches, FACTORS)
+        within_budget(engine)
+        runs[overlap] = engine
+    assert optimizer_report(runs[True])["overlap_step_off"] is None
     assert optimizer_report(runs[True])["chunks_updated_during_backward"] > 0
     assert_bitwise(runs[False], runs[True])
 

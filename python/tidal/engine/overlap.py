@@ -70,7 +70,7 @@ launched.
 What stays out, and why (a ConfigError when tidal.overlap_step is set to
 true; with the default, the step is not overlapped and
 memory_report()["optimizer"]["overlap_step_off"] says why; the config
-decides, tidal/config.py): DTR and recompute.
+decides, tidal/config.py): DTR. Recompute is in:
   * Recompute (tidal.recompute, and torch.utils.checkpoint with
     use_reentrant=False in a model) runs in the one autograd graph: a
     segment is recomputed when backward first unpacks one of its saved
@@ -78,9 +78,9 @@ decides, tidal/config.py): DTR and recompute.
     gradient lands once, after the backward of all its uses. So no
     recompute reads a weight whose gradient has landed, and a chunk is
     launched only when all its gradients have: the order alone makes the
-    overlap exact (test_step_overlap.py checks it for checkpoints in a
-    model, a weight in two segments included). The config still turns it
-    off when tidal.recompute is set (not changed here).
+    overlap exact (test_step_overlap.py checks it bit for bit for
+    checkpoints in a model, a weight in two segments included, and for
+    tidal.recompute from the config, offloaded or not).
   * DTR replays single ops, in whatever order its evictions ask, and a
     replay may read a weight whose gradient has landed: a tensor that
     depends on the weight through no gradient (an integer index, a mask, a
