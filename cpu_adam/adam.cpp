@@ -278,8 +278,16 @@ void set_kernel_target(std::string_view name) {
 
 std::string kernel_target() { return active_table().name; }
 
-void adam_update(const AdamHyperParams& hyper, const AdamDTypes& dtypes,
-                 std::span<const AdamSpan> spans, double grad_scale, const ExecOptions& exec) {
+namespace {
+
+// adam_update's body. `f32_copies` (empty, or one per span): where each
+// block's updated fp32 params are copied right after the block's update, on
+// the thread that updated it, while its lines are in cache; the fp32 mode of
+// adam_chunk_step, whose grad buffer takes the params (Note [The fp32
+// working copy] in hooks/chunk_step.h). The block's grads are read before
+// the copy overwrites them, and blocks are disjoint.
+void update_impl(const AdamHyperParams& hyper, const AdamDTypes& dtypes, std::span<const AdamSpan> spans,
+                 double grad_scale, const ExecOptions& exec, std::span<float* const> f32_copies) {
   check_hyper(hyper);
   check_dtypes(dtypes);
   check_grad_scale(grad_scale);
@@ -325,8 +333,22 @@ void adam_update(const AdamHyperParams& hyper, const AdamDTypes& dtypes,
       const AdamSpan& span = spans[s];
       fn(constants[s], {span.param, span.exp_avg, span.exp_avg_sq, span.grad, span.param_copy},
          begin, count);
+      if (!f32_copies.empty() && f32_copies[s] != nullptr) {
+        std::memcpy(f32_copies[s] + begin, span.param + begin, count * sizeof(float));
+      }
     });
   });
+}
+
+AdamStepResult step_impl(const AdamHyperParams& hyper, const AdamDTypes& dtypes,
+                         std::span<const AdamSpan> spans, const AdamStepOptions& options,
+                         const ExecOptions& exec, std::span<float* const> f32_copies);
+
+}  // namespace
+
+void adam_update(const AdamHyperParams& hyper, const AdamDTypes& dtypes,
+                 std::span<const AdamSpan> spans, double grad_scale, const ExecOptions& exec) {
+  update_impl(hyper, dtypes, spans, grad_scale, exec, {});
 }
 
 GradStats grad_stats(DType grad_dtype, std::span<const GradSpan> spans, double grad_scale,
@@ -385,6 +407,14 @@ void fold_gradients(DType half_dtype, std::span<const FoldSpan> spans, const Exe
 AdamStepResult adam_step(const AdamHyperParams& hyper, const AdamDTypes& dtypes,
                          std::span<const AdamSpan> spans, const AdamStepOptions& options,
                          const ExecOptions& exec) {
+  return step_impl(hyper, dtypes, spans, options, exec, {});
+}
+
+namespace {
+
+AdamStepResult step_impl(const AdamHyperParams& hyper, const AdamDTypes& dtypes,
+                         std::span<const AdamSpan> spans, const AdamStepOptions& options,
+                         const ExecOptions& exec, std::span<float* const> f32_copies) {
   TIDAL_CHECK(std::isfinite(options.loss_scale) && options.loss_scale > 0.0,
               "loss_scale must be finite and > 0, got ", options.loss_scale);
   TIDAL_CHECK(!std::isnan(options.max_grad_norm), "max_grad_norm must not be NaN");
@@ -419,9 +449,11 @@ AdamStepResult adam_step(const AdamHyperParams& hyper, const AdamDTypes& dtypes,
       if (!std::isfinite(result.clip_coef)) result.clip_coef = 1.0;
     }
   }
-  adam_update(hyper, dtypes, spans, inv_loss_scale * result.clip_coef, exec);
+  update_impl(hyper, dtypes, spans, inv_loss_scale * result.clip_coef, exec, f32_copies);
   return result;
 }
+
+}  // namespace
 
 AdamStepResult adam_chunk_step(const AdamHyperParams& hyper, const AdamChunk& chunk,
                                std::span<const ChunkRange> ranges, const AdamStepOptions& options,
@@ -431,8 +463,9 @@ AdamStepResult adam_chunk_step(const AdamHyperParams& hyper, const AdamChunk& ch
               "the chunk's 16-bit buffer must be float16, bfloat16 or (fp32 mode) float32, got ",
               dtype_name(chunk.half_dtype));
   // fp32 mode (the engine's exactness mode: the "16-bit" list is float32 by
-  // role): the kernel reads fp32 gradients and the updated masters are
-  // copied into the buffer after the step, an exact copy.
+  // role): the kernel reads fp32 gradients from the buffer, and each block's
+  // updated masters are copied into it right after the block (update_impl),
+  // an exact copy; nothing is copied when the step finds an overflow.
   const bool copy_after = chunk.half_dtype == DType::kFloat32;
   TIDAL_CHECK(chunk.numel == 0 || (chunk.param != nullptr && chunk.exp_avg != nullptr &&
                                    chunk.exp_avg_sq != nullptr && chunk.half != nullptr),
@@ -462,9 +495,11 @@ AdamStepResult adam_chunk_step(const AdamHyperParams& hyper, const AdamChunk& ch
   const std::size_t half_size = dtype_size(chunk.half_dtype);
   std::vector<AdamSpan> spans;
   spans.reserve(ranges.size());
+  std::vector<float*> f32_copies;
   for (const ChunkRange& r : ranges) {
     if (r.count == 0) continue;
     void* half = static_cast<char*>(chunk.half) + r.offset * half_size;
+    if (copy_after) f32_copies.push_back(static_cast<float*>(half));
     const void* grad = chunk.grad != nullptr ? chunk.grad + r.offset : half;
     spans.push_back(AdamSpan{chunk.param + r.offset,
                              static_cast<char*>(chunk.exp_avg) + r.offset * state_size,
@@ -479,16 +514,7 @@ AdamStepResult adam_chunk_step(const AdamHyperParams& hyper, const AdamChunk& ch
   AdamDTypes dtypes{chunk.grad != nullptr ? DType::kFloat32 : chunk.half_dtype, chunk.state_dtype,
                     chunk.half_dtype};
   if (copy_after) dtypes.param_copy.reset();
-  const AdamStepResult result = adam_step(hyper, dtypes, spans, options, exec);
-  if (copy_after && !result.overflow) {
-    // The gradients were read; the buffer takes the params.
-    for (const ChunkRange& r : ranges) {
-      if (r.count == 0) continue;
-      std::memcpy(static_cast<float*>(chunk.half) + r.offset, chunk.param + r.offset,
-                  r.count * sizeof(float));
-    }
-  }
-  return result;
+  return step_impl(hyper, dtypes, spans, options, exec, f32_copies);
 }
 
 }  // namespace tidal::cpu_adam

@@ -180,5 +180,62 @@ TEST(AdamThreads, AnotherPoolsRunnerGivesTheSameBytesAndCoversEveryBlockOnce) {
   for (std::size_t i = 0; i < got.size(); ++i) EXPECT_TRUE(same_bytes(got[i], want[i])) << "span " << i;
 }
 
+// The fp32 mode of adam_chunk_step (the "16-bit" buffer is float32: fp32
+// gradients in, the updated masters out, copied block by block right after
+// each block's update): bitwise the same for any thread count, the buffer
+// equal to the masters afterwards; an overflow changes nothing, the buffer
+// keeps its gradients.
+TEST(AdamThreads, TheFp32ChunkStepCopiesEachBlockExactlyOnAnyThreadCount) {
+  ManyThreads allow;
+  const std::size_t numel = 3 * kBlockElements + 1001;
+  const std::vector<ChunkRange> ranges{{0, 17, 1}, {32, kBlockElements + 5, 2}, {kBlockElements + 64, numel - kBlockElements - 64, 3}};
+  auto init = [&](std::vector<float>& p, std::vector<float>& m, std::vector<float>& v, std::vector<float>& g) {
+    p.resize(numel);
+    m.resize(numel);
+    v.resize(numel);
+    g.resize(numel);
+    for (std::size_t i = 0; i < numel; ++i) {
+      p[i] = 0.5f - static_cast<float>(i % 97) / 97.0f;
+      m[i] = static_cast<float>(i % 13) * 1e-3f;
+      v[i] = static_cast<float>(i % 7) * 1e-4f;
+      g[i] = static_cast<float>(static_cast<int>(i % 31) - 15) * 1e-2f;
+    }
+  };
+  const AdamHyperParams h = non_default_hyper(true, true);
+  std::vector<float> want_p;
+  std::vector<float> want_g;
+  for (int threads : {1, 2, 3, 8}) {
+    std::vector<float> p, m, v, g;
+    init(p, m, v, g);
+    AdamChunk c{p.data(), m.data(), v.data(), g.data(), numel, DType::kFloat32, DType::kFloat32};
+    const AdamStepResult r = adam_chunk_step(h, c, ranges, AdamStepOptions{}, ExecOptions{threads});
+    ASSERT_FALSE(r.overflow);
+    for (const ChunkRange& range : ranges) {
+      for (std::size_t i = range.offset; i < range.offset + range.count; ++i) {
+        ASSERT_EQ(std::memcmp(&g[i], &p[i], sizeof(float)), 0) << "element " << i << ", " << threads << " threads";
+      }
+    }
+    // Elements outside the ranges keep their gradients.
+    EXPECT_EQ(g[20], static_cast<float>(static_cast<int>(20 % 31) - 15) * 1e-2f);
+    if (want_p.empty()) {
+      want_p = p;
+      want_g = g;
+    } else {
+      ASSERT_EQ(std::memcmp(p.data(), want_p.data(), numel * sizeof(float)), 0) << threads << " threads";
+      ASSERT_EQ(std::memcmp(g.data(), want_g.data(), numel * sizeof(float)), 0) << threads << " threads";
+    }
+  }
+  std::vector<float> p, m, v, g;
+  init(p, m, v, g);
+  g[kBlockElements + 100] = std::numeric_limits<float>::infinity();
+  const std::vector<float> g0 = g, p0 = p;
+  AdamChunk c{p.data(), m.data(), v.data(), g.data(), numel, DType::kFloat32, DType::kFloat32};
+  AdamStepOptions o;
+  o.check_overflow = true;
+  EXPECT_TRUE(adam_chunk_step(h, c, ranges, o, ExecOptions{3}).overflow);
+  EXPECT_EQ(std::memcmp(g.data(), g0.data(), numel * sizeof(float)), 0);
+  EXPECT_EQ(std::memcmp(p.data(), p0.data(), numel * sizeof(float)), 0);
+}
+
 }  // namespace
 }  // namespace tidal::cpu_adam
