@@ -55,7 +55,7 @@
 //    simulated device's budget is a hard limit] in
 //    hooks/host_allocation_counter.h).
 // And wherever the chunk room grows for the parameters a module needs (the
-// warm-up step, or DTR under the engine), ModuleHooks::reserve_for_chunks
+// warm-up step, or DTR under the engine), DeviceRoom::reserve_for_chunks
 // first asks activations to give way (DTR evicts one at a time); where they
 // cannot, the attach fails with an OutOfMemoryError naming both sides,
 // never an overrun. point() counts the moments past the budget (overruns()).
@@ -166,7 +166,8 @@ class MemoryTracer {
   // Chunks plus every other byte the meter sees stay within the budget less
   // the margin: the meter's limit follows the chunk bytes on the device.
   // Call after chunk bytes on the device changed (ModuleHooks does, at every
-  // attach, detach and landing). On: every point and room change too.
+  // attach, detach and landing: DeviceRoom::chunks_moved). On: every point
+  // and room change too.
   void set_enforce(bool on);
   void update_nonchunk_limit();
 
