@@ -524,18 +524,18 @@ Python thread drives a Chunks object.)doc");
                TIDAL_CHECK(t.size() == 7, "step_chunk: a group is (lr, beta1, beta2, eps, weight_decay, "
                            "tensor ids, steps), got ", t.size(), " items");
                hooks::ChunkStepGroup g;
-               g.lr = t[0].cast<double>();
-               g.beta1 = t[1].cast<double>();
-               g.beta2 = t[2].cast<double>();
-               g.eps = t[3].cast<double>();
-               g.weight_decay = t[4].cast<double>();
+               g.hyper.lr = t[0].cast<double>();
+               g.hyper.beta1 = t[1].cast<double>();
+               g.hyper.beta2 = t[2].cast<double>();
+               g.hyper.eps = t[3].cast<double>();
+               g.hyper.weight_decay = t[4].cast<double>();
+               g.hyper.adamw_mode = adamw_mode;
+               g.hyper.bias_correction = bias_correction;
                g.tensors = t[5].cast<std::vector<TensorId>>();
                g.steps = t[6].cast<std::vector<std::int64_t>>();
                gs.push_back(std::move(g));
              }
              hooks::ChunkStepOptions o;
-             o.adamw_mode = adamw_mode;
-             o.bias_correction = bias_correction;
              o.grad_scale = grad_scale;
              o.use_sums = use_sums;
              o.prefer_device = prefer_device;
