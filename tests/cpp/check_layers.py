@@ -226,7 +226,7 @@ def check(root: Path, edges_out: dict[str, set[str]] | None = None) -> list[str]
         ok = allowed(own)
         for kind, header in INCLUDE.findall(full.read_text(errors="replace")):
             shown = f"<{header}>" if kind == "<" else f'"{header}"'
-            path = resolve_include(root, rel, kind, header, top_folders)
+            path = resolve_include(root, rel, kind, header)
             if path is None:
                 if kind == '"' and "/" not in header or header.split("/")[0] in top_folders:
                     problems.append(f"{rel}: includes {shown}, which looks like the repository's but "
@@ -257,7 +257,7 @@ def check(root: Path, edges_out: dict[str, set[str]] | None = None) -> list[str]
     return problems
 
 
-def resolve_include(root: Path, rel: str, kind: str, header: str, top_folders: set[str]) -> str | None:
+def resolve_include(root: Path, rel: str, kind: str, header: str) -> str | None:
     """The repository path an include names (from the root, or a quoted one
     from the including file's folder), or None when no file there has it."""
     if (root / header).is_file():
@@ -285,8 +285,7 @@ def cmake_variables(root: Path, cmakes: list[Path]) -> dict[str, list[str]]:
             elif command == "file" and first.upper() in ("GLOB", "GLOB_RECURSE") and args:
                 name, patterns = args[0], [a for a in args[1:] if a not in ("CONFIGURE_DEPENDS",)]
                 values = []
-                for pattern in patterns:
-                    pattern = expand(pattern, cmake.parent, root, {})[0] if pattern else pattern
+                for pattern in (p for a in patterns for p in expand(a, cmake.parent, root, {})):
                     if not os.path.isabs(pattern):
                         pattern = str(cmake.parent / pattern)
                     values += sorted(glob.glob(pattern, recursive=first.upper() == "GLOB_RECURSE"))
@@ -296,15 +295,18 @@ def cmake_variables(root: Path, cmakes: list[Path]) -> dict[str, list[str]]:
     return out
 
 
-def expand(arg: str, folder: Path, root: Path, variables: dict[str, list[str]]) -> list[str]:
+def expand(arg: str, folder: Path, root: Path, variables: dict[str, list[str]],
+           seen: frozenset[str] = frozenset()) -> list[str]:
     """`arg` with its variables and generator expressions replaced: a list, as
-    a variable may hold several values. Unknown variables stay as they are."""
+    a variable may hold several values. Unknown variables stay as they are, and
+    so does one met again inside its own value (set(X ${X} more))."""
     arg = arg.strip('"')
     while GENERATOR.search(arg):  # innermost first: $<$<BOOL:X>:tidal_chunk> -> tidal_chunk
         arg = GENERATOR.sub(lambda m: m.group(1), arg)
     whole = CMAKE_VAR.fullmatch(arg)
-    if whole and whole.group(1) in variables:
-        return [v for value in variables[whole.group(1)] for v in expand(value, folder, root, variables)
+    if whole and whole.group(1) in variables and whole.group(1) not in seen:
+        inner = seen | {whole.group(1)}
+        return [v for value in variables[whole.group(1)] for v in expand(value, folder, root, variables, inner)
                 if v != arg]
 
     def one(m: re.Match) -> str:
@@ -578,7 +580,8 @@ def _self_test(top: Path) -> int:
         "an angle include of a file not in the tree": ({"hooks/bad.h": "#include <runtime/gone.h>\n"},
                                                        "names no file"),
         "a link through a variable": ({"runtime/CMakeLists.txt": "add_library(tidal_device STATIC device/device.cpp)\n"
-                                                                 "set(DEPS tidal_core tidal_scheduler)\n"
+                                                                 "set(DEPS tidal_core)\n"
+                                                                 "set(DEPS ${DEPS} tidal_scheduler)\n"
                                                                  "target_link_libraries(tidal_device PUBLIC ${DEPS})\n"},
                                       "links tidal_device"),
         "a link in a generator expression": ({"runtime/CMakeLists.txt":
