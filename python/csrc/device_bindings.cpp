@@ -23,6 +23,11 @@ namespace {
 
 using ByteSize = std::variant<std::size_t, std::string>;
 
+// CachingAllocatorModel::use() with the model's segment count, for Python.
+struct ModelUse : AllocatorUse {
+  std::size_t segments = 0;
+};
+
 std::size_t to_bytes(const ByteSize& value) {
   if (const auto* n = std::get_if<std::size_t>(&value)) return *n;
   return parse_bytes(std::get<std::string>(value));
@@ -237,6 +242,13 @@ caching allocator]).)doc")
         "`stream` (a cudaStream_t as int). Raises NotImplementedError unless torch is a CUDA build.");
   // Note [Who owns a device byte] (runtime/memory/caching_allocator_model.h):
   // the model, for the GPU run that checks it against torch's own allocator.
+  RecordBinding<ModelUse>(m, "CachingAllocatorModelUse", "What the model holds, in bytes, and its segments.")
+      .field("reserved", &AllocatorUse::reserved)
+      .field("allocated", &AllocatorUse::allocated)
+      .field("active", &AllocatorUse::active)
+      .field("inactive_split", &AllocatorUse::inactive_split)
+      .field("segments", &ModelUse::segments)
+      .done();
   py::class_<CachingAllocatorModel>(m, "CachingAllocatorModel", R"doc(
 torch's CUDA caching allocator as a model: allocate(bytes, cap) places a request
 as torch would (0 when it fails under the cap), free(handle) gives it back,
@@ -247,16 +259,7 @@ use() says reserved, allocated, active and inactive split bytes.)doc")
            }, py::arg("bytes"), py::arg("cap") = ~std::size_t{0})
       .def("free", &CachingAllocatorModel::free, py::arg("handle"))
       .def("release_cached", &CachingAllocatorModel::release_cached)
-      .def("use", [](const CachingAllocatorModel& m) {
-        const AllocatorUse u = m.use();
-        py::dict d;
-        d["reserved"] = u.reserved;
-        d["allocated"] = u.allocated;
-        d["active"] = u.active;
-        d["inactive_split"] = u.inactive_split;
-        d["segments"] = m.segments();
-        return d;
-      })
+      .def("use", [](const CachingAllocatorModel& m) { return ModelUse{m.use(), m.segments()}; })
       .def_property_readonly("last_failure", &CachingAllocatorModel::last_failure)
       .def("validate", &CachingAllocatorModel::validate);
   m.def("room_to_make", [](std::size_t reserved, std::size_t active, std::size_t inactive_split,

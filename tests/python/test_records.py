@@ -13,7 +13,9 @@ from tidal import _C
 def _records():
     device = tidal.get_device()
     runtime = _C.dtr.Runtime(eviction_threshold=1 << 20, evictee_minimum_size=1024, enable_sqrt_sampling=False)
-    return [device.info(), device.memory_stats(), _C.host_memory_stats(), runtime.stats()]
+    model = _C.CachingAllocatorModel()
+    model.allocate(5 << 20)
+    return [device.info(), device.memory_stats(), _C.host_memory_stats(), runtime.stats(), model.use()]
 
 
 @pytest.mark.parametrize("record", _records(), ids=lambda r: type(r).__name__)
