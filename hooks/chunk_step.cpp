@@ -79,19 +79,11 @@ void simd_step(const std::array<const Chunk*, 4>& c, const Chunk* sums, const Ch
   ca::AdamChunk chunk{static_cast<float*>(w.payload()), c[1]->payload(), c[2]->payload(), c[3]->payload(),
                       w.capacity_bytes() / sizeof(float), adam_dtype(c[3]->dtype()), adam_dtype(c[1]->dtype())};
   if (sums != nullptr) chunk.grad = static_cast<const float*>(sums->payload());
-  ca::AdamHyperParams h;
-  h.lr = g.lr;
-  h.beta1 = g.beta1;
-  h.beta2 = g.beta2;
-  h.eps = g.eps;
-  h.weight_decay = g.weight_decay;
-  h.adamw_mode = o.adamw_mode;
-  h.bias_correction = o.bias_correction;
   ca::AdamStepOptions opt;
   opt.loss_scale = 1.0 / o.grad_scale;
   opt.max_grad_norm = 0.0;
   opt.check_overflow = false;
-  ca::adam_chunk_step(h, chunk, ranges, opt, ca::ExecOptions{o.num_threads, ca::CopyStores::kAuto, o.runner});
+  ca::adam_chunk_step(g.hyper, chunk, ranges, opt, ca::ExecOptions{o.num_threads, ca::CopyStores::kAuto, o.runner});
 }
 
 // torch's fused Adam/AdamW over the group's tensors on a GPU, in parts of at
@@ -100,7 +92,8 @@ void simd_step(const std::array<const Chunk*, 4>& c, const Chunk* sums, const Ch
 // torch's fused kernels always correct the bias and take fp32 moments only.
 void fused_step(const std::array<const Chunk*, 4>& c, const Chunk* sums, const ChunkStepGroup& g,
                 const std::vector<ca::ChunkRange>& ranges, const ChunkStepOptions& o, const at::Device& device) {
-  TIDAL_CHECK(o.bias_correction, "step_chunk: torch's fused Adam always corrects the bias; without bias "
+  const ca::AdamHyperParams& hp = g.hyper;
+  TIDAL_CHECK(hp.bias_correction, "step_chunk: torch's fused Adam always corrects the bias; without bias "
               "correction a chunk on a GPU is updated tensor by tensor (the engine's _adam_per_tensor)");
   auto view = [&](const Chunk* ch) {
     const auto numel = static_cast<std::int64_t>(ch->capacity_bytes() / element_size(ch->dtype()));
@@ -142,10 +135,12 @@ void fused_step(const std::array<const Chunk*, 4>& c, const Chunk* sums, const C
         at::_foreach_mul_(grads, o.grad_scale);
       }
     }
-    if (o.adamw_mode) {
-      at::_fused_adamw_(ws, grads, m32, v32, {}, steps, g.lr, g.beta1, g.beta2, g.weight_decay, g.eps, false, false);
+    if (hp.adamw_mode) {
+      at::_fused_adamw_(ws, grads, m32, v32, {}, steps, hp.lr, hp.beta1, hp.beta2, hp.weight_decay, hp.eps, false,
+                        false);
     } else {
-      at::_fused_adam_(ws, grads, m32, v32, {}, steps, g.lr, g.beta1, g.beta2, g.weight_decay, g.eps, false, false);
+      at::_fused_adam_(ws, grads, m32, v32, {}, steps, hp.lr, hp.beta1, hp.beta2, hp.weight_decay, hp.eps, false,
+                       false);
     }
     if (m.scalar_type() != at::kFloat) {
       at::_foreach_copy_(ms, m32);  // rounded to nearest even

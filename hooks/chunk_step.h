@@ -56,22 +56,17 @@
 
 namespace tidal::hooks {
 
-// One parameter group's share of a chunk: its hyper-parameters and the
-// tensors of the chunk that belong to it, each with the step this update
-// makes (torch's state['step'] after its increment).
+// One parameter group's share of a chunk: its hyper-parameters (cpu_adam's,
+// whichever kernel runs the update) and the tensors of the chunk that belong
+// to it, each with the step this update makes (torch's state['step'] after
+// its increment).
 struct ChunkStepGroup {
-  double lr = 1e-3;
-  double beta1 = 0.9;
-  double beta2 = 0.999;
-  double eps = 1e-8;
-  double weight_decay = 0.0;
+  cpu_adam::AdamHyperParams hyper;
   std::vector<TensorId> tensors;
   std::vector<std::int64_t> steps;
 };
 
 struct ChunkStepOptions {
-  bool adamw_mode = true;
-  bool bias_correction = true;
   // The factor the 16-bit gradients are multiplied by: clip / loss scale.
   double grad_scale = 1.0;
   // Gradient accumulation: the fp32 sums (ChunkKind::kGradAccum) hold the gradients.

@@ -15,11 +15,11 @@
 // again before it reserves a segment (and, past its cap, gives back its whole
 // free segments and tries once more, then raises OutOfMemoryError). tidal
 // registers one callback per process. While an engine's forward or backward
-// runs (armed by ModuleHooks::set_device_room_maker, as the simulated device's
+// runs (armed by DeviceRoom::set_device_room_maker, as the simulated device's
 // room maker is), the callback reads torch's statistics and asks for
 // room_to_make(...) bytes: enough that a segment for the largest non-chunk
 // request seen so far fits under the engine's cap once torch gives back what
-// it can. ModuleHooks::free_device_room frees them as on the simulated
+// it can. DeviceRoom::free_device_room frees them as on the simulated
 // device: chunks not in use leave by the trace (their blocks go back to
 // torch's cache, where the retry finds them or whence torch gives them back
 // to the driver), or, under DTR with the arbiter, the cheaper activation.

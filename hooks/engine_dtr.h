@@ -7,11 +7,12 @@
 // one pointer it needs to find the session routing ops, interceptor.cpp):
 //   * alias(): which of the engine's attached parameters a tensor views
 //     (ModuleHooks::attached_at), for every tensor of every op;
-//   * arbiter(): the engine's ModuleHooks, which prices and moves its chunks
-//     (Note [The arbiter between chunks and activations]), held weakly by
-//     the session's ArbiterSet;
-//   * session_changed(): the session routing ops now, or none, kept by
-//     ModuleHooks (set_dtr_session) for the evictions chunk attaches ask for
+//   * arbiter(): the engine's DeviceRoom (device_room.h), which prices and
+//     moves its chunks (Note [The arbiter between chunks and activations]),
+//     held weakly by the session's ArbiterSet through a handle that keeps
+//     the whole ModuleHooks alive (ModuleHooks::room_handle);
+//   * session_changed(): the session routing ops now, or none, kept by the
+//     DeviceRoom (set_dtr_session) for the evictions chunk attaches ask for
 //     and the threshold the arbiter sets.
 // Replays (view(), end_replay_step()) and parameter names stay with the
 // engine's Python side, a subclass (python/csrc/dtr_bindings.cpp).
@@ -33,7 +34,7 @@ class EngineParamProvider : public dtr::ParamProvider {
   std::int64_t alias(const at::Tensor& t) override;
   std::uint64_t weights_epoch() const override { return epoch_.load(); }
   void set_weights_epoch(std::uint64_t epoch) { epoch_.store(epoch); }
-  std::weak_ptr<dtr::ChunkArbiter> arbiter() const override { return hooks_; }
+  std::weak_ptr<dtr::ChunkArbiter> arbiter() const override;
   void session_changed(dtr::ActivationRoom* routing) override;
 
  private:

@@ -36,10 +36,17 @@ void reset_host_allocation_device_peak();
 
 // Note [The simulated device's budget is a hard limit]
 // ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-// On a GPU an allocation past the device's memory fails in the op that asks
-// for it. The simulated device's "device" tensors are CPU tensors, so the
-// counter plays that part: with a limit set, a counted allocation that would
-// take the live bytes past it throws c10::OutOfMemoryError (torch's
+// On a GPU whose chunk blocks come from torch's caching allocator, an
+// allocation past the engine's budget fails in the op that asks for it:
+// the engine caps torch at its budget while it lives (Note [torch's cap
+// belongs to the live engines] in python/tidal/engine/device_cap.py), and a
+// cache miss past the cap first asks for room (Note [Room on a cache miss] in
+// hooks/cuda_room.h). The simulated device's "device" tensors are CPU
+// tensors, so the counter plays torch's part: with a limit set (while the
+// engine's forward and backward run), a counted allocation that would take
+// the live bytes past it first asks the room maker (on the thread that
+// armed it: chunks not in use leave the device, or DTR evicts), and if that
+// frees too little throws c10::OutOfMemoryError (torch's
 // torch.OutOfMemoryError) before anything is allocated. The engine sets the
 // limit to what its device budget leaves beside the chunks on the device
 // (budget - margin - chunk bytes held) whenever the chunk bytes change, so

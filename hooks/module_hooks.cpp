@@ -1,24 +1,14 @@
 #include "hooks/module_hooks.h"
 
-#include "hooks/cuda_room.h"
-
 #include <algorithm>
-#include <cmath>
 #include <cstring>
 #include <exception>
 #include <iterator>
-#include <limits>
-#include <optional>
-#include <span>
-#include <thread>
 #include <utility>
 
-#include <torch/csrc/autograd/engine.h>
+#include <c10/core/GradMode.h>
 #include <torch/csrc/autograd/graph_task.h>
 
-#include "cpu_adam/adam.h"
-#include "hooks/host_allocation_counter.h"
-#include "hooks/dtr/interceptor.h"
 #include "runtime/core/error.h"
 
 namespace tidal::hooks {
@@ -26,34 +16,14 @@ namespace {
 
 constexpr ChunkKind kSlot = ChunkKind::kParam16;
 
-// cpu_adam's name for a dtype its kernels take.
-std::optional<cpu_adam::DType> cpu_adam_dtype(at::ScalarType type) {
-  switch (type) {
-    case at::kFloat:
-      return cpu_adam::DType::kFloat32;
-    case at::kHalf:
-      return cpu_adam::DType::kFloat16;
-    case at::kBFloat16:
-      return cpu_adam::DType::kBFloat16;
-    default:
-      return std::nullopt;
-  }
-}
-
 const void* storage_data(const at::Tensor& t) {
   return t.storage().data_ptr().get();
 }
 
-// A tensor's version counter: in-place writes through it (or through views of
-// it) count; Tensor::set_data keeps it, `p.data` makes another.
-std::uint32_t version_of(const at::Tensor& t) {
-  return t.unsafeGetTensorImpl()->version_counter().current_version();
-}
-
 // dst = src: a memcpy for contiguous CPU tensors of one dtype and size (a
-// gradient landing in its slot on the simulated device; copy_ costs ~2 us of
-// dispatch for a small tensor), else torch's copy_ into dst's data, which
-// autograd does not see (dst may be a parameter).
+// gradient landing in its slot on the simulated device, where copy_'s
+// dispatch would cost more than the copy of a small tensor), else torch's
+// copy_ into dst's data, which autograd does not see (dst may be a parameter).
 void copy_gradient(const at::Tensor& dst, const at::Tensor& src) {
   if (dst.is_cpu() && src.is_cpu() && dst.scalar_type() == src.scalar_type() &&
       dst.numel() == src.numel() && dst.is_contiguous() && src.is_contiguous()) {
@@ -66,9 +36,17 @@ void copy_gradient(const at::Tensor& dst, const at::Tensor& src) {
 }  // namespace
 
 ModuleHooks::ModuleHooks(ChunkScheduler* scheduler, ParamBinding* binding, MemoryTracer* tracer)
-    : scheduler_(scheduler), binding_(binding), tracer_(tracer) {
+    : scheduler_(scheduler), binding_(binding), tracer_(tracer),
+      chunks_in_use_(scheduler != nullptr ? &scheduler->store() : nullptr),
+      room_(scheduler, tracer), backward_end_(tracer), gradient_sums_(scheduler, binding) {
   TIDAL_INTERNAL_ASSERT(scheduler_ != nullptr && binding_ != nullptr && tracer_ != nullptr,
                         "ModuleHooks needs a scheduler, a binding and a tracer");
+}
+
+std::weak_ptr<DeviceRoom> ModuleHooks::room_handle() {
+  const std::shared_ptr<ModuleHooks> self = weak_from_this().lock();
+  if (self == nullptr) return {};
+  return std::shared_ptr<DeviceRoom>(self, &room_);
 }
 
 std::size_t ModuleHooks::add_param(at::Tensor param, TensorId id, std::vector<std::int64_t> shape) {
@@ -80,7 +58,8 @@ std::size_t ModuleHooks::add_param(at::Tensor param, TensorId id, std::vector<st
   p.id = id;
   p.shape = std::move(shape);
   p.chunk = scheduler_->store().placement(id).chunk;
-  p.version_attached = p.version_detached = version_of(p.param);
+  writes_.add(p.param);
+  grad_norms_.add_param();
   params_.push_back(std::move(p));
   return params_.size() - 1;
 }
@@ -110,12 +89,13 @@ void ModuleHooks::set_chunks(ChunkScheduler* scheduler, ParamBinding* binding,
   }
   scheduler_ = scheduler;
   binding_ = binding;
+  room_.set_scheduler(scheduler);
+  gradient_sums_.set_chunks(scheduler, binding);
   for (std::size_t i = 0; i < ids.size(); ++i) {
     params_[i].id = ids[i];
     params_[i].chunk = scheduler_->store().placement(ids[i]).chunk;
   }
-  attached_in_chunk_.assign(scheduler_->store().num_chunks(), 0);
-  bytes_in_use_ = 0;
+  chunks_in_use_.reset(&scheduler_->store());
 }
 
 void ModuleHooks::check_param(std::size_t param) const {
@@ -128,11 +108,19 @@ void ModuleHooks::check_module(std::size_t module) const {
                     modules_.size());
 }
 
+std::vector<TensorId> ModuleHooks::ids_of(const std::vector<std::size_t>& params) const {
+  for (std::size_t i : params) check_param(i);
+  std::vector<TensorId> ids;
+  ids.reserve(params.size());
+  for (std::size_t i : params) ids.push_back(params_[i].id);
+  return ids;
+}
+
 // ---- the hooks -------------------------------------------------------------
 
 void ModuleHooks::forward_pre(std::size_t module, bool trace_point) {
   check_module(module);
-  if (cuda_ordinal_ >= 0) set_cuda_room_thread();  // (Note [Room on a cache miss])
+  room_.enter_hook();
   if (trace_point) tracer_->point(PointKind::kForward, static_cast<std::int64_t>(module));
   const std::vector<std::size_t>& params = modules_[module];
   scratch_.clear();
@@ -205,34 +193,15 @@ void ModuleHooks::end_transient(std::size_t module) {
   transient_.resize(kept);
 }
 
-// Note [The end of a backward].
+// Note [The end of a backward] in hooks/backward_end.h.
 void ModuleHooks::queue_backward_end() {
-  if (backward_end_queued_ || torch::autograd::get_current_graph_task_id() == -1) return;
-  TIDAL_CHECK(engine_backward_ || raw_refusal_.empty(), raw_refusal_);
-  std::weak_ptr<ModuleHooks> self = weak_from_this();
-  if (self.expired()) return;
-  const bool raw = !engine_backward_;
-  if (raw && raw_limit_ && cuda_ordinal_ < 0) {
-    // Limited from here as under engine.backward() (set_raw_backward_limits).
-    tracer_->set_enforce(true);
-    if (raw_room_maker_) set_device_room_maker(true);
-  }
-  torch::autograd::Engine::get_default_engine().queue_callback([self, raw] {
-    if (const std::shared_ptr<ModuleHooks> hooks = self.lock()) {
-      hooks->end_backward();
-      // What the engine's _count(False) does after its own backward.
-      hooks->tracer_->set_enforce(false);
-      hooks->set_device_room_maker(false);
-      set_host_allocation_counting(false);
-      if (raw) hooks->raw_backward_ended_ = true;
-    }
-  });
-  backward_end_queued_ = true;
+  if (!backward_end_.due()) return;
+  backward_end_.queue(room_handle(), [this] { end_backward(); });
 }
 
 void ModuleHooks::backward_pre(std::size_t module) {
   check_module(module);
-  if (cuda_ordinal_ >= 0) set_cuda_room_thread();  // (Note [Room on a cache miss])
+  room_.enter_hook();
   queue_backward_end();
   tracer_->point(PointKind::kBackward, static_cast<std::int64_t>(module));
   scratch_.clear();
@@ -247,7 +216,7 @@ void ModuleHooks::backward_pre(std::size_t module) {
 
 void ModuleHooks::land_gradient(std::size_t param, const at::Tensor& grad) {
   check_param(param);
-  if (cuda_ordinal_ >= 0) set_cuda_room_thread();  // (Note [Room on a cache miss])
+  room_.enter_hook();
   queue_backward_end();
   tracer_->point(PointKind::kGrad, static_cast<std::int64_t>(param));
   c10::NoGradGuard no_grad;
@@ -255,22 +224,15 @@ void ModuleHooks::land_gradient(std::size_t param, const at::Tensor& grad) {
               " got a gradient of layout ", grad.layout(),
               "; tidal's chunk slots hold dense (strided) gradients");
   Param& p = params_[param];
-  // Note [Writes to a parameter]: a write the slot held (made in the forward,
-  // or before a loss.backward()) and nobody carried is overwritten now.
-  // engine.backward() carries them first; here it can only be named.
-  if (p.attached && !p.served && version_of(p.param) != p.version_attached) {
-    p.lost = true;
-    p.version_attached = version_of(p.param);
-  }
-  if (p.written) {
-    p.written = false;
-    p.lost = true;
-  }
+  // Note [Writes to a parameter]: a write the slot held and nobody carried is
+  // overwritten now. engine.backward() carries them first; here it can only
+  // be named.
+  writes_.landing(param, p.param, p.attached && !p.served);
   // (A landed parameter that is attached is served: its slot holds the
   // gradient, Note [Weights while gradients wait].)
   if (p.attached && !p.landed) {
     copy_gradient(p.param, grad);
-    if (!accumulating_) measure_gradient(param, grad);
+    if (!gradient_sums_.accumulating()) grad_norms_.measure(param, grad);
     p.landed = true;
     scratch_.assign(1, param);
     detach_now(scratch_, TensorState::kHoldAfterBwd);
@@ -285,10 +247,10 @@ void ModuleHooks::land_gradient(std::size_t param, const at::Tensor& grad) {
     if (p.landed) {
       // A second gradient before the step: the sum, as torch's .grad.
       slot.add_(grad.to(slot.device(), slot.scalar_type()));
-      if (!accumulating_) measure_gradient(param, slot);
+      if (!gradient_sums_.accumulating()) grad_norms_.measure(param, slot);
     } else {
       copy_gradient(slot, grad);
-      if (!accumulating_) measure_gradient(param, grad);
+      if (!gradient_sums_.accumulating()) grad_norms_.measure(param, grad);
     }
   } catch (...) {
     scheduler_->release(TensorRef{kSlot, p.id},
@@ -297,8 +259,7 @@ void ModuleHooks::land_gradient(std::size_t param, const at::Tensor& grad) {
   }
   p.landed = true;
   scheduler_->release(TensorRef{kSlot, p.id}, TensorState::kHoldAfterBwd);
-  tracer_->update_nonchunk_limit();
-  rebalance_dtr();
+  room_.chunks_moved();
 }
 
 void ModuleHooks::read_param(std::size_t param, bool learn) {
@@ -365,7 +326,7 @@ void ModuleHooks::detach(const std::vector<std::size_t>& params, TensorState sta
 }
 
 void ModuleHooks::end_backward() {
-  backward_end_queued_ = false;
+  backward_end_.ended();
   std::vector<std::size_t> rest;
   rest.swap(backward_attached_);
   detach(rest, TensorState::kHold);
@@ -374,10 +335,11 @@ void ModuleHooks::end_backward() {
 std::vector<std::string> ModuleHooks::release_all() noexcept {
   std::vector<std::string> failed;
   backward_attached_.clear();
-  backward_end_queued_ = false;
+  backward_end_.ended();
   running_.clear();
   transient_.clear();
-  for (Param& p : params_) {
+  for (std::size_t i = 0; i < params_.size(); ++i) {
+    Param& p = params_[i];
     p.uses = 0;
     if (!p.attached) continue;
     try {
@@ -392,7 +354,7 @@ std::vector<std::string> ModuleHooks::release_all() noexcept {
       }
     }
     try {
-      note_detach(p);
+      detaching(i);
       p.param.set_data(binding_->placeholder(kSlot, MemorySpace::kDevice));
     } catch (...) {
     }
@@ -400,8 +362,7 @@ std::vector<std::string> ModuleHooks::release_all() noexcept {
     p.served = false;
   }
   attached_by_data_.clear();
-  std::fill(attached_in_chunk_.begin(), attached_in_chunk_.end(), 0);
-  bytes_in_use_ = 0;
+  chunks_in_use_.clear();
   return failed;
 }
 
@@ -417,99 +378,16 @@ void ModuleHooks::fold_gradients(const std::vector<std::size_t>& params,
     TIDAL_CHECK(!params_[i].attached, "ModuleHooks.fold_gradients: parameter ", i,
                 " is attached; fold after backward");
   }
-  if (params.empty()) return;
-  c10::NoGradGuard no_grad;
-  constexpr ChunkKind kKinds[3] = {kSlot, ChunkKind::kParam32, ChunkKind::kGradAccum};
-  // The states to go back to on an error: the gradient stays in its slot, the
-  // master is unchanged, a sum written for the first time holds nothing.
-  struct Held {
-    TensorRef ref;
-    TensorState before;
-  };
-  std::vector<Held> held;
-  held.reserve(3 * params.size());
-  const bool host_memory = binding_->torch_device(space).is_cpu();
-  std::vector<cpu_adam::FoldSpan> spans;
-  std::vector<at::Tensor> halves, masters, sums;
-  try {
-    for (std::size_t k = 0; k < params.size(); ++k) {
-      const Param& p = params_[params[k]];
-      const std::size_t numel = scheduler_->store().tensor_numel(p.id);
-      void* data[3];
-      for (int j = 0; j < 3; ++j) {
-        const TensorRef ref{kKinds[j], p.id};
-        const TensorState before = scheduler_->store().state(ref);
-        data[j] = scheduler_->access(ref, space);
-        held.push_back({ref, before});
-      }
-      if (host_memory) {
-        spans.push_back({static_cast<float*>(data[2]), data[0], static_cast<const float*>(data[1]),
-                         numel, static_cast<bool>(first[k])});
-      } else {
-        const std::int64_t n = static_cast<std::int64_t>(numel);
-        const at::Device device = binding_->torch_device(space);
-        halves.push_back(slot_view(data[0], {n}, binding_->dtype(kSlot), device));
-        masters.push_back(slot_view(data[1], {n}, at::kFloat, device));
-        sums.push_back(slot_view(data[2], {n}, at::kFloat, device));
-      }
-    }
-    if (host_memory) {
-      const std::optional<cpu_adam::DType> dtype = cpu_adam_dtype(binding_->dtype(kSlot));
-      TIDAL_INTERNAL_ASSERT(dtype.has_value(), "a 16-bit chunk list of another dtype");
-      cpu_adam::fold_gradients(*dtype, spans, cpu_adam::ExecOptions{num_threads, cpu_adam::CopyStores::kAuto, runner});
-    } else {
-      for (std::size_t k = 0; k < params.size(); ++k) {
-        if (first[k]) {
-          sums[k].copy_(halves[k]);
-        } else {
-          sums[k].add_(halves[k]);
-        }
-      }
-      for (std::size_t k = 0; k < params.size(); ++k) halves[k].copy_(masters[k]);
-    }
-  } catch (...) {
-    for (const Held& h : held) {
-      try {
-        scheduler_->release(h.ref, h.before == TensorState::kFree ? TensorState::kFree
-                                                                  : TensorState::kHold);
-      } catch (...) {
-      }
-    }
-    // A gradient that was in its slot stays there (HOLD_AFTER_BWD cannot be
-    // re-entered; the engine still counts it as landed and restores it).
-    throw;
-  }
-  for (const Held& h : held) scheduler_->release(h.ref, TensorState::kHold);
+  gradient_sums_.fold(ids_of(params), first, space, num_threads, runner);
   for (std::size_t i : params) params_[i].landed = false;
 }
 
 void ModuleHooks::measure_sums(const std::vector<std::size_t>& params) {
-  for (std::size_t i : params) check_param(i);
-  c10::NoGradGuard no_grad;
-  for (std::size_t i : params) {
-    const Param& p = params_[i];
-    const TensorRef ref{ChunkKind::kGradAccum, p.id};
-    const ChunkId chunk = scheduler_->store().chunk_of(ref);
-    const MemorySpace space = scheduler_->store().chunk(chunk).space();
-    TIDAL_CHECK(holds_data(scheduler_->store().state(ref)), "ModuleHooks.measure_sums: parameter ",
-                i, " ('", scheduler_->store().tensor_name(p.id), "') has no gradient sum");
-    const std::int64_t n = static_cast<std::int64_t>(scheduler_->store().tensor_numel(p.id));
-    void* data = scheduler_->access(ref, space);
-    try {
-      measure_sum(slot_view(data, {n}, at::kFloat, binding_->torch_device(space)));
-    } catch (...) {
-      scheduler_->release(ref, TensorState::kHold);
-      throw;
-    }
-    scheduler_->release(ref, TensorState::kHold);
-  }
+  gradient_sums_.measure(ids_of(params), grad_norms_);
 }
 
 void ModuleHooks::drop_sums(const std::vector<std::size_t>& params) {
-  for (std::size_t i : params) check_param(i);
-  for (std::size_t i : params) {
-    scheduler_->set_state(TensorRef{ChunkKind::kGradAccum, params_[i].id}, TensorState::kFree);
-  }
+  gradient_sums_.drop(ids_of(params));
 }
 
 // ---- queries ---------------------------------------------------------------
@@ -532,126 +410,29 @@ std::int64_t ModuleHooks::attached_at(const void* data) const {
   return it == attached_by_data_.end() ? -1 : static_cast<std::int64_t>(it->second);
 }
 
-ModuleHooks::GradNorm ModuleHooks::take_grad_norm() {
-  GradNorm out = host_norm_;
-  std::vector<at::Tensor> device = norms_;
-  for (std::size_t i : measured_) {
-    const Param& p = params_[i];
-    if (p.norm.defined()) {
-      device.push_back(p.norm);
-    } else {
-      out.sum_squares += p.sum_squares;
-      out.finite = out.finite && p.finite;
-    }
-  }
-  if (!device.empty()) {
-    c10::NoGradGuard no_grad;
-    // Squares in double: an fp16 run's scaled norms may square past fp32.
-    const double squares = at::stack(device).to(at::kDouble).square().sum().item<double>();
-    out.sum_squares += squares;
-    out.finite = out.finite && std::isfinite(squares);
-  }
-  clear_grad_norm();
-  return out;
-}
-
-void ModuleHooks::clear_grad_norm() {
-  for (std::size_t i : measured_) {
-    Param& p = params_[i];
-    p.measured = false;
-    p.norm = at::Tensor();
-  }
-  measured_.clear();
-  host_norm_ = GradNorm{};
-  norms_.clear();
-}
-
-// The measure of parameter `param`'s landed gradient `grad` (replacing an
-// earlier one: a second landing measures the sum).
-void ModuleHooks::measure_gradient(std::size_t param, const at::Tensor& grad) {
-  Param& p = params_[param];
-  if (!p.measured) {
-    p.measured = true;
-    measured_.push_back(param);
-  }
-  p.norm = at::Tensor();
-  p.sum_squares = 0.0;
-  p.finite = true;
-  const std::optional<cpu_adam::DType> dtype = cpu_adam_dtype(grad.scalar_type());
-  if (grad.is_cpu() && grad.is_contiguous() && dtype) {
-    const cpu_adam::GradSpan span{grad.const_data_ptr(), static_cast<std::size_t>(grad.numel())};
-    const cpu_adam::GradStats stats = cpu_adam::grad_stats(*dtype, std::span(&span, 1));
-    p.sum_squares = stats.sum_squares;
-    p.finite = stats.finite;
-    return;
-  }
-  p.norm = at::linalg_vector_norm(grad, 2, c10::nullopt, false, at::kFloat);
-}
-
-// A gradient sum's measure (accumulation: measure_sums).
-void ModuleHooks::measure_sum(const at::Tensor& sum) {
-  const std::optional<cpu_adam::DType> dtype = cpu_adam_dtype(sum.scalar_type());
-  if (sum.is_cpu() && sum.is_contiguous() && dtype) {
-    const cpu_adam::GradSpan span{sum.const_data_ptr(), static_cast<std::size_t>(sum.numel())};
-    const cpu_adam::GradStats stats = cpu_adam::grad_stats(*dtype, std::span(&span, 1));
-    host_norm_.sum_squares += stats.sum_squares;
-    host_norm_.finite = host_norm_.finite && stats.finite;
-    return;
-  }
-  norms_.push_back(at::linalg_vector_norm(sum, 2, c10::nullopt, false, at::kFloat));
-}
-
 std::vector<std::size_t> ModuleHooks::take_first_use() {
   std::vector<std::size_t> out;
   out.swap(first_use_);
   return out;
 }
 
-// ---- internals -------------------------------------------------------------
-
-std::size_t ModuleHooks::chunk_bytes(ChunkIndex chunk) const {
-  return scheduler_->store().chunk(make_chunk_id(kSlot, chunk)).capacity_bytes();
-}
-
-void ModuleHooks::count_chunk(ChunkIndex chunk, int delta) {
-  if (chunk >= attached_in_chunk_.size()) attached_in_chunk_.resize(chunk + 1, 0);
-  std::uint32_t& n = attached_in_chunk_[chunk];
-  if (delta > 0) {
-    if (n++ == 0) {
-      bytes_in_use_ += chunk_bytes(chunk);
-      peak_bytes_in_use_ = std::max(peak_bytes_in_use_, bytes_in_use_);
-    }
-  } else {
-    TIDAL_INTERNAL_ASSERT(n > 0, "ModuleHooks: chunk ", chunk, " has no attached parameter");
-    if (--n == 0) bytes_in_use_ -= chunk_bytes(chunk);
-  }
-}
+// ---- attaching and detaching -------------------------------------------------
 
 // The chunk room for the parameters in use plus `params` at once (Note [The
 // warm-up budget]; make_room under DTR: Note [DTR under the training engine]).
 void ModuleHooks::make_room_for(const std::vector<std::size_t>& params) {
-  if (!make_room_ && tracer_->warmed_up()) return;
-  std::size_t need = bytes_in_use_;
+  if (!room_.follows_need()) return;
+  std::size_t need = chunks_in_use_.bytes();
   std::vector<ChunkIndex> added;
   for (std::size_t i : params) {
     if (params_[i].landed) continue;  // served from its master, not its chunk
     const ChunkIndex c = params_[i].chunk;
-    const bool in_use = c < attached_in_chunk_.size() && attached_in_chunk_[c] > 0;
-    if (!in_use && std::find(added.begin(), added.end(), c) == added.end()) {
+    if (!chunks_in_use_.in_use(c) && std::find(added.begin(), added.end(), c) == added.end()) {
       added.push_back(c);
-      need += chunk_bytes(c);
+      need += chunks_in_use_.chunk_bytes(c);
     }
   }
-  reserve_for_chunks(need);
-  if (make_room_) {
-    tracer_->make_room(need);
-  } else {
-    tracer_->grow_warmup_room(need);
-  }
-}
-
-ModuleHooks::~ModuleHooks() {
-  if (room_maker_) set_device_room_maker(false);
+  room_.make_room(need);
 }
 
 // Note [Weights while gradients wait]: a temporary device tensor holding
@@ -709,22 +490,18 @@ void ModuleHooks::attach_now(const std::vector<std::size_t>& params, bool for_ba
   }
   for (std::size_t i : params) {
     Param& p = params_[i];
-    // Note [Writes to a parameter]: a write since the detach hit the placeholder.
-    const std::uint32_t version = version_of(p.param);
-    if (version != p.version_detached) p.lost = true;
-    p.version_attached = version;
+    writes_.attached(i, p.param);
     p.slot_data = storage_data(p.param);
     p.attached = true;
     attached_by_data_[p.slot_data] = i;
-    if (!p.served) count_chunk(p.chunk, +1);
+    if (!p.served) chunks_in_use_.add(p.chunk);
     if (for_backward) backward_attached_.push_back(i);
     if (track_first_use_ && !replay && !p.first_used) {
       p.first_used = true;
       first_use_.push_back(i);
     }
   }
-  tracer_->update_nonchunk_limit();
-  rebalance_dtr();
+  room_.chunks_moved();
 }
 
 void ModuleHooks::detach_now(const std::vector<std::size_t>& params, TensorState state) {
@@ -733,17 +510,16 @@ void ModuleHooks::detach_now(const std::vector<std::size_t>& params, TensorState
     if (!p.attached) continue;
     if (!p.served) scheduler_->release(TensorRef{kSlot, p.id}, state);
     attached_by_data_.erase(p.slot_data);
-    note_detach(p);
+    detaching(i);
     p.param.set_data(binding_->placeholder(kSlot, MemorySpace::kDevice));
     p.attached = false;
     if (p.served) {
       p.served = false;
     } else {
-      count_chunk(p.chunk, -1);
+      chunks_in_use_.remove(p.chunk);
     }
   }
-  tracer_->update_nonchunk_limit();
-  rebalance_dtr();
+  room_.chunks_moved();
 }
 
 namespace {
@@ -759,6 +535,8 @@ void PackedRecomputeScope::exit() {
   --t_packed_recompute;
 }
 
+// ---- writes to the parameters ------------------------------------------------
+
 // Note [Writes to a parameter]
 // ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 // Scripts write parameters outside forward: EMA weights, weight clipping,
@@ -769,53 +547,41 @@ void PackedRecomputeScope::exit() {
 // fp32 master, from which the step makes the next 16-bit copy, never. The
 // parameter's version counter (which set_data keeps) says that a write
 // happened and when: between an attach and a detach, to the slot; else to a
-// placeholder. take_param_writes() tells the engine, which puts what the slot
-// holds (or a tensor set as `p.data`) into the master and refuses a lost write
-// by name (python/tidal/engine/external_mixin.py). A write through `p.data`
-// (a tensor with a version counter of its own) is not seen this way: on an
-// attached parameter it reaches the slot and shows as data that differs from
-// the master only where the engine compares them; on a placeholder it writes
+// placeholder (WriteTracker, hooks/write_tracker.h, keeps the versions).
+// take_param_writes() tells the engine, which puts what the slot holds (or a
+// tensor set as `p.data`) into the master and refuses a lost write by name
+// (python/tidal/engine/external_mixin.py). A write through `p.data` (a tensor
+// with a version counter of its own) is not seen this way: on an attached
+// parameter it reaches the slot and shows as data that differs from the
+// master only where the engine compares them; on a placeholder it writes
 // nothing.
-void ModuleHooks::note_detach(Param& p) {
-  const std::uint32_t version = version_of(p.param);
-  if (version != p.version_attached) {
-    if (p.served || storage_data(p.param) != p.slot_data) {
-      p.lost = true;  // a weight made from the master, or data set in a forward
-    } else {
-      p.written = true;
-    }
-  }
-  p.version_detached = version;
+
+// Parameter `i`'s data is about to go to the placeholder.
+void ModuleHooks::detaching(std::size_t i) {
+  const Param& p = params_[i];
+  writes_.detaching(i, p.param, !p.served && storage_data(p.param) == p.slot_data);
 }
 
-ModuleHooks::ParamWrites ModuleHooks::take_param_writes() {
+ParamWrites ModuleHooks::take_param_writes() {
   ParamWrites out;
   for (std::size_t i = 0; i < params_.size(); ++i) {
     Param& p = params_[i];
-    const std::uint32_t version = version_of(p.param);
-    if (p.attached) {
-      if (!p.served && storage_data(p.param) != p.slot_data) {
-        // `p.data = t` on an attached parameter: t goes to the engine, the
-        // parameter back to its slot.
-        out.assigned.emplace_back(i, p.param.detach().clone());
-        p.param.set_data(slot_view(const_cast<void*>(p.slot_data), p.shape,
-                                   binding_->dtype(kSlot), binding_->torch_device(MemorySpace::kDevice)));
-      } else if (version != p.version_attached) {
-        (p.served ? p.lost : p.written) = true;
-      }
-      p.version_attached = version_of(p.param);
+    if (p.attached && !p.served && storage_data(p.param) != p.slot_data) {
+      // `p.data = t` on an attached parameter: t goes to the engine, the
+      // parameter back to its slot.
+      out.assigned.emplace_back(i, p.param.detach().clone());
+      p.param.set_data(slot_view(const_cast<void*>(p.slot_data), p.shape,
+                                 binding_->dtype(kSlot), binding_->torch_device(MemorySpace::kDevice)));
+      writes_.seen(i, p.param, /*attached=*/true, /*forget=*/false);
+    } else if (!p.attached && p.param.numel() != 0) {
+      // `p.data = t` on a placeholder: t goes to the engine.
+      out.assigned.emplace_back(i, p.param.detach().clone());
+      p.param.set_data(binding_->placeholder(kSlot, MemorySpace::kDevice));
+      writes_.seen(i, p.param, /*attached=*/false, /*forget=*/false);
     } else {
-      if (p.param.numel() != 0) {
-        out.assigned.emplace_back(i, p.param.detach().clone());
-        p.param.set_data(binding_->placeholder(kSlot, MemorySpace::kDevice));
-      } else if (version != p.version_detached) {
-        p.lost = true;
-      }
-      p.version_detached = version_of(p.param);
+      writes_.look(i, p.param, p.attached, /*on_slot=*/!p.served);
     }
-    if (p.written) out.written.push_back(i);
-    if (p.lost) out.lost.push_back(i);
-    p.written = p.lost = false;
+    writes_.take(i, out);
   }
   return out;
 }
@@ -823,26 +589,13 @@ ModuleHooks::ParamWrites ModuleHooks::take_param_writes() {
 void ModuleHooks::sync_param_writes(const std::vector<std::size_t>& params) {
   for (std::size_t i : params) {
     check_param(i);
-    Param& p = params_[i];
-    const std::uint32_t version = version_of(p.param);
-    if (p.attached) {
-      p.version_attached = version;
-    } else {
-      p.version_detached = version;
-    }
-    p.written = p.lost = false;
+    writes_.seen(i, params_[i].param, params_[i].attached, /*forget=*/true);
   }
 }
 
 void ModuleHooks::sync_param_writes() {
-  for (Param& p : params_) {
-    const std::uint32_t version = version_of(p.param);
-    if (p.attached) {
-      p.version_attached = version;
-    } else {
-      p.version_detached = version;
-    }
-    p.written = p.lost = false;
+  for (std::size_t i = 0; i < params_.size(); ++i) {
+    writes_.seen(i, params_[i].param, params_[i].attached, /*forget=*/true);
   }
 }
 

@@ -3,6 +3,20 @@
 // moment, attach/detach through the ParamBinding (with the scheduler's
 // prefetch), and a gradient landing in its 16-bit slot.
 //
+// What ModuleHooks owns, and what its parts own (each a member, each with its
+// own state):
+//   ModuleHooks   the parameters and modules (by index), which are attached
+//                 and for what (uses, backward, transient external reads),
+//                 landed flags, the running modules, first-use order;
+//   ChunksInUse   the 16-bit chunks the attached parameters hold (chunks_in_use.h);
+//   DeviceRoom    room on the device for those chunks beside activations,
+//                 the room maker and the arbiter with DTR (device_room.h);
+//   BackwardEnd   the end of a backward and a raw loss.backward()'s rules
+//                 (backward_end.h);
+//   GradNorms     the landed gradients' measures for the step (grad_norms.h);
+//   GradientSums  gradient accumulation's fp32 sums (gradient_sums.h);
+//   WriteTracker  what user code wrote to the parameters (write_tracker.h).
+//
 // Note [One call per hook]
 // ~~~~~~~~~~~~~~~~~~~~~~~~
 // Each hook torch calls (a C++ callable, Note [Hooks torch calls into C++] in
@@ -20,9 +34,10 @@
 //                    attached when backward returns.
 //   land_gradient(p) trace point (GRAD, p); the gradient measured for the
 //                    step's clipping and overflow check (Note [Gradient
-//                    norms as they land]) and written into p's 16-bit slot,
-//                    which is then released to HOLD_AFTER_BWD; p counts as
-//                    landed until clear_landed() (or a fold) says otherwise.
+//                    norms as they land] in hooks/grad_norms.h) and written
+//                    into p's 16-bit slot, which is then released to
+//                    HOLD_AFTER_BWD; p counts as landed until clear_landed()
+//                    (or a fold) says otherwise.
 // A parameter is known by its index here (the engine's record index, stable
 // across relayout); the store's tensor id of each index follows the layout
 // (set_chunks). The engine keeps the user API and the error messages in
@@ -30,17 +45,6 @@
 // cpu_adam/adam.h) a gradient lands the same way, unmeasured; at the end of
 // each backward fold_gradients() adds a chunk's landed gradients into their
 // fp32 sums in one call, and the step measures the sums (measure_sums).
-//
-// Note [Gradient norms as they land]
-// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-// The step needs the global L2 norm of the gradients (clipping) and whether
-// all are finite (fp16 overflow). Each gradient is measured as it lands, while
-// it is in cache: a CPU gradient (the simulated device, CPU training) by
-// cpu_adam's grad_stats on its memory (squares in fp32, summed in double; no
-// torch op: a torch norm per gradient was ~4.5 us of every landing on the
-// simulated device), a device gradient by an fp32 torch norm that stays on the device
-// until take_grad_norm() reduces them all with one read. Both measures agree
-// to the fp32 rounding of the squares' sums (about 1e-6 relative).
 //
 // Note [External parameters]
 // ~~~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -78,45 +82,32 @@
 // is added to the first, as torch accumulates .grad, and the parameter's
 // norm is measured again over the sum.
 //
-// Note [The end of a backward]
-// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-// engine.backward() ends each backward with end_backward(). A script that
-// calls loss.backward() itself (the Hugging Face Trainer, accelerate) does
-// not: the first backward_pre or land_gradient of a backward queues a final
-// callback on autograd's engine (the graph task's final callbacks run before
-// backward returns), which does the same: the parameters attached for
-// backward go back to their chunks, and the simulated device's meter of
-// torch's CPU allocations stops (Note [The memory tracer]). Only for a
-// ModuleHooks owned by a shared_ptr (the engine's). Such a backward is known
-// to the engine by take_backward_ended(); what engine.backward() does after
-// its backward (gradient accumulation's fold, counting the micro-step) the
-// engine does at its next call. Where a backward must go through
-// engine.backward() (fp16 loss scaling, data parallel), set_raw_backward()
-// holds the reason, and the first hook of a backward not run by it raises
-// it, before any gradient lands.
-//
 // Thread safety: none; one thread at a time (forward on the caller's thread,
 // backward's hooks on autograd's while the caller waits).
 #pragma once
 
 #include <ATen/ATen.h>
-#include <c10/core/GradMode.h>
 
-#include <atomic>
 #include <cstddef>
 #include <cstdint>
 #include <memory>
 #include <string>
 #include <unordered_map>
+#include <utility>
 #include <vector>
 
 #include "chunk/chunk_id.h"
 #include "chunk/tensor_state.h"
 #include "cpu_adam/adam.h"
-#include "hooks/dtr/storage_runtime.h"
+#include "hooks/backward_end.h"
+#include "hooks/chunks_in_use.h"
+#include "hooks/device_room.h"
+#include "hooks/grad_norms.h"
+#include "hooks/gradient_sums.h"
 #include "hooks/param_binding.h"
-#include "runtime/tracer/memory_tracer.h"
+#include "hooks/write_tracker.h"
 #include "runtime/scheduler/chunk_scheduler.h"
+#include "runtime/tracer/memory_tracer.h"
 
 namespace tidal::hooks {
 
@@ -135,11 +126,10 @@ class PackedRecomputeScope {
   static void exit();
 };
 
-class ModuleHooks : public dtr::ChunkArbiter, public std::enable_shared_from_this<ModuleHooks> {
+class ModuleHooks : public std::enable_shared_from_this<ModuleHooks> {
  public:
   // None of the three is owned; set_chunks replaces the first two.
   ModuleHooks(ChunkScheduler* scheduler, ParamBinding* binding, MemoryTracer* tracer);
-  ~ModuleHooks() override;
   ModuleHooks(const ModuleHooks&) = delete;
   ModuleHooks& operator=(const ModuleHooks&) = delete;
 
@@ -156,44 +146,18 @@ class ModuleHooks : public dtr::ChunkArbiter, public std::enable_shared_from_thi
   // tensor id in them (ids[i] for parameter i). Nothing may be attached.
   void set_chunks(ChunkScheduler* scheduler, ParamBinding* binding,
                   const std::vector<TensorId>& ids);
-  // DTR manages activations: the chunk room rises to what attaching needs
-  // (MemoryTracer::make_room) in every step, not only in the warm-up.
-  void set_make_room(bool on) { make_room_ = on; }
-  // The arbiter (Note [DTR under the training engine] in
-  // python/tidal/engine/dtr_link.py): while on, every attach, detach and
-  // landed gradient sets the running DTR session's eviction threshold to
-  // dtr_threshold().
-  // link_bytes_per_s > 0 also prices chunks for the sessions this engine's
-  // parameter provider joins (Note [The arbiter between chunks and
-  // activations] in hooks/dtr/storage_runtime.h): evictions go to a chunk
-  // when its round trip over the link costs less per byte than the
-  // activation's recompute.
-  void set_dtr_arbiter(bool on, std::size_t limit, std::size_t cap, double link_bytes_per_s = 0);
-  // The DTR session routing ops now, told by this engine's parameter
-  // provider (EngineParamProvider, engine_dtr.h), or nullptr: the session
-  // chunk attaches evict activations for and whose threshold the arbiter
-  // sets. Not owned; the session clears it before it goes.
-  void set_dtr_session(dtr::ActivationRoom* session) { dtr_session_.store(session); }
-  double chunk_seconds_per_byte() const override;
-  std::size_t evict_chunk() override;
-  // On the simulated device (Note [The simulated device's budget is a hard
-  // limit] in hooks/host_allocation_counter.h): an allocation that would
-  // pass the budget first moves chunks not in use off the device, on this
-  // thread, before it fails (and DTR evicts activations).
-  // On a GPU (after set_cuda_room) the same room maker answers torch's cache
-  // misses instead (Note [Room on a cache miss] in hooks/cuda_room.h), on
-  // whatever thread allocates (backward runs on autograd's device thread).
-  void set_device_room_maker(bool on);
-  bool free_device_room(std::size_t bytes);
-  // The engine's GPU: device `ordinal` and its budget `cap` (torch's cap for
-  // this engine); from then on set_device_room_maker arms the CUDA callback.
-  void set_cuda_room(int ordinal, std::size_t cap);
-  // limit - the chunk bytes held on the device, at most cap (when > 0), at
-  // least 1 (0 would mean "no threshold").
-  std::size_t dtr_threshold() const;
-  void rebalance_dtr() const;
   // Record the order of first attaches (until the engine's relayout).
   void set_track_first_use(bool on) { track_first_use_ = on; }
+
+  // ---- the parts ------------------------------------------------------------
+  DeviceRoom& room() { return room_; }
+  const DeviceRoom& room() const { return room_; }
+  // The room as a handle that keeps these hooks alive (the room maker's and
+  // DTR's arbiter set's); empty unless a shared_ptr owns the hooks.
+  std::weak_ptr<DeviceRoom> room_handle();
+  BackwardEnd& backward_end() { return backward_end_; }
+  GradNorms& grad_norms() { return grad_norms_; }
+  GradientSums& gradient_sums() { return gradient_sums_; }
 
   // ---- the hooks (Note [One call per hook]) ---------------------------------
   void forward_pre(std::size_t module, bool trace_point = true);
@@ -203,26 +167,6 @@ class ModuleHooks : public dtr::ChunkArbiter, public std::enable_shared_from_thi
   // A read of `param` found its placeholder (Note [External parameters]).
   // learn: add it to the innermost running module's parameters.
   void read_param(std::size_t param, bool learn);
-
-  // Note [The end of a backward]: engine.backward() is running its backward;
-  // a backward it does not run raises `refusal` unless it is empty.
-  void set_engine_backward(bool running) { engine_backward_ = running; }
-  void set_raw_backward(std::string refusal) { raw_refusal_ = std::move(refusal); }
-  // Note [The end of a backward]: a backward engine.backward() does not run
-  // (loss.backward() on the model) limits the simulated device again at its
-  // first hook, as engine.backward() does before it starts (between a forward
-  // and its backward nothing is limited): `limit` turns the tracer's hard
-  // limit on, `room_maker` the room maker with it.
-  void set_raw_backward_limits(bool limit, bool room_maker) {
-    raw_limit_ = limit;
-    raw_room_maker_ = room_maker;
-  }
-  // Whether a backward that engine.backward() did not run ended since the last call.
-  bool take_backward_ended() {
-    const bool ended = raw_backward_ended_;
-    raw_backward_ended_ = false;
-    return ended;
-  }
 
   // ---- pieces for the engine's other paths --------------------------------
   // Attach those of `params` not attached (the chunk room first, as
@@ -239,44 +183,31 @@ class ModuleHooks : public dtr::ChunkArbiter, public std::enable_shared_from_thi
   std::vector<std::string> release_all() noexcept;
 
   // ---- gradient accumulation (Note [Gradient sums in chunks]) --------------
-  // On: land_gradient() does not measure (the step measures the sums).
-  void set_accumulating(bool on) { accumulating_ = on; }
   // The gradients in the 16-bit slots of `params` (one chunk's; none
-  // attached) are added into their sums (written when first[i]) in `space`,
-  // and the slots get their weights back from the fp32 masters: one
-  // cpu_adam::fold_gradients pass over CPU-addressable memory, torch ops on a
-  // GPU. At most num_threads CPU threads (0: all). Every slot ends HOLD and
-  // its parameter no longer counts as landed; on an error the gradients stay
-  // in their slots (still landed) and new sums hold nothing.
+  // attached) are added into their sums (GradientSums::fold); every slot ends
+  // HOLD and its parameter no longer counts as landed; on an error the
+  // gradients stay in their slots (still landed).
   void fold_gradients(const std::vector<std::size_t>& params, const std::vector<bool>& first,
                       MemorySpace space, int num_threads = 0,
                       const cpu_adam::BlockRunner* runner = nullptr);
   // Measures the gradient sums of `params` where their chunks are, into what
-  // take_grad_norm() returns.
+  // grad_norms().take() returns.
   void measure_sums(const std::vector<std::size_t>& params);
-  // The sums of `params` are consumed (the step) or dropped: FREE, so their
-  // chunks give their memory back.
+  // The sums of `params` are consumed (the step) or dropped.
   void drop_sums(const std::vector<std::size_t>& params);
 
-  // ---- queries -------------------------------------------------------------
-  bool attached(std::size_t param) const { return params_.at(param).attached; }
-
-  // Note [Writes to a parameter]: what user code did to the parameters since
-  // the last call (or sync_param_writes): `written`, in-place writes the
-  // 16-bit slot holds; `assigned`, a tensor set as the parameter's data
-  // (`p.data = t`), returned with the parameter put back as it was; `lost`,
-  // in-place writes to an empty placeholder or to a weight made from the
-  // master (nothing holds them).
-  struct ParamWrites {
-    std::vector<std::size_t> written;
-    std::vector<std::pair<std::size_t, at::Tensor>> assigned;
-    std::vector<std::size_t> lost;
-  };
+  // ---- writes to the parameters (Note [Writes to a parameter]) ---------------
+  // What user code did to the parameters since the last call (or
+  // sync_param_writes); a tensor set as an attached parameter's data comes
+  // back with the parameter put back as it was.
   ParamWrites take_param_writes();
   // The parameters' current versions count as seen (torch's own copy into
   // the placeholders in load_state_dict, after the engine wrote the chunks).
   void sync_param_writes();
   void sync_param_writes(const std::vector<std::size_t>& params);
+
+  // ---- queries -------------------------------------------------------------
+  bool attached(std::size_t param) const { return params_.at(param).attached; }
   // Attached to a weight made from its master (Note [Weights while gradients wait]).
   bool served(std::size_t param) const { return params_.at(param).served; }
   // The hooked modules whose forward is running, innermost last.
@@ -295,19 +226,10 @@ class ModuleHooks : public dtr::ChunkArbiter, public std::enable_shared_from_thi
   int uses(std::size_t param) const { return params_.at(param).uses; }
   // The attached parameter whose slot is the storage at `data`, or -1.
   std::int64_t attached_at(const void* data) const;
-  // The gradients landed since the last take or clear: the sum of their
-  // squares and whether every element was finite (Note [Gradient norms as
-  // they land]). Reads the device once when device gradients landed.
-  struct GradNorm {
-    double sum_squares = 0.0;
-    bool finite = true;
-  };
-  GradNorm take_grad_norm();
-  void clear_grad_norm();
   // Parameters in the order of their first attach since tracking began.
   std::vector<std::size_t> take_first_use();
   // The most 16-bit chunk bytes the attached parameters needed at once.
-  std::size_t peak_bytes_in_use() const { return peak_bytes_in_use_; }
+  std::size_t peak_bytes_in_use() const { return chunks_in_use_.peak_bytes(); }
   std::size_t num_params() const { return params_.size(); }
   std::size_t num_modules() const { return modules_.size(); }
 
@@ -322,35 +244,17 @@ class ModuleHooks : public dtr::ChunkArbiter, public std::enable_shared_from_thi
     bool landed = false;  // a gradient is in the 16-bit slot
     bool served = false;  // attached to a weight made from the master
     bool first_used = false;
-    // Note [Gradient norms as they land]: the landed gradient's measure, one
-    // of the two: the sum of squares of a CPU gradient, or a device norm.
-    bool measured = false;
-    bool finite = true;
-    double sum_squares = 0.0;
-    at::Tensor norm;
-    // Note [Writes to a parameter]: its version counter when it was last
-    // attached and detached, the slot its data viewed while attached, and
-    // what a write did since the engine last took the writes.
-    std::uint32_t version_attached = 0;
-    std::uint32_t version_detached = 0;
-    const void* slot_data = nullptr;
-    bool written = false;  // written while attached to its slot: the slot has it
-    bool lost = false;     // written while detached (or on a weight from the master)
+    const void* slot_data = nullptr;  // the storage its data viewed when attached
   };
 
   void queue_backward_end();
-  // Note [Writes to a parameter]: before the parameter's data goes to the placeholder.
-  void note_detach(Param& p);
-  void measure_gradient(std::size_t param, const at::Tensor& grad);
-  void measure_sum(const at::Tensor& sum);
+  void detaching(std::size_t i);
   at::Tensor weight_from_master(const Param& p);
   void end_transient(std::size_t module);
   void make_room_for(const std::vector<std::size_t>& params);
-  void reserve_for_chunks(std::size_t need);
   void attach_now(const std::vector<std::size_t>& params, bool for_backward, bool replay);
   void detach_now(const std::vector<std::size_t>& params, TensorState state);
-  std::size_t chunk_bytes(ChunkIndex chunk) const;
-  void count_chunk(ChunkIndex chunk, int delta);
+  std::vector<TensorId> ids_of(const std::vector<std::size_t>& params) const;
   void check_param(std::size_t param) const;
   void check_module(std::size_t module) const;
 
@@ -360,43 +264,22 @@ class ModuleHooks : public dtr::ChunkArbiter, public std::enable_shared_from_thi
   std::vector<Param> params_;
   std::vector<std::vector<std::size_t>> modules_;
   std::unordered_map<const void*, std::size_t> attached_by_data_;
-  // Attached parameters per 16-bit chunk, and the bytes of the chunks with any.
-  std::vector<std::uint32_t> attached_in_chunk_;
-  std::size_t bytes_in_use_ = 0;
-  std::size_t peak_bytes_in_use_ = 0;
   std::vector<std::size_t> backward_attached_;
-  // Note [Gradient norms as they land]: the parameters measured since the
-  // last take (their measures are in Param), and the gradient sums measured
-  // (accumulation: CPU statistics and device norms).
-  std::vector<std::size_t> measured_;
-  GradNorm host_norm_;
-  std::vector<at::Tensor> norms_;
   // Note [External parameters]: the hooked modules running (innermost
   // last), and transient uses (module, parameter) that module's forward_post ends.
   std::vector<std::size_t> running_;
   std::vector<std::pair<std::size_t, std::size_t>> transient_;
   std::vector<std::size_t> first_use_;
-  bool make_room_ = false;
-  bool dtr_arbiter_ = false;
-  std::atomic<dtr::ActivationRoom*> dtr_session_{nullptr};
-  std::size_t dtr_limit_ = 0;
-  std::size_t dtr_cap_ = 0;
-  double dtr_link_bytes_per_s_ = 0;
   bool track_first_use_ = false;
-  bool accumulating_ = false;
-  // Note [The end of a backward].
-  bool backward_end_queued_ = false;
-  bool room_maker_ = false;
-  int cuda_ordinal_ = -1;          // set_cuda_room: the CUDA callback instead of the host counter's
-  std::size_t cuda_cap_ = 0;
-  std::uint64_t cuda_room_token_ = 0;  // nonzero while this engine's callback is armed
-  bool engine_backward_ = false;
-  bool raw_backward_ended_ = false;
-  bool raw_limit_ = false;
-  bool raw_room_maker_ = false;
-  std::string raw_refusal_;
   // Scratch of the hooks, reused to keep them free of allocations.
   std::vector<std::size_t> scratch_;
+
+  ChunksInUse chunks_in_use_;
+  DeviceRoom room_;
+  BackwardEnd backward_end_;
+  GradNorms grad_norms_;
+  GradientSums gradient_sums_;
+  WriteTracker writes_;
 };
 
 }  // namespace tidal::hooks

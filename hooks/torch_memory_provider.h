@@ -28,7 +28,7 @@
 // * when torch's cache has no block for an activation, the cached chunk
 //   blocks it can reuse are those the scheduler freed; chunks still resident
 //   are the engine's to limit, by the budget it derives from the trace (Note
-//   [The memory tracer] in python/tidal/engine/engine.py), and while forward
+//   [The memory tracer] in runtime/tracer/memory_tracer.h), and while forward
 //   and backward run, torch's free-memory callback moves resident chunks off
 //   the device before torch reserves past its cap (Note [Room on a cache
 //   miss] in hooks/cuda_room.h; the registry is found at run time like the

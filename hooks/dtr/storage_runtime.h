@@ -135,7 +135,7 @@ bool records_outputs_now();
 // ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 // Under the training engine chunks and activations share the device budget
 // less the margin; DTR's threshold is what the chunks held on the device
-// leave (ModuleHooks::dtr_threshold). When DTR has to evict, the arbiter
+// leave (DeviceRoom::dtr_threshold). When DTR has to evict, the arbiter
 // compares per byte, for each eviction: the activation DTR would evict
 // costs its regeneration (Rematerializer::regeneration_cost, measured op
 // times) over its bytes; moving a chunk off the device costs its copy out

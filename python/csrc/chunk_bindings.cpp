@@ -219,16 +219,16 @@ may wait for a chunk copy release the GIL.)doc")
            "Module `module` uses parameter `param` too, from its next forward on "
            "(Note [External parameters]).")
       .def("set_chunks", &Hooks::set_chunks, py::arg("chunks"), py::arg("ids"))
-      .def("set_make_room", [](Hooks& h, bool on) { h.get().set_make_room(on); }, py::arg("on"))
+      .def("set_make_room", [](Hooks& h, bool on) { h.get().room().set_make_room(on); }, py::arg("on"))
       .def("set_dtr_arbiter",
            [](Hooks& h, bool on, std::size_t limit, std::size_t cap, double link) {
-             h.get().set_dtr_arbiter(on, limit, cap, link);
+             h.get().room().set_dtr_arbiter(on, limit, cap, link);
            },
            py::arg("on"), py::arg("limit"), py::arg("cap"), py::arg("link_bytes_per_s") = 0.0,
            "While on, every attach, detach and landed gradient sets DTR's threshold to dtr_threshold(); "
            "with a link bandwidth, DTR's evictions go to a chunk when that costs less per byte "
            "(Note [The arbiter between chunks and activations]).")
-      .def("dtr_threshold", [](Hooks& h) { return h.get().dtr_threshold(); },
+      .def("dtr_threshold", [](Hooks& h) { return h.get().room().dtr_threshold(); },
            "limit - chunk bytes held on the device, capped, at least 1.")
       .def("set_track_first_use", [](Hooks& h, bool on) { h.get().set_track_first_use(on); },
            py::arg("on"))
@@ -259,16 +259,17 @@ may wait for a chunk copy release the GIL.)doc")
       .def("served", [](Hooks& h, Index p) { return h.get().served(p); }, py::arg("param"),
            "Whether `param` is attached to a weight made from its master (Note [Weights while "
            "gradients wait]).")
-      .def("set_device_room_maker", [](Hooks& h, bool on) { h.get().set_device_room_maker(on); },
+      .def("set_device_room_maker",
+           [](Hooks& h, bool on) { h.get().room().set_device_room_maker(on, h.get().room_handle()); },
            py::arg("on"),
            "An allocation past the simulated device's budget first moves chunks not in use off the "
            "device (on this thread).")
-      .def("set_cuda_room", [](Hooks& h, int ordinal, std::size_t cap) { h.get().set_cuda_room(ordinal, cap); },
+      .def("set_cuda_room", [](Hooks& h, int ordinal, std::size_t cap) { h.get().room().set_cuda_room(ordinal, cap); },
            py::arg("ordinal"), py::arg("cap"),
            "On a GPU: set_device_room_maker arms torch's cache-miss callback for device `ordinal` "
            "under `cap` bytes (Note [Room on a cache miss] in hooks/cuda_room.h).")
       .def("take_param_writes", [](Hooks& h) {
-             hooks::ModuleHooks::ParamWrites w = h.get().take_param_writes();
+             hooks::ParamWrites w = h.get().take_param_writes();
              return py::make_tuple(w.written, w.assigned, w.lost);
            },
            "(written, assigned, lost) since the last call: parameter indexes whose in-place writes "
@@ -285,15 +286,19 @@ may wait for a chunk copy release the GIL.)doc")
            },
            py::arg("params") = py::none(),
            "The versions of `params` (None: all) now count as seen.")
-      .def("set_engine_backward", [](Hooks& h, bool on) { h.get().set_engine_backward(on); },
+      .def("set_engine_backward", [](Hooks& h, bool on) { h.get().backward_end().set_engine_backward(on); },
            py::arg("running"))
       .def("set_raw_backward_limits",
-           [](Hooks& h, bool limit, bool room_maker) { h.get().set_raw_backward_limits(limit, room_maker); },
+           [](Hooks& h, bool limit, bool room_maker) {
+             h.get().backward_end().set_raw_backward_limits(limit, room_maker);
+           },
            py::arg("limit"), py::arg("room_maker"))
-      .def("set_raw_backward", [](Hooks& h, std::string refusal) { h.get().set_raw_backward(std::move(refusal)); },
+      .def("set_raw_backward",
+           [](Hooks& h, std::string refusal) { h.get().backward_end().set_raw_backward(std::move(refusal)); },
            py::arg("refusal"),
-           "Non-empty: a backward not run by engine.backward() raises this (Note [The end of a backward]).")
-      .def("take_backward_ended", [](Hooks& h) { return h.get().take_backward_ended(); },
+           "Non-empty: a backward not run by engine.backward() raises this (Note [The end of a backward] "
+           "in hooks/backward_end.h).")
+      .def("take_backward_ended", [](Hooks& h) { return h.get().backward_end().take_ended(); },
            "Whether a backward engine.backward() did not run ended since the last call.")
       .def("end_backward", [](Hooks& h) { h.get().end_backward(); }, GIL())
       .def("release_all", [](Hooks& h) { return h.get().release_all(); }, GIL())
@@ -342,13 +347,13 @@ may wait for a chunk copy release the GIL.)doc")
            "The index of the attached parameter whose slot is `tensor`'s storage, or -1.")
       .def("take_grad_norm",
            [](Hooks& h) {
-             const auto n = h.get().take_grad_norm();
+             const hooks::GradNorm n = h.get().grad_norms().take();
              return py::make_tuple(n.sum_squares, n.finite);
            },
            "(sum of squares, all finite) of the gradients landed since the last take or "
-           "clear (Note [Gradient norms as they land]).")
-      .def("clear_grad_norm", [](Hooks& h) { h.get().clear_grad_norm(); })
-      .def("set_accumulating", [](Hooks& h, bool on) { h.get().set_accumulating(on); },
+           "clear (Note [Gradient norms as they land] in hooks/grad_norms.h).")
+      .def("clear_grad_norm", [](Hooks& h) { h.get().grad_norms().clear(); })
+      .def("set_accumulating", [](Hooks& h, bool on) { h.get().gradient_sums().set_accumulating(on); },
            py::arg("on"))
       .def("fold_gradients",
            [](Hooks& h, const std::vector<Index>& params, const std::vector<bool>& first,
@@ -544,18 +549,18 @@ Python thread drives a Chunks object.)doc");
                TIDAL_CHECK(t.size() == 7, "step_chunk: a group is (lr, beta1, beta2, eps, weight_decay, "
                            "tensor ids, steps), got ", t.size(), " items");
                hooks::ChunkStepGroup g;
-               g.lr = t[0].cast<double>();
-               g.beta1 = t[1].cast<double>();
-               g.beta2 = t[2].cast<double>();
-               g.eps = t[3].cast<double>();
-               g.weight_decay = t[4].cast<double>();
+               g.hyper.lr = t[0].cast<double>();
+               g.hyper.beta1 = t[1].cast<double>();
+               g.hyper.beta2 = t[2].cast<double>();
+               g.hyper.eps = t[3].cast<double>();
+               g.hyper.weight_decay = t[4].cast<double>();
+               g.hyper.adamw_mode = adamw_mode;
+               g.hyper.bias_correction = bias_correction;
                g.tensors = t[5].cast<std::vector<TensorId>>();
                g.steps = t[6].cast<std::vector<std::int64_t>>();
                gs.push_back(std::move(g));
              }
              hooks::ChunkStepOptions o;
-             o.adamw_mode = adamw_mode;
-             o.bias_correction = bias_correction;
              o.grad_scale = grad_scale;
              o.use_sums = use_sums;
              o.prefer_device = prefer_device;

@@ -11,6 +11,7 @@
 #include "hooks/cuda_room.h"
 #include "hooks/torch_memory_provider.h"
 #include "python/csrc/bindings.h"
+#include "python/csrc/record.h"
 #include "runtime/core/error.h"
 #include "runtime/core/units.h"
 #include "runtime/device/select.h"
@@ -22,45 +23,14 @@ namespace {
 
 using ByteSize = std::variant<std::size_t, std::string>;
 
+// CachingAllocatorModel::use() with the model's segment count, for Python.
+struct ModelUse : AllocatorUse {
+  std::size_t segments = 0;
+};
+
 std::size_t to_bytes(const ByteSize& value) {
   if (const auto* n = std::get_if<std::size_t>(&value)) return *n;
   return parse_bytes(std::get<std::string>(value));
-}
-
-py::dict info_dict(const DeviceInfo& info) {
-  py::dict d;
-  d["backend"] = to_string(info.backend);
-  d["name"] = info.name;
-  d["ordinal"] = info.ordinal;
-  d["total_memory"] = info.total_memory_bytes;
-  d["capacity"] = info.capacity_bytes;
-  d["pinned_memory"] = info.pinned_host_memory;
-  d["sim_copy_bandwidth"] = info.copy_bandwidth_bytes_per_s;
-  d["sim_copy_latency_s"] = info.copy_latency_s;
-  return d;
-}
-
-py::dict memory_stats_dict(const DeviceMemoryStats& s) {
-  py::dict d;
-  d["in_use"] = s.in_use_bytes;
-  d["peak_in_use"] = s.peak_in_use_bytes;
-  d["capacity"] = s.capacity_bytes;
-  d["live_allocations"] = s.live_allocations;
-  d["allocations"] = s.allocations;
-  d["frees"] = s.frees;
-  d["failed_allocations"] = s.failed_allocations;
-  d["provided"] = s.provided_bytes;
-  return d;
-}
-
-py::dict host_stats_dict(const HostMemoryStats& s) {
-  py::dict d;
-  d["allocated"] = s.allocated_bytes;
-  d["peak_allocated"] = s.peak_allocated_bytes;
-  d["pinned"] = s.pinned_bytes;
-  d["huge_page"] = s.huge_page_bytes;
-  d["live_buffers"] = s.live_buffers;
-  return d;
 }
 
 // [offset, offset + nbytes) must lie inside a buffer of `size` bytes.
@@ -97,15 +67,43 @@ void bind_device(py::module_& m) {
     const int n = cuda_device_count(&why);
     return py::make_tuple(n, why);
   }, "(number of GPUs, reason when 0)");
-  m.def("host_memory_stats", [] { return host_stats_dict(host_memory_stats()); });
+  // Note [Records, not dicts] in python/csrc/record.h.
+  RecordBinding<DeviceInfo>(m, "DeviceInfo", "What a device is (runtime/device/device.h).")
+      .field_from("backend", [](const DeviceInfo& i) { return std::string(to_string(i.backend)); })
+      .field("name", &DeviceInfo::name)
+      .field("ordinal", &DeviceInfo::ordinal)
+      .field("total_memory", &DeviceInfo::total_memory_bytes)
+      .field("capacity", &DeviceInfo::capacity_bytes)
+      .field("pinned_memory", &DeviceInfo::pinned_host_memory)
+      .field("sim_copy_bandwidth", &DeviceInfo::copy_bandwidth_bytes_per_s)
+      .field("sim_copy_latency_s", &DeviceInfo::copy_latency_s)
+      .done();
+  RecordBinding<DeviceMemoryStats>(m, "DeviceMemoryStats", "A device's memory counters, in bytes and calls.")
+      .field("in_use", &DeviceMemoryStats::in_use_bytes)
+      .field("peak_in_use", &DeviceMemoryStats::peak_in_use_bytes)
+      .field("capacity", &DeviceMemoryStats::capacity_bytes)
+      .field("live_allocations", &DeviceMemoryStats::live_allocations)
+      .field("allocations", &DeviceMemoryStats::allocations)
+      .field("frees", &DeviceMemoryStats::frees)
+      .field("failed_allocations", &DeviceMemoryStats::failed_allocations)
+      .field("provided", &DeviceMemoryStats::provided_bytes)
+      .done();
+  RecordBinding<HostMemoryStats>(m, "HostMemoryStats", "Host buffers' counters, in bytes and buffers.")
+      .field("allocated", &HostMemoryStats::allocated_bytes)
+      .field("peak_allocated", &HostMemoryStats::peak_allocated_bytes)
+      .field("pinned", &HostMemoryStats::pinned_bytes)
+      .field("huge_page", &HostMemoryStats::huge_page_bytes)
+      .field("live_buffers", &HostMemoryStats::live_buffers)
+      .done();
+  m.def("host_memory_stats", [] { return host_memory_stats(); });
   m.def("reset_host_memory_peak", &reset_host_memory_peak);
 
   py::class_<Device, std::shared_ptr<Device>> device(m, "Device", R"doc(
 A device tidal moves memory to: a CUDA GPU or the simulated device.
 Create one with tidal.set_device() / tidal.get_device(); not constructible directly.)doc");
-  device.def("info", [](const Device& d) { return info_dict(d.info()); })
+  device.def("info", [](const Device& d) { return d.info(); })
       .def_property_readonly("backend", [](const Device& d) { return to_string(d.backend()); })
-      .def("memory_stats", [](const Device& d) { return memory_stats_dict(d.memory_stats()); })
+      .def("memory_stats", [](const Device& d) { return d.memory_stats(); })
       .def("reset_peak_memory", &Device::reset_peak_memory)
       .def_property("capacity", &Device::capacity,
                     [](Device& d, const ByteSize& bytes) { d.set_capacity(to_bytes(bytes)); },
@@ -244,6 +242,13 @@ caching allocator]).)doc")
         "`stream` (a cudaStream_t as int). Raises NotImplementedError unless torch is a CUDA build.");
   // Note [Who owns a device byte] (runtime/memory/caching_allocator_model.h):
   // the model, for the GPU run that checks it against torch's own allocator.
+  RecordBinding<ModelUse>(m, "CachingAllocatorModelUse", "What the model holds, in bytes, and its segments.")
+      .field("reserved", &AllocatorUse::reserved)
+      .field("allocated", &AllocatorUse::allocated)
+      .field("active", &AllocatorUse::active)
+      .field("inactive_split", &AllocatorUse::inactive_split)
+      .field("segments", &ModelUse::segments)
+      .done();
   py::class_<CachingAllocatorModel>(m, "CachingAllocatorModel", R"doc(
 torch's CUDA caching allocator as a model: allocate(bytes, cap) places a request
 as torch would (0 when it fails under the cap), free(handle) gives it back,
@@ -254,16 +259,7 @@ use() says reserved, allocated, active and inactive split bytes.)doc")
            }, py::arg("bytes"), py::arg("cap") = ~std::size_t{0})
       .def("free", &CachingAllocatorModel::free, py::arg("handle"))
       .def("release_cached", &CachingAllocatorModel::release_cached)
-      .def("use", [](const CachingAllocatorModel& m) {
-        const AllocatorUse u = m.use();
-        py::dict d;
-        d["reserved"] = u.reserved;
-        d["allocated"] = u.allocated;
-        d["active"] = u.active;
-        d["inactive_split"] = u.inactive_split;
-        d["segments"] = m.segments();
-        return d;
-      })
+      .def("use", [](const CachingAllocatorModel& m) { return ModelUse{m.use(), m.segments()}; })
       .def_property_readonly("last_failure", &CachingAllocatorModel::last_failure)
       .def("validate", &CachingAllocatorModel::validate);
   m.def("room_to_make", [](std::size_t reserved, std::size_t active, std::size_t inactive_split,

@@ -23,6 +23,7 @@
 #include "hooks/engine_dtr.h"
 #include "hooks/module_hooks.h"
 #include "python/csrc/bindings.h"
+#include "python/csrc/record.h"
 #include "runtime/core/error.h"
 
 namespace tidal::python {
@@ -43,25 +44,6 @@ d::DtrOptions options_of(std::size_t threshold, std::size_t minimum, bool sqrt_s
   o.scorer = d::parse_scorer(scorer);
   o.seed = seed;
   return o;
-}
-
-py::dict stats_dict(const hd::RuntimeStats& s) {
-  py::dict out;
-  out["evictions"] = s.evictions;
-  out["recomputes"] = s.recomputes;
-  out["recompute_seconds"] = s.recompute_seconds;
-  out["tracked_bytes"] = s.tracked_bytes;
-  out["peak_tracked_bytes"] = s.peak_tracked_bytes;
-  out["max_op_working_set"] = s.max_op_working_set;
-  out["live_tensors"] = s.live_tensors;
-  out["live_ops"] = s.live_ops;
-  out["fake_deleted"] = s.fake_deleted;
-  out["locked_bytes"] = s.locked_bytes;
-  out["held_storages"] = s.held_storages;
-  out["recipes"] = s.recipes;
-  out["chunk_evictions"] = s.chunk_evictions;
-  out["chunk_bytes_freed"] = s.chunk_bytes_freed;
-  return out;
 }
 
 py::list records_list(const std::vector<hd::RecordView>& records) {
@@ -287,6 +269,24 @@ DTR's C++ side (hooks/dtr/). Users call tidal.dtr (python/tidal/dtr.py).)doc");
   m.def("interception_status", &hd::interception_status,
         "'' when ops can be intercepted in C++ (Note [DTR on a dispatch key]), else why not.");
 
+  // Note [Records, not dicts] in python/csrc/record.h.
+  RecordBinding<hd::RuntimeStats>(m, "RuntimeStats", "The storage runtime's counters (tidal.dtr.stats()).")
+      .field("evictions", &hd::RuntimeStats::evictions)
+      .field("recomputes", &hd::RuntimeStats::recomputes)
+      .field("recompute_seconds", &hd::RuntimeStats::recompute_seconds)
+      .field("tracked_bytes", &hd::RuntimeStats::tracked_bytes)
+      .field("peak_tracked_bytes", &hd::RuntimeStats::peak_tracked_bytes)
+      .field("max_op_working_set", &hd::RuntimeStats::max_op_working_set)
+      .field("live_tensors", &hd::RuntimeStats::live_tensors)
+      .field("live_ops", &hd::RuntimeStats::live_ops)
+      .field("fake_deleted", &hd::RuntimeStats::fake_deleted)
+      .field("locked_bytes", &hd::RuntimeStats::locked_bytes)
+      .field("held_storages", &hd::RuntimeStats::held_storages)
+      .field("recipes", &hd::RuntimeStats::recipes)
+      .field("chunk_evictions", &hd::RuntimeStats::chunk_evictions)
+      .field("chunk_bytes_freed", &hd::RuntimeStats::chunk_bytes_freed)
+      .done();
+
   py::class_<Runtime>(m, "Runtime", "The storage runtime driven op by op by tidal.dtr's Python mode.")
       .def(py::init([](std::size_t threshold, std::size_t minimum, bool sqrt_sampling, const std::string& scorer,
                        std::uint64_t seed, double max_recompute_ratio) {
@@ -315,7 +315,7 @@ DTR's C++ side (hooks/dtr/). Users call tidal.dtr (python/tidal/dtr.py).)doc");
       .def("set_hold_evictions", [](Runtime& r, bool hold) { r.get().set_hold_evictions(hold); })
       .def("evicted_alive", [](Runtime& r) { return r.get().evicted_alive(); })
       .def("clear", [](Runtime& r) { r.get().clear(); })
-      .def("stats", [](Runtime& r) { return stats_dict(r.get().stats()); })
+      .def("stats", [](Runtime& r) { return r.get().stats(); })
       .def("reset_peak", [](Runtime& r) { r.get().reset_peak(); })
       .def("validate", [](Runtime& r) { r.get().validate(); })
       .def("lookup", [](Runtime& r, const at::Tensor& t) { return r.get().lookup(t); })
@@ -395,7 +395,7 @@ DTR's C++ side (hooks/dtr/). Users call tidal.dtr (python/tidal/dtr.py).)doc");
            "where recomputation comes from.")
       .def("evicted_alive", [](hd::Session& s) { return s.with_runtime([](auto& r) { return r.evicted_alive(); }); })
       .def("clear", [](hd::Session& s) { s.with_runtime([](auto& r) { r.clear(); }); })
-      .def("stats", [](hd::Session& s) { return stats_dict(s.with_runtime([](auto& r) { return r.stats(); })); })
+      .def("stats", [](hd::Session& s) { return s.with_runtime([](auto& r) { return r.stats(); }); })
       .def("reset_peak", [](hd::Session& s) { s.with_runtime([](auto& r) { r.reset_peak(); }); })
       .def("validate", [](hd::Session& s) { s.with_runtime([](auto& r) { r.validate(); }); })
       .def("lookup", [](hd::Session& s, const at::Tensor& t) { return s.with_runtime([&](auto& r) { return r.lookup(t); }); })

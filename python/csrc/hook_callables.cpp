@@ -35,10 +35,11 @@
 // those references to the garbage collector (tp_traverse), so an engine and
 // its model still form a collectable cycle. A gradient hook lives in C++
 // autograd meta, out of the collector's sight (Note [Gradient hooks hold the
-// engine weakly] in engine.py): it holds the hooks by weak_ptr and a Python
-// path that holds the engine weakly. A tensor hook on a module output holds
-// only weak_ptrs (it may be destroyed on autograd's thread without the GIL);
-// its Python object (the failed path) belongs to the module's post hook.
+// engine weakly] in python/tidal/engine/common.py): it holds the hooks by
+// weak_ptr and a Python path that holds the engine weakly. A tensor hook on a
+// module output holds only weak_ptrs (it may be destroyed on autograd's
+// thread without the GIL); its Python object (the failed path) belongs to the
+// module's post hook.
 #include "python/csrc/hook_callables.h"
 
 #include <ATen/ATen.h>

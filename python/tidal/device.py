@@ -112,7 +112,7 @@ def device_info(device: Union[None, str, Device] = None) -> dict:
         device = _create(device, None, None, None)
     elif not isinstance(device, Device):
         raise TypeError(f"expected None, a device kind or a tidal.Device, got {type(device).__name__}")
-    info = device.info()
+    info = dict(device.info())
     gpus, why = _C.cuda_device_count()
     info.update(
         version=_C.__version__,
@@ -127,4 +127,4 @@ def device_info(device: Union[None, str, Device] = None) -> dict:
 
 def stats() -> dict:
     """Live counters: host buffers (bytes, pinned, huge pages) and device memory."""
-    return {"host": _C.host_memory_stats(), "device": get_device().memory_stats()}
+    return {"host": dict(_C.host_memory_stats()), "device": dict(get_device().memory_stats())}

@@ -15,9 +15,14 @@
 // for its fence, and a block is only freed (returned to the device or the
 // host allocator) after its fence completed.
 //
-// Why a cache: cudaMalloc and cudaFree synchronize the device, and pinning
-// host memory costs milliseconds per 64 MiB, so chunk moves reuse blocks of
-// the same size instead (chunks are fixed-size, so nearly all blocks are).
+// Why a cache: freeing a block first waits on the host for its fence (the
+// memory may go to anyone once freed), while reusing one makes only the next
+// work wait for it, on its stream. A new block also costs its backend's
+// allocation: pinning a host block costs milliseconds per 64 MiB, and a
+// device block comes from the device's memory provider (the engine's on a
+// GPU is torch's caching allocator; without one, cudaMalloc, which
+// synchronizes the device; runtime/device/device.h). So chunk moves reuse
+// blocks of the same size (chunks are fixed-size, so nearly all blocks are).
 // Cached blocks count against the budget of their memory space; the
 // scheduler frees them before it evicts a chunk.
 #pragma once

@@ -40,25 +40,34 @@
 //
 // Note [Chunks in use and activations share one budget]
 // ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-// At every moment, chunk bytes on the device + non-chunk bytes <= limit()
-// (the device budget less the margin). Where the meter can refuse an
-// allocation (the simulated device: set_enforce(true) while the engine's
-// forward and backward run), each side is held to what the other leaves:
-//  * chunks: the scheduler's device ceiling is limit() less the non-chunk
-//    bytes live now (install_ceiling), so chunks, prefetched ones included,
-//    never grow into room that activations hold;
-//  * non-chunk bytes: the meter's limit is limit() less the chunk bytes on
-//    the device (update_nonchunk_limit, after every attach, detach and
-//    landing), so an allocation past it first makes room (chunks not in use
-//    leave, or under DTR with a known link the arbiter's choice: an
-//    activation) and else fails as torch.OutOfMemoryError (Note [The
-//    simulated device's budget is a hard limit] in
-//    hooks/host_allocation_counter.h).
-// And wherever the chunk room grows for the parameters a module needs (the
-// warm-up step, or DTR under the engine), ModuleHooks::reserve_for_chunks
-// first asks activations to give way (DTR evicts one at a time); where they
-// cannot, the attach fails with an OutOfMemoryError naming both sides,
-// never an overrun. point() counts the moments past the budget (overruns()).
+// The promise: at every moment, chunk bytes on the device + non-chunk bytes
+// <= limit() (the device budget less the margin). The tracer's budget plans
+// the chunks within it everywhere; what refuses an allocation that would
+// break it depends on the backend:
+//  * the simulated device, while the engine's forward and backward run
+//    (set_enforce(true)): the tracer holds each side to what the other
+//    leaves. Chunks: the scheduler's device ceiling is limit() less the
+//    non-chunk bytes live now (install_ceiling), so chunks, prefetched ones
+//    included, never grow into room that activations hold. Non-chunk bytes:
+//    the meter's limit is limit() less the chunk bytes on the device
+//    (update_nonchunk_limit, after every attach, detach and landing), so an
+//    allocation past it first makes room (chunks not in use leave, or under
+//    DTR with a known link the arbiter's choice: an activation) and else
+//    fails as torch.OutOfMemoryError (Note [The simulated device's budget is
+//    a hard limit] in hooks/host_allocation_counter.h);
+//  * a GPU whose chunk blocks come from torch's caching allocator: the
+//    tracer enforces nothing (its meter cannot refuse); torch's per-process
+//    cap, set at the whole budget while the engine lives, refuses in
+//    reserved bytes, and a cache miss past it first makes room the same way
+//    (Note [Room on a cache miss] in hooks/cuda_room.h);
+//  * a GPU whose chunk blocks come from cudaMalloc: nothing refuses short
+//    of the card's memory; the budget only plans, and point() counts the
+//    moments past it (overruns()).
+// On every backend, wherever the chunk room grows for the parameters a
+// module needs (the warm-up step, or DTR under the engine),
+// DeviceRoom::reserve_for_chunks first asks activations to give way (DTR
+// evicts one at a time); where they cannot, the attach fails with an
+// OutOfMemoryError naming both sides rather than plan past the budget.
 // Where the meter knows the bytes the device's allocator reserves (torch's on
 // a GPU, the caching allocator model's on the simulated device), the promise
 // is kept in those bytes against the whole budget instead, the margin being
@@ -143,11 +152,11 @@ class MemoryTracer {
   // A trace point: measure, record the interval that ends here, set the
   // chunk budget for the interval that starts here (Note [The memory
   // tracer]). A budget the chunks in use (COMPUTE) already exceed is left as
-  // it is (the scheduler waits or fails rather than grow). A point where the
-  // chunks held and the non-chunk bytes live now pass the budget less the
-  // margin is an overrun (never on the simulated device, whose budget is a
-  // hard limit; on a GPU without torch's allocator behind the chunks, a
-  // warm-up that guessed wrong).
+  // it is (the scheduler waits or fails rather than grow). The point counts
+  // an overrun (overruns()) when its interval passed the budget: where the
+  // meter knows the device's reserved bytes, when their peak since the last
+  // point passed the whole device budget; else when the chunk bytes held and
+  // the non-chunk bytes live now pass the budget less the margin.
   void point(PointKind kind, std::int64_t what);
   // The step's last point; its record becomes the trace.
   void end_step();
@@ -166,7 +175,8 @@ class MemoryTracer {
   // Chunks plus every other byte the meter sees stay within the budget less
   // the margin: the meter's limit follows the chunk bytes on the device.
   // Call after chunk bytes on the device changed (ModuleHooks does, at every
-  // attach, detach and landing). On: every point and room change too.
+  // attach, detach and landing: DeviceRoom::chunks_moved). On: every point
+  // and room change too.
   void set_enforce(bool on);
   void update_nonchunk_limit();
 

@@ -2,7 +2,7 @@
 device memory at the same moment, memory_report()["peak_device_bytes"])
 never exceeds tidal.device_memory_budget less its margin, and no overrun is
 counted (engine_helpers.within_budget), the warm-up step included (Note
-[The warm-up budget] in python/tidal/engine/engine.py).
+[The warm-up budget] in runtime/tracer/memory_tracer.h).
 
 Budgets are measured on this machine, not constants: a probe trains each
 model with the whole device, giving its non-chunk peak N, its 16-bit chunk

@@ -266,7 +266,7 @@ def measure_link(device, nbytes: int) -> float:
     """Bytes per second of one `nbytes` copy host->device and one back (the
     slower of the two), after a warm-up copy each way; 0.0 when the device
     cannot time copies."""
-    from .. import HostBuffer
+    from ..device import HostBuffer
     buf = device.allocate(nbytes)
     host = HostBuffer(nbytes, pin_with=device)
     stream = device.create_stream("tidal-link-probe")

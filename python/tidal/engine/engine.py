@@ -22,16 +22,18 @@ budget (the warm-up cap, then the recorded trace: Note [The warm-up budget]
 there). What N is depends on the device (Engine._new_tracer, hook_wiring.py):
 * CUDA with chunk blocks from torch's caching allocator (the store installs
   that provider; Note [Chunk memory and torch's caching allocator] in
-  hooks/torch_memory_provider.h): chunk blocks are in torch's own stats, so
-  N = torch's allocated bytes - H, H = what torch counted for the chunk
+  hooks/torch_memory_provider.h): chunk blocks come from torch's allocator,
+  so N = the bytes it has allocated - H, H = what it allocated for the chunk
   blocks the provider holds (resident chunks and the scheduler's cached
-  blocks alike). The peak is exact: H is constant between two chunk-block
-  calls, the provider folds (torch's peak - H) into its window at each call
-  and restarts torch's peak, and at the point the peak is max(window,
-  torch's peak now - H). Allocated, not reserved: what torch's cache keeps
-  free serves chunk blocks too (torch frees its cached segments and retries
-  before a chunk block fails), so it is room for chunks, not a cost of
-  activations.
+  blocks alike). The counts are tidal's own, kept from torch's allocator
+  trace, so torch's memory statistics stay the user's. The peak is exact: H
+  is constant between two chunk-block calls, the provider folds (peak - H)
+  into its window at each call and restarts its peak, and at the point the
+  peak is max(window, peak now - H). N, in allocated bytes, plans the
+  chunks; the budget itself is kept in reserved bytes, what torch's cache
+  keeps free included: torch's cap at the device budget refuses past it, and
+  a point whose reserved peak passed the budget counts as an overrun (Note
+  [Who owns a device byte] in runtime/memory/caching_allocator_model.h).
 * CUDA without the provider (torch's allocator could not be reached):
   chunk blocks are cudaMalloc'ed and can never use torch's cache, so N =
   torch's reserved bytes, and its peak torch's peak reserved.

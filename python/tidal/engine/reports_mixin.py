@@ -108,7 +108,7 @@ class ReportsMixin:
             "chunk_spills_to_device": s["spills"],
             "state_bytes_per_param": self.store.state_bytes_per_param(),
             "largest_model_params": self.store.largest_model_params(),
-            "host": _C.host_memory_stats(),
+            "host": dict(_C.host_memory_stats()),
             "bytes_host_to_device_last_step": steps[-1][0] if steps else 0,
             "bytes_device_to_host_last_step": steps[-1][1] if steps else 0,
             "evictions": s["evictions"],

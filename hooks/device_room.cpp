@@ -1,28 +1,40 @@
-// ModuleHooks' side of the one device budget (module_hooks.h): room for the
-// chunks a module needs beside the activations (Note [Chunks in use and
-// activations share one budget]), the simulated device's room maker, and
-// the arbiter between chunks and DTR's activations (Note [The arbiter
-// between chunks and activations] in hooks/dtr/storage_runtime.h), with the
-// DTR session its engine's parameter provider was told of (engine_dtr.h).
+#include "hooks/device_room.h"
+
 #include <algorithm>
 #include <limits>
-#include <memory>
+#include <string>
 #include <thread>
+#include <utility>
 
 #include "hooks/cuda_room.h"
 #include "hooks/host_allocation_counter.h"
-#include "hooks/module_hooks.h"
 #include "runtime/core/error.h"
 #include "runtime/core/units.h"
 
 namespace tidal::hooks {
+
+DeviceRoom::DeviceRoom(ChunkScheduler* scheduler, MemoryTracer* tracer)
+    : scheduler_(scheduler), tracer_(tracer) {}
+
+DeviceRoom::~DeviceRoom() {
+  if (room_maker_) set_device_room_maker(false, {});
+}
+
+void DeviceRoom::make_room(std::size_t need) {
+  reserve_for_chunks(need);
+  if (make_room_) {
+    tracer_->make_room(need);
+  } else {
+    tracer_->grow_warmup_room(need);
+  }
+}
 
 // Note [Chunks in use and activations share one budget]: raising the chunk
 // room to what the attached parameters need must not take it past the
 // budget beside the non-chunk bytes live now; activations give way first
 // (DTR evicts one at a time, when a session runs), and where they cannot the
 // attach fails with an OutOfMemoryError naming both sides, never an overrun.
-void ModuleHooks::reserve_for_chunks(std::size_t need) {
+void DeviceRoom::reserve_for_chunks(std::size_t need) {
   const std::size_t limit = tracer_->limit();
   dtr::ActivationRoom* session = dtr_session_.load();
   for (;;) {
@@ -42,7 +54,7 @@ void ModuleHooks::reserve_for_chunks(std::size_t need) {
   }
 }
 
-void ModuleHooks::set_device_room_maker(bool on) {
+void DeviceRoom::set_device_room_maker(bool on, const std::weak_ptr<DeviceRoom>& self) {
   if (!on) {
     if (cuda_room_token_ != 0) {
       disarm_cuda_room(cuda_room_token_);
@@ -53,11 +65,10 @@ void ModuleHooks::set_device_room_maker(bool on) {
     room_maker_ = false;
     return;
   }
-  std::weak_ptr<ModuleHooks> self = weak_from_this();
   if (self.expired()) return;
   RoomMaker maker = [self](std::size_t bytes) {
-    const std::shared_ptr<ModuleHooks> hooks = self.lock();
-    return hooks != nullptr && hooks->free_device_room(bytes);
+    const std::shared_ptr<DeviceRoom> room = self.lock();
+    return room != nullptr && room->free_device_room(bytes);
   };
   if (cuda_ordinal_ >= 0) {
     // (Re-armed when another engine armed since: its maker must not run for us.)
@@ -71,7 +82,7 @@ void ModuleHooks::set_device_room_maker(bool on) {
   room_maker_ = true;
 }
 
-void ModuleHooks::set_cuda_room(int ordinal, std::size_t cap) {
+void DeviceRoom::set_cuda_room(int ordinal, std::size_t cap) {
   TIDAL_CHECK(ordinal >= 0 && cap > 0, "set_cuda_room: expected a device ordinal >= 0 and a cap > 0, got ",
               ordinal, " and ", cap);
   track_cuda_requests(ordinal);
@@ -79,7 +90,11 @@ void ModuleHooks::set_cuda_room(int ordinal, std::size_t cap) {
   cuda_cap_ = cap;
 }
 
-bool ModuleHooks::free_device_room(std::size_t bytes) {
+void DeviceRoom::enter_hook() const {
+  if (cuda_ordinal_ >= 0) set_cuda_room_thread();
+}
+
+bool DeviceRoom::free_device_room(std::size_t bytes) {
   // Under DTR with a known link, each piece of room goes to the arbiter's
   // choice (Note [The arbiter between chunks and activations]): an
   // activation that costs less per byte to recompute than a chunk's round
@@ -116,21 +131,21 @@ bool ModuleHooks::free_device_room(std::size_t bytes) {
   return any;
 }
 
-void ModuleHooks::set_dtr_arbiter(bool on, std::size_t limit, std::size_t cap, double link_bytes_per_s) {
+void DeviceRoom::set_dtr_arbiter(bool on, std::size_t limit, std::size_t cap, double link_bytes_per_s) {
   dtr_arbiter_ = on;
   dtr_limit_ = limit;
   dtr_cap_ = cap;
   dtr_link_bytes_per_s_ = link_bytes_per_s;
 }
 
-double ModuleHooks::chunk_seconds_per_byte() const {
+double DeviceRoom::chunk_seconds_per_byte() const {
   if (!dtr_arbiter_ || dtr_link_bytes_per_s_ <= 0) return std::numeric_limits<double>::infinity();
   // The block's eviction_threshold binds: a chunk leaving would not raise DTR's threshold.
   if (dtr_cap_ > 0 && dtr_threshold() >= dtr_cap_) return std::numeric_limits<double>::infinity();
   return 2.0 / dtr_link_bytes_per_s_;  // out now, back when next used
 }
 
-std::size_t ModuleHooks::evict_chunk() {
+std::size_t DeviceRoom::evict_chunk() {
   const std::size_t device = index_of(MemorySpace::kDevice);
   const std::size_t held = scheduler_->stats().held_bytes[device];
   const std::size_t budget = scheduler_->budget(MemorySpace::kDevice);
@@ -144,19 +159,18 @@ std::size_t ModuleHooks::evict_chunk() {
     return 0;
   }
   const std::size_t now = scheduler_->stats().held_bytes[device];
-  tracer_->update_nonchunk_limit();
-  rebalance_dtr();
+  chunks_moved();
   return held > now ? held - now : 0;
 }
 
-std::size_t ModuleHooks::dtr_threshold() const {
+std::size_t DeviceRoom::dtr_threshold() const {
   const std::size_t held = scheduler_->stats().held_bytes[index_of(MemorySpace::kDevice)];
   std::size_t limit = dtr_limit_ > held ? dtr_limit_ - held : 0;
   if (dtr_cap_ > 0) limit = std::min(limit, dtr_cap_);
   return std::max<std::size_t>(limit, 1);
 }
 
-void ModuleHooks::rebalance_dtr() const {
+void DeviceRoom::rebalance_dtr() const {
   if (!dtr_arbiter_) return;
   if (dtr::ActivationRoom* s = dtr_session_.load()) s->set_eviction_threshold(dtr_threshold());
 }

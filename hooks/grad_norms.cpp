@@ -1,0 +1,89 @@
+#include "hooks/grad_norms.h"
+
+#include <c10/core/GradMode.h>
+
+#include <cmath>
+#include <span>
+
+namespace tidal::hooks {
+
+std::optional<cpu_adam::DType> cpu_adam_dtype(at::ScalarType type) {
+  switch (type) {
+    case at::kFloat:
+      return cpu_adam::DType::kFloat32;
+    case at::kHalf:
+      return cpu_adam::DType::kFloat16;
+    case at::kBFloat16:
+      return cpu_adam::DType::kBFloat16;
+    default:
+      return std::nullopt;
+  }
+}
+
+void GradNorms::measure(std::size_t param, const at::Tensor& grad) {
+  Measure& m = measures_.at(param);
+  if (!m.measured) {
+    m.measured = true;
+    measured_.push_back(param);
+  }
+  m.norm = at::Tensor();
+  m.sum_squares = 0.0;
+  m.finite = true;
+  const std::optional<cpu_adam::DType> dtype = cpu_adam_dtype(grad.scalar_type());
+  if (grad.is_cpu() && grad.is_contiguous() && dtype) {
+    const cpu_adam::GradSpan span{grad.const_data_ptr(), static_cast<std::size_t>(grad.numel())};
+    const cpu_adam::GradStats stats = cpu_adam::grad_stats(*dtype, std::span(&span, 1));
+    m.sum_squares = stats.sum_squares;
+    m.finite = stats.finite;
+    return;
+  }
+  m.norm = at::linalg_vector_norm(grad, 2, c10::nullopt, false, at::kFloat);
+}
+
+void GradNorms::measure_sum(const at::Tensor& sum) {
+  const std::optional<cpu_adam::DType> dtype = cpu_adam_dtype(sum.scalar_type());
+  if (sum.is_cpu() && sum.is_contiguous() && dtype) {
+    const cpu_adam::GradSpan span{sum.const_data_ptr(), static_cast<std::size_t>(sum.numel())};
+    const cpu_adam::GradStats stats = cpu_adam::grad_stats(*dtype, std::span(&span, 1));
+    host_sums_.sum_squares += stats.sum_squares;
+    host_sums_.finite = host_sums_.finite && stats.finite;
+    return;
+  }
+  device_sums_.push_back(at::linalg_vector_norm(sum, 2, c10::nullopt, false, at::kFloat));
+}
+
+GradNorm GradNorms::take() {
+  GradNorm out = host_sums_;
+  std::vector<at::Tensor> device = device_sums_;
+  for (std::size_t i : measured_) {
+    const Measure& m = measures_[i];
+    if (m.norm.defined()) {
+      device.push_back(m.norm);
+    } else {
+      out.sum_squares += m.sum_squares;
+      out.finite = out.finite && m.finite;
+    }
+  }
+  if (!device.empty()) {
+    c10::NoGradGuard no_grad;
+    // Squares in double: an fp16 run's scaled norms may square past fp32.
+    const double squares = at::stack(device).to(at::kDouble).square().sum().item<double>();
+    out.sum_squares += squares;
+    out.finite = out.finite && std::isfinite(squares);
+  }
+  clear();
+  return out;
+}
+
+void GradNorms::clear() {
+  for (std::size_t i : measured_) {
+    Measure& m = measures_[i];
+    m.measured = false;
+    m.norm = at::Tensor();
+  }
+  measured_.clear();
+  host_sums_ = GradNorm{};
+  device_sums_.clear();
+}
+
+}  // namespace tidal::hooks
