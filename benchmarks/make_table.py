@@ -607,8 +607,24 @@ def _nvme_train(r: Dict) -> List[Figure]:
     ]
 
 
+def _step_overlap_idle(r: Dict) -> List[Figure]:
+    out = []
+    shape = r["shape"]
+    for key, case in r["cases"].items():
+        where, precision = key.split("_")
+        what = (f"engine.step() right after backward, after {r['idle_seconds'] * 1e3:.0f} ms of idle CPU, "
+                f"{shape['depth']} x Linear({shape['width']}) ({case['parameters'] / 1e6:.1f}M params), {precision}, "
+                f"states on the {where} (a {r['budgets'][where]} device budget)"
+                f", overlap off (paired ratio median)")
+        out.append(Figure(what, _spread(case["step"], "ms", ".1f", 1e3),
+                          f"{case['cpuadam']['median'] * 1e3:.1f} ms, tidal.optim.CPUAdam alone after the same idle",
+                          f"{case['ratio_step_to_cpuadam_paired']['median']:.2f}"))
+    return out
+
+
 # Per result file's "benchmark" field.
 PERFORMANCE: Dict[str, Rows] = {
+    "step_overlap_idle": Rows(_step_overlap_idle, skip_quick=True),
     "nvme_bandwidth": Rows(_nvme_bandwidth),
     "nvme_train": Rows(_nvme_train, skip_quick=True),
     "dtr_batch": Rows(_dtr_batch),
