@@ -158,7 +158,7 @@ class ParamStore:
             # Chunk blocks from torch's caching allocator, one provider per device
             # (Note [Chunk memory and torch's caching allocator] in
             # hooks/torch_memory_provider.h; the engine's accounting: Note [The
-            # memory tracer] in engine.py).
+            # memory tracer] in runtime/tracer/memory_tracer.h).
             stream = torch.cuda.current_stream(self.torch_device).cuda_stream
             try:
                 device.set_memory_provider(_C.torch_cuda_memory_provider(info["ordinal"], stream))
