@@ -1,0 +1,109 @@
+// The chunk scheduler's disk tier: making host room by writing a chunk to
+// the file, reading one back, reserving the homes, removing the file. See
+// Note [Chunks on NVMe: the tier] in disk_tier.h; the rest of the
+// scheduler is in chunk_scheduler.cpp.
+#include <algorithm>
+
+#include "runtime/core/error.h"
+#include "runtime/scheduler/chunk_scheduler.h"
+
+namespace tidal {
+
+bool ChunkScheduler::write_to_disk_for(const RoomRequest& request) {
+  if (!disk_ || request.space != MemorySpace::kHost) return false;
+  candidates_.clear();
+  for (ChunkId id : resident_[index_of(MemorySpace::kHost)]) {
+    if (id == request.chunk || id == request.evicting_for) continue;
+    if ((options_.disk_kinds & (1u << index_of(kind_of(id)))) == 0) continue;
+    if (store_.chunk(id).movable()) candidates_.push_back(id);
+  }
+  if (candidates_.empty()) return false;
+  const std::int64_t moment = request.prefetch ? request.needed_at - 1 : moment_;
+  const EvictionContext context(store_, request.prefetch ? &trace_ : live_trace(), moment, last_use_);
+  const ChunkId victim = policy_->choose_victim(context, MemorySpace::kHost, candidates_);
+  TIDAL_CHECK(std::find(candidates_.begin(), candidates_.end(), victim) != candidates_.end(),
+              "eviction policy '", policy_->name(), "' chose chunk ", victim,
+              ", which is not one of the ", candidates_.size(), " candidates it was given");
+  // A prefetch writes out only what the access it serves would (Note [Prefetch]).
+  if (request.prefetch && trace_.next_use(victim, moment_) <= request.needed_at) return false;
+  if (store_.chunk(victim).all_free()) {
+    drop_payload(victim);
+    return true;
+  }
+  write_to_disk(victim);
+  return true;
+}
+
+void ChunkScheduler::reserve_disk() {
+  if (!disk_) return;
+  std::size_t need = 0;
+  std::size_t count = 0;
+  for (ChunkId id = 0; id < store_.chunk_id_limit(); ++id) {
+    if ((options_.disk_kinds & (1u << index_of(kind_of(id)))) == 0 || disk_->has_home(id)) continue;
+    need += DiskTier::home_bytes(store_.chunk(id).capacity_bytes());
+    ++count;
+  }
+  if (count == 0) return;
+  const std::size_t held = disk_->held_bytes();
+  const std::uint64_t free = DirectFile::free_bytes(disk_->dir());
+  TIDAL_CHECK_WITH(OutOfMemoryError, held + need <= disk_->budget_bytes() && need <= free,
+                   "the NVMe tier needs ", format_bytes(held + need), " for ", count,
+                   " chunks of the lists it holds (file '", disk_->path(), "'), but the NVMe budget is ",
+                   format_bytes(disk_->budget_bytes()), " and the file system has ", format_bytes(free),
+                   " free. Tip: free disk space, choose another nvme_path, raise tidal.nvme_budget, "
+                   "or keep the 16-bit parameters off disk (offload_param 'cpu')");
+  for (ChunkId id = 0; id < store_.chunk_id_limit(); ++id) {
+    if ((options_.disk_kinds & (1u << index_of(kind_of(id)))) == 0) continue;
+    disk_->ensure_home(id, store_.chunk(id).capacity_bytes(), store_.describe_chunk(id));
+  }
+}
+
+void ChunkScheduler::close_disk() {
+  if (!disk_) return;
+  TIDAL_CHECK(store_.chunks_in(MemorySpace::kDisk) == 0, "chunk scheduler: close_disk with ",
+              store_.chunks_in(MemorySpace::kDisk), " chunks on disk (", format_bytes(store_.bytes_in(MemorySpace::kDisk)),
+              "); their data would be lost");
+  pool_.trim_all(MemorySpace::kHost);  // blocks with a write in flight hold the file
+  disk_.reset();
+  budget_[index_of(MemorySpace::kDisk)] = 0;
+  debug_validate();
+}
+
+void ChunkScheduler::write_to_disk(ChunkId id) {
+  const std::size_t bytes = store_.chunk(id).capacity_bytes();
+  disk_->ensure_home(id, bytes, store_.describe_chunk(id));  // may throw; nothing moved yet
+  Block& host = *slots_[id].block;
+  host.wait_on_host();  // a copy down into it lands first
+  std::shared_ptr<PendingIo> io = disk_->write(id, host.data, bytes);  // may throw; nothing moved yet
+  BlockPtr source = detach(id);
+  source->io = std::move(io);
+  auto token = std::make_unique<Block>();
+  token->space = MemorySpace::kDisk;
+  token->bytes = bytes;
+  token->data = disk_->token(id);
+  attach(id, std::move(token));
+  pool_.give_back(std::move(source));  // reused after the write (Block::io)
+  ++stats_.moves_host_to_disk;
+  stats_.bytes_host_to_disk += bytes;
+  if (slots_[id].prefetched) clear_prefetched(id, /*wasted=*/true);
+}
+
+void ChunkScheduler::read_from_disk(ChunkId id, BlockPtr block) {
+  TIDAL_INTERNAL_ASSERT(block->space == MemorySpace::kHost, "disk read into a ", to_string(block->space), " block");
+  std::shared_ptr<PendingIo> io;
+  try {
+    block->wait_on_host();  // whatever still reads the block (a copy, a write) ends first
+    io = disk_->read(id, block->data, block->bytes);
+  } catch (...) {
+    pool_.give_back(std::move(block));  // the chunk stays on disk; the block is the pool's again
+    throw;
+  }
+  const std::size_t bytes = block->bytes;
+  BlockPtr token = detach(id);
+  block->io = std::move(io);
+  attach(id, std::move(block));
+  ++stats_.moves_disk_to_host;
+  stats_.bytes_disk_to_host += bytes;
+}
+
+}  // namespace tidal
