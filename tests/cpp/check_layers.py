@@ -103,7 +103,7 @@ PY_LAYERS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
              ("_C",)),
     "dtr": (("tidal.dtr",), ("base",)),
     "recompute": (("tidal.recompute",), ("dtr",)),
-    "config": (("tidal.config",), ("recompute",)),
+    "config": (("tidal.config", "tidal._config_schema"), ("recompute",)),
     "optim": (("tidal.optim",), ("_C",)),
     "engine": (("tidal.engine",), ("config", "optim")),
     "front": (("tidal", "tidal.deepspeed", "tidal._deepspeed_compat", "tidal.integrations", "tidal.estimate",
