@@ -240,7 +240,10 @@ class ParamStore:
         keep the store alive long after)."""
         if self.records or self.chunks is None:
             return False
-        self.chunks.close_disk()
+        try:
+            self.chunks.close_disk()
+        except Exception:  # a chunk still on disk: the file goes with the chunks, or at exit
+            return False
         self.chunks = None
         return True
 
