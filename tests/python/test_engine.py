@@ -133,6 +133,33 @@ def test_device_chunk_steps_match_adamw_with_clipping(kernel):
     assert report["adam_chunks_on_device"] > 0 and report["adam_chunks_on_host"] == 0
 
 
+@pytest.mark.parametrize("accumulation", [1, 2])
+def test_device_steps_without_bias_correction_agree_between_the_kernels(accumulation):
+    # Without bias correction a GPU updates its chunks tensor by tensor
+    # (torch's fused kernel always corrects the bias: the engine's
+    # _adam_per_tensor, through ParamStore.slots); cpu_adam's kernel leaves
+    # it out in one pass. fp32: the masters agree to fp32 rounding, within
+    # 1e-5 absolute: without bias correction the first steps divide by
+    # sqrt(v) of a few thousandths of the gradient, so an element whose
+    # gradient is near eps amplifies the two kernels' rounding (one of 12288
+    # here, 1e-6 apart after two steps).
+    masters = {}
+    for kernel in ("simd", "fused"):
+        torch.manual_seed(0)
+        model = TinyGPT(d=64, seq=8)
+        cfg = config(hybrid_adam=True, budget="64MiB", chunk=1 << 16)
+        cfg["optimizer"]["params"]["bias_correction"] = False
+        cfg["gradient_accumulation_steps"] = accumulation
+        engine = tidal.initialize(model, cfg)
+        engine._device_adam_kernel = kernel
+        train_tidal(engine, gpt_batches(2 * accumulation))  # two steps, as the test below
+        assert engine.memory_report()["adam_chunks_on_device"] > 0
+        within_budget(engine)
+        masters[kernel] = engine.parameters_fp32()
+    for name, want in masters["simd"].items():
+        torch.testing.assert_close(masters["fused"][name], want, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
 def test_device_chunk_steps_in_16_bit_agree_between_the_kernels(precision):
     # With 16-bit gradients the fused path steps fp32 copies of them and writes

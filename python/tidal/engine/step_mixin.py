@@ -15,7 +15,7 @@ import torch
 
 from .. import dtr as _dtr
 from . import param_groups as _param_groups
-from .store import (DEVICE, GRAD32, HOLD, HOST, MOMENTUM, PARAM16, PARAM32, VARIANCE, RelayoutError,
+from .store import (DEVICE, GRAD32, HOST, MOMENTUM, PARAM16, PARAM32, VARIANCE, RelayoutError,
                     uncounted)
 
 from .errors import UsageError
@@ -217,26 +217,17 @@ class StepMixin:
     def _weight_from_master(self, record) -> torch.Tensor:
         """A temporary device tensor holding `record`'s 16-bit weight, made from
         its fp32 master (while its 16-bit slot holds a gradient)."""
-        c = self.chunks
-        with torch.no_grad(), _dtr.outside():
-            src = c.access(record.id, PARAM32, HOST, [record.numel])
-            try:
-                return src.to(self.store.torch_device, self.dtype, copy=True)
-            finally:
-                c.release(record.id, PARAM32, HOLD)
+        with torch.no_grad(), _dtr.outside(), self.store.slots(record, (PARAM32,), HOST) as (src,):
+            return src.to(self.store.torch_device, self.dtype, copy=True)
 
     def _restore_params(self, records):
         """Gradients overwrote the 16-bit params: copy them back from fp32."""
-        c = self.chunks
         with torch.no_grad(), uncounted():
             for r in records:
                 if not r.trainable:
                     continue
-                dst = c.access(r.id, PARAM16, HOST, [r.numel])
-                src = c.access(r.id, PARAM32, HOST, [r.numel])
-                dst.copy_(src)
-                c.release(r.id, PARAM32, HOLD)
-                c.release(r.id, PARAM16, HOLD)
+                with self.store.slots(r, (PARAM16, PARAM32), HOST) as (dst, src):
+                    dst.copy_(src)
 
     def _host_short(self) -> bool:
         """The host budget is too small for the state (Note [One place per chunk])."""
@@ -322,22 +313,17 @@ class StepMixin:
         """torch.optim.AdamW's single-tensor update of each of `recs` in
         `space` (a GPU without bias correction, which torch's fused kernel
         cannot leave out)."""
-        c = self.chunks
         groups = self.optimizer.param_groups
         for r in recs:
             group = groups[r.group]
-            g16 = c.access(r.id, PARAM16, space, [r.numel])
-            w = c.access(r.id, PARAM32, space, [r.numel])
-            m = c.access(r.id, MOMENTUM, space, [r.numel])
-            v = c.access(r.id, VARIANCE, space, [r.numel])
-            # The gradient sum (accumulation) or the 16-bit slot.
-            grad = c.access(r.id, GRAD32, space, [r.numel]) if GRAD32 in kinds else g16
-            try:
+            sums = GRAD32 in kinds
+            with self.store.slots(r, (PARAM16, PARAM32, MOMENTUM, VARIANCE) + ((GRAD32,) if sums else ()),
+                                  space) as views:
+                g16, w, m, v = views[:4]
+                # The gradient sum (accumulation) or the 16-bit slot.
+                grad = views[4] if sums else g16
                 self._device_adam(w, m, v, grad.to(w.device), r.step, grad_scale, group)
                 g16.copy_(w)
-            finally:
-                for kind in (PARAM16,) + tuple(kinds):
-                    c.release(r.id, kind, HOLD)
 
     def _device_adam(self, w, m, v, g, step, grad_scale, group):
         """torch.optim.AdamW's single-tensor update on device tensors (bf16

@@ -513,6 +513,24 @@ class ParamStore:
         self.records = [r for r in self.records if id(r) not in gone]
 
     @contextlib.contextmanager
+    def slots(self, record: "ParamRecord", kinds, space, state=None):
+        """Views of `record`'s slots of `kinds` in `space`, in that order, in
+        use (COMPUTE) while inside; each slot accessed is released to `state`
+        (HOLD by default) on the way out, also when an access or the block
+        fails part way. The engine's way to a slot outside the hooks, instead
+        of calling the scheduler itself (Note [The Python package's layers] in
+        tests/cpp/check_layers.py)."""
+        c = self.chunks
+        held = []
+        try:
+            for kind in kinds:
+                held.append((kind, c.access(record.id, kind, space, [record.numel])))
+            yield [view for _, view in held]
+        finally:
+            for kind, _ in reversed(held):
+                c.release(record.id, kind, HOLD if state is None else state)
+
+    @contextlib.contextmanager
     def materialized(self, module: torch.nn.Module):
         """The registered parameters of `module` and its submodules hold their
         values while inside.
