@@ -120,7 +120,6 @@ SLOT_CALLS = ("access", "release", "set_state")
 REACHES_PAST_THE_STORE = {
     "tidal.engine.checkpoint": "reads and writes the slots to save and load",
     "tidal.engine.data_parallel_mixin": "reduces and gathers chunks slot by slot",
-    "tidal.engine.external_mixin": "carries user writes into slots and masters",
     "tidal.engine.overlap": "holds chunks across the overlapped step",
 }
 

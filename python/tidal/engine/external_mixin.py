@@ -194,25 +194,17 @@ class ExternalMixin:
         holds rounded)."""
         if not (record.trainable and self.store.owns(record)):
             return  # (no master here: the slot is the value)
-        c = self.chunks
         # Both where they are: another tensor of the slot's chunk may be in use.
-        where = lambda kind: c.chunk_space(record.chunk, kind)  # noqa: E731
         with torch.no_grad(), uncounted(), _dtr.outside():
             if value is None:
-                slot = c.access(record.id, PARAM16, where(PARAM16), [record.numel])
-                try:
+                with self.store.slots(record, (PARAM16,)) as (slot,):
                     value = slot.clone()
-                finally:
-                    c.release(record.id, PARAM16, HOLD)
             value = value.reshape(-1)
-            master = c.access(record.id, PARAM32, where(PARAM32), [record.numel])
-            try:
+            with self.store.slots(record, (PARAM32,)) as (master,):
                 value = value.to(master.device)
                 changed = value != master.to(value.dtype)
                 if bool(changed.any()):
                     master[changed] = value[changed].to(master.dtype)
-            finally:
-                c.release(record.id, PARAM32, HOLD)
 
     # Note [Writes into a state dict]
     # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -256,24 +248,16 @@ class ExternalMixin:
     def _write_value(self, record, value, attached: bool):
         """`p.data = value`: the 16-bit copy (through the attached parameter,
         whose data is its slot again) and the fp32 master take `value`."""
-        c = self.chunks
-        where = lambda kind: c.chunk_space(record.chunk, kind)  # noqa: E731
         flat = value.detach().reshape(-1)
         with torch.no_grad(), uncounted(), _dtr.outside():
             if attached:
                 record.param.data.copy_(value.detach().reshape(record.shape))
             else:
-                slot = c.access(record.id, PARAM16, where(PARAM16), [record.numel])
-                try:
+                with self.store.slots(record, (PARAM16,)) as (slot,):
                     slot.copy_(flat)
-                finally:
-                    c.release(record.id, PARAM16, HOLD)
             if record.trainable and self.store.owns(record):
-                master = c.access(record.id, PARAM32, where(PARAM32), [record.numel])
-                try:
+                with self.store.slots(record, (PARAM32,)) as (master,):
                     master.copy_(flat)
-                finally:
-                    c.release(record.id, PARAM32, HOLD)
 
     def _lost_writes_message(self, lost) -> str:
         names = [self._record_list[i].name for i in lost]

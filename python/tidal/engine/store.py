@@ -513,9 +513,11 @@ class ParamStore:
         self.records = [r for r in self.records if id(r) not in gone]
 
     @contextlib.contextmanager
-    def slots(self, record: "ParamRecord", kinds, space, state=None):
-        """Views of `record`'s slots of `kinds` in `space`, in that order, in
-        use (COMPUTE) while inside; each slot accessed is released to `state`
+    def slots(self, record: "ParamRecord", kinds, space=None, state=None):
+        """Views of `record`'s slots of `kinds` in `space` (None: each where
+        its chunk is now, with no move; a chunk on disk is read to the host),
+        in that order, in use (COMPUTE) while inside; each slot accessed is
+        released to `state`
         (HOLD by default) on the way out, also when an access or the block
         fails part way. The engine's way to a slot outside the hooks, instead
         of calling the scheduler itself (Note [The Python package's layers] in
@@ -524,7 +526,8 @@ class ParamStore:
         held = []
         try:
             for kind in kinds:
-                held.append((kind, c.access(record.id, kind, space, [record.numel])))
+                where = c.chunk_space(record.chunk, kind) if space is None else space
+                held.append((kind, c.access(record.id, kind, where, [record.numel])))
             yield [view for _, view in held]
         finally:
             for kind, _ in reversed(held):
