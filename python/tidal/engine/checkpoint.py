@@ -46,7 +46,7 @@ import zlib
 
 import torch
 
-from .store import (HOLD, HOST, KIND_BY_NAME, KIND_NAMES, PARAM16, PARAM32, SLOT_KINDS, slot_kinds,
+from .store import (HOST, KIND_BY_NAME, KIND_NAMES, PARAM16, PARAM32, SLOT_KINDS, slot_kinds,
                     uncounted)
 
 FORMAT = "tidal-checkpoint-2"
@@ -104,7 +104,7 @@ def _write_states(engine, path: pathlib.Path) -> tuple[list, dict, int]:
     """Writes the slots this rank holds of the chunks it owns (all of them on
     one process) to `path`: (slot entries, Adam steps by name, bytes)."""
     entries, steps = [], {}
-    chunks, store = engine.chunks, engine.store
+    store = engine.store
     offset = 0
     with open(path, "wb") as f, torch.no_grad(), uncounted():
         for r in engine.records:
@@ -112,16 +112,13 @@ def _write_states(engine, path: pathlib.Path) -> tuple[list, dict, int]:
                 continue
             steps[r.name] = r.step
             for kind in slot_kinds(r):
-                view = chunks.access(r.id, kind, HOST, [r.numel])
-                try:
+                with store.slots(r, (kind,), HOST) as (view,):
                     data = _bytes_of(view)
                     f.write(data)
                     entries.append({"name": r.name, "kind": KIND_NAMES[kind], "dtype": str(view.dtype),
                                     "file": path.name, "offset": offset, "bytes": data.nbytes,
                                     "crc32": zlib.crc32(data)})
                     offset += data.nbytes
-                finally:
-                    chunks.release(r.id, kind, HOLD)
         f.flush()
         os.fsync(f.fileno())
     return entries, steps, offset
@@ -340,7 +337,7 @@ def load_checkpoint(engine, load_dir, tag=None, load_optimizer_states=True,
         _check_groups(engine, meta.get("param_groups"), path)
     by_name = {r.name: r for r in engine.records}
     wanted = set(SLOT_KINDS) if load_optimizer_states else {PARAM16, PARAM32}
-    chunks, store = engine.chunks, engine.store
+    store = engine.store
     with contextlib.ExitStack() as stack, torch.no_grad(), uncounted():
         opened = {}
         for e in meta["slots"]:
@@ -369,15 +366,12 @@ def load_checkpoint(engine, load_dir, tag=None, load_optimizer_states=True,
                     f"load_checkpoint: slot {e['name']}/{e['kind']} in {states} fails its CRC-32 "
                     f"check (corrupt file); slots before it were loaded already: load another "
                     f"checkpoint")
-            view = chunks.access(r.id, kind, HOST, [r.numel])
-            try:
+            with store.slots(r, (kind,), HOST) as (view,):
                 dst = _bytes_of(view)
                 if dst.nbytes != e["bytes"]:
                     raise CheckpointError(f"load_checkpoint: slot {e['name']}/{e['kind']} has "
                                           f"{e['bytes']} bytes in {path}, {dst.nbytes} in the model")
                 dst[:] = data
-            finally:
-                chunks.release(r.id, kind, HOLD)
     if load_optimizer_states:
         for name, step in meta["steps"].items():
             by_name[name].step = int(step)
@@ -507,16 +501,12 @@ def _load_tensors(engine, keys, get, shape_of, strict, who):
 
 
 def _write_param(engine, record, src: torch.Tensor) -> None:
-    c = engine.chunks
     flat = src.detach().reshape(-1).cpu()
     with torch.no_grad(), uncounted():
         kinds = (PARAM32, PARAM16) if record.trainable and engine.store.owns(record) else (PARAM16,)
         for kind in kinds:
-            view = c.access(record.id, kind, HOST, [record.numel])
-            try:
+            with engine.store.slots(record, (kind,), HOST) as (view,):
                 view.copy_(flat)
-            finally:
-                c.release(record.id, kind, HOLD)
 
 
 def load_pretrained(engine, path, strict=True):
