@@ -118,7 +118,6 @@ SLOT_CALLS = ("access", "release", "set_state")
 # Engine modules that still change slot states themselves instead of asking the
 # store (issue 45, "the Python engine reaches past its layer"): module -> why.
 REACHES_PAST_THE_STORE = {
-    "tidal.engine.data_parallel_mixin": "reduces and gathers chunks slot by slot",
     "tidal.engine.overlap": "holds chunks across the overlapped step",
 }
 

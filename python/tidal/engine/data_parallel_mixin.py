@@ -15,7 +15,7 @@ import torch
 from .. import dtr as _dtr
 from ..config import ConfigError
 from ..data_parallel import IN_FLIGHT, DataParallelError
-from .store import HOLD, HOST, NOWHERE, PARAM16, uncounted
+from .store import HOST, NOWHERE, PARAM16, uncounted
 
 from .common import _PER_MACHINE_KEYS
 
@@ -41,11 +41,8 @@ class DataParallelMixin:
         weights = []
         with torch.no_grad(), uncounted():
             for r in self.records:
-                view = c.access(r.id, PARAM16, HOST, [r.numel])
-                try:
+                with self.store.slots(r, (PARAM16,), HOST) as (view,):
                     weights.append(zlib.crc32(view.view(torch.uint8).numpy()))
-                finally:
-                    c.release(r.id, PARAM16, HOLD)
         self.dp.check_same({"config": raw, "model and chunk layout": layout,
                             "parameter groups": self._group_state(), "initial weights": weights})
         # The unit of the gradient reductions: each chunk's trainable records,
@@ -139,8 +136,7 @@ class DataParallelMixin:
         while len(flight) >= IN_FLIGHT or (flight and flight[0][3].is_completed()):
             self._dp_finish(*flight.popleft())
         with torch.no_grad(), uncounted(), _dtr.outside():
-            c.access(first.id, PARAM16, self._dp_here(chunk), [first.numel])  # pins the chunk
-            try:
+            with self.store.slots(first, (PARAM16,), self._dp_here(chunk)):  # pins the chunk
                 view = c.chunk_view(chunk, PARAM16)
                 landed = [self._hooks.landed(index[id(r)]) for r in recs]
                 parts = []
@@ -149,8 +145,6 @@ class DataParallelMixin:
                     parts.append(view[off:off + r.numel] if has else
                                  torch.zeros(r.numel, dtype=view.dtype, device=view.device))
                 buf = torch.cat(parts).to(dp.device)
-            finally:
-                c.release(first.id, PARAM16, HOLD)
             work = dp.reduce_async(buf, dp.owner(chunk), f"reduce the gradients of chunk {chunk}")
             flight.append((chunk, landed, buf, work))
             self._dp_next += 1
@@ -168,8 +162,7 @@ class DataParallelMixin:
         pieces = buf.split([r.numel for r in recs])
         with torch.no_grad(), uncounted(), _dtr.outside():
             first = recs[0]
-            c.access(first.id, PARAM16, self._dp_here(chunk), [first.numel])
-            try:
+            with self.store.slots(first, (PARAM16,), self._dp_here(chunk)):  # pins the chunk
                 view = c.chunk_view(chunk, PARAM16)
                 dst, src = [], []
                 for r, has, piece in zip(recs, landed, pieces, strict=True):
@@ -181,8 +174,6 @@ class DataParallelMixin:
                     torch._foreach_copy_(dst, src)
                     # (A 0-d tensor: no device sync inside backward's hooks.)
                     self._dp_sq.append(sum(t.float().square().sum() for t in src))
-            finally:
-                c.release(first.id, PARAM16, HOLD)
         if self._overlap is not None:
             # Note [CPU Adam during backward]: the chunk's gradients are final.
             self._overlap.reduced(chunk, landed)
@@ -279,11 +270,8 @@ class DataParallelMixin:
             self._dp_shared_one(*flight.popleft())
         with torch.no_grad(), uncounted(), _dtr.outside():
             if dp.rank == owner:
-                c.access(first.id, PARAM16, self._dp_here(chunk), [first.numel])
-                try:
+                with self.store.slots(first, (PARAM16,), self._dp_here(chunk)):  # pins the chunk
                     buf = c.chunk_view(chunk, PARAM16)[lo:hi].to(dp.device, copy=True)
-                finally:
-                    c.release(first.id, PARAM16, HOLD)
             else:
                 buf = torch.empty(hi - lo, dtype=self.dtype, device=dp.device)
             work = dp.broadcast_async(buf, owner, f"broadcast the parameters of chunk {chunk}")
@@ -298,12 +286,9 @@ class DataParallelMixin:
             return
         first, lo, hi = self._dp_spans[chunk]
         with torch.no_grad(), uncounted(), _dtr.outside():
-            c.access(first.id, PARAM16, self._dp_here(chunk), [first.numel])
-            try:
+            with self.store.slots(first, (PARAM16,), self._dp_here(chunk)):  # pins the chunk
                 view = c.chunk_view(chunk, PARAM16)
                 view[lo:hi].copy_(buf)
-            finally:
-                c.release(first.id, PARAM16, HOLD)
 
     def _dp_shared(self):
         """Waits for every broadcast _dp_share started."""
