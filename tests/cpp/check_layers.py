@@ -41,7 +41,7 @@ The package python/tidal has layers too (PY_LAYERS), each a set of modules
 that imports only its own layer and the ones below it:
 
     front (tidal itself, deepspeed, integrations, estimate, train, ...)
-      -> engine (tidal.engine) -> config -> recompute -> dtr -> base -> _C
+      -> engine (tidal.engine) -> config (and its schema) -> recompute -> dtr -> base -> _C
       -> optim -> _C
 
 where base holds the leaf modules (device, _schema, data_parallel,
@@ -53,7 +53,8 @@ inside functions count as much as those at the top. Over the bindings, tidal._C:
     (`ModuleHooks`, `MemoryTracer`) only by the engine (HOOKS_USERS);
   * a slot's state is the store's: the calls that change it on a Chunks
     object (access, release, set_state; SLOT_CALLS) are made only in
-    SCHEDULER_OWNERS. The engine modules that still reach past the store
+    SCHEDULER_OWNERS; the rest of the engine takes a slot through
+    ParamStore.slots(). The engine modules that still reach past the store
     are listed in REACHES_PAST_THE_STORE (issue 45); the check fails on a
     module not listed, and on a listed one that no longer reaches (delete its
     entry), so the list only shrinks.
