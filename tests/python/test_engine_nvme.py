@@ -303,3 +303,21 @@ def test_the_file_goes_at_exit_and_a_killed_process_file_at_the_next_start(tmp_p
         engine = tidal.initialize(make_model(), config(tmp_path))
     assert not Path(left).exists()
     engine.remove_hooks()
+
+
+def test_frozen_parameters_with_the_tier(tmp_path):
+    # Frozen tensors live in a pool of their own (16-bit chunks, no master):
+    # the tier takes only what exists, and a twin trains to the same losses.
+    runs = []
+    for nvme in (None, tmp_path):
+        model = make_model()
+        for name, p in model.named_parameters():
+            if name.startswith(("wte", "blocks.0")):
+                p.requires_grad_(False)
+        host = state_bytes(model) // 4
+        engine = initialize(model, config(nvme, host=host if nvme else 0))
+        runs.append(train_tidal(engine, gpt_batches(3, vocab=96, seq=16, batch=4)))
+        if nvme is not None:
+            assert engine.chunks.stats()["moves_host_to_disk"] > 0
+            within_budget(engine)
+    assert runs[0] == runs[1]

@@ -69,7 +69,7 @@ from .dtr_link import DtrLink
 from .errors import UnsupportedModelError, UsageError
 from .loss_scaler import DynamicLossScaler, StaticLossScaler
 from .overlap import StepOverlap
-from .store import DEVICE, GRAD32, HOST, PARAM16, PARAM32, ParamStore, uncounted
+from .store import DEVICE, GRAD32, HOST, NOWHERE, PARAM16, PARAM32, ParamStore, uncounted
 from .common import OutOfMemoryError, _PLACEHOLDER_HINT, _weak_method
 from .data_parallel_mixin import DataParallelMixin
 from .external_mixin import ExternalMixin
@@ -374,11 +374,12 @@ class Engine(ExternalMixin, StateDictMixin, HookWiringMixin, DataParallelMixin, 
         # Chunks the host budget cannot hold live on the device all the time
         # (Note [One place per chunk]): a floor under the chunk room.
         s = self.chunks.stats()
-        # The lists on the NVMe tier (Note [Chunks on NVMe: the tier]) go to
-        # disk instead when the host is full.
+        # The chunks of the lists on the NVMe tier (Note [Chunks on NVMe: the
+        # tier]) go to disk instead when the host is full (those with a
+        # payload: a frozen pool's chunks have no master).
         c = self.chunks
         to_disk = sum(c.chunk_capacity_bytes(i, k) for k in self.store.disk_kinds()
-                      for i in range(c.num_chunks))
+                      for i in range(c.num_chunks) if c.chunk_space(i, k) != NOWHERE)
         self._spilled_floor = max(0, s["resident_bytes_host"] + s["resident_bytes_device"]
                                   + s["resident_bytes_disk"] - to_disk
                                   - self.store.capacity_bytes()[0])
