@@ -15,10 +15,11 @@
 // wanted on the device goes up through the host. Nothing computes on a disk
 // chunk: its store payload is a token (a distinct address, never read).
 //
-// Each chunk gets a home in the file at its first write, as many 4 KiB pages
-// as its capacity, and keeps it: a chunk never changes size, so the file
-// grows by one home per chunk that ever went to disk and is never
-// fragmented. The file grows with posix_fallocate before the write, so a
+// Each chunk gets a home in the file, as many 4 KiB pages as its capacity,
+// and keeps it: a chunk never changes size, so the file is never fragmented.
+// The engine gives every chunk of the allowed lists its home at start
+// (ChunkScheduler::reserve_disk); a chunk registered later gets one at its
+// first write. The file grows with posix_fallocate before any write, so a
 // full disk fails there, before any chunk leaves the host, naming the path,
 // the bytes needed and the bytes free; the NVMe budget bounds the homes in
 // the same way.
