@@ -376,6 +376,18 @@ bool ChunkScheduler::make_room(const RoomRequest& request) {
   }
 }
 
+ChunkId ChunkScheduler::pick(const RoomRequest& request, MemorySpace space) {
+  // A prefetch decides as the access it serves would, at the moment before
+  // it (Note [Prefetch]); otherwise the policy sees the step as it is now.
+  const std::int64_t moment = request.prefetch ? request.needed_at - 1 : moment_;
+  const EvictionContext context(store_, request.prefetch ? &trace_ : live_trace(), moment, last_use_);
+  const ChunkId victim = policy_->choose_victim(context, space, candidates_);
+  TIDAL_CHECK(std::find(candidates_.begin(), candidates_.end(), victim) != candidates_.end(),
+              "eviction policy '", policy_->name(), "' chose chunk ", victim,
+              ", which is not one of the ", candidates_.size(), " candidates it was given");
+  return victim;
+}
+
 bool ChunkScheduler::spill_to_device(const RoomRequest& request) {
   // Not for a prefetch (it waits instead) nor while making host room for an
   // eviction: Note [One place per chunk].
@@ -387,11 +399,7 @@ bool ChunkScheduler::spill_to_device(const RoomRequest& request) {
     if (id != request.chunk && store_.chunk(id).movable()) candidates_.push_back(id);
   }
   if (candidates_.empty()) return false;
-  const EvictionContext context(store_, live_trace(), moment_, last_use_);
-  const ChunkId victim = policy_->choose_victim(context, MemorySpace::kHost, candidates_);
-  TIDAL_CHECK(std::find(candidates_.begin(), candidates_.end(), victim) != candidates_.end(),
-              "eviction policy '", policy_->name(), "' chose chunk ", victim,
-              ", which is not one of the ", candidates_.size(), " candidates it was given");
+  const ChunkId victim = pick(request, MemorySpace::kHost);
   if (store_.chunk(victim).all_free()) {
     drop_payload(victim);
     return true;
@@ -471,12 +479,7 @@ ChunkId ChunkScheduler::choose_victim(const RoomRequest& request) {
     });
   }
   if (candidates_.empty()) return kNoChunk;
-  const std::int64_t moment = request.prefetch ? request.needed_at - 1 : moment_;
-  const EvictionContext context(store_, request.prefetch ? &trace_ : live_trace(), moment, last_use_);
-  const ChunkId victim = policy_->choose_victim(context, request.space, candidates_);
-  TIDAL_CHECK(std::find(candidates_.begin(), candidates_.end(), victim) != candidates_.end(),
-              "eviction policy '", policy_->name(), "' chose chunk ", victim,
-              ", which is not one of the ", candidates_.size(), " candidates it was given");
+  const ChunkId victim = pick(request, request.space);
   if (request.prefetch) {
     // Evict now only what the access at needed_at would evict anyway, and
     // only if nothing before it still uses it; otherwise wait.

@@ -294,6 +294,9 @@ class ChunkScheduler {
   bool make_room(const RoomRequest& request);
   BlockPtr acquire_block(const RoomRequest& request);
   ChunkId choose_victim(const RoomRequest& request);
+  // The eviction policy's choice among candidates_ for `space`, checked to be
+  // one of them; as of the moment `request` is made for.
+  ChunkId pick(const RoomRequest& request, MemorySpace space);
   // The host bytes an eviction made for chunk `incoming` may fill (Note
   // [Swaps through the host's last chunk] in chunk_scheduler.cpp).
   std::size_t eviction_host_budget(ChunkId incoming) const;

@@ -18,12 +18,7 @@ bool ChunkScheduler::write_to_disk_for(const RoomRequest& request) {
     if (store_.chunk(id).movable()) candidates_.push_back(id);
   }
   if (candidates_.empty()) return false;
-  const std::int64_t moment = request.prefetch ? request.needed_at - 1 : moment_;
-  const EvictionContext context(store_, request.prefetch ? &trace_ : live_trace(), moment, last_use_);
-  const ChunkId victim = policy_->choose_victim(context, MemorySpace::kHost, candidates_);
-  TIDAL_CHECK(std::find(candidates_.begin(), candidates_.end(), victim) != candidates_.end(),
-              "eviction policy '", policy_->name(), "' chose chunk ", victim,
-              ", which is not one of the ", candidates_.size(), " candidates it was given");
+  const ChunkId victim = pick(request, MemorySpace::kHost);
   // A prefetch writes out only what the access it serves would (Note [Prefetch]).
   if (request.prefetch && trace_.next_use(victim, moment_) <= request.needed_at) return false;
   if (store_.chunk(victim).all_free()) {

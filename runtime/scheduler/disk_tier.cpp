@@ -118,10 +118,5 @@ void* DiskTier::token(ChunkId id) {
   return &tokens_[id];
 }
 
-void DiskTier::wait_all() {
-  for (auto& w : last_write_) {
-    if (w) w->wait();
-  }
-}
 
 }  // namespace tidal

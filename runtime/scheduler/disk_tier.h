@@ -95,8 +95,6 @@ class DiskTier {
   const std::vector<std::string>& removed_stale() const { return file_->removed_stale(); }
   std::uint64_t bytes_read() const { return file_->bytes_read(); }
   std::uint64_t bytes_written() const { return file_->bytes_written(); }
-  // Returns when every write and read issued has completed.
-  void wait_all();
 
  private:
   struct Home {

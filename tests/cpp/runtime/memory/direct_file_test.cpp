@@ -17,31 +17,13 @@
 #include <vector>
 
 #include "runtime/core/error.h"
+#include "tests/cpp/runtime/temp_dir.h"
 
 namespace tidal {
 namespace {
 
 constexpr std::size_t kKiB = 1024;
 
-class TempDir {
- public:
-  TempDir() {
-    std::string pattern = ::testing::TempDir() + "tidal_direct_XXXXXX";
-    std::vector<char> buf(pattern.begin(), pattern.end());
-    buf.push_back('\0');
-    const char* made = ::mkdtemp(buf.data());
-    EXPECT_NE(made, nullptr);
-    path_ = made != nullptr ? made : "";
-  }
-  ~TempDir() {
-    const std::string cmd = "rm -rf '" + path_ + "'";
-    EXPECT_EQ(std::system(cmd.c_str()), 0);
-  }
-  const std::string& path() const { return path_; }
-
- private:
-  std::string path_;
-};
 
 bool exists(const std::string& path) {
   struct stat st {};
@@ -55,7 +37,7 @@ void fill(AlignedBuffer& b, unsigned seed) {
 }
 
 TEST(DirectFile, WhatIsWrittenReadsBackByteForByte) {
-  TempDir dir;
+  testing::TempDir dir("tidal_direct_");
   DirectFileOptions o;
   o.dir = dir.path();
   o.slot_bytes = 256 * kKiB;
@@ -104,7 +86,7 @@ TEST(DirectFile, WhatIsWrittenReadsBackByteForByte) {
 }
 
 TEST(DirectFile, ManyTicketsFromSeveralThreadsKeepTheirSlots) {
-  TempDir dir;
+  testing::TempDir dir("tidal_direct_");
   DirectFileOptions o;
   o.dir = dir.path();
   o.slot_bytes = 64 * kKiB;
@@ -133,7 +115,7 @@ TEST(DirectFile, ManyTicketsFromSeveralThreadsKeepTheirSlots) {
 }
 
 TEST(DirectFile, FilesOfAGoneProcessAreRemovedALiveOnesAreNot) {
-  TempDir dir;
+  testing::TempDir dir("tidal_direct_");
   const std::string gone = dir.path() + "/tidal-999999-0.slots";
   const std::string live = dir.path() + "/tidal-999998-0.slots";
   const std::string other = dir.path() + "/notes.txt";
@@ -161,7 +143,7 @@ TEST(DirectFile, FilesOfAGoneProcessAreRemovedALiveOnesAreNot) {
 }
 
 TEST(DirectFile, BadInputNamesTheValue) {
-  TempDir dir;
+  testing::TempDir dir("tidal_direct_");
   DirectFileOptions o;
   o.dir = dir.path() + "/missing";
   o.slot_bytes = 4 * kKiB;
@@ -185,7 +167,7 @@ TEST(DirectFile, BadInputNamesTheValue) {
 
 TEST(DirectFile, TheIoUringBackendReadsBackByteForByte) {
   if (!io_uring_built()) GTEST_SKIP() << "built without liburing";
-  TempDir dir;
+  testing::TempDir dir("tidal_direct_");
   DirectFileOptions o;
   o.dir = dir.path();
   o.slot_bytes = 256 * kKiB;
@@ -237,7 +219,7 @@ TEST(DirectFile, TheIoUringBackendReadsBackByteForByte) {
 TEST(DirectFile, GrowsAndARequestSpansSlots) {
   // The disk tier's use: page-sized slots, a chunk's home a run of them,
   // the file grown as homes are given.
-  TempDir dir;
+  testing::TempDir dir("tidal_direct_");
   DirectFileOptions o;
   o.dir = dir.path();
   o.slot_bytes = 4 * kKiB;
@@ -269,7 +251,7 @@ TEST(DirectFile, GrowsAndARequestSpansSlots) {
 }
 
 TEST(DirectFile, ADiskTooSmallFailsAtCreationNamingTheBytes) {
-  TempDir dir;
+  testing::TempDir dir("tidal_direct_");
   DirectFileOptions o;
   o.dir = dir.path();
   o.slot_bytes = std::size_t{1} << 40;  // 1 TiB slots

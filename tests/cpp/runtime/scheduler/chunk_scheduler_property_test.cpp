@@ -7,10 +7,7 @@
 // make room.
 #include <gtest/gtest.h>
 
-#include <stdlib.h>
-
 #include <algorithm>
-#include <cstdlib>
 #include <cstring>
 #include <map>
 #include <random>
@@ -20,6 +17,7 @@
 #include "runtime/core/error.h"
 #include "runtime/scheduler/chunk_scheduler.h"
 #include "scheduler_test_util.h"
+#include "tests/cpp/runtime/temp_dir.h"
 
 namespace tidal {
 namespace {
@@ -447,9 +445,8 @@ TEST(ChunkSchedulerProperty, RepeatedAndChangingStepsKeepDataAndBudget) {
 // optimizer's sweep over all five lists cycles the states through the file.
 // No access may fail, and every byte survives any number of trips.
 TEST(ChunkSchedulerProperty, TheDiskTierKeepsDataUnderASmallHostBudget) {
-  char dir_template[] = "/tmp/tidal_property_disk_XXXXXX";
-  const char* dir = ::mkdtemp(dir_template);
-  ASSERT_NE(dir, nullptr);
+  const testing::TempDir folder("tidal_property_disk_");
+  const std::string& dir = folder.path();
   for (unsigned seed = 200; seed < 212; ++seed) {
     SCOPED_TRACE(indexed_name("seed ", seed));
     std::mt19937 rng(seed);
@@ -515,8 +512,6 @@ TEST(ChunkSchedulerProperty, TheDiskTierKeepsDataUnderASmallHostBudget) {
     EXPECT_GT(st.moves_disk_to_host, 0u);
     h.verify_all();
   }
-  const std::string cmd = std::string("rm -rf '") + dir + "'";
-  EXPECT_EQ(std::system(cmd.c_str()), 0);
 }
 
 }  // namespace

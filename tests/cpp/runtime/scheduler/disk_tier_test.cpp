@@ -7,14 +7,13 @@
 #include "runtime/scheduler/chunk_scheduler.h"
 
 #include <gtest/gtest.h>
-#include <stdlib.h>
 #include <sys/stat.h>
 
-#include <cstdlib>
 #include <string>
 #include <vector>
 
 #include "runtime/core/error.h"
+#include "tests/cpp/runtime/temp_dir.h"
 #include "scheduler_test_util.h"
 
 namespace tidal {
@@ -30,25 +29,6 @@ constexpr std::size_t kChunk = 16 * kKiB;  // 16-bit chunk; fp32 chunks are 32 K
 constexpr std::size_t kFull = kChunk / 2;  // elements of a tensor that fills a chunk
 constexpr std::size_t kFp32Chunk = 2 * kChunk;
 
-class TempDir {
- public:
-  TempDir() {
-    std::string pattern = ::testing::TempDir() + "tidal_disk_tier_XXXXXX";
-    std::vector<char> buf(pattern.begin(), pattern.end());
-    buf.push_back('\0');
-    const char* made = ::mkdtemp(buf.data());
-    EXPECT_NE(made, nullptr);
-    path_ = made != nullptr ? made : "";
-  }
-  ~TempDir() {
-    const std::string cmd = "rm -rf '" + path_ + "'";
-    EXPECT_EQ(std::system(cmd.c_str()), 0);
-  }
-  const std::string& path() const { return path_; }
-
- private:
-  std::string path_;
-};
 
 bool exists(const std::string& path) {
   struct stat st {};
@@ -61,7 +41,7 @@ ChunkStore full_tensors(std::size_t n) {
   return store;
 }
 
-ChunkSchedulerOptions disk_options(const TempDir& dir, std::size_t host_budget) {
+ChunkSchedulerOptions disk_options(const testing::TempDir& dir, std::size_t host_budget) {
   ChunkSchedulerOptions o;
   o.device_budget_bytes = kChunk;  // no fp32 chunk fits: nothing spills up
   o.host_budget_bytes = host_budget;
@@ -101,7 +81,7 @@ void sweep(ChunkScheduler& s, std::size_t tensors, int step) {
 }
 
 TEST(DiskTier, StatesThreeTimesTheHostBudgetKeepEveryValue) {
-  TempDir dir;
+  testing::TempDir dir("tidal_disk_tier_");
   constexpr std::size_t kTensors = 12;  // 12 x 3 x 32 KiB = 1152 KiB of states
   const std::size_t host_budget = 12 * kFp32Chunk;  // 384 KiB: a third
   auto device = make_device(kKiB * kKiB);
@@ -128,7 +108,7 @@ TEST(DiskTier, StatesThreeTimesTheHostBudgetKeepEveryValue) {
 TEST(DiskTier, SteadyStepsMoveEachChunkOnceEachWay) {
   // OPT over a cyclic sweep larger than the host keeps the same chunks on
   // the host each step; what goes to disk comes back once per step.
-  TempDir dir;
+  testing::TempDir dir("tidal_disk_tier_");
   constexpr std::size_t kTensors = 8;
   auto device = make_device(kKiB * kKiB);
   ChunkScheduler s(full_tensors(kTensors), device, disk_options(dir, 12 * kFp32Chunk));
@@ -143,7 +123,7 @@ TEST(DiskTier, SteadyStepsMoveEachChunkOnceEachWay) {
 }
 
 TEST(DiskTier, AChunkOnDiskGoesToTheDeviceThroughTheHost) {
-  TempDir dir;
+  testing::TempDir dir("tidal_disk_tier_");
   auto device = make_device(kKiB * kKiB);
   ChunkSchedulerOptions o = disk_options(dir, 2 * kFp32Chunk);
   o.device_budget_bytes = 4 * kFp32Chunk;
@@ -178,7 +158,7 @@ TEST(DiskTier, AChunkOnDiskGoesToTheDeviceThroughTheHost) {
 }
 
 TEST(DiskTier, SixteenBitChunksStayOffDiskByDefault) {
-  TempDir dir;
+  testing::TempDir dir("tidal_disk_tier_");
   auto device = make_device(kKiB * kKiB);
   ChunkSchedulerOptions o = disk_options(dir, 2 * kChunk);
   o.device_budget_bytes = kChunk / 2;  // nothing fits on the device
@@ -197,7 +177,7 @@ TEST(DiskTier, SixteenBitChunksStayOffDiskByDefault) {
   }
   s.validate();
   // With the 16-bit list allowed (offload_param), the same access succeeds.
-  TempDir dir2;
+  testing::TempDir dir2("tidal_disk_tier_");
   o = disk_options(dir2, 2 * kChunk);
   o.device_budget_bytes = kChunk / 2;
   o.disk_kinds = ChunkSchedulerOptions::disk_kind_bits({ChunkKind::kParam16, ChunkKind::kParam32});
@@ -211,7 +191,7 @@ TEST(DiskTier, SixteenBitChunksStayOffDiskByDefault) {
 }
 
 TEST(DiskTier, TheNvmeBudgetIsAClearErrorAndMovesNothing) {
-  TempDir dir;
+  testing::TempDir dir("tidal_disk_tier_");
   auto device = make_device(kKiB * kKiB);
   ChunkSchedulerOptions o = disk_options(dir, 2 * kFp32Chunk);
   o.disk_budget_bytes = kFp32Chunk;  // one chunk's home
@@ -246,7 +226,7 @@ TEST(DiskTier, TheNvmeBudgetIsAClearErrorAndMovesNothing) {
 }
 
 TEST(DiskTier, TheFileGoesWithTheScheduler) {
-  TempDir dir;
+  testing::TempDir dir("tidal_disk_tier_");
   std::string path;
   {
     auto device = make_device(kKiB * kKiB);
