@@ -88,6 +88,17 @@ std::vector<std::size_t> random_sizes(std::mt19937& rng, std::size_t chunk_eleme
   return sizes;
 }
 
+// `count` tensors of random sizes (`oversize_percent` of them larger than a
+// chunk), named p0, p1, ...; every third in a second pool (Note [Pools keep
+// frozen tensors apart]): chunks whose tensors are not a contiguous run of ids.
+void register_random(ChunkStore& store, std::mt19937& rng, int count, int oversize_percent) {
+  const auto sizes = random_sizes(rng, store.chunk_elements(), count, oversize_percent);
+  for (int i = 0; i < count; ++i) {
+    store.register_tensor(indexed_name("p", i), sizes[i], static_cast<std::uint8_t>(i % 3 == 2));
+  }
+  store.take_warnings();
+}
+
 void fill_random(std::vector<unsigned char>& bytes, std::mt19937& rng) {
   for (auto& b : bytes) b = static_cast<unsigned char>(rng());
 }
@@ -279,13 +290,7 @@ TEST(ChunkSchedulerProperty, RandomOperationsKeepEveryInvariant) {
     const DType dtype = rng() % 2 ? DType::kFloat16 : DType::kBFloat16;
     ChunkStore store({.chunk_bytes = chunk_bytes, .param_dtype = dtype});
     const int count = 4 + static_cast<int>(rng() % 36);
-    const auto sizes = random_sizes(rng, store.chunk_elements(), count, 5);
-    // Every third tensor in a second pool (Note [Pools keep frozen tensors
-    // apart]): chunks whose tensors are not a contiguous run of ids.
-    for (int i = 0; i < count; ++i) {
-      store.register_tensor(indexed_name("p", i), sizes[i], static_cast<std::uint8_t>(i % 3 == 2));
-    }
-    store.take_warnings();
+    register_random(store, rng, count, 5);
     const std::size_t biggest = largest_chunk(store);
     const std::size_t budget = biggest * (1 + rng() % 4) + (rng() % 2 ? chunk_bytes : 0);
     const double bandwidth = rng() % 4 == 0 ? 100e6 : 0;
@@ -352,13 +357,7 @@ TEST(ChunkSchedulerProperty, RepeatedAndChangingStepsKeepDataAndBudget) {
     const std::size_t chunk_bytes = (std::size_t{4} << (rng() % 3)) * kKiB;
     ChunkStore store({.chunk_bytes = chunk_bytes});
     const int count = 6 + static_cast<int>(rng() % 30);
-    const auto sizes = random_sizes(rng, store.chunk_elements(), count, 3);
-    // Every third tensor in a second pool (Note [Pools keep frozen tensors
-    // apart]): chunks whose tensors are not a contiguous run of ids.
-    for (int i = 0; i < count; ++i) {
-      store.register_tensor(indexed_name("p", i), sizes[i], static_cast<std::uint8_t>(i % 3 == 2));
-    }
-    store.take_warnings();
+    register_random(store, rng, count, 3);
     std::size_t biggest16 = 0;
     for (const Chunk& chunk : store.list(ChunkKind::kParam16)) {
       biggest16 = std::max(biggest16, chunk.capacity_bytes());
@@ -453,11 +452,7 @@ TEST(ChunkSchedulerProperty, TheDiskTierKeepsDataUnderASmallHostBudget) {
     const std::size_t chunk_bytes = (std::size_t{4} << (rng() % 3)) * kKiB;
     ChunkStore store({.chunk_bytes = chunk_bytes});
     const int count = 6 + static_cast<int>(rng() % 30);
-    const auto sizes = random_sizes(rng, store.chunk_elements(), count, 3);
-    for (int i = 0; i < count; ++i) {
-      store.register_tensor(indexed_name("p", i), sizes[i], static_cast<std::uint8_t>(i % 3 == 2));
-    }
-    store.take_warnings();
+    register_random(store, rng, count, 3);
     const std::size_t biggest = largest_chunk(store);
     std::size_t biggest16 = 0;
     for (const Chunk& chunk : store.list(ChunkKind::kParam16)) {
