@@ -396,7 +396,8 @@ bool ChunkScheduler::spill_to_device(const RoomRequest& request) {
   }
   candidates_.clear();
   for (ChunkId id : resident_[index_of(MemorySpace::kHost)]) {
-    if (id != request.chunk && store_.chunk(id).movable()) candidates_.push_back(id);
+    if (id == request.chunk || !store_.chunk(id).movable() || on_disk_list(id)) continue;
+    candidates_.push_back(id);
   }
   if (candidates_.empty()) return false;
   const ChunkId victim = pick(request, MemorySpace::kHost);

@@ -47,7 +47,11 @@
 // making host room for a device eviction never spills (the two would chase
 // each other). A spilled chunk is an ordinary device chunk afterwards: the
 // device evicts it back when the host has room again. Counted in
-// ChunkSchedulerStats::spills.
+// ChunkSchedulerStats::spills. With a disk tier, only chunks of lists kept
+// off disk spill: the others go to disk (Note [Chunks on NVMe: the tier]),
+// so the device's free room is left to the chunks that have nowhere else to
+// go (a master spilled there would later need host room to leave, which a
+// host full of 16-bit chunks cannot give).
 //
 // A move to the device frees its host block only after it has device room,
 // and the device makes room by evicting to the host: with both full, nothing
@@ -294,6 +298,11 @@ class ChunkScheduler {
   bool make_room(const RoomRequest& request);
   BlockPtr acquire_block(const RoomRequest& request);
   ChunkId choose_victim(const RoomRequest& request);
+  // Whether chunk `id` may go to the disk tier (there is one, and its list is
+  // in disk_kinds).
+  bool on_disk_list(ChunkId id) const {
+    return disk_ && (options_.disk_kinds & (1u << index_of(kind_of(id)))) != 0;
+  }
   // The eviction policy's choice among candidates_ for `space`, checked to be
   // one of them; as of the moment `request` is made for.
   ChunkId pick(const RoomRequest& request, MemorySpace space);

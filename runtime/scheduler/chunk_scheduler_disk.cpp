@@ -14,7 +14,7 @@ bool ChunkScheduler::write_to_disk_for(const RoomRequest& request) {
   candidates_.clear();
   for (ChunkId id : resident_[index_of(MemorySpace::kHost)]) {
     if (id == request.chunk || id == request.evicting_for) continue;
-    if ((options_.disk_kinds & (1u << index_of(kind_of(id)))) == 0) continue;
+    if (!on_disk_list(id)) continue;
     if (store_.chunk(id).movable()) candidates_.push_back(id);
   }
   if (candidates_.empty()) return false;
@@ -34,7 +34,7 @@ void ChunkScheduler::reserve_disk() {
   std::size_t need = 0;
   std::size_t count = 0;
   for (ChunkId id = 0; id < store_.chunk_id_limit(); ++id) {
-    if ((options_.disk_kinds & (1u << index_of(kind_of(id)))) == 0 || disk_->has_home(id)) continue;
+    if (!on_disk_list(id) || disk_->has_home(id)) continue;
     need += DiskTier::home_bytes(store_.chunk(id).capacity_bytes());
     ++count;
   }
@@ -48,7 +48,7 @@ void ChunkScheduler::reserve_disk() {
                    " free. Tip: free disk space, choose another nvme_path, raise tidal.nvme_budget, "
                    "or keep the 16-bit parameters off disk (offload_param 'cpu')");
   for (ChunkId id = 0; id < store_.chunk_id_limit(); ++id) {
-    if ((options_.disk_kinds & (1u << index_of(kind_of(id)))) == 0) continue;
+    if (!on_disk_list(id)) continue;
     disk_->ensure_home(id, store_.chunk(id).capacity_bytes(), store_.describe_chunk(id));
   }
 }

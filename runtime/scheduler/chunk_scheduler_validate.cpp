@@ -44,7 +44,7 @@ void ChunkScheduler::validate() const {
     } else if (block.space == MemorySpace::kDisk) {
       TIDAL_INTERNAL_ASSERT(disk_ != nullptr && block.data == disk_->token(id), "chunk ", id,
                             " on disk without the tier's token");
-      TIDAL_INTERNAL_ASSERT((options_.disk_kinds & (1u << index_of(kind_of(id)))) != 0, "chunk ", id,
+      TIDAL_INTERNAL_ASSERT(on_disk_list(id), "chunk ", id,
                             " of a list kept off disk is on disk");
     } else {
       TIDAL_INTERNAL_ASSERT(block.host.data() == block.data && block.host.size() == block.bytes,

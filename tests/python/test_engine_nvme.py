@@ -5,6 +5,7 @@ the same losses and weights with and without it (exact in fp32 and bf16), a
 model whose states need three times the host budget trains with the loss
 falling, and the faults the issue names are clear errors that lose nothing."""
 import copy
+import functools
 import gc
 import os
 import sys
@@ -18,12 +19,20 @@ import tidal
 from tidal._C.chunks import ChunkKind, MemorySpace
 
 sys.path.insert(0, str(Path(__file__).parent))
-from engine_helpers import gpt_batches, train_tidal, within_budget  # noqa: E402
+from engine_helpers import gpt_batches, measured_budget, train_tidal, within_budget  # noqa: E402
 from tidal.models.gpt import TinyGPT  # noqa: E402
 
 CHUNK = 8192
 MARGIN = 4096
-DEVICE = 1_200_000  # room for TinyGPT's activations and a few chunks
+
+
+@functools.lru_cache(maxsize=None)
+def device_budget() -> int:
+    """Room for TinyGPT's activations as this machine measures them, and
+    half its 16-bit chunks (engine_helpers.measured_budget)."""
+    tidal.set_device("sim", capacity="1GiB")
+    return measured_budget(make_model(), config(device=0), gpt_batches(2, vocab=96, seq=16, batch=4),
+                           chunk_share=0.5)
 
 
 @pytest.fixture(autouse=True)
@@ -31,8 +40,9 @@ def simulated_device():
     tidal.set_device("sim", capacity="1GiB")
 
 
-def config(nvme=None, host=0, device=DEVICE, precision="fp32", param=False, **tidal_keys):
-    t = {"chunk_size": CHUNK, "device_memory_budget": device, "device_margin": MARGIN,
+def config(nvme=None, host=0, device=None, precision="fp32", param=False, **tidal_keys):
+    t = {"chunk_size": CHUNK, "device_memory_budget": device_budget() if device is None else device,
+         "device_margin": MARGIN,
          "host_memory_budget": host}
     t.update(tidal_keys)
     c = {"gradient_clipping": 1.0, "tidal": t,
