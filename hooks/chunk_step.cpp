@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <array>
 #include <exception>
+#include <limits>
 
 #include "cpu_adam/adam.h"
 #include "runtime/core/error.h"
@@ -89,12 +90,17 @@ void simd_step(const std::array<const Chunk*, 4>& c, const Chunk* sums, const Ch
 // torch's fused Adam/AdamW over the group's tensors on a GPU, in parts of at
 // most a quarter of the chunk (the fp32 copies of 16-bit gradients and of
 // bf16 moments are temporary device memory), then the 16-bit write-back.
-// torch's fused kernels always correct the bias and take fp32 moments only.
+// torch's fused kernels take fp32 moments only, and always correct the bias
+// by 1 - beta^step: without bias correction each tensor's step is +inf, so
+// both corrections are exactly 1 (beta is in [0, 1), so beta^inf == 0; the
+// config refuses other betas), the step size is lr and the denominator
+// sqrt(v) + eps, as in cpu_adam's kernel.
 void fused_step(const std::array<const Chunk*, 4>& c, const Chunk* sums, const ChunkStepGroup& g,
                 const std::vector<ca::ChunkRange>& ranges, const ChunkStepOptions& o, const at::Device& device) {
   const ca::AdamHyperParams& hp = g.hyper;
-  TIDAL_CHECK(hp.bias_correction, "step_chunk: torch's fused Adam always corrects the bias; without bias "
-              "correction a chunk on a GPU is updated tensor by tensor (the engine's _adam_per_tensor)");
+  TIDAL_CHECK(hp.bias_correction || (hp.beta1 >= 0 && hp.beta1 < 1 && hp.beta2 >= 0 && hp.beta2 < 1),
+              "step_chunk: without bias correction the betas must be in [0, 1), got (", hp.beta1, ", ",
+              hp.beta2, ")");
   auto view = [&](const Chunk* ch) {
     const auto numel = static_cast<std::int64_t>(ch->capacity_bytes() / element_size(ch->dtype()));
     return slot_view(ch->payload(), {numel}, scalar_type_of(ch->dtype()), device);
@@ -124,7 +130,9 @@ void fused_step(const std::array<const Chunk*, 4>& c, const Chunk* sums, const C
       }
       m32.push_back(m.scalar_type() == at::kFloat ? ms.back() : ms.back().to(at::kFloat));
       v32.push_back(v.scalar_type() == at::kFloat ? vs.back() : vs.back().to(at::kFloat));
-      steps.push_back(at::full({}, static_cast<double>(ranges[i].step), w.options()));
+      const double step =
+          hp.bias_correction ? static_cast<double>(ranges[i].step) : std::numeric_limits<double>::infinity();
+      steps.push_back(at::full({}, step, w.options()));
     }
     if (o.grad_scale != 1.0) {
       // In place on temporaries or on 16-bit slots the write-back overwrites;

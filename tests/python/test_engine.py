@@ -135,10 +135,9 @@ def test_device_chunk_steps_match_adamw_with_clipping(kernel):
 
 @pytest.mark.parametrize("accumulation", [1, 2])
 def test_device_steps_without_bias_correction_agree_between_the_kernels(accumulation):
-    # Without bias correction a GPU updates its chunks tensor by tensor
-    # (torch's fused kernel always corrects the bias: the engine's
-    # _adam_per_tensor, through ParamStore.slots); cpu_adam's kernel leaves
-    # it out in one pass. fp32: the masters agree to fp32 rounding, within
+    # Without bias correction torch's fused kernel (a GPU's chunk step) runs
+    # with each tensor's step at +inf, which makes both corrections exactly 1
+    # (hooks/chunk_step.cpp); cpu_adam's kernel leaves them out. fp32: the masters agree to fp32 rounding, within
     # 1e-5 absolute: without bias correction the first steps divide by
     # sqrt(v) of a few thousandths of the gradient, so an element whose
     # gradient is near eps amplifies the two kernels' rounding (one of 12288
@@ -158,6 +157,47 @@ def test_device_steps_without_bias_correction_agree_between_the_kernels(accumula
         masters[kernel] = engine.parameters_fp32()
     for name, want in masters["simd"].items():
         torch.testing.assert_close(masters["fused"][name], want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("kernel", ["simd", "fused"])
+def test_device_steps_without_bias_correction_match_a_plain_reference(kernel):
+    # The reference is AdamW without bias correction written out in torch ops
+    # over a plain copy of the model: m and v as AdamW keeps them, the step
+    # lr * m / (sqrt(v) + eps), decoupled weight decay first. Both device
+    # kernels (cpu_adam's, and torch's fused one run with step +inf) agree
+    # with it to fp32 rounding over three steps.
+    torch.manual_seed(0)
+    ref = TinyGPT(d=64, seq=8)
+    model = copy.deepcopy(ref)
+    batches = gpt_batches(3)
+    b1, b2, eps, wd = 0.9, 0.999, 1e-8, 0.01
+    params = [p for p in ref.parameters() if p.requires_grad]
+    state = {id(p): (torch.zeros_like(p), torch.zeros_like(p)) for p in params}
+    ref_losses = []
+    for x, y in batches:
+        loss = ref(x, y)
+        loss.backward()
+        ref_losses.append(loss.item())
+        with torch.no_grad():
+            for p in params:
+                m, v = state[id(p)]
+                m.mul_(b1).add_(p.grad, alpha=1 - b1)
+                v.mul_(b2).addcmul_(p.grad, p.grad, value=1 - b2)
+                p.mul_(1 - LR * wd)
+                p.sub_(LR * m / (v.sqrt() + eps))
+                p.grad = None
+    cfg = config(hybrid_adam=True, budget="64MiB", chunk=1 << 16)
+    cfg["optimizer"]["params"]["bias_correction"] = False
+    engine = tidal.initialize(model, cfg)
+    engine._device_adam_kernel = kernel
+    losses = train_tidal(engine, batches)
+    assert engine.memory_report()["adam_chunks_on_device"] > 0
+    within_budget(engine)
+    assert losses[0] == pytest.approx(ref_losses[0], rel=1e-6)
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=1e-5)
+    masters = engine.parameters_fp32()
+    for name, p in ref.named_parameters():
+        torch.testing.assert_close(masters[name], p.detach(), rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])

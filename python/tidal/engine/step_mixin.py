@@ -277,14 +277,6 @@ class StepMixin:
         cfg, c = self.config, self.chunks
         for r in recs:
             r.step += 1
-        if self._device_adam_kernel != "simd" and not cfg.bias_correction:
-            # torch's fused kernel always corrects the bias: on a GPU without
-            # bias correction, tensor by tensor (_adam_per_tensor).
-            on_device = self._update_on_device(chunk, kinds, host_short, cfg.hybrid_adam)
-            if on_device:
-                self._adam_device_chunks += 1
-                self._adam_per_tensor(recs, grad_scale, kinds, DEVICE)
-                return
         # Note [The step of a chunk in one call] (hooks/chunk_step.h): where
         # it runs, the pins, Adam per group and the releases, in one call.
         groups = [(g["lr"], *g["betas"], g["eps"], g["weight_decay"], [r.id for r in members],
@@ -308,49 +300,3 @@ class StepMixin:
         for r in recs:
             by_group[r.group].append(r)
         return [(self.optimizer.param_groups[gi], members) for gi, members in sorted(by_group.items())]
-
-    def _adam_per_tensor(self, recs, grad_scale: float, kinds, space):
-        """torch.optim.AdamW's single-tensor update of each of `recs` in
-        `space` (a GPU without bias correction, which torch's fused kernel
-        cannot leave out)."""
-        groups = self.optimizer.param_groups
-        for r in recs:
-            group = groups[r.group]
-            sums = GRAD32 in kinds
-            with self.store.slots(r, (PARAM16, PARAM32, MOMENTUM, VARIANCE) + ((GRAD32,) if sums else ()),
-                                  space) as views:
-                g16, w, m, v = views[:4]
-                # The gradient sum (accumulation) or the 16-bit slot.
-                grad = views[4] if sums else g16
-                self._device_adam(w, m, v, grad.to(w.device), r.step, grad_scale, group)
-                g16.copy_(w)
-
-    def _device_adam(self, w, m, v, g, step, grad_scale, group):
-        """torch.optim.AdamW's single-tensor update on device tensors (bf16
-        moments widened to fp32 and rounded back)."""
-        if m.dtype != torch.float32:
-            m32, v32 = m.float(), v.float()
-            self._device_adam(w, m32, v32, g, step, grad_scale, group)
-            m.copy_(m32)
-            v.copy_(v32)
-            return
-        cfg = self.config
-        b1, b2 = group["betas"]
-        lr, wd, eps = group["lr"], group["weight_decay"], group["eps"]
-        g = g.float()
-        if grad_scale != 1.0:
-            g = g * grad_scale
-        if wd:
-            if cfg.adam_w_mode:
-                w.mul_(1 - lr * wd)
-            else:
-                g = g.add(w, alpha=wd)
-        m.lerp_(g, 1 - b1)
-        v.mul_(b2).addcmul_(g, g, value=1 - b2)
-        if cfg.bias_correction:
-            bc1 = 1 - b1 ** step
-            bc2 = 1 - b2 ** step
-        else:
-            bc1 = bc2 = 1.0
-        denom = (v.sqrt() / math.sqrt(bc2)).add_(eps)
-        w.addcdiv_(m, denom, value=-lr / bc1)
