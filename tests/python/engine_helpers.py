@@ -79,7 +79,7 @@ def measured_budget(model, cfg, batches, chunk_share=0.25, slack=1.25):
         c = probe.chunks
         chunk16 = sum(c.chunk_capacity_bytes(i, ChunkKind.PARAM16) for i in range(c.num_chunks))
         largest = max(sum(c.chunk_capacity_bytes(i, ChunkKind.PARAM16) for i in {r.chunk for r in recs})
-                      for recs in probe._module_records.values())
+                      for recs in probe._params.module_records.values())
         return probe.store.margin + int(slack * nonchunk) + max(largest, int(chunk_share * chunk16))
     finally:
         probe.remove_hooks()

@@ -721,7 +721,7 @@ def test_chunks_are_rebuilt_in_first_use_order_after_the_warm_up():
     # layer, used first, is in chunk 0, and each parameter sits in one of the
     # two chunks opened last (Note [One layout, five lists]: the tensors after
     # one that opened a chunk may fill the previous chunk's tail).
-    use_order = [r for layer in reversed(model.layers) for r in engine._module_records[layer]]
+    use_order = [r for layer in reversed(model.layers) for r in engine._params.module_records[layer]]
     chunks = [engine.chunks.placement(r.id)[0] for r in use_order]
     assert chunks[0] == 0
     assert all(c >= max(chunks[:i + 1]) - 1 for i, c in enumerate(chunks)), chunks

@@ -387,13 +387,14 @@ def test_a_fold_that_fails_part_way_leaves_the_weights_and_says_what_to_do():
                 raise tidal.OutOfMemoryError("injected: no room for a gradient sum chunk")
             return real.fold_gradients(*args, **kwargs)
 
-    engine._hooks = FailSecondFold()
+    # The folds are the accumulation's calls into the hooks.
+    engine._accumulation._hooks = FailSecondFold()
     x, y = batches[0]
     with pytest.raises(tidal.OutOfMemoryError, match="injected") as info:
         engine.backward(engine(x, y))
     assert any("engine.zero_grad()" in n for n in info.value.__notes__)
     assert engine._hooks.landed_params() == []
-    engine._hooks = real
+    engine._accumulation._hooks = real
     # The weights are intact: after zero_grad the run matches plain PyTorch
     # on the micro-batches that followed.
     engine.zero_grad()

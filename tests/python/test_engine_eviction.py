@@ -105,8 +105,8 @@ def step_sequence(engine, layers):
     non-chunk bytes measured in the interval after the point."""
     chunk_of = {}
     for layer in layers:
-        (chunk,) = {r.chunk for r in engine._module_records[layer]}
-        chunk_of[engine._module_index[layer]] = chunk
+        (chunk,) = {r.chunk for r in engine._params.module_records[layer]}
+        chunk_of[engine._params.module_index[layer]] = chunk
     limit = engine.store.device_budget - engine.store.margin
     timeline = engine._tracer.timeline
     sequence, rooms = [], []
@@ -133,7 +133,7 @@ def test_chunks_moved_per_step_are_between_opt_and_lru_for_the_budget(depth, sha
     assert all(c.chunk_capacity_bytes(i, tidal._C.chunks.ChunkKind.PARAM16) == CHUNK for i in range(depth))
     train_tidal(engine, batches)  # the warm-up, then steps that follow the trace
     sequence, rooms = step_sequence(engine, model.layers)
-    order = [c.placement(engine._module_records[layer][0].id)[0] for layer in model.layers]
+    order = [c.placement(engine._params.module_records[layer][0].id)[0] for layer in model.layers]
     assert sequence == order + order + order[::-1]
     opt = chunks_brought_in(sequence, rooms, "opt")
     lru = chunks_brought_in(sequence, rooms, "lru")

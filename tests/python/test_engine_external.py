@@ -199,7 +199,7 @@ def test_multihead_attention_trains_exactly(batch_first, need_weights):
     # Learned in the warm-up: the attention module brings out_proj's
     # parameters with its own from then on.
     mha = engine.module.attn
-    names = {r.name for r in engine._module_records[mha]}
+    names = {r.name for r in engine._params.module_records[mha]}
     assert {"attn.out_proj.weight", "attn.out_proj.bias"} <= names
 
 
@@ -230,7 +230,7 @@ def test_vision_transformer_trains_exactly():
 def test_shape_reads_tied_heads_and_outside_biases_train_exactly():
     engine, _ = train_both(ReadsShapeAndTied, token_batches(4))
     # The parent is hooked for what it reads (it owns no parameters).
-    assert engine.module in engine._module_index
+    assert engine.module in engine._params.module_index
 
 
 def test_hugging_face_clip_text_model_trains_exactly():
@@ -277,7 +277,7 @@ def test_a_read_tidal_cannot_see_is_a_clear_error_naming_module_and_parameter():
                              r"while it was not on the device.*register_external_parameter.*"
                              r"set_leaf_modules"):
         engine(x, y)
-    assert not any(engine._hooks.attached(i) for i in range(len(engine._record_list)))
+    assert not any(engine._hooks.attached(i) for i in range(len(engine._params.record_list)))
 
 
 def test_register_external_parameter_before_initialize_serves_the_read():
@@ -319,9 +319,9 @@ def test_leaf_modules_bring_a_whole_subtree():
         return m
     engine, _ = train_both(make, float_batches(4, d=32))
     inner = engine.module.inner
-    assert {r.name for r in engine._module_records[inner]} == {
+    assert {r.name for r in engine._params.module_records[inner]} == {
         "inner.a.weight", "inner.a.bias", "inner.b.weight", "inner.b.bias"}
-    assert inner.a not in engine._module_index  # no hooks of its own
+    assert inner.a not in engine._params.module_index  # no hooks of its own
     with pytest.raises(ValueError, match=r"no module of \['Conv2d'\] in the model"):
         tidal.set_leaf_modules(Outer(), ["Conv2d"])
 

@@ -89,7 +89,7 @@ def test_under_a_dispatch_mode_the_hooks_take_the_python_path_and_train_the_same
     with mode:
         losses += train_tidal(engine, batches[2:])
     assert mode.ops > 0
-    modules = len(engine._module_list)
+    modules = len(engine._params.module_list)
     assert calls["_pre_forward"] == calls["_post_forward"] == 2 * modules
     assert calls["_grad_ready"] == 2 * len({id(r.param) for r in engine.records if r.trainable})
     assert_close(engine, ref, ref_losses, losses)
@@ -106,8 +106,8 @@ def test_outputs_of_every_shape_are_marked_by_cpp_or_by_python():
     def wrap(module, output):
         wrapped.append(type(output).__name__)
         return output
-    qkv = engine._module_index[model.blocks[0].qkv]
-    records = engine._module_records[model.blocks[0].qkv]
+    qkv = engine._params.module_index[model.blocks[0].qkv]
+    records = engine._params.module_records[model.blocks[0].qkv]
     post = engine._hooks.forward_post_hook(qkv, lambda *a: None, wrap, lambda i, e: None)
     leaf = torch.randn(3, requires_grad=True)
     a, b = leaf * 2, leaf * 3

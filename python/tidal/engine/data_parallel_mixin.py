@@ -32,7 +32,7 @@ class DataParallelMixin:
                 "tidal.data_parallel.enabled: false)")
         c = self.chunks
         layout = [[r.name, list(r.shape), bool(r.trainable), list(c.placement(r.id))]
-                  for r in self.records]
+                  for r in self._params.records]
         # Memory budgets and tuning may differ between machines; the rest may not.
         raw = dict(cfg.raw)
         raw["tidal"] = {k: v for k, v in cfg.raw["tidal"].items() if k not in _PER_MACHINE_KEYS}
@@ -40,7 +40,7 @@ class DataParallelMixin:
         # rank that built other weights has a seeding bug worth hearing of.
         weights = []
         with torch.no_grad(), uncounted():
-            for r in self.records:
+            for r in self._params.records:
                 with self.store.slots(r, (PARAM16,), HOST) as (view,):
                     weights.append(zlib.crc32(view.view(torch.uint8).numpy()))
         self.dp.check_same({"config": raw, "model and chunk layout": layout,
@@ -50,7 +50,7 @@ class DataParallelMixin:
         # backward reaches them), so the ranks' collectives match whenever
         # each rank's chunks become final.
         members = collections.defaultdict(list)
-        for r in self.records:
+        for r in self._params.records:
             if r.trainable:
                 members[r.chunk].append(r)
         self._dp_members = dict(sorted(members.items()))
@@ -100,7 +100,7 @@ class DataParallelMixin:
         one before them in the reduction order, start their reductions while
         backward goes on."""
         r = self.store.by_param[id(param)]
-        i = self._record_index[id(r)]
+        i = self._params.record_index[id(r)]
         if not self._hooks.landed(i) or not self._dp_left:
             return
         if self._dp_pos[r.chunk] < self._dp_next:
@@ -130,7 +130,7 @@ class DataParallelMixin:
         another starts); finished ones are written back."""
         dp, c = self.dp, self.chunks
         recs = self._dp_members[chunk]
-        index = self._record_index
+        index = self._params.record_index
         first = recs[0]
         flight = self._dp_flight
         while len(flight) >= IN_FLIGHT or (flight and flight[0][3].is_completed()):
@@ -194,15 +194,15 @@ class DataParallelMixin:
             sumsq = sum(float(x) for x in self._dp_sq)
             self._dp_sq.clear()
             self._dp_left = {}
-            landed = self._landed()
-            index = self._record_index
-            flags = torch.zeros(len(self._record_list), dtype=torch.int32)
+            landed = self._accumulation.landed()
+            index = self._params.record_index
+            flags = torch.zeros(len(self._params.record_list), dtype=torch.int32)
             if landed:
                 flags[[index[id(r)] for r in landed]] = 1
             dp.all_reduce_flags(flags, "compare which parameters got gradients")
             odd = ((flags != 0) & (flags != dp.world)).nonzero().flatten().tolist()
             if odd:
-                names = ", ".join(f"'{self._record_list[i].name}' ({int(flags[i])} of {dp.world} "
+                names = ", ".join(f"'{self._params.record_list[i].name}' ({int(flags[i])} of {dp.world} "
                                   f"ranks)" for i in odd[:4])
                 raise DataParallelError(
                     f"tidal data parallel: parameters got gradients on some ranks only: {names}"
@@ -213,7 +213,7 @@ class DataParallelMixin:
                 # A chunk waits for all its trainable parameters, and the later
                 # chunks wait for it: a parameter that never gets a gradient
                 # holds every reduction after it until the end of backward.
-                unused = [r.name for r in self.records if r.trainable and int(flags[index[id(r)]]) == 0]
+                unused = [r.name for r in self._params.records if r.trainable and int(flags[index[id(r)]]) == 0]
                 if unused:
                     self._dp_warned_unused = True
                     warnings.warn(
@@ -223,14 +223,14 @@ class DataParallelMixin:
                         f"of backward instead of overlapping it (overlap_comm). Freeze parameters the "
                         f"model does not use (requires_grad=False before tidal.initialize)",
                         stacklevel=3)
-            if self._accumulating:
+            if self._accumulation.summing:
                 with torch.no_grad(), uncounted(), _dtr.outside():
                     owned = collections.defaultdict(list)
                     for r in landed:
                         if self.store.owns(r):
                             owned[r.chunk].append(r)
                     if owned:
-                        self._fold_chunks(owned, index, self._host_short())
+                        self._accumulation.fold_chunks(owned, self._host_short())
                     theirs = [index[id(r)] for r in landed if not self.store.owns(r)]
                     self._dp_broadcast({r.chunk for r in landed})
                     self._hooks.clear_landed(theirs)

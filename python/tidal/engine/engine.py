@@ -47,7 +47,6 @@ there). What N is depends on the device (Engine._new_tracer, hook_wiring.py):
 """
 from __future__ import annotations
 
-import collections
 import os
 import warnings
 import weakref
@@ -68,8 +67,10 @@ from . import param_groups as _param_groups
 from .dtr_link import DtrLink
 from .errors import UnsupportedModelError, UsageError
 from .loss_scaler import DynamicLossScaler, StaticLossScaler
+from .accumulation import GradientAccumulation
 from .overlap import StepOverlap
-from .store import DEVICE, GRAD32, HOST, NOWHERE, PARAM16, PARAM32, ParamStore, uncounted
+from .params import ParamTable
+from .store import DEVICE, NOWHERE, PARAM16, ParamStore
 from .common import OutOfMemoryError, _PLACEHOLDER_HINT, _weak_method
 from .data_parallel_mixin import DataParallelMixin
 from .external_mixin import ExternalMixin
@@ -117,8 +118,6 @@ class Engine(ExternalMixin, StateDictMixin, HookWiringMixin, DataParallelMixin, 
             model, model_parameters, cfg, lambda p: id(p) in store.by_param)
         self.optimizer = _param_groups.EngineOptimizer(self, groups)
         self._group_of = group_of
-        # Gradient sums in chunks (Note [Gradient sums in chunks] in cpu_adam/adam.h).
-        self._accumulating = cfg.gradient_accumulation_steps > 1
         # The config's activation_checkpointing / tidal.recompute block: the
         # plan is made first, so a bad checkpoint name fails before anything
         # moves into chunks (Note [Recompute under the training engine]).
@@ -148,71 +147,10 @@ class Engine(ExternalMixin, StateDictMixin, HookWiringMixin, DataParallelMixin, 
         self.dtype = store.dtype
         self.precision = store.precision
 
-        # Registration in module order (the first use order of most models);
-        # names are the qualified names of the first module owning a param.
-        self._module_records: dict[torch.nn.Module, list] = {}
-        self._names: dict[torch.nn.Module, str] = {}
-        added = []  # (record, the parameter's dtype) registered here
-        try:
-            for mname, m, owned in _external.owned_parameters(model):
-                self._names[m] = mname or type(m).__name__
-                if getattr(m, "sparse", False) is True and any(
-                        p.requires_grad for p in m.parameters(recurse=False)):
-                    raise UnsupportedModelError(
-                        f"module '{self._names[m]}' ({type(m).__name__}) has sparse=True: its "
-                        f"gradients are sparse tensors, and tidal's chunks hold dense gradients "
-                        f"in the parameters' 16-bit slots; build it with sparse=False (or "
-                        f"freeze its parameters)")
-                if owned is None:
-                    continue  # inside a leaf module (tidal.set_leaf_modules): no hooks of its own
-                recs = []
-                for full, p in owned:
-                    rec = store.by_param.get(id(p))
-                    if rec is None:
-                        if p.numel() == 0:
-                            continue  # nothing to keep; stays an ordinary tensor
-                        dtype = p.dtype
-                        rec = store.add(p, full, module=m)
-                        added.append((rec, dtype))
-                    elif rec.provisional:
-                        rec.name, rec.provisional = full, False
-                    recs.append(rec)
-                if recs:
-                    self._module_records[m] = recs
-            # Parameters registered by hand (tidal.register_external_parameter),
-            # and the root, hooked even without parameters of its own, so that
-            # a parameter read in any forward has a module to serve it for
-            # (Note [External parameters] in hooks/module_hooks.h).
-            known = {id(r) for recs in self._module_records.values() for r in recs}
-            for m in model.modules():
-                for p in _external.marked_external(m):
-                    rec = store.by_param.get(id(p))
-                    if rec is None or id(rec) not in known:
-                        raise ValueError(
-                            f"tidal.register_external_parameter: a parameter registered for module "
-                            f"'{self._names.get(m, type(m).__name__)}' is not a parameter of the "
-                            f"model passed to tidal.initialize")
-                    recs = self._module_records.setdefault(m, [])
-                    if all(rec is not r for r in recs):
-                        recs.append(rec)
-            self._module_records.setdefault(model, [])
-            # Every chunk of the NVMe tier's lists gets its home in the file
-            # now: a disk too small fails here, not in a step.
-            store.chunks.reserve_disk()
-        except BaseException:
-            store.give_back(added)  # the model keeps its values
-            raise
-        # Stable indexes for the tracer's timeline (record ids change at relayout).
-        self._module_list = list(self._module_records)
-        self._module_index = {m: i for i, m in enumerate(self._module_list)}
-        mine = {id(r) for recs in self._module_records.values() for r in recs}
-        store.discard([r for r in store.records if id(r) not in mine])
-        self.records = [r for r in store.records if id(r) in mine]
-        self._record_set = set(self.records)
-        self._record_list = list(self.records)
-        for r in self.records:
+        # Registration in module order (the first use order of most models).
+        self._params = ParamTable.register(model, store)
+        for r in self._params.records:
             r.group = self._group_of.get(id(r.param), 0)
-        self._record_index = {id(r): i for i, r in enumerate(self._record_list)}
         store.flush_warnings()
         # Buffers are ordinary tensors on the compute device (16-bit like the
         # params in mixed precision, as DeepSpeed's module.half()).
@@ -244,8 +182,6 @@ class Engine(ExternalMixin, StateDictMixin, HookWiringMixin, DataParallelMixin, 
         self.global_steps = 0
         self.global_samples = 0  # samples of the steps taken, as DeepSpeed counts them
         self._step_applied = False
-        self.micro_steps = 0
-        self._forced_boundary: "bool | None" = None
         self.skipped_steps = 0
         self._last_grad_norm: float | None = None
         if self.precision == "fp16":
@@ -322,10 +258,12 @@ class Engine(ExternalMixin, StateDictMixin, HookWiringMixin, DataParallelMixin, 
         self._exposed_adam_seconds = 0.0
         self._overlap = StepOverlap(self) if cfg.overlap_step and self.overlap_step_off is None \
             else None
-        # Set when a failed backward left chunks whose sums it had folded
-        # (Note [CPU Adam during backward]): the step refuses until zero_grad().
-        self._sums_broken = None
         self._hooks = self._new_hooks()
+        # The accumulation window and the gradients waiting for the step
+        # (Note [Gradient sums in chunks] in cpu_adam/adam.h).
+        self._accumulation = GradientAccumulation(
+            cfg.gradient_accumulation_steps, self._params, self._hooks, store, cfg,
+            self._host_short, self._give_weights_back)
         store.engine_ref = weakref.ref(self)
         # Saved tensors that alias a parameter's slot are packed as (parameter,
         # geometry) and rebuilt from its data in backward, so nothing keeps a
@@ -360,13 +298,13 @@ class Engine(ExternalMixin, StateDictMixin, HookWiringMixin, DataParallelMixin, 
     def _check_budget(self):
         limit = self.store.device_budget - self.store.margin
         largest = 0
-        for m, recs in self._module_records.items():
+        for m, recs in self._params.module_records.items():
             chunks = {r.chunk for r in recs}
             need = sum(self.chunks.chunk_capacity_bytes(c, PARAM16) for c in chunks)
             largest = max(largest, need)
             if need > limit:
                 raise OutOfMemoryError(
-                    f"module '{self._names[m]}' ({type(m).__name__}) needs its parameters on the "
+                    f"module '{self._params.names[m]}' ({type(m).__name__}) needs its parameters on the "
                     f"device at once: {len(recs)} parameters in {len(chunks)} chunk(s) of "
                     f"{need} bytes, but the device budget leaves {limit} bytes for chunks "
                     f"(budget {self.store.device_budget} - margin {self.store.margin}); raise "
@@ -387,7 +325,7 @@ class Engine(ExternalMixin, StateDictMixin, HookWiringMixin, DataParallelMixin, 
             host = self.store.capacity_bytes()[0]
             state = s["resident_bytes_host"] + s["resident_bytes_device"]
             raise OutOfMemoryError(
-                f"the model's chunks ({state} bytes of states, {len(self.records)} parameters) "
+                f"the model's chunks ({state} bytes of states, {len(self._params.records)} parameters) "
                 f"fit host + device only with no room to compute: the host holds {host} bytes of "
                 f"them (tidal.host_memory_budget {self.store.host_budget} less "
                 f"{self.store.host_reserve} kept for chunks moving down), so {self._spilled_floor} "
@@ -416,13 +354,13 @@ class Engine(ExternalMixin, StateDictMixin, HookWiringMixin, DataParallelMixin, 
         self._handles.append(root.register_forward_pre_hook(self._root_pre))
         self._handles.append(root.register_forward_hook(self._root_post, always_call=True))
         hooks = self._hooks
-        for m in self._module_records:
+        for m in self._params.module_records:
             self._hook_module(m)
         seen = set()
-        for r in self.records:
+        for r in self._params.records:
             if r.trainable and id(r.param) not in seen:
                 seen.add(id(r.param))
-                hook = hooks.grad_hook(self._record_index[id(self.store.by_param[id(r.param)])],
+                hook = hooks.grad_hook(self._params.record_index[id(self.store.by_param[id(r.param)])],
                                        _weak_method(self._grad_ready))
                 self._handles.append(r.param.register_post_accumulate_grad_hook(hook))
                 if self.dp is not None and self.dp.overlap:
@@ -438,7 +376,7 @@ class Engine(ExternalMixin, StateDictMixin, HookWiringMixin, DataParallelMixin, 
 
     def _hook_module(self, m):
         """Module `m`'s forward pre and post hooks (C++ callables)."""
-        i = self._module_index[m]
+        i = self._params.module_index[m]
         hooks = self._hooks
         pre = hooks.forward_pre_hook(i, self._pre_forward, self._forward_pre_failed)
         post = hooks.forward_post_hook(i, self._post_forward, self._wrap_outputs,
@@ -454,7 +392,7 @@ class Engine(ExternalMixin, StateDictMixin, HookWiringMixin, DataParallelMixin, 
             for pname, p in m.__dict__.get("_parameters", {}).items():
                 r = self._record_of_param(p) if p is not None else None
                 if r is not None:
-                    names[pname] = self._record_index[id(r)]
+                    names[pname] = self._params.record_index[id(r)]
             if names:
                 out[m] = names
         return out
@@ -525,16 +463,22 @@ class Engine(ExternalMixin, StateDictMixin, HookWiringMixin, DataParallelMixin, 
         # now (writes to copies dropped on purpose are not the user's writes).
         if getattr(self, "_hooks", None) is None:
             return
-        index = [self._record_index[id(r)] for r in records if id(r) in self._record_index]
+        index = [self._params.record_index[id(r)] for r in records if id(r) in self._params.record_index]
         if index:
             self._hooks.sync_param_writes(index)
+
+    @property
+    def records(self) -> list:
+        """The ParamStore records of the parameters this engine trains, in
+        chunk order (engine._params, a ParamTable, has the modules and stable indexes)."""
+        return self._params.records
 
     def num_parameters(self, only_trainable: bool = False) -> int:
         """Elements of the parameters the engine keeps in chunks (trainable
         and frozen, or only trainable), as Hugging Face's
         model.num_parameters() counts them: iterating model.parameters()
         outside a forward counts the empty placeholders (docs/parameters.md)."""
-        return sum(r.numel for r in self.records if r.trainable or not only_trainable)
+        return sum(r.numel for r in self._params.records if r.trainable or not only_trainable)
 
     def train(self, mode: bool = True):
         self.module.train(mode)
@@ -624,13 +568,13 @@ class Engine(ExternalMixin, StateDictMixin, HookWiringMixin, DataParallelMixin, 
         # A write since the forward began (nn.Embedding's max_norm, a clamp in a
         # hook) goes into the master before the gradients take the slots.
         self._settle_outside(end_reads=False)
-        if not self._accumulating:
+        if not self._accumulation.summing:
             landed = self._hooks.landed_params()
             if landed:
                 raise UsageError(
                     f"engine.backward() called again before engine.step(): the gradients of the "
                     f"last backward ({len(landed)} parameters, e.g. "
-                    f"'{self._record_list[landed[0]].name}') wait for the step, and "
+                    f"'{self._params.record_list[landed[0]].name}') wait for the step, and "
                     f"gradient_accumulation_steps is 1. Call engine.step() after each backward; "
                     f"to sum several backward passes into one step, set "
                     f"\"gradient_accumulation_steps\" to their number (engine.step() then steps "
@@ -643,9 +587,7 @@ class Engine(ExternalMixin, StateDictMixin, HookWiringMixin, DataParallelMixin, 
         scaled = loss.float() * scale if scale != 1.0 else loss
         if self._overlap is not None:
             # Only the backward before the step's boundary launches updates.
-            last = self._forced_boundary if self._forced_boundary is not None else \
-                (self.micro_steps + 1) % self.config.gradient_accumulation_steps == 0
-            self._overlap.begin(last)
+            self._overlap.begin(self._accumulation.next_backward_ends_window())
         self._count(True)
         self._hooks.set_engine_backward(True)
         try:
@@ -688,13 +630,13 @@ class Engine(ExternalMixin, StateDictMixin, HookWiringMixin, DataParallelMixin, 
                 self._overlap.backward_ended()
                 self._settle_overlap()
                 if self._overlap.folded_early:
-                    self._sums_broken = (
+                    self._accumulation.broken = (
                         f"the backward that failed had folded the gradients of "
                         f"{len(self._overlap.folded_early)} chunks into their accumulation sums "
                         f"(tidal.overlap_step), which now hold part of a failed micro-batch")
-                    e.add_note("tidal: " + self._sums_broken + "; call engine.zero_grad() to "
+                    e.add_note("tidal: " + self._accumulation.broken + "; call engine.zero_grad() to "
                                "start the step afresh")
-            self._drop_landed_gradients()
+            self._accumulation.drop_landed()
             if oom is not None:
                 raise oom from e
             raise
@@ -714,9 +656,9 @@ class Engine(ExternalMixin, StateDictMixin, HookWiringMixin, DataParallelMixin, 
             self._overlap.backward_ended()
         if self.dp is not None:
             self._dp_after_backward()
-        elif self._accumulating:
-            self._fold_gradients()
-        self.micro_steps += 1
+        elif self._accumulation.summing:
+            self._accumulation.fold()
+        self._accumulation.micro_steps += 1
 
     def _out_of_memory(self, e, phase: str):
         """A tidal.OutOfMemoryError saying what the device held when torch's
@@ -725,7 +667,7 @@ class Engine(ExternalMixin, StateDictMixin, HookWiringMixin, DataParallelMixin, 
         limit] in hooks/host_allocation_counter.h), or None for other errors."""
         if not isinstance(e, torch.OutOfMemoryError) or isinstance(e, OutOfMemoryError):
             return None
-        running = [self._names.get(self._module_list[i], "?") for i in self._hooks.running()]
+        running = [self._params.names.get(self._params.module_list[i], "?") for i in self._hooks.running()]
         held = self.chunks.held_bytes(DEVICE)
         live = self._tracer.live()
         what = f"; DTR tracks {_dtr.stats().get('tracked_bytes', 0)} bytes of them" \
@@ -811,9 +753,16 @@ class Engine(ExternalMixin, StateDictMixin, HookWiringMixin, DataParallelMixin, 
     def is_gradient_accumulation_boundary(self) -> bool:
         """Whether engine.step() steps now: every gradient_accumulation_steps
         backward passes, or as set_gradient_accumulation_boundary() says."""
-        if self._forced_boundary is not None:
-            return self._forced_boundary
-        return self.micro_steps % self.config.gradient_accumulation_steps == 0
+        return self._accumulation.is_boundary()
+
+    @property
+    def micro_steps(self) -> int:
+        """The backward passes run so far (DeepSpeed's count)."""
+        return self._accumulation.micro_steps
+
+    @micro_steps.setter
+    def micro_steps(self, value: int):
+        self._accumulation.micro_steps = value
 
     def set_gradient_accumulation_boundary(self, is_boundary: "bool | None"):
         """Overrides where the accumulation windows end (DeepSpeed's method of
@@ -828,97 +777,26 @@ class Engine(ExternalMixin, StateDictMixin, HookWiringMixin, DataParallelMixin, 
         if is_boundary is not None and not isinstance(is_boundary, bool):
             raise TypeError(f"set_gradient_accumulation_boundary expects True, False or None, got "
                             f"{is_boundary!r}")
-        self._forced_boundary = is_boundary
+        self._accumulation.forced_boundary = is_boundary
 
     def zero_grad(self):
         """Drops pending gradients (those in 16-bit slots are restored from
         fp32) and the gradient sums of an unfinished accumulation."""
         self._hooks.take_backward_ended()  # (a loss.backward() whose gradients go now)
         self._settle_overlap()  # (updates made during backward are taken back)
-        self._sums_broken = None
-        self._drop_landed_gradients()
-        summed = [r for r in self.records if r.accumulated]
-        if summed:
-            index = self._record_index
-            self._hooks.drop_sums([index[id(r)] for r in summed])
-            for r in summed:
-                r.accumulated = False
+        self._accumulation.reset()
         self._hooks.clear_grad_norm()
         self._dp_sumsq = 0.0  # (data parallel: the norm of the reduced gradients)
-        for r in self.records:
+        for r in self._params.records:
             r.param.grad = None
 
-    def _landed(self):
-        """The records whose 16-bit slot holds a landed gradient, in record order."""
-        landed = self._hooks.landed_params()
-        if not landed:
-            return []
-        landed = set(landed)
-        index = self._record_index
-        return [r for r in self.records if index[id(r)] in landed]
-
-    def _drop_landed_gradients(self):
-        pending = self._landed()
-        if pending:
-            with _dtr.outside():
-                self._restore_params([r for r in pending if self.store.owns(r)])
-                if self.dp is not None:
-                    # Other ranks' masters give this rank its weights back.
-                    self._dp_broadcast({r.chunk for r in pending if r.trainable})
-            index = self._record_index
-            self._hooks.clear_landed([index[id(r)] for r in pending])
-
-    def _fold_gradients(self):
-        """Gradient accumulation, after each backward: each chunk's landed
-        gradients go into their fp32 sums in one call, where the chunk is, and
-        the 16-bit slots get their weights back (Note [Gradient sums in
-        chunks] in cpu_adam/adam.h)."""
-        by_chunk = collections.defaultdict(list)
-        for r in self._landed():
-            by_chunk[r.chunk].append(r)
-        if not by_chunk:
-            return
-        index = self._record_index
-        host_short = self._host_short()
-        try:
-            self._fold_chunks(by_chunk, index, host_short)
-        except BaseException as e:
-            # The slots still holding gradients get their weights back, so the
-            # model stays usable; the sums have this micro-batch's gradients
-            # only for the chunks folded before the error.
-            self._drop_landed_gradients()
-            e.add_note("tidal: folding this micro-batch's gradients into the accumulation sums "
-                       "failed part-way; call engine.zero_grad() to start the step afresh")
-            raise
-
-    def _fold_chunk(self, chunk, recs, space):
-        """One chunk's landed gradients into their sums in `space` (the
-        overlapped step folds a chunk at its last landing)."""
-        index = self._record_index
-        with torch.no_grad(), uncounted(), _dtr.outside():
-            self._hooks.fold_gradients(
-                [index[id(r)] for r in recs], [not r.accumulated for r in recs], space,
-                num_threads=self.config.cpu_adam_threads, pool=self.config.cpu_adam_pool)
-        for r in recs:
-            r.accumulated = True
-
-    def _fold_chunks(self, by_chunk, index, host_short):
-        with torch.no_grad(), uncounted(), _dtr.outside():
-            for chunk in sorted(by_chunk):
-                recs = by_chunk[chunk]
-                # Where the step will run (hybrid Adam: on the device when it
-                # has room), so the sums are where the step reads them. A fold
-                # on the host moves the 16-bit chunk down (its gradients) and
-                # up again for the next forward: the bytes a budget too small
-                # for the 16-bit chunks moves anyway.
-                on_device = self._update_on_device(chunk, (PARAM32, GRAD32), host_short,
-                                                   self.config.hybrid_adam)
-                self._hooks.fold_gradients(
-                    [index[id(r)] for r in recs], [not r.accumulated for r in recs],
-                    DEVICE if on_device else HOST,
-                    num_threads=self.config.cpu_adam_threads, pool=self.config.cpu_adam_pool)
-                for r in recs:  # (no longer landed: the fold says so)
-                    r.accumulated = True
+    def _give_weights_back(self, records):
+        """Slots of `records` holding gradients being dropped get their
+        weights back: from the masters this rank owns, and (data parallel)
+        the others from their owners."""
+        self._restore_params([r for r in records if self.store.owns(r)])
+        if self.dp is not None:
+            self._dp_broadcast({r.chunk for r in records if r.trainable})
 
     # ---------------------------------------------------------- checkpoints
     def save_checkpoint(self, save_dir, tag=None, client_state=None, save_latest=True):

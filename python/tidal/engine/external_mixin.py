@@ -59,7 +59,7 @@ class ExternalMixin:
         outside a forward before it go back to their chunks when the device is
         full (those in `keep` stay), as under model.apply."""
         hooks = self._hooks
-        record = self._record_list[i]
+        record = self._params.record_list[i]
         running = hooks.running()
         if not running:
             # Between backward and step, the CPU Adam updates made during
@@ -68,15 +68,15 @@ class ExternalMixin:
             self._settle_overlap()
         learn, module = True, None
         if running:
-            module = self._module_list[running[-1]]
+            module = self._params.module_list[running[-1]]
             reader = _external.innermost_module()
-            if reader is not None and reader is not module and reader in self._names:
+            if reader is not None and reader is not module and reader in self._params.names:
                 # Not hooked yet: served for `module` this time, hooked from
                 # the next forward on.
                 learn = False
                 self._pending_readers.setdefault(reader, []).append(i)
-            elif all(record is not r for r in self._module_records[module]):
-                self._module_records[module].append(record)
+            elif all(record is not r for r in self._params.module_records[module]):
+                self._params.module_records[module].append(record)
         try:
             with _dtr.outside():
                 hooks.read_param(i, learn)
@@ -106,7 +106,7 @@ class ExternalMixin:
             engine = ref()
             if handle is not None:
                 handle.remove()
-            if engine is not None and not engine._hooks.attached(engine._record_index[id(record)]):
+            if engine is not None and not engine._hooks.attached(engine._params.record_index[id(record)]):
                 engine._attach([record], None, for_backward=True)
             return grad
 
@@ -131,7 +131,7 @@ class ExternalMixin:
                 continue
             with _dtr.outside():
                 hooks.detach([j], HOLD)
-            self._carry_slot(self._record_list[j])
+            self._carry_slot(self._params.record_list[j])
             try:
                 with _dtr.outside():
                     hooks.read_param(i, True)
@@ -151,7 +151,7 @@ class ExternalMixin:
         the parameters read outside a forward go back to their chunks (not
         before a backward: the graph may hold views of them)."""
         hooks = self._hooks
-        records = self._record_list
+        records = self._params.record_list
         written, assigned, lost = hooks.take_param_writes()
         lost = set(lost)
         # Brought in by a read outside a forward: a write through `p.data`
@@ -229,7 +229,7 @@ class ExternalMixin:
             if hooks.landed(i):
                 lost.add(i)
             else:
-                self._write_value(self._record_list[i], value, attached=hooks.attached(i))
+                self._write_value(self._params.record_list[i], value, attached=hooks.attached(i))
         kept = []
         for ref in getattr(self, "_state_copies", ()):
             t = ref()
@@ -239,7 +239,7 @@ class ExternalMixin:
                 if hooks.landed(t._tidal_index):
                     lost.add(t._tidal_index)
                 else:
-                    self._write_value(self._record_list[t._tidal_index], t,
+                    self._write_value(self._params.record_list[t._tidal_index], t,
                                       attached=hooks.attached(t._tidal_index))
                 t._tidal_version = t._version  # (taken: its death hands nothing over again)
             kept.append(ref)
@@ -260,7 +260,7 @@ class ExternalMixin:
                     master.copy_(flat)
 
     def _lost_writes_message(self, lost) -> str:
-        names = [self._record_list[i].name for i in lost]
+        names = [self._params.record_list[i].name for i in lost]
         shown = ", ".join(f"'{n}'" for n in names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
         first = names[0]
         owner, _, attr = first.rpartition(".")
@@ -300,17 +300,17 @@ class ExternalMixin:
         if not self._hooks.take_backward_ended():
             return
         self.dtr.end()
-        if self._accumulating:
-            self._fold_gradients()
-        self.micro_steps += 1
+        if self._accumulation.summing:
+            self._accumulation.fold()
+        self._accumulation.micro_steps += 1
 
     def _register_external(self, module, param):
         """tidal.register_external_parameter after initialize."""
         r = self._record_of_param(param)
-        if module not in self._names:
+        if module not in self._params.names:
             raise ValueError(f"tidal.register_external_parameter: the module ({type(module).__name__}) "
                              f"is not part of the model this engine trains")
-        self._pending_readers.setdefault(module, []).append(self._record_index[id(r)])
+        self._pending_readers.setdefault(module, []).append(self._params.record_index[id(r)])
 
     def _hook_readers(self):
         """Hooks the modules found reading parameters (and those registered by
@@ -318,26 +318,26 @@ class ExternalMixin:
         parameters in."""
         pending, self._pending_readers = self._pending_readers, {}
         for m, ids in pending.items():
-            records = self._module_records.setdefault(m, [])
+            records = self._params.module_records.setdefault(m, [])
             for i in ids:
-                if all(self._record_list[i] is not r for r in records):
-                    records.append(self._record_list[i])
-            if m in self._module_index:
+                if all(self._params.record_list[i] is not r for r in records):
+                    records.append(self._params.record_list[i])
+            if m in self._params.module_index:
                 for i in ids:
-                    self._hooks.add_to_module(self._module_index[m], i)
+                    self._hooks.add_to_module(self._params.module_index[m], i)
                 continue
             index = self._hooks.add_module(sorted(set(ids)))
-            self._module_list.append(m)
-            self._module_index[m] = index
+            self._params.module_list.append(m)
+            self._params.module_index[m] = index
             self._hook_module(m)
 
     def _check_read(self, p, func):
         """PlaceholderCheck: parameter `p` reached torch function `func`."""
         r = self._record_of_param(p)
-        if r is None or self._hooks.attached(self._record_index[id(r)]):
+        if r is None or self._hooks.attached(self._params.record_index[id(r)]):
             return
         reader = _external.innermost_module()
-        where = (f"module '{self._names.get(reader, type(reader).__name__)}' "
+        where = (f"module '{self._params.names.get(reader, type(reader).__name__)}' "
                  f"({type(reader).__name__})") if reader is not None else "code outside any module"
         owner = r.name.rsplit(".", 1)
         attr = f"model.{r.name}" if len(owner) == 2 else r.name

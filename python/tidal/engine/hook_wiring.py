@@ -72,11 +72,11 @@ class HookWiringMixin:
     # hook]); Python adds the DTR context and the error messages.
     def _new_hooks(self):
         hooks = _C.chunks.ModuleHooks(self.chunks, self._tracer)
-        for r in self._record_list:
+        for r in self._params.record_list:
             hooks.add_param(r.param, r.id, r.shape)
-        index = self._record_index
-        for m in self._module_list:
-            hooks.add_module([index[id(r)] for r in self._module_records[m]])
+        index = self._params.record_index
+        for m in self._params.module_list:
+            hooks.add_module([index[id(r)] for r in self._params.module_records[m]])
         hooks.set_make_room(self.dtr.enabled_by_config)
         if self._cuda_room:
             # Note [Room on a cache miss] (hooks/cuda_room.h): torch's cache
@@ -85,7 +85,7 @@ class HookWiringMixin:
             index = dev.index if dev.index is not None else torch.cuda.current_device()
             hooks.set_cuda_room(index, self.store.device_budget)
         hooks.set_track_first_use(True)
-        hooks.set_accumulating(self._accumulating)
+        hooks.set_accumulating(self.config.gradient_accumulation_steps > 1)
         return hooks
 
     def _count(self, on: bool):
@@ -162,18 +162,18 @@ class HookWiringMixin:
 
     def _is_attached(self, record) -> bool:
         """Whether `record`'s parameter is a view of its slot (COMPUTE)."""
-        return self._hooks.attached(self._record_index[id(record)])
+        return self._hooks.attached(self._params.record_index[id(record)])
 
     def _uses(self, record) -> int:
         """Forward uses of `record`'s parameter in flight (nested or shared modules)."""
-        return self._hooks.uses(self._record_index[id(record)])
+        return self._hooks.uses(self._params.record_index[id(record)])
 
     def _attach(self, records, module, replay=False, for_backward=False):
         """Attaches `records` (those not attached) outside the hooks' own path:
         a saved tensor unpacked in backward, a DTR recompute's read."""
         if not records:
             return
-        index = self._record_index
+        index = self._params.record_index
         ids = [index[id(r)] for r in records]
         try:
             with _dtr.outside():
@@ -186,7 +186,7 @@ class HookWiringMixin:
     def _unpack_attach(self, i):
         """A saved parameter alias is unpacked in backward while its
         parameter (record index `i`) is not attached."""
-        self._attach([self._record_list[i]], None, for_backward=True)
+        self._attach([self._params.record_list[i]], None, for_backward=True)
 
     def _attach_failed(self, e, module, records, retry):
         """An attach of `records` (for `module`, or None) raised `e`: retried
@@ -208,7 +208,7 @@ class HookWiringMixin:
                 return
             except OutOfMemoryError as e2:
                 e = e2
-        where = f"module '{self._names.get(module, '?')}'" if module is not None else \
+        where = f"module '{self._params.names.get(module, '?')}'" if module is not None else \
             f"parameter '{records[0].name}'"
         live = self._tracer.live()
         torch_side = ""
@@ -243,14 +243,14 @@ class HookWiringMixin:
         if not isinstance(t, torch.Tensor) or t.layout != torch.strided:
             return None
         i = self._hooks.attached_at(t)
-        return None if i < 0 else self._record_list[i]
+        return None if i < 0 else self._params.record_list[i]
 
     # ------------------------------------ DTR's replays (engine/dtr_link.py)
     # What the engine offers tidal.dtr's replays, as three calls, so the link
     # touches none of the engine's internals.
     def replay_record(self, i: int):
         """The record of parameter index `i` (ModuleHooks' numbering)."""
-        return self._record_list[i]
+        return self._params.record_list[i]
 
     def replay_view(self, record, size, stride, offset):
         """(`record`'s weight as this view, whether this call attached it).
@@ -258,7 +258,7 @@ class HookWiringMixin:
         is then of a temporary weight made from the fp32 master (Note [Weights
         while gradients wait]); else the parameter is attached for the replay
         (its chunk comes to the device through the scheduler)."""
-        if self._hooks.landed(self._record_index[id(record)]):
+        if self._hooks.landed(self._params.record_index[id(record)]):
             return self._weight_from_master(record).as_strided(size, stride, offset), False
         attached = not self._is_attached(record)
         if attached:
@@ -273,13 +273,13 @@ class HookWiringMixin:
     def _detach(self, records, state):
         if not records:
             return
-        index = self._record_index
+        index = self._params.record_index
         with _dtr.outside():
             self._hooks.detach([index[id(r)] for r in records], state)
         self.dtr.rebalance()
 
     def _pre_forward(self, module, args):
-        i = self._module_index[module]
+        i = self._params.module_index[module]
         try:
             with _dtr.outside():
                 self._hooks.forward_pre(i)
@@ -290,14 +290,14 @@ class HookWiringMixin:
     def _forward_pre_failed(self, i, e):
         """Module `i`'s forward pre-hook raised `e` (out of memory). A retry
         (after torch.cuda.empty_cache) only attaches: the trace point was taken."""
-        module = self._module_list[i]
-        self._attach_failed(e, module, self._module_records[module],
+        module = self._params.module_list[i]
+        self._attach_failed(e, module, self._params.module_records[module],
                             lambda: self._hooks.forward_pre(i, trace_point=False))
 
     def _post_forward(self, module, args, output):
         grad = torch.is_grad_enabled()
         with _dtr.outside():
-            self._hooks.forward_post(self._module_index[module], grad)
+            self._hooks.forward_post(self._params.module_index[module], grad)
         self.dtr.rebalance()
         if grad:
             return _hooks.wrap_outputs(self, module, output)
@@ -321,7 +321,7 @@ class HookWiringMixin:
         return hook
 
     def _pre_backward(self, module):
-        i = self._module_index[module]
+        i = self._params.module_index[module]
         try:
             with _dtr.outside():
                 self._hooks.backward_pre(i)
@@ -331,10 +331,10 @@ class HookWiringMixin:
 
     def _backward_pre_failed(self, i, e):
         """Module `i`'s backward pre-hook raised `e` (out of memory)."""
-        module = self._module_list[i]
-        index = self._record_index
-        ids = [index[id(r)] for r in self._module_records[module]]
-        self._attach_failed(e, module, self._module_records[module],
+        module = self._params.module_list[i]
+        index = self._params.record_index
+        ids = [index[id(r)] for r in self._params.module_records[module]]
+        self._attach_failed(e, module, self._params.module_records[module],
                             lambda: self._hooks.attach(ids, for_backward=True))
 
     def _overlap_grad_ready(self, param):
@@ -352,7 +352,7 @@ class HookWiringMixin:
                 f"parameter '{r.name}' got a gradient of layout {g.layout}; tidal's chunks hold "
                 f"dense gradients in the parameters' 16-bit slots (an embedding read with "
                 f"sparse=True?)")
-        i = self._record_index[id(r)]
+        i = self._params.record_index[id(r)]
         if _dtr.is_enabled():
             # Under DTR an op in DTR's mode brings an evicted gradient back; no
             # op runs between it and the landing, so it stays resident.

@@ -215,7 +215,7 @@ class StepOverlap:
         e = self._engine
         self._forget_layout_if_changed()
         recs = collections.defaultdict(list)
-        for r in e.records:
+        for r in e._params.records:
             if r.trainable and e.store.owns(r):
                 recs[r.chunk].append(r)
         self._recs = dict(recs)
@@ -225,7 +225,7 @@ class StepOverlap:
         # Not in the engine's first backward (the warm-up, which records the
         # trace and finds the parameters whose gradients land twice).
         speculate = last_micro_batch and not _dtr.is_enabled() and e.global_steps > 0
-        if e.dp is not None and e._accumulating:
+        if e.dp is not None and e._accumulation.summing:
             # Data parallel with accumulation: the end of backward folds the
             # owners' reduced gradients and broadcasts the weights back
             # (_dp_after_backward), which an update in flight would race.
@@ -247,7 +247,7 @@ class StepOverlap:
         self._host_short = e._host_short()
         # The grad scale the step uses where the clip does not fire.
         self._grad_scale = 1.0 / e.scaler.scale
-        self._use_sums = e._accumulating
+        self._use_sums = e._accumulation.summing
 
     def landed(self, record):
         """A gradient landed (trainable records only): counted once per
@@ -299,7 +299,7 @@ class StepOverlap:
         if any(r in self._relanded for r in recs):
             return
         if c.chunk_space(chunk, PARAM16) == DEVICE and any(
-                c.state(r.id, PARAM16) == _COMPUTE for r in e.records if r.chunk == chunk):
+                c.state(r.id, PARAM16) == _COMPUTE for r in e._params.records if r.chunk == chunk):
             return  # another tensor of the chunk is in use on the device: it cannot move now
         spans = [c.placement(r.id)[1] for r in recs]
         lo = min(spans)
@@ -310,7 +310,7 @@ class StepOverlap:
         if self._use_sums:
             # Note [Gradient sums in chunks]: the fold the end of backward
             # would make, for this chunk, on the host where it is updated.
-            e._fold_chunk(chunk, recs, HOST)
+            e._accumulation.fold_chunk(chunk, recs, HOST)
             self.folded_early.add(chunk)
         kinds = _KINDS + ((GRAD32,) if self._use_sums else ())
         first = recs[0]

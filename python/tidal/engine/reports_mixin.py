@@ -28,9 +28,9 @@ class ReportsMixin:
         if what < 0:
             return kind
         if kind == "grad":
-            return f"{kind} {self._record_list[what].name}"
-        module = self._module_list[what]
-        return f"{kind} {self._names.get(module, type(module).__name__)}"
+            return f"{kind} {self._params.record_list[what].name}"
+        module = self._params.module_list[what]
+        return f"{kind} {self._params.names.get(module, type(module).__name__)}"
 
     def memory_profile(self) -> list[dict]:
         """memory_timeline() as dicts, with the chunk traffic of each interval:
@@ -78,7 +78,7 @@ class ReportsMixin:
         """Host copies of the fp32 master weights (16-bit values for frozen params), by name."""
         self._settle_overlap()
         with _dtr.outside():
-            return {r.name: self.store.gather(r) for r in self.records}
+            return {r.name: self.store.gather(r) for r in self._params.records}
 
     def memory_report(self) -> dict:
         s = self._scheduler_stats()
@@ -149,7 +149,7 @@ class ReportsMixin:
             "dtr": self.dtr.report(),
             "data_parallel": None if self.dp is None else {
                 "rank": self.dp.rank, "world_size": self.dp.world, "backend": self.dp.backend,
-                "owned_chunks": sorted({r.chunk for r in self.records if self.store.owns(r)}),
+                "owned_chunks": sorted({r.chunk for r in self._params.records if self.store.owns(r)}),
                 "bytes_sent": self.dp.bytes_sent, "collectives": self.dp.collectives,
                 "overlap_comm": self.dp.overlap, "reduces_in_backward": self._dp_in_backward,
                 "seconds_in_collectives": self.dp.seconds_blocked},

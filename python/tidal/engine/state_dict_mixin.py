@@ -113,14 +113,14 @@ class StateDictMixin:
                 continue
             # Note [Writes into a state dict]: plain PyTorch's entries share the
             # parameters' memory, so a write into one is a write to the model.
-            entry = StateDictEntry.wrap(self._weight_copy(self._record_list[i]), self, i)
+            entry = StateDictEntry.wrap(self._weight_copy(self._params.record_list[i]), self, i)
             state[key] = entry
             self._state_copies.append(weakref.ref(entry))
 
     def _weight_copy(self, record) -> torch.Tensor:
         """A host copy of `record`'s weight in its 16-bit dtype: the slot, or
         the master while the slot holds a landed gradient."""
-        i = self._record_index[id(record)]
+        i = self._params.record_index[id(record)]
         with torch.no_grad(), _dtr.outside():
             if not self._hooks.landed(i):
                 return self.store.gather(record, PARAM16)
@@ -145,7 +145,7 @@ class StateDictMixin:
             key = prefix + pname
             if key not in state:
                 continue
-            record = self._record_list[i]
+            record = self._params.record_list[i]
             value = state[key]
             if not isinstance(value, torch.Tensor):
                 continue  # torch's own loader reports it
@@ -178,6 +178,6 @@ class StateDictMixin:
     def _record_of_param(self, p):
         """The record of parameter `p` if this engine trains it, else None."""
         r = self.store.by_param.get(id(p))
-        if r is None or r.param is not p or r not in self._record_set:
+        if r is None or r.param is not p or r not in self._params.record_set:
             return None
         return r

@@ -51,17 +51,17 @@ class StepMixin:
         # stopped.
         self._settle_outside()
         self._count(False)
-        accumulating = self._accumulating
+        accumulating = self._accumulation.summing
         t_exposed = time.perf_counter()
         overlap = self._overlap
         if overlap is not None:
             # Chunks CPU Adam updated while backward went on (Note [CPU Adam
             # during backward]): waited for here; validated below.
-            if self._sums_broken:
-                raise UsageError(f"engine.step(): {self._sums_broken}; call engine.zero_grad() "
+            if self._accumulation.broken:
+                raise UsageError(f"engine.step(): {self._accumulation.broken}; call engine.zero_grad() "
                                  f"and run this step's micro-batches again")
             overlap.finish()
-        pending = [r for r in self.records if r.accumulated] if accumulating else self._landed()
+        pending = self._accumulation.pending()
         # Data parallel: the update runs where the masters are; every rank
         # holds the gradients it reduced into the chunks it owns.
         owned = pending if self.dp is None else [r for r in pending if self.store.owns(r)]
@@ -116,13 +116,7 @@ class StepMixin:
             # The owners' weights came back from their masters: the others'
             # from the owners.
             self._dp_broadcast(self._dp_spans)
-        index = self._record_index
-        if accumulating:
-            self._hooks.drop_sums([index[id(r)] for r in owned])
-        else:
-            self._hooks.clear_landed([index[id(r)] for r in pending])
-        for r in pending:
-            r.accumulated = False
+        self._accumulation.stepped(pending, owned)
         self._hooks.clear_grad_norm()
         self._last_grad_norm = norm
         self.global_steps += 1
@@ -150,7 +144,7 @@ class StepMixin:
         """After the warm-up step: chunks in first-use order (Note [Chunks in first-use order])."""
         self._relayout_done = True
         self._hooks.set_track_first_use(False)
-        used = [self._record_list[i] for i in self._hooks.take_first_use()]
+        used = [self._params.record_list[i] for i in self._hooks.take_first_use()]
         seen = set(map(id, used))
         order = used + [r for r in self.store.records if id(r) not in seen]
         if [r.id for r in order] == [r.id for r in self.store.records]:
@@ -168,7 +162,7 @@ class StepMixin:
             return
         try:
             owner = {}
-            for m, recs in self._module_records.items():
+            for m, recs in self._params.module_records.items():
                 for r in recs:
                     owner.setdefault(id(r), id(m))
             final = self.store.relayout(order, [owner.get(id(r)) for r in order])
@@ -180,8 +174,8 @@ class StepMixin:
         self._retired_stats = _merge_stats(final, self._retired_stats)
         self.chunks = self.store.chunks
         self._tracer.set_chunks(self.chunks)
-        self._hooks.set_chunks(self.chunks, [r.id for r in self._record_list])
-        self.records = [r for r in self.store.records if r in self._record_set]
+        self._hooks.set_chunks(self.chunks, [r.id for r in self._params.record_list])
+        self._params.reorder(self.store.records)
         self._stats_at_step = self.chunks.stats()
         self.chunks.reserve_disk()
         self._check_budget()
@@ -195,17 +189,17 @@ class StepMixin:
     def _grad_norm(self, pending) -> tuple[float, bool]:
         """Global L2 norm of the unscaled gradients and whether all are finite."""
         scale = self.scaler.scale
-        if self._accumulating:
+        if self._accumulation.summing:
             # The sums, once, where their chunks are (Note [Gradient sums in
             # chunks]; landings measured nothing).
-            index = self._record_index
+            index = self._params.record_index
             with uncounted(), _dtr.outside():
                 self._hooks.measure_sums([index[id(r)] for r in pending])
         sum_squares, finite = self._hooks.take_grad_norm()
         if self.dp is not None:
             # The landings measured this rank's own gradients; the norm is of
             # the reduced ones, each measured by its owner, summed over ranks.
-            if not self._accumulating:
+            if not self._accumulation.summing:
                 sum_squares, finite = self._dp_sumsq, math.isfinite(self._dp_sumsq)
                 self._dp_sumsq = 0.0
             sum_squares, bad = self.dp.all_reduce_sum(
@@ -251,7 +245,7 @@ class StepMixin:
         t0 = time.perf_counter()
         outside = 0.0
         # The chunks the update needs beside the 16-bit one.
-        kinds = (PARAM32, MOMENTUM, VARIANCE) + ((GRAD32,) if self._accumulating else ())
+        kinds = (PARAM32, MOMENTUM, VARIANCE) + ((GRAD32,) if self._accumulation.summing else ())
         host_short = self._host_short()
         if self._overlap is not None:
             self._overlap.step_host_chunks = set()

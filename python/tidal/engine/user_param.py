@@ -106,7 +106,7 @@ def _placeholders(args, kwargs):
         if hit is None:
             continue
         engine = hit[0]()
-        if engine is None or a.numel() != 0 or engine._record_list[hit[1]].param is not a:
+        if engine is None or a.numel() != 0 or engine._params.record_list[hit[1]].param is not a:
             continue
         if found is None:
             if not engine._serves_user_reads():
@@ -135,7 +135,7 @@ class _UserParameter:
                     engine, held = found
                     answer = _SHAPE.get(func)
                     if answer is not None and len(held) == 1 and args and args[0] is held[0][0]:
-                        record = engine._record_list[held[0][1]]
+                        record = engine._params.record_list[held[0][1]]
                         return answer(args[0], torch.Size(record.shape), *args[1:], **kwargs)
                     engine._read_for_user([i for _, i in held])
             return func(*args, **kwargs)
@@ -158,7 +158,7 @@ def install(engine) -> None:
     """The engine's parameters get their tidal class (Note [A parameter object
     stays the user's])."""
     ref = weakref.ref(engine)
-    for i, record in enumerate(engine._record_list):
+    for i, record in enumerate(engine._params.record_list):
         p = record.param
         cls = type(p)
         if cls not in _CLASSES.values():
@@ -167,12 +167,12 @@ def install(engine) -> None:
             except TypeError:
                 continue  # (a class whose layout differs: left as it is)
         _OWNED[id(p)] = (ref, i)
-    weakref.finalize(engine, _forget, [id(r.param) for r in engine._record_list], ref)
+    weakref.finalize(engine, _forget, [id(r.param) for r in engine._params.record_list], ref)
 
 
 def uninstall(engine) -> None:
     """The parameters get their own classes back."""
-    for record in engine._record_list:
+    for record in engine._params.record_list:
         p = record.param
         hit = _OWNED.get(id(p))
         if hit is not None and hit[0]() is engine:

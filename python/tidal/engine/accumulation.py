@@ -1,0 +1,158 @@
+"""Gradient accumulation: the window of micro-batches one optimizer step
+sums, and the gradients between a backward and the step.
+
+After each backward the gradients sit in the parameters' 16-bit slots
+("landed", flagged by ModuleHooks). Without accumulation the step reads them
+there. With gradient_accumulation_steps > 1 each backward folds them into
+fp32 sums in chunks (the GRAD32 list), where the step will run, and the
+16-bit slots get their weights back (Note [Gradient sums in chunks] in
+cpu_adam/adam.h); a record whose sum holds something is `accumulated`.
+"""
+from __future__ import annotations
+
+import collections
+from typing import Callable
+
+import torch
+
+from .. import dtr as _dtr
+from .params import ParamTable
+from .store import DEVICE, GRAD32, HOST, PARAM32, uncounted
+
+
+class GradientAccumulation:
+    """The accumulation window and the gradients waiting for the step.
+
+    steps:          gradient_accumulation_steps; `summing` is steps > 1.
+    micro_steps:    the backward passes finished so far (DeepSpeed's count).
+    forced_boundary: set_gradient_accumulation_boundary's override, or None.
+    broken:         why the sums cannot be stepped on (a failed backward
+        folded part of its gradients: Note [CPU Adam during backward]), or
+        None; cleared by reset() (engine.zero_grad()).
+
+    What it needs of the engine is passed in: the ModuleHooks (`hooks`, the
+    landed flags, the folds and the sums' drop), the store (where a chunk is
+    updated), whether the host is short of room (`host_short`), and
+    `give_weights_back(records)`, which puts the weights back into slots
+    that hold gradients being dropped (from the masters; with data parallel,
+    from the owners)."""
+
+    def __init__(self, steps: int, params: ParamTable, hooks, store, config,
+                 host_short: Callable[[], bool], give_weights_back: Callable[[list], None]):
+        self.steps = steps
+        self.summing = steps > 1
+        self.micro_steps = 0
+        self.forced_boundary: "bool | None" = None
+        self.broken: "str | None" = None
+        self._params = params
+        self._hooks = hooks
+        self._store = store
+        self._config = config
+        self._host_short = host_short
+        self._give_weights_back = give_weights_back
+
+    # ------------------------------------------------------------ the window
+    def is_boundary(self) -> bool:
+        """Whether engine.step() steps now: every `steps` backward passes, or
+        as set_gradient_accumulation_boundary() says."""
+        if self.forced_boundary is not None:
+            return self.forced_boundary
+        return self.micro_steps % self.steps == 0
+
+    def next_backward_ends_window(self) -> bool:
+        """Whether the backward about to run is the last of its window (the
+        one whose gradients the next step takes)."""
+        if self.forced_boundary is not None:
+            return self.forced_boundary
+        return (self.micro_steps + 1) % self.steps == 0
+
+    # ------------------------------------------------------------ gradients
+    def landed(self) -> list:
+        """The records whose 16-bit slot holds a landed gradient, in chunk order."""
+        return self._params.in_record_order(self._hooks.landed_params())
+
+    def pending(self) -> list:
+        """The records the step updates: those with a sum, or with a landed gradient."""
+        if self.summing:
+            return [r for r in self._params.records if r.accumulated]
+        return self.landed()
+
+    def drop_landed(self) -> None:
+        """The landed gradients go; their slots get their weights back."""
+        pending = self.landed()
+        if pending:
+            with _dtr.outside():
+                self._give_weights_back(pending)
+            self._hooks.clear_landed(self._params.indexes(pending))
+
+    def reset(self) -> None:
+        """engine.zero_grad(): the landed gradients and the sums of an
+        unfinished window go."""
+        self.broken = None
+        self.drop_landed()
+        summed = [r for r in self._params.records if r.accumulated]
+        if summed:
+            self._hooks.drop_sums(self._params.indexes(summed))
+            for r in summed:
+                r.accumulated = False
+
+    def stepped(self, pending: list, owned: list) -> None:
+        """After the step over `pending` (of which this rank updated `owned`):
+        the sums, or the landed flags, are cleared."""
+        if self.summing:
+            self._hooks.drop_sums(self._params.indexes(owned))
+        else:
+            self._hooks.clear_landed(self._params.indexes(pending))
+        for r in pending:
+            r.accumulated = False
+
+    # ------------------------------------------------------------ the folds
+    def fold(self) -> None:
+        """After each backward: each chunk's landed gradients go into their
+        fp32 sums in one call, where the chunk is, and the 16-bit slots get
+        their weights back."""
+        by_chunk = collections.defaultdict(list)
+        for r in self.landed():
+            by_chunk[r.chunk].append(r)
+        if not by_chunk:
+            return
+        try:
+            self.fold_chunks(by_chunk, self._host_short())
+        except BaseException as e:
+            # The slots still holding gradients get their weights back, so the
+            # model stays usable; the sums have this micro-batch's gradients
+            # only for the chunks folded before the error.
+            self.drop_landed()
+            e.add_note("tidal: folding this micro-batch's gradients into the accumulation sums "
+                       "failed part-way; call engine.zero_grad() to start the step afresh")
+            raise
+
+    def fold_chunk(self, chunk: int, recs: list, space) -> None:
+        """One chunk's landed gradients into their sums in `space` (the
+        overlapped step folds a chunk at its last landing)."""
+        cfg = self._config
+        with torch.no_grad(), uncounted(), _dtr.outside():
+            self._hooks.fold_gradients(
+                self._params.indexes(recs), [not r.accumulated for r in recs], space,
+                num_threads=cfg.cpu_adam_threads, pool=cfg.cpu_adam_pool)
+        for r in recs:
+            r.accumulated = True
+
+    def fold_chunks(self, by_chunk: dict, host_short: bool) -> None:
+        """The chunks of `by_chunk` (chunk -> its landed records), each where
+        its step will run (hybrid Adam: on the device when it has room), so
+        the sums are where the step reads them. A fold on the host moves the
+        16-bit chunk down (its gradients) and up again for the next forward:
+        the bytes a budget too small for the 16-bit chunks moves anyway."""
+        cfg = self._config
+        with torch.no_grad(), uncounted(), _dtr.outside():
+            for chunk in sorted(by_chunk):
+                recs = by_chunk[chunk]
+                on_device = self._store.chunks.update_on_device(chunk, [PARAM32, GRAD32], host_short,
+                                                                cfg.hybrid_adam)
+                self._hooks.fold_gradients(
+                    self._params.indexes(recs), [not r.accumulated for r in recs],
+                    DEVICE if on_device else HOST,
+                    num_threads=cfg.cpu_adam_threads, pool=cfg.cpu_adam_pool)
+                for r in recs:  # (no longer landed: the fold says so)
+                    r.accumulated = True
