@@ -54,10 +54,7 @@ inside functions count as much as those at the top. Over the bindings, tidal._C:
   * a slot's state is the store's: the calls that change it on a Chunks
     object (access, release, set_state; SLOT_CALLS) are made only in
     SCHEDULER_OWNERS; the rest of the engine takes a slot through
-    ParamStore.slots(). The engine modules that still reach past the store
-    are listed in REACHES_PAST_THE_STORE (issue 45); the check fails on a
-    module not listed, and on a listed one that no longer reaches (delete its
-    entry), so the list only shrinks.
+    ParamStore.slots(), or holds one beyond a block with ParamStore.pin().
 """
 from __future__ import annotations
 
@@ -116,11 +113,6 @@ HOOKS_USERS = ("tidal.engine",)
 BOUND_CLASSES = {"Chunks": SCHEDULER_OWNERS, "ModuleHooks": HOOKS_USERS, "MemoryTracer": HOOKS_USERS}
 # The calls on a Chunks object that change a slot's state.
 SLOT_CALLS = ("access", "release", "set_state")
-# Engine modules that still change slot states themselves instead of asking the
-# store (issue 45, "the Python engine reaches past its layer"): module -> why.
-REACHES_PAST_THE_STORE = {
-    "tidal.engine.overlap": "holds chunks across the overlapped step",
-}
 
 
 def allowed(name: str) -> set[str]:
@@ -486,14 +478,9 @@ def check_python(top: Path) -> list[str]:
                         node.func.attr in SLOT_CALLS and is_chunks(node.func.value, local):
                     reaching.setdefault(module, []).append(f"{function.name}:{node.lineno} {node.func.attr}")
     for module, calls in sorted(reaching.items()):
-        if module not in REACHES_PAST_THE_STORE:
-            problems.append(f"{modules[module].relative_to(top.parent).as_posix()}: changes slot states on "
-                            f"the scheduler ({', '.join(sorted(set(calls)))}); only "
-                            f"{', '.join(SCHEDULER_OWNERS)} may: ask the ParamStore")
-    for module in sorted(set(REACHES_PAST_THE_STORE) - set(reaching)):
-        if module in modules:
-            problems.append(f"REACHES_PAST_THE_STORE lists {module}, which no longer changes slot states "
-                            f"itself: delete its entry")
+        problems.append(f"{modules[module].relative_to(top.parent).as_posix()}: changes slot states on "
+                        f"the scheduler ({', '.join(sorted(set(calls)))}); only "
+                        f"{', '.join(SCHEDULER_OWNERS)} may: ask the ParamStore")
     return problems
 
 
@@ -603,8 +590,6 @@ def _self_test(top: Path) -> int:
                                                  "class Engine:\n    def f(self, i):\n"
                                                  "        dp, c = 1, self.chunks\n        c.release(i)\n"},
                                                 "changes slot states on the scheduler (f:4 release)"),
-        "a stale entry of the reaches": ({"python/tidal/engine/overlap.py": "class StepOverlap:\n    pass\n"},
-                                         "REACHES_PAST_THE_STORE lists tidal.engine.overlap"),
     }
     for what, (files, expected) in breaches.items():
         got = check(tree({**clean, **files}))
@@ -639,8 +624,8 @@ def main(argv: list[str]) -> int:
     print(f"{len(LAYERS)} layer targets; every include and link goes down, no cycle. Found:")
     for name in LAYERS:
         print(f"  {LAYERS[name][0]:16} -> {', '.join(LAYERS[d][0] for d in sorted(edges.get(name, ()))) or '-'}")
-    print(f"The Python package keeps its {len(PY_LAYERS)} layers; slot states are changed by the store and "
-          f"{len(REACHES_PAST_THE_STORE)} listed engine modules (REACHES_PAST_THE_STORE).")
+    print(f"The Python package keeps its {len(PY_LAYERS)} layers; slot states are changed only by "
+          f"{', '.join(SCHEDULER_OWNERS)}.")
     return 0
 
 

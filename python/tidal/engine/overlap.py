@@ -13,10 +13,11 @@ chunks updated on the device) as before.
 
 The worker touches no scheduler: at launch, on the thread that landed the
 last gradient, the chunk's 16-bit, master, momentum and variance chunks (and
-with accumulation its fp32 gradient sums) are pinned on the host (accessed:
-COMPUTE, so their payloads cannot move) and the worker runs cpu_adam's
-adam_chunk_step over raw chunk views (the GIL is released inside); the step,
-or whatever else needs the chunks first, waits for it and releases the pins.
+with accumulation its fp32 gradient sums) are pinned on the host by the
+store (ParamStore.pin: accessed, COMPUTE, so their payloads cannot move) and
+the worker runs cpu_adam's adam_chunk_step over raw chunk views (the GIL is
+released inside); the step, or whatever else needs the chunks first, waits
+for it and releases the pins.
 None is launched while the host is too small for the state (Note [One place
 per chunk]).
 
@@ -147,12 +148,11 @@ import torch
 
 from .. import _C
 from .. import dtr as _dtr
-from .store import DEVICE, GRAD32, HOLD, HOST, MOMENTUM, PARAM16, PARAM32, VARIANCE, uncounted
+from .store import DEVICE, GRAD32, HOST, MOMENTUM, PARAM16, PARAM32, VARIANCE, uncounted
 
 _KINDS = (PARAM16, PARAM32, MOMENTUM, VARIANCE)
 # What an update overwrites, in the order of the worker's views and of the undo buffers.
 _UNDO_KINDS = (PARAM32, MOMENTUM, VARIANCE, PARAM16)
-_COMPUTE = _C.chunks.TensorState.COMPUTE
 
 
 class StepOverlap:
@@ -176,7 +176,7 @@ class StepOverlap:
         self._landed_ids: set[int] = set()    # tensors whose gradient landed in this backward
         self._recs: dict[int, list] = {}     # chunk -> its trainable records
         self._jobs: list[tuple[int, object]] = []  # (chunk, future)
-        self._pinned: list[tuple[int, int]] = []   # (tensor id, chunk kind)
+        self._pinned: list = []  # the launched chunks' pins (store.SlotPin), released by finish()
         self._backward_end = None
         self._speculating = False  # this backward (and its reductions) may launch updates
         self._host_short = False
@@ -298,8 +298,8 @@ class StepOverlap:
         recs = self._recs[chunk]
         if any(r in self._relanded for r in recs):
             return
-        if c.chunk_space(chunk, PARAM16) == DEVICE and any(
-                c.state(r.id, PARAM16) == _COMPUTE for r in e._params.records if r.chunk == chunk):
+        if c.chunk_space(chunk, PARAM16) == DEVICE and e.store.in_use(
+                (r for r in e._params.records if r.chunk == chunk), PARAM16):
             return  # another tensor of the chunk is in use on the device: it cannot move now
         spans = [c.placement(r.id)[1] for r in recs]
         lo = min(spans)
@@ -313,17 +313,8 @@ class StepOverlap:
             e._accumulation.fold_chunk(chunk, recs, HOST)
             self.folded_early.add(chunk)
         kinds = _KINDS + ((GRAD32,) if self._use_sums else ())
-        first = recs[0]
-        pinned = []
-        try:
-            for kind in kinds:
-                c.access(first.id, kind, HOST, [first.numel])
-                pinned.append((first.id, kind))
-        except BaseException:
-            for tid, kind in pinned:
-                c.release(tid, kind, HOLD)
-            raise
-        self._pinned.extend(pinned)
+        # A record's slots pin its whole chunk of each kind.
+        self._pinned.append(e.store.pin(recs[0], kinds, HOST))
         views = [c.chunk_view(chunk, k) for k in _UNDO_KINDS]
         grad = c.chunk_view(chunk, GRAD32) if self._use_sums else None
         for r in recs:
@@ -357,10 +348,7 @@ class StepOverlap:
         # Each kind's dtype from an access of its slot, not chunk_view: a
         # chunk may have no payload in reach now (moved out), and an access
         # is what brings it back.
-        dtypes = []
-        for kind in _UNDO_KINDS:
-            dtypes.append(c.access(first.id, kind, HOST, [first.numel]).dtype)
-            c.release(first.id, kind, HOLD)
+        dtypes = e.store.slot_dtypes(first, _UNDO_KINDS, HOST)
         size = sum(numel * d.itemsize for d in dtypes)
         old = 0 if bufs is None else sum(b.numel() * b.element_size() for b in bufs)
         if c.held_bytes(HOST) + self.undo_bytes - old + size > e.store.capacity_bytes()[0]:
@@ -407,9 +395,8 @@ class StepOverlap:
                 self.overlapped_seconds += t1 - t0
         self._jobs = []
         self._speculating = False
-        c = self._engine.chunks
-        for tid, kind in self._pinned:
-            c.release(tid, kind, HOLD)
+        for pin in self._pinned:
+            pin.release()
         self._pinned = []
         if error is not None:
             raise error
@@ -442,17 +429,12 @@ class StepOverlap:
         pending, self._pending = self._pending, {}
         with torch.no_grad():
             for chunk, (recs, lo, hi) in pending.items():
-                first = recs[0]
-                pinned = []
+                pin = e.store.pin(recs[0], _UNDO_KINDS, HOST)
                 try:
-                    for kind in _UNDO_KINDS:
-                        c.access(first.id, kind, HOST, [first.numel])
-                        pinned.append(kind)
                     for kind, buf in zip(_UNDO_KINDS, self._undo[chunk]):
                         c.chunk_view(chunk, kind)[lo:hi].copy_(buf[:hi - lo])
                 finally:
-                    for kind in pinned:
-                        c.release(first.id, kind, HOLD)
+                    pin.release()
                 for r in recs:
                     r.step -= 1
                 self.undone_chunks += 1

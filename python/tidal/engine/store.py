@@ -110,6 +110,25 @@ class ParamRecord:
         self.group = 0            # its parameter group (Note [Parameter groups])
 
 
+class SlotPin:
+    """Slots of one record held in use (COMPUTE) beyond a `with` block:
+    ParamStore.pin()'s answer. Their chunks cannot move (nor their payloads)
+    until release(), so a view taken while pinned stays valid, also on
+    another thread. The pin releases on the scheduler that pinned."""
+
+    __slots__ = ("_chunks", "_id", "_kinds")
+
+    def __init__(self, chunks, tensor_id: int, kinds: tuple):
+        self._chunks, self._id, self._kinds = chunks, tensor_id, kinds
+
+    def release(self) -> None:
+        """Each slot back to HOLD, in the order they were pinned. A second
+        call releases nothing; a release that fails leaves the pin as it was."""
+        for kind in self._kinds:
+            self._chunks.release(self._id, kind, HOLD)
+        self._kinds = ()
+
+
 class ParamStore:
     _live: "weakref.WeakSet[ParamStore]" = weakref.WeakSet()
     # Stores filled by init_context() that no engine has adopted yet: the
@@ -532,6 +551,45 @@ class ParamStore:
         finally:
             for kind, _ in reversed(held):
                 c.release(record.id, kind, HOLD if state is None else state)
+
+    def pin(self, record: "ParamRecord", kinds, space=HOST) -> SlotPin:
+        """Pins `record`'s slots of `kinds` in `space`, in that order (each
+        accessed over the record's elements: in use, COMPUTE, its chunk
+        brought there and unable to move) until the answer's release(). A
+        record pins its whole chunk of each kind, so this is the way to hold
+        chunks across more than one block (CPU Adam on a worker thread while
+        backward goes on). When an access fails the slots already pinned are
+        released, in the order pinned, and the error goes on. See slots() for
+        views held inside one block."""
+        c = self.chunks
+        pinned = []
+        try:
+            for kind in kinds:
+                c.access(record.id, kind, space, [record.numel])
+                pinned.append(kind)
+        except BaseException:
+            for kind in pinned:
+                c.release(record.id, kind, HOLD)
+            raise
+        return SlotPin(c, record.id, tuple(pinned))
+
+    def slot_dtypes(self, record: "ParamRecord", kinds, space=HOST) -> list:
+        """The dtype of `record`'s slot of each of `kinds`, read by accessing
+        it in `space` and releasing it (HOLD) before the next: a chunk with
+        no payload in reach now (moved out) is brought back, which reading
+        its view would not do."""
+        dtypes = []
+        for kind in kinds:
+            with self.slots(record, (kind,), space) as (view,):
+                dtypes.append(view.dtype)
+        return dtypes
+
+    def in_use(self, records, kind) -> bool:
+        """Whether the slot of `kind` of any of `records` is in use (COMPUTE)
+        now: its chunk cannot move while it is (Note [Chunk state machine] in
+        chunk/tensor_state.h)."""
+        c = self.chunks
+        return any(c.state(r.id, kind) == _STATE.COMPUTE for r in records)
 
     @contextlib.contextmanager
     def materialized(self, module: torch.nn.Module):

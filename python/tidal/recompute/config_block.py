@@ -12,7 +12,7 @@ from torch import nn
 from tidal._schema import NONE, ConfigError, Rule, check_value, unknown_key
 from tidal.device import parse_bytes
 
-from .entry import _parse_bandwidth, recompute
+from .entry import parse_bandwidth, recompute
 from .plan import Recompute
 from .segments import find_chain
 
@@ -64,7 +64,7 @@ CONFIG_KEYS: Dict[str, Tuple[Any, Any, str]] = {
                            lambda v: v is None or v == "min" or _parses(parse_bytes)(v)), None,
                       "tidal: measured plan recomputing the fewest blocks that fit this activation budget"),
     "prefetch_depth": (Rule("an integer >= 1", _is_count), 1, "tidal: offloaded checkpoints prefetched ahead of use"),
-    "offload_bandwidth": (Rule("null or a rate such as '12GB/s'", _parses(_parse_bandwidth)), None,
+    "offload_bandwidth": (Rule("null or a rate such as '12GB/s'", _parses(parse_bandwidth)), None,
                           "tidal, not on CUDA: a simulated link of the offload copies' own (default: "
                           "the simulated device's, shared with the chunk copies)"),
     "preserve_rng_state": (bool, True, "tidal: random ops replay the forward's randomness"),

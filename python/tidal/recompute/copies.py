@@ -24,7 +24,7 @@ class CopyEvent:
     def __init__(self, kind: str, nbytes: int, label: Any):
         self.kind, self.nbytes, self.label = kind, nbytes, label
         self.issued_at = time.perf_counter()
-        self._link: Optional["_DeviceLink"] = None
+        self._link: Optional["DeviceLink"] = None
         self._start = self._end = None  # timing events on the link's stream
         self._cuda = None
 
@@ -51,7 +51,7 @@ class CopyEvent:
         return None if self._link is None or not self.query() else self._link.wall_time(self._end)
 
 
-class _DeviceLink:
+class DeviceLink:
     """Offload copies of tensors torch keeps in host memory (the simulated
     device's "device" tensors, or a CPU model) through tidal's device layer:
     one stream of `device` (Device.copy_d2h_external / copy_h2d_external: the
@@ -103,7 +103,7 @@ class _DeviceLink:
         self.stream.synchronize()
 
 
-def _host_tensor(size: torch.Size, stride: Tuple[int, ...], dtype: torch.dtype) -> Tuple[HostBuffer, torch.Tensor]:
+def host_tensor(size: torch.Size, stride: Tuple[int, ...], dtype: torch.dtype) -> Tuple[HostBuffer, torch.Tensor]:
     """A tidal.HostBuffer and a host tensor of this (dense) layout over it (the tensor keeps the buffer alive)."""
     numel = math.prod(size)
     nbytes = max(numel, 1) * torch.empty((), dtype=dtype).element_size()
@@ -112,7 +112,7 @@ def _host_tensor(size: torch.Size, stride: Tuple[int, ...], dtype: torch.dtype) 
     return buf, flat.as_strided(size, stride)
 
 
-def _dense(t: torch.Tensor) -> bool:
+def dense(t: torch.Tensor) -> bool:
     """Strides that are a permutation of contiguous ones: the copy has the same layout."""
     if t.is_contiguous():
         return True
@@ -125,7 +125,8 @@ def _dense(t: torch.Tensor) -> bool:
     return True
 
 
-def _contiguous_strides(size: torch.Size) -> Tuple[int, ...]:
+def contiguous_strides(size: torch.Size) -> Tuple[int, ...]:
+    """The strides of a contiguous tensor of `size`."""
     strides, acc = [], 1
     for n in reversed(size):
         strides.append(acc)

@@ -11,13 +11,14 @@ from torch import nn
 from tidal.device import parse_bytes
 
 from .plan import Recompute
-from .segments import Segment, _even_sizes, _mark_offload, _qual, _resolve_name, find_chain
+from .segments import Segment, even_sizes, find_chain, mark_offload, qual, resolve_name
 
 ByteSize = Union[int, str]
 Checkpoints = Union[str, Sequence[Union[str, nn.Module, Sequence[Union[str, nn.Module]]]]]
 
 
-def _parse_bandwidth(value: Any) -> Optional[float]:
+def parse_bandwidth(value: Any) -> Optional[float]:
+    """offload_bandwidth in bytes/s (a number, or a rate such as '12GB/s'); None stays None."""
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, (int, float, str)):
@@ -84,7 +85,7 @@ def recompute(model: nn.Module, checkpoints: Checkpoints = "auto", offload: bool
         raise ValueError(f"tidal.recompute: prefetch_depth must be an integer >= 1, got {prefetch_depth!r}")
     if not isinstance(offload_latency_us, (int, float)) or offload_latency_us < 0:
         raise ValueError(f"tidal.recompute: offload_latency_us must be >= 0, got {offload_latency_us!r}")
-    bandwidth = _parse_bandwidth(offload_bandwidth)
+    bandwidth = parse_bandwidth(offload_bandwidth)
     target: Optional[Union[int, str]] = None
     if memory_target is not None:
         if memory_target == "min":
@@ -117,9 +118,9 @@ def recompute(model: nn.Module, checkpoints: Checkpoints = "auto", offload: bool
         segs: List[Segment] = []
         if target is None:
             start = 0
-            for size in _even_sizes(n, count):
+            for size in even_sizes(n, count):
                 idx = range(start, start + size)
-                segs.append(Segment(len(segs), [_qual(prefix, i) for i in idx], [blocks[i] for i in idx], False))
+                segs.append(Segment(len(segs), [qual(prefix, i) for i in idx], [blocks[i] for i in idx], False))
                 start += size
         chain_info = (prefix, blocks)
     else:
@@ -142,7 +143,7 @@ def recompute(model: nn.Module, checkpoints: Checkpoints = "auto", offload: bool
                                          f"module of {type(model).__name__}")
                     m, name = item, names_of[id(item)]
                 else:
-                    m, name = _resolve_name(model, modules, item, "checkpoint"), item
+                    m, name = resolve_name(model, modules, item, "checkpoint"), item
                 if id(m) in seen:
                     raise ValueError(f"tidal.recompute: module '{name or '<root>'}' is in two segments "
                                      f"(also as '{seen[id(m)] or '<root>'}')")
@@ -157,7 +158,7 @@ def recompute(model: nn.Module, checkpoints: Checkpoints = "auto", offload: bool
                     if inner is not m and id(inner) in seen:
                         raise ValueError(f"tidal.recompute: checkpoint '{seen[id(inner)]}' is inside checkpoint "
                                          f"'{seen[id(m)] or '<root>'}'; nested segments are not supported")
-    _mark_offload(segs, offload)
+    mark_offload(segs, offload)
     return Recompute(model, segs, offload=offload, prefetch_depth=prefetch_depth, offload_bandwidth=bandwidth,
                      offload_latency=offload_latency_us * 1e-6, preserve_rng_state=preserve_rng_state,
                      synchronize_boundaries=synchronize_boundaries, trace=trace, chain=chain_info,

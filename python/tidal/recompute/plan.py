@@ -22,9 +22,9 @@ from tidal import _C
 from tidal import dtr as _dtr
 from tidal.device import get_device
 
-from .copies import CopyEvent, _contiguous_strides, _dense, _DeviceLink, _host_tensor
+from .copies import CopyEvent, DeviceLink, contiguous_strides, dense, host_tensor
 from .run import ParameterAliases, Run, chain_value, recomputing, storage_nbytes
-from .segments import Segment, _mark_offload, _qual, plan_for_target
+from .segments import Segment, mark_offload, plan_for_target, qual
 
 
 class Recompute:
@@ -53,7 +53,7 @@ class Recompute:
         self.report: Dict[str, str] = {}
         self._bandwidth = offload_bandwidth
         self._latency = offload_latency
-        self._link: Optional[_DeviceLink] = None
+        self._link: Optional[DeviceLink] = None
         self._cuda_streams: Dict[int, Any] = {}
         self._wrapped: Dict[nn.Module, Tuple[Optional[Callable], Callable]] = {}
         self._where: Dict[nn.Module, Tuple[Optional[Segment], int]] = {}
@@ -201,7 +201,7 @@ class Recompute:
     def _measure_segment(self, module: nn.Module) -> Segment:
         name, blocks = self.chain  # type: ignore[misc]
         i = next(k for k, b in enumerate(blocks) if b is module)
-        return Segment(-1 - i, [_qual(name, i)], [module], False)
+        return Segment(-1 - i, [qual(name, i)], [module], False)
 
     def _record_measurement(self, module: nn.Module, run: Run) -> None:
         blocks = self.chain[1]  # type: ignore[index]
@@ -234,9 +234,9 @@ class Recompute:
         segs = []
         for s in range(0, m, k):
             idx = list(range(s, min(s + k, m)))
-            segs.append(Segment(len(segs), [_qual(name, i) for i in idx], [blocks[i] for i in idx], False))
+            segs.append(Segment(len(segs), [qual(name, i) for i in idx], [blocks[i] for i in idx], False))
         # With kept blocks after them, every segment's backward waits for theirs.
-        _mark_offload(segs, self.offload, keep_last=m == len(blocks))
+        mark_offload(segs, self.offload, keep_last=m == len(blocks))
         self._set_segments(segs)
 
     # -- backward: the first unpack of a run replays it ---------------------------
@@ -281,7 +281,7 @@ class Recompute:
             s = self._cuda_streams[device.index] = torch.cuda.Stream(device)
         return s
 
-    def _device_link(self) -> _DeviceLink:
+    def _device_link(self) -> DeviceLink:
         """The link of copies that are not on CUDA: the simulated device's own
         (shared with the chunk copies), or a simulated link of their own when
         offload_bandwidth / offload_latency_us were given or the process-wide
@@ -292,7 +292,7 @@ class Recompute:
             if own:
                 bandwidth = None if self._bandwidth is None else f"{max(1, round(self._bandwidth))}B/s"
                 device = _C.create_device("sim", "1MiB", bandwidth, self._latency * 1e6)
-            self._link = _DeviceLink(device, shared=not own)
+            self._link = DeviceLink(device, shared=not own)
         return self._link
 
     def _offload(self, run: Run, x: torch.Tensor) -> torch.Tensor:
@@ -302,7 +302,7 @@ class Recompute:
         self._counters["offloads"] += 1
         if x.is_cuda:
             stream = self._cuda_stream(x.device)
-            host = torch.empty_strided(x.size(), x.stride() if _dense(x) else _contiguous_strides(x.size()),
+            host = torch.empty_strided(x.size(), x.stride() if dense(x) else contiguous_strides(x.size()),
                                        dtype=x.dtype, pin_memory=True)
             stream.wait_stream(torch.cuda.current_stream(x.device))
             ev = CopyEvent("d2h", x.numel() * x.element_size(), run.id)
@@ -314,9 +314,9 @@ class Recompute:
             run.d2h = ev
         else:
             with _dtr.outside():
-                if not _dense(x):  # a copy moves bytes in order: make them dense first
+                if not dense(x):  # a copy moves bytes in order: make them dense first
                     x = x.contiguous()
-                run.host_buffer, host = _host_tensor(x.size(), x.stride(), x.dtype)
+                run.host_buffer, host = host_tensor(x.size(), x.stride(), x.dtype)
             run.d2h = self._device_link().d2h(run.host_buffer, x, run.id)
             run.d2h_src = x  # released by _drain() once the copy is done, as a GPU frees it
             with self._lock:

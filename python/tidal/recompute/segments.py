@@ -44,13 +44,13 @@ def find_chain(model: nn.Module, name: Optional[str] = None) -> Tuple[str, List[
     """
     modules = dict(model.named_modules())
     if name is not None:
-        container = _resolve_name(model, modules, name, what="chain")
+        container = resolve_name(model, modules, name, what="chain")
         if not isinstance(container, (nn.ModuleList, nn.Sequential)) or len(container) < 1:
             raise ValueError(f"chain '{name}' is a {type(container).__name__}; expected an nn.ModuleList "
                              f"or nn.Sequential of blocks")
         return name, list(container)
     best = None
-    for qual, m in modules.items():
+    for path, m in modules.items():
         if not isinstance(m, (nn.ModuleList, nn.Sequential)):
             continue
         children = list(m)
@@ -65,7 +65,7 @@ def find_chain(model: nn.Module, name: Optional[str] = None) -> Tuple[str, List[
             continue  # a mixed container (e.g. stem + blocks + head) is not a chain of repeated blocks
         key = (len(same), sum(p.numel() for c in same for p in c.parameters()))
         if best is None or key > best[0]:
-            best = (key, qual, children)
+            best = (key, path, children)
     if best is None:
         raise ValueError(
             f"checkpoints='auto' found no chain of repeated blocks in {type(model).__name__}: it needs an "
@@ -75,7 +75,9 @@ def find_chain(model: nn.Module, name: Optional[str] = None) -> Tuple[str, List[
     return best[1] or "<root>", best[2]
 
 
-def _resolve_name(model: nn.Module, modules: Dict[str, nn.Module], name: Any, what: str) -> nn.Module:
+def resolve_name(model: nn.Module, modules: Dict[str, nn.Module], name: Any, what: str) -> nn.Module:
+    """The module of `modules` (model.named_modules()) called `name`; an error
+    that names near matches when none is, calling it a `what`."""
     if not isinstance(name, str):
         raise TypeError(f"a {what} is a module name (str) or an nn.Module, got {type(name).__name__} {name!r}")
     if name in modules:
@@ -90,7 +92,8 @@ def _resolve_name(model: nn.Module, modules: Dict[str, nn.Module], name: Any, wh
                      f"{len(names)} named modules, list them with model.named_modules())")
 
 
-def _even_sizes(n: int, parts: int) -> List[int]:
+def even_sizes(n: int, parts: int) -> List[int]:
+    """`n` split into `parts` sizes that differ by at most one, the larger first."""
     return [n // parts + (1 if i < n % parts else 0) for i in range(parts)]
 
 
@@ -140,12 +143,13 @@ def plan_for_target(act: Sequence[int], inp: Sequence[int], target: Optional[int
     return best  # type: ignore[return-value]
 
 
-def _mark_offload(segs: List[Segment], offload: bool, keep_last: bool = True) -> None:
+def mark_offload(segs: List[Segment], offload: bool, keep_last: bool = True) -> None:
     """Offloads every segment's checkpoint but the last one's: its backward runs
     first, so a round trip would only add a copy."""
     for s in segs:
         s.offload = offload and (not keep_last or s.index < len(segs) - 1)
 
 
-def _qual(prefix: str, i: int) -> str:
+def qual(prefix: str, i: int) -> str:
+    """The qualified name of block `i` of the chain called `prefix` ("" when the chain is the model itself)."""
     return f"{prefix}.{i}" if prefix else str(i)
