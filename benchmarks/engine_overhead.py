@@ -149,13 +149,13 @@ def step_calls_per_chunk(engine, x, y) -> float:
     loss = engine(x, y)
     engine.backward(loss)
     counting = _Counting(engine.chunks)
-    before = engine._adam_device_chunks + engine._adam_host_chunks
+    before = engine._meters.adam_device_chunks + engine._meters.adam_host_chunks
     engine.chunks = counting
     try:
         engine.step()
     finally:
         engine.chunks = counting._chunks
-    chunks = engine._adam_device_chunks + engine._adam_host_chunks - before
+    chunks = engine._meters.adam_device_chunks + engine._meters.adam_host_chunks - before
     return counting.calls / max(chunks, 1)
 
 

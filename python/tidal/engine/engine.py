@@ -69,6 +69,7 @@ from .errors import UnsupportedModelError, UsageError
 from .loss_scaler import DynamicLossScaler, StaticLossScaler
 from .accumulation import GradientAccumulation
 from .overlap import StepOverlap
+from .meters import StepMeters
 from .params import ParamTable
 from .store import DEVICE, NOWHERE, PARAM16, ParamStore
 from .common import OutOfMemoryError, _PLACEHOLDER_HINT, _weak_method
@@ -234,8 +235,6 @@ class Engine(ExternalMixin, StateDictMixin, HookWiringMixin, DataParallelMixin, 
         self._cuda_room = self._cuda and isinstance(store.device.memory_provider(), _C.TorchMemoryProvider)
         if self._cuda_room:
             _C.chunks.reset_cuda_room_counts()
-        self._stats_at_step = self.chunks.stats()
-        self._retired_stats: dict | None = None  # counters of a scheduler replaced by relayout
         self._relayout_done = False
         self.relayouts = 0
         self.relayout_skipped: str | None = None
@@ -244,10 +243,9 @@ class Engine(ExternalMixin, StateDictMixin, HookWiringMixin, DataParallelMixin, 
             self._relayout_done = True
             self.relayout_skipped = "data parallel: the chunk layout decides each chunk's owner"
 
-        self._bytes_per_step: list[tuple[int, int]] = []
-        self._adam_seconds = 0.0
-        self._adam_device_chunks = 0
-        self._adam_host_chunks = 0
+        # What the steps measure (memory_report()).
+        self._meters = StepMeters()
+        self._meters.start(self.chunks.stats())
         # The optimizer step of a chunk on the device (hooks/chunk_step.h): torch's
         # fused kernel on a GPU; cpu_adam's SIMD kernel on the simulated
         # device, whose memory is host memory.
@@ -255,7 +253,6 @@ class Engine(ExternalMixin, StateDictMixin, HookWiringMixin, DataParallelMixin, 
         # DTR of activations (Note [DTR under the training engine]).
         self.dtr = DtrLink(self, cfg.dtr)
         # CPU Adam during backward (Note [CPU Adam during backward] in overlap.py).
-        self._exposed_adam_seconds = 0.0
         self._overlap = StepOverlap(self) if cfg.overlap_step and self.overlap_step_off is None \
             else None
         self._hooks = self._new_hooks()

@@ -84,7 +84,7 @@ class ReportsMixin:
         s = self._scheduler_stats()
         hits = s["prefetch_hits"]
         misses = s["misses"]
-        steps = self._bytes_per_step
+        steps = self._meters.bytes_per_step
         return {
             "backend": self.store.backend,
             "device_budget": self.store.device_budget,
@@ -115,14 +115,14 @@ class ReportsMixin:
             "prefetches": s["prefetches"],
             "prefetch_hit_rate": hits / (hits + misses) if hits + misses else 0.0,
             "budget_overruns": self._tracer.overruns,
-            "cpu_adam_seconds": self._adam_seconds,
+            "cpu_adam_seconds": self._meters.adam_seconds,
             # Note [CPU Adam during backward]: the update's time in all,
             # the part spent after backward ended (in engine.step()), and the
             # part of the worker's that ran while backward went on.
             "optimizer": {
-                "adam_seconds": self._adam_seconds + (0.0 if self._overlap is None
+                "adam_seconds": self._meters.adam_seconds + (0.0 if self._overlap is None
                                                       else self._overlap.worker_seconds),
-                "exposed_adam_seconds": self._exposed_adam_seconds,
+                "exposed_adam_seconds": self._meters.exposed_adam_seconds,
                 "overlapped_adam_seconds": 0.0 if self._overlap is None
                 else self._overlap.overlapped_seconds,
                 "overlap_step": self._overlap is not None,
@@ -139,8 +139,8 @@ class ReportsMixin:
                 "steps_not_speculated": 0 if self._overlap is None
                 else self._overlap.steps_not_speculated,
                 "overlap_undo_bytes": 0 if self._overlap is None else self._overlap.undo_bytes},
-            "adam_chunks_on_device": self._adam_device_chunks,
-            "adam_chunks_on_host": self._adam_host_chunks,
+            "adam_chunks_on_device": self._meters.adam_device_chunks,
+            "adam_chunks_on_host": self._meters.adam_host_chunks,
             "trace_adoptions": s["trace_adoptions"],
             "trace_divergences": s["trace_divergences"],
             "steps": self.global_steps,
@@ -162,19 +162,3 @@ class ReportsMixin:
                 "chunks_read": s["moves_disk_to_host"], "chunks_written": s["moves_host_to_disk"]},
             "scheduler": s,
         }
-
-
-
-def _merge_stats(now: dict, retired: "dict | None") -> dict:
-    """A live scheduler's counters plus a replaced one's (peaks: the larger)."""
-    if retired is None:
-        return now
-    out = {}
-    for k, v in now.items():
-        if k.startswith("peak_"):
-            out[k] = max(v, retired[k])
-        elif k.startswith(("resident_", "held_", "budget_")):
-            out[k] = v
-        else:
-            out[k] = v + retired[k]
-    return out

@@ -19,7 +19,6 @@ from .store import (DEVICE, GRAD32, HOST, MOMENTUM, PARAM16, PARAM32, VARIANCE, 
                     uncounted)
 
 from .errors import UsageError
-from .reports_mixin import _merge_stats
 
 
 class StepMixin:
@@ -75,7 +74,7 @@ class StepMixin:
         # backward stand where the step would have made them the same way,
         # and are undone (to be made here) where it clips or skips.
         done = set() if overlap is None else overlap.validate(not overflow and clip == 1.0)
-        self._adam_host_chunks += len(done)
+        self._meters.adam_host_chunks += len(done)
         if self.precision == "fp16":
             self.scaler.update(overflow)
         if overflow:
@@ -99,7 +98,7 @@ class StepMixin:
                     self._dp_sending.clear()
                     self._dp_broken = f"the step failed part-way ({type(e).__name__})"
                     raise
-            self._exposed_adam_seconds += time.perf_counter() - t_exposed
+            self._meters.exposed_adam_seconds += time.perf_counter() - t_exposed
             if overlap is not None and self.global_steps > 0:
                 # Hybrid Adam: where this step's chunks were updated is the
                 # plan of the next backward (Note [CPU Adam during backward]);
@@ -122,11 +121,7 @@ class StepMixin:
         self.global_steps += 1
         self.chunks.end_step()
         self._end_trace_step()
-        now = self.chunks.stats()
-        self._bytes_per_step.append(
-            (now["bytes_host_to_device"] - self._stats_at_step["bytes_host_to_device"],
-             now["bytes_device_to_host"] - self._stats_at_step["bytes_device_to_host"]))
-        self._stats_at_step = now
+        self._meters.end_step(self.chunks.stats())
         if not self._relayout_done:
             self._relayout()
         return not overflow
@@ -171,19 +166,18 @@ class StepMixin:
             return
         # The replaced scheduler's counters (its relayout copies included)
         # stay in the reports.
-        self._retired_stats = _merge_stats(final, self._retired_stats)
         self.chunks = self.store.chunks
         self._tracer.set_chunks(self.chunks)
         self._hooks.set_chunks(self.chunks, [r.id for r in self._params.record_list])
         self._params.reorder(self.store.records)
-        self._stats_at_step = self.chunks.stats()
+        self._meters.relayout(final, self.chunks.stats())
         self.chunks.reserve_disk()
         self._check_budget()
         self.relayouts += 1
 
     def _scheduler_stats(self) -> dict:
         """The scheduler's counters, including those of schedulers replaced by relayout."""
-        return _merge_stats(self.chunks.stats(), self._retired_stats)
+        return self._meters.scheduler_stats(self.chunks.stats())
 
     # ----------------------------------------------------------- optimizer
     def _grad_norm(self, pending) -> tuple[float, bool]:
@@ -265,7 +259,7 @@ class StepMixin:
                     t1 = time.perf_counter()
                     after_chunk(chunk)
                     outside += time.perf_counter() - t1
-        self._adam_seconds += time.perf_counter() - t0 - outside
+        self._meters.adam_seconds += time.perf_counter() - t0 - outside
 
     def _adam_update(self, chunk, recs, grad_scale: float, kinds, host_short: bool):
         cfg, c = self.config, self.chunks
@@ -281,9 +275,9 @@ class StepMixin:
                              host_short=host_short, device_simd=self._device_adam_kernel == "simd",
                              num_threads=cfg.cpu_adam_threads, pool=cfg.cpu_adam_pool)
         if space == DEVICE:
-            self._adam_device_chunks += 1
+            self._meters.adam_device_chunks += 1
         else:
-            self._adam_host_chunks += 1
+            self._meters.adam_host_chunks += 1
             if self._overlap is not None:
                 self._overlap.step_host_chunks.add(chunk)
 
