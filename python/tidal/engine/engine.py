@@ -13,37 +13,6 @@ the attributes Engine.__init__ sets: hook_wiring.py (module and parameter
 hooks, the tracer), step_mixin.py (the optimizer step), data_parallel_mixin.py,
 external_mixin.py (parameters read outside their module, a raw
 loss.backward()), state_dict_mixin.py and reports_mixin.py.
-
-The engine's meters (Note [The memory tracer] in runtime/tracer/memory_tracer.h)
-~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-Every hook is a trace point: one call into the C++ memory tracer measures
-non-chunk device memory (N), records the interval's peak and sets the chunk
-budget (the warm-up cap, then the recorded trace: Note [The warm-up budget]
-there). What N is depends on the device (Engine._new_tracer, hook_wiring.py):
-* CUDA with chunk blocks from torch's caching allocator (the store installs
-  that provider; Note [Chunk memory and torch's caching allocator] in
-  hooks/torch_memory_provider.h): chunk blocks come from torch's allocator,
-  so N = the bytes it has allocated - H, H = what it allocated for the chunk
-  blocks the provider holds (resident chunks and the scheduler's cached
-  blocks alike). The counts are tidal's own, kept from torch's allocator
-  trace, so torch's memory statistics stay the user's. The peak is exact: H
-  is constant between two chunk-block calls, the provider folds (peak - H)
-  into its window at each call and restarts its peak, and at the point the
-  peak is max(window, peak now - H). N, in allocated bytes, plans the
-  chunks; the budget itself is kept in reserved bytes, what torch's cache
-  keeps free included: torch's cap at the device budget refuses past it, and
-  a point whose reserved peak passed the budget counts as an overrun (Note
-  [Who owns a device byte] in runtime/memory/caching_allocator_model.h).
-* CUDA without the provider (torch's allocator could not be reached):
-  chunk blocks are cudaMalloc'ed and can never use torch's cache, so N =
-  torch's reserved bytes, and its peak torch's peak reserved.
-* The simulated device: torch's "device" tensors are CPU tensors, and N is
-  torch's CPU allocations counted by hooks/host_allocation_counter (while
-  forward and backward run), less what was counted when the engine was
-  created. A test may install the CPU stand-in of the provider
-  (tidal._C.torch_cpu_memory_provider): chunk blocks then come from torch's
-  CPU allocator, always counted, and N and its peak are computed as on
-  CUDA with the provider, less the same at engine creation.
 """
 from __future__ import annotations
 
@@ -58,6 +27,7 @@ from .. import dtr as _dtr
 from .. import recompute as _recompute
 from ..config import Config
 from ..lr_schedules import build_scheduler
+from . import budget as _budget
 from . import checkpoint as _checkpoint
 from . import device_cap as _device_cap
 from . import external as _external
@@ -71,7 +41,7 @@ from .accumulation import GradientAccumulation
 from .overlap import StepOverlap
 from .meters import StepMeters
 from .params import ParamTable
-from .store import DEVICE, NOWHERE, PARAM16, ParamStore
+from .store import DEVICE, ParamStore
 from .common import OutOfMemoryError, _PLACEHOLDER_HINT, _weak_method
 from .data_parallel_mixin import DataParallelMixin
 from .external_mixin import ExternalMixin
@@ -293,52 +263,12 @@ class Engine(ExternalMixin, StateDictMixin, HookWiringMixin, DataParallelMixin, 
 
     # ------------------------------------------------------------------ setup
     def _check_budget(self):
-        limit = self.store.device_budget - self.store.margin
-        largest = 0
-        for m, recs in self._params.module_records.items():
-            chunks = {r.chunk for r in recs}
-            need = sum(self.chunks.chunk_capacity_bytes(c, PARAM16) for c in chunks)
-            largest = max(largest, need)
-            if need > limit:
-                raise OutOfMemoryError(
-                    f"module '{self._params.names[m]}' ({type(m).__name__}) needs its parameters on the "
-                    f"device at once: {len(recs)} parameters in {len(chunks)} chunk(s) of "
-                    f"{need} bytes, but the device budget leaves {limit} bytes for chunks "
-                    f"(budget {self.store.device_budget} - margin {self.store.margin}); raise "
-                    f"tidal.device_memory_budget or lower tidal.chunk_size")
-        # Chunks the host budget cannot hold live on the device all the time
-        # (Note [One place per chunk]): a floor under the chunk room.
-        s = self.chunks.stats()
-        # The chunks of the lists on the NVMe tier (Note [Chunks on NVMe: the
-        # tier]) go to disk instead when the host is full (those with a
-        # payload: a frozen pool's chunks have no master).
-        c = self.chunks
-        to_disk = sum(c.chunk_capacity_bytes(i, k) for k in self.store.disk_kinds()
-                      for i in range(c.num_chunks) if c.chunk_space(i, k) != NOWHERE)
-        self._spilled_floor = max(0, s["resident_bytes_host"] + s["resident_bytes_device"]
-                                  + s["resident_bytes_disk"] - to_disk
-                                  - self.store.capacity_bytes()[0])
-        if self._spilled_floor + largest > limit:
-            host = self.store.capacity_bytes()[0]
-            state = s["resident_bytes_host"] + s["resident_bytes_device"]
-            raise OutOfMemoryError(
-                f"the model's chunks ({state} bytes of states, {len(self._params.records)} parameters) "
-                f"fit host + device only with no room to compute: the host holds {host} bytes of "
-                f"them (tidal.host_memory_budget {self.store.host_budget} less "
-                f"{self.store.host_reserve} kept for chunks moving down), so {self._spilled_floor} "
-                f"bytes stay on the device, and the largest module needs {largest} bytes of chunks "
-                f"there at once, more than the {limit} bytes the device budget leaves for chunks "
-                f"(tidal.device_memory_budget {self.store.device_budget} - margin "
-                f"{self.store.margin}); activations need room too. Raise "
-                f"tidal.host_memory_budget or tidal.device_memory_budget, or train a smaller model "
-                f"(about {self.store.largest_model_params()} parameters at "
-                f"{self.store.state_bytes_per_param()} bytes each fit these budgets)")
-        # Note [The warm-up budget]: chunks get this much while no trace is known.
-        self._warmup_chunk_room = min(limit, max(largest + self._spilled_floor,
-                                                 int(self.config.warmup_chunk_share * limit)))
+        """The device room the model needs against the budgets (Note [One
+        place per chunk]); raises OutOfMemoryError naming what does not fit."""
+        self._budget = _budget.check(self._params, self.store, self.config)
         tracer = getattr(self, "_tracer", None)
         if tracer is not None and not tracer.warmed_up:
-            tracer.set_warmup_room(self._warmup_chunk_room)
+            tracer.set_warmup_room(self._budget.warmup_chunk_room)
 
     def _install_hooks(self):
         """The module and gradient hooks: C++ callables (Note [Hooks torch

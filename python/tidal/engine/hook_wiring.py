@@ -3,7 +3,39 @@ engine meets torch's forward and backward (one C++ call per hook, Note
 [One call per hook] in hooks/module_hooks.h).
 
 A mixin of Engine (engine.py), split from it along its sections; it uses
-the engine's attributes set in Engine.__init__."""
+the engine's attributes set in Engine.__init__.
+
+The engine's meters (Note [The memory tracer] in runtime/tracer/memory_tracer.h)
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+Every hook is a trace point: one call into the C++ memory tracer measures
+non-chunk device memory (N), records the interval's peak and sets the chunk
+budget (the warm-up cap, then the recorded trace: Note [The warm-up budget]
+there). What N is depends on the device (_new_tracer below):
+* CUDA with chunk blocks from torch's caching allocator (the store installs
+  that provider; Note [Chunk memory and torch's caching allocator] in
+  hooks/torch_memory_provider.h): chunk blocks come from torch's allocator,
+  so N = the bytes it has allocated - H, H = what it allocated for the chunk
+  blocks the provider holds (resident chunks and the scheduler's cached
+  blocks alike). The counts are tidal's own, kept from torch's allocator
+  trace, so torch's memory statistics stay the user's. The peak is exact: H
+  is constant between two chunk-block calls, the provider folds (peak - H)
+  into its window at each call and restarts its peak, and at the point the
+  peak is max(window, peak now - H). N, in allocated bytes, plans the
+  chunks; the budget itself is kept in reserved bytes, what torch's cache
+  keeps free included: torch's cap at the device budget refuses past it, and
+  a point whose reserved peak passed the budget counts as an overrun (Note
+  [Who owns a device byte] in runtime/memory/caching_allocator_model.h).
+* CUDA without the provider (torch's allocator could not be reached):
+  chunk blocks are cudaMalloc'ed and can never use torch's cache, so N =
+  torch's reserved bytes, and its peak torch's peak reserved.
+* The simulated device: torch's "device" tensors are CPU tensors, and N is
+  torch's CPU allocations counted by hooks/host_allocation_counter (while
+  forward and backward run), less what was counted when the engine was
+  created. A test may install the CPU stand-in of the provider
+  (tidal._C.torch_cpu_memory_provider): chunk blocks then come from torch's
+  CPU allocator, always counted, and N and its peak are computed as on
+  CUDA with the provider, less the same at engine creation.
+"""
 from __future__ import annotations
 
 import weakref
@@ -58,7 +90,7 @@ class HookWiringMixin:
         elif self._sim_caching:
             kwargs = {"torch_caching": True}
         return _C.chunks.MemoryTracer(self.chunks, device_budget=store.device_budget,
-                                      margin=store.margin, warmup_room=self._warmup_chunk_room,
+                                      margin=store.margin, warmup_room=self._budget.warmup_chunk_room,
                                       **kwargs)
 
     def _end_trace_step(self):
@@ -220,13 +252,13 @@ class HookWiringMixin:
                 torch_side += (f", of which {provider.held_bytes()} are chunk "
                                f"blocks ({provider.name})")
         pool = ""
-        if self._spilled_floor > 0:
+        if self._budget.spilled_floor > 0:
             # Host and device as one pool: what the host cannot hold stays on
             # the device, and with activations beside it nothing can swap.
             host = self.store.capacity_bytes()[0]
             pool = (f". The model's states fill the host's share ({host} bytes: "
                     f"tidal.host_memory_budget {self.store.host_budget} less "
-                    f"{self.store.host_reserve} kept for swaps), so {self._spilled_floor} bytes of "
+                    f"{self.store.host_reserve} kept for swaps), so {self._budget.spilled_floor} bytes of "
                     f"them stay on the device: with the activations beside them the device has "
                     f"no room left for the chunks in use. Raise tidal.host_memory_budget or "
                     f"tidal.device_memory_budget, or use a smaller batch or model")

@@ -219,7 +219,7 @@ class StepMixin:
 
     def _host_short(self) -> bool:
         """The host budget is too small for the state (Note [One place per chunk])."""
-        return self._spilled_floor > 0 or self.chunks.stats()["spills"] > 0
+        return self._budget.spilled_floor > 0 or self.chunks.stats()["spills"] > 0
 
     def _update_on_device(self, chunk: int, kinds, host_short: bool, prefer_device: bool) -> bool:
         """Whether the update of `chunk` (the optimizer step, or a gradient
