@@ -10,9 +10,11 @@ python/tidal/engine/hooks.py for the hook protocol. One step:
 Engine is this file (set-up, forward, backward, gradient accumulation,
 checkpoint entry points) and mixins split along its sections, each reading
 the attributes Engine.__init__ sets: hook_wiring.py (module and parameter
-hooks, the tracer), step_mixin.py (the optimizer step), data_parallel_mixin.py,
+hooks, the tracer), step_mixin.py (the optimizer step),
 external_mixin.py (parameters read outside their module, a raw
-loss.backward()), state_dict_mixin.py and reports_mixin.py.
+loss.backward()), state_dict_mixin.py and reports_mixin.py. Data parallel is
+an object of its own, not a mixin: chunk_data_parallel.py's
+ChunkDataParallel (self._dp_step), which owns its state.
 
 The engine's meters (Note [The memory tracer] in runtime/tracer/memory_tracer.h)
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -71,7 +73,7 @@ from .loss_scaler import DynamicLossScaler, StaticLossScaler
 from .overlap import StepOverlap
 from .store import DEVICE, GRAD32, HOST, NOWHERE, PARAM16, PARAM32, ParamStore, uncounted
 from .common import OutOfMemoryError, _PLACEHOLDER_HINT, _weak_method
-from .data_parallel_mixin import DataParallelMixin
+from .chunk_data_parallel import ChunkDataParallel, check_ranks_agree
 from .external_mixin import ExternalMixin
 from .hook_wiring import HookWiringMixin
 from .reports_mixin import ReportsMixin
@@ -83,8 +85,7 @@ from .step_mixin import StepMixin
 SIM_CACHING_MIN_BUDGET = 1 << 30
 
 
-class Engine(ExternalMixin, StateDictMixin, HookWiringMixin, DataParallelMixin, StepMixin,
-             ReportsMixin):
+class Engine(ExternalMixin, StateDictMixin, HookWiringMixin, StepMixin, ReportsMixin):
     """Trains `module` with its model states in chunks. Build with tidal.initialize()."""
 
     def __init__(self, model: torch.nn.Module, config=None, model_parameters=None):
@@ -225,11 +226,11 @@ class Engine(ExternalMixin, StateDictMixin, HookWiringMixin, DataParallelMixin, 
                         b = b.to(self.dtype)
                     m._buffers[bname] = b.to(store.torch_device)
         self._check_budget()
-        self.dp = store.dp
-        self._dp_broken: str | None = None
-        self._dp_sumsq = 0.0
+        self.dp = store.dp  # the process group (tidal.data_parallel.DataParallel), or None
+        # The reductions and broadcasts, made once the hooks exist (below).
+        self._dp_step: ChunkDataParallel | None = None
         if self.dp is not None:
-            self._setup_data_parallel(model, cfg)
+            check_ranks_agree(self.dp, cfg, store, self.records, self._group_state())
 
         # Optimizer, loss scaling.
         # DeepSpeed's LR schedules; stepped after each optimizer step that
@@ -326,6 +327,9 @@ class Engine(ExternalMixin, StateDictMixin, HookWiringMixin, DataParallelMixin, 
         # (Note [CPU Adam during backward]): the step refuses until zero_grad().
         self._sums_broken = None
         self._hooks = self._new_hooks()
+        if self.dp is not None:
+            self._dp_step = ChunkDataParallel(self.dp, store, self._record_list, self._record_index,
+                                              self._hooks, self._overlap, self._accumulating)
         store.engine_ref = weakref.ref(self)
         # Saved tensors that alias a parameter's slot are packed as (parameter,
         # geometry) and rebuilt from its data in backward, so nothing keeps a
@@ -425,14 +429,15 @@ class Engine(ExternalMixin, StateDictMixin, HookWiringMixin, DataParallelMixin, 
                 hook = hooks.grad_hook(self._record_index[id(self.store.by_param[id(r.param)])],
                                        _weak_method(self._grad_ready))
                 self._handles.append(r.param.register_post_accumulate_grad_hook(hook))
-                if self.dp is not None and self.dp.overlap:
+                if self._dp_step is not None and self.dp.overlap:
                     # After the landing (hooks run in order): a chunk whose
                     # gradients are all in starts its reduction.
                     self._handles.append(r.param.register_post_accumulate_grad_hook(
-                        _weak_method(self._dp_grad_ready)))
+                        _weak_method(self._dp_step.grad_ready)))
                 if self._overlap is not None and self.dp is None:
                     # (Data parallel: a landing is not final; the owner
-                    # launches a chunk when its reduction lands, _dp_finish.)
+                    # launches a chunk when its reduction lands,
+                    # ChunkDataParallel._finish.)
                     self._handles.append(r.param.register_post_accumulate_grad_hook(
                         _weak_method(self._overlap_grad_ready)))
 
@@ -619,7 +624,8 @@ class Engine(ExternalMixin, StateDictMixin, HookWiringMixin, DataParallelMixin, 
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
             raise ValueError(f"engine.backward expects a scalar loss tensor, got "
                              f"{type(loss).__name__} {getattr(loss, 'shape', '')}")
-        self._dp_check()
+        if self._dp_step is not None:
+            self._dp_step.check()
         self._settle_raw_backward()
         # A write since the forward began (nn.Embedding's max_norm, a clamp in a
         # hook) goes into the master before the gradients take the slots.
@@ -635,8 +641,8 @@ class Engine(ExternalMixin, StateDictMixin, HookWiringMixin, DataParallelMixin, 
                     f"to sum several backward passes into one step, set "
                     f"\"gradient_accumulation_steps\" to their number (engine.step() then steps "
                     f"at each boundary); engine.zero_grad() drops the waiting gradients")
-        if self.dp is not None:
-            self._dp_begin_backward()
+        if self._dp_step is not None:
+            self._dp_step.begin_backward()
         scale = self.scaler.scale
         if scale_wrt_gas:
             scale = scale / self.config.gradient_accumulation_steps
@@ -672,12 +678,11 @@ class Engine(ExternalMixin, StateDictMixin, HookWiringMixin, DataParallelMixin, 
             self._count(False)  # (bringing DTR's tensors back is no step's memory)
             self._release_after_error()
             self.dtr.end(failed=True)
-            if self.dp is not None:
+            if self._dp_step is not None:
                 # Gradients overwrote weights whose masters other ranks own;
                 # only collectives could restore them, and the other ranks are
                 # in their own backward (Note [Data parallel by chunk]).
-                self._dp_broken = "a backward on this rank failed"
-                self._dp_flight.clear()
+                self._dp_step.mark_broken("a backward on this rank failed")
                 raise
             # The gradients this backward landed are dropped (their slots get
             # their weights back; a step on part of them would be wrong);
@@ -706,14 +711,15 @@ class Engine(ExternalMixin, StateDictMixin, HookWiringMixin, DataParallelMixin, 
                 self._hooks.end_backward()
             self.dtr.end()  # Note [DTR belongs to the engine's cycle]
         except BaseException:
-            if self.dp is not None:  # (the other ranks go on with their reductions)
-                self._dp_broken = "ending a backward on this rank failed"
-                self._dp_flight.clear()
+            if self._dp_step is not None:  # (the other ranks go on with their reductions)
+                self._dp_step.mark_broken("ending a backward on this rank failed")
             raise
         if self._overlap is not None:
             self._overlap.backward_ended()
-        if self.dp is not None:
-            self._dp_after_backward()
+        if self._dp_step is not None:
+            self._dp_step.after_backward(
+                self._landed,
+                lambda owned: self._fold_chunks(owned, self._record_index, self._host_short()))
         elif self._accumulating:
             self._fold_gradients()
         self.micro_steps += 1
@@ -844,7 +850,8 @@ class Engine(ExternalMixin, StateDictMixin, HookWiringMixin, DataParallelMixin, 
             for r in summed:
                 r.accumulated = False
         self._hooks.clear_grad_norm()
-        self._dp_sumsq = 0.0  # (data parallel: the norm of the reduced gradients)
+        if self._dp_step is not None:
+            self._dp_step.drop_gradient_norm()
         for r in self.records:
             r.param.grad = None
 
@@ -862,9 +869,9 @@ class Engine(ExternalMixin, StateDictMixin, HookWiringMixin, DataParallelMixin, 
         if pending:
             with _dtr.outside():
                 self._restore_params([r for r in pending if self.store.owns(r)])
-                if self.dp is not None:
+                if self._dp_step is not None:
                     # Other ranks' masters give this rank its weights back.
-                    self._dp_broadcast({r.chunk for r in pending if r.trainable})
+                    self._dp_step.broadcast({r.chunk for r in pending if r.trainable})
             index = self._record_index
             self._hooks.clear_landed([index[id(r)] for r in pending])
 
