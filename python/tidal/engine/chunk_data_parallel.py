@@ -73,12 +73,14 @@ class ChunkDataParallel:
     It owns the reductions' and broadcasts' state: which chunks reduce, in
     which order, how far this backward's reductions got, the collectives in
     flight, and whether a failure left the ranks out of step (then every
-    later backward and step refuses, check()). It writes the 16-bit slots it
-    reduces into or receives into through the store, and tells `overlap`
-    when an owned chunk's gradients are final. It holds no reference to the
-    engine (whose other parts hold it weakly, Note [Gradient hooks hold the
-    engine weakly]): the engine's pieces it needs at the end of a backward
-    are handed to after_backward.
+    later backward and step refuses, check()). It reads and writes the
+    16-bit chunks it reduces and broadcasts, each pinned by a store slot
+    meanwhile, and tells `overlap` when an owned chunk's gradients are
+    final. It holds no reference to the engine: the engine's pieces it
+    needs at the end of a backward (which gradients landed, their fold into
+    the accumulation sums) are handed to after_backward, and its gradient
+    hook holds it weakly (Note [Gradient hooks hold the engine weakly] in
+    common.py).
 
     The chunk layout stays fixed under data parallel (the relayout is
     skipped: it would move records between owners), so the records and
@@ -90,7 +92,9 @@ class ChunkDataParallel:
         records: the engine's records, in record order (their positions are
             the hooks' record indexes).
         record_index: id(record) -> its index in `records` (the engine's).
-        hooks: the engine's ModuleHooks (which gradients landed).
+        hooks: the engine's ModuleHooks (which gradients landed; under
+            accumulation, after_backward clears the landings of the chunks
+            other ranks own).
         overlap: the engine's StepOverlap, or None without tidal.overlap_step.
         accumulating: gradient_accumulation_steps > 1.
     """
