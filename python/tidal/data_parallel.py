@@ -29,7 +29,8 @@ A step, with gradients in the 16-bit slots (Note [Gradient sums in chunks]):
      by N there, then copied back into the owner's slots. With overlap_comm
      (the default) a chunk's reduction starts during backward, as soon as
      every trainable parameter in it has landed its gradient (a second
-     post-accumulate-grad hook, Engine._dp_grad_ready), while autograd goes
+     post-accumulate-grad hook, ChunkDataParallel.grad_ready in
+     tidal/engine/chunk_data_parallel.py), while autograd goes
      on with the layers below; at most IN_FLIGHT run at once. The
      ranks must issue their collectives in the same order with the same
      sizes, whatever order their chunks become final in: every rank reduces
@@ -37,7 +38,7 @@ A step, with gradients in the 16-bit slots (Note [Gradient sums in chunks]):
      fixed order (the last chunk first: the order backward reaches them
      when the modules registered in the order forward runs them); a chunk
      waits for the ones before it, and the chunks not final by the end of
-     backward go then (Engine._dp_after_backward). A trainable parameter
+     backward go then (ChunkDataParallel.after_backward). A trainable parameter
      that never gets a gradient holds back every chunk after it (a warning
      names it), and a parameter that gets a second gradient after its
      chunk's reduction started (reentrant checkpointing) is an error. The buffer of a chunk
@@ -63,7 +64,7 @@ A step, with gradients in the 16-bit slots (Note [Gradient sums in chunks]):
      then starting the broadcast of the chunk's 16-bit values (the
      all-gather), so a chunk's broadcast runs while its owner updates the
      next chunks it owns; the other ranks receive into a buffer and copy it
-     into their chunk when it arrives (Engine._dp_share). With
+     into their chunk when it arrives (ChunkDataParallel.share). With
      tidal.overlap_step (the default) an owner starts a chunk's CPU Adam as
      soon as the chunk's reduction has landed in step 2 (the sum over the
      ranks is final then), during backward with overlap_comm; the step

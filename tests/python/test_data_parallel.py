@@ -20,7 +20,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 from engine_helpers import gpt_batches  # noqa: E402
-from test_engine import assert_clip_fires, train_reference  # noqa: E402
+from test_engine import assert_clip_fires, config, train_reference  # noqa: E402
+import tidal  # noqa: E402
+from tidal.data_parallel import DataParallelError  # noqa: E402
 from tidal.models.gpt import TinyGPT  # noqa: E402
 
 WORKER = Path(__file__).parent / "dp_worker.py"
@@ -184,6 +186,38 @@ def test_a_parameter_without_a_gradient_on_one_rank_is_named(tmp_path):
         assert code != 0
         assert ("parameters got gradients on some ranks only: 'blocks.1.fc.weight' "
                 "(1 of 2 ranks)") in out, out[-3000:]
+
+
+def test_a_backward_that_failed_on_a_rank_refuses_every_later_backward(one_rank_launcher):
+    """A backward that fails part-way leaves this rank's 16-bit chunks with
+    gradients where the other ranks' masters hold the weights: no later
+    backward or step runs (they would issue collectives out of step with the
+    other ranks); the error says what failed and to restart. One rank, in
+    this process."""
+    tidal.set_device("sim", capacity="1GiB")
+    torch.manual_seed(0)
+    cfg = config("64MiB")
+    cfg["tidal"]["data_parallel"] = {"enabled": True}
+    engine = tidal.initialize(TinyGPT(d=32, seq=8), cfg)
+    one_rank_launcher.append(engine)
+    assert engine.dp is not None and engine.dp.world == 1
+    x, y = gpt_batches(1, batch=2)[0]
+    engine.backward(engine(x, y))
+    engine.step()
+    assert engine.global_steps == 1
+
+    def fail(grad):
+        raise RuntimeError("this rank's backward fails")
+
+    loss = engine(x, y)
+    loss.register_hook(fail)
+    with pytest.raises(RuntimeError, match="this rank's backward fails"):
+        engine.backward(loss)
+    for _ in range(2):  # (the refusal itself changes nothing)
+        with pytest.raises(DataParallelError, match="a backward on this rank failed, so this "
+                                                    "rank's 16-bit chunks hold gradients .* restart"):
+            engine.backward(engine(x, y))
+    assert engine.global_steps == 1
 
 
 def test_zero_grad_between_backward_and_step_drops_the_gradients_and_their_norm(tmp_path):

@@ -23,7 +23,8 @@ _HOLD = _C.chunks.TensorState.HOLD
 
 
 def _weak_method(bound):
-    """`bound` (an engine method) called through a weak reference.
+    """`bound` (a method of the engine, or of a part the engine owns, such as
+    its ChunkDataParallel) called through a weak reference.
 
     Note [Gradient hooks hold the engine weakly]: a tensor's post-accumulate-
     grad hooks live in its C++ autograd meta, which Python's garbage

@@ -10,9 +10,11 @@ python/tidal/engine/hooks.py for the hook protocol. One step:
 Engine is this file (set-up, forward, backward, gradient accumulation,
 checkpoint entry points) and mixins split along its sections, each reading
 the attributes Engine.__init__ sets: hook_wiring.py (module and parameter
-hooks, the tracer), step_mixin.py (the optimizer step), data_parallel_mixin.py,
+hooks, the tracer), step_mixin.py (the optimizer step),
 external_mixin.py (parameters read outside their module, a raw
-loss.backward()), state_dict_mixin.py and reports_mixin.py.
+loss.backward()), state_dict_mixin.py and reports_mixin.py. Data parallel is
+an object of its own, not a mixin: chunk_data_parallel.py's
+ChunkDataParallel (self._dp_step), which owns its state.
 """
 from __future__ import annotations
 
@@ -43,7 +45,7 @@ from .meters import StepMeters
 from .params import ParamTable
 from .store import DEVICE, ParamStore
 from .common import OutOfMemoryError, _PLACEHOLDER_HINT, _weak_method
-from .data_parallel_mixin import DataParallelMixin
+from .chunk_data_parallel import ChunkDataParallel, check_ranks_agree
 from .external_mixin import ExternalMixin
 from .hook_wiring import HookWiringMixin
 from .reports_mixin import ReportsMixin
@@ -55,8 +57,7 @@ from .step_mixin import StepMixin
 SIM_CACHING_MIN_BUDGET = 1 << 30
 
 
-class Engine(ExternalMixin, StateDictMixin, HookWiringMixin, DataParallelMixin, StepMixin,
-             ReportsMixin):
+class Engine(ExternalMixin, StateDictMixin, HookWiringMixin, StepMixin, ReportsMixin):
     """Trains `module` with its model states in chunks. Build with tidal.initialize()."""
 
     def __init__(self, model: torch.nn.Module, config=None, model_parameters=None):
@@ -134,11 +135,11 @@ class Engine(ExternalMixin, StateDictMixin, HookWiringMixin, DataParallelMixin, 
                         b = b.to(self.dtype)
                     m._buffers[bname] = b.to(store.torch_device)
         self._check_budget()
-        self.dp = store.dp
-        self._dp_broken: str | None = None
-        self._dp_sumsq = 0.0
+        self.dp = store.dp  # the process group (tidal.data_parallel.DataParallel), or None
+        # The reductions and broadcasts, made once the hooks exist (below).
+        self._dp_step: ChunkDataParallel | None = None
         if self.dp is not None:
-            self._setup_data_parallel(model, cfg)
+            check_ranks_agree(self.dp, cfg, store, self.records, self._group_state())
 
         # Optimizer, loss scaling.
         # DeepSpeed's LR schedules; stepped after each optimizer step that
@@ -231,6 +232,10 @@ class Engine(ExternalMixin, StateDictMixin, HookWiringMixin, DataParallelMixin, 
         self._accumulation = GradientAccumulation(
             cfg.gradient_accumulation_steps, self._params, self._hooks, store, cfg,
             self._host_short, self._give_weights_back)
+        if self.dp is not None:
+            self._dp_step = ChunkDataParallel(self.dp, store, self._params.record_list,
+                                              self._params.record_index, self._hooks, self._overlap,
+                                              self._accumulation.summing)
         store.engine_ref = weakref.ref(self)
         # Saved tensors that alias a parameter's slot are packed as (parameter,
         # geometry) and rebuilt from its data in backward, so nothing keeps a
@@ -290,14 +295,15 @@ class Engine(ExternalMixin, StateDictMixin, HookWiringMixin, DataParallelMixin, 
                 hook = hooks.grad_hook(self._params.record_index[id(self.store.by_param[id(r.param)])],
                                        _weak_method(self._grad_ready))
                 self._handles.append(r.param.register_post_accumulate_grad_hook(hook))
-                if self.dp is not None and self.dp.overlap:
+                if self._dp_step is not None and self.dp.overlap:
                     # After the landing (hooks run in order): a chunk whose
                     # gradients are all in starts its reduction.
                     self._handles.append(r.param.register_post_accumulate_grad_hook(
-                        _weak_method(self._dp_grad_ready)))
+                        _weak_method(self._dp_step.grad_ready)))
                 if self._overlap is not None and self.dp is None:
                     # (Data parallel: a landing is not final; the owner
-                    # launches a chunk when its reduction lands, _dp_finish.)
+                    # launches a chunk when its reduction lands,
+                    # ChunkDataParallel._finish.)
                     self._handles.append(r.param.register_post_accumulate_grad_hook(
                         _weak_method(self._overlap_grad_ready)))
 
@@ -490,7 +496,8 @@ class Engine(ExternalMixin, StateDictMixin, HookWiringMixin, DataParallelMixin, 
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
             raise ValueError(f"engine.backward expects a scalar loss tensor, got "
                              f"{type(loss).__name__} {getattr(loss, 'shape', '')}")
-        self._dp_check()
+        if self._dp_step is not None:
+            self._dp_step.check()
         self._settle_raw_backward()
         # A write since the forward began (nn.Embedding's max_norm, a clamp in a
         # hook) goes into the master before the gradients take the slots.
@@ -506,8 +513,8 @@ class Engine(ExternalMixin, StateDictMixin, HookWiringMixin, DataParallelMixin, 
                     f"to sum several backward passes into one step, set "
                     f"\"gradient_accumulation_steps\" to their number (engine.step() then steps "
                     f"at each boundary); engine.zero_grad() drops the waiting gradients")
-        if self.dp is not None:
-            self._dp_begin_backward()
+        if self._dp_step is not None:
+            self._dp_step.begin_backward()
         scale = self.scaler.scale
         if scale_wrt_gas:
             scale = scale / self.config.gradient_accumulation_steps
@@ -541,12 +548,11 @@ class Engine(ExternalMixin, StateDictMixin, HookWiringMixin, DataParallelMixin, 
             self._count(False)  # (bringing DTR's tensors back is no step's memory)
             self._release_after_error()
             self.dtr.end(failed=True)
-            if self.dp is not None:
+            if self._dp_step is not None:
                 # Gradients overwrote weights whose masters other ranks own;
                 # only collectives could restore them, and the other ranks are
                 # in their own backward (Note [Data parallel by chunk]).
-                self._dp_broken = "a backward on this rank failed"
-                self._dp_flight.clear()
+                self._dp_step.mark_broken("a backward on this rank failed")
                 raise
             # The gradients this backward landed are dropped (their slots get
             # their weights back; a step on part of them would be wrong);
@@ -575,14 +581,15 @@ class Engine(ExternalMixin, StateDictMixin, HookWiringMixin, DataParallelMixin, 
                 self._hooks.end_backward()
             self.dtr.end()  # Note [DTR belongs to the engine's cycle]
         except BaseException:
-            if self.dp is not None:  # (the other ranks go on with their reductions)
-                self._dp_broken = "ending a backward on this rank failed"
-                self._dp_flight.clear()
+            if self._dp_step is not None:  # (the other ranks go on with their reductions)
+                self._dp_step.mark_broken("ending a backward on this rank failed")
             raise
         if self._overlap is not None:
             self._overlap.backward_ended()
-        if self.dp is not None:
-            self._dp_after_backward()
+        if self._dp_step is not None:
+            self._dp_step.after_backward(
+                self._accumulation.landed,
+                lambda owned: self._accumulation.fold_chunks(owned, self._host_short()))
         elif self._accumulation.summing:
             self._accumulation.fold()
         self._accumulation.micro_steps += 1
@@ -713,7 +720,8 @@ class Engine(ExternalMixin, StateDictMixin, HookWiringMixin, DataParallelMixin, 
         self._settle_overlap()  # (updates made during backward are taken back)
         self._accumulation.reset()
         self._hooks.clear_grad_norm()
-        self._dp_sumsq = 0.0  # (data parallel: the norm of the reduced gradients)
+        if self._dp_step is not None:
+            self._dp_step.drop_gradient_norm()
         for r in self._params.records:
             r.param.grad = None
 
@@ -722,8 +730,8 @@ class Engine(ExternalMixin, StateDictMixin, HookWiringMixin, DataParallelMixin, 
         weights back: from the masters this rank owns, and (data parallel)
         the others from their owners."""
         self._restore_params([r for r in records if self.store.owns(r)])
-        if self.dp is not None:
-            self._dp_broadcast({r.chunk for r in records if r.trainable})
+        if self._dp_step is not None:
+            self._dp_step.broadcast({r.chunk for r in records if r.trainable})
 
     # ---------------------------------------------------------- checkpoints
     def save_checkpoint(self, save_dir, tag=None, client_state=None, save_latest=True):

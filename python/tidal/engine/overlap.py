@@ -58,14 +58,14 @@ naming the tensor.)
 Data parallel (Note [Data parallel by chunk] in tidal/data_parallel.py): a
 landing is one rank's gradient, not the chunk's; the sum over the ranks is
 final when the chunk's reduction lands on its owner. So the owner launches
-a chunk there (_dp_finish calls reduced()), during backward with
+a chunk there (ChunkDataParallel._finish calls reduced()), during backward with
 overlap_comm and right after it without; the step updates the owner's other
 chunks and broadcasts every chunk, those updated during backward included,
 in the same order on every rank. The global norm and the fp16 overflow are
 the ranks' together, so every rank validates or undoes alike. Not with
 gradient accumulation: there the end of backward folds the owners' reduced
 gradients into their sums and broadcasts the weights back
-(_dp_after_backward), which an update in flight would race; nothing is
+(ChunkDataParallel.after_backward), which an update in flight would race; nothing is
 launched.
 
 What stays out, and why (a ConfigError when tidal.overlap_step is set to
@@ -228,7 +228,7 @@ class StepOverlap:
         if e.dp is not None and e._accumulation.summing:
             # Data parallel with accumulation: the end of backward folds the
             # owners' reduced gradients and broadcasts the weights back
-            # (_dp_after_backward), which an update in flight would race.
+            # (ChunkDataParallel.after_backward), which an update in flight would race.
             speculate = False
         if speculate and self._last_invalid:
             speculate = False
@@ -273,7 +273,7 @@ class StepOverlap:
 
     def reduced(self, chunk: int, landed):
         """Data parallel, on the chunk's owner: its reduced gradients are in
-        its 16-bit slots (_dp_finish, during backward or right after it);
+        its 16-bit slots (ChunkDataParallel._finish, during backward or right after it);
         `landed` flags the chunk's trainable records that got a gradient.
         Their sum over the ranks is final, so the update may start."""
         if self._speculating and chunk in self._recs and all(landed):

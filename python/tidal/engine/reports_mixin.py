@@ -151,7 +151,8 @@ class ReportsMixin:
                 "rank": self.dp.rank, "world_size": self.dp.world, "backend": self.dp.backend,
                 "owned_chunks": sorted({r.chunk for r in self._params.records if self.store.owns(r)}),
                 "bytes_sent": self.dp.bytes_sent, "collectives": self.dp.collectives,
-                "overlap_comm": self.dp.overlap, "reduces_in_backward": self._dp_in_backward,
+                "overlap_comm": self.dp.overlap,
+                "reduces_in_backward": self._dp_step.reduces_in_backward,
                 "seconds_in_collectives": self.dp.seconds_blocked},
             # The NVMe tier (Note [Chunks on NVMe: the tier]), None without one.
             "nvme": None if self.chunks.disk is None else {

@@ -43,7 +43,8 @@ class StepMixin:
         return applied
 
     def _step(self):
-        self._dp_check()
+        if self._dp_step is not None:
+            self._dp_step.check()
         # Parameters still attached from a backward run without
         # engine.backward (loss.backward()), or read outside any forward; and
         # the simulated device's meter, which engine.backward would have
@@ -82,7 +83,8 @@ class StepMixin:
             if not accumulating:  # (folds restored the weights already)
                 self._restore_params(owned)
         else:
-            if self.dp is None:
+            dps = self._dp_step
+            if dps is None:
                 self._adam([r for r in owned if r.chunk not in done] if done else owned, clip / scale)
             else:
                 # The all-gather: each chunk's updated 16-bit values from its
@@ -92,11 +94,10 @@ class StepMixin:
                     # (Every chunk is broadcast, those updated during
                     # backward too: after_chunk runs for each of `order`.)
                     self._adam([r for r in owned if r.chunk not in done] if done else owned,
-                               clip / scale, order=list(self._dp_spans), after_chunk=self._dp_share)
-                    self._dp_shared()
+                               clip / scale, order=list(dps.chunks), after_chunk=dps.share)
+                    dps.shared()
                 except BaseException as e:
-                    self._dp_sending.clear()
-                    self._dp_broken = f"the step failed part-way ({type(e).__name__})"
+                    dps.mark_broken(f"the step failed part-way ({type(e).__name__})")
                     raise
             self._meters.exposed_adam_seconds += time.perf_counter() - t_exposed
             if overlap is not None and self.global_steps > 0:
@@ -111,10 +112,10 @@ class StepMixin:
             # them (optimizer.step, wrapped, sets this flag); the engine's step
             # is that step, so a scheduler stepped after it does not warn.
             self.optimizer._opt_called = True
-        if self.dp is not None and overflow:
+        if self._dp_step is not None and overflow:
             # The owners' weights came back from their masters: the others'
             # from the owners.
-            self._dp_broadcast(self._dp_spans)
+            self._dp_step.broadcast(self._dp_step.chunks)
         self._accumulation.stepped(pending, owned)
         self._hooks.clear_grad_norm()
         self._last_grad_norm = norm
@@ -190,15 +191,10 @@ class StepMixin:
             with uncounted(), _dtr.outside():
                 self._hooks.measure_sums([index[id(r)] for r in pending])
         sum_squares, finite = self._hooks.take_grad_norm()
-        if self.dp is not None:
+        if self._dp_step is not None:
             # The landings measured this rank's own gradients; the norm is of
             # the reduced ones, each measured by its owner, summed over ranks.
-            if not self._accumulation.summing:
-                sum_squares, finite = self._dp_sumsq, math.isfinite(self._dp_sumsq)
-                self._dp_sumsq = 0.0
-            sum_squares, bad = self.dp.all_reduce_sum(
-                [sum_squares if finite else 0.0, 0.0 if finite else 1.0], "sum the gradient norm")
-            finite = bad == 0
+            sum_squares, finite = self._dp_step.global_sum_squares(sum_squares, finite)
         total = math.sqrt(sum_squares) if finite else float("inf")
         return total / scale, finite and math.isfinite(total)
 
