@@ -368,18 +368,21 @@ std::vector<std::string> ModuleHooks::release_all() noexcept {
 
 // ---- gradient accumulation -------------------------------------------------
 
-void ModuleHooks::fold_gradients(const std::vector<std::size_t>& params,
-                                 const std::vector<bool>& first, MemorySpace space,
+void ModuleHooks::fold_gradients(const std::vector<std::size_t>& params, MemorySpace space,
                                  int num_threads, const cpu_adam::BlockRunner* runner) {
-  TIDAL_CHECK(first.size() == params.size(), "ModuleHooks.fold_gradients: ", first.size(),
-              " first flags for ", params.size(), " parameters");
+  std::vector<bool> first;
+  first.reserve(params.size());
   for (std::size_t i : params) {
     check_param(i);
     TIDAL_CHECK(!params_[i].attached, "ModuleHooks.fold_gradients: parameter ", i,
                 " is attached; fold after backward");
+    first.push_back(!params_[i].summed);
   }
   gradient_sums_.fold(ids_of(params), first, space, num_threads, runner);
-  for (std::size_t i : params) params_[i].landed = false;
+  for (std::size_t i : params) {
+    params_[i].landed = false;
+    params_[i].summed = true;
+  }
 }
 
 void ModuleHooks::measure_sums(const std::vector<std::size_t>& params) {
@@ -388,6 +391,15 @@ void ModuleHooks::measure_sums(const std::vector<std::size_t>& params) {
 
 void ModuleHooks::drop_sums(const std::vector<std::size_t>& params) {
   gradient_sums_.drop(ids_of(params));
+  for (std::size_t i : params) params_.at(i).summed = false;
+}
+
+std::vector<std::size_t> ModuleHooks::summed_params() const {
+  std::vector<std::size_t> out;
+  for (std::size_t i = 0; i < params_.size(); ++i) {
+    if (params_[i].summed) out.push_back(i);
+  }
+  return out;
 }
 
 // ---- queries ---------------------------------------------------------------

@@ -184,17 +184,21 @@ class ModuleHooks : public std::enable_shared_from_this<ModuleHooks> {
 
   // ---- gradient accumulation (Note [Gradient sums in chunks]) --------------
   // The gradients in the 16-bit slots of `params` (one chunk's; none
-  // attached) are added into their sums (GradientSums::fold); every slot ends
-  // HOLD and its parameter no longer counts as landed; on an error the
-  // gradients stay in their slots (still landed).
-  void fold_gradients(const std::vector<std::size_t>& params, const std::vector<bool>& first,
-                      MemorySpace space, int num_threads = 0,
+  // attached) are added into their sums (GradientSums::fold; a parameter
+  // with no sum yet has it written); every slot ends HOLD, its parameter no
+  // longer counts as landed and has a sum; on an error the gradients stay in
+  // their slots (still landed) and the sums are as they were.
+  void fold_gradients(const std::vector<std::size_t>& params, MemorySpace space, int num_threads = 0,
                       const cpu_adam::BlockRunner* runner = nullptr);
   // Measures the gradient sums of `params` where their chunks are, into what
   // grad_norms().take() returns.
   void measure_sums(const std::vector<std::size_t>& params);
   // The sums of `params` are consumed (the step) or dropped.
   void drop_sums(const std::vector<std::size_t>& params);
+  // Whether `param` has a gradient sum (folded since the last drop), and all
+  // such parameters in index order.
+  bool summed(std::size_t param) const { return params_.at(param).summed; }
+  std::vector<std::size_t> summed_params() const;
 
   // ---- writes to the parameters (Note [Writes to a parameter]) ---------------
   // What user code did to the parameters since the last call (or
@@ -242,6 +246,7 @@ class ModuleHooks : public std::enable_shared_from_this<ModuleHooks> {
     int uses = 0;      // forward uses in flight (nested or shared modules)
     bool attached = false;
     bool landed = false;  // a gradient is in the 16-bit slot
+    bool summed = false;  // its fp32 gradient sum holds something (accumulation)
     bool served = false;  // attached to a weight made from the master
     bool first_used = false;
     const void* slot_data = nullptr;  // the storage its data viewed when attached

@@ -356,11 +356,11 @@ may wait for a chunk copy release the GIL.)doc")
       .def("set_accumulating", [](Hooks& h, bool on) { h.get().gradient_sums().set_accumulating(on); },
            py::arg("on"))
       .def("fold_gradients",
-           [](Hooks& h, const std::vector<Index>& params, const std::vector<bool>& first,
-              MemorySpace space, int num_threads, const std::string& pool) {
-             h.get().fold_gradients(params, first, space, num_threads, hooks::block_runner(pool));
+           [](Hooks& h, const std::vector<Index>& params, MemorySpace space, int num_threads,
+              const std::string& pool) {
+             h.get().fold_gradients(params, space, num_threads, hooks::block_runner(pool));
            },
-           GIL(), py::arg("params"), py::arg("first"), py::arg("space"), py::kw_only(),
+           GIL(), py::arg("params"), py::arg("space"), py::kw_only(),
            py::arg("num_threads") = 0, py::arg("pool") = "onetbb",
            "Gradient accumulation: the landed gradients of one chunk's `params` into their "
            "fp32 sums, weights back into the 16-bit slots (Note [Gradient sums in chunks]).")
@@ -368,6 +368,9 @@ may wait for a chunk copy release the GIL.)doc")
            GIL(), py::arg("params"))
       .def("drop_sums", [](Hooks& h, const std::vector<Index>& params) { h.get().drop_sums(params); },
            py::arg("params"))
+      .def("summed_params", [](Hooks& h) { return h.get().summed_params(); },
+           "The parameters whose gradient sum holds something (folded since the last drop), in "
+           "index order.")
       .def("take_first_use", [](Hooks& h) { return h.get().take_first_use(); })
       .def_property_readonly("peak_bytes_in_use",
                              [](Hooks& h) { return h.get().peak_bytes_in_use(); },

@@ -6,7 +6,9 @@ After each backward the gradients sit in the parameters' 16-bit slots
 there. With gradient_accumulation_steps > 1 each backward folds them into
 fp32 sums in chunks (the GRAD32 list), where the step will run, and the
 16-bit slots get their weights back (Note [Gradient sums in chunks] in
-cpu_adam/adam.h); a record whose sum holds something is `accumulated`.
+cpu_adam/adam.h). Which parameters have a gradient landed, and which a sum,
+is ModuleHooks' to know (landed_params, summed_params): nothing here keeps
+a copy of it.
 """
 from __future__ import annotations
 
@@ -71,11 +73,13 @@ class GradientAccumulation:
         """The records whose 16-bit slot holds a landed gradient, in chunk order."""
         return self._params.in_record_order(self._hooks.landed_params())
 
+    def summed(self) -> list:
+        """The records whose gradient sum holds something, in chunk order."""
+        return self._params.in_record_order(self._hooks.summed_params())
+
     def pending(self) -> list:
         """The records the step updates: those with a sum, or with a landed gradient."""
-        if self.summing:
-            return [r for r in self._params.records if r.accumulated]
-        return self.landed()
+        return self.summed() if self.summing else self.landed()
 
     def drop_landed(self) -> None:
         """The landed gradients go; their slots get their weights back."""
@@ -90,21 +94,18 @@ class GradientAccumulation:
         unfinished window go."""
         self.broken = None
         self.drop_landed()
-        summed = [r for r in self._params.records if r.accumulated]
+        summed = self._hooks.summed_params()
         if summed:
-            self._hooks.drop_sums(self._params.indexes(summed))
-            for r in summed:
-                r.accumulated = False
+            self._hooks.drop_sums(summed)
 
     def stepped(self, pending: list, owned: list) -> None:
         """After the step over `pending` (of which this rank updated `owned`):
         the sums, or the landed flags, are cleared."""
         if self.summing:
+            # (Data parallel: only the owners' sums were folded.)
             self._hooks.drop_sums(self._params.indexes(owned))
         else:
             self._hooks.clear_landed(self._params.indexes(pending))
-        for r in pending:
-            r.accumulated = False
 
     # ------------------------------------------------------------ the folds
     def fold(self) -> None:
@@ -132,11 +133,8 @@ class GradientAccumulation:
         overlapped step folds a chunk at its last landing)."""
         cfg = self._config
         with torch.no_grad(), uncounted(), _dtr.outside():
-            self._hooks.fold_gradients(
-                self._params.indexes(recs), [not r.accumulated for r in recs], space,
-                num_threads=cfg.cpu_adam_threads, pool=cfg.cpu_adam_pool)
-        for r in recs:
-            r.accumulated = True
+            self._hooks.fold_gradients(self._params.indexes(recs), space,
+                                       num_threads=cfg.cpu_adam_threads, pool=cfg.cpu_adam_pool)
 
     def fold_chunks(self, by_chunk: dict, host_short: bool) -> None:
         """The chunks of `by_chunk` (chunk -> its landed records), each where
@@ -150,9 +148,5 @@ class GradientAccumulation:
                 recs = by_chunk[chunk]
                 on_device = self._store.chunks.update_on_device(chunk, [PARAM32, GRAD32], host_short,
                                                                 cfg.hybrid_adam)
-                self._hooks.fold_gradients(
-                    self._params.indexes(recs), [not r.accumulated for r in recs],
-                    DEVICE if on_device else HOST,
-                    num_threads=cfg.cpu_adam_threads, pool=cfg.cpu_adam_pool)
-                for r in recs:  # (no longer landed: the fold says so)
-                    r.accumulated = True
+                self._hooks.fold_gradients(self._params.indexes(recs), DEVICE if on_device else HOST,
+                                           num_threads=cfg.cpu_adam_threads, pool=cfg.cpu_adam_pool)

@@ -94,7 +94,7 @@ class ParamRecord:
     """One parameter in chunks."""
 
     __slots__ = ("param", "name", "id", "shape", "numel", "trainable", "chunk",
-                 "step", "accumulated", "provisional", "group", "__weakref__")
+                 "step", "provisional", "group", "__weakref__")
 
     def __init__(self, param: torch.nn.Parameter, name: str, tensor_id: int, chunk: int):
         self.param = param
@@ -105,7 +105,6 @@ class ParamRecord:
         self.trainable = param.requires_grad
         self.chunk = chunk
         self.step = 0             # Adam steps taken (torch's state['step'])
-        self.accumulated = False  # its grad32 slot holds a gradient sum (accumulation > 1)
         self.provisional = False  # named by init_context; initialize() renames it
         self.group = 0            # its parameter group (Note [Parameter groups])
 
