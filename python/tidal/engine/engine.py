@@ -8,14 +8,16 @@ python/tidal/engine/hooks.py for the hook protocol. One step:
     engine.step()               # Adam per chunk: on the device (hybrid) or CPU
 
 Engine is this file (set-up, forward, backward, gradient accumulation,
-checkpoint entry points) and mixins split along its sections, each reading
-the attributes Engine.__init__ sets: hook_wiring.py (module and parameter
-hooks, the tracer), step_mixin.py (the optimizer step),
-external_mixin.py (parameters read outside their module, a raw
-loss.backward()) and state_dict_mixin.py. Objects of their own, not mixins,
-each owning its state: chunk_data_parallel.py's ChunkDataParallel (data
-parallel, self._dp_step) and reports.py's EngineReports (memory_report()
-and the memory timeline and profile, self._reports).
+checkpoint entry points, the reports' public methods) and mixins split along
+its sections, each reading the attributes Engine.__init__ sets:
+hook_wiring.py (module and parameter hooks, the tracer), step_mixin.py (the
+optimizer step), external_mixin.py (parameters read outside their module, a
+raw loss.backward()). Objects of their own, not mixins, each owning its state
+and given what it reads at construction: chunk_data_parallel.py's
+ChunkDataParallel (data parallel, self._dp_step), state_dict_bridge.py's
+StateDictBridge (model.state_dict() and load_state_dict() through the chunks,
+self._state_dict_bridge) and reports.py's EngineReports (memory_report() and
+the memory timeline and profile, self._reports).
 """
 from __future__ import annotations
 
@@ -45,12 +47,12 @@ from .overlap import StepOverlap
 from .meters import StepMeters
 from .params import ParamTable
 from .reports import EngineReports
+from .state_dict_bridge import StateDictBridge
 from .store import DEVICE, ParamStore
 from .common import OutOfMemoryError, _PLACEHOLDER_HINT, _weak_method
 from .chunk_data_parallel import ChunkDataParallel, check_ranks_agree
 from .external_mixin import ExternalMixin
 from .hook_wiring import HookWiringMixin
-from .state_dict_mixin import StateDictMixin
 from .step_mixin import StepMixin
 
 # tidal.simulated_allocator "auto": torch's caching rules from this device
@@ -58,7 +60,7 @@ from .step_mixin import StepMixin
 SIM_CACHING_MIN_BUDGET = 1 << 30
 
 
-class Engine(ExternalMixin, StateDictMixin, HookWiringMixin, StepMixin):
+class Engine(ExternalMixin, HookWiringMixin, StepMixin):
     """Trains `module` with its model states in chunks. Build with tidal.initialize()."""
 
     def __init__(self, model: torch.nn.Module, config=None, model_parameters=None):
@@ -228,6 +230,12 @@ class Engine(ExternalMixin, StateDictMixin, HookWiringMixin, StepMixin):
         self._overlap = StepOverlap(self) if cfg.overlap_step and self.overlap_step_off is None \
             else None
         self._hooks = self._new_hooks()
+        # model.state_dict() and load_state_dict() through the chunks (its
+        # hooks go on the modules below, with the others).
+        self._state_dict_bridge = StateDictBridge(
+            model, store, self._params, self._hooks, self.dtype,
+            settle_outside=self._settle_outside, write_value=self._write_value,
+            write_param=lambda record, value: _checkpoint._write_param(self, record, value))
         # The accumulation window and the gradients waiting for the step
         # (Note [Gradient sums in chunks] in cpu_adam/adam.h).
         self._accumulation = GradientAccumulation(
@@ -265,7 +273,7 @@ class Engine(ExternalMixin, StateDictMixin, HookWiringMixin, StepMixin):
         _external.install(model, self, self._param_names_by_module())
         _user_param.install(self)  # Note [A parameter object stays the user's]
         _guards.guard_conversions(model, self)  # Note [Conversions of a trained model]
-        self._install_state_dict_hooks()
+        self._state_dict_bridge.install(self._handles, self._param_names_by_module())
         _guards.register(self)
         if not self._cuda:
             # An engine collected mid-step (its forward or backward counting
@@ -337,6 +345,18 @@ class Engine(ExternalMixin, StateDictMixin, HookWiringMixin, StepMixin):
             if names:
                 out[m] = names
         return out
+
+    def _group_state(self) -> list:
+        """The parameter groups as a checkpoint keeps them (Note [Parameter groups])."""
+        return _param_groups.state(self.optimizer.param_groups,
+                                   lambda p: self.store.by_param[id(p)].name)
+
+    def _record_of_param(self, p):
+        """The record of parameter `p` if this engine trains it, else None."""
+        r = self.store.by_param.get(id(p))
+        if r is None or r.param is not p or r not in self._params.record_set:
+            return None
+        return r
 
     # ------------------------------------------------------------- user API
     def _settle_overlap(self):
