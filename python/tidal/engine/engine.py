@@ -8,13 +8,16 @@ python/tidal/engine/hooks.py for the hook protocol. One step:
     engine.step()               # Adam per chunk: on the device (hybrid) or CPU
 
 Engine is this file (set-up, forward, backward, gradient accumulation,
-checkpoint entry points) and mixins split along its sections, each reading
-the attributes Engine.__init__ sets: hook_wiring.py (module and parameter
-hooks, the tracer), step_mixin.py (the optimizer step),
-external_mixin.py (parameters read outside their module, a raw
-loss.backward()), state_dict_mixin.py and reports_mixin.py. Data parallel is
-an object of its own, not a mixin: chunk_data_parallel.py's
-ChunkDataParallel (self._dp_step), which owns its state.
+checkpoint entry points, the reports' public methods) and mixins split along
+its sections, each reading the attributes Engine.__init__ sets:
+hook_wiring.py (module and parameter hooks, the tracer), step_mixin.py (the
+optimizer step), external_mixin.py (parameters read outside their module, a
+raw loss.backward()). Objects of their own, not mixins, each owning its state
+and given what it reads at construction: chunk_data_parallel.py's
+ChunkDataParallel (data parallel, self._dp_step), state_dict_bridge.py's
+StateDictBridge (model.state_dict() and load_state_dict() through the chunks,
+self._state_dict_bridge) and reports.py's EngineReports (memory_report() and
+the memory timeline and profile, self._reports).
 """
 from __future__ import annotations
 
@@ -43,13 +46,13 @@ from .accumulation import GradientAccumulation
 from .overlap import StepOverlap
 from .meters import StepMeters
 from .params import ParamTable
+from .reports import EngineReports
+from .state_dict_bridge import StateDictBridge
 from .store import DEVICE, ParamStore
 from .common import OutOfMemoryError, _PLACEHOLDER_HINT, _weak_method
 from .chunk_data_parallel import ChunkDataParallel, check_ranks_agree
 from .external_mixin import ExternalMixin
 from .hook_wiring import HookWiringMixin
-from .reports_mixin import ReportsMixin
-from .state_dict_mixin import StateDictMixin
 from .step_mixin import StepMixin
 
 # tidal.simulated_allocator "auto": torch's caching rules from this device
@@ -57,7 +60,7 @@ from .step_mixin import StepMixin
 SIM_CACHING_MIN_BUDGET = 1 << 30
 
 
-class Engine(ExternalMixin, StateDictMixin, HookWiringMixin, StepMixin, ReportsMixin):
+class Engine(ExternalMixin, HookWiringMixin, StepMixin):
     """Trains `module` with its model states in chunks. Build with tidal.initialize()."""
 
     def __init__(self, model: torch.nn.Module, config=None, model_parameters=None):
@@ -227,6 +230,12 @@ class Engine(ExternalMixin, StateDictMixin, HookWiringMixin, StepMixin, ReportsM
         self._overlap = StepOverlap(self) if cfg.overlap_step and self.overlap_step_off is None \
             else None
         self._hooks = self._new_hooks()
+        # model.state_dict() and load_state_dict() through the chunks (its
+        # hooks go on the modules below, with the others).
+        self._state_dict_bridge = StateDictBridge(
+            model, store, self._params, self._hooks, self.dtype,
+            settle_outside=self._settle_outside, write_value=self._write_value,
+            write_param=lambda record, value: _checkpoint._write_param(self, record, value))
         # The accumulation window and the gradients waiting for the step
         # (Note [Gradient sums in chunks] in cpu_adam/adam.h).
         self._accumulation = GradientAccumulation(
@@ -236,6 +245,13 @@ class Engine(ExternalMixin, StateDictMixin, HookWiringMixin, StepMixin, ReportsM
             self._dp_step = ChunkDataParallel(self.dp, store, self._params.record_list,
                                               self._params.record_index, self._hooks, self._overlap,
                                               self._accumulation.summing)
+        # What the engine reports (memory_report() and the others); the step's
+        # counts are read when a report is made.
+        self._reports = EngineReports(
+            store, self._params, self._tracer, self._meters, self._overlap, self.overlap_step_off,
+            self.dp, self._dp_step, self.dtr, self._cuda, self._cuda_room, self._sim_caching,
+            step_counts=lambda: (self.global_steps, self.skipped_steps, self.scaler.scale),
+            settle_overlap=self._settle_overlap)
         store.engine_ref = weakref.ref(self)
         # Saved tensors that alias a parameter's slot are packed as (parameter,
         # geometry) and rebuilt from its data in backward, so nothing keeps a
@@ -257,7 +273,7 @@ class Engine(ExternalMixin, StateDictMixin, HookWiringMixin, StepMixin, ReportsM
         _external.install(model, self, self._param_names_by_module())
         _user_param.install(self)  # Note [A parameter object stays the user's]
         _guards.guard_conversions(model, self)  # Note [Conversions of a trained model]
-        self._install_state_dict_hooks()
+        self._state_dict_bridge.install(self._handles, self._param_names_by_module())
         _guards.register(self)
         if not self._cuda:
             # An engine collected mid-step (its forward or backward counting
@@ -330,6 +346,18 @@ class Engine(ExternalMixin, StateDictMixin, HookWiringMixin, StepMixin, ReportsM
                 out[m] = names
         return out
 
+    def _group_state(self) -> list:
+        """The parameter groups as a checkpoint keeps them (Note [Parameter groups])."""
+        return _param_groups.state(self.optimizer.param_groups,
+                                   lambda p: self.store.by_param[id(p)].name)
+
+    def _record_of_param(self, p):
+        """The record of parameter `p` if this engine trains it, else None."""
+        r = self.store.by_param.get(id(p))
+        if r is None or r.param is not p or r not in self._params.record_set:
+            return None
+        return r
+
     # ------------------------------------------------------------- user API
     def _settle_overlap(self):
         """Waits for the CPU Adam updates running since backward, releases
@@ -339,6 +367,31 @@ class Engine(ExternalMixin, StateDictMixin, HookWiringMixin, StepMixin, ReportsM
         would."""
         if self._overlap is not None:
             self._overlap.undo()
+
+    # ---------------------------------------------------------------- reports
+    def memory_report(self) -> dict:
+        """What the device and host held at their peaks, the chunk traffic, the
+        optimizer's time, the step counts, DTR, data parallel and the NVMe tier
+        (EngineReports.memory_report in reports.py)."""
+        return self._reports.memory_report()
+
+    def memory_timeline(self) -> list[tuple]:
+        """Device memory at every hook of the last completed step (EngineReports.memory_timeline)."""
+        return self._reports.memory_timeline()
+
+    def memory_profile(self) -> list[dict]:
+        """memory_timeline() as dicts, with the chunk traffic of each interval
+        (EngineReports.memory_profile)."""
+        return self._reports.memory_profile()
+
+    def export_memory_profile(self, directory, title=None) -> dict:
+        """Writes the last step's memory profile (json and png) to `directory`
+        (EngineReports.export_memory_profile)."""
+        return self._reports.export_memory_profile(directory, title)
+
+    def parameters_fp32(self) -> dict[str, torch.Tensor]:
+        """Host copies of the fp32 master weights (16-bit values for frozen params), by name."""
+        return self._reports.parameters_fp32()
 
     def __call__(self, *args, **kwargs):
         self._settle_overlap()

@@ -42,7 +42,7 @@ class ExternalMixin:
         inside a forward or a backward, nor while a state dict is read or
         written through the placeholders."""
         return not (self._hooks.running() or torch._C._current_graph_task_id() != -1
-                    or getattr(self, "_loading_state", False) or getattr(self, "_state_io", None) is not None)
+                    or self._state_dict_bridge.busy())
 
     def _read_for_user(self, indexes):
         """Parameters `indexes`, held by a script and used outside a forward,
@@ -177,7 +177,7 @@ class ExternalMixin:
                 lost.add(i)
                 continue
             self._write_value(r, value, attached=hooks.attached(i))
-        self._settle_state_copies(lost)
+        self._state_dict_bridge.settle_copies(lost)  # Note [Writes into a state dict]
         if end_reads:
             with _dtr.outside():
                 hooks.end_backward()
@@ -205,45 +205,6 @@ class ExternalMixin:
                 changed = value != master.to(value.dtype)
                 if bool(changed.any()):
                     master[changed] = value[changed].to(master.dtype)
-
-    # Note [Writes into a state dict]
-    # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-    # Plain PyTorch's model.state_dict() holds the parameters' own memory
-    # (detached views), so a script that writes into an entry (clamping,
-    # pruning by mask, loading by hand into the dict it got) writes into the
-    # model. tidal's entries are copies of the chunks' 16-bit weights; each one
-    # is remembered with its version count, and where the engine takes the
-    # weights back an entry written since goes into the parameter, 16-bit copy
-    # and fp32 master, as `p.data = entry` would (after the writes to the
-    # parameters themselves); between backward and step it is a write that
-    # reaches nothing (a UsageError naming it). An entry is a StateDictEntry
-    # (state_dict_mixin.py): a plain tensor to torch (its functions return
-    # plain tensors; it pickles and deep-copies as one) whose __del__, after a
-    # write, hands a copy of its value to the engine, so a dict dropped right
-    # after the write (`model.state_dict()[k].mul_(m)`) is not lost either.
-    # Nothing is copied back otherwise.
-    def _settle_state_copies(self, lost):
-        hooks = self._hooks
-        dropped, self._dropped_state_writes = getattr(self, "_dropped_state_writes", []), []
-        for i, value in dropped:
-            if hooks.landed(i):
-                lost.add(i)
-            else:
-                self._write_value(self._params.record_list[i], value, attached=hooks.attached(i))
-        kept = []
-        for ref in getattr(self, "_state_copies", ()):
-            t = ref()
-            if t is None:
-                continue
-            if t._version != t._tidal_version:
-                if hooks.landed(t._tidal_index):
-                    lost.add(t._tidal_index)
-                else:
-                    self._write_value(self._params.record_list[t._tidal_index], t,
-                                      attached=hooks.attached(t._tidal_index))
-                t._tidal_version = t._version  # (taken: its death hands nothing over again)
-            kept.append(ref)
-        self._state_copies = kept
 
     def _write_value(self, record, value, attached: bool):
         """`p.data = value`: the 16-bit copy (through the attached parameter,

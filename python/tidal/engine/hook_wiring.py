@@ -159,8 +159,8 @@ class HookWiringMixin:
     def _root_pre(self, module, args):
         if torch._C._current_graph_task_id() == -1:  # (not a recompute inside backward)
             self._settle_raw_backward()
-            self._loading_state = False  # (a load_state_dict that raised midway)
-            self._state_io = None  # (a state_dict that raised midway)
+            # (a load_state_dict or state_dict that raised midway)
+            self._state_dict_bridge.forward_started()
             # Parameters read outside any forward since the last (Note
             # [External parameters]) go back to their chunks, with what user
             # code wrote to them (Note [Writes to a parameter]).

@@ -2,7 +2,7 @@
 the optimizer's time and where it ran, and the chunk bytes each step moved.
 
 StepMeters is written by the step (step_mixin.py) and read by the reports
-(reports_mixin.py); nothing else changes it."""
+(EngineReports, reports.py); nothing else changes it."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field

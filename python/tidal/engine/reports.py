@@ -1,30 +1,67 @@
 """What the engine reports: memory_report(), the memory timeline and profile,
 parameters_fp32().
 
-A mixin of Engine (engine.py), split from it along its sections; it uses
-the engine's attributes set in Engine.__init__."""
+EngineReports reads the engine's parts and changes none of them: the Engine
+builds it in _setup and its public methods of these names delegate to it."""
 from __future__ import annotations
 
+from typing import Callable
 
 import torch
 
 from .. import _C
 from .. import dtr as _dtr
 
+__all__ = ["EngineReports"]
 
-class ReportsMixin:
-    # -------------------------------------------------------------- reports
+
+class EngineReports:
+    """The engine's reports, over the parts it reads.
+
+    What it reads is passed in, never the engine: the ParamStore (`store`;
+    its chunk scheduler is read through it, as a relayout replaces it), the
+    ParamTable (`params`, the names of modules and records), the memory
+    tracer (`tracer`, the timeline and peaks), the StepMeters (`meters`),
+    the StepOverlap (`overlap`, None without tidal.overlap_step) and why the
+    step is not overlapped (`overlap_step_off`), the process group and
+    ChunkDataParallel (`dp`, `dp_step`; None without data parallel), the
+    DtrLink (`dtr`), the device facts (`cuda`, `cuda_room`, `sim_caching`),
+    and two callables: `step_counts()`, the (steps, skipped steps, loss
+    scale) of the optimizer step as they are now, and `settle_overlap()`,
+    which takes back the chunk updates no step has validated before the
+    masters are read (Note [Speculative updates and their undo]).
+    """
+
+    def __init__(self, store, params, tracer, meters, overlap, overlap_step_off: "str | None",
+                 dp, dp_step, dtr, cuda: bool, cuda_room: bool, sim_caching: bool,
+                 step_counts: Callable[[], tuple], settle_overlap: Callable[[], None]):
+        self._store = store
+        self._params = params
+        self._tracer = tracer
+        self._meters = meters
+        self._overlap = overlap
+        self._overlap_step_off = overlap_step_off
+        self._dp = dp
+        self._dp_step = dp_step
+        self._dtr = dtr
+        self._cuda = cuda
+        self._cuda_room = cuda_room
+        self._sim_caching = sim_caching
+        self._step_counts = step_counts
+        self._settle_overlap = settle_overlap
+
     def memory_timeline(self) -> list[tuple]:
         """Device memory at every hook of the last completed step: tuples of
         (point, hook name, chunk bytes held, non-chunk peak since the previous
         point, device budget). Hook names start with fwd/bwd/grad/step."""
-        budget = self.store.device_budget
+        budget = self._store.device_budget
         out = []
         for k, kind, what, held, peak, _ in self._tracer.timeline:
-            out.append((k, self._hook_name(kind, what), held, peak, budget))
+            out.append((k, self.hook_name(kind, what), held, peak, budget))
         return out
 
-    def _hook_name(self, kind, what) -> str:
+    def hook_name(self, kind, what) -> str:
+        """The name of a trace point: its kind, and the record or module it was at."""
         if what < 0:
             return kind
         if kind == "grad":
@@ -38,11 +75,11 @@ class ReportsMixin:
         previous trace point (the first point counts from the previous step's
         last one, which closes that step after its optimizer step: the
         intervals hold every move of the step)."""
-        budget = self.store.device_budget
+        budget = self._store.device_budget
         out = []
         prev = self._tracer.timeline_base
         for k, kind, what, held, peak, moves in self._tracer.timeline:
-            out.append({"moment": k, "hook": self._hook_name(kind, what), "chunk_bytes": held,
+            out.append({"moment": k, "hook": self.hook_name(kind, what), "chunk_bytes": held,
                         "non_chunk_bytes": peak, "budget": budget,
                         "h2d_moves": moves[0] - prev[0], "d2h_moves": moves[1] - prev[1],
                         "evictions": moves[2] - prev[2]})
@@ -59,104 +96,113 @@ class ReportsMixin:
 
         from ..profile import plot_memory_profile
 
+        store = self._store
         profile = self.memory_profile()
         if not profile:
             raise ValueError("no memory profile yet: train at least one step (engine.step()) first")
         directory = pathlib.Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
         report = {k: v for k, v in self.memory_report().items() if k not in ("scheduler", "host")}
-        doc = {"device_budget": self.store.device_budget, "device_margin": self.store.margin,
-               "backend": self.store.backend, "points": profile, "report": report}
+        doc = {"device_budget": store.device_budget, "device_margin": store.margin,
+               "backend": store.backend, "points": profile, "report": report}
         json_path = directory / "memory_profile.json"
         json_path.write_text(json.dumps(doc, indent=1, default=str))
         png = directory / "memory_profile.png"
         drawn = plot_memory_profile(profile, png, title=title or
-                                    f"tidal: device memory over one step ({self.store.backend})")
+                                    f"tidal: device memory over one step ({store.backend})")
         return {"json": str(json_path), "png": str(png), **drawn}
 
     def parameters_fp32(self) -> dict[str, torch.Tensor]:
         """Host copies of the fp32 master weights (16-bit values for frozen params), by name."""
         self._settle_overlap()
         with _dtr.outside():
-            return {r.name: self.store.gather(r) for r in self._params.records}
+            return {r.name: self._store.gather(r) for r in self._params.records}
 
     def memory_report(self) -> dict:
-        s = self._scheduler_stats()
+        store = self._store
+        tracer = self._tracer
+        meters = self._meters
+        overlap = self._overlap
+        # The scheduler's counters, including those of schedulers replaced by relayout.
+        s = meters.scheduler_stats(store.chunks.stats())
         hits = s["prefetch_hits"]
         misses = s["misses"]
-        steps = self._meters.bytes_per_step
+        steps = meters.bytes_per_step
+        global_steps, skipped_steps, loss_scale = self._step_counts()
+        dp = self._dp
+        disk = store.chunks.disk
         return {
-            "backend": self.store.backend,
-            "device_budget": self.store.device_budget,
-            "device_margin": self.store.margin,
+            "backend": store.backend,
+            "device_budget": store.device_budget,
+            "device_margin": store.margin,
             "peak_chunk_device_bytes": s["peak_resident_bytes_device"],
-            "peak_nonchunk_device_bytes": self._tracer.peak_nonchunk,
-            "peak_device_bytes": self._tracer.peak_total,
+            "peak_nonchunk_device_bytes": tracer.peak_nonchunk,
+            "peak_device_bytes": tracer.peak_total,
             # Note [Who owns a device byte]: what the device's allocator held
             # at its worst moment (torch's reserved bytes on a GPU; the caching
             # allocator model's on the simulated device with
             # tidal.simulated_allocator on), chunk blocks included; 0 where
             # nothing reserves beyond what is allocated (the exact simulated
             # device, whose peak_device_bytes is both).
-            "peak_reserved_device_bytes": self._tracer.peak_reserved,
+            "peak_reserved_device_bytes": tracer.peak_reserved,
             "room_on_cache_miss": _C.chunks.cuda_room_counts() if self._cuda_room else
             _C.chunks.host_allocation_model_use() if self._sim_caching else None,
             "simulated_allocator": None if self._cuda else
             "torch_caching" if self._sim_caching else "exact",
             "peak_chunk_host_bytes": s["peak_resident_bytes_host"],
-            "host_chunk_capacity_bytes": self.store.capacity_bytes()[0],
+            "host_chunk_capacity_bytes": store.capacity_bytes()[0],
             "chunk_spills_to_device": s["spills"],
-            "state_bytes_per_param": self.store.state_bytes_per_param(),
-            "largest_model_params": self.store.largest_model_params(),
+            "state_bytes_per_param": store.state_bytes_per_param(),
+            "largest_model_params": store.largest_model_params(),
             "host": dict(_C.host_memory_stats()),
             "bytes_host_to_device_last_step": steps[-1][0] if steps else 0,
             "bytes_device_to_host_last_step": steps[-1][1] if steps else 0,
             "evictions": s["evictions"],
             "prefetches": s["prefetches"],
             "prefetch_hit_rate": hits / (hits + misses) if hits + misses else 0.0,
-            "budget_overruns": self._tracer.overruns,
-            "cpu_adam_seconds": self._meters.adam_seconds,
+            "budget_overruns": tracer.overruns,
+            "cpu_adam_seconds": meters.adam_seconds,
             # Note [CPU Adam during backward]: the update's time in all,
             # the part spent after backward ended (in engine.step()), and the
             # part of the worker's that ran while backward went on.
             "optimizer": {
-                "adam_seconds": self._meters.adam_seconds + (0.0 if self._overlap is None
-                                                      else self._overlap.worker_seconds),
-                "exposed_adam_seconds": self._meters.exposed_adam_seconds,
-                "overlapped_adam_seconds": 0.0 if self._overlap is None
-                else self._overlap.overlapped_seconds,
-                "overlap_step": self._overlap is not None,
+                "adam_seconds": meters.adam_seconds + (0.0 if overlap is None
+                                                       else overlap.worker_seconds),
+                "exposed_adam_seconds": meters.exposed_adam_seconds,
+                "overlapped_adam_seconds": 0.0 if overlap is None
+                else overlap.overlapped_seconds,
+                "overlap_step": overlap is not None,
                 # Why the step is not overlapped (None: it is).
-                "overlap_step_off": self.overlap_step_off,
-                "chunks_updated_during_backward": 0 if self._overlap is None
-                else self._overlap.launched_chunks,
+                "overlap_step_off": self._overlap_step_off,
+                "chunks_updated_during_backward": 0 if overlap is None
+                else overlap.launched_chunks,
                 # Note [Speculative updates and their undo]: the updates made
                 # during backward that a step (or anything before it) took
                 # back, the backwards that did not speculate because the last
                 # step clipped or overflowed, and the host bytes of the undo
                 # buffers.
-                "undone_chunk_updates": 0 if self._overlap is None else self._overlap.undone_chunks,
-                "steps_not_speculated": 0 if self._overlap is None
-                else self._overlap.steps_not_speculated,
-                "overlap_undo_bytes": 0 if self._overlap is None else self._overlap.undo_bytes},
-            "adam_chunks_on_device": self._meters.adam_device_chunks,
-            "adam_chunks_on_host": self._meters.adam_host_chunks,
+                "undone_chunk_updates": 0 if overlap is None else overlap.undone_chunks,
+                "steps_not_speculated": 0 if overlap is None
+                else overlap.steps_not_speculated,
+                "overlap_undo_bytes": 0 if overlap is None else overlap.undo_bytes},
+            "adam_chunks_on_device": meters.adam_device_chunks,
+            "adam_chunks_on_host": meters.adam_host_chunks,
             "trace_adoptions": s["trace_adoptions"],
             "trace_divergences": s["trace_divergences"],
-            "steps": self.global_steps,
-            "skipped_steps": self.skipped_steps,
-            "loss_scale": self.scaler.scale,
-            "dtr": self.dtr.report(),
-            "data_parallel": None if self.dp is None else {
-                "rank": self.dp.rank, "world_size": self.dp.world, "backend": self.dp.backend,
-                "owned_chunks": sorted({r.chunk for r in self._params.records if self.store.owns(r)}),
-                "bytes_sent": self.dp.bytes_sent, "collectives": self.dp.collectives,
-                "overlap_comm": self.dp.overlap,
+            "steps": global_steps,
+            "skipped_steps": skipped_steps,
+            "loss_scale": loss_scale,
+            "dtr": self._dtr.report(),
+            "data_parallel": None if dp is None else {
+                "rank": dp.rank, "world_size": dp.world, "backend": dp.backend,
+                "owned_chunks": sorted({r.chunk for r in self._params.records if store.owns(r)}),
+                "bytes_sent": dp.bytes_sent, "collectives": dp.collectives,
+                "overlap_comm": dp.overlap,
                 "reduces_in_backward": self._dp_step.reduces_in_backward,
-                "seconds_in_collectives": self.dp.seconds_blocked},
+                "seconds_in_collectives": dp.seconds_blocked},
             # The NVMe tier (Note [Chunks on NVMe: the tier]), None without one.
-            "nvme": None if self.chunks.disk is None else {
-                **{k: self.chunks.disk[k] for k in ("path", "backend", "direct", "file_bytes")},
+            "nvme": None if disk is None else {
+                **{k: disk[k] for k in ("path", "backend", "direct", "file_bytes")},
                 "bytes_on_disk": s["resident_bytes_disk"],
                 "peak_bytes_on_disk": s["peak_resident_bytes_disk"],
                 "bytes_read": s["bytes_disk_to_host"], "bytes_written": s["bytes_host_to_disk"],
