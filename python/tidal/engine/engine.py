@@ -10,11 +10,11 @@ python/tidal/engine/hooks.py for the hook protocol. One step:
 Engine is this file (set-up, forward, backward, gradient accumulation,
 checkpoint entry points) and mixins split along its sections, each reading
 the attributes Engine.__init__ sets: hook_wiring.py (module and parameter
-hooks, the tracer), step_mixin.py (the optimizer step),
-external_mixin.py (parameters read outside their module, a raw
-loss.backward()), state_dict_mixin.py and reports_mixin.py. Data parallel is
-an object of its own, not a mixin: chunk_data_parallel.py's
-ChunkDataParallel (self._dp_step), which owns its state.
+hooks, the tracer), external_mixin.py (parameters read outside their
+module, a raw loss.backward()), state_dict_mixin.py and reports_mixin.py.
+The optimizer step and data parallel are objects of their own, not mixins,
+each owning its state: optimizer_step.py's OptimizerStep (self._step) and
+chunk_data_parallel.py's ChunkDataParallel (self._dp_step).
 """
 from __future__ import annotations
 
@@ -38,10 +38,10 @@ from . import guards as _guards
 from . import param_groups as _param_groups
 from .dtr_link import DtrLink
 from .errors import UnsupportedModelError, UsageError
-from .loss_scaler import DynamicLossScaler, StaticLossScaler
 from .accumulation import GradientAccumulation
 from .overlap import StepOverlap
 from .meters import StepMeters
+from .optimizer_step import OptimizerStep
 from .params import ParamTable
 from .store import DEVICE, ParamStore
 from .common import OutOfMemoryError, _PLACEHOLDER_HINT, _weak_method
@@ -50,14 +50,13 @@ from .external_mixin import ExternalMixin
 from .hook_wiring import HookWiringMixin
 from .reports_mixin import ReportsMixin
 from .state_dict_mixin import StateDictMixin
-from .step_mixin import StepMixin
 
 # tidal.simulated_allocator "auto": torch's caching rules from this device
 # budget on (its 2 and 20 MiB segments are too coarse below).
 SIM_CACHING_MIN_BUDGET = 1 << 30
 
 
-class Engine(ExternalMixin, StateDictMixin, HookWiringMixin, StepMixin, ReportsMixin):
+class Engine(ExternalMixin, StateDictMixin, HookWiringMixin, ReportsMixin):
     """Trains `module` with its model states in chunks. Build with tidal.initialize()."""
 
     def __init__(self, model: torch.nn.Module, config=None, model_parameters=None):
@@ -106,8 +105,7 @@ class Engine(ExternalMixin, StateDictMixin, HookWiringMixin, StepMixin, ReportsM
         except BaseException:
             if self.recompute_plan is not None:
                 self.recompute_plan.remove()
-            if store.release_if_empty():  # an NVMe tier's file goes now, not with the traceback
-                self.chunks = None
+            store.release_if_empty()  # an NVMe tier's file goes now, not with the traceback
             raise
         if self.recompute_plan is not None:
             self.recompute_plan.parameter_aliases = self._saved_tensor_pair
@@ -115,7 +113,6 @@ class Engine(ExternalMixin, StateDictMixin, HookWiringMixin, StepMixin, ReportsM
     def _setup(self, model, cfg, store):
         store.adopted()
         self.store = store
-        self.chunks = store.chunks
         self.dtype = store.dtype
         self.precision = store.precision
 
@@ -141,27 +138,11 @@ class Engine(ExternalMixin, StateDictMixin, HookWiringMixin, StepMixin, ReportsM
         if self.dp is not None:
             check_ranks_agree(self.dp, cfg, store, self.records, self._group_state())
 
-        # Optimizer, loss scaling.
-        # DeepSpeed's LR schedules; stepped after each optimizer step that
-        # was not skipped by an fp16 overflow.
-        self.lr_scheduler = build_scheduler(cfg)
-        # deepspeed.initialize's lr_scheduler argument (tidal.deepspeed): a
-        # scheduler over self.optimizer, stepped after each applied step.
-        self.client_lr_scheduler = None
+        # DeepSpeed's LR schedule from the config, built here so that a bad
+        # one fails before anything is hooked; the step (self._step, below)
+        # owns it.
+        lr_scheduler = build_scheduler(cfg)
         self.training_dataloader = None  # tidal.deepspeed.initialize(training_data=...)
-        self.lr, self.betas = cfg.lr, cfg.betas
-        self.apply_lr_schedule()
-        self.global_steps = 0
-        self.global_samples = 0  # samples of the steps taken, as DeepSpeed counts them
-        self._step_applied = False
-        self.skipped_steps = 0
-        self._last_grad_norm: float | None = None
-        if self.precision == "fp16":
-            self.scaler = StaticLossScaler(cfg.loss_scale) if cfg.loss_scale > 0 else \
-                DynamicLossScaler(cfg.initial_scale_power, cfg.loss_scale_window, cfg.hysteresis,
-                                  cfg.min_loss_scale)
-        else:
-            self.scaler = StaticLossScaler(1.0)
 
         # Hook state (the parameters' use counts and attached flags are in
         # self._hooks, made below).
@@ -206,21 +187,10 @@ class Engine(ExternalMixin, StateDictMixin, HookWiringMixin, StepMixin, ReportsM
         self._cuda_room = self._cuda and isinstance(store.device.memory_provider(), _C.TorchMemoryProvider)
         if self._cuda_room:
             _C.chunks.reset_cuda_room_counts()
-        self._relayout_done = False
-        self.relayouts = 0
-        self.relayout_skipped: str | None = None
-        if self.dp is not None:
-            # It would move records between owners (Note [Data parallel by chunk]).
-            self._relayout_done = True
-            self.relayout_skipped = "data parallel: the chunk layout decides each chunk's owner"
 
         # What the steps measure (memory_report()).
         self._meters = StepMeters()
         self._meters.start(self.chunks.stats())
-        # The optimizer step of a chunk on the device (hooks/chunk_step.h): torch's
-        # fused kernel on a GPU; cpu_adam's SIMD kernel on the simulated
-        # device, whose memory is host memory.
-        self._device_adam_kernel = "fused" if self._cuda else "simd"
         # DTR of activations (Note [DTR under the training engine]).
         self.dtr = DtrLink(self, cfg.dtr)
         # CPU Adam during backward (Note [CPU Adam during backward] in overlap.py).
@@ -236,6 +206,13 @@ class Engine(ExternalMixin, StateDictMixin, HookWiringMixin, StepMixin, ReportsM
             self._dp_step = ChunkDataParallel(self.dp, store, self._params.record_list,
                                               self._params.record_index, self._hooks, self._overlap,
                                               self._accumulation.summing)
+        # The optimizer step, its counters, loss scaler and LR schedule.
+        self._step = OptimizerStep(
+            cfg, store, self._params, self.optimizer, lr_scheduler, self._accumulation, self._hooks,
+            self._tracer, self._meters, self.dtr, self._overlap, self._dp_step,
+            settle_outside=self._settle_outside, stop_counting=lambda: self._count(False),
+            end_trace_step=self._end_trace_step, check_budget=self._check_budget,
+            host_short=self._host_short)
         store.engine_ref = weakref.ref(self)
         # Saved tensors that alias a parameter's slot are packed as (parameter,
         # geometry) and rebuilt from its data in backward, so nothing keeps a
@@ -274,6 +251,10 @@ class Engine(ExternalMixin, StateDictMixin, HookWiringMixin, StepMixin, ReportsM
         tracer = getattr(self, "_tracer", None)
         if tracer is not None and not tracer.warmed_up:
             tracer.set_warmup_room(self._budget.warmup_chunk_room)
+
+    def _host_short(self) -> bool:
+        """The host budget is too small for the state (Note [One place per chunk])."""
+        return self._budget.spilled_floor > 0 or self.chunks.stats()["spills"] > 0
 
     def _install_hooks(self):
         """The module and gradient hooks: C++ callables (Note [Hooks torch
@@ -480,7 +461,97 @@ class Engine(ExternalMixin, StateDictMixin, HookWiringMixin, StepMixin, ReportsM
 
     @property
     def loss_scale(self) -> float:
-        return self.scaler.scale
+        return self._step.scaler.scale
+
+    # ------------------------------------------------------ the step's state
+    # DeepSpeed's names for what the optimizer step owns (OptimizerStep,
+    # self._step); settable where a checkpoint's load or
+    # tidal.deepspeed.initialize sets them.
+    @property
+    def chunks(self):
+        """The chunk scheduler (tidal._C.chunks.Chunks): the store's, which
+        the relayout after the warm-up step replaces."""
+        return self.store.chunks
+
+    @property
+    def scaler(self):
+        """The loss scaler (StaticLossScaler, or DynamicLossScaler in fp16 with loss_scale 0)."""
+        return self._step.scaler
+
+    @property
+    def lr_scheduler(self):
+        """The config's LR schedule (tidal.lr_schedules), or None."""
+        return self._step.lr_scheduler
+
+    @property
+    def client_lr_scheduler(self):
+        """deepspeed.initialize's lr_scheduler (tidal.deepspeed), or None."""
+        return self._step.client_lr_scheduler
+
+    @client_lr_scheduler.setter
+    def client_lr_scheduler(self, value):
+        self._step.client_lr_scheduler = value
+
+    @property
+    def lr(self) -> float:
+        """The LR schedule's learning rate for the next step (the config's without one)."""
+        return self._step.lr
+
+    @lr.setter
+    def lr(self, value: float):
+        self._step.lr = value
+
+    @property
+    def betas(self) -> tuple:
+        """Adam's betas for the next step (OneCycle cycles them)."""
+        return self._step.betas
+
+    @property
+    def global_steps(self) -> int:
+        """Optimizer steps taken, skipped ones included (DeepSpeed's count)."""
+        return self._step.global_steps
+
+    @global_steps.setter
+    def global_steps(self, value: int):
+        self._step.global_steps = value
+
+    @property
+    def global_samples(self) -> int:
+        """Samples of the steps taken, as DeepSpeed counts them."""
+        return self._step.global_samples
+
+    @global_samples.setter
+    def global_samples(self, value: int):
+        self._step.global_samples = value
+
+    @property
+    def skipped_steps(self) -> int:
+        """Steps skipped by an fp16 overflow."""
+        return self._step.skipped_steps
+
+    @skipped_steps.setter
+    def skipped_steps(self, value: int):
+        self._step.skipped_steps = value
+
+    @property
+    def relayouts(self) -> int:
+        """Relayouts into first-use order done (Note [Chunks in first-use order])."""
+        return self._step.relayouts
+
+    @property
+    def relayout_skipped(self) -> "str | None":
+        """Why the relayout after the warm-up step was skipped, or None."""
+        return self._step.relayout_skipped
+
+    def step(self):
+        """The optimizer step, at gradient accumulation boundaries (as DeepSpeed)."""
+        self._settle_raw_backward()
+        return self._step.step()
+
+    def apply_lr_schedule(self):
+        """lr (and OneCycle's betas) for the next step from the LR scheduler's
+        position, for every parameter group in proportion (Note [Parameter groups])."""
+        self._step.apply_lr_schedule()
 
     def backward(self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True):
         """Backpropagates `loss`, scaled for fp16 and divided by the accumulation
@@ -630,7 +701,7 @@ class Engine(ExternalMixin, StateDictMixin, HookWiringMixin, StepMixin, ReportsM
         """The L2 norm of the unscaled gradients of the last optimizer step,
         before clipping (inf after an fp16 overflow); None before the first
         step. DeepSpeed's name."""
-        return self._last_grad_norm
+        return self._step.last_grad_norm
 
     # DeepSpeed's engine queries, with DeepSpeedEngine's names and results, so
     # a DeepSpeed training loop's logging runs as it is.
@@ -664,7 +735,7 @@ class Engine(ExternalMixin, StateDictMixin, HookWiringMixin, StepMixin, ReportsM
     def was_step_applied(self) -> bool:
         """Whether the last engine.step() changed the weights: False between
         accumulation boundaries, after an fp16 overflow and before any step."""
-        return self._step_applied
+        return self._step.applied
 
     def train_micro_batch_size_per_gpu(self) -> "int | None":
         """The config's micro batch (None when it names none)."""
@@ -729,7 +800,7 @@ class Engine(ExternalMixin, StateDictMixin, HookWiringMixin, StepMixin, ReportsM
         """Slots of `records` holding gradients being dropped get their
         weights back: from the masters this rank owns, and (data parallel)
         the others from their owners."""
-        self._restore_params([r for r in records if self.store.owns(r)])
+        self._step.restore_params([r for r in records if self.store.owns(r)])
         if self._dp_step is not None:
             self._dp_step.broadcast({r.chunk for r in records if r.trainable})
 

@@ -1,7 +1,7 @@
 """What the engine's steps measure, for memory_report() and the benchmarks:
 the optimizer's time and where it ran, and the chunk bytes each step moved.
 
-StepMeters is written by the step (step_mixin.py) and read by the reports
+StepMeters is written by the step (optimizer_step.py) and read by the reports
 (reports_mixin.py); nothing else changes it."""
 from __future__ import annotations
 

@@ -81,7 +81,7 @@ class ReportsMixin:
             return {r.name: self.store.gather(r) for r in self._params.records}
 
     def memory_report(self) -> dict:
-        s = self._scheduler_stats()
+        s = self._meters.scheduler_stats(self.chunks.stats())
         hits = s["prefetch_hits"]
         misses = s["misses"]
         steps = self._meters.bytes_per_step
