@@ -150,11 +150,11 @@ def step_calls_per_chunk(engine, x, y) -> float:
     engine.backward(loss)
     counting = _Counting(engine.chunks)
     before = engine._meters.adam_device_chunks + engine._meters.adam_host_chunks
-    engine.chunks = counting
+    engine.store.chunks = counting  # (engine.chunks is the store's)
     try:
         engine.step()
     finally:
-        engine.chunks = counting._chunks
+        engine.store.chunks = counting._chunks
     chunks = engine._meters.adam_device_chunks + engine._meters.adam_host_chunks - before
     return counting.calls / max(chunks, 1)
 

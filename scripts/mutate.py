@@ -72,9 +72,9 @@ T = "tests/python/"
 MUTATIONS: tuple[Mutation, ...] = (
     Mutation(
         name="clip-cap",
-        path="python/tidal/engine/step_mixin.py",
-        old="clip = min(1.0, self.config.gradient_clipping / (norm + 1e-6))",
-        new="clip = self.config.gradient_clipping / (norm + 1e-6)",
+        path="python/tidal/engine/optimizer_step.py",
+        old="clip = min(1.0, self._config.gradient_clipping / (norm + 1e-6))",
+        new="clip = self._config.gradient_clipping / (norm + 1e-6)",
         tests=(T + "test_engine.py::test_clipping_that_fires_on_some_steps_only_matches_clip_grad_norm",
                T + "test_engine_accumulation.py::"
                    "test_clipping_of_the_summed_gradients_fires_where_clip_grad_norm_does",
@@ -89,9 +89,9 @@ MUTATIONS: tuple[Mutation, ...] = (
         what="load_checkpoint no longer checks a slot's CRC-32: a corrupt file loads"),
     Mutation(
         name="bias-correction-step",
-        path="python/tidal/engine/step_mixin.py",
-        old="[r.step for r in members]) for g, members in self._by_group(recs)]",
-        new="[r.step + 1 for r in members]) for g, members in self._by_group(recs)]",
+        path="python/tidal/engine/optimizer_step.py",
+        old="[r.step for r in members])\n",
+        new="[r.step + 1 for r in members])\n",
         tests=(T + "test_engine.py::test_gpt_fp32_matches_adamw_under_a_small_budget",),
         what="the engine hands the chunk step one Adam step too many (bias correction of step t + 1)"),
     Mutation(

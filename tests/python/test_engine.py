@@ -126,7 +126,7 @@ def test_device_chunk_steps_match_adamw_with_clipping(kernel):
     cfg = config(hybrid_adam=True, budget="64MiB")
     cfg["gradient_clipping"] = 0.05
     engine = tidal.initialize(model, cfg)
-    engine._device_adam_kernel = kernel
+    engine._step.device_adam_kernel = kernel
     losses = train_tidal(engine, batches)
     assert_close(engine, ref, ref_losses, losses)
     report = engine.memory_report()
@@ -150,7 +150,7 @@ def test_device_steps_without_bias_correction_agree_between_the_kernels(accumula
         cfg["optimizer"]["params"]["bias_correction"] = False
         cfg["gradient_accumulation_steps"] = accumulation
         engine = tidal.initialize(model, cfg)
-        engine._device_adam_kernel = kernel
+        engine._step.device_adam_kernel = kernel
         train_tidal(engine, gpt_batches(2 * accumulation))  # two steps, as the test below
         assert engine.memory_report()["adam_chunks_on_device"] > 0
         within_budget(engine)
@@ -189,7 +189,7 @@ def test_device_steps_without_bias_correction_match_a_plain_reference(kernel):
     cfg = config(hybrid_adam=True, budget="64MiB", chunk=1 << 16)
     cfg["optimizer"]["params"]["bias_correction"] = False
     engine = tidal.initialize(model, cfg)
-    engine._device_adam_kernel = kernel
+    engine._step.device_adam_kernel = kernel
     losses = train_tidal(engine, batches)
     assert engine.memory_report()["adam_chunks_on_device"] > 0
     within_budget(engine)
@@ -216,7 +216,7 @@ def test_device_chunk_steps_in_16_bit_agree_between_the_kernels(precision):
         cfg["gradient_clipping"] = 0.05
         cfg[precision] = {"enabled": True}
         engine = tidal.initialize(model, cfg)
-        engine._device_adam_kernel = kernel
+        engine._step.device_adam_kernel = kernel
         train_tidal(engine, gpt_batches(2))
         assert engine.skipped_steps == 0
         assert engine.memory_report()["adam_chunks_on_device"] > 0

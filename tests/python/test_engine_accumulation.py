@@ -99,7 +99,7 @@ def test_fp32_accumulation_matches_adamw(where):
         cfg["tidal"]["device_memory_budget"] = measured_budget(model, cfg, batches)
     engine = tidal.initialize(model, cfg)
     if where != "moving":
-        engine._device_adam_kernel = where.split("-")[1]
+        engine._step.device_adam_kernel = where.split("-")[1]
     losses = train(engine, batches)
     assert engine.global_steps == 4
     for a, b in zip(ref_losses, losses):

@@ -72,7 +72,7 @@ def test_bf16_moments_match_an_independent_reference(side):
         cfg = config(hybrid_adam=True)
     engine = tidal.initialize(model, cfg)
     if side == "device-fused":
-        engine._device_adam_kernel = "fused"  # torch's fused AdamW over fp32 temporaries
+        engine._step.device_adam_kernel = "fused"  # torch's fused AdamW over fp32 temporaries
     losses = train_tidal(engine, batches)
     r = engine.memory_report()
     assert r["state_bytes_per_param"] == 12  # fp32 training: 4 + 4 + 2 + 2

@@ -84,7 +84,7 @@ def test_groups_match_torch_adamw_over_20_steps(recipe, side):
     if side == "device-fused":
         # torch's fused AdamW per group, the kernel of the device side on a
         # GPU, here over the simulated device's CPU tensors.
-        engine._device_adam_kernel = "fused"
+        engine._step.device_adam_kernel = "fused"
     losses = train_tidal(engine, batches)
     assert_close(engine, ref, ref_losses, losses)
     report = engine.memory_report()

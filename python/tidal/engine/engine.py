@@ -8,16 +8,26 @@ python/tidal/engine/hooks.py for the hook protocol. One step:
     engine.step()               # Adam per chunk: on the device (hybrid) or CPU
 
 Engine is this file (set-up, forward, backward, gradient accumulation,
-checkpoint entry points, the reports' public methods) and mixins split along
-its sections, each reading the attributes Engine.__init__ sets:
-hook_wiring.py (module and parameter hooks, the tracer), step_mixin.py (the
-optimizer step), external_mixin.py (parameters read outside their module, a
-raw loss.backward()). Objects of their own, not mixins, each owning its state
-and given what it reads at construction: chunk_data_parallel.py's
-ChunkDataParallel (data parallel, self._dp_step), state_dict_bridge.py's
-StateDictBridge (model.state_dict() and load_state_dict() through the chunks,
-self._state_dict_bridge) and reports.py's EngineReports (memory_report() and
-the memory timeline and profile, self._reports).
+checkpoint entry points, DeepSpeed's engine queries) and two mixins split
+along its sections, each reading the attributes Engine.__init__ sets:
+hook_wiring.py (module and parameter hooks, the tracer) and external_mixin.py
+(parameters read outside their module, a raw loss.backward()). Every other
+concern is an object of its own, owning its state and given what it reads at
+construction:
+  ParamTable (params.py, self._params): the modules, records and their indexes;
+  budget.check (budget.py, self._budget): the device room the model needs;
+  GradientAccumulation (accumulation.py, self._accumulation): the window, the
+    landed gradients and their folds into sums;
+  OptimizerStep (optimizer_step.py, self._step): the step, its counters, loss
+    scaler, LR schedules and the relayout;
+  StepMeters (meters.py, self._meters): what the steps measure;
+  ChunkDataParallel (chunk_data_parallel.py, self._dp_step): data parallel;
+  StateDictBridge (state_dict_bridge.py, self._state_dict_bridge):
+    model.state_dict() and load_state_dict() through the chunks;
+  EngineReports (reports.py, self._reports): memory_report(), the timeline
+    and profile;
+  StepOverlap (overlap.py), DtrLink (dtr_link.py) and the ParamStore
+    (store.py), which lays the parameters out in chunks.
 """
 from __future__ import annotations
 
@@ -41,10 +51,10 @@ from . import guards as _guards
 from . import param_groups as _param_groups
 from .dtr_link import DtrLink
 from .errors import UnsupportedModelError, UsageError
-from .loss_scaler import DynamicLossScaler, StaticLossScaler
 from .accumulation import GradientAccumulation
 from .overlap import StepOverlap
 from .meters import StepMeters
+from .optimizer_step import OptimizerStep
 from .params import ParamTable
 from .reports import EngineReports
 from .state_dict_bridge import StateDictBridge
@@ -53,14 +63,13 @@ from .common import OutOfMemoryError, _PLACEHOLDER_HINT, _weak_method
 from .chunk_data_parallel import ChunkDataParallel, check_ranks_agree
 from .external_mixin import ExternalMixin
 from .hook_wiring import HookWiringMixin
-from .step_mixin import StepMixin
 
 # tidal.simulated_allocator "auto": torch's caching rules from this device
 # budget on (its 2 and 20 MiB segments are too coarse below).
 SIM_CACHING_MIN_BUDGET = 1 << 30
 
 
-class Engine(ExternalMixin, HookWiringMixin, StepMixin):
+class Engine(ExternalMixin, HookWiringMixin):
     """Trains `module` with its model states in chunks. Build with tidal.initialize()."""
 
     def __init__(self, model: torch.nn.Module, config=None, model_parameters=None):
@@ -109,8 +118,7 @@ class Engine(ExternalMixin, HookWiringMixin, StepMixin):
         except BaseException:
             if self.recompute_plan is not None:
                 self.recompute_plan.remove()
-            if store.release_if_empty():  # an NVMe tier's file goes now, not with the traceback
-                self.chunks = None
+            store.release_if_empty()  # an NVMe tier's file goes now, not with the traceback
             raise
         if self.recompute_plan is not None:
             self.recompute_plan.parameter_aliases = self._saved_tensor_pair
@@ -118,7 +126,6 @@ class Engine(ExternalMixin, HookWiringMixin, StepMixin):
     def _setup(self, model, cfg, store):
         store.adopted()
         self.store = store
-        self.chunks = store.chunks
         self.dtype = store.dtype
         self.precision = store.precision
 
@@ -144,27 +151,11 @@ class Engine(ExternalMixin, HookWiringMixin, StepMixin):
         if self.dp is not None:
             check_ranks_agree(self.dp, cfg, store, self.records, self._group_state())
 
-        # Optimizer, loss scaling.
-        # DeepSpeed's LR schedules; stepped after each optimizer step that
-        # was not skipped by an fp16 overflow.
-        self.lr_scheduler = build_scheduler(cfg)
-        # deepspeed.initialize's lr_scheduler argument (tidal.deepspeed): a
-        # scheduler over self.optimizer, stepped after each applied step.
-        self.client_lr_scheduler = None
+        # DeepSpeed's LR schedule from the config, built here so that a bad
+        # one fails before anything is hooked; the step (self._step, below)
+        # owns it.
+        lr_scheduler = build_scheduler(cfg)
         self.training_dataloader = None  # tidal.deepspeed.initialize(training_data=...)
-        self.lr, self.betas = cfg.lr, cfg.betas
-        self.apply_lr_schedule()
-        self.global_steps = 0
-        self.global_samples = 0  # samples of the steps taken, as DeepSpeed counts them
-        self._step_applied = False
-        self.skipped_steps = 0
-        self._last_grad_norm: float | None = None
-        if self.precision == "fp16":
-            self.scaler = StaticLossScaler(cfg.loss_scale) if cfg.loss_scale > 0 else \
-                DynamicLossScaler(cfg.initial_scale_power, cfg.loss_scale_window, cfg.hysteresis,
-                                  cfg.min_loss_scale)
-        else:
-            self.scaler = StaticLossScaler(1.0)
 
         # Hook state (the parameters' use counts and attached flags are in
         # self._hooks, made below).
@@ -209,21 +200,10 @@ class Engine(ExternalMixin, HookWiringMixin, StepMixin):
         self._cuda_room = self._cuda and isinstance(store.device.memory_provider(), _C.TorchMemoryProvider)
         if self._cuda_room:
             _C.chunks.reset_cuda_room_counts()
-        self._relayout_done = False
-        self.relayouts = 0
-        self.relayout_skipped: str | None = None
-        if self.dp is not None:
-            # It would move records between owners (Note [Data parallel by chunk]).
-            self._relayout_done = True
-            self.relayout_skipped = "data parallel: the chunk layout decides each chunk's owner"
 
         # What the steps measure (memory_report()).
         self._meters = StepMeters()
         self._meters.start(self.chunks.stats())
-        # The optimizer step of a chunk on the device (hooks/chunk_step.h): torch's
-        # fused kernel on a GPU; cpu_adam's SIMD kernel on the simulated
-        # device, whose memory is host memory.
-        self._device_adam_kernel = "fused" if self._cuda else "simd"
         # DTR of activations (Note [DTR under the training engine]).
         self.dtr = DtrLink(self, cfg.dtr)
         # CPU Adam during backward (Note [CPU Adam during backward] in overlap.py).
@@ -245,6 +225,13 @@ class Engine(ExternalMixin, HookWiringMixin, StepMixin):
             self._dp_step = ChunkDataParallel(self.dp, store, self._params.record_list,
                                               self._params.record_index, self._hooks, self._overlap,
                                               self._accumulation.summing)
+        # The optimizer step, its counters, loss scaler and LR schedule.
+        self._step = OptimizerStep(
+            cfg, store, self._params, self.optimizer, lr_scheduler, self._accumulation, self._hooks,
+            self._tracer, self._meters, self.dtr, self._overlap, self._dp_step,
+            settle_outside=self._settle_outside, stop_counting=lambda: self._count(False),
+            end_trace_step=self._end_trace_step, check_budget=self._check_budget,
+            host_short=self._host_short)
         # What the engine reports (memory_report() and the others); the step's
         # counts are read when a report is made.
         self._reports = EngineReports(
@@ -290,6 +277,10 @@ class Engine(ExternalMixin, HookWiringMixin, StepMixin):
         tracer = getattr(self, "_tracer", None)
         if tracer is not None and not tracer.warmed_up:
             tracer.set_warmup_room(self._budget.warmup_chunk_room)
+
+    def _host_short(self) -> bool:
+        """The host budget is too small for the state (Note [One place per chunk])."""
+        return self._budget.spilled_floor > 0 or self.chunks.stats()["spills"] > 0
 
     def _install_hooks(self):
         """The module and gradient hooks: C++ callables (Note [Hooks torch
@@ -533,7 +524,97 @@ class Engine(ExternalMixin, HookWiringMixin, StepMixin):
 
     @property
     def loss_scale(self) -> float:
-        return self.scaler.scale
+        return self._step.scaler.scale
+
+    # ------------------------------------------------------ the step's state
+    # DeepSpeed's names for what the optimizer step owns (OptimizerStep,
+    # self._step); settable where a checkpoint's load or
+    # tidal.deepspeed.initialize sets them.
+    @property
+    def chunks(self):
+        """The chunk scheduler (tidal._C.chunks.Chunks): the store's, which
+        the relayout after the warm-up step replaces."""
+        return self.store.chunks
+
+    @property
+    def scaler(self):
+        """The loss scaler (StaticLossScaler, or DynamicLossScaler in fp16 with loss_scale 0)."""
+        return self._step.scaler
+
+    @property
+    def lr_scheduler(self):
+        """The config's LR schedule (tidal.lr_schedules), or None."""
+        return self._step.lr_scheduler
+
+    @property
+    def client_lr_scheduler(self):
+        """deepspeed.initialize's lr_scheduler (tidal.deepspeed), or None."""
+        return self._step.client_lr_scheduler
+
+    @client_lr_scheduler.setter
+    def client_lr_scheduler(self, value):
+        self._step.client_lr_scheduler = value
+
+    @property
+    def lr(self) -> float:
+        """The LR schedule's learning rate for the next step (the config's without one)."""
+        return self._step.lr
+
+    @lr.setter
+    def lr(self, value: float):
+        self._step.lr = value
+
+    @property
+    def betas(self) -> tuple:
+        """Adam's betas for the next step (OneCycle cycles them)."""
+        return self._step.betas
+
+    @property
+    def global_steps(self) -> int:
+        """Optimizer steps taken, skipped ones included (DeepSpeed's count)."""
+        return self._step.global_steps
+
+    @global_steps.setter
+    def global_steps(self, value: int):
+        self._step.global_steps = value
+
+    @property
+    def global_samples(self) -> int:
+        """Samples of the steps taken, as DeepSpeed counts them."""
+        return self._step.global_samples
+
+    @global_samples.setter
+    def global_samples(self, value: int):
+        self._step.global_samples = value
+
+    @property
+    def skipped_steps(self) -> int:
+        """Steps skipped by an fp16 overflow."""
+        return self._step.skipped_steps
+
+    @skipped_steps.setter
+    def skipped_steps(self, value: int):
+        self._step.skipped_steps = value
+
+    @property
+    def relayouts(self) -> int:
+        """Relayouts into first-use order done (Note [Chunks in first-use order])."""
+        return self._step.relayouts
+
+    @property
+    def relayout_skipped(self) -> "str | None":
+        """Why the relayout after the warm-up step was skipped, or None."""
+        return self._step.relayout_skipped
+
+    def step(self):
+        """The optimizer step, at gradient accumulation boundaries (as DeepSpeed)."""
+        self._settle_raw_backward()
+        return self._step.step()
+
+    def apply_lr_schedule(self):
+        """lr (and OneCycle's betas) for the next step from the LR scheduler's
+        position, for every parameter group in proportion (Note [Parameter groups])."""
+        self._step.apply_lr_schedule()
 
     def backward(self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True):
         """Backpropagates `loss`, scaled for fp16 and divided by the accumulation
@@ -683,7 +764,7 @@ class Engine(ExternalMixin, HookWiringMixin, StepMixin):
         """The L2 norm of the unscaled gradients of the last optimizer step,
         before clipping (inf after an fp16 overflow); None before the first
         step. DeepSpeed's name."""
-        return self._last_grad_norm
+        return self._step.last_grad_norm
 
     # DeepSpeed's engine queries, with DeepSpeedEngine's names and results, so
     # a DeepSpeed training loop's logging runs as it is.
@@ -717,7 +798,7 @@ class Engine(ExternalMixin, HookWiringMixin, StepMixin):
     def was_step_applied(self) -> bool:
         """Whether the last engine.step() changed the weights: False between
         accumulation boundaries, after an fp16 overflow and before any step."""
-        return self._step_applied
+        return self._step.applied
 
     def train_micro_batch_size_per_gpu(self) -> "int | None":
         """The config's micro batch (None when it names none)."""
@@ -782,7 +863,7 @@ class Engine(ExternalMixin, HookWiringMixin, StepMixin):
         """Slots of `records` holding gradients being dropped get their
         weights back: from the masters this rank owns, and (data parallel)
         the others from their owners."""
-        self._restore_params([r for r in records if self.store.owns(r)])
+        self._step.restore_params([r for r in records if self.store.owns(r)])
         if self._dp_step is not None:
             self._dp_step.broadcast({r.chunk for r in records if r.trainable})
 

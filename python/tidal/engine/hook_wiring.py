@@ -51,6 +51,7 @@ from . import hooks as _hooks
 from .errors import UnsupportedModelError
 
 from .common import OutOfMemoryError
+from .store import HOST, PARAM32
 
 
 class HookWiringMixin:
@@ -296,6 +297,12 @@ class HookWiringMixin:
         if attached:
             self._attach([record], None, replay=True)
         return record.param.data.as_strided(size, stride, offset), attached
+
+    def _weight_from_master(self, record) -> torch.Tensor:
+        """A temporary device tensor holding `record`'s 16-bit weight, made from
+        its fp32 master (while its 16-bit slot holds a gradient)."""
+        with torch.no_grad(), _dtr.outside(), self.store.slots(record, (PARAM32,), HOST) as (src,):
+            return src.to(self.store.torch_device, self.dtype, copy=True)
 
     def release_replayed(self, records):
         """Detaches what replay_view() attached once no forward uses it."""

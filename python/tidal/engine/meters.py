@@ -1,8 +1,8 @@
 """What the engine's steps measure, for memory_report() and the benchmarks:
 the optimizer's time and where it ran, and the chunk bytes each step moved.
 
-StepMeters is written by the step (step_mixin.py) and read by the reports
-(EngineReports, reports.py); nothing else changes it."""
+StepMeters is written by the step (OptimizerStep, optimizer_step.py) and read by
+the reports (EngineReports, reports.py); nothing else changes it."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field

@@ -148,6 +148,7 @@ import torch
 
 from .. import _C
 from .. import dtr as _dtr
+from .optimizer_step import by_group
 from .store import DEVICE, GRAD32, HOST, MOMENTUM, PARAM16, PARAM32, VARIANCE, uncounted
 
 _KINDS = (PARAM16, PARAM32, MOMENTUM, VARIANCE)
@@ -320,7 +321,7 @@ class StepOverlap:
         for r in recs:
             r.step += 1
         calls = []
-        for group, members in e._by_group(recs):
+        for group, members in by_group(e.optimizer.param_groups, recs):
             b1, b2 = group["betas"]
             # The step's own arithmetic (hooks/chunk_step.cpp, simd_step):
             # loss_scale is 1 / grad_scale, with grad_scale = clip / scale at clip 1.

@@ -2,39 +2,159 @@
 chunk on the host (cpu_adam, SIMD) or the device (hybrid Adam), the
 learning-rate schedule and the relayout after the warm-up step.
 
-A mixin of Engine (engine.py), split from it along its sections; it uses
-the engine's attributes set in Engine.__init__."""
+OptimizerStep owns the step's state (the counters DeepSpeed's engine
+exposes, the loss scaler, the LR schedulers, the relayout's outcome); the
+Engine keeps DeepSpeed's names for them as properties that read and write
+it (engine.global_steps, engine.lr, ...)."""
 from __future__ import annotations
 
 import collections
 import math
 import time
 import warnings
+from typing import Callable
 
 import torch
 
 from .. import dtr as _dtr
 from . import param_groups as _param_groups
-from .store import (DEVICE, GRAD32, HOST, MOMENTUM, PARAM16, PARAM32, VARIANCE, RelayoutError,
-                    uncounted)
-
 from .errors import UsageError
+from .loss_scaler import DynamicLossScaler, StaticLossScaler
+from .store import GRAD32, HOST, DEVICE, MOMENTUM, PARAM16, PARAM32, VARIANCE, RelayoutError, uncounted
+
+__all__ = ["OptimizerStep", "by_group"]
 
 
-class StepMixin:
+def by_group(param_groups: list, recs) -> list:
+    """[(param group, its records among `recs`)] in group order: one update
+    call per group of a chunk (Note [Parameter groups]); the step's and
+    StepOverlap's updates alike.
+
+    Args:
+        param_groups: the engine optimizer's param_groups.
+        recs: records of one chunk.
+    """
+    groups = collections.defaultdict(list)
+    for r in recs:
+        groups[r.group].append(r)
+    return [(param_groups[gi], members) for gi, members in sorted(groups.items())]
+
+
+class OptimizerStep:
+    """engine.step(): at an accumulation boundary, the gradient norm over
+    the waiting gradients, the clip, the fp16 overflow check and the loss
+    scale's update, Adam chunk by chunk (Note [The step of a chunk in one
+    call] in hooks/chunk_step.h), the LR schedule, and after the warm-up
+    step the relayout into first-use order (Note [Chunks in first-use
+    order]). Made by the engine once its hooks, accumulation and data
+    parallel exist, one per engine.
+
+    It owns the step's state: global_steps, global_samples, skipped_steps,
+    whether the last step was applied and its gradient norm, the loss
+    scaler, the LR (lr, betas) and its schedulers (the config's, and a
+    client's from tidal.deepspeed.initialize), the relayout's outcome
+    (relayouts, relayout_skipped) and which kernel a device update uses
+    (device_adam_kernel: "fused", torch's kernel on a GPU, or "simd",
+    cpu_adam's over the simulated device's host memory). It writes the
+    chunks through the scheduler (read from store.chunks at each use: the
+    relayout replaces it), the optimizer's param_groups (the LR schedule),
+    the records' step counts, and the meters.
+
+    It holds no reference to the engine: the engine's pieces it calls are
+    passed in as callables.
+
+    Args:
+        config: the engine's Config.
+        store: the ParamStore holding the chunks.
+        params: the engine's ParamTable (the relayout reorders it).
+        optimizer: the engine's EngineOptimizer (its param_groups).
+        lr_scheduler: the config's LR schedule (tidal.lr_schedules), or None.
+        accumulation: the engine's GradientAccumulation (the window, the
+            gradients waiting for the step).
+        hooks: the engine's ModuleHooks (the gradient norm, the first-use
+            order, the scheduler the hooks use).
+        tracer: the engine's MemoryTracer (room before a host-short step;
+            the scheduler it meters).
+        meters: the engine's StepMeters.
+        dtr: the engine's DtrLink (the step changes the weights).
+        overlap: the engine's StepOverlap, or None without tidal.overlap_step.
+        dp_step: the engine's ChunkDataParallel, or None without data parallel.
+        settle_outside: the engine's _settle_outside (writes and reads of
+            parameters outside a forward go back to their chunks).
+        stop_counting: stops the simulated device's meter (engine._count(False)).
+        end_trace_step: ends the tracer's step (engine._end_trace_step).
+        check_budget: the device-room check, again after the relayout
+            (engine._check_budget).
+        host_short: whether the host budget is too small for the state
+            (engine._host_short; Note [One place per chunk]).
+    """
+
+    def __init__(self, config, store, params, optimizer, lr_scheduler, accumulation, hooks, tracer,
+                 meters, dtr, overlap, dp_step, *, settle_outside: Callable[[], None],
+                 stop_counting: Callable[[], None], end_trace_step: Callable[[], None],
+                 check_budget: Callable[[], None], host_short: Callable[[], bool]):
+        self._config = config
+        self._store = store
+        self._params = params
+        self._optimizer = optimizer
+        self._accumulation = accumulation
+        self._hooks = hooks
+        self._tracer = tracer
+        self._meters = meters
+        self._dtr = dtr
+        self._overlap = overlap
+        self._dp_step = dp_step
+        self._settle_outside = settle_outside
+        self._stop_counting = stop_counting
+        self._end_trace_step = end_trace_step
+        self._check_budget = check_budget
+        self._host_short = host_short
+        # DeepSpeed's LR schedules; stepped after each optimizer step that
+        # was not skipped by an fp16 overflow.
+        self.lr_scheduler = lr_scheduler
+        # deepspeed.initialize's lr_scheduler argument (tidal.deepspeed): a
+        # scheduler over the engine's optimizer, stepped after each applied step.
+        self.client_lr_scheduler = None
+        self.lr, self.betas = config.lr, config.betas
+        self.apply_lr_schedule()
+        self.global_steps = 0
+        self.global_samples = 0  # samples of the steps taken, as DeepSpeed counts them
+        self.applied = False
+        self.skipped_steps = 0
+        self.last_grad_norm: float | None = None
+        if store.precision == "fp16":
+            self.scaler = StaticLossScaler(config.loss_scale) if config.loss_scale > 0 else \
+                DynamicLossScaler(config.initial_scale_power, config.loss_scale_window,
+                                  config.hysteresis, config.min_loss_scale)
+        else:
+            self.scaler = StaticLossScaler(1.0)
+        self._relayout_done = False
+        self.relayouts = 0
+        self.relayout_skipped: str | None = None
+        if dp_step is not None:
+            # It would move records between owners (Note [Data parallel by chunk]).
+            self._relayout_done = True
+            self.relayout_skipped = "data parallel: the chunk layout decides each chunk's owner"
+        # The optimizer step of a chunk on the device (hooks/chunk_step.h): torch's
+        # fused kernel on a GPU; cpu_adam's SIMD kernel on the simulated
+        # device, whose memory is host memory.
+        self.device_adam_kernel = "fused" if store.torch_device.type == "cuda" else "simd"
+
     def step(self):
-        """The optimizer step, at gradient accumulation boundaries (as DeepSpeed)."""
-        self._settle_raw_backward()
-        self._step_applied = False
-        if self.micro_steps == 0 or not self.is_gradient_accumulation_boundary():
+        """engine.step() once the engine settled a backward the script ran
+        itself: at an accumulation boundary after a backward, the update,
+        then the sample count and the client's LR scheduler. Returns whether
+        the step was applied (None where it did not step)."""
+        self.applied = False
+        if self._accumulation.micro_steps == 0 or not self._accumulation.is_boundary():
             return
-        with self.dtr.weights_change():
-            applied = self._step()
-        self._step_applied = bool(applied)
+        with self._dtr.weights_change():
+            applied = self._run()
+        self.applied = bool(applied)
         # DeepSpeed's count (managed accumulation, its default): the config's
         # train_batch_size per step, a window set_gradient_accumulation_boundary
         # cut short included.
-        self.global_samples += self.train_batch_size() or 0
+        self.global_samples += self._config.train_batch_size or 0
         # A client LR scheduler (tidal.deepspeed.initialize), after each applied
         # step as DeepSpeed's; last, so a scheduler that raises leaves a step
         # whose bookkeeping is done.
@@ -42,7 +162,7 @@ class StepMixin:
             self.client_lr_scheduler.step()
         return applied
 
-    def _step(self):
+    def _run(self):
         if self._dp_step is not None:
             self._dp_step.check()
         # Parameters still attached from a backward run without
@@ -50,7 +170,7 @@ class StepMixin:
         # the simulated device's meter, which engine.backward would have
         # stopped.
         self._settle_outside()
-        self._count(False)
+        self._stop_counting()
         accumulating = self._accumulation.summing
         t_exposed = time.perf_counter()
         overlap = self._overlap
@@ -64,24 +184,24 @@ class StepMixin:
         pending = self._accumulation.pending()
         # Data parallel: the update runs where the masters are; every rank
         # holds the gradients it reduced into the chunks it owns.
-        owned = pending if self.dp is None else [r for r in pending if self.store.owns(r)]
+        owned = pending if self._dp_step is None else [r for r in pending if self._store.owns(r)]
         norm, finite = self._grad_norm(owned)
         scale = self.scaler.scale
         overflow = not finite
         clip = 1.0
-        if not overflow and self.config.gradient_clipping > 0:
-            clip = min(1.0, self.config.gradient_clipping / (norm + 1e-6))
+        if not overflow and self._config.gradient_clipping > 0:
+            clip = min(1.0, self._config.gradient_clipping / (norm + 1e-6))
         # Note [Speculative updates and their undo]: the updates made during
         # backward stand where the step would have made them the same way,
         # and are undone (to be made here) where it clips or skips.
         done = set() if overlap is None else overlap.validate(not overflow and clip == 1.0)
         self._meters.adam_host_chunks += len(done)
-        if self.precision == "fp16":
+        if self._store.precision == "fp16":
             self.scaler.update(overflow)
         if overflow:
             self.skipped_steps += 1
             if not accumulating:  # (folds restored the weights already)
-                self._restore_params(owned)
+                self.restore_params(owned)
         else:
             dps = self._dp_step
             if dps is None:
@@ -111,18 +231,18 @@ class StepMixin:
             # torch's LR schedulers check that the optimizer stepped before
             # them (optimizer.step, wrapped, sets this flag); the engine's step
             # is that step, so a scheduler stepped after it does not warn.
-            self.optimizer._opt_called = True
+            self._optimizer._opt_called = True
         if self._dp_step is not None and overflow:
             # The owners' weights came back from their masters: the others'
             # from the owners.
             self._dp_step.broadcast(self._dp_step.chunks)
         self._accumulation.stepped(pending, owned)
         self._hooks.clear_grad_norm()
-        self._last_grad_norm = norm
+        self.last_grad_norm = norm
         self.global_steps += 1
-        self.chunks.end_step()
+        self._store.chunks.end_step()
         self._end_trace_step()
-        self._meters.end_step(self.chunks.stats())
+        self._meters.end_step(self._store.chunks.stats())
         if not self._relayout_done:
             self._relayout()
         return not overflow
@@ -133,8 +253,8 @@ class StepMixin:
         if self.lr_scheduler is not None:
             self.lr = self.lr_scheduler.get_lr()
             betas = self.lr_scheduler.get_betas()
-            self.betas = betas or self.config.betas
-            _param_groups.apply_schedule(self.optimizer.param_groups, self.lr, self.config.lr, betas)
+            self.betas = betas or self._config.betas
+            _param_groups.apply_schedule(self._optimizer.param_groups, self.lr, self._config.lr, betas)
 
     def _relayout(self):
         """After the warm-up step: chunks in first-use order (Note [Chunks in first-use order])."""
@@ -142,17 +262,17 @@ class StepMixin:
         self._hooks.set_track_first_use(False)
         used = [self._params.record_list[i] for i in self._hooks.take_first_use()]
         seen = set(map(id, used))
-        order = used + [r for r in self.store.records if id(r) not in seen]
-        if [r.id for r in order] == [r.id for r in self.store.records]:
+        order = used + [r for r in self._store.records if id(r) not in seen]
+        if [r.id for r in order] == [r.id for r in self._store.records]:
             return  # registration order was already the first-use order
-        s = self.chunks.stats()
+        s = self._store.chunks.stats()
         state = s["resident_bytes_host"] + s["resident_bytes_device"]
         # The new chunks are filled on the host while the old ones go: only
         # when the whole state fits the host budget beside both schedulers'
         # cached blocks (host_cache_blocks = 4 each, fp32 chunks of up to 2x
         # chunk_size). Otherwise the registration order stays.
-        host = self.store.capacity_bytes()[0]
-        if state + 16 * self.config.chunk_size > host:
+        host = self._store.capacity_bytes()[0]
+        if state + 16 * self._config.chunk_size > host:
             self.relayout_skipped = (f"the chunk state ({state} bytes) and the blocks of a "
                                      f"rebuild do not fit the host budget of {host} bytes")
             return
@@ -161,24 +281,21 @@ class StepMixin:
             for m, recs in self._params.module_records.items():
                 for r in recs:
                     owner.setdefault(id(r), id(m))
-            final = self.store.relayout(order, [owner.get(id(r)) for r in order])
+            final = self._store.relayout(order, [owner.get(id(r)) for r in order])
         except RelayoutError as e:
-            warnings.warn(f"tidal: {e}", stacklevel=3)
+            warnings.warn(f"tidal: {e}", stacklevel=4)  # (the frame of Engine.step)
             return
-        # The replaced scheduler's counters (its relayout copies included)
-        # stay in the reports.
-        self.chunks = self.store.chunks
-        self._tracer.set_chunks(self.chunks)
-        self._hooks.set_chunks(self.chunks, [r.id for r in self._params.record_list])
-        self._params.reorder(self.store.records)
-        self._meters.relayout(final, self.chunks.stats())
-        self.chunks.reserve_disk()
+        # The store holds the new scheduler (engine.chunks reads it there);
+        # the replaced one's counters (its relayout copies included) stay in
+        # the reports.
+        chunks = self._store.chunks
+        self._tracer.set_chunks(chunks)
+        self._hooks.set_chunks(chunks, [r.id for r in self._params.record_list])
+        self._params.reorder(self._store.records)
+        self._meters.relayout(final, chunks.stats())
+        chunks.reserve_disk()
         self._check_budget()
         self.relayouts += 1
-
-    def _scheduler_stats(self) -> dict:
-        """The scheduler's counters, including those of schedulers replaced by relayout."""
-        return self._meters.scheduler_stats(self.chunks.stats())
 
     # ----------------------------------------------------------- optimizer
     def _grad_norm(self, pending) -> tuple[float, bool]:
@@ -198,32 +315,15 @@ class StepMixin:
         total = math.sqrt(sum_squares) if finite else float("inf")
         return total / scale, finite and math.isfinite(total)
 
-    def _weight_from_master(self, record) -> torch.Tensor:
-        """A temporary device tensor holding `record`'s 16-bit weight, made from
-        its fp32 master (while its 16-bit slot holds a gradient)."""
-        with torch.no_grad(), _dtr.outside(), self.store.slots(record, (PARAM32,), HOST) as (src,):
-            return src.to(self.store.torch_device, self.dtype, copy=True)
-
-    def _restore_params(self, records):
-        """Gradients overwrote the 16-bit params: copy them back from fp32."""
+    def restore_params(self, records):
+        """Gradients overwrote the 16-bit params of `records`: copy them back
+        from fp32 (the trainable ones; the masters must be this rank's)."""
         with torch.no_grad(), uncounted():
             for r in records:
                 if not r.trainable:
                     continue
-                with self.store.slots(r, (PARAM16, PARAM32), HOST) as (dst, src):
+                with self._store.slots(r, (PARAM16, PARAM32), HOST) as (dst, src):
                     dst.copy_(src)
-
-    def _host_short(self) -> bool:
-        """The host budget is too small for the state (Note [One place per chunk])."""
-        return self._budget.spilled_floor > 0 or self.chunks.stats()["spills"] > 0
-
-    def _update_on_device(self, chunk: int, kinds, host_short: bool, prefer_device: bool) -> bool:
-        """Whether the update of `chunk` (the optimizer step, or a gradient
-        fold) runs on the device, where it then needs the chunks of `kinds`
-        beside its 16-bit chunk; prefer_device: whenever the device has room
-        (else only when the host is too full to take the 16-bit chunk). The
-        rule is C++'s, one call (hooks/chunk_step.h, update_on_device)."""
-        return self.chunks.update_on_device(chunk, list(kinds), host_short, prefer_device)
 
     def _adam(self, pending, grad_scale: float, order=None, after_chunk=None):
         """Adam on `pending`'s chunks, one chunk at a time: in `order` when
@@ -245,7 +345,7 @@ class StepMixin:
             # backward are over, so chunks may use what live tensors leave.
             # (Not otherwise: the budget of backward's last point already
             # plans for the next step's first interval.)
-            limit = self.store.device_budget - self.store.margin
+            limit = self._store.device_budget - self._store.margin
             self._tracer.make_room(max(0, limit - self._tracer.live()))
         with torch.no_grad(), uncounted():
             for chunk in sorted(by_chunk) if order is None else order:
@@ -258,17 +358,18 @@ class StepMixin:
         self._meters.adam_seconds += time.perf_counter() - t0 - outside
 
     def _adam_update(self, chunk, recs, grad_scale: float, kinds, host_short: bool):
-        cfg, c = self.config, self.chunks
+        cfg, c = self._config, self._store.chunks
         for r in recs:
             r.step += 1
         # Note [The step of a chunk in one call] (hooks/chunk_step.h): where
         # it runs, the pins, Adam per group and the releases, in one call.
         groups = [(g["lr"], *g["betas"], g["eps"], g["weight_decay"], [r.id for r in members],
-                   [r.step for r in members]) for g, members in self._by_group(recs)]
+                   [r.step for r in members])
+                  for g, members in by_group(self._optimizer.param_groups, recs)]
         space = c.step_chunk(chunk, groups, adamw_mode=cfg.adam_w_mode,
                              bias_correction=cfg.bias_correction, grad_scale=grad_scale,
                              use_sums=GRAD32 in kinds, prefer_device=cfg.hybrid_adam,
-                             host_short=host_short, device_simd=self._device_adam_kernel == "simd",
+                             host_short=host_short, device_simd=self.device_adam_kernel == "simd",
                              num_threads=cfg.cpu_adam_threads, pool=cfg.cpu_adam_pool)
         if space == DEVICE:
             self._meters.adam_device_chunks += 1
@@ -276,11 +377,3 @@ class StepMixin:
             self._meters.adam_host_chunks += 1
             if self._overlap is not None:
                 self._overlap.step_host_chunks.add(chunk)
-
-    def _by_group(self, recs):
-        """[(param group, its records among `recs`)] in group order: one
-        update call per group of a chunk (Note [Parameter groups])."""
-        by_group = collections.defaultdict(list)
-        for r in recs:
-            by_group[r.group].append(r)
-        return [(self.optimizer.param_groups[gi], members) for gi, members in sorted(by_group.items())]
