@@ -7,11 +7,12 @@ python/tidal/engine/hooks.py for the hook protocol. One step:
     engine.backward(loss)       # gradients land in the 16-bit slots
     engine.step()               # Adam per chunk: on the device (hybrid) or CPU
 
-Engine is this file (set-up, forward, backward, gradient accumulation,
-checkpoint entry points, DeepSpeed's engine queries) and two mixins split
-along its sections, each reading the attributes Engine.__init__ sets:
-hook_wiring.py (module and parameter hooks, the tracer) and external_mixin.py
-(parameters read outside their module, a raw loss.backward()). Every other
+Engine is this file (set-up, forward, backward, zero_grad, checkpoint entry
+points), engine_api.py (DeepSpeed's engine queries and nn.Module's methods,
+a base class without state of its own) and two mixins split along its
+sections, each reading the attributes Engine.__init__ sets: hook_wiring.py
+(module and parameter hooks, the tracer) and external_mixin.py (parameters
+read outside their module, a raw loss.backward()). Every other
 concern is an object of its own, owning its state and given what it reads at
 construction:
   ParamTable (params.py, self._params): the modules, records and their indexes;
@@ -31,7 +32,6 @@ construction:
 """
 from __future__ import annotations
 
-import os
 import warnings
 import weakref
 
@@ -63,13 +63,14 @@ from .common import OutOfMemoryError, _PLACEHOLDER_HINT, _weak_method
 from .chunk_data_parallel import ChunkDataParallel, check_ranks_agree
 from .external_mixin import ExternalMixin
 from .hook_wiring import HookWiringMixin
+from .engine_api import DeepSpeedEngineAPI
 
 # tidal.simulated_allocator "auto": torch's caching rules from this device
 # budget on (its 2 and 20 MiB segments are too coarse below).
 SIM_CACHING_MIN_BUDGET = 1 << 30
 
 
-class Engine(ExternalMixin, HookWiringMixin):
+class Engine(ExternalMixin, HookWiringMixin, DeepSpeedEngineAPI):
     """Trains `module` with its model states in chunks. Build with tidal.initialize()."""
 
     def __init__(self, model: torch.nn.Module, config=None, model_parameters=None):
@@ -450,162 +451,6 @@ class Engine(ExternalMixin, HookWiringMixin):
         chunk order (engine._params, a ParamTable, has the modules and stable indexes)."""
         return self._params.records
 
-    def num_parameters(self, only_trainable: bool = False) -> int:
-        """Elements of the parameters the engine keeps in chunks (trainable
-        and frozen, or only trainable), as Hugging Face's
-        model.num_parameters() counts them: iterating model.parameters()
-        outside a forward counts the empty placeholders (docs/parameters.md)."""
-        return sum(r.numel for r in self._params.records if r.trainable or not only_trainable)
-
-    def train(self, mode: bool = True):
-        self.module.train(mode)
-        return self
-
-    # nn.Module's methods that move or convert parameters, or write to them:
-    # the model's would act on placeholders (the values live in chunks) and
-    # return the model, not the engine, so they are the engine's, and refuse
-    # what they cannot do rather than do nothing.
-    def to(self, *args, **kwargs):
-        """Returns the engine when asked for its own device and dtype."""
-        shown = ", ".join([repr(a) for a in args] + [f"{k}={v!r}" for k, v in kwargs.items()])
-        try:
-            device, dtype, _, _ = torch._C._nn._parse_to(*args, **kwargs)
-        except (TypeError, ValueError, RuntimeError) as e:
-            raise UsageError(f"engine.to({shown}): {e}") from None
-        if (dtype is None or dtype == self.dtype) and (device is None or
-                                                       _same_device(device, self.device)):
-            return self
-        raise UsageError(
-            f"engine.to({shown}): the parameters live in chunks, on {self.device} as the "
-            f"budget allows and in {self.precision} as the config says (bf16/fp16 keys); "
-            f"inputs go to engine.device, and a dtype is chosen in the config")
-
-    def cuda(self, device=None):
-        return self.to(torch.device("cuda", device) if isinstance(device, int) else device or "cuda")
-
-    def cpu(self):
-        return self.to("cpu")
-
-    def _refuse_conversion(self, name: str):
-        raise UsageError(f"engine.{name}(): the parameters' dtype is the config's precision "
-                         f"({self.precision}: the 'bf16' / 'fp16' blocks), fixed when "
-                         f"tidal.initialize put them into chunks")
-
-    def half(self):
-        return self if self.precision == "fp16" else self._refuse_conversion("half")
-
-    def bfloat16(self):
-        return self if self.precision == "bf16" else self._refuse_conversion("bfloat16")
-
-    def float(self):
-        return self if self.precision == "fp32" else self._refuse_conversion("float")
-
-    def double(self):
-        self._refuse_conversion("double")
-
-    def type(self, dst_type=None):
-        self._refuse_conversion("type")
-
-    def apply(self, fn):
-        """model.apply(fn), returning the engine: what fn writes through a
-        module's attributes (module.weight) is kept, as any write between
-        steps is (Note [Writes to a parameter] in hooks/module_hooks.cpp)."""
-        self.module.apply(fn)
-        return self
-
-    def requires_grad_(self, requires_grad: bool = True):
-        raise UsageError(
-            "engine.requires_grad_(): which parameters train is fixed by tidal.initialize (the "
-            "frozen ones keep only their 16-bit copy in chunks); set requires_grad on the model "
-            "before it, or pass model_parameters")
-
-    def eval(self):
-        return self.train(False)
-
-    @property
-    def loss_scale(self) -> float:
-        return self._step.scaler.scale
-
-    # ------------------------------------------------------ the step's state
-    # DeepSpeed's names for what the optimizer step owns (OptimizerStep,
-    # self._step); settable where a checkpoint's load or
-    # tidal.deepspeed.initialize sets them.
-    @property
-    def chunks(self):
-        """The chunk scheduler (tidal._C.chunks.Chunks): the store's, which
-        the relayout after the warm-up step replaces."""
-        return self.store.chunks
-
-    @property
-    def scaler(self):
-        """The loss scaler (StaticLossScaler, or DynamicLossScaler in fp16 with loss_scale 0)."""
-        return self._step.scaler
-
-    @property
-    def lr_scheduler(self):
-        """The config's LR schedule (tidal.lr_schedules), or None."""
-        return self._step.lr_scheduler
-
-    @property
-    def client_lr_scheduler(self):
-        """deepspeed.initialize's lr_scheduler (tidal.deepspeed), or None."""
-        return self._step.client_lr_scheduler
-
-    @client_lr_scheduler.setter
-    def client_lr_scheduler(self, value):
-        self._step.client_lr_scheduler = value
-
-    @property
-    def lr(self) -> float:
-        """The LR schedule's learning rate for the next step (the config's without one)."""
-        return self._step.lr
-
-    @lr.setter
-    def lr(self, value: float):
-        self._step.lr = value
-
-    @property
-    def betas(self) -> tuple:
-        """Adam's betas for the next step (OneCycle cycles them)."""
-        return self._step.betas
-
-    @property
-    def global_steps(self) -> int:
-        """Optimizer steps taken, skipped ones included (DeepSpeed's count)."""
-        return self._step.global_steps
-
-    @global_steps.setter
-    def global_steps(self, value: int):
-        self._step.global_steps = value
-
-    @property
-    def global_samples(self) -> int:
-        """Samples of the steps taken, as DeepSpeed counts them."""
-        return self._step.global_samples
-
-    @global_samples.setter
-    def global_samples(self, value: int):
-        self._step.global_samples = value
-
-    @property
-    def skipped_steps(self) -> int:
-        """Steps skipped by an fp16 overflow."""
-        return self._step.skipped_steps
-
-    @skipped_steps.setter
-    def skipped_steps(self, value: int):
-        self._step.skipped_steps = value
-
-    @property
-    def relayouts(self) -> int:
-        """Relayouts into first-use order done (Note [Chunks in first-use order])."""
-        return self._step.relayouts
-
-    @property
-    def relayout_skipped(self) -> "str | None":
-        """Why the relayout after the warm-up step was skipped, or None."""
-        return self._step.relayout_skipped
-
     def step(self):
         """The optimizer step, at gradient accumulation boundaries (as DeepSpeed)."""
         self._settle_raw_backward()
@@ -760,93 +605,6 @@ class Engine(ExternalMixin, HookWiringMixin):
             warnings.warn(f"tidal: releasing a parameter after an error failed too: {message}",
                           stacklevel=3)
 
-    def get_global_grad_norm(self) -> float | None:
-        """The L2 norm of the unscaled gradients of the last optimizer step,
-        before clipping (inf after an fp16 overflow); None before the first
-        step. DeepSpeed's name."""
-        return self._step.last_grad_norm
-
-    # DeepSpeed's engine queries, with DeepSpeedEngine's names and results, so
-    # a DeepSpeed training loop's logging runs as it is.
-    @property
-    def device(self) -> torch.device:
-        """Where the model computes: inputs go here (x.to(engine.device))."""
-        return self.store.torch_device
-
-    @property
-    def local_rank(self) -> int:
-        """The launcher's LOCAL_RANK (0 without one), as DeepSpeed's."""
-        return int(os.environ.get("LOCAL_RANK", "0"))
-
-    @property
-    def global_rank(self) -> int:
-        return 0 if self.dp is None else self.dp.rank
-
-    @property
-    def world_size(self) -> int:
-        """The data-parallel ranks (1 without data parallel)."""
-        return 1 if self.dp is None else self.dp.world
-
-    def get_lr(self) -> list:
-        """The learning rate of each parameter group for the next step."""
-        return [g["lr"] for g in self.optimizer.param_groups]
-
-    def get_mom(self) -> list:
-        """Adam's (beta1, beta2) of each parameter group (OneCycle cycles them)."""
-        return [g["betas"] for g in self.optimizer.param_groups]
-
-    def was_step_applied(self) -> bool:
-        """Whether the last engine.step() changed the weights: False between
-        accumulation boundaries, after an fp16 overflow and before any step."""
-        return self._step.applied
-
-    def train_micro_batch_size_per_gpu(self) -> "int | None":
-        """The config's micro batch (None when it names none)."""
-        return self.config.micro_batch_size
-
-    def gradient_accumulation_steps(self) -> int:
-        return self.config.gradient_accumulation_steps
-
-    def train_batch_size(self) -> "int | None":
-        """Samples per optimizer step over every rank (micro batch x accumulation
-        x data-parallel ranks; None when the config names no batch)."""
-        return self.config.train_batch_size
-
-    def fp16_enabled(self) -> bool:
-        return self.precision == "fp16"
-
-    def bfloat16_enabled(self) -> bool:
-        return self.precision == "bf16"
-
-    def is_gradient_accumulation_boundary(self) -> bool:
-        """Whether engine.step() steps now: every gradient_accumulation_steps
-        backward passes, or as set_gradient_accumulation_boundary() says."""
-        return self._accumulation.is_boundary()
-
-    @property
-    def micro_steps(self) -> int:
-        """The backward passes run so far (DeepSpeed's count)."""
-        return self._accumulation.micro_steps
-
-    @micro_steps.setter
-    def micro_steps(self, value: int):
-        self._accumulation.micro_steps = value
-
-    def set_gradient_accumulation_boundary(self, is_boundary: "bool | None"):
-        """Overrides where the accumulation windows end (DeepSpeed's method of
-        the name): True makes the next engine.step() step with the gradients
-        summed so far (a short last window of an epoch), False holds it back;
-        None goes back to every gradient_accumulation_steps backward passes.
-        Set before each micro-batch, as with DeepSpeed.
-
-        Args:
-            is_boundary: True, False, or None.
-        """
-        if is_boundary is not None and not isinstance(is_boundary, bool):
-            raise TypeError(f"set_gradient_accumulation_boundary expects True, False or None, got "
-                            f"{is_boundary!r}")
-        self._accumulation.forced_boundary = is_boundary
-
     def zero_grad(self):
         """Drops pending gradients (those in 16-bit slots are restored from
         fp32) and the gradient sums of an unfinished accumulation."""
@@ -920,14 +678,6 @@ class Engine(ExternalMixin, HookWiringMixin):
         self._settle_outside()
         with _dtr.outside():
             return _checkpoint.save_pretrained(self, save_dir, max_shard_size, dtype)
-
-def _same_device(a: torch.device, b: torch.device) -> bool:
-    if a.type != b.type:
-        return False
-    if a.type != "cuda" or a.index is None or b.index is None:
-        return True
-    return a.index == b.index
-
 
 def initialize(model: torch.nn.Module, config=None, model_parameters=None) -> Engine:
     """Puts `model`'s parameters into chunks and returns the Engine that trains it.
