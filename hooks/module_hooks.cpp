@@ -562,7 +562,7 @@ void PackedRecomputeScope::exit() {
 // placeholder (WriteTracker, hooks/write_tracker.h, keeps the versions).
 // take_param_writes() tells the engine, which puts what the slot holds (or a
 // tensor set as `p.data`) into the master and refuses a lost write by name
-// (python/tidal/engine/external_mixin.py). A write through `p.data` (a tensor
+// (OutsideAccess, python/tidal/engine/outside_access.py). A write through `p.data` (a tensor
 // with a version counter of its own) is not seen this way: on an attached
 // parameter it reaches the slot and shows as data that differs from the
 // master only where the engine compares them; on a placeholder it writes

@@ -209,8 +209,9 @@ def test_reads_after_the_warm_up_take_no_slow_path(monkeypatch):
     batches = token_batches(4)
     engine = tidal.initialize(model, small_budget(model, batches))
     reads = []
-    original = type(engine)._read_param
-    monkeypatch.setattr(type(engine), "_read_param", lambda self, i: (reads.append(i), original(self, i)))
+    original = type(engine._outside).read_param
+    monkeypatch.setattr(type(engine._outside), "read_param",
+                        lambda self, i: (reads.append(i), original(self, i)))
     train_tidal(engine, batches[:1])
     assert len(reads) == 2  # out_proj.weight and .bias, once
     reads.clear()

@@ -9,12 +9,10 @@ python/tidal/engine/hooks.py for the hook protocol. One step:
 
 Engine is this file (set-up, forward, backward, zero_grad, checkpoint entry
 points), engine_api.py (DeepSpeed's engine queries and nn.Module's methods,
-a base class without state of its own) and two mixins split along its
-sections, each reading the attributes Engine.__init__ sets: hook_wiring.py
-(module and parameter hooks, the tracer) and external_mixin.py (parameters
-read outside their module, a raw loss.backward()). Every other
-concern is an object of its own, owning its state and given what it reads at
-construction:
+a base class without state of its own) and a mixin split along its
+sections, reading the attributes Engine.__init__ sets: hook_wiring.py
+(module and parameter hooks, the tracer). Every other concern is an object
+of its own, owning its state and given what it reads at construction:
   ParamTable (params.py, self._params): the modules, records and their indexes;
   budget.check (budget.py, self._budget): the device room the model needs;
   GradientAccumulation (accumulation.py, self._accumulation): the window, the
@@ -27,6 +25,8 @@ construction:
     model.state_dict() and load_state_dict() through the chunks;
   EngineReports (reports.py, self._reports): memory_report(), the timeline
     and profile;
+  OutsideAccess (outside_access.py, self._outside): parameters read outside
+    their module, writes to parameters between steps, a raw loss.backward();
   StepOverlap (overlap.py), DtrLink (dtr_link.py) and the ParamStore
     (store.py), which lays the parameters out in chunks.
 """
@@ -56,12 +56,12 @@ from .overlap import StepOverlap
 from .meters import StepMeters
 from .optimizer_step import OptimizerStep
 from .params import ParamTable
+from .outside_access import OutsideAccess, raw_backward_refusal
 from .reports import EngineReports
 from .state_dict_bridge import StateDictBridge
 from .store import DEVICE, ParamStore
 from .common import OutOfMemoryError, _PLACEHOLDER_HINT, _weak_method
 from .chunk_data_parallel import ChunkDataParallel, check_ranks_agree
-from .external_mixin import ExternalMixin
 from .hook_wiring import HookWiringMixin
 from .engine_api import DeepSpeedEngineAPI
 
@@ -70,7 +70,7 @@ from .engine_api import DeepSpeedEngineAPI
 SIM_CACHING_MIN_BUDGET = 1 << 30
 
 
-class Engine(ExternalMixin, HookWiringMixin, DeepSpeedEngineAPI):
+class Engine(HookWiringMixin, DeepSpeedEngineAPI):
     """Trains `module` with its model states in chunks. Build with tidal.initialize()."""
 
     def __init__(self, model: torch.nn.Module, config=None, model_parameters=None):
@@ -211,17 +211,26 @@ class Engine(ExternalMixin, HookWiringMixin, DeepSpeedEngineAPI):
         self._overlap = StepOverlap(self) if cfg.overlap_step and self.overlap_step_off is None \
             else None
         self._hooks = self._new_hooks()
-        # model.state_dict() and load_state_dict() through the chunks (its
-        # hooks go on the modules below, with the others).
-        self._state_dict_bridge = StateDictBridge(
-            model, store, self._params, self._hooks, self.dtype,
-            settle_outside=self._settle_outside, write_value=self._write_value,
-            write_param=lambda record, value: _checkpoint._write_param(self, record, value))
         # The accumulation window and the gradients waiting for the step
         # (Note [Gradient sums in chunks] in cpu_adam/adam.h).
         self._accumulation = GradientAccumulation(
             cfg.gradient_accumulation_steps, self._params, self._hooks, store, cfg,
             self._host_short, self._give_weights_back)
+        # Parameters read outside their module, writes to them between steps
+        # and a raw loss.backward() (its reads go through the ParameterReads
+        # installed below).
+        self._outside = OutsideAccess(
+            self._params, store, self._hooks, self.dtr, self._accumulation,
+            record_of_param=self._record_of_param, settle_overlap=self._settle_overlap,
+            attach=self._attach, attach_failed=self._attach_failed, hook_module=self._hook_module,
+            state_dict_busy=lambda: self._state_dict_bridge.busy(),
+            settle_state_dict_copies=lambda lost: self._state_dict_bridge.settle_copies(lost))
+        # model.state_dict() and load_state_dict() through the chunks (its
+        # hooks go on the modules below, with the others).
+        self._state_dict_bridge = StateDictBridge(
+            model, store, self._params, self._hooks, self.dtype,
+            settle_outside=self._outside.settle, write_value=self._outside.write_value,
+            write_param=lambda record, value: _checkpoint._write_param(self, record, value))
         if self.dp is not None:
             self._dp_step = ChunkDataParallel(self.dp, store, self._params.record_list,
                                               self._params.record_index, self._hooks, self._overlap,
@@ -230,7 +239,7 @@ class Engine(ExternalMixin, HookWiringMixin, DeepSpeedEngineAPI):
         self._step = OptimizerStep(
             cfg, store, self._params, self.optimizer, lr_scheduler, self._accumulation, self._hooks,
             self._tracer, self._meters, self.dtr, self._overlap, self._dp_step,
-            settle_outside=self._settle_outside, stop_counting=lambda: self._count(False),
+            settle_outside=self._outside.settle, stop_counting=lambda: self._count(False),
             end_trace_step=self._end_trace_step, check_budget=self._check_budget,
             host_short=self._host_short)
         # What the engine reports (memory_report() and the others); the step's
@@ -247,18 +256,10 @@ class Engine(ExternalMixin, HookWiringMixin, DeepSpeedEngineAPI):
         # in hooks/param_binding.h); the same pair serves tidal.recompute's
         # replays (RecomputePlan.parameter_aliases).
         self._saved_tensor_pair = self._hooks.saved_tensor_hooks(self._unpack_attach)
-        # Note [External parameters]: readers found in a forward are hooked
-        # at the start of the next (module -> record indexes to add).
-        self._pending_readers: dict = {}
-        # Parameters attached by reads outside a forward, oldest first (Note
-        # [Writes to a parameter] in hooks/module_hooks.cpp).
-        self._outside_reads: list = []
-        self._check_reads = True  # the first forward runs under PlaceholderCheck
-        self._reads_mode = None
         self._install_hooks()
-        self._hooks.set_raw_backward(self._raw_backward_refusal())
+        self._hooks.set_raw_backward(raw_backward_refusal(self.precision, self.scaler, self.dp))
         self._hooks.set_raw_backward_limits(self._enforce_budget, self._enforce_budget and self.config.room_on_miss)
-        _external.install(model, self, self._param_names_by_module())
+        _external.install(model, self._outside, self._param_names_by_module())
         _user_param.install(self)  # Note [A parameter object stays the user's]
         _guards.guard_conversions(model, self)  # Note [Conversions of a trained model]
         self._state_dict_bridge.install(self._handles, self._param_names_by_module())
@@ -404,9 +405,7 @@ class Engine(ExternalMixin, HookWiringMixin, DeepSpeedEngineAPI):
             if self._saved_hooks is not None:
                 hooks, self._saved_hooks = self._saved_hooks, None
                 hooks.__exit__(None, None, None)
-            if self._reads_mode is not None:
-                mode, self._reads_mode = self._reads_mode, None
-                mode.__exit__(None, None, None)
+            self._outside.stop_check(finished=False)
             self._count(False)
             self._release_after_error()
             self.dtr.end(failed=True)
@@ -453,7 +452,7 @@ class Engine(ExternalMixin, HookWiringMixin, DeepSpeedEngineAPI):
 
     def step(self):
         """The optimizer step, at gradient accumulation boundaries (as DeepSpeed)."""
-        self._settle_raw_backward()
+        self._outside.settle_raw_backward()
         return self._step.step()
 
     def apply_lr_schedule(self):
@@ -477,10 +476,10 @@ class Engine(ExternalMixin, HookWiringMixin, DeepSpeedEngineAPI):
                              f"{type(loss).__name__} {getattr(loss, 'shape', '')}")
         if self._dp_step is not None:
             self._dp_step.check()
-        self._settle_raw_backward()
+        self._outside.settle_raw_backward()
         # A write since the forward began (nn.Embedding's max_norm, a clamp in a
         # hook) goes into the master before the gradients take the slots.
-        self._settle_outside(end_reads=False)
+        self._outside.settle(end_reads=False)
         if not self._accumulation.summing:
             landed = self._hooks.landed_params()
             if landed:
@@ -630,7 +629,7 @@ class Engine(ExternalMixin, HookWiringMixin, DeepSpeedEngineAPI):
         """Writes model, fp32 master, Adam state, loss scaler, LR scheduler, step
         and RNG state to <save_dir>/<tag>/ atomically (Note [Checkpoint format])."""
         self._settle_overlap()
-        self._settle_outside()
+        self._outside.settle()
         with _dtr.outside():
             return _checkpoint.save_checkpoint(self, save_dir, tag, client_state, save_latest)
 
@@ -639,7 +638,7 @@ class Engine(ExternalMixin, HookWiringMixin, DeepSpeedEngineAPI):
         """Restores a save_checkpoint(); tag None reads <load_dir>/latest.
         Returns (path, client_state), as DeepSpeed's."""
         self._settle_overlap()
-        self._settle_outside()
+        self._outside.settle()
         with self.dtr.weights_change(), _dtr.outside():
             result = _checkpoint.load_checkpoint(self, load_dir, tag, load_optimizer_states,
                                                  load_lr_scheduler_states)
@@ -649,14 +648,14 @@ class Engine(ExternalMixin, HookWiringMixin, DeepSpeedEngineAPI):
     def state_dict(self) -> dict:
         """fp32 weights and buffers keyed like the model's own state_dict."""
         self._settle_overlap()
-        self._settle_outside()
+        self._outside.settle()
         with _dtr.outside():
             return _checkpoint.state_dict(self)
 
     def load_state_dict(self, state_dict, strict: bool = True):
         """Loads weights (fp32 master and 16-bit copy); Adam state is kept."""
         self._settle_overlap()
-        self._settle_outside()
+        self._outside.settle()
         with self.dtr.weights_change(), _dtr.outside():
             result = _checkpoint.load_state_dict(self, state_dict, strict)
         self._hooks.sync_param_writes()  # (the load wrote the chunks, not the parameters)
@@ -665,7 +664,7 @@ class Engine(ExternalMixin, HookWiringMixin, DeepSpeedEngineAPI):
     def load_pretrained(self, path, strict: bool = True):
         """Loads Hugging Face save_pretrained weights, tensor by tensor."""
         self._settle_overlap()
-        self._settle_outside()
+        self._outside.settle()
         with self.dtr.weights_change(), _dtr.outside():
             result = _checkpoint.load_pretrained(self, path, strict)
         self._hooks.sync_param_writes()  # (the load wrote the chunks, not the parameters)
@@ -675,7 +674,7 @@ class Engine(ExternalMixin, HookWiringMixin, DeepSpeedEngineAPI):
         """Writes Hugging Face `save_pretrained`-compatible weights (safetensors,
         sharded past `max_shard_size`) and config.json, shard by shard."""
         self._settle_overlap()
-        self._settle_outside()
+        self._outside.settle()
         with _dtr.outside():
             return _checkpoint.save_pretrained(self, save_dir, max_shard_size, dtype)
 

@@ -6,8 +6,9 @@ holds the Python side:
 * ParameterReads replaces the `_parameters` dict of every module an engine
   trains. Attribute access (`module.weight`, `self.out_proj.weight`) goes
   through nn.Module.__getattr__ to `_parameters[name]`, so every such read
-  of a detached parameter (an empty placeholder) reaches the engine, which
-  attaches the parameter and learns who read it. Iteration
+  of a detached parameter (an empty placeholder) reaches the engine's
+  OutsideAccess (outside_access.py), which attaches the parameter and learns
+  who read it. Iteration
   (`named_parameters`, `state_dict`) does not go through it.
 * PlaceholderCheck, a torch function mode over the engine's first forward:
   a parameter that reaches a torch function while detached was read some
@@ -46,13 +47,14 @@ _COPY_ERROR = (
 
 class ParameterReads(dict):
     """A module's `_parameters` under a tidal engine: a read of a detached
-    parameter asks the engine to attach it (Note [External parameters])."""
+    parameter asks the engine's OutsideAccess to attach it (Note [External
+    parameters])."""
 
-    __slots__ = ("_engine", "_index")
+    __slots__ = ("_outside", "_index")
 
-    def __init__(self, params: dict, engine, index: dict):
+    def __init__(self, params: dict, outside, index: dict):
         super().__init__(params)
-        self._engine = weakref.ref(engine)
+        self._outside = weakref.ref(outside)
         self._index = index  # parameter name -> the engine's record index
 
     def __getitem__(self, name):
@@ -62,9 +64,9 @@ class ParameterReads(dict):
         if p is not None and p.numel() == 0:
             i = self._index.get(name)
             if i is not None:
-                engine = self._engine()
-                if engine is not None:
-                    engine._read_param(i)
+                outside = self._outside()
+                if outside is not None:
+                    outside.read_param(i)
         return p
 
     def __deepcopy__(self, memo):
@@ -74,14 +76,15 @@ class ParameterReads(dict):
         raise UnsupportedModelError(_COPY_ERROR.format(what="pickling (torch.save) of"))
 
 
-def install(model: torch.nn.Module, engine, index_of: dict) -> None:
-    """Every module of `model` gets a ParameterReads; `index_of(module)` maps its
+def install(model: torch.nn.Module, outside, index_of: dict) -> None:
+    """Every module of `model` gets a ParameterReads serving its reads through
+    `outside` (the engine's OutsideAccess); `index_of(module)` maps its
     parameter names to record indexes (those the engine keeps)."""
     for m in model.modules():
         params = m.__dict__.get("_parameters")
         if params is None or isinstance(params, ParameterReads):
             continue
-        m.__dict__["_parameters"] = ParameterReads(params, engine, index_of.get(m, {}))
+        m.__dict__["_parameters"] = ParameterReads(params, outside, index_of.get(m, {}))
 
 
 def uninstall(model: torch.nn.Module) -> None:
@@ -133,21 +136,22 @@ _GETITEM = ParameterReads.__getitem__.__code__
 
 class PlaceholderCheck(torch.overrides.TorchFunctionMode):
     """Over the engine's first forward: a detached parameter of the engine
-    reaching a torch function is an UnsupportedModelError."""
+    reaching a torch function is an UnsupportedModelError (raised by
+    `outside`, the engine's OutsideAccess)."""
 
-    def __init__(self, engine):
+    def __init__(self, outside):
         super().__init__()
-        self._engine = weakref.ref(engine)
+        self._outside = weakref.ref(outside)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        engine = self._engine()
+        outside = self._outside()
         # (ParameterReads' own placeholder test is not a read.)
-        if engine is not None and func not in _HARMLESS and \
+        if outside is not None and func not in _HARMLESS and \
                 sys._getframe(1).f_code is not _GETITEM:
             for a in _tensors(args, kwargs):
                 if isinstance(a, torch.nn.Parameter):
-                    engine._check_read(a, func)
+                    outside.check_read(a, func)
         return func(*args, **kwargs)
 
 
@@ -188,7 +192,7 @@ def register_external_parameter(module: torch.nn.Module, parameter: torch.nn.Par
                         f"{type(parameter).__name__}")
     engine = engine_of(parameter)
     if engine is not None:
-        engine._register_external(module, parameter)
+        engine._outside.register_external(module, parameter)
         return
     marks = module.__dict__.setdefault(_EXTERNAL_ATTR, {})
     marks[id(parameter)] = parameter

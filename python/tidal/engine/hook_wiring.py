@@ -159,30 +159,24 @@ class HookWiringMixin:
 
     def _root_pre(self, module, args):
         if torch._C._current_graph_task_id() == -1:  # (not a recompute inside backward)
-            self._settle_raw_backward()
+            self._outside.settle_raw_backward()
             # (a load_state_dict or state_dict that raised midway)
             self._state_dict_bridge.forward_started()
             # Parameters read outside any forward since the last (Note
             # [External parameters]) go back to their chunks, with what user
             # code wrote to them (Note [Writes to a parameter]).
-            self._settle_outside()
-        if self._pending_readers:
-            self._hook_readers()
+            self._outside.settle()
+        self._outside.hook_readers()
         if torch._C._current_graph_task_id() == -1:
             self.dtr.begin()  # Note [DTR belongs to the engine's cycle]
         self._count(True)
         if self._saved_hooks is None:
             self._saved_hooks = torch.autograd.graph.saved_tensors_hooks(*self._saved_tensor_pair)
             self._saved_hooks.__enter__()
-        if self._check_reads and self._reads_mode is None:
-            self._reads_mode = _external.PlaceholderCheck(self)
-            self._reads_mode.__enter__()
+        self._outside.start_check()
 
     def _root_post(self, module, args, output):
-        if self._reads_mode is not None:
-            mode, self._reads_mode = self._reads_mode, None
-            mode.__exit__(None, None, None)
-            self._check_reads = False
+        self._outside.stop_check(finished=True)
         if not torch.is_grad_enabled():
             self._count(False)
             if torch._C._current_graph_task_id() == -1:

@@ -79,7 +79,7 @@ class OptimizerStep:
         dtr: the engine's DtrLink (the step changes the weights).
         overlap: the engine's StepOverlap, or None without tidal.overlap_step.
         dp_step: the engine's ChunkDataParallel, or None without data parallel.
-        settle_outside: the engine's _settle_outside (writes and reads of
+        settle_outside: the engine's OutsideAccess.settle (writes and reads of
             parameters outside a forward go back to their chunks).
         stop_counting: stops the simulated device's meter (engine._count(False)).
         end_trace_step: ends the tracer's step (engine._end_trace_step).

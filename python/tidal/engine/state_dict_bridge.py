@@ -4,7 +4,7 @@ entries handed out, whose later writes go into the model (Note [Writes into a
 state dict]).
 
 StateDictBridge owns that state; the Engine builds it in _setup and the
-outside-read machinery (external_mixin.py) asks it what it needs."""
+engine's OutsideAccess (outside_access.py) asks it what it needs."""
 from __future__ import annotations
 
 import sys
@@ -61,8 +61,8 @@ class StateDictEntry(torch.Tensor):
 # pruning by mask, loading by hand into the dict it got) writes into the
 # model. tidal's entries are copies of the chunks' 16-bit weights; each one
 # is remembered with its version count, and where the engine takes the
-# weights back (the outside-read machinery's _settle_outside, in
-# external_mixin.py, which calls StateDictBridge.settle_copies) an entry
+# weights back (OutsideAccess.settle, in outside_access.py, which calls
+# StateDictBridge.settle_copies) an entry
 # written since goes into the parameter, 16-bit copy and fp32 master, as
 # `p.data = entry` would (after the writes to the parameters themselves);
 # between backward and step it is a write that reaches nothing (a UsageError
@@ -90,7 +90,7 @@ class StateDictBridge:
     ParamStore, the ParamTable (`params`), the ModuleHooks (`hooks`: landed,
     attached and running parameters, the sync of parameter writes), the
     16-bit dtype, and three callables: `settle_outside()` (the engine's
-    _settle_outside: Note [Writes to a parameter] in hooks/module_hooks.cpp),
+    OutsideAccess.settle: Note [Writes to a parameter] in hooks/module_hooks.cpp),
     `write_value(record, value, attached)` (`p.data = value` into the 16-bit
     copy and the master) and `write_param(record, value)` (a loaded value into
     the chunks, as a checkpoint load writes it).

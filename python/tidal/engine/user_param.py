@@ -109,7 +109,7 @@ def _placeholders(args, kwargs):
         if engine is None or a.numel() != 0 or engine._params.record_list[hit[1]].param is not a:
             continue
         if found is None:
-            if not engine._serves_user_reads():
+            if not engine._outside.serves_user_reads():
                 return None
             found = (engine, [])
         elif found[0] is not engine:
@@ -137,7 +137,7 @@ class _UserParameter:
                     if answer is not None and len(held) == 1 and args and args[0] is held[0][0]:
                         record = engine._params.record_list[held[0][1]]
                         return answer(args[0], torch.Size(record.shape), *args[1:], **kwargs)
-                    engine._read_for_user([i for _, i in held])
+                    engine._outside.read_for_user([i for _, i in held])
             return func(*args, **kwargs)
 
 

@@ -1,14 +1,17 @@
-"""Parameters read outside their module (Note [External parameters] in
-external.py) and a raw loss.backward() (Note [The end of a backward]).
+"""What user code does to the parameters outside the engine's forward and
+step: parameters read outside the forward of the module that owns them
+(Note [External parameters] in hooks/module_hooks.h; the Python side in
+external.py), writes to parameters between steps (Note [Writes to a
+parameter] in hooks/module_hooks.cpp) and a raw loss.backward() (Note [The
+end of a backward] in hooks/backward_end.h).
 
-A mixin of Engine (engine.py), split from it along its sections; it uses
-the engine's attributes set in Engine.__init__."""
+OutsideAccess is an object of the engine (engine._outside), made in
+Engine._setup and given what it reads at construction."""
 from __future__ import annotations
-
-
 
 import sys
 import weakref
+from typing import Callable
 
 import torch
 
@@ -16,9 +19,12 @@ from .. import dtr as _dtr
 from . import external as _external
 from .errors import UnsupportedModelError, UsageError
 from .loss_scaler import StaticLossScaler
+from .params import ParamTable
 from .store import HOLD, PARAM16, PARAM32, uncounted
 
 from .common import OutOfMemoryError
+
+__all__ = ["OutsideAccess", "raw_backward_refusal"]
 
 
 _APPLY = torch.nn.Module.apply.__code__
@@ -34,26 +40,102 @@ def _inside_module_apply() -> bool:
     return False
 
 
-class ExternalMixin:
+def raw_backward_refusal(precision: str, scaler, dp) -> str:
+    """Why a backward must go through engine.backward() (Note [The end of a
+    backward] in hooks/backward_end.h), or "" where loss.backward() works.
+
+    Args:
+        precision: the engine's precision ("fp16", "bf16" or "fp32").
+        scaler: the optimizer step's loss scaler.
+        dp: the data-parallel process group, or None.
+    """
+    if precision == "fp16" and not (isinstance(scaler, StaticLossScaler) and scaler.scale == 1.0):
+        return ("tidal: loss.backward() on a model that tidal trains in fp16: the loss must be "
+                "multiplied by the loss scale first, or small gradients underflow and the step "
+                "divides them by the scale all the same. Call engine.backward(loss) instead "
+                "(DeepSpeed: model_engine.backward(loss)); no gradient has landed")
+    if dp is not None:
+        return ("tidal: loss.backward() on a model that tidal trains data-parallel: the "
+                "gradients are reduced across ranks by engine.backward(loss). Call "
+                "engine.backward(loss) instead; no gradient has landed")
+    return ""
+
+
+class OutsideAccess:
+    """Reads of and writes to the parameters outside the engine's own path,
+    and a backward the script ran itself.
+
+    State it owns:
+        pending_readers: module -> record indexes it was found reading (or was
+            registered for by hand) in a forward; hooked at the start of the
+            next (Note [External parameters]).
+        outside_reads:   record indexes of the parameters attached by reads
+            outside a forward, oldest first (Note [Writes to a parameter]).
+        check_reads:     whether the next forward runs under PlaceholderCheck
+            (the first one does, until one finishes).
+        check_mode:      the PlaceholderCheck of the forward running, or None.
+
+    What it needs of the engine is passed in: the ParamTable (`params`), the
+    ParamStore (`store`: the slots and masters a write goes into), the
+    ModuleHooks (`hooks`: reads, attaches, detaches, the writes taken and the
+    end of a backward), the DtrLink (`dtr`), the GradientAccumulation
+    (`accumulation`: a raw backward's fold and micro-step) and callables:
+    `record_of_param(p)` (the record of a parameter the engine trains, or
+    None), `settle_overlap()` (CPU Adam's updates since backward taken back:
+    Note [Speculative updates and their undo]), `attach(records, module,
+    for_backward=...)` and `attach_failed(e, module, records, retry)` (the
+    hook wiring's attach and its out-of-memory report), `hook_module(m)` (a
+    newly found reader's forward hooks), and of the StateDictBridge,
+    `state_dict_busy()` and `settle_state_dict_copies(lost)` (Note [Writes
+    into a state dict]).
+    """
+
+    def __init__(self, params: ParamTable, store, hooks, dtr, accumulation, *,
+                 record_of_param: Callable, settle_overlap: Callable[[], None],
+                 attach: Callable[..., None], attach_failed: Callable[..., None],
+                 hook_module: Callable[[torch.nn.Module], None],
+                 state_dict_busy: Callable[[], bool],
+                 settle_state_dict_copies: Callable[[set], None]):
+        self._params = params
+        self._store = store
+        self._hooks = hooks
+        self._dtr = dtr
+        self._accumulation = accumulation
+        self._record_of_param = record_of_param
+        self._settle_overlap = settle_overlap
+        self._attach = attach
+        self._attach_failed = attach_failed
+        self._hook_module = hook_module
+        self._state_dict_busy = state_dict_busy
+        self._settle_state_dict_copies = settle_state_dict_copies
+        # Note [External parameters]: readers found in a forward are hooked
+        # at the start of the next (module -> record indexes to add).
+        self.pending_readers: dict = {}
+        # Parameters attached by reads outside a forward, oldest first (Note
+        # [Writes to a parameter] in hooks/module_hooks.cpp).
+        self.outside_reads: list = []
+        self.check_reads = True  # the first forward runs under PlaceholderCheck
+        self.check_mode = None
+
     # ------------------------------------------------ external parameters
-    def _serves_user_reads(self) -> bool:
+    def serves_user_reads(self) -> bool:
         """Whether a use of a held parameter's placeholder is a read to serve
         now (Note [A parameter object stays the user's] in user_param.py): not
         inside a forward or a backward, nor while a state dict is read or
         written through the placeholders."""
         return not (self._hooks.running() or torch._C._current_graph_task_id() != -1
-                    or self._state_dict_bridge.busy())
+                    or self._state_dict_busy())
 
-    def _read_for_user(self, indexes):
+    def read_for_user(self, indexes):
         """Parameters `indexes`, held by a script and used outside a forward,
         come in as reads through their attributes do; they make room for each
         other, oldest first, but not for those of the same call."""
         keep = set()
         for i in indexes:
-            self._read_param(i, room=True, keep=keep)
+            self.read_param(i, room=True, keep=keep)
             keep.add(i)
 
-    def _read_param(self, i: int, room: bool = False, keep=()):
+    def read_param(self, i: int, room: bool = False, keep=()):
         """A read of parameter `i` found its placeholder (ParameterReads;
         Note [External parameters] in hooks/module_hooks.h). room: reads
         outside a forward before it go back to their chunks when the device is
@@ -74,7 +156,7 @@ class ExternalMixin:
                 # Not hooked yet: served for `module` this time, hooked from
                 # the next forward on.
                 learn = False
-                self._pending_readers.setdefault(reader, []).append(i)
+                self.pending_readers.setdefault(reader, []).append(i)
             elif all(record is not r for r in self._params.module_records[module]):
                 self._params.module_records[module].append(record)
         try:
@@ -86,10 +168,10 @@ class ExternalMixin:
             if running or not (room or _inside_module_apply()) or not self._room_for_outside_read(i, keep):
                 self._attach_failed(e, module, [record], lambda: hooks.read_param(i, learn))
         if not running:
-            self._outside_reads.append(i)
+            self.outside_reads.append(i)
         elif not learn:
             self._attach_for_this_backward(record)
-        self.dtr.rebalance()
+        self._dtr.rebalance()
 
     def _attach_for_this_backward(self, record):
         """A read the engine learns only for the next forward: in this step's
@@ -103,11 +185,12 @@ class ExternalMixin:
         handle = None
 
         def attach(grad):
-            engine = ref()
+            outside = ref()
             if handle is not None:
                 handle.remove()
-            if engine is not None and not engine._hooks.attached(engine._params.record_index[id(record)]):
-                engine._attach([record], None, for_backward=True)
+            if outside is not None and not outside._hooks.attached(
+                    outside._params.record_index[id(record)]):
+                outside._attach([record], None, for_backward=True)
             return grad
 
         if record.trainable:
@@ -121,12 +204,12 @@ class ExternalMixin:
         `i` fits. False when none is left to go."""
         hooks = self._hooks
         k = 0
-        while k < len(self._outside_reads):
-            j = self._outside_reads[k]
+        while k < len(self.outside_reads):
+            j = self.outside_reads[k]
             if j in keep:
                 k += 1
                 continue
-            del self._outside_reads[k]
+            del self.outside_reads[k]
             if not hooks.attached(j) or hooks.served(j):
                 continue
             with _dtr.outside():
@@ -140,8 +223,75 @@ class ExternalMixin:
                 continue
         return False
 
+    def register_external(self, module, param):
+        """tidal.register_external_parameter after initialize."""
+        r = self._record_of_param(param)
+        if module not in self._params.names:
+            raise ValueError(f"tidal.register_external_parameter: the module ({type(module).__name__}) "
+                             f"is not part of the model this engine trains")
+        self.pending_readers.setdefault(module, []).append(self._params.record_index[id(r)])
+
+    def hook_readers(self):
+        """Hooks the modules found reading parameters (and those registered by
+        hand) before this forward starts: from now on their forward brings the
+        parameters in."""
+        if not self.pending_readers:
+            return
+        pending, self.pending_readers = self.pending_readers, {}
+        for m, ids in pending.items():
+            records = self._params.module_records.setdefault(m, [])
+            for i in ids:
+                if all(self._params.record_list[i] is not r for r in records):
+                    records.append(self._params.record_list[i])
+            if m in self._params.module_index:
+                for i in ids:
+                    self._hooks.add_to_module(self._params.module_index[m], i)
+                continue
+            index = self._hooks.add_module(sorted(set(ids)))
+            self._params.module_list.append(m)
+            self._params.module_index[m] = index
+            self._hook_module(m)
+
+    def start_check(self):
+        """The root's forward starts: until a forward has finished, it runs
+        under PlaceholderCheck."""
+        if self.check_reads and self.check_mode is None:
+            self.check_mode = _external.PlaceholderCheck(self)
+            self.check_mode.__enter__()
+
+    def stop_check(self, finished: bool):
+        """The root's forward ended (`finished`; later forwards run without the
+        check) or raised."""
+        if self.check_mode is not None:
+            mode, self.check_mode = self.check_mode, None
+            mode.__exit__(None, None, None)
+            if finished:
+                self.check_reads = False
+
+    def check_read(self, p, func):
+        """PlaceholderCheck: parameter `p` reached torch function `func`."""
+        r = self._record_of_param(p)
+        if r is None or self._hooks.attached(self._params.record_index[id(r)]):
+            return
+        reader = _external.innermost_module()
+        where = (f"module '{self._params.names.get(reader, type(reader).__name__)}' "
+                 f"({type(reader).__name__})") if reader is not None else "code outside any module"
+        owner = r.name.rsplit(".", 1)
+        attr = f"model.{r.name}" if len(owner) == 2 else r.name
+        name = getattr(func, "__name__", str(func))
+        leaf = (f"; or tidal.set_leaf_modules(model, [{type(reader).__name__}]) before "
+                f"tidal.initialize (the module and its children become one unit)"
+                if reader is not None else "")
+        raise UnsupportedModelError(
+            f"{where} used parameter '{r.name}' while it was not on the device ({name} got its "
+            f"empty placeholder): tidal brings a parameter in when a forward reads it as an "
+            f"attribute of its module ({attr}), and this forward reached the Parameter some other "
+            f"way (a list, a dict or a closure holding it). Ways out: read it through its module's "
+            f"attribute inside the forward; or tidal.register_external_parameter(module, "
+            f"parameter) for the module that uses it{leaf}")
+
     # ------------------------------------------------ writes between steps
-    def _settle_outside(self, end_reads: bool = True):
+    def settle(self, end_reads: bool = True):
         """Where the engine takes the weights back (a forward's start, the step,
         state_dict, saving and loading) and before a backward overwrites the
         16-bit slots with gradients: what user code wrote to the parameters
@@ -176,12 +326,12 @@ class ExternalMixin:
             if hooks.landed(i):
                 lost.add(i)
                 continue
-            self._write_value(r, value, attached=hooks.attached(i))
-        self._state_dict_bridge.settle_copies(lost)  # Note [Writes into a state dict]
+            self.write_value(r, value, attached=hooks.attached(i))
+        self._settle_state_dict_copies(lost)  # Note [Writes into a state dict]
         if end_reads:
             with _dtr.outside():
                 hooks.end_backward()
-            self._outside_reads.clear()
+            self.outside_reads.clear()
         if lost:
             problems.insert(0, self._lost_writes_message(sorted(lost)))
         if problems:
@@ -192,32 +342,34 @@ class ExternalMixin:
         its slot) holds what user code wrote: the fp32 master takes it where
         the two differ (elsewhere it keeps its own bits, which the 16-bit copy
         holds rounded)."""
-        if not (record.trainable and self.store.owns(record)):
+        store = self._store
+        if not (record.trainable and store.owns(record)):
             return  # (no master here: the slot is the value)
         # Both where they are: another tensor of the slot's chunk may be in use.
         with torch.no_grad(), uncounted(), _dtr.outside():
             if value is None:
-                with self.store.slots(record, (PARAM16,)) as (slot,):
+                with store.slots(record, (PARAM16,)) as (slot,):
                     value = slot.clone()
             value = value.reshape(-1)
-            with self.store.slots(record, (PARAM32,)) as (master,):
+            with store.slots(record, (PARAM32,)) as (master,):
                 value = value.to(master.device)
                 changed = value != master.to(value.dtype)
                 if bool(changed.any()):
                     master[changed] = value[changed].to(master.dtype)
 
-    def _write_value(self, record, value, attached: bool):
+    def write_value(self, record, value, attached: bool):
         """`p.data = value`: the 16-bit copy (through the attached parameter,
         whose data is its slot again) and the fp32 master take `value`."""
+        store = self._store
         flat = value.detach().reshape(-1)
         with torch.no_grad(), uncounted(), _dtr.outside():
             if attached:
                 record.param.data.copy_(value.detach().reshape(record.shape))
             else:
-                with self.store.slots(record, (PARAM16,)) as (slot,):
+                with store.slots(record, (PARAM16,)) as (slot,):
                     slot.copy_(flat)
-            if record.trainable and self.store.owns(record):
-                with self.store.slots(record, (PARAM32,)) as (master,):
+            if record.trainable and store.owns(record):
+                with store.slots(record, (PARAM32,)) as (master,):
                     master.copy_(flat)
 
     def _lost_writes_message(self, lost) -> str:
@@ -238,78 +390,14 @@ class ExternalMixin:
                 f"These parameters keep their previous values (docs/parameters.md)")
 
     # ------------------------------------------------ loss.backward() itself
-    def _raw_backward_refusal(self) -> str:
-        """Why a backward must go through engine.backward() (Note [The end of
-        a backward] in hooks/module_hooks.h), or "" where loss.backward() works."""
-        if self.precision == "fp16" and not (isinstance(self.scaler, StaticLossScaler)
-                                             and self.scaler.scale == 1.0):
-            return ("tidal: loss.backward() on a model that tidal trains in fp16: the loss must be "
-                    "multiplied by the loss scale first, or small gradients underflow and the step "
-                    "divides them by the scale all the same. Call engine.backward(loss) instead "
-                    "(DeepSpeed: model_engine.backward(loss)); no gradient has landed")
-        if self.dp is not None:
-            return ("tidal: loss.backward() on a model that tidal trains data-parallel: the "
-                    "gradients are reduced across ranks by engine.backward(loss). Call "
-                    "engine.backward(loss) instead; no gradient has landed")
-        return ""
-
-    def _settle_raw_backward(self):
+    def settle_raw_backward(self):
         """What engine.backward() does after its backward, for a backward the
         script ran itself (loss.backward()): gradient accumulation's fold,
         and the micro-step counted (the loss is the script's own: not divided
         by gradient_accumulation_steps, as in plain PyTorch)."""
         if not self._hooks.take_backward_ended():
             return
-        self.dtr.end()
+        self._dtr.end()
         if self._accumulation.summing:
             self._accumulation.fold()
         self._accumulation.micro_steps += 1
-
-    def _register_external(self, module, param):
-        """tidal.register_external_parameter after initialize."""
-        r = self._record_of_param(param)
-        if module not in self._params.names:
-            raise ValueError(f"tidal.register_external_parameter: the module ({type(module).__name__}) "
-                             f"is not part of the model this engine trains")
-        self._pending_readers.setdefault(module, []).append(self._params.record_index[id(r)])
-
-    def _hook_readers(self):
-        """Hooks the modules found reading parameters (and those registered by
-        hand) before this forward starts: from now on their forward brings the
-        parameters in."""
-        pending, self._pending_readers = self._pending_readers, {}
-        for m, ids in pending.items():
-            records = self._params.module_records.setdefault(m, [])
-            for i in ids:
-                if all(self._params.record_list[i] is not r for r in records):
-                    records.append(self._params.record_list[i])
-            if m in self._params.module_index:
-                for i in ids:
-                    self._hooks.add_to_module(self._params.module_index[m], i)
-                continue
-            index = self._hooks.add_module(sorted(set(ids)))
-            self._params.module_list.append(m)
-            self._params.module_index[m] = index
-            self._hook_module(m)
-
-    def _check_read(self, p, func):
-        """PlaceholderCheck: parameter `p` reached torch function `func`."""
-        r = self._record_of_param(p)
-        if r is None or self._hooks.attached(self._params.record_index[id(r)]):
-            return
-        reader = _external.innermost_module()
-        where = (f"module '{self._params.names.get(reader, type(reader).__name__)}' "
-                 f"({type(reader).__name__})") if reader is not None else "code outside any module"
-        owner = r.name.rsplit(".", 1)
-        attr = f"model.{r.name}" if len(owner) == 2 else r.name
-        name = getattr(func, "__name__", str(func))
-        leaf = (f"; or tidal.set_leaf_modules(model, [{type(reader).__name__}]) before "
-                f"tidal.initialize (the module and its children become one unit)"
-                if reader is not None else "")
-        raise UnsupportedModelError(
-            f"{where} used parameter '{r.name}' while it was not on the device ({name} got its "
-            f"empty placeholder): tidal brings a parameter in when a forward reads it as an "
-            f"attribute of its module ({attr}), and this forward reached the Parameter some other "
-            f"way (a list, a dict or a closure holding it). Ways out: read it through its module's "
-            f"attribute inside the forward; or tidal.register_external_parameter(module, "
-            f"parameter) for the module that uses it{leaf}")
