@@ -467,7 +467,7 @@ def measured_budget(model, batches, loss_of, chunk_share=0.25, slack=1.25) -> in
         nonchunk = probe.memory_report()["peak_nonchunk_device_bytes"]
         c = probe.chunks
         chunk16 = sum(c.chunk_capacity_bytes(i, ChunkKind.PARAM16) for i in range(c.num_chunks))
-        in_use = probe._hooks.peak_bytes_in_use
+        in_use = probe._wiring.hooks.peak_bytes_in_use
         return probe.store.margin + int(slack * nonchunk) + max(in_use, int(chunk_share * chunk16))
     finally:
         probe.remove_hooks()

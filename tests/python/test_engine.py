@@ -456,7 +456,7 @@ def test_modules_returning_tuples_their_input_and_nested_outputs():
     ref_losses = train_reference(ref, batches)
     engine = tidal.initialize(model, fitted(config(chunk=4096), model, batches))
     assert_close(engine, ref, ref_losses, train_tidal(engine, batches))
-    assert not any(engine._is_attached(r) or engine._uses(r) for r in engine.records)
+    assert not any(engine._wiring.is_attached(r) or engine._wiring.uses(r) for r in engine.records)
     moved_within_budget(engine)
 
 
@@ -612,7 +612,7 @@ def test_an_out_of_memory_batch_raises_and_leaves_the_engine_usable():
     # device's budget is a hard limit]), or the chunks cannot come in.
     message = fail() or ""
     assert "ran out of the device budget" in message or "could not bring the parameters" in message
-    assert not any(engine._is_attached(r) or engine._uses(r) for r in engine.records)
+    assert not any(engine._wiring.is_attached(r) or engine._wiring.uses(r) for r in engine.records)
     assert all(raw_numel(p) == 0 for p in model.parameters())   # all back in their chunks
     losses = train_tidal(engine, small[1:])
     assert all(torch.isfinite(torch.tensor(losses)))

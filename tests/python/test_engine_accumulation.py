@@ -326,8 +326,8 @@ def test_a_failed_backward_keeps_the_earlier_micro_batches():
     with pytest.raises(RuntimeError, match="injected backward failure"):
         engine.backward(loss)
     assert fired
-    assert engine._hooks.summed_params()
-    assert engine._hooks.landed_params() == []
+    assert engine._wiring.hooks.summed_params()
+    assert engine._wiring.hooks.landed_params() == []
     engine.backward(engine(x, y))
     handle.remove()
     engine.step()
@@ -373,7 +373,7 @@ def test_a_fold_that_fails_part_way_leaves_the_weights_and_says_what_to_do():
     model = copy.deepcopy(ref)
     batches = gpt_batches(3)
     engine = tidal.initialize(model, config(2, chunk=4096))
-    real = engine._hooks
+    real = engine._wiring.hooks
 
     class FailSecondFold:
         calls = 0
@@ -393,7 +393,7 @@ def test_a_fold_that_fails_part_way_leaves_the_weights_and_says_what_to_do():
     with pytest.raises(tidal.OutOfMemoryError, match="injected") as info:
         engine.backward(engine(x, y))
     assert any("engine.zero_grad()" in n for n in info.value.__notes__)
-    assert engine._hooks.landed_params() == []
+    assert engine._wiring.hooks.landed_params() == []
     engine._accumulation._hooks = real
     # The weights are intact: after zero_grad the run matches plain PyTorch
     # on the micro-batches that followed.

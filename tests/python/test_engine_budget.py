@@ -85,7 +85,7 @@ def probe(make, batches, chunk, precision):
         chunk16 = sum(c.chunk_capacity_bytes(i, ChunkKind.PARAM16) for i in range(c.num_chunks))
         # The 16-bit chunks the engine had in use at once: what the
         # parameters attached together need, whatever the budget.
-        in_use = engine._hooks.peak_bytes_in_use
+        in_use = engine._wiring.hooks.peak_bytes_in_use
         assert in_use >= max(c.chunk_capacity_bytes(i, ChunkKind.PARAM16) for i in range(c.num_chunks))
         return engine.memory_report()["peak_nonchunk_device_bytes"], chunk16, in_use
     finally:

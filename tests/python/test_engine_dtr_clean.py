@@ -96,7 +96,7 @@ def test_an_out_of_memory_batch_leaves_the_last_good_step_and_the_next_batch_tra
     after = engine.parameters_fp32()
     for k, v in before.items():
         assert torch.equal(after[k], v), k            # the last good step's weights
-    assert not engine._hooks.landed_params()         # no gradient of the failed batch waits
+    assert not engine._wiring.hooks.landed_params()         # no gradient of the failed batch waits
     losses += train_tidal(engine, good[2:])           # the same engine goes on
     assert_close(engine, ref, ref_losses, losses)
     within_budget(engine)

@@ -98,7 +98,7 @@ def test_the_simulators_agree_with_textbook_cases():
 
 def step_sequence(engine, layers):
     """(device chunk sequence, room in chunks at each access) of the last
-    step, from the engine's trace timeline (engine._tracer.timeline: point,
+    step, from the engine's trace timeline (engine._wiring.tracer.timeline: point,
     kind, module or record index, chunk bytes held, non-chunk peak of the
     interval ending there, move counters): each forward or backward point of
     a layer uses its chunk, with the room the budget leaves beside the
@@ -108,7 +108,7 @@ def step_sequence(engine, layers):
         (chunk,) = {r.chunk for r in engine._params.module_records[layer]}
         chunk_of[engine._params.module_index[layer]] = chunk
     limit = engine.store.device_budget - engine.store.margin
-    timeline = engine._tracer.timeline
+    timeline = engine._wiring.tracer.timeline
     sequence, rooms = [], []
     for k, (_, kind, what, _, _, _) in enumerate(timeline):
         if kind in ("fwd", "bwd") and what in chunk_of:

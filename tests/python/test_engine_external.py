@@ -278,7 +278,7 @@ def test_a_read_tidal_cannot_see_is_a_clear_error_naming_module_and_parameter():
                              r"while it was not on the device.*register_external_parameter.*"
                              r"set_leaf_modules"):
         engine(x, y)
-    assert not any(engine._hooks.attached(i) for i in range(len(engine._params.record_list)))
+    assert not any(engine._wiring.hooks.attached(i) for i in range(len(engine._params.record_list)))
 
 
 def test_register_external_parameter_before_initialize_serves_the_read():
@@ -572,7 +572,7 @@ def test_loss_backward_under_fp16_loss_scaling_is_refused_before_anything_lands(
     with pytest.raises(RuntimeError, match=r"loss.backward\(\) on a model that tidal trains in "
                                            r"fp16.*engine.backward\(loss\)"):
         model(x, y).backward()
-    assert engine._hooks.landed_params() == []
+    assert engine._wiring.hooks.landed_params() == []
     engine.zero_grad()
     train_tidal(engine, token_batches(2))
     assert engine.global_steps == 2

@@ -14,7 +14,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import tidal
 from tidal._C.chunks import MemorySpace
-from tidal.engine.engine import Engine
+from tidal.engine.hook_wiring import HookWiring
 
 sys.path.insert(0, str(Path(__file__).parent))
 from engine_helpers import gpt_batches, train_tidal  # noqa: E402
@@ -52,7 +52,7 @@ def test_the_hooks_are_cpp_callables_with_and_without_dtr_in_the_config():
         assert hook_types(model) == (["ForwardPreHook"], ["ForwardPostHook"], ["GradHook"])
         store = engine.store
         held = engine.chunks.held_bytes(MemorySpace.DEVICE)
-        assert engine._hooks.dtr_threshold() == store.device_budget - store.margin - held
+        assert engine._wiring.hooks.dtr_threshold() == store.device_budget - store.margin - held
         engine.remove_hooks()
     finally:
         tidal.dtr.disable()
@@ -69,14 +69,14 @@ class CountOps(TorchDispatchMode):
 
 
 def test_under_a_dispatch_mode_the_hooks_take_the_python_path_and_train_the_same(monkeypatch):
-    calls = {"_pre_forward": 0, "_post_forward": 0, "_grad_ready": 0}
+    calls = {"pre_forward": 0, "post_forward": 0, "grad_ready": 0}
     for name in calls:
-        method = getattr(Engine, name)
+        method = getattr(HookWiring, name)
 
         def counted(self, *args, _method=method, _name=name):
             calls[_name] += 1
             return _method(self, *args)
-        monkeypatch.setattr(Engine, name, counted)
+        monkeypatch.setattr(HookWiring, name, counted)
     torch.manual_seed(0)
     ref = TinyGPT(d=64, seq=8)
     model = copy.deepcopy(ref)
@@ -84,14 +84,14 @@ def test_under_a_dispatch_mode_the_hooks_take_the_python_path_and_train_the_same
     ref_losses = train_reference(ref, batches)
     engine = tidal.initialize(model, fitted(config(), model, batches))
     losses = train_tidal(engine, batches[:2])   # no mode: the C++ callables alone
-    assert calls == {"_pre_forward": 0, "_post_forward": 0, "_grad_ready": 0}
+    assert calls == {"pre_forward": 0, "post_forward": 0, "grad_ready": 0}
     mode = CountOps()
     with mode:
         losses += train_tidal(engine, batches[2:])
     assert mode.ops > 0
     modules = len(engine._params.module_list)
-    assert calls["_pre_forward"] == calls["_post_forward"] == 2 * modules
-    assert calls["_grad_ready"] == 2 * len({id(r.param) for r in engine.records if r.trainable})
+    assert calls["pre_forward"] == calls["post_forward"] == 2 * modules
+    assert calls["grad_ready"] == 2 * len({id(r.param) for r in engine.records if r.trainable})
     assert_close(engine, ref, ref_losses, losses)
 
 
@@ -108,7 +108,7 @@ def test_outputs_of_every_shape_are_marked_by_cpp_or_by_python():
         return output
     qkv = engine._params.module_index[model.blocks[0].qkv]
     records = engine._params.module_records[model.blocks[0].qkv]
-    post = engine._hooks.forward_post_hook(qkv, lambda *a: None, wrap, lambda i, e: None)
+    post = engine._wiring.hooks.forward_post_hook(qkv, lambda *a: None, wrap, lambda i, e: None)
     leaf = torch.randn(3, requires_grad=True)
     a, b = leaf * 2, leaf * 3
     for output in (a, (a, None, 1, 2.0), [a, b]):
@@ -119,13 +119,13 @@ def test_outputs_of_every_shape_are_marked_by_cpp_or_by_python():
     assert wrapped == ["dict", "tuple"]
     # The C++ hook on `b` runs qkv's backward pre-hook: its parameters are
     # attached (for backward) when the gradient of b is ready.
-    assert not any(engine._is_attached(r) for r in records)
+    assert not any(engine._wiring.is_attached(r) for r in records)
     seen = []
-    b.register_hook(lambda g: seen.append([engine._is_attached(r) for r in records]))
+    b.register_hook(lambda g: seen.append([engine._wiring.is_attached(r) for r in records]))
     b.sum().backward()
     assert records and seen == [[True] * len(records)]
-    engine._hooks.end_backward()
-    assert not any(engine._is_attached(r) for r in records)
+    engine._wiring.hooks.end_backward()
+    assert not any(engine._wiring.is_attached(r) for r in records)
 
 
 def test_a_dropped_engine_with_a_kept_model_stays_alive_through_its_module_hooks():

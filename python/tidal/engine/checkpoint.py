@@ -94,7 +94,7 @@ def _rng_state() -> dict:
 
 
 def _no_pending_gradients(engine, who: str) -> None:
-    if engine._hooks.landed_params() or engine._hooks.summed_params():
+    if engine._wiring.hooks.landed_params() or engine._wiring.hooks.summed_params():
         raise RuntimeError(
             f"{who}: gradients of an unfinished step are pending (backward ran, step() did not); "
             f"call it between optimizer steps, or engine.zero_grad() first")

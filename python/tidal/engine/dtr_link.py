@@ -79,14 +79,18 @@ class DtrLink:
         self._ended = {k: 0 for k in _COUNTERS + _PEAKS}
         self.cpp = None
         self._hooks = None  # the engine's ModuleHooks, from start()
+        self._wiring = None  # its HookWiring (weakly), from start()
         self._owns = False  # the DTR session running is this engine's cycle's
         self._effective_block = block
 
-    def start(self, hooks):
+    def start(self, hooks, wiring):
         """Registers the engine with tidal.dtr once its ModuleHooks exist, and
-        applies the config's dtr block ("enabled": false leaves DTR as it is)."""
+        applies the config's dtr block ("enabled": false leaves DTR as it is).
+        `wiring` (the engine's HookWiring, held weakly: it lives as long as
+        the engine) answers the replays' reads of parameters."""
         engine = self._engine()
         self._hooks = hooks
+        self._wiring = weakref.ref(wiring)
         # The C++ interception's view of the parameters: alias lookups in C++
         # (ModuleHooks::attached_at), replays through view() below. The
         # callbacks hold this link weakly (it holds them).
@@ -167,21 +171,21 @@ class DtrLink:
             self.cpp.weights_epoch = value
 
     # -------------------------------------------------- provider protocol
-    def alias(self, t):
-        e = self._engine()
-        return None if e is None else e.param_record_of(t)
-
-    def _live_engine(self):
-        e = self._engine()
-        if e is None:
+    def _live_wiring(self):
+        w = None if self._wiring is None else self._wiring()
+        if w is None:
             raise _C.InternalError("tidal.dtr: a recipe reads a parameter of an engine that is gone")
-        return e
+        return w
+
+    def alias(self, t):
+        w = None if self._wiring is None else self._wiring()
+        return None if w is None else w.param_record_of(t)
 
     def record(self, i: int):
-        return self._live_engine().replay_record(i)
+        return self._live_wiring().replay_record(i)
 
     def view(self, record, size, stride, offset):
-        t, attached = self._live_engine().replay_view(record, size, stride, offset)
+        t, attached = self._live_wiring().replay_view(record, size, stride, offset)
         if attached:
             self._replay_attached.append(record)
             self.replay_attaches += 1
@@ -190,10 +194,10 @@ class DtrLink:
     def end_replay_step(self):
         if not self._replay_attached:
             return
-        e = self._engine()
+        w = None if self._wiring is None else self._wiring()
         replayed, self._replay_attached = self._replay_attached, []
-        if e is not None:
-            e.release_replayed(replayed)
+        if w is not None:
+            w.release_replayed(replayed)
 
     # ------------------------------------------------------------ arbiter
     def rebalance(self):

@@ -62,7 +62,7 @@ from .state_dict_bridge import StateDictBridge
 from .store import DEVICE, ParamStore
 from .common import OutOfMemoryError, _PLACEHOLDER_HINT, _weak_method
 from .chunk_data_parallel import ChunkDataParallel, check_ranks_agree
-from .hook_wiring import HookWiringMixin
+from .hook_wiring import HookWiring, new_tracer
 from .engine_api import DeepSpeedEngineAPI
 
 # tidal.simulated_allocator "auto": torch's caching rules from this device
@@ -70,7 +70,7 @@ from .engine_api import DeepSpeedEngineAPI
 SIM_CACHING_MIN_BUDGET = 1 << 30
 
 
-class Engine(HookWiringMixin, DeepSpeedEngineAPI):
+class Engine(DeepSpeedEngineAPI):
     """Trains `module` with its model states in chunks. Build with tidal.initialize()."""
 
     def __init__(self, model: torch.nn.Module, config=None, model_parameters=None):
@@ -122,7 +122,7 @@ class Engine(HookWiringMixin, DeepSpeedEngineAPI):
             store.release_if_empty()  # an NVMe tier's file goes now, not with the traceback
             raise
         if self.recompute_plan is not None:
-            self.recompute_plan.parameter_aliases = self._saved_tensor_pair
+            self.recompute_plan.parameter_aliases = self._wiring.saved_tensor_pair
 
     def _setup(self, model, cfg, store):
         store.adopted()
@@ -158,28 +158,24 @@ class Engine(HookWiringMixin, DeepSpeedEngineAPI):
         lr_scheduler = build_scheduler(cfg)
         self.training_dataloader = None  # tidal.deepspeed.initialize(training_data=...)
 
-        # Hook state (the parameters' use counts and attached flags are in
-        # self._hooks, made below).
-        self._saved_hooks = None
-        self._pre_backward_hooks: dict = {}
-        self._handles = []
-
         # Memory tracer and budget arbiter (Note [The memory tracer] in
         # runtime/tracer/memory_tracer.h): one C++ call per trace point.
-        self._cuda = store.torch_device.type == "cuda"
+        # The hook wiring (self._wiring, below) owns the tracer and these
+        # switches of the meter.
+        cuda = store.torch_device.type == "cuda"
         # Note [Who owns a device byte]: the simulated device fails where a GPU
         # would, its non-chunk allocations placed by torch's caching rules.
-        self._sim_caching = not self._cuda and not isinstance(
+        sim_caching = not cuda and not isinstance(
             store.device.memory_provider(), _C.TorchMemoryProvider) and (
             cfg.simulated_allocator == "torch_caching"
             or (cfg.simulated_allocator == "auto" and store.device_budget >= SIM_CACHING_MIN_BUDGET))
-        self._tracer = self._new_tracer()
+        tracer = new_tracer(store, cuda, sim_caching, self._budget.warmup_chunk_room)
         # Note [The simulated device's budget is a hard limit]: with torch's
         # CPU allocations as the meter (not the CPU stand-in of the provider,
         # whose chunk blocks torch counts too).
-        self._enforce_budget = not self._cuda and not isinstance(
+        enforce_budget = not cuda and not isinstance(
             store.device.memory_provider(), _C.TorchMemoryProvider)
-        if self._cuda and isinstance(store.device.memory_provider(), _C.TorchMemoryProvider):
+        if cuda and isinstance(store.device.memory_provider(), _C.TorchMemoryProvider):
             # On a GPU whose chunk blocks come from torch's caching allocator,
             # torch's own per-process cap makes the budget the same promise:
             # an allocation past it fails in its op (DTR evicts and retries),
@@ -198,8 +194,8 @@ class Engine(HookWiringMixin, DeepSpeedEngineAPI):
             _device_cap.CAPS.claim(self, index, store.device_budget / total)
         # Note [Room on a cache miss] in hooks/cuda_room.h: with chunk blocks in
         # torch's cache, a miss past the cap first moves chunks off the device.
-        self._cuda_room = self._cuda and isinstance(store.device.memory_provider(), _C.TorchMemoryProvider)
-        if self._cuda_room:
+        cuda_room = cuda and isinstance(store.device.memory_provider(), _C.TorchMemoryProvider)
+        if cuda_room:
             _C.chunks.reset_cuda_room_counts()
 
         # What the steps measure (memory_report()).
@@ -210,79 +206,106 @@ class Engine(HookWiringMixin, DeepSpeedEngineAPI):
         # CPU Adam during backward (Note [CPU Adam during backward] in overlap.py).
         self._overlap = StepOverlap(self) if cfg.overlap_step and self.overlap_step_off is None \
             else None
-        self._hooks = self._new_hooks()
+        # The module and parameter hooks, the tracer and the saved-tensor pair
+        # (the hooks go on the model below, once the objects they call exist).
+        self._wiring = HookWiring(
+            store, self._params, cfg, tracer, self.dtr, self._overlap, self.dtype,
+            cuda=cuda, cuda_room=cuda_room, sim_caching=sim_caching, enforce_budget=enforce_budget,
+            budget=lambda: self._budget, before_forward=self._before_forward,
+            hook_readers=lambda: self._outside.hook_readers(),
+            start_check=lambda: self._outside.start_check(),
+            stop_check=lambda finished: self._outside.stop_check(finished=finished))
+        hooks = self._wiring.hooks
         # The accumulation window and the gradients waiting for the step
         # (Note [Gradient sums in chunks] in cpu_adam/adam.h).
         self._accumulation = GradientAccumulation(
-            cfg.gradient_accumulation_steps, self._params, self._hooks, store, cfg,
+            cfg.gradient_accumulation_steps, self._params, hooks, store, cfg,
             self._host_short, self._give_weights_back)
         # Parameters read outside their module, writes to them between steps
         # and a raw loss.backward() (its reads go through the ParameterReads
         # installed below).
         self._outside = OutsideAccess(
-            self._params, store, self._hooks, self.dtr, self._accumulation,
+            self._params, store, hooks, self.dtr, self._accumulation,
             record_of_param=self._record_of_param, settle_overlap=self._settle_overlap,
-            attach=self._attach, attach_failed=self._attach_failed, hook_module=self._hook_module,
+            attach=self._wiring.attach, attach_failed=self._wiring.attach_failed,
+            hook_module=self._hook_module,
             state_dict_busy=lambda: self._state_dict_bridge.busy(),
             settle_state_dict_copies=lambda lost: self._state_dict_bridge.settle_copies(lost))
         # model.state_dict() and load_state_dict() through the chunks (its
         # hooks go on the modules below, with the others).
         self._state_dict_bridge = StateDictBridge(
-            model, store, self._params, self._hooks, self.dtype,
+            model, store, self._params, hooks, self.dtype,
             settle_outside=self._outside.settle, write_value=self._outside.write_value,
             write_param=lambda record, value: _checkpoint._write_param(self, record, value))
         if self.dp is not None:
             self._dp_step = ChunkDataParallel(self.dp, store, self._params.record_list,
-                                              self._params.record_index, self._hooks, self._overlap,
+                                              self._params.record_index, hooks, self._overlap,
                                               self._accumulation.summing)
         # The optimizer step, its counters, loss scaler and LR schedule.
         self._step = OptimizerStep(
-            cfg, store, self._params, self.optimizer, lr_scheduler, self._accumulation, self._hooks,
-            self._tracer, self._meters, self.dtr, self._overlap, self._dp_step,
-            settle_outside=self._outside.settle, stop_counting=lambda: self._count(False),
-            end_trace_step=self._end_trace_step, check_budget=self._check_budget,
+            cfg, store, self._params, self.optimizer, lr_scheduler, self._accumulation, hooks,
+            tracer, self._meters, self.dtr, self._overlap, self._dp_step,
+            settle_outside=self._outside.settle, stop_counting=lambda: self._wiring.count(False),
+            end_trace_step=self._wiring.end_trace_step, check_budget=self._check_budget,
             host_short=self._host_short)
         # What the engine reports (memory_report() and the others); the step's
         # counts are read when a report is made.
         self._reports = EngineReports(
-            store, self._params, self._tracer, self._meters, self._overlap, self.overlap_step_off,
-            self.dp, self._dp_step, self.dtr, self._cuda, self._cuda_room, self._sim_caching,
+            store, self._params, tracer, self._meters, self._overlap, self.overlap_step_off,
+            self.dp, self._dp_step, self.dtr, cuda, cuda_room, sim_caching,
             step_counts=lambda: (self.global_steps, self.skipped_steps, self.scaler.scale),
             settle_overlap=self._settle_overlap)
         store.engine_ref = weakref.ref(self)
-        # Saved tensors that alias a parameter's slot are packed as (parameter,
-        # geometry) and rebuilt from its data in backward, so nothing keeps a
-        # chunk address across a move (Note [Parameters keep their TensorImpl]
-        # in hooks/param_binding.h); the same pair serves tidal.recompute's
-        # replays (RecomputePlan.parameter_aliases).
-        self._saved_tensor_pair = self._hooks.saved_tensor_hooks(self._unpack_attach)
         self._install_hooks()
-        self._hooks.set_raw_backward(raw_backward_refusal(self.precision, self.scaler, self.dp))
-        self._hooks.set_raw_backward_limits(self._enforce_budget, self._enforce_budget and self.config.room_on_miss)
+        hooks.set_raw_backward(raw_backward_refusal(self.precision, self.scaler, self.dp))
+        hooks.set_raw_backward_limits(enforce_budget, enforce_budget and self.config.room_on_miss)
         _external.install(model, self._outside, self._param_names_by_module())
         _user_param.install(self)  # Note [A parameter object stays the user's]
         _guards.guard_conversions(model, self)  # Note [Conversions of a trained model]
-        self._state_dict_bridge.install(self._handles, self._param_names_by_module())
+        self._state_dict_bridge.install(self._wiring.handles, self._param_names_by_module())
         _guards.register(self)
-        if not self._cuda:
+        if not cuda:
             # An engine collected mid-step (its forward or backward counting
             # the simulated device's allocations) leaves no count running.
             weakref.finalize(self, _C.chunks.set_host_allocation_counting, False)
-        self.dtr.start(self._hooks)
+        self.dtr.start(hooks, self._wiring)
         self.dtr.rebalance()
+
+    def remove_hooks(self):
+        """Gives the model back to plain PyTorch: the engine's hooks, its
+        parameter and conversion guards and the recompute plan go."""
+        self._wiring.remove_handles()
+        _external.uninstall(self.module)
+        _user_param.uninstall(self)
+        _guards.unguard_conversions(self.module)
+        self._wiring.count(False)  # (nothing of the engine's stays running for plain PyTorch code)
+        if self.recompute_plan is not None:
+            self.recompute_plan.remove()
+            self.recompute_plan = None
 
     # ------------------------------------------------------------------ setup
     def _check_budget(self):
         """The device room the model needs against the budgets (Note [One
         place per chunk]); raises OutOfMemoryError naming what does not fit."""
         self._budget = _budget.check(self._params, self.store, self.config)
-        tracer = getattr(self, "_tracer", None)
-        if tracer is not None and not tracer.warmed_up:
-            tracer.set_warmup_room(self._budget.warmup_chunk_room)
+        wiring = getattr(self, "_wiring", None)
+        if wiring is not None and not wiring.tracer.warmed_up:
+            wiring.tracer.set_warmup_room(self._budget.warmup_chunk_room)
 
     def _host_short(self) -> bool:
         """The host budget is too small for the state (Note [One place per chunk])."""
         return self._budget.spilled_floor > 0 or self.chunks.stats()["spills"] > 0
+
+    def _before_forward(self):
+        """What a forward (not a recompute inside backward) settles first, at
+        the root's forward pre-hook (HookWiring.root_pre)."""
+        self._outside.settle_raw_backward()
+        # (a load_state_dict or state_dict that raised midway)
+        self._state_dict_bridge.forward_started()
+        # Parameters read outside any forward since the last (Note
+        # [External parameters]) go back to their chunks, with what user
+        # code wrote to them (Note [Writes to a parameter]).
+        self._outside.settle()
 
     def _install_hooks(self):
         """The module and gradient hooks: C++ callables (Note [Hooks torch
@@ -292,9 +315,11 @@ class Engine(HookWiringMixin, DeepSpeedEngineAPI):
         ModuleHooks keeps DTR's threshold in step with the chunks
         (rebalance_dtr)."""
         root = self.module
-        self._handles.append(root.register_forward_pre_hook(self._root_pre))
-        self._handles.append(root.register_forward_hook(self._root_post, always_call=True))
-        hooks = self._hooks
+        wiring = self._wiring
+        handles = wiring.handles
+        handles.append(root.register_forward_pre_hook(wiring.root_pre))
+        handles.append(root.register_forward_hook(wiring.root_post, always_call=True))
+        hooks = wiring.hooks
         for m in self._params.module_records:
             self._hook_module(m)
         seen = set()
@@ -302,29 +327,30 @@ class Engine(HookWiringMixin, DeepSpeedEngineAPI):
             if r.trainable and id(r.param) not in seen:
                 seen.add(id(r.param))
                 hook = hooks.grad_hook(self._params.record_index[id(self.store.by_param[id(r.param)])],
-                                       _weak_method(self._grad_ready))
-                self._handles.append(r.param.register_post_accumulate_grad_hook(hook))
+                                       _weak_method(wiring.grad_ready))
+                handles.append(r.param.register_post_accumulate_grad_hook(hook))
                 if self._dp_step is not None and self.dp.overlap:
                     # After the landing (hooks run in order): a chunk whose
                     # gradients are all in starts its reduction.
-                    self._handles.append(r.param.register_post_accumulate_grad_hook(
+                    handles.append(r.param.register_post_accumulate_grad_hook(
                         _weak_method(self._dp_step.grad_ready)))
                 if self._overlap is not None and self.dp is None:
                     # (Data parallel: a landing is not final; the owner
                     # launches a chunk when its reduction lands,
                     # ChunkDataParallel._finish.)
-                    self._handles.append(r.param.register_post_accumulate_grad_hook(
-                        _weak_method(self._overlap_grad_ready)))
+                    handles.append(r.param.register_post_accumulate_grad_hook(
+                        _weak_method(wiring.overlap_grad_ready)))
 
     def _hook_module(self, m):
         """Module `m`'s forward pre and post hooks (C++ callables)."""
         i = self._params.module_index[m]
-        hooks = self._hooks
-        pre = hooks.forward_pre_hook(i, self._pre_forward, self._forward_pre_failed)
-        post = hooks.forward_post_hook(i, self._post_forward, self._wrap_outputs,
-                                       _weak_method(self._backward_pre_failed))
-        self._handles.append(m.register_forward_pre_hook(pre))
-        self._handles.append(m.register_forward_hook(post))
+        wiring = self._wiring
+        hooks = wiring.hooks
+        pre = hooks.forward_pre_hook(i, wiring.pre_forward, wiring.forward_pre_failed)
+        post = hooks.forward_post_hook(i, wiring.post_forward, wiring.wrap_outputs,
+                                       _weak_method(wiring.backward_pre_failed))
+        wiring.handles.append(m.register_forward_pre_hook(pre))
+        wiring.handles.append(m.register_forward_hook(post))
 
     def _param_names_by_module(self) -> dict:
         """module -> {name in its _parameters: record index} for the parameters this engine keeps."""
@@ -402,11 +428,9 @@ class Engine(HookWiringMixin, DeepSpeedEngineAPI):
             # forward's hooks did not finish: give their slots back, so the
             # engine can go on with the next batch.
             oom = self._out_of_memory(e, "forward")
-            if self._saved_hooks is not None:
-                hooks, self._saved_hooks = self._saved_hooks, None
-                hooks.__exit__(None, None, None)
+            self._wiring.leave_saved_tensor_hooks()
             self._outside.stop_check(finished=False)
-            self._count(False)
+            self._wiring.count(False)
             self._release_after_error()
             self.dtr.end(failed=True)
             # A shape error involving an empty tensor is what a parameter read
@@ -438,11 +462,11 @@ class Engine(HookWiringMixin, DeepSpeedEngineAPI):
     def _forget_writes(self, records) -> None:
         # ParamStore.forget_writes: these parameters' version counts as they are
         # now (writes to copies dropped on purpose are not the user's writes).
-        if getattr(self, "_hooks", None) is None:
+        if getattr(self, "_wiring", None) is None:
             return
         index = [self._params.record_index[id(r)] for r in records if id(r) in self._params.record_index]
         if index:
-            self._hooks.sync_param_writes(index)
+            self._wiring.hooks.sync_param_writes(index)
 
     @property
     def records(self) -> list:
@@ -481,7 +505,7 @@ class Engine(HookWiringMixin, DeepSpeedEngineAPI):
         # hook) goes into the master before the gradients take the slots.
         self._outside.settle(end_reads=False)
         if not self._accumulation.summing:
-            landed = self._hooks.landed_params()
+            landed = self._wiring.hooks.landed_params()
             if landed:
                 raise UsageError(
                     f"engine.backward() called again before engine.step(): the gradients of the "
@@ -500,8 +524,8 @@ class Engine(HookWiringMixin, DeepSpeedEngineAPI):
         if self._overlap is not None:
             # Only the backward before the step's boundary launches updates.
             self._overlap.begin(self._accumulation.next_backward_ends_window())
-        self._count(True)
-        self._hooks.set_engine_backward(True)
+        self._wiring.count(True)
+        self._wiring.hooks.set_engine_backward(True)
         try:
             try:
                 scaled.backward(retain_graph=retain_graph)
@@ -523,7 +547,7 @@ class Engine(HookWiringMixin, DeepSpeedEngineAPI):
             # The error is what the user sees; the slots this backward left in
             # use are released without raising another one over it.
             oom = self._out_of_memory(e, "backward")
-            self._count(False)  # (bringing DTR's tensors back is no step's memory)
+            self._wiring.count(False)  # (bringing DTR's tensors back is no step's memory)
             self._release_after_error()
             self.dtr.end(failed=True)
             if self._dp_step is not None:
@@ -552,11 +576,11 @@ class Engine(HookWiringMixin, DeepSpeedEngineAPI):
                 raise oom from e
             raise
         finally:
-            self._hooks.set_engine_backward(False)
-            self._count(False)
+            self._wiring.hooks.set_engine_backward(False)
+            self._wiring.count(False)
         try:
             with _dtr.outside():
-                self._hooks.end_backward()
+                self._wiring.hooks.end_backward()
             self.dtr.end()  # Note [DTR belongs to the engine's cycle]
         except BaseException:
             if self._dp_step is not None:  # (the other ranks go on with their reductions)
@@ -579,9 +603,9 @@ class Engine(HookWiringMixin, DeepSpeedEngineAPI):
         limit] in hooks/host_allocation_counter.h), or None for other errors."""
         if not isinstance(e, torch.OutOfMemoryError) or isinstance(e, OutOfMemoryError):
             return None
-        running = [self._params.names.get(self._params.module_list[i], "?") for i in self._hooks.running()]
+        running = [self._params.names.get(self._params.module_list[i], "?") for i in self._wiring.hooks.running()]
         held = self.chunks.held_bytes(DEVICE)
-        live = self._tracer.live()
+        live = self._wiring.tracer.live()
         what = f"; DTR tracks {_dtr.stats().get('tracked_bytes', 0)} bytes of them" \
             if _dtr.is_enabled() else ""
         return OutOfMemoryError(
@@ -597,9 +621,9 @@ class Engine(HookWiringMixin, DeepSpeedEngineAPI):
         attached goes back to its chunk (HOLD), whatever state the hooks got to.
         The step's partial trace is dropped: the next step records afresh (the
         scheduler's own trace diverges once and is adopted again)."""
-        self._tracer.drop_step()
+        self._wiring.tracer.drop_step()
         with _dtr.outside():
-            failed = self._hooks.release_all()
+            failed = self._wiring.hooks.release_all()
         for message in failed:  # never mask the error being raised
             warnings.warn(f"tidal: releasing a parameter after an error failed too: {message}",
                           stacklevel=3)
@@ -607,10 +631,10 @@ class Engine(HookWiringMixin, DeepSpeedEngineAPI):
     def zero_grad(self):
         """Drops pending gradients (those in 16-bit slots are restored from
         fp32) and the gradient sums of an unfinished accumulation."""
-        self._hooks.take_backward_ended()  # (a loss.backward() whose gradients go now)
+        self._wiring.hooks.take_backward_ended()  # (a loss.backward() whose gradients go now)
         self._settle_overlap()  # (updates made during backward are taken back)
         self._accumulation.reset()
-        self._hooks.clear_grad_norm()
+        self._wiring.hooks.clear_grad_norm()
         if self._dp_step is not None:
             self._dp_step.drop_gradient_norm()
         for r in self._params.records:
@@ -642,7 +666,7 @@ class Engine(HookWiringMixin, DeepSpeedEngineAPI):
         with self.dtr.weights_change(), _dtr.outside():
             result = _checkpoint.load_checkpoint(self, load_dir, tag, load_optimizer_states,
                                                  load_lr_scheduler_states)
-        self._hooks.sync_param_writes()  # (the load wrote the chunks, not the parameters)
+        self._wiring.hooks.sync_param_writes()  # (the load wrote the chunks, not the parameters)
         return result
 
     def state_dict(self) -> dict:
@@ -658,7 +682,7 @@ class Engine(HookWiringMixin, DeepSpeedEngineAPI):
         self._outside.settle()
         with self.dtr.weights_change(), _dtr.outside():
             result = _checkpoint.load_state_dict(self, state_dict, strict)
-        self._hooks.sync_param_writes()  # (the load wrote the chunks, not the parameters)
+        self._wiring.hooks.sync_param_writes()  # (the load wrote the chunks, not the parameters)
         return result
 
     def load_pretrained(self, path, strict: bool = True):
@@ -667,7 +691,7 @@ class Engine(HookWiringMixin, DeepSpeedEngineAPI):
         self._outside.settle()
         with self.dtr.weights_change(), _dtr.outside():
             result = _checkpoint.load_pretrained(self, path, strict)
-        self._hooks.sync_param_writes()  # (the load wrote the chunks, not the parameters)
+        self._wiring.hooks.sync_param_writes()  # (the load wrote the chunks, not the parameters)
         return result
 
     def save_pretrained(self, save_dir, max_shard_size="5GB", dtype=None):

@@ -50,13 +50,14 @@ def add_tensor_hook(t, hook):
     hooks[hook] = hook
 
 
-def wrap_outputs(engine, module, output):
+def wrap_outputs(wiring, module, output):
     """Marks the module's floating-point outputs that require grad: a tensor
     hook on each runs the module's backward pre-hook (its parameters attach)
     when the output's gradient is ready, before the module's own backward.
     (A tensor hook rather than an identity autograd.Function: ~10 us less per
-    module in forward, no extra node in backward.) Returns `output`."""
-    pre_backward = engine._pre_backward_hook(module)
+    module in forward, no extra node in backward.) `wiring` is the engine's
+    HookWiring. Returns `output`."""
+    pre_backward = wiring.pre_backward_hook(module)
 
     def mark(t):
         if isinstance(t, torch.Tensor) and t.requires_grad and t.is_floating_point():

@@ -81,8 +81,8 @@ class OptimizerStep:
         dp_step: the engine's ChunkDataParallel, or None without data parallel.
         settle_outside: the engine's OutsideAccess.settle (writes and reads of
             parameters outside a forward go back to their chunks).
-        stop_counting: stops the simulated device's meter (engine._count(False)).
-        end_trace_step: ends the tracer's step (engine._end_trace_step).
+        stop_counting: stops the simulated device's meter (HookWiring.count(False)).
+        end_trace_step: ends the tracer's step (HookWiring.end_trace_step).
         check_budget: the device-room check, again after the relayout
             (engine._check_budget).
         host_short: whether the host budget is too small for the state
