@@ -1,4 +1,4 @@
-"""Names engine.py and its mixins share."""
+"""Names engine.py and its objects share."""
 from __future__ import annotations
 
 import weakref

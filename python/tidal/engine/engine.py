@@ -8,11 +8,13 @@ python/tidal/engine/hooks.py for the hook protocol. One step:
     engine.step()               # Adam per chunk: on the device (hybrid) or CPU
 
 Engine is this file (set-up, forward, backward, zero_grad, checkpoint entry
-points), engine_api.py (DeepSpeed's engine queries and nn.Module's methods,
-a base class without state of its own) and a mixin split along its
-sections, reading the attributes Engine.__init__ sets: hook_wiring.py
-(module and parameter hooks, the tracer). Every other concern is an object
-of its own, owning its state and given what it reads at construction:
+points) and engine_api.py (DeepSpeed's engine queries and nn.Module's
+methods, a base class without state of its own). Every other concern is an
+object of its own, owning its state and given what it reads at construction:
+  HookWiring (hook_wiring.py, self._wiring): the module and parameter hooks,
+    the ModuleHooks, the memory tracer, the saved-tensor pair, attaches and
+    detaches outside the hooks' path (DTR's replays among them) and the
+    simulated device's allocation counting;
   ParamTable (params.py, self._params): the modules, records and their indexes;
   budget.check (budget.py, self._budget): the device room the model needs;
   GradientAccumulation (accumulation.py, self._accumulation): the window, the

@@ -58,7 +58,6 @@ from .store import HOST, PARAM32
 __all__ = ["HookWiring", "new_tracer"]
 
 
-
 def new_tracer(store, cuda: bool, sim_caching: bool, warmup_room: int):
     """The tracer with the meter of Note [The memory tracer] for this device.
 
@@ -165,12 +164,14 @@ class HookWiring:
         self.saved_tensor_pair = self.hooks.saved_tensor_hooks(self._unpack_attach)
 
     def remove_handles(self):
+        """Removes every hook on the model (engine.remove_hooks())."""
         for h in self.handles:
             h.remove()
         self.handles.clear()
 
     # ------------------------------------------------------------- the tracer
     def end_trace_step(self):
+        """The step's trace is complete (the optimizer step calls this)."""
         self.tracer.end_step()
         self._dtr.rebalance()
         if self.cuda_room:
@@ -198,6 +199,8 @@ class HookWiring:
         return hooks
 
     def count(self, on: bool):
+        """Starts (`on`) or stops the meter's counting and limits while
+        forward and backward run."""
         # Simulated device: torch's CPU allocations during forward and
         # backward are the non-chunk "device" memory (Note [The memory
         # tracer]), limited to what the budget leaves beside the chunks while
