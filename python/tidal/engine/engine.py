@@ -206,8 +206,12 @@ class Engine(DeepSpeedEngineAPI):
         # DTR of activations (Note [DTR under the training engine]).
         self.dtr = DtrLink(self, cfg.dtr)
         # CPU Adam during backward (Note [CPU Adam during backward] in overlap.py).
-        self._overlap = StepOverlap(self) if cfg.overlap_step and self.overlap_step_off is None \
-            else None
+        self._overlap = None
+        if cfg.overlap_step and self.overlap_step_off is None:
+            self._overlap = StepOverlap(store, self._params, cfg, self.optimizer, self.dp is not None)
+            # The worker must never outlive the chunks it reads: a collected
+            # engine first waits for it, before its chunks go.
+            self._overlap.abandon_with(self)
         # The module and parameter hooks, the tracer and the saved-tensor pair
         # (the hooks go on the model below, once the objects they call exist).
         self._wiring = HookWiring(
@@ -525,7 +529,10 @@ class Engine(DeepSpeedEngineAPI):
         scaled = loss.float() * scale if scale != 1.0 else loss
         if self._overlap is not None:
             # Only the backward before the step's boundary launches updates.
-            self._overlap.begin(self._accumulation.next_backward_ends_window())
+            self._overlap.begin(self._accumulation.next_backward_ends_window(),
+                                global_steps=self.global_steps, loss_scale=self.scaler.scale,
+                                host_short=self._host_short(),
+                                fold_chunk=_weak_method(self._accumulation.fold_chunk))
         self._wiring.count(True)
         self._wiring.hooks.set_engine_backward(True)
         try:

@@ -163,20 +163,37 @@ class StepOverlap:
     begin() before a backward, landed() from the gradient hook (under data
     parallel reduced() when a chunk's reduction lands on its owner),
     backward_ended() after it, validate() in the step and undo() before
-    anything else that needs the chunks."""
+    anything else that needs the chunks.
 
-    def __init__(self, engine):
-        # Weakly: the worker must never outlive the chunks it reads, so a
-        # collected engine first waits for it (_abandon, called as the engine
-        # goes, before its chunks do); a strong reference would make the
-        # engine wait for a cycle collection instead.
-        self._engine_ref = weakref.ref(engine)
-        weakref.finalize(engine, self._abandon)
+    It holds no reference to the engine. What it reads for good is given at
+    construction; what a backward decides with (the steps taken, the loss
+    scale, whether the host is short, the accumulation's fold) is given to
+    begin(). The worker must never outlive the chunks it reads: the engine
+    registers abandon_with(engine) (a weakref.finalize of the worker alone),
+    so a collected engine first waits for it, before its chunks go.
+
+    Args:
+        store: the ParamStore (its pins, and the scheduler, read from
+            store.chunks at each use: a relayout replaces it).
+        params: the engine's ParamTable (the records in chunk order).
+        config: the engine's Config.
+        optimizer: the engine's EngineOptimizer (its param_groups).
+        data_parallel: whether the engine runs data parallel (a landing is
+            then not final: reduced() launches).
+    """
+
+    def __init__(self, store, params, config, optimizer, data_parallel: bool):
+        self._store = store
+        self._params = params
+        self._config = config
+        self._optimizer = optimizer
+        self._data_parallel = data_parallel
+        self._fold_chunk = None  # the accumulation's fold, from begin()
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="tidal-adam")
         self._waiting: dict[int, int] = {}  # chunk -> gradients it still waits for
         self._landed_ids: set[int] = set()    # tensors whose gradient landed in this backward
         self._recs: dict[int, list] = {}     # chunk -> its trainable records
-        self._jobs: list[tuple[int, object]] = []  # (chunk, future)
+        self._jobs: list[tuple[int, object]] = []  # (chunk, future); cleared, never replaced
         self._pinned: list = []  # the launched chunks' pins (store.SlotPin), released by finish()
         self._backward_end = None
         self._speculating = False  # this backward (and its reductions) may launch updates
@@ -205,19 +222,25 @@ class StepOverlap:
         self.overlapped_seconds = 0.0  # of which before backward ended
         self.undo_bytes = 0
 
-    @property
-    def _engine(self):
-        return self._engine_ref()
-
     # ------------------------------------------------------------ backward
-    def begin(self, last_micro_batch: bool):
+    def begin(self, last_micro_batch: bool, *, global_steps: int, loss_scale: float, host_short: bool,
+              fold_chunk):
         """Before a backward: each chunk waits for the gradients of its
-        trainable tensors, when this backward may launch updates."""
-        e = self._engine
+        trainable tensors, when this backward may launch updates.
+
+        Args:
+            last_micro_batch: the backward is the last of its accumulation window.
+            global_steps: the optimizer steps taken (none in the warm-up).
+            loss_scale: the loss scale this backward runs with.
+            host_short: the host is too small for the state (Note [One place
+                per chunk]).
+            fold_chunk: (chunk, records, space) -> None, the accumulation's
+                fold of one chunk's landed gradients into their sums.
+        """
         self._forget_layout_if_changed()
         recs = collections.defaultdict(list)
-        for r in e._params.records:
-            if r.trainable and e.store.owns(r):
+        for r in self._params.records:
+            if r.trainable and self._store.owns(r):
                 recs[r.chunk].append(r)
         self._recs = dict(recs)
         self._landed_ids = set()
@@ -225,8 +248,9 @@ class StepOverlap:
         self.folded_early = set()
         # Not in the engine's first backward (the warm-up, which records the
         # trace and finds the parameters whose gradients land twice).
-        speculate = last_micro_batch and not _dtr.is_enabled() and e.global_steps > 0
-        if e.dp is not None and e._accumulation.summing:
+        accumulating = self._config.gradient_accumulation_steps > 1
+        speculate = last_micro_batch and not _dtr.is_enabled() and global_steps > 0
+        if self._data_parallel and accumulating:
             # Data parallel with accumulation: the end of backward folds the
             # owners' reduced gradients and broadcasts the weights back
             # (ChunkDataParallel.after_backward), which an update in flight would race.
@@ -242,13 +266,14 @@ class StepOverlap:
         # when its reduction lands, reduced().)
         self._waiting = {chunk: len(rs) for chunk, rs in recs.items()
                          if not any(r in self._relanded for r in rs)} \
-            if speculate and e.dp is None else {}
+            if speculate and not self._data_parallel else {}
         # A host too small for the state (Note [One place per chunk]): the
         # step makes room first, so nothing is launched in this backward.
-        self._host_short = e._host_short()
+        self._host_short = host_short
         # The grad scale the step uses where the clip does not fire.
-        self._grad_scale = 1.0 / e.scaler.scale
-        self._use_sums = e._accumulation.summing
+        self._grad_scale = 1.0 / loss_scale
+        self._use_sums = accumulating
+        self._fold_chunk = fold_chunk
 
     def landed(self, record):
         """A gradient landed (trainable records only): counted once per
@@ -285,22 +310,20 @@ class StepOverlap:
         self._waiting = {}
 
     def _on_host_by_plan(self, chunk: int) -> bool:
-        e = self._engine
-        if not e.config.hybrid_adam:
+        if not self._config.hybrid_adam:
             return True  # (the host is too small for the state: nothing launched)
         # No step recorded for this layout: the step decides, and its choice is the plan.
         return self.plan is not None and chunk in self.plan
 
     def _launch(self, chunk: int):
-        e = self._engine
-        cfg, c = e.config, e.chunks
+        cfg, c = self._config, self._store.chunks
         if self._host_short or not self._on_host_by_plan(chunk):
             return  # the step updates it (on the device, or with room made first)
         recs = self._recs[chunk]
         if any(r in self._relanded for r in recs):
             return
-        if c.chunk_space(chunk, PARAM16) == DEVICE and e.store.in_use(
-                (r for r in e._params.records if r.chunk == chunk), PARAM16):
+        if c.chunk_space(chunk, PARAM16) == DEVICE and self._store.in_use(
+                (r for r in self._params.records if r.chunk == chunk), PARAM16):
             return  # another tensor of the chunk is in use on the device: it cannot move now
         spans = [c.placement(r.id)[1] for r in recs]
         lo = min(spans)
@@ -311,17 +334,17 @@ class StepOverlap:
         if self._use_sums:
             # Note [Gradient sums in chunks]: the fold the end of backward
             # would make, for this chunk, on the host where it is updated.
-            e._accumulation.fold_chunk(chunk, recs, HOST)
+            self._fold_chunk(chunk, recs, HOST)
             self.folded_early.add(chunk)
         kinds = _KINDS + ((GRAD32,) if self._use_sums else ())
         # A record's slots pin its whole chunk of each kind.
-        self._pinned.append(e.store.pin(recs[0], kinds, HOST))
+        self._pinned.append(self._store.pin(recs[0], kinds, HOST))
         views = [c.chunk_view(chunk, k) for k in _UNDO_KINDS]
         grad = c.chunk_view(chunk, GRAD32) if self._use_sums else None
         for r in recs:
             r.step += 1
         calls = []
-        for group, members in by_group(e.optimizer.param_groups, recs):
+        for group, members in by_group(self._optimizer.param_groups, recs):
             b1, b2 = group["betas"]
             # The step's own arithmetic (hooks/chunk_step.cpp, simd_step):
             # loss_scale is 1 / grad_scale, with grad_scale = clip / scale at clip 1.
@@ -344,15 +367,15 @@ class StepOverlap:
         bufs = self._undo.get(chunk)
         if bufs is not None and bufs[0].numel() >= numel:
             return bufs
-        e = self._engine
-        c = e.chunks
+        store = self._store
+        c = store.chunks
         # Each kind's dtype from an access of its slot, not chunk_view: a
         # chunk may have no payload in reach now (moved out), and an access
         # is what brings it back.
-        dtypes = e.store.slot_dtypes(first, _UNDO_KINDS, HOST)
+        dtypes = store.slot_dtypes(first, _UNDO_KINDS, HOST)
         size = sum(numel * d.itemsize for d in dtypes)
         old = 0 if bufs is None else sum(b.numel() * b.element_size() for b in bufs)
-        if c.held_bytes(HOST) + self.undo_bytes - old + size > e.store.capacity_bytes()[0]:
+        if c.held_bytes(HOST) + self.undo_bytes - old + size > store.capacity_bytes()[0]:
             return None
         with uncounted():  # (host memory, not the simulated device's)
             bufs = [torch.empty(numel, dtype=d) for d in dtypes]
@@ -362,7 +385,7 @@ class StepOverlap:
 
     def _forget_layout_if_changed(self):
         """A relayout renumbers the chunks: the plan and the buffers were for the old ones."""
-        chunks = self._engine.chunks
+        chunks = self._store.chunks
         if self._layout is not chunks:
             self._layout = chunks
             self.plan = None
@@ -394,7 +417,7 @@ class StepOverlap:
                 self.overlapped_seconds += max(0.0, min(t1, end) - t0)
             else:  # a forward or an error before backward ended: all of it overlapped
                 self.overlapped_seconds += t1 - t0
-        self._jobs = []
+        self._jobs.clear()
         self._speculating = False
         for pin in self._pinned:
             pin.release()
@@ -425,12 +448,12 @@ class StepOverlap:
                 self._restore()
 
     def _restore(self):
-        e = self._engine
-        c = e.chunks
+        store = self._store
+        c = store.chunks
         pending, self._pending = self._pending, {}
         with torch.no_grad():
             for chunk, (recs, lo, hi) in pending.items():
-                pin = e.store.pin(recs[0], _UNDO_KINDS, HOST)
+                pin = store.pin(recs[0], _UNDO_KINDS, HOST)
                 try:
                     for kind, buf in zip(_UNDO_KINDS, self._undo[chunk]):
                         c.chunk_view(chunk, kind)[lo:hi].copy_(buf[:hi - lo])
@@ -440,16 +463,23 @@ class StepOverlap:
                     r.step -= 1
                 self.undone_chunks += 1
 
-    def _abandon(self):
-        """The engine is going: wait for the worker (its chunks are still
-        there), forget the pins with the chunks, stop the thread."""
-        for _chunk, future in self._jobs:
-            try:
-                future.result()
-            except BaseException:  # noqa: BLE001 (nobody is left to tell)
-                pass
-        self._jobs, self._pinned, self._pending = [], [], {}
-        self._pool.shutdown(wait=False)
+    def abandon_with(self, owner) -> None:
+        """When `owner` (the engine) goes, the worker is waited for (its
+        chunks are still there) and stopped, before the chunks go. The
+        finalizer holds the worker's thread pool and job list, never this
+        object: what it holds (the store, the records) leads to the model
+        and from its hooks to the engine, which would then never go."""
+        weakref.finalize(owner, _abandon_worker, self._pool, self._jobs)
+
+
+def _abandon_worker(pool, jobs: list) -> None:
+    for _chunk, future in jobs:
+        try:
+            future.result()
+        except BaseException:  # noqa: BLE001 (nobody is left to tell)
+            pass
+    jobs.clear()
+    pool.shutdown(wait=False)
 
 
 class _UndoCopyFailed(Exception):
