@@ -133,28 +133,41 @@ def test_device_chunk_steps_match_adamw_with_clipping(kernel):
     assert report["adam_chunks_on_device"] > 0 and report["adam_chunks_on_host"] == 0
 
 
-@pytest.mark.parametrize("accumulation", [1, 2])
-def test_device_steps_without_bias_correction_agree_between_the_kernels(accumulation):
-    # Without bias correction torch's fused kernel (a GPU's chunk step) runs
-    # with each tensor's step at +inf, which makes both corrections exactly 1
-    # (hooks/chunk_step.cpp); cpu_adam's kernel leaves them out. fp32: the masters agree to fp32 rounding, within
-    # 1e-5 absolute: without bias correction the first steps divide by
-    # sqrt(v) of a few thousandths of the gradient, so an element whose
-    # gradient is near eps amplifies the two kernels' rounding (one of 12288
-    # here, 1e-6 apart after two steps).
-    masters = {}
+def trained_with_both_device_kernels(edit_config, batches: int) -> dict:
+    """kernel -> an engine trained on `batches` GPT batches with hybrid Adam
+    and that device kernel ("simd": cpu_adam's; "fused": torch's, a GPU's,
+    run here on the simulated device's CPU tensors), each from the same
+    start; `edit_config(cfg)` changes the config first. Each engine updated
+    chunks on the device, within its budget."""
+    engines = {}
     for kernel in ("simd", "fused"):
         torch.manual_seed(0)
         model = TinyGPT(d=64, seq=8)
         cfg = config(hybrid_adam=True, budget="64MiB", chunk=1 << 16)
-        cfg["optimizer"]["params"]["bias_correction"] = False
-        cfg["gradient_accumulation_steps"] = accumulation
+        edit_config(cfg)
         engine = tidal.initialize(model, cfg)
         engine._step.device_adam_kernel = kernel
-        train_tidal(engine, gpt_batches(2 * accumulation))  # two steps, as the test below
+        train_tidal(engine, gpt_batches(batches))
         assert engine.memory_report()["adam_chunks_on_device"] > 0
         within_budget(engine)
-        masters[kernel] = engine.parameters_fp32()
+        engines[kernel] = engine
+    return engines
+
+
+@pytest.mark.parametrize("accumulation", [1, 2])
+def test_device_steps_without_bias_correction_agree_between_the_kernels(accumulation):
+    # Without bias correction torch's fused kernel (a GPU's chunk step) runs
+    # with each tensor's step at +inf, which makes both corrections exactly 1
+    # (hooks/chunk_step.cpp); cpu_adam's kernel leaves them out. fp32: the
+    # masters agree to fp32 rounding, within 1e-5 absolute: without bias
+    # correction the first steps divide by sqrt(v) of a few thousandths of
+    # the gradient, so an element whose gradient is near eps amplifies the
+    # two kernels' rounding (one of 12288 here, 1e-6 apart after two steps).
+    def edit(cfg):
+        cfg["optimizer"]["params"]["bias_correction"] = False
+        cfg["gradient_accumulation_steps"] = accumulation
+    engines = trained_with_both_device_kernels(edit, 2 * accumulation)  # two steps
+    masters = {k: e.parameters_fp32() for k, e in engines.items()}
     for name, want in masters["simd"].items():
         torch.testing.assert_close(masters["fused"][name], want, rtol=1e-5, atol=1e-5)
 
@@ -208,19 +221,12 @@ def test_device_chunk_steps_in_16_bit_agree_between_the_kernels(precision):
     # start: the fp32 masters agree to fp32 rounding after two steps (the
     # second runs on the 16-bit weights the first wrote back; later, a master
     # an ulp apart can round to another 16-bit weight and the runs drift).
-    masters = {}
-    for kernel in ("simd", "fused"):
-        torch.manual_seed(0)
-        model = TinyGPT(d=64, seq=8)
-        cfg = config(hybrid_adam=True, budget="64MiB", chunk=1 << 16)
+    def edit(cfg):
         cfg["gradient_clipping"] = 0.05
         cfg[precision] = {"enabled": True}
-        engine = tidal.initialize(model, cfg)
-        engine._step.device_adam_kernel = kernel
-        train_tidal(engine, gpt_batches(2))
-        assert engine.skipped_steps == 0
-        assert engine.memory_report()["adam_chunks_on_device"] > 0
-        masters[kernel] = engine.parameters_fp32()
+    engines = trained_with_both_device_kernels(edit, 2)
+    assert all(e.skipped_steps == 0 for e in engines.values())
+    masters = {k: e.parameters_fp32() for k, e in engines.items()}
     for name, want in masters["simd"].items():
         torch.testing.assert_close(masters["fused"][name], want, rtol=1e-5, atol=1e-7)
 

@@ -18,6 +18,7 @@ import torch
 from .. import dtr as _dtr
 from ..config import ConfigError
 from ..data_parallel import IN_FLIGHT, DataParallelError
+from .params import ParamTable
 from .store import HOST, NOWHERE, PARAM16, uncounted
 
 from .common import _PER_MACHINE_KEYS
@@ -89,9 +90,8 @@ class ChunkDataParallel:
     Args:
         group: the process group (tidal.data_parallel.DataParallel).
         store: the ParamStore holding the chunks.
-        records: the engine's records, in record order (their positions are
-            the hooks' record indexes).
-        record_index: id(record) -> its index in `records` (the engine's).
+        params: the engine's ParamTable (the records and their indexes, the
+            hooks' numbering).
         hooks: the engine's ModuleHooks (which gradients landed; under
             accumulation, after_backward clears the landings of the chunks
             other ranks own).
@@ -99,12 +99,10 @@ class ChunkDataParallel:
         accumulating: gradient_accumulation_steps > 1.
     """
 
-    def __init__(self, group, store, records: list, record_index: dict, hooks, overlap,
-                 accumulating: bool):
+    def __init__(self, group, store, params: ParamTable, hooks, overlap, accumulating: bool):
         self.group = group
         self._store = store
-        self._records = records
-        self._index = record_index
+        self._params = params
         self._hooks = hooks
         self._overlap = overlap
         self._accumulating = accumulating
@@ -114,7 +112,7 @@ class ChunkDataParallel:
         # backward reaches them), so the ranks' collectives match whenever
         # each rank's chunks become final.
         members = collections.defaultdict(list)
-        for r in records:
+        for r in params.record_list:
             if r.trainable:
                 members[r.chunk].append(r)
         self._members = dict(sorted(members.items()))
@@ -179,7 +177,7 @@ class ChunkDataParallel:
         one before them in the reduction order, start their reductions while
         backward goes on."""
         r = self._store.by_param[id(param)]
-        i = self._index[id(r)]
+        i = self._params.index(r)
         if not self._hooks.landed(i) or not self._left:
             return
         if self._pos[r.chunk] < self._next:
@@ -209,7 +207,6 @@ class ChunkDataParallel:
         another starts); finished ones are written back."""
         dp, c = self.group, self._store.chunks
         recs = self._members[chunk]
-        index = self._index
         first = recs[0]
         flight = self._flight
         while len(flight) >= IN_FLIGHT or (flight and flight[0][3].is_completed()):
@@ -217,7 +214,7 @@ class ChunkDataParallel:
         with torch.no_grad(), uncounted(), _dtr.outside():
             with self._store.slots(first, (PARAM16,), self._here(chunk)):  # pins the chunk
                 view = c.chunk_view(chunk, PARAM16)
-                landed = [self._hooks.landed(index[id(r)]) for r in recs]
+                landed = [self._hooks.landed(i) for i in self._params.indexes(recs)]
                 parts = []
                 for r, has in zip(recs, landed, strict=True):
                     off = c.placement(r.id)[1]
@@ -282,14 +279,14 @@ class ChunkDataParallel:
             self._sq.clear()
             self._left = {}
             landed = landed_records()
-            index = self._index
-            flags = torch.zeros(len(self._records), dtype=torch.int32)
+            records = self._params.record_list
+            flags = torch.zeros(len(records), dtype=torch.int32)
             if landed:
-                flags[[index[id(r)] for r in landed]] = 1
+                flags[self._params.indexes(landed)] = 1
             dp.all_reduce_flags(flags, "compare which parameters got gradients")
             odd = ((flags != 0) & (flags != dp.world)).nonzero().flatten().tolist()
             if odd:
-                names = ", ".join(f"'{self._records[i].name}' ({int(flags[i])} of {dp.world} "
+                names = ", ".join(f"'{records[i].name}' ({int(flags[i])} of {dp.world} "
                                   f"ranks)" for i in odd[:4])
                 raise DataParallelError(
                     f"tidal data parallel: parameters got gradients on some ranks only: {names}"
@@ -300,8 +297,7 @@ class ChunkDataParallel:
                 # A chunk waits for all its trainable parameters, and the later
                 # chunks wait for it: a parameter that never gets a gradient
                 # holds every reduction after it until the end of backward.
-                unused = [r.name for r in self._records
-                          if r.trainable and int(flags[index[id(r)]]) == 0]
+                unused = [r.name for i, r in enumerate(records) if r.trainable and int(flags[i]) == 0]
                 if unused:
                     self._warned_unused = True
                     warnings.warn(
@@ -319,7 +315,7 @@ class ChunkDataParallel:
                             owned[r.chunk].append(r)
                     if owned:
                         fold(owned)
-                    theirs = [index[id(r)] for r in landed if not self._store.owns(r)]
+                    theirs = self._params.indexes([r for r in landed if not self._store.owns(r)])
                     self.broadcast({r.chunk for r in landed})
                     self._hooks.clear_landed(theirs)
             else:

@@ -244,8 +244,7 @@ class Engine(DeepSpeedEngineAPI):
             settle_outside=self._outside.settle, write_value=self._outside.write_value,
             write_param=lambda record, value: _checkpoint._write_param(self, record, value))
         if self.dp is not None:
-            self._dp_step = ChunkDataParallel(self.dp, store, self._params.record_list,
-                                              self._params.record_index, hooks, self._overlap,
+            self._dp_step = ChunkDataParallel(self.dp, store, self._params, hooks, self._overlap,
                                               self._accumulation.summing)
         # The optimizer step, its counters, loss scaler and LR schedule.
         self._step = OptimizerStep(
@@ -332,8 +331,7 @@ class Engine(DeepSpeedEngineAPI):
         for r in self._params.records:
             if r.trainable and id(r.param) not in seen:
                 seen.add(id(r.param))
-                hook = hooks.grad_hook(self._params.record_index[id(self.store.by_param[id(r.param)])],
-                                       _weak_method(wiring.grad_ready))
+                hook = hooks.grad_hook(self._params.index(r), _weak_method(wiring.grad_ready))
                 handles.append(r.param.register_post_accumulate_grad_hook(hook))
                 if self._dp_step is not None and self.dp.overlap:
                     # After the landing (hooks run in order): a chunk whose
@@ -366,7 +364,7 @@ class Engine(DeepSpeedEngineAPI):
             for pname, p in m.__dict__.get("_parameters", {}).items():
                 r = self._record_of_param(p) if p is not None else None
                 if r is not None:
-                    names[pname] = self._params.record_index[id(r)]
+                    names[pname] = self._params.index(r)
             if names:
                 out[m] = names
         return out

@@ -18,6 +18,27 @@ import torch
 from .errors import UsageError
 
 
+class _Owned:
+    """An engine attribute that one of the engine's objects owns:
+    engine.<name> reads (and where settable, writes) engine.<owner>.<name>."""
+
+    def __init__(self, owner: str, settable: bool = False, doc: str = ""):
+        self._owner, self._settable, self.__doc__ = owner, settable, doc
+
+    def __set_name__(self, cls, name: str):
+        self._name = name
+
+    def __get__(self, engine, cls=None):
+        if engine is None:
+            return self
+        return getattr(getattr(engine, self._owner), self._name)
+
+    def __set__(self, engine, value):
+        if not self._settable:
+            raise AttributeError(f"engine.{self._name} is read-only")
+        setattr(getattr(engine, self._owner), self._name, value)
+
+
 class DeepSpeedEngineAPI:
     """Engine's DeepSpeed- and nn.Module-compatible members (a base class of
     Engine, engine.py; no attributes of its own)."""
@@ -108,75 +129,24 @@ class DeepSpeedEngineAPI:
         the relayout after the warm-up step replaces."""
         return self.store.chunks
 
-    @property
-    def scaler(self):
-        """The loss scaler (StaticLossScaler, or DynamicLossScaler in fp16 with loss_scale 0)."""
-        return self._step.scaler
-
-    @property
-    def lr_scheduler(self):
-        """The config's LR schedule (tidal.lr_schedules), or None."""
-        return self._step.lr_scheduler
-
-    @property
-    def client_lr_scheduler(self):
-        """deepspeed.initialize's lr_scheduler (tidal.deepspeed), or None."""
-        return self._step.client_lr_scheduler
-
-    @client_lr_scheduler.setter
-    def client_lr_scheduler(self, value):
-        self._step.client_lr_scheduler = value
-
-    @property
-    def lr(self) -> float:
-        """The LR schedule's learning rate for the next step (the config's without one)."""
-        return self._step.lr
-
-    @lr.setter
-    def lr(self, value: float):
-        self._step.lr = value
-
-    @property
-    def betas(self) -> tuple:
-        """Adam's betas for the next step (OneCycle cycles them)."""
-        return self._step.betas
-
-    @property
-    def global_steps(self) -> int:
-        """Optimizer steps taken, skipped ones included (DeepSpeed's count)."""
-        return self._step.global_steps
-
-    @global_steps.setter
-    def global_steps(self, value: int):
-        self._step.global_steps = value
-
-    @property
-    def global_samples(self) -> int:
-        """Samples of the steps taken, as DeepSpeed counts them."""
-        return self._step.global_samples
-
-    @global_samples.setter
-    def global_samples(self, value: int):
-        self._step.global_samples = value
-
-    @property
-    def skipped_steps(self) -> int:
-        """Steps skipped by an fp16 overflow."""
-        return self._step.skipped_steps
-
-    @skipped_steps.setter
-    def skipped_steps(self, value: int):
-        self._step.skipped_steps = value
-
-    @property
-    def relayouts(self) -> int:
-        """Relayouts into first-use order done (Note [Chunks in first-use order])."""
-        return self._step.relayouts
-
-    @property
-    def relayout_skipped(self) -> "str | None":
-        """Why the relayout after the warm-up step was skipped, or None."""
-        return self._step.relayout_skipped
+    scaler = _Owned("_step", doc="The loss scaler (StaticLossScaler, or DynamicLossScaler in fp16 "
+                    "with loss_scale 0).")
+    lr_scheduler = _Owned("_step", doc="The config's LR schedule (tidal.lr_schedules), or None.")
+    client_lr_scheduler = _Owned("_step", settable=True,
+                                 doc="deepspeed.initialize's lr_scheduler (tidal.deepspeed), or None.")
+    lr = _Owned("_step", settable=True,
+                doc="The LR schedule's learning rate for the next step (the config's without one).")
+    betas = _Owned("_step", doc="Adam's betas for the next step (OneCycle cycles them).")
+    global_steps = _Owned("_step", settable=True,
+                          doc="Optimizer steps taken, skipped ones included (DeepSpeed's count).")
+    global_samples = _Owned("_step", settable=True,
+                            doc="Samples of the steps taken, as DeepSpeed counts them.")
+    skipped_steps = _Owned("_step", settable=True, doc="Steps skipped by an fp16 overflow.")
+    relayouts = _Owned("_step", doc="Relayouts into first-use order done (Note [Chunks in first-use "
+                       "order]).")
+    relayout_skipped = _Owned("_step", doc="Why the relayout after the warm-up step was skipped, or None.")
+    micro_steps = _Owned("_accumulation", settable=True,
+                         doc="The backward passes run so far (DeepSpeed's count).")
 
     def get_global_grad_norm(self) -> float | None:
         """The L2 norm of the unscaled gradients of the last optimizer step,
@@ -240,15 +210,6 @@ class DeepSpeedEngineAPI:
         """Whether engine.step() steps now: every gradient_accumulation_steps
         backward passes, or as set_gradient_accumulation_boundary() says."""
         return self._accumulation.is_boundary()
-
-    @property
-    def micro_steps(self) -> int:
-        """The backward passes run so far (DeepSpeed's count)."""
-        return self._accumulation.micro_steps
-
-    @micro_steps.setter
-    def micro_steps(self, value: int):
-        self._accumulation.micro_steps = value
 
     def set_gradient_accumulation_boundary(self, is_boundary: "bool | None"):
         """Overrides where the accumulation windows end (DeepSpeed's method of

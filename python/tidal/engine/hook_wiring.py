@@ -184,9 +184,8 @@ class HookWiring:
         hooks = _C.chunks.ModuleHooks(self._store.chunks, self.tracer)
         for r in self._params.record_list:
             hooks.add_param(r.param, r.id, r.shape)
-        index = self._params.record_index
         for m in self._params.module_list:
-            hooks.add_module([index[id(r)] for r in self._params.module_records[m]])
+            hooks.add_module(self._params.indexes(self._params.module_records[m]))
         hooks.set_make_room(self._dtr.enabled_by_config)
         if self.cuda_room:
             # Note [Room on a cache miss] (hooks/cuda_room.h): torch's cache
@@ -267,19 +266,18 @@ class HookWiring:
 
     def is_attached(self, record) -> bool:
         """Whether `record`'s parameter is a view of its slot (COMPUTE)."""
-        return self.hooks.attached(self._params.record_index[id(record)])
+        return self.hooks.attached(self._params.index(record))
 
     def uses(self, record) -> int:
         """Forward uses of `record`'s parameter in flight (nested or shared modules)."""
-        return self.hooks.uses(self._params.record_index[id(record)])
+        return self.hooks.uses(self._params.index(record))
 
     def attach(self, records, module, replay=False, for_backward=False):
         """Attaches `records` (those not attached) outside the hooks' own path:
         a saved tensor unpacked in backward, a DTR recompute's read."""
         if not records:
             return
-        index = self._params.record_index
-        ids = [index[id(r)] for r in records]
+        ids = self._params.indexes(records)
         try:
             with _dtr.outside():
                 self.hooks.attach(ids, for_backward=for_backward, replay=replay)
@@ -363,7 +361,7 @@ class HookWiring:
         is then of a temporary weight made from the fp32 master (Note [Weights
         while gradients wait]); else the parameter is attached for the replay
         (its chunk comes to the device through the scheduler)."""
-        if self.hooks.landed(self._params.record_index[id(record)]):
+        if self.hooks.landed(self._params.index(record)):
             return self._weight_from_master(record).as_strided(size, stride, offset), False
         attached = not self.is_attached(record)
         if attached:
@@ -384,9 +382,8 @@ class HookWiring:
     def _detach(self, records, state):
         if not records:
             return
-        index = self._params.record_index
         with _dtr.outside():
-            self.hooks.detach([index[id(r)] for r in records], state)
+            self.hooks.detach(self._params.indexes(records), state)
         self._dtr.rebalance()
 
     def pre_forward(self, module, args):
@@ -443,8 +440,7 @@ class HookWiring:
     def backward_pre_failed(self, i, e):
         """Module `i`'s backward pre-hook raised `e` (out of memory)."""
         module = self._params.module_list[i]
-        index = self._params.record_index
-        ids = [index[id(r)] for r in self._params.module_records[module]]
+        ids = self._params.indexes(self._params.module_records[module])
         self.attach_failed(e, module, self._params.module_records[module],
                            lambda: self.hooks.attach(ids, for_backward=True))
 
@@ -463,7 +459,7 @@ class HookWiring:
                 f"parameter '{r.name}' got a gradient of layout {g.layout}; tidal's chunks hold "
                 f"dense gradients in the parameters' 16-bit slots (an embedding read with "
                 f"sparse=True?)")
-        i = self._params.record_index[id(r)]
+        i = self._params.index(r)
         if _dtr.is_enabled():
             # Under DTR an op in DTR's mode brings an evicted gradient back; no
             # op runs between it and the landing, so it stays resident.

@@ -204,8 +204,9 @@ class OptimizerStep:
                 self.restore_params(owned)
         else:
             dps = self._dp_step
+            todo = [r for r in owned if r.chunk not in done] if done else owned
             if dps is None:
-                self._adam([r for r in owned if r.chunk not in done] if done else owned, clip / scale)
+                self._adam(todo, clip / scale)
             else:
                 # The all-gather: each chunk's updated 16-bit values from its
                 # owner, started as its update ends, while the owners go on
@@ -213,8 +214,7 @@ class OptimizerStep:
                 try:
                     # (Every chunk is broadcast, those updated during
                     # backward too: after_chunk runs for each of `order`.)
-                    self._adam([r for r in owned if r.chunk not in done] if done else owned,
-                               clip / scale, order=list(dps.chunks), after_chunk=dps.share)
+                    self._adam(todo, clip / scale, order=list(dps.chunks), after_chunk=dps.share)
                     dps.shared()
                 except BaseException as e:
                     dps.mark_broken(f"the step failed part-way ({type(e).__name__})")
@@ -304,9 +304,8 @@ class OptimizerStep:
         if self._accumulation.summing:
             # The sums, once, where their chunks are (Note [Gradient sums in
             # chunks]; landings measured nothing).
-            index = self._params.record_index
             with uncounted(), _dtr.outside():
-                self._hooks.measure_sums([index[id(r)] for r in pending])
+                self._hooks.measure_sums(self._params.indexes(pending))
         sum_squares, finite = self._hooks.take_grad_norm()
         if self._dp_step is not None:
             # The landings measured this rank's own gradients; the norm is of

@@ -189,7 +189,7 @@ class OutsideAccess:
             if handle is not None:
                 handle.remove()
             if outside is not None and not outside._hooks.attached(
-                    outside._params.record_index[id(record)]):
+                    outside._params.index(record)):
                 outside._attach([record], None, for_backward=True)
             return grad
 
@@ -229,7 +229,7 @@ class OutsideAccess:
         if module not in self._params.names:
             raise ValueError(f"tidal.register_external_parameter: the module ({type(module).__name__}) "
                              f"is not part of the model this engine trains")
-        self.pending_readers.setdefault(module, []).append(self._params.record_index[id(r)])
+        self.pending_readers.setdefault(module, []).append(self._params.index(r))
 
     def hook_readers(self):
         """Hooks the modules found reading parameters (and those registered by
@@ -271,10 +271,10 @@ class OutsideAccess:
     def check_read(self, p, func):
         """PlaceholderCheck: parameter `p` reached torch function `func`."""
         r = self._record_of_param(p)
-        if r is None or self._hooks.attached(self._params.record_index[id(r)]):
+        if r is None or self._hooks.attached(self._params.index(r)):
             return
         reader = _external.innermost_module()
-        where = (f"module '{self._params.names.get(reader, type(reader).__name__)}' "
+        where = (f"module '{self._params.name(reader)}' "
                  f"({type(reader).__name__})") if reader is not None else "code outside any module"
         owner = r.name.rsplit(".", 1)
         attr = f"model.{r.name}" if len(owner) == 2 else r.name

@@ -67,7 +67,7 @@ class EngineReports:
         if kind == "grad":
             return f"{kind} {self._params.record_list[what].name}"
         module = self._params.module_list[what]
-        return f"{kind} {self._params.names.get(module, type(module).__name__)}"
+        return f"{kind} {self._params.name(module)}"
 
     def memory_profile(self) -> list[dict]:
         """memory_timeline() as dicts, with the chunk traffic of each interval:

@@ -187,7 +187,7 @@ class StateDictBridge:
     def weight_copy(self, record) -> torch.Tensor:
         """A host copy of `record`'s weight in its 16-bit dtype: the slot, or
         the master while the slot holds a landed gradient."""
-        i = self._params.record_index[id(record)]
+        i = self._params.index(record)
         with torch.no_grad(), _dtr.outside():
             if not self._hooks.landed(i):
                 return self._store.gather(record, PARAM16)
