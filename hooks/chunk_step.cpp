@@ -173,10 +173,15 @@ bool update_on_device(const ChunkScheduler& s, std::uint32_t chunk, const std::v
   if (half.space() != MemorySpace::kDevice) return false;
   const std::size_t device_held = held(s, MemorySpace::kDevice);
   const std::size_t free = s.budget(MemorySpace::kDevice) > device_held ? s.budget(MemorySpace::kDevice) - device_held : 0;
-  // The chunk's own capacity: a tensor larger than the chunk size has a
-  // dedicated, larger chunk.
+  // The device bytes the update adds: the chunks of `kinds` not there yet
+  // (states a plan keeps on the device are already counted in device_held).
+  // Their own capacity: a tensor larger than the chunk size has a dedicated,
+  // larger chunk.
   std::size_t need = 0;
-  for (ChunkKind kind : kinds) need += store.chunk(make_chunk_id(kind, chunk)).capacity_bytes();
+  for (ChunkKind kind : kinds) {
+    const Chunk& c = store.chunk(make_chunk_id(kind, chunk));
+    if (c.space() != MemorySpace::kDevice) need += c.capacity_bytes();
+  }
   const std::size_t host_held = held(s, MemorySpace::kHost);
   const std::size_t host_free = s.budget(MemorySpace::kHost) > host_held ? s.budget(MemorySpace::kHost) - host_held : 0;
   const bool host_full = host_free < half.capacity_bytes();

@@ -71,7 +71,8 @@ struct ChunkStepOptions {
   double grad_scale = 1.0;
   // Gradient accumulation: the fp32 sums (ChunkKind::kGradAccum) hold the gradients.
   bool use_sums = false;
-  // Hybrid Adam: update on the device whenever it has room.
+  // Hybrid Adam: the chunk's states belong on the device (Note [Where a
+  // chunk's Adam runs] in python/tidal/engine/placement.py) when it has room.
   bool prefer_device = true;
   // The host budget is too small for the state (Note [One place per chunk]).
   bool host_short = false;
@@ -88,8 +89,8 @@ struct ChunkStepOptions {
 // device, where it then needs the chunks of `kinds` beside its 16-bit chunk.
 // A master the host budget spilled to the device is updated there; else only
 // a chunk whose 16-bit copy is on the device, when the device has room for
-// the others and prefer_device (or the host is too full to take the 16-bit
-// chunk).
+// those of the others not there yet and prefer_device (or the host is too
+// full to take the 16-bit chunk).
 bool update_on_device(const ChunkScheduler& scheduler, std::uint32_t chunk, const std::vector<ChunkKind>& kinds,
                       bool host_short, bool prefer_device);
 

@@ -49,6 +49,11 @@ py::dict stats_dict(const ChunkSchedulerStats& s) {
   TIDAL_FIELD(spills);
   TIDAL_FIELD(payload_drops);
   TIDAL_FIELD(copy_waits);
+  TIDAL_FIELD(host_block_allocations);
+  TIDAL_FIELD(host_block_bytes_allocated);
+  TIDAL_FIELD(device_block_allocations);
+  TIDAL_FIELD(block_waits);
+  TIDAL_FIELD(prefetch_rewinds);
   TIDAL_FIELD(moves_host_to_device);
   TIDAL_FIELD(moves_device_to_host);
   TIDAL_FIELD(bytes_host_to_device);

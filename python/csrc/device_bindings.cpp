@@ -77,6 +77,7 @@ void bind_device(py::module_& m) {
       .field("pinned_memory", &DeviceInfo::pinned_host_memory)
       .field("sim_copy_bandwidth", &DeviceInfo::copy_bandwidth_bytes_per_s)
       .field("sim_copy_latency_s", &DeviceInfo::copy_latency_s)
+      .field("sim_pin_bandwidth", &DeviceInfo::pin_bandwidth_bytes_per_s)
       .done();
   RecordBinding<DeviceMemoryStats>(m, "DeviceMemoryStats", "A device's memory counters, in bytes and calls.")
       .field("in_use", &DeviceMemoryStats::in_use_bytes)
@@ -299,7 +300,7 @@ use() says reserved, allocated, active and inactive split bytes.)doc")
 
   m.def("create_device",
         [](const std::string& kind, std::optional<ByteSize> capacity, std::optional<std::string> bandwidth,
-           std::optional<double> latency_us) {
+           std::optional<double> latency_us, std::optional<std::string> pin_bandwidth) {
           SimDeviceOptions sim = sim_device_options_from_env();
           if (capacity) sim.capacity_bytes = to_bytes(*capacity);
           if (bandwidth) sim.copy_bandwidth_bytes_per_s = parse_bandwidth(*bandwidth);
@@ -307,13 +308,14 @@ use() says reserved, allocated, active and inactive split bytes.)doc")
             TIDAL_CHECK(*latency_us >= 0, "latency_us must be >= 0, got ", *latency_us);
             sim.copy_latency_s = *latency_us * 1e-6;
           }
+          if (pin_bandwidth) sim.pin_bandwidth_bytes_per_s = parse_bandwidth(*pin_bandwidth);
           std::shared_ptr<Device> device = create_device(parse_device_kind(kind), sim);
           // On CUDA, capacity is a budget below the GPU's memory.
           if (capacity && device->backend() == DeviceBackend::kCuda) device->set_capacity(to_bytes(*capacity));
           return device;
         },
         py::arg("kind") = "auto", py::arg("capacity") = py::none(), py::arg("bandwidth") = py::none(),
-        py::arg("latency_us") = py::none());
+        py::arg("latency_us") = py::none(), py::arg("pin_bandwidth") = py::none());
   m.def("default_device", &default_device);
   m.def("set_default_device", &set_default_device, py::arg("device"));
 }

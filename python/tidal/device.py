@@ -50,12 +50,13 @@ def parse_bytes(size: ByteSize) -> int:
     return _C.parse_bytes(size)
 
 
-def _create(kind: str, capacity, bandwidth, latency_us) -> Device:
+def _create(kind: str, capacity, bandwidth, latency_us, pin_bandwidth=None) -> Device:
     return _C.create_device(
         kind,
         None if capacity is None else parse_bytes(capacity),
         bandwidth,
         latency_us,
+        pin_bandwidth,
     )
 
 
@@ -65,6 +66,7 @@ def set_device(
     capacity: Optional[ByteSize] = None,
     bandwidth: Optional[str] = None,
     latency_us: Optional[float] = None,
+    pin_bandwidth: Optional[str] = None,
 ) -> Device:
     """Create the device tidal uses from now on, and return it.
 
@@ -75,12 +77,14 @@ def set_device(
         bandwidth: simulated device only: link bandwidth each way, e.g. ``"12GB/s"``.
             Unset: unlimited (copies run at memcpy speed, still asynchronously).
         latency_us: simulated device only: fixed cost per copy in microseconds.
+        pin_bandwidth: simulated device only: what pinning a host block costs,
+            e.g. ``"6GB/s"`` (about an H100 host's ``cudaHostRegister``). Unset: free.
 
     Raises:
         ValueError: an unknown kind, ``"cuda"`` without a usable GPU (the message
             says why), or a bad size.
     """
-    device = _create(kind, capacity, bandwidth, latency_us)
+    device = _create(kind, capacity, bandwidth, latency_us, pin_bandwidth)
     _C.set_default_device(device)
     return device
 
@@ -101,7 +105,8 @@ def device_info(device: Union[None, str, Device] = None) -> dict:
         A dict with ``backend`` ("cuda" or "sim"), ``name``, ``ordinal``,
         ``total_memory`` and ``capacity`` (bytes), ``pinned_memory`` (whether host
         buffers get page-locked), ``sim_copy_bandwidth`` (bytes/s, 0 = unlimited),
-        ``sim_copy_latency_s`` (fixed cost per copy),
+        ``sim_copy_latency_s`` (fixed cost per copy), ``sim_pin_bandwidth`` (bytes/s pinning
+        costs, 0 = free),
         ``cuda_compiled``, ``cuda_devices``, ``cuda_unavailable_reason``,
         ``cpu_simd_target`` (what the CPU kernels dispatch to) and
         ``cpu_simd_targets`` (all runnable targets compiled in, best first).

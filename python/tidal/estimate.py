@@ -42,21 +42,19 @@ L = device budget - margin, A the activation peak, R = L - A:
   the host holds, so their P - H 16-bit bytes go down and back each step
   (H = spilled / e), plus max(P - R, 0) fetched again in backward.
 * S <= R: every chunk stays on the device, nothing moves, Adam runs there.
-* otherwise the step's hybrid Adam fills the device up to L: chunks whose
-  master, momentum and variance it holds, H bytes of their 16-bit chunks with
-  H = clamp((L - P) / e, 0, P) (at least what the host budget spilled to the
-  device, spilled / e), are updated there; the other P - H 16-bit bytes go
-  down for forward and their gradients up for the CPU Adam: P - H each way.
-  The next forward's activations then push out what does not fit at the
-  peak, min(A, S - R) bytes, or, where the 16-bit chunks alone do not fit
-  (P > R), the P - R bytes backward fetches again, whichever is larger; it
-  comes back before the step. So each way:
-      bytes = (P - H) + max(min(A, S - R), P - R)
-  (times the micro-batches for the first term with gradient accumulation:
-  each micro-batch's forward and gradient fold move them; not validated).
-  Within 25% where a chunk's states are small beside A (many chunks); with
-  chunks whose states are as large as A the engine keeps fewer chunks'
-  states through the peak than this says.
+* otherwise hybrid Adam's plan (Note [Where a chunk's Adam runs] in
+  tidal/engine/placement.py) keeps on the device the states that fit the
+  chunk room left at the activation peak beside every 16-bit chunk: H bytes
+  of 16-bit chunks, H = clamp((R - P) / e, 0, P) (at least what the host
+  budget spilled to the device, spilled / e), whose chunks are updated there
+  and never move. The other P - H 16-bit bytes send their gradients down to
+  the CPU Adam and their new weights up for the next forward, once per
+  micro-batch (each micro-batch's gradient fold moves them); where the 16-bit
+  chunks alone do not fit (P > R), backward fetches P - R bytes again. So
+  each way:
+      bytes = accumulation x (P - H) + max(P - R, 0)
+  States never come up to be updated and go down again (the rule before
+  issue 52 did that, and moved 6-7x this on an H100).
 
 Time per step (the simulated device computes on the host: a chunk access
 waits for its copy, so copies do not overlap compute):
@@ -228,10 +226,13 @@ def _traffic(layout: dict, limit: int, activations: int, host_capacity: int,
         return {"regime": "all states stay on the device", "bytes_each_way": 0,
                 "hybrid_param16_bytes": P, "host_param16_bytes": 0, "refetch_or_churn_bytes": 0,
                 "spilled_bytes": spilled, "chunk_room_bytes": R}
-    H = min(P, max(0.0, (limit - P - frozen) / e if e else 0.0))
+    # Note [Where a chunk's Adam runs] (tidal/engine/placement.py): the states
+    # that fit the chunk room left at the activation peak beside every 16-bit
+    # chunk stay on the device and are updated there; the rest on the host.
+    H = min(P, max(0.0, (R - P - frozen) / e if e else 0.0))
     if e:
         H = min(P, max(H, spilled / e))
-    churn = max(min(activations, S - R), P + frozen - R, 0)
+    churn = max(P + frozen - R, 0)
     streaming = P - H
     each_way = accumulation * streaming + churn
     regime = ("16-bit chunks stream, some chunks updated on the device" if P + frozen <= R else

@@ -51,6 +51,7 @@ struct DeviceInfo {
   bool pinned_host_memory = false;      // whether register_host() really pins pages
   double copy_bandwidth_bytes_per_s = 0;  // simulated: configured limit, 0 = unlimited; CUDA: 0
   double copy_latency_s = 0;              // simulated: fixed cost per copy; CUDA: 0
+  double pin_bandwidth_bytes_per_s = 0;   // simulated: what pinning costs (0: free); CUDA: 0
 };
 
 struct DeviceMemoryStats {

@@ -350,6 +350,7 @@ class SimDevice final : public Device {
     out.pinned_host_memory = false;
     out.copy_bandwidth_bytes_per_s = options_.copy_bandwidth_bytes_per_s;
     out.copy_latency_s = options_.copy_latency_s;
+    out.pin_bandwidth_bytes_per_s = options_.pin_bandwidth_bytes_per_s;
     return out;
   }
 
@@ -397,6 +398,11 @@ class SimDevice final : public Device {
                 reinterpret_cast<void*>(next->first), " + ", format_bytes(next->second),
                 " (cudaHostRegister would fail with cudaErrorHostMemoryAlreadyRegistered)");
     registered_.emplace(lo, bytes);
+    if (options_.pin_bandwidth_bytes_per_s > 0) {
+      // What cudaHostRegister costs: time in proportion to the bytes.
+      std::this_thread::sleep_for(
+          std::chrono::duration<double>(static_cast<double>(bytes) / options_.pin_bandwidth_bytes_per_s));
+    }
     return false;
   }
   void unregister_host(void* ptr) override {
@@ -501,6 +507,9 @@ SimDeviceOptions sim_device_options_from_env() {
     options.copy_bandwidth_bytes_per_s = parse_bandwidth(v);
   }
   options.copy_latency_s = env_double("TIDAL_SIM_LATENCY_US", 0) * 1e-6;
+  if (const char* v = std::getenv("TIDAL_SIM_PIN_BANDWIDTH"); v != nullptr && *v != '\0') {
+    options.pin_bandwidth_bytes_per_s = parse_bandwidth(v);
+  }
   return options;
 }
 
@@ -510,6 +519,9 @@ std::shared_ptr<Device> make_sim_device(const SimDeviceOptions& options) {
               options.copy_bandwidth_bytes_per_s);
   TIDAL_CHECK(options.copy_latency_s >= 0, "simulated device: copy latency must be >= 0 s, got ",
               options.copy_latency_s);
+  TIDAL_CHECK(options.pin_bandwidth_bytes_per_s >= 0,
+              "simulated device: pinning bandwidth must be >= 0 bytes/s (0 = free), got ",
+              options.pin_bandwidth_bytes_per_s);
   return std::make_shared<SimDevice>(options);
 }
 

@@ -30,10 +30,15 @@ struct SimDeviceOptions {
   double copy_bandwidth_bytes_per_s = 0;
   // Fixed cost per copy in seconds (PCIe is a few microseconds).
   double copy_latency_s = 0;
+  // What pinning host memory costs, in bytes/s (register_host sleeps
+  // bytes / rate, as cudaHostRegister takes time in proportion to the pages:
+  // about 6 GB/s measured on an H100's host); 0 = free.
+  double pin_bandwidth_bytes_per_s = 0;
 };
 
-// Reads TIDAL_SIM_CAPACITY ("8GiB"), TIDAL_SIM_BANDWIDTH ("12GB/s") and
-// TIDAL_SIM_LATENCY_US from the environment over the defaults.
+// Reads TIDAL_SIM_CAPACITY ("8GiB"), TIDAL_SIM_BANDWIDTH ("12GB/s"),
+// TIDAL_SIM_LATENCY_US and TIDAL_SIM_PIN_BANDWIDTH ("6GB/s") from the
+// environment over the defaults.
 SimDeviceOptions sim_device_options_from_env();
 
 std::shared_ptr<Device> make_sim_device(const SimDeviceOptions& options = {});

@@ -44,6 +44,7 @@ BlockPtr BlockPool::take_cached(MemorySpace space, std::size_t bytes) {
   if (it->second.empty()) by_size.erase(it);
   cached_[index_of(space)] -= bytes;
   --cached_count_[index_of(space)];
+  ++reuses_[index_of(space)];
   return block;
 }
 
@@ -68,6 +69,8 @@ BlockPtr BlockPool::allocate(MemorySpace space, std::size_t bytes) {
   }
   block->fence = device_->create_event();
   held_[index_of(space)] += bytes;
+  ++allocations_[index_of(space)];
+  allocated_bytes_[index_of(space)] += bytes;
   return block;
 }
 
@@ -82,6 +85,9 @@ void BlockPool::give_back(BlockPtr block) {
 bool BlockPool::trim_one(MemorySpace space) {
   auto& by_size = cache_[index_of(space)];
   if (by_size.empty()) return false;
+  // A block whose copies are done goes without a wait; only when every
+  // cached block is still being copied does the caller wait for one.
+  if (trim_ready(space, cached_count_[index_of(space)] - 1) > 0) return true;
   auto largest = std::prev(by_size.end());
   BlockPtr block = std::move(largest->second.back());
   largest->second.pop_back();
@@ -90,7 +96,7 @@ bool BlockPool::trim_one(MemorySpace space) {
   --cached_count_[index_of(space)];
   held_[index_of(space)] -= block->bytes;
   // See Note [Block fences]: memory is freed only once no work touches it.
-  block->wait_on_host();
+  if (block->wait_on_host()) ++trim_waits_;
   return true;
 }
 

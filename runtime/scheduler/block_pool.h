@@ -114,8 +114,9 @@ class BlockPool {
   BlockPtr allocate(MemorySpace space, std::size_t bytes);
   // Puts a block no chunk uses any more into the cache.
   void give_back(BlockPtr block);
-  // Frees one cached block of `space` (the largest), after its fence.
-  // Returns false when the cache of that space is empty.
+  // Frees one cached block of `space`: the largest whose fence has
+  // completed, else the largest after waiting for its fence (counted in
+  // trim_waits()). Returns false when the cache of that space is empty.
   bool trim_one(MemorySpace space);
   void trim_all(MemorySpace space);
   // Frees cached blocks of `space` whose fences have completed (largest
@@ -127,6 +128,16 @@ class BlockPool {
   std::size_t held_bytes(MemorySpace space) const { return held_[index_of(space)]; }
   std::size_t cached_bytes(MemorySpace space) const { return cached_[index_of(space)]; }
   std::size_t cached_blocks(MemorySpace space) const { return cached_count_[index_of(space)]; }
+  // Blocks allocated in `space` so far, and their bytes (on the host each
+  // one is pinned when pin_host is on: what a steady step must not do).
+  std::uint64_t allocations(MemorySpace space) const { return allocations_[index_of(space)]; }
+  std::uint64_t allocated_bytes(MemorySpace space) const { return allocated_bytes_[index_of(space)]; }
+  // Blocks of `space` handed out: allocated, or taken from the cache.
+  std::uint64_t handed_out(MemorySpace space) const {
+    return allocations_[index_of(space)] + reuses_[index_of(space)];
+  }
+  // trim_one calls that blocked the calling thread on a copy still running.
+  std::uint64_t trim_waits() const { return trim_waits_; }
 
   // InternalError unless the cache's byte counts add up.
   void validate() const;
@@ -138,6 +149,10 @@ class BlockPool {
   std::array<std::size_t, kNumMemorySpaces> held_{};
   std::array<std::size_t, kNumMemorySpaces> cached_{};
   std::array<std::size_t, kNumMemorySpaces> cached_count_{};
+  std::array<std::uint64_t, kNumMemorySpaces> allocations_{};
+  std::array<std::uint64_t, kNumMemorySpaces> allocated_bytes_{};
+  std::array<std::uint64_t, kNumMemorySpaces> reuses_{};
+  std::uint64_t trim_waits_ = 0;
 };
 
 }  // namespace tidal

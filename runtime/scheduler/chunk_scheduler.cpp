@@ -37,6 +37,7 @@ ChunkScheduler::ChunkScheduler(ChunkStore store, std::shared_ptr<Device> device,
               " on device) that nobody owns; give the scheduler a fresh store");
   TIDAL_CHECK(!options_.prefetch || options_.prefetch_depth > 0,
               "chunk scheduler: prefetch_depth must be at least 1 when prefetch is on, got 0");
+  host_keep_blocks_ = options_.host_cache_blocks;
   if (!options_.disk_path.empty()) {
     DiskTierOptions d;
     d.dir = options_.disk_path;
@@ -114,7 +115,7 @@ void* ChunkScheduler::access(TensorRef ref, MemorySpace space) {
   if (options_.use_trace) follow(moment, TraceEntry{id, space});
 
   // Host blocks whose copies finished since the last call go now.
-  if (pool_.cached_blocks(MemorySpace::kHost) > options_.host_cache_blocks) trim_host_cache();
+  if (pool_.cached_blocks(MemorySpace::kHost) > host_keep_blocks_) trim_host_cache();
   RoomRequest request;
   request.space = space;
   request.bytes = store_.chunk(id).capacity_bytes();
@@ -208,6 +209,11 @@ void ChunkScheduler::end_step() {
   }
   recording_.clear();
   moment_ = -1;
+  // Note [Host blocks for a steady step].
+  const std::uint64_t handed_out = pool_.handed_out(MemorySpace::kHost);
+  const std::uint64_t taken = handed_out - step_start_host_blocks_;
+  step_start_host_blocks_ = handed_out;
+  host_keep_blocks_ = std::max<std::size_t>(options_.host_cache_blocks, static_cast<std::size_t>(taken));
   trim_host_cache();
   following_ = options_.use_trace && !trace_.empty();
   restore_host_reserve();
@@ -530,6 +536,7 @@ void ChunkScheduler::move(ChunkId id, MemorySpace to, BlockPtr destination) {
   attach(id, std::move(destination));
   pool_.give_back(std::move(source));
   if (h2d) trim_host_cache();  // Note [One place per chunk]
+  rewind_prefetch(id);
   if (h2d) {
     ++stats_.moves_host_to_device;
     stats_.bytes_host_to_device += bytes;
@@ -610,6 +617,15 @@ void ChunkScheduler::prefetch() {
     ++stats_.prefetches;
     ++prefetch_cursor_;
   }
+}
+
+void ChunkScheduler::rewind_prefetch(ChunkId id) {
+  if (!options_.prefetch || !following_ || trace_.empty()) return;
+  const std::int64_t use = trace_.next_use(id, moment_);
+  if (use >= prefetch_cursor_ || use == AccessTrace::kNever) return;
+  if (trace_.at(use).space == store_.chunk(id).space()) return;  // (moved where that use wants it)
+  prefetch_cursor_ = use;
+  ++stats_.prefetch_rewinds;
 }
 
 void ChunkScheduler::clear_prefetched(ChunkId id, bool wasted) {
@@ -713,6 +729,11 @@ bool ChunkScheduler::chunk_ready(ChunkId id) const {
 
 ChunkSchedulerStats ChunkScheduler::stats() const {
   ChunkSchedulerStats out = stats_;
+  out.host_block_allocations = pool_.allocations(MemorySpace::kHost) - pool_base_.host_block_allocations;
+  out.host_block_bytes_allocated =
+      pool_.allocated_bytes(MemorySpace::kHost) - pool_base_.host_block_bytes_allocated;
+  out.device_block_allocations = pool_.allocations(MemorySpace::kDevice) - pool_base_.device_block_allocations;
+  out.block_waits = pool_.trim_waits() - pool_base_.block_waits;
   for (MemorySpace space : {MemorySpace::kHost, MemorySpace::kDevice}) {
     const std::size_t s = index_of(space);
     out.resident_bytes[s] = store_.bytes_in(space);
@@ -730,6 +751,10 @@ ChunkSchedulerStats ChunkScheduler::stats() const {
 
 void ChunkScheduler::reset_stats() {
   stats_ = ChunkSchedulerStats{};
+  pool_base_.host_block_allocations = pool_.allocations(MemorySpace::kHost);
+  pool_base_.host_block_bytes_allocated = pool_.allocated_bytes(MemorySpace::kHost);
+  pool_base_.device_block_allocations = pool_.allocations(MemorySpace::kDevice);
+  pool_base_.block_waits = pool_.trim_waits();
   for (MemorySpace space : {MemorySpace::kHost, MemorySpace::kDevice, MemorySpace::kDisk}) {
     stats_.peak_resident_bytes[index_of(space)] = store_.bytes_in(space);
   }

@@ -32,10 +32,11 @@
 // ~~~~~~~~~~~~~~~~~~~~~~~~~~~
 // A chunk's payload lives in one memory space at a time, as in PatrickStar:
 // when a chunk moves to the device its host block goes back to the pool, and
-// the pool keeps at most host_cache_blocks free host blocks (pinning costs
-// milliseconds per 64 MiB, so the next eviction reuses one); the rest are
+// the pool keeps as many free host blocks as a steady step takes (Note
+// [Host blocks for a steady step]; at least host_cache_blocks); the rest are
 // freed as soon as their copies have completed (BlockPool::trim_ready, never
-// a wait). So host memory holds the host-resident chunks plus a few blocks,
+// a wait), and the kept ones go first when the host budget needs room. So
+// host memory holds the host-resident chunks plus the blocks a step reuses,
 // and the largest model is bounded by host + device memory, not by host
 // memory alone.
 //
@@ -68,6 +69,19 @@
 // cannot take is not chosen as a victim while another can go (Note [Victims
 // the host can take] in chunk_scheduler.cpp).
 //
+// Note [Host blocks for a steady step]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// A host block is pinned when it is made (cudaHostRegister: about 6 GB/s on
+// an H100's host, so 2 GB of chunks going down and up every step would pin
+// for a third of a second each step). A steady step moves the same chunks
+// down every step (CPU Adam's gradients, evictions) and up again (the next
+// forward), and makes the same chunks afresh (gradient sums), so the host
+// keeps as many free blocks as the last step took from the pool (never
+// fewer than host_cache_blocks): the next step's takes reuse them and
+// nothing is pinned once the trace repeats. They are counted
+// in the host budget like any block held, so a host short of room frees
+// them first (make_room trims before it evicts or spills).
+//
 // Note [Prefetch]
 // ~~~~~~~~~~~~~~~
 // After each access that follows the trace, a cursor walks the trace ahead
@@ -81,7 +95,11 @@
 // anything needed sooner, and with OPT it moves the same chunks as demand
 // paging would, only earlier (evicting "anything used later" instead would
 // shrink the cache the steady working set lives in, and move more). It stops
-// at the first chunk it cannot place: order is kept, nothing is skipped. The
+// at the first chunk it cannot place: order is kept, nothing is skipped.
+// The cursor passes chunks already in place; when such a chunk leaves its
+// place before the use the cursor passed (a budget that shrinks at a trace
+// point evicts it, or a demand access does), the cursor goes back to that
+// use, so the chunk is fetched ahead again rather than missed. The
 // copy runs on the scheduler's copy stream; the chunk's block fence records
 // its end, and access() waits only on the fence of the chunk it returns.
 //
@@ -123,7 +141,8 @@ struct ChunkSchedulerOptions {
   bool pin_host_memory = true;
   // Give a chunk's payload back when all of its slots become FREE.
   bool drop_free_chunks = true;
-  // Free host blocks kept for reuse; see Note [One place per chunk].
+  // Free host blocks kept for reuse at least; see Note [One place per
+  // chunk] and Note [Host blocks for a steady step].
   std::size_t host_cache_blocks = 4;
   // Host bytes only chunks moving down from the device may fill; see Note
   // [One place per chunk].
@@ -171,6 +190,16 @@ struct ChunkSchedulerStats {
   std::uint64_t spills = 0;            // chunks moved to the device to make room on the host
   std::uint64_t payload_drops = 0;     // payloads given back (all slots FREE)
   std::uint64_t copy_waits = 0;        // accesses that waited for a copy (timing-dependent)
+  // New blocks (each host one pinned when pin_host_memory is on): a steady
+  // step reuses cached blocks instead (Note [Host blocks for a steady step]).
+  std::uint64_t host_block_allocations = 0;
+  std::uint64_t host_block_bytes_allocated = 0;
+  std::uint64_t device_block_allocations = 0;
+  // Frees of cached blocks that blocked the thread on a running copy.
+  std::uint64_t block_waits = 0;
+  // The prefetch cursor went back to a chunk that left its place after the
+  // cursor had passed it (Note [Prefetch]).
+  std::uint64_t prefetch_rewinds = 0;
   std::uint64_t moves_host_to_device = 0;
   std::uint64_t moves_device_to_host = 0;
   std::uint64_t bytes_host_to_device = 0;
@@ -325,7 +354,10 @@ class ChunkScheduler {
   // Reads chunk `id` from the disk tier into `block` (a host block).
   void read_from_disk(ChunkId id, BlockPtr block);
   // Frees host blocks cached beyond host_cache_blocks whose copies are done.
-  void trim_host_cache() { pool_.trim_ready(MemorySpace::kHost, options_.host_cache_blocks); }
+  void trim_host_cache() { pool_.trim_ready(MemorySpace::kHost, host_keep_blocks_); }
+  // A chunk left `from` for `to`: the prefetch cursor goes back to its next
+  // use if it had passed it (Note [Prefetch]).
+  void rewind_prefetch(ChunkId id);
   void move(ChunkId id, MemorySpace to, BlockPtr destination);
   void drop_payload(ChunkId id);
   void attach(ChunkId id, BlockPtr block);
@@ -363,6 +395,10 @@ class ChunkScheduler {
   std::int64_t prefetch_cursor_ = 0;   // next trace moment prefetch looks at
   std::size_t outstanding_prefetches_ = 0;
   bool prefetch_blocked_ = false;      // the cursor waits for a chunk to become movable
+  // Free host blocks kept (Note [Host blocks for a steady step]).
+  std::size_t host_keep_blocks_ = 0;
+  std::uint64_t step_start_host_blocks_ = 0;  // pool_.handed_out(kHost) when the step began
+  ChunkSchedulerStats pool_base_;  // the pool's counters at the last reset_stats()
 
   ChunkSchedulerStats stats_;
 };

@@ -146,7 +146,6 @@ class GradientAccumulation:
         with torch.no_grad(), uncounted(), _dtr.outside():
             for chunk in sorted(by_chunk):
                 recs = by_chunk[chunk]
-                on_device = self._store.chunks.update_on_device(chunk, [PARAM32, GRAD32], host_short,
-                                                                cfg.hybrid_adam)
+                on_device = self._store.adam_placement.on_device(chunk, (PARAM32, GRAD32), host_short)
                 self._hooks.fold_gradients(self._params.indexes(recs), DEVICE if on_device else HOST,
                                            num_threads=cfg.cpu_adam_threads, pool=cfg.cpu_adam_pool)

@@ -245,6 +245,10 @@ class OptimizerStep:
         self._meters.end_step(self._store.chunks.stats())
         if not self._relayout_done:
             self._relayout()
+        # Hybrid Adam's plan for the next step, from the trace as it is now
+        # (Note [Where a chunk's Adam runs]).
+        if self._tracer.warmed_up:
+            self._store.adam_placement.replan(self._tracer.limit, self._tracer.trace)
         return not overflow
 
     def apply_lr_schedule(self):
@@ -367,7 +371,8 @@ class OptimizerStep:
                   for g, members in by_group(self._optimizer.param_groups, recs)]
         space = c.step_chunk(chunk, groups, adamw_mode=cfg.adam_w_mode,
                              bias_correction=cfg.bias_correction, grad_scale=grad_scale,
-                             use_sums=GRAD32 in kinds, prefer_device=cfg.hybrid_adam,
+                             use_sums=GRAD32 in kinds,
+                             prefer_device=self._store.adam_placement.prefer_device(chunk, GRAD32 in kinds),
                              host_short=host_short, device_simd=self.device_adam_kernel == "simd",
                              num_threads=cfg.cpu_adam_threads, pool=cfg.cpu_adam_pool)
         if space == DEVICE:

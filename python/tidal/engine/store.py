@@ -23,6 +23,7 @@ from .. import _C
 from .. import data_parallel as _dp
 from ..config import Config, ConfigError
 from ..device import get_device, set_device
+from .placement import AdamPlacement
 
 _TORCH_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
 _CHUNK_DTYPES = {"fp16": "float16", "bf16": "bfloat16", "fp32": "float32"}
@@ -201,6 +202,8 @@ class ParamStore:
         if _dp.wanted(config.data_parallel):
             self.dp = _dp.DataParallel(config.data_parallel, self.torch_device.type == "cuda")
         self.chunks = self._new_chunks()
+        # Hybrid Adam's plan (Note [Where a chunk's Adam runs] in placement.py).
+        self.adam_placement = AdamPlacement(self, config.hybrid_adam)
         self.records: list[ParamRecord] = []
         self._warnings: list[str] = []
         self._last_module: dict = {}  # pool -> the module of its last registered parameter
@@ -334,6 +337,7 @@ class ParamStore:
             r.chunk = new.placement(new_id)[0]
         self.records = list(order)
         self.chunks = new
+        self.adam_placement.forget()
         return old.stats()
 
     def owns(self, record: "ParamRecord") -> bool:

@@ -1,0 +1,238 @@
+"""Offload at the speed of the link (issue 52), on the simulated device at an
+H100's ratios: what a steady step with chunks moving costs against plain
+PyTorch in the same run, against the link time of the minimum bytes, and
+against the placement rule of before. Writes
+benchmarks/results/engine_offload-<machine>.json.
+
+    python benchmarks/engine_offload.py [--rounds 3] [--steps 4] [--quick]
+
+The shape is the H100 run's (benchmarks/results/engine-nvidia-h100-80gb-hbm3.json:
+gpt-1.3b, bf16, a quarter of the model states as chunk room beside the
+activation peak): a TinyGPT in bf16, hybrid Adam and the step overlap on (the
+defaults), budget = (activation peak + a quarter of the chunk bytes) / 0.95,
+margin a twentieth. The simulated device is given what a GPU pays, in
+proportion to the compute this CPU does:
+  * the link: bytes per FLOP of the H100 run (54.5 GB/s pinned copies against
+    plain PyTorch's 6 N x tokens/s there), times the FLOP/s plain PyTorch
+    reaches here on the same model (6 N x tokens/s);
+  * pinning host memory: 6 GB/s on that host (cudaHostRegister), scaled alike.
+Runs, in alternating order after a pause each, over the same batches:
+  * plain  : the model, torch.optim.AdamW (foreach); the compute of a step;
+  * tidal  : the engine at the budget above;
+  * before : the same engine with hybrid Adam's placement rule of before issue 52
+             (every chunk updated on the device wherever the step finds room:
+             the states come up for the update and the next peak pushes them
+             down). The prefetch and host-block changes of issue 52 are in both.
+Per tidal run, per steady step (the last --steps of each round): time, bytes
+each way against the minimum (every 16-bit chunk resident, the states that
+fit the rest of the chunk room stay, the other chunks send gradients down and
+weights up once per micro-batch), prefetch hits and misses, host blocks
+allocated (each one pinned on a GPU), waits on running copies, exposed CPU
+Adam. The limit of the schedule: max(plain compute, link time of the minimum
+bytes each way, CPU Adam not hidden). On the simulated device the compute and
+CPU Adam share this machine's cores; these are checks of the schedule, not
+GPU figures.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+import common  # noqa: E402
+import tidal  # noqa: E402
+from tidal._C.chunks import ChunkKind  # noqa: E402
+from tidal.models.gpt import TinyGPT  # noqa: E402
+
+H100_LINK = 54.5e9  # bytes/s, pinned 64 MiB copies (device_bandwidth-nvidia-h100-80gb-hbm3.json)
+H100_FLOPS = 6 * 1313574912 * 50500.6  # plain PyTorch, gpt-1.3b (engine-nvidia-h100-80gb-hbm3.json)
+H100_PIN = 6e9  # bytes/s cudaHostRegister on that host (issue 52)
+COUNTERS = ("bytes_host_to_device", "bytes_device_to_host", "prefetch_hits", "misses",
+            "host_block_allocations", "host_block_bytes_allocated", "block_waits", "copy_waits",
+            "evictions")
+
+
+class Plain:
+    def __init__(self, model, lr):
+        self.model = model.to(torch.bfloat16)
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=lr, weight_decay=0.01)
+
+    def step(self, batches):
+        for x, y in batches:
+            self.model(x, y).backward()
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+
+
+class Tidal:
+    def __init__(self, model, cfg, rule_of_before: bool):
+        self.engine = tidal.initialize(model, cfg)
+        self.rule_of_before = rule_of_before
+        self.samples, self.steady = [], []
+
+    def step(self, batches):
+        placement = self.engine.store.adam_placement
+        if self.rule_of_before:
+            # Before issue 52: hybrid Adam preferred the device for every chunk.
+            placement.prefer_device = lambda chunk, summing: True
+        for x, y in batches:
+            loss = self.engine(x, y)
+            self.engine.backward(loss)
+            self.engine.step()
+
+    def counters(self):
+        s = self.engine.chunks.stats()
+        r = self.engine.memory_report()
+        return {**{k: s[k] for k in COUNTERS},
+                "exposed_adam_seconds": r["optimizer"]["exposed_adam_seconds"],
+                "adam_seconds": r["optimizer"]["adam_seconds"]}
+
+
+def config(batch, accumulation, chunk, budget):
+    t = {"device": "sim", "chunk_size": chunk, "device_memory_budget": budget}
+    if budget:
+        t["device_margin"] = budget // 20
+    return {"train_micro_batch_size_per_gpu": batch, "gradient_accumulation_steps": accumulation,
+            "bf16": {"enabled": True},
+            "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.01}},
+            "tidal": t}
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=4, help="timed optimizer steps per run per round")
+    ap.add_argument("--accumulation", type=int, default=1)
+    ap.add_argument("--pause", type=float, default=2.0, help="seconds of quiet before each run")
+    common.add_gpt_model_args(ap)
+    args = ap.parse_args()
+    args.vocab = 1024 if args.vocab == 2048 else args.vocab
+    if args.quick:
+        args.rounds, args.steps, args.d, args.layers, args.vocab, args.pause = 1, 2, 64, 4, 256, 0.0
+    chunk = 16 << 10 if args.quick else 64 << 10
+    accum = args.accumulation
+
+    tidal.set_device("sim", capacity="4GiB")
+    torch.manual_seed(0)
+    base = TinyGPT(vocab=args.vocab, d=args.d, layers=args.layers, heads=4, seq=args.seq)
+    params = sum(p.numel() for p in base.parameters())
+    n_batches = accum * (3 + args.rounds * (args.steps + 3))
+    data = common.token_batches(args.vocab, args.seq, args.batch, n_batches)
+    tokens_per_step = accum * args.batch * args.seq
+
+    # The activation peak and the chunk bytes, with everything fitting.
+    probe = tidal.initialize(copy.deepcopy(base), config(args.batch, accum, chunk, 0))
+    for x, y in data[:2 * accum]:
+        probe.backward(probe(x, y))
+        probe.step()
+    activations = probe.memory_report()["peak_nonchunk_device_bytes"]
+    c = probe.chunks
+    p16 = sum(c.chunk_capacity_bytes(i, ChunkKind.PARAM16) for i in range(c.num_chunks))
+    states = sum(c.chunk_capacity_bytes(i, k) for i in range(c.num_chunks)
+                 for k in (ChunkKind.PARAM32, ChunkKind.MOMENTUM, ChunkKind.VARIANCE))
+    n_chunks = c.num_chunks
+    probe.remove_hooks()
+    del probe
+    budget = int((activations + (p16 + states) // 4) / 0.95)
+    room = budget - budget // 20 - activations
+    minimum = accum * (p16 - max(0, room - p16) * p16 / states)
+
+    # The compute: plain PyTorch's step here, and the link in proportion.
+    plain = Plain(copy.deepcopy(base), 1e-3)
+    for i in range(2):
+        plain.step(data[i * accum:(i + 1) * accum])
+    t = time.perf_counter()
+    for i in range(2, 5):
+        plain.step(data[i * accum:(i + 1) * accum])
+    flops = 6 * params * tokens_per_step / ((time.perf_counter() - t) / 3)
+    link = H100_LINK / H100_FLOPS * flops
+    pin = H100_PIN / H100_FLOPS * flops
+    tidal.set_device("sim", capacity="4GiB", bandwidth=f"{link:.0f}B/s", pin_bandwidth=f"{pin:.0f}B/s")
+
+    runs = {"plain": plain,
+            "tidal": Tidal(copy.deepcopy(base), config(args.batch, accum, chunk, budget), False),
+            "before": Tidal(copy.deepcopy(base), config(args.batch, accum, chunk, budget), True)}
+    for name in ("tidal", "before"):  # warm-up: the trace, the relayout, the plan, the trace again
+        for i in range(3):
+            runs[name].step(data[i * accum:(i + 1) * accum])
+    samples = {k: [] for k in runs}
+    steady = {k: [] for k in ("tidal", "before")}
+    at = 3
+    order = list(runs)
+    for r in range(args.rounds):
+        for name in order if r % 2 == 0 else reversed(order):
+            run = runs[name]
+            start = at
+            time.sleep(args.pause)
+            for s in range(args.steps + 3):
+                batches = data[(start + s) * accum:(start + s + 1) * accum]
+                before = run.counters() if name != "plain" else None
+                t0 = time.perf_counter()
+                run.step(batches)
+                dt = time.perf_counter() - t0
+                if s < 3:
+                    continue  # the first steps of a round settle the trace again after the pause
+                samples[name].append(dt)
+                if before is not None:
+                    after = run.counters()
+                    steady[name].append({k: after[k] - before[k] for k in after})
+        at += args.steps + 3
+        print(f"[engine_offload] round {r + 1}/{args.rounds}: " + ", ".join(
+            f"{k} {statistics.median(v[-args.steps:]) * 1e3:.1f} ms" for k, v in samples.items()), flush=True)
+
+    plain_s = common.summarize(samples["plain"])
+    link_min_s = 2 * minimum / link
+    out = {"model": {"kind": "TinyGPT", "d": args.d, "layers": args.layers, "seq": args.seq,
+                     "vocab": args.vocab, "batch": args.batch, "params": params, "precision": "bf16",
+                     "chunk_bytes": chunk, "chunks": n_chunks, "gradient_accumulation_steps": accum},
+           "shape": {"activation_peak": activations, "param16_chunk_bytes": p16, "state_chunk_bytes": states,
+                     "device_budget": budget, "chunk_room_at_peak": room,
+                     "minimum_bytes_each_way": minimum},
+           "simulated_link_bytes_per_s": link, "simulated_pin_bytes_per_s": pin,
+           "plain_flops_per_s": flops, "plain_step_s": plain_s,
+           "link_s_of_minimum": link_min_s, "runs": {}, "quick": args.quick}
+    for name in ("tidal", "before"):
+        engine = runs[name].engine
+        rep = engine.memory_report()
+        common.check_budget(rep, name)
+        st = steady[name]
+        s = common.summarize(samples[name])
+        med = {k: statistics.median(d[k] for d in st) for k in st[0]}
+        hits, misses = med["prefetch_hits"], med["misses"]
+        exposed = statistics.median(d["exposed_adam_seconds"] for d in st)
+        limit = max(plain_s["median"], link_min_s, exposed)
+        out["runs"][name] = {
+            "step_s": s, "over_plain": s["median"] / plain_s["median"],
+            "limit_s": limit, "over_limit": s["median"] / limit,
+            "bytes_host_to_device_per_step": med["bytes_host_to_device"],
+            "bytes_device_to_host_per_step": med["bytes_device_to_host"],
+            "h2d_over_minimum": med["bytes_host_to_device"] / minimum,
+            "d2h_over_minimum": med["bytes_device_to_host"] / minimum,
+            "steady_prefetch_hits": hits, "steady_misses": misses,
+            "steady_prefetch_hit_rate": hits / (hits + misses) if hits + misses else 1.0,
+            "steady_host_block_allocations": med["host_block_allocations"],
+            "steady_host_bytes_pinned": med["host_block_bytes_allocated"],
+            "steady_block_waits": med["block_waits"], "steady_copy_waits": med["copy_waits"],
+            "steady_evictions": med["evictions"],
+            "exposed_adam_s": exposed, "adam_s": statistics.median(d["adam_seconds"] for d in st),
+            "budget_overruns": rep["budget_overruns"], "steady_samples": st,
+        }
+        r = out["runs"][name]
+        print(f"[engine_offload] {name}: {s['median'] * 1e3:.1f} ms/step ({r['over_plain']:.2f}x plain "
+              f"{plain_s['median'] * 1e3:.1f} ms, {r['over_limit']:.2f}x the limit {limit * 1e3:.1f} ms); "
+              f"H2D {r['h2d_over_minimum']:.2f}x / D2H {r['d2h_over_minimum']:.2f}x the minimum; steady "
+              f"prefetch hit rate {r['steady_prefetch_hit_rate']:.2f}; host blocks made "
+              f"{r['steady_host_block_allocations']}, block waits {r['steady_block_waits']}", flush=True)
+    name = "engine_offload" + ("-quick" if args.quick else "") + (f"-accum{accum}" if accum > 1 else "")
+    path = common.write_result(name, {"simulated": True, "result": out}, output=args.output)
+    print(f"[engine_offload] wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
