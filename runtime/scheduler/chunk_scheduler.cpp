@@ -211,9 +211,10 @@ void ChunkScheduler::end_step() {
   moment_ = -1;
   // Note [Host blocks for a steady step].
   const std::uint64_t handed_out = pool_.handed_out(MemorySpace::kHost);
-  const std::uint64_t taken = handed_out - step_start_host_blocks_;
+  const auto taken = static_cast<std::size_t>(handed_out - step_start_host_blocks_);
   step_start_host_blocks_ = handed_out;
-  host_keep_blocks_ = std::max<std::size_t>(options_.host_cache_blocks, static_cast<std::size_t>(taken));
+  host_keep_blocks_ = std::max(options_.host_cache_blocks, std::min(taken, last_step_host_blocks_));
+  last_step_host_blocks_ = taken;
   trim_host_cache();
   following_ = options_.use_trace && !trace_.empty();
   restore_host_reserve();

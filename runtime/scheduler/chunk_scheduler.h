@@ -76,9 +76,10 @@
 // for a third of a second each step). A steady step moves the same chunks
 // down every step (CPU Adam's gradients, evictions) and up again (the next
 // forward), and makes the same chunks afresh (gradient sums), so the host
-// keeps as many free blocks as the last step took from the pool (never
-// fewer than host_cache_blocks): the next step's takes reuse them and
-// nothing is pinned once the trace repeats. They are counted
+// keeps as many free blocks as each of the last two steps took from the pool
+// (never fewer than host_cache_blocks): the next step's takes reuse them and
+// nothing is pinned once the trace repeats, while blocks a step took once
+// (the model's first materialization, chunks going up for good) go back. They are counted
 // in the host budget like any block held, so a host short of room frees
 // them first (make_room trims before it evicts or spills).
 //
@@ -398,6 +399,7 @@ class ChunkScheduler {
   // Free host blocks kept (Note [Host blocks for a steady step]).
   std::size_t host_keep_blocks_ = 0;
   std::uint64_t step_start_host_blocks_ = 0;  // pool_.handed_out(kHost) when the step began
+  std::size_t last_step_host_blocks_ = 0;     // host blocks the previous step took
   ChunkSchedulerStats pool_base_;  // the pool's counters at the last reset_stats()
 
   ChunkSchedulerStats stats_;
