@@ -40,7 +40,7 @@ from tidal.deepspeed.ops.adam import DeepSpeedCPUAdam, FusedAdam
 from tidal.deepspeed.runtime.zero.offload_config import OffloadDeviceEnum, OffloadStateTypeEnum
 from tidal.deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
 from tidal.engine.errors import UsageError
-from tidal.engine.store import DEVICE, MOMENTUM, PARAM16, PARAM32, VARIANCE
+from tidal.engine.store import DEVICE, GRAD32, MOMENTUM, PARAM16, PARAM32, VARIANCE
 
 sys.path.insert(0, str(Path(__file__).parent))
 from engine_helpers import within_budget  # noqa: E402
@@ -528,6 +528,42 @@ def test_offload_states_frees_the_device_and_training_goes_on_bit_for_bit(dtype,
     engine.destroy()
     plain.destroy()
     assert chunk_bytes_on_device(plain)["reserved"] == 0
+
+
+def test_offload_states_between_micro_steps_moves_the_gradient_sums_bit_for_bit():
+    # Under gradient accumulation the fp32 gradient sums are chunks too
+    # (contiguous_grad_buffer, lp_grads): offloaded between micro-steps and back,
+    # the run is the one without offloads.
+    hidden_dim = 64
+    config_dict = dict(offload_config(torch.float32), gradient_accumulation_steps=2)
+    runs = []
+    for offload in (True, False):
+        model = build(config_dict, hidden_dim, 3)
+        engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
+                                          config=config_dict)
+        g = torch.Generator().manual_seed(3)
+        losses, sums_moved = [], 0
+        for i in range(8):
+            x = torch.randn(1, hidden_dim, generator=g)
+            y = torch.randint(0, hidden_dim, (1,), generator=g)
+            loss = engine(x, y)
+            engine.backward(loss)
+            engine.step()
+            losses.append(loss.item())
+            if offload:
+                chunks = sorted({r.chunk for r in engine.records})
+                where = [engine.chunks.chunk_space(c, GRAD32) for c in chunks]
+                engine.offload_states(include=[OffloadStateTypeEnum.contiguous_grad_buffer,
+                                               OffloadStateTypeEnum.lp_grads])
+                assert DEVICE not in [engine.chunks.chunk_space(c, GRAD32) for c in chunks]
+                sums_moved += DEVICE in where
+                engine.reload_states()
+                assert [engine.chunks.chunk_space(c, GRAD32) for c in chunks] == where
+        runs.append((losses, engine.parameters_fp32(), sums_moved))
+    (losses, weights, moved), (plain_losses, plain_weights, _) = runs
+    assert moved > 0
+    assert losses == plain_losses
+    assert all(torch.equal(weights[k], plain_weights[k]) for k in plain_weights)
 
 
 def test_offload_states_moves_only_the_states_included():

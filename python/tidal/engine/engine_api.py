@@ -241,7 +241,7 @@ class DeepSpeedEngineAPI:
 
     # ------------------------------------------------ states off the device
     def offload_states(self, include=None, device="cpu", pin_memory: bool = True,
-                       non_blocking: bool = False) -> None:
+                       non_blocking: bool = False) -> "dict | None":
         """DeepSpeed's engine.offload_states: the engine's states leave the
         device for the host, and the device memory they held is freed, until
         reload_states() (Note [Offloading the engine's states] in store.py).
@@ -261,6 +261,11 @@ class DeepSpeedEngineAPI:
                 the config's tidal.pin_memory says, once, at their allocation.
             non_blocking: accepted; the moves finish before this returns
                 (a device block is freed only once its chunk is on the host).
+
+        Returns the chunk bytes on the device before and after, as
+        {"resident": (before, after), "held": (before, after)} (resident:
+        payloads; held: payloads and pooled blocks); None for device none
+        (DeepSpeed returns None).
         """
         where = str(getattr(device, "value", device))
         if where == "none":
@@ -281,9 +286,10 @@ class DeepSpeedEngineAPI:
         kinds = list(dict.fromkeys(k for n in names for k in OFFLOAD_STATE_KINDS[n]))
         self._settle_overlap()  # (CPU Adam of a backward holds chunks: Note [Speculative updates and their undo])
         self._settle_outside()  # (parameters read outside a forward hold their slots)
-        self.last_offload = self.store.offload_to_host(kinds)
+        moved = self.store.offload_to_host(kinds)
         if self.device.type == "cuda":
             torch.cuda.empty_cache()  # (DeepSpeed empties the accelerator's cache too)
+        return moved
 
     def reload_states(self, non_blocking: bool = False) -> None:
         """DeepSpeed's engine.reload_states: the states offload_states() moved
@@ -302,8 +308,7 @@ class DeepSpeedEngineAPI:
         every chunk leaves the device, whose blocks are freed; the weights and
         optimizer states stay readable (parameters_fp32(), state_dict()), and
         the engine does not train again."""
-        if self.store.offloaded is None:
-            self.offload_states()
+        self.offload_states()  # (what an earlier offload left on the device too)
         self.remove_hooks()
 
 
