@@ -264,6 +264,7 @@ def _deepspeed_chat_count(model):
     return sum(p.ds_numel if hasattr(p, "ds_tensor") else p.numel() for p in model.parameters())
 
 
+@pytest.mark.filterwarnings("ignore:config key")
 def test_the_parameters_tidal_trains_carry_zero3s_attributes_as_deepspeed_sets_them():
     from tidal.deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
     torch.manual_seed(0)
