@@ -97,6 +97,7 @@ from ._deepspeed_compat.accelerator import get_accelerator
 from ._deepspeed_compat.comm import TORCH_DISTRIBUTED_DEFAULT_PORT as _DEFAULT_PORT
 from ._deepspeed_compat.comm import init_distributed
 from ._deepspeed_compat.refused import REFUSED_MODULES as _REFUSED_MODULES
+from ._deepspeed_compat.refused import missing_attribute as _missing_attribute
 from ._deepspeed_compat.refused import refused_class as _refused_class
 from ._deepspeed_compat.refused import refused_function as _refused_function
 from ._deepspeed_compat.runtime.zero.partition_parameters import mark_zero_params as _mark
@@ -146,6 +147,12 @@ DeepSpeedConfig = _refused_class(
     "reads the same file (train_batch_size, train_micro_batch_size_per_gpu, "
     "gradient_accumulation_steps, ...), and the engine answers them "
     "(engine.train_batch_size(), engine.train_micro_batch_size_per_gpu())")
+
+
+def __getattr__(name: str):
+    # DeepSpeed's attributes tidal does not have: an AttributeError naming the
+    # feature where it is one tidal refuses (deepspeed.checkpointing, deepspeed.pipe).
+    raise _missing_attribute(__name__, name)
 
 
 def _config_source(args, config, config_params):

@@ -657,6 +657,8 @@ REFUSED = {"pipe": "pipeline parallelism", "runtime.pipe": "pipeline parallelism
            "module_inject": "kernel injection", "inference": "inference engine",
            "sequence.layer": "sequence parallelism", "profiling.flops_profiler": "flops profiler",
            "compression.compress": "compression training", "monitor.monitor": "monitors",
+           "checkpointing": "activation checkpointing",
+           "runtime.activation_checkpointing.checkpointing": "activation checkpointing",
            "runtime.config": "does not provide DeepSpeed's deepspeed.runtime.config",
            "runtime.engine": "does not provide DeepSpeed's deepspeed.runtime.engine"}
 
@@ -675,6 +677,18 @@ def test_the_other_deepspeed_modules_are_refused_naming_the_feature(path):
     # (Python imports the parents first: the first one tidal lacks is named.)
     named = str(e.value).split("(DeepSpeed's deepspeed.")[1].split(")")[0]
     assert (path + ".").startswith(named + "."), (path, named)
+
+
+def test_deepspeeds_attributes_for_refused_features_name_them():
+    # Megatron-style scripts reach modules as attributes: deepspeed.checkpointing.configure(...).
+    with pytest.raises(AttributeError, match="activation checkpointing.*activation_checkpointing "
+                                             "block"):
+        deepspeed.checkpointing.configure(None, deepspeed_config="ds_config.json")
+    with pytest.raises(AttributeError, match="pipeline parallelism"):
+        deepspeed.pipe.PipelineModule
+    assert not hasattr(deepspeed, "pipe") and not hasattr(deepspeed, "no_such_name")
+    with pytest.raises(AttributeError, match="has no attribute 'no_such_name'$"):
+        deepspeed.no_such_name
 
 
 def test_deepspeeds_top_level_names_for_refused_features_are_refused_when_used():

@@ -15,8 +15,8 @@ import sys
 
 from ..engine.errors import UsageError
 
-__all__ = ["REFUSED_MODULES", "RefusedModuleError", "RefusedModuleFinder", "refused_class",
-           "refused_function"]
+__all__ = ["REFUSED_MODULES", "RefusedModuleError", "RefusedModuleFinder", "missing_attribute",
+           "refused_class", "refused_function"]
 
 
 def refused_class(module: str, name: str, why: str, base: type = object) -> type:
@@ -56,6 +56,12 @@ _PIPELINE = (
 _TENSOR_PARALLEL = ("tidal has no tensor or sequence parallelism: one GPU trains the whole "
                     "model (its chunks move through device memory), data parallel across GPUs")
 
+_CHECKPOINTING = (
+    "DeepSpeed's activation checkpointing API (deepspeed.checkpointing.configure, checkpoint, "
+    "the Megatron RNG tracker) is not in tidal: name the checkpoints in the config's "
+    "activation_checkpointing block (docs/recompute.md), or use torch.utils.checkpoint or the "
+    "model's own gradient_checkpointing_enable()")
+
 # DeepSpeed's module path (below `deepspeed.`) -> why tidal refuses it. A
 # module path under one of these is refused with its message too.
 REFUSED_MODULES = {
@@ -89,6 +95,8 @@ REFUSED_MODULES = {
                 "tidal: log from the script (torch.utils.tensorboard, wandb)"),
     "autotuning": "DeepSpeed's autotuner is not in tidal: tidal sizes its chunks itself "
                   "(tidal.estimate, the config's tidal block)",
+    "checkpointing": _CHECKPOINTING,
+    "runtime.activation_checkpointing": _CHECKPOINTING,
 }
 
 
@@ -99,6 +107,19 @@ def _why(path: str) -> "str | None":
         if why is not None:
             return why
     return None
+
+
+def missing_attribute(parent: str, name: str) -> AttributeError:
+    """The AttributeError for `parent.name` that tidal does not have (a
+    module's __getattr__ raises it): for one of REFUSED_MODULES's top-level
+    names (deepspeed.pipe, deepspeed.checkpointing, ...) it says why, so
+    `deepspeed.checkpointing.configure(...)` fails naming the feature;
+    hasattr() stays False."""
+    why = REFUSED_MODULES.get(name)
+    text = f"module {parent!r} has no attribute {name!r}"
+    if why is not None:
+        text += f" (DeepSpeed's deepspeed.{name}): {why}"
+    return AttributeError(text)
 
 
 class _RefusingLoader(importlib.abc.Loader):
