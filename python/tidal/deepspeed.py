@@ -56,10 +56,12 @@ model as it was.
 
 The engine it returns behaves as DeepSpeed's where tidal's own differs:
 load_checkpoint leaves the process's RNG as it is (Note [The RNG on
-load_checkpoint] in tidal/engine/checkpoint.py); its parameters carry
-DeepSpeed's ZeRO-3 attributes (ds_numel, ds_shape, ds_id, ...: Note
-[DeepSpeed's ZeRO-3 attributes on tidal's parameters]); engine.tput_timer
-counts epochs.
+load_checkpoint] in tidal/engine/checkpoint.py); under ZeRO stage 3 its
+parameters carry DeepSpeed's ZeRO-3 attributes (ds_numel, ds_shape, ds_id,
+...: Note [DeepSpeed's ZeRO-3 attributes on tidal's parameters]), as
+DeepSpeed's do; engine.tput_timer counts epochs; offload_states /
+reload_states / destroy move the states off the device and back (Note
+[Offloading the engine's states] in tidal/engine/store.py).
 
 Returns (engine, engine.optimizer, the DataLoader or None, the scheduler: the
 client's, else the config's engine.lr_scheduler, else None).
@@ -67,7 +69,13 @@ client's, else the config's engine.lr_scheduler, else None).
 Also here, under DeepSpeed's names (tidal/_deepspeed_compat): add_config_arguments,
 init_distributed, get_accelerator, and the modules accelerator, comm, ops
 (ops.adam; ops.lamb, ops.lion, ops.adagrad refused), moe (MoE refused),
-runtime.zero / zero (Init, GatheredParameters, ZeroParamStatus), utils.
+runtime.zero / zero (Init, GatheredParameters, ZeroParamStatus),
+runtime.zero.offload_config (OffloadDeviceEnum, OffloadStateTypeEnum),
+compression.helper (recursive_getattr, recursive_setattr), utils
+(RepeatingLoader, logger, ...). Other DeepSpeed modules (pipe, sparse
+attention, inference, ...) are refused when imported, naming the feature
+(tidal/_deepspeed_compat/refused.py); DeepSpeed's top-level names for them
+(DeepSpeedTransformerLayer, init_inference, ...) when built or called.
 Importing this module also makes transformers' DeepSpeed integration
 (TrainingArguments(deepspeed=...)), which needs the real DeepSpeed, fail with
 an error naming tidal's Trainer (tidal/_deepspeed_compat/hf_guard.py).
@@ -88,26 +96,63 @@ from ._deepspeed_compat import hf_guard as _hf_guard
 from ._deepspeed_compat.accelerator import get_accelerator
 from ._deepspeed_compat.comm import TORCH_DISTRIBUTED_DEFAULT_PORT as _DEFAULT_PORT
 from ._deepspeed_compat.comm import init_distributed
+from ._deepspeed_compat.refused import REFUSED_MODULES as _REFUSED_MODULES
+from ._deepspeed_compat.refused import missing_attribute as _missing_attribute
+from ._deepspeed_compat.refused import refused_class as _refused_class
+from ._deepspeed_compat.refused import refused_function as _refused_function
 from ._deepspeed_compat.runtime.zero.partition_parameters import mark_zero_params as _mark
+from ._deepspeed_compat.runtime.zero.partition_parameters import zero_stage as _zero_stage
 from ._deepspeed_compat.utils import ThroughputTimer as _ThroughputTimer
 from .config import Config, ConfigError
 from .engine import initialize as _initialize
 from .engine.errors import UsageError
 from .engine.store import ParamStore
 
-__all__ = ["accelerator", "add_config_arguments", "comm", "get_accelerator", "init_distributed",
-           "initialize", "moe", "ops", "runtime", "utils", "zero"]
+__all__ = ["DeepSpeedConfig", "DeepSpeedTransformerConfig", "DeepSpeedTransformerLayer",
+           "accelerator", "add_config_arguments", "comm", "compression", "get_accelerator",
+           "init_distributed", "init_inference", "initialize", "moe", "ops",
+           "replace_transformer_layer", "runtime", "tp_model_init", "utils", "zero"]
 
-# DeepSpeed's submodules, importable as tidal.deepspeed.<name> (tidal/_deepspeed_compat).
+# DeepSpeed's submodules, importable as tidal.deepspeed.<name> (tidal/_deepspeed_compat);
+# the others are refused when imported (an empty __path__ makes Python ask
+# refused.RefusedModuleFinder for them).
+__path__: list = []
 _modules = _alias(__name__)
 accelerator = _modules["accelerator"]
 comm = _modules["comm"]
+compression = _modules["compression"]
 moe = _modules["moe"]
 ops = _modules["ops"]
 runtime = _modules["runtime"]
 utils = _modules["utils"]
 zero = _modules["zero"]
 _hf_guard.install()
+
+# DeepSpeed's top-level names for what tidal does not do: importable, refused
+# when built or called (the modules they come from are refused on import).
+DeepSpeedTransformerLayer = _refused_class(
+    __name__, "DeepSpeedTransformerLayer", _REFUSED_MODULES["ops.transformer"], torch.nn.Module)
+DeepSpeedTransformerConfig = _refused_class(
+    __name__, "DeepSpeedTransformerConfig", _REFUSED_MODULES["ops.transformer"])
+replace_transformer_layer = _refused_function(
+    __name__, "replace_transformer_layer", _REFUSED_MODULES["module_inject"])
+init_inference = _refused_function(__name__, "init_inference", _REFUSED_MODULES["inference"])
+tp_model_init = _refused_function(
+    __name__, "tp_model_init", "tidal has no tensor parallelism: one GPU trains the whole model "
+    "(its chunks move through device memory), data parallel across GPUs (the config's "
+    "tidal.data_parallel)")
+DeepSpeedConfig = _refused_class(
+    __name__, "DeepSpeedConfig",
+    "DeepSpeed's parsed config object is not provided: tidal.config.Config.load(path or dict) "
+    "reads the same file (train_batch_size, train_micro_batch_size_per_gpu, "
+    "gradient_accumulation_steps, ...), and the engine answers them "
+    "(engine.train_batch_size(), engine.train_micro_batch_size_per_gpu())")
+
+
+def __getattr__(name: str):
+    # DeepSpeed's attributes tidal does not have: an AttributeError naming the
+    # feature where it is one tidal refuses (deepspeed.checkpointing, deepspeed.pipe).
+    raise _missing_attribute(__name__, name)
 
 
 def _config_source(args, config, config_params):
@@ -240,7 +285,8 @@ def initialize(args: Any = None, model: "torch.nn.Module | None" = None, optimiz
         engine.client_lr_scheduler = lr_scheduler(engine.optimizer)
     engine.training_dataloader = None if training_data is None else \
         _loader(engine, training_data, collate_fn)
-    _mark(engine.records)
+    if _zero_stage(cfg) == 3:  # Note [DeepSpeed's ZeRO-3 attributes on tidal's parameters]
+        _mark(engine.records)
     engine.tput_timer = _ThroughputTimer()
     engine.restore_rng_on_load = False  # Note [The RNG on load_checkpoint]
     if args is not None and hasattr(args, "local_rank"):

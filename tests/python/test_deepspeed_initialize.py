@@ -489,7 +489,8 @@ def test_zero_init_builds_into_chunks_and_gathered_parameters_writes_or_reads():
     for key, p in ref.named_parameters():
         assert torch.equal(weights[key], p.detach()), key
     # With an engine: the values to read (its parameter as the engine keeps it between
-    # steps, or a copy); writing goes through engine.load_state_dict.
+    # steps, or a copy); with modifier_rank the writes go into the chunks at the exit
+    # (test_deepspeed_scripts_rest.py checks them in bf16 and fp32).
     before = model.a.weight.data
     with ds.zero.GatheredParameters([model.a.weight, torch.nn.Parameter(torch.ones(2))]):
         assert torch.equal(model.a.weight, weights["a.weight"])
@@ -497,10 +498,12 @@ def test_zero_init_builds_into_chunks_and_gathered_parameters_writes_or_reads():
     assert model.a.weight.data.data_ptr() == before.data_ptr()
     assert torch.equal(engine.parameters_fp32()["a.weight"], weights["a.weight"])
     assert torch.equal(model.a.weight.detach(), weights["a.weight"])
-    with pytest.raises(UsageError, match="trained by an engine; write new values with "
-                                         "engine.load_state_dict"):
-        with ds.zero.GatheredParameters(model.a.weight, modifier_rank=0):
-            pass
+    with ds.zero.GatheredParameters(model.a.weight, modifier_rank=0):
+        assert torch.equal(model.a.weight, weights["a.weight"])
+        model.a.weight.data.mul_(2)
+    assert torch.equal(engine.parameters_fp32()["a.weight"], weights["a.weight"] * 2)
+    assert torch.equal(model.state_dict()["a.weight"], weights["a.weight"] * 2)
+    assert model.a.weight.data.data_ptr() == before.data_ptr()
     x, y = torch.randn(4, 16), torch.randn(4, 16)
     engine.backward(engine(x, y))
     assert engine.step() is True

@@ -14,6 +14,10 @@ module, not a package, so on its import it enters each one into sys.modules
 under that name (alias), which is all `import tidal.deepspeed.comm` needs:
 Python looks a dotted name up in sys.modules once the parent is imported.
 What a name does over tidal, or why it is refused, is in each module.
+A DeepSpeed module path not here is refused when imported, naming its
+feature (refused.py, RefusedModuleFinder); for Python to ask that finder,
+tidal.deepspeed has an empty __path__ (a package whose submodules are all
+entered here or refused).
 """
 from __future__ import annotations
 
@@ -26,6 +30,8 @@ __all__ = ["ALIASES", "alias"]
 ALIASES = {
     "accelerator": "accelerator",
     "comm": "comm",
+    "compression": "compression",
+    "compression.helper": "compression.helper",
     "ops": "ops",
     "ops.adam": "ops.adam",
     "ops.lamb": "ops.lamb",
@@ -37,15 +43,20 @@ ALIASES = {
     "runtime": "runtime",
     "runtime.zero": "runtime.zero",
     "runtime.zero.partition_parameters": "runtime.zero.partition_parameters",
+    "runtime.zero.offload_config": "runtime.zero.offload_config",
     "zero": "runtime.zero",  # deepspeed.zero is deepspeed.runtime.zero
     "utils": "utils",
+    "utils.logging": "utils",  # (its logger)
 }
 
 
 def alias(parent: str) -> dict:
     """Imports every module of ALIASES and enters it into sys.modules as
-    `<parent>.<DeepSpeed's path>`; returns {DeepSpeed's top-level name: module}
-    for the parent's attributes."""
+    `<parent>.<DeepSpeed's path>`, and refuses the other paths below `parent`
+    by name (refused.RefusedModuleFinder); returns {DeepSpeed's top-level
+    name: module} for the parent's attributes."""
+    from .refused import RefusedModuleFinder
+    RefusedModuleFinder.install(parent, ALIASES)
     top = {}
     for path, here in ALIASES.items():
         module = importlib.import_module(f"{__name__}.{here}")

@@ -1,12 +1,13 @@
-"""deepspeed.utils: set_z3_leaf_modules, logger, log_dist, and the
-ThroughputTimer behind engine.tput_timer."""
+"""deepspeed.utils (and deepspeed.utils.logging): set_z3_leaf_modules,
+logger, log_dist, RepeatingLoader, and the ThroughputTimer behind
+engine.tput_timer."""
 from __future__ import annotations
 
 import logging
 
 from ..engine.external import set_leaf_modules
 
-__all__ = ["ThroughputTimer", "log_dist", "logger", "set_z3_leaf_modules"]
+__all__ = ["RepeatingLoader", "ThroughputTimer", "log_dist", "logger", "set_z3_leaf_modules"]
 
 logger = logging.getLogger("DeepSpeed")
 
@@ -30,6 +31,31 @@ def log_dist(message: str, ranks=None, level: int = logging.INFO) -> None:
     rank = get_rank()
     if ranks is None or -1 in ranks or rank in ranks:
         logger.log(level, f"[Rank {rank}] {message}")
+
+
+class RepeatingLoader:
+    """deepspeed.utils.RepeatingLoader (deepspeed.runtime.dataloader's): an
+    endless iterator over `loader`, which starts over (a new iter(loader):
+    a DataLoader reshuffles as for a new epoch) each time it runs out. An
+    empty loader raises StopIteration, as DeepSpeed's does.
+
+    Args:
+        loader: any iterable (a DataLoader, a list of batches).
+    """
+
+    def __init__(self, loader):
+        self.loader = loader
+        self.data_iter = iter(loader)
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        try:
+            return next(self.data_iter)
+        except StopIteration:
+            self.data_iter = iter(self.loader)
+            return next(self.data_iter)
 
 
 class ThroughputTimer:

@@ -293,10 +293,13 @@ class ChunkDataParallel:
                     f"{' ...' if len(odd) > 4 else ''}; every rank's backward must reach the same "
                     f"parameters (unused parameters that differ between ranks are not supported: "
                     f"freeze them, or make the graph the same on every rank)")
-            if dp.overlap and started_in_backward < len(self._order) and not self._warned_unused:
+            if dp.overlap and dp.world > 1 and started_in_backward < len(self._order) and \
+                    not self._warned_unused:
                 # A chunk waits for all its trainable parameters, and the later
                 # chunks wait for it: a parameter that never gets a gradient
                 # holds every reduction after it until the end of backward.
+                # (One rank, under a one-process launcher: no reduction is
+                # held, nothing to overlap, so nothing to say.)
                 unused = [r.name for i, r in enumerate(records) if r.trainable and int(flags[i]) == 0]
                 if unused:
                     self._warned_unused = True

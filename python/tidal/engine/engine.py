@@ -304,6 +304,9 @@ class Engine(DeepSpeedEngineAPI):
     def _before_forward(self):
         """What a forward (not a recompute inside backward) settles first, at
         the root's forward pre-hook (HookWiring.root_pre)."""
+        if self.store.offloaded is not None:
+            raise UsageError("a forward while the engine's states are offloaded "
+                             "(engine.offload_states()): call engine.reload_states() first")
         self._outside.settle_raw_backward()
         # (a load_state_dict or state_dict that raised midway)
         self._state_dict_bridge.forward_started()
@@ -462,6 +465,18 @@ class Engine(DeepSpeedEngineAPI):
                 raise AttributeError(f"'{type(self).__name__}' object has no attribute '{name}', "
                                      f"nor has its model (a {type(module).__name__})") from None
         raise AttributeError(f"'{type(self).__name__}' object has no attribute '{name}'")
+
+    def _settle_outside(self):
+        """Parameters read outside a forward go back to their chunks, with what
+        user code wrote to them (Note [Writes to a parameter])."""
+        self._outside.settle()
+
+    def holding_gradients(self, records) -> list:
+        """The names of `records` whose 16-bit slot holds a gradient now
+        (between backward and step): a value written there would be lost."""
+        index = self._params.record_index
+        hooks = self._wiring.hooks
+        return [r.name for r in records if id(r) in index and hooks.landed(index[id(r)])]
 
     def _forget_writes(self, records) -> None:
         # ParamStore.forget_writes: these parameters' version counts as they are

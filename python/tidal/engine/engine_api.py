@@ -12,10 +12,23 @@ its owner."""
 from __future__ import annotations
 
 import os
+import warnings
 
 import torch
 
 from .errors import UsageError
+from .store import GRAD32, MOMENTUM, PARAM16, PARAM32, VARIANCE
+
+# DeepSpeed's OffloadStateTypeEnum values -> the chunk lists holding them
+# (Note [Offloading the engine's states] in store.py). The 16-bit slots take
+# the gradients after backward, so lp_params and lp_grads move the same chunks.
+OFFLOAD_STATE_KINDS = {
+    "optim_states": (MOMENTUM, VARIANCE),
+    "hp_params": (PARAM32,),
+    "lp_params": (PARAM16,),
+    "lp_grads": (PARAM16, GRAD32),
+    "contiguous_grad_buffer": (GRAD32,),
+}
 
 
 class _Owned:
@@ -225,6 +238,78 @@ class DeepSpeedEngineAPI:
             raise TypeError(f"set_gradient_accumulation_boundary expects True, False or None, got "
                             f"{is_boundary!r}")
         self._accumulation.forced_boundary = is_boundary
+
+    # ------------------------------------------------ states off the device
+    def offload_states(self, include=None, device="cpu", pin_memory: bool = True,
+                       non_blocking: bool = False) -> "dict | None":
+        """DeepSpeed's engine.offload_states: the engine's states leave the
+        device for the host, and the device memory they held is freed, until
+        reload_states() (Note [Offloading the engine's states] in store.py).
+        Between steps; a forward before reload_states() is refused.
+
+        Args:
+            include: DeepSpeed's OffloadStateTypeEnum members (or their
+                values) to move; None: all. optim_states: Adam's moments;
+                hp_params: the fp32 masters; lp_params and lp_grads: the
+                16-bit slots (which take the gradients), lp_grads also the
+                fp32 gradient sums of accumulation; contiguous_grad_buffer:
+                those sums.
+            device: OffloadDeviceEnum.cpu (or "cpu"); none moves nothing
+                (DeepSpeed warns and returns too); nvme is refused, as
+                DeepSpeed refuses it.
+            pin_memory: accepted; tidal's host chunks are pinned or not as
+                the config's tidal.pin_memory says, once, at their allocation.
+            non_blocking: accepted; the moves finish before this returns
+                (a device block is freed only once its chunk is on the host).
+
+        Returns the chunk bytes on the device before and after, as
+        {"resident": (before, after), "held": (before, after)} (resident:
+        payloads; held: payloads and pooled blocks); None for device none
+        (DeepSpeed returns None).
+        """
+        where = str(getattr(device, "value", device))
+        if where == "none":
+            warnings.warn("engine.offload_states(device=none): no device given, nothing moves "
+                          "(as DeepSpeed's)", stacklevel=2)
+            return
+        if where != "cpu":
+            raise ValueError(f"engine.offload_states(device={device!r}): expected "
+                             f"OffloadDeviceEnum.cpu ('cpu'); tidal moves the states to host "
+                             f"memory (DeepSpeed refuses nvme here too)")
+        names = list(OFFLOAD_STATE_KINDS) if include is None else \
+            [str(getattr(x, "value", x)) for x in include]
+        unknown = [n for n in names if n not in OFFLOAD_STATE_KINDS]
+        if unknown:
+            raise ValueError(f"engine.offload_states(include=...): unknown state(s) {unknown}; "
+                             f"expected OffloadStateTypeEnum members: "
+                             f"{', '.join(OFFLOAD_STATE_KINDS)}")
+        kinds = list(dict.fromkeys(k for n in names for k in OFFLOAD_STATE_KINDS[n]))
+        self._settle_overlap()  # (CPU Adam of a backward holds chunks: Note [Speculative updates and their undo])
+        self._settle_outside()  # (parameters read outside a forward hold their slots)
+        moved = self.store.offload_to_host(kinds)
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()  # (DeepSpeed empties the accelerator's cache too)
+        return moved
+
+    def reload_states(self, non_blocking: bool = False) -> None:
+        """DeepSpeed's engine.reload_states: the states offload_states() moved
+        come back to the device, as they were (Note [Offloading the engine's
+        states] in store.py); nothing happens when none are offloaded.
+
+        Args:
+            non_blocking: accepted; the moves finish before this returns.
+        """
+        del non_blocking
+        self.store.reload()
+
+    def destroy(self) -> None:
+        """DeepSpeed's engine.destroy, which its offload_states example calls
+        when done with an engine: the engine's hooks go (remove_hooks()) and
+        every chunk leaves the device, whose blocks are freed; the weights and
+        optimizer states stay readable (parameters_fp32(), state_dict()), and
+        the engine does not train again."""
+        self.offload_states()  # (what an earlier offload left on the device too)
+        self.remove_hooks()
 
 
 def _same_device(a: torch.device, b: torch.device) -> bool:

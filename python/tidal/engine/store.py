@@ -129,6 +129,18 @@ class SlotPin:
         self._kinds = ()
 
 
+class Offloaded:
+    """What ParamStore.offload_to_host() did, for reload(): the device budget
+    before it, and (tensor id, kind, numel) of one tensor of each chunk it
+    moved, in the order moved."""
+
+    __slots__ = ("budget", "moved")
+
+    def __init__(self, budget: int):
+        self.budget = budget
+        self.moved: list = []
+
+
 class ParamStore:
     _live: "weakref.WeakSet[ParamStore]" = weakref.WeakSet()
     # Stores filled by init_context() that no engine has adopted yet: the
@@ -210,6 +222,9 @@ class ParamStore:
         self.by_param: dict[int, ParamRecord] = {}
         self._stale16: dict[int, ParamRecord] = {}  # masters materialized() exposed
         self._held32: set[int] = set()  # records whose master a materialized() holds now
+        # Note [Offloading the engine's states]: what offload_to_host() moved
+        # and the device budget it lowered, until reload().
+        self.offloaded: "Offloaded | None" = None
         # Where registration's time went (add): bookkeeping and host chunk
         # memory as it is first touched (allocated, and pinned on a GPU), and
         # writing the values and zeroed moments into the slots. tidal-train
@@ -653,6 +668,126 @@ class ParamStore:
                         c.release(r.id, PARAM16, HOLD)
                 finally:
                     c.release(r.id, PARAM32, HOLD)
+
+    def write_values(self, values) -> None:
+        """Writes (record, value) pairs into the chunks, as a script's write to
+        its parameter between steps is kept: the 16-bit slot takes `value`
+        (cast to its dtype), and the fp32 master takes it where the 16-bit
+        value changed (elsewhere the master keeps its bits, which the slot
+        holds rounded; in fp32 training the two are the same). `value` is the
+        parameter's whole value (its shape); a record whose slot is in use
+        (attached for an outside read: its parameter's data is a view of the
+        slot) is written through that view, given as `attached_view`.
+
+        Args:
+            values: (record, value, attached_view or None) triples.
+        """
+        with torch.no_grad(), uncounted():
+            for r, value, attached_view in values:
+                if list(value.shape) != list(r.shape):
+                    raise ValueError(f"writing '{r.name}': expected a value of shape "
+                                     f"{tuple(r.shape)}, got {tuple(value.shape)}")
+                flat = value.detach().reshape(-1)
+                if attached_view is not None:
+                    attached_view.copy_(value.detach().to(attached_view.device))
+                    written = attached_view.detach().reshape(-1)
+                else:
+                    with self.slots(r, (PARAM16,)) as (slot,):
+                        slot.copy_(flat.to(slot.device))
+                        written = slot.clone()
+                if r.trainable and self.owns(r):
+                    with self.slots(r, (PARAM32,)) as (master,):
+                        written = written.to(master.device)
+                        changed = written != master.to(written.dtype)
+                        if bool(changed.any()):
+                            master[changed] = written[changed].to(master.dtype)
+
+    # Note [Offloading the engine's states]
+    # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+    # DeepSpeed's engine.offload_states() moves its ZeRO buffers (16-bit and
+    # fp32 parameters, gradients, Adam states) to the host so that something
+    # else (RLHF generation, another model's evaluation) can use the device,
+    # and reload_states() brings them back. Every one of those states is a
+    # chunk here, so offloading is the scheduler's own move: each chunk of
+    # the lists asked for that is on the device goes to the host (an access
+    # there and a release to the state its tensor had), then the device
+    # budget comes down to the chunk bytes left there, which frees the
+    # pooled blocks too (set_budget frees cached blocks before it evicts), so
+    # the device memory the chunks held goes back: allocated (resident
+    # payloads) and reserved (cached blocks) both drop. Before the moves the
+    # budget is set to the bytes held then, so no move up can happen meanwhile
+    # (a host short of room spills only into free device room, and there is
+    # none). The lowered budget stays until reload(), which restores it and
+    # moves the same chunks back to the device, in the order they left, so
+    # the next step finds every chunk where it was: a copy is exact, and the
+    # training that follows is the one without the offload, bit for bit. No
+    # slot may be in use (COMPUTE) meanwhile: the engine settles its outside
+    # reads and its overlapped CPU Adam first, and refuses a forward while
+    # its states are offloaded. A host that cannot take a chunk fails the
+    # offload with OutOfMemoryError; the chunks moved so far stay on the host
+    # (they come back on use, or at reload) and the budget is restored.
+    def offload_to_host(self, kinds) -> dict:
+        """Note [Offloading the engine's states]: moves every chunk of the
+        chunk lists `kinds` that is on the device to the host and frees the
+        device blocks they held. Returns the chunk bytes on the device
+        before and after: {"resident": (before, after), "held": (before, after)}.
+
+        Args:
+            kinds: chunk kinds (PARAM16, PARAM32, MOMENTUM, VARIANCE, GRAD32).
+        """
+        c = self.chunks
+        before = c.stats()
+        if self.offloaded is None:
+            self.offloaded = Offloaded(c.budget(DEVICE))
+        off = self.offloaded
+        by_chunk: dict = {}
+        for r in self.records:
+            by_chunk.setdefault(r.chunk, []).append(r)
+        c.set_budget(DEVICE, before["held_bytes_device"])
+        try:
+            with uncounted():
+                for kind in kinds:
+                    for chunk, records in sorted(by_chunk.items()):
+                        if c.chunk_space(chunk, kind) != DEVICE:
+                            continue
+                        holders = [r for r in records if kind == PARAM16 or r.trainable]
+                        if not holders:
+                            continue
+                        r = holders[0]
+                        state = c.state(r.id, kind)
+                        if state == _STATE.COMPUTE:
+                            raise ValueError(f"offloading: the {KIND_NAMES[kind]} slot of "
+                                             f"'{r.name}' is in use; offload between steps")
+                        c.access(r.id, kind, HOST, [r.numel])
+                        c.release(r.id, kind, state)
+                        off.moved.append((r.id, kind, r.numel))
+            c.set_budget(DEVICE, c.stats()["resident_bytes_device"])
+        except BaseException:
+            c.set_budget(DEVICE, max(off.budget, c.stats()["held_bytes_device"]))
+            if not off.moved:
+                self.offloaded = None
+            raise
+        after = c.stats()
+        return {key: (before[f"{key}_bytes_device"], after[f"{key}_bytes_device"])
+                for key in ("resident", "held")}
+
+    def reload(self) -> int:
+        """Note [Offloading the engine's states]: the device budget as it was
+        before offload_to_host(), and the chunks it moved back on the device,
+        in the order they left. Returns how many chunks came back (0 when
+        nothing was offloaded)."""
+        off, c = self.offloaded, self.chunks
+        if off is None:
+            return 0
+        c.set_budget(DEVICE, off.budget)
+        self.offloaded = None
+        with uncounted():
+            for tensor_id, kind, numel in off.moved:
+                if c.chunk_space(c.placement(tensor_id)[0], kind) == HOST:
+                    state = c.state(tensor_id, kind)
+                    c.access(tensor_id, kind, DEVICE, [numel])
+                    c.release(tensor_id, kind, state)
+        return len(off.moved)
 
     def flush_warnings(self) -> None:
         """Says what registration found (e.g. tensors larger than a chunk), once."""

@@ -12,10 +12,10 @@ import torch
 from ....config import Config
 from ....engine.errors import UsageError
 from ....engine.external import register_external_parameter
-from ....engine.store import _TORCH_DTYPES, ParamStore
+from ....engine.store import _TORCH_DTYPES, PARAM16, ParamStore
 
 __all__ = ["GatheredParameters", "Init", "ZeroParamStatus", "ZeroParamType",
-           "mark_zero_params", "register_external_parameter"]
+           "mark_zero_params", "register_external_parameter", "zero_stage"]
 
 
 class ZeroParamType(Enum):
@@ -44,8 +44,13 @@ class ZeroParamStatus(Enum):
 # `p.ds_numel if hasattr(p, "ds_tensor") else p.numel()`, transformers' and
 # peft's counters take ds_numel where numel() is 0, and DeepSpeed-Chat's
 # saving gathers the parameters with ds_id whose ds_status is NOT_AVAILABLE.
-# So every parameter tidal puts into chunks gets them (zero.Init's at its
-# exit, tidal.deepspeed.initialize's engine at its start): ds_shape/ds_numel
+# DeepSpeed sets them under ZeRO stage 3 only, and scripts branch on
+# `hasattr(p, "ds_id")` (DeepSpeed-Chat's LoRA fuse gathers with
+# modifier_rank=0 only then; at stages 0-2 it writes `weight.data` directly),
+# so tidal sets them where DeepSpeed does: on the parameters zero.Init builds
+# (at its exit) and on those a tidal.deepspeed.initialize engine trains under
+# a config with zero_optimization.stage 3 (at its start), not at stages 0-2,
+# though tidal keeps every parameter in chunks at every stage. ds_shape/ds_numel
 # its shape and element count, a ds_id of its own, ds_status NOT_AVAILABLE
 # (the values come through GatheredParameters, even at the moments the
 # parameter holds a view), ds_param_type PARTITIONED, ds_persist False, and
@@ -54,6 +59,15 @@ class ZeroParamStatus(Enum):
 # `sum(p.numel() ...)` counts the same (Note [A parameter object stays the
 # user's] in tidal/engine/user_param.py), as does engine.num_parameters().
 _ids = itertools.count()
+
+
+def zero_stage(config) -> int:
+    """The ZeRO stage of a tidal Config read from a DeepSpeed config (0 without
+    a zero_optimization block; its deprecated true/false form is stage 1/0)."""
+    z = config.raw.get("zero_optimization", {})
+    if isinstance(z, bool):
+        return int(z)
+    return int(z.get("stage", 0)) if isinstance(z, dict) else 0
 
 
 def mark_zero_params(records) -> None:
@@ -86,9 +100,17 @@ def mark_zero_params(records) -> None:
 # slot follows at the exit); with modifier_rank None they are a copy in the
 # parameter's dtype, and what the code writes is dropped, as DeepSpeed drops
 # it. Once an engine trains the parameters (between steps), reading is a copy
-# of what forward computes with; writing is refused (engine.load_state_dict
-# writes into chunks). Parameters
-# no store holds are left as they are, as DeepSpeed leaves non-ZeRO ones.
+# of what forward computes with (the 16-bit weight); with modifier_rank given
+# it is a copy too, whose value goes into the chunks at the exit, as
+# DeepSpeed copies the modifier's values into its partitions: the 16-bit slot
+# takes it, and the fp32 master where the 16-bit value changed (so a script's
+# init, `.data.copy_`, embedding rows or LoRA fuse is trained on from there;
+# DeepSpeed's ZeRO-3 leaves its fp32 partitions as they were until
+# refresh_fp32_params, and the next step starts from those). Between backward
+# and step such a write is refused (the 16-bit slots hold the gradients), and
+# so is one under data parallel (no broadcast of the modifier's values yet).
+# Parameters no store holds are left as they are, as DeepSpeed leaves
+# non-ZeRO ones.
 
 
 class Init:
@@ -163,10 +185,7 @@ def GatheredParameters(params, modifier_rank=None, fwd_module=None, enabled=True
             if modifier_rank is None:
                 stack.enter_context(_copies(store, held))
             elif store not in ParamStore._unadopted:
-                raise UsageError(
-                    "tidal.deepspeed.zero.GatheredParameters(..., modifier_rank=...): these "
-                    "parameters are trained by an engine; write new values with "
-                    "engine.load_state_dict({name: tensor}, strict=False) between steps")
+                stack.enter_context(_written_back(store, held, modifier_rank))
             else:
                 # (callbacks run last first: the 16-bit slots follow once the
                 # masters are released)
@@ -175,11 +194,61 @@ def GatheredParameters(params, modifier_rank=None, fwd_module=None, enabled=True
         yield
 
 
+@contextlib.contextmanager
+def _written_back(store, params, modifier_rank):
+    """Note [zero.Init and GatheredParameters over init_context], under an
+    engine with modifier_rank: each parameter holds a copy of its 16-bit
+    weight (its dtype, on the engine's device) while inside; at the exit, also
+    when the block raised (DeepSpeed partitions the modifier's values on any
+    exit), what the copies hold goes into the chunks: the 16-bit slot takes
+    it, and the fp32 master where the 16-bit value changed
+    (ParamStore.write_values)."""
+    if store.dp is not None:
+        raise UsageError(
+            f"tidal.deepspeed.zero.GatheredParameters(..., modifier_rank={modifier_rank!r}) under "
+            f"data parallel: tidal does not broadcast the modifier's writes yet; load the same "
+            f"values on every rank with engine.load_state_dict({{name: tensor}}, strict=False)")
+    store.settle_engine()  # (between backward and step: before the chunks are read)
+    records = [store.by_param[id(p)] for p in params]
+    engine = store.engine_ref() if store.engine_ref is not None else None
+    holding = engine.holding_gradients(records) if engine is not None else []
+    if holding:
+        raise UsageError(
+            f"tidal.deepspeed.zero.GatheredParameters(..., modifier_rank={modifier_rank!r}) "
+            f"between backward and step: the 16-bit slots of {', '.join(holding[:4])}"
+            f"{' ...' if len(holding) > 4 else ''} hold their gradients, and a write there would "
+            f"be lost; write after engine.step() (or engine.zero_grad())")
+    done = []
+    try:
+        with torch.no_grad():
+            for p, r in zip(params, records):
+                old = p.data
+                if old.numel() == 0:
+                    value = store.gather(r, PARAM16).to(store.torch_device, p.dtype)
+                else:  # (read outside a forward: its data is a view of its 16-bit slot)
+                    value = old.clone()
+                p.data = value
+                done.append((p, r, old))
+        yield
+    finally:
+        writes = []
+        for p, r, old in reversed(done):
+            value = p.data
+            p.data = old
+            writes.append((r, value, old if old.numel() != 0 else None))
+        store.write_values(reversed(writes))
+        # (Assigning the copies and back bumped the version counts: the
+        # engine's record of user writes takes them as they are now.)
+        store.forget_writes([r for _, r, _ in done])
+
+
 def _by_store(params) -> dict:
     out: dict = {}
+    seen = set()
     for p in params:
         store = ParamStore.owning([p])
-        if store is not None:
+        if store is not None and id(p) not in seen:  # (DeepSpeed drops duplicates too)
+            seen.add(id(p))
             out.setdefault(store, []).append(p)
     return out
 
