@@ -366,3 +366,16 @@ def test_remove_hooks_takes_tidal_out_of_torch():
     opt.step()
     torch.nn.utils.clip_grad_norm_(params, 1.0)
     torch.nn.Parameter(params[0])
+
+
+@budgets
+def test_deepcopy_of_a_parameter_is_a_parameter_holding_its_values(budget):
+    pair = Pair(budget)
+    pair.step(0)
+    for p, q in zip(pair.model.parameters(), pair.ref.parameters()):
+        c = copy.deepcopy(p)
+        assert type(c) is torch.nn.Parameter and c.requires_grad
+        _close(c.detach(), q.detach())
+    pair.step(1)
+    pair.assert_same()
+    pair.check_budget()
