@@ -46,18 +46,20 @@ naming the parameter, the operation and the way that works:
     by hand) would read nothing. The config's `gradient_clipping` clips by
     the global norm; engine.get_global_grad_norm() gives it after the step;
   * setting `requires_grad` on a parameter frozen at tidal.initialize (it
-    has no fp32 master nor Adam states in the chunks).
+    has no fp32 master nor Adam states in the chunks);
+  * nn.Parameter(p) (guards.py: plain PyTorch's would share p's memory).
 
 Not covered: a tensor taken from a parameter and held (`d = p.data`, `v =
-p.detach()`) aliases the 16-bit slot of that moment; once the parameter goes
-back to its chunks it is not the parameter's any more (read it again, or
-clone). Writes into the tensors of `model.state_dict()` are not seen (they are
-copies; docs/parameters.md).
+p.detach()`) past the next forward or step aliases the 16-bit slot of that
+moment; once the parameter goes back to its chunks there it is not the
+parameter's any more (read it again, or clone). Between steps a held one keeps
+its parameter on the device (Note [Parameters fail closed]).
 """
 from __future__ import annotations
 
 import contextlib
 import functools
+import sys
 import threading
 import weakref
 
@@ -122,6 +124,17 @@ def engine_entry(method):
 
 def _in_engine_call() -> bool:
     return getattr(_STATE, "depth", 0) > 0
+
+
+# The DeepSpeed compatibility layer (tidal.deepspeed's GatheredParameters
+# copies) still works on the raw placeholders without entering engine_call():
+# until it does, a call made directly from its modules is the engine's. The
+# only stack-frame test left, and only where a placeholder is met.
+_COMPAT_MODULES = ("tidal._deepspeed_compat.", "tidal.deepspeed")
+
+
+def _compat_caller() -> bool:
+    return sys._getframe(2).f_globals.get("__name__", "").startswith(_COMPAT_MODULES)
 
 # id(param) -> (engine weakref, record index) for every parameter a live engine trains.
 _OWNED: dict = {}
@@ -282,7 +295,7 @@ class _UserParameter:
             # (Inside a forward the parameters are attached: the placeholder
             # test is the cheapest way out.)
             found = _placeholders(args, kwargs)
-            if found is not None:
+            if found is not None and not _compat_caller():
                 engine, held = found
                 answer = _SHAPE.get(func)
                 if answer is not None and len(held) == 1 and args and args[0] is held[0][0]:
