@@ -71,6 +71,16 @@ class BackwardEnd {
   void ended() { queued_ = false; }
 
  private:
+  // Held by the queued end: if autograd drops it unrun (the backward raised),
+  // lifts the limits (Note [A failed backward lifts its limits] in
+  // backward_end.cpp).
+  struct LiftLimits {
+    BackwardEnd* owner;
+    std::weak_ptr<DeviceRoom> room;
+    bool armed = true;
+    ~LiftLimits();
+  };
+
   MemoryTracer* tracer_;
   bool queued_ = false;
   bool engine_backward_ = false;

@@ -116,7 +116,10 @@ def test_engine_apply_is_model_apply():
 HELD = {
     "held parameter mul_": lambda m: dict(m.named_parameters())["layers.1.weight"].mul_(0.5),
     "held parameter init": lambda m: torch.nn.init.ones_(list(m.parameters())[3]),
-    "held parameter .data.mul_": lambda m: [p.data.mul_(0.5) for p in m.parameters()],
+    # (a statement per parameter: a list of every `.data` would hold them all
+    # at once, which the small budget refuses by name: Note [Parameters fail
+    # closed] in tidal/engine/user_param.py)
+    "held parameter .data.mul_": lambda m: [None for p in m.parameters() if p.data.mul_(0.5) is None],
     "EMA over named_parameters": lambda m: [p.mul_(0.9).add_(torch.ones_like(p), alpha=0.1)
                                             for _, p in m.named_parameters()],
     "held parameter copy_ of another": lambda m: list(m.parameters())[0].copy_(list(m.parameters())[2]),

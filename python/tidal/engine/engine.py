@@ -283,6 +283,7 @@ class Engine(DeepSpeedEngineAPI):
         _external.uninstall(self.module)
         _user_param.uninstall(self)
         _guards.unguard_conversions(self.module)
+        _guards.unregister(self)  # (torch's clip and optimizers are the user's again)
         self._wiring.count(False)  # (nothing of the engine's stays running for plain PyTorch code)
         if self.recompute_plan is not None:
             self.recompute_plan.remove()
@@ -723,6 +724,16 @@ class Engine(DeepSpeedEngineAPI):
         self._outside.settle()
         with _dtr.outside():
             return _checkpoint.save_pretrained(self, save_dir, max_shard_size, dtype)
+
+
+# The engine's entry points: inside them its parameters are its own (Note
+# [Parameters fail closed] in user_param.py).
+for _name in ("backward", "step", "zero_grad", "remove_hooks", "state_dict", "load_state_dict",
+              "save_checkpoint", "load_checkpoint", "load_pretrained", "save_pretrained",
+              "parameters_fp32", "memory_report", "apply_lr_schedule"):
+    setattr(Engine, _name, _user_param.engine_entry(getattr(Engine, _name)))
+del _name
+
 
 def initialize(model: torch.nn.Module, config=None, model_parameters=None) -> Engine:
     """Puts `model`'s parameters into chunks and returns the Engine that trains it.

@@ -60,8 +60,12 @@ class ParameterReads(dict):
     def __getitem__(self, name):
         p = dict.__getitem__(self, name)
         # A placeholder is empty; an attached parameter never is (tidal keeps
-        # no empty parameters in chunks).
-        if p is not None and p.numel() == 0:
+        # no empty parameters in chunks). (Its raw size: to the user a
+        # parameter's numel() is its record's.)
+        if p is not None:
+            with torch._C.DisableTorchFunctionSubclass():
+                empty = p.numel() == 0
+        if p is not None and empty:
             i = self._index.get(name)
             if i is not None:
                 outside = self._outside()

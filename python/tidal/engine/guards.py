@@ -17,8 +17,9 @@ UsageError naming the parameter and the config key to use:
   * torch.nn.utils.clip_grad_norm_ and clip_grad_value_ are wrapped where
     torch.nn.utils and torch.nn.utils.clip_grad hold them (a script that
     imported the function itself before tidal was imported keeps torch's).
-Installed when the first engine is made; each check costs nothing once no
-engine is alive.
+Installed when an engine is made, and taken out again when the last live
+engine is given back (remove_hooks, which unregisters it) or collected:
+nothing of tidal's stays in torch for plain PyTorch code after it.
 """
 from __future__ import annotations
 
@@ -33,17 +34,34 @@ from .errors import UsageError
 __all__ = ["engine_of", "guard_conversions", "install", "register", "unguard_conversions"]
 
 _LIVE: "weakref.WeakSet" = weakref.WeakSet()
-_installed = False
+_installed = None  # while installed: (the optimizer hook's handle, [(module, name, torch's function)])
 _verdicts: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
 def register(engine) -> None:
     install()
     _LIVE.add(engine)
+    weakref.finalize(engine, _uninstall_if_idle).atexit = False
 
 
 def unregister(engine) -> None:
+    """The engine no longer trains its model (remove_hooks): its parameters
+    are plain PyTorch's again; the last one out takes the guards out of torch."""
     _LIVE.discard(engine)
+    _uninstall_if_idle()
+
+
+def _uninstall_if_idle() -> None:
+    global _installed
+    if _installed is None or any(True for _ in _LIVE):
+        return
+    handle, wrapped = _installed
+    _installed = None
+    handle.remove()
+    for module, name, original in wrapped:
+        if getattr(getattr(module, name, None), "__wrapped_by_tidal__", False):
+            setattr(module, name, original)
+    _verdicts.clear()
 
 
 def _record_of(p):
@@ -68,18 +86,26 @@ def engine_of(p, collect: bool = True):
 
 def install() -> None:
     global _installed
-    if _installed:
+    if _installed is not None:
         return
-    _installed = True
     from torch.optim.optimizer import register_optimizer_step_pre_hook
-    register_optimizer_step_pre_hook(_optimizer_step)
+    handle = register_optimizer_step_pre_hook(_optimizer_step)
     import torch.nn.utils.clip_grad as clip_grad
+    wrapped = []
     for name in ("clip_grad_norm_", "clip_grad_value_"):
         original = getattr(clip_grad, name)
         guarded = _clip_guard(original, name)
         setattr(clip_grad, name, guarded)
+        wrapped.append((clip_grad, name, original))
         if getattr(torch.nn.utils, name, None) is original:
             setattr(torch.nn.utils, name, guarded)
+            wrapped.append((torch.nn.utils, name, original))
+    # nn.Parameter(p) of a parameter an engine trains (Note [Parameters fail
+    # closed] in user_param.py).
+    original_new = torch.nn.Parameter.__dict__["__new__"]
+    torch.nn.Parameter.__new__ = staticmethod(_parameter_guard(original_new.__func__))
+    wrapped.append((torch.nn.Parameter, "__new__", original_new))
+    _installed = (handle, wrapped)
 
 
 def _managed(params):
@@ -114,6 +140,25 @@ def _optimizer_step(optimizer, args, kwargs):
         f"engine.step() updates them with the optimizer of the config's \"optimizer\" block "
         f"(as DeepSpeed's engine.step() uses the config's optimizer); give a torch optimizer "
         f"only parameters outside the model passed to tidal.initialize")
+
+
+def _parameter_guard(original):
+    @functools.wraps(original)
+    def guarded(cls, data=None, requires_grad=True):
+        if _LIVE and isinstance(data, torch.nn.Parameter):
+            hit = _record_of(data)
+            if hit is not None:
+                raise UsageError(
+                    f"torch.nn.Parameter(p) of '{hit[1].name}', a parameter tidal trains (as "
+                    f"torch.nn.utils.parametrize.register_parametrization does): plain PyTorch's "
+                    f"new Parameter shares p's memory, which under tidal is an empty placeholder "
+                    f"or a slot of a chunk that moves, and the model would then hold a parameter "
+                    f"tidal does not train. Register parametrizations (and make such parameters) "
+                    f"before tidal.initialize; for a copy of the values, use p.detach().clone()")
+        return original(cls, data, requires_grad)
+
+    guarded.__wrapped_by_tidal__ = True
+    return guarded
 
 
 def _clip_guard(original, name):

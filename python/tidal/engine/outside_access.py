@@ -61,6 +61,15 @@ def raw_backward_refusal(precision: str, scaler, dp) -> str:
     return ""
 
 
+def _held_elsewhere(param) -> bool:
+    """Whether a tensor other than `param` holds its data's memory (a view, a
+    `.data` taken, a storage torch.save keeps until it writes)."""
+    with torch._C.DisableTorchFunctionSubclass():
+        storage = param.untyped_storage()
+        # (the parameter's own reference, and `storage` here)
+        return torch._C._storage_Use_Count(storage._cdata) > 2
+
+
 class OutsideAccess:
     """Reads of and writes to the parameters outside the engine's own path,
     and a backward the script ran itself.
@@ -166,7 +175,27 @@ class OutsideAccess:
             # (Only under model.apply(fn), which reads module by module: elsewhere
             # a parameter the script holds would turn empty behind its back.)
             if running or not (room or _inside_module_apply()) or not self._room_for_outside_read(i, keep):
-                self._attach_failed(e, module, [record], lambda: hooks.read_param(i, learn))
+                held = [] if running else [
+                    j for j in self.outside_reads if hooks.attached(j)
+                    and _held_elsewhere(self._params.record_list[j].param)]
+                try:
+                    self._attach_failed(e, module, [record], lambda: hooks.read_param(i, learn))
+                except OutOfMemoryError as failed:
+                    if not held:
+                        raise
+                    names = [self._params.record_list[j].name for j in held]
+                    raise OutOfMemoryError(
+                        f"tidal: parameter '{record.name}' was read outside a forward while "
+                        f"{len(held)} parameters read before it ('{names[0]}'"
+                        f"{' .. ' + repr(names[-1]) if len(names) > 1 else ''}) are still held by "
+                        f"tensors made from them (views, `.data`, a storage being saved: "
+                        f"parameters_to_vector(model.parameters()), torch.save of the parameter "
+                        f"list), so they cannot go back to their chunks to make room, and the "
+                        f"device budget does not hold them all at once. Ways that work: host "
+                        f"copies of every weight with engine.state_dict() (fp32) or "
+                        f"engine.parameters_fp32(); saving with engine.save_checkpoint(); or "
+                        f"reading fewer parameters at once (one at a time, each used and dropped "
+                        f"before the next). {failed}") from None
         if not running:
             self.outside_reads.append(i)
         elif not learn:
@@ -203,10 +232,17 @@ class OutsideAccess:
         larger than the device reads one module at a time), until parameter
         `i` fits. False when none is left to go."""
         hooks = self._hooks
+        # A tensor set as the data of one of them (`p.data = p.data * 0.5`
+        # over model.parameters()) goes into its chunks first: a detach would
+        # put the placeholder over it.
+        self.settle(end_reads=False)
         k = 0
         while k < len(self.outside_reads):
             j = self.outside_reads[k]
-            if j in keep:
+            if j in keep or _held_elsewhere(self._params.record_list[j].param):
+                # (A view of it, its `.data` or its storage is held: sent back
+                # to its chunks, that would alias memory another parameter
+                # reuses. Note [Parameters fail closed] in user_param.py.)
                 k += 1
                 continue
             del self.outside_reads[k]

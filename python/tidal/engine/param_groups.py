@@ -55,8 +55,26 @@ class EngineOptimizer(torch.optim.Optimizer):
 
     def __init__(self, engine, groups: list):
         # (build_groups gives at least one group; its dicts become param_groups.)
+        self._built = False
         super().__init__(groups, {k: groups[0][k] for k in _HYPER})
         self._engine = weakref.ref(engine)
+        self._built = True
+
+    def add_param_group(self, param_group: dict) -> None:
+        """Refused once the engine is built: tidal lays out the parameters it
+        trains (and their Adam states) in chunks at tidal.initialize, so a
+        parameter added later would never move (issue 53)."""
+        if not getattr(self, "_built", True):
+            return super().add_param_group(param_group)
+        params = param_group.get("params", []) if isinstance(param_group, dict) else []
+        params = [params] if isinstance(params, torch.Tensor) else list(params)
+        shapes = ", ".join(str(tuple(p.shape)) for p in params[:3] if isinstance(p, torch.Tensor))
+        raise UsageError(
+            f"engine.optimizer.add_param_group() with {len(params)} parameter(s) ({shapes}): tidal "
+            f"lays out the parameters it trains, with their fp32 masters and Adam states, in its "
+            f"chunks at tidal.initialize, so a group added later would never be stepped. Give "
+            f"every parameter to tidal.initialize (as part of the model, or in model_parameters' "
+            f"groups), or train the new parameters with a torch optimizer of their own")
 
     _tidal_engine_optimizer = True  # (the torch-optimizer guard lets it step)
 

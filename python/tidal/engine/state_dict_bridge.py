@@ -51,7 +51,17 @@ class StateDictEntry(torch.Tensor):
         return torch.Tensor._make_subclass(torch.Tensor, self).__reduce_ex__(protocol)
 
     def __deepcopy__(self, memo):
-        return torch.Tensor._make_subclass(torch.Tensor, self).__deepcopy__(memo)
+        # Keyed by this entry: a plain alias made here dies at once, and the
+        # next entry's alias may get its id, and with it this entry's copy
+        # from the memo (deepcopy(model.state_dict()) handed out one entry's
+        # values under another's key).
+        if id(self) in memo:
+            return memo[id(self)]
+        with torch.no_grad():
+            out = torch.Tensor._make_subclass(torch.Tensor, self).clone(memory_format=torch.preserve_format)
+        out.requires_grad_(self.requires_grad)
+        memo[id(self)] = out
+        return out
 
 
 # Note [Writes into a state dict]
@@ -151,6 +161,10 @@ class StateDictBridge:
                      names=names):
                 bridge = ref()
                 if bridge is not None:
+                    # load_state_dict(sd, assign=True) would set new Parameters
+                    # made from the emptied entries in place of the engine's:
+                    # the values go into the chunks, the parameters stay.
+                    local_metadata["assign_to_params_buffers"] = False
                     bridge.load(state, prefix, names, errors)
 
             def loaded(module, incompatible):

@@ -26,28 +26,115 @@ backward, called from code that is not tidal's own, on a placeholder:
     gives the value and a write is kept. Parameters read this way make room
     for each other, oldest first, when the device is full (not those the same
     call needs): a held parameter that went back reads again on its next use.
-Inside a forward or a backward, in tidal's own code (a frame of the `tidal`
-package calls the function) and while the engine reads or writes a state dict
-(torch's Module.state_dict / load_state_dict work on the placeholders, and the
-engine's hooks fill in the values), the parameter is an ordinary one. The
-class goes when the engine gives the model back (remove_hooks).
+Inside a forward or a backward, inside one of the engine's own calls (its
+step, checkpoints, state dicts: `engine_call`, a thread-local count set at the
+engine's entry points, never a look at the caller's stack frame) and while the
+engine reads or writes a state dict (torch's Module.state_dict /
+load_state_dict work on the placeholders, and the engine's hooks fill in the
+values), the parameter is an ordinary one. The class goes when the engine
+gives the model back (remove_hooks).
+
+Fail closed (Note [Parameters fail closed]): what needs no values and that a
+placeholder answers right (dtype, device, flags, hooks, hashing) is the only
+thing that runs on the placeholder; the size of its data (`nbytes`) is the
+record's; its storage, its data pointer, `==`, pickling and deep copies bring
+the parameter in first. What tidal cannot make exact is a `tidal.UsageError`
+naming the parameter, the operation and the way that works:
+  * `p.grad` between a backward and the step (the gradient waits in the
+    chunks, its `.grad` is None): every reader of gradients by hand
+    (clip_grad_norm_ however it was imported, get_total_norm, a norm logged
+    by hand) would read nothing. The config's `gradient_clipping` clips by
+    the global norm; engine.get_global_grad_norm() gives it after the step;
+  * setting `requires_grad` on a parameter frozen at tidal.initialize (it
+    has no fp32 master nor Adam states in the chunks);
+  * nn.Parameter(p) (guards.py: plain PyTorch's would share p's memory).
 
 Not covered: a tensor taken from a parameter and held (`d = p.data`, `v =
-p.detach()`) aliases the 16-bit slot of that moment; once the parameter goes
-back to its chunks it is not the parameter's any more (read it again, or
-clone). Writes into the tensors of `model.state_dict()` are not seen (they are
-copies; docs/parameters.md).
+p.detach()`) past the next forward or step aliases the 16-bit slot of that
+moment; once the parameter goes back to its chunks there it is not the
+parameter's any more (read it again, or clone). Between steps a held one keeps
+its parameter on the device (Note [Parameters fail closed]).
 """
 from __future__ import annotations
 
+import contextlib
+import functools
 import sys
+import threading
 import weakref
 
 import torch
 
+from .errors import UsageError
 from .external import _HARMLESS, _tensors
 
-__all__ = ["install", "uninstall"]
+__all__ = ["engine_call", "engine_entry", "install", "uninstall"]
+
+# Note [Parameters fail closed]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# How tidal tells "the user's use of a parameter" from its own, and why this
+# interception (issue 53; docs/parameters.md has the table, one test a row):
+#  * torch's UninitializedParameter fails closed: its __torch_function__ lets
+#    a short list of functions through and raises for everything else. A
+#    parameter tidal trains does the same, with "bring it in" in place of
+#    "raise" where that is exact, and a tidal error where it is not. The
+#    list of what runs on the placeholder is short (metadata a placeholder
+#    has right); size, storage and values are never answered by it.
+#  * Whose call it is, is an engine state: the hooks' own (a forward
+#    running, autograd's graph task, a state dict being read or written)
+#    and a thread-local count set by the engine's entry points (engine_call,
+#    engine_entry). A stack-frame test sees only the direct caller: a torch
+#    helper called by tidal, or tidal code called by a torch helper, was
+#    judged wrong either way.
+#  * DeepSpeed ZeRO-3 refuses nothing: a partitioned parameter reads as an
+#    empty tensor outside GatheredParameters, and gradients are read with
+#    safe_get_full_grad. FSDP2 keeps a tensor subclass and unshards
+#    explicitly. Both ask the script to change; tidal keeps the script and
+#    refuses by name what it cannot make exact.
+#  * A tensor taken from a parameter brought in (a view, `.data`, a storage
+#    torch.save holds until it writes) keeps the parameter's memory in use:
+#    a read that needs room never sends such a parameter back to its chunks
+#    (OutsideAccess._room_for_outside_read); it is an OutOfMemoryError
+#    saying so, not a view of memory another parameter reuses.
+_STATE = threading.local()
+
+
+@contextlib.contextmanager
+def engine_call():
+    """On this thread, the engine's own work: its parameters are ordinary
+    ones (Note [Parameters fail closed])."""
+    _STATE.depth = getattr(_STATE, "depth", 0) + 1
+    try:
+        yield
+    finally:
+        _STATE.depth -= 1
+
+
+def engine_entry(method):
+    """An engine method that is an entry point: runs under engine_call()."""
+    @functools.wraps(method)
+    def entry(*args, **kwargs):
+        _STATE.depth = getattr(_STATE, "depth", 0) + 1
+        try:
+            return method(*args, **kwargs)
+        finally:
+            _STATE.depth -= 1
+    return entry
+
+
+def _in_engine_call() -> bool:
+    return getattr(_STATE, "depth", 0) > 0
+
+
+# The DeepSpeed compatibility layer (tidal.deepspeed's GatheredParameters
+# copies) still works on the raw placeholders without entering engine_call():
+# until it does, a call made directly from its modules is the engine's. The
+# only stack-frame test left, and only where a placeholder is met.
+_COMPAT_MODULES = ("tidal._deepspeed_compat.", "tidal.deepspeed")
+
+
+def _compat_caller() -> bool:
+    return sys._getframe(2).f_globals.get("__name__", "").startswith(_COMPAT_MODULES)
 
 # id(param) -> (engine weakref, record index) for every parameter a live engine trains.
 _OWNED: dict = {}
@@ -72,6 +159,7 @@ def _shape_answers():
         t.ndim.__get__: lambda p, shape, *a, **k: len(shape),
         t.__len__: lambda p, shape, *a, **k: _len(shape),
         t.is_contiguous: lambda p, shape, *a, **k: True,
+        t.nbytes.__get__: lambda p, shape, *a, **k: shape.numel() * p.element_size(),
     }
 
 
@@ -84,15 +172,87 @@ def _len(shape):
 def _passing():
     """Functions that need no values: run on the placeholder as they are."""
     t = torch.Tensor
-    extra = [t.data.__set__, t.register_hook, t.register_post_accumulate_grad_hook, t.__reduce_ex__,
-             t.__setstate__, t.__deepcopy__, t.storage_offset, t.untyped_storage, t.data_ptr,
-             t.is_shared, t.element_size, t.itemsize.__get__, t.nbytes.__get__]
-    return frozenset(_HARMLESS) | frozenset(f for f in extra if f is not None)
+    # (Not `==`, the storage, the data pointer, pickling nor deep copies: a
+    # placeholder answers them wrong. Note [Parameters fail closed].)
+    extra = [t.data.__set__, t.register_hook, t.register_post_accumulate_grad_hook,
+             t.__setstate__, t.element_size, t.itemsize.__get__]
+    return (frozenset(_HARMLESS) - {t.__eq__, t.grad.__get__, t.requires_grad.__set__,
+                                    t.requires_grad_}) | frozenset(f for f in extra if f is not None)
 
 
 _SHAPE = _shape_answers()
 _PASS = _passing()
-_TIDAL_PREFIX = __name__.split(".")[0] + "."
+
+
+def _owner(p):
+    """(engine, record index) of the live engine training parameter `p`, or None."""
+    hit = _OWNED.get(id(p))
+    if hit is None:
+        return None
+    engine = hit[0]()
+    if engine is None or engine._params.record_list[hit[1]].param is not p:
+        return None
+    return engine, hit[1]
+
+
+def _grad(args, kwargs):
+    """`p.grad` by the user: between a backward and the step the gradient
+    waits in the chunks (Note [Parameters fail closed])."""
+    hit = _owner(args[0])
+    if hit is None:
+        return None
+    engine, i = hit
+    hooks = engine._wiring.hooks
+    waiting = hooks.landed(i) or (engine.config.gradient_accumulation_steps > 1
+                                  and i in hooks.summed_params())
+    if not waiting or not engine._outside.serves_user_reads():
+        return None
+    name = engine._params.record_list[i].name
+    raise UsageError(
+        f"tidal: '{name}'.grad read between engine.backward() and engine.step(): tidal keeps the "
+        f"gradient in its chunks until the step, where .grad is None, so a gradient read by hand "
+        f"(torch.nn.utils.clip_grad_norm_ however it was imported, get_total_norm, "
+        f"clip_grads_with_norm_, a norm logged from p.grad) would read nothing. Ways that work: "
+        f"set \"gradient_clipping\": <max norm> in the config (engine.step() clips by the global "
+        f"norm of all gradients, as clip_grad_norm_ does); engine.get_global_grad_norm() returns "
+        f"that norm after the step (docs/parameters.md)")
+
+
+def _unfreeze(args, kwargs, func):
+    """`p.requires_grad = True` / `p.requires_grad_()` on a parameter frozen
+    at tidal.initialize (Note [Parameters fail closed])."""
+    hit = _owner(args[0])
+    if hit is None:
+        return None
+    if func == torch.Tensor.requires_grad_:
+        on = args[1] if len(args) > 1 else kwargs.get("requires_grad", True)
+    else:
+        on = args[1]
+    engine, i = hit
+    record = engine._params.record_list[i]
+    if not on or record.trainable:
+        return None
+    raise UsageError(
+        f"tidal: requires_grad set on '{record.name}', which was frozen at tidal.initialize: "
+        f"tidal keeps no fp32 master nor Adam states for it in its chunks, so it would never train "
+        f"(its gradients would pile up unused); it stays frozen. Ways that work: unfreeze it "
+        f"before tidal.initialize; to change what trains during a run, start a new engine: "
+        f"new_model.load_state_dict(engine.state_dict()), unfreeze, tidal.initialize(new_model, "
+        f"config)")
+
+
+def _deepcopy(p, memo):
+    """copy.deepcopy of a parameter an engine trains: a parameter of its own
+    class (not the engine's subclass) holding a copy of its values (`p.data`
+    brings them in)."""
+    if id(p) in memo:
+        return memo[id(p)]
+    base = type(p).__bases__[0]
+    if _owner(p) is None or _in_engine_call():
+        return base.__deepcopy__(p, memo)
+    out = base(p.data.clone(memory_format=torch.preserve_format), p.requires_grad)
+    memo[id(p)] = out
+    return out
 
 
 def _placeholders(args, kwargs):
@@ -126,19 +286,30 @@ class _UserParameter:
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         with torch._C.DisableTorchFunctionSubclass():
-            # (The placeholder test first: inside a forward the parameters are
-            # attached, and it is the cheapest way out.)
-            if func not in _PASS:
-                found = _placeholders(args, kwargs)
-                if found is not None and not sys._getframe(1).f_globals.get("__name__", "").startswith(
-                        _TIDAL_PREFIX):
-                    engine, held = found
-                    answer = _SHAPE.get(func)
-                    if answer is not None and len(held) == 1 and args and args[0] is held[0][0]:
-                        record = engine._params.record_list[held[0][1]]
-                        return answer(args[0], torch.Size(record.shape), *args[1:], **kwargs)
-                    engine._outside.read_for_user([i for _, i in held])
+            if func in _PASS or getattr(_STATE, "depth", 0):
+                return func(*args, **kwargs)
+            check = _CHECKED.get(func)
+            if check is not None:
+                check(args, kwargs, func)
+                return func(*args, **kwargs)
+            # (Inside a forward the parameters are attached: the placeholder
+            # test is the cheapest way out.)
+            found = _placeholders(args, kwargs)
+            if found is not None and not _compat_caller():
+                engine, held = found
+                answer = _SHAPE.get(func)
+                if answer is not None and len(held) == 1 and args and args[0] is held[0][0]:
+                    record = engine._params.record_list[held[0][1]]
+                    return answer(args[0], torch.Size(record.shape), *args[1:], **kwargs)
+                engine._outside.read_for_user([i for _, i in held])
             return func(*args, **kwargs)
+
+
+# (A property's __get__ / __set__ is a new method-wrapper at each access: equal
+# and hashed alike, never identical.)
+_CHECKED = {torch.Tensor.grad.__get__: lambda args, kwargs, func: _grad(args, kwargs),
+            torch.Tensor.requires_grad.__set__: _unfreeze,
+            torch.Tensor.requires_grad_: _unfreeze}
 
 
 def _class_for(cls):
@@ -146,6 +317,7 @@ def _class_for(cls):
     if sub is None:
         sub = type(f"Tidal{cls.__name__}", (cls,), {
             "__torch_function__": _UserParameter.__dict__["__torch_function__"],
+            "__deepcopy__": _deepcopy,
             "__module__": __name__,
             "__doc__": f"A {cls.__name__} that a tidal engine trains (Note [A parameter object "
                        f"stays the user's] in tidal/engine/user_param.py).",
