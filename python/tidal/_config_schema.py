@@ -99,7 +99,7 @@ _TIDAL_SCHEMA: dict[str, Any] = {
         "prefetch": (bool, True, "prefetch chunks ahead of use along the trace"),
         "prefetch_depth": (int, 4, "prefetched chunks that may wait for their use"),
         "eviction_policy": (("opt", "lru"), "opt", "OPT over the trace, or LRU"),
-        "hybrid_adam": (bool, True, "update chunks resident on the device there"),
+        "hybrid_adam": (bool, True, "update on the device the chunks whose states fit the chunk room left at the activation peak (they stay there); the others on the host"),
         "room_on_miss": (bool, True, "an allocation the device's allocator cannot serve within the "
                                      "budget (torch's caching allocator on a GPU, its model or the exact "
                                      "count on the simulated device) first moves chunks not in use off "

@@ -59,7 +59,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import sys
 import threading
 import weakref
 
@@ -126,15 +125,6 @@ def _in_engine_call() -> bool:
     return getattr(_STATE, "depth", 0) > 0
 
 
-# The DeepSpeed compatibility layer (tidal.deepspeed's GatheredParameters
-# copies) still works on the raw placeholders without entering engine_call():
-# until it does, a call made directly from its modules is the engine's. The
-# only stack-frame test left, and only where a placeholder is met.
-_COMPAT_MODULES = ("tidal._deepspeed_compat.", "tidal.deepspeed")
-
-
-def _compat_caller() -> bool:
-    return sys._getframe(2).f_globals.get("__name__", "").startswith(_COMPAT_MODULES)
 
 # id(param) -> (engine weakref, record index) for every parameter a live engine trains.
 _OWNED: dict = {}
@@ -295,7 +285,7 @@ class _UserParameter:
             # (Inside a forward the parameters are attached: the placeholder
             # test is the cheapest way out.)
             found = _placeholders(args, kwargs)
-            if found is not None and not _compat_caller():
+            if found is not None:
                 engine, held = found
                 answer = _SHAPE.get(func)
                 if answer is not None and len(held) == 1 and args and args[0] is held[0][0]:

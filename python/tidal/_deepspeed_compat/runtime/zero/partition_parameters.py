@@ -13,6 +13,7 @@ from ....config import Config
 from ....engine.errors import UsageError
 from ....engine.external import register_external_parameter
 from ....engine.store import _TORCH_DTYPES, PARAM16, ParamStore
+from ....engine.user_param import engine_call
 
 __all__ = ["GatheredParameters", "Init", "ZeroParamStatus", "ZeroParamType",
            "mark_zero_params", "register_external_parameter", "zero_stage"]
@@ -220,7 +221,8 @@ def _written_back(store, params, modifier_rank):
             f"be lost; write after engine.step() (or engine.zero_grad())")
     done = []
     try:
-        with torch.no_grad():
+        # (The copies are the engine's work; the block's body is the user's.)
+        with torch.no_grad(), engine_call():
             for p, r in zip(params, records):
                 old = p.data
                 if old.numel() == 0:
@@ -231,12 +233,13 @@ def _written_back(store, params, modifier_rank):
                 done.append((p, r, old))
         yield
     finally:
-        writes = []
-        for p, r, old in reversed(done):
-            value = p.data
-            p.data = old
-            writes.append((r, value, old if old.numel() != 0 else None))
-        store.write_values(reversed(writes))
+        with engine_call():
+            writes = []
+            for p, r, old in reversed(done):
+                value = p.data
+                p.data = old
+                writes.append((r, value, old if old.numel() != 0 else None))
+            store.write_values(reversed(writes))
         # (Assigning the copies and back bumped the version counts: the
         # engine's record of user writes takes them as they are now.)
         store.forget_writes([r for _, r, _ in done])
@@ -262,17 +265,19 @@ def _copies(store, params):
     done = []
     store.settle_engine()  # (between backward and step: before the chunks are read)
     try:
-        for p in params:
-            old = p.data
-            if p.numel() == 0:
-                p.data = store.gather(store.by_param[id(p)]).to(p.dtype)
-            else:
-                p.data = old.clone()
-            done.append((p, old))
+        with engine_call():  # (the copies are the engine's work; the block's body is the user's)
+            for p in params:
+                old = p.data
+                if p.numel() == 0:
+                    p.data = store.gather(store.by_param[id(p)]).to(p.dtype)
+                else:
+                    p.data = old.clone()
+                done.append((p, old))
         yield
     finally:
-        for p, old in reversed(done):
-            p.data = old
+        with engine_call():
+            for p, old in reversed(done):
+                p.data = old
         # (A write to a copy bumped its parameter's version count: dropped, as
         # DeepSpeed drops it, not a write the engine must keep or name.)
         store.forget_writes([store.by_param[id(p)] for p, _ in done])
