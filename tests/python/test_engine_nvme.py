@@ -5,6 +5,7 @@ the same losses and weights with and without it (exact in fp32 and bf16), a
 model whose states need three times the host budget trains with the loss
 falling, and the faults the issue names are clear errors that lose nothing."""
 import copy
+import errno
 import functools
 import gc
 import os
@@ -331,3 +332,109 @@ def test_frozen_parameters_with_the_tier(tmp_path):
             assert engine.chunks.stats()["moves_host_to_disk"] > 0
             within_budget(engine)
     assert runs[0] == runs[1]
+
+
+# ---- a disk that fails (Note [Chunks on NVMe: after a failure]) -------------
+PHASES = ("forward", "backward", "step")
+
+
+def fault_config(tmp_path):
+    # The 16-bit parameters go to disk too and the host holds an eighth of the
+    # states: forward, backward and the step each read chunks and write others.
+    return config(tmp_path, host=state_bytes(make_model()) // 8, param=True, hybrid_adam=False)
+
+
+def io_counts(engine):
+    s = engine.chunks.stats()
+    return {"read": s["moves_disk_to_host"], "write": s["moves_host_to_disk"]}
+
+
+def phased_step(engine, batch, log: list):
+    """One training step; appends (phase, the tier's reads and writes so far)
+    as each phase ends, and for the phase that raises, before it re-raises."""
+    x, y = batch
+    phase = "forward"
+    try:
+        loss = engine(x, y)
+        log.append((phase, io_counts(engine)))
+        phase = "backward"
+        engine.backward(loss)
+        log.append((phase, io_counts(engine)))
+        phase = "step"
+        engine.step()
+        log.append((phase, io_counts(engine)))
+    except BaseException:
+        log.append((phase, io_counts(engine)))
+        raise
+
+
+def steady_io_by_phase(folder) -> dict:
+    """direction -> phase -> the reads (writes) a steady step makes in it."""
+    engine = initialize(make_model(), fault_config(folder))
+    batches = gpt_batches(3, vocab=96, seq=16, batch=4)
+    train_tidal(engine, batches[:2])
+    last, log = io_counts(engine), []
+    phased_step(engine, batches[2], log)
+    out = {d: {} for d in last}
+    for phase, counts in log:
+        for d in out:
+            out[d][phase] = counts[d] - last[d]
+        last = counts
+    engine.remove_hooks()
+    return out
+
+
+@pytest.mark.parametrize("direction", ["read", "write"])
+def test_a_failed_read_or_write_anywhere_in_a_step_is_refused_with_the_first_error(tmp_path, direction):
+    # Injected EIO (DirectFile::fail_nth, as a broken disk answers) at the
+    # first and the last read or write of each part of a steady step: the
+    # error is the disk's, never an internal one; the scheduler's state stays
+    # whole; every later forward, backward and step is refused with it; the
+    # file still goes with the engine.
+    reference = tmp_path / "reference"
+    reference.mkdir()
+    counts = steady_io_by_phase(reference)[direction]
+    assert all(counts[p] > 0 for p in PHASES), counts
+    points, before = [], 0
+    for phase in PHASES:
+        points += sorted({before + 1, before + counts[phase]})
+        before += counts[phase]
+    batches = gpt_batches(4, vocab=96, seq=16, batch=4)
+    injected = set()
+    for n in points:
+        folder = tmp_path / f"run{n}"
+        folder.mkdir()
+        engine = initialize(make_model(), fault_config(folder))
+        train_tidal(engine, batches[:2])
+        engine.chunks._fail_disk_io(direction, n)
+        start, log, first = io_counts(engine)[direction], [], None
+        for batch in batches[2:]:
+            try:
+                phased_step(engine, batch, log)
+            except RuntimeError as e:
+                first = e
+                break
+        assert first is not None, f"{direction} {n}: the injected failure never surfaced"
+        assert not isinstance(first, tidal._C.InternalError), first
+        # Where the failed request was issued (its error may surface later).
+        injected.add(next(phase for phase, c in log if c[direction] - start >= n))
+        failure = engine.chunks.disk["failure"]
+        assert failure is not None and str(folder) in failure, failure
+        assert os.strerror(errno.EIO) in failure, failure
+        assert ("writing " if direction == "write" else "reading ") in failure, failure
+        assert failure in str(first), (str(first), failure)
+        engine.chunks.validate()
+        x, y = batches[0]
+        for refused in (lambda: engine(x, y),
+                        lambda: engine.backward(torch.zeros((), requires_grad=True)),
+                        engine.step):
+            with pytest.raises(RuntimeError, match="the NVMe tier failed earlier") as info:
+                refused()
+            assert failure in str(info.value) and not isinstance(info.value, tidal._C.InternalError)
+            engine.chunks.validate()
+        assert engine.memory_report()["nvme"]["failure"] == failure
+        engine.remove_hooks()
+        del engine, first, info, refused
+        gc.collect()
+        assert slots_files(folder) == [], "the file outlived the failed engine"
+    assert injected == set(PHASES), (direction, points, injected)
