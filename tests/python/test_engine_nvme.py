@@ -438,3 +438,43 @@ def test_a_failed_read_or_write_anywhere_in_a_step_is_refused_with_the_first_err
         gc.collect()
         assert slots_files(folder) == [], "the file outlived the failed engine"
     assert injected == set(PHASES), (direction, points, injected)
+
+
+@pytest.mark.parametrize("share", [3, 6])
+def test_the_estimates_steady_disk_traffic_is_the_engines_in_bf16(tmp_path, share):
+    # Measured against the engine: a bf16 GPT whose states need `share` times
+    # the host budget, with hybrid Adam keeping the states it updates on the
+    # device (which the estimate once counted as read and written too).
+    def build():
+        return TinyGPT(vocab=4096, d=256, layers=4, heads=4, seq=64)
+
+    torch.manual_seed(0)
+    model = build()
+    n = sum(p.numel() for p in model.parameters())
+    cfg = {"gradient_clipping": 1.0, "bf16": {"enabled": True}, "train_micro_batch_size_per_gpu": 4,
+           "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.01}},
+           "tidal": {"chunk_size": "512KiB", "device_memory_budget": "48MiB",
+                     "host_memory_budget": n * 14 // share},
+           "zero_optimization": {"offload_optimizer": {"device": "nvme", "nvme_path": str(tmp_path)}}}
+    with torch.device("meta"):
+        meta = build()  # (built on meta, so the tied head stays one tensor)
+    est = tidal.estimate(meta, cfg, device_memory="1GiB", host_memory="64GiB", measure=False,
+                         micro_batch=4, seq=64)
+    engine = initialize(model, cfg)
+    g = torch.Generator().manual_seed(1)
+    x, y = (torch.randint(0, 4096, (4, 64), generator=g) for _ in range(2))
+    per_step = []
+    for _ in range(4):
+        before = engine.chunks.stats()
+        engine.backward(engine(x, y))
+        engine.step()
+        after = engine.chunks.stats()
+        per_step.append((after["bytes_disk_to_host"] - before["bytes_disk_to_host"],
+                         after["bytes_host_to_disk"] - before["bytes_host_to_disk"]))
+    read, written = per_step[-1]  # a steady step (the first fill the file)
+    assert read > 0 and written > 0, per_step
+    t = est["traffic"]
+    assert t["bytes_disk_read"] == t["bytes_disk_write"]
+    assert abs(t["bytes_disk_read"] - read) <= 0.05 * read, (t["bytes_disk_read"], per_step)
+    assert abs(t["bytes_disk_write"] - written) <= 0.05 * written, (t["bytes_disk_write"], per_step)
+    within_budget(engine)
