@@ -9,6 +9,7 @@ import errno
 import functools
 import gc
 import os
+import re
 import sys
 import warnings
 from pathlib import Path
@@ -171,6 +172,15 @@ def test_a_disk_too_small_fails_at_initialize_and_loses_nothing(tmp_path):
     message = str(info.value)
     assert "NVMe" in message and str(tmp_path) in message, message
     assert "64.00 KiB" in message and "free" in message, message
+    # The bytes the whole run needs, counted from the model (fp32: 16 per parameter) ...
+    n = sum(p.numel() for p in model.parameters())
+    assert f"the model's {n} parameters need about {16 * n} bytes of chunks in all" in message, message
+    # ... and the room, the disk's budget in it: host + device + 64 KiB, 12 of the 16 bytes there.
+    host, device = (int(x) for x in re.search(r"chunks may hold (\d+) bytes on the host .*? plus "
+                                              r"(\d+) bytes on the device", message).groups())
+    assert "plus 65536 bytes on the NVMe tier" in message and "12 of the 16 bytes" in message, message
+    assert f"room for at most about {(host + device + 65536) // 16} parameters" in message, message
+    assert "Raise tidal.nvme_budget" in message, message
     for k, v in model.state_dict().items():
         assert torch.equal(v, before[k]), k
     gc.collect()
