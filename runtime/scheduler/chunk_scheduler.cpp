@@ -64,7 +64,10 @@ ChunkScheduler::ChunkScheduler(ChunkStore store, std::shared_ptr<Device> device,
 // After a device error the device's memory is in an unknown state anyway; the
 // aim is only that the process keeps the original error and does not abort.
 ChunkScheduler::~ChunkScheduler() {
-  bool reported = false;
+  // After a disk failure (Note [Chunks on NVMe: after a failure] in
+  // disk_tier.h), which was raised already, teardown meets its echoes (blocks
+  // whose I/O failed): they are not reported again.
+  bool reported = disk_ && disk_->failed();
   auto guarded = [&reported](auto&& step) {
     try {
       step();
@@ -86,6 +89,11 @@ ChunkScheduler::~ChunkScheduler() {
   }
   guarded([&] { h2d_stream_->synchronize(); });
   guarded([&] { d2h_stream_->synchronize(); });
+  if (disk_ && disk_->failed()) {
+    // The pool's host blocks with failed I/O go here, quietly, not in its
+    // destructor (trim_one takes each block out before it waits).
+    for (bool more = true; more;) guarded([&] { more = pool_.trim_one(MemorySpace::kHost); });
+  }
 }
 
 TensorId ChunkScheduler::register_tensor(std::string name, std::size_t numel, std::uint8_t pool,

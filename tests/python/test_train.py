@@ -225,7 +225,7 @@ def test_bad_arguments_exit_with_clear_errors(tmp_path, capsys):
 
 
 def test_nvme_puts_the_states_on_a_disk_and_the_report_gives_each_steps_traffic(tmp_path, keep_device,
-                                                                                capsys):
+                                                                                capsys, monkeypatch):
     # --nvme DIR: the same run with the optimizer states on disk trains to the
     # same losses as with them in host memory (the reference), and the report
     # gives the disk's bytes per step beside the totals.
@@ -258,6 +258,25 @@ def test_nvme_puts_the_states_on_a_disk_and_the_report_gives_each_steps_traffic(
     steps = [ln for ln in out.splitlines() if ln.startswith("step ")]
     assert steps and all(" disk r " in ln for ln in steps), steps
     assert "NVMe: " in out and "; per step (steps 3 on) " in out, out
+    # A disk that fails mid-run (EIO injected into the 3rd read from the start)
+    # ends the run with the disk's error in one line, status 1.
+    initialize = tidal.initialize
+
+    def failing(*args, **kwargs):
+        engine = initialize(*args, **kwargs)
+        engine.chunks._fail_disk_io("read", 3)
+        return engine
+
+    monkeypatch.setattr(tidal, "initialize", failing)
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    with pytest.raises(SystemExit) as e:
+        train.run(common + ["--nvme", str(broken)])
+    assert e.value.code == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("tidal-train: error: step "), err
+    assert os.strerror(5) in err[0] and str(broken) in err[0] and "the run has no checkpoint" in err[0], err
+    monkeypatch.undo()
     # Bad folders are one line each, before anything trains.
     assert f"--nvme {tmp_path / 'nope'}: no such folder; expected an existing folder" in \
         run_error(capsys, "--quick", "--nvme", str(tmp_path / "nope"))
