@@ -91,11 +91,25 @@ SPECIAL = {
     ("optimizer", "params", "maximize"): "true: an error (tidal's Adam minimizes the loss)",
     ("optimizer", "params", "decoupled_weight_decay"): "torch.optim.Adam's own decoupled-decay "
                                                        "switch: honoured with torch_adam and type Adam",
-    ("zero_optimization", "offload_optimizer", "device"): "`nvme`: an error (no NVMe offload); `cpu` "
+    ("zero_optimization", "offload_optimizer", "device"): "`nvme`: honoured, the fp32 master and "
+                                                          "Adam's moments may go to a file in "
+                                                          "nvme_path when the host budget is full "
+                                                          "(docs/nvme.md); `cpu` "
                                                           "picks the optimizer class DeepSpeed would "
                                                           "build (DeepSpeedCPUAdam), whose defaults "
                                                           "tidal follows",
-    ("zero_optimization", "offload_param", "device"): "`nvme`: an error (no NVMe offload)",
+    ("zero_optimization", "offload_param", "device"): "`nvme`: honoured, the 16-bit parameters may go "
+                                                      "to the NVMe tier too (the same nvme_path as "
+                                                      "offload_optimizer's; docs/nvme.md)",
+    ("zero_optimization", "offload_optimizer", "nvme_path"): "honoured with device `nvme`: the "
+                                                             "existing folder on a disk for the NVMe "
+                                                             "tier's file",
+    ("zero_optimization", "offload_param", "nvme_path"): "honoured with device `nvme`: the same "
+                                                         "folder as offload_optimizer's",
+    ("zero_optimization", "offload_optimizer", "pipeline_read"): "with device `nvme`: always on "
+                                                                 "(no warning)",
+    ("zero_optimization", "offload_optimizer", "pipeline_write"): "with device `nvme`: always on "
+                                                                  "(no warning)",
     ("zero_optimization", "cpu_offload"): "true is read as offload_optimizer.device `cpu`",
     ("zero_optimization", "offload_optimizer", "pin_memory"): "honoured: false leaves host chunks "
                                                               "unpinned",

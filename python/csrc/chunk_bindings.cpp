@@ -5,6 +5,7 @@
 #include <ATen/ATen.h>
 #include <torch/csrc/utils/pybind.h>
 
+#include <cerrno>
 #include <cstdint>
 #include <memory>
 #include <optional>
@@ -652,10 +653,26 @@ Python thread drives a Chunks object.)doc");
             out["file_bytes"] = d->held_bytes();
             out["bytes_read"] = d->bytes_read();
             out["bytes_written"] = d->bytes_written();
+            out["failure"] = d->failed() ? py::object(py::str(d->failure())) : py::object(py::none());
             return out;
           },
           "The disk tier: its file, whether it does direct I/O, stale files removed at its "
-          "start, its budget and size, bytes read and written; None without one.")
+          "start, its budget and size, bytes read and written, its first failed read or write "
+          "(None while none failed); None without a tier.")
+      .def("check_disk", [](Chunks& c) { c.scheduler().check_disk(); },
+           "RuntimeError with the NVMe tier's first failure once a read or write failed (Note "
+           "[Chunks on NVMe: after a failure] in runtime/scheduler/disk_tier.h); nothing otherwise.")
+      .def("_fail_disk_io",
+           [](Chunks& c, const std::string& direction, std::uint64_t nth, int err) {
+             DiskTier* d = c.scheduler().disk();
+             TIDAL_CHECK(d != nullptr, "_fail_disk_io: this scheduler has no NVMe tier");
+             TIDAL_CHECK(direction == "read" || direction == "write", "_fail_disk_io: direction '",
+                         direction, "': expected 'read' or 'write'");
+             d->fail_nth(direction == "write", nth, err);
+           },
+           py::arg("direction"), py::arg("nth"), py::arg("errno") = EIO,
+           "For tests: the nth read or write of the NVMe tier from now (1: the next) fails with "
+           "errno (EIO by default), as a broken disk would (DirectFile::fail_nth).")
       .def("move_counts",
            [](Chunks& c) {
              const ChunkSchedulerStats s = c.scheduler().stats();

@@ -478,9 +478,16 @@ def estimate(model, config=None, *, precision=None, optimizer_state_dtype=None,
                     min(trainable, on_disk / disk_per_param if disk_per_param else 0))
     cpu_adam_s = host_adam / value["cpu_adam_params_per_s"]
     device_adam_s = (trainable - host_adam) / value["device_adam_params_per_s"]
-    # Every chunk on disk is read once and written once a step (Adam updates
-    # it); reads run ahead and writes behind, beside CPU Adam.
-    disk_s = on_disk / value["disk_read_bytes_per_s"] + on_disk / value["disk_write_bytes_per_s"]
+    # Every chunk on disk between steps is read once and written once a step
+    # (Adam updates it); reads run ahead and writes behind, beside CPU Adam.
+    # What stays off disk at rest is the host budget and the device's chunk
+    # room beside the activations, in whole chunks: with hybrid Adam the states
+    # it updates on the device stay there, without it only 16-bit chunks do.
+    room = max(0, limit - activations) // cfg.chunk_size * cfg.chunk_size
+    kept = host_budget // cfg.chunk_size * cfg.chunk_size + \
+        (room if cfg.hybrid_adam else min(room, layout["param16_bytes"]))
+    disk_bytes = max(0, min(on_disk, state - kept))
+    disk_s = disk_bytes / value["disk_read_bytes_per_s"] + disk_bytes / value["disk_write_bytes_per_s"]
     step_s = compute_s + hooks_s + link_s + cpu_adam_s + device_adam_s + disk_s
     overlapped = max(compute_s + hooks_s, link_s) + max(cpu_adam_s, disk_s) + device_adam_s
     parts = {"compute": compute_s + hooks_s, "link": link_s, "cpu_adam": cpu_adam_s,
@@ -518,7 +525,7 @@ def estimate(model, config=None, *, precision=None, optimizer_state_dtype=None,
                  "eligible_states": eligible if nvme else 0, "states_on_disk": on_disk},
         "traffic": {**traffic, "bytes_host_to_device": traffic["bytes_each_way"],
                     "bytes_device_to_host": traffic["bytes_each_way"],
-                    "bytes_disk_read": on_disk, "bytes_disk_write": on_disk},
+                    "bytes_disk_read": disk_bytes, "bytes_disk_write": disk_bytes},
         "rates": r,
         "time": {"flops": flops, "tokens": tokens, "compute_s": compute_s, "hooks_s": hooks_s,
                  "link_s": link_s, "cpu_adam_s": cpu_adam_s, "device_adam_s": device_adam_s,
@@ -574,8 +581,9 @@ def format_estimate(e: dict) -> str:
          if e["nvme"]["budget"] else "") +
         f"; on the device at once: {_b(d['needs_at_once'])} of {_b(d['chunk_limit'])})",
         *([f"NVMe: {', '.join(e['nvme']['lists'])} lists ({e['nvme']['bytes_per_param']} B per "
-           f"parameter) may go to disk: {_b(e['nvme']['states_on_disk'])} there, read and written "
-           f"once a step"] if e["nvme"]["budget"] else []),
+           f"parameter) may go to disk: {_b(e['nvme']['states_on_disk'])} there; a steady step "
+           f"reads and writes {_b(tr['bytes_disk_read'])}, what the host budget and the device's "
+           f"chunk room do not keep"] if e["nvme"]["budget"] else []),
         f"per step: {_b(tr['bytes_each_way'])} each way ({tr['regime']})",
         f"step time: {_s(t['step_s'])} = compute {_s(t['compute_s'])} + hooks "
         f"{_s(t['hooks_s'])} + link {_s(t['link_s'])} + CPU Adam {_s(t['cpu_adam_s'])} + device "

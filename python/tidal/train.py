@@ -36,6 +36,7 @@ failure]).
     tidal-train --quick --plot memory.png --json report.json
     tidal-train --quick --data corpus.jsonl --tokenizer tok/ --eval-every 10 \
         --save-every 20 --save-dir ckpt       # later: --resume ckpt --steps 80
+    tidal-train --preset gpt-1.3b --nvme /local_nvme   # Adam's states on a disk (docs/nvme.md)
 
 Progress shows loss, tokens/s, model TFLOPS (6 x parameters x tokens / time,
 attention not counted), peak device memory against the budget and the host
@@ -365,6 +366,12 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--lr", type=float, default=None, help="learning rate (overrides optimizer.params.lr)")
     ap.add_argument("--budget", default=None, help="device memory budget, e.g. 20GB "
                                                    "(overrides tidal.device_memory_budget)")
+    ap.add_argument("--nvme", default=None, metavar="DIR",
+                    help="chunks of the optimizer states (fp32 master, Adam moments) go to a file "
+                         "in DIR, an existing folder on a disk, when the host budget is full "
+                         "(zero_optimization.offload_optimizer.device 'nvme'; docs/nvme.md)")
+    ap.add_argument("--nvme-param", action="store_true",
+                    help="with --nvme: the 16-bit parameters may go there too (offload_param 'nvme')")
     ap.add_argument("--seed", type=int, default=0, help="seed of the model init and the data")
     ap.add_argument("--json", default=None, metavar="FILE", help="write the final report here")
     ap.add_argument("--plot", default=None, metavar="PNG",
@@ -415,6 +422,11 @@ def run(argv=None) -> dict:
     _writable_parent(ap, "--plot", args.plot)
     if args.profile is not None and Path(args.profile).exists() and not Path(args.profile).is_dir():
         ap.error(f"--profile {args.profile}: a file, expected a folder (or a new name)")
+    if args.nvme_param and args.nvme is None:
+        ap.error("--nvme-param needs --nvme DIR, the folder of the NVMe tier's file")
+    if args.nvme is not None and not Path(args.nvme).is_dir():
+        ap.error(f"--nvme {args.nvme}: {'a file' if Path(args.nvme).exists() else 'no such folder'}; "
+                 f"expected an existing folder on the disk to put the chunks in (mkdir it first)")
 
     info = tidal.get_device().info()
     gpu = info["backend"] == "cuda"
@@ -495,6 +507,8 @@ def run(argv=None) -> dict:
             config.setdefault("optimizer", {}).setdefault("params", {})["lr"] = args.lr
         if args.budget is not None:
             config.setdefault("tidal", {})["device_memory_budget"] = args.budget
+        if args.nvme is not None:
+            _nvme_into(config, args.nvme, args.nvme_param)
         cfg = tidal.Config.load(config)
     except ValueError as e:  # ConfigError
         ap.error(_config_error(e, args, config_path))
@@ -552,8 +566,15 @@ def run(argv=None) -> dict:
     except tidal.ConfigError as e:  # a budget the device cannot give, ...
         ap.error(_config_error(e, args, config_path))
     except tidal.OutOfMemoryError as e:  # the model's states do not fit
-        ap.error(f"{shape.source} does not fit: {e} (--budget sets the device budget; "
+        ap.error(f"{shape.source} does not fit: {e} (--budget sets the device budget"
+                 f"{'' if cfg.nvme_path else ', --nvme DIR puts the optimizer states on a disk'}; "
                  f"tidal-estimate tells what fits before anything is built)")
+    except ValueError as e:
+        # The NVMe tier's folder refused (tmpfs: host memory); other
+        # ValueErrors are tidal's own and keep their traceback.
+        if cfg.nvme_path is None or str(cfg.nvme_path) not in str(e):
+            raise
+        ap.error(f"{'--nvme' if args.nvme else 'nvme_path'} {cfg.nvme_path}: {e}")
     t_initialized = time.perf_counter()
 
     def forward(x, y):
@@ -590,7 +611,7 @@ def run(argv=None) -> dict:
         except ImportError:
             say("[tidal-train] tqdm is not installed: plain progress lines", flush=True)
     write = bar.write if bar is not None else (lambda line: say(line, flush=True))
-    losses, times, applied, evals, saved = [], [], 0, [], []
+    losses, times, applied, evals, saved, disk_steps = [], [], 0, [], [], []
     start = time.perf_counter()
     for step in range(first, steps):
         t = time.perf_counter()
@@ -607,6 +628,18 @@ def run(argv=None) -> dict:
             if bar is not None:
                 bar.close()
             _fail(_out_of_budget(e, step, saved[-1] if saved else resumed_from))
+        except RuntimeError as e:
+            # A read or write of the NVMe tier failed (Note [Chunks on NVMe:
+            # after a failure]): the disk's error, in one line; tidal's own
+            # errors keep their traceback.
+            disk = engine.chunks.disk
+            if disk is None or disk["failure"] is None:
+                raise
+            if bar is not None:
+                bar.close()
+            last = saved[-1] if saved else resumed_from
+            _fail(f"step {step + 1}: {' '.join(str(e).split())}; tidal-train stops here, "
+                  f"{f'{last} is intact and --resume {last} continues from it' if last is not None else 'the run has no checkpoint'}")
         times.append(time.perf_counter() - t)
         if engine.dp is not None:  # the global batch's mean loss
             total = engine.dp.all_reduce_sum([total], "average the loss")[0] / world
@@ -617,6 +650,10 @@ def run(argv=None) -> dict:
         fields = (f"loss {losses[-1]:.3f}  {tok_s:,.0f} tok/s  {tflops:.3g} TFLOPS  "
                   f"dev {_fmt_bytes(rep['peak_device_bytes'])}/{_fmt_bytes(rep['device_budget'])}  "
                   f"host {_fmt_bytes(rep['peak_chunk_host_bytes'])}")
+        if rep["nvme"] is not None:  # this step's disk traffic (an accumulation window's steps in all)
+            n = rep["nvme"]
+            disk_steps.append([n["bytes_read_last_step"], n["bytes_written_last_step"]])
+            fields += f"  disk r {_fmt_bytes(disk_steps[-1][0])} w {_fmt_bytes(disk_steps[-1][1])}"
         if bar is not None:
             bar.set_postfix_str(fields, refresh=False)
             bar.update(1)
@@ -662,6 +699,16 @@ def run(argv=None) -> dict:
         "memory": {k: v for k, v in report.items() if k not in ("scheduler", "host")},
         "host_bytes": report["host"],
     }
+    if disk_steps:
+        # Each step's [bytes read, bytes written] of the NVMe tier; the first
+        # steps fill the file, the steady ones (3 on) read and write what is
+        # on disk about once.
+        steady_disk = disk_steps[2:] or disk_steps
+        summary["memory"]["nvme"]["bytes_per_step"] = disk_steps
+        summary["memory"]["nvme"]["steady_bytes_read_per_step"] = \
+            sum(b[0] for b in steady_disk) / len(steady_disk)
+        summary["memory"]["nvme"]["steady_bytes_written_per_step"] = \
+            sum(b[1] for b in steady_disk) / len(steady_disk)
     m = summary["memory"]
     ran = f"steps {first + 1}-{steps}" if first else f"{steps} steps"
     say(f"[tidal-train] report: {ran} in {wall:.1f} s; loss {losses[0]:.4f} -> "
@@ -685,7 +732,10 @@ def run(argv=None) -> dict:
         n = m["nvme"]
         say(f"  NVMe: {_fmt_bytes(n['bytes_on_disk'])} of chunks on disk now (peak "
             f"{_fmt_bytes(n['peak_bytes_on_disk'])}) in {n['path']} ({n['backend']}); "
-            f"{_fmt_bytes(n['bytes_read'])} read, {_fmt_bytes(n['bytes_written'])} written in all")
+            f"{_fmt_bytes(n['bytes_read'])} read, {_fmt_bytes(n['bytes_written'])} written in all"
+            + (f"; per step ({'steps 3 on' if len(disk_steps) > 2 else 'all steps'}) "
+               f"{_fmt_bytes(n['steady_bytes_read_per_step'])} read, "
+               f"{_fmt_bytes(n['steady_bytes_written_per_step'])} written" if disk_steps else ""))
     say(f"  Adam: {m['cpu_adam_seconds']:.2f} s in CPU Adam, chunks updated on the device "
           f"{m['adam_chunks_on_device']} / on the host {m['adam_chunks_on_host']}; skipped steps "
           f"{m['skipped_steps']}, loss scale {m['loss_scale']:g}", flush=True)
@@ -715,6 +765,23 @@ def _write_outputs(args, engine, summary, title, rank, say) -> None:
     if args.json and rank == 0:
         with open(args.json, "w", encoding="utf-8") as f:
             json.dump(summary, f, indent=2)
+
+
+def _nvme_into(config: dict, folder: str, param: bool) -> None:
+    """--nvme DIR (--nvme-param): the config's zero_optimization offloads the
+    optimizer states (and the 16-bit parameters) to 'nvme' in DIR, keeping the
+    blocks' other keys; a config already offloading to another folder then
+    fails in Config.load, which names both."""
+    zero = config.setdefault("zero_optimization", {})
+    if not isinstance(zero, dict):
+        return  # (Config.load names the bad value)
+    blocks = ("offload_optimizer", "offload_param") if param else ("offload_optimizer",)
+    for block in blocks:
+        b = zero.get(block)
+        zero[block] = {**(b if isinstance(b, dict) else {}), "device": "nvme", "nvme_path": folder}
+    b = zero.get("offload_param")
+    if not param and isinstance(b, dict) and b.get("device") == "nvme":
+        b["nvme_path"] = folder  # (one file: both blocks name the same folder)
 
 
 def _config_error(e: ValueError, args, config_path) -> str:

@@ -166,8 +166,9 @@ DirectFile::DirectFile(const DirectFileOptions& options)
       (fs.f_type == kTmpfsMagic || fs.f_type == kRamfsMagic)) {
     TIDAL_CHECK(options.allow_buffered, "DirectFile: the folder '", options.dir, "' is on ",
                 fs.f_type == kTmpfsMagic ? "tmpfs" : "ramfs",
-                ", whose files are host memory: chunks there would not leave RAM, and it has no direct "
-                "I/O (O_DIRECT) to a disk; name a folder on a disk, or allow it (tidal.nvme_allow_buffered)");
+                ", whose files are host memory: chunks there would not leave RAM, so the tier would "
+                "free none (the kernel may accept O_DIRECT on it, but no disk is behind it); name a "
+                "folder on a disk, or allow it (tidal.nvme_allow_buffered)");
     memory_backed_ = true;
   }
   removed_stale_ = remove_stale(options.dir);
@@ -312,6 +313,10 @@ void DirectFile::reaper() {
 
 void DirectFile::finish_locked(const Request& r, std::size_t done, std::string error) {
   Pending& p = pending_[r.ticket];
+  if (!error.empty() && first_failure_.empty()) {
+    first_failure_ = error;
+    failed_.store(true, std::memory_order_release);
+  }
   if (!error.empty() && p.error.empty()) p.error = std::move(error);
   (r.write ? bytes_written_ : bytes_read_) += done;
   --p.left;
@@ -391,10 +396,20 @@ DirectFile::Ticket DirectFile::submit(bool write, std::size_t slot, char* buffer
   const Ticket ticket = next_ticket_++;
   Pending& p = pending_[ticket];
   const std::size_t base = slot * slot_bytes_;
+  int fail = 0;
+  if (++submitted_[write] == fail_at_[write]) {
+    fail = fail_errno_[write];
+    fail_at_[write] = 0;
+  }
   for (std::size_t off = 0; off < bytes; off += request_bytes_) {
     const std::size_t n = std::min(request_bytes_, bytes - off);
-    queue_.push_back(Request{ticket, write, base + off, buffer + off, n, slot});
     ++p.left;
+    const Request r{ticket, write, base + off, buffer + off, n, slot, off == 0 ? fail : 0};
+    if (r.fail_errno != 0) {
+      finish_locked(r, 0, describe_failure(r, r.fail_errno, 0));  // as the drive would answer
+    } else {
+      queue_.push_back(r);
+    }
   }
   if (ring_) {
     pump_locked();
@@ -472,6 +487,18 @@ void DirectFile::wait_all() {
     }
   }
   TIDAL_CHECK_RUNTIME(first.empty(), first);
+}
+
+std::string DirectFile::failure() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return first_failure_;
+}
+
+void DirectFile::fail_nth(bool write, std::uint64_t nth, int err) {
+  TIDAL_CHECK(nth == 0 || err > 0, "DirectFile::fail_nth: expected an errno > 0, got ", err);
+  std::lock_guard<std::mutex> lock(mutex_);
+  fail_at_[write] = nth == 0 ? 0 : submitted_[write] + nth;
+  fail_errno_[write] = err;
 }
 
 std::uint64_t DirectFile::bytes_read() const {

@@ -35,12 +35,22 @@
 // is refused unless `allow_buffered` is set, and then direct() is false (the
 // caller warns: the page cache then holds a second copy of every slot).
 //
+// The first failure of any request is kept (failure()), whoever waits for its
+// ticket or not: a write is waited for only when its block is next used, so
+// the chunk scheduler asks failed() to learn of a failure at once (Note
+// [Chunks on NVMe: after a failure] in disk_tier.h).
+//
+// Tests break the disk on purpose with fail_nth(): the nth read or write
+// submitted from then on fails its first request with the errno given, with
+// the message a real failure has; nothing reaches the file for it.
+//
 // Buffers given to read/write must be aligned to kDirectAlignment and
 // their byte count a multiple of it (O_DIRECT's rule); AlignedBuffer makes
 // such buffers. The caller keeps a buffer alive and untouched until its
 // ticket is waited for.
 #pragma once
 
+#include <atomic>
 #include <condition_variable>
 #include <cstddef>
 #include <cstdint>
@@ -116,6 +126,14 @@ class DirectFile {
   void grow(std::size_t slots);
   // Waits for every ticket not yet waited for (their failures are thrown too).
   void wait_all();
+  // Whether a request has failed since creation; never blocks.
+  bool failed() const { return failed_.load(std::memory_order_acquire); }
+  // The message of the first failed request, or "" when none failed.
+  std::string failure() const;
+  // Fault injection for tests: the `nth` (1 = the next) write (`write`) or
+  // read submitted from now on fails its first request with `err` (EIO, ENOSPC,
+  // ...). One fault per direction is armed at a time; nth 0 disarms it.
+  void fail_nth(bool write, std::uint64_t nth, int err);
 
   const std::string& path() const { return path_; }
   std::size_t slot_bytes() const { return slot_bytes_; }
@@ -142,6 +160,7 @@ class DirectFile {
     char* buffer;
     std::size_t bytes;
     std::size_t slot;
+    int fail_errno;  // fail_nth: fail with this errno instead of reaching the file
   };
   struct Pending {
     std::size_t left = 0;
@@ -180,6 +199,11 @@ class DirectFile {
   bool stopping_ = false;
   std::uint64_t bytes_read_ = 0;
   std::uint64_t bytes_written_ = 0;
+  std::string first_failure_;
+  std::atomic<bool> failed_{false};
+  std::uint64_t submitted_[2] = {0, 0};   // tickets by direction (0 read, 1 write)
+  std::uint64_t fail_at_[2] = {0, 0};     // fail_nth: the ticket number to fail, 0 none
+  int fail_errno_[2] = {0, 0};
   std::vector<std::thread> threads_;
   std::unique_ptr<Ring> ring_;
 };

@@ -65,7 +65,10 @@ ChunkScheduler::ChunkScheduler(ChunkStore store, std::shared_ptr<Device> device,
 // After a device error the device's memory is in an unknown state anyway; the
 // aim is only that the process keeps the original error and does not abort.
 ChunkScheduler::~ChunkScheduler() {
-  bool reported = false;
+  // After a disk failure (Note [Chunks on NVMe: after a failure] in
+  // disk_tier.h), which was raised already, teardown meets its echoes (blocks
+  // whose I/O failed): they are not reported again.
+  bool reported = disk_ && disk_->failed();
   auto guarded = [&reported](auto&& step) {
     try {
       step();
@@ -87,6 +90,11 @@ ChunkScheduler::~ChunkScheduler() {
   }
   guarded([&] { h2d_stream_->synchronize(); });
   guarded([&] { d2h_stream_->synchronize(); });
+  if (disk_ && disk_->failed()) {
+    // The pool's host blocks with failed I/O go here, quietly, not in its
+    // destructor (trim_one takes each block out before it waits).
+    for (bool more = true; more;) guarded([&] { more = pool_.trim_one(MemorySpace::kHost); });
+  }
 }
 
 TensorId ChunkScheduler::register_tensor(std::string name, std::size_t numel, std::uint8_t pool,
@@ -110,6 +118,7 @@ void* ChunkScheduler::access(TensorRef ref, MemorySpace space) {
   TIDAL_CHECK(is_placeable(space), "chunk scheduler: access of tensor ", ref.tensor,
               " to memory space '", to_string(space), "'; expected host or device");
   store_.check_transition(ref, TensorState::kCompute);
+  check_disk();  // Note [Chunks on NVMe: after a failure]
   const ChunkId id = store_.chunk_of(ref);
   const std::int64_t moment = moment_ + 1;
   if (options_.use_trace) follow(moment, TraceEntry{id, space});
@@ -135,7 +144,7 @@ void* ChunkScheduler::access(TensorRef ref, MemorySpace space) {
   store_.set_state(ref, TensorState::kCompute);
   last_use_[id] = ++tick_;
   ++stats_.accesses;
-  if (options_.prefetch && following_) prefetch();
+  if (options_.prefetch && following_) prefetch_unless_disk_failed();
   debug_validate();
   return store_.tensor_data(ref);
 }
@@ -157,7 +166,7 @@ void ChunkScheduler::release(TensorRef ref, TensorState state) {
   }
   ++stats_.releases;
   // The chunk may have been what held a prefetch back.
-  if (prefetch_blocked_ && following_ && chunk.movable()) prefetch();
+  if (prefetch_blocked_ && following_ && chunk.movable()) prefetch_unless_disk_failed();
   debug_validate();
 }
 
@@ -218,7 +227,7 @@ void ChunkScheduler::end_step() {
   trim_host_cache();
   following_ = options_.use_trace && !trace_.empty();
   restore_host_reserve();
-  if (options_.prefetch && following_) prefetch();
+  if (options_.prefetch && following_) prefetch_unless_disk_failed();
   debug_validate();
 }
 
@@ -265,6 +274,9 @@ void ChunkScheduler::restore_host_reserve() {
 // ---- placement ----------------------------------------------------------------
 
 bool ChunkScheduler::place(ChunkId id, MemorySpace space, const RoomRequest& request) {
+  // Note [Chunks on NVMe: after a failure]: a prefetch moves nothing once the
+  // tier failed (a block it would move may hold a failed read).
+  if (request.prefetch && disk_ && disk_->failed()) return false;
   const Chunk& chunk = store_.chunk(id);
   Slot& slot = slots_[id];
   if (chunk.space() == space) {
@@ -521,6 +533,16 @@ bool ChunkScheduler::evict(ChunkId victim, const RoomRequest& request) {
 void ChunkScheduler::move(ChunkId id, MemorySpace to, BlockPtr destination) {
   const bool h2d = to == MemorySpace::kDevice;
   Stream& stream = h2d ? *h2d_stream_ : *d2h_stream_;
+  // A disk read into the source or a write out of the destination that
+  // failed throws here, before anything moved (Note [Chunks on NVMe: after a
+  // failure] in disk_tier.h); the destination goes back to the pool.
+  try {
+    slots_[id].block->finish_io();
+    destination->finish_io();
+  } catch (...) {
+    pool_.give_back(std::move(destination));
+    throw;
+  }
   BlockPtr source = detach(id);
   const std::size_t bytes = source->bytes;
   TIDAL_INTERNAL_ASSERT(destination->bytes == bytes && destination->space == to,

@@ -283,6 +283,12 @@ class ChunkScheduler {
 
   // The disk tier, or null without one.
   const DiskTier* disk() const { return disk_.get(); }
+  // (Mutable for fault injection in tests: DiskTier::fail_nth.)
+  DiskTier* disk() { return disk_.get(); }
+  // Note [Chunks on NVMe: after a failure] in disk_tier.h: throws a
+  // RuntimeError carrying the tier's first failure once a read or write has
+  // failed; no-op otherwise (and without a tier). access() calls it first.
+  void check_disk() const;
   // Gives every chunk of the lists allowed on disk its home in the file now
   // (Note [Chunks on NVMe: the tier]), so a disk too small fails here, before
   // training, and never in the middle of a step; throws OutOfMemoryError
@@ -365,6 +371,11 @@ class ChunkScheduler {
   BlockPtr detach(ChunkId id);
   void clear_prefetched(ChunkId id, bool wasted);
   void prefetch();
+  // prefetch(), except that a failure of the disk tier met on the way stops
+  // it without an exception: the call that prefetches (an access, a release,
+  // end_step) has done its own work, and the next access raises the failure
+  // (Note [Chunks on NVMe: after a failure] in disk_tier.h).
+  void prefetch_unless_disk_failed();
   void clear_all_prefetched();
   [[noreturn]] void throw_no_room(const RoomRequest& request, const char* why) const;
   // The device budget, or the ceiling when lower.

@@ -9,8 +9,30 @@
 
 namespace tidal {
 
+void ChunkScheduler::check_disk() const {
+  if (!disk_ || !disk_->failed()) return;
+  TIDAL_THROW(Error, "the NVMe tier failed earlier, so chunks on disk may have lost their data, and "
+              "tidal refuses to go on with them: ", disk_->failure(),
+              ". Tip: check the disk (dmesg), then restart from the last checkpoint in a new engine");
+}
+
+void ChunkScheduler::prefetch_unless_disk_failed() {
+  try {
+    prefetch();
+  } catch (const Error&) {
+    // Note [Chunks on NVMe: after a failure]: the access or release that ran
+    // the prefetch is done; the next access raises the tier's failure.
+    if (!disk_ || !disk_->failed()) throw;
+  }
+}
+
 bool ChunkScheduler::write_to_disk_for(const RoomRequest& request) {
   if (!disk_ || request.space != MemorySpace::kHost) return false;
+  // Note [Chunks on NVMe: after a failure]: nothing more goes to a failed tier.
+  if (disk_->failed()) {
+    if (request.prefetch) return false;
+    check_disk();
+  }
   candidates_.clear();
   for (ChunkId id : resident_[index_of(MemorySpace::kHost)]) {
     if (id == request.chunk || id == request.evicting_for) continue;
@@ -87,6 +109,7 @@ void ChunkScheduler::read_from_disk(ChunkId id, BlockPtr block) {
   TIDAL_INTERNAL_ASSERT(block->space == MemorySpace::kHost, "disk read into a ", to_string(block->space), " block");
   std::shared_ptr<PendingIo> io;
   try {
+    check_disk();
     block->wait_on_host();  // whatever still reads the block (a copy, a write) ends first
     io = disk_->read(id, block->data, block->bytes);
   } catch (...) {

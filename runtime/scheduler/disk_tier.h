@@ -34,6 +34,25 @@
 // chunks on disk finds the next ones read while it updates this one, and
 // their writes run while it updates the next. A read of a chunk whose write
 // is still in flight waits for the write first.
+//
+// Note [Chunks on NVMe: after a failure]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// A read or write that fails (EIO, a drive gone) loses data tidal cannot get
+// back: a failed read leaves a host block of unknown bytes, a failed write a
+// home of unknown bytes whose host copy is already the pool's, and the step it
+// happened in may have updated other chunks since. So the tier does not
+// retry and does not go on: the file keeps its first failure (DirectFile::
+// failure(), recorded when the request completes, whether or not anyone waits
+// for it), and from then on the scheduler refuses every access with it
+// (ChunkScheduler::check_disk), the engine every forward, backward and step.
+// Recovery is a restart from the last checkpoint. What must hold meanwhile:
+// the scheduler's state stays whole (validate() passes after any failure),
+// so the error the user sees is the disk's, never an InternalError, and the
+// engine can still be torn down, removing its file. The failure surfaces
+// where a block with failed I/O is waited for (Block::finish_io), and every
+// such wait comes before the operation changes anything (move() finishes
+// both blocks' I/O before it detaches the chunk; a read that fails at issue
+// gives its block back). A prefetch does not read or write a failed tier.
 #pragma once
 
 #include <cstddef>
@@ -95,6 +114,13 @@ class DiskTier {
   const std::vector<std::string>& removed_stale() const { return file_->removed_stale(); }
   std::uint64_t bytes_read() const { return file_->bytes_read(); }
   std::uint64_t bytes_written() const { return file_->bytes_written(); }
+  // Note [Chunks on NVMe: after a failure]: whether an I/O request failed, and
+  // the first failure's message (path, offset, bytes, errno's text).
+  bool failed() const { return file_->failed(); }
+  std::string failure() const { return file_->failure(); }
+  // Fault injection for tests (DirectFile::fail_nth): the nth read or write
+  // from now fails with `err`.
+  void fail_nth(bool write, std::uint64_t nth, int err) { file_->fail_nth(write, nth, err); }
 
  private:
   struct Home {

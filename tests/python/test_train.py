@@ -224,6 +224,75 @@ def test_bad_arguments_exit_with_clear_errors(tmp_path, capsys):
         run_error(capsys, "--quick", "--budget", "5 gigs")
 
 
+def test_nvme_puts_the_states_on_a_disk_and_the_report_gives_each_steps_traffic(tmp_path, keep_device,
+                                                                                capsys, monkeypatch):
+    # --nvme DIR: the same run with the optimizer states on disk trains to the
+    # same losses as with them in host memory (the reference), and the report
+    # gives the disk's bytes per step beside the totals.
+    config = json.loads((ROOT / "configs" / "gpt_quick.json").read_text())
+    config["tidal"]["hybrid_adam"] = False  # (every state on the host's side: none stays on the device)
+    (tmp_path / "reference.json").write_text(json.dumps(config))
+    config["tidal"]["host_memory_budget"] = "640KiB"  # under half of nano's 1.6 MB of fp32 states
+    path = tmp_path / "small_host.json"
+    path.write_text(json.dumps(config))
+    nvme = tmp_path / "nvme"
+    nvme.mkdir()
+    common = ["--quick", "--steps", "5", "--no-progress"]
+    reference = train.run(common + ["--config", str(tmp_path / "reference.json")])
+    assert reference["memory"]["nvme"] is None
+    assert " disk r " not in capsys.readouterr().out  # (no tier, no disk figures)
+    common += ["--config", str(path)]
+    s = train.run(common + ["--nvme", str(nvme), "--json", str(tmp_path / "r.json")])
+    out = capsys.readouterr().out
+    assert s["losses"] == reference["losses"]
+    n = s["memory"]["nvme"]
+    assert Path(n["path"]).parent == nvme and n["bytes_written"] > 0 and n["bytes_read"] > 0, n
+    per_step = n["bytes_per_step"]
+    assert len(per_step) == 5 and per_step == json.loads((tmp_path / "r.json").read_text())[
+        "memory"]["nvme"]["bytes_per_step"]
+    # Steady steps read and write what is on disk: both, every step.
+    assert all(r > 0 and w > 0 for r, w in per_step[2:]), per_step
+    assert sum(r for r, _ in per_step) <= n["bytes_read"]  # (a relayout's copies are in the totals only)
+    assert n["steady_bytes_read_per_step"] == sum(r for r, _ in per_step[2:]) / 3
+    assert n["steady_bytes_written_per_step"] == sum(w for _, w in per_step[2:]) / 3
+    steps = [ln for ln in out.splitlines() if ln.startswith("step ")]
+    assert steps and all(" disk r " in ln for ln in steps), steps
+    assert "NVMe: " in out and "; per step (steps 3 on) " in out, out
+    # A disk that fails mid-run (EIO injected into the 3rd read from the start)
+    # ends the run with the disk's error in one line, status 1.
+    initialize = tidal.initialize
+
+    def failing(*args, **kwargs):
+        engine = initialize(*args, **kwargs)
+        engine.chunks._fail_disk_io("read", 3)
+        return engine
+
+    monkeypatch.setattr(tidal, "initialize", failing)
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    with pytest.raises(SystemExit) as e:
+        train.run(common + ["--nvme", str(broken)])
+    assert e.value.code == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("tidal-train: error: step "), err
+    assert os.strerror(5) in err[0] and str(broken) in err[0] and "the run has no checkpoint" in err[0], err
+    monkeypatch.undo()
+    # Bad folders are one line each, before anything trains.
+    assert f"--nvme {tmp_path / 'nope'}: no such folder; expected an existing folder" in \
+        run_error(capsys, "--quick", "--nvme", str(tmp_path / "nope"))
+    assert f"--nvme {path}: a file" in run_error(capsys, "--quick", "--nvme", str(path))
+    assert "--nvme-param needs --nvme DIR" in run_error(capsys, "--quick", "--nvme-param")
+    if os.path.isdir("/dev/shm"):
+        shm = Path(f"/dev/shm/tidal-train-test-{os.getpid()}")
+        shm.mkdir()
+        try:
+            err = run_error(capsys, *common, "--nvme", str(shm))
+            assert f"--nvme {shm}: " in err and "is on tmpfs, whose files are host memory" in err, err
+            assert len(err.strip().splitlines()) == 1, err
+        finally:
+            shm.rmdir()
+
+
 def test_synthetic_data_trains_a_hf_model_with_a_small_vocabulary(tmp_path, keep_device):
     small = tmp_path / "small.json"
     small.write_text(json.dumps({"n_layer": 1, "n_embd": 32, "n_head": 2, "n_positions": 16,

@@ -420,7 +420,15 @@ class Engine(DeepSpeedEngineAPI):
         """Host copies of the fp32 master weights (16-bit values for frozen params), by name."""
         return self._reports.parameters_fp32()
 
+    def _refuse_after_disk_failure(self):
+        """RuntimeError with the NVMe tier's first failed read or write once one
+        failed: the chunks on disk may have lost their data, so every later
+        forward, backward and step is refused (Note [Chunks on NVMe: after a
+        failure] in runtime/scheduler/disk_tier.h); no-op without a tier."""
+        self.chunks.check_disk()
+
     def __call__(self, *args, **kwargs):
+        self._refuse_after_disk_failure()
         self._settle_overlap()
         if self.precision != "fp32":
             def cast(t):
@@ -496,6 +504,7 @@ class Engine(DeepSpeedEngineAPI):
 
     def step(self):
         """The optimizer step, at gradient accumulation boundaries (as DeepSpeed)."""
+        self._refuse_after_disk_failure()
         self._outside.settle_raw_backward()
         return self._step.step()
 
@@ -518,6 +527,7 @@ class Engine(DeepSpeedEngineAPI):
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
             raise ValueError(f"engine.backward expects a scalar loss tensor, got "
                              f"{type(loss).__name__} {getattr(loss, 'shape', '')}")
+        self._refuse_after_disk_failure()
         if self._dp_step is not None:
             self._dp_step.check()
         self._outside.settle_raw_backward()

@@ -17,12 +17,15 @@ class StepMeters:
     adam_device_chunks / adam_host_chunks: chunk updates run on the device /
         on the host (those made during backward counted when validated).
     bytes_per_step: (host -> device, device -> host) chunk bytes of each step.
+    disk_bytes_per_step: (read from, written to) the NVMe tier's file in each
+        step, chunk bytes (Note [Chunks on NVMe: the tier]); zeros without one.
     """
     adam_seconds: float = 0.0
     exposed_adam_seconds: float = 0.0
     adam_device_chunks: int = 0
     adam_host_chunks: int = 0
     bytes_per_step: list = field(default_factory=list)
+    disk_bytes_per_step: list = field(default_factory=list)
     # The scheduler's counters at the end of the last step, and those of
     # schedulers a relayout replaced (their relayout copies included).
     _at_step: "dict | None" = None
@@ -36,6 +39,9 @@ class StepMeters:
         """A step ended with the scheduler's counters at `stats`."""
         self.bytes_per_step.append((stats["bytes_host_to_device"] - self._at_step["bytes_host_to_device"],
                                     stats["bytes_device_to_host"] - self._at_step["bytes_device_to_host"]))
+        self.disk_bytes_per_step.append(
+            (stats["bytes_disk_to_host"] - self._at_step["bytes_disk_to_host"],
+             stats["bytes_host_to_disk"] - self._at_step["bytes_host_to_disk"]))
         self._at_step = stats
 
     def relayout(self, final: dict, stats: dict) -> None:

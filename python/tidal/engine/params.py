@@ -53,6 +53,11 @@ class ParamTable:
         module_records: dict[torch.nn.Module, list] = {}
         names: dict[torch.nn.Module, str] = {}
         added = []  # (record, the parameter's dtype) registered here
+        # The model's elements (trainable, frozen), for the error that gives
+        # the bytes the whole run needs.
+        unique = {id(p): p for p in model.parameters()}.values()
+        model_params = (sum(p.numel() for p in unique if p.requires_grad),
+                        sum(p.numel() for p in unique if not p.requires_grad))
         try:
             for mname, m, owned in _external.owned_parameters(model):
                 names[m] = mname or type(m).__name__
@@ -72,7 +77,7 @@ class ParamTable:
                         if p.numel() == 0:
                             continue  # nothing to keep; stays an ordinary tensor
                         dtype = p.dtype
-                        rec = store.add(p, full, module=m)
+                        rec = store.add(p, full, module=m, model_params=model_params)
                         added.append((rec, dtype))
                     elif rec.provisional:
                         rec.name, rec.provisional = full, False

@@ -206,6 +206,13 @@ class EngineReports:
                 "bytes_on_disk": s["resident_bytes_disk"],
                 "peak_bytes_on_disk": s["peak_resident_bytes_disk"],
                 "bytes_read": s["bytes_disk_to_host"], "bytes_written": s["bytes_host_to_disk"],
-                "chunks_read": s["moves_disk_to_host"], "chunks_written": s["moves_host_to_disk"]},
+                "chunks_read": s["moves_disk_to_host"], "chunks_written": s["moves_host_to_disk"],
+                # The last step's: the first steps fill the file, steady steps
+                # read and write what is on disk once (docs/nvme.md).
+                "bytes_read_last_step": meters.disk_bytes_per_step[-1][0]
+                if meters.disk_bytes_per_step else 0,
+                "bytes_written_last_step": meters.disk_bytes_per_step[-1][1]
+                if meters.disk_bytes_per_step else 0,
+                "failure": disk["failure"]},
             "scheduler": s,
         }

@@ -398,11 +398,13 @@ class ParamStore:
         return torch.empty(0, dtype=self.dtype, device=self.torch_device)
 
     def add(self, param: torch.nn.Parameter, name: str, provisional: bool = False,
-            module=None) -> ParamRecord:
+            module=None, model_params: "tuple[int, int] | None" = None) -> ParamRecord:
         """Registers `param`, copies its values into its chunk slots (host) and
         leaves a placeholder as its data. `module`: the module it belongs to;
         a module's parameters share a chunk where they can (Note [One layout,
-        five lists] in chunk/chunk_layout.h)."""
+        five lists] in chunk/chunk_layout.h). `model_params`: (trainable,
+        frozen) elements of the whole model being registered, for the error
+        when the states do not fit (the bytes the run needs in all)."""
         if not param.is_floating_point():
             raise TypeError(f"parameter '{name}' has dtype {param.dtype}; tidal keeps floating-"
                             f"point parameters (float16/bfloat16/float32) in chunks")
@@ -448,7 +450,7 @@ class ParamStore:
             # The parameter keeps its data; its slots give their room back.
             for kind in kinds:
                 c.set_state(tensor_id, kind, FREE)
-            raise _C.OutOfMemoryError(self._no_room_message(name, record.numel, e)) from e
+            raise _C.OutOfMemoryError(self._no_room_message(name, record.numel, e, model_params)) from e
         finally:
             seconds["chunk_memory"] += t_memory
             seconds["write"] += t_write
@@ -482,27 +484,66 @@ class ParamStore:
         less the margin."""
         return self.host_budget - self.host_reserve, self.device_budget - self.margin
 
-    def largest_model_params(self) -> int:
-        """The most trainable parameters whose states fit host + device: an upper
-        bound, since activations and the parameters in use share the device."""
-        host, device = self.capacity_bytes()
-        return (host + device) // self.state_bytes_per_param()
+    def disk_bytes_per_param(self) -> int:
+        """Of state_bytes_per_param(), the bytes of a trainable parameter that
+        may live on the NVMe tier (Note [Chunks on NVMe: the tier]): the 16-bit
+        copy with offload_param, the fp32 master and moments with
+        offload_optimizer (not the gradient sums of accumulation); 0 without
+        a tier."""
+        kinds = self.disk_kinds() if self.chunks is not None and self.chunks.disk is not None else []
+        states = (4 + (4 if self.config.optimizer_state_dtype == "bf16" else 8)) \
+            if PARAM32 in kinds else 0
+        if states and self.dp is not None:
+            states = -(-states // self.dp.world)  # partitioned by chunk over the ranks
+        return (torch.empty(0, dtype=self.dtype).element_size() if PARAM16 in kinds else 0) + states
 
-    def _no_room_message(self, name: str, numel: int, error: Exception) -> str:
+    def largest_model_params(self) -> int:
+        """The most trainable parameters whose states fit host + device, and
+        the NVMe tier for the bytes that may go there: an upper bound, since
+        activations and the parameters in use share the device."""
+        host, device = self.capacity_bytes()
+        per_param = self.state_bytes_per_param()
+        on_disk = self.disk_bytes_per_param()
+        if not on_disk:
+            return (host + device) // per_param
+        # The tier adds its budget, but the bytes kept off disk still need memory.
+        disk = self.chunks.disk["budget_bytes"]
+        largest = (host + device + disk) // per_param
+        return largest if on_disk >= per_param else min(largest, (host + device) // (per_param - on_disk))
+
+    def _no_room_message(self, name: str, numel: int, error: Exception,
+                         model_params: "tuple[int, int] | None" = None) -> str:
         host, device = self.capacity_bytes()
         params = sum(r.numel for r in self.records)
+        per_param = self.state_bytes_per_param()
+        disk = self.chunks.disk
         where = "host + device memory"
-        if self.config.nvme_path is not None:
-            where += f" and the NVMe tier in {self.config.nvme_path} (tidal.nvme_budget, free disk space)"
+        capacity = (f"chunks may hold {host} bytes on the host (tidal.host_memory_budget"
+                    f"{'' if self.config.host_memory_budget else ' = 0: 85% of the available memory'}) "
+                    f"plus {device} bytes on the device (tidal.device_memory_budget less the margin)")
+        tip = "Raise tidal.host_memory_budget or tidal.device_memory_budget, or train a smaller model"
+        if disk is not None:
+            where += f" and the NVMe tier in {self.config.nvme_path}"
+            capacity += (f" plus {disk['budget_bytes']} bytes on the NVMe tier (tidal.nvme_budget"
+                         f"{'' if self.config.nvme_budget else ' = 0: the free space less 10%'}; "
+                         f"{self.disk_bytes_per_param()} of the {per_param} bytes per trainable "
+                         f"parameter may go there)")
+            tip = ("Raise tidal.nvme_budget (or free disk space), tidal.host_memory_budget or "
+                   "tidal.device_memory_budget, offload the 16-bit parameters too (offload_param "
+                   "'nvme'), or train a smaller model")
+        need = ""
+        if model_params is not None:
+            trainable, frozen = model_params
+            element = torch.empty(0, dtype=self.dtype).element_size()
+            total = trainable * per_param + frozen * element
+            need = (f"; the model's {trainable + frozen} parameters need about {total} bytes of "
+                    f"chunks in all ({trainable} trainable at {per_param} bytes, {frozen} frozen at "
+                    f"{element}; chunk padding aside)")
         return (f"the model's states do not fit in {where}: parameter '{name}' "
                 f"({numel} elements) found no room after {len(self.records)} parameters of "
-                f"{params} elements ({self.state_bytes_per_param()} bytes per trainable "
-                f"parameter in {self.precision}); chunks may hold {host} bytes on the host "
-                f"(tidal.host_memory_budget{'' if self.config.host_memory_budget else ' = 0: 85% of the available memory'}) "
-                f"plus {device} bytes on the device (tidal.device_memory_budget less the "
-                f"margin), room for at most about {self.largest_model_params()} parameters. "
-                f"Raise tidal.host_memory_budget or tidal.device_memory_budget, or train a "
-                f"smaller model. The chunk scheduler said: {error}")
+                f"{params} elements ({per_param} bytes per trainable parameter in "
+                f"{self.precision}){need}; {capacity}, room for at most about "
+                f"{self.largest_model_params()} parameters. {tip}. The chunk scheduler said: {error}")
 
     def give_back(self, added: "list[tuple[ParamRecord, torch.dtype]]") -> None:
         """Undoes add(): each parameter gets its values back as a tensor of its

@@ -9,6 +9,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <cerrno>
 #include <cstdlib>
 #include <cstring>
 #include <random>
@@ -286,6 +287,8 @@ TEST(DirectFile, AFolderOnTmpfsIsRefusedUnlessAllowed) {
     EXPECT_NE(std::string(e.what()).find("is on tmpfs, whose files are host memory"), std::string::npos)
         << e.what();
     EXPECT_NE(std::string(e.what()).find("/dev/shm"), std::string::npos) << e.what();
+    // Refused for being memory, whether or not the kernel takes O_DIRECT there.
+    EXPECT_EQ(std::string(e.what()).find("has no direct"), std::string::npos) << e.what();
   }
   o.allow_buffered = true;
   DirectFile g(o);
@@ -295,6 +298,60 @@ TEST(DirectFile, AFolderOnTmpfsIsRefusedUnlessAllowed) {
   g.wait(g.write(0, b.data(), b.size()));
   g.wait(g.read(0, c.data(), c.size()));
   EXPECT_EQ(std::memcmp(b.data(), c.data(), b.size()), 0);
+}
+
+TEST(DirectFile, AnInjectedFailureIsTheNthTicketsAndIsKeptAsTheFirst) {
+  // fail_nth (for the tests of what a broken disk does to the layers above):
+  // the nth read or write from then on fails with the errno given and the
+  // message a real failure has; the tickets before and after it are served;
+  // failure() keeps the first failure whether or not its ticket is waited for.
+  testing::TempDir dir("tidal_direct_");
+  DirectFileOptions o;
+  o.dir = dir.path();
+  o.slot_bytes = 16 * kKiB;
+  o.slots = 4;
+  o.request_bytes = 4 * kKiB;  // four requests per slot
+  o.threads = 2;
+  o.allow_buffered = true;
+  DirectFile f(o);
+  EXPECT_FALSE(f.failed());
+  EXPECT_EQ(f.failure(), "");
+  std::vector<AlignedBuffer> out;
+  for (std::size_t s = 0; s < 3; ++s) {
+    out.emplace_back(o.slot_bytes);
+    fill(out.back(), static_cast<unsigned>(s + 11));
+  }
+  f.fail_nth(/*write=*/true, 2, EIO);
+  const DirectFile::Ticket w0 = f.write(0, out[0].data(), o.slot_bytes);
+  const DirectFile::Ticket w1 = f.write(1, out[1].data(), o.slot_bytes);  // the 2nd write: fails
+  const DirectFile::Ticket w2 = f.write(2, out[2].data(), o.slot_bytes);
+  EXPECT_TRUE(f.failed());  // known before anyone waits
+  const std::string first = f.failure();
+  EXPECT_NE(first.find("writing 4096 bytes at offset 16384 (slot 1) of '" + f.path() + "' failed: "),
+            std::string::npos) << first;
+  EXPECT_NE(first.find(std::strerror(EIO)), std::string::npos) << first;
+  f.wait(w0);
+  f.wait(w2);
+  try {
+    f.wait(w1);
+    FAIL() << "the injected write failure was not reported";
+  } catch (const Error& e) {
+    EXPECT_EQ(std::string(e.what()).find(first), 0u) << e.what();
+  }
+  // A read: the 1st from now fails with ENOSPC's text; the next one is served.
+  f.fail_nth(/*write=*/false, 1, ENOSPC);
+  AlignedBuffer in(o.slot_bytes);
+  EXPECT_THROW(f.wait(f.read(0, in.data(), o.slot_bytes)), Error);
+  f.wait(f.read(0, in.data(), o.slot_bytes));
+  EXPECT_EQ(std::memcmp(in.data(), out[0].data(), o.slot_bytes), 0);
+  f.wait(f.read(2, in.data(), o.slot_bytes));
+  EXPECT_EQ(std::memcmp(in.data(), out[2].data(), o.slot_bytes), 0);
+  EXPECT_EQ(f.failure(), first);  // the first stays the first
+  // Disarmed: nth 0.
+  f.fail_nth(/*write=*/false, 1, EIO);
+  f.fail_nth(/*write=*/false, 0, 0);
+  f.wait(f.read(0, in.data(), o.slot_bytes));
+  EXPECT_THROW(f.fail_nth(/*write=*/true, 1, 0), ValueError);
 }
 
 }  // namespace

@@ -9,7 +9,13 @@
 #include <gtest/gtest.h>
 #include <sys/stat.h>
 
+#include <cerrno>
+#include <cstring>
+#include <functional>
+#include <map>
+#include <set>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "runtime/core/error.h"
@@ -254,6 +260,208 @@ TEST(DiskTier, AFolderThatIsNotThereIsRefused) {
   } catch (const Error& e) {
     EXPECT_NE(std::string(e.what()).find("/nonexistent/tidal-nvme"), std::string::npos) << e.what();
   }
+}
+
+// ---- a disk that fails -------------------------------------------------------
+// Note [Chunks on NVMe: after a failure]: a read or write that fails at any
+// point of a step (forward, backward, the optimizer's sweep) surfaces as the
+// disk's error, never an InternalError; the scheduler's state stays whole;
+// every later access is refused with the first failure; the file still goes
+// with the scheduler.
+
+// Accesses made so far in a phase, released on the way out however it ends
+// (as the engine's hooks and ParamStore.slots do).
+struct Held {
+  ChunkScheduler& s;
+  std::vector<std::pair<TensorRef, TensorState>> refs;
+  void* access(TensorRef ref, MemorySpace space, TensorState after) {
+    void* p = s.access(ref, space);
+    refs.emplace_back(ref, after);
+    return p;
+  }
+  ~Held() {
+    for (auto it = refs.rbegin(); it != refs.rend(); ++it) {
+      try {
+        s.release(it->first, it->second);
+      } catch (const std::exception& e) {
+        ADD_FAILURE() << "release threw: " << e.what();
+      }
+    }
+  }
+};
+
+// One training step over `tensors` full tensors with every list allowed on
+// disk (offload_param): forward and backward bring each 16-bit chunk to the
+// device, the step sweeps each tensor's fp32 states and 16-bit copy on the
+// host, checking the states against the last step and advancing them. Sets
+// `phase` to the part of the step it is in, and calls `at_phase` as each
+// part begins.
+void train_step(ChunkScheduler& s, std::size_t tensors, int step, const char*& phase,
+                const std::function<void()>& at_phase = [] {}) {
+  phase = "forward";
+  at_phase();
+  for (std::size_t t = 0; t < tensors; ++t) {
+    Held h{s, {}};
+    h.access({ChunkKind::kParam16, static_cast<TensorId>(t)}, kDev, TensorState::kHoldAfterFwd);
+  }
+  phase = "backward";
+  at_phase();
+  for (std::size_t t = tensors; t-- > 0;) {
+    Held h{s, {}};
+    h.access({ChunkKind::kParam16, static_cast<TensorId>(t)}, kDev, TensorState::kHoldAfterBwd);
+  }
+  phase = "step";
+  at_phase();
+  for (std::size_t t = 0; t < tensors; ++t) {
+    Held h{s, {}};
+    std::vector<float*> data;
+    for (ChunkKind kind : kStates) {
+      data.push_back(static_cast<float*>(h.access({kind, static_cast<TensorId>(t)}, kHost, TensorState::kHold)));
+    }
+    h.access({ChunkKind::kParam16, static_cast<TensorId>(t)}, kHost, TensorState::kHold);
+    for (std::size_t k = 0; k < data.size(); ++k) {
+      for (std::size_t i = 0; i < kFull; ++i) {
+        if (step > 0) {
+          ASSERT_EQ(data[k][i], value(t, k, i, step - 1)) << "tensor " << t << " list " << k << " element " << i;
+        }
+        data[k][i] = value(t, k, i, step);
+      }
+    }
+  }
+  s.end_step();
+}
+
+constexpr std::size_t kFaultTensors = 10;
+
+ChunkSchedulerOptions fault_options(const testing::TempDir& dir, bool prefetch) {
+  // The host holds an eighth of the states and less than the 16-bit chunks,
+  // the device two 16-bit chunks: the 16-bit chunks go to disk too, so (without
+  // prefetch, which reads the next forward's chunks during the step) every
+  // phase reads chunks and writes others to make room.
+  ChunkSchedulerOptions o = disk_options(dir, 4 * kFp32Chunk);
+  o.prefetch = prefetch;
+  o.disk_request_bytes = kFp32Chunk;  // one request per chunk: the test makes many steps
+  o.device_budget_bytes = 2 * kChunk;
+  o.disk_kinds = ChunkSchedulerOptions::disk_kind_bits(
+      {ChunkKind::kParam16, ChunkKind::kParam32, ChunkKind::kMomentum, ChunkKind::kVariance});
+  return o;
+}
+
+// Reads and writes of the tier in a steady step, counted on a run without
+// faults: {read, write} -> the phase each one is issued in, in order.
+std::map<bool, std::vector<std::string>> steady_step_io(bool prefetch) {
+  testing::TempDir dir("tidal_disk_tier_");
+  ChunkScheduler s(full_tensors(kFaultTensors), make_device(kKiB * kKiB), fault_options(dir, prefetch));
+  const char* phase = nullptr;
+  for (int step = 0; step < 2; ++step) train_step(s, kFaultTensors, step, phase);
+  std::map<bool, std::vector<std::string>> io;
+  const char* last = nullptr;
+  auto count = [&] {
+    if (last != nullptr) {
+      const ChunkSchedulerStats st = s.stats();
+      io[false].resize(st.moves_disk_to_host, last);
+      io[true].resize(st.moves_host_to_disk, last);
+    }
+    last = phase;
+  };
+  s.reset_stats();
+  train_step(s, kFaultTensors, 2, phase, count);
+  count();
+  return io;
+}
+
+TEST(DiskTier, AFailedReadOrWriteAnywhereInAStepIsRefusedWithTheFirstErrorFromThenOn) {
+  testing::TempDir dir("tidal_disk_tier_");  // each scheduler's file goes with it
+  for (const bool prefetch : {false, true}) {
+  const std::map<bool, std::vector<std::string>> io = steady_step_io(prefetch);
+  for (const bool write : {false, true}) {
+    const std::vector<std::string>& issued = io.at(write);
+    ASSERT_GT(issued.size(), 2u);
+    if (!prefetch) {
+      // Reads and writes happen in every part of the step, so faults are met in each.
+      EXPECT_EQ(std::set<std::string>(issued.begin(), issued.end()),
+                (std::set<std::string>{"forward", "backward", "step"})) << (write ? "writes" : "reads");
+    }
+    for (std::uint64_t n = 1; n <= issued.size(); ++n) {
+      SCOPED_TRACE(testing::indexed_name(write ? "write " : "read ", n) + (prefetch ? " with prefetch" : ""));
+      std::string path;
+      {
+        ChunkScheduler s(full_tensors(kFaultTensors), make_device(kKiB * kKiB), fault_options(dir, prefetch));
+        path = s.disk()->path();
+        const char* phase = nullptr;
+        for (int step = 0; step < 2; ++step) train_step(s, kFaultTensors, step, phase);
+        s.disk()->fail_nth(write, n, EIO);
+        std::string first;
+        for (int step = 2; step < 4 && first.empty(); ++step) {
+          try {
+            train_step(s, kFaultTensors, step, phase);
+          } catch (const InternalError& e) {
+            FAIL() << "an internal error in the " << phase << ": " << e.what();
+          } catch (const Error& e) {
+            first = e.what();
+          }
+        }
+        ASSERT_FALSE(first.empty()) << "the injected failure never surfaced";
+        ASSERT_TRUE(s.disk()->failed());
+        const std::string failure = s.disk()->failure();
+        EXPECT_NE(failure.find(std::string(write ? "writing " : "reading ")), std::string::npos) << failure;
+        EXPECT_NE(failure.find(path), std::string::npos) << failure;
+        EXPECT_NE(failure.find(std::strerror(EIO)), std::string::npos) << failure;
+        EXPECT_NE(first.find(failure), std::string::npos) << first;
+        s.validate();
+        // Every later step is refused with the first failure, and the state stays whole.
+        for (int again = 0; again < 2; ++again) {
+          try {
+            train_step(s, kFaultTensors, 9, phase);
+            FAIL() << "a step after the failure ran";
+          } catch (const InternalError& e) {
+            FAIL() << "an internal error after the failure: " << e.what();
+          } catch (const Error& e) {
+            const std::string m = e.what();
+            EXPECT_NE(m.find("the NVMe tier failed earlier"), std::string::npos) << m;
+            EXPECT_NE(m.find(failure), std::string::npos) << m;
+            EXPECT_EQ(std::string(phase), "forward") << m;  // at the step's first access
+          }
+          s.validate();
+        }
+        EXPECT_THROW(s.check_disk(), Error);
+      }
+      EXPECT_FALSE(exists(path)) << "the file outlived a failed scheduler";
+    }
+  }
+  }
+}
+
+TEST(DiskTier, AFailedReadIsTheDisksErrorAtTheAccessThatWaitsForIt) {
+  // Without prefetch, the access that reads the chunk is the one that fails,
+  // naming the file; the chunk stays where it was read to, whole for validate().
+  testing::TempDir dir("tidal_disk_tier_");
+  auto device = make_device(kKiB * kKiB);
+  ChunkSchedulerOptions o = disk_options(dir, 2 * kFp32Chunk);
+  o.prefetch = false;
+  ChunkScheduler s(full_tensors(4), device, o);
+  for (TensorId t = 0; t < 4; ++t) {
+    s.access({ChunkKind::kParam32, t}, kHost);
+    s.release({ChunkKind::kParam32, t}, TensorState::kHold);
+  }
+  ASSERT_EQ(s.store().chunk(s.store().chunk_of({ChunkKind::kParam32, 0})).space(), kDisk);
+  s.disk()->fail_nth(/*write=*/false, 1, EIO);
+  try {
+    s.access({ChunkKind::kParam32, 0}, kHost);
+    FAIL() << "a failed read went unnoticed";
+  } catch (const InternalError& e) {
+    FAIL() << e.what();
+  } catch (const Error& e) {
+    const std::string m = e.what();
+    EXPECT_NE(m.find("reading "), std::string::npos) << m;
+    EXPECT_NE(m.find(s.disk()->path()), std::string::npos) << m;
+    EXPECT_NE(m.find(std::strerror(EIO)), std::string::npos) << m;
+  }
+  s.validate();
+  EXPECT_EQ(s.store().state({ChunkKind::kParam32, 0}), TensorState::kHold);
+  // Chunks on the host are refused too: the step they belong to is lost.
+  EXPECT_THROW(s.access({ChunkKind::kParam32, 3}, kHost), Error);
+  s.validate();
 }
 
 }  // namespace
