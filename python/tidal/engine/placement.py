@@ -58,17 +58,22 @@ class AdamPlacement:
         # Chunk index -> planned on the device, per accumulation mode (the
         # sums are a fourth state list); None: no trace yet.
         self._plans: dict[bool, frozenset] | None = None
+        self._key = None  # what the plan was made from: (chunks, count, room)
         self.room_at_peak = None  # the chunk bytes the trace leaves at its peak
 
     def replan(self, limit: int, peaks) -> None:
         """A new plan from the tracer's budget less margin (`limit`) and the
         interval peaks of its adopted trace (`peaks`, non-chunk bytes)."""
         if not peaks:
-            self._plans = None
+            self.forget()
             return
         c = self._store.chunks
         n = c.num_chunks
         room = limit - max(peaks)
+        key = (id(c), n, room)
+        if key == self._key:
+            return  # (the same room for the same chunks: the same plan, and no calls into C++)
+        self._key = key
         self.room_at_peak = max(0, room)
         room -= sum(c.chunk_capacity_bytes(i, PARAM16) for i in range(n))
         plans = {}
@@ -86,6 +91,7 @@ class AdamPlacement:
     def forget(self) -> None:
         """The chunks were rebuilt (a relayout): no plan until the next trace."""
         self._plans = None
+        self._key = None
 
     def planned(self, summing: bool = False):
         """The chunks planned on the device, or None before the first trace."""
