@@ -145,8 +145,8 @@ class EngineReports:
             # nothing reserves beyond what is allocated (the exact simulated
             # device, whose peak_device_bytes is both).
             "peak_reserved_device_bytes": tracer.peak_reserved,
-            "room_on_cache_miss": _C.chunks.cuda_room_counts() if self._cuda_room else
-            _C.chunks.host_allocation_model_use() if self._sim_caching else None,
+            "room_on_cache_miss": dict(_C.chunks.cuda_room_counts()) if self._cuda_room else
+            dict(_C.chunks.host_allocation_model_use()) if self._sim_caching else None,
             "simulated_allocator": None if self._cuda else
             "torch_caching" if self._sim_caching else "exact",
             "peak_chunk_host_bytes": s["peak_resident_bytes_host"],
