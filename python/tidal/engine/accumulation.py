@@ -53,6 +53,22 @@ class GradientAccumulation:
         self._host_short = host_short
         self._give_weights_back = give_weights_back
 
+    # ------------------------------------------------------------ the counts
+    def backward_done(self) -> None:
+        """A backward pass finished (its fold, if any, done): one micro-step more."""
+        self.micro_steps += 1
+
+    def break_window(self, why: str) -> None:
+        """The sums cannot be stepped on (`why`: a failed backward folded part
+        of its gradients); engine.step() refuses until reset()."""
+        self.broken = why
+
+    def load_count(self, micro_steps: int) -> None:
+        """A checkpoint's load sets the micro-step count it saved."""
+        if not isinstance(micro_steps, int) or micro_steps < 0:
+            raise ValueError(f"micro_steps must be an int >= 0, got {micro_steps!r}")
+        self.micro_steps = micro_steps
+
     # ------------------------------------------------------------ the window
     def is_boundary(self) -> bool:
         """Whether engine.step() steps now: every `steps` backward passes, or

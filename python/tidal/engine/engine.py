@@ -25,6 +25,8 @@ object of its own, owning its state and given what it reads at construction:
   ChunkDataParallel (chunk_data_parallel.py, self._dp_step): data parallel;
   StateDictBridge (state_dict_bridge.py, self._state_dict_bridge):
     model.state_dict() and load_state_dict() through the chunks;
+  Checkpoints (checkpoint.py, self._checkpoints): save_checkpoint and
+    load_checkpoint, state_dict, load_pretrained and save_pretrained;
   EngineReports (reports.py, self._reports): memory_report(), the timeline
     and profile;
   OutsideAccess (outside_access.py, self._outside): parameters read outside
@@ -242,7 +244,7 @@ class Engine(DeepSpeedEngineAPI):
         self._state_dict_bridge = StateDictBridge(
             model, store, self._params, hooks, self.dtype,
             settle_outside=self._outside.settle, write_value=self._outside.write_value,
-            write_param=lambda record, value: _checkpoint._write_param(self, record, value))
+            write_param=lambda record, value: _checkpoint.write_param(store, record, value))
         if self.dp is not None:
             self._dp_step = ChunkDataParallel(self.dp, store, self._params, hooks, self._overlap,
                                               self._accumulation.summing)
@@ -253,6 +255,10 @@ class Engine(DeepSpeedEngineAPI):
             settle_outside=self._outside.settle, stop_counting=lambda: self._wiring.count(False),
             end_trace_step=self._wiring.end_trace_step, check_budget=self._check_budget,
             host_short=self._host_short)
+        # Checkpoints and state dicts (Note [Checkpoint format]).
+        self._checkpoints = _checkpoint.Checkpoints(
+            module=model, store=store, params=self._params, hooks=hooks, step=self._step,
+            accumulation=self._accumulation, optimizer=self.optimizer, config=cfg)
         # What the engine reports (memory_report() and the others); the step's
         # counts are read when a report is made.
         self._reports = EngineReports(
@@ -572,7 +578,7 @@ class Engine(DeepSpeedEngineAPI):
                 self._overlap.backward_ended()
                 self._settle_overlap()
                 if self._overlap.folded_early:
-                    self._accumulation.broken = (
+                    self._accumulation.break_window(
                         f"the backward that failed had folded the gradients of "
                         f"{len(self._overlap.folded_early)} chunks into their accumulation sums "
                         f"(tidal.overlap_step), which now hold part of a failed micro-batch")
@@ -601,7 +607,7 @@ class Engine(DeepSpeedEngineAPI):
                 lambda owned: self._accumulation.fold_chunks(owned, self._host_short()))
         elif self._accumulation.summing:
             self._accumulation.fold()
-        self._accumulation.micro_steps += 1
+        self._accumulation.backward_done()
 
     def _out_of_memory(self, e, phase: str):
         """A tidal.OutOfMemoryError saying what the device held when torch's
@@ -662,7 +668,7 @@ class Engine(DeepSpeedEngineAPI):
         self._settle_overlap()
         self._outside.settle()
         with _dtr.outside():
-            return _checkpoint.save_checkpoint(self, save_dir, tag, client_state, save_latest)
+            return self._checkpoints.save_checkpoint(save_dir, tag, client_state, save_latest)
 
     def load_checkpoint(self, load_dir, tag=None, load_optimizer_states=True,
                         load_lr_scheduler_states=True):
@@ -671,8 +677,8 @@ class Engine(DeepSpeedEngineAPI):
         self._settle_overlap()
         self._outside.settle()
         with self.dtr.weights_change(), _dtr.outside():
-            result = _checkpoint.load_checkpoint(self, load_dir, tag, load_optimizer_states,
-                                                 load_lr_scheduler_states)
+            result = self._checkpoints.load_checkpoint(load_dir, tag, load_optimizer_states,
+                                                           load_lr_scheduler_states)
         self._wiring.hooks.sync_param_writes()  # (the load wrote the chunks, not the parameters)
         return result
 
@@ -681,14 +687,14 @@ class Engine(DeepSpeedEngineAPI):
         self._settle_overlap()
         self._outside.settle()
         with _dtr.outside():
-            return _checkpoint.state_dict(self)
+            return self._checkpoints.state_dict()
 
     def load_state_dict(self, state_dict, strict: bool = True):
         """Loads weights (fp32 master and 16-bit copy); Adam state is kept."""
         self._settle_overlap()
         self._outside.settle()
         with self.dtr.weights_change(), _dtr.outside():
-            result = _checkpoint.load_state_dict(self, state_dict, strict)
+            result = self._checkpoints.load_state_dict(state_dict, strict)
         self._wiring.hooks.sync_param_writes()  # (the load wrote the chunks, not the parameters)
         return result
 
@@ -697,7 +703,7 @@ class Engine(DeepSpeedEngineAPI):
         self._settle_overlap()
         self._outside.settle()
         with self.dtr.weights_change(), _dtr.outside():
-            result = _checkpoint.load_pretrained(self, path, strict)
+            result = self._checkpoints.load_pretrained(path, strict)
         self._wiring.hooks.sync_param_writes()  # (the load wrote the chunks, not the parameters)
         return result
 
@@ -707,7 +713,7 @@ class Engine(DeepSpeedEngineAPI):
         self._settle_overlap()
         self._outside.settle()
         with _dtr.outside():
-            return _checkpoint.save_pretrained(self, save_dir, max_shard_size, dtype)
+            return self._checkpoints.save_pretrained(save_dir, max_shard_size, dtype)
 
 def initialize(model: torch.nn.Module, config=None, model_parameters=None) -> Engine:
     """Puts `model`'s parameters into chunks and returns the Engine that trains it.
