@@ -11,6 +11,7 @@ import torch
 
 from ....config import Config
 from ....engine.errors import UsageError
+from ....engine import guards as _guards
 from ....engine.external import register_external_parameter
 from ....engine.store import _TORCH_DTYPES, ParamStore
 
@@ -191,7 +192,15 @@ def _copies(store, params):
     the data it had (a placeholder; or, under an engine between steps, or an
     enclosing context, a view of its slot)."""
     done = []
-    store.settle_engine()  # (between backward and step: before the chunks are read)
+    # The engine that trains these parameters (a store has one at most), asked
+    # here: the store holds no reference up to it.
+    engine = next((e for e in (_guards.engine_of(p, collect=False) for p in params) if e is not None),
+                  None)
+    if engine is not None:
+        # Between backward and step: the CPU Adam updates made during backward
+        # are waited for and taken back before the chunks are read (Note
+        # [Speculative updates and their undo] in overlap.py).
+        engine._settle_overlap()
     try:
         for p in params:
             old = p.data
@@ -206,4 +215,7 @@ def _copies(store, params):
             p.data = old
         # (A write to a copy bumped its parameter's version count: dropped, as
         # DeepSpeed drops it, not a write the engine must keep or name.)
-        store.forget_writes([store.by_param[id(p)] for p, _ in done])
+        # The engine takes these parameters' version counts as they are now
+        # (Note [Writes to a parameter] in hooks/module_hooks.cpp).
+        if engine is not None:
+            engine._forget_writes([store.by_param[id(p)] for p, _ in done])
