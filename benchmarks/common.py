@@ -169,6 +169,19 @@ def budget_kept(report: Dict) -> bool:
             and report["peak_device_bytes"] <= report["device_budget"] - report["device_margin"])
 
 
+def reserved_budget_kept(report: Dict) -> bool:
+    """The budget's promise where the allocator's reserved bytes are metered
+    (Note [Who owns a device byte]): no overrun, and the reserved peak within
+    the whole budget where the report has one, else the peak in use within
+    the budget less the margin (budget_kept)."""
+    if report["budget_overruns"] != 0:
+        return False
+    reserved = report.get("peak_reserved_device_bytes") or 0
+    if reserved > 0:
+        return reserved <= report["device_budget"]
+    return budget_kept(report)
+
+
 def check_budget(report: Dict, label: str) -> None:
     """Fails the benchmark (a run with an overrun is a failure) unless budget_kept(report)."""
     if not budget_kept(report):

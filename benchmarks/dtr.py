@@ -334,7 +334,8 @@ def run_workload(name, spec, fractions, repeat):
             dt = time.perf_counter() - t0
             stats[label] = dtr.stats()
             if hasattr(dtr._runtime, "op_counters"):
-                stats[label]["op_counters"], stats[label]["plans"] = dtr._runtime.op_counters()
+                ops, plans = dtr._runtime.op_counters()
+                stats[label]["op_counters"], stats[label]["plans"] = ops, dict(plans)
         return dt
 
     for cfg in configs:  # warm-up round

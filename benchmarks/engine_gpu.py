@@ -44,6 +44,7 @@ import json
 import os
 import resource
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -295,16 +296,10 @@ def child(label, argv, timeout, env=None, log_dir=None):
 
 def peer_argv(kind, quick, shape=None, steps=None, batch=None, budget=None, config=None, extra=()):
     a = [sys.executable, HERE, "peer", "--kind", kind, "--json", "{json}"]
-    if shape:
-        a += ["--shape", shape]
-    if steps:
-        a += ["--steps", str(steps)]
-    if batch:
-        a += ["--batch", str(batch)]
-    if budget:
-        a += ["--budget", str(budget)]
-    if config:
-        a += ["--config", config]
+    for flag, value in (("--shape", shape), ("--steps", steps), ("--batch", batch), ("--budget", budget),
+                        ("--config", config)):
+        if value:
+            a += [flag, str(value)]
     if quick:
         a.append("--quick")
     return a + list(extra)
@@ -323,18 +318,6 @@ def device_total_bytes(quick):
         return int(tidal.get_device().info()["capacity"])
     import torch
     return torch.cuda.get_device_properties(0).total_memory
-
-
-def within_budget(m):
-    """No overrun, and the device's peak inside the budget: reserved bytes against the
-    whole budget where the report has them, else bytes in use against the budget less
-    the margin."""
-    if m["budget_overruns"] != 0:
-        return False
-    reserved = m.get("peak_reserved_device_bytes") or 0
-    if reserved > 0:
-        return reserved <= m["device_budget"]
-    return m["peak_device_bytes"] <= m["device_budget"] - m["device_margin"]
 
 
 def _derive(run, name, seq, budget=None):
@@ -372,15 +355,9 @@ def _derive(run, name, seq, budget=None):
             "budget_overruns": m["budget_overruns"],
             "peak_reserved_device_bytes": m.get("peak_reserved_device_bytes"),
             "room_on_cache_miss": m.get("room_on_cache_miss"),
-            "within_budget": within_budget(m),
+            "within_budget": common.reserved_budget_kept(m),
         })
     return out
-
-
-def _median(xs):
-    xs = sorted(xs)
-    n = len(xs)
-    return xs[n // 2] if n % 2 else (xs[n // 2 - 1] + xs[n // 2]) / 2
 
 
 def cmd_bench(args):
@@ -470,7 +447,7 @@ def cmd_bench(args):
             row = _derive(ok[0], shape, seq)
         speeds = [o["report"]["tokens_per_s"] for o in ok]
         row["tokens_per_s_rounds"] = speeds
-        row["tokens_per_s"] = _median(speeds)
+        row["tokens_per_s"] = statistics.median(speeds)
         row["tflops"] = 6 * n * row["tokens_per_s"] / 1e12
         row["tflops_with_attention"] = (6 * n + attn_flops_per_token(shape, seq)) * row["tokens_per_s"] / 1e12
         if kind != "plain":

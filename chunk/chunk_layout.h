@@ -106,7 +106,6 @@ class ChunkLayout {
   std::size_t num_chunks() const { return extents_.size(); }
   const TensorPlacement& placement(TensorId tensor) const { return placements_[tensor]; }
   const ChunkExtent& extent(ChunkIndex chunk) const { return extents_[chunk]; }
-  const std::vector<ChunkExtent>& extents() const { return extents_; }
 
   std::size_t total_numel() const { return total_numel_; }
   // Sum of the capacities of all chunks, in elements (of one list).

@@ -5,15 +5,18 @@
 #include <ATen/ATen.h>
 #include <torch/csrc/utils/pybind.h>
 
+#include <array>
 #include <cerrno>
 #include <cstdint>
 #include <memory>
 #include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "python/csrc/bindings.h"
 #include "python/csrc/hook_callables.h"
+#include "python/csrc/record.h"
 #include "chunk/chunk_store.h"
 #include "hooks/chunk_step.h"
 #include "hooks/cuda_room.h"
@@ -35,9 +38,12 @@ namespace {
 
 using Chunks = hooks::EngineChunks;  // hooks/engine_chunks.h
 
-py::dict stats_dict(const ChunkSchedulerStats& s) {
-  py::dict d;
-#define TIDAL_FIELD(name) d[#name] = s.name
+// Note [Records, not dicts] in python/csrc/record.h: the scheduler's and the
+// allocation hooks' counters, bound once each.
+void bind_records(py::module_& m) {
+  RecordBinding<ChunkSchedulerStats> stats(m, "SchedulerStats",
+                                           "The chunk scheduler's counters (Chunks.stats()), bytes per space.");
+#define TIDAL_FIELD(name) stats.field(#name, &ChunkSchedulerStats::name)
   TIDAL_FIELD(accesses);
   TIDAL_FIELD(releases);
   TIDAL_FIELD(hits);
@@ -67,14 +73,51 @@ py::dict stats_dict(const ChunkSchedulerStats& s) {
   TIDAL_FIELD(trace_adoptions);
   TIDAL_FIELD(trace_divergences);
 #undef TIDAL_FIELD
+  // The per-space arrays read as one field per space: resident_bytes_host, ...
+  using PerSpace = std::array<std::size_t, kNumMemorySpaces> ChunkSchedulerStats::*;
+  const std::pair<const char*, PerSpace> per_space[] = {
+      {"resident_bytes_", &ChunkSchedulerStats::resident_bytes},
+      {"peak_resident_bytes_", &ChunkSchedulerStats::peak_resident_bytes},
+      {"held_bytes_", &ChunkSchedulerStats::held_bytes},
+      {"budget_bytes_", &ChunkSchedulerStats::budget_bytes}};
   for (MemorySpace space : {MemorySpace::kHost, MemorySpace::kDevice, MemorySpace::kDisk}) {
-    const std::string n = to_string(space);
-    d[py::str("resident_bytes_" + n)] = s.resident_bytes[index_of(space)];
-    d[py::str("peak_resident_bytes_" + n)] = s.peak_resident_bytes[index_of(space)];
-    d[py::str("held_bytes_" + n)] = s.held_bytes[index_of(space)];
-    d[py::str("budget_bytes_" + n)] = s.budget_bytes[index_of(space)];
+    const std::size_t i = index_of(space);
+    for (const auto& entry : per_space) {
+      const PerSpace member = entry.second;
+      const std::string name = std::string(entry.first) + to_string(space);
+      stats.field_from(name.c_str(), [member, i](const ChunkSchedulerStats& s) { return (s.*member)[i]; });
+    }
   }
-  return d;
+  stats.done();
+
+  RecordBinding<hooks::HostAllocationCounts>(m, "HostAllocationCounts",
+                                             "torch's counted CPU allocations (Note [Counting CPU allocations]).")
+      .field("live_bytes", &hooks::HostAllocationCounts::live_bytes)
+      .field("peak_bytes", &hooks::HostAllocationCounts::peak_bytes)
+      .field("allocations", &hooks::HostAllocationCounts::allocations)
+      .done();
+  RecordBinding<hooks::HostAllocationModelUse>(
+      m, "HostAllocationModelUse", "The simulated device's caching allocator model (Note [Who owns a device byte]).")
+      .field("on", &hooks::HostAllocationModelUse::on)
+      .field("reserved", &hooks::HostAllocationModelUse::reserved)
+      .field("allocated", &hooks::HostAllocationModelUse::allocated)
+      .field("stuck", &hooks::HostAllocationModelUse::stuck)
+      .field("largest_request", &hooks::HostAllocationModelUse::largest_request)
+      .field("device_reserved_peak", &hooks::HostAllocationModelUse::device_reserved_peak)
+      .field("misses", &hooks::HostAllocationModelUse::misses)
+      .field("made_room", &hooks::HostAllocationModelUse::made_room)
+      .field("failures", &hooks::HostAllocationModelUse::failures)
+      .done();
+  RecordBinding<hooks::CudaRoomCounts>(m, "CudaRoomCounts",
+                                       "What the room maker on torch's cache misses did (hooks/cuda_room.h).")
+      .field("misses", &hooks::CudaRoomCounts::misses)
+      .field("made_room", &hooks::CudaRoomCounts::made_room)
+      .field("bytes_asked", &hooks::CudaRoomCounts::bytes_asked)
+      .field("short_of_room", &hooks::CudaRoomCounts::short_of_room)
+      .field("errors", &hooks::CudaRoomCounts::errors)
+      .field("largest_request", &hooks::CudaRoomCounts::largest_request)
+      .field("last_error", &hooks::CudaRoomCounts::last_error)
+      .done();
 }
 
 // Non-chunk memory read through Python (CUDA where torch's caching
@@ -447,6 +490,7 @@ The chunk scheduler and the parameter binding the training engine drives
 (see runtime/scheduler/chunk_scheduler.h and hooks/param_binding.h). One
 Python thread drives a Chunks object.)doc");
   bind_enums(m);  // first: the signatures below name them
+  bind_records(m);
 
   py::class_<Chunks>(m, "Chunks")
       .def(py::init([](std::shared_ptr<Device> device, std::size_t chunk_bytes, const std::string& param_dtype,
@@ -630,7 +674,7 @@ Python thread drives a Chunks object.)doc");
       .def("held_bytes",
            [](Chunks& c, MemorySpace space) { return c.scheduler().stats().held_bytes[index_of(space)]; },
            py::arg("space"), "Chunk bytes held in a space (resident + cached blocks); for hooks.")
-      .def("stats", [](Chunks& c) { return stats_dict(c.scheduler().stats()); })
+      .def("stats", [](Chunks& c) { return c.scheduler().stats(); }, "The scheduler's counters (a SchedulerStats record).")
       .def("reserve_disk", [](Chunks& c) { c.scheduler().reserve_disk(); },
            py::call_guard<py::gil_scoped_release>(),
            "Gives every chunk of the NVMe tier's lists its home in the file now: a disk too "
@@ -697,45 +741,16 @@ Python thread drives a Chunks object.)doc");
   m.def("set_host_allocation_counting", &hooks::set_host_allocation_counting, py::arg("enabled"),
         "Counts torch's CPU allocations (Note [Counting CPU allocations]).");
   m.def("host_allocation_counting", &hooks::host_allocation_counting);
-  m.def("host_allocation_counts", [] {
-    const hooks::HostAllocationCounts c = hooks::host_allocation_counts();
-    py::dict d;
-    d["live_bytes"] = c.live_bytes;
-    d["peak_bytes"] = c.peak_bytes;
-    d["allocations"] = c.allocations;
-    return d;
-  });
+  m.def("host_allocation_counts", &hooks::host_allocation_counts);
   m.def("reset_host_allocation_peak", &hooks::reset_host_allocation_peak);
-  m.def("host_allocation_model_use", [] {
-    const hooks::HostAllocationModelUse u = hooks::host_allocation_model_use();
-    py::dict d;
-    d["on"] = u.on;
-    d["reserved"] = u.reserved;
-    d["allocated"] = u.allocated;
-    d["stuck"] = u.stuck;
-    d["largest_request"] = u.largest_request;
-    d["device_reserved_peak"] = u.device_reserved_peak;
-    d["misses"] = u.misses;
-    d["made_room"] = u.made_room;
-    d["failures"] = u.failures;
-    return d;
-  }, "The simulated device's caching allocator model (Note [Who owns a device byte]).");
+  m.def("host_allocation_model_use", &hooks::host_allocation_model_use,
+        "The simulated device's caching allocator model (Note [Who owns a device byte]).");
   m.def("enter_packed_recompute", &hooks::PackedRecomputeScope::enter,
         "tidal.recompute's replay on this thread packs parameter views through the engine's pair "
         "(Note [A recompute inside backward] in hooks/module_hooks.cpp).");
   m.def("exit_packed_recompute", &hooks::PackedRecomputeScope::exit);
-  m.def("cuda_room_counts", [] {
-    const hooks::CudaRoomCounts c = hooks::cuda_room_counts();
-    py::dict d;
-    d["misses"] = c.misses;
-    d["made_room"] = c.made_room;
-    d["bytes_asked"] = c.bytes_asked;
-    d["short_of_room"] = c.short_of_room;
-    d["errors"] = c.errors;
-    d["largest_request"] = c.largest_request;
-    d["last_error"] = c.last_error;
-    return d;
-  }, "What the room maker on torch's cache misses did (Note [Room on a cache miss] in hooks/cuda_room.h).");
+  m.def("cuda_room_counts", &hooks::cuda_room_counts,
+        "What the room maker on torch's cache misses did (Note [Room on a cache miss] in hooks/cuda_room.h).");
   m.def("reset_cuda_room_counts", &hooks::reset_cuda_room_counts);
   m.def("roll_cuda_request_window", &hooks::roll_cuda_request_window,
         "A step ended: the room made on a miss is sized by this step's and the last step's requests.");

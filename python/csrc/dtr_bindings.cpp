@@ -286,6 +286,17 @@ DTR's C++ side (hooks/dtr/). Users call tidal.dtr (python/tidal/dtr.py).)doc");
       .field("chunk_evictions", &hd::RuntimeStats::chunk_evictions)
       .field("chunk_bytes_freed", &hd::RuntimeStats::chunk_bytes_freed)
       .done();
+  RecordBinding<hd::Session::OpCounters>(m, "OpCounters", "Where one op's recomputation comes from.")
+      .field("evicted", &hd::Session::OpCounters::evicted)
+      .field("evicted_bytes", &hd::Session::OpCounters::evicted_bytes)
+      .field("replays", &hd::Session::OpCounters::replays)
+      .field("replay_seconds", &hd::Session::OpCounters::replay_seconds)
+      .done();
+  RecordBinding<hd::Session::PlanCounters>(m, "PlanCounters", "The regenerations (plans) and their length in ops.")
+      .field("plans", &hd::Session::PlanCounters::plans)
+      .field("ops", &hd::Session::PlanCounters::ops)
+      .field("longest", &hd::Session::PlanCounters::longest)
+      .done();
 
   py::class_<Runtime>(m, "Runtime", "The storage runtime driven op by op by tidal.dtr's Python mode.")
       .def(py::init([](std::size_t threshold, std::size_t minimum, bool sqrt_sampling, const std::string& scorer,
@@ -376,22 +387,10 @@ DTR's C++ side (hooks/dtr/). Users call tidal.dtr (python/tidal/dtr.py).)doc");
       .def("op_counters",
            [](hd::Session& s) {
              py::dict out;
-             for (const auto& [name, c] : s.op_counters()) {
-               py::dict d;
-               d["evicted"] = c.evicted;
-               d["evicted_bytes"] = c.evicted_bytes;
-               d["replays"] = c.replays;
-               d["replay_seconds"] = c.replay_seconds;
-               out[py::str(name)] = d;
-             }
-             const auto p = s.plan_counters();
-             py::dict plans;
-             plans["plans"] = p.plans;
-             plans["ops"] = p.ops;
-             plans["longest"] = p.longest;
-             return py::make_tuple(out, plans);
+             for (const auto& [name, c] : s.op_counters()) out[py::str(name)] = c;
+             return py::make_tuple(out, s.plan_counters());
            },
-           "({op name: {evicted, evicted_bytes, replays, replay_seconds}}, {plans, ops, longest}): "
+           "({op name: OpCounters}, PlanCounters): "
            "where recomputation comes from.")
       .def("evicted_alive", [](hd::Session& s) { return s.with_runtime([](auto& r) { return r.evicted_alive(); }); })
       .def("clear", [](hd::Session& s) { s.with_runtime([](auto& r) { r.clear(); }); })

@@ -150,7 +150,6 @@ class Event {
   // belong to one device, have been created with timing enabled, recorded
   // and completed.
   double elapsed_seconds_since(const Event& start) const;
-  bool timing_enabled() const { return timing_; }
 
  protected:
   Event(std::shared_ptr<Device> device, bool timing) : device_(std::move(device)), timing_(timing) {}

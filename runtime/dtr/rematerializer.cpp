@@ -515,15 +515,6 @@ void Rematerializer::evict(TensorId t) {
   ++evictions_;
 }
 
-std::size_t Rematerializer::evictable_bytes() const {
-  std::size_t total = 0;
-  for (TensorId t : resident_) {
-    const TensorRecord& r = tensor(t);
-    if (is_candidate(r)) total += r.bytes;
-  }
-  return total;
-}
-
 void Rematerializer::unevictable_bytes(std::size_t* locked, std::size_t* small) const {
   *locked = 0;
   *small = 0;

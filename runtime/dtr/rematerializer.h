@@ -176,7 +176,6 @@ class Rematerializer {
   bool over_threshold() const {
     return options_.eviction_threshold > 0 && tracked_bytes_ > options_.eviction_threshold;
   }
-  std::size_t evictable_bytes() const;
   // Resident tracked bytes that are not pinned and not candidates: locked,
   // or (not locked) under evictee_minimum_size. For error messages.
   void unevictable_bytes(std::size_t* locked, std::size_t* small) const;

@@ -201,11 +201,6 @@ AllocatorUse CachingAllocatorModel::use() const {
   return u;
 }
 
-void CachingAllocatorModel::reset_peaks() {
-  peak_reserved_ = reserved_;
-  peak_allocated_ = allocated_;
-}
-
 std::size_t CachingAllocatorModel::reserved_holding_tags_up_to(std::uint64_t tag) const {
   std::size_t bytes = 0;
   for (const Block* head : heads_) {

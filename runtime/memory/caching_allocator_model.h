@@ -109,9 +109,7 @@ class CachingAllocatorModel {
   AllocatorUse use() const;
   std::size_t peak_reserved() const { return peak_reserved_; }
   std::size_t peak_allocated() const { return peak_allocated_; }
-  void reset_peaks();
   std::size_t segments() const { return segments_; }
-  std::size_t live_blocks() const { return live_blocks_; }
   // The bytes of the segments that hold a live block tagged <= `tag` (what
   // those blocks keep reserved; 0 < tag). Walks every block.
   std::size_t reserved_holding_tags_up_to(std::uint64_t tag) const;

@@ -5,6 +5,7 @@ import json
 import pickle
 
 import pytest
+import torch
 
 import tidal
 from tidal import _C
@@ -15,7 +16,21 @@ def _records():
     runtime = _C.dtr.Runtime(eviction_threshold=1 << 20, evictee_minimum_size=1024, enable_sqrt_sampling=False)
     model = _C.CachingAllocatorModel()
     model.allocate(5 << 20)
-    return [device.info(), device.memory_stats(), _C.host_memory_stats(), runtime.stats(), model.use()]
+    return [device.info(), device.memory_stats(), _C.host_memory_stats(), runtime.stats(), model.use(),
+            _C.chunks.host_allocation_counts(), _C.chunks.host_allocation_model_use(), _C.chunks.cuda_room_counts()]
+
+
+def _scheduler_stats():
+    """A small engine's chunk scheduler counters, after one step."""
+    tidal.set_device("sim", capacity="1GiB")
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Linear(16, 4))
+    engine = tidal.initialize(model, {"optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+                                      "tidal": {"chunk_size": 4096, "device_memory_budget": "64MiB"}})
+    x = torch.randn(8, 16)
+    engine.backward(engine(x).square().mean())
+    engine.step()
+    return engine, engine.chunks.stats()
 
 
 @pytest.mark.parametrize("record", _records(), ids=lambda r: type(r).__name__)
@@ -36,6 +51,21 @@ def test_a_record_reads_as_the_dict_it_replaced(record):
     with pytest.raises(AttributeError):
         setattr(record, next(iter(as_dict)), 0)  # read-only
     assert repr(as_dict) in repr(record)
+
+
+def test_the_scheduler_stats_read_as_the_dict_they_replaced():
+    engine, stats = _scheduler_stats()
+    test_a_record_reads_as_the_dict_it_replaced(stats)
+    # The keys callers read: one per counter, and the per-space arrays as one key per space.
+    for space in ("host", "device", "disk"):
+        for prefix in ("resident_bytes_", "peak_resident_bytes_", "held_bytes_", "budget_bytes_"):
+            assert prefix + space in stats
+    assert stats.steps == stats["steps"] == 1 and stats.accesses > 0
+    assert stats["held_bytes_device"] == engine.chunks.held_bytes(_C.chunks.MemorySpace.DEVICE)
+    report = engine.memory_report()
+    assert type(report["scheduler"]) is dict and report["scheduler"] == stats
+    json.dumps(report["scheduler"])
+    engine.remove_hooks()
 
 
 def test_the_user_api_gives_plain_dicts():

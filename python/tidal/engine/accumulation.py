@@ -32,15 +32,29 @@ class GradientAccumulation:
         folded part of its gradients: Note [CPU Adam during backward]), or
         None; cleared by reset() (engine.zero_grad()).
 
-    What it needs of the engine is passed in: the ModuleHooks (`hooks`, the
-    landed flags, the folds and the sums' drop), the store (where a chunk is
-    updated), whether the host is short of room (`host_short`), and
-    `give_weights_back(records)`, which puts the weights back into slots
-    that hold gradients being dropped (from the masters; with data parallel,
-    from the owners)."""
+    What it needs of the engine is passed in, in two steps. At construction:
+    the ParamTable (`params`), the ModuleHooks (`hooks`, the landed flags,
+    the folds and the sums' drop), the store (where a chunk is updated), the
+    Config and whether the host is short of room (`host_short`). Then
+    connect(), once the optimizer step (and data parallel) exist, which are
+    built after it: `give_weights_back(records)`, which puts the weights back
+    into slots that hold gradients being dropped (from the masters; with
+    data parallel, from the owners). Nothing drops gradients before that:
+    no hook is on the model yet.
 
-    def __init__(self, steps: int, params: ParamTable, hooks, store, config,
-                 host_short: Callable[[], bool], give_weights_back: Callable[[list], None]):
+    Args:
+        steps: gradient_accumulation_steps.
+        params: the engine's ParamTable.
+        hooks: the engine's ModuleHooks.
+        store: the ParamStore.
+        config: the engine's Config (the CPU Adam threads, hybrid Adam).
+        host_short: whether the host budget is too small for the state.
+    """
+
+    def __init__(self, *, steps: int, params: ParamTable, hooks, store, config,
+                 host_short: Callable[[], bool]):
+        if not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:
+            raise ValueError(f"gradient accumulation steps must be an int >= 1, got {steps!r}")
         self.steps = steps
         self.summing = steps > 1
         self.micro_steps = 0
@@ -51,7 +65,32 @@ class GradientAccumulation:
         self._store = store
         self._config = config
         self._host_short = host_short
+        self._give_weights_back: "Callable[[list], None] | None" = None  # (connect())
+
+    def connect(self, *, give_weights_back: Callable[[list], None]) -> None:
+        """The second step of the construction (the class docstring).
+
+        Args:
+            give_weights_back: give_weights_back(records) puts the weights back
+                into the slots of `records`, which hold gradients being dropped.
+        """
         self._give_weights_back = give_weights_back
+
+    # ------------------------------------------------------------ the counts
+    def backward_done(self) -> None:
+        """A backward pass finished (its fold, if any, done): one micro-step more."""
+        self.micro_steps += 1
+
+    def break_window(self, why: str) -> None:
+        """The sums cannot be stepped on (`why`: a failed backward folded part
+        of its gradients); engine.step() refuses until reset()."""
+        self.broken = why
+
+    def load_count(self, micro_steps: int) -> None:
+        """A checkpoint's load sets the micro-step count it saved."""
+        if not isinstance(micro_steps, int) or micro_steps < 0:
+            raise ValueError(f"micro_steps must be an int >= 0, got {micro_steps!r}")
+        self.micro_steps = micro_steps
 
     # ------------------------------------------------------------ the window
     def is_boundary(self) -> bool:

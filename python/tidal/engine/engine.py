@@ -10,7 +10,8 @@ python/tidal/engine/hooks.py for the hook protocol. One step:
 Engine is this file (set-up, forward, backward, zero_grad, checkpoint entry
 points) and engine_api.py (DeepSpeed's engine queries and nn.Module's
 methods, a base class without state of its own). Every other concern is an
-object of its own, owning its state and given what it reads at construction:
+object of its own, owning its state and given what it reads at construction
+(Note [The engine's objects, in the order they are built], below):
   HookWiring (hook_wiring.py, self._wiring): the module and parameter hooks,
     the ModuleHooks, the memory tracer, the saved-tensor pair, attaches and
     detaches outside the hooks' path (DTR's replays among them) and the
@@ -25,6 +26,8 @@ object of its own, owning its state and given what it reads at construction:
   ChunkDataParallel (chunk_data_parallel.py, self._dp_step): data parallel;
   StateDictBridge (state_dict_bridge.py, self._state_dict_bridge):
     model.state_dict() and load_state_dict() through the chunks;
+  Checkpoints (checkpoint.py, self._checkpoints): save_checkpoint and
+    load_checkpoint, state_dict, load_pretrained and save_pretrained;
   EngineReports (reports.py, self._reports): memory_report(), the timeline
     and profile;
   OutsideAccess (outside_access.py, self._outside): parameters read outside
@@ -34,6 +37,7 @@ object of its own, owning its state and given what it reads at construction:
 """
 from __future__ import annotations
 
+import functools
 import warnings
 import weakref
 
@@ -126,6 +130,28 @@ class Engine(DeepSpeedEngineAPI):
         if self.recompute_plan is not None:
             self.recompute_plan.parameter_aliases = self._wiring.saved_tensor_pair
 
+    # Note [The engine's objects, in the order they are built]
+    # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+    # _setup builds the engine's objects one after another, each from what
+    # exists when it is built, passed by keyword; none is handed a closure
+    # over an attribute set later. Where two objects call each other, the one
+    # built first takes the other in an explicit second step, connect():
+    #   ParamTable, budget.check, the tracer, StepMeters, DtrLink, StepOverlap
+    #   HookWiring          (its ModuleHooks are what the rest are given)
+    #   GradientAccumulation
+    #   StateDictBridge
+    #   OutsideAccess       (given the bridge's busy() and settle_copies())
+    #     -> StateDictBridge.connect(OutsideAccess.settle, write_value)
+    #     -> HookWiring.connect(before_forward, the OutsideAccess's readers and check)
+    #   ChunkDataParallel
+    #   OptimizerStep
+    #     -> GradientAccumulation.connect(give_weights_back: through the step)
+    #   Checkpoints, EngineReports (given the step; they read it when asked)
+    # Only then do the hooks go on the model (_install_hooks, the state-dict
+    # and outside-read hooks), so no hook runs before every connect() is done.
+    # The ParamStore holds no reference up to the engine: code beside the
+    # engine that needs it (GatheredParameters) finds it by its parameters
+    # (guards.engine_of).
     def _setup(self, model, cfg, store):
         store.adopted()
         self.store = store
@@ -200,6 +226,9 @@ class Engine(DeepSpeedEngineAPI):
         if cuda_room:
             _C.chunks.reset_cuda_room_counts()
 
+        # Note [The engine's objects, in the order they are built]: each is
+        # given, with keywords, only objects that exist when it is built; what
+        # it needs of an object built later comes in an explicit connect().
         # What the steps measure (memory_report()).
         self._meters = StepMeters()
         self._meters.start(self.chunks.stats())
@@ -213,54 +242,62 @@ class Engine(DeepSpeedEngineAPI):
             # engine first waits for it, before its chunks go.
             self._overlap.abandon_with(self)
         # The module and parameter hooks, the tracer and the saved-tensor pair
-        # (the hooks go on the model below, once the objects they call exist).
-        self._wiring = HookWiring(
-            store, self._params, cfg, tracer, self.dtr, self._overlap, self.dtype,
-            cuda=cuda, cuda_room=cuda_room, sim_caching=sim_caching, enforce_budget=enforce_budget,
-            budget=lambda: self._budget, before_forward=self._before_forward,
-            hook_readers=lambda: self._outside.hook_readers(),
-            start_check=lambda: self._outside.start_check(),
-            stop_check=lambda finished: self._outside.stop_check(finished=finished))
-        hooks = self._wiring.hooks
+        # (the hooks go on the model below, once the objects they call exist
+        # and are connected).
+        wiring = self._wiring = HookWiring(
+            store=store, params=self._params, config=cfg, tracer=tracer, dtr=self.dtr,
+            overlap=self._overlap, dtype=self.dtype, cuda=cuda, cuda_room=cuda_room,
+            sim_caching=sim_caching, enforce_budget=enforce_budget, budget=self._current_budget)
+        hooks = wiring.hooks
         # The accumulation window and the gradients waiting for the step
         # (Note [Gradient sums in chunks] in cpu_adam/adam.h).
         self._accumulation = GradientAccumulation(
-            cfg.gradient_accumulation_steps, self._params, hooks, store, cfg,
-            self._host_short, self._give_weights_back)
+            steps=cfg.gradient_accumulation_steps, params=self._params, hooks=hooks, store=store,
+            config=cfg, host_short=self._host_short)
+        # model.state_dict() and load_state_dict() through the chunks (its
+        # hooks go on the modules below, with the others).
+        self._state_dict_bridge = StateDictBridge(
+            module=model, store=store, params=self._params, hooks=hooks, dtype=self.dtype,
+            write_param=functools.partial(_checkpoint.write_param, store))
         # Parameters read outside their module, writes to them between steps
         # and a raw loss.backward() (its reads go through the ParameterReads
         # installed below).
         self._outside = OutsideAccess(
             self._params, store, hooks, self.dtr, self._accumulation,
             record_of_param=self._record_of_param, settle_overlap=self._settle_overlap,
-            attach=self._wiring.attach, attach_failed=self._wiring.attach_failed,
+            attach=wiring.attach, attach_failed=wiring.attach_failed,
             hook_module=self._hook_module,
-            state_dict_busy=lambda: self._state_dict_bridge.busy(),
-            settle_state_dict_copies=lambda lost: self._state_dict_bridge.settle_copies(lost))
-        # model.state_dict() and load_state_dict() through the chunks (its
-        # hooks go on the modules below, with the others).
-        self._state_dict_bridge = StateDictBridge(
-            model, store, self._params, hooks, self.dtype,
-            settle_outside=self._outside.settle, write_value=self._outside.write_value,
-            write_param=lambda record, value: _checkpoint._write_param(self, record, value))
+            state_dict_busy=self._state_dict_bridge.busy,
+            settle_state_dict_copies=self._state_dict_bridge.settle_copies)
+        self._state_dict_bridge.connect(settle_outside=self._outside.settle,
+                                        write_value=self._outside.write_value)
+        wiring.connect(before_forward=self._before_forward, hook_readers=self._outside.hook_readers,
+                       start_check=self._outside.start_check, stop_check=self._outside.stop_check)
         if self.dp is not None:
-            self._dp_step = ChunkDataParallel(self.dp, store, self._params, hooks, self._overlap,
-                                              self._accumulation.summing)
+            self._dp_step = ChunkDataParallel(
+                group=self.dp, store=store, params=self._params, hooks=hooks, overlap=self._overlap,
+                accumulating=self._accumulation.summing)
         # The optimizer step, its counters, loss scaler and LR schedule.
         self._step = OptimizerStep(
-            cfg, store, self._params, self.optimizer, lr_scheduler, self._accumulation, hooks,
-            tracer, self._meters, self.dtr, self._overlap, self._dp_step,
-            settle_outside=self._outside.settle, stop_counting=lambda: self._wiring.count(False),
-            end_trace_step=self._wiring.end_trace_step, check_budget=self._check_budget,
+            config=cfg, store=store, params=self._params, optimizer=self.optimizer,
+            lr_scheduler=lr_scheduler, accumulation=self._accumulation, hooks=hooks, tracer=tracer,
+            meters=self._meters, dtr=self.dtr, overlap=self._overlap, dp_step=self._dp_step,
+            settle_outside=self._outside.settle, stop_counting=functools.partial(wiring.count, False),
+            end_trace_step=wiring.end_trace_step, check_budget=self._check_budget,
             host_short=self._host_short)
+        # Dropped gradients get their weights back through the step (and data parallel).
+        self._accumulation.connect(give_weights_back=self._give_weights_back)
+        # Checkpoints and state dicts (Note [Checkpoint format]).
+        self._checkpoints = _checkpoint.Checkpoints(
+            module=model, store=store, params=self._params, hooks=hooks, step=self._step,
+            accumulation=self._accumulation, optimizer=self.optimizer, config=cfg)
         # What the engine reports (memory_report() and the others); the step's
         # counts are read when a report is made.
         self._reports = EngineReports(
-            store, self._params, tracer, self._meters, self._overlap, self.overlap_step_off,
-            self.dp, self._dp_step, self.dtr, cuda, cuda_room, sim_caching,
-            step_counts=lambda: (self.global_steps, self.skipped_steps, self.scaler.scale),
-            settle_overlap=self._settle_overlap)
-        store.engine_ref = weakref.ref(self)
+            store=store, params=self._params, tracer=tracer, meters=self._meters, step=self._step,
+            overlap=self._overlap, overlap_step_off=self.overlap_step_off, dp=self.dp,
+            dp_step=self._dp_step, dtr=self.dtr, cuda=cuda, cuda_room=cuda_room,
+            sim_caching=sim_caching, settle_overlap=self._settle_overlap)
         self._install_hooks()
         hooks.set_raw_backward(raw_backward_refusal(self.precision, self.scaler, self.dp))
         hooks.set_raw_backward_limits(enforce_budget, enforce_budget and self.config.room_on_miss)
@@ -297,6 +334,10 @@ class Engine(DeepSpeedEngineAPI):
         wiring = getattr(self, "_wiring", None)
         if wiring is not None and not wiring.tracer.warmed_up:
             wiring.tracer.set_warmup_room(self._budget.warmup_chunk_room)
+
+    def _current_budget(self) -> "_budget.DeviceRoom":
+        """The last budget.check (_check_budget replaces it after a relayout)."""
+        return self._budget
 
     def _host_short(self) -> bool:
         """The host budget is too small for the state (Note [One place per chunk])."""
@@ -488,8 +529,10 @@ class Engine(DeepSpeedEngineAPI):
         return [r.name for r in records if id(r) in index and hooks.landed(index[id(r)])]
 
     def _forget_writes(self, records) -> None:
-        # ParamStore.forget_writes: these parameters' version counts as they are
-        # now (writes to copies dropped on purpose are not the user's writes).
+        # These parameters' version counts as they are now (writes to copies
+        # dropped on purpose, GatheredParameters' in
+        # _deepspeed_compat/runtime/zero/partition_parameters.py, are not the
+        # user's writes).
         if getattr(self, "_wiring", None) is None:
             return
         index = [self._params.record_index[id(r)] for r in records if id(r) in self._params.record_index]
@@ -598,7 +641,7 @@ class Engine(DeepSpeedEngineAPI):
                 self._overlap.backward_ended()
                 self._settle_overlap()
                 if self._overlap.folded_early:
-                    self._accumulation.broken = (
+                    self._accumulation.break_window(
                         f"the backward that failed had folded the gradients of "
                         f"{len(self._overlap.folded_early)} chunks into their accumulation sums "
                         f"(tidal.overlap_step), which now hold part of a failed micro-batch")
@@ -627,7 +670,7 @@ class Engine(DeepSpeedEngineAPI):
                 lambda owned: self._accumulation.fold_chunks(owned, self._host_short()))
         elif self._accumulation.summing:
             self._accumulation.fold()
-        self._accumulation.micro_steps += 1
+        self._accumulation.backward_done()
 
     def _out_of_memory(self, e, phase: str):
         """A tidal.OutOfMemoryError saying what the device held when torch's
@@ -688,7 +731,7 @@ class Engine(DeepSpeedEngineAPI):
         self._settle_overlap()
         self._outside.settle()
         with _dtr.outside():
-            return _checkpoint.save_checkpoint(self, save_dir, tag, client_state, save_latest)
+            return self._checkpoints.save_checkpoint(save_dir, tag, client_state, save_latest)
 
     def load_checkpoint(self, load_dir, tag=None, load_optimizer_states=True,
                         load_lr_scheduler_states=True):
@@ -697,8 +740,8 @@ class Engine(DeepSpeedEngineAPI):
         self._settle_overlap()
         self._outside.settle()
         with self.dtr.weights_change(), _dtr.outside():
-            result = _checkpoint.load_checkpoint(self, load_dir, tag, load_optimizer_states,
-                                                 load_lr_scheduler_states)
+            result = self._checkpoints.load_checkpoint(load_dir, tag, load_optimizer_states,
+                                                           load_lr_scheduler_states)
         self._wiring.hooks.sync_param_writes()  # (the load wrote the chunks, not the parameters)
         return result
 
@@ -707,14 +750,14 @@ class Engine(DeepSpeedEngineAPI):
         self._settle_overlap()
         self._outside.settle()
         with _dtr.outside():
-            return _checkpoint.state_dict(self)
+            return self._checkpoints.state_dict()
 
     def load_state_dict(self, state_dict, strict: bool = True):
         """Loads weights (fp32 master and 16-bit copy); Adam state is kept."""
         self._settle_overlap()
         self._outside.settle()
         with self.dtr.weights_change(), _dtr.outside():
-            result = _checkpoint.load_state_dict(self, state_dict, strict)
+            result = self._checkpoints.load_state_dict(state_dict, strict)
         self._wiring.hooks.sync_param_writes()  # (the load wrote the chunks, not the parameters)
         return result
 
@@ -723,7 +766,7 @@ class Engine(DeepSpeedEngineAPI):
         self._settle_overlap()
         self._outside.settle()
         with self.dtr.weights_change(), _dtr.outside():
-            result = _checkpoint.load_pretrained(self, path, strict)
+            result = self._checkpoints.load_pretrained(path, strict)
         self._wiring.hooks.sync_param_writes()  # (the load wrote the chunks, not the parameters)
         return result
 
@@ -733,7 +776,7 @@ class Engine(DeepSpeedEngineAPI):
         self._settle_overlap()
         self._outside.settle()
         with _dtr.outside():
-            return _checkpoint.save_pretrained(self, save_dir, max_shard_size, dtype)
+            return self._checkpoints.save_pretrained(save_dir, max_shard_size, dtype)
 
 
 # The engine's entry points: inside them its parameters are its own (Note

@@ -160,6 +160,9 @@ class DeepSpeedEngineAPI:
     relayout_skipped = _Owned("_step", doc="Why the relayout after the warm-up step was skipped, or None.")
     micro_steps = _Owned("_accumulation", settable=True,
                          doc="The backward passes run so far (DeepSpeed's count).")
+    restore_rng_on_load = _Owned("_checkpoints", settable=True,
+                                 doc="Whether load_checkpoint restores the saved RNG state (Note [The RNG "
+                                 "on load_checkpoint]; tidal.deepspeed.initialize sets it False).")
 
     def get_global_grad_norm(self) -> float | None:
         """The L2 norm of the unscaled gradients of the last optimizer step,

@@ -114,15 +114,18 @@ class HookWiring:
             running, or None.
         _pre_backward_hooks: module -> the tensor hook its outputs get.
 
-    What it needs of the engine is passed in: the ParamStore (`store`), the
-    ParamTable (`params`), the Config (`config`), the tracer made earlier in
-    Engine._setup (`tracer`), the DtrLink (`dtr`), the StepOverlap or None
-    (`overlap`), the 16-bit dtype (`dtype`) and callables: `budget()` (the
-    engine's budget.check result, replaced when the chunks are relaid),
-    `before_forward()` (what a forward that is not a recompute settles
-    first: a raw backward, a state dict's copies, outside writes),
-    `hook_readers()`, `start_check()` and `stop_check(finished)` (the
-    OutsideAccess's readers and PlaceholderCheck).
+    What it needs of the engine is passed in, in two steps. At construction:
+    the ParamStore (`store`), the ParamTable (`params`), the Config
+    (`config`), the tracer made earlier in Engine._setup (`tracer`), the
+    DtrLink (`dtr`), the StepOverlap or None (`overlap`), the 16-bit dtype
+    (`dtype`) and `budget()` (the engine's budget.check result, replaced when
+    the chunks are relaid). Then connect(), once the objects a forward's
+    root hooks call exist (the OutsideAccess and the StateDictBridge are
+    built after it, as they need its ModuleHooks): `before_forward()` (what
+    a forward that is not a recompute settles first: a raw backward, a state
+    dict's copies, outside writes), `hook_readers()`, `start_check()` and
+    `stop_check(finished)` (the OutsideAccess's readers and
+    PlaceholderCheck). No hook is on the model before connect().
 
     Torch holds its hooks: the module hooks (C++ callables the collector can
     traverse) hold it strongly, the gradient hooks and the output tensor
@@ -131,11 +134,9 @@ class HookWiring:
     dies with the engine.
     """
 
-    def __init__(self, store, params: ParamTable, config, tracer, dtr, overlap, dtype, *,
+    def __init__(self, *, store, params: ParamTable, config, tracer, dtr, overlap, dtype,
                  cuda: bool, cuda_room: bool, sim_caching: bool, enforce_budget: bool,
-                 budget: Callable, before_forward: Callable[[], None],
-                 hook_readers: Callable[[], None], start_check: Callable[[], None],
-                 stop_check: Callable[[bool], None]):
+                 budget: Callable):
         self._store = store
         self._params = params
         self._config = config
@@ -143,10 +144,10 @@ class HookWiring:
         self._overlap = overlap
         self._dtype = dtype
         self._budget = budget
-        self._before_forward = before_forward
-        self._hook_readers = hook_readers
-        self._start_check = start_check
-        self._stop_check = stop_check
+        self._before_forward: "Callable[[], None] | None" = None  # (connect())
+        self._hook_readers: "Callable[[], None] | None" = None
+        self._start_check: "Callable[[], None] | None" = None
+        self._stop_check: "Callable[..., None] | None" = None
         self.cuda = cuda
         self.cuda_room = cuda_room
         self.sim_caching = sim_caching
@@ -162,6 +163,22 @@ class HookWiring:
         # in hooks/param_binding.h); the same pair serves tidal.recompute's
         # replays (RecomputePlan.parameter_aliases).
         self.saved_tensor_pair = self.hooks.saved_tensor_hooks(self._unpack_attach)
+
+    def connect(self, *, before_forward: Callable[[], None], hook_readers: Callable[[], None],
+                start_check: Callable[[], None], stop_check: Callable[..., None]) -> None:
+        """The second step of the construction: what the root's forward hooks
+        call, from objects built after this one (the class docstring).
+
+        Args:
+            before_forward: what a forward that is not a recompute settles first.
+            hook_readers: hooks the modules found reading parameters outside their forward.
+            start_check: the root's forward starts (PlaceholderCheck).
+            stop_check: stop_check(finished=...): the root's forward ended or raised.
+        """
+        self._before_forward = before_forward
+        self._hook_readers = hook_readers
+        self._start_check = start_check
+        self._stop_check = stop_check
 
     def remove_handles(self):
         """Removes every hook on the model (engine.remove_hooks())."""
@@ -248,7 +265,7 @@ class HookWiring:
         self._start_check()
 
     def root_post(self, module, args, output):
-        self._stop_check(True)
+        self._stop_check(finished=True)
         if not torch.is_grad_enabled():
             self.count(False)
             if torch._C._current_graph_task_id() == -1:

@@ -59,7 +59,7 @@ class StepMeters:
 def merge_stats(now: dict, retired: "dict | None") -> dict:
     """A live scheduler's counters plus a replaced one's (peaks: the larger)."""
     if retired is None:
-        return now
+        return dict(now)
     out = {}
     for k, v in now.items():
         if k.startswith("peak_"):

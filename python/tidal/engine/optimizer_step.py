@@ -89,8 +89,8 @@ class OptimizerStep:
             (engine._host_short; Note [One place per chunk]).
     """
 
-    def __init__(self, config, store, params, optimizer, lr_scheduler, accumulation, hooks, tracer,
-                 meters, dtr, overlap, dp_step, *, settle_outside: Callable[[], None],
+    def __init__(self, *, config, store, params, optimizer, lr_scheduler, accumulation, hooks, tracer,
+                 meters, dtr, overlap, dp_step, settle_outside: Callable[[], None],
                  stop_counting: Callable[[], None], end_trace_step: Callable[[], None],
                  check_budget: Callable[[], None], host_short: Callable[[], bool]):
         self._config = config

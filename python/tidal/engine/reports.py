@@ -18,23 +18,30 @@ __all__ = ["EngineReports"]
 class EngineReports:
     """The engine's reports, over the parts it reads.
 
-    What it reads is passed in, never the engine: the ParamStore (`store`;
-    its chunk scheduler is read through it, as a relayout replaces it), the
-    ParamTable (`params`, the names of modules and records), the memory
-    tracer (`tracer`, the timeline and peaks), the StepMeters (`meters`),
-    the StepOverlap (`overlap`, None without tidal.overlap_step) and why the
-    step is not overlapped (`overlap_step_off`), the process group and
-    ChunkDataParallel (`dp`, `dp_step`; None without data parallel), the
-    DtrLink (`dtr`), the device facts (`cuda`, `cuda_room`, `sim_caching`),
-    and two callables: `step_counts()`, the (steps, skipped steps, loss
-    scale) of the optimizer step as they are now, and `settle_overlap()`,
-    which takes back the chunk updates no step has validated before the
-    masters are read (Note [Speculative updates and their undo]).
+    What it reads is passed in, never the engine.
+
+    Args:
+        store: the ParamStore (its chunk scheduler is read through it, as a
+            relayout replaces it).
+        params: the ParamTable (the names of modules and records).
+        tracer: the memory tracer (the timeline and peaks).
+        meters: the StepMeters.
+        step: the OptimizerStep (its step counts and loss scale, read when a
+            report is made).
+        overlap: the StepOverlap, None without tidal.overlap_step.
+        overlap_step_off: why the step is not overlapped, or None.
+        dp, dp_step: the process group and the ChunkDataParallel; None
+            without data parallel.
+        dtr: the DtrLink.
+        cuda, cuda_room, sim_caching: the device facts.
+        settle_overlap: takes back the chunk updates no step has validated
+            before the masters are read (Note [Speculative updates and their
+            undo]).
     """
 
-    def __init__(self, store, params, tracer, meters, overlap, overlap_step_off: "str | None",
-                 dp, dp_step, dtr, cuda: bool, cuda_room: bool, sim_caching: bool,
-                 step_counts: Callable[[], tuple], settle_overlap: Callable[[], None]):
+    def __init__(self, *, store, params, tracer, meters, step, overlap,
+                 overlap_step_off: "str | None", dp, dp_step, dtr, cuda: bool, cuda_room: bool,
+                 sim_caching: bool, settle_overlap: Callable[[], None]):
         self._store = store
         self._params = params
         self._tracer = tracer
@@ -47,7 +54,7 @@ class EngineReports:
         self._cuda = cuda
         self._cuda_room = cuda_room
         self._sim_caching = sim_caching
-        self._step_counts = step_counts
+        self._step = step
         self._settle_overlap = settle_overlap
 
     def memory_timeline(self) -> list[tuple]:
@@ -128,7 +135,8 @@ class EngineReports:
         hits = s["prefetch_hits"]
         misses = s["misses"]
         steps = meters.bytes_per_step
-        global_steps, skipped_steps, loss_scale = self._step_counts()
+        step = self._step
+        global_steps, skipped_steps, loss_scale = step.global_steps, step.skipped_steps, step.scaler.scale
         dp = self._dp
         disk = store.chunks.disk
         return {
@@ -145,8 +153,8 @@ class EngineReports:
             # nothing reserves beyond what is allocated (the exact simulated
             # device, whose peak_device_bytes is both).
             "peak_reserved_device_bytes": tracer.peak_reserved,
-            "room_on_cache_miss": _C.chunks.cuda_room_counts() if self._cuda_room else
-            _C.chunks.host_allocation_model_use() if self._sim_caching else None,
+            "room_on_cache_miss": dict(_C.chunks.cuda_room_counts()) if self._cuda_room else
+            dict(_C.chunks.host_allocation_model_use()) if self._sim_caching else None,
             "simulated_allocator": None if self._cuda else
             "torch_caching" if self._sim_caching else "exact",
             "peak_chunk_host_bytes": s["peak_resident_bytes_host"],

@@ -96,32 +96,43 @@ class StateDictBridge:
         saving_module:  the module whose state_dict() is running, or None
             (Note [A parameter object stays the user's]).
 
-    What it needs of the engine is passed in: the root module, the
-    ParamStore, the ParamTable (`params`), the ModuleHooks (`hooks`: landed,
-    attached and running parameters, the sync of parameter writes), the
-    16-bit dtype, and three callables: `settle_outside()` (the engine's
-    OutsideAccess.settle: Note [Writes to a parameter] in hooks/module_hooks.cpp),
-    `write_value(record, value, attached)` (`p.data = value` into the 16-bit
-    copy and the master) and `write_param(record, value)` (a loaded value into
-    the chunks, as a checkpoint load writes it).
+    What it needs of the engine is passed in, in two steps. At construction:
+    the root module, the ParamStore, the ParamTable (`params`), the
+    ModuleHooks (`hooks`: landed, attached and running parameters, the sync
+    of parameter writes), the 16-bit dtype and `write_param(record, value)`
+    (a loaded value into the chunks, as a checkpoint load writes it). Then
+    connect(), once the engine's OutsideAccess exists (built after this
+    bridge, whose busy() and settle_copies() it calls):
+    `settle_outside()` (OutsideAccess.settle: Note [Writes to a parameter]
+    in hooks/module_hooks.cpp) and `write_value(record, value, attached)`
+    (`p.data = value` into the 16-bit copy and the master). Its hooks go on
+    the modules (install()) after connect().
     """
 
-    def __init__(self, module: torch.nn.Module, store, params, hooks, dtype: torch.dtype,
-                 settle_outside: Callable[[], None],
-                 write_value: Callable[..., None],
+    def __init__(self, *, module: torch.nn.Module, store, params, hooks, dtype: torch.dtype,
                  write_param: Callable[..., None]):
         self._module = module
         self._store = store
         self._params = params
         self._hooks = hooks
         self._dtype = dtype
-        self._settle_outside = settle_outside
-        self._write_value = write_value
         self._write_param = write_param
+        self._settle_outside: "Callable[[], None] | None" = None  # (connect())
+        self._write_value: "Callable[..., None] | None" = None
         self.copies: list = []
         self.dropped_writes: list = []
         self.loading = False
         self.saving_module = None
+
+    def connect(self, *, settle_outside: Callable[[], None], write_value: Callable[..., None]) -> None:
+        """The second step of the construction (the class docstring).
+
+        Args:
+            settle_outside: OutsideAccess.settle.
+            write_value: OutsideAccess.write_value(record, value, attached).
+        """
+        self._settle_outside = settle_outside
+        self._write_value = write_value
 
     def busy(self) -> bool:
         """Whether a state dict is being read or written through the placeholders."""

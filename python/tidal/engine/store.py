@@ -149,10 +149,6 @@ class ParamStore:
 
     def __init__(self, config: Config):
         self.config = config
-        # A weak reference to the engine that trains this store's parameters
-        # (it sets it), for code outside the engine that reads the chunks or
-        # writes to copies (forget_writes, settle_engine below).
-        self.engine_ref = None
         if config.device != "auto" or get_device().info()["backend"] not in ("sim", "cuda"):
             set_device(config.device)
         device = get_device()
@@ -372,23 +368,6 @@ class ParamStore:
                 if record is not None and record.param is p:
                     return store
         return None
-
-    def forget_writes(self, records) -> None:
-        """What was written to these parameters' data since the engine last
-        looked was dropped on purpose (GatheredParameters' copies): the engine
-        takes their version counts as they are now (Note [Writes to a
-        parameter] in hooks/module_hooks.cpp)."""
-        engine = self.engine_ref() if self.engine_ref is not None else None
-        if engine is not None:
-            engine._forget_writes(records)
-
-    def settle_engine(self) -> None:
-        """Before chunks are read outside the engine: the CPU Adam updates made
-        during backward are waited for and taken back (Note [Speculative updates
-        and their undo] in overlap.py)."""
-        engine = self.engine_ref() if self.engine_ref is not None else None
-        if engine is not None:
-            engine._settle_overlap()
 
     def adopted(self) -> None:
         if self in ParamStore._unadopted:

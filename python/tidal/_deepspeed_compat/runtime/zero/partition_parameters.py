@@ -11,6 +11,7 @@ import torch
 
 from ....config import Config
 from ....engine.errors import UsageError
+from ....engine import guards as _guards
 from ....engine.external import register_external_parameter
 from ....engine.store import _TORCH_DTYPES, PARAM16, ParamStore
 from ....engine.user_param import engine_call
@@ -209,9 +210,10 @@ def _written_back(store, params, modifier_rank):
             f"tidal.deepspeed.zero.GatheredParameters(..., modifier_rank={modifier_rank!r}) under "
             f"data parallel: tidal does not broadcast the modifier's writes yet; load the same "
             f"values on every rank with engine.load_state_dict({{name: tensor}}, strict=False)")
-    store.settle_engine()  # (between backward and step: before the chunks are read)
+    engine = _engine_of(params)
+    if engine is not None:
+        engine._settle_overlap()  # (between backward and step: before the chunks are read)
     records = [store.by_param[id(p)] for p in params]
-    engine = store.engine_ref() if store.engine_ref is not None else None
     holding = engine.holding_gradients(records) if engine is not None else []
     if holding:
         raise UsageError(
@@ -242,7 +244,14 @@ def _written_back(store, params, modifier_rank):
             store.write_values(reversed(writes))
         # (Assigning the copies and back bumped the version counts: the
         # engine's record of user writes takes them as they are now.)
-        store.forget_writes([r for _, r, _ in done])
+        if engine is not None:
+            engine._forget_writes([r for _, r, _ in done])
+
+
+def _engine_of(params):
+    """The engine that trains `params` (a store has one at most), asked here:
+    the store holds no reference up to it."""
+    return next((e for e in (_guards.engine_of(p, collect=False) for p in params) if e is not None), None)
 
 
 def _by_store(params) -> dict:
@@ -263,7 +272,12 @@ def _copies(store, params):
     the data it had (a placeholder; or, under an engine between steps, or an
     enclosing context, a view of its slot)."""
     done = []
-    store.settle_engine()  # (between backward and step: before the chunks are read)
+    engine = _engine_of(params)
+    if engine is not None:
+        # Between backward and step: the CPU Adam updates made during backward
+        # are waited for and taken back before the chunks are read (Note
+        # [Speculative updates and their undo] in overlap.py).
+        engine._settle_overlap()
     try:
         with engine_call():  # (the copies are the engine's work; the block's body is the user's)
             for p in params:
@@ -280,4 +294,7 @@ def _copies(store, params):
                 p.data = old
         # (A write to a copy bumped its parameter's version count: dropped, as
         # DeepSpeed drops it, not a write the engine must keep or name.)
-        store.forget_writes([store.by_param[id(p)] for p, _ in done])
+        # The engine takes these parameters' version counts as they are now
+        # (Note [Writes to a parameter] in hooks/module_hooks.cpp).
+        if engine is not None:
+            engine._forget_writes([store.by_param[id(p)] for p, _ in done])
