@@ -436,4 +436,4 @@ class OutsideAccess:
         self._dtr.end()
         if self._accumulation.summing:
             self._accumulation.fold()
-        self._accumulation.micro_steps += 1
+        self._accumulation.backward_done()
