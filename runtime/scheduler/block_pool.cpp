@@ -86,8 +86,29 @@ bool BlockPool::trim_one(MemorySpace space) {
   auto& by_size = cache_[index_of(space)];
   if (by_size.empty()) return false;
   // A block whose copies are done goes without a wait; only when every
-  // cached block is still being copied does the caller wait for one.
-  if (trim_ready(space, cached_count_[index_of(space)] - 1) > 0) return true;
+  // cached block is still being copied does the caller wait for one. A block
+  // whose fence cannot be queried (a device error) counts as not done: the
+  // wait below, once the block is out of the cache, reports the error, so
+  // every call makes progress (the destructor relies on it).
+  for (auto bucket = by_size.rbegin(); bucket != by_size.rend(); ++bucket) {
+    auto& blocks = bucket->second;
+    for (std::size_t i = blocks.size(); i-- > 0;) {
+      bool done = false;
+      try {
+        done = blocks[i]->ready();
+      } catch (...) {
+        done = false;
+      }
+      if (!done) continue;
+      BlockPtr block = std::move(blocks[i]);
+      blocks.erase(blocks.begin() + static_cast<std::ptrdiff_t>(i));
+      if (blocks.empty()) by_size.erase(std::next(bucket).base());
+      cached_[index_of(space)] -= block->bytes;
+      --cached_count_[index_of(space)];
+      held_[index_of(space)] -= block->bytes;
+      return true;
+    }
+  }
   auto largest = std::prev(by_size.end());
   BlockPtr block = std::move(largest->second.back());
   largest->second.pop_back();
