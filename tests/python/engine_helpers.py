@@ -23,10 +23,12 @@ def within_budget(engine):
 
 
 def moved_within_budget(engine):
-    """within_budget, and chunks moved (evictions): for a budget below the
-    state, as measured_budget makes, where a test means the chunks to move."""
+    """within_budget, and chunks moved (evictions, or the last step's moves
+    down: CPU Adam's gradients, Note [Where a chunk's Adam runs]): for a budget
+    below the state, as measured_budget makes, where a test means the chunks
+    to move."""
     r = engine.memory_report()
-    assert r["evictions"] > 0, r
+    assert r["evictions"] > 0 or r["bytes_device_to_host_last_step"] > 0, r
     within_budget(engine)
 
 

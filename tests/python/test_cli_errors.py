@@ -170,8 +170,8 @@ def test_a_model_larger_than_the_budgets_is_one_line(tmp_path, keep_device, caps
                            "not fit in host + device memory: ")
     # 3 MiB less the host reserve of two fp32 chunks of 64 KiB
     assert f"chunks may hold {(3 << 20) - 2 * (64 << 10)} bytes on the host" in line
-    assert line.endswith("(--budget sets the device budget; tidal-estimate tells what fits before "
-                         "anything is built)")
+    assert line.endswith("(--budget sets the device budget, --nvme DIR puts the optimizer states on a "
+                         "disk; tidal-estimate tells what fits before anything is built)")
 
     # Activations past the device budget at the first step: status 1, the run stops.
     config["train_micro_batch_size_per_gpu"] = 64

@@ -103,7 +103,8 @@ def test_param_table_refuses_a_sparse_module_and_gives_the_parameters_back():
 def test_step_meters_count_each_steps_bytes_and_keep_a_replaced_schedulers_counters():
     meters = StepMeters()
     base = {"bytes_host_to_device": 100, "bytes_device_to_host": 10, "evictions": 1,
-            "peak_resident_bytes_device": 50, "resident_bytes_device": 40}
+            "peak_resident_bytes_device": 50, "resident_bytes_device": 40,
+            "bytes_disk_to_host": 4, "bytes_host_to_disk": 2}
     meters.start(base)
     meters.end_step({**base, "bytes_host_to_device": 180, "bytes_device_to_host": 30})
     assert meters.bytes_per_step == [(80, 20)]
@@ -112,7 +113,8 @@ def test_step_meters_count_each_steps_bytes_and_keep_a_replaced_schedulers_count
     final = {**base, "bytes_host_to_device": 200, "bytes_device_to_host": 35, "evictions": 3,
              "peak_resident_bytes_device": 90}
     fresh = {"bytes_host_to_device": 7, "bytes_device_to_host": 0, "evictions": 0,
-             "peak_resident_bytes_device": 20, "resident_bytes_device": 20}
+             "peak_resident_bytes_device": 20, "resident_bytes_device": 20,
+             "bytes_disk_to_host": 0, "bytes_host_to_disk": 0}
     meters.relayout(final, fresh)
     meters.end_step({**fresh, "bytes_host_to_device": 57, "bytes_device_to_host": 5})
     assert meters.bytes_per_step == [(80, 20), (50, 5)]
@@ -120,7 +122,8 @@ def test_step_meters_count_each_steps_bytes_and_keep_a_replaced_schedulers_count
     merged = meters.scheduler_stats(now)
     assert merged == {"bytes_host_to_device": 257, "bytes_device_to_host": 40, "evictions": 5,
                       "peak_resident_bytes_device": 90,   # peaks: the larger
-                      "resident_bytes_device": 20}        # what is resident: the live one's
+                      "resident_bytes_device": 20,        # what is resident: the live one's
+                      "bytes_disk_to_host": 4, "bytes_host_to_disk": 2}
     assert type(StepMeters().scheduler_stats(now)) is dict
 
 

@@ -52,36 +52,46 @@ class AdamPlacement:
         hybrid: tidal.hybrid_adam; without it every update runs on the host.
     """
 
-    def __init__(self, store, hybrid: bool):
+    def __init__(self, store, hybrid: bool, disk: bool = False):
         self._store = store
         self._hybrid = hybrid
+        # With the NVMe tier the step keeps the rule of before the plan (where
+        # the device has room at the update): the tier's disk traffic and its
+        # estimate were measured with it, and the plan moved more chunks to
+        # disk in test_engine_nvme's bf16 case; not yet worked out.
+        self._disk = disk
         # Chunk index -> planned on the device, per accumulation mode (the
         # sums are a fourth state list); None: no trace yet.
         self._plans: dict[bool, frozenset] | None = None
-        self._key = None  # what the plan was made from: (chunks, count, room)
+        self._key = None  # what the plan was made from: (chunk count, room)
+        self._capacities = None  # kind -> [bytes per chunk], read once per layout
         self.room_at_peak = None  # the chunk bytes the trace leaves at its peak
 
     def replan(self, limit: int, peaks) -> None:
         """A new plan from the tracer's budget less margin (`limit`) and the
         interval peaks of its adopted trace (`peaks`, non-chunk bytes)."""
-        if not peaks:
+        if not peaks or self._disk:
             self.forget()
             return
         c = self._store.chunks
         n = c.num_chunks
         room = limit - max(peaks)
-        key = (id(c), n, room)
-        if key == self._key:
-            return  # (the same room for the same chunks: the same plan, and no calls into C++)
-        self._key = key
+        if (n, room) == self._key:
+            return  # (the same room for the same chunks: the same plan)
+        self._key = (n, room)
+        if self._capacities is None or len(self._capacities[PARAM16]) != n:
+            # Once per layout: a steady step makes no call into C++ here.
+            self._capacities = {k: [c.chunk_capacity_bytes(i, k) for i in range(n)]
+                                for k in (PARAM16, PARAM32, MOMENTUM, VARIANCE, GRAD32)}
+        caps = self._capacities
         self.room_at_peak = max(0, room)
-        room -= sum(c.chunk_capacity_bytes(i, PARAM16) for i in range(n))
+        room -= sum(caps[PARAM16])
         plans = {}
         for summing in (False, True):
             kinds = (PARAM32, MOMENTUM, VARIANCE) + ((GRAD32,) if summing else ())
             left, plan = room, set()
             for i in range(n):
-                need = sum(c.chunk_capacity_bytes(i, k) for k in kinds)
+                need = sum(caps[k][i] for k in kinds)
                 if need <= left:
                     plan.add(i)
                     left -= need
@@ -92,6 +102,7 @@ class AdamPlacement:
         """The chunks were rebuilt (a relayout): no plan until the next trace."""
         self._plans = None
         self._key = None
+        self._capacities = None
 
     def planned(self, summing: bool = False):
         """The chunks planned on the device, or None before the first trace."""

@@ -211,7 +211,7 @@ class ParamStore:
             self.dp = _dp.DataParallel(config.data_parallel, self.torch_device.type == "cuda")
         self.chunks = self._new_chunks()
         # Hybrid Adam's plan (Note [Where a chunk's Adam runs] in placement.py).
-        self.adam_placement = AdamPlacement(self, config.hybrid_adam)
+        self.adam_placement = AdamPlacement(self, config.hybrid_adam, disk=config.nvme_path is not None)
         self.records: list[ParamRecord] = []
         self._warnings: list[str] = []
         self._last_module: dict = {}  # pool -> the module of its last registered parameter
