@@ -175,7 +175,11 @@ def test_loss_falls_as_under_the_plain_trainer(reference, tidal_run):
     engine = tidal_run.trainer.engine
     assert engine.global_steps == STEPS
     report = engine.memory_report()
-    assert report["adam_chunks_on_host"] > 0 and report["adam_chunks_on_device"] > 0, report
+    # The chunk room at the activation peak holds the 16-bit chunks but no
+    # states: hybrid Adam's plan updates them on the host (Note [Where a
+    # chunk's Adam runs]), and the chunks move.
+    assert report["adam_chunks_on_host"] > 0, report
+    assert report["bytes_device_to_host_last_step"] > 0, report
 
 
 def test_the_trainer_logs_loss_grad_norm_and_lr(reference, tidal_run):
