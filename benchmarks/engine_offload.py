@@ -79,14 +79,11 @@ class Plain:
 class Tidal:
     def __init__(self, model, cfg, rule_of_before: bool):
         self.engine = tidal.initialize(model, cfg)
-        self.rule_of_before = rule_of_before
-        self.samples, self.steady = [], []
+        if rule_of_before:
+            # Before issue 52: hybrid Adam preferred the device for every chunk.
+            self.engine.store.adam_placement.prefer_device = lambda chunk, summing: True
 
     def step(self, batches):
-        placement = self.engine.store.adam_placement
-        if self.rule_of_before:
-            # Before issue 52: hybrid Adam preferred the device for every chunk.
-            placement.prefer_device = lambda chunk, summing: True
         for x, y in batches:
             loss = self.engine(x, y)
             self.engine.backward(loss)

@@ -65,7 +65,6 @@ class AdamPlacement:
         self._plans: dict[bool, frozenset] | None = None
         self._key = None  # what the plan was made from: (chunk count, room)
         self._capacities = None  # kind -> [bytes per chunk], read once per layout
-        self.room_at_peak = None  # the chunk bytes the trace leaves at its peak
 
     def replan(self, limit: int, peaks) -> None:
         """A new plan from the tracer's budget less margin (`limit`) and the
@@ -84,7 +83,6 @@ class AdamPlacement:
             self._capacities = {k: [c.chunk_capacity_bytes(i, k) for i in range(n)]
                                 for k in (PARAM16, PARAM32, MOMENTUM, VARIANCE, GRAD32)}
         caps = self._capacities
-        self.room_at_peak = max(0, room)
         room -= sum(caps[PARAM16])
         plans = {}
         for summing in (False, True):
