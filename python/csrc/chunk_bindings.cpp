@@ -56,6 +56,7 @@ void bind_records(py::module_& m) {
   TIDAL_FIELD(spills);
   TIDAL_FIELD(payload_drops);
   TIDAL_FIELD(copy_waits);
+  TIDAL_FIELD(copy_wait_seconds);
   TIDAL_FIELD(host_block_allocations);
   TIDAL_FIELD(host_block_bytes_allocated);
   TIDAL_FIELD(device_block_allocations);

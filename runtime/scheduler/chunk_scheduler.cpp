@@ -1,6 +1,7 @@
 #include "runtime/scheduler/chunk_scheduler.h"
 
 #include <algorithm>
+#include <chrono>
 #include <cstdio>
 #include <exception>
 #include <utility>
@@ -138,8 +139,14 @@ void* ChunkScheduler::access(TensorRef ref, MemorySpace space) {
   Block& block = *slots_[id].block;
   if (options_.compute_stream != nullptr && space == MemorySpace::kDevice) {
     block.order_before(*options_.compute_stream);
-  } else if (block.wait_on_host()) {
+  } else if (!block.ready()) {
+    const auto start = std::chrono::steady_clock::now();
+    block.wait_on_host();
     ++stats_.copy_waits;
+    stats_.copy_wait_seconds +=
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  } else {
+    block.wait_on_host();  // settles the finished fence (and disk I/O) without waiting
   }
   store_.set_state(ref, TensorState::kCompute);
   last_use_[id] = ++tick_;

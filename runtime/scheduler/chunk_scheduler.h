@@ -191,6 +191,10 @@ struct ChunkSchedulerStats {
   std::uint64_t spills = 0;            // chunks moved to the device to make room on the host
   std::uint64_t payload_drops = 0;     // payloads given back (all slots FREE)
   std::uint64_t copy_waits = 0;        // accesses that waited for a copy (timing-dependent)
+  // Seconds the calling thread spent in those waits: the link time a step
+  // did not hide (on a device with a compute stream, device accesses order
+  // the stream instead and only host accesses wait here).
+  double copy_wait_seconds = 0;
   // New blocks (each host one pinned when pin_host_memory is on): a steady
   // step reuses cached blocks instead (Note [Host blocks for a steady step]).
   std::uint64_t host_block_allocations = 0;
