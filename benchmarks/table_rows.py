@@ -455,6 +455,15 @@ def _step_overlap_clip(r: Dict) -> List[Figure]:
         out.append(_exposed_adam(f"tidal.overlap_step on (default), {what}", on,
                                  off["exposed_adam_seconds_median"], "overlap_step off",
                                  p["exposed_ratio_on_to_off"]))
+        if "on_backward_only" in p:
+            # Issue 52: the clip on every step; the updates under the next forward.
+            b = p["on_backward_only"]
+            out.append(_exposed_adam(
+                f"the clip firing on every step, CPU Adam under the next forward "
+                f"(tidal.overlap_next_forward, default; {on['chunks_updated_under_next_forward']} chunk "
+                f"updates there), {what}", on, b["exposed_adam_seconds_median"],
+                "overlap during backward only (overlap_next_forward false)",
+                on["exposed_adam_seconds_median"] / b["exposed_adam_seconds_median"]))
     return out
 
 

@@ -138,6 +138,14 @@ _TIDAL_SCHEMA: dict[str, Any] = {
                                      "starts a chunk's update when its reduction lands. Not with "
                                      "DTR: true there is an error, the default turns it off "
                                      "(memory_report()['optimizer']['overlap_step_off'] says why)"),
+        "overlap_next_forward": (bool, True, "with overlap_step: the CPU Adam the step has left "
+                                             "(all of it when the clip fires) runs after "
+                                             "engine.step() returns, under the next forward, chunk "
+                                             "by chunk in the order that forward needs them; each "
+                                             "module's forward waits for its chunks' updates, so "
+                                             "the weights are the step's bit for bit (Note [CPU "
+                                             "Adam under the next forward]). Not under data "
+                                             "parallel nor with gradient accumulation"),
         "dtr": (dict, {}, "DTR of activations under the engine (docs/dtr.md): enabled, "
                           "eviction_threshold, evictee_minimum_size, enable_sqrt_sampling, scorer"),
         "recompute": (dict, {}, "tidal.recompute's own keys (tidal.recompute.from_config; "

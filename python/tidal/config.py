@@ -199,6 +199,7 @@ class Config:
     cpu_adam_threads: int = 0
     cpu_adam_pool: str = "onetbb"
     overlap_step: bool = True
+    overlap_next_forward: bool = True
     # Whether the config file set tidal.overlap_step, and why the default is
     # off for this config (None: it is on).
     overlap_step_given: bool = False
@@ -605,6 +606,7 @@ class Config:
             with problems.at("activation_checkpointing"):
                 _validate_recompute(self.activation_checkpointing, self.recompute)
         self.overlap_step = t["overlap_step"]
+        self.overlap_next_forward = t["overlap_next_forward"]
         self.overlap_step_given = isinstance(given.get("tidal"), dict) and \
             "overlap_step" in given["tidal"]
         self.overlap_step_off = None if self.overlap_step else "tidal.overlap_step is false"

@@ -316,6 +316,8 @@ class Engine(DeepSpeedEngineAPI):
     def remove_hooks(self):
         """Gives the model back to plain PyTorch: the engine's hooks, its
         parameter and conversion guards and the recompute plan go."""
+        if self._overlap is not None:
+            self._overlap.settle_deferred()  # (the step's updates left to a next forward)
         self._wiring.remove_handles()
         _external.uninstall(self.module)
         _user_param.uninstall(self)
@@ -427,14 +429,21 @@ class Engine(DeepSpeedEngineAPI):
         return r
 
     # ------------------------------------------------------------- user API
-    def _settle_overlap(self):
+    def _settle_overlap(self, keep_deferred: bool = False, chunks=None):
         """Waits for the CPU Adam updates running since backward, releases
         their pins and takes back every one no step has validated (Note
         [Speculative updates and their undo]): whatever needs the chunks
         between backward and step sees them as the step without overlap
-        would."""
+        would. The updates a step left to the next forward are waited for
+        too (Note [CPU Adam under the next forward]), unless keep_deferred
+        (the forward: each module waits for its own); `chunks`: only those
+        chunks' updates left to the next forward are waited for (a parameter
+        read inside a forward)."""
         if self._overlap is not None:
-            self._overlap.undo()
+            if chunks is not None:
+                self._overlap.settle_deferred(chunks)
+            else:
+                self._overlap.undo(keep_deferred=keep_deferred)
 
     # ---------------------------------------------------------------- reports
     def memory_report(self) -> dict:
@@ -470,7 +479,7 @@ class Engine(DeepSpeedEngineAPI):
 
     def __call__(self, *args, **kwargs):
         self._refuse_after_disk_failure()
-        self._settle_overlap()
+        self._settle_overlap(keep_deferred=True)
         if self.precision != "fp32":
             def cast(t):
                 if isinstance(t, torch.Tensor) and t.is_floating_point():

@@ -172,8 +172,12 @@ class OptimizerStep:
         self._settle_outside()
         self._stop_counting()
         accumulating = self._accumulation.summing
-        t_exposed = time.perf_counter()
         overlap = self._overlap
+        if overlap is not None:
+            # The last step's updates no forward took (Note [CPU Adam under the
+            # next forward]; their wait is metered there).
+            overlap.settle_deferred()
+        t_exposed = time.perf_counter()
         if overlap is not None:
             # Chunks CPU Adam updated while backward went on (Note [CPU Adam
             # during backward]): waited for here; validated below.
@@ -205,8 +209,13 @@ class OptimizerStep:
         else:
             dps = self._dp_step
             todo = [r for r in owned if r.chunk not in done] if done else owned
+            # Note [CPU Adam under the next forward]: the host chunks' updates
+            # may run under the next forward.
+            defer = overlap is not None and overlap.may_defer(
+                global_steps=self.global_steps, summing=accumulating, data_parallel=dps is not None,
+                host_short=self._host_short())
             if dps is None:
-                self._adam(todo, clip / scale)
+                self._adam(todo, clip / scale, defer=defer)
             else:
                 # The all-gather: each chunk's updated 16-bit values from its
                 # owner, started as its update ends, while the owners go on
@@ -328,10 +337,12 @@ class OptimizerStep:
                 with self._store.slots(r, (PARAM16, PARAM32), HOST) as (dst, src):
                     dst.copy_(src)
 
-    def _adam(self, pending, grad_scale: float, order=None, after_chunk=None):
+    def _adam(self, pending, grad_scale: float, order=None, after_chunk=None, defer: bool = False):
         """Adam on `pending`'s chunks, one chunk at a time: in `order` when
         given (which may name chunks without pending records), calling
-        `after_chunk(chunk)` after each (data parallel: the broadcasts)."""
+        `after_chunk(chunk)` after each (data parallel: the broadcasts).
+        defer: the chunks updated on the host go to the worker, to run under
+        the next forward (Note [CPU Adam under the next forward])."""
         by_chunk = collections.defaultdict(list)
         for r in pending:
             by_chunk[r.chunk].append(r)
@@ -353,17 +364,30 @@ class OptimizerStep:
         with torch.no_grad(), uncounted():
             for chunk in sorted(by_chunk) if order is None else order:
                 if chunk in by_chunk:
-                    self._adam_update(chunk, by_chunk[chunk], grad_scale, kinds, host_short)
+                    self._adam_update(chunk, by_chunk[chunk], grad_scale, kinds, host_short, defer)
                 if after_chunk is not None:
                     t1 = time.perf_counter()
                     after_chunk(chunk)
                     outside += time.perf_counter() - t1
         self._meters.adam_seconds += time.perf_counter() - t0 - outside
 
-    def _adam_update(self, chunk, recs, grad_scale: float, kinds, host_short: bool):
+    def _adam_update(self, chunk, recs, grad_scale: float, kinds, host_short: bool, defer: bool = False):
         cfg, c = self._config, self._store.chunks
+        prefer_device = self._store.adam_placement.prefer_device(chunk, GRAD32 in kinds)
         for r in recs:
             r.step += 1
+        if defer and not c.update_on_device(chunk, list(kinds), host_short, prefer_device):
+            # Note [CPU Adam under the next forward]: where step_chunk would
+            # update it (the host), on the worker, after this step returns.
+            try:
+                self._overlap.defer(chunk, recs, grad_scale)
+            except BaseException:
+                for r in recs:
+                    r.step -= 1
+                raise
+            self._meters.adam_host_chunks += 1
+            self._overlap.step_host_chunks.add(chunk)
+            return
         # Note [The step of a chunk in one call] (hooks/chunk_step.h): where
         # it runs, the pins, Adam per group and the releases, in one call.
         groups = [(g["lr"], *g["betas"], g["eps"], g["weight_decay"], [r.id for r in members],
@@ -372,7 +396,7 @@ class OptimizerStep:
         space = c.step_chunk(chunk, groups, adamw_mode=cfg.adam_w_mode,
                              bias_correction=cfg.bias_correction, grad_scale=grad_scale,
                              use_sums=GRAD32 in kinds,
-                             prefer_device=self._store.adam_placement.prefer_device(chunk, GRAD32 in kinds),
+                             prefer_device=prefer_device,
                              host_short=host_short, device_simd=self.device_adam_kernel == "simd",
                              num_threads=cfg.cpu_adam_threads, pool=cfg.cpu_adam_pool)
         if space == DEVICE:

@@ -90,8 +90,10 @@ class OutsideAccess:
     end of a backward), the DtrLink (`dtr`), the GradientAccumulation
     (`accumulation`: a raw backward's fold and micro-step) and callables:
     `record_of_param(p)` (the record of a parameter the engine trains, or
-    None), `settle_overlap()` (CPU Adam's updates since backward taken back:
-    Note [Speculative updates and their undo]), `attach(records, module,
+    None), `settle_overlap(chunks=None)` (CPU Adam's updates since backward taken back:
+    Note [Speculative updates and their undo]; with `chunks`, only those
+    chunks' updates a step left to the forward waited for: Note [CPU Adam
+    under the next forward]), `attach(records, module,
     for_backward=...)` and `attach_failed(e, module, records, retry)` (the
     hook wiring's attach and its out-of-memory report), `hook_module(m)` (a
     newly found reader's forward hooks), and of the StateDictBridge,
@@ -100,7 +102,7 @@ class OutsideAccess:
     """
 
     def __init__(self, params: ParamTable, store, hooks, dtr, accumulation, *,
-                 record_of_param: Callable, settle_overlap: Callable[[], None],
+                 record_of_param: Callable, settle_overlap: Callable[..., None],
                  attach: Callable[..., None], attach_failed: Callable[..., None],
                  hook_module: Callable[[torch.nn.Module], None],
                  state_dict_busy: Callable[[], bool],
@@ -157,6 +159,10 @@ class OutsideAccess:
             # backward hold their chunks: taken back first, as for any other
             # use of the chunks there (Note [Speculative updates and their undo]).
             self._settle_overlap()
+        else:
+            # Its chunk's update may still run under this forward (Note [CPU
+            # Adam under the next forward]).
+            self._settle_overlap(chunks=(record.chunk,))
         learn, module = True, None
         if running:
             module = self._params.module_list[running[-1]]

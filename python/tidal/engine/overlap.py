@@ -136,6 +136,41 @@ fp32 moments, 16 in fp32), kept from step to step so the copies run on
 mapped pages (memory_report()["optimizer"]["overlap_undo_bytes"]). A chunk
 whose buffers would not fit the host budget beside the chunks it holds is
 left to the step.
+
+Note [CPU Adam under the next forward]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+What backward could not hide (every host chunk when the clip fires, the
+speculation being off then; otherwise the chunks whose gradients landed
+last) the step would run while the script waits in engine.step(). With
+tidal.overlap_next_forward (the default, with overlap_step) the step, once
+it has the clip factor, computes each device chunk's update itself and
+hands each host chunk's to the worker in chunk order, which is the next
+forward's order (Note [Chunks in first-use order]), then returns. Each
+launched chunk is pinned on the host (its 16-bit, master and moment chunks,
+accessed in the order step_chunk accesses them, so the trace is the step's)
+and the worker runs cpu_adam over it with the step's own arguments
+(loss_scale = 1 / grad_scale, grad_scale = clip / loss scale): the weights
+are the step's bit for bit.
+
+A global forward pre-hook (torch's register_module_forward_pre_hook, which
+runs before every module's own hooks, installed while any update is out)
+makes the next forward wait where it must: before a module's own hooks
+attach its parameters, the updates of its parameters' chunks are waited for
+and their pins released, and every finished update's pins are released too,
+in order, so the scheduler's prefetch (blocked at the first pinned chunk)
+moves each chunk up as soon as its update is done, while the forward
+computes on the chunks before it. A parameter read from outside its module
+(Note [External parameters]) waits for its chunk the same way. Anything
+else that needs the chunks (a backward, the step, zero_grad, a state_dict,
+a checkpoint, a read of a parameter outside a forward, remove_hooks) waits
+for every update first: nothing sees a chunk between its step and its
+update. The time the forward waited counts as exposed CPU Adam.
+
+Not under data parallel (the step broadcasts each chunk as its update ends),
+nor with gradient accumulation (the sums are dropped at the step), nor with
+DTR, nor while the host is short (Note [One place per chunk]), nor before a
+step has been recorded for the layout: there the step updates every chunk
+itself, as before.
 """
 from __future__ import annotations
 
@@ -221,6 +256,14 @@ class StepOverlap:
         self.worker_seconds = 0.0      # CPU Adam on the worker, undone updates included
         self.overlapped_seconds = 0.0  # of which before backward ended
         self.undo_bytes = 0
+        # Note [CPU Adam under the next forward]: chunk -> (future, pins),
+        # in launch order; the futures also in a list the finalizer waits on;
+        # the global forward pre-hook's handle while any is out.
+        self._deferred: dict[int, tuple] = {}
+        self._deferred_jobs: list = []
+        self._hook_box: list = [None]
+        self.deferred_chunks = 0          # chunk updates run under a next forward
+        self.deferred_wait_seconds = 0.0  # what those forwards (or others) waited for them
 
     # ------------------------------------------------------------ backward
     def begin(self, last_micro_batch: bool, *, global_steps: int, loss_scale: float, host_short: bool,
@@ -237,6 +280,7 @@ class StepOverlap:
             fold_chunk: (chunk, records, space) -> None, the accumulation's
                 fold of one chunk's landed gradients into their sums.
         """
+        self.settle_deferred()
         self._forget_layout_if_changed()
         recs = collections.defaultdict(list)
         for r in self._params.records:
@@ -437,10 +481,14 @@ class StepOverlap:
         self._pending = {}
         return done
 
-    def undo(self):
+    def undo(self, keep_deferred: bool = False):
         """Waits for the updates running and takes back every one not yet
         validated: the undo buffers go back into the chunks, the steps are
-        counted back (Note [Speculative updates and their undo])."""
+        counted back (Note [Speculative updates and their undo]). The
+        updates a step left to the next forward are waited for first, unless
+        keep_deferred (the forward itself: its modules wait for theirs)."""
+        if not keep_deferred:
+            self.settle_deferred()
         try:
             self.finish()
         finally:
@@ -469,17 +517,129 @@ class StepOverlap:
         finalizer holds the worker's thread pool and job list, never this
         object: what it holds (the store, the records) leads to the model
         and from its hooks to the engine, which would then never go."""
-        weakref.finalize(owner, _abandon_worker, self._pool, self._jobs)
+        weakref.finalize(owner, _abandon_worker, self._pool, self._jobs, self._deferred_jobs, self._hook_box)
+
+    # ------------------------------------------------ under the next forward
+    def may_defer(self, *, global_steps: int, summing: bool, data_parallel: bool, host_short: bool) -> bool:
+        """Whether this step may leave its host updates to the next forward
+        (Note [CPU Adam under the next forward])."""
+        return (self._config.overlap_next_forward and global_steps > 0 and not summing
+                and not data_parallel and not host_short and not _dtr.is_enabled()
+                and self.plan is not None and self._layout is self._store.chunks)
+
+    def defer(self, chunk: int, recs: list, grad_scale: float):
+        """In the step: the update of `chunk`'s records `recs` (their step
+        counts already advanced) at `grad_scale` goes to the worker; the
+        chunk stays pinned on the host until settle_deferred takes it."""
+        cfg, c = self._config, self._store.chunks
+        # As step_chunk pins: the 16-bit chunk, then the master and moments.
+        pin = self._store.pin(recs[0], _KINDS, HOST)
+        try:
+            views = [c.chunk_view(chunk, k) for k in _UNDO_KINDS]
+            calls = []
+            for group, members in by_group(self._optimizer.param_groups, recs):
+                b1, b2 = group["betas"]
+                # hooks/chunk_step.cpp's simd_step: loss_scale = 1 / grad_scale.
+                calls.append(dict(ranges=[(c.placement(r.id)[1], r.numel) for r in members],
+                                  step=[r.step for r in members], lr=group["lr"], beta1=b1, beta2=b2,
+                                  eps=group["eps"], weight_decay=group["weight_decay"],
+                                  adamw_mode=cfg.adam_w_mode, bias_correction=cfg.bias_correction,
+                                  loss_scale=1.0 / grad_scale, max_grad_norm=0.0,
+                                  check_overflow=False, grad=None,
+                                  num_threads=cfg.cpu_adam_threads, pool=cfg.cpu_adam_pool))
+            future = self._pool.submit(_run_deferred, views, calls)
+        except BaseException:
+            pin.release()
+            raise
+        self._deferred[chunk] = (future, pin)
+        self._deferred_jobs.append(future)
+        self.deferred_chunks += 1
+        if self._hook_box[0] is None:
+            ref = weakref.ref(self)
+
+            def before_forward(module, _args):
+                overlap = ref()
+                if overlap is not None and overlap._deferred:
+                    overlap.before_module(module)
+
+            self._hook_box[0] = torch.nn.modules.module.register_module_forward_pre_hook(before_forward)
+
+    def before_module(self, module):
+        """The global forward pre-hook: the finished updates' pins go (so
+        prefetch moves their chunks up), then `module`'s chunks are waited for."""
+        self._release_finished()
+        recs = self._params.module_records.get(module) if self._deferred else None
+        if recs:
+            chunks = [r.chunk for r in recs if r.chunk in self._deferred]
+            if chunks:
+                self.settle_deferred(chunks)
+
+    def _release_finished(self):
+        done = []
+        for chunk, (future, _pin) in self._deferred.items():
+            if not future.done():
+                break  # (the worker runs them in launch order)
+            done.append(chunk)
+        if done:
+            self.settle_deferred(done)
+
+    def settle_deferred(self, chunks=None):
+        """Waits for the updates left to the next forward of `chunks` (every
+        one when None) and releases their pins; raises the first error a
+        worker met, after every pin is released."""
+        if not self._deferred:
+            return
+        targets = list(self._deferred) if chunks is None else [ch for ch in chunks if ch in self._deferred]
+        error = None
+        for chunk in targets:
+            future, pin = self._deferred.pop(chunk)
+            try:
+                if not future.done():
+                    t = time.perf_counter()
+                    concurrent.futures.wait([future])
+                    self.deferred_wait_seconds += time.perf_counter() - t
+                t0, t1 = future.result()
+                self.worker_seconds += t1 - t0
+            except BaseException as ex:  # noqa: BLE001 (re-raised below)
+                error = error or ex
+            finally:
+                pin.release()
+        if not self._deferred:
+            self._deferred_jobs.clear()
+            if self._hook_box[0] is not None:
+                self._hook_box[0].remove()
+                self._hook_box[0] = None
+        if error is not None:
+            raise error
 
 
-def _abandon_worker(pool, jobs: list) -> None:
+def _abandon_worker(pool, jobs: list, deferred_jobs: list, hook_box: list) -> None:
+    if hook_box[0] is not None:
+        hook_box[0].remove()
+        hook_box[0] = None
     for _chunk, future in jobs:
         try:
             future.result()
         except BaseException:  # noqa: BLE001 (nobody is left to tell)
             pass
+    for future in deferred_jobs:
+        try:
+            future.result()
+        except BaseException:  # noqa: BLE001 (nobody is left to tell)
+            pass
     jobs.clear()
+    deferred_jobs.clear()
     pool.shutdown(wait=False)
+
+
+def _run_deferred(views, calls):
+    """On the worker: cpu_adam over one chunk after its step, one call per
+    parameter group (Note [CPU Adam under the next forward])."""
+    t0 = time.perf_counter()
+    w, m, v, h = views
+    for kw in calls:
+        _C.cpu_adam.adam_chunk_step(w, m, v, h, **kw)
+    return t0, time.perf_counter()
 
 
 class _UndoCopyFailed(Exception):

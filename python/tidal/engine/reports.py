@@ -176,7 +176,14 @@ class EngineReports:
             "optimizer": {
                 "adam_seconds": meters.adam_seconds + (0.0 if overlap is None
                                                        else overlap.worker_seconds),
-                "exposed_adam_seconds": meters.exposed_adam_seconds,
+                # (The forwards' waits for the updates a step left them
+                # included: Note [CPU Adam under the next forward].)
+                "exposed_adam_seconds": meters.exposed_adam_seconds + (
+                    0.0 if overlap is None else overlap.deferred_wait_seconds),
+                "chunks_updated_under_next_forward": 0 if overlap is None
+                else overlap.deferred_chunks,
+                "next_forward_wait_seconds": 0.0 if overlap is None
+                else overlap.deferred_wait_seconds,
                 "overlapped_adam_seconds": 0.0 if overlap is None
                 else overlap.overlapped_seconds,
                 "overlap_step": overlap is not None,

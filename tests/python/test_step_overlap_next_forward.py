@@ -1,0 +1,158 @@
+"""CPU Adam under the next forward (Note [CPU Adam under the next forward] in
+python/tidal/engine/overlap.py), on the simulated device with chunks moving
+(a measured budget below the state): with the clip firing on every step, so
+that no update is speculated during backward, engine.step() leaves each host
+chunk's update to the worker and returns; the next forward waits module by
+module. The weights, the losses and what anything between the step and the
+forward reads are those of the engine without overlap, bit for bit."""
+import copy
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+import tidal
+from tidal.engine import overlap as _overlap
+
+sys.path.insert(0, str(Path(__file__).parent))
+from engine_helpers import gpt_batches, moved_within_budget  # noqa: E402
+from test_engine import fitted  # noqa: E402
+from test_step_overlap import assert_bitwise, make_config, optimizer_report  # noqa: E402
+from tidal.models.gpt import TinyGPT  # noqa: E402
+
+# TinyGPT(d=64)'s gradient norm is about 2: a max norm of 0.01 clips every step.
+CLIP = 0.01
+
+
+@pytest.fixture(autouse=True)
+def simulated_device():
+    tidal.set_device("sim", capacity="1GiB")
+
+
+def global_pre_hooks() -> int:
+    return len(torch.nn.modules.module._global_forward_pre_hooks)
+
+
+def engines(precision="fp32", hybrid=True, next_forward=True, batches=None):
+    """(the engine without overlap, the one with it) from the same weights
+    under the same measured budget."""
+    torch.manual_seed(0)
+    model = TinyGPT(d=64, seq=8)
+    budget = fitted(make_config(False, precision, CLIP, hybrid), model, batches)["tidal"][
+        "device_memory_budget"]
+    out = []
+    for overlap in (False, True):
+        cfg = make_config(overlap, precision, CLIP, hybrid)
+        cfg["tidal"]["device_memory_budget"] = budget
+        cfg["tidal"]["overlap_next_forward"] = next_forward
+        out.append(tidal.initialize(copy.deepcopy(model), cfg))
+    return out
+
+
+@pytest.mark.parametrize("precision, hybrid, slow", [("fp32", True, False), ("fp32", False, False),
+                                                     ("bf16", True, False), ("fp32", True, True)])
+def test_clip_on_every_step_updates_under_the_next_forward_bit_for_bit(precision, hybrid, slow,
+                                                                        monkeypatch):
+    if slow:
+        # A worker slower than the forward: each module waits for its own
+        # chunks (on this small model the updates are otherwise done before
+        # the forward's first module, which releases them all).
+        run = _overlap._run_deferred
+
+        def slow_run(views, calls):
+            time.sleep(0.02)
+            return run(views, calls)
+
+        monkeypatch.setattr(_overlap, "_run_deferred", slow_run)
+    batches = gpt_batches(8)
+    plain, overlapped = engines(precision, hybrid, batches=batches)
+    hooks_before = global_pre_hooks()
+    left = []
+    for x, y in batches:
+        losses = []
+        for e in (plain, overlapped):  # (one at a time: they share the device)
+            loss = e(x, y)
+            e.backward(loss)
+            e.step()
+            losses.append(loss.detach())
+        # The forward saw the weights of the step without overlap.
+        assert torch.equal(losses[0], losses[1])
+        assert plain.get_global_grad_norm() > CLIP
+        left.append(optimizer_report(overlapped)["chunks_updated_under_next_forward"])
+    opt = optimizer_report(overlapped)
+    # Every step after the warm-up (and the one that laid the chunks out again)
+    # left host updates to the next forward; none was speculated (the clip fires).
+    assert left[-1] > left[2] > 0, left
+    assert opt["chunks_updated_during_backward"] == 0, opt
+    if slow:
+        assert opt["next_forward_wait_seconds"] > 0, opt
+    assert global_pre_hooks() == hooks_before + 1  # (the last step's updates are out)
+    assert_bitwise(plain, overlapped)  # (parameters_fp32 waits for them)
+    assert global_pre_hooks() == hooks_before
+    moved_within_budget(overlapped)
+
+
+def test_what_runs_between_the_step_and_the_forward_sees_the_step():
+    """state_dict, an evaluation forward under no_grad, the model called
+    directly (not through the engine), a parameter read, zero_grad and
+    remove_hooks: each sees the step's weights, and no hook is left."""
+    batches = gpt_batches(7)
+    plain, overlapped = engines(batches=batches)
+    hooks_before = global_pre_hooks()
+    pair = (plain, overlapped)
+
+    def train(i):
+        x, y = batches[i]
+        for e in pair:
+            e.backward(e(x, y))
+            e.step()
+
+    for i in range(3):  # the warm-up, the relayout, one step with a plan
+        train(i)
+    train(3)
+    a, b = plain.state_dict(), overlapped.state_dict()
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    train(4)
+    x, _ = batches[5]
+    with torch.no_grad():
+        outs = [e.module(x) for e in pair]  # the model itself, under no_grad
+    assert torch.equal(outs[0], outs[1])
+    train(5)
+    name, p = next(iter(overlapped.module.named_parameters()))
+    want = dict(plain.module.named_parameters())[name]
+    assert torch.equal(p.detach().clone(), want.detach().clone())
+    train(6)
+    for e in pair:
+        e.zero_grad()
+    assert_bitwise(plain, overlapped)
+    train(0)
+    assert global_pre_hooks() == hooks_before + 1
+    for e in pair:
+        e.remove_hooks()
+    assert global_pre_hooks() == hooks_before
+    for (n, p), q in zip(plain.module.named_parameters(), overlapped.module.parameters()):
+        assert torch.equal(p, q), n
+
+
+def test_off_by_config_the_step_updates_every_chunk_itself():
+    batches = gpt_batches(5)
+    plain, overlapped = engines(next_forward=False, batches=batches)
+    for x, y in batches:
+        for e in (plain, overlapped):
+            e.backward(e(x, y))
+            e.step()
+    assert optimizer_report(overlapped)["chunks_updated_under_next_forward"] == 0
+    assert_bitwise(plain, overlapped)
+
+
+def test_not_with_gradient_accumulation():
+    torch.manual_seed(0)
+    batches = gpt_batches(6)
+    cfg = make_config(True, "fp32", CLIP, True, accumulation=2)
+    engine = tidal.initialize(TinyGPT(d=64, seq=8), fitted(cfg, TinyGPT(d=64, seq=8), batches))
+    for x, y in batches:
+        engine.backward(engine(x, y))
+        engine.step()
+    assert optimizer_report(engine)["chunks_updated_under_next_forward"] == 0
