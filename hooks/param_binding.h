@@ -44,7 +44,9 @@ class ParamBinding {
 
   // Access one slot and return a view of it (for copies in and out, and the
   // optimizer). The caller releases it through the scheduler.
-  at::Tensor access(TensorId id, ChunkKind kind, MemorySpace space, at::IntArrayRef shape);
+  // wait_for_copy: as ChunkScheduler::access (Note [A pin that does not wait]).
+  at::Tensor access(TensorId id, ChunkKind kind, MemorySpace space, at::IntArrayRef shape,
+                    bool wait_for_copy = true);
 
   // The empty tensor a detached parameter's data points at: `kind`'s dtype,
   // on `space`'s torch device.

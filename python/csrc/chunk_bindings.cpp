@@ -552,13 +552,30 @@ Python thread drives a Chunks object.)doc");
       // caller waits), as before: the GIL was never the scheduler's lock.
       .def("access",
            [](Chunks& c, TensorId id, ChunkKind kind, MemorySpace space,
-              const std::vector<std::int64_t>& shape) {
+              const std::vector<std::int64_t>& shape, bool wait) {
              // A chunk on disk is read into the host (asking for it "where it is").
              if (space == MemorySpace::kDisk) space = MemorySpace::kHost;
-             return c.binding().access(id, kind, space, shape);
+             return c.binding().access(id, kind, space, shape, wait);
            },
            py::call_guard<py::gil_scoped_release>(), py::arg("id"), py::arg("kind"), py::arg("space"), py::arg("shape"),
-           "Access (COMPUTE) one slot and return a view of it; release() ends the use.")
+           py::arg("wait") = true,
+           "Access (COMPUTE) one slot and return a view of it; release() ends the use. wait=False: a "
+           "host access may return before a copy into the chunk lands (Note [A pin that does not "
+           "wait]); copy_fence() gives what to wait on.")
+      .def("copy_fence",
+           [](Chunks& c, std::uint32_t chunk, ChunkKind kind) -> py::object {
+             const Event* fence = c.scheduler().copy_fence(make_chunk_id(kind, chunk));
+             if (fence == nullptr) return py::none();
+             return py::cpp_function(
+                 [fence]() {
+                   py::gil_scoped_release release;
+                   fence->synchronize();
+                 },
+                 "Blocks until the copy into the chunk has landed (any thread; the chunk must stay in use).");
+           },
+           py::arg("chunk"), py::arg("kind"),
+           "Note [A pin that does not wait]: a callable that waits for the copy into the chunk still "
+           "running, or None; valid while the chunk is in use (COMPUTE).")
       .def("chunk_view",
            [](Chunks& c, std::uint32_t chunk, ChunkKind kind) {
              // The whole payload of a chunk, flat, wherever it is: for the

@@ -115,7 +115,7 @@ void ChunkScheduler::sync_slots() {
 
 // ---- access / release -------------------------------------------------------
 
-void* ChunkScheduler::access(TensorRef ref, MemorySpace space) {
+void* ChunkScheduler::access(TensorRef ref, MemorySpace space, bool wait_for_copy) {
   TIDAL_CHECK(is_placeable(space), "chunk scheduler: access of tensor ", ref.tensor,
               " to memory space '", to_string(space), "'; expected host or device");
   store_.check_transition(ref, TensorState::kCompute);
@@ -139,6 +139,8 @@ void* ChunkScheduler::access(TensorRef ref, MemorySpace space) {
   Block& block = *slots_[id].block;
   if (options_.compute_stream != nullptr && space == MemorySpace::kDevice) {
     block.order_before(*options_.compute_stream);
+  } else if (!wait_for_copy && space == MemorySpace::kHost && !block.io) {
+    // Note [A pin that does not wait]: the caller synchronizes on copy_fence().
   } else if (!block.ready()) {
     const auto start = std::chrono::steady_clock::now();
     block.wait_on_host();
@@ -755,6 +757,13 @@ bool ChunkScheduler::chunk_ready(ChunkId id) const {
   TIDAL_CHECK_INDEX(id < slots_.size(), "chunk scheduler: chunk id ", id, " out of range");
   const Slot& slot = slots_[id];
   return slot.block == nullptr || slot.block->ready();
+}
+
+const Event* ChunkScheduler::copy_fence(ChunkId id) const {
+  TIDAL_CHECK_INDEX(id < slots_.size(), "chunk scheduler: chunk id ", id, " out of range");
+  const Slot& slot = slots_[id];
+  if (slot.block == nullptr || !slot.block->maybe_pending || slot.block->fence->query()) return nullptr;
+  return slot.block->fence.get();
 }
 
 ChunkSchedulerStats ChunkScheduler::stats() const {

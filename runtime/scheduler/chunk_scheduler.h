@@ -104,6 +104,20 @@
 // copy runs on the scheduler's copy stream; the chunk's block fence records
 // its end, and access() waits only on the fence of the chunk it returns.
 //
+// Note [A pin that does not wait]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// CPU Adam's worker (python/tidal/engine/overlap.py) updates chunks that the
+// engine's thread pins on the host. A pin of a chunk whose gradients are on
+// the device starts its copy down; waiting for it there would stop backward
+// (the gradient hook runs on the autograd thread) for the copy's whole time,
+// which is the link time of every gradient CPU Adam takes. So such a pin
+// passes wait_for_copy false: the chunk is placed and in use (COMPUTE, it
+// cannot move) and the caller gets copy_fence(), the block's fence, to
+// synchronize on the worker before it reads. The fence belongs to the block,
+// which stays with the chunk while it is in use, and nothing records on it
+// meanwhile (a copy out of a block in use waits for its release). A block
+// with disk I/O still running is waited for as before (the I/O has no fence).
+//
 // Thread safety: none; one thread drives a scheduler (the hooks run on the
 // Python thread). The device's copy streams run concurrently, ordered by
 // block fences.
@@ -251,8 +265,10 @@ class ChunkScheduler {
   // FREE has undefined contents for the caller to write. Throws
   // OutOfMemoryError when no room can be made (Note [Chunk budgets]) and
   // ValueError when the chunk is pinned by COMPUTE in the other space;
-  // nothing changes state then.
-  void* access(TensorRef ref, MemorySpace space);
+  // nothing changes state then. With wait_for_copy false a host access
+  // returns while a copy into the chunk's block may still run (Note [A pin
+  // that does not wait]): the caller waits on copy_fence() before it reads.
+  void* access(TensorRef ref, MemorySpace space, bool wait_for_copy = true);
   // Ends the use of a COMPUTE slot; `state` is any legal successor (FREE,
   // HOLD, HOLD_AFTER_FWD, HOLD_AFTER_BWD).
   void release(TensorRef ref, TensorState state);
@@ -280,6 +296,10 @@ class ChunkScheduler {
   const AccessTrace& trace() const { return trace_; }
   // Whether chunk `id`'s payload has no copy pending (true without payload).
   bool chunk_ready(ChunkId id) const;
+  // The fence of a copy into chunk `id`'s block still running, or null.
+  // Note [A pin that does not wait]: valid while the chunk is in use
+  // (COMPUTE), and synchronize() may be called on it from any thread.
+  const Event* copy_fence(ChunkId id) const;
 
   ChunkSchedulerStats stats() const;
   // Zeroes the counters; peaks restart from what is resident now.

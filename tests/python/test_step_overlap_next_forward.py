@@ -61,9 +61,9 @@ def test_clip_on_every_step_updates_under_the_next_forward_bit_for_bit(precision
         # the forward's first module, which releases them all).
         run = _overlap._run_deferred
 
-        def slow_run(views, calls):
+        def slow_run(views, calls, fences=()):
             time.sleep(0.02)
-            return run(views, calls)
+            return run(views, calls, fences)
 
         monkeypatch.setattr(_overlap, "_run_deferred", slow_run)
     batches = gpt_batches(8)

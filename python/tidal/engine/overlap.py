@@ -382,7 +382,10 @@ class StepOverlap:
             self.folded_early.add(chunk)
         kinds = _KINDS + ((GRAD32,) if self._use_sums else ())
         # A record's slots pin its whole chunk of each kind.
-        self._pinned.append(self._store.pin(recs[0], kinds, HOST))
+        # The pin starts the copy of the gradients down; the worker waits for
+        # it, not backward (Note [A pin that does not wait]).
+        self._pinned.append(self._store.pin(recs[0], kinds, HOST, wait=False))
+        fences = self._store.copy_fences(chunk, kinds)
         views = [c.chunk_view(chunk, k) for k in _UNDO_KINDS]
         grad = c.chunk_view(chunk, GRAD32) if self._use_sums else None
         for r in recs:
@@ -400,7 +403,7 @@ class StepOverlap:
                               check_overflow=False, grad=grad,
                               num_threads=cfg.cpu_adam_threads, pool=cfg.cpu_adam_pool))
         self._pending[chunk] = (recs, lo, hi)
-        self._jobs.append((chunk, self._pool.submit(_run, views, calls, undo, lo, hi)))
+        self._jobs.append((chunk, self._pool.submit(_run, views, calls, undo, lo, hi, fences)))
         self.launched_chunks += 1
 
     def _undo_buffers(self, chunk: int, first, numel: int):
@@ -533,8 +536,9 @@ class StepOverlap:
         chunk stays pinned on the host until settle_deferred takes it."""
         cfg, c = self._config, self._store.chunks
         # As step_chunk pins: the 16-bit chunk, then the master and moments.
-        pin = self._store.pin(recs[0], _KINDS, HOST)
+        pin = self._store.pin(recs[0], _KINDS, HOST, wait=False)
         try:
+            fences = self._store.copy_fences(chunk, _KINDS)
             views = [c.chunk_view(chunk, k) for k in _UNDO_KINDS]
             calls = []
             for group, members in by_group(self._optimizer.param_groups, recs):
@@ -547,7 +551,7 @@ class StepOverlap:
                                   loss_scale=1.0 / grad_scale, max_grad_norm=0.0,
                                   check_overflow=False, grad=None,
                                   num_threads=cfg.cpu_adam_threads, pool=cfg.cpu_adam_pool))
-            future = self._pool.submit(_run_deferred, views, calls)
+            future = self._pool.submit(_run_deferred, views, calls, fences)
         except BaseException:
             pin.release()
             raise
@@ -632,9 +636,12 @@ def _abandon_worker(pool, jobs: list, deferred_jobs: list, hook_box: list) -> No
     pool.shutdown(wait=False)
 
 
-def _run_deferred(views, calls):
-    """On the worker: cpu_adam over one chunk after its step, one call per
-    parameter group (Note [CPU Adam under the next forward])."""
+def _run_deferred(views, calls, fences=()):
+    """On the worker: the copies into the chunk waited for, then cpu_adam
+    over one chunk after its step, one call per parameter group (Note [CPU
+    Adam under the next forward])."""
+    for wait in fences:
+        wait()
     t0 = time.perf_counter()
     w, m, v, h = views
     for kw in calls:
@@ -646,9 +653,11 @@ class _UndoCopyFailed(Exception):
     """The worker could not copy a chunk into its undo buffers; it updated nothing."""
 
 
-def _run(views, calls, undo, lo, hi):
-    """On the worker: the undo copy, then cpu_adam over one chunk, one call
-    per parameter group."""
+def _run(views, calls, undo, lo, hi, fences=()):
+    """On the worker: the copies into the chunk waited for, the undo copy,
+    then cpu_adam over one chunk, one call per parameter group."""
+    for wait in fences:
+        wait()
     t0 = time.perf_counter()
     try:
         with torch.no_grad():

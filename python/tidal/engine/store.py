@@ -590,7 +590,7 @@ class ParamStore:
             for kind, _ in reversed(held):
                 c.release(record.id, kind, HOLD if state is None else state)
 
-    def pin(self, record: "ParamRecord", kinds, space=HOST) -> SlotPin:
+    def pin(self, record: "ParamRecord", kinds, space=HOST, wait: bool = True) -> SlotPin:
         """Pins `record`'s slots of `kinds` in `space`, in that order (each
         accessed over the record's elements: in use, COMPUTE, its chunk
         brought there and unable to move) until the answer's release(). A
@@ -598,18 +598,28 @@ class ParamStore:
         chunks across more than one block (CPU Adam on a worker thread while
         backward goes on). When an access fails the slots already pinned are
         released, in the order pinned, and the error goes on. See slots() for
-        views held inside one block."""
+        views held inside one block. wait=False (host only): the pin returns
+        while copies into the chunks may still run; copy_fences() gives what
+        to wait on before reading them (Note [A pin that does not wait] in
+        runtime/scheduler/chunk_scheduler.h)."""
         c = self.chunks
         pinned = []
         try:
             for kind in kinds:
-                c.access(record.id, kind, space, [record.numel])
+                c.access(record.id, kind, space, [record.numel], wait=wait)
                 pinned.append(kind)
         except BaseException:
             for kind in pinned:
                 c.release(record.id, kind, HOLD)
             raise
         return SlotPin(c, record.id, tuple(pinned))
+
+    def copy_fences(self, chunk: int, kinds) -> list:
+        """Callables that wait for the copies into `chunk`'s chunks of `kinds`
+        still running (none for those landed); the chunks must be pinned
+        (pin(..., wait=False)) until the callables have run. Any thread."""
+        c = self.chunks
+        return [f for f in (c.copy_fence(chunk, k) for k in kinds) if f is not None]
 
     def slot_dtypes(self, record: "ParamRecord", kinds, space=HOST) -> list:
         """The dtype of `record`'s slot of each of `kinds`, read by accessing
