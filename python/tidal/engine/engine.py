@@ -31,7 +31,10 @@ object of its own, owning its state and given what it reads at construction
   EngineReports (reports.py, self._reports): memory_report(), the timeline
     and profile;
   OutsideAccess (outside_access.py, self._outside): parameters read outside
-    their module, writes to parameters between steps, a raw loss.backward();
+    their module, writes to parameters between steps, a raw loss.backward(),
+    and (UserGradients, user_grads.py, self._outside.grads) gradients read
+    and written by user code between backward and step;
+  WeightEma (ema.py, self._ema): engine.ema()'s EMA of the weights, or None;
   StepOverlap (overlap.py), DtrLink (dtr_link.py) and the ParamStore
     (store.py), which lays the parameters out in chunks.
 """
