@@ -282,6 +282,9 @@ def test_gradients_read_with_accumulation_are_the_window_sum(budget):
         pair.engine.backward(pair.engine(x, y))
         (pair.ref(x, y) / 2).backward()
         _grads_equal(pair)
+        if i == 3:  # (a sum dropped: the step leaves the parameter as it is)
+            pair.model.layers[3].weight.grad = None
+            pair.ref.layers[3].weight.grad = None
         if i % 2 == 1:
             _close(torch.nn.utils.clip_grad_norm_(pair.model.parameters(), 0.05),
                    torch.nn.utils.clip_grad_norm_(pair.ref.parameters(), 0.05))
