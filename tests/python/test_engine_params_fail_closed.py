@@ -464,6 +464,9 @@ def test_remove_hooks_takes_tidal_out_of_torch():
     # torch's own functions and classes again, and nothing refuses the parameters
     assert not getattr(torch.nn.utils.clip_grad_norm_, "__wrapped_by_tidal__", False)
     assert not getattr(torch.nn.Parameter.__new__, "__wrapped_by_tidal__", False)
+    assert not getattr(torch.nn.utils.parametrize.register_parametrization, "__wrapped_by_tidal__", False)
+    assert not torch.nn.modules.module._global_parameter_registration_hooks
+    assert all("apply" not in m.__dict__ and "_apply" not in m.__dict__ for m in pair.model.modules())
     assert all(type(p) is torch.nn.Parameter for p in params)
     opt.step()
     torch.nn.utils.clip_grad_norm_(params, 1.0)
