@@ -169,7 +169,8 @@ class OutsideAccess:
         except OutOfMemoryError as e:
             # (Only under model.apply(fn), which reads module by module: elsewhere
             # a parameter the script holds would turn empty behind its back.)
-            if running or not (room or _guards.inside_module_apply()) or not self._room_for_outside_read(i, keep):
+            if running or not (room or _guards.inside_module_apply()) or \
+                    not self._room_for_outside_read(i, keep):
                 held = [] if running else [
                     j for j in self.outside_reads if hooks.attached(j)
                     and _held_elsewhere(self._params.record_list[j].param)]

@@ -41,8 +41,9 @@ record's; its storage, its data pointer and `==` bring the parameter in
 first; pickling, torch.save and copies (copy.copy, deepcopy) make a parameter
 of its own class holding a copy of its values (never a view of a slot, whose
 memory another parameter reuses once it goes back). The engine's subclass is
-importable by name (pickle finds TidalParameter in this module). What tidal cannot make exact is a `tidal.UsageError`
-naming the parameter, the operation and the way that works:
+importable by name (pickle finds TidalParameter in this module). What tidal
+cannot make exact is a `tidal.UsageError` naming the parameter, the
+operation and the way that works:
   * setting `requires_grad` on a parameter frozen at tidal.initialize (it
     has no fp32 master nor Adam states in the chunks);
   * nn.Parameter(p) (guards.py: plain PyTorch's would share p's memory);
@@ -53,9 +54,8 @@ waiting in the chunks (Note [Gradients between backward and step] in
 user_grads.py), refused by name only where it cannot be exact.
 
 Not covered: `p.set_(t)` (torch calls no __torch_function__ for set_). A
-tensor taken from a parameter and held (`d = p.data`, `v =
-p.detach()`) past the next forward or step aliases the 16-bit slot of that
-moment; once the parameter goes back to its chunks there it is not the
+tensor taken from a parameter and held (`d = p.data`, `v = p.detach()`) past
+the next forward or step aliases the 16-bit slot of that moment; once the parameter goes back to its chunks there it is not the
 parameter's any more (read it again, or clone). Between steps a held one keeps
 its parameter on the device (Note [Parameters fail closed]).
 """
@@ -170,8 +170,8 @@ def _passing():
     # placeholder answers them wrong. Note [Parameters fail closed].)
     extra = [t.data.__set__, t.register_hook, t.register_post_accumulate_grad_hook,
              t.__setstate__, t.element_size, t.itemsize.__get__]
-    return (frozenset(_HARMLESS) - {t.__eq__, t.grad.__get__, t.grad.__set__, t.requires_grad.__set__,
-                                    t.requires_grad_}) | frozenset(f for f in extra if f is not None)
+    checked = {t.__eq__, t.grad.__get__, t.grad.__set__, t.requires_grad.__set__, t.requires_grad_}
+    return (frozenset(_HARMLESS) - checked) | frozenset(f for f in extra if f is not None)
 
 
 _SHAPE = _shape_answers()
