@@ -403,6 +403,12 @@ may wait for a chunk copy release the GIL.)doc")
            "(sum of squares, all finite) of the gradients landed since the last take or "
            "clear (Note [Gradient norms as they land] in hooks/grad_norms.h).")
       .def("clear_grad_norm", [](Hooks& h) { h.get().grad_norms().clear(); })
+      .def("measure_grad",
+           [](Hooks& h, Index p, const at::Tensor& grad) { h.get().grad_norms().measure(p, grad); },
+           py::arg("param"), py::arg("grad"),
+           "`param`'s gradient measured again, replacing its landing's measure: user code wrote it "
+           "between backward and step (Note [Gradients between backward and step] in "
+           "python/tidal/engine/user_grads.py).")
       .def("set_accumulating", [](Hooks& h, bool on) { h.get().gradient_sums().set_accumulating(on); },
            py::arg("on"))
       .def("fold_gradients",

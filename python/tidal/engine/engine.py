@@ -31,7 +31,10 @@ object of its own, owning its state and given what it reads at construction
   EngineReports (reports.py, self._reports): memory_report(), the timeline
     and profile;
   OutsideAccess (outside_access.py, self._outside): parameters read outside
-    their module, writes to parameters between steps, a raw loss.backward();
+    their module, writes to parameters between steps, a raw loss.backward(),
+    and (UserGradients, user_grads.py, self._outside.grads) gradients read
+    and written by user code between backward and step;
+  WeightEma (ema.py, self._ema): engine.ema()'s EMA of the weights, or None;
   StepOverlap (overlap.py), DtrLink (dtr_link.py) and the ParamStore
     (store.py), which lays the parameters out in chunks.
 """
@@ -51,6 +54,7 @@ from ..lr_schedules import build_scheduler
 from . import budget as _budget
 from . import checkpoint as _checkpoint
 from . import device_cap as _device_cap
+from . import ema as _ema
 from . import external as _external
 from . import user_param as _user_param
 from . import guards as _guards
@@ -285,6 +289,8 @@ class Engine(DeepSpeedEngineAPI):
             settle_outside=self._outside.settle, stop_counting=functools.partial(wiring.count, False),
             end_trace_step=wiring.end_trace_step, check_budget=self._check_budget,
             host_short=self._host_short)
+        # An EMA of the weights, once engine.ema() asks for one (Note [An EMA of the weights]).
+        self._ema = None
         # Dropped gradients get their weights back through the step (and data parallel).
         self._accumulation.connect(give_weights_back=self._give_weights_back)
         # Checkpoints and state dicts (Note [Checkpoint format]).
@@ -558,7 +564,30 @@ class Engine(DeepSpeedEngineAPI):
         """The optimizer step, at gradient accumulation boundaries (as DeepSpeed)."""
         self._refuse_after_disk_failure()
         self._outside.settle_raw_backward()
-        return self._step.step()
+        applied = self._step.step()
+        if applied and self._ema is not None:
+            self._ema.update()
+        return applied
+
+    def ema(self, decay: float = 0.999) -> None:
+        """Keeps an EMA of the weights from now on, on the host, updated after
+        each applied step (Note [An EMA of the weights] in engine/ema.py);
+        calling it again starts a new one from the weights as they are.
+
+        Args:
+            decay: the EMA's decay, in [0, 1): ema = decay * ema + (1 - decay) * weight.
+        """
+        self._settle_overlap()
+        self._outside.settle()
+        self._ema = _ema.WeightEma(params=self._params, store=self.store, decay=decay)
+
+    def ema_state_dict(self) -> dict:
+        """Copies of the EMA of the weights (fp32, by parameter name, as the
+        model's state_dict keys them); UsageError before engine.ema()."""
+        if self._ema is None:
+            raise UsageError("engine.ema_state_dict() before engine.ema(decay): no EMA is kept; "
+                             "call engine.ema(decay) once, before the steps to average")
+        return self._ema.state_dict()
 
     def apply_lr_schedule(self):
         """lr (and OneCycle's betas) for the next step from the LR scheduler's
@@ -719,6 +748,7 @@ class Engine(DeepSpeedEngineAPI):
         self._wiring.hooks.take_backward_ended()  # (a loss.backward() whose gradients go now)
         self._settle_overlap()  # (updates made during backward are taken back)
         self._accumulation.reset()
+        self._outside.grads.drop_all()
         self._wiring.hooks.clear_grad_norm()
         if self._dp_step is not None:
             self._dp_step.drop_gradient_norm()
@@ -790,7 +820,8 @@ class Engine(DeepSpeedEngineAPI):
 
 # The engine's entry points: inside them its parameters are its own (Note
 # [Parameters fail closed] in user_param.py).
-for _name in ("backward", "step", "zero_grad", "remove_hooks", "state_dict", "load_state_dict",
+for _name in ("backward", "step", "zero_grad", "remove_hooks", "state_dict", "load_state_dict", "ema",
+              "ema_state_dict",
               "save_checkpoint", "load_checkpoint", "load_pretrained", "save_pretrained",
               "parameters_fp32", "memory_report", "apply_lr_schedule"):
     setattr(Engine, _name, _user_param.engine_entry(getattr(Engine, _name)))

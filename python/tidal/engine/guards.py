@@ -4,19 +4,17 @@ Note [Torch APIs that see no gradients]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 A gradient that lands goes into its parameter's 16-bit slot in a chunk and
 param.grad is set to None (Note [One call per hook] in hooks/module_hooks.h).
-A torch optimizer over the engine's parameters then steps nothing, and
-torch.nn.utils.clip_grad_norm_ clips nothing and returns 0: the script
-trains without its clipping, or without training at all, and says nothing.
-DeepSpeed ZeRO behaves the same and documents the config's optimizer and
-gradient_clipping instead. While an engine lives, tidal refuses both with a
-UsageError naming the parameter and the config key to use:
-  * every torch.optim.Optimizer step passes a global step pre-hook
-    (torch.optim.optimizer.register_optimizer_step_pre_hook) that looks its
-    parameters up among the live engines' (the verdict is kept per optimizer
-    and its group sizes, so an unrelated optimizer pays one lookup per step);
-  * torch.nn.utils.clip_grad_norm_ and clip_grad_value_ are wrapped where
-    torch.nn.utils and torch.nn.utils.clip_grad hold them (a script that
-    imported the function itself before tidal was imported keeps torch's).
+User code that reads `p.grad` between backward and step is served the
+waiting gradient (torch.nn.utils.clip_grad_norm_ however imported included:
+Note [Gradients between backward and step] in user_grads.py). A torch
+optimizer over the engine's parameters would still step nothing (its step is
+not the engine's, and it would keep its own Adam states beside the chunks'):
+while an engine lives, every torch.optim.Optimizer step passes a global step
+pre-hook (torch.optim.optimizer.register_optimizer_step_pre_hook) that looks
+its parameters up among the live engines' (the verdict is kept per optimizer
+and its group sizes, so an unrelated optimizer pays one lookup per step) and
+refuses one over them with a UsageError naming the parameter and the config
+block to use. nn.Parameter(p) of a trained p is refused likewise.
 Installed when an engine is made, and taken out again when the last live
 engine is given back (remove_hooks, which unregisters it) or collected:
 nothing of tidal's stays in torch for plain PyTorch code after it.
@@ -25,16 +23,18 @@ from __future__ import annotations
 
 import functools
 import gc
+import threading
 import weakref
 
 import torch
 
 from .errors import UsageError
 
-__all__ = ["engine_of", "guard_conversions", "install", "register", "unguard_conversions"]
+__all__ = ["engine_of", "guard_conversions", "inside_module_apply", "install", "register",
+           "unguard_conversions"]
 
 _LIVE: "weakref.WeakSet" = weakref.WeakSet()
-_installed = None  # while installed: (the optimizer hook's handle, [(module, name, torch's function)])
+_installed = None  # while installed: ([torch's hook handles], [(module, name, torch's function)])
 _verdicts: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
@@ -55,9 +55,10 @@ def _uninstall_if_idle() -> None:
     global _installed
     if _installed is None or any(True for _ in _LIVE):
         return
-    handle, wrapped = _installed
+    handles, wrapped = _installed
     _installed = None
-    handle.remove()
+    for handle in handles:
+        handle.remove()
     for module, name, original in wrapped:
         if getattr(getattr(module, name, None), "__wrapped_by_tidal__", False):
             setattr(module, name, original)
@@ -89,23 +90,24 @@ def install() -> None:
     if _installed is not None:
         return
     from torch.optim.optimizer import register_optimizer_step_pre_hook
-    handle = register_optimizer_step_pre_hook(_optimizer_step)
-    import torch.nn.utils.clip_grad as clip_grad
+    from torch.nn.modules.module import register_module_parameter_registration_hook
+    handles = [register_optimizer_step_pre_hook(_optimizer_step),
+               register_module_parameter_registration_hook(_parameter_registered)]
     wrapped = []
-    for name in ("clip_grad_norm_", "clip_grad_value_"):
-        original = getattr(clip_grad, name)
-        guarded = _clip_guard(original, name)
-        setattr(clip_grad, name, guarded)
-        wrapped.append((clip_grad, name, original))
-        if getattr(torch.nn.utils, name, None) is original:
-            setattr(torch.nn.utils, name, guarded)
-            wrapped.append((torch.nn.utils, name, original))
+    # register_parametrization where torch.nn.utils.parametrize holds it
+    # (parametrizations.orthogonal and the others call it there): refused
+    # before torch's right_inverse writes the parameter; the registration
+    # hook above refuses the other ways of calling it, later.
+    import torch.nn.utils.parametrize as parametrize
+    original = parametrize.register_parametrization
+    setattr(parametrize, "register_parametrization", _parametrization_guard(original))
+    wrapped.append((parametrize, "register_parametrization", original))
     # nn.Parameter(p) of a parameter an engine trains (Note [Parameters fail
     # closed] in user_param.py).
     original_new = torch.nn.Parameter.__dict__["__new__"]
     torch.nn.Parameter.__new__ = staticmethod(_parameter_guard(original_new.__func__))
     wrapped.append((torch.nn.Parameter, "__new__", original_new))
-    _installed = (handle, wrapped)
+    _installed = (handles, wrapped)
 
 
 def _managed(params):
@@ -142,6 +144,48 @@ def _optimizer_step(optimizer, args, kwargs):
         f"only parameters outside the model passed to tidal.initialize")
 
 
+def _parametrization_refusal(name: str) -> UsageError:
+    return UsageError(
+        f"torch.nn.utils.parametrize.register_parametrization on '{name}', a parameter tidal "
+        f"trains (also through parametrizations.orthogonal, spectral_norm, weight_norm): the "
+        f"parametrization would hold the parameter in a module tidal has not hooked and write "
+        f"its values past the chunks. Register parametrizations before tidal.initialize (tidal "
+        f"then trains the parametrization's own parameters); the layer keeps its parameter")
+
+
+def _parametrization_guard(original):
+    @functools.wraps(original)
+    def guarded(module, tensor_name, *args, **kwargs):
+        if _LIVE and isinstance(module, torch.nn.Module):
+            param = module._parameters.get(tensor_name)
+            hit = _record_of(param) if isinstance(param, torch.nn.Parameter) else None
+            if hit is not None:
+                raise _parametrization_refusal(hit[1].name)
+        return original(module, tensor_name, *args, **kwargs)
+
+    guarded.__wrapped_by_tidal__ = True
+    return guarded
+
+
+def _parameter_registered(module, name, param):
+    """torch's global parameter registration hook: a parameter an engine
+    trains registered into a parametrization (register_parametrization after
+    tidal.initialize, by a script that imported the function itself before
+    tidal wrapped it) is refused before torch's registration finishes, so
+    the module keeps its parameter; a right_inverse returning a new tensor
+    has set_ it into the parameter by then (Note [Parameters fail closed]
+    in user_param.py)."""
+    if not _LIVE or not isinstance(param, torch.nn.Parameter):
+        return None
+    from torch.nn.utils.parametrize import ParametrizationList
+    if not isinstance(module, ParametrizationList):
+        return None
+    hit = _record_of(param)
+    if hit is None:
+        return None
+    raise _parametrization_refusal(hit[1].name)
+
+
 def _parameter_guard(original):
     @functools.wraps(original)
     def guarded(cls, data=None, requires_grad=True):
@@ -161,31 +205,6 @@ def _parameter_guard(original):
     return guarded
 
 
-def _clip_guard(original, name):
-    @functools.wraps(original)
-    def guarded(parameters, *args, **kwargs):
-        if _LIVE:
-            if isinstance(parameters, torch.Tensor):
-                parameters = [parameters]
-            else:
-                parameters = list(parameters)
-            hit = _managed(parameters)
-            if hit is not None:
-                _, record = hit
-                raise UsageError(
-                    f"torch.nn.utils.{name} over parameters that tidal trains (e.g. "
-                    f"'{record.name}'): tidal keeps their gradients in its chunks until "
-                    f"engine.step() and param.grad is None, so it would clip nothing"
-                    f"{' and return 0' if name == 'clip_grad_norm_' else ''}. Set "
-                    f"\"gradient_clipping\": <max norm> in the config instead (as DeepSpeed "
-                    f"does): engine.step() clips by the global norm of all gradients, which "
-                    f"engine.get_global_grad_norm() returns after the step")
-        return original(parameters, *args, **kwargs)
-
-    guarded.__wrapped_by_tidal__ = True
-    return guarded
-
-
 # Note [Conversions of a trained model]
 # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 # nn.Module's conversions (to, cuda, cpu, half, float, double, bfloat16, type)
@@ -197,11 +216,41 @@ def _clip_guard(original, name):
 # empty tensor of each parameter's dtype and device, lets a conversion that
 # changes neither through (model.to(its own device) is common in scripts) and
 # refuses one that would, naming the dtype and device it asked for.
+#
+# Note [model.apply, as engine state]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# model.apply(init_fn) reads the model module by module; on a model larger
+# than the device the parameters it read before go back to their chunks to
+# make room (OutsideAccess.read_param). Whether a read is inside an apply is
+# a thread-local count that each module's own `apply` (set on the instance
+# beside its `_apply`, so a wrapping module's apply reaches it through its
+# children) raises while it runs, not a look for Module.apply's frame on the
+# stack; it goes with the model's guards.
+_APPLYING = threading.local()
+
+
+def inside_module_apply() -> bool:
+    """Whether an apply of a module an engine trains is running on this thread."""
+    return getattr(_APPLYING, "depth", 0) > 0
+
+
+def _counted_apply(module, fn):
+    _APPLYING.depth = getattr(_APPLYING, "depth", 0) + 1
+    try:
+        return type(module).apply(module, fn)
+    finally:
+        _APPLYING.depth -= 1
+
+
 def guard_conversions(model: torch.nn.Module, engine) -> None:
+    """The model's conversions refused (Note [Conversions of a trained
+    model]) and its applies counted (Note [model.apply, as engine state])."""
     ref = weakref.ref(engine)
     for m in model.modules():
         if "_apply" not in m.__dict__:
             m.__dict__["_apply"] = functools.partial(_guarded_apply, m, ref)
+        if "apply" not in m.__dict__:
+            m.__dict__["apply"] = functools.partial(_counted_apply, m)
 
 
 def unguard_conversions(model: torch.nn.Module) -> None:
@@ -209,6 +258,9 @@ def unguard_conversions(model: torch.nn.Module) -> None:
         f = m.__dict__.get("_apply")
         if isinstance(f, functools.partial) and f.func is _guarded_apply:
             del m.__dict__["_apply"]
+        f = m.__dict__.get("apply")
+        if isinstance(f, functools.partial) and f.func is _counted_apply:
+            del m.__dict__["apply"]
 
 
 def _guarded_apply(module, ref, fn, recurse=True):

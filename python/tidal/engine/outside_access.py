@@ -9,7 +9,6 @@ OutsideAccess is an object of the engine (engine._outside), made in
 Engine._setup and given what it reads at construction."""
 from __future__ import annotations
 
-import sys
 import weakref
 from typing import Callable
 
@@ -17,27 +16,16 @@ import torch
 
 from .. import dtr as _dtr
 from . import external as _external
+from . import guards as _guards
 from .errors import UnsupportedModelError, UsageError
 from .loss_scaler import StaticLossScaler
 from .params import ParamTable
 from .store import HOLD, PARAM16, PARAM32, uncounted
+from .user_grads import UserGradients
 
 from .common import OutOfMemoryError
 
 __all__ = ["OutsideAccess", "raw_backward_refusal"]
-
-
-_APPLY = torch.nn.Module.apply.__code__
-
-
-def _inside_module_apply() -> bool:
-    """Whether nn.Module.apply is on this thread's Python stack."""
-    f = sys._getframe(2)
-    while f is not None:
-        if f.f_code is _APPLY:
-            return True
-        f = f.f_back
-    return False
 
 
 def raw_backward_refusal(precision: str, scaler, dp) -> str:
@@ -75,6 +63,8 @@ class OutsideAccess:
     and a backward the script ran itself.
 
     State it owns:
+        grads:           the UserGradients serving `p.grad` between backward
+            and step (Note [Gradients between backward and step]).
         pending_readers: module -> record indexes it was found reading (or was
             registered for by hand) in a forward; hooked at the start of the
             next (Note [External parameters]).
@@ -127,6 +117,11 @@ class OutsideAccess:
         self.outside_reads: list = []
         self.check_reads = True  # the first forward runs under PlaceholderCheck
         self.check_mode = None
+        # Gradients read and written by user code between backward and step
+        # (Note [Gradients between backward and step] in user_grads.py).
+        self.grads = UserGradients(params=params, store=store, hooks=hooks, accumulation=accumulation,
+                                   settle_overlap=settle_overlap,
+                                   settle_raw_backward=self.settle_raw_backward)
 
     # ------------------------------------------------ external parameters
     def serves_user_reads(self) -> bool:
@@ -180,7 +175,8 @@ class OutsideAccess:
         except OutOfMemoryError as e:
             # (Only under model.apply(fn), which reads module by module: elsewhere
             # a parameter the script holds would turn empty behind its back.)
-            if running or not (room or _inside_module_apply()) or not self._room_for_outside_read(i, keep):
+            if running or not (room or _guards.inside_module_apply()) or \
+                    not self._room_for_outside_read(i, keep):
                 held = [] if running else [
                     j for j in self.outside_reads if hooks.attached(j)
                     and _held_elsewhere(self._params.record_list[j].param)]
@@ -241,7 +237,7 @@ class OutsideAccess:
         # A tensor set as the data of one of them (`p.data = p.data * 0.5`
         # over model.parameters()) goes into its chunks first: a detach would
         # put the placeholder over it.
-        self.settle(end_reads=False)
+        self.settle(end_reads=False, grads=False)
         k = 0
         while k < len(self.outside_reads):
             j = self.outside_reads[k]
@@ -333,7 +329,7 @@ class OutsideAccess:
             f"parameter) for the module that uses it{leaf}")
 
     # ------------------------------------------------ writes between steps
-    def settle(self, end_reads: bool = True):
+    def settle(self, end_reads: bool = True, grads: bool = True):
         """Where the engine takes the weights back (a forward's start, the step,
         state_dict, saving and loading) and before a backward overwrites the
         16-bit slots with gradients: what user code wrote to the parameters
@@ -341,7 +337,13 @@ class OutsideAccess:
         naming the parameter, raised after every write that could be kept was
         (Note [Writes to a parameter] in hooks/module_hooks.cpp). end_reads:
         the parameters read outside a forward go back to their chunks (not
-        before a backward: the graph may hold views of them)."""
+        before a backward: the graph may hold views of them). grads: the
+        gradients handed to user code go back to their slots (Note
+        [Gradients between backward and step]; not when a parameter read
+        makes room: the script may still be writing them)."""
+        # Gradients handed to user code go back into their slots first.
+        if grads:
+            self.grads.write_back()
         hooks = self._hooks
         records = self._params.record_list
         written, assigned, lost = hooks.take_param_writes()

@@ -37,21 +37,25 @@ gives the model back (remove_hooks).
 Fail closed (Note [Parameters fail closed]): what needs no values and that a
 placeholder answers right (dtype, device, flags, hooks, hashing) is the only
 thing that runs on the placeholder; the size of its data (`nbytes`) is the
-record's; its storage, its data pointer, `==`, pickling and deep copies bring
-the parameter in first. What tidal cannot make exact is a `tidal.UsageError`
-naming the parameter, the operation and the way that works:
-  * `p.grad` between a backward and the step (the gradient waits in the
-    chunks, its `.grad` is None): every reader of gradients by hand
-    (clip_grad_norm_ however it was imported, get_total_norm, a norm logged
-    by hand) would read nothing. The config's `gradient_clipping` clips by
-    the global norm; engine.get_global_grad_norm() gives it after the step;
+record's; its storage, its data pointer and `==` bring the parameter in
+first; pickling, torch.save and copies (copy.copy, deepcopy) make a parameter
+of its own class holding a copy of its values (never a view of a slot, whose
+memory another parameter reuses once it goes back). The engine's subclass is
+importable by name (pickle finds TidalParameter in this module). What tidal
+cannot make exact is a `tidal.UsageError` naming the parameter, the
+operation and the way that works:
   * setting `requires_grad` on a parameter frozen at tidal.initialize (it
     has no fp32 master nor Adam states in the chunks);
-  * nn.Parameter(p) (guards.py: plain PyTorch's would share p's memory).
+  * nn.Parameter(p) (guards.py: plain PyTorch's would share p's memory);
+  * the parameter registered into a parametrization (torch's
+    register_parametrization after tidal.initialize; guards.py).
+`p.grad` (read or set) between a backward and the step is the gradient
+waiting in the chunks (Note [Gradients between backward and step] in
+user_grads.py), refused by name only where it cannot be exact.
 
-Not covered: a tensor taken from a parameter and held (`d = p.data`, `v =
-p.detach()`) past the next forward or step aliases the 16-bit slot of that
-moment; once the parameter goes back to its chunks there it is not the
+Not covered: `p.set_(t)` (torch calls no __torch_function__ for set_). A
+tensor taken from a parameter and held (`d = p.data`, `v = p.detach()`) past
+the next forward or step aliases the 16-bit slot of that moment; once the parameter goes back to its chunks there it is not the
 parameter's any more (read it again, or clone). Between steps a held one keeps
 its parameter on the device (Note [Parameters fail closed]).
 """
@@ -166,8 +170,8 @@ def _passing():
     # placeholder answers them wrong. Note [Parameters fail closed].)
     extra = [t.data.__set__, t.register_hook, t.register_post_accumulate_grad_hook,
              t.__setstate__, t.element_size, t.itemsize.__get__]
-    return (frozenset(_HARMLESS) - {t.__eq__, t.grad.__get__, t.requires_grad.__set__,
-                                    t.requires_grad_}) | frozenset(f for f in extra if f is not None)
+    checked = {t.__eq__, t.grad.__get__, t.grad.__set__, t.requires_grad.__set__, t.requires_grad_}
+    return (frozenset(_HARMLESS) - checked) | frozenset(f for f in extra if f is not None)
 
 
 _SHAPE = _shape_answers()
@@ -185,27 +189,35 @@ def _owner(p):
     return engine, hit[1]
 
 
-def _grad(args, kwargs):
-    """`p.grad` by the user: between a backward and the step the gradient
-    waits in the chunks (Note [Parameters fail closed])."""
+# What a check answers where torch's own function is to run (on the placeholder).
+_GO_ON = object()
+
+
+def _grad(args, kwargs, func):
+    """`p.grad` read by the user: between a backward and the step, the
+    gradient that waits in the chunks (Note [Gradients between backward and
+    step] in user_grads.py)."""
     hit = _owner(args[0])
     if hit is None:
-        return None
+        return _GO_ON
     engine, i = hit
-    hooks = engine._wiring.hooks
-    waiting = hooks.landed(i) or (engine.config.gradient_accumulation_steps > 1
-                                  and i in hooks.summed_params())
-    if not waiting or not engine._outside.serves_user_reads():
-        return None
-    name = engine._params.record_list[i].name
-    raise UsageError(
-        f"tidal: '{name}'.grad read between engine.backward() and engine.step(): tidal keeps the "
-        f"gradient in its chunks until the step, where .grad is None, so a gradient read by hand "
-        f"(torch.nn.utils.clip_grad_norm_ however it was imported, get_total_norm, "
-        f"clip_grads_with_norm_, a norm logged from p.grad) would read nothing. Ways that work: "
-        f"set \"gradient_clipping\": <max norm> in the config (engine.step() clips by the global "
-        f"norm of all gradients, as clip_grad_norm_ does); engine.get_global_grad_norm() returns "
-        f"that norm after the step (docs/parameters.md)")
+    if not engine._outside.serves_user_reads():
+        return _GO_ON
+    got = engine._outside.grads.read(i)
+    return _GO_ON if got is None else got
+
+
+def _grad_set(args, kwargs, func):
+    """`p.grad = value` by the user: between a backward and the step, the
+    gradient the step uses, or none (Note [Gradients between backward and
+    step] in user_grads.py)."""
+    hit = _owner(args[0])
+    if hit is None:
+        return _GO_ON
+    engine, i = hit
+    if not engine._outside.serves_user_reads():
+        return _GO_ON
+    return None if engine._outside.grads.write(i, args[1]) else _GO_ON
 
 
 def _unfreeze(args, kwargs, func):
@@ -213,7 +225,7 @@ def _unfreeze(args, kwargs, func):
     at tidal.initialize (Note [Parameters fail closed])."""
     hit = _owner(args[0])
     if hit is None:
-        return None
+        return _GO_ON
     if func == torch.Tensor.requires_grad_:
         on = args[1] if len(args) > 1 else kwargs.get("requires_grad", True)
     else:
@@ -221,7 +233,7 @@ def _unfreeze(args, kwargs, func):
     engine, i = hit
     record = engine._params.record_list[i]
     if not on or record.trainable:
-        return None
+        return _GO_ON
     raise UsageError(
         f"tidal: requires_grad set on '{record.name}', which was frozen at tidal.initialize: "
         f"tidal keeps no fp32 master nor Adam states for it in its chunks, so it would never train "
@@ -243,6 +255,19 @@ def _deepcopy(p, memo):
     out = base(p.data.clone(memory_format=torch.preserve_format), p.requires_grad)
     memo[id(p)] = out
     return out
+
+
+def _reduce_ex(p, proto):
+    """Pickling, torch.save and copy.copy of a parameter an engine trains:
+    they rebuild a parameter of its own class (not the engine's subclass)
+    holding a copy of its values, never the placeholder nor a view of a
+    chunk's slot (the slot's memory goes to another parameter once it goes
+    back: plain PyTorch's copy.copy shares the memory, tidal's cannot)."""
+    base = type(p).__bases__[0]
+    if _owner(p) is None or _in_engine_call():
+        return base.__reduce_ex__(p, proto)
+    out = base(p.data.clone(memory_format=torch.preserve_format), p.requires_grad)
+    return out.__reduce_ex__(proto)
 
 
 def _placeholders(args, kwargs):
@@ -280,8 +305,8 @@ class _UserParameter:
                 return func(*args, **kwargs)
             check = _CHECKED.get(func)
             if check is not None:
-                check(args, kwargs, func)
-                return func(*args, **kwargs)
+                out = check(args, kwargs, func)
+                return func(*args, **kwargs) if out is _GO_ON else out
             # (Inside a forward the parameters are attached: the placeholder
             # test is the cheapest way out.)
             found = _placeholders(args, kwargs)
@@ -297,23 +322,54 @@ class _UserParameter:
 
 # (A property's __get__ / __set__ is a new method-wrapper at each access: equal
 # and hashed alike, never identical.)
-_CHECKED = {torch.Tensor.grad.__get__: lambda args, kwargs, func: _grad(args, kwargs),
+_CHECKED = {torch.Tensor.grad.__get__: _grad,
+            torch.Tensor.grad.__set__: _grad_set,
             torch.Tensor.requires_grad.__set__: _unfreeze,
             torch.Tensor.requires_grad_: _unfreeze}
+
+
+def _class_name(cls) -> str:
+    """The name of `cls`'s tidal subclass in this module: unique per class,
+    the same in every process (pickle finds a class by its module and name)."""
+    if cls is torch.nn.Parameter:
+        return "TidalParameter"
+    path = f"{cls.__module__}.{cls.__qualname__}"
+    return "Tidal_" + "".join(c if c.isalnum() else "_" for c in path)
 
 
 def _class_for(cls):
     sub = _CLASSES.get(cls)
     if sub is None:
-        sub = type(f"Tidal{cls.__name__}", (cls,), {
+        name = _class_name(cls)
+        sub = type(name, (cls,), {
             "__torch_function__": _UserParameter.__dict__["__torch_function__"],
             "__deepcopy__": _deepcopy,
+            "__reduce_ex__": _reduce_ex,
             "__module__": __name__,
+            "__qualname__": name,
             "__doc__": f"A {cls.__name__} that a tidal engine trains (Note [A parameter object "
                        f"stays the user's] in tidal/engine/user_param.py).",
         })
         _CLASSES[cls] = sub
+        globals()[name] = sub
     return sub
+
+
+def __getattr__(name: str):
+    """The tidal subclass of a Parameter class by its name (pickle, in a
+    process where no engine has made it yet)."""
+    if name.startswith("Tidal"):
+        todo = [torch.nn.Parameter]
+        while todo:
+            cls = todo.pop()
+            if cls not in _CLASSES.values():
+                if _class_name(cls) == name:
+                    return _class_for(cls)
+                todo.extend(cls.__subclasses__())
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+_class_for(torch.nn.Parameter)  # (TidalParameter: importable as any class)
 
 
 def install(engine) -> None:
