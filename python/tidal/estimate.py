@@ -56,16 +56,29 @@ L = device budget - margin, A the activation peak, R = L - A:
   States never come up to be updated and go down again (the rule before
   issue 52 did that, and moved 6-7x this on an H100).
 
-Time per step (the simulated device computes on the host: a chunk access
-waits for its copy, so copies do not overlap compute):
-    step = compute + hooks + link + CPU Adam + device Adam
-    compute = FLOPs / device FLOP/s, hooks = modules x seconds per module hook,
-    link = bytes up / h2d rate + bytes down / d2h rate,
+Time per step. The copies run on the link's own engines (a copy stream on
+a GPU, the simulated link's threads), ahead of their use (prefetch) and, for
+CPU Adam's gradients, without stopping backward (Note [A pin that does not
+wait]); what they cannot hide is where one direction's bytes take longer
+than the compute they run beside. The streamed 16-bit chunks go up in
+forward and their gradients down in backward; the chunks fetched again
+(P > R) go up in backward and down in forward. Per micro-batch, with
+forward a third of the compute (2 of the 6 FLOPs per parameter and token):
+    forward  = max(compute/3, streamed up, fetched-again down)
+    backward = max(2 compute/3, streamed down, fetched-again up)
+    compute = FLOPs / device FLOP/s + modules x seconds per module hook,
+    a direction's time = its bytes / its rate.
+On the simulated device CPU Adam and the device's Adam (both on the host's
+cores, which compute shares) add to that:
+    step = accumulation x (forward + backward) + CPU Adam + device Adam + disk
     CPU Adam = parameters in host-updated chunks / CPU Adam rate (the device
     part likewise at the device Adam rate).
-On a GPU, prefetch on a copy stream overlaps the link with compute; the
-estimate then also gives step_s_overlapped = max(compute + hooks, link) +
-Adam (a lower bound; not run on a GPU). The bottleneck is the largest term.
+On a GPU CPU Adam runs beside the device: during the last backward (Note
+[CPU Adam during backward]) and under the next forward (Note [CPU Adam
+under the next forward]), so step_s_overlapped = accumulation x (forward +
+backward) + max(0, max(CPU Adam, disk) - (forward + backward)) + device
+Adam (a lower bound: not yet checked on a GPU). The bottleneck is the
+largest term.
 """
 from __future__ import annotations
 
@@ -473,6 +486,17 @@ def estimate(model, config=None, *, precision=None, optimizer_state_dtype=None,
     hooks_s = cfg.gradient_accumulation_steps * modules * value["seconds_per_module"]
     link_s = traffic["bytes_each_way"] / value["h2d_bytes_per_s"] + \
         traffic["bytes_each_way"] / value["d2h_bytes_per_s"]
+    # Per micro-batch (the docstring): the streamed bytes up in forward and
+    # down in backward, the ones fetched again the other way round.
+    accum = cfg.gradient_accumulation_steps
+    streamed = max(0, traffic["bytes_each_way"] - traffic["refetch_or_churn_bytes"]) / accum
+    again = traffic["refetch_or_churn_bytes"] / accum
+    forward_s = max((compute_s + hooks_s) / 3 / accum, streamed / value["h2d_bytes_per_s"],
+                    again / value["d2h_bytes_per_s"])
+    backward_s = max(2 * (compute_s + hooks_s) / 3 / accum, streamed / value["d2h_bytes_per_s"],
+                     again / value["h2d_bytes_per_s"])
+    phases_s = accum * (forward_s + backward_s)
+    link_exposed_s = phases_s - (compute_s + hooks_s)
     # Chunks on disk are updated on the host, where they are read to.
     host_adam = max(trainable * (1 - hybrid_share),
                     min(trainable, on_disk / disk_per_param if disk_per_param else 0))
@@ -488,9 +512,9 @@ def estimate(model, config=None, *, precision=None, optimizer_state_dtype=None,
         (room if cfg.hybrid_adam else min(room, layout["param16_bytes"]))
     disk_bytes = max(0, min(on_disk, state - kept))
     disk_s = disk_bytes / value["disk_read_bytes_per_s"] + disk_bytes / value["disk_write_bytes_per_s"]
-    step_s = compute_s + hooks_s + link_s + cpu_adam_s + device_adam_s + disk_s
-    overlapped = max(compute_s + hooks_s, link_s) + max(cpu_adam_s, disk_s) + device_adam_s
-    parts = {"compute": compute_s + hooks_s, "link": link_s, "cpu_adam": cpu_adam_s,
+    step_s = phases_s + cpu_adam_s + device_adam_s + disk_s
+    overlapped = phases_s + max(0.0, max(cpu_adam_s, disk_s) - (forward_s + backward_s)) + device_adam_s
+    parts = {"compute": compute_s + hooks_s, "link": link_exposed_s, "cpu_adam": cpu_adam_s,
              "device_adam": device_adam_s, "disk": disk_s}
     bottleneck = max(parts, key=parts.get)
 
@@ -528,11 +552,14 @@ def estimate(model, config=None, *, precision=None, optimizer_state_dtype=None,
                     "bytes_disk_read": disk_bytes, "bytes_disk_write": disk_bytes},
         "rates": r,
         "time": {"flops": flops, "tokens": tokens, "compute_s": compute_s, "hooks_s": hooks_s,
-                 "link_s": link_s, "cpu_adam_s": cpu_adam_s, "device_adam_s": device_adam_s,
+                 "link_s": link_s, "link_exposed_s": link_exposed_s, "forward_s": forward_s,
+                 "backward_s": backward_s, "cpu_adam_s": cpu_adam_s, "device_adam_s": device_adam_s,
                  "disk_s": disk_s,
                  "step_s": step_s, "step_s_overlapped": overlapped, "bottleneck": bottleneck,
-                 "tokens_per_s": tokens / step_s,
-                 "model_tflops": 6 * trainable * tokens / step_s / 1e12},
+                 # From the model of the backend estimated for: CPU Adam on
+                 # the compute's cores (the simulated device) or beside it.
+                 "tokens_per_s": tokens / (step_s if backend == "sim" else overlapped),
+                 "model_tflops": 6 * trainable * tokens / (step_s if backend == "sim" else overlapped) / 1e12},
         "notes": notes,
     }
 
@@ -585,11 +612,11 @@ def format_estimate(e: dict) -> str:
            f"reads and writes {_b(tr['bytes_disk_read'])}, what the host budget and the device's "
            f"chunk room do not keep"] if e["nvme"]["budget"] else []),
         f"per step: {_b(tr['bytes_each_way'])} each way ({tr['regime']})",
-        f"step time: {_s(t['step_s'])} = compute {_s(t['compute_s'])} + hooks "
-        f"{_s(t['hooks_s'])} + link {_s(t['link_s'])} + CPU Adam {_s(t['cpu_adam_s'])} + device "
-        f"Adam {_s(t['device_adam_s'])}" + (f" + disk {_s(t['disk_s'])}" if t["disk_s"] else "") +
-        f"; bottleneck: {t['bottleneck']}",
-        f"  with the link overlapping compute" + (" and the disk CPU Adam" if t["disk_s"] else "") +
+        f"step time (simulated device): {_s(t['step_s'])} = compute {_s(t['compute_s'])} + hooks "
+        f"{_s(t['hooks_s'])} + link not hidden {_s(t['link_exposed_s'])} (of {_s(t['link_s'])}) + CPU "
+        f"Adam {_s(t['cpu_adam_s'])} + device Adam {_s(t['device_adam_s'])}" +
+        (f" + disk {_s(t['disk_s'])}" if t["disk_s"] else "") + f"; bottleneck: {t['bottleneck']}",
+        f"  with CPU Adam" + (" and the disk" if t["disk_s"] else "") + " beside the device (a GPU)"
         f": {_s(t['step_s_overlapped'])}; "
         f"{t['tokens_per_s']:,.0f} tokens/s, {t['model_tflops']:.3g} model TFLOPS",
         "rates:",
