@@ -20,6 +20,16 @@
 // the order of the chunks. One crossing per chunk; the per-tensor step
 // counts and group membership are passed as plain lists.
 //
+// The per-tensor Adam step counts have one owner, the engine's parameter
+// records (ParamRecord.step in python/tidal/engine/store.py); C++ keeps no
+// copy between calls, each update reads the steps it is given. They stay
+// Python's because every other reader and writer of them is: the step
+// counts a tensor only when it got a gradient (torch's state['step']),
+// CPU Adam during backward counts its speculative updates and counts them
+// back when it undoes them (python/tidal/engine/overlap.py), and
+// checkpoints save and load them by parameter name. A few integers per
+// chunk per step cross with the call that needs them.
+//
 // Note [The fp32 working copy]
 // ~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 // In fp32 training the "16-bit" list is fp32 by role: the working copy that

@@ -6,11 +6,13 @@ set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
 
+# ccache: the editable build and scripts/test.sh's trees compile through it.
 DEB_PACKAGES=(build-essential cmake ninja-build libtbb-dev libmimalloc-dev libhwy-dev liburing-dev
-              libgtest-dev libgmock-dev pybind11-dev)
+              libgtest-dev libgmock-dev pybind11-dev ccache)
 # expecttest: torch's own op database (tests/python/test_dtr_op_db.py) imports it.
+# pytest-xdist: scripts/test.sh runs the Python suite on two worker processes.
 PY_PACKAGES=(torch==2.13.0 numpy pytest scikit-build-core==1.1.2 tqdm matplotlib transformers==4.57.6 hypothesis
-             peft==0.21.2 accelerate==1.15.0 expecttest)
+             peft==0.21.2 accelerate==1.15.0 expecttest pytest-xdist==3.8.0)
 VENV="$ROOT/.venv"
 PY="$VENV/bin/python"
 
@@ -44,7 +46,7 @@ if ! "$PY" - <<'PYCHECK' 2>/dev/null; then
 import importlib.metadata as md
 assert md.version("torch").split("+")[0] == "2.13.0", md.version("torch")
 for name in ("numpy", "pytest", "scikit-build-core", "tqdm", "matplotlib", "transformers", "hypothesis",
-             "peft", "accelerate", "expecttest"):
+             "peft", "accelerate", "expecttest", "pytest-xdist"):
     md.version(name)
 PYCHECK
   log "installing Python packages: ${PY_PACKAGES[*]}"
@@ -67,7 +69,14 @@ modules=$(cd python && find tidal -name '*.py' -not -path '*/__pycache__/*' | LC
 if [ ! -f "$STAMP" ] || [ -n "$newest" ] || [ "$modules" != "$(cat "$MODULES" 2>/dev/null)" ] \
    || ! "$PY" -c "import tidal" 2>/dev/null; then
   log "building tidal (pip install -e . --no-build-isolation)"
-  "$PY" -m pip install -q --disable-pip-version-check --no-build-isolation -e . 2>&1 \
+  # Through ccache where it is: a build in another clone folder of the same
+  # tree (CI's) finds the objects (paths are taken relative to the clone).
+  CCACHE=()
+  if command -v ccache >/dev/null; then
+    export CCACHE_BASEDIR="$ROOT" CCACHE_NOHASHDIR=1 CCACHE_MAXSIZE="${CCACHE_MAXSIZE:-4G}"
+    CCACHE=(--config-settings=cmake.define.CMAKE_CXX_COMPILER_LAUNCHER=ccache)
+  fi
+  "$PY" -m pip install -q --disable-pip-version-check --no-build-isolation "${CCACHE[@]}" -e . 2>&1 \
     | grep -v "^WARNING: Location" >&2 || true
   "$PY" -c "import tidal" # fail loudly if the build did not work
   printf '%s\n' "$modules" >"$MODULES"

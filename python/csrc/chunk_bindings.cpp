@@ -38,6 +38,35 @@ namespace {
 
 using Chunks = hooks::EngineChunks;  // hooks/engine_chunks.h
 
+// The NVMe tier as Chunks.disk shows it: what DiskTier says when asked.
+struct DiskInfo {
+  std::string path;
+  bool direct = false;
+  bool memory_backed = false;
+  std::string backend;
+  std::vector<std::string> removed_stale;
+  std::size_t budget_bytes = 0;
+  std::size_t file_bytes = 0;
+  std::uint64_t bytes_read = 0;
+  std::uint64_t bytes_written = 0;
+  std::optional<std::string> failure;  // the first failed read or write
+};
+
+DiskInfo disk_info(const DiskTier& d) {
+  DiskInfo out;
+  out.path = d.path();
+  out.direct = d.direct();
+  out.memory_backed = d.memory_backed();
+  out.backend = d.backend();
+  out.removed_stale = d.removed_stale();
+  out.budget_bytes = d.budget_bytes();
+  out.file_bytes = d.held_bytes();
+  out.bytes_read = d.bytes_read();
+  out.bytes_written = d.bytes_written();
+  if (d.failed()) out.failure = d.failure();
+  return out;
+}
+
 // Note [Records, not dicts] in python/csrc/record.h: the scheduler's and the
 // allocation hooks' counters, bound once each.
 void bind_records(py::module_& m) {
@@ -118,6 +147,18 @@ void bind_records(py::module_& m) {
       .field("errors", &hooks::CudaRoomCounts::errors)
       .field("largest_request", &hooks::CudaRoomCounts::largest_request)
       .field("last_error", &hooks::CudaRoomCounts::last_error)
+      .done();
+  RecordBinding<DiskInfo>(m, "DiskInfo", "The NVMe tier (Chunks.disk).")
+      .field("path", &DiskInfo::path, "its file")
+      .field("direct", &DiskInfo::direct, "whether it does direct I/O (O_DIRECT)")
+      .field("memory_backed", &DiskInfo::memory_backed, "whether its file lives in memory (a tmpfs)")
+      .field("backend", &DiskInfo::backend, "the I/O backend")
+      .field("removed_stale", &DiskInfo::removed_stale, "stale files a killed process left, removed at its start")
+      .field("budget_bytes", &DiskInfo::budget_bytes)
+      .field("file_bytes", &DiskInfo::file_bytes, "the bytes its file holds now")
+      .field("bytes_read", &DiskInfo::bytes_read)
+      .field("bytes_written", &DiskInfo::bytes_written)
+      .field("failure", &DiskInfo::failure, "its first failed read or write, or None")
       .done();
 }
 
@@ -708,21 +749,10 @@ Python thread drives a Chunks object.)doc");
            "Removes the NVMe tier's file now; an error while a chunk is on disk.")
       .def_property_readonly(
           "disk",
-          [](Chunks& c) -> py::object {
+          [](Chunks& c) -> std::optional<DiskInfo> {
             const DiskTier* d = c.scheduler().disk();
-            if (d == nullptr) return py::none();
-            py::dict out;
-            out["path"] = d->path();
-            out["direct"] = d->direct();
-            out["memory_backed"] = d->memory_backed();
-            out["backend"] = d->backend();
-            out["removed_stale"] = d->removed_stale();
-            out["budget_bytes"] = d->budget_bytes();
-            out["file_bytes"] = d->held_bytes();
-            out["bytes_read"] = d->bytes_read();
-            out["bytes_written"] = d->bytes_written();
-            out["failure"] = d->failed() ? py::object(py::str(d->failure())) : py::object(py::none());
-            return out;
+            if (d == nullptr) return std::nullopt;
+            return disk_info(*d);
           },
           "The disk tier: its file, whether it does direct I/O, stale files removed at its "
           "start, its budget and size, bytes read and written, its first failed read or write "

@@ -30,6 +30,20 @@
 //  * outputs other than a tensor or a tuple or list of tensors (a dict, a
 //    ModelOutput, a tensor subclass) are marked by the engine's Python
 //    wrap_outputs.
+// One gradient hook. GradHook below and the engine's Python
+// HookWiring.grad_ready are one landing with two entries, not two hooks: both
+// call ModuleHooks::land_gradient with DTR's interception kept out (an
+// OutsideGuard here, dtr.outside() there), which measures the gradient, writes
+// it into the slot and sets DTR's threshold (DeviceRoom::chunks_moved, for
+// either interception: both sessions tell the engine's provider while they
+// route ops), and both drop .grad. The Python entry is taken only where this
+// one cannot work, and adds only what that case needs: a gradient that is not
+// strided gets the engine's error naming the parameter; under tidal.dtr's
+// TorchDispatchMode an aten alias of the gradient runs inside the mode before
+// the landing reads its memory, the one way an evicted gradient comes back
+// there (Note [Gradients are optimizer inputs] settles gradients as they are
+// made, so it should find none; C++ has no mode to run it in, and on the
+// dispatch key it is not needed).
 // Lifetimes follow the Python methods they replace. Module hooks and the
 // saved-tensor pair hold the engine strongly, as bound methods did, and show
 // those references to the garbage collector (tp_traverse), so an engine and

@@ -1,6 +1,13 @@
 """What the engine and checkpoint tests share: data, a training loop under
 tidal, and a model used in the reverse of its module order."""
+import os
+
 import torch
+
+# Long sweeps (more steps, every case of a grid) run in full with
+# TIDAL_TEST_FULL=1; scripts/test.sh, and so CI, runs a part of each that
+# still makes every path it checks fire (README, "The tests").
+FULL = os.environ.get("TIDAL_TEST_FULL", "") == "1"
 
 
 def gpt_batches(n, vocab=96, seq=8, batch=2, seed=1):

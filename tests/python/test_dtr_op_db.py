@@ -17,7 +17,8 @@ not one the op can run (op_db's in-place samples include broadcasts an
 in-place op refuses); an entry none of whose samples run must be in SKIPS.
 
 In CI the first 2 samples of every entry run (every entry is covered); with
-TIDAL_TEST_OP_DB_FULL=1 every sample does. Numbers on the 2-core machine
+TIDAL_TEST_OP_DB_FULL=1 (or TIDAL_TEST_FULL=1, every long sweep) every
+sample does. Numbers on the 2-core machine
 (torch 2.13.0 CPU, oneDNN on; other work sharing the cores), the same for
 both interceptions:
   * function variants: 684 entries run, 684 passed, 18 skipped (SKIPS);
@@ -61,7 +62,8 @@ with warnings.catch_warnings():
     warnings.simplefilter("ignore")
     from torch.testing._internal.common_methods_invocations import op_db
 
-FULL = os.environ.get("TIDAL_TEST_OP_DB_FULL", "") == "1"
+# Every sample with TIDAL_TEST_OP_DB_FULL=1, or with TIDAL_TEST_FULL=1 (every long sweep).
+FULL = "1" in (os.environ.get("TIDAL_TEST_OP_DB_FULL", ""), os.environ.get("TIDAL_TEST_FULL", ""))
 SAMPLES = None if FULL else 2
 
 # Entries not run, with the reason. Every entry op_db marks

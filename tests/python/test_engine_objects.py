@@ -5,6 +5,8 @@ can be made and checked on its own. References are independent of tidal:
 the model's own named_parameters and state_dict, and counts written out by
 hand."""
 import copy
+import gc
+import weakref
 
 import pytest
 import torch
@@ -14,6 +16,7 @@ from tidal.config import Config
 from tidal.engine import budget as _budget
 from tidal.engine.accumulation import GradientAccumulation
 from tidal.engine.checkpoint import CheckpointError, Checkpoints
+from tidal.engine.dtr_link import DtrLink
 from tidal.engine.errors import UnsupportedModelError
 from tidal.engine.hook_wiring import HookWiring, new_tracer
 from tidal.engine.meters import StepMeters
@@ -45,7 +48,7 @@ class _Net(torch.nn.Module):
 
 class _DtrOff:
     """What HookWiring reads of a DtrLink at construction (DTR not asked for
-    by the config); the DtrLink itself is made for an engine."""
+    by the config); test_dtr_link_... builds a DtrLink itself."""
     enabled_by_config = False
 
 
@@ -216,3 +219,29 @@ def test_the_engine_keeps_or_restores_the_rng_as_restore_rng_on_load_says(tmp_pa
     engine.load_checkpoint(tmp_path, tag="t")
     assert torch.equal(torch.rand(3), expected)  # left as it was
     engine.remove_hooks()
+
+
+def test_dtr_link_reads_the_store_at_start_and_goes_with_its_owner():
+    cfg = _config(dtr={"enabled": True})
+    store, _params, wiring = _parts(_Net(), cfg)
+    link = DtrLink(cfg.dtr)
+    assert link.enabled_by_config and link.cap == 0  # (no eviction_threshold in the block)
+    link.start(hooks=wiring.hooks, wiring=wiring, store=store)
+    # The arbiter prices a chunk's round trip with the simulated device's own link.
+    assert link.link_bytes_per_s == float(store.device.info()["sim_copy_bandwidth"])
+    report = link.report()
+    assert report["managed_threshold"] is True and report["enabled"] is False  # (no forward began)
+    assert report["replay_attaches"] == 0 and report["evictions"] == 0
+
+    class Owner:
+        pass
+
+    owner = Owner()
+    link.abandon_with(owner)
+    ref = weakref.ref(link)
+    del link
+    gc.collect()
+    assert ref() is not None  # registered with tidal.dtr while its owner lives
+    del owner
+    gc.collect()
+    assert ref() is None  # its owner gone, tidal.dtr let it go

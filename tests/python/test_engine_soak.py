@@ -1,6 +1,6 @@
-"""A 1000-step soak on a model whose path changes every step (a NAS-style
-switch between branches) under a budget that makes chunks move: memory is
-flat after the warm-up (tidal's host, pinned and device bytes, the CPU
+"""A long soak (1000 steps with TIDAL_TEST_FULL=1, else 300) on a model
+whose path changes every step (a NAS-style switch between branches) under a
+budget that makes chunks move: memory is flat after the warm-up (tidal's host, pinned and device bytes, the CPU
 allocation counter), the device peak stays within the budget with no
 overrun, the scheduler re-adopts its trace as the path changes, nothing
 leaks, and the weights are still those plain PyTorch with torch.optim.AdamW
@@ -14,9 +14,11 @@ import torch
 import tidal
 
 sys.path.insert(0, str(Path(__file__).parent))
-from engine_helpers import measured_budget, within_budget  # noqa: E402
+from engine_helpers import FULL, measured_budget, within_budget  # noqa: E402
 
-STEPS = 1000
+# 300 steps: the 100 of the warm-up, 100 that set the ceiling, 100 checked
+# against it (each branch is taken about 75 times, the path changes about 225).
+STEPS = 1000 if FULL else 300
 WARM = 100  # the steps that may still grow caches (every branch seen, blocks cached)
 
 
@@ -38,7 +40,7 @@ class Switch(torch.nn.Module):
         return torch.nn.functional.mse_loss(self.head(h), y)
 
 
-def test_a_model_whose_path_changes_every_step_runs_flat_for_1000_steps():
+def test_a_model_whose_path_changes_every_step_runs_flat_for_hundreds_of_steps():
     tidal.set_device("sim", capacity="1GiB")
     torch.manual_seed(0)
     model = Switch()
@@ -82,8 +84,8 @@ def test_a_model_whose_path_changes_every_step_runs_flat_for_1000_steps():
     changes = sum(a != b for a, b in zip(choices, choices[1:]))
     assert report["trace_divergences"] >= changes // 2
     assert 0 < report["trace_adoptions"] <= STEPS
-    # Flat after the warm-up: nothing in the last 900 steps above what the
-    # steps right after the warm-up reached.
+    # Flat after the warm-up: nothing in the steps after the first 100 past
+    # the warm-up above what those 100 reached.
     first = samples[:100]
     for i, name in enumerate(("host allocated", "host pinned", "host buffers", "device in use",
                               "device allocations", "CPU allocator live bytes")):

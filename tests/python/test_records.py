@@ -2,6 +2,7 @@
 hands to Python are read-only classes whose fields are attributes, and they
 read as the dicts they replaced; the Python API gives users plain dicts."""
 import json
+import os
 import pickle
 
 import pytest
@@ -65,6 +66,23 @@ def test_the_scheduler_stats_read_as_the_dict_they_replaced():
     report = engine.memory_report()
     assert type(report["scheduler"]) is dict and report["scheduler"] == stats
     json.dumps(report["scheduler"])
+    engine.remove_hooks()
+
+
+def test_the_nvme_tiers_facts_read_as_the_dict_they_replaced(tmp_path):
+    tidal.set_device("sim", capacity="1GiB")
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Linear(16, 4))
+    engine = tidal.initialize(model, {
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+        "zero_optimization": {"offload_optimizer": {"device": "nvme", "nvme_path": str(tmp_path)}},
+        "tidal": {"chunk_size": 4096, "device_memory_budget": "64MiB"}})
+    disk = engine.chunks.disk
+    assert type(disk).__name__ == "DiskInfo"
+    test_a_record_reads_as_the_dict_it_replaced(disk)
+    assert os.path.dirname(disk.path) == str(tmp_path) and disk["path"] == disk.path
+    assert disk.failure is None and disk.removed_stale == [] and disk.budget_bytes > 0
+    assert engine.memory_report()["nvme"]["path"] == disk.path
     engine.remove_hooks()
 
 

@@ -66,10 +66,22 @@ def _live(ref):
 
 
 class DtrLink:
-    """Registered with tidal.dtr as a parameter provider for one engine."""
+    """Registered with tidal.dtr as a parameter provider for one engine.
 
-    def __init__(self, engine, block: dict):
-        self._engine = weakref.ref(engine)
+    It holds no reference to the engine, nor to its store: tidal.dtr keeps
+    it registered until the engine is collected, and a store reachable from
+    here would outlive that collection. What it reads is given: at
+    construction the config's dtr block; at start(), once they exist, the
+    ModuleHooks, the HookWiring and the ParamStore (read there only: the
+    device budget, the margin, the link the arbiter prices a chunk's round
+    trip with). The engine registers abandon_with(engine), so a collected
+    engine's provider goes and a DTR session of its cycle ends.
+
+    Args:
+        block: the config's "dtr" block (may be empty).
+    """
+
+    def __init__(self, block: dict):
         self._epoch = 0
         self._replay_attached: list = []
         self._block = block
@@ -83,12 +95,16 @@ class DtrLink:
         self._owns = False  # the DTR session running is this engine's cycle's
         self._effective_block = block
 
-    def start(self, hooks, wiring):
+    def start(self, *, hooks, wiring, store):
         """Registers the engine with tidal.dtr once its ModuleHooks exist, and
         applies the config's dtr block ("enabled": false leaves DTR as it is).
-        `wiring` (the engine's HookWiring, held weakly: it lives as long as
-        the engine) answers the replays' reads of parameters."""
-        engine = self._engine()
+
+        Args:
+            hooks: the engine's ModuleHooks (the arbiter's formula, the replays' aliases).
+            wiring: the engine's HookWiring, held weakly (it lives as long as
+                the engine): it answers the replays' reads of parameters.
+            store: the engine's ParamStore: its device budget, margin and link.
+        """
         self._hooks = hooks
         self._wiring = weakref.ref(wiring)
         # The C++ interception's view of the parameters: alias lookups in C++
@@ -109,7 +125,6 @@ class DtrLink:
         # evictions goes to a chunk or an activation by cost (Note [The
         # arbiter between chunks and activations] in
         # hooks/dtr/storage_runtime.h); with none, chunks give way first.
-        store = engine.store
         link = _link_bytes_per_s(store) if ARBITER and self.enabled_by_config else 0.0
         self.link_bytes_per_s = link
         hooks.set_dtr_arbiter(bool(self.enabled_by_config), store.device_budget - store.margin, self.cap, link)
@@ -126,7 +141,12 @@ class DtrLink:
                 block["evictee_minimum_size"] = min(1 << 20, max(4096, limit // 1024))
             _dtr.validate_config(block)  # (a bad key fails at initialize)
             self._effective_block = block
-        weakref.finalize(engine, _engine_gone, weakref.ref(self))
+
+    def abandon_with(self, owner) -> None:
+        """When `owner` (the engine) is collected, this provider goes and a DTR
+        session of its cycle ends (Note [DTR belongs to the engine's cycle]).
+        The finalizer holds this link weakly."""
+        weakref.finalize(owner, _engine_gone, weakref.ref(self))
 
     # ------------------------------------------------------------- the cycle
     # Note [DTR belongs to the engine's cycle]: with DTR in the config, DTR

@@ -237,7 +237,7 @@ class Engine(DeepSpeedEngineAPI):
         self._meters = StepMeters()
         self._meters.start(self.chunks.stats())
         # DTR of activations (Note [DTR under the training engine]).
-        self.dtr = DtrLink(self, cfg.dtr)
+        self.dtr = DtrLink(cfg.dtr)
         # CPU Adam during backward (Note [CPU Adam during backward] in overlap.py).
         self._overlap = None
         if cfg.overlap_step and self.overlap_step_off is None:
@@ -268,7 +268,7 @@ class Engine(DeepSpeedEngineAPI):
         # installed below).
         self._outside = OutsideAccess(
             self._params, store, hooks, self.dtr, self._accumulation,
-            record_of_param=self._record_of_param, settle_overlap=self._settle_overlap,
+            record_of_param=self._record_of_param, settle_overlap=self.settle_overlap,
             attach=wiring.attach, attach_failed=wiring.attach_failed,
             hook_module=self._hook_module,
             state_dict_busy=self._state_dict_bridge.busy,
@@ -303,7 +303,7 @@ class Engine(DeepSpeedEngineAPI):
             store=store, params=self._params, tracer=tracer, meters=self._meters, step=self._step,
             overlap=self._overlap, overlap_step_off=self.overlap_step_off, dp=self.dp,
             dp_step=self._dp_step, dtr=self.dtr, cuda=cuda, cuda_room=cuda_room,
-            sim_caching=sim_caching, settle_overlap=self._settle_overlap)
+            sim_caching=sim_caching, settle_overlap=self.settle_overlap)
         self._install_hooks()
         hooks.set_raw_backward(raw_backward_refusal(self.precision, self.scaler, self.dp))
         hooks.set_raw_backward_limits(enforce_budget, enforce_budget and self.config.room_on_miss)
@@ -316,7 +316,8 @@ class Engine(DeepSpeedEngineAPI):
             # An engine collected mid-step (its forward or backward counting
             # the simulated device's allocations) leaves no count running.
             weakref.finalize(self, _C.chunks.set_host_allocation_counting, False)
-        self.dtr.start(hooks, self._wiring)
+        self.dtr.start(hooks=hooks, wiring=self._wiring, store=store)
+        self.dtr.abandon_with(self)
         self.dtr.rebalance()
 
     def remove_hooks(self):
@@ -435,12 +436,11 @@ class Engine(DeepSpeedEngineAPI):
         return r
 
     # ------------------------------------------------------------- user API
-    def _settle_overlap(self, keep_deferred: bool = False, chunks=None):
-        """Waits for the CPU Adam updates running since backward, releases
-        their pins and takes back every one no step has validated (Note
-        [Speculative updates and their undo]): whatever needs the chunks
-        between backward and step sees them as the step without overlap
-        would. The updates a step left to the next forward are waited for
+    def settle_overlap(self, keep_deferred: bool = False, chunks=None):
+        """Waits for the CPU Adam updates running since backward and takes back
+        every one no step has validated (Note [Speculative updates and their
+        undo]): what reads the chunks before the step sees them as without
+        overlap. The updates a step left to the next forward are waited for
         too (Note [CPU Adam under the next forward]), unless keep_deferred
         (the forward: each module waits for its own); `chunks`: only those
         chunks' updates left to the next forward are waited for (a parameter
@@ -485,7 +485,7 @@ class Engine(DeepSpeedEngineAPI):
 
     def __call__(self, *args, **kwargs):
         self._refuse_after_disk_failure()
-        self._settle_overlap(keep_deferred=True)
+        self.settle_overlap(keep_deferred=True)
         if self.precision != "fp32":
             def cast(t):
                 if isinstance(t, torch.Tensor) and t.is_floating_point():
@@ -531,11 +531,6 @@ class Engine(DeepSpeedEngineAPI):
                                      f"nor has its model (a {type(module).__name__})") from None
         raise AttributeError(f"'{type(self).__name__}' object has no attribute '{name}'")
 
-    def _settle_outside(self):
-        """Parameters read outside a forward go back to their chunks, with what
-        user code wrote to them (Note [Writes to a parameter])."""
-        self._outside.settle()
-
     def holding_gradients(self, records) -> list:
         """The names of `records` whose 16-bit slot holds a gradient now
         (between backward and step): a value written there would be lost."""
@@ -543,11 +538,14 @@ class Engine(DeepSpeedEngineAPI):
         hooks = self._wiring.hooks
         return [r.name for r in records if id(r) in index and hooks.landed(index[id(r)])]
 
-    def _forget_writes(self, records) -> None:
-        # These parameters' version counts as they are now (writes to copies
-        # dropped on purpose, GatheredParameters' in
-        # _deepspeed_compat/runtime/zero/partition_parameters.py, are not the
-        # user's writes).
+    def forget_writes(self, records) -> None:
+        """Writes to `records`' parameters so far were not the user's (copies put
+        in and taken back, as GatheredParameters does): their version counts are
+        taken as they are now (Note [Writes to a parameter] in hooks/module_hooks.cpp).
+
+        Args:
+            records: ParamStore records; those this engine does not train are skipped.
+        """
         if getattr(self, "_wiring", None) is None:
             return
         index = [self._params.record_index[id(r)] for r in records if id(r) in self._params.record_index]
@@ -577,7 +575,7 @@ class Engine(DeepSpeedEngineAPI):
         Args:
             decay: the EMA's decay, in [0, 1): ema = decay * ema + (1 - decay) * weight.
         """
-        self._settle_overlap()
+        self.settle_overlap()
         self._outside.settle()
         self._ema = _ema.WeightEma(params=self._params, store=self.store, decay=decay)
 
@@ -677,7 +675,7 @@ class Engine(DeepSpeedEngineAPI):
             # undo]); sums it folded early hold part of this backward.
             if self._overlap is not None:
                 self._overlap.backward_ended()
-                self._settle_overlap()
+                self.settle_overlap()
                 if self._overlap.folded_early:
                     self._accumulation.break_window(
                         f"the backward that failed had folded the gradients of "
@@ -746,7 +744,7 @@ class Engine(DeepSpeedEngineAPI):
         """Drops pending gradients (those in 16-bit slots are restored from
         fp32) and the gradient sums of an unfinished accumulation."""
         self._wiring.hooks.take_backward_ended()  # (a loss.backward() whose gradients go now)
-        self._settle_overlap()  # (updates made during backward are taken back)
+        self.settle_overlap()  # (updates made during backward are taken back)
         self._accumulation.reset()
         self._outside.grads.drop_all()
         self._wiring.hooks.clear_grad_norm()
@@ -767,7 +765,7 @@ class Engine(DeepSpeedEngineAPI):
     def save_checkpoint(self, save_dir, tag=None, client_state=None, save_latest=True):
         """Writes model, fp32 master, Adam state, loss scaler, LR scheduler, step
         and RNG state to <save_dir>/<tag>/ atomically (Note [Checkpoint format])."""
-        self._settle_overlap()
+        self.settle_overlap()
         self._outside.settle()
         with _dtr.outside():
             return self._checkpoints.save_checkpoint(save_dir, tag, client_state, save_latest)
@@ -776,7 +774,7 @@ class Engine(DeepSpeedEngineAPI):
                         load_lr_scheduler_states=True):
         """Restores a save_checkpoint(); tag None reads <load_dir>/latest.
         Returns (path, client_state), as DeepSpeed's."""
-        self._settle_overlap()
+        self.settle_overlap()
         self._outside.settle()
         with self.dtr.weights_change(), _dtr.outside():
             result = self._checkpoints.load_checkpoint(load_dir, tag, load_optimizer_states,
@@ -786,14 +784,14 @@ class Engine(DeepSpeedEngineAPI):
 
     def state_dict(self) -> dict:
         """fp32 weights and buffers keyed like the model's own state_dict."""
-        self._settle_overlap()
+        self.settle_overlap()
         self._outside.settle()
         with _dtr.outside():
             return self._checkpoints.state_dict()
 
     def load_state_dict(self, state_dict, strict: bool = True):
         """Loads weights (fp32 master and 16-bit copy); Adam state is kept."""
-        self._settle_overlap()
+        self.settle_overlap()
         self._outside.settle()
         with self.dtr.weights_change(), _dtr.outside():
             result = self._checkpoints.load_state_dict(state_dict, strict)
@@ -802,7 +800,7 @@ class Engine(DeepSpeedEngineAPI):
 
     def load_pretrained(self, path, strict: bool = True):
         """Loads Hugging Face save_pretrained weights, tensor by tensor."""
-        self._settle_overlap()
+        self.settle_overlap()
         self._outside.settle()
         with self.dtr.weights_change(), _dtr.outside():
             result = self._checkpoints.load_pretrained(path, strict)
@@ -812,7 +810,7 @@ class Engine(DeepSpeedEngineAPI):
     def save_pretrained(self, save_dir, max_shard_size="5GB", dtype=None):
         """Writes Hugging Face `save_pretrained`-compatible weights (safetensors,
         sharded past `max_shard_size`) and config.json, shard by shard."""
-        self._settle_overlap()
+        self.settle_overlap()
         self._outside.settle()
         with _dtr.outside():
             return self._checkpoints.save_pretrained(save_dir, max_shard_size, dtype)

@@ -287,8 +287,8 @@ class DeepSpeedEngineAPI:
                              f"expected OffloadStateTypeEnum members: "
                              f"{', '.join(OFFLOAD_STATE_KINDS)}")
         kinds = list(dict.fromkeys(k for n in names for k in OFFLOAD_STATE_KINDS[n]))
-        self._settle_overlap()  # (CPU Adam of a backward holds chunks: Note [Speculative updates and their undo])
-        self._settle_outside()  # (parameters read outside a forward hold their slots)
+        self.settle_overlap()  # (CPU Adam of a backward holds chunks: Note [Speculative updates and their undo])
+        self._outside.settle()  # (parameters read outside a forward hold their slots)
         moved = self.store.offload_to_host(kinds)
         if self.device.type == "cuda":
             torch.cuda.empty_cache()  # (DeepSpeed empties the accelerator's cache too)

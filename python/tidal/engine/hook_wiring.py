@@ -467,6 +467,11 @@ class HookWiring:
         self._overlap.landed(self._store.by_param[id(param)])
 
     def grad_ready(self, param):
+        """The gradient hook's path under a Python dispatch mode (and for a
+        gradient that is not dense): the same landing as the C++ GradHook
+        (Note [Hooks torch calls into C++], "One gradient hook"), with what
+        only this path needs: the error for a non-strided gradient, and under
+        tidal.dtr's TorchDispatchMode an alias run inside the mode first."""
         r = self._store.by_param[id(param)]
         g = param.grad
         if g is None:
@@ -485,5 +490,5 @@ class HookWiring:
                 self.hooks.land_gradient(i, g)
         else:
             self.hooks.land_gradient(i, g)
-        self._dtr.rebalance()
+        # (DTR's threshold: the landing set it, ModuleHooks' DeviceRoom::chunks_moved.)
         param.grad = None

@@ -48,6 +48,21 @@ its gradients are folded into their fp32 sums on the host (on the hook's
 thread, the fold the end of backward would make) and the worker updates from
 the sums.
 
+Two facts, two owners. ModuleHooks (hooks/module_hooks.h) owns whether a
+parameter's 16-bit slot holds a gradient (`landed`: set by its landing,
+cleared by a fold, the step or a drop; the step, the guards and DTR's
+replays ask it). This object owns a count of the backward running: how many
+of a chunk's trainable tensors have not had their first landing in this
+backward yet (`_waiting`, from the set `_counted`), made at begin() and
+spent when the chunk launches. They differ where it matters: a second
+backward before the step without accumulation (its gradients add to the
+first's in the slots) finds `landed` already set, so the C++ flag cannot
+tell the first landing of this backward from a later one, and a chunk
+would launch before its other tensors' gradients are in; and the hook that
+counts runs after the landing, when the flag is set whichever it was. Nor is the
+count a C++ fact: it exists only for the launch, which is Python's (the
+plan, the undo buffers, the worker).
+
 A parameter used again after its gradient landed (a reentrant checkpoint
 replays it, Note [Weights while gradients wait]) lands twice; its chunk's
 update would race the replay. The engine's first backward launches nothing
@@ -226,7 +241,7 @@ class StepOverlap:
         self._fold_chunk = None  # the accumulation's fold, from begin()
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="tidal-adam")
         self._waiting: dict[int, int] = {}  # chunk -> gradients it still waits for
-        self._landed_ids: set[int] = set()    # tensors whose gradient landed in this backward
+        self._counted: set[int] = set()  # tensors whose first landing in this backward was counted
         self._recs: dict[int, list] = {}     # chunk -> its trainable records
         self._jobs: list[tuple[int, object]] = []  # (chunk, future); cleared, never replaced
         self._pinned: list = []  # the launched chunks' pins (store.SlotPin), released by finish()
@@ -287,7 +302,7 @@ class StepOverlap:
             if r.trainable and self._store.owns(r):
                 recs[r.chunk].append(r)
         self._recs = dict(recs)
-        self._landed_ids = set()
+        self._counted = set()
         self._backward_end = None
         self.folded_early = set()
         # Not in the engine's first backward (the warm-up, which records the
@@ -326,12 +341,12 @@ class StepOverlap:
         the others' gradients are in. Once the chunk's update started, a
         second use of the parameter in that backward finds its master chunk
         in use (COMPUTE) and fails there, naming the tensor."""
-        if record.id in self._landed_ids:
+        if record.id in self._counted:
             # Used again after its gradient landed (a reentrant checkpoint
             # replays it): its chunk is never launched again (below).
             self._relanded.add(record)
             return
-        self._landed_ids.add(record.id)
+        self._counted.add(record.id)
         left = self._waiting.get(record.chunk)
         if left is None:
             return

@@ -212,7 +212,7 @@ def _written_back(store, params, modifier_rank):
             f"values on every rank with engine.load_state_dict({{name: tensor}}, strict=False)")
     engine = _engine_of(params)
     if engine is not None:
-        engine._settle_overlap()  # (between backward and step: before the chunks are read)
+        engine.settle_overlap()  # (between backward and step: before the chunks are read)
     records = [store.by_param[id(p)] for p in params]
     holding = engine.holding_gradients(records) if engine is not None else []
     if holding:
@@ -245,7 +245,7 @@ def _written_back(store, params, modifier_rank):
         # (Assigning the copies and back bumped the version counts: the
         # engine's record of user writes takes them as they are now.)
         if engine is not None:
-            engine._forget_writes([r for _, r, _ in done])
+            engine.forget_writes([r for _, r, _ in done])
 
 
 def _engine_of(params):
@@ -277,7 +277,7 @@ def _copies(store, params):
         # Between backward and step: the CPU Adam updates made during backward
         # are waited for and taken back before the chunks are read (Note
         # [Speculative updates and their undo] in overlap.py).
-        engine._settle_overlap()
+        engine.settle_overlap()
     try:
         with engine_call():  # (the copies are the engine's work; the block's body is the user's)
             for p in params:
@@ -297,4 +297,4 @@ def _copies(store, params):
         # The engine takes these parameters' version counts as they are now
         # (Note [Writes to a parameter] in hooks/module_hooks.cpp).
         if engine is not None:
-            engine._forget_writes([store.by_param[id(p)] for p, _ in done])
+            engine.forget_writes([store.by_param[id(p)] for p, _ in done])
