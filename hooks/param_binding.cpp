@@ -36,8 +36,8 @@ at::ScalarType ParamBinding::dtype(ChunkKind kind) const {
 }
 
 at::Tensor ParamBinding::access(TensorId id, ChunkKind kind, MemorySpace space,
-                                at::IntArrayRef shape) {
-  void* data = scheduler_.access(TensorRef{kind, id}, space);
+                                at::IntArrayRef shape, AccessMode mode) {
+  void* data = scheduler_.access(TensorRef{kind, id}, space, mode);
   return slot_view(data, shape, dtype(kind), torch_device(space));
 }
 

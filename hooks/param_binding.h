@@ -43,8 +43,10 @@ class ParamBinding {
   ParamBinding(ChunkScheduler& scheduler, at::Device device_space);
 
   // Access one slot and return a view of it (for copies in and out, and the
-  // optimizer). The caller releases it through the scheduler.
-  at::Tensor access(TensorId id, ChunkKind kind, MemorySpace space, at::IntArrayRef shape);
+  // optimizer). The caller releases it through the scheduler. `mode`:
+  // ChunkScheduler::access's (a write unless the caller knows it reads).
+  at::Tensor access(TensorId id, ChunkKind kind, MemorySpace space, at::IntArrayRef shape,
+                    AccessMode mode = AccessMode::kWrite);
 
   // The empty tensor a detached parameter's data points at: `kind`'s dtype,
   // on `space`'s torch device.
