@@ -575,6 +575,28 @@ def _nvme_train(r: Dict) -> List[Figure]:
                f"{mib(r['disk_read_bytes_per_step'])} read, {mib(r['disk_written_bytes_per_step'])} written",
                f"{mib(r['disk_min_bytes_per_step_each_way'])} each way, the minimum (every chunk on disk read and "
                f"written once)", f"{max(r['read_over_min'], r['written_over_min']):.2f}"),
+    ] + _nvme_train_param(r)
+
+
+def _nvme_train_param(r: Dict) -> List[Figure]:
+    """Both lists on the NVMe tier (offload_param): chunks read and not changed
+    go back to disk without a write, against the run that writes every one."""
+    p = r.get("offload_param")
+    if p is None:
+        return []
+    m = r["model"]
+    what = (f"{m['params'] / 1e6:.1f}M-parameter GPT in {m['precision']}, 16-bit parameters and optimizer "
+            f"states on the NVMe tier (offload_param; host budget {mib(p['host_budget'])}, simulated device)")
+    skip, noskip = p["skip"], p["no_skip"]
+    return [
+        Figure(f"disk bytes written per step, unchanged chunks not written back, {what}",
+               f"{mib(skip['disk_written_bytes_per_step'])} ({mib(skip['disk_write_skipped_bytes_per_step'])} "
+               f"not written)",
+               f"{mib(noskip['disk_written_bytes_per_step'])}, every chunk written back "
+               f"(tidal.nvme_skip_clean_writes off)", f"{p['written_ratio_skip_to_no_skip']:.2f}"),
+        Figure(f"training step, unchanged chunks not written back, {what}", spread(skip["step_seconds"], "ms", ".0f", 1e3),
+               f"{noskip['step_seconds']['median'] * 1e3:.0f} ms, every chunk written back",
+               f"{p['step_ratio_skip_to_no_skip']:.2f}"),
     ]
 
 
