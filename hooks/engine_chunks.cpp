@@ -42,6 +42,7 @@ EngineChunks::EngineChunks(std::shared_ptr<Device> device, const EngineChunksOpt
   options.disk_request_bytes = o.disk_request_bytes;
   options.disk_allow_buffered = o.disk_allow_buffered;
   options.disk_backend = parse_direct_io_backend(o.disk_backend);
+  options.disk_skip_clean_writes = o.disk_skip_clean_writes;
   scheduler_ = std::make_unique<ChunkScheduler>(ChunkStore(store_options), std::move(device), options);
   binding_ = std::make_unique<ParamBinding>(*scheduler_, at::Device(o.torch_device));
 }

@@ -41,6 +41,7 @@ struct EngineChunksOptions {
   std::size_t disk_request_bytes = std::size_t{1} << 20;
   bool disk_allow_buffered = false;
   std::string disk_backend = "threads"; // "threads", "io_uring", "auto"
+  bool disk_skip_clean_writes = true;   // ChunkSchedulerOptions'
 };
 
 class EngineChunks {

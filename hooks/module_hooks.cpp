@@ -20,6 +20,11 @@ const void* storage_data(const at::Tensor& t) {
   return t.storage().data_ptr().get();
 }
 
+// In-place writes through the parameter (or views of it) count; set_data keeps it.
+std::uint32_t version_of(const at::Tensor& t) {
+  return t.unsafeGetTensorImpl()->version_counter().current_version();
+}
+
 // dst = src: a memcpy for contiguous CPU tensors of one dtype and size (a
 // gradient landing in its slot on the simulated device, where copy_'s
 // dispatch would cost more than the copy of a small tensor), else torch's
@@ -131,7 +136,7 @@ void ModuleHooks::forward_pre(std::size_t module, bool trace_point) {
   try {
     if (!scratch_.empty()) {
       make_room_for(scratch_);
-      attach_now(scratch_, /*for_backward=*/false, /*replay=*/false);
+      attach_now(scratch_, /*for_backward=*/false, /*replay=*/false, AccessMode::kRead);
     }
   } catch (...) {
     for (std::size_t i : params) --params_[i].uses;
@@ -210,7 +215,7 @@ void ModuleHooks::backward_pre(std::size_t module) {
   }
   if (!scratch_.empty()) {
     make_room_for(scratch_);
-    attach_now(scratch_, /*for_backward=*/true, /*replay=*/false);
+    attach_now(scratch_, /*for_backward=*/true, /*replay=*/false, AccessMode::kRead);
   }
 }
 
@@ -231,6 +236,7 @@ void ModuleHooks::land_gradient(std::size_t param, const at::Tensor& grad) {
   // (A landed parameter that is attached is served: its slot holds the
   // gradient, Note [Weights while gradients wait].)
   if (p.attached && !p.landed) {
+    slot_written(p);  // (before the copy: Note [Chunks on NVMe: clean chunks])
     copy_gradient(p.param, grad);
     if (!gradient_sums_.accumulating()) grad_norms_.measure(param, grad);
     p.landed = true;
@@ -344,6 +350,7 @@ std::vector<std::string> ModuleHooks::release_all() noexcept {
     if (!p.attached) continue;
     try {
       const TensorRef ref{kSlot, p.id};
+      slot_written(p);  // (after an error nothing says it was only read)
       if (!p.served && scheduler_->store().state(ref) == TensorState::kCompute) {
         scheduler_->release(ref, TensorState::kHold);
       }
@@ -457,7 +464,7 @@ at::Tensor ModuleHooks::weight_from_master(const Param& p) {
               "and its fp32 master is not in this process (data parallel: another rank owns its "
               "chunk); call engine.step() or engine.zero_grad() before using the model again");
   const MemorySpace space = store.chunk(store.chunk_of(ref)).space();
-  void* data = scheduler_->access(ref, space);
+  void* data = scheduler_->access(ref, space, AccessMode::kRead);  // (copied, never written)
   at::Tensor weight;
   try {
     c10::NoGradGuard no_grad;
@@ -473,7 +480,7 @@ at::Tensor ModuleHooks::weight_from_master(const Param& p) {
 }
 
 void ModuleHooks::attach_now(const std::vector<std::size_t>& params, bool for_backward,
-                             bool replay) {
+                             bool replay, AccessMode mode) {
   // All or nothing: the slots accessed so far go back to HOLD when an access
   // throws.
   std::size_t done = 0;
@@ -485,7 +492,7 @@ void ModuleHooks::attach_now(const std::vector<std::size_t>& params, bool for_ba
         p.served = true;
         continue;
       }
-      at::Tensor slot = binding_->access(p.id, kSlot, MemorySpace::kDevice, p.shape);
+      at::Tensor slot = binding_->access(p.id, kSlot, MemorySpace::kDevice, p.shape, mode);
       p.param.set_data(slot);
     }
   } catch (...) {
@@ -503,6 +510,8 @@ void ModuleHooks::attach_now(const std::vector<std::size_t>& params, bool for_ba
   for (std::size_t i : params) {
     Param& p = params_[i];
     writes_.attached(i, p.param);
+    p.read_only = mode == AccessMode::kRead && !p.served;
+    p.read_version = version_of(p.param);
     p.slot_data = storage_data(p.param);
     p.attached = true;
     attached_by_data_[p.slot_data] = i;
@@ -520,6 +529,10 @@ void ModuleHooks::detach_now(const std::vector<std::size_t>& params, TensorState
   for (std::size_t i : params) {
     Param& p = params_[i];
     if (!p.attached) continue;
+    // Note [Chunks on NVMe: clean chunks]: a write while attached to be read
+    // (an in-place op in the forward) is one, before the chunk may move.
+    if (p.read_only && version_of(p.param) != p.read_version) slot_written(p);
+    p.read_only = false;
     if (!p.served) scheduler_->release(TensorRef{kSlot, p.id}, state);
     attached_by_data_.erase(p.slot_data);
     detaching(i);
@@ -567,6 +580,12 @@ void PackedRecomputeScope::exit() {
 // parameter it reaches the slot and shows as data that differs from the
 // master only where the engine compares them; on a placeholder it writes
 // nothing.
+
+void ModuleHooks::slot_written(Param& p) {
+  if (!p.read_only) return;  // attached by a write access: its chunk counts as changed already
+  scheduler_->mark_written(TensorRef{kSlot, p.id});
+  p.read_only = false;
+}
 
 // Parameter `i`'s data is about to go to the placeholder.
 void ModuleHooks::detaching(std::size_t i) {

@@ -250,6 +250,11 @@ class ModuleHooks : public std::enable_shared_from_this<ModuleHooks> {
     bool served = false;  // attached to a weight made from the master
     bool first_used = false;
     const void* slot_data = nullptr;  // the storage its data viewed when attached
+    // Attached by a read access (forward, backward): its version then, and
+    // whether its chunk still counts as unchanged (Note [Chunks on NVMe:
+    // clean chunks] in runtime/scheduler/disk_tier.h).
+    bool read_only = false;
+    std::uint32_t read_version = 0;
   };
 
   void queue_backward_end();
@@ -257,7 +262,11 @@ class ModuleHooks : public std::enable_shared_from_this<ModuleHooks> {
   at::Tensor weight_from_master(const Param& p);
   void end_transient(std::size_t module);
   void make_room_for(const std::vector<std::size_t>& params);
-  void attach_now(const std::vector<std::size_t>& params, bool for_backward, bool replay);
+  // mode: AccessMode::kRead only for the hooks' own forward and backward.
+  void attach_now(const std::vector<std::size_t>& params, bool for_backward, bool replay,
+                  AccessMode mode = AccessMode::kWrite);
+  // A write reached parameter `i`'s slot although it was attached to be read.
+  void slot_written(Param& p);
   void detach_now(const std::vector<std::size_t>& params, TensorState state);
   std::vector<TensorId> ids_of(const std::vector<std::size_t>& params) const;
   void check_param(std::size_t param) const;

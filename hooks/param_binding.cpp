@@ -36,8 +36,8 @@ at::ScalarType ParamBinding::dtype(ChunkKind kind) const {
 }
 
 at::Tensor ParamBinding::access(TensorId id, ChunkKind kind, MemorySpace space,
-                                at::IntArrayRef shape, bool wait_for_copy) {
-  void* data = scheduler_.access(TensorRef{kind, id}, space, wait_for_copy);
+                                at::IntArrayRef shape, AccessMode mode, bool wait_for_copy) {
+  void* data = scheduler_.access(TensorRef{kind, id}, space, mode, wait_for_copy);
   return slot_view(data, shape, dtype(kind), torch_device(space));
 }
 

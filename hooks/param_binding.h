@@ -43,10 +43,11 @@ class ParamBinding {
   ParamBinding(ChunkScheduler& scheduler, at::Device device_space);
 
   // Access one slot and return a view of it (for copies in and out, and the
-  // optimizer). The caller releases it through the scheduler.
+  // optimizer). The caller releases it through the scheduler. `mode`:
+  // ChunkScheduler::access's (a write unless the caller knows it reads);
   // wait_for_copy: as ChunkScheduler::access (Note [A pin that does not wait]).
   at::Tensor access(TensorId id, ChunkKind kind, MemorySpace space, at::IntArrayRef shape,
-                    bool wait_for_copy = true);
+                    AccessMode mode = AccessMode::kWrite, bool wait_for_copy = true);
 
   // The empty tensor a detached parameter's data points at: `kind`'s dtype,
   // on `space`'s torch device.

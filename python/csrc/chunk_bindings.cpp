@@ -99,6 +99,8 @@ void bind_records(py::module_& m) {
   TIDAL_FIELD(moves_disk_to_host);
   TIDAL_FIELD(bytes_host_to_disk);
   TIDAL_FIELD(bytes_disk_to_host);
+  TIDAL_FIELD(disk_writes_skipped);
+  TIDAL_FIELD(bytes_disk_writes_skipped);
   TIDAL_FIELD(steps);
   TIDAL_FIELD(trace_adoptions);
   TIDAL_FIELD(trace_divergences);
@@ -549,7 +551,7 @@ Python thread drives a Chunks object.)doc");
                        const std::string& disk_path, std::size_t disk_budget,
                        const std::vector<ChunkKind>& disk_kinds, int disk_threads,
                        std::size_t disk_request_bytes, bool disk_allow_buffered,
-                       const std::string& disk_backend) {
+                       const std::string& disk_backend, bool disk_skip_clean_writes) {
              hooks::EngineChunksOptions o;
              o.chunk_bytes = chunk_bytes;
              o.param_dtype = param_dtype;
@@ -570,6 +572,7 @@ Python thread drives a Chunks object.)doc");
              o.disk_request_bytes = disk_request_bytes;
              o.disk_allow_buffered = disk_allow_buffered;
              o.disk_backend = disk_backend;
+             o.disk_skip_clean_writes = disk_skip_clean_writes;
              return std::make_unique<Chunks>(std::move(device), o);
            }),
            py::arg("device"), py::kw_only(), py::arg("chunk_bytes"), py::arg("param_dtype"),
@@ -581,7 +584,8 @@ Python thread drives a Chunks object.)doc");
            py::arg("disk_kinds") = std::vector<ChunkKind>{ChunkKind::kParam32, ChunkKind::kMomentum,
                                                           ChunkKind::kVariance},
            py::arg("disk_threads") = 8, py::arg("disk_request_bytes") = std::size_t{1} << 20,
-           py::arg("disk_allow_buffered") = false, py::arg("disk_backend") = "threads")
+           py::arg("disk_allow_buffered") = false, py::arg("disk_backend") = "threads",
+           py::arg("disk_skip_clean_writes") = true)
       .def("register", [](Chunks& c, std::string name, std::size_t numel, std::uint8_t pool,
                           bool with_previous) {
              return c.scheduler().register_tensor(std::move(name), numel, pool, with_previous);
@@ -602,7 +606,7 @@ Python thread drives a Chunks object.)doc");
               const std::vector<std::int64_t>& shape, bool wait) {
              // A chunk on disk is read into the host (asking for it "where it is").
              if (space == MemorySpace::kDisk) space = MemorySpace::kHost;
-             return c.binding().access(id, kind, space, shape, wait);
+             return c.binding().access(id, kind, space, shape, AccessMode::kWrite, wait);
            },
            py::call_guard<py::gil_scoped_release>(), py::arg("id"), py::arg("kind"), py::arg("space"), py::arg("shape"),
            py::arg("wait") = true,
@@ -638,6 +642,11 @@ Python thread drives a Chunks object.)doc");
                                      c.binding().torch_device(ch.space()));
            },
            py::arg("chunk"), py::arg("kind"))
+      .def("mark_written",
+           [](Chunks& c, TensorId id, ChunkKind kind) { c.scheduler().mark_written(TensorRef{kind, id}); },
+           py::arg("id"), py::arg("kind"),
+           "A write reached this slot's chunk outside an access that declared it (through a view of an "
+           "attached parameter): its copy on disk is stale (Note [Chunks on NVMe: clean chunks]).")
       .def("release",
            [](Chunks& c, TensorId id, ChunkKind kind, TensorState state) {
              c.scheduler().release(TensorRef{kind, id}, state);

@@ -118,6 +118,10 @@ _TIDAL_SCHEMA: dict[str, Any] = {
                     "(faster on the disk measured, benchmarks/results/nvme_bandwidth-cpu-2c.json), "
                     "io_uring (where tidal was built with liburing and the kernel allows it), or "
                     "auto: io_uring when it can, else the threads"),
+        "nvme_skip_clean_writes": (bool, True, "a chunk read from the NVMe tier and not changed since "
+                                               "goes back to disk without a write (its file place still "
+                                               "holds it; docs/nvme.md); off: every chunk is written, "
+                                               "to measure what the skip saves"),
         "nvme_allow_buffered": (bool, False, "nvme_path on tmpfs (host memory) or on a file system "
                                              "without direct I/O: go on with a warning (buffered I/O) "
                                              "instead of an error"),

@@ -213,6 +213,7 @@ class Config:
     nvme_budget: int = 0
     nvme_allow_buffered: bool = False
     nvme_io: str = "threads"
+    nvme_skip_clean_writes: bool = True
     aio_block_size: int = 1 << 20
     aio_queue_depth: int = 8
     dtr: dict = field(default_factory=dict)
@@ -590,6 +591,7 @@ class Config:
         self.nvme_budget = t["nvme_budget"]
         self.nvme_allow_buffered = t["nvme_allow_buffered"]
         self.nvme_io = t["nvme_io"]
+        self.nvme_skip_clean_writes = t["nvme_skip_clean_writes"]
         self.cpu_adam_threads = t["cpu_adam_threads"]
         self.cpu_adam_pool = t["cpu_adam_pool"]
         _require(problems, self.cpu_adam_threads >= 0, "tidal.cpu_adam_threads",

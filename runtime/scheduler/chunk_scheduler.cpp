@@ -115,10 +115,12 @@ void ChunkScheduler::sync_slots() {
 
 // ---- access / release -------------------------------------------------------
 
-void* ChunkScheduler::access(TensorRef ref, MemorySpace space, bool wait_for_copy) {
+void* ChunkScheduler::access(TensorRef ref, MemorySpace space, AccessMode mode, bool wait_for_copy) {
   TIDAL_CHECK(is_placeable(space), "chunk scheduler: access of tensor ", ref.tensor,
               " to memory space '", to_string(space), "'; expected host or device");
   store_.check_transition(ref, TensorState::kCompute);
+  // (A FREE slot's bytes are undefined: its user writes them.)
+  const bool writes = mode == AccessMode::kWrite || store_.state(ref) == TensorState::kFree;
   check_disk();  // Note [Chunks on NVMe: after a failure]
   const ChunkId id = store_.chunk_of(ref);
   const std::int64_t moment = moment_ + 1;
@@ -151,6 +153,7 @@ void* ChunkScheduler::access(TensorRef ref, MemorySpace space, bool wait_for_cop
     block.wait_on_host();  // settles the finished fence (and disk I/O) without waiting
   }
   store_.set_state(ref, TensorState::kCompute);
+  if (writes) slots_[id].disk_current = false;  // Note [Chunks on NVMe: clean chunks]
   last_use_[id] = ++tick_;
   ++stats_.accesses;
   if (options_.prefetch && following_) prefetch_unless_disk_failed();
@@ -581,6 +584,7 @@ void ChunkScheduler::move(ChunkId id, MemorySpace to, BlockPtr destination) {
 
 void ChunkScheduler::drop_payload(ChunkId id) {
   BlockPtr block = detach(id);
+  slots_[id].disk_current = false;  // all FREE: the next payload is a fresh one
   store_.set_payload(id, nullptr, MemorySpace::kNone);
   const bool host = block->space == MemorySpace::kHost;
   // A chunk on disk keeps its home for when it comes back.

@@ -142,6 +142,13 @@
 
 namespace tidal {
 
+// What the caller of access() does with the slot while it holds it. A write
+// (the default: if in doubt, a write) makes the chunk's copy on disk stale
+// (Note [Chunks on NVMe: clean chunks] in disk_tier.h); a read promises that
+// nothing writes the chunk's bytes until the release, or that mark_written()
+// says so before it.
+enum class AccessMode : std::uint8_t { kRead, kWrite };
+
 struct ChunkSchedulerOptions {
   // See Note [Chunk budgets]. 0 for the device means its capacity().
   std::size_t device_budget_bytes = 0;
@@ -183,6 +190,10 @@ struct ChunkSchedulerOptions {
   // A folder whose file system has no O_DIRECT (tmpfs): buffered I/O instead of an error.
   bool disk_allow_buffered = false;
   DirectIoBackend disk_backend = DirectIoBackend::kThreads;
+  // Note [Chunks on NVMe: clean chunks] in disk_tier.h: a chunk whose home
+  // still holds its bytes goes to disk without a write. Off: every chunk is
+  // written (for comparison: benchmarks/nvme_train.py).
+  bool disk_skip_clean_writes = true;
 
   static constexpr std::uint8_t disk_kind_bits(std::initializer_list<ChunkKind> kinds) {
     std::uint8_t bits = 0;
@@ -227,6 +238,10 @@ struct ChunkSchedulerStats {
   std::uint64_t moves_disk_to_host = 0;  // reads of chunks back (prefetched ones included)
   std::uint64_t bytes_host_to_disk = 0;
   std::uint64_t bytes_disk_to_host = 0;
+  // Chunks that went to disk without a write: their home held their bytes
+  // (Note [Chunks on NVMe: clean chunks] in disk_tier.h); not in the two above.
+  std::uint64_t disk_writes_skipped = 0;
+  std::uint64_t bytes_disk_writes_skipped = 0;
   std::uint64_t steps = 0;
   std::uint64_t trace_adoptions = 0;   // end_step() took a new trace (first one included)
   std::uint64_t trace_divergences = 0; // steps that departed from the trace
@@ -265,10 +280,21 @@ class ChunkScheduler {
   // FREE has undefined contents for the caller to write. Throws
   // OutOfMemoryError when no room can be made (Note [Chunk budgets]) and
   // ValueError when the chunk is pinned by COMPUTE in the other space;
-  // nothing changes state then. With wait_for_copy false a host access
-  // returns while a copy into the chunk's block may still run (Note [A pin
-  // that does not wait]): the caller waits on copy_fence() before it reads.
-  void* access(TensorRef ref, MemorySpace space, bool wait_for_copy = true);
+  // nothing changes state then. `mode`: see AccessMode; an access of a slot
+  // that was FREE is a write whatever `mode` says. With wait_for_copy false
+  // a host access returns while a copy into the chunk's block may still run
+  // (Note [A pin that does not wait]): the caller waits on copy_fence()
+  // before it reads.
+  void* access(TensorRef ref, MemorySpace space, AccessMode mode = AccessMode::kWrite,
+               bool wait_for_copy = true);
+  // Something wrote (or will write) the chunk of `ref` outside a write
+  // access: its copy on disk is stale (Note [Chunks on NVMe: clean chunks]).
+  // No-op for a chunk on disk (only the tier writes its home).
+  void mark_written(TensorRef ref);
+  // Whether chunk `id`'s home on disk holds the bytes its payload holds, so
+  // that it may go to disk without a write (Note [Chunks on NVMe: clean
+  // chunks]). False without a disk tier.
+  bool disk_copy_current(ChunkId id) const;
   // Ends the use of a COMPUTE slot; `state` is any legal successor (FREE,
   // HOLD, HOLD_AFTER_FWD, HOLD_AFTER_BWD).
   void release(TensorRef ref, TensorState state);
@@ -337,6 +363,9 @@ class ChunkScheduler {
     std::uint32_t resident_pos = 0;  // index in resident_[space]
     bool prefetched = false; // moved by prefetch, not accessed since
     bool staged = false;     // prefetched from disk to the host for a use on the device
+    // The home on disk holds the payload's bytes: set by a read from disk and
+    // a write to it, cleared by any write (Note [Chunks on NVMe: clean chunks]).
+    bool disk_current = false;
   };
   // Who needs room: for messages and for the prefetch rule.
   struct RoomRequest {

@@ -81,6 +81,7 @@ void ChunkScheduler::close_disk() {
               store_.chunks_in(MemorySpace::kDisk), " chunks on disk (", format_bytes(store_.bytes_in(MemorySpace::kDisk)),
               "); their data would be lost");
   pool_.trim_all(MemorySpace::kHost);  // blocks with a write in flight hold the file
+  for (Slot& slot : slots_) slot.disk_current = false;  // no homes any more
   disk_.reset();
   budget_[index_of(MemorySpace::kDisk)] = 0;
   debug_validate();
@@ -88,21 +89,46 @@ void ChunkScheduler::close_disk() {
 
 void ChunkScheduler::write_to_disk(ChunkId id) {
   const std::size_t bytes = store_.chunk(id).capacity_bytes();
-  disk_->ensure_home(id, bytes, store_.describe_chunk(id));  // may throw; nothing moved yet
-  Block& host = *slots_[id].block;
-  host.wait_on_host();  // a copy down into it lands first
-  std::shared_ptr<PendingIo> io = disk_->write(id, host.data, bytes);  // may throw; nothing moved yet
+  // Note [Chunks on NVMe: clean chunks]: the home holds these bytes already.
+  const bool skip = options_.disk_skip_clean_writes && disk_copy_current(id);
+  std::shared_ptr<PendingIo> io;
+  if (!skip) {
+    disk_->ensure_home(id, bytes, store_.describe_chunk(id));  // may throw; nothing moved yet
+    Block& host = *slots_[id].block;
+    host.wait_on_host();  // a copy down into it lands first
+    io = disk_->write(id, host.data, bytes);  // may throw; nothing moved yet
+  }
   BlockPtr source = detach(id);
-  source->io = std::move(io);
+  if (io) source->io = std::move(io);
   auto token = std::make_unique<Block>();
   token->space = MemorySpace::kDisk;
   token->bytes = bytes;
   token->data = disk_->token(id);
   attach(id, std::move(token));
-  pool_.give_back(std::move(source));  // reused after the write (Block::io)
-  ++stats_.moves_host_to_disk;
-  stats_.bytes_host_to_disk += bytes;
+  slots_[id].disk_current = true;
+  // Reused after the write (Block::io), or after the copy that filled it
+  // (Note [Block fences]).
+  pool_.give_back(std::move(source));
+  if (skip) {
+    ++stats_.disk_writes_skipped;
+    stats_.bytes_disk_writes_skipped += bytes;
+  } else {
+    ++stats_.moves_host_to_disk;
+    stats_.bytes_host_to_disk += bytes;
+  }
   if (slots_[id].prefetched) clear_prefetched(id, /*wasted=*/true);
+}
+
+void ChunkScheduler::mark_written(TensorRef ref) {
+  const ChunkId id = store_.chunk_of(ref);
+  // A chunk on disk has its bytes only in its home, which nothing but the
+  // tier writes; one without payload matches nothing already.
+  if (store_.chunk(id).space() != MemorySpace::kDisk) slots_[id].disk_current = false;
+}
+
+bool ChunkScheduler::disk_copy_current(ChunkId id) const {
+  TIDAL_CHECK_INDEX(id < slots_.size(), "chunk scheduler: chunk id ", id, " out of range");
+  return disk_ && slots_[id].disk_current && disk_->has_home(id);
 }
 
 void ChunkScheduler::read_from_disk(ChunkId id, BlockPtr block) {
@@ -120,6 +146,7 @@ void ChunkScheduler::read_from_disk(ChunkId id, BlockPtr block) {
   BlockPtr token = detach(id);
   block->io = std::move(io);
   attach(id, std::move(block));
+  slots_[id].disk_current = true;  // (a failed read refuses every later access)
   ++stats_.moves_disk_to_host;
   stats_.bytes_disk_to_host += bytes;
 }

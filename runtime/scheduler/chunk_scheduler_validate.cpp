@@ -22,6 +22,10 @@ void ChunkScheduler::validate() const {
   for (ChunkId id = 0; id < slots_.size(); ++id) {
     const Chunk& chunk = store_.chunk(id);
     const Slot& slot = slots_[id];
+    // Note [Chunks on NVMe: clean chunks]: only a chunk with a home and a
+    // payload can match it.
+    TIDAL_INTERNAL_ASSERT(!slot.disk_current || (disk_ != nullptr && disk_->has_home(id) && slot.block),
+                          "chunk ", id, " counts as matching its home on disk without a home or a payload");
     if (slot.block == nullptr) {
       TIDAL_INTERNAL_ASSERT(!chunk.has_payload(), "chunk ", id,
                             " has a payload in the store but no block");
@@ -46,6 +50,7 @@ void ChunkScheduler::validate() const {
                             " on disk without the tier's token");
       TIDAL_INTERNAL_ASSERT(on_disk_list(id), "chunk ", id,
                             " of a list kept off disk is on disk");
+      TIDAL_INTERNAL_ASSERT(slot.disk_current, "chunk ", id, " is on disk but its home does not hold it");
     } else {
       TIDAL_INTERNAL_ASSERT(block.host.data() == block.data && block.host.size() == block.bytes,
                             "chunk ", id, " host payload is not its host buffer");

@@ -53,6 +53,31 @@
 // such wait comes before the operation changes anything (move() finishes
 // both blocks' I/O before it detaches the chunk; a read that fails at issue
 // gives its block back). A prefetch does not read or write a failed tier.
+//
+// Note [Chunks on NVMe: clean chunks]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// A chunk read from disk and not changed since still has its bytes in its
+// home, so when it goes back to disk nothing is written: its host block goes
+// back to the pool as for any move. With offload_param the 16-bit chunks are
+// read in forward, which only reads them, and would otherwise be written
+// back unchanged; backward (gradients land in the same slots) and the step
+// (new 16-bit weights) change them. The scheduler keeps, per chunk, whether
+// its home holds its payload's bytes (Slot::disk_current): set when the
+// chunk is read from disk or written there, cleared by everything that may
+// change its bytes: an access in AccessMode::kWrite (the default, so a caller
+// that says nothing writes), an access of a FREE slot (its user fills it),
+// mark_written() (a write the caller learnt of after a read access), and a
+// payload dropped or made afresh. It fails closed: the only read accesses
+// are those whose callers know they read (the hooks' attach of a module's
+// parameters in forward and backward, and of an fp32 master that makes a
+// weight), and those callers mark the chunk written when their reader wrote
+// after all: a parameter whose version counter moved while attached, a
+// gradient landing in an attached parameter, the engine writing a value
+// through an attached parameter (hooks/module_hooks.cpp, Note [Writes to a
+// parameter]). A flag set is only ever trusted for a chunk that still has
+// its home, and moves between host and device copy the bytes exactly, so
+// they keep it. ChunkSchedulerOptions::disk_skip_clean_writes turns the skip
+// off (every chunk is written, as before), to measure what it saves.
 #pragma once
 
 #include <cstddef>

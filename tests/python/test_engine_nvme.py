@@ -142,6 +142,110 @@ def test_offload_param_puts_the_16_bit_chunks_on_disk_too(tmp_path):
     assert all(c.chunk_space(i, ChunkKind.PARAM16) != MemorySpace.DISK for i in range(c.num_chunks))
 
 
+def make_narrow_model():
+    """Many small modules (no chunk of its own for any tensor): with little
+    chunk room on the device and a host smaller than the 16-bit list, the
+    16-bit chunks forward reads from disk go back to disk before backward."""
+    torch.manual_seed(0)
+    return TinyGPT(vocab=96, d=32, layers=8, heads=4, seq=16)
+
+
+@functools.lru_cache(maxsize=None)
+def narrow_device_budget(precision) -> int:
+    """The activations' room as measured, and chunk room for the largest
+    module only (engine_helpers.measured_budget)."""
+    tidal.set_device("sim", capacity="1GiB")
+    return measured_budget(make_narrow_model(), config(device=0, precision=precision),
+                           gpt_batches(2, vocab=96, seq=16, batch=4), chunk_share=0.0)
+
+
+def _param_run(folder, ref, batches, precision, skip, between=None, in_forward=False):
+    """Trains a copy of `ref` (make_narrow_model) with both lists on disk
+    (offload_param), a host budget of 30% of the 16-bit list and
+    tidal.nvme_skip_clean_writes = `skip`. between(model, step): a write the
+    script makes between steps; in_forward: every forward of the first
+    block's qkv writes its weight in place (a forward pre-hook, under no_grad)."""
+    model = copy.deepcopy(ref)
+    if in_forward:
+        def scale(module, args):
+            with torch.no_grad():
+                module.weight.mul_(0.999)
+        model.blocks[0].qkv.register_forward_pre_hook(scale)
+    bytes16 = (2 if precision == "bf16" else 4) * sum(p.numel() for p in ref.parameters())
+    engine = initialize(model, config(folder, host=int(0.3 * bytes16), device=narrow_device_budget(precision),
+                                      precision=precision, param=True, hybrid_adam=False,
+                                      nvme_skip_clean_writes=skip))
+    losses = []
+    for step, (x, y) in enumerate(batches):
+        if between is not None and step > 0:
+            between(model, step)
+        loss = engine(x, y)
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    return engine, losses
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_chunks_only_read_go_back_to_disk_unwritten_and_train_bitwise_the_same(tmp_path, precision):
+    """Note [Chunks on NVMe: clean chunks]: with the 16-bit list on disk, the
+    chunks forward reads go back without a write; losses and weights equal
+    the in-memory run's and the run that writes every chunk, which moves the
+    same chunks and writes exactly the skipped bytes more."""
+    ref = make_narrow_model()
+    batches = gpt_batches(5, vocab=96, seq=16, batch=4)
+    plain = initialize(copy.deepcopy(ref), config(precision=precision))
+    plain_losses = train_tidal(plain, batches)
+    runs = {}
+    for skip in (True, False):
+        folder = tmp_path / str(skip)
+        folder.mkdir()
+        runs[skip] = _param_run(folder, ref, batches, precision, skip)
+    want = plain.parameters_fp32()
+    for skip, (engine, losses) in runs.items():
+        assert losses == plain_losses, (skip, losses, plain_losses)
+        got = engine.parameters_fp32()
+        for name in want:
+            assert torch.equal(want[name], got[name]), (skip, name)
+        within_budget(engine)
+    on, off = runs[True][0].memory_report()["nvme"], runs[False][0].memory_report()["nvme"]
+    assert off["writes_skipped"] == 0 and off["bytes_writes_skipped"] == 0, off
+    assert on["writes_skipped"] > 0, on
+    assert on["bytes_written"] == runs[True][0].chunks.disk["bytes_written"], on
+    assert on["bytes_read"] == off["bytes_read"], (on, off)
+    assert on["bytes_written"] + on["bytes_writes_skipped"] == off["bytes_written"], (on, off)
+    assert on["bytes_written_last_step"] < off["bytes_written_last_step"], (on, off)
+
+
+def test_writes_to_parameters_reach_disk_with_the_skip(tmp_path):
+    """Fail closed: a parameter written in place inside a forward (read from
+    disk for that forward), by the script between steps, and set with
+    `p.data = ...` between steps keeps its write with the skip as without it."""
+    ref = make_narrow_model()
+    batches = gpt_batches(5, vocab=96, seq=16, batch=4)
+
+    def between(model, step):
+        with torch.no_grad():
+            model.blocks[1].fc.weight.mul_(0.5)  # (through the module: brought in)
+        w = model.blocks[2].out.weight
+        w.data = torch.full(tuple(w.shape), 0.01 * step, dtype=w.dtype, device=w.device)
+
+    runs = {}
+    for skip in (True, False):
+        folder = tmp_path / str(skip)
+        folder.mkdir()
+        runs[skip] = _param_run(folder, ref, batches, "bf16", skip, between=between, in_forward=True)
+    (on, on_losses), (off, off_losses) = runs[True], runs[False]
+    assert on_losses == off_losses
+    want, got = off.parameters_fp32(), on.parameters_fp32()
+    for name in want:
+        assert torch.equal(want[name], got[name]), name
+    assert on.memory_report()["nvme"]["writes_skipped"] > 0
+    # The writes did something: the model differs from one trained without them.
+    plain = initialize(copy.deepcopy(ref), config(precision="bf16"))
+    assert train_tidal(plain, batches) != on_losses
+
+
 def test_the_file_goes_with_the_engine(tmp_path):
     engine = initialize(make_model(), config(tmp_path, host=state_bytes(make_model()) // 3))
     train_tidal(engine, gpt_batches(1, vocab=96, seq=16, batch=4))

@@ -408,6 +408,8 @@ class OutsideAccess:
         flat = value.detach().reshape(-1)
         with torch.no_grad(), uncounted(), _dtr.outside():
             if attached:
+                # (Not an access that says it writes: Note [Chunks on NVMe: clean chunks].)
+                store.chunks.mark_written(record.id, PARAM16)
                 record.param.data.copy_(value.detach().reshape(record.shape))
             else:
                 with store.slots(record, (PARAM16,)) as (slot,):

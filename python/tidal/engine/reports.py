@@ -222,6 +222,10 @@ class EngineReports:
                 "peak_bytes_on_disk": s["peak_resident_bytes_disk"],
                 "bytes_read": s["bytes_disk_to_host"], "bytes_written": s["bytes_host_to_disk"],
                 "chunks_read": s["moves_disk_to_host"], "chunks_written": s["moves_host_to_disk"],
+                # Chunks that went back to disk unchanged, without a write
+                # (Note [Chunks on NVMe: clean chunks]).
+                "writes_skipped": s["disk_writes_skipped"],
+                "bytes_writes_skipped": s["bytes_disk_writes_skipped"],
                 # The last step's: the first steps fill the file, steady steps
                 # read and write what is on disk once (docs/nvme.md).
                 "bytes_read_last_step": meters.disk_bytes_per_step[-1][0]

@@ -240,7 +240,8 @@ class ParamStore:
             disk = dict(disk_path=config.nvme_path, disk_budget=config.nvme_budget, disk_kinds=kinds,
                         disk_threads=config.aio_queue_depth,
                         disk_request_bytes=config.aio_block_size,
-                        disk_allow_buffered=config.nvme_allow_buffered, disk_backend=config.nvme_io)
+                        disk_allow_buffered=config.nvme_allow_buffered, disk_backend=config.nvme_io,
+                        disk_skip_clean_writes=config.nvme_skip_clean_writes)
         chunks = _C.chunks.Chunks(
             self.device, chunk_bytes=config.chunk_size,
             param_dtype=_CHUNK_DTYPES[config.precision],
@@ -719,6 +720,8 @@ class ParamStore:
                                      f"{tuple(r.shape)}, got {tuple(value.shape)}")
                 flat = value.detach().reshape(-1)
                 if attached_view is not None:
+                    # (Not an access that says it writes: Note [Chunks on NVMe: clean chunks].)
+                    self.chunks.mark_written(r.id, PARAM16)
                     attached_view.copy_(value.detach().to(attached_view.device))
                     written = attached_view.detach().reshape(-1)
                 else:
