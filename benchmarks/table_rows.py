@@ -192,7 +192,9 @@ def _engine_offload(r: Dict) -> List[Figure]:
     model = (f"{_gpt_model(m)}, batch {m['batch']}x{m['seq']}"
              f"{f', {accum} micro-batches per step' if accum > 1 else ''}, {m['chunks']} chunks, the H100 "
              f"quarter-budget shape (chunk room a quarter of the states beside the activations), simulated "
-             f"device with a link and pinning at the H100's ratios to compute")
+             f"device with a link and pinning set from compute (the minimum bytes' link time "
+             f"{res['link_s_of_minimum'] / res['plain_step_s']['median']:.2f} of the plain step; the H100's "
+             f"{res['link_share_of_compute']:.2f})")
     plain = res["plain_step_s"]
     tidal, before = res["runs"]["tidal"], res["runs"]["before"]
     return [
