@@ -243,13 +243,18 @@ class _CostlyActivations(torch.nn.Module):
         return ((h - y) ** 2).mean()
 
 
-def _seconds_per_byte(fn, x, reps=20):
+def _seconds_per_byte(fn, x, reps=10, rounds=7):
+    """The fastest of `rounds` means over `reps` calls: another process on
+    the cores (the suite runs on two workers) only ever adds time."""
+    best = float("inf")
     with torch.no_grad():
         fn(x)
-        t0 = time.perf_counter()
-        for _ in range(reps):
-            out = fn(x)
-    return (time.perf_counter() - t0) / reps / out.nbytes
+        for _ in range(rounds):
+            t0 = time.perf_counter()
+            for _ in range(reps):
+                out = fn(x)
+            best = min(best, (time.perf_counter() - t0) / reps / out.nbytes)
+    return best
 
 
 def _link_between_the_two():

@@ -183,9 +183,11 @@ update. The time the forward waited counts as exposed CPU Adam.
 
 Not under data parallel (the step broadcasts each chunk as its update ends),
 nor with gradient accumulation (the sums are dropped at the step), nor with
-DTR, nor while the host is short (Note [One place per chunk]), nor before a
-step has been recorded for the layout: there the step updates every chunk
-itself, as before.
+DTR, nor while the host is short (Note [One place per chunk]), nor with the
+NVMe tier (every host-updated chunk would be pinned on the host at once,
+read from disk, where the step takes them one at a time within a host
+budget that holds a few), nor before a step has been recorded for the
+layout: there the step updates every chunk itself, as before.
 """
 from __future__ import annotations
 
@@ -541,8 +543,12 @@ class StepOverlap:
     def may_defer(self, *, global_steps: int, summing: bool, data_parallel: bool, host_short: bool) -> bool:
         """Whether this step may leave its host updates to the next forward
         (Note [CPU Adam under the next forward])."""
+        # Not with the NVMe tier: the pins would hold every host-updated
+        # chunk read from disk at once, where the step reads and writes them
+        # one at a time within a host budget that holds a few.
         return (self._config.overlap_next_forward and global_steps > 0 and not summing
                 and not data_parallel and not host_short and not _dtr.is_enabled()
+                and self._config.nvme_path is None
                 and self.plan is not None and self._layout is self._store.chunks)
 
     def defer(self, chunk: int, recs: list, grad_scale: float):
@@ -608,7 +614,8 @@ class StepOverlap:
         worker met, after every pin is released."""
         if not self._deferred:
             return
-        targets = list(self._deferred) if chunks is None else [ch for ch in chunks if ch in self._deferred]
+        targets = list(self._deferred) if chunks is None else \
+            [ch for ch in dict.fromkeys(chunks) if ch in self._deferred]
         error = None
         for chunk in targets:
             future, pin = self._deferred.pop(chunk)
