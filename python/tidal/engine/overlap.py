@@ -377,7 +377,7 @@ class StepOverlap:
         return self.plan is not None and chunk in self.plan
 
     def _launch(self, chunk: int):
-        cfg, c = self._config, self._store.chunks
+        c = self._store.chunks
         if self._host_short or not self._on_host_by_plan(chunk):
             return  # the step updates it (on the device, or with room made first)
         recs = self._recs[chunk]
@@ -407,21 +407,29 @@ class StepOverlap:
         grad = c.chunk_view(chunk, GRAD32) if self._use_sums else None
         for r in recs:
             r.step += 1
+        # grad_scale = clip / scale at clip 1.
+        calls = self._adam_calls(recs, self._grad_scale, grad)
+        self._pending[chunk] = (recs, lo, hi)
+        self._jobs.append((chunk, self._pool.submit(_run, views, calls, undo, lo, hi, fences)))
+        self.launched_chunks += 1
+
+    def _adam_calls(self, recs: list, grad_scale: float, grad) -> list:
+        """cpu_adam.adam_chunk_step's arguments for `recs` (one chunk's, their
+        step counts already advanced), one call per parameter group: the
+        step's own arithmetic (hooks/chunk_step.cpp's simd_step: loss_scale =
+        1 / grad_scale). grad: the fp32 sums' view, or None."""
+        cfg, c = self._config, self._store.chunks
         calls = []
         for group, members in by_group(self._optimizer.param_groups, recs):
             b1, b2 = group["betas"]
-            # The step's own arithmetic (hooks/chunk_step.cpp, simd_step):
-            # loss_scale is 1 / grad_scale, with grad_scale = clip / scale at clip 1.
             calls.append(dict(ranges=[(c.placement(r.id)[1], r.numel) for r in members],
                               step=[r.step for r in members], lr=group["lr"], beta1=b1, beta2=b2,
                               eps=group["eps"], weight_decay=group["weight_decay"],
                               adamw_mode=cfg.adam_w_mode, bias_correction=cfg.bias_correction,
-                              loss_scale=1.0 / self._grad_scale, max_grad_norm=0.0,
+                              loss_scale=1.0 / grad_scale, max_grad_norm=0.0,
                               check_overflow=False, grad=grad,
                               num_threads=cfg.cpu_adam_threads, pool=cfg.cpu_adam_pool))
-        self._pending[chunk] = (recs, lo, hi)
-        self._jobs.append((chunk, self._pool.submit(_run, views, calls, undo, lo, hi, fences)))
-        self.launched_chunks += 1
+        return calls
 
     def _undo_buffers(self, chunk: int, first, numel: int):
         """The chunk's undo buffers (one per kind of _UNDO_KINDS, at least
@@ -555,23 +563,13 @@ class StepOverlap:
         """In the step: the update of `chunk`'s records `recs` (their step
         counts already advanced) at `grad_scale` goes to the worker; the
         chunk stays pinned on the host until settle_deferred takes it."""
-        cfg, c = self._config, self._store.chunks
+        c = self._store.chunks
         # As step_chunk pins: the 16-bit chunk, then the master and moments.
         pin = self._store.pin(recs[0], _KINDS, HOST, wait=False)
         try:
             fences = self._store.copy_fences(chunk, _KINDS)
             views = [c.chunk_view(chunk, k) for k in _UNDO_KINDS]
-            calls = []
-            for group, members in by_group(self._optimizer.param_groups, recs):
-                b1, b2 = group["betas"]
-                # hooks/chunk_step.cpp's simd_step: loss_scale = 1 / grad_scale.
-                calls.append(dict(ranges=[(c.placement(r.id)[1], r.numel) for r in members],
-                                  step=[r.step for r in members], lr=group["lr"], beta1=b1, beta2=b2,
-                                  eps=group["eps"], weight_decay=group["weight_decay"],
-                                  adamw_mode=cfg.adam_w_mode, bias_correction=cfg.bias_correction,
-                                  loss_scale=1.0 / grad_scale, max_grad_norm=0.0,
-                                  check_overflow=False, grad=None,
-                                  num_threads=cfg.cpu_adam_threads, pool=cfg.cpu_adam_pool))
+            calls = self._adam_calls(recs, grad_scale, None)
             future = self._pool.submit(_run_deferred, views, calls, fences)
         except BaseException:
             pin.release()
