@@ -108,6 +108,14 @@ class CountingAllocator final : public c10::Allocator {
     note_device_use(live_.load(std::memory_order_relaxed));
   }
 
+  void clear_limit(std::uint64_t owner) {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      if (limit_info_.owner != owner) return;  // another meter's (Note [One engine's window is its own])
+    }
+    set_limit({});
+  }
+
   void set_model(bool on) {
     std::lock_guard<std::recursive_mutex> model_lock(model_mutex_);
     if (on) {
@@ -437,6 +445,7 @@ bool host_allocation_counting() { return counter().enabled(); }
 HostAllocationCounts host_allocation_counts() { return counter().counts(); }
 void reset_host_allocation_peak() { counter().reset_peak(); }
 void set_host_allocation_limit(const HostAllocationLimit& limit) { counter().set_limit(limit); }
+void clear_host_allocation_limit(std::uint64_t owner) { counter().clear_limit(owner); }
 void reset_host_allocation_device_peak() { counter().reset_device_peak(); }
 void set_host_allocation_room_maker(RoomMaker maker, std::thread::id thread) {
   counter().set_room_maker(std::move(maker), thread);

@@ -73,8 +73,28 @@ struct HostAllocationLimit {
   // reserving for them (`reserved_baseline`, which the cap includes).
   std::uint64_t baseline_id = 0;
   std::int64_t reserved_baseline = 0;
+  // The meter that set it (Note [One engine's window is its own]); 0: none.
+  std::uint64_t owner = 0;
 };
 void set_host_allocation_limit(const HostAllocationLimit& limit);
+// Note [One engine's window is its own]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// The count, its limit and its room maker are one per process, and belong to
+// the engine whose forward or backward runs. An engine dropped earlier can be
+// collected in the middle of that window (the cycle collector runs wherever
+// an allocation trips it), and what its teardown does must not reach into the
+// live engine's window: its meter lifts only a limit it set itself (`owner`);
+// the engine's finalizer stops only a count it started
+// (python/tidal/engine/hook_wiring.py); and what finalizers allocate while
+// the cycle collector runs is not counted (tidal's own host allocations, as
+// DTR's generator states: Note [tidal's own host allocations]). Before, a
+// collection inside a forward stopped the count (the step's non-chunk peak
+// came out at a quarter of the truth) or counted a dead engine's teardown as
+// the live engine's activations (the next step's chunk room shrank by them,
+// and a backward that fits failed for lack of room).
+//
+// Lifts the limit if `owner` set it; else leaves it as it is.
+void clear_host_allocation_limit(std::uint64_t owner);
 
 // Note [Who owns a device byte] (runtime/memory/caching_allocator_model.h):
 // while on (a count of users, one per engine meter that asks), every counted

@@ -1,6 +1,7 @@
 #include "hooks/nonchunk_meters.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <utility>
 
@@ -37,6 +38,7 @@ class HostCounterMeter final : public NonChunkMeter {
     HostAllocationLimit limit{base + static_cast<std::int64_t>(bytes), base,
                               static_cast<std::int64_t>(budget), static_cast<std::int64_t>(chunk_bytes)};
     limit.baseline_id = baseline_id_;
+    limit.owner = id_;
     if (caching_) {
       // Note [Who owns a device byte]: the whole budget, in reserved bytes, as
       // torch's cap on a GPU; the margin stays the allocator's room.
@@ -46,7 +48,8 @@ class HostCounterMeter final : public NonChunkMeter {
     }
     set_host_allocation_limit(limit);
   }
-  void clear_limit() override { set_host_allocation_limit({}); }
+  // Only this meter's own limit (Note [One engine's window is its own]).
+  void clear_limit() override { clear_host_allocation_limit(id_); }
   std::size_t device_peak() override {
     return static_cast<std::size_t>(std::max<std::int64_t>(0, host_allocation_counts().device_peak_bytes));
   }
@@ -76,6 +79,12 @@ class HostCounterMeter final : public NonChunkMeter {
     return std::max<std::int64_t>(0, baseline_at_open_ - b.freed);
   }
 
+  static std::uint64_t next_id() {
+    static std::atomic<std::uint64_t> last{0};
+    return ++last;
+  }
+
+  std::uint64_t id_ = next_id();
   std::uint64_t baseline_id_;
   std::int64_t baseline_at_open_;
   std::int64_t device_budget_;

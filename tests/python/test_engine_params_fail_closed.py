@@ -393,7 +393,6 @@ def test_add_param_group_is_refused_by_name(budget):
 
 # ------------------------------------------------ a failed backward
 def test_a_failed_autograd_grad_leaves_plain_pytorch_free_to_allocate():
-    gc.collect()  # (an earlier test's engine collected mid-test stops the simulated device's count)
     pair = Pair(BUDGETS["chunks-move"])
     pair.step(0)
     x, y = pair.data[1]

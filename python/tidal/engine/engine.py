@@ -72,7 +72,7 @@ from .state_dict_bridge import StateDictBridge
 from .store import DEVICE, ParamStore
 from .common import OutOfMemoryError, _PLACEHOLDER_HINT, _weak_method
 from .chunk_data_parallel import ChunkDataParallel, check_ranks_agree
-from .hook_wiring import HookWiring, new_tracer
+from .hook_wiring import HookWiring, new_tracer, stop_count_of
 from .engine_api import DeepSpeedEngineAPI
 
 # tidal.simulated_allocator "auto": torch's caching rules from this device
@@ -315,7 +315,8 @@ class Engine(DeepSpeedEngineAPI):
         if not cuda:
             # An engine collected mid-step (its forward or backward counting
             # the simulated device's allocations) leaves no count running.
-            weakref.finalize(self, _C.chunks.set_host_allocation_counting, False)
+            # (Only a count it started: Note [One engine's window is its own].)
+            weakref.finalize(self, stop_count_of, self._wiring.count_token)
         self.dtr.start(hooks=hooks, wiring=self._wiring, store=store)
         self.dtr.abandon_with(self)
         self.dtr.rebalance()

@@ -41,6 +41,7 @@ there). What N is depends on the device (new_tracer below):
 """
 from __future__ import annotations
 
+import gc
 import weakref
 from typing import Callable
 
@@ -55,7 +56,36 @@ from .common import OutOfMemoryError
 from .params import ParamTable
 from .store import HOST, PARAM32
 
-__all__ = ["HookWiring", "new_tracer"]
+__all__ = ["HookWiring", "new_tracer", "stop_count_of"]
+
+
+# Note [One engine's window is its own] (hooks/host_allocation_counter.h):
+# the simulated device's count is one per process; the token of the wiring
+# that started it, so a dropped engine's finalizer stops only its own.
+_COUNT_OWNER: list = [None]
+
+
+def stop_count_of(token) -> None:
+    """An engine's finalizer: the count stops if that engine started it (an
+    engine collected in its own forward leaves no count running), and runs on
+    if another engine's window is open."""
+    if _COUNT_OWNER[0] is token:
+        _COUNT_OWNER[0] = None
+        _C.chunks.set_host_allocation_counting(False)
+
+
+def _collection_uncounted(phase: str, _info) -> None:
+    # What finalizers allocate while the cycle collector runs (a dropped
+    # engine giving its model's weights back) is not the device memory of the
+    # engine whose forward tripped the collection.
+    if phase == "start":
+        _C.chunks.enter_uncounted()
+    else:
+        _C.chunks.exit_uncounted()
+
+
+if _collection_uncounted not in gc.callbacks:
+    gc.callbacks.append(_collection_uncounted)
 
 
 def new_tracer(store, cuda: bool, sim_caching: bool, warmup_room: int):
@@ -155,6 +185,7 @@ class HookWiring:
         self.tracer = tracer
         self._saved_hooks = None
         self._pre_backward_hooks: dict = {}
+        self.count_token = object()  # (stop_count_of; holds nothing of the engine)
         self.handles = []
         self.hooks = self._new_hooks()
         # Saved tensors that alias a parameter's slot are packed as (parameter,
@@ -230,6 +261,7 @@ class HookWiring:
                 self.hooks.set_device_room_maker(on)
             return
         if on:
+            _COUNT_OWNER[0] = self.count_token
             _C.chunks.set_host_allocation_counting(True)
             if self.enforce_budget:
                 self.tracer.set_enforce(True)

@@ -241,7 +241,11 @@ class StepOverlap:
         self._optimizer = optimizer
         self._data_parallel = data_parallel
         self._fold_chunk = None  # the accumulation's fold, from begin()
-        self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="tidal-adam")
+        self._pool = concurrent.futures.ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix="tidal-adam",
+            # Host work: what it allocates is never the simulated device's
+            # (Note [tidal's own host allocations]).
+            initializer=_C.chunks.enter_uncounted)
         self._waiting: dict[int, int] = {}  # chunk -> gradients it still waits for
         self._counted: set[int] = set()  # tensors whose first landing in this backward was counted
         self._recs: dict[int, list] = {}     # chunk -> its trainable records
