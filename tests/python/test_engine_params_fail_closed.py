@@ -447,6 +447,32 @@ def test_a_parameter_made_from_a_trained_one_is_refused_by_name(budget):
     pair.check_budget()
 
 
+@budgets
+@pytest.mark.parametrize("source", ["same shape", "other shape", "storage"])
+def test_set_on_a_trained_parameter_is_refused_by_name(source, budget):
+    pair = Pair(budget)
+    pair.step(0)
+    p = pair.model.layers[2].weight
+    t = {"same shape": torch.ones(64, 64), "other shape": torch.ones(3),
+         "storage": torch.ones(64, 64).untyped_storage()}[source]
+    with torch.no_grad(), pytest.raises(tidal.UsageError,
+                                        match=r"set_\(\) on 'layers.2.weight'.*p.copy_\(t\)"):
+        p.set_(t)
+    # nothing changed: the parameter still reads its trained value, and what
+    # the message offers is exact, in both
+    _close(p.detach(), pair.ref.layers[2].weight.detach())
+    with torch.no_grad():
+        p.copy_(torch.full((64, 64), 0.01))
+        pair.ref.layers[2].weight.copy_(torch.full((64, 64), 0.01))
+    pair.step(1)
+    pair.assert_same()
+    pair.check_budget()
+    pair.engine.remove_hooks()  # given back: set_ is plain PyTorch's again
+    with torch.no_grad():
+        p.set_(torch.ones(3))
+    assert p.shape == (3,)
+
+
 # ------------------------------------------------ remove_hooks leaves nothing
 def test_remove_hooks_takes_tidal_out_of_torch():
     gc.collect()  # (engines of earlier tests)

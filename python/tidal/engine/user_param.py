@@ -53,7 +53,10 @@ operation and the way that works:
 waiting in the chunks (Note [Gradients between backward and step] in
 user_grads.py), refused by name only where it cannot be exact.
 
-Not covered: `p.set_(t)` (torch calls no __torch_function__ for set_). A
+`p.set_(...)` (torch calls no __torch_function__ for it; the class's own
+method) is a `tidal.UsageError` too, outside the engine's own calls: the
+parameter's memory is a slot of a chunk, and it cannot take another tensor's.
+Not covered: `torch.Tensor.set_(p, t)` called on the base class. A
 tensor taken from a parameter and held (`d = p.data`, `v = p.detach()`) past
 the next forward or step aliases the 16-bit slot of that moment; once the parameter goes back to its chunks there it is not the
 parameter's any more (read it again, or clone). Between steps a held one keeps
@@ -270,6 +273,25 @@ def _reduce_ex(p, proto):
     return out.__reduce_ex__(proto)
 
 
+def _set_(p, *args, **kwargs):
+    """`p.set_(...)` of a parameter an engine trains, outside the engine's
+    own calls: refused by name (Note [Parameters fail closed]); torch calls
+    no __torch_function__ for set_, so the class has the method."""
+    base = type(p).__bases__[0]
+    hit = _owner(p)
+    if hit is None or _in_engine_call():
+        return base.set_(p, *args, **kwargs)
+    engine, i = hit
+    name = engine._params.record_list[i].name
+    raise UsageError(
+        f"tidal: set_() on '{name}', a parameter the engine trains: its memory is a slot of a "
+        f"chunk, which moves between host and device, so it cannot take another tensor's "
+        f"storage; plain PyTorch would make it share that storage, tidal cannot and does not. "
+        f"Ways that work: copy the values in (`with torch.no_grad(): p.copy_(t)`, kept exactly), "
+        f"or change the model before tidal.initialize (torch.nn.utils.parametrize calls set_() "
+        f"when it registers a parametrization: register parametrizations before tidal.initialize)")
+
+
 def _placeholders(args, kwargs):
     """(engine, [(parameter, index)]) of the engine's parameters among the
     arguments that hold their placeholder now and that the engine would serve
@@ -345,6 +367,7 @@ def _class_for(cls):
             "__torch_function__": _UserParameter.__dict__["__torch_function__"],
             "__deepcopy__": _deepcopy,
             "__reduce_ex__": _reduce_ex,
+            "set_": _set_,
             "__module__": __name__,
             "__qualname__": name,
             "__doc__": f"A {cls.__name__} that a tidal engine trains (Note [A parameter object "
