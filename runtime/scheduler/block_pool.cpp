@@ -45,6 +45,7 @@ BlockPtr BlockPool::take_cached(MemorySpace space, std::size_t bytes) {
   cached_[index_of(space)] -= bytes;
   --cached_count_[index_of(space)];
   ++reuses_[index_of(space)];
+  ++handed_by_size_[index_of(space)][bytes];
   return block;
 }
 
@@ -71,6 +72,7 @@ BlockPtr BlockPool::allocate(MemorySpace space, std::size_t bytes) {
   held_[index_of(space)] += bytes;
   ++allocations_[index_of(space)];
   allocated_bytes_[index_of(space)] += bytes;
+  ++handed_by_size_[index_of(space)][bytes];
   return block;
 }
 
@@ -122,12 +124,23 @@ bool BlockPool::trim_one(MemorySpace space) {
 }
 
 std::size_t BlockPool::trim_ready(MemorySpace space, std::size_t keep_blocks) {
+  return trim_ready(space, keep_blocks, {});
+}
+
+std::size_t BlockPool::trim_ready(MemorySpace space, std::size_t keep_blocks,
+                                  const std::map<std::size_t, std::size_t>& keep_by_size) {
   const std::size_t s = index_of(space);
   std::size_t freed = 0;
   auto& by_size = cache_[s];
+  const bool by_sizes = !keep_by_size.empty();
   for (auto bucket = by_size.rbegin(); bucket != by_size.rend() && cached_count_[s] > keep_blocks;) {
     auto& blocks = bucket->second;
-    for (std::size_t i = blocks.size(); i-- > 0 && cached_count_[s] > keep_blocks;) {
+    std::size_t keep_here = 0;
+    if (by_sizes) {
+      const auto it = keep_by_size.find(bucket->first);
+      if (it != keep_by_size.end()) keep_here = it->second;
+    }
+    for (std::size_t i = blocks.size(); i-- > 0 && cached_count_[s] > keep_blocks && blocks.size() > keep_here;) {
       if (!blocks[i]->ready()) continue;
       BlockPtr block = std::move(blocks[i]);
       blocks.erase(blocks.begin() + static_cast<std::ptrdiff_t>(i));

@@ -123,6 +123,10 @@ class BlockPool {
   // first) until at most `keep_blocks` stay cached; never waits, so blocks
   // still being copied from stay for a later call. Returns the number freed.
   std::size_t trim_ready(MemorySpace space, std::size_t keep_blocks);
+  // The same, freeing only blocks beyond what `keep_by_size` keeps of their
+  // size (a size it does not name keeps none).
+  std::size_t trim_ready(MemorySpace space, std::size_t keep_blocks,
+                         const std::map<std::size_t, std::size_t>& keep_by_size);
 
   // Bytes of all live blocks of `space` (in use by chunks + cached).
   std::size_t held_bytes(MemorySpace space) const { return held_[index_of(space)]; }
@@ -135,6 +139,10 @@ class BlockPool {
   // Blocks of `space` handed out: allocated, or taken from the cache.
   std::uint64_t handed_out(MemorySpace space) const {
     return allocations_[index_of(space)] + reuses_[index_of(space)];
+  }
+  // The same, by block size.
+  const std::map<std::size_t, std::uint64_t>& handed_out_by_size(MemorySpace space) const {
+    return handed_by_size_[index_of(space)];
   }
   // trim_one calls that blocked the calling thread on a copy still running.
   std::uint64_t trim_waits() const { return trim_waits_; }
@@ -152,6 +160,7 @@ class BlockPool {
   std::array<std::uint64_t, kNumMemorySpaces> allocations_{};
   std::array<std::uint64_t, kNumMemorySpaces> allocated_bytes_{};
   std::array<std::uint64_t, kNumMemorySpaces> reuses_{};
+  std::array<std::map<std::size_t, std::uint64_t>, kNumMemorySpaces> handed_by_size_;
   std::uint64_t trim_waits_ = 0;
 };
 

@@ -38,7 +38,7 @@ ChunkScheduler::ChunkScheduler(ChunkStore store, std::shared_ptr<Device> device,
               " on device) that nobody owns; give the scheduler a fresh store");
   TIDAL_CHECK(!options_.prefetch || options_.prefetch_depth > 0,
               "chunk scheduler: prefetch_depth must be at least 1 when prefetch is on, got 0");
-  host_keep_blocks_ = options_.host_cache_blocks;
+  host_keep_blocks_ = kKeepEveryHostBlock;  // Note [Host blocks for a steady step]: until two steps ended
   if (!options_.disk_path.empty()) {
     DiskTierOptions d;
     d.dir = options_.disk_path;
@@ -231,11 +231,27 @@ void ChunkScheduler::end_step() {
   recording_.clear();
   moment_ = -1;
   // Note [Host blocks for a steady step].
-  const std::uint64_t handed_out = pool_.handed_out(MemorySpace::kHost);
-  const auto taken = static_cast<std::size_t>(handed_out - step_start_host_blocks_);
-  step_start_host_blocks_ = handed_out;
-  host_keep_blocks_ = std::max(options_.host_cache_blocks, std::min(taken, last_step_host_blocks_));
-  last_step_host_blocks_ = taken;
+  // Kept by size: a step that takes the model's large dedicated chunks'
+  // blocks besides the common ones must find both.
+  std::map<std::size_t, std::size_t> taken;
+  for (const auto& [bytes, n] : pool_.handed_out_by_size(MemorySpace::kHost)) {
+    const auto start = step_start_host_blocks_.find(bytes);
+    const std::uint64_t before = start == step_start_host_blocks_.end() ? 0 : start->second;
+    if (n > before) taken[bytes] = static_cast<std::size_t>(n - before);
+  }
+  step_start_host_blocks_ = pool_.handed_out_by_size(MemorySpace::kHost);
+  if (++steps_ended_ >= 2) {
+    host_keep_by_size_.clear();
+    std::size_t keep = 0;
+    for (const auto& [bytes, n] : taken) {
+      const auto last = last_step_host_blocks_.find(bytes);
+      const std::size_t k = last == last_step_host_blocks_.end() ? 0 : std::min(n, last->second);
+      if (k > 0) host_keep_by_size_[bytes] = k;
+      keep += k;
+    }
+    host_keep_blocks_ = std::max(options_.host_cache_blocks, keep);
+  }
+  last_step_host_blocks_ = std::move(taken);
   trim_host_cache();
   following_ = options_.use_trace && !trace_.empty();
   restore_host_reserve();

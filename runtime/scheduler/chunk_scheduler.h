@@ -77,11 +77,19 @@
 // down every step (CPU Adam's gradients, evictions) and up again (the next
 // forward), and makes the same chunks afresh (gradient sums), so the host
 // keeps as many free blocks as each of the last two steps took from the pool
-// (never fewer than host_cache_blocks): the next step's takes reuse them and
+// (never fewer than host_cache_blocks), size by size: the next step's takes reuse them and
 // nothing is pinned once the trace repeats, while blocks a step took once
 // (the model's first materialization, chunks going up for good) go back. They are counted
 // in the host budget like any block held, so a host short of room frees
 // them first (make_room trims before it evicts or spills).
+// Until two steps have ended, every free block is kept: the first step runs
+// without a trace (its chunks go up where the device has room, their blocks,
+// pinned when the model was materialized, come free) and the second follows
+// the first plan (states coming down for CPU Adam): each takes blocks the
+// other gave back, and a block freed there would be pinned again a moment
+// later (issue 52: the first two steps spent 2-3 steady steps each pinning
+// at an H100 host's 6 GB/s). They hold no more host memory than the model
+// held when it was materialized.
 //
 // Note [Prefetch]
 // ~~~~~~~~~~~~~~~
@@ -129,6 +137,7 @@
 #include <functional>
 #include <initializer_list>
 #include <limits>
+#include <map>
 #include <memory>
 #include <string>
 #include <vector>
@@ -414,7 +423,7 @@ class ChunkScheduler {
   // Reads chunk `id` from the disk tier into `block` (a host block).
   void read_from_disk(ChunkId id, BlockPtr block);
   // Frees host blocks cached beyond host_cache_blocks whose copies are done.
-  void trim_host_cache() { pool_.trim_ready(MemorySpace::kHost, host_keep_blocks_); }
+  void trim_host_cache() { pool_.trim_ready(MemorySpace::kHost, host_keep_blocks_, host_keep_by_size_); }
   // A chunk left `from` for `to`: the prefetch cursor goes back to its next
   // use if it had passed it (Note [Prefetch]).
   void rewind_prefetch(ChunkId id);
@@ -462,8 +471,14 @@ class ChunkScheduler {
   bool prefetch_blocked_ = false;      // the cursor waits for a chunk to become movable
   // Free host blocks kept (Note [Host blocks for a steady step]).
   std::size_t host_keep_blocks_ = 0;
-  std::uint64_t step_start_host_blocks_ = 0;  // pool_.handed_out(kHost) when the step began
-  std::size_t last_step_host_blocks_ = 0;     // host blocks the previous step took
+  // Note [Host blocks for a steady step], by block size: pool_'s host
+  // handed_out_by_size when the step began, the previous step's takes, and
+  // what the cache keeps of each size.
+  std::map<std::size_t, std::uint64_t> step_start_host_blocks_;
+  std::map<std::size_t, std::size_t> last_step_host_blocks_;
+  std::map<std::size_t, std::size_t> host_keep_by_size_;
+  std::size_t steps_ended_ = 0;               // end_step() calls so far
+  static constexpr std::size_t kKeepEveryHostBlock = ~std::size_t{0};
   ChunkSchedulerStats pool_base_;  // the pool's counters at the last reset_stats()
 
   ChunkSchedulerStats stats_;
