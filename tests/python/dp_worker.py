@@ -89,6 +89,7 @@ def main():
         # This rank's backward never reaches that parameter.
         dict(engine.module.named_parameters())[unused["param"]].requires_grad_(False)
     kill = spec.get("kill")
+    grad_read = None
     losses, norms = [], []
     started = time.time()
     for i, (x, y) in enumerate(batches):
@@ -103,6 +104,15 @@ def main():
             engine.zero_grad()
             loss = engine(xs, ys)
             engine.backward(loss)
+        if spec.get("read_grad") == i:
+            # A script's p.grad between backward and step (a rank's slot holds
+            # its own gradient until the reduction): refused by name.
+            name, p = next((n, q) for n, q in engine.module.named_parameters() if q.requires_grad)
+            try:
+                _ = p.grad
+                grad_read = {"param": name, "refused": None}
+            except tidal.UsageError as e:
+                grad_read = {"param": name, "refused": str(e)}
         steps = engine.global_steps
         engine.step()
         if engine.global_steps > steps:
@@ -121,7 +131,7 @@ def main():
             "data_parallel": report["data_parallel"], "seconds": time.time() - started,
             "skipped_steps": report["skipped_steps"], "loss_scale": report["loss_scale"],
             "optimizer": report["optimizer"],
-            "weights_crc": weights_crc(engine),
+            "weights_crc": weights_crc(engine), "grad_read": grad_read,
             "nvme_chunks_written": (report["nvme"] or {}).get("chunks_written", 0)}
     reports = [None] * world
     torch.distributed.all_gather_object(reports, mine)

@@ -228,6 +228,21 @@ def test_zero_grad_between_backward_and_step_drops_the_gradients_and_their_norm(
     assert_matches(run_ok(2, spec, tmp_path), *reference(spec))
 
 
+def test_a_gradient_read_between_backward_and_step_is_refused_by_name(tmp_path):
+    """`p.grad` between backward and step under data parallel: a rank's slot
+    holds its own gradient until the reduction, so every rank refuses it by
+    name (Note [Gradients between backward and step]), and training goes on
+    as if nothing had been asked."""
+    spec = {"steps": 3, "global_batch": 4, "read_grad": 1}
+    result = run_ok(2, spec, tmp_path)
+    for report in result["reports"]:
+        read = report["grad_read"]
+        assert read["refused"] is not None, f"rank {report['rank']} handed out {read['param']}.grad"
+        assert f"'{read['param']}'.grad read between engine.backward() and engine.step()" in read["refused"]
+        assert "data-parallel" in read["refused"] and "gradient_clipping" in read["refused"]
+    assert_matches(result, *reference(spec))
+
+
 def test_optimizer_states_are_partitioned_by_chunk(tmp_path):
     """Each rank holds about 1/N of the fp32 master, momentum and variance
     bytes one process holds, and together exactly those bytes."""
