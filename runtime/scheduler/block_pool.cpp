@@ -123,23 +123,15 @@ bool BlockPool::trim_one(MemorySpace space) {
   return true;
 }
 
-std::size_t BlockPool::trim_ready(MemorySpace space, std::size_t keep_blocks) {
-  return trim_ready(space, keep_blocks, {});
-}
-
 std::size_t BlockPool::trim_ready(MemorySpace space, std::size_t keep_blocks,
                                   const std::map<std::size_t, std::size_t>& keep_by_size) {
   const std::size_t s = index_of(space);
   std::size_t freed = 0;
   auto& by_size = cache_[s];
-  const bool by_sizes = !keep_by_size.empty();
   for (auto bucket = by_size.rbegin(); bucket != by_size.rend() && cached_count_[s] > keep_blocks;) {
     auto& blocks = bucket->second;
-    std::size_t keep_here = 0;
-    if (by_sizes) {
-      const auto it = keep_by_size.find(bucket->first);
-      if (it != keep_by_size.end()) keep_here = it->second;
-    }
+    const auto kept = keep_by_size.find(bucket->first);
+    const std::size_t keep_here = kept == keep_by_size.end() ? 0 : kept->second;
     for (std::size_t i = blocks.size(); i-- > 0 && cached_count_[s] > keep_blocks && blocks.size() > keep_here;) {
       if (!blocks[i]->ready()) continue;
       BlockPtr block = std::move(blocks[i]);

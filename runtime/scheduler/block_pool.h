@@ -122,11 +122,10 @@ class BlockPool {
   // Frees cached blocks of `space` whose fences have completed (largest
   // first) until at most `keep_blocks` stay cached; never waits, so blocks
   // still being copied from stay for a later call. Returns the number freed.
-  std::size_t trim_ready(MemorySpace space, std::size_t keep_blocks);
-  // The same, freeing only blocks beyond what `keep_by_size` keeps of their
-  // size (a size it does not name keeps none).
+  // Only blocks beyond what `keep_by_size` keeps of their size go (a size it
+  // does not name keeps none).
   std::size_t trim_ready(MemorySpace space, std::size_t keep_blocks,
-                         const std::map<std::size_t, std::size_t>& keep_by_size);
+                         const std::map<std::size_t, std::size_t>& keep_by_size = {});
 
   // Bytes of all live blocks of `space` (in use by chunks + cached).
   std::size_t held_bytes(MemorySpace space) const { return held_[index_of(space)]; }
