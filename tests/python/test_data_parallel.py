@@ -7,6 +7,7 @@ is one process training a copy of the same TinyGPT with torch.optim.AdamW on
 the whole global batch: N ranks with micro-batch b must match it with batch
 N x b (losses and weights within 1e-5 relative, as the engine tests).
 """
+import contextlib
 import json
 import os
 import socket
@@ -14,6 +15,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 import pytest
 import torch
@@ -65,9 +67,23 @@ def run_ok(world, spec, tmp_path):
     return result
 
 
-def reference(spec, start=0, norms=None):
-    """One process, plain PyTorch + AdamW, the whole global batch per micro-step
-    (`norms`, a list, gets each step's gradient norm before clipping)."""
+class Reference(NamedTuple):
+    model: torch.nn.Module
+    losses: list
+    floor: dict  # tensor name -> the reference's own relative L2 spread (below)
+
+
+@contextlib.contextmanager
+def _threads(n):
+    saved = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(saved)
+
+
+def _train_reference(spec, start, norms):
     torch.manual_seed(0)
     model = TinyGPT(d=spec.get("width", 64), seq=8)
     accumulation = spec.get("accumulation", 1)
@@ -78,13 +94,39 @@ def reference(spec, start=0, norms=None):
     return model, losses
 
 
-def assert_matches(result, model, losses, rtol=1e-5):
+def reference(spec, start=0, norms=None):
+    """One process, plain PyTorch + AdamW, the whole global batch per micro-step
+    (`norms`, a list, gets each step's gradient norm before clipping).
+
+    Trained with one intra-op thread, as the ranks are, whatever an earlier
+    test left set; and again with two, to measure the reference's own
+    floating-point floor: a different summation order alone moves a
+    zero-initialised LayerNorm bias by up to 1.4e-5 relative after two Adam
+    steps here (Adam divides tiny gradients by their own size), which is the
+    size of the tolerance. `assert_matches` allows each tensor a few times
+    its floor, never less than the tolerance."""
+    with _threads(1):
+        model, losses = _train_reference(spec, start, norms)
+    with _threads(2):
+        other, _ = _train_reference(spec, start, None)
+    theirs = other.state_dict()
+    floor = {name: ((theirs[name] - p).norm() / p.norm().clamp_min(1e-12)).item()
+             for name, p in model.state_dict().items()}
+    return Reference(model, losses, floor)
+
+
+def assert_matches(result, model, losses, floor=None, rtol=1e-5):
+    """Losses within `rtol`; each weight within `rtol` relative L2, or within
+    3x the reference's own floor for that tensor where that is larger (a
+    third summation order, the ranks', may land past either reference's; a
+    wrong result, a lost micro-batch or a stale chunk, is off by 1e-3 or more)."""
     for a, b in zip(losses, result["losses"], strict=True):
         assert abs(a - b) <= rtol * abs(a), (losses, result["losses"])
     for name, p in model.state_dict().items():
         got = torch.tensor(result["weights"][name])
         err = (got - p).norm() / p.norm().clamp_min(1e-12)
-        assert err <= rtol, f"{name}: relative L2 error {err:.3g}"
+        allowed = max(rtol, 3 * (floor or {}).get(name, 0.0))
+        assert err <= allowed, f"{name}: relative L2 error {err:.3g} > {allowed:.3g}"
 
 
 @pytest.mark.parametrize("world", [2, 3])
@@ -139,7 +181,7 @@ def test_mixed_precision_tracks_the_fp32_reference(precision, tol, tmp_path):
     ranks' 16-bit weights stay bitwise equal."""
     spec = {"steps": 4, "global_batch": 4, "precision": precision}
     result = run_ok(2, spec, tmp_path)
-    _, losses = reference(spec)
+    losses = reference(spec).losses
     for a, b in zip(losses, result["losses"], strict=True):
         assert abs(a - b) <= tol * abs(a), (losses, result["losses"])
     assert_same_weights_on_every_rank(result)
@@ -154,7 +196,7 @@ def test_clipping_by_the_global_norm_fires_where_clip_grad_norm_does(clip, fires
     gradients of the other steps up."""
     spec = {"steps": 4, "global_batch": 4, "accumulation": 2, "clip": clip}
     norms = []
-    model, losses = reference(spec, norms=norms)
+    model, losses, _ = reference(spec, norms=norms)
     assert_clip_fires(norms, clip, fires)
     result = run_ok(2, spec, tmp_path)
     assert result["norms"] == pytest.approx(norms, rel=1e-5)
@@ -262,15 +304,15 @@ def test_checkpoint_saved_by_two_ranks_resumes_on_three_and_on_one(tmp_path):
     ckpt = tmp_path / "ckpt"
     whole = {"steps": 4, "global_batch": 6}
     uninterrupted = run_ok(2, dict(whole, save={"after": 2, "dir": str(ckpt)}), tmp_path)
-    model, losses = reference(whole)
-    assert_matches(uninterrupted, model, losses)
+    model, losses, floor = reference(whole)
+    assert_matches(uninterrupted, model, losses, floor)
     assert sorted(p.name for p in (ckpt / "ckpt").iterdir()) == [
         "extra.pt", "meta.json", "states-rank00000.bin", "states-rank00001.bin"]
     rest = {"steps": 2, "global_batch": 6, "start": 2, "load": str(ckpt)}
     for world in (3, 1):
         resumed = run_ok(world, rest, tmp_path)
         assert resumed["steps"] == 4
-        assert_matches(resumed, model, losses[2:])
+        assert_matches(resumed, model, losses[2:], floor)
 
 
 def test_a_killed_rank_is_named_by_the_others_within_a_minute(tmp_path):

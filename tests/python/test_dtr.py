@@ -20,11 +20,13 @@ def _dtr_off():
     """Every test starts and ends with DTR off and default options."""
     saved = {k: getattr(dtr, k) for k in ("eviction_threshold", "evictee_minimum_size",
                                           "enable_sqrt_sampling", "scorer", "max_recompute_ratio")}
+    threads = torch.get_num_threads()
     dtr.disable()
     torch.set_num_threads(1)  # replays must match bitwise: same kernels, same threads
     yield
     dtr.disable()
     dtr.configure(**saved)
+    torch.set_num_threads(threads)
 
 
 # --------------------------------------------------------------------------- models
