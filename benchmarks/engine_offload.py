@@ -60,8 +60,8 @@ H100_PIN = 6e9  # bytes/s cudaHostRegister on that host (issue 52)
 LINK_SHARE = H100_MINIMUM / H100_LINK / H100_PLAIN_STEP  # link time of the minimum / compute: 0.28
 PIN_SHARE = H100_MINIMUM / H100_PIN / H100_PLAIN_STEP  # pinning the minimum / compute: 2.5
 COUNTERS = ("bytes_host_to_device", "bytes_device_to_host", "prefetch_hits", "misses",
-            "host_block_allocations", "host_block_bytes_allocated", "block_waits", "copy_waits",
-            "copy_wait_seconds", "evictions")
+            "host_block_allocations", "host_block_bytes_allocated", "host_pins", "host_bytes_pinned",
+            "pageable_copies", "block_waits", "copy_waits", "copy_wait_seconds", "evictions")
 
 
 class Plain:
@@ -81,6 +81,8 @@ class Tidal:
         t = time.perf_counter()
         self.engine = tidal.initialize(model, cfg)
         self.initialize_s = time.perf_counter() - t
+        # (Note [Pinned at the second crossing]: what initialize pinned.)
+        self.initialize_bytes_pinned = self.engine.chunks.stats()["host_bytes_pinned"]
         if rule_of_before:
             # Before issue 52: hybrid Adam preferred the device for every chunk.
             self.engine.store.adam_placement.prefer_device = lambda chunk, summing: True
@@ -167,13 +169,15 @@ def main():
     runs = {"plain": plain,
             "tidal": Tidal(copy.deepcopy(base), config(args.batch, accum, chunk, budget), False),
             "before": Tidal(copy.deepcopy(base), config(args.batch, accum, chunk, budget), True)}
-    first_steps = {}
+    first_steps, first_pinned = {}, {}
     for name in ("tidal", "before"):  # warm-up: the trace, the relayout, the plan, the trace again
-        first_steps[name] = []
+        first_steps[name], first_pinned[name] = [], []
         for i in range(3):
+            before = runs[name].counters()["host_bytes_pinned"]
             t = time.perf_counter()
             runs[name].step(data[i * accum:(i + 1) * accum])
             first_steps[name].append(time.perf_counter() - t)
+            first_pinned[name].append(runs[name].counters()["host_bytes_pinned"] - before)
     samples = {k: [] for k in runs}
     steady = {k: [] for k in ("tidal", "before")}
     at = 3
@@ -235,10 +239,13 @@ def main():
             "steady_prefetch_hits": hits, "steady_misses": misses,
             "steady_prefetch_hit_rate": hits / (hits + misses) if hits + misses else 1.0,
             "steady_host_block_allocations": med["host_block_allocations"],
-            "steady_host_bytes_pinned": med["host_block_bytes_allocated"],
+            "steady_host_bytes_pinned": med["host_bytes_pinned"], "steady_host_pins": med["host_pins"],
+            "steady_pageable_copies": med["pageable_copies"],
             "steady_block_waits": med["block_waits"], "steady_copy_waits": med["copy_waits"],
             "steady_copy_wait_s": med["copy_wait_seconds"],
             "initialize_s": runs[name].initialize_s, "first_steps_s": first_steps[name],
+            "initialize_bytes_pinned": runs[name].initialize_bytes_pinned,
+            "first_steps_bytes_pinned": first_pinned[name],
             "step1_over_steady": first_steps[name][0] / s["median"],
             "steady_evictions": med["evictions"],
             "exposed_adam_s": exposed, "adam_s": statistics.median(d["adam_seconds"] for d in st),
@@ -249,9 +256,12 @@ def main():
               f"{plain_s['median'] * 1e3:.1f} ms, {r['over_limit']:.2f}x the limit {limit * 1e3:.1f} ms); "
               f"H2D {r['h2d_over_minimum']:.2f}x / D2H {r['d2h_over_minimum']:.2f}x the minimum; steady "
               f"prefetch hit rate {r['steady_prefetch_hit_rate']:.2f}; host blocks made "
-              f"{r['steady_host_block_allocations']}, block waits {r['steady_block_waits']}, copy waits "
+              f"{r['steady_host_block_allocations']}, pinned {r['steady_host_bytes_pinned']:.0f} B, block waits "
+              f"{r['steady_block_waits']}, copy waits "
               f"{r['steady_copy_waits']:.0f} ({r['steady_copy_wait_s'] * 1e3:.0f} ms); initialize "
-              f"{r['initialize_s']:.2f} s, step 1 {r['step1_over_steady']:.1f}x a steady step", flush=True)
+              f"{r['initialize_s']:.2f} s (pinned {r['initialize_bytes_pinned']} B), step 1 "
+              f"{r['step1_over_steady']:.1f}x a steady step (pinned {first_pinned[name]} B in steps 1-3)",
+              flush=True)
     name = "engine_offload" + ("-quick" if args.quick else "") + (f"-accum{accum}" if accum > 1 else "")
     path = common.write_result(name, {"simulated": True, "result": out}, output=args.output)
     print(f"[engine_offload] wrote {path}")

@@ -89,6 +89,9 @@ void bind_records(py::module_& m) {
   TIDAL_FIELD(host_block_allocations);
   TIDAL_FIELD(host_block_bytes_allocated);
   TIDAL_FIELD(device_block_allocations);
+  TIDAL_FIELD(host_pins);
+  TIDAL_FIELD(host_bytes_pinned);
+  TIDAL_FIELD(pageable_copies);
   TIDAL_FIELD(block_waits);
   TIDAL_FIELD(prefetch_rewinds);
   TIDAL_FIELD(moves_host_to_device);

@@ -405,6 +405,23 @@ class SimDevice final : public Device {
     }
     return false;
   }
+  // Note [Simulated pageable copies wait]
+  // ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+  // cudaMemcpyAsync through pageable host memory returns only once the host
+  // side is done with (staged through the driver's pinned buffer): the host
+  // waits for the copy, and for the stream's work before it. The simulated
+  // device charges that wait when it charges pinning (pin bandwidth set: the
+  // profile of what a GPU pays for host memory), so choosing not to pin
+  // shows its price. Without a pin bandwidth every copy stays asynchronous,
+  // which Note [Simulated copies land late] relies on to expose a missing wait.
+  bool host_registered(const void* ptr, std::size_t bytes) {
+    const auto lo = reinterpret_cast<std::uintptr_t>(ptr);
+    std::lock_guard<std::mutex> lock(registered_mutex_);
+    auto it = registered_.upper_bound(lo);
+    if (it == registered_.begin()) return false;
+    --it;
+    return lo >= it->first && lo + bytes <= it->first + it->second;
+  }
   void unregister_host(void* ptr) override {
     std::lock_guard<std::mutex> lock(registered_mutex_);
     const auto it = registered_.find(reinterpret_cast<std::uintptr_t>(ptr));
@@ -446,6 +463,12 @@ class SimDevice final : public Device {
     TIDAL_INTERNAL_ASSERT(sim != nullptr, "stream of a simulated device is not a SimStream");
     // See Note [Simulated copies land late].
     sim->enqueue([this, dst, src, bytes, kind] { engines_.transfer(kind, dst, src, bytes); });
+    // Note [Simulated pageable copies wait]: where pinning is charged, a copy
+    // through host memory nobody registered makes the host wait for it.
+    if (options_.pin_bandwidth_bytes_per_s > 0 && kind != CopyKind::kDeviceToDevice &&
+        !host_registered(kind == CopyKind::kHostToDevice ? src : dst, bytes)) {
+      sim->synchronize();
+    }
   }
 
  private:

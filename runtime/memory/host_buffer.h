@@ -51,6 +51,9 @@ class HostBuffer {
   bool empty() const { return data_ == nullptr; }
   // True when the pages are page-locked (CUDA backend).
   bool pinned() const { return pinned_; }
+  // True once pin() registered the buffer with a device (whether or not
+  // that backend locks pages: the simulated device records it only).
+  bool registered() const { return registered_with_ != nullptr; }
   bool huge_pages() const { return huge_pages_; }
 
   // Registers the buffer with `device`; returns whether it is now pinned.

@@ -35,12 +35,24 @@ BlockPool::~BlockPool() {
   }
 }
 
-BlockPtr BlockPool::take_cached(MemorySpace space, std::size_t bytes) {
+BlockPtr BlockPool::take_cached(MemorySpace space, std::size_t bytes, bool pinned) {
   auto& by_size = cache_[index_of(space)];
   auto it = by_size.find(bytes);
   if (it == by_size.end() || it->second.empty()) return nullptr;
-  BlockPtr block = std::move(it->second.back());
-  it->second.pop_back();
+  auto& blocks = it->second;
+  // The newest first (its pages are warm); on the host, the newest that is
+  // pinned or not as asked, when there is one.
+  std::size_t pick = blocks.size() - 1;
+  if (space == MemorySpace::kHost) {
+    for (std::size_t i = blocks.size(); i-- > 0;) {
+      if (blocks[i]->host.registered() == pinned) {
+        pick = i;
+        break;
+      }
+    }
+  }
+  BlockPtr block = std::move(blocks[pick]);
+  blocks.erase(blocks.begin() + static_cast<std::ptrdiff_t>(pick));
   if (it->second.empty()) by_size.erase(it);
   cached_[index_of(space)] -= bytes;
   --cached_count_[index_of(space)];
@@ -62,7 +74,7 @@ BlockPtr BlockPool::allocate(MemorySpace space, std::size_t bytes) {
   block->space = space;
   block->bytes = bytes;
   if (space == MemorySpace::kHost) {
-    block->host = pin_host_ ? HostBuffer(bytes, device_) : HostBuffer(bytes);
+    block->host = HostBuffer(bytes);
     block->data = block->host.data();
   } else {
     block->device = device_->allocate(bytes);
@@ -74,6 +86,14 @@ BlockPtr BlockPool::allocate(MemorySpace space, std::size_t bytes) {
   allocated_bytes_[index_of(space)] += bytes;
   ++handed_by_size_[index_of(space)][bytes];
   return block;
+}
+
+bool BlockPool::prepare_crossing(Block& host_block, bool pin) {
+  TIDAL_INTERNAL_ASSERT(host_block.space == MemorySpace::kHost, "prepare_crossing of a block in ",
+                        to_string(host_block.space));
+  if (!pin || !pin_host_ || host_block.host.registered()) return false;
+  host_block.host.pin(device_);
+  return true;
 }
 
 void BlockPool::give_back(BlockPtr block) {
@@ -92,23 +112,28 @@ bool BlockPool::trim_one(MemorySpace space) {
   // whose fence cannot be queried (a device error) counts as not done: the
   // wait below, once the block is out of the cache, reports the error, so
   // every call makes progress (the destructor relies on it).
-  for (auto bucket = by_size.rbegin(); bucket != by_size.rend(); ++bucket) {
-    auto& blocks = bucket->second;
-    for (std::size_t i = blocks.size(); i-- > 0;) {
-      bool done = false;
-      try {
-        done = blocks[i]->ready();
-      } catch (...) {
-        done = false;
+  // A pinned block goes after those not pinned (Note [Pinned at the second
+  // crossing] in chunk_scheduler.h: pinning it again costs 8x its copy).
+  for (const bool take_pinned : {false, true}) {
+    for (auto bucket = by_size.rbegin(); bucket != by_size.rend(); ++bucket) {
+      auto& blocks = bucket->second;
+      for (std::size_t i = blocks.size(); i-- > 0;) {
+        if (blocks[i]->host.registered() != take_pinned) continue;
+        bool done = false;
+        try {
+          done = blocks[i]->ready();
+        } catch (...) {
+          done = false;
+        }
+        if (!done) continue;
+        BlockPtr block = std::move(blocks[i]);
+        blocks.erase(blocks.begin() + static_cast<std::ptrdiff_t>(i));
+        if (blocks.empty()) by_size.erase(std::next(bucket).base());
+        cached_[index_of(space)] -= block->bytes;
+        --cached_count_[index_of(space)];
+        held_[index_of(space)] -= block->bytes;
+        return true;
       }
-      if (!done) continue;
-      BlockPtr block = std::move(blocks[i]);
-      blocks.erase(blocks.begin() + static_cast<std::ptrdiff_t>(i));
-      if (blocks.empty()) by_size.erase(std::next(bucket).base());
-      cached_[index_of(space)] -= block->bytes;
-      --cached_count_[index_of(space)];
-      held_[index_of(space)] -= block->bytes;
-      return true;
     }
   }
   auto largest = std::prev(by_size.end());
@@ -128,23 +153,26 @@ std::size_t BlockPool::trim_ready(MemorySpace space, std::size_t keep_blocks,
   const std::size_t s = index_of(space);
   std::size_t freed = 0;
   auto& by_size = cache_[s];
-  for (auto bucket = by_size.rbegin(); bucket != by_size.rend() && cached_count_[s] > keep_blocks;) {
-    auto& blocks = bucket->second;
-    const auto kept = keep_by_size.find(bucket->first);
-    const std::size_t keep_here = kept == keep_by_size.end() ? 0 : kept->second;
-    for (std::size_t i = blocks.size(); i-- > 0 && cached_count_[s] > keep_blocks && blocks.size() > keep_here;) {
-      if (!blocks[i]->ready()) continue;
-      BlockPtr block = std::move(blocks[i]);
-      blocks.erase(blocks.begin() + static_cast<std::ptrdiff_t>(i));
-      cached_[s] -= block->bytes;
-      --cached_count_[s];
-      held_[s] -= block->bytes;
-      ++freed;
-    }
-    if (blocks.empty()) {
-      bucket = decltype(bucket)(by_size.erase(std::next(bucket).base()));
-    } else {
-      ++bucket;
+  // Blocks not pinned go first (as in trim_one).
+  for (const bool take_pinned : {false, true}) {
+    for (auto bucket = by_size.rbegin(); bucket != by_size.rend() && cached_count_[s] > keep_blocks;) {
+      auto& blocks = bucket->second;
+      const auto kept = keep_by_size.find(bucket->first);
+      const std::size_t keep_here = kept == keep_by_size.end() ? 0 : kept->second;
+      for (std::size_t i = blocks.size(); i-- > 0 && cached_count_[s] > keep_blocks && blocks.size() > keep_here;) {
+        if (blocks[i]->host.registered() != take_pinned || !blocks[i]->ready()) continue;
+        BlockPtr block = std::move(blocks[i]);
+        blocks.erase(blocks.begin() + static_cast<std::ptrdiff_t>(i));
+        cached_[s] -= block->bytes;
+        --cached_count_[s];
+        held_[s] -= block->bytes;
+        ++freed;
+      }
+      if (blocks.empty()) {
+        bucket = decltype(bucket)(by_size.erase(std::next(bucket).base()));
+      } else {
+        ++bucket;
+      }
     }
   }
   return freed;

@@ -107,11 +107,19 @@ class BlockPool {
   BlockPool(const BlockPool&) = delete;
   BlockPool& operator=(const BlockPool&) = delete;
 
-  // A cached block of exactly `bytes` in `space`, or null.
-  BlockPtr take_cached(MemorySpace space, std::size_t bytes);
+  // A cached block of exactly `bytes` in `space`, or null. On the host, a
+  // pinned one first when `pinned`, else one not pinned first, so the pinned
+  // blocks stay with the chunks that cross again and again (Note [Pinned at
+  // the second crossing] in chunk_scheduler.h).
+  BlockPtr take_cached(MemorySpace space, std::size_t bytes, bool pinned = false);
   bool has_cached(MemorySpace space, std::size_t bytes) const;
   // A new block. Throws OutOfMemoryError when the space has no memory left.
+  // A host block is made pageable (Note [Pinned at the second crossing]).
   BlockPtr allocate(MemorySpace space, std::size_t bytes);
+  // A copy over the link through `host_block` follows: pins the block when
+  // `pin` and pin_host are on and it is not pinned yet. Returns whether it
+  // pinned now.
+  bool prepare_crossing(Block& host_block, bool pin);
   // Puts a block no chunk uses any more into the cache.
   void give_back(BlockPtr block);
   // Frees one cached block of `space`: the largest whose fence has
@@ -131,8 +139,7 @@ class BlockPool {
   std::size_t held_bytes(MemorySpace space) const { return held_[index_of(space)]; }
   std::size_t cached_bytes(MemorySpace space) const { return cached_[index_of(space)]; }
   std::size_t cached_blocks(MemorySpace space) const { return cached_count_[index_of(space)]; }
-  // Blocks allocated in `space` so far, and their bytes (on the host each
-  // one is pinned when pin_host is on: what a steady step must not do).
+  // Blocks allocated in `space` so far, and their bytes.
   std::uint64_t allocations(MemorySpace space) const { return allocations_[index_of(space)]; }
   std::uint64_t allocated_bytes(MemorySpace space) const { return allocated_bytes_[index_of(space)]; }
   // Blocks of `space` handed out: allocated, or taken from the cache.

@@ -473,10 +473,18 @@ bool ChunkScheduler::spill_to_device(const RoomRequest& request) {
   return true;
 }
 
+bool ChunkScheduler::crosses_again(ChunkId id) const {
+  return steps_ended_ >= 1 && id != kNoChunk && slots_[id].crossings >= 1;
+}
+
 BlockPtr ChunkScheduler::acquire_block(const RoomRequest& request) {
+  // A host block for a chunk coming down that crosses again: a pinned one
+  // (Note [Pinned at the second crossing]).
+  const bool pinned = request.space == MemorySpace::kHost && request.chunk != kNoChunk &&
+                      slots_[request.chunk].block != nullptr && crosses_again(request.chunk);
   for (;;) {
     if (!make_room(request)) return nullptr;
-    if (BlockPtr block = pool_.take_cached(request.space, request.bytes)) return block;
+    if (BlockPtr block = pool_.take_cached(request.space, request.bytes, pinned)) return block;
     try {
       return pool_.allocate(request.space, request.bytes);
     } catch (const OutOfMemoryError& e) {
@@ -564,13 +572,22 @@ void ChunkScheduler::move(ChunkId id, MemorySpace to, BlockPtr destination) {
   // A disk read into the source or a write out of the destination that
   // failed throws here, before anything moved (Note [Chunks on NVMe: after a
   // failure] in disk_tier.h); the destination goes back to the pool.
+  // Note [Pinned at the second crossing]: the host block is pinned, if it
+  // is, before the copy, and before anything moved when pinning fails.
   try {
     slots_[id].block->finish_io();
     destination->finish_io();
+    Block& host_side = h2d ? *slots_[id].block : *destination;
+    if (pool_.prepare_crossing(host_side, crosses_again(id))) {
+      ++stats_.host_pins;
+      stats_.host_bytes_pinned += host_side.bytes;
+    }
+    if (!host_side.host.registered()) ++stats_.pageable_copies;
   } catch (...) {
     pool_.give_back(std::move(destination));
     throw;
   }
+  if (steps_ended_ >= 1) ++slots_[id].crossings;
   BlockPtr source = detach(id);
   const std::size_t bytes = source->bytes;
   TIDAL_INTERNAL_ASSERT(destination->bytes == bytes && destination->space == to,

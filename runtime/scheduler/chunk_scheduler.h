@@ -69,11 +69,39 @@
 // cannot take is not chosen as a victim while another can go (Note [Victims
 // the host can take] in chunk_scheduler.cpp).
 //
+// Note [Pinned at the second crossing]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// Pinning a host block (cudaHostRegister) costs about 6 GB/s on an H100's
+// host, some eight times what copying the same bytes over the link costs,
+// while a copy from pageable memory costs about the link time again with
+// the host waiting for it. So pinning pays only for a block that crosses
+// the link again and again, and most host blocks never cross: the states
+// CPU Adam updates where they live, a model's chunks materialized on the
+// host. A host block is therefore made pageable, and the host block of a
+// chunk is pinned at the chunk's second counted copy over the link (move(),
+// BlockPool::prepare_crossing); copies in the first step (the warm-up: it
+// follows no plan, and most of its moves, states going up to be updated and
+// the model's chunks going up once, do not repeat) are not counted. A copy
+// through a block not pinned runs pageable (pageable_copies; the host waits
+// for it, as CUDA's cudaMemcpyAsync from pageable memory makes it). The
+// count is the chunk's, not the block's: blocks go from chunk to chunk
+// through the cache, and what repeats is a chunk's trip (gradients down,
+// weights up, every step), while the states that come down once for CPU
+// Adam after the warm-up do not. The cache hands a chunk that crosses again
+// a pinned block and any other chunk one not pinned, when it has one
+// (BlockPool::take_cached), so the pinned blocks stay with the chunks that
+// move and a steady step pins nothing (host_pins counts what was pinned).
+// Before, every host block was pinned when made: initializing the quarter-
+// budget shape at the H100's pinning rate pinned all 25.7 MB of it (29 s on
+// the simulated device, 18x a steady step), most of it never to cross.
+// Pinning the blocks a steady step moves costs, at that rate, about 2.5
+// plain steps wherever it happens; here it is the second and third steps.
+//
 // Note [Host blocks for a steady step]
 // ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-// A host block is pinned when it is made (cudaHostRegister: about 6 GB/s on
-// an H100's host, so 2 GB of chunks going down and up every step would pin
-// for a third of a second each step). A steady step moves the same chunks
+// A host block a step copies through is pinned (Note [Pinned at the second
+// crossing]; 2 GB of chunks going down and up every step would pin for a
+// third of a second each step on an H100's host). A steady step moves the same chunks
 // down every step (CPU Adam's gradients, evictions) and up again (the next
 // forward), and makes the same chunks afresh (gradient sums), so the host
 // keeps as many free blocks as each of the last two steps took from the pool
@@ -229,11 +257,17 @@ struct ChunkSchedulerStats {
   // did not hide (on a device with a compute stream, device accesses order
   // the stream instead and only host accesses wait here).
   double copy_wait_seconds = 0;
-  // New blocks (each host one pinned when pin_host_memory is on): a steady
-  // step reuses cached blocks instead (Note [Host blocks for a steady step]).
+  // New blocks: a steady step reuses cached blocks instead (Note [Host
+  // blocks for a steady step]).
   std::uint64_t host_block_allocations = 0;
   std::uint64_t host_block_bytes_allocated = 0;
   std::uint64_t device_block_allocations = 0;
+  // Host blocks pinned at their second crossing of the link, and their
+  // bytes; copies through a host block not pinned (Note [Pinned at the
+  // second crossing]). A steady step pins nothing.
+  std::uint64_t host_pins = 0;
+  std::uint64_t host_bytes_pinned = 0;
+  std::uint64_t pageable_copies = 0;
   // Frees of cached blocks that blocked the thread on a running copy.
   std::uint64_t block_waits = 0;
   // The prefetch cursor went back to a chunk that left its place after the
@@ -375,7 +409,13 @@ class ChunkScheduler {
     // The home on disk holds the payload's bytes: set by a read from disk and
     // a write to it, cleared by any write (Note [Chunks on NVMe: clean chunks]).
     bool disk_current = false;
+    // Copies over the link since the first step ended (Note [Pinned at the
+    // second crossing]).
+    std::uint32_t crossings = 0;
   };
+  // Whether chunk `id`'s next copy over the link is its second counted one
+  // or later: its host block is pinned for it.
+  bool crosses_again(ChunkId id) const;
   // Who needs room: for messages and for the prefetch rule.
   struct RoomRequest {
     MemorySpace space = MemorySpace::kNone;

@@ -60,7 +60,8 @@ CHILD = textwrap.dedent("""
                         heads=spec["heads"], seq=spec["seq"])
     engine = tidal.initialize(model, cfg)
     assert engine.memory_report()["backend"] == "cuda", engine.memory_report()["backend"]
-    out = {"losses": [], "h2d": 0, "d2h": 0, "peak_nonchunk": 0, "evictions": 0}
+    out = {"losses": [], "h2d": 0, "d2h": 0, "peak_nonchunk": 0, "evictions": 0,
+           "pageable_copies": 0, "host_pins": 0}
     for step in range(spec["steps"]):
         x = torch.randint(0, spec["vocab"], (1, spec["seq"]))
         y = torch.randint(0, spec["vocab"], (1, spec["seq"]))
@@ -73,6 +74,9 @@ CHILD = textwrap.dedent("""
         out["d2h"] += rep["bytes_device_to_host_last_step"]
         out["peak_nonchunk"] = max(out["peak_nonchunk"], rep["peak_nonchunk_device_bytes"])
         out["evictions"] = rep["evictions"]
+    stats = engine.chunks.stats()
+    out["pageable_copies"] = stats["pageable_copies"]
+    out["host_pins"] = stats["host_pins"]
     del engine, model
     import gc; gc.collect()
     print("RESULT " + json.dumps(out))
@@ -102,14 +106,17 @@ def _run(tmp_path, spec: dict, readable: bool) -> tuple[dict, dict]:
     return counters, result
 
 
-def _assert_clean(c: dict):
+def _assert_clean(c: dict, result: dict):
     # Nothing pinned was unmapped, decommitted or re-protected: the fake aborts the child
     # outright on that (checked by the return code). Every range tidal registered was
-    # accepted, and every copy between host and device used pinned memory.
+    # accepted, and it is what the scheduler says it pinned; every copy tidal counts as
+    # pageable (a chunk's first counted crossings: Note [Pinned at the second crossing] in
+    # runtime/scheduler/chunk_scheduler.h) is one the fake saw through pageable memory,
+    # and no other was.
     assert c["sticky_error"] == 0, c
-    assert c["registers"] > 0, c
     assert c["register_failures"] == 0, c
-    assert c["pageable_h2d"] == 0 and c["pageable_d2h"] == 0, c
+    assert c["registers"] == result["host_pins"], (c, result)
+    assert c["pageable_h2d"] + c["pageable_d2h"] == result["pageable_copies"], (c, result)
 
 
 def _assert_released(c: dict):
@@ -122,16 +129,13 @@ def _spec(d, heads, layers, steps, budget=0, margin=0):
             "chunk": CHUNK, "steps": steps, "budget": budget, "margin": margin}
 
 
-def test_gpt350m_shaped_registration_device_unreadable(tmp_path):
+def test_gpt350m_shaped_initialize_pins_and_copies_nothing_device_unreadable(tmp_path):
+    # Note [Pinned at the second crossing]: the model's host chunks stay pageable until
+    # a chunk crosses the link a second time after the first step.
     counters, result = _run(tmp_path, _spec(1024, 16, 4, steps=0), readable=False)
-    _assert_clean(counters)
+    _assert_clean(counters, result)
+    assert counters["registers"] == 0, counters
     assert result["losses"] == []
-
-
-def test_dropping_the_engine_unregisters_every_pinned_range(tmp_path):
-    counters, _ = _run(tmp_path, _spec(1024, 16, 1, steps=0), readable=False)
-    _assert_clean(counters)
-    _assert_released(counters)
 
 
 @pytest.mark.parametrize("d,heads,layers", [(1024, 16, 4), (2048, 16, 2)], ids=["gpt350m", "gpt1.3b"])
@@ -147,7 +151,11 @@ def test_training_moves_chunks_both_ways_under_the_cuda_backend(tmp_path, d, hea
     budget = free["peak_nonchunk"] + embedding + CHUNK + margin
     counters, result = _run(tmp_path, _spec(d, heads, layers, steps=3, budget=budget, margin=margin),
                             readable=True)
-    _assert_clean(counters)
+    _assert_clean(counters, result)
+    # Chunks crossed again after the first step: their host blocks were pinned, and
+    # dropping the engine unregistered every pinned range.
+    assert counters["registers"] > 0, counters
+    _assert_released(counters)
     assert len(result["losses"]) == 3
     assert all(l == l and abs(l) < float("inf") for l in result["losses"]), result
     assert result["h2d"] > 0 and result["d2h"] > 0, result

@@ -56,6 +56,69 @@ TEST(BlockPool, ATrimBySizeKeepsTheBlocksEachSizeIsToKeep) {
   none.validate();
 }
 
+TEST(BlockPool, AHostBlockIsMadePageableAndPinnedWhenACrossingAsks) {
+  // Note [Pinned at the second crossing] in chunk_scheduler.h.
+  for (const bool pin : {false, true}) {
+    BlockPool pool(make_device(kKiB * kKiB), pin);
+    BlockPtr block = pool.allocate(kHost, kSmall);
+    EXPECT_FALSE(block->host.registered());  // made pageable
+    EXPECT_FALSE(pool.prepare_crossing(*block, /*pin=*/false));
+    EXPECT_FALSE(block->host.registered());
+    EXPECT_EQ(pool.prepare_crossing(*block, /*pin=*/true), pin);  // only with pinning on
+    EXPECT_EQ(block->host.registered(), pin);
+    EXPECT_FALSE(pool.prepare_crossing(*block, /*pin=*/true));  // pinned once
+    pool.give_back(std::move(block));
+    pool.validate();
+  }
+}
+
+TEST(BlockPool, TheHostCacheHandsOutPinnedOrUnpinnedBlocksAsAsked) {
+  BlockPool pool(make_device(kKiB * kKiB), /*pin_host=*/true);
+  BlockPtr pinned = pool.allocate(kHost, kSmall);
+  pool.prepare_crossing(*pinned, /*pin=*/true);
+  const void* pinned_data = pinned->data;
+  // Given back first: the newest cached blocks are not pinned.
+  pool.give_back(std::move(pinned));
+  pool.give_back(pool.allocate(kHost, kSmall));
+  pool.give_back(pool.allocate(kHost, kSmall));
+  BlockPtr plain = pool.take_cached(kHost, kSmall, /*pinned=*/false);
+  EXPECT_FALSE(plain->host.registered());
+  EXPECT_EQ(pool.take_cached(kHost, kSmall, /*pinned=*/true)->data, pinned_data);
+  // None pinned left: a block not pinned, rather than none.
+  BlockPtr other = pool.take_cached(kHost, kSmall, /*pinned=*/true);
+  ASSERT_NE(other, nullptr);
+  EXPECT_FALSE(other->host.registered());
+  // And a pinned one, where only pinned ones are left, to a chunk that does not ask.
+  pool.give_back(std::move(other));
+  BlockPtr again = pool.take_cached(kHost, kSmall);
+  pool.prepare_crossing(*again, /*pin=*/true);
+  pool.give_back(std::move(again));
+  EXPECT_TRUE(pool.take_cached(kHost, kSmall, /*pinned=*/false)->host.registered());
+  pool.validate();
+}
+
+TEST(BlockPool, ATrimFreesBlocksNotPinnedBeforePinnedOnes) {
+  BlockPool pool(make_device(kKiB * kKiB), /*pin_host=*/true);
+  BlockPtr pinned = pool.allocate(kHost, kLarge);  // the largest: what a trim took first
+  pool.prepare_crossing(*pinned, /*pin=*/true);
+  const void* pinned_data = pinned->data;
+  pool.give_back(std::move(pinned));
+  for (int i = 0; i < 2; ++i) pool.give_back(pool.allocate(kHost, kSmall));
+  EXPECT_EQ(pool.trim_ready(kHost, 1), 2u);
+  EXPECT_EQ(pool.cached_bytes(kHost), kLarge);
+  EXPECT_TRUE(pool.trim_one(kHost));  // then the pinned one
+  EXPECT_EQ(pool.cached_blocks(kHost), 0u);
+  // trim_one alike.
+  BlockPtr again = pool.allocate(kHost, kSmall);
+  pool.prepare_crossing(*again, /*pin=*/true);
+  pinned_data = again->data;
+  pool.give_back(std::move(again));
+  pool.give_back(pool.allocate(kHost, kSmall));
+  EXPECT_TRUE(pool.trim_one(kHost));
+  EXPECT_EQ(pool.take_cached(kHost, kSmall)->data, pinned_data);
+  pool.validate();
+}
+
 TEST(BlockPool, HandedOutBySizeCountsNewBlocksAndReusesAlike) {
   BlockPool pool(make_device(kKiB * kKiB), /*pin_host=*/false);
   fill(pool);

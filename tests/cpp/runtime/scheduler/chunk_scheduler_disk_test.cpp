@@ -98,7 +98,9 @@ TEST(ChunkSchedulerDisk, AChunkOnlyReadGoesBackToDiskWithoutAWrite) {
   EXPECT_EQ(st.bytes_disk_writes_skipped, st.disk_writes_skipped * kChunk);
   EXPECT_EQ(s.disk()->bytes_written(), written);  // the file saw no write
   for (std::size_t t = 0; t < 6; ++t) {
-    if (s.store().chunk(chunk_of(s, t)).space() == kDisk) EXPECT_TRUE(s.disk_copy_current(chunk_of(s, t)));
+    if (s.store().chunk(chunk_of(s, t)).space() == kDisk) {
+      EXPECT_TRUE(s.disk_copy_current(chunk_of(s, t)));
+    }
   }
 }
 
