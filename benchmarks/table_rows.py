@@ -199,7 +199,8 @@ def _engine_offload(r: Dict) -> List[Figure]:
     tidal, before = res["runs"]["tidal"], res["runs"]["before"]
     return [
         Figure(f"training step, {model} (steady prefetch hit rate {tidal['steady_prefetch_hit_rate']:.2f}, "
-               f"{tidal['steady_host_block_allocations']:.0f} host blocks pinned, "
+               f"{tidal['steady_host_block_allocations']:.0f} host blocks made, "
+               f"{tidal.get('steady_host_pins', 0):.0f} pinned, "
                f"{tidal['steady_block_waits']:.0f} block waits; {tidal['over_limit']:.2f}x the limit "
                f"{res['limit_s'] * 1e3:.0f} ms)",
                spread(tidal["step_s"], "ms", ".0f", 1e3),
@@ -215,6 +216,18 @@ def _engine_offload(r: Dict) -> List[Figure]:
                f"that fit stay; the rule of before moved {before['h2d_over_minimum']:.2f}x)",
                f"{tidal['h2d_over_minimum']:.2f}"),
     ]
+
+
+def _user_param_overhead(r: Dict) -> List[Figure]:
+    inside = r["inside_forward"]
+    us = inside["microseconds_per_call"]
+    return [Figure(f"{r['op']} inside the forward of a model a tidal engine trains, per call (the slope "
+                   f"between forwards of {r['calls_per_forward'][0]} and {r['calls_per_forward'][1]} calls, "
+                   f"one thread, simulated device; parameters of class "
+                   f"{inside['parameter_class_inside_forward']} there)",
+                   f"{us['tidal_engine']['median']:.2f} us",
+                   f"{us['plain_parameter']['median']:.2f} us, plain PyTorch's nn.Parameter",
+                   f"{inside['ratio_median']:.2f}")]
 
 
 def _engine_accumulation(r: Dict) -> List[Figure]:
@@ -650,6 +663,7 @@ PERFORMANCE: Dict[str, Rows] = {
     "engine_offload-accum2": Rows(_engine_offload, skip_quick=True),
     "engine": Rows(_engine_gpu, skip_quick=True),
     "engine_accumulation": Rows(_engine_accumulation),
+    "user_param_overhead": Rows(_user_param_overhead, skip_quick=True),
     "engine_overhead": Rows(_engine_overhead),
     "recompute": Rows(_recompute),
     "data_parallel": Rows(_data_parallel),

@@ -628,3 +628,46 @@ def test_ema_refuses_a_bad_decay_and_a_read_before_it_starts():
     for bad in (1.0, -0.1, "0.9", True):
         with pytest.raises(ValueError, match=r"decay must be a float in \[0, 1\)"):
             pair.engine.ema(bad)
+
+
+@budgets
+def test_inside_a_forward_the_trained_parameters_have_their_own_class(budget):
+    """Note [Plain classes inside a forward]: while the root's forward runs,
+    trainable parameters are plain nn.Parameter objects (no __torch_function__
+    per torch call); frozen ones keep the engine's class; outside, and after a
+    forward that raised, every parameter has the engine's class again, and
+    reads and training stay plain PyTorch's."""
+    pair = Pair(budget, frozen=(2,))
+    seen = {}
+
+    def record(module, args):
+        seen[module] = [type(q) for q in module.parameters(recurse=False)]
+
+    handles = [layer.register_forward_pre_hook(record) for layer in pair.model.layers]
+    pair.step(0)
+    for i, layer in enumerate(pair.model.layers):
+        inside = seen[layer]
+        if i == 2:
+            assert all(t is not torch.nn.Parameter for t in inside), (i, inside)
+        else:
+            assert inside and all(t is torch.nn.Parameter for t in inside), (i, inside)
+    params = list(pair.model.parameters())
+    assert all(type(q) is not torch.nn.Parameter and isinstance(q, torch.nn.Parameter) for q in params)
+
+    def boom(module, args):
+        raise RuntimeError("a forward that raises")
+
+    failing = pair.model.layers[3].register_forward_pre_hook(boom)
+    with pytest.raises(RuntimeError, match="a forward that raises"):
+        pair.engine(*pair.data[1])
+    failing.remove()
+    for h in handles:
+        h.remove()
+    assert all(type(q) is not torch.nn.Parameter for q in params)
+    # Outside a forward the engine's class serves a held parameter's read.
+    for q, r in zip(params, pair.ref.parameters(), strict=True):
+        _close(q, r)
+    for i in (1, 2):
+        pair.step(i)
+    pair.assert_same()
+    pair.check_budget()

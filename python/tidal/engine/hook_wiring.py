@@ -50,6 +50,7 @@ import torch
 from .. import _C
 from .. import dtr as _dtr
 from . import hooks as _hooks
+from . import user_param as _user_param
 from .errors import UnsupportedModelError
 
 from .common import OutOfMemoryError
@@ -188,6 +189,8 @@ class HookWiring:
         self.count_token = object()  # (stop_count_of; holds nothing of the engine)
         self.handles = []
         self.hooks = self._new_hooks()
+        # Note [Plain classes inside a forward] in user_param.py.
+        self.forward_classes = _user_param.ForwardClasses(params)
         # Saved tensors that alias a parameter's slot are packed as (parameter,
         # geometry) and rebuilt from its data in backward, so nothing keeps a
         # chunk address across a move (Note [Parameters keep their TensorImpl]
@@ -295,8 +298,10 @@ class HookWiring:
             self._saved_hooks = torch.autograd.graph.saved_tensors_hooks(*self.saved_tensor_pair)
             self._saved_hooks.__enter__()
         self._start_check()
+        self.forward_classes.enter()  # (last: a pre-hook that raised swapped nothing)
 
     def root_post(self, module, args, output):
+        self.forward_classes.leave()  # (first: also when the forward raised)
         self._stop_check(finished=True)
         if not torch.is_grad_enabled():
             self.count(False)

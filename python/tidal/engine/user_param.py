@@ -31,8 +31,10 @@ step, checkpoints, state dicts: `engine_call`, a thread-local count set at the
 engine's entry points, never a look at the caller's stack frame) and while the
 engine reads or writes a state dict (torch's Module.state_dict /
 load_state_dict work on the placeholders, and the engine's hooks fill in the
-values), the parameter is an ordinary one. The class goes when the engine
-gives the model back (remove_hooks).
+values), the parameter is an ordinary one; while the root module's forward
+runs it even has its own class back (Note [Plain classes inside a forward]),
+so a torch call there costs what it does in plain PyTorch. The class goes
+when the engine gives the model back (remove_hooks).
 
 Fail closed (Note [Parameters fail closed]): what needs no values and that a
 placeholder answers right (dtype, device, flags, hooks, hashing) is the only
@@ -74,7 +76,7 @@ import torch
 from .errors import UsageError
 from .external import _HARMLESS, _tensors
 
-__all__ = ["engine_call", "engine_entry", "install", "uninstall"]
+__all__ = ["ForwardClasses", "engine_call", "engine_entry", "install", "uninstall"]
 
 # Note [Parameters fail closed]
 # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -137,6 +139,7 @@ def _in_engine_call() -> bool:
 _OWNED: dict = {}
 # original class -> its tidal subclass
 _CLASSES: dict = {}
+_SUBCLASSES: set = set()  # the values of _CLASSES
 
 
 def _shape_answers():
@@ -374,6 +377,7 @@ def _class_for(cls):
                        f"stays the user's] in tidal/engine/user_param.py).",
         })
         _CLASSES[cls] = sub
+        _SUBCLASSES.add(sub)
         globals()[name] = sub
     return sub
 
@@ -421,6 +425,59 @@ def uninstall(engine) -> None:
             base = type(p).__bases__[0]
             if type(p) in _CLASSES.values():
                 p.__class__ = base
+
+
+# Note [Plain classes inside a forward]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# Inside a forward the engine's parameters are attached and the hooks are
+# running, so the __torch_function__ finds nothing to do; but torch calls it
+# for every function that gets a parameter, and that Python call alone cost
+# +17.6 us (best) per F.linear over plain nn.Parameter objects
+# (benchmarks/results/user_param_overhead-cpu-2c.json before this; issue 53
+# asks for <= 1 us). So while the root module's forward runs, the trainable
+# parameters have their own classes back (HookWiring.root_pre / root_post,
+# the post-hook always called, a forward that raises included): inside a
+# forward a parameter is an ordinary one, `type(p) is nn.Parameter`, and a
+# torch call costs what it costs in plain PyTorch. What that gives up, only
+# inside a forward: `p.set_(t)` by the model's own code is not refused
+# (outside a forward it is); a frozen parameter keeps its tidal class, so
+# unfreezing it is refused everywhere. A recompute inside backward (a
+# checkpointed segment) runs its modules' forwards without the root's hooks:
+# there the class stays, which changes nothing but the cost.
+class ForwardClasses:
+    """Swaps the trainable parameters of `params` (a ParamTable) to their own
+    classes while the root's forward runs (Note [Plain classes inside a
+    forward]). Nested forwards of the root swap once."""
+
+    def __init__(self, params):
+        self._params = params
+        self._depth = 0
+        self._swapped: list = []
+
+    def enter(self) -> None:
+        self._depth += 1
+        if self._depth > 1:
+            return
+        subclasses = _SUBCLASSES
+        swapped = []
+        for record in self._params.record_list:
+            p = record.param
+            cls = type(p)
+            if record.trainable and cls in subclasses:
+                p.__class__ = cls.__bases__[0]
+                swapped.append(p)
+        self._swapped = swapped
+
+    def leave(self) -> None:
+        if self._depth == 0:
+            return
+        self._depth -= 1
+        if self._depth:
+            return
+        swapped, self._swapped = self._swapped, []
+        for p in swapped:
+            if id(p) in _OWNED:  # (not given back by remove_hooks meanwhile)
+                p.__class__ = _CLASSES[type(p)]
 
 
 def _forget(ids, ref) -> None:
