@@ -112,8 +112,11 @@ SPECIAL = {
                                                                   "(no warning)",
     ("zero_optimization", "cpu_offload"): "true is read as offload_optimizer.device `cpu`",
     ("zero_optimization", "offload_optimizer", "pin_memory"): "honoured: false leaves host chunks "
-                                                              "unpinned",
-    ("zero_optimization", "offload_param", "pin_memory"): "honoured: false leaves host chunks unpinned",
+                                                              "unpinned (true pins those that cross "
+                                                              "the link again and again)",
+    ("zero_optimization", "offload_param", "pin_memory"): "honoured: false leaves host chunks unpinned "
+                                                          "(true pins those that cross the link "
+                                                          "again and again)",
 }
 
 

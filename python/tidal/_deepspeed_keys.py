@@ -366,8 +366,9 @@ NOT_HONOURED: list[Unused] = [
            "tidal moves parameter chunks between host and device as the budget requires",
            (False, None)),
     Unused(("zero_optimization", "cpu_offload_use_pin_memory"),
-           "DeepSpeed ignores this deprecated key too; tidal pins host chunks unless "
-           "offload_optimizer.pin_memory or offload_param.pin_memory is false", (None,)),
+           "DeepSpeed ignores this deprecated key too; tidal pins the host memory of chunks that "
+           "cross the link again and again unless offload_optimizer.pin_memory or "
+           "offload_param.pin_memory is false", (None,)),
     Unused(("zero_optimization", "overlap_comm"),
            "tidal's key is tidal.data_parallel.overlap_comm (on by default: each chunk's gradient "
            "reduction starts during backward as soon as its gradients are final)", (None,)),
