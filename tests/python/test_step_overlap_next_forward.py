@@ -35,6 +35,15 @@ def global_pre_hooks() -> int:
     return len(torch.nn.modules.module._global_forward_pre_hooks)
 
 
+def has_hook(engine) -> bool:
+    """Whether `engine`'s global forward pre-hook is installed. (Counting all
+    of torch's global hooks is not enough: an earlier test's engine, alive or
+    being collected, removes its own hook when its updates are settled, which
+    our forwards or the garbage collector may do at any point of this test.)"""
+    handle = engine._overlap._hook_box[0]
+    return handle is not None and handle.id in torch.nn.modules.module._global_forward_pre_hooks
+
+
 def engines(precision="fp32", hybrid=True, next_forward=True, batches=None):
     """(the engine without overlap, the one with it) from the same weights
     under the same measured budget."""
@@ -69,18 +78,26 @@ def test_clip_on_every_step_updates_under_the_next_forward_bit_for_bit(precision
     batches = gpt_batches(8)
     plain, overlapped = engines(precision, hybrid, batches=batches)
     hooks_before = global_pre_hooks()
-    left = []
-    for x, y in batches:
-        losses = []
-        for e in (plain, overlapped):  # (one at a time: they share the device)
+    left, losses = [], {plain: [], overlapped: []}
+    # Each engine alone over every batch (they share the device), the
+    # overlapped one first: each of its forwards follows its own step at
+    # once, as in a training loop (with the other engine's whole step in
+    # between, a loaded machine finished the slow worker's updates before
+    # the forward came, and nothing waited).
+    for e in (overlapped, plain):
+        for x, y in batches:
             loss = e(x, y)
             e.backward(loss)
             e.step()
-            losses.append(loss.detach())
-        # The forward saw the weights of the step without overlap.
-        assert torch.equal(losses[0], losses[1])
-        assert plain.get_global_grad_norm() > CLIP
-        left.append(optimizer_report(overlapped)["chunks_updated_under_next_forward"])
+            losses[e].append(loss.detach())
+            if e is overlapped:
+                left.append(optimizer_report(overlapped)["chunks_updated_under_next_forward"])
+            else:
+                assert plain.get_global_grad_norm() > CLIP
+        if e is overlapped:
+            assert has_hook(overlapped)  # (the last step's updates are out)
+    # The forwards saw the weights of the steps without overlap.
+    assert all(torch.equal(a, b) for a, b in zip(losses[plain], losses[overlapped], strict=True))
     opt = optimizer_report(overlapped)
     # Every step after the warm-up (and the one that laid the chunks out again)
     # left host updates to the next forward; none was speculated (the clip fires).
@@ -88,9 +105,8 @@ def test_clip_on_every_step_updates_under_the_next_forward_bit_for_bit(precision
     assert opt["chunks_updated_during_backward"] == 0, opt
     if slow:
         assert opt["next_forward_wait_seconds"] > 0, opt
-    assert global_pre_hooks() == hooks_before + 1  # (the last step's updates are out)
     assert_bitwise(plain, overlapped)  # (parameters_fp32 waits for them)
-    assert global_pre_hooks() == hooks_before
+    assert not has_hook(overlapped) and global_pre_hooks() <= hooks_before
     moved_within_budget(overlapped)
 
 
@@ -128,10 +144,10 @@ def test_what_runs_between_the_step_and_the_forward_sees_the_step():
         e.zero_grad()
     assert_bitwise(plain, overlapped)
     train(0)
-    assert global_pre_hooks() == hooks_before + 1
+    assert has_hook(overlapped)
     for e in pair:
         e.remove_hooks()
-    assert global_pre_hooks() == hooks_before
+    assert not has_hook(overlapped) and global_pre_hooks() <= hooks_before
     for (n, p), q in zip(plain.module.named_parameters(), overlapped.module.parameters()):
         assert torch.equal(p, q), n
 
