@@ -474,7 +474,7 @@ bool ChunkScheduler::spill_to_device(const RoomRequest& request) {
 }
 
 bool ChunkScheduler::crosses_again(ChunkId id) const {
-  return steps_ended_ >= 1 && id != kNoChunk && slots_[id].crossings >= 1;
+  return counts_crossings() && id != kNoChunk && slots_[id].crossings >= 1;
 }
 
 BlockPtr ChunkScheduler::acquire_block(const RoomRequest& request) {
@@ -587,7 +587,7 @@ void ChunkScheduler::move(ChunkId id, MemorySpace to, BlockPtr destination) {
     pool_.give_back(std::move(destination));
     throw;
   }
-  if (steps_ended_ >= 1) ++slots_[id].crossings;
+  if (counts_crossings()) ++slots_[id].crossings;
   BlockPtr source = detach(id);
   const std::size_t bytes = source->bytes;
   TIDAL_INTERNAL_ASSERT(destination->bytes == bytes && destination->space == to,

@@ -413,6 +413,8 @@ class ChunkScheduler {
     // second crossing]).
     std::uint32_t crossings = 0;
   };
+  // Whether copies over the link are counted yet (not in the first step).
+  bool counts_crossings() const { return steps_ended_ >= 1; }
   // Whether chunk `id`'s next copy over the link is its second counted one
   // or later: its host block is pinned for it.
   bool crosses_again(ChunkId id) const;

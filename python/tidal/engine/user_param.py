@@ -389,7 +389,7 @@ def __getattr__(name: str):
         todo = [torch.nn.Parameter]
         while todo:
             cls = todo.pop()
-            if cls not in _CLASSES.values():
+            if cls not in _SUBCLASSES:
                 if _class_name(cls) == name:
                     return _class_for(cls)
                 todo.extend(cls.__subclasses__())
@@ -406,7 +406,7 @@ def install(engine) -> None:
     for i, record in enumerate(engine._params.record_list):
         p = record.param
         cls = type(p)
-        if cls not in _CLASSES.values():
+        if cls not in _SUBCLASSES:
             try:
                 p.__class__ = _class_for(cls)
             except TypeError:
@@ -423,7 +423,7 @@ def uninstall(engine) -> None:
         if hit is not None and hit[0]() is engine:
             del _OWNED[id(p)]
             base = type(p).__bases__[0]
-            if type(p) in _CLASSES.values():
+            if type(p) in _SUBCLASSES:
                 p.__class__ = base
 
 

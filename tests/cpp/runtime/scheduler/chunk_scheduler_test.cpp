@@ -79,36 +79,41 @@ TEST(ChunkScheduler, AccessPlacesTheChunkAndMovesItBetweenSpaces) {
   s.validate();
 }
 
+// Accesses tensor t in `space`, writes its pattern (write) or checks it,
+// and releases it.
+void use(ChunkScheduler& s, TensorId t, MemorySpace space, unsigned seed, bool write = false) {
+  void* p = s.access(p16(t), space);
+  if (write) {
+    write_pattern(p, kChunk, seed);
+  } else {
+    EXPECT_TRUE(has_pattern(p, kChunk, seed)) << "tensor " << t;
+  }
+  s.release(p16(t), TensorState::kHold);
+}
+
 TEST(ChunkScheduler, AHostBlockIsPinnedAtItsSecondCrossingAndNothingElseIs) {
   // Note [Pinned at the second crossing]: pinning charged, as on a GPU.
   auto device = make_sim_device({.capacity_bytes = kKiB * kKiB, .pin_bandwidth_bytes_per_s = 1e12});
   ChunkScheduler s(make_store({kFull, kFull}, kChunk), device, no_prefetch(16 * kChunk));
   // t1's chunk is made on the host and used there (CPU Adam's states): it
   // never crosses, and nothing pins it.
-  write_pattern(s.access(p16(1), kHost), kChunk, 7);
-  s.release(p16(1), TensorState::kHold);
-  write_pattern(s.access(p16(0), kHost), kChunk, 1);
-  s.release(p16(0), TensorState::kHold);
+  use(s, 1, kHost, 7, /*write=*/true);
+  use(s, 0, kHost, 1, /*write=*/true);
   // The first step's copies are not counted: down and up, pageable.
-  EXPECT_TRUE(has_pattern(s.access(p16(0), kDev), kChunk, 1));
-  s.release(p16(0), TensorState::kHold);
-  EXPECT_TRUE(has_pattern(s.access(p16(0), kHost), kChunk, 1));
-  s.release(p16(0), TensorState::kHold);
+  use(s, 0, kDev, 1);
+  use(s, 0, kHost, 1);
   s.end_step();
   EXPECT_EQ(s.stats().host_pins, 0u);
   EXPECT_EQ(s.stats().pageable_copies, 2u);
   // Up once: a pageable copy, nothing pinned.
-  EXPECT_TRUE(has_pattern(s.access(p16(0), kDev), kChunk, 1));
-  s.release(p16(0), TensorState::kHold);
+  use(s, 0, kDev, 1);
   EXPECT_EQ(s.stats().host_pins, 0u);
   EXPECT_EQ(s.stats().pageable_copies, 3u);
   // Down and up again and again: pinned at its second counted crossing,
   // once; the pinned block is the one it takes back each time.
   for (unsigned round = 0; round < 4; ++round) {
-    write_pattern(s.access(p16(0), kHost), kChunk, 10 + round);
-    s.release(p16(0), TensorState::kHold);
-    EXPECT_TRUE(has_pattern(s.access(p16(0), kDev), kChunk, 10 + round));
-    s.release(p16(0), TensorState::kHold);
+    use(s, 0, kHost, 10 + round, /*write=*/true);
+    use(s, 0, kDev, 10 + round);
     const ChunkSchedulerStats st = s.stats();
     EXPECT_EQ(st.host_pins, 1u) << "round " << round;
     EXPECT_EQ(st.host_bytes_pinned, kChunk);
@@ -116,8 +121,7 @@ TEST(ChunkScheduler, AHostBlockIsPinnedAtItsSecondCrossingAndNothingElseIs) {
   }
   // t1's chunk goes up once (a trip that does not repeat): pageable, and
   // its block is not pinned.
-  EXPECT_TRUE(has_pattern(s.access(p16(1), kDev), kChunk, 7));
-  s.release(p16(1), TensorState::kHold);
+  use(s, 1, kDev, 7);
   const ChunkSchedulerStats st = s.stats();
   EXPECT_EQ(st.host_pins, 1u);
   EXPECT_EQ(st.pageable_copies, 4u);
@@ -128,15 +132,14 @@ TEST(ChunkScheduler, AHostBlockIsPinnedAtItsSecondCrossingAndNothingElseIs) {
   ChunkSchedulerOptions off = no_prefetch(16 * kChunk);
   off.pin_host_memory = false;
   ChunkScheduler unpinned(make_store({kFull}, kChunk), device, off);
+  use(unpinned, 0, kHost, 2, /*write=*/true);  // (materialized on the host)
   unpinned.end_step();
   for (unsigned round = 0; round < 3; ++round) {
-    unpinned.access(p16(0), kHost);
-    unpinned.release(p16(0), TensorState::kHold);
-    unpinned.access(p16(0), kDev);
-    unpinned.release(p16(0), TensorState::kHold);
+    use(unpinned, 0, kDev, 2);
+    use(unpinned, 0, kHost, 2);
   }
   EXPECT_EQ(unpinned.stats().host_pins, 0u);
-  EXPECT_EQ(unpinned.stats().pageable_copies, 5u);  // the first access materializes on the host
+  EXPECT_EQ(unpinned.stats().pageable_copies, 6u);
 }
 
 TEST(ChunkScheduler, AllFreeChunksDropTheirPayload) {
