@@ -379,6 +379,50 @@ def test_unfreezing_a_layer_frozen_at_initialize_is_refused_by_name(how, budget)
 
 
 @budgets
+def test_a_trained_layer_frozen_and_unfrozen_at_run_time_trains_as_plain_pytorch(budget):
+    """A layer trained from initialize, frozen for some steps (its weights
+    and Adam states stay; with chunks moving its chunks go back to the host
+    as any others) and unfrozen again: plain PyTorch's steps throughout."""
+    pair = Pair(budget)
+    pair.step(0)
+    for model in (pair.model, pair.ref):
+        model.layers[2].requires_grad_(False)
+    pair.step(1)
+    pair.step(2)
+    pair.assert_same()
+    for model in (pair.model, pair.ref):
+        model.layers[2].requires_grad_(True)
+    pair.step(3)
+    pair.assert_same()
+    pair.check_budget()
+
+
+@budgets
+def test_autograd_grad_with_respect_to_every_parameter(budget):
+    """torch.autograd.grad(loss, model.parameters()) returns gradients as
+    tensors of their own, outside the chunks, together the model's size: plain
+    PyTorch's where the device holds them beside the chunks, and where chunks
+    move (the device holds two of the model's chunks) torch's out-of-memory
+    error of the budget, after which the engine goes on."""
+    pair = Pair(budget)
+    pair.step(0)
+    x, y = pair.data[1]
+    loss = pair.model(x, y)
+    if pair.budget:
+        with pytest.raises(torch.OutOfMemoryError, match="device budget"):
+            torch.autograd.grad(loss, list(pair.model.parameters()))
+        del loss
+    else:
+        got = torch.autograd.grad(loss, list(pair.model.parameters()))
+        want = torch.autograd.grad(pair.ref(x, y), list(pair.ref.parameters()))
+        for g, w in zip(got, want, strict=True):
+            _close(g, w)
+    pair.step(2)
+    pair.assert_same()
+    pair.check_budget()
+
+
+@budgets
 def test_add_param_group_is_refused_by_name(budget):
     pair = Pair(budget)
     pair.step(0)
@@ -443,6 +487,59 @@ def test_a_parameter_made_from_a_trained_one_is_refused_by_name(budget):
     _close(copy_.detach(), pair.ref.layers[1].weight.detach())
     assert type(torch.nn.Parameter(torch.ones(2))) is torch.nn.Parameter
     pair.step(1)
+    pair.assert_same()
+    pair.check_budget()
+
+
+@budgets
+@pytest.mark.parametrize("source", ["same shape", "other shape", "storage"])
+def test_torch_tensors_own_set_on_a_trained_parameter_is_a_data_set(source, budget):
+    """torch.Tensor.set_(p, t) (the base class's method, past the engine's
+    refusal) between steps: seen as `p.data = t` at the next forward. A tensor
+    of p's shape is taken, as plain PyTorch's set_; any other shape (a flat
+    storage too) is refused by name and p keeps its value."""
+    pair = Pair(budget)
+    pair.step(0)
+    p = pair.model.layers[1].weight
+    make = {"same shape": lambda: torch.full((64, 64), 0.5), "other shape": lambda: torch.ones(3),
+            "storage": lambda: torch.full((64, 64), 0.5).untyped_storage()}[source]
+    with torch.no_grad():
+        torch.Tensor.set_(p, make())
+    if source == "same shape":
+        with torch.no_grad():
+            torch.Tensor.set_(pair.ref.layers[1].weight, make())
+        pair.step(1)
+    else:
+        with pytest.raises(tidal.UsageError, match=r"'layers.1.weight'.data was set to a tensor of "
+                                                   r"shape \((3|4096),\).*keeps its previous one"):
+            pair.step(1)
+        pair.engine.zero_grad()  # (the reference never ran step 1)
+        _close(pair.model.layers[1].weight.detach(), pair.ref.layers[1].weight.detach())
+        pair.step(2)
+    pair.assert_same()
+    pair.check_budget()
+
+
+@budgets
+@pytest.mark.parametrize("how", ["p.set_(t)", "torch.Tensor.set_(p, t)"])
+def test_set_inside_a_forward_is_refused_by_name(how, budget):
+    """set_ in a forward pre-hook, on the parameter the module is about to
+    use (attached: its memory is a chunk's slot): refused naming it; the
+    next steps train as plain PyTorch's."""
+    pair = Pair(budget)
+    pair.step(0)
+
+    def hook(module, args):
+        with torch.no_grad():
+            t = torch.full((64, 64), 0.5)
+            module.weight.set_(t) if how == "p.set_(t)" else torch.Tensor.set_(module.weight, t)
+
+    handle = pair.model.layers[1].register_forward_pre_hook(hook)
+    with pytest.raises(tidal.UsageError, match="layers.1.weight"):
+        pair.step(1)
+    handle.remove()
+    pair.engine.zero_grad()
+    pair.step(2)
     pair.assert_same()
     pair.check_budget()
 
@@ -667,6 +764,90 @@ def test_inside_a_forward_the_trained_parameters_have_their_own_class(budget):
     # Outside a forward the engine's class serves a held parameter's read.
     for q, r in zip(params, pair.ref.parameters(), strict=True):
         _close(q, r)
+    for i in (1, 2):
+        pair.step(i)
+    pair.assert_same()
+    pair.check_budget()
+
+
+# ------------------------------------------------------------ torch.func
+@budgets
+def test_functional_call_with_the_models_own_parameters_is_a_forward_that_trains(budget):
+    """Note [Reads that only move a parameter] in tidal/engine/external.py:
+    torch.func.functional_call reads every module's parameters to swap them,
+    and those reads attach nothing (at the budget where chunks move, attaching
+    them all was an out-of-memory error); the forward between the swaps is
+    the engine's."""
+    pair = Pair(budget)
+    pair.step(0)
+    x, y = pair.data[1]
+    with torch.no_grad():
+        got = torch.func.functional_call(pair.model, dict(pair.model.named_parameters()), (x, y))
+        want = pair.ref(x, y)
+    _close(got, want)
+    loss = torch.func.functional_call(pair.model, dict(pair.model.named_parameters()), (x, y))
+    pair.engine.backward(loss)
+    pair.engine.step()
+    torch.func.functional_call(pair.ref, dict(pair.ref.named_parameters()), (x, y)).backward()
+    pair.opt.step()
+    pair.opt.zero_grad(set_to_none=True)
+    pair.assert_same()
+    pair.step(2)
+    pair.assert_same()
+    pair.check_budget()
+
+
+@budgets
+def test_functional_call_with_other_tensors_runs_the_model_on_them(budget):
+    """Tensors of the caller's swapped in for a layer: the forward uses them,
+    their gradients are plain PyTorch's, and the engine's own parameters are
+    untouched (the next steps train as plain PyTorch)."""
+    pair = Pair(budget)
+    pair.step(0)
+    x, y = pair.data[1]
+
+    def layer1(model):
+        return {k: v.detach().clone().add_(0.1).requires_grad_()
+                for k, v in model.named_parameters() if k.startswith("layers.1.")}
+
+    mine, theirs = layer1(pair.ref), layer1(pair.ref)
+    got = torch.func.functional_call(pair.model, mine, (x, y))
+    got.backward()
+    want = torch.func.functional_call(pair.ref, theirs, (x, y))
+    want.backward()
+    _close(got, want)
+    assert set(mine) == {"layers.1.weight", "layers.1.bias"}
+    for k in mine:
+        _close(mine[k].grad, theirs[k].grad)
+    # The other layers' own parameters got gradients, in both models: dropped.
+    pair.engine.zero_grad()
+    pair.opt.zero_grad(set_to_none=True)
+    for i in (1, 2):
+        pair.step(i)
+    pair.assert_same()
+    pair.check_budget()
+
+
+@budgets
+def test_a_forward_under_a_differentiating_function_transform_is_refused_by_name(budget):
+    """torch.func.grad (vjp, jacrev, jvp, ...) over the model: torch refuses
+    the engine's saved-tensor hooks with an error of its own; tidal says so
+    first, names what works, and training goes on as plain PyTorch's. vmap
+    differentiates nothing and runs."""
+    pair = Pair(budget)
+    pair.step(0)
+    x, y = pair.data[1]
+    params = {k: v.detach() for k, v in pair.ref.named_parameters() if k.startswith("layers.1.")}
+    with pytest.raises(tidal.UsageError, match=r"torch\.func's grad transform.*functional_call"):
+        torch.func.grad(lambda ps: torch.func.functional_call(pair.model, ps, (x, y)))(params)
+    with pytest.raises(tidal.UsageError, match=r"torch\.func's grad transform"):
+        torch.func.grad(lambda ps: torch.vmap(
+            lambda xi, yi: torch.func.functional_call(pair.model, ps, (xi[None], yi[None])))(x, y).sum())(
+            params)
+    with torch.no_grad():
+        per_example = torch.vmap(lambda xi, yi: pair.model(xi[None], yi[None]), randomness="same")(x, y)
+        want = torch.stack([pair.ref(xi[None], yi[None]) for xi, yi in zip(x, y)])
+    _close(per_example, want)
     for i in (1, 2):
         pair.step(i)
     pair.assert_same()

@@ -45,6 +45,29 @@ _COPY_ERROR = (
     "engine.save_checkpoint() (to resume) or engine.save_pretrained() (Hugging Face)")
 
 
+# Note [Reads that only move a parameter]: torch.func.functional_call (and
+# torch.nn.utils.stateless.functional_call) swaps the tensors it is given into
+# the modules and the originals back afterwards, through
+# torch.nn.utils._named_member_accessor.swap_tensor, which reads
+# `module._parameters[name]` only to keep the object it puts back. Attaching
+# every parameter the swap reads would pin the whole model on the device at
+# once (an out-of-memory error at a budget where chunks move); the object is
+# all it needs, so those reads are served as they are. The forward that runs
+# between the swaps uses what was swapped in: the engine's own parameters are
+# attached by their modules' hooks as in any forward; other tensors are the
+# caller's. (The code object is compared, so a copy of swap_tensor elsewhere
+# gets the attaching read: never a placeholder's values, at most the error.)
+def _move_only_codes() -> frozenset:
+    try:
+        from torch.nn.utils import _named_member_accessor as accessor
+        return frozenset({accessor.swap_tensor.__code__})
+    except (ImportError, AttributeError):  # (a torch without it: every read attaches)
+        return frozenset()
+
+
+_MOVE_ONLY = _move_only_codes()
+
+
 class ParameterReads(dict):
     """A module's `_parameters` under a tidal engine: a read of a detached
     parameter asks the engine's OutsideAccess to attach it (Note [External
@@ -65,7 +88,7 @@ class ParameterReads(dict):
         if p is not None:
             with torch._C.DisableTorchFunctionSubclass():
                 empty = p.numel() == 0
-        if p is not None and empty:
+        if p is not None and empty and sys._getframe(1).f_code not in _MOVE_ONLY:
             i = self._index.get(name)
             if i is not None:
                 outside = self._outside()

@@ -51,7 +51,7 @@ from .. import _C
 from .. import dtr as _dtr
 from . import hooks as _hooks
 from . import user_param as _user_param
-from .errors import UnsupportedModelError
+from .errors import UnsupportedModelError, UsageError
 
 from .common import OutOfMemoryError
 from .params import ParamTable
@@ -288,6 +288,7 @@ class HookWiring:
         self.hooks.set_device_room_maker(False)
 
     def root_pre(self, module, args):
+        _refuse_function_transforms()  # (first: nothing started yet)
         if torch._C._current_graph_task_id() == -1:  # (not a recompute inside backward)
             self._before_forward()  # (a raw backward, a state dict's copies, outside writes)
         self._hook_readers()
@@ -529,3 +530,32 @@ class HookWiring:
             self.hooks.land_gradient(i, g)
         # (DTR's threshold: the landing set it, ModuleHooks' DeviceRoom::chunks_moved.)
         param.grad = None
+
+
+# torch.func's transforms that differentiate (grad, vjp, jacrev, jacfwd,
+# hessian, jvp), by their interpreters' keys; vmap and functionalize are not
+# among them (a vmap over the model runs its forwards as any other).
+_DIFFERENTIATING = {"Grad", "Jvp"}
+
+
+def _refuse_function_transforms() -> None:
+    """A forward under torch.func.grad (vjp, jacrev, hessian, jvp, jacfwd) is a
+    tidal UsageError before anything starts: the engine's forward keeps its
+    saved tensors through saved-tensor hooks (the saved-tensor pair), which
+    torch's function transforms refuse, and the chunks' gradients land in
+    their slots, where a transform would not see them."""
+    try:
+        from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters
+    except ImportError:  # (a torch without it: torch's own error follows)
+        return
+    found = [i.key().name for i in retrieve_all_functorch_interpreters()
+             if i.key().name in _DIFFERENTIATING]
+    if not found:
+        return
+    raise UsageError(
+        f"a forward of a model tidal trains under torch.func's {found[0].lower()} transform "
+        f"(torch.func.grad, vjp, jacrev, jacfwd, hessian or jvp): tidal keeps the forward's saved "
+        f"tensors through saved-tensor hooks, which those transforms do not support, and its "
+        f"gradients land in its chunks. What works: torch.func.functional_call(model, params, "
+        f"args) with the loss's own backward (loss.backward() or torch.autograd.grad with respect "
+        f"to the tensors passed in), or engine.backward(loss) to train")
