@@ -123,6 +123,12 @@ class Sample:
 # probed there too, with copies of one fp32 chunk each way on the device the
 # engine uses: the simulated link is a clock (bytes / bandwidth), but its copy
 # threads must be scheduled to land each copy, so a loaded CPU slows it too.
+# A step's time runs until its copies have landed (the device synchronized
+# inside the timed region): the copies a step leaves in flight (the next
+# forward's prefetch, gradients still going down) would otherwise run during
+# the probes, free of charge to the step, and the link probe would queue
+# behind them and measure the link at half its rate (it did, at 2 MB/s: 1.07
+# MB/s for the shape whose states stream, so the prediction came out 53% high).
 ADAM_PROBE = 1 << 22
 LINK_PROBE_COPIES = 4
 
@@ -167,25 +173,33 @@ def worker(spec: dict) -> dict:
     g = torch.Generator().manual_seed(0)
     out = {"seconds": [], "h2d": [], "d2h": [], "adam_seconds": [], "losses": [], "plain_s": [],
            "adam_probe_params_per_s": [], "link_probe_h2d": [], "link_probe_d2h": [],
-           "others_cpu_seconds": []}
+           "others_cpu_seconds": [], "copy_waits": [], "copy_wait_s": [], "misses": []}
     adam = 0.0
+    before = engine.chunks.stats()
     for i in range(spec["warmup"] + spec["steps"]):
         x = torch.randint(0, family["vocab"], (family["batch"], family["seq"]), generator=g)
         y = torch.roll(x, -1, 1)
+        # The twin runs twice and the second is timed: the first op after the
+        # link probe's idle wait ran 25-30% slower than usual at 2 MB/s.
+        twin(x, y).backward()
         with Sample() as plain:
             twin(x, y).backward()
         with Sample() as step:
             loss = engine(x, y)
             engine.backward(loss)
             engine.step()
+            dev.synchronize()
         with Sample() as probe:
             _C.cpu_adam.adam_chunk_step(w, m, v, half, [(0, n)], step=[i + 1], lr=1e-3, beta1=0.9,
                                         beta2=0.999, eps=1e-8, weight_decay=0.0, adamw_mode=True,
                                         bias_correction=True, loss_scale=1.0, max_grad_norm=0.0,
                                         check_overflow=False, grad=None, num_threads=0)
         up, down = _link_probe(dev, host, buf, stream, done)
-        r = engine.memory_report()
+        r, now = engine.memory_report(), engine.chunks.stats()
         if i >= spec["warmup"]:
+            out["copy_waits"].append(now["copy_waits"] - before["copy_waits"])
+            out["copy_wait_s"].append(now["copy_wait_seconds"] - before["copy_wait_seconds"])
+            out["misses"].append(now["misses"] - before["misses"])
             out["link_probe_h2d"].append(up)
             out["link_probe_d2h"].append(down)
             out["seconds"].append(step.seconds)
@@ -195,7 +209,7 @@ def worker(spec: dict) -> dict:
             out["adam_seconds"].append(r["cpu_adam_seconds"] - adam)
             out["plain_s"].append(plain.seconds)
             out["adam_probe_params_per_s"].append(n / probe.seconds)
-        adam = r["cpu_adam_seconds"]
+        adam, before = r["cpu_adam_seconds"], now
         out["losses"].append(loss.item())
     r = engine.memory_report()
     common.check_budget(r, "estimate worker")
@@ -384,7 +398,9 @@ def main():
         m = {"step_s": common.summarize(seconds), "bytes_host_to_device": common.summarize(h2d),
              "bytes_device_to_host": common.summarize(d2h), "adam_s": common.summarize(adam),
              "samples": {"step_s": seconds, "h2d": h2d, "d2h": d2h, "adam_s": adam,
-                         "others_cpu_s": [s for r in runs[name] for s in r["others_cpu_seconds"]]},
+                         "others_cpu_s": [s for r in runs[name] for s in r["others_cpu_seconds"]],
+                         **{k: [s for r in runs[name] for s in r[k]]
+                            for k in ("copy_waits", "copy_wait_s", "misses")}},
              **{k: v for k, v in last.items() if not isinstance(v, list)}}
         predicted_step = statistics.median(r["predicted_step_s"] for r in rounds)
         p = {"bytes_host_to_device": est["traffic"]["bytes_host_to_device"],
