@@ -1,0 +1,74 @@
+// The chunk scheduler's prefetch: the cursor that walks the recorded trace
+// ahead of the current moment and starts the copies the next uses need
+// (Note [Prefetch] in chunk_scheduler.h); the rest of the scheduler is in
+// chunk_scheduler.cpp.
+#include <algorithm>
+
+#include "runtime/core/error.h"
+#include "runtime/scheduler/chunk_scheduler.h"
+
+namespace tidal {
+
+void ChunkScheduler::prefetch() {
+  const auto length = static_cast<std::int64_t>(trace_.size());
+  prefetch_blocked_ = false;
+  if (length == 0) return;
+  prefetch_cursor_ = std::max(prefetch_cursor_, moment_ + 1);
+  const std::int64_t limit = moment_ + 1 + length;  // at most one step ahead
+  while (prefetch_cursor_ < limit && outstanding_prefetches_ < options_.prefetch_depth) {
+    const TraceEntry& entry = trace_.at(prefetch_cursor_);
+    const Chunk& chunk = store_.chunk(entry.chunk);
+    if (chunk.space() == entry.space || !chunk.has_payload()) {
+      ++prefetch_cursor_;  // in place, or nothing to copy (access materializes it)
+      continue;
+    }
+    // An earlier use still to come wants the chunk where it is, or it is in
+    // use now: wait, keeping the order.
+    if (trace_.next_use(entry.chunk, moment_) != prefetch_cursor_ || !chunk.movable()) {
+      prefetch_blocked_ = true;
+      return;
+    }
+    RoomRequest request;
+    request.space = entry.space;
+    request.bytes = chunk.capacity_bytes();
+    request.chunk = entry.chunk;
+    request.prefetch = true;
+    request.needed_at = prefetch_cursor_;
+    if (!place(entry.chunk, entry.space, request)) {
+      prefetch_blocked_ = true;
+      return;
+    }
+    slots_[entry.chunk].prefetched = true;
+    ++outstanding_prefetches_;
+    ++stats_.prefetches;
+    ++prefetch_cursor_;
+  }
+}
+
+void ChunkScheduler::rewind_prefetch(ChunkId id) {
+  if (!options_.prefetch || !following_ || trace_.empty()) return;
+  const std::int64_t use = trace_.next_use(id, moment_);
+  if (use >= prefetch_cursor_ || use == AccessTrace::kNever) return;
+  if (trace_.at(use).space == store_.chunk(id).space()) return;  // (moved where that use wants it)
+  prefetch_cursor_ = use;
+  ++stats_.prefetch_rewinds;
+}
+
+void ChunkScheduler::clear_prefetched(ChunkId id, bool wasted) {
+  Slot& slot = slots_[id];
+  TIDAL_INTERNAL_ASSERT(slot.prefetched && outstanding_prefetches_ > 0, "chunk ", id,
+                        " was not prefetched");
+  slot.prefetched = false;
+  slot.staged = false;
+  --outstanding_prefetches_;
+  if (wasted) ++stats_.prefetches_wasted;
+}
+
+void ChunkScheduler::clear_all_prefetched() {
+  if (outstanding_prefetches_ == 0) return;
+  for (ChunkId id = 0; id < slots_.size(); ++id) {
+    if (slots_[id].prefetched) clear_prefetched(id, /*wasted=*/true);
+  }
+}
+
+}  // namespace tidal
