@@ -25,7 +25,10 @@ Runs, in alternating order after a pause each, over the same batches:
   * before : the same engine with hybrid Adam's placement rule of before issue 52
              (every chunk updated on the device wherever the step finds room:
              the states come up for the update and the next peak pushes them
-             down). The prefetch and host-block changes of issue 52 are in both.
+             down). The prefetch and host-block changes of issue 52 are in both;
+  * grads_at_fold (with --accumulation > 1): the engine with each
+             host-updated chunk's gradients going down when the fold reads
+             them, as before Note [Gradients down as they land].
 Per tidal run, per steady step (the last --steps of each round): time, bytes
 each way against the minimum (every 16-bit chunk resident, the states that
 fit the rest of the chunk room stay, the other chunks send gradients down and
@@ -77,7 +80,7 @@ class Plain:
 
 
 class Tidal:
-    def __init__(self, model, cfg, rule_of_before: bool):
+    def __init__(self, model, cfg, rule_of_before: bool, grads_at_fold: bool = False):
         t = time.perf_counter()
         self.engine = tidal.initialize(model, cfg)
         self.initialize_s = time.perf_counter() - t
@@ -86,6 +89,10 @@ class Tidal:
         if rule_of_before:
             # Before issue 52: hybrid Adam preferred the device for every chunk.
             self.engine.store.adam_placement.prefer_device = lambda chunk, summing: True
+        if grads_at_fold:
+            # Before Note [Gradients down as they land]: each host-updated
+            # chunk's gradients go down when its fold reads them.
+            self.engine._overlap._send_down = lambda chunk: None
 
     def step(self, batches):
         for x, y in batches:
@@ -169,8 +176,12 @@ def main():
     runs = {"plain": plain,
             "tidal": Tidal(copy.deepcopy(base), config(args.batch, accum, chunk, budget), False),
             "before": Tidal(copy.deepcopy(base), config(args.batch, accum, chunk, budget), True)}
+    if accum > 1:
+        runs["grads_at_fold"] = Tidal(copy.deepcopy(base), config(args.batch, accum, chunk, budget),
+                                      False, grads_at_fold=True)
+    contenders = [k for k in runs if k != "plain"]
     first_steps, first_pinned = {}, {}
-    for name in ("tidal", "before"):  # warm-up: the trace, the relayout, the plan, the trace again
+    for name in contenders:  # warm-up: the trace, the relayout, the plan, the trace again
         first_steps[name], first_pinned[name] = [], []
         for i in range(3):
             before = runs[name].counters()["host_bytes_pinned"]
@@ -179,7 +190,7 @@ def main():
             first_steps[name].append(time.perf_counter() - t)
             first_pinned[name].append(runs[name].counters()["host_bytes_pinned"] - before)
     samples = {k: [] for k in runs}
-    steady = {k: [] for k in ("tidal", "before")}
+    steady = {k: [] for k in contenders}
     at = 3
     order = list(runs)
     for r in range(args.rounds):
@@ -220,7 +231,7 @@ def main():
     exposed_tidal = statistics.median(d["exposed_adam_seconds"] for d in steady["tidal"])
     limit = max(plain_s["median"], link_min_s, exposed_tidal)
     out["limit_s"] = limit
-    for name in ("tidal", "before"):
+    for name in contenders:
         engine = runs[name].engine
         rep = engine.memory_report()
         common.check_budget(rep, name)

@@ -123,3 +123,58 @@ def test_a_quarter_budget_moves_the_minimum_and_prefetches_every_steady_copy(acc
     assert counters[1]["pageable_copies"] == counters[-1]["pageable_copies"], counters
     assert 0 < counters[-1]["host_bytes_pinned"] <= (p16 + states) / 4, (counters[-1], p16, states)
     engine.remove_hooks()
+
+
+@pytest.mark.parametrize("early", [True, False], ids=["gradients-down-as-they-land", "path-off"])
+def test_with_accumulation_the_gradients_go_down_during_the_backward_that_ends_no_window(early):
+    """Note [Gradients down as they land] (tidal/engine/overlap.py): in the
+    quarter-budget shape with accumulation 2 and a link whose copies take
+    time, the backward of the first micro-batch starts each host-updated
+    chunk's copy down at its last gradient's landing, so the fold after it
+    waits for (almost) no copy; with the path off (the same engine, its
+    send-down made a no-op) the fold waits for a copy of most host-updated
+    chunks. Bitwise the same training either way."""
+    torch.manual_seed(0)
+    base = TinyGPT(vocab=VOCAB, d=64, layers=8, heads=4, seq=SEQ)
+    batches = gpt_batches(STEPS * 2, vocab=VOCAB, seq=SEQ, batch=BATCH)
+    fits = tidal.initialize(copy.deepcopy(base), config(0, 2))
+    ref_losses, _ = train(fits, batches, 2)
+    activations = fits.memory_report()["peak_nonchunk_device_bytes"]
+    c = fits.chunks
+    p16 = sum(c.chunk_capacity_bytes(i, ChunkKind.PARAM16) for i in range(c.num_chunks))
+    states = sum(c.chunk_capacity_bytes(i, k) for i in range(c.num_chunks)
+                 for k in (ChunkKind.PARAM32, ChunkKind.MOMENTUM, ChunkKind.VARIANCE))
+    fits.remove_hooks()
+    budget = int((activations + (p16 + states) // 4) / 0.95)
+
+    # A link with time in it (each 16 KiB copy about 0.3 ms): a copy started
+    # at the fold is still running when the fold reads it.
+    tidal.set_device("sim", capacity="1GiB", bandwidth="50MB/s")
+    cfg = config(budget, 2)
+    del cfg["tidal"]["device"]  # (the device set above, with its link)
+    engine = tidal.initialize(copy.deepcopy(base), cfg)
+    if not early:
+        engine._overlap._send_down = lambda chunk: None
+    losses, waits = [], []
+    for i, (x, y) in enumerate(batches):
+        loss = engine(x, y)
+        before = engine.chunks.stats()["copy_waits"]
+        engine.backward(loss)
+        if i % 2 == 0:  # (the backward that ends no window, and its fold)
+            waits.append(engine.chunks.stats()["copy_waits"] - before)
+        engine.step()
+        losses.append(loss.item())
+    assert losses == ref_losses
+    within_budget(engine)
+    host_chunks = len(engine._overlap.plan)
+    assert host_chunks >= 10, engine._overlap.plan  # (most chunks are updated on the host)
+    sent = engine.memory_report()["optimizer"]["gradients_sent_down_during_backward"]
+    steady = waits[-STEADY:]
+    if early:
+        assert sent >= STEADY * host_chunks, (sent, host_chunks)
+        assert all(w <= 3 for w in steady), (steady, host_chunks)
+    else:
+        assert sent == 0
+        # (the fold's own prefetch, following the trace, lands a few first)
+        assert all(w >= host_chunks // 2 for w in steady), (steady, host_chunks)
+    engine.remove_hooks()

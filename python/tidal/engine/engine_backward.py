@@ -104,7 +104,7 @@ class EngineBackward:
             # meanwhile are taken back (Note [Speculative updates and their
             # undo]); sums it folded early hold part of this backward.
             if self._overlap is not None:
-                self._overlap.backward_ended()
+                self._overlap.backward_ended(failed=True)
                 self.settle_overlap()
                 if self._overlap.folded_early:
                     self._accumulation.break_window(

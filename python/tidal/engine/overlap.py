@@ -272,6 +272,9 @@ class StepOverlap:
         self._relanded: set = set()
         # Totals over the run (memory_report()["optimizer"]).
         self.launched_chunks = 0
+        self.grads_sent_down_early = 0  # Note [Gradients down as they land]
+        self._down_waiting: dict[int, int] = {}
+        self._fold_queue: list[int] = []  # launched chunks whose fold waits for their copy
         self.undone_chunks = 0
         self.steps_not_speculated = 0
         self.worker_seconds = 0.0      # CPU Adam on the worker, undone updates included
@@ -339,6 +342,13 @@ class StepOverlap:
         self._grad_scale = 1.0 / loss_scale
         self._use_sums = accumulating
         self._fold_chunk = fold_chunk
+        # Note [Gradients down as they land]: a backward that launches nothing
+        # and is followed by a fold on the host sends each host-updated
+        # chunk's gradients down once they are all in.
+        early = accumulating and not speculate and not self._data_parallel and \
+            not _dtr.is_enabled() and not host_short and global_steps > 0
+        self._down_waiting = {chunk: len(rs) for chunk, rs in recs.items()
+                              if not any(r in self._relanded for r in rs)} if early else {}
 
     def landed(self, record):
         """A gradient landed (trainable records only): counted once per
@@ -353,6 +363,13 @@ class StepOverlap:
             self._relanded.add(record)
             return
         self._counted.add(record.id)
+        down = self._down_waiting.get(record.chunk)
+        if down is not None:
+            if down == 1:
+                del self._down_waiting[record.chunk]
+                self._send_down(record.chunk)
+            else:
+                self._down_waiting[record.chunk] = down - 1
         left = self._waiting.get(record.chunk)
         if left is None:
             return
@@ -370,9 +387,65 @@ class StepOverlap:
         if self._speculating and chunk in self._recs and all(landed):
             self._launch(chunk)
 
-    def backward_ended(self):
+    def backward_ended(self, failed: bool = False):
+        """After a backward: the folds still queued run now (their updates
+        launch), unless the backward failed (its gradients are dropped)."""
+        queued, self._fold_queue = self._fold_queue, []
+        if not failed:
+            for chunk in queued:
+                self._start(chunk)
         self._backward_end = time.perf_counter()
         self._waiting = {}
+        self._down_waiting = {}
+
+    # Note [Gradients down as they land]
+    # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+    # With gradient accumulation each backward's gradients are folded into
+    # their fp32 sums where the step will run. For a chunk updated on the host
+    # the fold reads the 16-bit chunk there, and its access waited for the
+    # chunk's copy down:
+    # * after a backward that ends no window (GradientAccumulation.fold), for
+    #   every such chunk, with backward over and the next forward waiting;
+    # * in the backward that ends it, in the grad hook before each chunk's
+    #   update is launched (Note [CPU Adam during backward]), stopping
+    #   backward once per chunk.
+    # At the H100's ratios (engine_offload.py's shape, accumulation 2) each
+    # backward waited about as long as all those copies take. Now:
+    # * the first: the copy of a chunk whose gradients are all in starts at the
+    #   landing of the last one, on the copy stream, without waiting (as the
+    #   update's pin: Note [A pin that does not wait] in
+    #   runtime/scheduler/chunk_scheduler.h); the slot keeps its state (its
+    #   gradients wait for the fold), whose access waits only for a copy that
+    #   has not landed;
+    # * the second: the launch sends the chunk down the same way, and its fold
+    #   and update start at the next chunk's launch or at the end of backward,
+    #   by when the copy has usually landed (one chunk later, the same
+    #   arithmetic; a failed backward drops the queue with its gradients).
+    # Only where the last step updated the chunk on the host (the plan), its
+    # master is on the host, no other tensor of the chunk is in use, the host
+    # has room, and nothing in this backward could bring the chunk back (no
+    # DTR, no data parallel, not the warm-up): otherwise the fold moves it as
+    # before. The bytes are the same; only when they move changes. The access
+    # is part of the scheduler's trace, so from the next step on its prefetch
+    # may send the chunk down there itself.
+    def _send_down(self, chunk: int) -> None:
+        c = self._store.chunks
+        # (Whether the chunk is on the device yet is not asked: where the
+        # scheduler follows its trace, its prefetch may have sent it down at
+        # this very access, and skipping the access then would depart from
+        # the trace, which stops the prefetch for the rest of the step.)
+        if not self._on_host_by_plan(chunk) or c.chunk_space(chunk, PARAM32) != HOST:
+            return
+        if self._store.in_use((r for r in self._params.records if r.chunk == chunk), PARAM16):
+            return
+        r = self._recs[chunk][0]
+        state = c.state(r.id, PARAM16)
+        try:
+            c.access(r.id, PARAM16, HOST, [r.numel], wait=False)
+        except _C.OutOfMemoryError:
+            return  # (no host room now: the fold moves it after backward)
+        c.release(r.id, PARAM16, state)
+        self.grads_sent_down_early += 1
 
     def _on_host_by_plan(self, chunk: int) -> bool:
         if not self._config.hybrid_adam:
@@ -390,6 +463,24 @@ class StepOverlap:
         if c.chunk_space(chunk, PARAM16) == DEVICE and self._store.in_use(
                 (r for r in self._params.records if r.chunk == chunk), PARAM16):
             return  # another tensor of the chunk is in use on the device: it cannot move now
+        if self._use_sums:
+            # Note [Gradients down as they land]: the fold reads the gradients
+            # on the host; their copy starts now and the fold (and the
+            # update) follows at the next chunk's launch or at backward's end.
+            self._send_down(chunk)
+            queued, self._fold_queue = self._fold_queue, [chunk]
+            for earlier in queued:
+                self._start(earlier)
+            return
+        self._start(chunk)
+
+    def _start(self, chunk: int):
+        """The launch of `chunk`'s update, from its undo buffers on (the
+        checks are _launch's; a fold queued since, rechecked here)."""
+        c = self._store.chunks
+        recs = self._recs[chunk]
+        if any(r in self._relanded for r in recs):
+            return  # (landed again since it was queued: the step updates it)
         spans = [c.placement(r.id)[1] for r in recs]
         lo = min(spans)
         hi = max(off + r.numel for off, r in zip(spans, recs))

@@ -191,6 +191,10 @@ class EngineReports:
                 "overlap_step_off": self._overlap_step_off,
                 "chunks_updated_during_backward": 0 if overlap is None
                 else overlap.launched_chunks,
+                # Note [Gradients down as they land]: chunks whose gradients
+                # went down during a backward that ends no window.
+                "gradients_sent_down_during_backward": 0 if overlap is None
+                else overlap.grads_sent_down_early,
                 # Note [Speculative updates and their undo]: the updates made
                 # during backward that a step (or anything before it) took
                 # back, the backwards that did not speculate because the last
