@@ -169,50 +169,77 @@ def main():
         plain.step(data[i * accum:(i + 1) * accum])
         steps.append(time.perf_counter() - t)
     compute = min(steps)
-    link = minimum / (LINK_SHARE * compute)
-    pin = minimum / (PIN_SHARE * compute)
-    tidal.set_device("sim", capacity="4GiB", bandwidth=f"{link:.0f}B/s", pin_bandwidth=f"{pin:.0f}B/s")
 
-    runs = {"plain": plain,
-            "tidal": Tidal(copy.deepcopy(base), config(args.batch, accum, chunk, budget), False),
-            "before": Tidal(copy.deepcopy(base), config(args.batch, accum, chunk, budget), True)}
-    if accum > 1:
-        runs["grads_at_fold"] = Tidal(copy.deepcopy(base), config(args.batch, accum, chunk, budget),
-                                      False, grads_at_fold=True)
-    contenders = [k for k in runs if k != "plain"]
-    first_steps, first_pinned = {}, {}
-    for name in contenders:  # warm-up: the trace, the relayout, the plan, the trace again
-        first_steps[name], first_pinned[name] = [], []
-        for i in range(3):
-            before = runs[name].counters()["host_bytes_pinned"]
-            t = time.perf_counter()
-            runs[name].step(data[i * accum:(i + 1) * accum])
-            first_steps[name].append(time.perf_counter() - t)
-            first_pinned[name].append(runs[name].counters()["host_bytes_pinned"] - before)
-    samples = {k: [] for k in runs}
-    steady = {k: [] for k in contenders}
-    at = 3
-    order = list(runs)
-    for r in range(args.rounds):
-        for name in order if r % 2 == 0 else reversed(order):
-            run = runs[name]
-            start = at
-            time.sleep(args.pause)
-            for s in range(args.steps + 3):
-                batches = data[(start + s) * accum:(start + s + 1) * accum]
-                before = run.counters() if name != "plain" else None
-                t0 = time.perf_counter()
-                run.step(batches)
-                dt = time.perf_counter() - t0
-                if s < 3:
-                    continue  # the first steps of a round settle the trace again after the pause
-                samples[name].append(dt)
-                if before is not None:
-                    after = run.counters()
-                    steady[name].append({k: after[k] - before[k] for k in after})
-        at += args.steps + 3
-        print(f"[engine_offload] round {r + 1}/{args.rounds}: " + ", ".join(
-            f"{k} {statistics.median(v[-args.steps:]) * 1e3:.1f} ms" for k, v in samples.items()), flush=True)
+    def measure(compute):
+        """The contenders at the link and pinning rates set from `compute`:
+        warm-up, then the timed rounds."""
+        link = minimum / (LINK_SHARE * compute)
+        pin = minimum / (PIN_SHARE * compute)
+        tidal.set_device("sim", capacity="4GiB", bandwidth=f"{link:.0f}B/s", pin_bandwidth=f"{pin:.0f}B/s")
+        runs = {"plain": plain,
+                "tidal": Tidal(copy.deepcopy(base), config(args.batch, accum, chunk, budget), False),
+                "before": Tidal(copy.deepcopy(base), config(args.batch, accum, chunk, budget), True)}
+        if accum > 1:
+            runs["grads_at_fold"] = Tidal(copy.deepcopy(base), config(args.batch, accum, chunk, budget),
+                                          False, grads_at_fold=True)
+        contenders = [k for k in runs if k != "plain"]
+        first_steps, first_pinned = {}, {}
+        for name in contenders:  # warm-up: the trace, the relayout, the plan, the trace again
+            first_steps[name], first_pinned[name] = [], []
+            for i in range(3):
+                before = runs[name].counters()["host_bytes_pinned"]
+                t = time.perf_counter()
+                runs[name].step(data[i * accum:(i + 1) * accum])
+                first_steps[name].append(time.perf_counter() - t)
+                first_pinned[name].append(runs[name].counters()["host_bytes_pinned"] - before)
+        samples = {k: [] for k in runs}
+        steady = {k: [] for k in contenders}
+        at = 3
+        order = list(runs)
+        for r in range(args.rounds):
+            for name in order if r % 2 == 0 else reversed(order):
+                run = runs[name]
+                start = at
+                time.sleep(args.pause)
+                for s in range(args.steps + 3):
+                    batches = data[(start + s) * accum:(start + s + 1) * accum]
+                    before = run.counters() if name != "plain" else None
+                    t0 = time.perf_counter()
+                    run.step(batches)
+                    dt = time.perf_counter() - t0
+                    if s < 3:
+                        continue  # the first steps of a round settle the trace again after the pause
+                    samples[name].append(dt)
+                    if before is not None:
+                        after = run.counters()
+                        steady[name].append({k: after[k] - before[k] for k in after})
+            at += args.steps + 3
+            print(f"[engine_offload] round {r + 1}/{args.rounds}: " + ", ".join(
+                f"{k} {statistics.median(v[-args.steps:]) * 1e3:.1f} ms" for k, v in samples.items()),
+                flush=True)
+        return link, pin, runs, contenders, first_steps, first_pinned, samples, steady
+
+    # The link is set from plain PyTorch's step before the engines exist; on
+    # the CPU of 2026-12-02 the plain steps of the timed rounds then ran
+    # 1.5-1.8x slower than those, which put the minimum bytes' link time at
+    # 0.15 of the plain step instead of LINK_SHARE. Where the rounds show that
+    # (under 0.8 of it), the engines go and the rounds run again with the link
+    # set from the rounds' own plain median; both calibrations are recorded.
+    calibrations = [{"compute_s": compute}]
+    link, pin, runs, contenders, first_steps, first_pinned, samples, steady = measure(compute)
+    share = minimum / link / statistics.median(samples["plain"])
+    calibrations[-1]["link_share_in_rounds"] = share
+    if not args.quick and share < 0.8 * LINK_SHARE:
+        compute = statistics.median(samples["plain"])
+        print(f"[engine_offload] the link came out at {share:.2f} of the rounds' plain step (wanted "
+              f"{LINK_SHARE:.2f}): again with the link set from the rounds' plain median "
+              f"{compute * 1e3:.1f} ms", flush=True)
+        for name in contenders:
+            runs[name].engine.remove_hooks()
+        del runs
+        calibrations.append({"compute_s": compute})
+        link, pin, runs, contenders, first_steps, first_pinned, samples, steady = measure(compute)
+        calibrations[-1]["link_share_in_rounds"] = minimum / link / statistics.median(samples["plain"])
 
     plain_s = common.summarize(samples["plain"])
     link_min_s = minimum / link  # (one copy engine each way, as PCIe)
@@ -225,7 +252,7 @@ def main():
            "simulated_link_bytes_per_s": link, "simulated_pin_bytes_per_s": pin,
            "link_share_of_compute": LINK_SHARE, "pin_share_of_compute": PIN_SHARE,
            "plain_step_s": plain_s,
-           "link_s_of_minimum": link_min_s, "runs": {}, "quick": args.quick}
+           "link_s_of_minimum": link_min_s, "calibrations": calibrations, "runs": {}, "quick": args.quick}
     # The limit of the schedule: compute, the link time of the minimum bytes,
     # and the CPU Adam the new schedule leaves exposed.
     exposed_tidal = statistics.median(d["exposed_adam_seconds"] for d in steady["tidal"])

@@ -438,14 +438,9 @@ class StepOverlap:
             return
         if self._store.in_use((r for r in self._params.records if r.chunk == chunk), PARAM16):
             return
-        r = self._recs[chunk][0]
-        state = c.state(r.id, PARAM16)
-        try:
-            c.access(r.id, PARAM16, HOST, [r.numel], wait=False)
-        except _C.OutOfMemoryError:
-            return  # (no host room now: the fold moves it after backward)
-        c.release(r.id, PARAM16, state)
-        self.grads_sent_down_early += 1
+        if self._store.send_to_host(self._recs[chunk][0], PARAM16):
+            self.grads_sent_down_early += 1
+        # (else no host room now: the fold moves it)
 
     def _on_host_by_plan(self, chunk: int) -> bool:
         if not self._config.hybrid_adam:

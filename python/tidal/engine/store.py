@@ -615,6 +615,22 @@ class ParamStore:
             raise
         return SlotPin(c, record.id, tuple(pinned))
 
+    def send_to_host(self, record: "ParamRecord", kind) -> bool:
+        """Starts the copy of `record`'s chunk of `kind` to the host and
+        returns without waiting for it (Note [A pin that does not wait]); the
+        slot keeps its state (a gradient waiting for its fold stays one). A
+        later access of the chunk waits for the copy if it has not landed.
+        False, with nothing changed, when the host has no room for it now
+        (Note [Gradients down as they land] in overlap.py)."""
+        c = self.chunks
+        state = c.state(record.id, kind)
+        try:
+            c.access(record.id, kind, HOST, [record.numel], wait=False)
+        except _C.OutOfMemoryError:
+            return False
+        c.release(record.id, kind, state)
+        return True
+
     def copy_fences(self, chunk: int, kinds) -> list:
         """Callables that wait for the copies into `chunk`'s chunks of `kinds`
         still running (none for those landed); the chunks must be pinned
