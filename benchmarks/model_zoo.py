@@ -454,7 +454,8 @@ def measured_budget(model, batches, loss_of, chunk_share=0.25, slack=1.25) -> in
     tests/python/engine_helpers.measured_budget's rule for a model trained
     through `loss_of`, with the chunk room of tests/python/test_engine_budget.py:
     a throwaway copy trains two steps with the whole device; the budget is the
-    margin + `slack` x that run's peak non-chunk bytes + the larger of
+    margin + `slack` x that run's peak non-chunk bytes (the part above 1x
+    at most a quarter of the 16-bit chunks) + the larger of
     `chunk_share` of the 16-bit chunks and the chunk bytes its attached
     parameters needed at once (a module called twice or a tied weight stays
     attached through backward, so that can be more than any one module's).
@@ -468,7 +469,11 @@ def measured_budget(model, batches, loss_of, chunk_share=0.25, slack=1.25) -> in
         c = probe.chunks
         chunk16 = sum(c.chunk_capacity_bytes(i, ChunkKind.PARAM16) for i in range(c.num_chunks))
         in_use = probe._wiring.hooks.peak_bytes_in_use
-        return probe.store.margin + int(slack * nonchunk) + max(in_use, int(chunk_share * chunk16))
+        # (The slack above the probe's non-chunk bytes, for what differs when
+        # chunks move, is capped at a quarter of the 16-bit chunks: where
+        # non-chunk bytes dwarf the chunks, a quarter of them held every chunk.)
+        extra = min(int((slack - 1) * nonchunk), chunk16 // 4)
+        return probe.store.margin + nonchunk + extra + max(in_use, int(chunk_share * chunk16))
     finally:
         probe.remove_hooks()
 
