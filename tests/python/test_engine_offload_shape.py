@@ -70,27 +70,34 @@ def train(engine, batches, accumulation):
     return losses, counters
 
 
+class Shape:
+    """The H100 run's shape: the model and its batches, the reference losses
+    and activation peak of a run where everything fits, the 16-bit and fp32
+    chunk bytes, and the budget: the activation peak and a quarter of the
+    model states (16-bit and fp32) as chunk room, the margin a twentieth."""
+
+    def __init__(self, accumulation):
+        torch.manual_seed(0)
+        self.base = TinyGPT(vocab=VOCAB, d=64, layers=8, heads=4, seq=SEQ)
+        self.batches = gpt_batches(STEPS * accumulation, vocab=VOCAB, seq=SEQ, batch=BATCH)
+        fits = tidal.initialize(copy.deepcopy(self.base), config(0, accumulation))
+        self.ref_losses, _ = train(fits, self.batches, accumulation)
+        self.activations = fits.memory_report()["peak_nonchunk_device_bytes"]
+        c = fits.chunks
+        self.chunks = c.num_chunks
+        self.p16 = sum(c.chunk_capacity_bytes(i, ChunkKind.PARAM16) for i in range(c.num_chunks))
+        self.states = sum(c.chunk_capacity_bytes(i, k) for i in range(c.num_chunks)
+                          for k in (ChunkKind.PARAM32, ChunkKind.MOMENTUM, ChunkKind.VARIANCE))
+        fits.remove_hooks()
+        self.budget = int((self.activations + (self.p16 + self.states) // 4) / 0.95)
+
+
 @pytest.mark.parametrize("accumulation", [1, 2])
 def test_a_quarter_budget_moves_the_minimum_and_prefetches_every_steady_copy(accumulation):
-    torch.manual_seed(0)
-    base = TinyGPT(vocab=VOCAB, d=64, layers=8, heads=4, seq=SEQ)
-    batches = gpt_batches(STEPS * accumulation, vocab=VOCAB, seq=SEQ, batch=BATCH)
-
-    # Everything fits: the reference losses, and the activation peak.
-    fits = tidal.initialize(copy.deepcopy(base), config(0, accumulation))
-    ref_losses, _ = train(fits, batches, accumulation)
-    activations = fits.memory_report()["peak_nonchunk_device_bytes"]
-    c = fits.chunks
-    p16 = sum(c.chunk_capacity_bytes(i, ChunkKind.PARAM16) for i in range(c.num_chunks))
-    states = sum(c.chunk_capacity_bytes(i, k) for i in range(c.num_chunks)
-                 for k in (ChunkKind.PARAM32, ChunkKind.MOMENTUM, ChunkKind.VARIANCE))
-    fits.remove_hooks()
-    assert c.num_chunks >= 20, "the shape needs many chunks, as gpt-1.3b's 39"
-
-    # The H100 run's budget: the activation peak, and a quarter of the model
-    # states (16-bit and fp32) as chunk room; the margin is a twentieth.
-    budget = int((activations + (p16 + states) // 4) / 0.95)
-    room = budget - budget // 20 - activations
+    s = Shape(accumulation)
+    base, batches, ref_losses, p16, states, budget = s.base, s.batches, s.ref_losses, s.p16, s.states, s.budget
+    assert s.chunks >= 20, "the shape needs many chunks, as gpt-1.3b's 39"
+    room = budget - budget // 20 - s.activations
     assert p16 < room < p16 + states / 2, "the 16-bit chunks fit; most states do not"
     kept = (room - p16) * p16 / states  # the 16-bit bytes of the chunks whose states stay
     minimum = accumulation * (p16 - kept)
@@ -134,18 +141,8 @@ def test_with_accumulation_the_gradients_go_down_during_the_backward_that_ends_n
     waits for (almost) no copy; with the path off (the same engine, its
     send-down made a no-op) the fold waits for a copy of most host-updated
     chunks. Bitwise the same training either way."""
-    torch.manual_seed(0)
-    base = TinyGPT(vocab=VOCAB, d=64, layers=8, heads=4, seq=SEQ)
-    batches = gpt_batches(STEPS * 2, vocab=VOCAB, seq=SEQ, batch=BATCH)
-    fits = tidal.initialize(copy.deepcopy(base), config(0, 2))
-    ref_losses, _ = train(fits, batches, 2)
-    activations = fits.memory_report()["peak_nonchunk_device_bytes"]
-    c = fits.chunks
-    p16 = sum(c.chunk_capacity_bytes(i, ChunkKind.PARAM16) for i in range(c.num_chunks))
-    states = sum(c.chunk_capacity_bytes(i, k) for i in range(c.num_chunks)
-                 for k in (ChunkKind.PARAM32, ChunkKind.MOMENTUM, ChunkKind.VARIANCE))
-    fits.remove_hooks()
-    budget = int((activations + (p16 + states) // 4) / 0.95)
+    s = Shape(2)
+    base, batches, ref_losses, budget = s.base, s.batches, s.ref_losses, s.budget
 
     # A link with time in it (each 16 KiB copy about 0.3 ms): a copy started
     # at the fold is still running when the fold reads it.

@@ -538,18 +538,21 @@ class HookWiring:
 _DIFFERENTIATING = {"Grad", "Jvp"}
 
 
+try:  # (resolved once: the check runs at every root forward)
+    from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters as _interpreters
+except ImportError:  # (a torch without it: torch's own error follows)
+    _interpreters = None
+
+
 def _refuse_function_transforms() -> None:
     """A forward under torch.func.grad (vjp, jacrev, hessian, jvp, jacfwd) is a
     tidal UsageError before anything starts: the engine's forward keeps its
     saved tensors through saved-tensor hooks (the saved-tensor pair), which
     torch's function transforms refuse, and the chunks' gradients land in
     their slots, where a transform would not see them."""
-    try:
-        from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters
-    except ImportError:  # (a torch without it: torch's own error follows)
+    if _interpreters is None:
         return
-    found = [i.key().name for i in retrieve_all_functorch_interpreters()
-             if i.key().name in _DIFFERENTIATING]
+    found = [i.key().name for i in _interpreters() if i.key().name in _DIFFERENTIATING]
     if not found:
         return
     raise UsageError(

@@ -247,6 +247,7 @@ class StepOverlap:
             # (Note [tidal's own host allocations]).
             initializer=_C.chunks.enter_uncounted)
         self._waiting: dict[int, int] = {}  # chunk -> gradients it still waits for
+        self._all_landed = self._launch  # what a chunk whose gradients are all in gets (begin())
         self._counted: set[int] = set()  # tensors whose first landing in this backward was counted
         self._recs: dict[int, list] = {}     # chunk -> its trainable records
         self._jobs: list[tuple[int, object]] = []  # (chunk, future); cleared, never replaced
@@ -273,7 +274,6 @@ class StepOverlap:
         # Totals over the run (memory_report()["optimizer"]).
         self.launched_chunks = 0
         self.grads_sent_down_early = 0  # Note [Gradients down as they land]
-        self._down_waiting: dict[int, int] = {}
         self._fold_queue: list[int] = []  # launched chunks whose fold waits for their copy
         self.undone_chunks = 0
         self.steps_not_speculated = 0
@@ -332,9 +332,17 @@ class StepOverlap:
         self._speculating = speculate
         # (Data parallel: a landing is not final; the owner launches a chunk
         # when its reduction lands, reduced().)
+        # Note [Gradients down as they land]: a backward that launches nothing
+        # and is followed by a fold on the host sends each host-updated
+        # chunk's gradients down once they are all in.
+        early = accumulating and not speculate and not self._data_parallel and \
+            not _dtr.is_enabled() and not host_short and global_steps > 0
+        # chunk -> its gradients still to land; when none is left, the
+        # chunk's update is launched (speculating) or its gradients go down.
         self._waiting = {chunk: len(rs) for chunk, rs in recs.items()
                          if not any(r in self._relanded for r in rs)} \
-            if speculate and not self._data_parallel else {}
+            if (speculate and not self._data_parallel) or early else {}
+        self._all_landed = self._launch if speculate else self._send_down
         # A host too small for the state (Note [One place per chunk]): the
         # step makes room first, so nothing is launched in this backward.
         self._host_short = host_short
@@ -342,13 +350,6 @@ class StepOverlap:
         self._grad_scale = 1.0 / loss_scale
         self._use_sums = accumulating
         self._fold_chunk = fold_chunk
-        # Note [Gradients down as they land]: a backward that launches nothing
-        # and is followed by a fold on the host sends each host-updated
-        # chunk's gradients down once they are all in.
-        early = accumulating and not speculate and not self._data_parallel and \
-            not _dtr.is_enabled() and not host_short and global_steps > 0
-        self._down_waiting = {chunk: len(rs) for chunk, rs in recs.items()
-                              if not any(r in self._relanded for r in rs)} if early else {}
 
     def landed(self, record):
         """A gradient landed (trainable records only): counted once per
@@ -363,13 +364,6 @@ class StepOverlap:
             self._relanded.add(record)
             return
         self._counted.add(record.id)
-        down = self._down_waiting.get(record.chunk)
-        if down is not None:
-            if down == 1:
-                del self._down_waiting[record.chunk]
-                self._send_down(record.chunk)
-            else:
-                self._down_waiting[record.chunk] = down - 1
         left = self._waiting.get(record.chunk)
         if left is None:
             return
@@ -377,7 +371,7 @@ class StepOverlap:
         self._waiting[record.chunk] = left
         if left == 0:
             del self._waiting[record.chunk]
-            self._launch(record.chunk)
+            self._all_landed(record.chunk)
 
     def reduced(self, chunk: int, landed):
         """Data parallel, on the chunk's owner: its reduced gradients are in
@@ -396,7 +390,6 @@ class StepOverlap:
                 self._start(chunk)
         self._backward_end = time.perf_counter()
         self._waiting = {}
-        self._down_waiting = {}
 
     # Note [Gradients down as they land]
     # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
