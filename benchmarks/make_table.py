@@ -291,6 +291,35 @@ def _largest_model_caption(r: Dict, name: str) -> str:
             f"commit {r['git_commit'][:7]}; `{name}`.")
 
 
+def _initialize_caption(r: Dict, name: str) -> str:
+    sh = r["shape"]
+    return (f"**Building the largest GPT this host holds, and its first steps** (`benchmarks/"
+            f"initialize_largest.py`; simulated device, bf16, chunks of {sh['chunk']}, GPT width {sh['d']}, "
+            f"vocabulary {sh['vocab']}; the model's states fill {r['fill']:.0%} of the default host chunk "
+            f"budget; each way in a fresh process; the peer, in the same process just before: writing the "
+            f"states' bytes once into fresh memory, the faster of two; then {r['steps']} steps on one batch of "
+            f"{sh['seq']} tokens at a device budget of {sh['device']}; steady: the median of the steps after "
+            f"step 2). Machine: {machine_of(r)}; commit {r['git_commit'][:7]}; `{name}`.")
+
+
+def _initialize_rows(r: Dict) -> List[List[str]]:
+    rows = []
+    for way, x in r["runs"].items():
+        s = x["step_s"]
+        rows.append([
+            "`tidal.init_context`" if way == "init_context" else "plain PyTorch (fp32), then copied",
+            f"{x['params'] / 1e9:.2f}B ({x['state_bytes'] / x['host_budget_at_start']:.0%})",
+            f"{min(x['write_s']):.2f} s ({x['state_bytes'] / 2**30:.1f} GiB)",
+            f"{x['build_s']:.2f} s ({x['module_init_s_estimate']:.2f} s)",
+            f"{x['initialize_s']:.2f} s",
+            f"{x['build_and_initialize_over_write']:.2f}x ({x['tidal_share_over_write']:.2f}x without the "
+            f"modules' own init)",
+            f"{s[0]:.2f} / {s[1]:.2f} / {x['steady_step_s']:.2f} s",
+            f"{x['step1_over_steady']:.2f}x",
+            f"{x['losses'][0]:.2f} -> {x['losses'][-1]:.2f}, {x['budget_overruns']}"])
+    return rows
+
+
 def _optimizer_state_caption(r: Dict, name: str) -> str:
     res = r["result"]
     return (f"**bf16 Adam moments train** (`tidal-train --preset {res['preset']}`, "
@@ -310,6 +339,11 @@ ESTIMATES = [
               _largest_model_rows,
               lambda r: [f"10 bytes per parameter train {r['result']['bf16_over_fp32_largest']:.3f}x the "
                          f"parameters of 14 (14/10 = 1.4)."] if "bf16_over_fp32_largest" in r["result"] else []),
+    Captioned("initialize_largest", _initialize_caption,
+              ["built", "model (states / host chunk budget)", "write the states once",
+               "build (its modules' own init)", "tidal.initialize", "build + initialize / write",
+               "step 1 / step 2 / steady step", "step 1 / steady", "loss, overruns"],
+              _initialize_rows),
     Captioned("estimate", _estimate_caption,
               ["shape", "states / device budget", "bytes up per step: predicted / measured",
                "bytes down per step: predicted / measured", "step time: predicted / measured median (min-max)",

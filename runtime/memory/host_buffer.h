@@ -28,7 +28,10 @@ class HostBuffer {
  public:
   static constexpr std::size_t kDefaultAlignment = 64;
   // Buffers at least this large are aligned to it and advised onto
-  // transparent huge pages (fewer TLB misses for the CPU Adam sweep).
+  // transparent huge pages (fewer TLB misses for the CPU Adam sweep, on every
+  // step). The price is paid once, at a page's first touch (building the
+  // model into chunks): on some virtual machines a huge page's first touch
+  // costs several times that of small pages (benchmarks/initialize_largest.py).
   static constexpr std::size_t kHugePageBytes = std::size_t{2} << 20;
 
   HostBuffer() = default;

@@ -264,6 +264,23 @@ def test_benchmark_runs_quick(script, tmp_path):
     assert result["simulated"] and result["result"]["quick"]
 
 
+def test_initialize_largest_runs_quick(tmp_path):
+    """benchmarks/initialize_largest.py (issue 52, item 6) in its smoke size:
+    both ways build, initialize and train with the budget kept (the script
+    fails otherwise), and each figure the table reads is there."""
+    out = tmp_path / "result.json"
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "initialize_largest.py"), "--quick",
+                           "--output", str(out)], capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert result["simulated"] and result["quick"]
+    assert set(result["runs"]) == {"init_context", "plain"}
+    for run in result["runs"].values():
+        assert run["budget_kept"] and run["loss_fell"] and len(run["step_s"]) == result["steps"]
+        assert run["build_and_initialize_over_write"] > 0 and run["step1_over_steady"] > 0
+        assert run["state_bytes_per_param"] == 14
+
+
 @pytest.mark.parametrize("given, override, want", [
     # The figure not overridden keeps what train_batch_size made of it.
     ({"train_batch_size": 32, "train_micro_batch_size_per_gpu": 8}, {"micro_batch": 4}, (4, 4)),
