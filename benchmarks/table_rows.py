@@ -458,6 +458,21 @@ def _tiny_gpt(sh: Dict) -> str:
     return f"TinyGPT (vocab {sh['vocab']}, d {sh['d']}, {sh['layers']} layers"
 
 
+def _clip_all_shares(p: Dict) -> str:
+    """The clip_all case's exposed share by mean, against CPU Adam without
+    overlap, and the step where the clip starts to fire (result files since
+    issue 52's last wave)."""
+    if "exposed_on_over_adam_off" not in p:
+        return ""
+    on, t = p["on"], p.get("transition")
+    out = (f"; by mean {on['exposed_share_of_adam_mean']:.0%} of its CPU Adam; against CPU Adam without overlap "
+           f"{p['exposed_on_over_adam_off']:.0%} by median, {p['exposed_mean_on_over_adam_mean_off']:.0%} by mean")
+    if t:
+        out += (f"; the one step where the clip starts to fire exposes {t['exposed_adam_seconds'] * 1e3:.1f} ms "
+                f"of {t['adam_seconds'] * 1e3:.1f} ms ({t['undone_chunk_updates']} speculative updates undone)")
+    return out
+
+
 def _step_overlap_clip(r: Dict) -> List[Figure]:
     """Speculative CPU Adam during backward (clipping 1.0, hybrid Adam) against the step without overlap."""
     sh = r["shape"]
@@ -476,7 +491,7 @@ def _step_overlap_clip(r: Dict) -> List[Figure]:
             out.append(_exposed_adam(
                 f"the clip firing on every step, CPU Adam under the next forward "
                 f"(tidal.overlap_next_forward, default; {on['chunks_updated_under_next_forward']} chunk "
-                f"updates there), {what}", on, b["exposed_adam_seconds_median"],
+                f"updates there{_clip_all_shares(p)}), {what}", on, b["exposed_adam_seconds_median"],
                 "overlap during backward only (overlap_next_forward false)",
                 on["exposed_adam_seconds_median"] / b["exposed_adam_seconds_median"]))
     return out
