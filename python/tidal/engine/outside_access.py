@@ -424,10 +424,12 @@ class OutsideAccess:
         first = names[0]
         owner, _, attr = first.rpartition(".")
         path = f"model.{first}" if owner else first
-        return (f"tidal: an in-place write to {shown} outside a forward reached nothing: there the "
-                f"parameter object held an empty placeholder (its values live in tidal's chunks), or "
-                f"between backward and step a weight made from its master, so the write is lost and "
-                f"training would go on without it. Ways that keep it: write through the module's "
+        return (f"tidal: an in-place write to {shown} made while its module's forward did not hold it "
+                f"(outside a forward, in a forward pre-hook before the module takes its parameters, or "
+                f"between backward and step) reached nothing: there the parameter object held an empty "
+                f"placeholder (its values live in tidal's chunks), or between backward and step a weight "
+                f"made from its master, so the write is lost and training would go on without it. Ways "
+                f"that keep it: write through the module's "
                 f"attribute, which brings the parameter in (under torch.no_grad(): "
                 f"{path}.mul_(...), torch.nn.init.zeros_({path}), model.apply(init_fn) that uses "
                 f"module.weight); set {path}.data = new_tensor; or load values with "
