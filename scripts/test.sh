@@ -67,7 +67,7 @@ if [ "${TIDAL_TEST_QUICK:-0}" != "1" ]; then
 fi
 
 log "Python CPU Adam tests with the baseline (scalar) target forced"
-TIDAL_CPU_ADAM_TARGET=baseline .venv/bin/python -m pytest -q tests/python/test_cpu_adam.py
+TIDAL_CPU_ADAM_TARGET=baseline .venv/bin/python -m pytest -q tests/python/test_cpu_adam.py tests/python/test_cpu_adam_api.py
 
 # On TIDAL_TEST_WORKERS processes (pytest-xdist; 0: in this one), each test file
 # whole on one of them (--dist loadfile), so a file's module fixtures and the
