@@ -404,6 +404,33 @@ void fold_gradients(DType half_dtype, std::span<const FoldSpan> spans, const Exe
   });
 }
 
+void copy_spans(std::span<const CopySpan> spans, const ExecOptions& exec) {
+  check_exec(exec);
+  // The block map counts units of kCopyBlockBytes / kBlockElements bytes, so
+  // that one of its blocks is kCopyBlockBytes.
+  constexpr std::size_t kUnit = kCopyBlockBytes / kBlockElements;
+  std::vector<std::size_t> counts;
+  counts.reserve(spans.size());
+  for (std::size_t i = 0; i < spans.size(); ++i) {
+    const CopySpan& s = spans[i];
+    TIDAL_CHECK(s.bytes == 0 || (s.dst != nullptr && s.src != nullptr), "copy span ", i,
+                ": dst and src must be non-null for ", s.bytes, " bytes");
+    const auto* d = static_cast<const char*>(s.dst);
+    const auto* r = static_cast<const char*>(s.src);
+    TIDAL_CHECK(s.bytes == 0 || d + s.bytes <= r || r + s.bytes <= d, "copy span ", i,
+                ": dst and src overlap");
+    counts.push_back((s.bytes + kUnit - 1) / kUnit);
+  }
+  const BlockMap map(counts);
+  run_blocks(map, exec, [&](std::size_t b0, std::size_t b1) {
+    map.visit(b0, b1, counts, [&](std::size_t s, std::size_t begin, std::size_t count, std::size_t) {
+      const std::size_t lo = begin * kUnit;
+      const std::size_t n = std::min(count * kUnit, spans[s].bytes - lo);
+      std::memcpy(static_cast<char*>(spans[s].dst) + lo, static_cast<const char*>(spans[s].src) + lo, n);
+    });
+  });
+}
+
 AdamStepResult adam_step(const AdamHyperParams& hyper, const AdamDTypes& dtypes,
                          std::span<const AdamSpan> spans, const AdamStepOptions& options,
                          const ExecOptions& exec) {

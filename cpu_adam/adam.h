@@ -337,6 +337,35 @@ struct FoldSpan {
 void fold_gradients(DType half_dtype, std::span<const FoldSpan> spans,
                     const ExecOptions& exec = {});
 
+// One byte range to copy: `bytes` from `src` to `dst` (which must not overlap).
+struct CopySpan {
+  void* dst = nullptr;
+  const void* src = nullptr;
+  std::size_t bytes = 0;
+};
+
+// memcpy of every span, on the threads the update runs on (`exec`), in blocks
+// of kCopyBlockBytes. For copies a thread other than the script's makes
+// beside the update (the undo copies of a speculative update, Note
+// [Speculative updates and their undo] in python/tidal/engine/overlap.py):
+// see Note [A second OpenMP team].
+//
+// Note [A second OpenMP team]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// libgomp gives every native thread that starts a parallel region its own
+// team of workers. A torch operator large enough to run in parallel, called
+// on a second thread (a Python worker), therefore adds a second team beside
+// the one of the thread that runs forward and backward, and keeps it while
+// that thread lives. Once a process holds more OpenMP workers than cores,
+// libgomp stops spinning at its barriers and sleeps on a futex instead, in
+// every team: the script's own operators then pay a sleep and a wake-up at
+// each parallel region, for as long as the second thread lives, idle or not.
+// So the copies and updates made on tidal's worker go through oneTBB, never
+// through torch's parallel operators (test_cpu_adam_api.py shows the team a
+// torch copy_ on a second thread starts).
+inline constexpr std::size_t kCopyBlockBytes = std::size_t{1} << 20;
+void copy_spans(std::span<const CopySpan> spans, const ExecOptions& exec = {});
+
 // --- kernel targets -----------------------------------------------------------
 // The kernels exist once per SIMD target Highway compiled (AVX3, AVX2, SSE4,
 // SSSE3 and the one-lane fallback, SCALAR or EMU128 depending on the

@@ -436,6 +436,32 @@ only receives the updated params.)doc");
 = master rounded to half's dtype. sum and master are float32 chunks, half the
 16-bit chunk (float32 in fp32 mode) holding the landed gradients.)doc");
 
+  m.def(
+      "copy_tensors",
+      [](const std::vector<at::Tensor>& dsts, const std::vector<at::Tensor>& srcs, int num_threads) {
+        TIDAL_CHECK(dsts.size() == srcs.size(), "dsts (", dsts.size(), ") and srcs (", srcs.size(),
+                    ") must have as many tensors");
+        std::vector<ca::CopySpan> spans;
+        spans.reserve(dsts.size());
+        for (std::size_t i = 0; i < dsts.size(); ++i) {
+          const std::string di = "dsts[" + std::to_string(i) + "]";
+          const std::string si = "srcs[" + std::to_string(i) + "]";
+          const Flat d = flat(dsts[i], di);
+          const Flat r = flat(srcs[i], si);
+          TIDAL_CHECK_TYPE(d.dtype == r.dtype, di, " is ", ca::dtype_name(d.dtype), " but ", si, " is ",
+                           ca::dtype_name(r.dtype), "; copy_tensors copies bytes, not values");
+          TIDAL_CHECK(d.count == r.count, di, " has ", d.count, " elements but ", si, " has ", r.count);
+          spans.push_back({d.data, r.data, d.count * ca::dtype_size(d.dtype)});
+        }
+        py::gil_scoped_release no_gil;
+        ca::copy_spans(spans, ca::ExecOptions{num_threads});
+      },
+      py::arg("dsts"), py::arg("srcs"), py::kw_only(), py::arg("num_threads") = 0,
+      R"doc(dsts[i].copy_(srcs[i]) for contiguous CPU tensors of the same dtype and size,
+on oneTBB's threads (cpu_adam/adam.h, copy_spans; Note [A second OpenMP team]): for
+copies made on a thread other than the script's, which torch's operators would
+give an OpenMP team of its own.)doc");
+
   m.def("available_targets", &ca::available_kernel_targets,
         "Kernel targets this build and CPU run, best first; 'reference' (plain C++) last.");
   m.def(

@@ -130,9 +130,12 @@ _TIDAL_SCHEMA: dict[str, Any] = {
                                   "precision) or bf16 (10 B/param; arithmetic stays fp32)"),
         "cpu_adam_threads": (int, 0, "CPU Adam threads; 0 = all cores"),
         "cpu_adam_pool": (("onetbb", "torch"), "onetbb",
-                          "whose threads run CPU Adam: oneTBB's, or torch's intra-op pool (the "
-                          "threads that just ran backward); results are bitwise the same (Note "
-                          "[Whose threads run the update] in cpu_adam/adam.h)"),
+                          "whose threads run the step's CPU Adam: oneTBB's, or torch's intra-op "
+                          "pool (the threads that just ran backward); results are bitwise the same "
+                          "(Note [Whose threads run the update] in cpu_adam/adam.h). The updates "
+                          "tidal.overlap_step runs on its worker (during backward, under the next "
+                          "forward) use oneTBB's either way: torch's pool, called from that thread, "
+                          "would be an OpenMP team of its own (Note [A second OpenMP team])"),
         "overlap_step": (bool, True, "run the CPU Adam of a chunk as soon as backward has landed "
                                      "all its gradients, while backward goes on, as a speculation "
                                      "the step validates (clipping, fp16 overflow) and undoes "

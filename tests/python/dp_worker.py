@@ -30,7 +30,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 import tidal  # noqa: E402
 from engine_helpers import gpt_batches, measured_budget, within_budget  # noqa: E402
-from test_engine import LR  # noqa: E402
+from engine_reference import LR  # noqa: E402
 from tidal.models.gpt import TinyGPT  # noqa: E402
 
 

@@ -56,3 +56,14 @@ def assert_close(engine, ref, ref_losses, losses, rtol=1e-5):
         got = weights[name]
         err = (got - p.detach()).norm() / p.detach().norm().clamp_min(1e-12)
         assert err <= rtol, f"{name}: relative L2 error {err:.3g}"
+
+
+def assert_clip_fires(norms, clip, fires):
+    """The reference's gradient norms put `clip` where the case says: above
+    them all ("never"), or between them ("some": clips on some steps, and on
+    others leaves the gradients as they are, where min(1, ...) caps the factor)."""
+    clipped = [n > clip for n in norms]
+    if fires == "never":
+        assert not any(clipped), (clip, norms)
+    else:
+        assert any(clipped) and not all(clipped), (clip, norms)

@@ -16,7 +16,7 @@ from tidal import _C
 
 sys.path.insert(0, str(Path(__file__).parent))
 from engine_helpers import gpt_batches, train_tidal, within_budget  # noqa: E402
-from test_engine import assert_close, config, train_reference  # noqa: E402
+from engine_reference import assert_close, config, train_reference  # noqa: E402
 from tidal.models.gpt import TinyGPT  # noqa: E402
 
 

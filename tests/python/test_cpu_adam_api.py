@@ -273,3 +273,59 @@ def test_hyperparameters_as_torch_takes_them():
                       (dict(maximize=True), "maximize=True asks for another update rule")):
         with pytest.raises((ValueError, NotImplementedError), match=what):
             CPUAdam([p], **bad)
+
+
+# --- copies on the worker ----------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_copy_tensors_copies_every_byte_as_copy_does(dtype):
+    gen = torch.Generator().manual_seed(0)
+    srcs = [torch.randn(n, generator=gen).to(dtype) for n in (0, 1, 37, 3 << 18)]
+    dsts = [torch.full_like(s, 7) for s in srcs]
+    want = [d.clone().copy_(s) for d, s in zip(dsts, srcs)]
+    _C.cpu_adam.copy_tensors(dsts, srcs)
+    assert all(torch.equal(d.view(torch.uint8) if d.numel() else d, w.view(torch.uint8) if w.numel() else w)
+               for d, w in zip(dsts, want))
+
+
+def test_copy_tensors_refuses_what_it_cannot_copy_and_copies_nothing():
+    a, b = torch.zeros(8), torch.ones(8)
+    cases = [([a], [b, b], ValueError, "as many tensors"),
+             ([a], [torch.ones(8, dtype=torch.bfloat16)], TypeError, "copies bytes"),
+             ([a], [torch.ones(9)], ValueError, "9"),
+             ([a], [torch.ones(4, 4).t()], ValueError, "not contiguous")]
+    for dsts, srcs, error, text in cases:
+        with pytest.raises(error, match=text):
+            _C.cpu_adam.copy_tensors(dsts, srcs)
+        assert torch.equal(a, torch.zeros(8))
+
+
+def _threads() -> int:
+    return len(os.listdir("/proc/self/task"))
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task") or torch.get_num_threads() < 2,
+                    reason="counts the process's threads in /proc; needs torch's intra-op pool")
+def test_copy_tensors_on_a_second_thread_starts_no_openmp_team():
+    """Note [A second OpenMP team] in cpu_adam/adam.h: a large torch copy_ on
+    a second Python thread gives that thread an OpenMP team of its own (which
+    slows the script's operators while it lives); copy_tensors there does not.
+    The torch copy_ is made last, on a thread of its own, to show the count
+    would see a team."""
+    import concurrent.futures
+
+    src, dst = torch.randn(1 << 22), torch.empty(1 << 22)
+    _C.cpu_adam.copy_tensors([dst], [src])  # oneTBB's workers exist from here on
+    dst.copy_(src)  # and this thread's team
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        pool.submit(lambda: None).result()
+        before = _threads()
+        pool.submit(_C.cpu_adam.copy_tensors, [dst], [src]).result()
+        assert _threads() == before
+        assert torch.equal(dst, src)
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        pool.submit(lambda: None).result()
+        before = _threads()
+        pool.submit(lambda: dst.copy_(src)).result()
+        assert _threads() > before, "a torch copy_ on a second thread started no team: the check above sees nothing"

@@ -22,7 +22,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 from engine_helpers import gpt_batches  # noqa: E402
-from test_engine import assert_clip_fires, config, train_reference  # noqa: E402
+from engine_reference import assert_clip_fires, config, train_reference  # noqa: E402
 import tidal  # noqa: E402
 from tidal.data_parallel import DataParallelError  # noqa: E402
 from tidal.models.gpt import TinyGPT  # noqa: E402

@@ -20,24 +20,13 @@ import tidal
 sys.path.insert(0, str(Path(__file__).parent))
 from engine_helpers import (raw_numel, gpt_batches, measured_budget, moved_within_budget,  # noqa: E402
                             train_tidal, within_budget)
-from engine_reference import LR, assert_close, config, fitted, train_reference  # noqa: E402
+from engine_reference import LR, assert_clip_fires, assert_close, config, fitted, train_reference  # noqa: E402
 from tidal.models.gpt import TinyGPT, TinyResNet  # noqa: E402
 
 @pytest.fixture(autouse=True)
 def simulated_device():
     """These tests are about the engine's logic on CPU tensors: simulated device."""
     tidal.set_device("sim", capacity="1GiB")
-
-
-def assert_clip_fires(norms, clip, fires):
-    """The reference's gradient norms put `clip` where the case says: above
-    them all ("never"), or between them ("some": clips on some steps, and on
-    others leaves the gradients as they are, where min(1, ...) caps the factor)."""
-    clipped = [n > clip for n in norms]
-    if fires == "never":
-        assert not any(clipped), (clip, norms)
-    else:
-        assert any(clipped) and not all(clipped), (clip, norms)
 
 
 def state_bytes(model):

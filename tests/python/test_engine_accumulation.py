@@ -21,7 +21,7 @@ from engine_helpers import gpt_batches, measured_budget, moved_within_budget, wi
 # DeepSpeed's loop (step() acts at accumulation boundaries only), and plain
 # PyTorch accumulating in param.grad with torch.optim.AdamW.
 from engine_helpers import train_tidal as train  # noqa: E402
-from test_engine import LR, assert_clip_fires, train_reference as reference_fp32  # noqa: E402
+from engine_reference import LR, assert_clip_fires, train_reference as reference_fp32  # noqa: E402
 from tidal.models.gpt import TinyGPT  # noqa: E402
 
 

@@ -19,7 +19,7 @@ from tidal._C.chunks import MemorySpace
 
 sys.path.insert(0, str(Path(__file__).parent))
 from engine_helpers import gpt_batches, measured_budget, train_tidal, within_budget  # noqa: E402
-from test_engine import assert_close, config, train_reference  # noqa: E402
+from engine_reference import assert_close, config, train_reference  # noqa: E402
 from tidal.models.gpt import TinyGPT, TinyResNet  # noqa: E402
 
 def dtr_budget(make, batches, slack=0.3, chunk=16384, **tidal_keys):

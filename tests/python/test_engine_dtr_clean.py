@@ -23,7 +23,7 @@ from tidal import dtr
 
 sys.path.insert(0, str(Path(__file__).parent))
 from engine_helpers import gpt_batches, train_tidal, within_budget  # noqa: E402
-from test_engine import assert_close, config, train_reference  # noqa: E402
+from engine_reference import assert_close, config, train_reference  # noqa: E402
 from test_engine_dtr import gpt_budget  # noqa: E402
 from tidal.models.gpt import TinyGPT  # noqa: E402
 

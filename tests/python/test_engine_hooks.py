@@ -18,7 +18,7 @@ from tidal.engine.hook_wiring import HookWiring
 
 sys.path.insert(0, str(Path(__file__).parent))
 from engine_helpers import gpt_batches, train_tidal  # noqa: E402
-from test_engine import assert_close, config, fitted, train_reference  # noqa: E402
+from engine_reference import assert_close, config, fitted, train_reference  # noqa: E402
 from tidal.models.gpt import TinyGPT  # noqa: E402
 
 

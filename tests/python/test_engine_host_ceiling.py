@@ -19,7 +19,7 @@ from tidal._C.chunks import ChunkKind
 
 sys.path.insert(0, str(Path(__file__).parent))
 from engine_helpers import gpt_batches, train_tidal  # noqa: E402
-from test_engine import assert_close, train_reference  # noqa: E402
+from engine_reference import assert_close, train_reference  # noqa: E402
 from tidal.models.gpt import TinyGPT  # noqa: E402
 
 LR = 2e-3

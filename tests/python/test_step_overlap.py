@@ -18,7 +18,7 @@ import tidal
 sys.path.insert(0, str(Path(__file__).parent))
 from engine_helpers import (gpt_batches, measured_budget, moved_within_budget, train_tidal,  # noqa: E402
                             within_budget)
-from test_engine import LR, assert_close, config, fitted  # noqa: E402
+from engine_reference import LR, assert_close, config, fitted  # noqa: E402
 from tidal.models.gpt import TinyGPT  # noqa: E402
 
 
@@ -560,3 +560,30 @@ def test_the_benchmarks_quick_mode_runs_and_writes_its_result(script, tmp_path):
             assert all(len(p) == 4 for p in case["step"]["parts"])
         assert result["cases"]["host_fp32"]["step"]["bytes_moved_per_step_median"] > 0
         assert result["cases"]["device_fp32"]["step"]["bytes_moved_per_step_median"] == 0
+
+
+def test_the_worker_copies_through_onetbb_not_torch(monkeypatch):
+    """Note [A second OpenMP team] in cpu_adam/adam.h: the worker's undo
+    copies (speculative updates) and updates (under the next forward) call no
+    torch copy_, which would give the worker thread an OpenMP team of its own
+    and slow the script's operators while it lives; the weights stay those of
+    the step without overlap."""
+    import threading
+
+    main = threading.main_thread()
+    on_worker = []
+    original = torch.Tensor.copy_
+
+    def copy_(self, *args, **kwargs):
+        if threading.current_thread() is not main:
+            on_worker.append(threading.current_thread().name)
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.Tensor, "copy_", copy_)
+    batches = gpt_batches(len(FACTORS))
+    plain, overlapped = pair(lambda o: make_config(o, "bf16", 5.0), batches, FACTORS)
+    assert_bitwise(plain, overlapped)
+    opt = optimizer_report(overlapped)
+    assert opt["chunks_updated_during_backward"] > 0 and opt["undone_chunk_updates"] > 0, opt
+    assert opt["chunks_updated_under_next_forward"] > 0, opt
+    assert on_worker == []

@@ -18,7 +18,7 @@ from tidal.engine import overlap as _overlap
 
 sys.path.insert(0, str(Path(__file__).parent))
 from engine_helpers import gpt_batches, moved_within_budget  # noqa: E402
-from test_engine import fitted  # noqa: E402
+from engine_reference import fitted  # noqa: E402
 from test_step_overlap import assert_bitwise, make_config, optimizer_report  # noqa: E402
 from tidal.models.gpt import TinyGPT  # noqa: E402
 

@@ -511,7 +511,11 @@ class StepOverlap:
                               adamw_mode=cfg.adam_w_mode, bias_correction=cfg.bias_correction,
                               loss_scale=1.0 / grad_scale, max_grad_norm=0.0,
                               check_overflow=False, grad=grad,
-                              num_threads=cfg.cpu_adam_threads, pool=cfg.cpu_adam_pool))
+                              # On the worker thread torch's pool would be an
+                              # OpenMP team of its own, not the threads that ran
+                              # backward (Note [A second OpenMP team] in
+                              # cpu_adam/adam.h): oneTBB's, whatever the config.
+                              num_threads=cfg.cpu_adam_threads, pool="onetbb"))
         return calls
 
     def _undo_buffers(self, chunk: int, first, numel: int):
@@ -763,9 +767,10 @@ def _run(views, calls, undo, lo, hi, fences=()):
         wait()
     t0 = time.perf_counter()
     try:
-        with torch.no_grad():
-            for view, buf in zip(views, undo):
-                buf[:hi - lo].copy_(view[lo:hi])
+        # On oneTBB's threads, not through torch's copy_ (Note [A second
+        # OpenMP team] in cpu_adam/adam.h).
+        _C.cpu_adam.copy_tensors([buf[:hi - lo] for buf in undo], [view[lo:hi] for view in views],
+                                 num_threads=calls[0]["num_threads"] if calls else 0)
     except BaseException as e:
         raise _UndoCopyFailed(str(e)) from e
     w, m, v, h = views

@@ -237,5 +237,35 @@ TEST(AdamThreads, TheFp32ChunkStepCopiesEachBlockExactlyOnAnyThreadCount) {
   EXPECT_EQ(std::memcmp(p.data(), p0.data(), numel * sizeof(float)), 0);
 }
 
+// copy_spans (Note [A second OpenMP team]): every byte of every span, spans
+// shorter than a block, spanning several and ending inside one, on any thread
+// count, against std::memcpy; bad spans are errors that copy nothing.
+TEST(AdamThreads, CopySpansCopiesEveryByteOnAnyThreadCount) {
+  ManyThreads many;
+  const std::vector<std::size_t> sizes = {0, 1, 33, kCopyBlockBytes, 3 * kCopyBlockBytes + 5, 4097};
+  for (int threads : {0, 1, 2, 5}) {
+    std::vector<std::vector<unsigned char>> src, dst, want;
+    std::vector<CopySpan> spans;
+    for (std::size_t i = 0; i < sizes.size(); ++i) {
+      src.emplace_back(sizes[i]);
+      for (std::size_t b = 0; b < sizes[i]; ++b) src[i][b] = static_cast<unsigned char>((b * 131 + i * 7) & 0xff);
+      dst.emplace_back(sizes[i] + 16, 0xAB);  // 16 guard bytes past the span must stay
+      want.push_back(dst[i]);
+      if (sizes[i] > 0) std::memcpy(want[i].data(), src[i].data(), sizes[i]);
+    }
+    for (std::size_t i = 0; i < sizes.size(); ++i) spans.push_back({dst[i].data(), src[i].data(), sizes[i]});
+    copy_spans(spans, ExecOptions{threads});
+    for (std::size_t i = 0; i < sizes.size(); ++i) {
+      EXPECT_EQ(dst[i], want[i]) << "span " << i << " of " << sizes[i] << " bytes, " << threads << " threads";
+    }
+  }
+  std::vector<unsigned char> buf(64, 1), other(64, 2);
+  const std::vector<CopySpan> overlapping = {{other.data(), buf.data(), 64}, {buf.data() + 8, buf.data(), 16}};
+  EXPECT_THROW(copy_spans(overlapping), std::exception);
+  const std::vector<CopySpan> null_src = {{buf.data(), nullptr, 4}};
+  EXPECT_THROW(copy_spans(null_src), std::exception);
+  EXPECT_EQ(other, std::vector<unsigned char>(64, 2)) << "a call with a bad span copied something";
+}
+
 }  // namespace
 }  // namespace tidal::cpu_adam
