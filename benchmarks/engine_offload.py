@@ -219,12 +219,14 @@ def main():
                 flush=True)
         return link, pin, runs, contenders, first_steps, first_pinned, samples, steady
 
-    # The link is set from plain PyTorch's step before the engines exist; on
-    # the CPU of 2026-12-02 the plain steps of the timed rounds then ran
-    # 1.5-1.8x slower than those, which put the minimum bytes' link time at
-    # 0.15 of the plain step instead of LINK_SHARE. Where the rounds show that
-    # (under 0.8 of it), the engines go and the rounds run again with the link
-    # set from the rounds' own plain median; both calibrations are recorded.
+    # The link is set from plain PyTorch's step before the engines exist.
+    # Where the rounds' plain steps run much slower than that (the link time
+    # of the minimum bytes under 0.8 of LINK_SHARE of them), the engines go
+    # and the rounds run again with the link set from the rounds' own plain
+    # median; both calibrations are recorded. (Until the step overlap's
+    # worker stopped calling torch's operators, its OpenMP team slowed every
+    # operator in the process once the engines existed: Note [A second
+    # OpenMP team] in cpu_adam/adam.h.)
     calibrations = [{"compute_s": compute}]
     link, pin, runs, contenders, first_steps, first_pinned, samples, steady = measure(compute)
     share = minimum / link / statistics.median(samples["plain"])

@@ -250,6 +250,7 @@ class StepOverlap:
         self._all_landed = self._launch  # what a chunk whose gradients are all in gets (begin())
         self._counted: set[int] = set()  # tensors whose first landing in this backward was counted
         self._recs: dict[int, list] = {}     # chunk -> its trainable records
+        self._chunk_records: dict[int, list] = {}  # chunk -> all its records (begin())
         self._jobs: list[tuple[int, object]] = []  # (chunk, future); cleared, never replaced
         self._pinned: list = []  # the launched chunks' pins (store.SlotPin), released by finish()
         self._backward_end = None
@@ -307,9 +308,14 @@ class StepOverlap:
         self.settle_deferred()
         self._forget_layout_if_changed()
         recs = collections.defaultdict(list)
+        # Every tensor of each chunk, frozen ones too: whether another is in
+        # use where a chunk would move (_send_down, _launch).
+        everyone = collections.defaultdict(list)
         for r in self._params.records:
+            everyone[r.chunk].append(r)
             if r.trainable and self._store.owns(r):
                 recs[r.chunk].append(r)
+        self._chunk_records = dict(everyone)
         self._recs = dict(recs)
         self._counted = set()
         self._backward_end = None
@@ -429,7 +435,7 @@ class StepOverlap:
         # the trace, which stops the prefetch for the rest of the step.)
         if not self._on_host_by_plan(chunk) or c.chunk_space(chunk, PARAM32) != HOST:
             return
-        if self._store.in_use((r for r in self._params.records if r.chunk == chunk), PARAM16):
+        if self._store.in_use(self._chunk_records.get(chunk, ()), PARAM16):
             return
         if self._store.send_to_host(self._recs[chunk][0], PARAM16):
             self.grads_sent_down_early += 1
@@ -449,7 +455,7 @@ class StepOverlap:
         if any(r in self._relanded for r in recs):
             return
         if c.chunk_space(chunk, PARAM16) == DEVICE and self._store.in_use(
-                (r for r in self._params.records if r.chunk == chunk), PARAM16):
+                self._chunk_records.get(chunk, ()), PARAM16):
             return  # another tensor of the chunk is in use on the device: it cannot move now
         if self._use_sums:
             # Note [Gradients down as they land]: the fold reads the gradients
