@@ -28,7 +28,11 @@ Runs, in alternating order after a pause each, over the same batches:
              down). The prefetch and host-block changes of issue 52 are in both;
   * grads_at_fold (with --accumulation > 1): the engine with each
              host-updated chunk's gradients going down when the fold reads
-             them, as before Note [Gradients down as they land].
+             them, as before Note [Gradients down as they land];
+  * no_overlap: the engine with tidal.overlap_step false (CPU Adam in
+             engine.step(), after backward): on this machine CPU Adam and
+             its undo copies share the cores with backward's compute, which a
+             GPU's backward does not use; this run shows what that costs here.
 Per tidal run, per steady step (the last --steps of each round): time, bytes
 each way against the minimum (every 16-bit chunk resident, the states that
 fit the rest of the chunk room stay, the other chunks send gradients down and
@@ -125,9 +129,9 @@ class Tidal:
                 "adam_seconds": r["optimizer"]["adam_seconds"]}
 
 
-def config(batch, accumulation, chunk, budget):
+def config(batch, accumulation, chunk, budget, overlap=True):
     # (No "device" key: the engines use the simulated device set below, with its link.)
-    t = {"chunk_size": chunk, "device_memory_budget": budget}
+    t = {"chunk_size": chunk, "device_memory_budget": budget, "overlap_step": overlap}
     if budget:
         t["device_margin"] = budget // 20
     return {"train_micro_batch_size_per_gpu": batch, "gradient_accumulation_steps": accumulation,
@@ -199,6 +203,8 @@ def main():
         if accum > 1:
             runs["grads_at_fold"] = Tidal(copy.deepcopy(base), config(args.batch, accum, chunk, budget),
                                           False, grads_at_fold=True)
+        runs["no_overlap"] = Tidal(copy.deepcopy(base), config(args.batch, accum, chunk, budget, overlap=False),
+                                   False)
         contenders = [k for k in runs if k != "plain"]
         first_steps, first_pinned = {}, {}
         for name in contenders:  # warm-up: the trace, the relayout, the plan, the trace again
