@@ -50,14 +50,6 @@ QUICK = dict(d=128, heads=4, vocab=512, seq=16, device="16MiB", chunk="256KiB")
 BYTES_PER_PARAM = 14  # bf16 weights + fp32 masters, momentum and variance
 
 
-def mem_available() -> int:
-    with open("/proc/meminfo") as f:
-        for line in f:
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    raise SystemExit("initialize_largest: /proc/meminfo has no MemAvailable")
-
-
 def params_of(shape, layers) -> int:
     d = shape["d"]
     return layers * (12 * d * d + 13 * d) + (shape["vocab"] + shape["seq"]) * d + 2 * d
@@ -107,7 +99,8 @@ def child(spec: dict) -> dict:
 
     shape, way, fill = spec["shape"], spec["way"], spec["fill"]
     tidal.set_device("sim", capacity=shape["device"])
-    host_budget = int(0.85 * mem_available())  # the engine's default (docs/config.md)
+    from tidal.engine.store import _available_memory_bytes
+    host_budget = int(0.85 * _available_memory_bytes())  # the engine's default (docs/config.md)
     per_param = BYTES_PER_PARAM + (4 if way == "plain" else 0)
     layers = layers_for(shape, fill * host_budget / per_param)
     n = params_of(shape, layers)
@@ -153,17 +146,6 @@ def child(spec: dict) -> dict:
     return out
 
 
-def run_child(spec: dict) -> dict:
-    import subprocess
-    p = subprocess.run([sys.executable, HERE, "--child", json.dumps(spec)], capture_output=True, text=True,
-                       timeout=3600)
-    lines = [ln for ln in p.stdout.splitlines() if ln.startswith("{")]
-    if p.returncode != 0 or not lines:
-        tail = (p.stderr.strip().splitlines() or [f"exit status {p.returncode}"])[-1]
-        raise SystemExit(f"initialize_largest: the {spec['way']} run failed: {tail}")
-    return json.loads(lines[-1])
-
-
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--fill", type=float, default=0.8,
@@ -185,7 +167,10 @@ def main():
     runs = {}
     failures = []
     for way in ("init_context", "plain"):
-        r = run_child({"shape": shape, "way": way, "fill": fill, "steps": args.steps})
+        r = common.run_child(HERE, {"shape": shape, "way": way, "fill": fill, "steps": args.steps},
+                             {"way": way}, timeout=3600)
+        if r.get("fits") is False:
+            raise SystemExit(f"initialize_largest: the {way} run failed: {r['why']}")
         write = min(r["write_s"])
         steady = statistics.median(r["step_s"][2:])
         r["build_and_initialize_over_write"] = (r["build_s"] + r["initialize_s"]) / write

@@ -1,6 +1,8 @@
 """What the CPU Adam tests share: the kernel-target fixture, the parameter
 sets and their gradients, bitwise and elementwise comparisons."""
 import os
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -64,3 +66,26 @@ def assert_states_close(ours, theirs, opt, ref):
         assert float(sa["step"]) == float(sb["step"])
         torch.testing.assert_close(sa["exp_avg"], sb["exp_avg"], rtol=RTOL, atol=ATOL)
         torch.testing.assert_close(sa["exp_avg_sq"], sb["exp_avg_sq"], rtol=RTOL, atol=ATOL)
+
+
+def assert_ticks_while_stepping(one, one_step: float):
+    """Runs `one()` on another thread for about 0.3 s (steps of `one_step`
+    seconds) while this thread ticks every millisecond: a call that released
+    the GIL lets it tick about once per ms; one that held it, at most about
+    twice per call."""
+    steps = max(3, int(0.3 / max(one_step, 1e-4)))
+    done = threading.Event()
+
+    def worker():
+        for _ in range(steps):
+            one()
+        done.set()
+
+    ticks = 0
+    thread = threading.Thread(target=worker)
+    thread.start()
+    while not done.is_set():
+        time.sleep(0.001)
+        ticks += 1
+    thread.join()
+    assert ticks > 4 * steps, f"{ticks} ticks during {steps} steps of {one_step * 1e3:.1f} ms"

@@ -8,7 +8,6 @@ build and CPU offer, the scalar "reference" included.
 import functools
 import math
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -21,7 +20,7 @@ from tidal.optim import CPUAdam
 
 sys.path.insert(0, str(Path(__file__).parent))
 from cpu_adam_reference import (ATOL, HYPER, RTOL, TARGETS, assert_states_close, same_bits,  # noqa: E402
-                                set_grads, target, twin_params)  # noqa: F401  (target: the fixture)
+                                assert_ticks_while_stepping, set_grads, target, twin_params)  # noqa: F401  (target: the fixture)
 
 
 # --- CPUAdam against torch ---------------------------------------------------
@@ -358,22 +357,7 @@ def test_chunk_step_releases_the_gil():
     t0 = time.perf_counter()
     one()
     one_step = time.perf_counter() - t0
-    steps = max(3, int(0.3 / max(one_step, 1e-4)))
-    done = threading.Event()
-
-    def worker():
-        for _ in range(steps):
-            one()
-        done.set()
-
-    ticks = 0
-    thread = threading.Thread(target=worker)
-    thread.start()
-    while not done.is_set():
-        time.sleep(0.001)
-        ticks += 1
-    thread.join()
-    assert ticks > 4 * steps, f"{ticks} ticks during {steps} steps of {one_step * 1e3:.1f} ms"
+    assert_ticks_while_stepping(one, one_step)
 
 
 def test_offsets_address_one_tensor_inside_a_chunk():

@@ -8,7 +8,6 @@ import json
 import os
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -20,7 +19,7 @@ from tidal.optim import CPUAdam
 
 sys.path.insert(0, str(Path(__file__).parent))
 from cpu_adam_reference import (HYPER, ROOT, SUBPROCESS_PYTHONPATH, TARGETS, assert_states_close,  # noqa: E402
-                                make_params, set_grads)
+                                assert_ticks_while_stepping, make_params, set_grads)
 
 
 # --- state dicts -------------------------------------------------------------------
@@ -197,24 +196,7 @@ def test_step_releases_the_gil():
     t0 = time.perf_counter()
     opt.step()
     one_step = time.perf_counter() - t0
-    steps = max(3, int(0.3 / max(one_step, 1e-4)))
-    done = threading.Event()
-
-    def worker():
-        for _ in range(steps):
-            opt.step()
-        done.set()
-
-    ticks = 0
-    thread = threading.Thread(target=worker)
-    thread.start()
-    while not done.is_set():
-        time.sleep(0.001)
-        ticks += 1
-    thread.join()
-    # About 1 tick per ms of stepping with the GIL released; at most about
-    # 2 per step with it held.
-    assert ticks > 4 * steps, f"{ticks} ticks during {steps} steps of {one_step * 1e3:.1f} ms"
+    assert_ticks_while_stepping(opt.step, one_step)
 
 
 def test_targets_are_listed_best_first_with_the_reference_last():

@@ -25,6 +25,16 @@ def simulated_device():
     tidal.set_device("sim", capacity="1GiB")
 
 
+def reversed_twins(n: int):
+    """A Reversed model (its layers used in reverse module order), its copy
+    and `n` batches of random inputs and targets."""
+    torch.manual_seed(0)
+    ref = Reversed()
+    g = torch.Generator().manual_seed(5)
+    batches = [(torch.randn(4, 32, generator=g), torch.randn(4, 32, generator=g)) for _ in range(n)]
+    return ref, copy.deepcopy(ref), batches
+
+
 def test_init_context_builds_into_chunks_and_trains():
     torch.manual_seed(0)
     ref = TinyGPT(d=64, seq=8)
@@ -92,12 +102,7 @@ def test_a_meta_parameter_left_in_the_model_is_a_clear_error():
 
 
 def test_chunks_are_rebuilt_in_first_use_order_after_the_warm_up():
-    torch.manual_seed(0)
-    ref = Reversed()
-    model = copy.deepcopy(ref)
-    g = torch.Generator().manual_seed(5)
-    batches = [(torch.randn(4, 32, generator=g), torch.randn(4, 32, generator=g))
-               for _ in range(12)]
+    ref, model, batches = reversed_twins(12)
     ref_losses = train_reference(ref, batches)
     # 3 layers (weight + bias: 1056 floats each) per 4096-float chunk.
     engine = tidal.initialize(model, config(budget="64KiB", chunk=4096 * 4))
@@ -285,12 +290,7 @@ def test_an_fp16_overflow_does_not_advance_the_lr_schedule():
 
 def test_a_failed_relayout_keeps_the_old_chunks_whole(monkeypatch):
     """A copy failing halfway (e.g. host memory) puts every moved record back."""
-    torch.manual_seed(0)
-    ref = Reversed()
-    model = copy.deepcopy(ref)
-    g = torch.Generator().manual_seed(5)
-    batches = [(torch.randn(4, 32, generator=g), torch.randn(4, 32, generator=g))
-               for _ in range(6)]
+    ref, model, batches = reversed_twins(6)
     ref_losses = train_reference(ref, batches)
     engine = tidal.initialize(model, config(budget="64KiB", chunk=4096 * 4))
     store = engine.store

@@ -13,6 +13,7 @@ import tidal
 
 sys.path.insert(0, str(Path(__file__).parent))
 from engine_helpers import gpt_batches, measured_budget, train_tidal, raw_numel  # noqa: E402
+from engine_reference import assert_close  # noqa: E402
 from tidal.models.gpt import TinyGPT  # noqa: E402
 
 LR = 2e-3
@@ -56,15 +57,6 @@ def train_reference(model, groups, batches):
         opt.zero_grad()
         losses.append(loss.item())
     return losses
-
-
-def assert_close(engine, ref, ref_losses, losses, rtol=1e-5):
-    for a, b in zip(ref_losses, losses):
-        assert abs(a - b) <= rtol * abs(a), (ref_losses, losses)
-    weights = engine.parameters_fp32()
-    for name, p in ref.named_parameters():
-        err = (weights[name] - p.detach()).norm() / p.detach().norm().clamp_min(1e-12)
-        assert err <= rtol, f"{name}: relative L2 error {err:.3g}"
 
 
 @pytest.mark.parametrize("recipe", [no_decay, two_rates])
