@@ -25,7 +25,8 @@ Runs, in alternating order after a pause each, over the same batches:
   * before : the same engine with hybrid Adam's placement rule of before issue 52
              (every chunk updated on the device wherever the step finds room:
              the states come up for the update and the next peak pushes them
-             down). The prefetch and host-block changes of issue 52 are in both;
+             down). The prefetch, host-block and weights-up (Note [Weights up
+             as they are updated]) changes of issue 52 are in both;
   * grads_at_fold (with --accumulation > 1): the engine with each
              host-updated chunk's gradients going down when the fold reads
              them, as before Note [Gradients down as they land];
@@ -68,7 +69,7 @@ LINK_SHARE = H100_MINIMUM / H100_LINK / H100_PLAIN_STEP  # link time of the mini
 PIN_SHARE = H100_MINIMUM / H100_PIN / H100_PLAIN_STEP  # pinning the minimum / compute: 2.5
 COUNTERS = ("bytes_host_to_device", "bytes_device_to_host", "prefetch_hits", "misses",
             "host_block_allocations", "host_block_bytes_allocated", "host_pins", "host_bytes_pinned",
-            "pageable_copies", "block_waits", "copy_waits", "copy_wait_seconds", "evictions")
+            "pageable_copies", "block_waits", "copy_waits", "copy_wait_seconds", "evictions", "prefetches_ahead")
 
 
 class Plain:
@@ -318,6 +319,7 @@ def main():
             "first_steps_bytes_pinned": first_pinned[name],
             "step1_over_steady": first_steps[name][0] / s["median"],
             "steady_evictions": med["evictions"],
+            "steady_prefetches_ahead": med["prefetches_ahead"],
             "exposed_adam_s": exposed, "adam_s": statistics.median(d["adam_seconds"] for d in st),
             "budget_overruns": rep["budget_overruns"], "steady_samples": st,
             "phases": phase_medians(name),

@@ -94,6 +94,7 @@ void bind_records(py::module_& m) {
   TIDAL_FIELD(pageable_copies);
   TIDAL_FIELD(block_waits);
   TIDAL_FIELD(prefetch_rewinds);
+  TIDAL_FIELD(prefetches_ahead);
   TIDAL_FIELD(moves_host_to_device);
   TIDAL_FIELD(moves_device_to_host);
   TIDAL_FIELD(bytes_host_to_device);
@@ -616,6 +617,13 @@ Python thread drives a Chunks object.)doc");
            "Access (COMPUTE) one slot and return a view of it; release() ends the use. wait=False: a "
            "host access may return before a copy into the chunk lands (Note [A pin that does not "
            "wait]); copy_fence() gives what to wait on.")
+      .def("send_ahead",
+           [](Chunks& c, std::uint32_t chunk, ChunkKind kind) {
+             return c.scheduler().send_ahead(make_chunk_id(kind, chunk));
+           },
+           py::call_guard<py::gil_scoped_release>(), py::arg("chunk"), py::arg("kind"),
+           "Note [Sent ahead of the cursor]: starts the chunk's move to where its next use in the "
+           "trace wants it, now, out of the prefetch's order; whether a copy started.")
       .def("copy_fence",
            [](Chunks& c, std::uint32_t chunk, ChunkKind kind) -> py::object {
              const Event* fence = c.scheduler().copy_fence(make_chunk_id(kind, chunk));

@@ -273,6 +273,8 @@ struct ChunkSchedulerStats {
   // The prefetch cursor went back to a chunk that left its place after the
   // cursor had passed it (Note [Prefetch]).
   std::uint64_t prefetch_rewinds = 0;
+  // Moves started by send_ahead (also counted in prefetches).
+  std::uint64_t prefetches_ahead = 0;
   std::uint64_t moves_host_to_device = 0;
   std::uint64_t moves_device_to_host = 0;
   std::uint64_t bytes_host_to_device = 0;
@@ -359,6 +361,21 @@ class ChunkScheduler {
   // budget] in runtime/tracer/memory_tracer.h.
   void set_device_ceiling(std::function<std::size_t()> ceiling) { ceiling_ = std::move(ceiling); }
 
+  // Note [Sent ahead of the cursor]: starts the move of chunk `id` to where
+  // its next use in the trace wants it, now, ahead of the prefetch cursor
+  // and outside its order: for a chunk the caller knows is final until that
+  // use (CPU Adam's worker has just updated it) while the cursor is held back
+  // by chunks that are not (Note [Weights up as they are updated] in
+  // python/tidal/engine/overlap.py). The room is a prefetch's: free budget,
+  // or the victim the use itself would evict, only when it is movable now
+  // and not used before that use (Note [Prefetch]); the move counts as a
+  // prefetch, hit at that use, but not against prefetch_depth. Records no
+  // access and moves no moment, so the trace is followed as before. False,
+  // with nothing changed, when it cannot start now: no trace followed,
+  // prefetch off, the chunk in use, without payload, already where that use
+  // wants it or never used again, or no such room.
+  bool send_ahead(ChunkId id);
+
   // Moment of the latest access in this step (-1 before the first).
   std::int64_t moment() const { return moment_; }
   bool following_trace() const { return following_; }
@@ -406,6 +423,7 @@ class ChunkScheduler {
     std::uint32_t resident_pos = 0;  // index in resident_[space]
     bool prefetched = false; // moved by prefetch, not accessed since
     bool staged = false;     // prefetched from disk to the host for a use on the device
+    bool ahead = false;      // prefetched by send_ahead: not counted against prefetch_depth
     // The home on disk holds the payload's bytes: set by a read from disk and
     // a write to it, cleared by any write (Note [Chunks on NVMe: clean chunks]).
     bool disk_current = false;
@@ -510,6 +528,7 @@ class ChunkScheduler {
   std::int64_t moment_ = -1;
   std::int64_t prefetch_cursor_ = 0;   // next trace moment prefetch looks at
   std::size_t outstanding_prefetches_ = 0;
+  std::size_t outstanding_ahead_ = 0;  // those of them sent by send_ahead
   bool prefetch_blocked_ = false;      // the cursor waits for a chunk to become movable
   // Free host blocks kept (Note [Host blocks for a steady step]).
   std::size_t host_keep_blocks_ = 0;

@@ -15,7 +15,7 @@ void ChunkScheduler::prefetch() {
   if (length == 0) return;
   prefetch_cursor_ = std::max(prefetch_cursor_, moment_ + 1);
   const std::int64_t limit = moment_ + 1 + length;  // at most one step ahead
-  while (prefetch_cursor_ < limit && outstanding_prefetches_ < options_.prefetch_depth) {
+  while (prefetch_cursor_ < limit && outstanding_prefetches_ - outstanding_ahead_ < options_.prefetch_depth) {
     const TraceEntry& entry = trace_.at(prefetch_cursor_);
     const Chunk& chunk = store_.chunk(entry.chunk);
     if (chunk.space() == entry.space || !chunk.has_payload()) {
@@ -45,6 +45,34 @@ void ChunkScheduler::prefetch() {
   }
 }
 
+bool ChunkScheduler::send_ahead(ChunkId id) {
+  if (!options_.prefetch || !following_ || trace_.empty()) return false;
+  if (disk_ && disk_->failed()) return false;  // (as prefetch: Note [Chunks on NVMe: after a failure])
+  const Chunk& chunk = store_.chunk(id);
+  if (!chunk.has_payload() || !chunk.movable() || slots_[id].prefetched) return false;
+  if (chunk.space() != MemorySpace::kHost && chunk.space() != MemorySpace::kDevice) return false;
+  const std::int64_t use = trace_.next_use(id, moment_);
+  if (use == AccessTrace::kNever) return false;
+  const MemorySpace space = trace_.at(use).space;
+  if (space == chunk.space()) return false;
+  RoomRequest request;
+  request.space = space;
+  request.bytes = chunk.capacity_bytes();
+  request.chunk = id;
+  request.prefetch = true;
+  request.needed_at = use;
+  if (!place(id, space, request)) return false;
+  Slot& slot = slots_[id];
+  slot.prefetched = true;
+  slot.ahead = true;
+  ++outstanding_prefetches_;
+  ++outstanding_ahead_;
+  ++stats_.prefetches;
+  ++stats_.prefetches_ahead;
+  debug_validate();
+  return true;
+}
+
 void ChunkScheduler::rewind_prefetch(ChunkId id) {
   if (!options_.prefetch || !following_ || trace_.empty()) return;
   const std::int64_t use = trace_.next_use(id, moment_);
@@ -61,6 +89,10 @@ void ChunkScheduler::clear_prefetched(ChunkId id, bool wasted) {
   slot.prefetched = false;
   slot.staged = false;
   --outstanding_prefetches_;
+  if (slot.ahead) {
+    slot.ahead = false;
+    --outstanding_ahead_;
+  }
   if (wasted) ++stats_.prefetches_wasted;
 }
 

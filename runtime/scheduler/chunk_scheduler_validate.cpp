@@ -19,6 +19,7 @@ void ChunkScheduler::validate() const {
   TIDAL_INTERNAL_ASSERT(slots_.size() == store_.chunk_id_limit() && last_use_.size() == slots_.size(),
                         slots_.size(), " slots for ", store_.chunk_id_limit(), " chunks");
   std::size_t prefetched = 0;
+  std::size_t ahead = 0;
   for (ChunkId id = 0; id < slots_.size(); ++id) {
     const Chunk& chunk = store_.chunk(id);
     const Slot& slot = slots_[id];
@@ -56,6 +57,8 @@ void ChunkScheduler::validate() const {
                             "chunk ", id, " host payload is not its host buffer");
     }
     if (slot.prefetched) ++prefetched;
+    TIDAL_INTERNAL_ASSERT(!slot.ahead || slot.prefetched, "chunk ", id, " sent ahead but not prefetched");
+    if (slot.ahead) ++ahead;
   }
   for (MemorySpace space : {MemorySpace::kHost, MemorySpace::kDevice}) {
     const std::size_t s = index_of(space);
@@ -83,9 +86,12 @@ void ChunkScheduler::validate() const {
   }
   TIDAL_INTERNAL_ASSERT(prefetched == outstanding_prefetches_, prefetched,
                         " chunks flagged prefetched, counted ", outstanding_prefetches_);
-  TIDAL_INTERNAL_ASSERT(options_.prefetch ? outstanding_prefetches_ <= options_.prefetch_depth
+  TIDAL_INTERNAL_ASSERT(ahead == outstanding_ahead_, ahead, " chunks flagged sent ahead, counted ",
+                        outstanding_ahead_);
+  // (Those sent ahead are not counted against the depth: Note [Sent ahead of the cursor].)
+  TIDAL_INTERNAL_ASSERT(options_.prefetch ? outstanding_prefetches_ - outstanding_ahead_ <= options_.prefetch_depth
                                            : outstanding_prefetches_ == 0,
-                        outstanding_prefetches_, " prefetches outstanding, depth ",
+                        outstanding_prefetches_ - outstanding_ahead_, " prefetches outstanding, depth ",
                         options_.prefetch_depth);
   if (!options_.use_trace) {
     TIDAL_INTERNAL_ASSERT(trace_.empty() && !following_ && recording_.empty(),

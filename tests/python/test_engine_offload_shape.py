@@ -175,3 +175,100 @@ def test_with_accumulation_the_gradients_go_down_during_the_backward_that_ends_n
         # (the fold's own prefetch, following the trace, lands a few first)
         assert all(w >= host_chunks // 2 for w in steady), (steady, host_chunks)
     engine.remove_hooks()
+
+
+@pytest.mark.parametrize("ahead", [True, False], ids=["weights-up-as-they-are-updated", "path-off"])
+def test_the_next_forward_finds_the_weights_updated_during_backward_already_up(ahead):
+    """Note [Weights up as they are updated] (tidal/engine/overlap.py): in the
+    quarter-budget shape with a link whose copies take time (each 16 KiB
+    copy about 0.8 ms, the host-updated chunks' about 25 ms each way), each
+    chunk updated on the host during backward sends its new 16-bit weights
+    up as soon as its update is done: most of a steady step's copies up run
+    during backward, and its forward waits for (almost) none. With the path
+    off (the same engine, the send made a no-op) the weights wait for the
+    step and the prefetch takes them in the forward's order: no copy up runs
+    during backward (and with this machine unloaded the forward waits for
+    most of them, about 20 of 29; not asserted: a loaded machine's slower
+    compute hides them). Bitwise the same training either way, and the same
+    bytes."""
+    s = Shape(1)
+    tidal.set_device("sim", capacity="1GiB", bandwidth="20MB/s")
+    cfg = config(s.budget, 1)
+    del cfg["tidal"]["device"]  # (the device set above, with its link)
+    engine = tidal.initialize(copy.deepcopy(s.base), cfg)
+    if not ahead:
+        engine._overlap._send_up_finished = lambda: None
+    losses, waits, moved, up_in_backward = [], [], [], []
+    for x, y in s.batches:
+        before = engine.chunks.stats()
+        loss = engine(x, y)
+        waits.append(engine.chunks.stats()["copy_waits"] - before["copy_waits"])
+        up = engine.chunks.stats()["bytes_host_to_device"]
+        engine.backward(loss)
+        up_in_backward.append(engine.chunks.stats()["bytes_host_to_device"] - up)
+        engine.step()
+        after = engine.chunks.stats()
+        moved.append(after["bytes_host_to_device"] - before["bytes_host_to_device"])
+        losses.append(loss.item())
+    assert losses == s.ref_losses
+    within_budget(engine)
+    host_chunks = len(engine._overlap.plan)
+    assert host_chunks >= 10, engine._overlap.plan  # (most chunks are updated on the host)
+    sent = engine.memory_report()["optimizer"]["weights_sent_up_during_backward"]
+    room = s.budget - s.budget // 20 - s.activations
+    minimum = s.p16 - (room - s.p16) * s.p16 / s.states
+    assert all(0.85 * minimum <= b <= 1.15 * minimum for b in moved[-STEADY:]), (moved, minimum)
+    steady = waits[-STEADY:]
+    if ahead:
+        # (the chunks whose update ends after the last landing go up with the step, as before)
+        assert sent >= STEADY * host_chunks // 2, (sent, host_chunks)
+        assert all(b >= host_chunks // 2 * CHUNK for b in up_in_backward[-STEADY:]), up_in_backward
+        assert sorted(steady)[1] <= host_chunks // 6, (steady, host_chunks)
+    else:
+        assert sent == 0
+        assert all(b == 0 for b in up_in_backward[-STEADY:]), up_in_backward
+    engine.remove_hooks()
+
+
+def test_an_update_undone_after_its_weights_went_up_is_taken_back_bit_for_bit():
+    """Note [Weights up as they are updated]: the weights a chunk sends up
+    during backward are a speculation the step may undo (the clip fires:
+    Note [Speculative updates and their undo]). The loss is scaled 10x on
+    two steps, each after a step that did not clip, so the clip fires there
+    after chunks went up; the undo brings them back and the training is
+    bitwise that of the same engine without the step overlap."""
+    s = Shape(1)
+    factors = [1, 1, 1, 1, 10, 1, 1, 10]
+    assert len(factors) == len(s.batches)
+
+    def run(overlap, clip):
+        cfg = config(s.budget, 1)
+        cfg["gradient_clipping"] = clip
+        cfg["tidal"]["overlap_step"] = overlap
+        engine = tidal.initialize(copy.deepcopy(s.base), cfg)
+        losses, norms, sent_then_undone = [], [], []
+        for (x, y), f in zip(s.batches, factors):
+            opt = engine.memory_report()["optimizer"]
+            loss = engine(x, y)
+            engine.backward(loss * f)
+            sent = engine.memory_report()["optimizer"]["weights_sent_up_during_backward"]
+            engine.step()
+            undone = engine.memory_report()["optimizer"]["undone_chunk_updates"]
+            sent_then_undone.append(sent > opt["weights_sent_up_during_backward"]
+                                    and undone > opt["undone_chunk_updates"])
+            norms.append(engine.get_global_grad_norm())
+            losses.append(loss.item())
+        within_budget(engine)
+        engine.remove_hooks()
+        return losses, norms, sent_then_undone
+
+    _, norms, _ = run(False, 0.0)
+    small = max(n for n, f in zip(norms, factors) if f == 1)
+    large = min(n for n, f in zip(norms, factors) if f == 10)
+    assert small < large / 3, norms
+    clip = (small * large) ** 0.5  # (fires on the scaled steps only)
+    plain, plain_norms, _ = run(False, clip)
+    overlapped, _, sent_then_undone = run(True, clip)
+    assert [n > clip for n in plain_norms] == [f == 10 for f in factors], (plain_norms, clip)
+    assert overlapped == plain
+    assert sent_then_undone == [f == 10 for f in factors], sent_then_undone

@@ -253,6 +253,11 @@ class StepOverlap:
         self._chunk_records: dict[int, list] = {}  # chunk -> all its records (begin())
         self._jobs: list[tuple[int, object]] = []  # (chunk, future); cleared, never replaced
         self._pinned: list = []  # the launched chunks' pins (store.SlotPin), released by finish()
+        # Note [Weights up as they are updated]: each job's pin, in _jobs'
+        # order; the jobs before _ahead_from have had theirs released.
+        self._job_pins: list = []
+        self._ahead_from = 0
+        self._ahead = False  # this backward sends finished chunks up
         self._backward_end = None
         self._speculating = False  # this backward (and its reductions) may launch updates
         self._host_short = False
@@ -275,6 +280,7 @@ class StepOverlap:
         # Totals over the run (memory_report()["optimizer"]).
         self.launched_chunks = 0
         self.grads_sent_down_early = 0  # Note [Gradients down as they land]
+        self.weights_sent_up_early = 0  # Note [Weights up as they are updated]
         self._fold_queue: list[int] = []  # launched chunks whose fold waits for their copy
         self.undone_chunks = 0
         self.steps_not_speculated = 0
@@ -349,6 +355,10 @@ class StepOverlap:
                          if not any(r in self._relanded for r in rs)} \
             if (speculate and not self._data_parallel) or early else {}
         self._all_landed = self._launch if speculate else self._send_down
+        # Note [Weights up as they are updated]: not under data parallel (the
+        # step broadcasts from the owner's chunks) nor with the NVMe tier
+        # (whose host budget the step's order is measured for).
+        self._ahead = speculate and not self._data_parallel and self._config.nvme_path is None
         # A host too small for the state (Note [One place per chunk]): the
         # step makes room first, so nothing is launched in this backward.
         self._host_short = host_short
@@ -364,6 +374,8 @@ class StepOverlap:
         the others' gradients are in. Once the chunk's update started, a
         second use of the parameter in that backward finds its master chunk
         in use (COMPUTE) and fails there, naming the tensor."""
+        if self._ahead:
+            self._send_up_finished()
         if record.id in self._counted:
             # Used again after its gradient landed (a reentrant checkpoint
             # replays it): its chunk is never launched again (below).
@@ -394,6 +406,8 @@ class StepOverlap:
         if not failed:
             for chunk in queued:
                 self._start(chunk)
+            if self._ahead:
+                self._send_up_finished()
         self._backward_end = time.perf_counter()
         self._waiting = {}
 
@@ -440,6 +454,45 @@ class StepOverlap:
         if self._store.send_to_host(self._recs[chunk][0], PARAM16):
             self.grads_sent_down_early += 1
         # (else no host room now: the fold moves it)
+
+    # Note [Weights up as they are updated]
+    # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+    # A chunk updated on the host during backward sends its new 16-bit
+    # weights up for the next forward. They used to wait for the step, whose
+    # finish() released the update's pins; then the scheduler's prefetch took
+    # them in the next forward's order, prefetch_depth at a time. The host-
+    # updated chunks are the last in first-use order (Note [Where a chunk's
+    # Adam runs]), so that forward reached them soon after it started, and
+    # the copies up of nearly every moving byte had only part of one forward
+    # to hide in: at the H100's ratios (engine_offload.py) the link time of
+    # the minimum bytes each way is 0.28 of a step and a forward a third of
+    # one, so the forward waited for the link while backward's link up sat
+    # idle. Now, at each landing and at the end of backward (the hook's
+    # thread, which drives the scheduler), the launched updates that have
+    # finished, in launch order (the worker's order), have their pins
+    # released and their 16-bit chunk sent where its next use wants it
+    # (ChunkScheduler::send_ahead, Note [Sent ahead of the cursor]): up,
+    # during backward, at the link's otherwise idle direction, within the
+    # room a prefetch may take. The update is still a speculation the step
+    # validates: an undo pins the chunk on the host again (_restore), which
+    # brings it back down first, so the step after an undo reads what it
+    # reads without this. Nothing waits: an update not finished yet is taken
+    # at a later landing, or by the step and the prefetch as before; no
+    # access is recorded, so the trace (and its prefetch) is the same at
+    # every step. Not under data parallel (the step broadcasts from the
+    # owner's chunks) nor with the NVMe tier.
+    def _send_up_finished(self) -> None:
+        jobs, c = self._jobs, self._store.chunks
+        while self._ahead_from < len(jobs):
+            chunk, future = jobs[self._ahead_from]
+            if not future.done() or future.exception() is not None:
+                return  # (the worker runs them in launch order; a failure is finish()'s)
+            pin = self._job_pins[self._ahead_from]
+            self._ahead_from += 1
+            pin.release()
+            self._pinned.remove(pin)
+            if c.send_ahead(chunk, PARAM16):
+                self.weights_sent_up_early += 1
 
     def _on_host_by_plan(self, chunk: int) -> bool:
         if not self._config.hybrid_adam:
@@ -490,7 +543,8 @@ class StepOverlap:
         # A record's slots pin its whole chunk of each kind.
         # The pin starts the copy of the gradients down; the worker waits for
         # it, not backward (Note [A pin that does not wait]).
-        self._pinned.append(self._store.pin(recs[0], kinds, HOST, wait=False))
+        pin = self._store.pin(recs[0], kinds, HOST, wait=False)
+        self._pinned.append(pin)
         fences = self._store.copy_fences(chunk, kinds)
         views = [c.chunk_view(chunk, k) for k in _UNDO_KINDS]
         grad = c.chunk_view(chunk, GRAD32) if self._use_sums else None
@@ -500,6 +554,7 @@ class StepOverlap:
         calls = self._adam_calls(recs, self._grad_scale, grad)
         self._pending[chunk] = (recs, lo, hi)
         self._jobs.append((chunk, self._pool.submit(_run, views, calls, undo, lo, hi, fences)))
+        self._job_pins.append(pin)
         self.launched_chunks += 1
 
     def _adam_calls(self, recs: list, grad_scale: float, grad) -> list:
@@ -583,6 +638,8 @@ class StepOverlap:
             else:  # a forward or an error before backward ended: all of it overlapped
                 self.overlapped_seconds += t1 - t0
         self._jobs.clear()
+        self._job_pins = []
+        self._ahead_from = 0
         self._speculating = False
         for pin in self._pinned:
             pin.release()

@@ -195,6 +195,10 @@ class EngineReports:
                 # went down during a backward that ends no window.
                 "gradients_sent_down_during_backward": 0 if overlap is None
                 else overlap.grads_sent_down_early,
+                # Note [Weights up as they are updated]: chunks whose new
+                # 16-bit weights went up during the backward that updated them.
+                "weights_sent_up_during_backward": 0 if overlap is None
+                else overlap.weights_sent_up_early,
                 # Note [Speculative updates and their undo]: the updates made
                 # during backward that a step (or anything before it) took
                 # back, the backwards that did not speculate because the last

@@ -224,5 +224,105 @@ TEST(ChunkSchedulerPrefetch, HostSideUsesArePrefetchedToo) {
   s.validate();
 }
 
+// Note [Sent ahead of the cursor]: the shape of CPU Adam during backward.
+// Step: chunks 0..3 on the device (forward), then 3, 2, 1 accessed on the
+// host and held in use (pinned for their updates, the last-used first), each
+// written there (the update) and released in that order. The prefetch
+// cursor is held back at the next step's use of chunk 1, in use until last;
+// send_ahead moves chunks 3 and 2 up as soon as they are released, past the cursor,
+// without counting against prefetch_depth, and the next step finds it there
+// (a prefetch hit) with the bytes written on the host. The same chunks move
+// as without it.
+ChunkSchedulerStats run_updates_on_the_host(bool ahead) {
+  auto device = make_device(kKiB * kKiB, 20e6);
+  ChunkSchedulerOptions options;
+  options.device_budget_bytes = 8 * kChunk;
+  options.prefetch_depth = 1;
+  ChunkScheduler s(make_store({kFull, kFull, kFull, kFull}, kChunk), device, options);
+  auto where = [&](TensorId t) { return s.store().chunk(s.store().chunk_of(p16(t))).space(); };
+  std::vector<unsigned> version(4, 0);
+  for (int step = 0; step < 4; ++step) {
+    if (step == 1) s.reset_stats();
+    for (TensorId t = 0; t < 4; ++t) {
+      void* p = s.access(p16(t), kDev);
+      if (version[t] > 0) {
+        EXPECT_TRUE(has_pattern(p, kFull * 2, 100 * t + version[t])) << "step " << step << " tensor " << t;
+      }
+      s.release(p16(t), TensorState::kHoldAfterFwd);
+    }
+    for (TensorId t : {3u, 2u, 1u}) write_pattern(s.access(p16(t), kHost), kFull * 2, 100 * t + ++version[t]);
+    // In use: never sent (and nothing happens to it).
+    EXPECT_FALSE(s.send_ahead(s.store().chunk_of(p16(2))));
+    EXPECT_EQ(where(2), kHost);
+    for (TensorId t : {3u, 2u, 1u}) {
+      s.release(p16(t), TensorState::kHold);
+      const bool sent = ahead && s.send_ahead(s.store().chunk_of(p16(t)));
+      // Step 0 records the trace: there is no next use to send a chunk to.
+      // Chunk 1 is the cursor's: its release lets the prefetch itself move it.
+      EXPECT_EQ(sent, ahead && step > 0 && t != 1) << "step " << step << " tensor " << t;
+      if (sent) {
+        EXPECT_EQ(where(t), kDev);
+        // Already on its way: a second call starts nothing.
+        EXPECT_FALSE(s.send_ahead(s.store().chunk_of(p16(t))));
+      }
+    }
+    s.end_step();
+    s.validate();
+  }
+  // The next forward: what the last step sent ahead, it would have moved anyway.
+  for (TensorId t = 0; t < 4; ++t) {
+    void* p = s.access(p16(t), kDev);
+    if (version[t] > 0) EXPECT_TRUE(has_pattern(p, kFull * 2, 100 * t + version[t])) << "tensor " << t;
+    s.release(p16(t), TensorState::kHoldAfterFwd);
+  }
+  s.validate();
+  return s.stats();
+}
+
+TEST(ChunkSchedulerPrefetch, SendAheadMovesAFinishedChunkPastTheCursor) {
+  const ChunkSchedulerStats off = run_updates_on_the_host(false);
+  const ChunkSchedulerStats on = run_updates_on_the_host(true);
+  EXPECT_EQ(off.prefetches_ahead, 0u);
+  EXPECT_EQ(on.prefetches_ahead, 2u * 3u);  // chunks 3 and 2 in each of steps 1-3
+  EXPECT_EQ(on.prefetches_wasted, 0u);
+  EXPECT_EQ(on.misses, 0u);
+  EXPECT_GE(on.prefetch_hits, on.prefetches_ahead);
+  EXPECT_EQ(on.bytes_host_to_device, off.bytes_host_to_device);
+  EXPECT_EQ(on.bytes_device_to_host, off.bytes_device_to_host);
+  EXPECT_EQ(on.prefetch_hits + on.hits + on.misses + on.materializations, on.accesses);
+}
+
+// The room send_ahead takes is a prefetch's (Note [Prefetch]): in the step
+// A B A C with room for two chunks, C cannot go up while B is in use, since
+// the only movable chunk, A, is needed sooner; once B is released the
+// prefetch itself has moved C, and there is nothing left to send.
+TEST(ChunkSchedulerPrefetch, SendAheadNeverEvictsAChunkNeededSooner) {
+  auto device = make_device(kKiB * kKiB);
+  ChunkSchedulerOptions options;
+  options.device_budget_bytes = 2 * kChunk;
+  ChunkScheduler s(make_store({kFull, kFull, kFull}, kChunk), device, options);
+  const TensorId sequence[] = {0, 1, 0, 2};
+  auto where = [&](TensorId t) { return s.store().chunk(s.store().chunk_of(p16(t))).space(); };
+  for (int step = 0; step < 3; ++step) {
+    for (int m = 0; m < 4; ++m) {
+      s.access(p16(sequence[m]), kDev);
+      if (step >= 1 && m == 1) {
+        EXPECT_FALSE(s.send_ahead(s.store().chunk_of(p16(2))));
+        EXPECT_EQ(where(0), kDev) << "A, needed at the next moment, was evicted";
+        EXPECT_NE(where(2), kDev);
+      }
+      s.release(p16(sequence[m]), TensorState::kHold);
+      if (step >= 1 && m == 1) {
+        EXPECT_EQ(where(2), kDev);
+        EXPECT_FALSE(s.send_ahead(s.store().chunk_of(p16(2))));
+      }
+    }
+    s.end_step();
+    s.validate();
+  }
+  EXPECT_EQ(s.stats().prefetches_ahead, 0u);
+  EXPECT_EQ(s.stats().misses, 0u);
+}
+
 }  // namespace
 }  // namespace tidal
