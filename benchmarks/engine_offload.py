@@ -30,6 +30,9 @@ Runs, in alternating order after a pause each, over the same batches:
   * grads_at_fold (with --accumulation > 1): the engine with each
              host-updated chunk's gradients going down when the fold reads
              them, as before Note [Gradients down as they land];
+  * weights_at_step: the engine with the weights of the chunks updated
+             during backward going up after the step, in the next forward's
+             order, as before Note [Weights up as they are updated];
   * no_overlap: the engine with tidal.overlap_step false (CPU Adam in
              engine.step(), after backward): on this machine CPU Adam and
              its undo copies share the cores with backward's compute, which a
@@ -94,7 +97,8 @@ class Plain:
 
 
 class Tidal:
-    def __init__(self, model, cfg, rule_of_before: bool, grads_at_fold: bool = False):
+    def __init__(self, model, cfg, rule_of_before: bool, grads_at_fold: bool = False,
+                 weights_at_step: bool = False):
         t = time.perf_counter()
         self.engine = tidal.initialize(model, cfg)
         self.initialize_s = time.perf_counter() - t
@@ -107,6 +111,10 @@ class Tidal:
             # Before Note [Gradients down as they land]: each host-updated
             # chunk's gradients go down when its fold reads them.
             self.engine._overlap._send_down = lambda chunk: None
+        if weights_at_step:
+            # Before Note [Weights up as they are updated]: the weights a
+            # chunk's update made during backward go up after the step.
+            self.engine._overlap._send_up_finished = lambda: None
 
     def step(self, batches):
         """As Plain.step: the engine's step() runs after the window's last
@@ -204,6 +212,8 @@ def main():
         if accum > 1:
             runs["grads_at_fold"] = Tidal(copy.deepcopy(base), config(args.batch, accum, chunk, budget),
                                           False, grads_at_fold=True)
+        runs["weights_at_step"] = Tidal(copy.deepcopy(base), config(args.batch, accum, chunk, budget), False,
+                                        weights_at_step=True)
         runs["no_overlap"] = Tidal(copy.deepcopy(base), config(args.batch, accum, chunk, budget, overlap=False),
                                    False)
         contenders = [k for k in runs if k != "plain"]

@@ -379,10 +379,12 @@ SUMMARY: List[Tuple[str, Callable[[Figure], bool], str]] = [
     ("engine", lambda f: "a quarter of the model states" in f.what,
      "training gpt-1.3b in bf16 with a device budget of a quarter of the model states + the "
      "activations (chunks move)"),
-    ("engine_offload", lambda f: f.what.startswith("training step") and "rule of before" not in f.what,
+    ("engine_offload", lambda f: f.what.startswith("training step") and "rule of before" not in f.what
+     and "Weights up" not in f.what,
      "a training step in the quarter-budget shape at the H100's link and pinning ratios to compute "
      "(simulated device), against plain PyTorch"),
-    ("engine_offload-accum2", lambda f: f.what.startswith("training step") and "rule of before" not in f.what,
+    ("engine_offload-accum2", lambda f: f.what.startswith("training step") and "rule of before" not in f.what
+     and "Weights up" not in f.what,
      "the same with 2 micro-batches per step"),
     ("device_bandwidth", lambda f: f.what.startswith("host->device") and "simulated" not in f.what,
      "a chunk's copy to the GPU (64 MiB, pinned), against a plain cudaMemcpyAsync loop"),

@@ -197,6 +197,14 @@ def _engine_offload(r: Dict) -> List[Figure]:
              f"{res['link_share_of_compute']:.2f})")
     plain = res["plain_step_s"]
     tidal, before = res["runs"]["tidal"], res["runs"]["before"]
+    later = res["runs"].get("weights_at_step")
+    ahead = [] if later is None else [
+        Figure(f"training step, {model}, weights updated during backward going up then (Note [Weights up "
+               f"as they are updated]; forward {tidal['phases']['forward_s'] * 1e3:.0f} ms) against after "
+               f"the step (forward {later['phases']['forward_s'] * 1e3:.0f} ms)",
+               spread(tidal["step_s"], "ms", ".0f", 1e3),
+               f"{later['step_s']['median'] * 1e3:.0f} ms, the weights going up after the step",
+               f"{tidal['step_s']['median'] / later['step_s']['median']:.2f}")]
     return [
         Figure(f"training step, {model} (steady prefetch hit rate {tidal['steady_prefetch_hit_rate']:.2f}, "
                f"{tidal['steady_host_block_allocations']:.0f} host blocks made, "
@@ -215,7 +223,7 @@ def _engine_offload(r: Dict) -> List[Figure]:
                f"{mib(res['shape']['minimum_bytes_each_way'])}, the minimum (16-bit chunks resident, the states "
                f"that fit stay; the rule of before moved {before['h2d_over_minimum']:.2f}x)",
                f"{tidal['h2d_over_minimum']:.2f}"),
-    ]
+    ] + ahead
 
 
 def _user_param_overhead(r: Dict) -> List[Figure]:
