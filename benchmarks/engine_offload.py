@@ -19,7 +19,9 @@ stalls depend on these ratios, not on absolute rates):
     take the same 0.28 of plain PyTorch's step;
   * pinning host memory: 6 GB/s on that host (cudaHostRegister), so pinning
     the minimum bytes would take 2.5 plain steps there; scaled alike.
-Runs, in alternating order after a pause each, over the same batches:
+Runs, a step of each in turn (in alternating order; each step timed until
+the copies it started have landed), over the same batches, in rounds after a
+pause each:
   * plain  : the model, torch.optim.AdamW (foreach); the compute of a step;
   * tidal  : the engine at the budget above;
   * before : the same engine with hybrid Adam's placement rule of before issue 52
@@ -37,6 +39,11 @@ Runs, in alternating order after a pause each, over the same batches:
              engine.step(), after backward): on this machine CPU Adam and
              its undo copies share the cores with backward's compute, which a
              GPU's backward does not use; this run shows what that costs here.
+With --compute-threads N, torch runs on N threads (the simulated device's
+compute: plain PyTorch's whole step, tidal's forward and backward) and CPU
+Adam on the other cores, as a GPU's compute and its host's cores are apart;
+by default both use every core, so the engine's copies, CPU Adam and its
+worker take cores from the compute, which no GPU pays.
 Per tidal run, per steady step (the last --steps of each round): time, bytes
 each way against the minimum (every 16-bit chunk resident, the states that
 fit the rest of the chunk room stay, the other chunks send gradients down and
@@ -138,9 +145,15 @@ class Tidal:
                 "adam_seconds": r["optimizer"]["adam_seconds"]}
 
 
+# --compute-threads: the CPU Adam threads beside them (0: tidal's default, every core).
+CPU_ADAM_THREADS = [0]
+
+
 def config(batch, accumulation, chunk, budget, overlap=True):
     # (No "device" key: the engines use the simulated device set below, with its link.)
     t = {"chunk_size": chunk, "device_memory_budget": budget, "overlap_step": overlap}
+    if CPU_ADAM_THREADS[0]:
+        t["cpu_adam_threads"] = CPU_ADAM_THREADS[0]
     if budget:
         t["device_margin"] = budget // 20
     return {"train_micro_batch_size_per_gpu": batch, "gradient_accumulation_steps": accumulation,
@@ -155,8 +168,18 @@ def main():
     ap.add_argument("--steps", type=int, default=4, help="timed optimizer steps per run per round")
     ap.add_argument("--accumulation", type=int, default=1)
     ap.add_argument("--pause", type=float, default=2.0, help="seconds of quiet before each run")
+    ap.add_argument("--compute-threads", type=int, default=0,
+                    help="torch's threads (the simulated device's compute), the other cores CPU Adam's "
+                         "(0: both use every core)")
     common.add_gpt_model_args(ap)
     args = ap.parse_args()
+    cores = os.cpu_count() or 1
+    if args.compute_threads:
+        if not 0 < args.compute_threads < cores:
+            ap.error(f"--compute-threads {args.compute_threads}: expected 1 to {cores - 1} on this "
+                     f"machine's {cores} cores (the others run CPU Adam)")
+        torch.set_num_threads(args.compute_threads)
+        CPU_ADAM_THREADS[0] = cores - args.compute_threads
     args.vocab = 1024 if args.vocab == 2048 else args.vocab
     if args.quick:
         args.rounds, args.steps, args.d, args.layers, args.vocab, args.pause = 1, 2, 64, 4, 256, 0.0
@@ -205,7 +228,7 @@ def main():
         warm-up, then the timed rounds."""
         link = minimum / (LINK_SHARE * compute)
         pin = minimum / (PIN_SHARE * compute)
-        tidal.set_device("sim", capacity="4GiB", bandwidth=f"{link:.0f}B/s", pin_bandwidth=f"{pin:.0f}B/s")
+        device = tidal.set_device("sim", capacity="4GiB", bandwidth=f"{link:.0f}B/s", pin_bandwidth=f"{pin:.0f}B/s")
         runs = {"plain": plain,
                 "tidal": Tidal(copy.deepcopy(base), config(args.batch, accum, chunk, budget), False),
                 "before": Tidal(copy.deepcopy(base), config(args.batch, accum, chunk, budget), True)}
@@ -232,15 +255,22 @@ def main():
         at = 3
         order = list(runs)
         for r in range(args.rounds):
-            for name in order if r % 2 == 0 else reversed(order):
-                run = runs[name]
-                start = at
-                time.sleep(args.pause)
-                for s in range(args.steps + 3):
-                    batches = data[(start + s) * accum:(start + s + 1) * accum]
+            # Step by step in turn (in alternating order), not one contender's
+            # steps after another's: this machine's speed drifts within a
+            # run, and a drift then lands on every contender alike.
+            time.sleep(args.pause)
+            for s in range(args.steps + 3):
+                batches = data[(at + s) * accum:(at + s + 1) * accum]
+                for name in order if (r + s) % 2 == 0 else reversed(order):
+                    run = runs[name]
                     before = run.counters() if name != "plain" else None
                     t0 = time.perf_counter()
                     run.step(batches)
+                    # The copies the step left running (its prefetch for the
+                    # next forward) land within its time, not during another
+                    # contender's step: this charges an engine what its next
+                    # forward might have hidden, and never flatters it.
+                    device.synchronize()
                     dt = time.perf_counter() - t0
                     if s < 3:
                         continue  # the first steps of a round settle the trace again after the pause
@@ -295,7 +325,8 @@ def main():
            "simulated_link_bytes_per_s": link, "simulated_pin_bytes_per_s": pin,
            "link_share_of_compute": LINK_SHARE, "pin_share_of_compute": PIN_SHARE,
            "plain_step_s": plain_s, "plain_phases": phase_medians("plain"),
-           "link_s_of_minimum": link_min_s, "calibrations": calibrations, "runs": {}, "quick": args.quick}
+           "link_s_of_minimum": link_min_s, "calibrations": calibrations, "runs": {}, "quick": args.quick,
+           "compute_threads": args.compute_threads or None, "cpu_adam_threads": CPU_ADAM_THREADS[0] or None}
     # The limit of the schedule: compute, the link time of the minimum bytes,
     # and the CPU Adam the new schedule leaves exposed.
     exposed_tidal = statistics.median(d["exposed_adam_seconds"] for d in steady["tidal"])
@@ -349,7 +380,8 @@ def main():
         print(f"[engine_offload] {name}: forward / backward / optimizer step " + " / ".join(
             f"{ph[k] * 1e3:.1f}" for k in ph) + " ms (plain " + " / ".join(f"{pp[k] * 1e3:.1f}" for k in pp) +
             " ms)", flush=True)
-    name = "engine_offload" + ("-quick" if args.quick else "") + (f"-accum{accum}" if accum > 1 else "")
+    name = "engine_offload" + ("-quick" if args.quick else "") + (f"-accum{accum}" if accum > 1 else "") + \
+        (f"-compute{args.compute_threads}" if args.compute_threads else "")
     path = common.write_result(name, {"simulated": True, "result": out}, output=args.output)
     print(f"[engine_offload] wrote {path}")
 

@@ -189,12 +189,15 @@ def _engine_offload(r: Dict) -> List[Figure]:
     res = r["result"]
     m = res["model"]
     accum = m.get("gradient_accumulation_steps", 1)
+    split = res.get("compute_threads")
     model = (f"{_gpt_model(m)}, batch {m['batch']}x{m['seq']}"
              f"{f', {accum} micro-batches per step' if accum > 1 else ''}, {m['chunks']} chunks, the H100 "
              f"quarter-budget shape (chunk room a quarter of the states beside the activations), simulated "
              f"device with a link and pinning set from compute (the minimum bytes' link time "
              f"{res['link_s_of_minimum'] / res['plain_step_s']['median']:.2f} of the plain step; the H100's "
-             f"{res['link_share_of_compute']:.2f})")
+             f"{res['link_share_of_compute']:.2f})"
+             + (f", compute on {split} of the cores and CPU Adam on the other {res['cpu_adam_threads']}"
+                if split else ""))
     plain = res["plain_step_s"]
     tidal, before = res["runs"]["tidal"], res["runs"]["before"]
     later = res["runs"].get("weights_at_step")
@@ -684,6 +687,8 @@ PERFORMANCE: Dict[str, Rows] = {
     "engine_sim": Rows(_engine_sim),
     "engine_offload": Rows(_engine_offload, skip_quick=True),
     "engine_offload-accum2": Rows(_engine_offload, skip_quick=True),
+    "engine_offload-compute1": Rows(_engine_offload, skip_quick=True),
+    "engine_offload-accum2-compute1": Rows(_engine_offload, skip_quick=True),
     "engine": Rows(_engine_gpu, skip_quick=True),
     "engine_accumulation": Rows(_engine_accumulation),
     "user_param_overhead": Rows(_user_param_overhead, skip_quick=True),
