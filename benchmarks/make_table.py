@@ -386,6 +386,10 @@ SUMMARY: List[Tuple[str, Callable[[Figure], bool], str]] = [
     ("engine_offload-accum2", lambda f: f.what.startswith("training step") and "rule of before" not in f.what
      and "Weights up" not in f.what,
      "the same with 2 micro-batches per step"),
+    ("engine_offload-compute1", lambda f: f.what.startswith("training step") and "rule of before" not in f.what
+     and "Weights up" not in f.what,
+     "the same without accumulation, torch on one core and CPU Adam on the other (as a GPU's compute "
+     "and its host's cores are apart)"),
     ("device_bandwidth", lambda f: f.what.startswith("host->device") and "simulated" not in f.what,
      "a chunk's copy to the GPU (64 MiB, pinned), against a plain cudaMemcpyAsync loop"),
     ("cpu_adam", lambda f: "2^28 params, fp16" in f.what and "DeepSpeedCPUAdam" in f.peer,

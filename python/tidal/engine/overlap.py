@@ -17,7 +17,9 @@ with accumulation its fp32 gradient sums) are pinned on the host by the
 store (ParamStore.pin: accessed, COMPUTE, so their payloads cannot move) and
 the worker runs cpu_adam's adam_chunk_step over raw chunk views (the GIL is
 released inside); the step, or whatever else needs the chunks first, waits
-for it and releases the pins.
+for it and releases the pins. An update done while backward goes on has its
+pins released at a later landing, and its new 16-bit weights start up then
+(Note [Weights up as they are updated]).
 None is launched while the host is too small for the state (Note [One place
 per chunk]).
 
