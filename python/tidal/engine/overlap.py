@@ -467,9 +467,9 @@ class StepOverlap:
     # Adam runs]), so that forward reached them soon after it started, and
     # the copies up of nearly every moving byte had only part of one forward
     # to hide in: at the H100's ratios (engine_offload.py) the link time of
-    # the minimum bytes each way is 0.28 of a step and a forward a third of
-    # one, so the forward waited for the link while backward's link up sat
-    # idle. Now, at each landing and at the end of backward (the hook's
+    # the minimum bytes each way is 0.28 of a step and a forward a fifth to a
+    # third of one, so the forward waited for the link while backward's link
+    # up sat idle. Now, at each landing and at the end of backward (the hook's
     # thread, which drives the scheduler), the launched updates that have
     # finished, in launch order (the worker's order), have their pins
     # released and their 16-bit chunk sent where its next use wants it
