@@ -167,7 +167,7 @@ def main():
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--steps", type=int, default=4, help="timed optimizer steps per run per round")
     ap.add_argument("--accumulation", type=int, default=1)
-    ap.add_argument("--pause", type=float, default=2.0, help="seconds of quiet before each run")
+    ap.add_argument("--pause", type=float, default=2.0, help="seconds of quiet before each round")
     ap.add_argument("--compute-threads", type=int, default=0,
                     help="torch's threads (the simulated device's compute), the other cores CPU Adam's "
                          "(0: both use every core)")
