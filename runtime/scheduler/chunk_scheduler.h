@@ -493,6 +493,10 @@ class ChunkScheduler {
   BlockPtr detach(ChunkId id);
   void clear_prefetched(ChunkId id, bool wasted);
   void prefetch();
+  // Places chunk `id` in `space` for its use at moment `needed_at` under the
+  // prefetch's room rule (Note [Prefetch]) and flags and counts the move (a
+  // send_ahead's when `ahead`); false, with nothing changed, without room.
+  bool start_prefetch(ChunkId id, MemorySpace space, std::int64_t needed_at, bool ahead);
   // prefetch(), except that a failure of the disk tier met on the way stops
   // it without an exception: the call that prefetches (an access, a release,
   // end_step) has done its own work, and the next access raises the failure

@@ -28,21 +28,32 @@ void ChunkScheduler::prefetch() {
       prefetch_blocked_ = true;
       return;
     }
-    RoomRequest request;
-    request.space = entry.space;
-    request.bytes = chunk.capacity_bytes();
-    request.chunk = entry.chunk;
-    request.prefetch = true;
-    request.needed_at = prefetch_cursor_;
-    if (!place(entry.chunk, entry.space, request)) {
+    if (!start_prefetch(entry.chunk, entry.space, prefetch_cursor_, /*ahead=*/false)) {
       prefetch_blocked_ = true;
       return;
     }
-    slots_[entry.chunk].prefetched = true;
-    ++outstanding_prefetches_;
-    ++stats_.prefetches;
     ++prefetch_cursor_;
   }
+}
+
+bool ChunkScheduler::start_prefetch(ChunkId id, MemorySpace space, std::int64_t needed_at, bool ahead) {
+  RoomRequest request;
+  request.space = space;
+  request.bytes = store_.chunk(id).capacity_bytes();
+  request.chunk = id;
+  request.prefetch = true;
+  request.needed_at = needed_at;
+  if (!place(id, space, request)) return false;
+  Slot& slot = slots_[id];
+  slot.prefetched = true;
+  slot.ahead = ahead;
+  ++outstanding_prefetches_;
+  ++stats_.prefetches;
+  if (ahead) {
+    ++outstanding_ahead_;
+    ++stats_.prefetches_ahead;
+  }
+  return true;
 }
 
 bool ChunkScheduler::send_ahead(ChunkId id) {
@@ -55,20 +66,7 @@ bool ChunkScheduler::send_ahead(ChunkId id) {
   if (use == AccessTrace::kNever) return false;
   const MemorySpace space = trace_.at(use).space;
   if (space == chunk.space()) return false;
-  RoomRequest request;
-  request.space = space;
-  request.bytes = chunk.capacity_bytes();
-  request.chunk = id;
-  request.prefetch = true;
-  request.needed_at = use;
-  if (!place(id, space, request)) return false;
-  Slot& slot = slots_[id];
-  slot.prefetched = true;
-  slot.ahead = true;
-  ++outstanding_prefetches_;
-  ++outstanding_ahead_;
-  ++stats_.prefetches;
-  ++stats_.prefetches_ahead;
+  if (!start_prefetch(id, space, use, /*ahead=*/true)) return false;
   debug_validate();
   return true;
 }

@@ -489,10 +489,8 @@ class StepOverlap:
             chunk, future = jobs[self._ahead_from]
             if not future.done() or future.exception() is not None:
                 return  # (the worker runs them in launch order; a failure is finish()'s)
-            pin = self._job_pins[self._ahead_from]
+            self._job_pins[self._ahead_from].release()  # (finish()'s second release is a no-op)
             self._ahead_from += 1
-            pin.release()
-            self._pinned.remove(pin)
             if c.send_ahead(chunk, PARAM16):
                 self.weights_sent_up_early += 1
 

@@ -121,9 +121,10 @@ TEST(ChunkSchedulerPrefetch, ComputeWaitsOnlyForTheChunkItUses) {
 }
 
 // Step: A B A C with room for two chunks. While B is in use, C is next to
-// fetch, but the only movable chunk is A, needed sooner: the prefetch waits.
-// Once B is released it is the chunk needed latest (next step), so the
-// prefetch evicts B and fetches C, and A stays.
+// fetch, but the only movable chunk is A, needed sooner: the prefetch waits,
+// and send_ahead (whose room is a prefetch's) sends nothing either. Once B is
+// released it is the chunk needed latest (next step), so the prefetch evicts
+// B and fetches C, and A stays; there is nothing left to send ahead.
 TEST(ChunkSchedulerPrefetch, NeverEvictsAChunkNeededSooner) {
   auto device = make_device(kKiB * kKiB);
   ChunkSchedulerOptions options;
@@ -135,6 +136,7 @@ TEST(ChunkSchedulerPrefetch, NeverEvictsAChunkNeededSooner) {
     for (int m = 0; m < 4; ++m) {
       s.access(p16(sequence[m]), kDev);
       if (step >= 1 && m == 1) {
+        EXPECT_FALSE(s.send_ahead(s.store().chunk_of(p16(2))));
         EXPECT_EQ(where(0), kDev) << "A, needed at the next moment, was evicted";
         EXPECT_NE(where(2), kDev);
       }
@@ -143,11 +145,13 @@ TEST(ChunkSchedulerPrefetch, NeverEvictsAChunkNeededSooner) {
         EXPECT_EQ(where(2), kDev) << "C was not prefetched";
         EXPECT_EQ(where(1), kHost);
         EXPECT_EQ(where(0), kDev);
+        EXPECT_FALSE(s.send_ahead(s.store().chunk_of(p16(2))));
       }
     }
     s.end_step();
     s.validate();
   }
+  EXPECT_EQ(s.stats().prefetches_ahead, 0u);
   // Step 0 creates each chunk where it is first used; every later move is a prefetch.
   EXPECT_EQ(s.stats().misses, 0u);
   EXPECT_EQ(s.stats().materializations, 3u);
@@ -290,38 +294,6 @@ TEST(ChunkSchedulerPrefetch, SendAheadMovesAFinishedChunkPastTheCursor) {
   EXPECT_EQ(on.bytes_host_to_device, off.bytes_host_to_device);
   EXPECT_EQ(on.bytes_device_to_host, off.bytes_device_to_host);
   EXPECT_EQ(on.prefetch_hits + on.hits + on.misses + on.materializations, on.accesses);
-}
-
-// The room send_ahead takes is a prefetch's (Note [Prefetch]): in the step
-// A B A C with room for two chunks, C cannot go up while B is in use, since
-// the only movable chunk, A, is needed sooner; once B is released the
-// prefetch itself has moved C, and there is nothing left to send.
-TEST(ChunkSchedulerPrefetch, SendAheadNeverEvictsAChunkNeededSooner) {
-  auto device = make_device(kKiB * kKiB);
-  ChunkSchedulerOptions options;
-  options.device_budget_bytes = 2 * kChunk;
-  ChunkScheduler s(make_store({kFull, kFull, kFull}, kChunk), device, options);
-  const TensorId sequence[] = {0, 1, 0, 2};
-  auto where = [&](TensorId t) { return s.store().chunk(s.store().chunk_of(p16(t))).space(); };
-  for (int step = 0; step < 3; ++step) {
-    for (int m = 0; m < 4; ++m) {
-      s.access(p16(sequence[m]), kDev);
-      if (step >= 1 && m == 1) {
-        EXPECT_FALSE(s.send_ahead(s.store().chunk_of(p16(2))));
-        EXPECT_EQ(where(0), kDev) << "A, needed at the next moment, was evicted";
-        EXPECT_NE(where(2), kDev);
-      }
-      s.release(p16(sequence[m]), TensorState::kHold);
-      if (step >= 1 && m == 1) {
-        EXPECT_EQ(where(2), kDev);
-        EXPECT_FALSE(s.send_ahead(s.store().chunk_of(p16(2))));
-      }
-    }
-    s.end_step();
-    s.validate();
-  }
-  EXPECT_EQ(s.stats().prefetches_ahead, 0u);
-  EXPECT_EQ(s.stats().misses, 0u);
 }
 
 }  // namespace
