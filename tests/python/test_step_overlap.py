@@ -519,6 +519,34 @@ def test_a_failed_last_micro_batch_refuses_the_step_until_zero_grad():
     within_budget(engine)
 
 
+def test_a_failed_first_micro_batch_drops_the_sums_it_folded_and_the_engine_goes_on():
+    # With accumulation the backward that ends no window folds each host
+    # chunk during backward and sends its weights up (Note [Gradients down as
+    # they land]); where it fails, its early sums hold nothing but its own
+    # part, so they go and the micro-batch can run again: the training is
+    # bitwise that of the engine without overlap meeting the same failure.
+    batches = gpt_batches(8)
+    runs = {}
+    for overlap in (False, True):
+        torch.manual_seed(0)
+        engine = tidal.initialize(TinyGPT(d=64, seq=8), make_config(overlap, hybrid=False, accumulation=2))
+        train_tidal(engine, batches[:4])
+        before = optimizer_report(engine)
+        boom = engine.module.blocks[0].register_full_backward_hook(
+            lambda *a: (_ for _ in ()).throw(RuntimeError("boom in backward")))
+        with pytest.raises(RuntimeError, match="boom in backward"):
+            engine.backward(engine(*batches[4]))
+        boom.remove()
+        after = optimizer_report(engine)
+        if overlap:  # (the path fired before the failure)
+            assert after["weights_sent_up_during_backward"] > before["weights_sent_up_during_backward"]
+            assert engine._overlap.folded_early
+        train_tidal(engine, batches[4:])  # (the failed micro-batch again, and on)
+        within_budget(engine)
+        runs[overlap] = engine
+    assert_bitwise(runs[False], runs[True])
+
+
 def test_an_engine_dropped_after_backward_waits_for_its_updates_and_goes():
     # The worker reads chunk memory: a collected engine waits for it before
     # its chunks go (weakref.finalize), and nothing of the engine stays.

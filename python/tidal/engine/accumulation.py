@@ -128,14 +128,22 @@ class GradientAccumulation:
                 self._give_weights_back(pending)
             self._hooks.clear_landed(self._params.indexes(pending))
 
+    def has_sums(self) -> bool:
+        """Whether any gradient sum holds something (a window under way)."""
+        return bool(self._hooks.summed_params())
+
+    def drop_sums(self) -> None:
+        """Every gradient sum goes (their chunks give their memory back)."""
+        summed = self._hooks.summed_params()
+        if summed:
+            self._hooks.drop_sums(summed)
+
     def reset(self) -> None:
         """engine.zero_grad(): the landed gradients and the sums of an
         unfinished window go."""
         self.broken = None
         self.drop_landed()
-        summed = self._hooks.summed_params()
-        if summed:
-            self._hooks.drop_sums(summed)
+        self.drop_sums()
 
     def stepped(self, pending: list, owned: list) -> None:
         """After the step over `pending` (of which this rank updated `owned`):

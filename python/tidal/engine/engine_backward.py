@@ -60,6 +60,9 @@ class EngineBackward:
         if scale_wrt_gas:
             scale = scale / self.config.gradient_accumulation_steps
         scaled = loss.float() * scale if scale != 1.0 else loss
+        # (A failed backward that folded gradients early drops the sums where
+        # they hold nothing else: below.)
+        sums_before = self._accumulation.summing and self._accumulation.has_sums()
         if self._overlap is not None:
             # Only the backward before the step's boundary launches updates.
             self._overlap.begin(self._accumulation.next_backward_ends_window(),
@@ -102,11 +105,15 @@ class EngineBackward:
             # their weights back; a step on part of them would be wrong);
             # earlier micro-batches' sums stay. Chunks CPU Adam updated
             # meanwhile are taken back (Note [Speculative updates and their
-            # undo]); sums it folded early hold part of this backward.
+            # undo]); sums it folded early hold part of this backward: they
+            # go where they hold nothing else (the window's first backward),
+            # and otherwise the window cannot be stepped on.
             if self._overlap is not None:
                 self._overlap.backward_ended(failed=True)
                 self.settle_overlap()
-                if self._overlap.folded_early:
+                if self._overlap.folded_early and not sums_before:
+                    self._accumulation.drop_sums()
+                elif self._overlap.folded_early:
                     self._accumulation.break_window(
                         f"the backward that failed had folded the gradients of "
                         f"{len(self._overlap.folded_early)} chunks into their accumulation sums "

@@ -208,6 +208,9 @@ from .store import DEVICE, GRAD32, HOST, MOMENTUM, PARAM16, PARAM32, VARIANCE, u
 _KINDS = (PARAM16, PARAM32, MOMENTUM, VARIANCE)
 # What an update overwrites, in the order of the worker's views and of the undo buffers.
 _UNDO_KINDS = (PARAM32, MOMENTUM, VARIANCE, PARAM16)
+# With accumulation, a chunk sent down at its last landing is folded (and
+# launched) this many chunks' launches later (Note [Gradients down as they land]).
+_FOLD_LAG = 2
 
 
 class StepOverlap:
@@ -356,11 +359,16 @@ class StepOverlap:
         self._waiting = {chunk: len(rs) for chunk, rs in recs.items()
                          if not any(r in self._relanded for r in rs)} \
             if (speculate and not self._data_parallel) or early else {}
-        self._all_landed = self._launch if speculate else self._send_down
+        self._all_landed = self._launch if speculate else self._send_down_and_queue
+        self._drain = self._start if speculate else self._fold_and_send_up
         # Note [Weights up as they are updated]: not under data parallel (the
         # step broadcasts from the owner's chunks) nor with the NVMe tier
         # (whose host budget the step's order is measured for).
-        self._ahead = speculate and not self._data_parallel and self._config.nvme_path is None
+        # (With accumulation, the backwards that end no window fold each
+        # chunk sent down early and send its weights up the same way: Note
+        # [Gradients down as they land].)
+        self._ahead = (speculate or early) and not self._data_parallel and \
+            self._config.nvme_path is None
         # A host too small for the state (Note [One place per chunk]): the
         # step makes room first, so nothing is launched in this backward.
         self._host_short = host_short
@@ -376,7 +384,7 @@ class StepOverlap:
         the others' gradients are in. Once the chunk's update started, a
         second use of the parameter in that backward finds its master chunk
         in use (COMPUTE) and fails there, naming the tensor."""
-        if self._ahead:
+        if self._ahead and self._speculating:
             self._send_up_finished()
         if record.id in self._counted:
             # Used again after its gradient landed (a reentrant checkpoint
@@ -407,8 +415,8 @@ class StepOverlap:
         queued, self._fold_queue = self._fold_queue, []
         if not failed:
             for chunk in queued:
-                self._start(chunk)
-            if self._ahead:
+                self._drain(chunk)
+            if self._ahead and self._speculating:
                 self._send_up_finished()
         self._backward_end = time.perf_counter()
         self._waiting = {}
@@ -433,9 +441,18 @@ class StepOverlap:
     #   gradients wait for the fold), whose access waits only for a copy that
     #   has not landed;
     # * the second: the launch sends the chunk down the same way, and its fold
-    #   and update start at the next chunk's launch or at the end of backward,
-    #   by when the copy has usually landed (one chunk later, the same
-    #   arithmetic; a failed backward drops the queue with its gradients).
+    #   and update start _FOLD_LAG chunks' launches later or at the end of
+    #   backward, by when the copy has usually landed (a failed backward
+    #   drops the queue with its gradients). A count of launches, not whether
+    #   the copy has landed: a fold's accesses are in the trace, and an order
+    #   that followed the copies' timing would change from step to step and
+    #   stop the prefetch (it did: a quarter of a steady step's copies missed);
+    # * the first, too, where the weights may go up early (Note [Weights up
+    #   as they are updated]): each chunk is folded on the host in the same
+    #   queue, and its 16-bit slots, which hold the weights again, are sent
+    #   up right after, for the next micro-batch's forward. Before, the fold
+    #   after backward restored them and that forward's prefetch fetched them
+    #   in its order, prefetch_depth at a time, as the step's weights were.
     # Only where the last step updated the chunk on the host (the plan), its
     # master is on the host, no other tensor of the chunk is in use, the host
     # has room, and nothing in this backward could bring the chunk back (no
@@ -443,19 +460,53 @@ class StepOverlap:
     # before. The bytes are the same; only when they move changes. The access
     # is part of the scheduler's trace, so from the next step on its prefetch
     # may send the chunk down there itself.
-    def _send_down(self, chunk: int) -> None:
+    def _send_down(self, chunk: int) -> bool:
+        """Whether `chunk`'s 16-bit chunk was sent to the host (its copy started)."""
         c = self._store.chunks
         # (Whether the chunk is on the device yet is not asked: where the
         # scheduler follows its trace, its prefetch may have sent it down at
         # this very access, and skipping the access then would depart from
         # the trace, which stops the prefetch for the rest of the step.)
         if not self._on_host_by_plan(chunk) or c.chunk_space(chunk, PARAM32) != HOST:
-            return
+            return False
         if self._store.in_use(self._chunk_records.get(chunk, ()), PARAM16):
-            return
+            return False
         if self._store.send_to_host(self._recs[chunk][0], PARAM16):
             self.grads_sent_down_early += 1
-        # (else no host room now: the fold moves it)
+            return True
+        return False  # no host room now: the fold moves it
+
+    def _send_down_and_queue(self, chunk: int) -> None:
+        """A backward that ends no window: the gradients go down, and where
+        the weights may go up early (Note [Weights up as they are updated]),
+        the chunk's fold follows one chunk later."""
+        if self._send_down(chunk) and self._ahead:
+            self._queue_fold(chunk)
+
+    def _queue_fold(self, chunk: int) -> None:
+        """`chunk`'s copy down has just started: the chunk queued _FOLD_LAG
+        launches before it, whose copy has had that many chunks' backward to
+        land, is folded (and launched) now; the rest wait for later launches
+        or the end of backward. A count, not whether the copy has landed: the
+        accesses of a fold are in the scheduler's trace, and an order that
+        followed the copies' timing would differ from step to step, which
+        stops the prefetch (Note [Prefetch])."""
+        self._fold_queue.append(chunk)
+        while len(self._fold_queue) > _FOLD_LAG:
+            self._drain(self._fold_queue.pop(0))
+
+    def _fold_and_send_up(self, chunk: int) -> None:
+        """A backward that ends no window: `chunk`'s gradients into their
+        sums on the host (the fold the end of backward would make there), and
+        its 16-bit slots, which hold the weights again, sent up for the next
+        micro-batch's forward."""
+        recs = self._recs[chunk]
+        if any(r in self._relanded for r in recs):
+            return  # (landed again since it was queued: the end of backward folds it)
+        self._fold_chunk(chunk, recs, HOST)
+        self.folded_early.add(chunk)
+        if self._store.chunks.send_ahead(chunk, PARAM16):
+            self.weights_sent_up_early += 1
 
     # Note [Weights up as they are updated]
     # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -482,7 +533,9 @@ class StepOverlap:
     # at a later landing, or by the step and the prefetch as before; no
     # access is recorded, so the trace (and its prefetch) is the same at
     # every step. Not under data parallel (the step broadcasts from the
-    # owner's chunks) nor with the NVMe tier.
+    # owner's chunks) nor with the NVMe tier. With gradient accumulation the
+    # backwards that end no window send up each chunk's weights once its fold
+    # is done (Note [Gradients down as they land]).
     def _send_up_finished(self) -> None:
         jobs, c = self._jobs, self._store.chunks
         while self._ahead_from < len(jobs):
@@ -513,11 +566,9 @@ class StepOverlap:
         if self._use_sums:
             # Note [Gradients down as they land]: the fold reads the gradients
             # on the host; their copy starts now and the fold (and the
-            # update) follows at the next chunk's launch or at backward's end.
+            # update) follows _FOLD_LAG launches later or at backward's end.
             self._send_down(chunk)
-            queued, self._fold_queue = self._fold_queue, [chunk]
-            for earlier in queued:
-                self._start(earlier)
+            self._queue_fold(chunk)
             return
         self._start(chunk)
 

@@ -196,7 +196,9 @@ class EngineReports:
                 "gradients_sent_down_during_backward": 0 if overlap is None
                 else overlap.grads_sent_down_early,
                 # Note [Weights up as they are updated]: chunks whose new
-                # 16-bit weights went up during the backward that updated them.
+                # 16-bit weights went up during the backward that updated them
+                # (with accumulation also those whose fold gave their weights
+                # back during a backward that ends no window).
                 "weights_sent_up_during_backward": 0 if overlap is None
                 else overlap.weights_sent_up_early,
                 # Note [Speculative updates and their undo]: the updates made
