@@ -35,21 +35,48 @@ BlockPool::~BlockPool() {
   }
 }
 
+// Note [A cached block whose copy is done]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// A block goes back to the cache as soon as its chunk leaves it, while the
+// copy out of it may still be queued (its fence: Note [Block fences]); the
+// next copy into it waits on that fence on the copy stream. The newest
+// block is the one given back last, so its copy was queued last: where the
+// link is the bottleneck and chunks go both ways at once (a chunk's
+// gradients down and, once its update is done, its weights up: Note
+// [Weights up as they are updated] in python/tidal/engine/overlap.py), each
+// copy up into the newest device block waited for the last copy down queued,
+// and the copies up ran after all the copies down instead of beside them.
+// So the pick is the newest block whose copies are done (its pages are the
+// warmest of those), else the oldest, whose copy was queued first and, each
+// direction's copy engine running in order, lands first.
 BlockPtr BlockPool::take_cached(MemorySpace space, std::size_t bytes, bool pinned) {
   auto& by_size = cache_[index_of(space)];
   auto it = by_size.find(bytes);
   if (it == by_size.end() || it->second.empty()) return nullptr;
   auto& blocks = it->second;
-  // The newest first (its pages are warm); on the host, the newest that is
-  // pinned or not as asked, when there is one.
-  std::size_t pick = blocks.size() - 1;
-  if (space == MemorySpace::kHost) {
-    for (std::size_t i = blocks.size(); i-- > 0;) {
-      if (blocks[i]->host.registered() == pinned) {
-        pick = i;
-        break;
-      }
+  // On the host, the blocks pinned or not as asked, when there is one.
+  const auto as_asked = [&](std::size_t i) {
+    return space != MemorySpace::kHost || blocks[i]->host.registered() == pinned;
+  };
+  bool any_as_asked = false;
+  for (std::size_t i = 0; i < blocks.size() && !any_as_asked; ++i) any_as_asked = as_asked(i);
+  const auto eligible = [&](std::size_t i) { return !any_as_asked || as_asked(i); };
+  const auto done = [&](std::size_t i) {
+    try {
+      return blocks[i]->ready();
+    } catch (...) {
+      return false;  // (a device error: the copy into it reports it)
     }
+  };
+  std::size_t pick = blocks.size();
+  for (std::size_t i = blocks.size(); i-- > 0;) {
+    if (eligible(i) && done(i)) {
+      pick = i;
+      break;
+    }
+  }
+  for (std::size_t i = 0; pick == blocks.size(); ++i) {
+    if (eligible(i)) pick = i;
   }
   BlockPtr block = std::move(blocks[pick]);
   blocks.erase(blocks.begin() + static_cast<std::ptrdiff_t>(pick));

@@ -110,7 +110,9 @@ class BlockPool {
   // A cached block of exactly `bytes` in `space`, or null. On the host, a
   // pinned one first when `pinned`, else one not pinned first, so the pinned
   // blocks stay with the chunks that cross again and again (Note [Pinned at
-  // the second crossing] in chunk_scheduler.h).
+  // the second crossing] in chunk_scheduler.h). Among those, the newest whose
+  // copies are done, else the oldest (Note [A cached block whose copy is
+  // done] in block_pool.cpp).
   BlockPtr take_cached(MemorySpace space, std::size_t bytes, bool pinned = false);
   bool has_cached(MemorySpace space, std::size_t bytes) const;
   // A new block. Throws OutOfMemoryError when the space has no memory left.

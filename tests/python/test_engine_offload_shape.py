@@ -288,6 +288,54 @@ def test_with_accumulation_the_next_micro_batch_finds_its_weights_already_up(ahe
     engine.remove_hooks()
 
 
+@pytest.mark.parametrize("beside", [True, False], ids=["up-beside-down", "path-off"])
+def test_where_the_link_binds_the_weights_go_up_beside_the_gradients_going_down(beside):
+    """Where the link, not compute, bounds the step (5 MB/s: the host-updated
+    chunks' bytes take about 160 ms each way, a forward 10-20 ms), backward
+    ends long before the gradients are down, so the updates end while the
+    step waits for them. Each sends its weights up as soon as it is done
+    (StepOverlap.finish(send_up=True)), into a device block whose copy down
+    has landed (Note [A cached block whose copy is done] in
+    runtime/scheduler/block_pool.cpp): the copies up run beside the copies
+    down, and the next forward waits for less than a quarter of the link
+    time up. With the path off (the same engine, the step's wait sending
+    nothing) they go up in the next forward's order after the step, and
+    that forward waits for more than a third of it. Bitwise the same
+    training either way, and the same bytes."""
+    s = Shape(1)
+    tidal.set_device("sim", capacity="1GiB", bandwidth="5MB/s")
+    cfg = config(s.budget, 1)
+    del cfg["tidal"]["device"]  # (the device set above, with its link)
+    engine = tidal.initialize(copy.deepcopy(s.base), cfg)
+    overlap = engine._overlap
+    if not beside:
+        finish = overlap.finish
+        overlap.finish = lambda send_up=False: finish()
+    losses, waited, moved = [], [], []
+    for x, y in s.batches:
+        before = engine.chunks.stats()
+        loss = engine(x, y)
+        waited.append(engine.chunks.stats()["copy_wait_seconds"] - before["copy_wait_seconds"])
+        engine.backward(loss)
+        engine.step()
+        moved.append(engine.chunks.stats()["bytes_host_to_device"] - before["bytes_host_to_device"])
+        losses.append(loss.item())
+    assert losses == s.ref_losses
+    within_budget(engine)
+    room = s.budget - s.budget // 20 - s.activations
+    minimum = s.p16 - (room - s.p16) * s.p16 / s.states
+    assert all(0.85 * minimum <= b <= 1.15 * minimum for b in moved[-STEADY:]), (moved, minimum)
+    link = minimum / 5e6
+    sent = engine.memory_report()["optimizer"]["weights_sent_up_while_the_step_waits"]
+    if beside:
+        assert sent >= STEADY * len(overlap.plan) // 2, (sent, overlap.plan)
+        assert all(w <= 0.25 * link for w in waited[-STEADY:]), (waited, link)
+    else:
+        assert sent == 0
+        assert all(w >= link / 3 for w in waited[-STEADY:]), (waited, link)
+    engine.remove_hooks()
+
+
 def test_an_update_undone_after_its_weights_went_up_is_taken_back_bit_for_bit():
     """Note [Weights up as they are updated]: the weights a chunk sends up
     during backward are a speculation the step may undo (the clip fires:

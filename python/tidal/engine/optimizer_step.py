@@ -184,7 +184,7 @@ class OptimizerStep:
             if self._accumulation.broken:
                 raise UsageError(f"engine.step(): {self._accumulation.broken}; call engine.zero_grad() "
                                  f"and run this step's micro-batches again")
-            overlap.finish()
+            overlap.finish(send_up=True)
         pending = self._accumulation.pending()
         # Data parallel: the update runs where the masters are; every rank
         # holds the gradients it reduced into the chunks it owns.

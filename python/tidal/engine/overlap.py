@@ -286,6 +286,7 @@ class StepOverlap:
         self.launched_chunks = 0
         self.grads_sent_down_early = 0  # Note [Gradients down as they land]
         self.weights_sent_up_early = 0  # Note [Weights up as they are updated]
+        self.weights_sent_up_at_step = 0  # the same, while the step waits (finish())
         self._fold_queue: list[int] = []  # launched chunks whose fold waits for their copy
         self.undone_chunks = 0
         self.steps_not_speculated = 0
@@ -664,13 +665,23 @@ class StepOverlap:
             self.undo_bytes = 0
 
     # ---------------------------------------------------------------- step
-    def finish(self):
+    def finish(self, send_up: bool = False):
         """Waits for every launched update and releases the pins. Raises the
         first error a worker met, after every pin is released (the chunks it
-        updated stay pending, so an undo can still take them back)."""
+        updated stay pending, so an undo can still take them back).
+
+        Args:
+            send_up: the step's wait: where this backward sent finished
+                chunks up (Note [Weights up as they are updated]), each one
+                still running when backward ended sends its weights up as
+                soon as it is done, while the later ones still wait for their
+                gradients' copies down.
+        """
         error = None
         end = self._backward_end
-        for chunk, future in self._jobs:
+        send_up = send_up and self._ahead
+        c = self._store.chunks
+        for i, (chunk, future) in enumerate(self._jobs):
             try:
                 t0, t1 = future.result()
             except _UndoCopyFailed as ex:
@@ -683,6 +694,11 @@ class StepOverlap:
             except BaseException as ex:  # noqa: BLE001 (re-raised below)
                 error = error or ex
                 continue
+            if send_up and error is None and i >= self._ahead_from:
+                self._job_pins[i].release()  # (the release below is a no-op)
+                self._ahead_from = i + 1
+                if c.send_ahead(chunk, PARAM16):
+                    self.weights_sent_up_at_step += 1
             self.worker_seconds += t1 - t0
             if end is not None:
                 self.overlapped_seconds += max(0.0, min(t1, end) - t0)

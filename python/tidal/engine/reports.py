@@ -201,6 +201,10 @@ class EngineReports:
                 # back during a backward that ends no window).
                 "weights_sent_up_during_backward": 0 if overlap is None
                 else overlap.weights_sent_up_early,
+                # ... and those whose update was still running when backward
+                # ended, each sent up once done while the step waits for the rest.
+                "weights_sent_up_while_the_step_waits": 0 if overlap is None
+                else overlap.weights_sent_up_at_step,
                 # Note [Speculative updates and their undo]: the updates made
                 # during backward that a step (or anything before it) took
                 # back, the backwards that did not speculate because the last

@@ -119,6 +119,43 @@ TEST(BlockPool, ATrimFreesBlocksNotPinnedBeforePinnedOnes) {
   pool.validate();
 }
 
+TEST(BlockPool, ACachedBlockWhoseCopyIsDoneGoesFirstElseTheOldest) {
+  // Note [A cached block whose copy is done] in block_pool.cpp: three device
+  // blocks given back while their copies out are queued on one stream of a
+  // slow link (each 4 KiB copy about 4 ms), oldest first.
+  constexpr MemorySpace kDevice = MemorySpace::kDevice;
+  auto device = make_device(kKiB * kKiB, /*bandwidth=*/1e6);
+  BlockPool pool(device, /*pin_host=*/false);
+  auto stream = device->create_stream("d2h");
+  HostBuffer host(3 * kSmall);
+  std::vector<const void*> order;
+  for (int i = 0; i < 3; ++i) {
+    BlockPtr block = pool.allocate(kDevice, kSmall);
+    device->copy_async(static_cast<char*>(host.data()) + i * kSmall, block->data, kSmall,
+                       CopyKind::kDeviceToHost, *stream);
+    block->record_fence(*stream);
+    order.push_back(block->data);
+    pool.give_back(std::move(block));
+  }
+  // None done: the oldest, whose copy lands first (the newest would wait for all three).
+  BlockPtr first = pool.take_cached(kDevice, kSmall);
+  EXPECT_EQ(first->data, order[0]);
+  EXPECT_FALSE(first->ready());
+  stream->synchronize();
+  // All done: the newest, as before.
+  EXPECT_EQ(pool.take_cached(kDevice, kSmall)->data, order[2]);
+  // One done, one not: the done one, though older than a block given back since.
+  BlockPtr last = pool.take_cached(kDevice, kSmall);
+  EXPECT_EQ(last->data, order[1]);
+  device->copy_async(host.data(), first->data, kSmall, CopyKind::kDeviceToHost, *stream);
+  first->record_fence(*stream);
+  pool.give_back(std::move(last));   // done
+  pool.give_back(std::move(first));  // its copy queued: the newest
+  EXPECT_EQ(pool.take_cached(kDevice, kSmall)->data, order[1]);
+  stream->synchronize();
+  pool.validate();
+}
+
 TEST(BlockPool, HandedOutBySizeCountsNewBlocksAndReusesAlike) {
   BlockPool pool(make_device(kKiB * kKiB), /*pin_host=*/false);
   fill(pool);
