@@ -68,6 +68,26 @@ forward a third of the compute (2 of the 6 FLOPs per parameter and token):
     backward = max(2 compute/3, streamed down, fetched-again up)
     compute = FLOPs / device FLOP/s + modules x seconds per module hook,
     a direction's time = its bytes / its rate.
+With the step overlap (tidal.overlap_step, the default), where nothing is
+fetched again, the host holds the state and no disk tier is on, each
+streamed chunk's new weights go up as soon as its update is done (or,
+between micro-batches, its fold): during backward, or while the step waits
+for the updates still running (Note [Weights up as they are updated] in
+tidal/engine/overlap.py). The host-updated chunks are the last in first-use
+order, so their gradients go down from the start of backward, and each
+direction's copies run beside the other's; the next forward waits only for
+the last chunk's copy up (the first it needs):
+    link     = max(streamed up, streamed down) + one 16-bit chunk up
+    forward  = max(compute/3, one 16-bit chunk up)
+    backward = max(2 compute/3, link - forward)    (the step's wait included)
+so a micro-batch takes max(compute, link) where it took compute/3 + 2
+compute/3 or streamed up + streamed down, whichever bound each phase. Only
+chunks whose undo buffers (14 bytes per parameter at fp32 moments: Note
+[Speculative updates and their undo]) fit the host budget beside the chunks
+it holds are updated during backward; for a share b of the streamed bytes,
+    link = b max(up, down) + (1 - b)(up + down) + one 16-bit chunk up,
+and the forward waits for the rest's (1 - b) up. (The clip firing stops the
+speculation, and with it this: not modelled.)
 On the simulated device CPU Adam and the device's Adam (both on the host's
 cores, which compute shares) add to that:
     step = accumulation x (forward + backward) + CPU Adam + device Adam + disk
@@ -491,10 +511,33 @@ def estimate(model, config=None, *, precision=None, optimizer_state_dtype=None,
     accum = cfg.gradient_accumulation_steps
     streamed = max(0, traffic["bytes_each_way"] - traffic["refetch_or_churn_bytes"]) / accum
     again = traffic["refetch_or_churn_bytes"] / accum
-    forward_s = max((compute_s + hooks_s) / 3 / accum, streamed / value["h2d_bytes_per_s"],
-                    again / value["d2h_bytes_per_s"])
-    backward_s = max(2 * (compute_s + hooks_s) / 3 / accum, streamed / value["d2h_bytes_per_s"],
-                     again / value["h2d_bytes_per_s"])
+    per_micro = (compute_s + hooks_s) / accum
+    # The weights going up as each chunk's update (or fold) is done, beside
+    # the gradients going down (the docstring): with the step overlap, when
+    # nothing is fetched again, the host holds the state and no disk tier.
+    # Only the chunks whose undo buffers fit the host budget beside the
+    # chunks it holds are updated during backward (StepOverlap._undo_buffers):
+    # a share `beside` of the streamed bytes.
+    beside = 0.0
+    if cfg.overlap_step and streamed and not again and not spilled and not on_disk:
+        # (At the launches the host holds every chunk but those updated on
+        # the device: their 16-bit chunks and their states.)
+        P = layout["param16_trainable_bytes"]
+        e = (state - layout["param16_bytes"]) / P if P else 0.0
+        host_held = max(0, state - traffic["hybrid_param16_bytes"] * (1 + e))
+        undo = traffic["host_param16_bytes"] * (_ELEMENT[cfg.precision] + 4 + moments) / _ELEMENT[cfg.precision]
+        beside = min(1.0, max(0, host_capacity - host_held) / undo) if undo else 1.0
+    if beside:
+        tail = layout["param16_bytes"] / max(1, layout["chunks"]) / value["h2d_bytes_per_s"]
+        up, down = streamed / value["h2d_bytes_per_s"], streamed / value["d2h_bytes_per_s"]
+        link_micro = beside * max(up, down) + (1 - beside) * (up + down) + tail
+        forward_s = max(per_micro / 3, tail, (1 - beside) * up)
+        backward_s = max(2 * per_micro / 3, link_micro - forward_s)
+    else:
+        forward_s = max(per_micro / 3, streamed / value["h2d_bytes_per_s"],
+                        again / value["d2h_bytes_per_s"])
+        backward_s = max(2 * per_micro / 3, streamed / value["d2h_bytes_per_s"],
+                         again / value["h2d_bytes_per_s"])
     phases_s = accum * (forward_s + backward_s)
     link_exposed_s = phases_s - (compute_s + hooks_s)
     # Chunks on disk are updated on the host, where they are read to.
@@ -552,7 +595,8 @@ def estimate(model, config=None, *, precision=None, optimizer_state_dtype=None,
                     "bytes_disk_read": disk_bytes, "bytes_disk_write": disk_bytes},
         "rates": r,
         "time": {"flops": flops, "tokens": tokens, "compute_s": compute_s, "hooks_s": hooks_s,
-                 "link_s": link_s, "link_exposed_s": link_exposed_s, "forward_s": forward_s,
+                 "link_s": link_s, "link_exposed_s": link_exposed_s, "link_both_ways_at_once_share": beside,
+                 "forward_s": forward_s,
                  "backward_s": backward_s, "cpu_adam_s": cpu_adam_s, "device_adam_s": device_adam_s,
                  "disk_s": disk_s,
                  "step_s": step_s, "step_s_overlapped": overlapped, "bottleneck": bottleneck,

@@ -537,6 +537,15 @@ class StepOverlap:
     # owner's chunks) nor with the NVMe tier. With gradient accumulation the
     # backwards that end no window send up each chunk's weights once its fold
     # is done (Note [Gradients down as they land]).
+    # Where the link, not compute, bounds the step, backward ends long before
+    # the gradients are down and most updates end while the step waits for
+    # them (finish()): there each sends its weights up as soon as it is done,
+    # so the copies up run beside the copies down still queued (each into a
+    # device block whose copy down has landed: Note [A cached block whose
+    # copy is done] in runtime/scheduler/block_pool.cpp). At 5 MB/s in the
+    # quarter-budget shape the next forward then waited for about none of the
+    # link time up, against two thirds with the weights going up after the
+    # step (test_engine_offload_shape.py).
     def _send_up_finished(self) -> None:
         jobs, c = self._jobs, self._store.chunks
         while self._ahead_from < len(jobs):
