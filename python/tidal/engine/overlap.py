@@ -480,7 +480,7 @@ class StepOverlap:
     def _send_down_and_queue(self, chunk: int) -> None:
         """A backward that ends no window: the gradients go down, and where
         the weights may go up early (Note [Weights up as they are updated]),
-        the chunk's fold follows one chunk later."""
+        the chunk's fold follows _FOLD_LAG launches later (_queue_fold)."""
         if self._send_down(chunk) and self._ahead:
             self._queue_fold(chunk)
 
