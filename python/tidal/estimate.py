@@ -86,8 +86,9 @@ chunks whose undo buffers (14 bytes per parameter at fp32 moments: Note
 [Speculative updates and their undo]) fit the host budget beside the chunks
 it holds are updated during backward; for a share b of the streamed bytes,
     link = b max(up, down) + (1 - b)(up + down) + one 16-bit chunk up,
-and the forward waits for the rest's (1 - b) up. (The clip firing stops the
-speculation, and with it this: not modelled.)
+and the forward waits for the rest's (1 - b) up. The micro-batches before a
+window's last fold during backward and need no undo buffers: b = 1 there.
+(The clip firing stops the speculation, and with it this: not modelled.)
 On the simulated device CPU Adam and the device's Adam (both on the host's
 cores, which compute shares) add to that:
     step = accumulation x (forward + backward) + CPU Adam + device Adam + disk
@@ -530,9 +531,16 @@ def estimate(model, config=None, *, precision=None, optimizer_state_dtype=None,
     if beside:
         tail = layout["param16_bytes"] / max(1, layout["chunks"]) / value["h2d_bytes_per_s"]
         up, down = streamed / value["h2d_bytes_per_s"], streamed / value["d2h_bytes_per_s"]
-        link_micro = beside * max(up, down) + (1 - beside) * (up + down) + tail
-        forward_s = max(per_micro / 3, tail, (1 - beside) * up)
-        backward_s = max(2 * per_micro / 3, link_micro - forward_s)
+
+        def phases(b):
+            link_micro = b * max(up, down) + (1 - b) * (up + down) + tail
+            f = max(per_micro / 3, tail, (1 - b) * up)
+            return f, max(2 * per_micro / 3, link_micro - f)
+        # The micro-batches before the window's last fold each chunk during
+        # backward and need no undo buffers: all of theirs go up beside.
+        (f1, b1), (fb, bb) = phases(1.0), phases(beside)
+        forward_s = ((accum - 1) * f1 + fb) / accum
+        backward_s = ((accum - 1) * b1 + bb) / accum
     else:
         forward_s = max(per_micro / 3, streamed / value["h2d_bytes_per_s"],
                         again / value["d2h_bytes_per_s"])
