@@ -92,6 +92,15 @@ class Shape:
         self.budget = int((self.activations + (self.p16 + self.states) // 4) / 0.95)
 
 
+def on_link(shape, accumulation, bandwidth):
+    """An engine of `shape` at its budget on a simulated device whose link
+    copies at `bandwidth` (each way)."""
+    tidal.set_device("sim", capacity="1GiB", bandwidth=bandwidth)
+    cfg = config(shape.budget, accumulation)
+    del cfg["tidal"]["device"]  # (the device set above, with its link)
+    return tidal.initialize(copy.deepcopy(shape.base), cfg)
+
+
 @pytest.mark.parametrize("accumulation", [1, 2])
 def test_a_quarter_budget_moves_the_minimum_and_prefetches_every_steady_copy(accumulation):
     s = Shape(accumulation)
@@ -144,14 +153,11 @@ def test_with_accumulation_the_gradients_go_down_during_the_backward_that_ends_n
     fold after backward waits for a copy of most host-updated chunks.
     Bitwise the same training either way."""
     s = Shape(2)
-    base, batches, ref_losses, budget = s.base, s.batches, s.ref_losses, s.budget
+    batches, ref_losses = s.batches, s.ref_losses
 
     # A link with time in it (each 16 KiB copy about 0.3 ms): a copy started
     # at the fold is still running when the fold reads it.
-    tidal.set_device("sim", capacity="1GiB", bandwidth="50MB/s")
-    cfg = config(budget, 2)
-    del cfg["tidal"]["device"]  # (the device set above, with its link)
-    engine = tidal.initialize(copy.deepcopy(base), cfg)
+    engine = on_link(s, 2, "50MB/s")
     if not early:
         engine._overlap._send_down = lambda chunk: None
     losses, waits, waited, link = [], [], [], []
@@ -197,10 +203,7 @@ def test_the_next_forward_finds_the_weights_updated_during_backward_already_up(a
     compute hides them). Bitwise the same training either way, and the same
     bytes."""
     s = Shape(1)
-    tidal.set_device("sim", capacity="1GiB", bandwidth="20MB/s")
-    cfg = config(s.budget, 1)
-    del cfg["tidal"]["device"]  # (the device set above, with its link)
-    engine = tidal.initialize(copy.deepcopy(s.base), cfg)
+    engine = on_link(s, 1, "20MB/s")
     if not ahead:
         engine._overlap._send_up_finished = lambda: None
     losses, waits, moved, up_in_backward = [], [], [], []
@@ -250,10 +253,7 @@ def test_with_accumulation_the_next_micro_batch_finds_its_weights_already_up(ahe
     returns, and the forward fetches the rest. Bitwise the same training
     either way, and the same bytes."""
     s = Shape(2)
-    tidal.set_device("sim", capacity="1GiB", bandwidth="20MB/s")
-    cfg = config(s.budget, 2)
-    del cfg["tidal"]["device"]  # (the device set above, with its link)
-    engine = tidal.initialize(copy.deepcopy(s.base), cfg)
+    engine = on_link(s, 2, "20MB/s")
     overlap = engine._overlap
     if not ahead:
         overlap._send_down_and_queue = overlap._send_down
@@ -309,10 +309,7 @@ def test_where_the_link_binds_the_weights_go_up_beside_the_gradients_going_down(
     a loaded machine backward is slower too, and more updates end during
     it: those go up then, which this test counts alike.)"""
     s = Shape(1)
-    tidal.set_device("sim", capacity="1GiB", bandwidth="1MB/s")
-    cfg = config(s.budget, 1)
-    del cfg["tidal"]["device"]  # (the device set above, with its link)
-    engine = tidal.initialize(copy.deepcopy(s.base), cfg)
+    engine = on_link(s, 1, "1MB/s")
     overlap = engine._overlap
     if not beside:
         finish = overlap.finish

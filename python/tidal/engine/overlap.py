@@ -547,15 +547,21 @@ class StepOverlap:
     # link time up, against two thirds with the weights going up after the
     # step (test_engine_offload_shape.py).
     def _send_up_finished(self) -> None:
-        jobs, c = self._jobs, self._store.chunks
+        jobs = self._jobs
         while self._ahead_from < len(jobs):
             chunk, future = jobs[self._ahead_from]
             if not future.done() or future.exception() is not None:
                 return  # (the worker runs them in launch order; a failure is finish()'s)
-            self._job_pins[self._ahead_from].release()  # (finish()'s second release is a no-op)
-            self._ahead_from += 1
-            if c.send_ahead(chunk, PARAM16):
+            if self._send_up_next(chunk):
                 self.weights_sent_up_early += 1
+
+    def _send_up_next(self, chunk: int) -> bool:
+        """The job at _ahead_from (done, of `chunk`): its pins go (finish()'s
+        second release is a no-op) and its 16-bit chunk is sent up. Whether
+        it was."""
+        self._job_pins[self._ahead_from].release()
+        self._ahead_from += 1
+        return self._store.chunks.send_ahead(chunk, PARAM16)
 
     def _on_host_by_plan(self, chunk: int) -> bool:
         if not self._config.hybrid_adam:
@@ -689,7 +695,6 @@ class StepOverlap:
         error = None
         end = self._backward_end
         send_up = send_up and self._ahead
-        c = self._store.chunks
         for i, (chunk, future) in enumerate(self._jobs):
             try:
                 t0, t1 = future.result()
@@ -703,10 +708,8 @@ class StepOverlap:
             except BaseException as ex:  # noqa: BLE001 (re-raised below)
                 error = error or ex
                 continue
-            if send_up and error is None and i >= self._ahead_from:
-                self._job_pins[i].release()  # (the release below is a no-op)
-                self._ahead_from = i + 1
-                if c.send_ahead(chunk, PARAM16):
+            if send_up and error is None and i == self._ahead_from:
+                if self._send_up_next(chunk):
                     self.weights_sent_up_at_step += 1
             self.worker_seconds += t1 - t0
             if end is not None:
