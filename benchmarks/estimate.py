@@ -296,10 +296,22 @@ def _err(pred, meas):
 
 
 # The machine of benchmarks/results/*-nvidia-h100-80gb-hbm3.json: one H100
-# 80GB HBM3 and 128 GB of host memory (the issue's "H100 + 128 GB").
+# 80GB HBM3 and 128 GB of host memory (the issue's "H100 + 128 GB"); and the
+# shapes of issue 52: that run's quarter budget, with and without
+# accumulation, and a 7B model on a 24 GB card.
+H100_RUN = "engine-nvidia-h100-80gb-hbm3.json"
 H100_CASES = [
     {"model": "gpt-1.3b", "optimizer_state_dtype": "fp32", "micro_batch": 8, "seq": 1024,
-     "why": "the batch of the measured plain PyTorch run on the H100"},
+     "why": "the batch of the measured plain PyTorch run on the H100, the whole GPU as the budget"},
+    {"model": "gpt-1.3b", "optimizer_state_dtype": "fp32", "micro_batch": 8, "seq": 1024,
+     "device_memory_budget": "26.8GB", "measured_run": "tidal_quarter",
+     "why": "the H100 run with chunks moving (issue 52): a quarter of the model states beside the "
+            "activations as the budget"},
+    {"model": "gpt-1.3b", "optimizer_state_dtype": "fp32", "micro_batch": 8, "seq": 1024,
+     "device_memory_budget": "26.8GB", "gradient_accumulation_steps": 4,
+     "why": "the same with 4 micro-batches per step (accumulation that covers CPU Adam)"},
+    {"model": "gpt-6.7b", "optimizer_state_dtype": "fp32", "micro_batch": 1, "seq": 1024,
+     "device_memory": "24GB", "why": "a 7B model on a 24 GB card with 128 GB of host memory"},
     {"model": "gpt-13b", "optimizer_state_dtype": "fp32", "micro_batch": 1, "seq": 1024,
      "why": "14 B/param"},
     {"model": "gpt-13b", "optimizer_state_dtype": "bf16", "micro_batch": 1, "seq": 1024,
@@ -307,25 +319,48 @@ H100_CASES = [
 ]
 
 
+def _measured_on_h100(run: str) -> dict:
+    """Bytes each way and the step time of `run` in the H100 result file (the
+    code before issue 52), to set beside the prediction."""
+    with open(common.RESULTS / H100_RUN) as f:
+        r = json.load(f)
+    report = r["runs"][run]["report"]
+    memory = report["memory"]
+    tokens = report["micro_batch"] * report["seq"] * report["gradient_accumulation_steps"]
+    return {"file": H100_RUN, "git_commit": r["git_commit"], "device_budget": memory["device_budget"],
+            "bytes_host_to_device_last_step": memory["bytes_host_to_device_last_step"],
+            "bytes_device_to_host_last_step": memory["bytes_device_to_host_last_step"],
+            "tokens_per_s": report["tokens_per_s"], "step_s": tokens / report["tokens_per_s"],
+            "prefetch_hit_rate": memory["prefetch_hit_rate"]}
+
+
 def h100_prediction(output=None) -> None:
-    """tidal.estimate for gpt-1.3b and gpt-13b on an H100 80GB with a 128 GB
-    host, bf16, 64 MiB chunks (configs/gpt_gpu.json), with the rates the
-    estimate's defaults name (the H100's measured link and plain PyTorch
-    TFLOPS; this CPU's CPU Adam: the H100 host's was not measured). A
-    prediction: no GPU run has checked it."""
+    """tidal.estimate for the GPTs of H100_CASES on an H100 80GB (or the card a
+    case names) with a 128 GB host, bf16, 64 MiB chunks (configs/gpt_gpu.json),
+    with the rates the estimate's defaults name (the H100's measured link and
+    plain PyTorch TFLOPS; this CPU's CPU Adam: the H100 host's was not
+    measured). A prediction: no GPU run has checked it; where the H100 ran a
+    case before issue 52, what it measured is set beside it."""
     from tidal.estimate import DEFAULT_RATES, estimate
     cases = []
     for case in H100_CASES:
+        device_memory = case.get("device_memory", "80GB")
         e = estimate(case["model"], str(common.ROOT / "configs" / "gpt_gpu.json"),
                      precision="bf16", optimizer_state_dtype=case["optimizer_state_dtype"],
-                     micro_batch=case["micro_batch"], seq=case["seq"], device_memory="80GB",
+                     gradient_accumulation_steps=case.get("gradient_accumulation_steps", 1),
+                     micro_batch=case["micro_batch"], seq=case["seq"], device_memory=device_memory,
+                     device_memory_budget=case.get("device_memory_budget"),
                      host_memory="128GB", rates={}, measure=False)
-        cases.append({**case, "estimate": e})
+        row = {**case, "device_memory": device_memory, "estimate": e}
+        if "measured_run" in case:
+            row["measured_before_issue_52"] = _measured_on_h100(case["measured_run"])
+        cases.append(row)
         t = e["time"]
-        print(f"[estimate] H100 80GB + 128 GB, {case['model']} bf16, {e['state_bytes_per_param']} "
-              f"B/param, micro batch {case['micro_batch']} x {case['seq']}: fits {e['fits']}; "
-              f"{e['traffic']['bytes_each_way'] / 2**30:.1f} GiB each way; step "
-              f"{t['step_s']:.2f} s (bottleneck {t['bottleneck']})", flush=True)
+        print(f"[estimate] {device_memory} card (budget {case.get('device_memory_budget', 'all')}) + 128 GB, "
+              f"{case['model']} bf16, {e['state_bytes_per_param']} B/param, micro batch "
+              f"{case['micro_batch']} x {case['seq']} x {e['gradient_accumulation_steps']}: fits {e['fits']}; "
+              f"{e['traffic']['bytes_each_way'] / 2**30:.2f} GiB each way; step on a GPU "
+              f"{t['step_s_overlapped']:.3f} s (bottleneck {t['bottleneck']})", flush=True)
     path = common.write_result("estimate_h100_prediction", {
         "simulated": False, "prediction": True,
         "target": {"device": "NVIDIA H100 80GB HBM3", "device_memory": "80GB",

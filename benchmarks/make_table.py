@@ -227,19 +227,25 @@ def _h100_rows(r: Dict) -> List[List[str]]:
     for c in r["cases"]:
         e = c["estimate"]
         t, ch = e["time"], e["chunk"]
+        budget = c.get("device_memory_budget")
+        before = c.get("measured_before_issue_52")
         rows.append([
             f"{c['model']} ({e['model']['parameters'] / 1e9:.2f}B)",
+            f"{c.get('device_memory', '80GB')}" + (f", budget {budget}" if budget else ""),
             f"{e['state_bytes_per_param']} B",
-            f"{c['micro_batch']} x {c['seq']}",
+            f"{c['micro_batch']} x {c['seq']}" + (f" x {e['gradient_accumulation_steps']} micro-batches"
+                                                 if e.get("gradient_accumulation_steps", 1) > 1 else ""),
             f"{gib(e['state_bytes'])} ({ch['padding_fraction']:.0%} padding)",
             f"{gib(e['host']['chunk_capacity'])} + {gib(e['device']['chunk_limit'])} "
             f"({gib(e['device']['activations'])} activations)",
             "yes" if e["fits"] else "no",
             gib(e["traffic"]["bytes_each_way"]),
-            f"{ms(t['step_s'])} = {ms(t['compute_s'] + t['hooks_s'])} compute + "
+            f"{ms(t['step_s_overlapped'])} (in turn: {ms(t['compute_s'] + t['hooks_s'])} compute + "
             f"{ms(t['link_s'])} link + {ms(t['cpu_adam_s'])} CPU Adam + "
-            f"{ms(t['device_adam_s'])} device Adam" + ("" if e["fits"] else " (if it fit)"),
+            f"{ms(t['device_adam_s'])} device Adam)" + ("" if e["fits"] else " (if it fit)"),
             t["bottleneck"],
+            (f"{gib(before['bytes_host_to_device_last_step'])} each way, {ms(before['step_s'])}, "
+             f"prefetch hit rate {before['prefetch_hit_rate']:.2f} (`{before['file']}`)") if before else "",
         ])
     return rows
 
@@ -247,18 +253,21 @@ def _h100_rows(r: Dict) -> List[List[str]]:
 def _h100_caption(r: Dict, name: str) -> str:
     tgt = r["target"]
     rates = r["rates"]
-    return (f"**Predicted, not measured: {tgt['device']} with {tgt['host_memory']} of host "
-            f"memory** (`tidal-estimate --device-memory {tgt['device_memory']} "
-            f"--host-memory {tgt['host_memory']} --precision {tgt['precision']}`, "
+    return (f"**Predicted, not measured: {tgt['device']} (or the card a row names) with "
+            f"{tgt['host_memory']} of host memory** (`python benchmarks/estimate.py --h100`: "
+            f"tidal.estimate, precision {tgt['precision']}, "
             f"{tgt['config']}: 64 MiB chunks; no GPU run has checked these figures yet; a "
-            f"GPU run replaces them). Rates: link "
+            f"GPU run replaces them). The predicted step is the GPU's: CPU Adam runs beside the "
+            f"device, during the last backward and under the next forward, so only what exceeds "
+            f"them adds (`time.step_s_overlapped`); in brackets the parts one after the other. "
+            f"Rates: link "
             f"{rates['h2d_bytes_per_s']['value'] / 1e9:.1f} / "
             f"{rates['d2h_bytes_per_s']['value'] / 1e9:.1f} GB/s and "
             f"{rates['device_flops_per_s']['value'] / 1e12:.0f} TFLOPS measured on the "
             f"H100 (pinned copies; plain PyTorch gpt-1.3b); CPU Adam "
             f"{rates['cpu_adam_params_per_s']['value'] / 1e9:.2f} G params/s measured on "
             f"this 2-core CPU (the H100 host's was never measured: a 16-core host is "
-            f"faster, and CPU Adam is where the 13B figures are bound); device Adam "
+            f"faster, and CPU Adam is where every row with states on the host is bound); device Adam "
             f"{rates['device_adam_params_per_s']['value'] / 1e9:.0f} G params/s assumed. "
             f"Commit {r['git_commit'][:7]}; `{name}`.")
 
@@ -359,8 +368,9 @@ ESTIMATES = [
               lambda r: [f"bf16 moments' final loss is {r['result']['final_loss_relative_difference']:+.2%} from "
                          f"fp32 moments' (held-out {r['result']['eval_loss_relative_difference']:+.2%})."]),
     Captioned("estimate_h100_prediction", _h100_caption,
-              ["model", "bytes per parameter", "micro batch", "states in chunks", "room: host + device chunks",
-               "fits", "moved each way per step", "predicted step", "bottleneck"],
+              ["model", "device", "bytes per parameter", "micro batch", "states in chunks",
+               "room: host + device chunks", "fits", "moved each way per step", "predicted step on a GPU",
+               "bottleneck", "measured on an H100 before issue 52"],
               _h100_rows),
 ]
 
