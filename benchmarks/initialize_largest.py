@@ -99,8 +99,8 @@ def child(spec: dict) -> dict:
 
     shape, way, fill = spec["shape"], spec["way"], spec["fill"]
     tidal.set_device("sim", capacity=shape["device"])
-    from tidal.engine.store import _available_memory_bytes
-    host_budget = int(0.85 * _available_memory_bytes())  # the engine's default (docs/config.md)
+    from tidal.engine.store import default_host_budget
+    host_budget = default_host_budget()  # the engine's default (docs/config.md)
     per_param = BYTES_PER_PARAM + (4 if way == "plain" else 0)
     layers = layers_for(shape, fill * host_budget / per_param)
     n = params_of(shape, layers)

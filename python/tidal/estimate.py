@@ -404,7 +404,7 @@ def estimate(model, config=None, *, precision=None, optimizer_state_dtype=None,
     trainable = sum(n for _, n, tr, _ in tensors if tr)
 
     # The machine and the budgets (ParamStore.__init__).
-    from .engine.store import _available_memory_bytes
+    from .engine.store import available_memory_bytes, default_host_budget
     if device_memory is None:
         from .device import get_device
         info = get_device().info()
@@ -414,7 +414,7 @@ def estimate(model, config=None, *, precision=None, optimizer_state_dtype=None,
         device_memory, device_source = parse_bytes(device_memory), "given"
         backend = "given"
     if host_memory is None:
-        host_memory, host_source = _available_memory_bytes(), "detected: available memory"
+        host_memory, host_source = available_memory_bytes(), "detected: available memory"
     else:
         host_memory, host_source = parse_bytes(host_memory), "given"
     for name, value in (("device memory", device_memory), ("host memory", host_memory)):
@@ -428,7 +428,7 @@ def estimate(model, config=None, *, precision=None, optimizer_state_dtype=None,
     if margin >= budget:
         raise ValueError(f"config key 'tidal.device_margin': {margin} bytes leaves nothing of the "
                          f"device budget of {budget} bytes for chunks")
-    host_budget = cfg.host_memory_budget or int(0.85 * host_memory)
+    host_budget = cfg.host_memory_budget or default_host_budget(host_memory)
     fp32_chunk = cfg.chunk_size * (1 if cfg.precision == "fp32" else 2)
     host_reserve = min(2 * fp32_chunk, host_budget // 4)
     host_capacity, limit = host_budget - host_reserve, budget - margin

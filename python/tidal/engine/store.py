@@ -29,7 +29,12 @@ _TORCH_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.fl
 _CHUNK_DTYPES = {"fp16": "float16", "bf16": "bfloat16", "fp32": "float32"}
 
 
-def _available_memory_bytes() -> int:
+# The host budget when the config gives none (tidal.host_memory_budget 0):
+# this share of the memory the host can give (docs/config.md).
+HOST_BUDGET_SHARE = 0.85
+
+
+def available_memory_bytes() -> int:
     """The host memory the kernel can give without swapping (MemAvailable), or
     the physical memory where /proc/meminfo is missing."""
     try:
@@ -40,6 +45,12 @@ def _available_memory_bytes() -> int:
     except OSError:
         pass
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def default_host_budget(host_memory: int | None = None) -> int:
+    """The host budget an engine takes when its config gives none: HOST_BUDGET_SHARE
+    of `host_memory` (None: of what the host can give now, available_memory_bytes())."""
+    return int(HOST_BUDGET_SHARE * (available_memory_bytes() if host_memory is None else host_memory))
 
 
 @contextlib.contextmanager
@@ -195,7 +206,7 @@ class ParamStore:
                               f"memory as non-chunk memory")
         # Chunks beyond this much host memory spill to free device room (Note
         # [One place per chunk] in runtime/scheduler/chunk_scheduler.h).
-        self.host_budget = config.host_memory_budget or int(0.85 * _available_memory_bytes())
+        self.host_budget = config.host_memory_budget or default_host_budget()
         # Host room kept for evictions from the device (two fp32 chunks: twice
         # the chunk size in 16-bit training, where an fp32 chunk holds as many
         # elements in twice the bytes; the chunk size itself in fp32), so a
