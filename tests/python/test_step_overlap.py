@@ -433,11 +433,23 @@ def _evaluate(engine, x, y):
         engine.train()
 
 
-@pytest.mark.parametrize("act", [_evaluate, lambda e, x, y: e.state_dict(),
+def _evaluate_the_model(engine, x, y):
+    # The model itself, not engine(...) (Note [A forward of the model before
+    # the step] in tidal/engine/overlap.py): its modules read the weights.
+    model = engine.module
+    with torch.no_grad():
+        model.eval()
+        loss = model(x, y).item()
+        model.train()
+    return loss
+
+
+@pytest.mark.parametrize("act", [_evaluate, _evaluate_the_model, lambda e, x, y: e.state_dict(),
                                  lambda e, x, y: e.parameters_fp32()])
 def test_what_reads_the_weights_between_backward_and_step_sees_the_step_without_overlap(act):
-    # A forward (an evaluation), a state_dict: the speculative updates are
-    # undone first, and the step makes them again.
+    # A forward (an evaluation, through the engine or the model), a
+    # state_dict: the speculative updates are undone first, and the step
+    # makes them again.
     batches = gpt_batches(4)
     runs = {}
     for overlap in (False, True):
@@ -452,7 +464,39 @@ def test_what_reads_the_weights_between_backward_and_step_sees_the_step_without_
         for a, b in zip(runs[False][1], runs[True][1]):
             for k in a:
                 assert torch.equal(a[k], b[k]), k
+    elif runs[False][1][0] is not None:
+        assert runs[False][1] == runs[True][1]  # (the evaluation's losses, bit for bit)
     assert optimizer_report(runs[True][0])["undone_chunk_updates"] > 0
+    # Nothing of the overlap is left hooked into torch once the steps are done.
+    assert runs[True][0]._overlap._hook_box[0] is None
+
+
+@pytest.mark.parametrize("key, value", [("lr", 3e-3), ("lr", 0.0), ("betas", (0.8, 0.9)), ("eps", 1e-3),
+                                        ("weight_decay", 0.5)])
+def test_hyperparameters_written_between_backward_and_step_are_the_steps(key, value):
+    # Note [Hyperparameters written before the step] (tidal/engine/overlap.py):
+    # a script that sets a group's lr (betas, eps, weight_decay) after
+    # backward gets it in that step, as torch's AdamW; the updates made
+    # during backward with the old value are undone and made again.
+    batches = gpt_batches(6)
+    # Written after the third backward, and written back after the fifth
+    # (after the warm-up: speculative updates run then).
+    writes = {2: value, 4: {"lr": LR, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.01}[key]}
+    runs = {}
+    for overlap in (False, True):
+        torch.manual_seed(0)
+        engine = tidal.initialize(TinyGPT(d=64, seq=8), make_config(overlap, hybrid=False))
+        for i, (x, y) in enumerate(batches):
+            engine.backward(engine(x, y))
+            if i in writes:
+                engine.optimizer.param_groups[0][key] = writes[i]
+            engine.step()
+        within_budget(engine)
+        runs[overlap] = engine
+    assert_bitwise(runs[False], runs[True])
+    report = optimizer_report(runs[True])
+    assert report["chunks_updated_during_backward"] > 0
+    assert report["undone_chunk_updates"] > 0  # (the path fires: the writes came after the launches)
 
 
 def test_zero_grad_after_backward_takes_the_updates_back():

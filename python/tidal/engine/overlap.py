@@ -268,8 +268,9 @@ class StepOverlap:
         self._host_short = False
         self._grad_scale = 1.0
         self._use_sums = False
-        # chunk -> (records, lo, hi): updated speculatively, not yet validated.
-        self._pending: dict[int, tuple[list, int, int]] = {}
+        # chunk -> (records, lo, hi, hyperparameters): updated speculatively,
+        # not yet validated (Note [Hyperparameters written before the step]).
+        self._pending: dict[int, tuple[list, int, int, tuple]] = {}
         # chunk -> undo buffers (Note [Speculative updates and their undo]).
         self._undo: dict[int, list] = {}
         self._layout = None  # the scheduler the plan and the buffers are for
@@ -619,10 +620,11 @@ class StepOverlap:
             r.step += 1
         # grad_scale = clip / scale at clip 1.
         calls = self._adam_calls(recs, self._grad_scale, grad)
-        self._pending[chunk] = (recs, lo, hi)
+        self._pending[chunk] = (recs, lo, hi, _hyperparameters(self._optimizer.param_groups, recs))
         self._jobs.append((chunk, self._pool.submit(_run, views, calls, undo, lo, hi, fences)))
         self._job_pins.append(pin)
         self.launched_chunks += 1
+        self._hook_forwards()  # (Note [A forward of the model before the step])
 
     def _adam_calls(self, recs: list, grad_scale: float, grad) -> list:
         """cpu_adam.adam_chunk_step's arguments for `recs` (one chunk's, their
@@ -700,7 +702,7 @@ class StepOverlap:
                 t0, t1 = future.result()
             except _UndoCopyFailed as ex:
                 # Nothing was updated: the chunk is as backward left it.
-                recs, _lo, _hi = self._pending.pop(chunk)
+                recs = self._pending.pop(chunk)[0]
                 for r in recs:
                     r.step -= 1
                 error = error or ex.__cause__ or ex
@@ -726,16 +728,34 @@ class StepOverlap:
         if error is not None:
             raise error
 
+    # Note [Hyperparameters written before the step]
+    # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+    # An update launched during backward reads its group's lr, betas, eps
+    # and weight_decay then; a script may write them after backward and
+    # before engine.step() (a warm-up written by hand, a DeepSpeed client
+    # optimizer's lr), and torch's AdamW steps with what the groups hold at
+    # its step. So the step compares each speculative update's
+    # hyperparameters with its groups' at the step, and undoes those that
+    # differ (Note [Speculative updates and their undo]): the step makes them
+    # again with the values it reads, bit for bit the step without overlap.
     def validate(self, valid: bool) -> set:
         """In the step, after finish(): the chunks whose speculative update
-        stands (valid: the clip factor is 1.0 and every gradient finite);
-        otherwise every one is undone and the step updates them as if none
-        had run. Also the prediction for the next backward."""
+        stands (valid: the clip factor is 1.0 and every gradient finite, and
+        the update's hyperparameters are still its groups'); the others are
+        undone and the step updates them as if none had run. Also the
+        prediction for the next backward."""
         self._last_invalid = not valid
         if not valid:
             self.undo()
+        else:
+            groups = self._optimizer.param_groups
+            stale = [chunk for chunk, (recs, _lo, _hi, hyper) in self._pending.items()
+                     if hyper != _hyperparameters(groups, recs)]
+            if stale:
+                self._restore(stale)
         done = set(self._pending)
         self._pending = {}
+        self._unhook_forwards_if_idle()
         return done
 
     def undo(self, keep_deferred: bool = False):
@@ -752,12 +772,17 @@ class StepOverlap:
             if self._pending:
                 self._restore()
 
-    def _restore(self):
+    def _restore(self, chunks=None):
+        """The undo buffers back into the chunks of `chunks` (None: every
+        pending one), which leave _pending."""
         store = self._store
         c = store.chunks
-        pending, self._pending = self._pending, {}
+        if chunks is None:
+            pending, self._pending = self._pending, {}
+        else:
+            pending = {chunk: self._pending.pop(chunk) for chunk in chunks}
         with torch.no_grad():
-            for chunk, (recs, lo, hi) in pending.items():
+            for chunk, (recs, lo, hi, _hyper) in pending.items():
                 pin = store.pin(recs[0], _UNDO_KINDS, HOST)
                 try:
                     for kind, buf in zip(_UNDO_KINDS, self._undo[chunk]):
@@ -767,6 +792,7 @@ class StepOverlap:
                 for r in recs:
                     r.step -= 1
                 self.undone_chunks += 1
+        self._unhook_forwards_if_idle()
 
     def abandon_with(self, owner) -> None:
         """When `owner` (the engine) goes, the worker is waited for (its
@@ -806,21 +832,52 @@ class StepOverlap:
         self._deferred[chunk] = (future, pin)
         self._deferred_jobs.append(future)
         self.deferred_chunks += 1
+        self._hook_forwards()
+
+    # Note [A forward of the model before the step]
+    # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+    # engine(...) takes back the updates made during backward before its
+    # forward runs (Engine.settle_overlap), but a script may call the model
+    # itself between backward and engine.step() (an evaluation, a metric): its
+    # modules would read weights under update on the worker (a wrong loss
+    # without a word) or find a chunk pinned by one (an illegal state
+    # transition). So while any update made during backward waits for its
+    # step, the global forward pre-hook of Note [CPU Adam under the next
+    # forward] is installed too, and the first module of this engine's model
+    # that runs after backward ended takes them all back, as engine(...)
+    # would; the step makes them again. Not during backward, whose
+    # recomputations (checkpointing) run forwards of modules whose updates
+    # have not started (Note [CPU Adam during backward]).
+    def _hook_forwards(self) -> None:
+        """Installs the global forward pre-hook (before_module) unless it is."""
         if self._hook_box[0] is None:
             ref = weakref.ref(self)
 
             def before_forward(module, _args):
                 overlap = ref()
-                if overlap is not None and overlap._deferred:
+                if overlap is not None and (overlap._deferred or overlap._pending):
                     overlap.before_module(module)
 
             self._hook_box[0] = torch.nn.modules.module.register_module_forward_pre_hook(before_forward)
 
+    def _unhook_forwards_if_idle(self) -> None:
+        """Removes the global forward pre-hook once nothing waits for it."""
+        if self._hook_box[0] is not None and not self._deferred and not self._pending:
+            self._hook_box[0].remove()
+            self._hook_box[0] = None
+
     def before_module(self, module):
-        """The global forward pre-hook: the finished updates' pins go (so
-        prefetch moves their chunks up), then `module`'s chunks are waited for."""
+        """The global forward pre-hook: an update made during backward that
+        waits for its step is taken back at a forward of the model's
+        (Note [A forward of the model before the step]); the finished
+        deferred updates' pins go (so prefetch moves their chunks up), then
+        `module`'s chunks are waited for."""
+        recs = self._params.module_records.get(module)
+        if self._pending and recs and self._backward_end is not None:
+            self.undo(keep_deferred=True)
+        if not self._deferred:
+            return
         self._release_finished()
-        recs = self._params.module_records.get(module) if self._deferred else None
         if recs:
             chunks = [r.chunk for r in recs if r.chunk in self._deferred]
             if chunks:
@@ -859,11 +916,15 @@ class StepOverlap:
                 pin.release()
         if not self._deferred:
             self._deferred_jobs.clear()
-            if self._hook_box[0] is not None:
-                self._hook_box[0].remove()
-                self._hook_box[0] = None
+            self._unhook_forwards_if_idle()
         if error is not None:
             raise error
+
+
+def _hyperparameters(param_groups: list, recs: list) -> tuple:
+    """What an update of `recs` (one chunk's) reads from its groups
+    (StepOverlap._adam_calls): lr, betas, eps, weight_decay per group."""
+    return tuple((g["lr"], *g["betas"], g["eps"], g["weight_decay"]) for g, _ in by_group(param_groups, recs))
 
 
 def _abandon_worker(pool, jobs: list, deferred_jobs: list, hook_box: list) -> None:
