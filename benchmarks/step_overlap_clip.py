@@ -75,6 +75,28 @@ def run(engine, batches, factors):
     return out, norms
 
 
+def first_module_share(engine, batch) -> tuple[str, float]:
+    """(the first module with parameters that a forward of `engine` runs,
+    the share of the engine's parameters in that module's chunks): the
+    updates a forward after the step waits for before its first module."""
+    by_param = {id(r.param): r for r in engine.records}
+    first = []
+
+    def note(module, _args):
+        if not first and any(id(p) in by_param for p in module.parameters(recurse=False)):
+            first.append(module)
+
+    handle = torch.nn.modules.module.register_module_forward_pre_hook(note)
+    try:
+        with torch.no_grad():
+            engine(*batch)
+    finally:
+        handle.remove()
+    chunks = {by_param[id(p)].chunk for p in first[0].parameters(recurse=False) if id(p) in by_param}
+    return type(first[0]).__name__, \
+        sum(r.numel for r in engine.records if r.chunk in chunks) / sum(r.numel for r in engine.records)
+
+
 def main():
     args = so.parse_args(__doc__, rounds=3, steps=8)
     shape, rounds, steps = so.start(args, FULL, QUICK, quick_steps=4)
@@ -155,6 +177,10 @@ def main():
             all(torch.equal(a[n], b[n]) for n in a)
             for b in (engines[m].parameters_fp32() for m in engines if m != "off"))
         if case == "clip_all":
+            # The floor of the schedule (Note [CPU Adam under the next
+            # forward]): the next forward's first module with parameters waits
+            # for the updates of its chunks before it can start.
+            res["first_module"], res["first_module_share"] = first_module_share(engines["on"], data[0])
             # The step where the clip starts to fire after steps that did not
             # clip: its backward speculated, so its updates are undone and made
             # again in the step (Note [Speculative updates and their undo]).
@@ -184,6 +210,9 @@ def main():
                   f"{b['exposed_adam_seconds_median'] * 1e3:.1f} ms ({b['exposed_share_of_adam']:.0%} of "
                   f"{b['adam_seconds_median'] * 1e3:.1f} ms); step {b['step_seconds_median'] * 1e3:.1f} ms",
                   flush=True)
+        if "first_module_share" in res:
+            print(f"{case}: the next forward's first module ({res['first_module']}) waits for "
+                  f"{res['first_module_share']:.0%} of the parameters' updates before it starts", flush=True)
         if "transition" in res:
             t = res["transition"]
             print(f"{case}: the step where the clip starts to fire: exposed {t['exposed_adam_seconds'] * 1e3:.1f} ms "

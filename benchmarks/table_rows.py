@@ -478,6 +478,10 @@ def _clip_all_shares(p: Dict) -> str:
     on, t = p["on"], p.get("transition")
     out = (f"; by mean {on['exposed_share_of_adam_mean']:.0%} of its CPU Adam; against CPU Adam without overlap "
            f"{p['exposed_on_over_adam_off']:.0%} by median, {p['exposed_mean_on_over_adam_mean_off']:.0%} by mean")
+    if "first_module_share" in p:
+        out += (f"; the next forward's first module ({p['first_module']}) needs "
+                f"{p['first_module_share']:.0%} of the parameters updated before it can start: the floor of "
+                f"this schedule")
     if t:
         out += (f"; the one step where the clip starts to fire exposes {t['exposed_adam_seconds'] * 1e3:.1f} ms "
                 f"of {t['adam_seconds'] * 1e3:.1f} ms ({t['undone_chunk_updates']} speculative updates undone)")

@@ -108,8 +108,10 @@ class _EngineModule(torch.nn.Module):
         self.engine.train(mode)
         return self
 
-    def zero_grad(self, set_to_none: bool = True):  # noqa: ARG002 -- gradients live in chunks
-        self.engine.zero_grad()
+    def zero_grad(self, set_to_none: bool = True):
+        # As torch's: set_to_none=False zeroes the waiting gradients, so a step
+        # still runs (Note [engine.optimizer fails closed] in engine/param_groups.py).
+        self.engine.optimizer.zero_grad(set_to_none=set_to_none)
 
     def _get_name(self):
         # Trainer.compute_loss names the model it is given (label smoothing
