@@ -116,18 +116,49 @@ def engine_call():
         yield
     finally:
         _STATE.depth -= 1
+        note_write()
 
 
 def engine_entry(method):
     """An engine method that is an entry point: runs under engine_call()."""
     @functools.wraps(method)
     def entry(*args, **kwargs):
+        note_write()
         _STATE.depth = getattr(_STATE, "depth", 0) + 1
         try:
             return method(*args, **kwargs)
         finally:
             _STATE.depth -= 1
+            note_write()
     return entry
+
+
+# Note [Writes into a state dict] (state_dict_bridge.py): a count raised
+# wherever a parameter's value may change (a use of a parameter by user code,
+# the engine's entry points, a load, a write through an entry), so that an
+# entry of model.state_dict() reads its parameter again only where it may
+# have changed since it last did.
+_EPOCH = [0]
+
+
+def note_write() -> None:
+    _EPOCH[0] += 1
+
+
+def epoch() -> int:
+    return _EPOCH[0]
+
+
+# The state dict entries' class and their sync before / push after a torch
+# function (state_dict_bridge.py sets them: connect_state_dicts).
+_ENTRY_TYPE = None
+_sync_entries = None
+_push_entries = None
+
+
+def connect_state_dicts(entry_type, sync, push) -> None:
+    global _ENTRY_TYPE, _sync_entries, _push_entries
+    _ENTRY_TYPE, _sync_entries, _push_entries = entry_type, sync, push
 
 
 def _in_engine_call() -> bool:
@@ -174,8 +205,7 @@ def _passing():
     t = torch.Tensor
     # (Not `==`, the storage, the data pointer, pickling nor deep copies: a
     # placeholder answers them wrong. Note [Parameters fail closed].)
-    extra = [t.data.__set__, t.register_hook, t.register_post_accumulate_grad_hook,
-             t.__setstate__, t.element_size, t.itemsize.__get__]
+    extra = [t.data.__set__, t.register_hook, t.__setstate__, t.element_size, t.itemsize.__get__]
     checked = {t.__eq__, t.grad.__get__, t.grad.__set__, t.requires_grad.__set__, t.requires_grad_}
     return (frozenset(_HARMLESS) - checked) | frozenset(f for f in extra if f is not None)
 
@@ -295,6 +325,29 @@ def _set_(p, *args, **kwargs):
         f"when it registers a parametrization: register parametrizations before tidal.initialize)")
 
 
+def _state_dict_entries(args, kwargs) -> list:
+    """Before a torch function a parameter an engine trains gets (Note
+    [Writes into a state dict] in state_dict_bridge.py): writes into that
+    parameter's state dict entries not yet taken go into it, and entries
+    among the arguments hold their parameters' values; returns what
+    _push_entries looks at after the function."""
+    entries = False
+    for a in _tensors(args, kwargs):
+        if type(a) is _ENTRY_TYPE:
+            entries = True
+            continue
+        hit = _OWNED.get(id(a))
+        if hit is None:
+            continue
+        engine = hit[0]()
+        if engine is None or engine._params.record_list[hit[1]].param is not a:
+            continue
+        bridge = engine._state_dict_bridge
+        if (bridge.copies or bridge.dropped_writes) and bridge.syncs():
+            bridge.flush(hit[1])
+    return _sync_entries(args, kwargs) if entries else []
+
+
 def _placeholders(args, kwargs):
     """(engine, [(parameter, index)]) of the engine's parameters among the
     arguments that hold their placeholder now and that the engine would serve
@@ -326,12 +379,19 @@ class _UserParameter:
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         with torch._C.DisableTorchFunctionSubclass():
-            if func in _PASS or getattr(_STATE, "depth", 0):
+            if getattr(_STATE, "depth", 0):
+                return func(*args, **kwargs)
+            _EPOCH[0] += 1  # (a use that may write it: Note [Writes into a state dict])
+            if func in _PASS:
                 return func(*args, **kwargs)
             check = _CHECKED.get(func)
             if check is not None:
                 out = check(args, kwargs, func)
                 return func(*args, **kwargs) if out is _GO_ON else out
+            # Entries of model.state_dict() among the arguments, and writes
+            # into the parameters' entries through their views, first (Note
+            # [Writes into a state dict] in state_dict_bridge.py).
+            tracked = _state_dict_entries(args, kwargs)
             # (Inside a forward the parameters are attached: the placeholder
             # test is the cheapest way out.)
             found = _placeholders(args, kwargs)
@@ -342,7 +402,129 @@ class _UserParameter:
                     record = engine._params.record_list[held[0][1]]
                     return answer(args[0], torch.Size(record.shape), *args[1:], **kwargs)
                 engine._outside.read_for_user([i for _, i in held])
-            return func(*args, **kwargs)
+            out = func(*args, **kwargs)
+            if tracked:
+                _push_entries(tracked)
+            return out
+
+
+# Note [Hooks after a gradient accumulates]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# torch calls a parameter's post-accumulate-grad hooks in the order they were
+# registered, with `p.grad` the gradient accumulated. The engine's own hook
+# (registered at tidal.initialize) lands that gradient in the parameter's
+# 16-bit slot and sets `p.grad` to None, so a hook registered after it found
+# None (a hook guarded by `if p.grad is not None` did nothing, silently).
+# A hook registered before tidal.initialize already ran before the engine's,
+# with `p.grad` the parameter's gradient of this backward. So a hook
+# registered on a trained parameter after tidal.initialize goes before the
+# engine's hooks in the parameter's ordered dict of hooks: it sees `p.grad` as
+# plain PyTorch shows it there, and what it writes into `p.grad` is what lands
+# (what the step uses). Where `p.grad` of one backward is not plain PyTorch's
+# there, a tidal.UsageError names the parameter, at the registration where the
+# config says so (fp16: the gradient of the scaled loss; data parallel: the
+# rank's own gradient; gradient_accumulation_steps > 1: plain PyTorch's is the
+# window's sum, which tidal keeps in its chunks), and in the backward where a
+# gradient lands twice in one step (the hook would see only the second part).
+# A hook that sets `p.grad` to None (an optimizer step inside backward) is a
+# UsageError too: the engine's step is what trains the parameter. Hooks
+# registered before tidal.initialize are checked the same way when they run.
+def _hook_refusal(engine) -> str:
+    """Why `p.grad` inside a post-accumulate-grad hook cannot be plain
+    PyTorch's under `engine`'s config, or ""."""
+    if engine.precision == "fp16":
+        return ("the engine trains in fp16, where the gradient a backward accumulates is that of "
+                "the loss times the loss scale")
+    if engine.dp is not None:
+        return ("the engine trains data-parallel, where a backward's gradient is the rank's own "
+                "until the reduction")
+    if engine._accumulation.summing:
+        return ("with gradient_accumulation_steps > 1 plain PyTorch's `p.grad` there is the "
+                "window's sum so far, which tidal keeps in its chunks, not in `p.grad`")
+    return ""
+
+
+def _hook_error(name: str, why: str) -> UsageError:
+    return UsageError(
+        f"tidal: a post-accumulate-grad hook on '{name}' (register_post_accumulate_grad_hook): "
+        f"{why}, so `p.grad` inside the hook would not be the gradient plain PyTorch shows there. "
+        f"Ways that work: p.register_hook(fn) (called with the gradient of each backward, as "
+        f"plain PyTorch's); or read and edit p.grad between engine.backward(loss) and "
+        f"engine.step() (the step uses what the script leaves there; docs/parameters.md)")
+
+
+def _checked_hook(engine_ref, i: int, name: str, fn):
+    """`fn` as a post-accumulate-grad hook on parameter `i` of the engine
+    (Note [Hooks after a gradient accumulates])."""
+    def hook(p):
+        engine = engine_ref()
+        if engine is None or not _is_owned(p, engine, i):
+            return fn(p)
+        why = _hook_refusal(engine)
+        if not why and engine._wiring.hooks.landed(i):
+            why = ("its gradient lands a second time in this step (its slot holds the first "
+                   "part already)")
+        if why:
+            raise _hook_error(name, why)
+        had = p.grad is not None
+        out = fn(p)
+        if had and p.grad is None:
+            raise UsageError(
+                f"tidal: a post-accumulate-grad hook on '{name}' set its `p.grad` to None (an "
+                f"optimizer step inside backward?): the engine's step is what trains the "
+                f"parameter, from the gradient that lands after the hook. Ways that work: leave "
+                f"`p.grad` (edit it in place, or set it to a tensor of its shape); to leave the "
+                f"parameter out of a step, set `p.grad = None` between engine.backward(loss) and "
+                f"engine.step()")
+        return out
+    hook._tidal_hook_of = fn  # (the user's own: another engine wraps it again)
+    return hook
+
+
+def _is_owned(p, engine, i) -> bool:
+    hit = _OWNED.get(id(p))
+    return hit is not None and hit[0]() is engine and hit[1] == i
+
+
+def _post_accumulate_hook(args, kwargs, func):
+    """`p.register_post_accumulate_grad_hook(fn)` by user code on a
+    parameter an engine trains (Note [Hooks after a gradient accumulates])."""
+    p = args[0]
+    hit = _owner(p)
+    if hit is None:
+        return _GO_ON
+    engine, i = hit
+    record = engine._params.record_list[i]
+    why = _hook_refusal(engine)
+    if why:
+        raise _hook_error(record.name, why)
+    fn = args[1] if len(args) > 1 else kwargs["hook"]
+    handle = func(p, _checked_hook(weakref.ref(engine), i, record.name, fn))
+    # Before the engine's landing: torch's C++ side walks the dict in its
+    # insertion order (not an OrderedDict's own), so the entries go in again.
+    hooks = p._post_accumulate_grad_hooks
+    rest = [(k, v) for k, v in hooks.items() if k != handle.id]
+    mine = hooks[handle.id]
+    hooks.clear()
+    hooks[handle.id] = mine
+    hooks.update(rest)
+    return handle
+
+
+def _check_hooks_of(engine) -> None:
+    """Hooks registered before tidal.initialize (they run before the
+    engine's): checked when they run (Note [Hooks after a gradient
+    accumulates])."""
+    own = {getattr(h, "id", None) for h in engine._wiring.handles}
+    ref = weakref.ref(engine)
+    for i, record in enumerate(engine._params.record_list):
+        hooks = getattr(record.param, "_post_accumulate_grad_hooks", None)
+        if not hooks:
+            continue
+        for key, fn in list(hooks.items()):
+            if key not in own:
+                fn = getattr(fn, "_tidal_hook_of", fn)
+                hooks[key] = _checked_hook(ref, i, record.name, fn)
 
 
 # (A property's __get__ / __set__ is a new method-wrapper at each access: equal
@@ -350,7 +532,8 @@ class _UserParameter:
 _CHECKED = {torch.Tensor.grad.__get__: _grad,
             torch.Tensor.grad.__set__: _grad_set,
             torch.Tensor.requires_grad.__set__: _unfreeze,
-            torch.Tensor.requires_grad_: _unfreeze}
+            torch.Tensor.requires_grad_: _unfreeze,
+            torch.Tensor.register_post_accumulate_grad_hook: _post_accumulate_hook}
 
 
 def _class_name(cls) -> str:
@@ -412,6 +595,7 @@ def install(engine) -> None:
             except TypeError:
                 continue  # (a class whose layout differs: left as it is)
         _OWNED[id(p)] = (ref, i)
+    _check_hooks_of(engine)
     weakref.finalize(engine, _forget, [id(r.param) for r in engine._params.record_list], ref)
 
 
