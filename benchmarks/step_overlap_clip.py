@@ -23,7 +23,9 @@ run in alternating order over rounds, a pause before each:
     step, as early in training and in fine-tunes: nothing is speculated, and
     what CPU Adam hides it hides under the next forward (Note [CPU Adam under
     the next forward]); here also "on_backward_only", the overlap with
-    tidal.overlap_next_forward false (the engine before issue 52).
+    tidal.overlap_next_forward false (the engine before issue 52), and
+    "on_worker_all_cores", the worker's updates on every core (cpu_adam_threads
+    set to the core count), as before Note [The worker leaves a core].
 Per engine and step: the whole step (forward + backward + engine.step()),
 CPU Adam time (memory_report()["optimizer"]["adam_seconds"], undone updates
 included) and its exposed part (what engine.step() spends on the update
@@ -54,10 +56,10 @@ CASES = {"no_clip": ("bf16", 1.0), "clip_some": ("bf16", 20.0), "fp16_overflow":
          "clip_all": ("bf16", 20.0)}
 
 
-def make_engine(shape, precision, overlap, next_forward=True):
+def make_engine(shape, precision, overlap, next_forward=True, **tidal_keys):
     return so.gpt_engine(shape, precision, 1.0, chunk_size="1MiB" if shape["d"] >= 256 else "64KiB",
                          device_memory_budget=shape["budget"], overlap_step=overlap,
-                         overlap_next_forward=next_forward)
+                         overlap_next_forward=next_forward, **tidal_keys)
 
 
 def run(engine, batches, factors):
@@ -118,6 +120,10 @@ def main():
         engines = {"off": make_engine(shape, precision, False), "on": make_engine(shape, precision, True)}
         if case == "clip_all":
             engines["on_backward_only"] = make_engine(shape, precision, True, next_forward=False)
+            # The worker's updates on every core, as before Note [The worker
+            # leaves a core] in python/tidal/engine/overlap.py.
+            engines["on_worker_all_cores"] = make_engine(shape, precision, True,
+                                                         cpu_adam_threads=os.cpu_count() or 1)
         # Warm-up: the trace, the relayout, hybrid Adam's plan. For clip_all
         # with the clip firing already, so the timed steps are the steady
         # state of a run whose every step clips, not the step where the clip
@@ -210,6 +216,12 @@ def main():
                   f"{b['exposed_adam_seconds_median'] * 1e3:.1f} ms ({b['exposed_share_of_adam']:.0%} of "
                   f"{b['adam_seconds_median'] * 1e3:.1f} ms); step {b['step_seconds_median'] * 1e3:.1f} ms",
                   flush=True)
+        if "on_worker_all_cores" in res:
+            b = res["on_worker_all_cores"]
+            print(f"{case}: with the worker's updates on every core, exposed "
+                  f"{b['exposed_adam_seconds_median'] * 1e3:.1f} ms ({b['exposed_share_of_adam']:.0%} of "
+                  f"{b['adam_seconds_median'] * 1e3:.1f} ms; mean {b['exposed_share_of_adam_mean']:.0%}); "
+                  f"step {b['step_seconds_median'] * 1e3:.1f} ms", flush=True)
         if "first_module_share" in res:
             print(f"{case}: the next forward's first module ({res['first_module']}) waits for "
                   f"{res['first_module_share']:.0%} of the parameters' updates before it starts", flush=True)

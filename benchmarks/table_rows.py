@@ -509,6 +509,15 @@ def _step_overlap_clip(r: Dict) -> List[Figure]:
                 f"updates there{_clip_all_shares(p)}), {what}", on, b["exposed_adam_seconds_median"],
                 "overlap during backward only (overlap_next_forward false)",
                 on["exposed_adam_seconds_median"] / b["exposed_adam_seconds_median"]))
+        if "on_worker_all_cores" in p:
+            # Note [The worker leaves a core] (python/tidal/engine/overlap.py).
+            w = p["on_worker_all_cores"]
+            out.append(_exposed_adam(
+                f"the clip firing on every step, the worker's updates leaving the caller a core (default; by "
+                f"mean {on['exposed_share_of_adam_mean']:.0%}), {what}", on, w["exposed_adam_seconds_median"],
+                f"the worker's updates on every core ({w['exposed_share_of_adam']:.0%} of its "
+                f"{w['adam_seconds_median'] * 1e3:.1f} ms by median, {w['exposed_share_of_adam_mean']:.0%} by mean)",
+                on["exposed_adam_seconds_median"] / w["exposed_adam_seconds_median"]))
     return out
 
 

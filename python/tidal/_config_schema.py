@@ -128,7 +128,8 @@ _TIDAL_SCHEMA: dict[str, Any] = {
         "optimizer_state_dtype": (("fp32", "bf16"), "fp32",
                                   "Adam momentum and variance in fp32 (14 B/param in mixed "
                                   "precision) or bf16 (10 B/param; arithmetic stays fp32)"),
-        "cpu_adam_threads": (int, 0, "CPU Adam threads; 0 = all cores"),
+        "cpu_adam_threads": (int, 0, "CPU Adam threads; 0 = all cores (all but one for its updates "
+                                     "beside forward or backward, overlap_step)"),
         "cpu_adam_pool": (("onetbb", "torch"), "onetbb",
                           "whose threads run the step's CPU Adam: oneTBB's, or torch's intra-op "
                           "pool (the threads that just ran backward); results are bitwise the same "

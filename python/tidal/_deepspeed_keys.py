@@ -411,7 +411,8 @@ NOT_HONOURED: list[Unused] = [
            "fixed share", (1, 1.0)),
     Unused(("zero_optimization", "offload_optimizer", "super_offload"), _STATES, (False,)),
     Unused(("zero_optimization", "offload_optimizer", "cpuadam_cores_perc"),
-           "tidal's CPU Adam uses tidal.cpu_adam_threads threads (0 = all cores)"),
+           "tidal's CPU Adam uses tidal.cpu_adam_threads threads (0 = all cores, all but one "
+           "beside forward or backward)"),
     Unused(("zero_optimization", "compute_grad_norm"),
            "tidal computes the global gradient norm every step (clipping and the overflow check "
            "use it)", (True,)),

@@ -7,7 +7,9 @@ accumulation and with hybrid Adam; and torch.optim.AdamW +
 clip_grad_norm_'s within the engine's tolerance. It is on by default; what it
 does not cover is refused when asked for and off by default, saying why."""
 import copy
+import os
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -230,6 +232,35 @@ def test_accumulation_against_adamw_and_clip_grad_norm():
     assert_close(engine, ref, ref_losses, losses)
     assert optimizer_report(engine)["chunks_updated_during_backward"] > 0
     moved_within_budget(engine)
+
+
+@pytest.mark.parametrize("cores, threads, want", [(4, 0, 3), (1, 0, 1), (4, 2, 2)])
+def test_the_worker_leaves_the_caller_a_core(monkeypatch, cores, threads, want):
+    """Note [The worker leaves a core]: with cpu_adam_threads 0 the updates
+    on the worker (during backward, and under the next forward where the
+    clip fired) take every core the process may run on but one, at least
+    one; a count in the config is obeyed. The weights are bitwise those of
+    the engine without overlap."""
+    monkeypatch.setattr(os, "sched_getaffinity", lambda _pid: set(range(cores)))
+    real, seen = tidal._C.cpu_adam.adam_chunk_step, []
+
+    def spy(*args, **kwargs):
+        seen.append((threading.current_thread().name, kwargs["num_threads"]))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(tidal._C.cpu_adam, "adam_chunk_step", spy)
+
+    def cfg_of(overlap):
+        cfg = make_config(overlap, clip=5.0)
+        cfg["tidal"]["cpu_adam_threads"] = threads
+        return cfg
+
+    plain, overlapped = pair(cfg_of, gpt_batches(8), FACTORS)
+    assert_bitwise(plain, overlapped)
+    opt = optimizer_report(overlapped)
+    assert opt["chunks_updated_during_backward"] > 0 and opt["chunks_updated_under_next_forward"] > 0, opt
+    on_worker = {n for name, n in seen if name.startswith("tidal-adam")}
+    assert on_worker == {want}, seen
 
 
 def test_hybrid_adam_updates_the_host_chunks_during_backward():

@@ -195,6 +195,7 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
+import os
 import time
 import weakref
 
@@ -246,6 +247,7 @@ class StepOverlap:
         self._optimizer = optimizer
         self._data_parallel = data_parallel
         self._fold_chunk = None  # the accumulation's fold, from begin()
+        self._threads = worker_threads(config.cpu_adam_threads)  # Note [The worker leaves a core]
         self._pool = concurrent.futures.ThreadPoolExecutor(
             max_workers=1, thread_name_prefix="tidal-adam",
             # Host work: what it allocates is never the simulated device's
@@ -645,7 +647,7 @@ class StepOverlap:
                               # OpenMP team of its own, not the threads that ran
                               # backward (Note [A second OpenMP team] in
                               # cpu_adam/adam.h): oneTBB's, whatever the config.
-                              num_threads=cfg.cpu_adam_threads, pool="onetbb"))
+                              num_threads=self._threads, pool="onetbb"))
         return calls
 
     def _undo_buffers(self, chunk: int, first, numel: int):
@@ -919,6 +921,37 @@ class StepOverlap:
             self._unhook_forwards_if_idle()
         if error is not None:
             raise error
+
+
+# Note [The worker leaves a core]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# The worker's updates run beside compute: during backward, and under the
+# next forward. The thread that drives compute (the caller's: it runs the
+# forward's hooks, backward's landings and the step's launches, and on a GPU
+# it launches every kernel; on the simulated device it is also one of torch's
+# threads) then needs a core of its own, or each of its launches waits for a
+# time slice behind CPU Adam's threads. So with tidal.cpu_adam_threads 0 the
+# worker's updates take every core the process may run on but one (at least
+# one); the step's own updates, which run while the script waits, still take
+# them all, and a cpu_adam_threads > 0 is obeyed everywhere. On 2 cores,
+# the clip firing every step (benchmarks/step_overlap_clip.py, clip_all:
+# every update under the next forward), the step's launches took 2.7 ms
+# with the worker on both cores and 1.4 ms with it on one, and the forward
+# and backward beside it 44 / 85 ms against 37 / 64: oneTBB's workers spin
+# a while after each update, on the cores torch's threads wanted. Where
+# the step waits for the worker (the link or CPU Adam binding) one core of
+# many is what this costs; on 2 cores the engine_offload shape, whose
+# updates run during backward, did not change (93.8 ms a step against
+# 92.9 with the worker on both, in one run).
+def worker_threads(cpu_adam_threads: int) -> int:
+    """The threads of one update on the worker (Note [The worker leaves a core])."""
+    if cpu_adam_threads > 0:
+        return cpu_adam_threads
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # (not on Linux)
+        cores = os.cpu_count() or 1
+    return max(1, cores - 1)
 
 
 def _hyperparameters(param_groups: list, recs: list) -> tuple:
