@@ -440,5 +440,10 @@ def test_zero_grad_after_a_backward_that_updated_chunks_takes_them_back(tmp_path
     _bitwise(off, on)
     assert_same_weights_on_every_rank(on)
     opt = [r["optimizer"] for r in on["reports"]]
+    # The path under test fired: updates made during backward were taken
+    # back. Not asserted per rank: a rank's updates start as its owners'
+    # reductions land, which on a loaded machine may all come after its
+    # backward ended (seen once in a loaded run); the weights above are
+    # bitwise on every rank either way.
     assert sum(o["undone_chunk_updates"] for o in opt) > 0, opt
-    assert all(o["chunks_updated_during_backward"] > 0 for o in opt), opt
+    assert sum(o["chunks_updated_during_backward"] for o in opt) > 0, opt
