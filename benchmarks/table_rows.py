@@ -481,7 +481,7 @@ def _clip_all_shares(p: Dict) -> str:
     if "first_module_share" in p:
         out += (f"; the next forward's first module ({p['first_module']}) needs "
                 f"{p['first_module_share']:.0%} of the parameters updated before it can start: the floor of "
-                f"this schedule")
+                f"that forward's wait")
     if t:
         out += (f"; the one step where the clip starts to fire exposes {t['exposed_adam_seconds'] * 1e3:.1f} ms "
                 f"of {t['adam_seconds'] * 1e3:.1f} ms ({t['undone_chunk_updates']} speculative updates undone)")
