@@ -15,6 +15,7 @@ import io
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -165,6 +166,28 @@ def test_writes_through_views_of_an_entry_reach_the_parameter(budget):
         del sd
     for a, b in zip(got[:3], got[3:]):
         _close(a, b)
+    pair.step(1)
+    pair.step(2)
+    pair.assert_same()
+
+
+@chain_budgets
+def test_a_numpy_array_of_an_entry_reads_the_parameter_and_refuses_writes(budget):
+    """A write into entry.numpy() reaches no torch function of the entry (it
+    was lost without a word): the array is read-only, so numpy refuses it;
+    a read gives the parameter's value, and a converted copy stays writable
+    as in plain PyTorch (the model untouched)."""
+    pair = Pair("chain", budget)
+    pair.step(0)
+    sd, ref_sd = pair.model.state_dict(), pair.ref.state_dict()
+    for key in ("layers.1.weight", "layers.4.bias"):
+        torch.testing.assert_close(torch.tensor(sd[key].numpy()), ref_sd[key], rtol=1e-4, atol=5e-5)
+        with pytest.raises(ValueError, match="read-only"):
+            sd[key].numpy()[0] = 1.0
+        with pytest.raises(ValueError, match="read-only"):
+            np.asarray(sd[key])[...] = 0.0
+        for state in (sd, ref_sd):
+            np.asarray(state[key], dtype=np.float64)[...] = 0.0  # (a copy: the model untouched)
     pair.step(1)
     pair.step(2)
     pair.assert_same()

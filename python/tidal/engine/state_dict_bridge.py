@@ -70,6 +70,12 @@ class StateDictEntry(torch.Tensor):
                 out = args[0].view(args[0].shape)
             else:
                 out = func(*args, **kwargs)
+                if func in _NUMPY and args and out.__array_interface__["data"][0] == args[0].data_ptr():
+                    # A write into the array would bypass every torch
+                    # function and the version count: refused by numpy
+                    # ("assignment destination is read-only"), not lost
+                    # (Note [Writes into a state dict]).
+                    out.flags.writeable = False
             if tracked:
                 push_entries(tracked)
             return out
@@ -123,6 +129,7 @@ def _entry_meta():
 
 _ENTRY_META = _entry_meta()
 _ALIASES = frozenset((torch.Tensor.data.__get__, torch.Tensor.detach))
+_NUMPY = frozenset((torch.Tensor.numpy, torch.Tensor.__array__))
 
 
 def _entries_in(args, kwargs):
@@ -191,9 +198,16 @@ def push_entries(tracked) -> None:
 # entries loads their parameters' values at that moment. To torch an entry
 # is a plain tensor: its functions return plain tensors, `.data` is an alias
 # sharing its version count, it pickles, torch.save's and deep-copies as one
-# (after taking the parameter's value). Not covered: a view of an entry
+# (after taking the parameter's value). Its numpy() (and np.asarray of it)
+# is read-only: a write into the array would reach neither a torch function
+# nor the version count, so numpy refuses it ("assignment destination is
+# read-only") where it would be lost. Not covered: a view of an entry
 # written after the view outlived every other reference to the entry and
-# the entry was collected (its memory is then the user's alone).
+# the entry was collected (its memory is then the user's alone); a write
+# through untyped_storage() (Hugging Face's safetensors reads entries'
+# storages to find shared ones, so it cannot be refused); and an array or
+# storage of an entry read after a later step (plain PyTorch's would show
+# the trained weights; an entry's shows them only through torch functions).
 class StateDictBridge:
     """model.state_dict() and model.load_state_dict() of the model an engine
     trains: the module itself holds empty placeholders (a torch.save of them
