@@ -263,10 +263,58 @@ def test_the_worker_leaves_the_caller_a_core(monkeypatch, cores, threads, want):
     assert on_worker == {want}, seen
 
 
+class _Wide(torch.nn.Module):
+    """Four 1024 x 1024 layers at batch 1: backward reads each weight twice,
+    while a speculative update writes its undo copy and updates master and
+    moments, about ten times the bytes."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(1024, 1024) for _ in range(4))
+
+    def forward(self, x, y):
+        for layer in self.layers:
+            x = torch.tanh(layer(x))
+        return torch.nn.functional.mse_loss(x, y)
+
+
+def test_speculation_stops_where_backward_cannot_hide_it():
+    """Note [Speculation while backward lasts]: where a chunk's speculative
+    update (undo copy included) would not end before backward does, by the
+    last step's measures, it is not launched; the step hands it to the
+    worker to run under the next forward, without an undo. Bitwise the
+    engine without overlap."""
+    torch.manual_seed(0)
+    model = _Wide()
+    g = torch.Generator().manual_seed(1)
+    batches = [(torch.randn(1, 1024, generator=g), torch.randn(1, 1024, generator=g)) for _ in range(8)]
+    # One layer (weight and bias) per chunk.
+    chunk = (1024 * 1024 + 1024) * 4
+
+    def cfg_of(overlap):
+        return config(budget=0, chunk=chunk, overlap_step=overlap)
+
+    budget = measured_budget(model, cfg_of(False), batches, chunk_share=0.5)
+    engines = {}
+    for overlap in (False, True):
+        cfg = cfg_of(overlap)
+        cfg["tidal"]["device_memory_budget"] = budget
+        engines[overlap] = tidal.initialize(copy.deepcopy(model), cfg)
+        train(engines[overlap], batches)
+        moved_within_budget(engines[overlap])
+    plain, overlapped = engines[False], engines[True]
+    assert_bitwise(plain, overlapped)
+    opt = optimizer_report(overlapped)
+    assert opt["chunks_updated_during_backward"] > 0, opt  # (measured before the rule may act)
+    assert opt["chunks_left_to_next_forward_by_cost"] > 0, opt
+    assert opt["chunks_updated_under_next_forward"] >= opt["chunks_left_to_next_forward_by_cost"], opt
+
+
 def test_hybrid_adam_updates_the_host_chunks_during_backward():
     """The plan (the chunks the last step updated on the host) launches them
-    at their landing: after the first steps, the step itself updates none on
-    the host, and the device still updates some."""
+    at their landing: after the first steps, the step itself updates on the
+    host only those the cost rule left to the next forward (Note
+    [Speculation while backward lasts]), and the device still updates some."""
     batches = gpt_batches(6)
     torch.manual_seed(0)
     model = TinyGPT(d=64, seq=8)
@@ -277,15 +325,17 @@ def test_hybrid_adam_updates_the_host_chunks_during_backward():
     engine = tidal.initialize(model, cfg)
     train(engine, batches[:3])
     before = engine.memory_report()
-    host_in_step = []
+    host_in_step, left_by_cost = [], []
     for x, y in batches[3:]:
+        left = optimizer_report(engine)["chunks_left_to_next_forward_by_cost"]
         engine.backward(engine(x, y))
         engine.step()
         host_in_step.append(len(engine._overlap.step_host_chunks))
+        left_by_cost.append(optimizer_report(engine)["chunks_left_to_next_forward_by_cost"] - left)
     after = engine.memory_report()
     launched = after["optimizer"]["chunks_updated_during_backward"] - \
         before["optimizer"]["chunks_updated_during_backward"]
-    assert host_in_step == [0, 0, 0], host_in_step
+    assert host_in_step == left_by_cost, (host_in_step, left_by_cost)
     assert launched > 0
     assert after["adam_chunks_on_device"] > before["adam_chunks_on_device"], after
     moved_within_budget(engine)

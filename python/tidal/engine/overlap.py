@@ -154,6 +154,41 @@ mapped pages (memory_report()["optimizer"]["overlap_undo_bytes"]). A chunk
 whose buffers would not fit the host budget beside the chunks it holds is
 left to the step.
 
+Note [Speculation while backward lasts]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+The undo copy is not free in time either: it is a memcpy of 14 bytes per
+parameter whose stores read each destination line first, so it moves more
+bytes than the update it protects (on the 2-core machine, 16.8M parameters:
+the copy 29 ms, the update 15 ms, on one thread or two). A speculative
+update therefore costs about three plain ones of the memory bandwidth CPU
+Adam is bound by, which pays only while backward hides it. Where CPU Adam
+takes longer than backward (a GPU's backward is short, the host's CPU Adam
+long), updates launched late in backward end after it, and the step waits
+for their triple cost, where the same updates left to the next forward
+(Note [CPU Adam under the next forward]) cost one and run under it.
+So when the step may leave its host updates to the next forward
+(may_defer), a chunk whose gradients are all in is launched only if its
+speculative update, queued behind the worker's unfinished ones, ends
+before backward does, by the last step's measures: each chunk's last
+speculative update time on the worker, and how long the last speculating
+backward went on after the chunk's landing. A chunk without both measures
+is launched (and so measured), and so is every chunk where the last
+speculating step's worker waited for the gradients' copies down longer
+than it updated: the link binds there, each update ends as its copy
+lands, hidden behind the next copy, and its weights go up beside the
+copies down while the step waits (Note [Weights up as they are updated]);
+deferring them put those copies up into the next forward, which then
+waited for most of the link time (1 MB/s in test_engine_offload_shape.py:
+two of four steady steps took 1.5 s against 0.87). The others are left
+to the step, which
+hands them to the worker in chunk order with the clip factor known, no
+undo needed (memory_report()["optimizer"]
+["chunks_left_to_next_forward_by_cost"]). Where the step may not defer
+(gradient accumulation, data parallel, the NVMe tier, ...) every chunk is
+launched as before. The measures come from this machine's own timing, so
+which chunks speculate may change from step to step; either way the
+weights are the step's bit for bit.
+
 Note [CPU Adam under the next forward]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 What backward could not hide (every host chunk when the clip fires, the
@@ -304,6 +339,17 @@ class StepOverlap:
         self._hook_box: list = [None]
         self.deferred_chunks = 0          # chunk updates run under a next forward
         self.deferred_wait_seconds = 0.0  # what those forwards (or others) waited for them
+        # Note [Speculation while backward lasts]: chunk -> the seconds its
+        # last speculative update took on the worker (undo copy included),
+        # and -> the seconds the last speculating backward went on after the
+        # chunk's last gradient landed; this backward's landing times; the
+        # launches left to the step (and so to the next forward) by them.
+        self._spec_seconds: dict[int, float] = {}
+        self._left_after: dict[int, float] = {}
+        self._landing_times: dict[int, float] = {}
+        self._defer_after = False  # this backward's step may defer (may_defer)
+        self._link_bound = False  # the last speculating step's worker waited on copies more
+        self.left_to_next_forward = 0
 
     # ------------------------------------------------------------ backward
     def begin(self, last_micro_batch: bool, *, global_steps: int, loss_scale: float, host_short: bool,
@@ -380,6 +426,10 @@ class StepOverlap:
         self._grad_scale = 1.0 / loss_scale
         self._use_sums = accumulating
         self._fold_chunk = fold_chunk
+        self._landing_times = {}
+        self._defer_after = speculate and not self._data_parallel and self.may_defer(
+            global_steps=global_steps, summing=accumulating, data_parallel=self._data_parallel,
+            host_short=host_short)
 
     def landed(self, record):
         """A gradient landed (trainable records only): counted once per
@@ -423,6 +473,10 @@ class StepOverlap:
             if self._ahead and self._speculating:
                 self._send_up_finished()
         self._backward_end = time.perf_counter()
+        if not failed:
+            for chunk, t in self._landing_times.items():
+                self._left_after[chunk] = self._backward_end - t
+        self._landing_times = {}
         self._waiting = {}
 
     # Note [Gradients down as they land]
@@ -576,6 +630,13 @@ class StepOverlap:
         c = self._store.chunks
         if self._host_short or not self._on_host_by_plan(chunk):
             return  # the step updates it (on the device, or with room made first)
+        if self._defer_after:
+            self._landing_times[chunk] = time.perf_counter()
+            if not self._fits_in_backward(chunk):
+                # Note [Speculation while backward lasts]: the step hands it
+                # to the worker, to run under the next forward, without an undo.
+                self.left_to_next_forward += 1
+                return
         recs = self._recs[chunk]
         if any(r in self._relanded for r in recs):
             return
@@ -590,6 +651,21 @@ class StepOverlap:
             self._queue_fold(chunk)
             return
         self._start(chunk)
+
+    def _fits_in_backward(self, chunk: int) -> bool:
+        """Whether `chunk`'s speculative update, queued behind the worker's
+        unfinished ones, ends before backward does, by the last step's
+        measures (Note [Speculation while backward lasts]); True where a
+        measure is missing (the update then runs, and is measured) and
+        where the link bound the last speculating step."""
+        need = self._spec_seconds.get(chunk)
+        left = self._left_after.get(chunk)
+        if need is None or left is None or self._link_bound:
+            return True
+        for queued, future in self._jobs:
+            if not future.done():
+                need += self._spec_seconds.get(queued, 0.0)
+        return need <= left
 
     def _start(self, chunk: int):
         """The launch of `chunk`'s update, from its undo buffers on (the
@@ -682,6 +758,8 @@ class StepOverlap:
             self.plan = None
             self._undo = {}
             self.undo_bytes = 0
+            self._spec_seconds = {}
+            self._left_after = {}
 
     # ---------------------------------------------------------------- step
     def finish(self, send_up: bool = False):
@@ -699,9 +777,10 @@ class StepOverlap:
         error = None
         end = self._backward_end
         send_up = send_up and self._ahead
+        fenced = updating = 0.0
         for i, (chunk, future) in enumerate(self._jobs):
             try:
-                t0, t1 = future.result()
+                tf, t0, t1 = future.result()
             except _UndoCopyFailed as ex:
                 # Nothing was updated: the chunk is as backward left it.
                 recs = self._pending.pop(chunk)[0]
@@ -716,10 +795,16 @@ class StepOverlap:
                 if self._send_up_next(chunk):
                     self.weights_sent_up_at_step += 1
             self.worker_seconds += t1 - t0
+            self._spec_seconds[chunk] = t1 - t0
+            fenced, updating = fenced + t0 - tf, updating + t1 - t0
             if end is not None:
                 self.overlapped_seconds += max(0.0, min(t1, end) - t0)
             else:  # a forward or an error before backward ended: all of it overlapped
                 self.overlapped_seconds += t1 - t0
+        if self._jobs:
+            # (Note [Speculation while backward lasts]: the worker waited for
+            # the gradients' copies down longer than it updated.)
+            self._link_bound = fenced > updating
         self._jobs.clear()
         self._job_pins = []
         self._ahead_from = 0
@@ -998,7 +1083,9 @@ class _UndoCopyFailed(Exception):
 
 def _run(views, calls, undo, lo, hi, fences=()):
     """On the worker: the copies into the chunk waited for, the undo copy,
-    then cpu_adam over one chunk, one call per parameter group."""
+    then cpu_adam over one chunk, one call per parameter group; (start,
+    copies landed, end) times."""
+    tf = time.perf_counter()
     for wait in fences:
         wait()
     t0 = time.perf_counter()
@@ -1012,4 +1099,4 @@ def _run(views, calls, undo, lo, hi, fences=()):
     w, m, v, h = views
     for kw in calls:
         _C.cpu_adam.adam_chunk_step(w, m, v, h, **kw)
-    return t0, time.perf_counter()
+    return tf, t0, time.perf_counter()
