@@ -6,8 +6,9 @@ benchmarks/results/step_overlap_cost-<machine>.json.
 
     python benchmarks/step_overlap_cost.py [--rounds 3] [--steps 8] [--quick]
 
-A GPT whose CPU Adam outlasts its backward, as a GPU's short backward
-beside the host's long CPU Adam does: TinyGPT vocab 8192, d 512, 4 layers,
+A GPT whose CPU Adam is large beside its backward (speculated, with its
+undo copies and on cores backward shares here, about as long as backward),
+as a GPU's short backward beside the host's CPU Adam: TinyGPT vocab 8192, d 512, 4 layers,
 seq 16, micro batch 1 (17M parameters), bf16, 1 MiB chunks, a device
 budget of 48 MiB (hybrid Adam updates the states on the host),
 gradient_clipping 1.0 with every loss scaled so the first batch's gradient
