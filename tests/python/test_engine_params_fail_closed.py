@@ -687,12 +687,89 @@ def test_a_parametrization_after_initialize_is_refused_by_name(case, budget):
     pair.check_budget()
 
 
+# ------------------------------------------------ parameters registered after initialize
+def _replace_layer(model):
+    model.layers[2] = torch.nn.Linear(64, 64)
+
+
+def _replace_weight(model):
+    model.layers[2].weight = torch.nn.Parameter(torch.zeros(64, 64))
+
+
+def _new_parameter(model):
+    model.layers[2].register_parameter("scale", torch.nn.Parameter(torch.ones(64)))
+
+
+def _tie(model):
+    model.layers[2].weight = model.layers[1].weight
+
+
+def _into_a_new_module(model):
+    model.add_module("extra", torch.nn.Module())  # (no parameters: let in, and guarded from then on)
+    model.extra.register_parameter("w", torch.nn.Parameter(torch.zeros(3)))
+
+
+REGISTRATIONS = {
+    "a new layer": (_replace_layer, r"'layers\.2' set to a Linear with the parameter 'weight'"),
+    "a new weight": (_replace_weight, r"'layers\.2\.weight': a parameter of shape \(64, 64\).*replacing "
+                                      r"the one tidal trains as 'layers\.2\.weight'"),
+    "register_parameter": (_new_parameter, r"'layers\.2\.scale': a parameter of shape \(64,\)"),
+    "tying after initialize": (_tie, r"'layers\.2\.weight' set to the parameter tidal trains as "
+                                     r"'layers\.1\.weight'"),
+    "into a module added later": (_into_a_new_module, r"'extra\.w': a parameter of shape \(3,\)"),
+}
+
+
+@budgets
+@pytest.mark.parametrize("case", list(REGISTRATIONS))
+def test_a_parameter_registered_after_initialize_is_refused_by_name(case, budget):
+    """Note [Parameters registered after initialize]: the new parameter was
+    used by the forward and never trained, without a word, and
+    engine.save_checkpoint kept the replaced one's state. Refused, naming
+    it; the model keeps what it had and trains on as plain PyTorch does."""
+    pair = Pair(budget)
+    pair.step(0)
+    before = dict(pair.model.named_parameters())
+    fn, message = REGISTRATIONS[case]
+    with pytest.raises(tidal.UsageError, match=f"(?s){message}.*before tidal\\.initialize"):
+        fn(pair.model)
+    after = dict(pair.model.named_parameters())
+    assert after.keys() == before.keys() and all(after[k] is before[k] for k in before)
+    pair.step(1)
+    pair.assert_same()
+    pair.check_budget()
+
+
+@budgets
+def test_modules_without_new_parameters_may_be_put_into_the_model(budget):
+    """An activation swapped, a layer wrapped in a container of its own, a
+    layer dropped: no parameter the engine does not train comes in, so
+    torch's registration goes through; training equals plain PyTorch's
+    with the same change."""
+    pair = Pair(budget)
+    pair.step(0)
+    for m in (pair.model, pair.ref):
+        m.layers[3] = torch.nn.Sequential(m.layers[3])
+        m.extra = torch.nn.Tanh()
+    pair.step(1)
+    pair.step(2)
+    got = pair.engine.state_dict()
+    assert "layers.3.0.weight" in got
+    pair.assert_same()
+    pair.check_budget()
+    pair.engine.remove_hooks()
+    pair.model.layers[2] = torch.nn.Linear(64, 64)  # (the model is plain PyTorch's again)
+
+
 # ------------------------------------------------ an EMA of the weights
 @budgets
-@pytest.mark.parametrize("accumulation", [1, 2])
-def test_the_engines_ema_is_the_ema_by_hand_of_plain_pytorch(accumulation, budget):
+@pytest.mark.parametrize("accumulation, clipping", [(1, 0.0), (2, 0.0), (1, 1e-3)])
+def test_the_engines_ema_is_the_ema_by_hand_of_plain_pytorch(accumulation, clipping, budget):
+    """Also where the clip fires on every step, so each step leaves its host
+    updates to the next forward (Note [CPU Adam under the next forward]):
+    the EMA waits for them (it read masters a worker's update held)."""
     decay = 0.8
-    pair = Pair(budget, accumulation=accumulation)
+    pair = Pair(budget, accumulation=accumulation, clipping=clipping)
     ref_ema = None
     for i in range(4):
         x, y = pair.data[i]
@@ -701,6 +778,8 @@ def test_the_engines_ema_is_the_ema_by_hand_of_plain_pytorch(accumulation, budge
         (pair.ref(x, y) / accumulation).backward()
         if (i + 1) % accumulation:
             continue
+        if clipping:
+            torch.nn.utils.clip_grad_norm_(pair.ref.parameters(), clipping)
         _ref_step(pair)
         if ref_ema is None:
             # started after the first step, from the weights then

@@ -90,9 +90,11 @@ def install() -> None:
     if _installed is not None:
         return
     from torch.optim.optimizer import register_optimizer_step_pre_hook
-    from torch.nn.modules.module import register_module_parameter_registration_hook
+    from torch.nn.modules.module import (register_module_module_registration_hook,
+                                         register_module_parameter_registration_hook)
     handles = [register_optimizer_step_pre_hook(_optimizer_step),
-               register_module_parameter_registration_hook(_parameter_registered)]
+               register_module_parameter_registration_hook(_parameter_registered),
+               register_module_module_registration_hook(_module_registered)]
     wrapped = []
     # register_parametrization where torch.nn.utils.parametrize holds it
     # (parametrizations.orthogonal and the others call it there): refused
@@ -178,12 +180,75 @@ def _parameter_registered(module, name, param):
     if not _LIVE or not isinstance(param, torch.nn.Parameter):
         return None
     from torch.nn.utils.parametrize import ParametrizationList
-    if not isinstance(module, ParametrizationList):
+    if isinstance(module, ParametrizationList):
+        hit = _record_of(param)
+        if hit is None:
+            return None
+        raise _parametrization_refusal(hit[1].name)
+    engine = _engine_of_module(module)
+    if engine is None or module._parameters.get(name) is param:
         return None
-    hit = _record_of(param)
-    if hit is None:
+    old = module._parameters.get(name)
+    old_record = None if old is None else engine._record_of_param(old)
+    record = engine._record_of_param(param)
+    where = f"'{_path(engine, module, name)}'"
+    if record is not None:
+        raise UsageError(
+            f"{where} set to the parameter tidal trains as '{record.name}' after tidal.initialize "
+            f"(tying or moving a parameter): tidal laid out its chunks and hooks for the parameters "
+            f"where they were at initialize. Tie or move parameters before tidal.initialize "
+            f"(Note [Parameters registered after initialize])")
+    raise UsageError(
+        f"{where}: a parameter of shape {tuple(param.shape)} registered after tidal.initialize" +
+        (f", replacing the one tidal trains as '{old_record.name}'" if old_record is not None else "") +
+        ". tidal trains the parameters the model had at initialize, so this one would never be "
+        "trained, and engine checkpoints would keep " +
+        ("the replaced one's state" if old_record is not None else "no state of it") +
+        ". Add or replace modules and parameters before tidal.initialize (or call "
+        "engine.remove_hooks() and initialize again) (Note [Parameters registered after initialize])")
+
+
+def _module_registered(module, name, submodule):
+    """torch's global module registration hook (Note [Parameters registered
+    after initialize]): a submodule put into the model an engine trains may
+    hold only parameters the engine trains (a wrapper of its own modules);
+    its modules then count as the model's, so a parameter registered into
+    them later is refused too."""
+    if not _LIVE or submodule is None:
         return None
-    raise _parametrization_refusal(hit[1].name)
+    engine = _engine_of_module(module)
+    if engine is None or module._modules.get(name) is submodule:
+        return None
+    for pname, p in submodule.named_parameters(remove_duplicate=False):
+        if engine._record_of_param(p) is None:
+            where = f"'{_path(engine, module, name)}'"
+            raise UsageError(
+                f"{where} set to a {type(submodule).__name__} with the parameter '{pname}' (shape "
+                f"{tuple(p.shape)}) after tidal.initialize: tidal trains the parameters the model had "
+                f"then, so it would never be trained, and engine checkpoints would keep no state of it. "
+                f"Add or replace modules before tidal.initialize (or call engine.remove_hooks() and "
+                f"initialize again) (Note [Parameters registered after initialize])")
+    guard_conversions(submodule, engine)
+    return None
+
+
+def _path(engine, module, name: str) -> str:
+    """`name` qualified by `module`'s path in the engine's model (an error
+    message's; the model's root gives the name alone)."""
+    for path, m in engine.module.named_modules(remove_duplicate=False):
+        if m is module:
+            return f"{path}.{name}" if path else name
+    return f"{name} of a {type(module).__name__}"
+
+
+def _engine_of_module(module):
+    """The live engine whose model holds `module` (its conversions guarded
+    at initialize: guard_conversions), or None."""
+    f = module.__dict__.get("_apply")
+    if not isinstance(f, functools.partial) or f.func is not _guarded_apply:
+        return None
+    engine = f.args[1]()
+    return engine if engine is not None and engine in _LIVE else None
 
 
 def _parameter_guard(original):
@@ -205,6 +270,25 @@ def _parameter_guard(original):
     return guarded
 
 
+# Note [Parameters registered after initialize]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# An engine trains the parameters its model had at tidal.initialize: their
+# chunks, records and hooks are laid out then. A parameter put into the model
+# later (a new head, `m.weight = nn.Parameter(...)`, register_parameter, a
+# resized embedding, an adapter injected into a layer) was used by the
+# forward and never trained, without a word, and engine.save_checkpoint kept
+# the state of the parameter it replaced while model.state_dict() showed
+# the new one; tying two weights after initialize (`lm_head.weight =
+# wte.weight`) failed later in a shape error. So while an engine lives,
+# torch's global parameter and module registration hooks refuse, with a
+# UsageError naming the attribute, any parameter registered into one of its
+# model's modules other than the one already there, and any submodule put
+# into one holding a parameter the engine does not train. A submodule of
+# the engine's own parameters (a wrapper around its layers) and one without
+# parameters (an activation swapped) are let in, and count as the model's
+# from then on. Removing a module or a parameter is not refused. Registered
+# as the guards are: nothing of it stays in torch once no engine lives.
+#
 # Note [Conversions of a trained model]
 # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 # nn.Module's conversions (to, cuda, cpu, half, float, double, bfloat16, type)
