@@ -566,6 +566,11 @@ class Engine(EngineBackward, DeepSpeedEngineAPI):
         self._outside.settle_raw_backward()
         applied = self._step.step()
         if applied and self._ema is not None:
+            if self._overlap is not None:
+                # The EMA reads every master: the updates this step left to
+                # the next forward (Note [CPU Adam under the next forward])
+                # hold theirs until they are done.
+                self._overlap.settle_deferred()
             self._ema.update()
         return applied
 
