@@ -96,10 +96,18 @@ cores, which compute shares) add to that:
     part likewise at the device Adam rate).
 On a GPU CPU Adam runs beside the device: during the last backward (Note
 [CPU Adam during backward]) and under the next forward (Note [CPU Adam
-under the next forward]), so step_s_overlapped = accumulation x (forward +
-backward) + max(0, max(CPU Adam, disk) - (forward + backward)) + device
-Adam (a lower bound: not yet checked on a GPU). The bottleneck is the
-largest term.
+under the next forward]). An update made during backward is a speculation
+whose undo copy makes it cost s plain ones (the speculation factor,
+measured: Note [Speculation while backward lasts]), so backward hides
+backward / s of CPU Adam and the next forward the rest; with accumulation
+nothing is left to the next forward and every update is speculated:
+    exposed = max(0, CPU Adam - backward / s - forward)   (accumulation 1)
+    exposed = max(0, s x CPU Adam - backward)              (accumulation > 1)
+(all of CPU Adam with overlap_step false; the second line also with
+overlap_next_forward false)
+and step_s_overlapped = accumulation x (forward + backward) + max(exposed,
+disk - (forward + backward)) + device Adam (a lower bound: not yet checked
+on a GPU). The bottleneck is the largest term.
 """
 from __future__ import annotations
 
@@ -135,6 +143,10 @@ DEFAULT_RATES = {
     "cpu_adam_params_per_s": (1.34e9, "tidal's CPU Adam, 2^26 parameters, 2 threads of a 2-core "
                                       "AMD EPYC: benchmarks/results/cpu_adam-cpu-2c.json (a host "
                                       "with more cores and memory channels is faster)"),
+    "speculation_factor": (2.9, "a speculative CPU Adam update (its undo copy, 14 B/param, then "
+                                "the update) over the update alone: 16.8M parameters on the 2-core "
+                                "AMD EPYC, 29 ms + 15 ms against 15 ms (Note [Speculation while "
+                                "backward lasts])"),
     "device_adam_params_per_s": (1.0e11, "assumed: an H100's 3.35 TB/s over the 32 bytes per "
                                          "parameter torch's fused Adam reads and writes (not "
                                          "measured)"),
@@ -197,6 +209,19 @@ def measure_rates(link: bool = True, adam_params: int = 1 << 24, precision: str 
     rate = sorted(samples[1:])[len(samples[1:]) // 2]
     out["cpu_adam_params_per_s"] = (rate, f"measured: tidal's CPU Adam over {n} parameters, "
                                           f"{torch.get_num_threads()} threads")
+    # The undo copy a speculative update makes first (Note [Speculative
+    # updates and their undo]): the same views, into buffers of their own.
+    views = [w, m, v, half]
+    undo = [torch.empty_like(t) for t in views]
+    samples = []
+    for _ in range(5):
+        t = time.perf_counter()
+        _C.cpu_adam.copy_tensors(undo, views, num_threads=0)
+        samples.append(time.perf_counter() - t)
+    copy_s = sorted(samples[1:])[len(samples[1:]) // 2]
+    out["speculation_factor"] = (1.0 + copy_s * rate / n,
+                                 f"measured: the undo copy of {n} parameters over their update")
+    del undo
     if info["backend"] == "sim":
         out["device_adam_params_per_s"] = (rate, "the simulated device updates its chunks with "
                                                  "the same CPU kernel")
@@ -552,6 +577,7 @@ def estimate(model, config=None, *, precision=None, optimizer_state_dtype=None,
     host_adam = max(trainable * (1 - hybrid_share),
                     min(trainable, on_disk / disk_per_param if disk_per_param else 0))
     cpu_adam_s = host_adam / value["cpu_adam_params_per_s"]
+    spec = value["speculation_factor"]
     device_adam_s = (trainable - host_adam) / value["device_adam_params_per_s"]
     # Every chunk on disk between steps is read once and written once a step
     # (Adam updates it); reads run ahead and writes behind, beside CPU Adam.
@@ -564,7 +590,16 @@ def estimate(model, config=None, *, precision=None, optimizer_state_dtype=None,
     disk_bytes = max(0, min(on_disk, state - kept))
     disk_s = disk_bytes / value["disk_read_bytes_per_s"] + disk_bytes / value["disk_write_bytes_per_s"]
     step_s = phases_s + cpu_adam_s + device_adam_s + disk_s
-    overlapped = phases_s + max(0.0, max(cpu_adam_s, disk_s) - (forward_s + backward_s)) + device_adam_s
+    # CPU Adam beside a GPU (the module docstring): backward hides its
+    # speculative share at the speculation factor's cost, the next forward
+    # the rest (not with accumulation, which speculates every update).
+    if not cfg.overlap_step:
+        adam_exposed = cpu_adam_s
+    elif accum > 1 or not cfg.overlap_next_forward:
+        adam_exposed = max(0.0, spec * cpu_adam_s - backward_s)
+    else:
+        adam_exposed = max(0.0, cpu_adam_s - backward_s / spec - forward_s)
+    overlapped = phases_s + max(adam_exposed, disk_s - (forward_s + backward_s)) + device_adam_s
     parts = {"compute": compute_s + hooks_s, "link": link_exposed_s, "cpu_adam": cpu_adam_s,
              "device_adam": device_adam_s, "disk": disk_s}
     bottleneck = max(parts, key=parts.get)
@@ -605,7 +640,8 @@ def estimate(model, config=None, *, precision=None, optimizer_state_dtype=None,
         "time": {"flops": flops, "tokens": tokens, "compute_s": compute_s, "hooks_s": hooks_s,
                  "link_s": link_s, "link_exposed_s": link_exposed_s, "link_both_ways_at_once_share": beside,
                  "forward_s": forward_s,
-                 "backward_s": backward_s, "cpu_adam_s": cpu_adam_s, "device_adam_s": device_adam_s,
+                 "backward_s": backward_s, "cpu_adam_s": cpu_adam_s,
+                 "cpu_adam_exposed_s_overlapped": adam_exposed, "device_adam_s": device_adam_s,
                  "disk_s": disk_s,
                  "step_s": step_s, "step_s_overlapped": overlapped, "bottleneck": bottleneck,
                  # From the model of the backend estimated for: CPU Adam on
@@ -675,6 +711,7 @@ def format_estimate(e: dict) -> str:
     ]
     units = {"h2d_bytes_per_s": ("GB/s", 1e9), "d2h_bytes_per_s": ("GB/s", 1e9),
              "device_flops_per_s": ("TFLOP/s", 1e12), "cpu_adam_params_per_s": ("G params/s", 1e9),
+             "speculation_factor": ("x the update", 1.0),
              "device_adam_params_per_s": ("G params/s", 1e9), "seconds_per_module": ("us", 1e-6),
              "disk_read_bytes_per_s": ("GB/s", 1e9), "disk_write_bytes_per_s": ("GB/s", 1e9)}
     for k, v in e["rates"].items():
