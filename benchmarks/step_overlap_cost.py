@@ -46,7 +46,7 @@ import tidal  # noqa: E402
 FULL = dict(vocab=8192, d=512, layers=4, heads=4, seq=16, batch=1, budget="48MiB")
 QUICK = dict(vocab=512, d=64, layers=2, heads=4, seq=16, batch=1, budget="2MiB")
 ENGINES = ("default", "speculate_all", "off")
-COUNTS = ("chunks_updated_during_backward", "chunks_left_to_next_forward_by_cost",
+COUNTS = ("chunks_updated_during_backward", "chunks_left_to_the_step_by_cost",
           "chunks_updated_under_next_forward", "undone_chunk_updates")
 
 
@@ -127,8 +127,8 @@ def main():
               f"{res['engine_step_seconds_median'] * 1e3:.1f} ms); CPU Adam "
               f"{res['adam_seconds_median'] * 1e3:.1f} ms, exposed {res['exposed_adam_seconds_median'] * 1e3:.1f} "
               f"ms ({res['exposed_share_of_adam']:.0%}); chunks launched during backward "
-              f"{res['chunks_updated_during_backward']}, left to the next forward by the rule "
-              f"{res['chunks_left_to_next_forward_by_cost']}, under the next forward "
+              f"{res['chunks_updated_during_backward']}, left to the step by the rule "
+              f"{res['chunks_left_to_the_step_by_cost']}, under the next forward "
               f"{res['chunks_updated_under_next_forward']}; bitwise {res['bitwise_equal_to_off']}; "
               f"overruns {res['budget_overruns']}", flush=True)
     path = common.write_result("step_overlap_cost-quick" if args.quick else "step_overlap_cost", out,

@@ -278,12 +278,14 @@ class _Wide(torch.nn.Module):
         return torch.nn.functional.mse_loss(x, y)
 
 
-def test_speculation_stops_where_backward_cannot_hide_it():
+@pytest.mark.parametrize("accumulation, next_forward", [(1, True), (2, True), (1, False)])
+def test_speculation_stops_where_backward_cannot_hide_it(accumulation, next_forward):
     """Note [Speculation while backward lasts]: where a chunk's speculative
     update (undo copy included) would not end before backward does, by the
     last step's measures, it is not launched; the step hands it to the
-    worker to run under the next forward, without an undo. Bitwise the
-    engine without overlap."""
+    worker to run under the next forward, without an undo, or with
+    accumulation (after the end of backward's fold) or overlap_next_forward
+    false updates it itself. Bitwise the engine without overlap."""
     torch.manual_seed(0)
     model = _Wide()
     g = torch.Generator().manual_seed(1)
@@ -292,7 +294,9 @@ def test_speculation_stops_where_backward_cannot_hide_it():
     chunk = (1024 * 1024 + 1024) * 4
 
     def cfg_of(overlap):
-        return config(budget=0, chunk=chunk, overlap_step=overlap)
+        cfg = config(budget=0, chunk=chunk, overlap_step=overlap, overlap_next_forward=next_forward)
+        cfg["gradient_accumulation_steps"] = accumulation
+        return cfg
 
     budget = measured_budget(model, cfg_of(False), batches, chunk_share=0.5)
     engines = {}
@@ -300,20 +304,23 @@ def test_speculation_stops_where_backward_cannot_hide_it():
         cfg = cfg_of(overlap)
         cfg["tidal"]["device_memory_budget"] = budget
         engines[overlap] = tidal.initialize(copy.deepcopy(model), cfg)
-        train(engines[overlap], batches)
+        train(engines[overlap], batches * accumulation)
         moved_within_budget(engines[overlap])
     plain, overlapped = engines[False], engines[True]
     assert_bitwise(plain, overlapped)
     opt = optimizer_report(overlapped)
     assert opt["chunks_updated_during_backward"] > 0, opt  # (measured before the rule may act)
-    assert opt["chunks_left_to_next_forward_by_cost"] > 0, opt
-    assert opt["chunks_updated_under_next_forward"] >= opt["chunks_left_to_next_forward_by_cost"], opt
+    assert opt["chunks_left_to_the_step_by_cost"] > 0, opt
+    if accumulation == 1 and next_forward:
+        assert opt["chunks_updated_under_next_forward"] >= opt["chunks_left_to_the_step_by_cost"], opt
+    else:
+        assert opt["chunks_updated_under_next_forward"] == 0, opt
 
 
 def test_hybrid_adam_updates_the_host_chunks_during_backward():
     """The plan (the chunks the last step updated on the host) launches them
     at their landing: after the first steps, the step itself updates on the
-    host only those the cost rule left to the next forward (Note
+    host only those the cost rule left to it (Note
     [Speculation while backward lasts]), and the device still updates some."""
     batches = gpt_batches(6)
     torch.manual_seed(0)
@@ -327,11 +334,11 @@ def test_hybrid_adam_updates_the_host_chunks_during_backward():
     before = engine.memory_report()
     host_in_step, left_by_cost = [], []
     for x, y in batches[3:]:
-        left = optimizer_report(engine)["chunks_left_to_next_forward_by_cost"]
+        left = optimizer_report(engine)["chunks_left_to_the_step_by_cost"]
         engine.backward(engine(x, y))
         engine.step()
         host_in_step.append(len(engine._overlap.step_host_chunks))
-        left_by_cost.append(optimizer_report(engine)["chunks_left_to_next_forward_by_cost"] - left)
+        left_by_cost.append(optimizer_report(engine)["chunks_left_to_the_step_by_cost"] - left)
     after = engine.memory_report()
     launched = after["optimizer"]["chunks_updated_during_backward"] - \
         before["optimizer"]["chunks_updated_during_backward"]

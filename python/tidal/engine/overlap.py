@@ -166,12 +166,12 @@ takes longer than backward (a GPU's backward is short, the host's CPU Adam
 long), updates launched late in backward end after it, and the step waits
 for their triple cost, where the same updates left to the next forward
 (Note [CPU Adam under the next forward]) cost one and run under it.
-So when the step may leave its host updates to the next forward
-(may_defer), a chunk whose gradients are all in is launched only if its
-speculative update, queued behind the worker's unfinished ones, ends
+So a chunk whose gradients are all in is launched only if its
+speculative update, started behind the worker's unfinished ones, ends
 before backward does, by the last step's measures: each chunk's last
 speculative update time on the worker, and how long the last speculating
-backward went on after the chunk's landing. A chunk without both measures
+backward went on after the chunk's landing (less the time since, where
+accumulation's fold lags the launch). A chunk without both measures
 is launched (and so measured), and so is every chunk where the last
 speculating step's worker waited for the gradients' copies down longer
 than it updated: the link binds there, each update ends as its copy
@@ -180,14 +180,16 @@ copies down while the step waits (Note [Weights up as they are updated]);
 deferring them put those copies up into the next forward, which then
 waited for most of the link time (1 MB/s in test_engine_offload_shape.py:
 two of four steady steps took 1.5 s against 0.87). The others are left
-to the step, which
-hands them to the worker in chunk order with the clip factor known, no
-undo needed (memory_report()["optimizer"]
-["chunks_left_to_next_forward_by_cost"]). Where the step may not defer
-(gradient accumulation, data parallel, the NVMe tier, ...) every chunk is
-launched as before. The measures come from this machine's own timing, so
-which chunks speculate may change from step to step; either way the
-weights are the step's bit for bit.
+to the step, which knows the clip factor and needs no undo
+(memory_report()["optimizer"]["chunks_left_to_the_step_by_cost"]): it
+hands them to the worker to run under the next forward where it may
+(may_defer), and otherwise (gradient accumulation, whose end of backward
+folds them first; overlap_next_forward false) updates them itself, once,
+on every core, where a speculation would have cost the step its undo too.
+Not under data parallel (each owner launches as its reductions land). The
+measures come from this machine's own timing, so which chunks speculate
+may change from step to step; either way the weights are the step's bit
+for bit.
 
 Note [CPU Adam under the next forward]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -347,9 +349,9 @@ class StepOverlap:
         self._spec_seconds: dict[int, float] = {}
         self._left_after: dict[int, float] = {}
         self._landing_times: dict[int, float] = {}
-        self._defer_after = False  # this backward's step may defer (may_defer)
+        self._cost_rule = False  # this backward launches by Note [Speculation while backward lasts]
         self._link_bound = False  # the last speculating step's worker waited on copies more
-        self.left_to_next_forward = 0
+        self.left_to_step = 0
 
     # ------------------------------------------------------------ backward
     def begin(self, last_micro_batch: bool, *, global_steps: int, loss_scale: float, host_short: bool,
@@ -427,9 +429,7 @@ class StepOverlap:
         self._use_sums = accumulating
         self._fold_chunk = fold_chunk
         self._landing_times = {}
-        self._defer_after = speculate and not self._data_parallel and self.may_defer(
-            global_steps=global_steps, summing=accumulating, data_parallel=self._data_parallel,
-            host_short=host_short)
+        self._cost_rule = speculate and not self._data_parallel
 
     def landed(self, record):
         """A gradient landed (trainable records only): counted once per
@@ -630,13 +630,8 @@ class StepOverlap:
         c = self._store.chunks
         if self._host_short or not self._on_host_by_plan(chunk):
             return  # the step updates it (on the device, or with room made first)
-        if self._defer_after:
+        if self._cost_rule:
             self._landing_times[chunk] = time.perf_counter()
-            if not self._fits_in_backward(chunk):
-                # Note [Speculation while backward lasts]: the step hands it
-                # to the worker, to run under the next forward, without an undo.
-                self.left_to_next_forward += 1
-                return
         recs = self._recs[chunk]
         if any(r in self._relanded for r in recs):
             return
@@ -653,15 +648,17 @@ class StepOverlap:
         self._start(chunk)
 
     def _fits_in_backward(self, chunk: int) -> bool:
-        """Whether `chunk`'s speculative update, queued behind the worker's
-        unfinished ones, ends before backward does, by the last step's
-        measures (Note [Speculation while backward lasts]); True where a
-        measure is missing (the update then runs, and is measured) and
+        """Whether `chunk`'s speculative update, started now behind the
+        worker's unfinished ones, ends before backward does, by the last
+        step's measures (Note [Speculation while backward lasts]); True where
+        a measure is missing (the update then runs, and is measured) and
         where the link bound the last speculating step."""
         need = self._spec_seconds.get(chunk)
         left = self._left_after.get(chunk)
-        if need is None or left is None or self._link_bound:
+        landed = self._landing_times.get(chunk)
+        if need is None or left is None or landed is None or self._link_bound:
             return True
+        left -= time.perf_counter() - landed  # (with accumulation the fold's lag since)
         for queued, future in self._jobs:
             if not future.done():
                 need += self._spec_seconds.get(queued, 0.0)
@@ -674,6 +671,13 @@ class StepOverlap:
         recs = self._recs[chunk]
         if any(r in self._relanded for r in recs):
             return  # (landed again since it was queued: the step updates it)
+        if self._cost_rule and not self._fits_in_backward(chunk):
+            # Note [Speculation while backward lasts]: the step updates it
+            # with the clip factor known, no undo needed (under the next
+            # forward where it may); with accumulation the end of backward
+            # folds it first.
+            self.left_to_step += 1
+            return
         spans = [c.placement(r.id)[1] for r in recs]
         lo = min(spans)
         hi = max(off + r.numel for off, r in zip(spans, recs))

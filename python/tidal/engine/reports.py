@@ -182,11 +182,12 @@ class EngineReports:
                     0.0 if overlap is None else overlap.deferred_wait_seconds),
                 "chunks_updated_under_next_forward": 0 if overlap is None
                 else overlap.deferred_chunks,
-                # Note [Speculation while backward lasts]: of those, the ones
-                # not launched during backward because their speculative
-                # update would not have ended before it.
-                "chunks_left_to_next_forward_by_cost": 0 if overlap is None
-                else overlap.left_to_next_forward,
+                # Note [Speculation while backward lasts]: the chunks not
+                # launched during backward because their speculative update
+                # would not have ended before it (the step updated them, or
+                # left them to the next forward: then counted above too).
+                "chunks_left_to_the_step_by_cost": 0 if overlap is None
+                else overlap.left_to_step,
                 "next_forward_wait_seconds": 0.0 if overlap is None
                 else overlap.deferred_wait_seconds,
                 "overlapped_adam_seconds": 0.0 if overlap is None
