@@ -259,7 +259,10 @@ def _h100_caption(r: Dict, name: str) -> str:
             f"{tgt['config']}: 64 MiB chunks; no GPU run has checked these figures yet; a "
             f"GPU run replaces them). The predicted step is the GPU's: CPU Adam runs beside the "
             f"device, during the last backward and under the next forward, so only what exceeds "
-            f"them adds (`time.step_s_overlapped`); in brackets the parts one after the other. "
+            f"them adds (`time.step_s_overlapped`; an update during backward costs its undo copy "
+            f"too, " + (f"{rates['speculation_factor']['value']:.1f}x the update, so backward hides its "
+                        f"time over that: docs/estimate.md" if "speculation_factor" in rates else
+                        "not charged in this file") + "); in brackets the parts one after the other. "
             f"Rates: link "
             f"{rates['h2d_bytes_per_s']['value'] / 1e9:.1f} / "
             f"{rates['d2h_bytes_per_s']['value'] / 1e9:.1f} GB/s and "
