@@ -529,7 +529,7 @@ def _step_overlap_cost(r: Dict) -> List[Figure]:
             f"{sh['batch']}; {r['parameters'] / 1e6:.1f}M params), bf16, gradient_clipping 1.0 (not firing), "
             f"budget {sh['budget']}, states on the host; a speculative update launched only where it ends "
             f"before backward (default: {ours['chunks_updated_during_backward']} chunk updates during "
-            f"backward, {ours['chunks_left_to_next_forward_by_cost']} left to the next forward; exposed CPU "
+            f"backward, {ours['chunks_left_to_the_step_by_cost']} left to the step and by it to the next forward; exposed CPU "
             f"Adam {ours['exposed_adam_seconds_median'] * 1e3:.1f} ms), simulated device, backward and CPU Adam "
             f"sharing the cores")
     out = []
