@@ -101,9 +101,9 @@ whose undo copy makes it cost s plain ones (the speculation factor,
 measured: Note [Speculation while backward lasts]), so backward hides
 backward / s of CPU Adam (the engine speculates only what ends within it)
 and the next forward the rest; with accumulation nothing is left to the
-next forward and the step makes the rest itself:
+next forward and every update is speculated:
     exposed = max(0, CPU Adam - backward / s - forward)   (accumulation 1)
-    exposed = max(0, CPU Adam - backward / s)              (accumulation > 1)
+    exposed = max(0, s x CPU Adam - backward)              (accumulation > 1)
 (all of CPU Adam with overlap_step false; the second line also with
 overlap_next_forward false)
 and step_s_overlapped = accumulation x (forward + backward) + max(exposed,
@@ -593,11 +593,11 @@ def estimate(model, config=None, *, precision=None, optimizer_state_dtype=None,
     step_s = phases_s + cpu_adam_s + device_adam_s + disk_s
     # CPU Adam beside a GPU (the module docstring): backward hides its
     # speculative share at the speculation factor's cost, the next forward
-    # the rest (not with accumulation: the step makes it itself).
+    # the rest (not with accumulation, which speculates every update).
     if not cfg.overlap_step:
         adam_exposed = cpu_adam_s
     elif accum > 1 or not cfg.overlap_next_forward:
-        adam_exposed = max(0.0, cpu_adam_s - backward_s / spec)
+        adam_exposed = max(0.0, spec * cpu_adam_s - backward_s)
     else:
         adam_exposed = max(0.0, cpu_adam_s - backward_s / spec - forward_s)
     overlapped = phases_s + max(adam_exposed, disk_s - (forward_s + backward_s)) + device_adam_s

@@ -166,12 +166,12 @@ takes longer than backward (a GPU's backward is short, the host's CPU Adam
 long), updates launched late in backward end after it, and the step waits
 for their triple cost, where the same updates left to the next forward
 (Note [CPU Adam under the next forward]) cost one and run under it.
-So a chunk whose gradients are all in is launched only if its
+So where the step may leave its host updates to the next forward
+(may_defer), a chunk whose gradients are all in is launched only if its
 speculative update, started behind the worker's unfinished ones, ends
 before backward does, by the last step's measures: each chunk's last
 speculative update time on the worker, and how long the last speculating
-backward went on after the chunk's landing (less the time since, where
-accumulation's fold lags the launch). A chunk without both measures
+backward went on after the chunk's landing. A chunk without both measures
 is launched (and so measured), and so is every chunk where the last
 speculating step's worker waited for the gradients' copies down longer
 than it updated: the link binds there, each update ends as its copy
@@ -181,12 +181,14 @@ deferring them put those copies up into the next forward, which then
 waited for most of the link time (1 MB/s in test_engine_offload_shape.py:
 two of four steady steps took 1.5 s against 0.87). The others are left
 to the step, which knows the clip factor and needs no undo
-(memory_report()["optimizer"]["chunks_left_to_the_step_by_cost"]): it
-hands them to the worker to run under the next forward where it may
-(may_defer), and otherwise (gradient accumulation, whose end of backward
-folds them first; overlap_next_forward false) updates them itself, once,
-on every core, where a speculation would have cost the step its undo too.
-Not under data parallel (each owner launches as its reductions land). The
+(memory_report()["optimizer"]["chunks_left_to_the_step_by_cost"]) and
+hands them to the worker to run under the next forward. Not with gradient
+accumulation, overlap_next_forward false or data parallel, where every
+chunk is launched as before: with accumulation, leaving them to the step
+(which updates them itself after the end of backward's fold) moved more
+bytes when tried (steady steps up to 1.37x the minimum in
+test_engine_offload_shape.py's accumulation shape at 20 MB/s, where the
+test allows 1.15x), and what moved them was not found. The
 measures come from this machine's own timing, so which chunks speculate
 may change from step to step; either way the weights are the step's bit
 for bit.
@@ -429,7 +431,9 @@ class StepOverlap:
         self._use_sums = accumulating
         self._fold_chunk = fold_chunk
         self._landing_times = {}
-        self._cost_rule = speculate and not self._data_parallel
+        self._cost_rule = speculate and not self._data_parallel and self.may_defer(
+            global_steps=global_steps, summing=accumulating, data_parallel=self._data_parallel,
+            host_short=host_short)
 
     def landed(self, record):
         """A gradient landed (trainable records only): counted once per
@@ -658,7 +662,7 @@ class StepOverlap:
         landed = self._landing_times.get(chunk)
         if need is None or left is None or landed is None or self._link_bound:
             return True
-        left -= time.perf_counter() - landed  # (with accumulation the fold's lag since)
+        left -= time.perf_counter() - landed
         for queued, future in self._jobs:
             if not future.done():
                 need += self._spec_seconds.get(queued, 0.0)
@@ -672,10 +676,8 @@ class StepOverlap:
         if any(r in self._relanded for r in recs):
             return  # (landed again since it was queued: the step updates it)
         if self._cost_rule and not self._fits_in_backward(chunk):
-            # Note [Speculation while backward lasts]: the step updates it
-            # with the clip factor known, no undo needed (under the next
-            # forward where it may); with accumulation the end of backward
-            # folds it first.
+            # Note [Speculation while backward lasts]: the step hands it to
+            # the next forward with the clip factor known, no undo needed.
             self.left_to_step += 1
             return
         spans = [c.placement(r.id)[1] for r in recs]
