@@ -353,6 +353,7 @@ class StepOverlap:
         self._landing_times: dict[int, float] = {}
         self._cost_rule = False  # this backward launches by Note [Speculation while backward lasts]
         self._link_bound = False  # the last speculating step's worker waited on copies more
+        self._running_from = 0  # _jobs before it have finished (_fits_in_backward)
         self.left_to_step = 0
 
     # ------------------------------------------------------------ backward
@@ -663,9 +664,12 @@ class StepOverlap:
         if need is None or left is None or landed is None or self._link_bound:
             return True
         left -= time.perf_counter() - landed
-        for queued, future in self._jobs:
-            if not future.done():
-                need += self._spec_seconds.get(queued, 0.0)
+        # The worker runs the jobs in launch order: the finished ones are a
+        # prefix, skipped once (each landing would walk them all again).
+        jobs = self._jobs
+        while self._running_from < len(jobs) and jobs[self._running_from][1].done():
+            self._running_from += 1
+        need += sum(self._spec_seconds.get(queued, 0.0) for queued, _ in jobs[self._running_from:])
         return need <= left
 
     def _start(self, chunk: int):
@@ -814,6 +818,7 @@ class StepOverlap:
         self._jobs.clear()
         self._job_pins = []
         self._ahead_from = 0
+        self._running_from = 0
         self._speculating = False
         for pin in self._pinned:
             pin.release()
