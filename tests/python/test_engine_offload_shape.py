@@ -92,13 +92,28 @@ class Shape:
         self.budget = int((self.activations + (self.p16 + self.states) // 4) / 0.95)
 
 
-def on_link(shape, accumulation, bandwidth):
+def on_link(shape, accumulation, bandwidth, **tidal_keys):
     """An engine of `shape` at its budget on a simulated device whose link
-    copies at `bandwidth` (each way)."""
+    copies at `bandwidth` (each way); `tidal_keys` added to its config."""
     tidal.set_device("sim", capacity="1GiB", bandwidth=bandwidth)
     cfg = config(shape.budget, accumulation)
     del cfg["tidal"]["device"]  # (the device set above, with its link)
+    cfg["tidal"].update(tidal_keys)
     return tidal.initialize(copy.deepcopy(shape.base), cfg)
+
+
+def assert_moves_the_minimum(steady, minimum):
+    """Chunks move each way in every steady step (the path fires), and on
+    average over the steady steps no more than the minimum. (Not each step:
+    an update left to the next forward, Note [CPU Adam under the next
+    forward], sends its weights up in the step after its gradients went
+    down; which ones are left is timed, Note [Speculation while backward
+    lasts], and where that changes between steps one step counts a chunk's
+    copy up twice and the next none.)"""
+    for way in ("bytes_host_to_device", "bytes_device_to_host"):
+        moved = [step[way] for step in steady]
+        assert min(moved) > 0 and 0.85 * minimum <= sum(moved) / len(moved) <= 1.15 * minimum, \
+            (way, moved, minimum)
 
 
 @pytest.mark.parametrize("accumulation", [1, 2])
@@ -119,10 +134,8 @@ def test_a_quarter_budget_moves_the_minimum_and_prefetches_every_steady_copy(acc
     within_budget(engine)
 
     steady = [{k: b[k] - a[k] for k in COUNTERS} for a, b in zip(counters[-STEADY - 1:], counters[-STEADY:])]
+    assert_moves_the_minimum(steady, minimum)
     for step in steady:
-        for way in ("bytes_host_to_device", "bytes_device_to_host"):
-            # Chunks move (the path fires), and no more than the minimum.
-            assert 0.85 * minimum <= step[way] <= 1.15 * minimum, (way, step, minimum)
         copies = step["prefetch_hits"] + step["misses"]
         assert copies > 0 and step["prefetch_hits"] >= 0.9 * copies, step
         # Nothing pinned, nothing waited for, in a steady step.
@@ -138,6 +151,55 @@ def test_a_quarter_budget_moves_the_minimum_and_prefetches_every_steady_copy(acc
     assert counters[1]["host_pins"] == counters[-1]["host_pins"], counters
     assert counters[1]["pageable_copies"] == counters[-1]["pageable_copies"], counters
     assert 0 < counters[-1]["host_bytes_pinned"] <= (p16 + states) / 4, (counters[-1], p16, states)
+    engine.remove_hooks()
+
+
+def test_the_prefetch_holds_whichever_chunks_backward_leaves_to_the_step():
+    """Note [Left to the step, pinned as if launched] (tidal/engine/overlap.py):
+    which chunks the cost rule leaves to the step (Note [Speculation while
+    backward lasts]) comes from timing and may change from step to step.
+    Here the rule is replaced by a pattern that changes at every step (every
+    other chunk, the other half at the next step) in the quarter-budget
+    shape: every steady step still follows the last step's trace (no
+    departure), prefetches at least 0.9 of its copies, and moves the
+    minimum on average; bitwise the run where everything fits. On
+    the code before (a chunk left to the step was pinned in the step, its
+    gradients going down then, on demand) every steady step departed from
+    the trace in backward and about half its copies missed (27 of 58)."""
+    s = Shape(1)
+    room = s.budget - s.budget // 20 - s.activations
+    minimum = s.p16 - (room - s.p16) * s.p16 / s.states
+    engine = tidal.initialize(copy.deepcopy(s.base), config(s.budget, 1))
+    overlap = engine._overlap
+    step = [0]
+    overlap._fits_in_backward = lambda chunk: (chunk + step[0]) % 2 == 0
+    counters, left = [], []
+    losses = []
+    for x, y in s.batches:
+        before = overlap.left_to_step
+        loss = engine(x, y)
+        engine.backward(loss)
+        engine.step()
+        step[0] += 1
+        left.append(overlap.left_to_step - before)
+        losses.append(loss.item())
+        st = engine.chunks.stats()
+        counters.append({k: st[k] for k in COUNTERS + ("trace_divergences",)})
+    assert losses == s.ref_losses
+    within_budget(engine)
+    # The pattern acted: about half the chunks were left to the step in every
+    # steady step, and ran under the next forward.
+    host_chunks = len(overlap.plan)
+    assert host_chunks >= 10, overlap.plan
+    assert all(host_chunks // 3 <= n <= 2 * host_chunks // 3 for n in left[-STEADY:]), (left, host_chunks)
+    assert overlap.deferred_chunks >= sum(left), (overlap.deferred_chunks, left)
+    steady = [{k: b[k] - a[k] for k in b} for a, b in zip(counters[-STEADY - 1:], counters[-STEADY:])]
+    assert_moves_the_minimum(steady, minimum)
+    for st in steady:
+        assert st["trace_divergences"] == 0, steady
+        copies = st["prefetch_hits"] + st["misses"]
+        assert copies > 0 and st["prefetch_hits"] >= 0.9 * copies, st
+        assert st["host_pins"] == 0 and st["block_waits"] == 0 and st["pageable_copies"] == 0, st
     engine.remove_hooks()
 
 
@@ -203,7 +265,11 @@ def test_the_next_forward_finds_the_weights_updated_during_backward_already_up(a
     compute hides them). Bitwise the same training either way, and the same
     bytes."""
     s = Shape(1)
-    engine = on_link(s, 1, "20MB/s")
+    # (overlap_next_forward off: every chunk is launched during backward.
+    # Otherwise the chunks whose update backward would not hide are left to
+    # the step, Note [Speculation while backward lasts], by timing: how many
+    # changes with the machine's load.)
+    engine = on_link(s, 1, "20MB/s", overlap_next_forward=False)
     if not ahead:
         engine._overlap._send_up_finished = lambda: None
     losses, waits, moved, up_in_backward = [], [], [], []

@@ -507,6 +507,14 @@ def test_tidal_recompute_overlaps_exactly(block):
     assert_bitwise(runs[False], runs[True])
 
 
+def _leave_every_other_chunk(engine):
+    """The cost rule (Note [Speculation while backward lasts]) replaced by
+    one that leaves every other chunk to the step whatever the timing: their
+    pins are held from their landing to the step (Note [Left to the step,
+    pinned as if launched]), which what runs between must see through."""
+    engine._overlap._fits_in_backward = lambda chunk: chunk % 2 == 0
+
+
 def _between(engine, batches, act):
     """Train, calling act(engine, x, y) between each backward and step."""
     for i, (x, y) in enumerate(batches):
@@ -533,17 +541,20 @@ def _evaluate_the_model(engine, x, y):
     return loss
 
 
+@pytest.mark.parametrize("left", [False, True], ids=["", "half-left-to-the-step"])
 @pytest.mark.parametrize("act", [_evaluate, _evaluate_the_model, lambda e, x, y: e.state_dict(),
                                  lambda e, x, y: e.parameters_fp32()])
-def test_what_reads_the_weights_between_backward_and_step_sees_the_step_without_overlap(act):
+def test_what_reads_the_weights_between_backward_and_step_sees_the_step_without_overlap(act, left):
     # A forward (an evaluation, through the engine or the model), a
-    # state_dict: the speculative updates are undone first, and the step
-    # makes them again.
+    # state_dict: the speculative updates are undone first (and the chunks
+    # left to the step let go), and the step makes them again.
     batches = gpt_batches(4)
     runs = {}
     for overlap in (False, True):
         torch.manual_seed(0)
         engine = tidal.initialize(TinyGPT(d=64, seq=8), make_config(overlap, clip=5.0, hybrid=False))
+        if overlap and left:
+            _leave_every_other_chunk(engine)
         got = []
         _between(engine, batches, lambda e, x, y: got.append(act(e, x, y)))
         within_budget(engine)
@@ -556,6 +567,7 @@ def test_what_reads_the_weights_between_backward_and_step_sees_the_step_without_
     elif runs[False][1][0] is not None:
         assert runs[False][1] == runs[True][1]  # (the evaluation's losses, bit for bit)
     assert optimizer_report(runs[True][0])["undone_chunk_updates"] > 0
+    assert (optimizer_report(runs[True][0])["chunks_left_to_the_step_by_cost"] > 0) == left
     # Nothing of the overlap is left hooked into torch once the steps are done.
     assert runs[True][0]._overlap._hook_box[0] is None
 
@@ -588,12 +600,15 @@ def test_hyperparameters_written_between_backward_and_step_are_the_steps(key, va
     assert report["undone_chunk_updates"] > 0  # (the path fires: the writes came after the launches)
 
 
-def test_zero_grad_after_backward_takes_the_updates_back():
+@pytest.mark.parametrize("left", [False, True], ids=["", "half-left-to-the-step"])
+def test_zero_grad_after_backward_takes_the_updates_back(left):
     batches = gpt_batches(4)
     runs = {}
     for overlap in (False, True):
         torch.manual_seed(0)
         engine = tidal.initialize(TinyGPT(d=64, seq=8), make_config(overlap, hybrid=False))
+        if overlap and left:
+            _leave_every_other_chunk(engine)
         train_tidal(engine, batches[:2])
         x, y = batches[2]
         engine.backward(engine(x, y))
@@ -602,15 +617,19 @@ def test_zero_grad_after_backward_takes_the_updates_back():
         train_tidal(engine, batches[3:])
         runs[overlap] = engine
     assert optimizer_report(runs[True])["undone_chunk_updates"] > 0
+    assert (optimizer_report(runs[True])["chunks_left_to_the_step_by_cost"] > 0) == left
     assert_bitwise(runs[False], runs[True])
 
 
-def test_a_failed_backward_takes_the_updates_back_and_the_engine_goes_on():
+@pytest.mark.parametrize("left", [False, True], ids=["", "half-left-to-the-step"])
+def test_a_failed_backward_takes_the_updates_back_and_the_engine_goes_on(left):
     batches = gpt_batches(4)
     runs = {}
     for overlap in (False, True):
         torch.manual_seed(0)
         engine = tidal.initialize(TinyGPT(d=64, seq=8), make_config(overlap, hybrid=False))
+        if overlap and left:
+            _leave_every_other_chunk(engine)
         train_tidal(engine, batches[:1])
         x, y = batches[1]
         # Late in backward (the first block's), after chunks of later blocks were launched.
@@ -686,13 +705,15 @@ def test_an_engine_dropped_after_backward_waits_for_its_updates_and_goes():
     import gc
     import weakref
 
-    batches = gpt_batches(2)
+    batches = gpt_batches(3)
     torch.manual_seed(0)
     engine = tidal.initialize(TinyGPT(d=64, seq=8), make_config(True, hybrid=False))
-    train_tidal(engine, batches[:1])
-    x, y = batches[1]
+    _leave_every_other_chunk(engine)
+    train_tidal(engine, batches[:2])
+    x, y = batches[2]
     engine.backward(engine(x, y))
     assert engine._overlap._jobs  # updates launched during backward, not waited for
+    assert engine._overlap._held  # and chunks left to the step, pinned
     gone = weakref.ref(engine)
     del engine
     gc.collect()

@@ -241,6 +241,8 @@ class OptimizerStep:
             # them (optimizer.step, wrapped, sets this flag); the engine's step
             # is that step, so a scheduler stepped after it does not warn.
             self._optimizer._opt_called = True
+        if overlap is not None:
+            overlap.release_held()  # (those of chunks with no update in this step)
         if self._dp_step is not None and overflow:
             # The owners' weights came back from their masters: the others'
             # from the owners.
@@ -388,6 +390,10 @@ class OptimizerStep:
             self._meters.adam_host_chunks += 1
             self._overlap.step_host_chunks.add(chunk)
             return
+        if self._overlap is not None:
+            # (A chunk left to the step pinned at its landing: Note [Left to
+            # the step, pinned as if launched] in overlap.py.)
+            self._overlap.release_held([chunk])
         # Note [The step of a chunk in one call] (hooks/chunk_step.h): where
         # it runs, the pins, Adam per group and the releases, in one call.
         groups = [(g["lr"], *g["betas"], g["eps"], g["weight_decay"], [r.id for r in members],

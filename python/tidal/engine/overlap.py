@@ -355,6 +355,10 @@ class StepOverlap:
         self._link_bound = False  # the last speculating step's worker waited on copies more
         self._running_from = 0  # _jobs before it have finished (_fits_in_backward)
         self.left_to_step = 0
+        # Note [Left to the step, pinned as if launched]: chunk -> the pin
+        # of a chunk the rule left to the step, held from its landing until
+        # the step hands it to the worker (defer) or the update runs elsewhere.
+        self._held: dict = {}
 
     # ------------------------------------------------------------ backward
     def begin(self, last_micro_batch: bool, *, global_steps: int, loss_scale: float, host_short: bool,
@@ -372,6 +376,7 @@ class StepOverlap:
                 fold of one chunk's landed gradients into their sums.
         """
         self.settle_deferred()
+        self.release_held()  # (a backward again without a step between)
         self._forget_layout_if_changed()
         recs = collections.defaultdict(list)
         # Every tensor of each chunk, frozen ones too: whether another is in
@@ -679,15 +684,19 @@ class StepOverlap:
         recs = self._recs[chunk]
         if any(r in self._relanded for r in recs):
             return  # (landed again since it was queued: the step updates it)
-        if self._cost_rule and not self._fits_in_backward(chunk):
+        if self._cost_rule and not self._use_sums and not self._fits_in_backward(chunk):
             # Note [Speculation while backward lasts]: the step hands it to
-            # the next forward with the clip factor known, no undo needed.
+            # the next forward with the clip factor known, no undo needed;
+            # pinned now as a launch pins it (Note [Left to the step, pinned
+            # as if launched]).
+            self._held[chunk] = self._store.pin(recs[0], _KINDS, HOST, wait=False)
             self.left_to_step += 1
+            self._hook_forwards()
             return
         spans = [c.placement(r.id)[1] for r in recs]
         lo = min(spans)
         hi = max(off + r.numel for off, r in zip(spans, recs))
-        undo = self._undo_buffers(chunk, recs[0], hi - lo)
+        undo = self._undo_buffers(chunk, hi - lo)
         if undo is None:
             return  # no host room for the undo buffers: the step updates it
         if self._use_sums:
@@ -736,20 +745,18 @@ class StepOverlap:
                               num_threads=self._threads, pool="onetbb"))
         return calls
 
-    def _undo_buffers(self, chunk: int, first, numel: int):
+    def _undo_buffers(self, chunk: int, numel: int):
         """The chunk's undo buffers (one per kind of _UNDO_KINDS, at least
         `numel` long), kept across steps; None where new ones would not fit
-        the host budget beside the chunks it holds. `first`: a record of the
-        chunk."""
+        the host budget beside the chunks it holds."""
         bufs = self._undo.get(chunk)
         if bufs is not None and bufs[0].numel() >= numel:
             return bufs
         store = self._store
         c = store.chunks
-        # Each kind's dtype from an access of its slot, not chunk_view: a
-        # chunk may have no payload in reach now (moved out), and an access
-        # is what brings it back.
-        dtypes = store.slot_dtypes(first, _UNDO_KINDS, HOST)
+        # (Not from accesses of the slots: a chunk launched for the first
+        # time would add them to the trace, a departure from the last step's.)
+        dtypes = store.kind_dtypes(_UNDO_KINDS)
         size = sum(numel * d.itemsize for d in dtypes)
         old = 0 if bufs is None else sum(b.numel() * b.element_size() for b in bufs)
         if c.held_bytes(HOST) + self.undo_bytes - old + size > store.capacity_bytes()[0]:
@@ -867,8 +874,40 @@ class StepOverlap:
         try:
             self.finish()
         finally:
-            if self._pending:
-                self._restore()
+            try:
+                if self._pending:
+                    self._restore()
+            finally:
+                self.release_held()
+
+    # Note [Left to the step, pinned as if launched]
+    # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+    # The scheduler follows a trace of the last step's chunk accesses, and a
+    # step whose accesses depart from it loses the prefetch for the rest of
+    # that step (Note [Prefetch] in runtime/scheduler/chunk_scheduler.h). A
+    # launch during backward pins the chunk's 16-bit, master and moment
+    # chunks on the host, where the step then accesses nothing of it; a
+    # chunk left to the step by Note [Speculation while backward lasts] was
+    # pinned in the step instead (defer). Which chunks the rule leaves comes
+    # from timing and may change from step to step, and each change moved
+    # accesses between backward and the step: a departure. Forcing the rule
+    # to leave each chunk at random in test_engine_offload_shape.py's
+    # quarter-budget shape, every steady step departed in backward, and about
+    # half its copies missed (27 of 58: the gradients of the chunks left to
+    # the step went down at the step, on demand, after backward). So a chunk
+    # left to the step is pinned at its landing exactly as a launch pins it
+    # (its gradients start down then, beside backward), and the pin is held
+    # until the step hands it to the worker (defer takes it, accessing
+    # nothing more) or the update runs elsewhere (release_held: the step
+    # updating it itself, an undo, a forward before the step). The trace is
+    # then the same whichever way the rule decides.
+    def release_held(self, chunks=None) -> None:
+        """Releases the pins held for chunks left to the step (`chunks`;
+        every one when None)."""
+        targets = list(self._held) if chunks is None else [ch for ch in chunks if ch in self._held]
+        for chunk in targets:
+            self._held.pop(chunk).release()
+        self._unhook_forwards_if_idle()
 
     def _restore(self, chunks=None):
         """The undo buffers back into the chunks of `chunks` (None: every
@@ -917,8 +956,10 @@ class StepOverlap:
         counts already advanced) at `grad_scale` goes to the worker; the
         chunk stays pinned on the host until settle_deferred takes it."""
         c = self._store.chunks
-        # As step_chunk pins: the 16-bit chunk, then the master and moments.
-        pin = self._store.pin(recs[0], _KINDS, HOST, wait=False)
+        # As step_chunk pins: the 16-bit chunk, then the master and moments
+        # (held since its landing where the rule left it to the step: Note
+        # [Left to the step, pinned as if launched]).
+        pin = self._held.pop(chunk, None) or self._store.pin(recs[0], _KINDS, HOST, wait=False)
         try:
             fences = self._store.copy_fences(chunk, _KINDS)
             views = [c.chunk_view(chunk, k) for k in _UNDO_KINDS]
@@ -953,14 +994,14 @@ class StepOverlap:
 
             def before_forward(module, _args):
                 overlap = ref()
-                if overlap is not None and (overlap._deferred or overlap._pending):
+                if overlap is not None and (overlap._deferred or overlap._pending or overlap._held):
                     overlap.before_module(module)
 
             self._hook_box[0] = torch.nn.modules.module.register_module_forward_pre_hook(before_forward)
 
     def _unhook_forwards_if_idle(self) -> None:
         """Removes the global forward pre-hook once nothing waits for it."""
-        if self._hook_box[0] is not None and not self._deferred and not self._pending:
+        if self._hook_box[0] is not None and not self._deferred and not self._pending and not self._held:
             self._hook_box[0].remove()
             self._hook_box[0] = None
 
@@ -971,7 +1012,7 @@ class StepOverlap:
         deferred updates' pins go (so prefetch moves their chunks up), then
         `module`'s chunks are waited for."""
         recs = self._params.module_records.get(module)
-        if self._pending and recs and self._backward_end is not None:
+        if (self._pending or self._held) and recs and self._backward_end is not None:
             self.undo(keep_deferred=True)
         if not self._deferred:
             return

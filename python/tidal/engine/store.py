@@ -649,16 +649,17 @@ class ParamStore:
         c = self.chunks
         return [f for f in (c.copy_fence(chunk, k) for k in kinds) if f is not None]
 
-    def slot_dtypes(self, record: "ParamRecord", kinds, space=HOST) -> list:
-        """The dtype of `record`'s slot of each of `kinds`, read by accessing
-        it in `space` and releasing it (HOLD) before the next: a chunk with
-        no payload in reach now (moved out) is brought back, which reading
-        its view would not do."""
-        dtypes = []
-        for kind in kinds:
-            with self.slots(record, (kind,), space) as (view,):
-                dtypes.append(view.dtype)
-        return dtypes
+    def kind_dtypes(self, kinds) -> list:
+        """The torch dtype of the chunks of each of `kinds`, from the config
+        the chunk lists were made with (the 16-bit list's precision, fp32
+        masters and sums, the moments' tidal.optimizer_state_dtype), with no
+        access: an access is an entry in the scheduler's trace (Note [Left to
+        the step, pinned as if launched] in overlap.py)."""
+        param = getattr(torch, _CHUNK_DTYPES[self.config.precision])
+        moments = torch.bfloat16 if self.config.optimizer_state_dtype == "bf16" else torch.float32
+        by_kind = {PARAM16: param, PARAM32: torch.float32, GRAD32: torch.float32,
+                   MOMENTUM: moments, VARIANCE: moments}
+        return [by_kind[k] for k in kinds]
 
     def in_use(self, records, kind) -> bool:
         """Whether the slot of `kind` of any of `records` is in use (COMPUTE)
