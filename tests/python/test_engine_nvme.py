@@ -214,7 +214,14 @@ def test_chunks_only_read_go_back_to_disk_unwritten_and_train_bitwise_the_same(t
     assert on["bytes_written"] == runs[True][0].chunks.disk["bytes_written"], on
     assert on["bytes_read"] == off["bytes_read"], (on, off)
     assert on["bytes_written"] + on["bytes_writes_skipped"] == off["bytes_written"], (on, off)
-    assert on["bytes_written_last_step"] < off["bytes_written_last_step"], (on, off)
+    # (Over the run, not its last step: in a steady step here every chunk
+    # read is updated and so written. The chunks steady steps read and gave
+    # back unwritten were those StepOverlap's undo buffers read their dtypes
+    # from, at each launch the host had no room for: a read from disk of
+    # each for nothing, which doubled the bytes read per steady step, 3.78 MB
+    # against 1.87 MB here; the dtypes come from the config now.)
+    assert on["bytes_written"] < off["bytes_written"], (on, off)
+    assert on["bytes_read_last_step"] <= on["file_bytes"], on
 
 
 def test_writes_to_parameters_reach_disk_with_the_skip(tmp_path):

@@ -1,7 +1,7 @@
 """ParamStore's ways to a slot for the rest of the engine (python/tidal/engine/store.py,
 Note [The Python package's layers] in tests/cpp/check_layers.py): pin() holds a
 record's chunks beyond a block and gives back what it pinned when it fails part
-way; slot_dtypes() and in_use() read without leaving a slot in use."""
+way; kind_dtypes() and in_use() read without leaving a slot in use."""
 from __future__ import annotations
 
 import pytest
@@ -18,14 +18,16 @@ def simulated_device():
     tidal.set_device("sim", capacity="1GiB")
 
 
-def _store(precision="fp32"):
+def _store(precision="fp32", moments="fp32"):
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 2))
     cfg = {"optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
            "tidal": {"chunk_size": 16384, "device_memory_budget": "600KiB", "device_margin": 1024,
                      "overlap_step": False}}
-    if precision == "bf16":
-        cfg["bf16"] = {"enabled": True}
+    if precision != "fp32":
+        cfg[precision] = {"enabled": True}
+    if moments == "bf16":
+        cfg["tidal"]["optimizer_state_dtype"] = "bf16"
     engine = tidal.initialize(model, cfg)
     return engine, engine.store
 
@@ -64,8 +66,17 @@ def test_a_pin_that_fails_part_way_releases_what_it_pinned_and_raises():
     assert _states(store, r) == [HOLD] * 4
 
 
-def test_slot_dtypes_reads_each_kind_and_leaves_it_idle():
-    engine, store = _store("bf16")
+@pytest.mark.parametrize("precision, moments", [("fp32", "fp32"), ("bf16", "fp32"), ("bf16", "bf16"),
+                                                ("fp16", "fp32")])
+def test_kind_dtypes_are_the_slots_and_access_nothing(precision, moments):
+    engine, store = _store(precision, moments)
     r = store.records[0]
-    assert store.slot_dtypes(r, KINDS, HOST) == [torch.bfloat16, torch.float32, torch.float32, torch.float32]
+    accesses = store.chunks.stats()["accesses"]
+    got = store.kind_dtypes(KINDS)
+    assert store.chunks.stats()["accesses"] == accesses  # (an access is an entry in the trace)
+    want = []
+    for kind in KINDS:  # (what an access of each slot finds)
+        with store.slots(r, (kind,), HOST) as (view,):
+            want.append(view.dtype)
+    assert got == want
     assert _states(store, r) == [HOLD] * 4

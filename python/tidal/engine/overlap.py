@@ -689,7 +689,10 @@ class StepOverlap:
             # the next forward with the clip factor known, no undo needed;
             # pinned now as a launch pins it (Note [Left to the step, pinned
             # as if launched]).
-            self._held[chunk] = self._store.pin(recs[0], _KINDS, HOST, wait=False)
+            try:
+                self._held[chunk] = self._store.pin(recs[0], _KINDS, HOST, wait=False)
+            except _C.OutOfMemoryError:
+                pass  # (no host room for it now: the step pins it)
             self.left_to_step += 1
             self._hook_forwards()
             return
