@@ -24,7 +24,9 @@ every other step), a pause before each round:
 Per engine and step: the whole step (forward + backward + engine.step()),
 its phases, CPU Adam time and its exposed part (memory_report()
 ["optimizer"]), the chunks launched during backward, left to the next
-forward by the rule, undone; the weights compared bitwise with "off". On
+forward by the rule, undone; over the measured steps the scheduler's
+departures from the last step's trace, prefetch hits and misses, and chunk
+bytes each way; the weights compared bitwise with "off". On
 this machine backward and CPU Adam share 2 cores, so work moved into
 backward slows backward; on a GPU it runs on the device. A result on the
 simulated device checks the schedule, not a GPU's speed.
@@ -48,6 +50,10 @@ QUICK = dict(vocab=512, d=64, layers=2, heads=4, seq=16, batch=1, budget="2MiB")
 ENGINES = ("default", "speculate_all", "off")
 COUNTS = ("chunks_updated_during_backward", "chunks_left_to_the_step_by_cost",
           "chunks_updated_under_next_forward", "undone_chunk_updates")
+# The scheduler's counters over the measured steps: whether each step followed
+# the last one's trace (Note [Left to the step, pinned as if launched]), its
+# prefetch, the chunk bytes each way.
+SCHEDULER = ("trace_divergences", "prefetch_hits", "misses", "bytes_host_to_device", "bytes_device_to_host")
 
 
 def make_engine(shape, name):
@@ -91,6 +97,7 @@ def main():
         for batch in data[:3]:
             step(e, batch, factor)
     counts0 = {n: {k: e.memory_report()["optimizer"][k] for k in COUNTS} for n, e in engines.items()}
+    sched0 = {n: {k: e.chunks.stats()[k] for k in SCHEDULER} for n, e in engines.items()}
     samples = {n: [] for n in engines}
     at = 3
     for r in range(rounds):
@@ -114,6 +121,11 @@ def main():
         res = {f"{k}_median": statistics.median(col) for k, col in zip(keys, zip(*samples[name]))}
         res["exposed_share_of_adam"] = res["exposed_adam_seconds_median"] / res["adam_seconds_median"]
         res.update({k: opt[k] - counts0[name][k] for k in COUNTS})
+        stats = e.chunks.stats()
+        res["scheduler"] = {k: stats[k] - sched0[name][k] for k in SCHEDULER}
+        res["steps_measured"] = rounds * steps
+        copies = res["scheduler"]["prefetch_hits"] + res["scheduler"]["misses"]
+        res["prefetch_hit_rate"] = res["scheduler"]["prefetch_hits"] / copies if copies else None
         res.update(budget_overruns=report["budget_overruns"], overlap_undo_bytes=opt["overlap_undo_bytes"],
                    bitwise_equal_to_off=all(torch.equal(want[n], got[n]) for n in want),
                    samples=samples[name])
@@ -129,7 +141,10 @@ def main():
               f"ms ({res['exposed_share_of_adam']:.0%}); chunks launched during backward "
               f"{res['chunks_updated_during_backward']}, left to the step by the rule "
               f"{res['chunks_left_to_the_step_by_cost']}, under the next forward "
-              f"{res['chunks_updated_under_next_forward']}; bitwise {res['bitwise_equal_to_off']}; "
+              f"{res['chunks_updated_under_next_forward']}; departures from the trace "
+              f"{res['scheduler']['trace_divergences']} in {res['steps_measured']} steps, prefetch hit rate "
+              f"{res['prefetch_hit_rate'] if res['prefetch_hit_rate'] is None else round(res['prefetch_hit_rate'], 2)}; "
+              f"bitwise {res['bitwise_equal_to_off']}; "
               f"overruns {res['budget_overruns']}", flush=True)
     path = common.write_result("step_overlap_cost-quick" if args.quick else "step_overlap_cost", out,
                                args.output)
