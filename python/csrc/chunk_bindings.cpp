@@ -624,6 +624,17 @@ Python thread drives a Chunks object.)doc");
            py::call_guard<py::gil_scoped_release>(), py::arg("chunk"), py::arg("kind"),
            "Note [Sent ahead of the cursor]: starts the chunk's move to where its next use in the "
            "trace wants it, now, out of the prefetch's order; whether a copy started.")
+      .def("take_ahead_wasted",
+           [](Chunks& c, ChunkKind kind) {
+             std::vector<std::uint32_t> chunks;
+             for (const ChunkId id : c.scheduler().take_ahead_wasted()) {
+               if (id % kNumChunkKinds == index_of(kind)) chunks.push_back(id / kNumChunkKinds);
+             }
+             return chunks;
+           },
+           py::arg("kind"),
+           "The chunks of `kind` send_ahead moved that were evicted for room before the use they were "
+           "sent for, since the last call (of any kind: the others are dropped).")
       .def("copy_fence",
            [](Chunks& c, std::uint32_t chunk, ChunkKind kind) -> py::object {
              const Event* fence = c.scheduler().copy_fence(make_chunk_id(kind, chunk));

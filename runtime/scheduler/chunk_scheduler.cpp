@@ -561,6 +561,7 @@ bool ChunkScheduler::evict(ChunkId victim, const RoomRequest& request) {
   host.needed_at = request.needed_at;
   BlockPtr block = acquire_block(host);
   if (!block) return false;
+  if (slots_[victim].prefetched && slots_[victim].ahead) ahead_wasted_.push_back(victim);
   move(victim, MemorySpace::kHost, std::move(block));
   ++stats_.evictions;
   return true;

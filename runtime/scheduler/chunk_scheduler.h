@@ -168,6 +168,7 @@
 #include <map>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "chunk/chunk_store.h"
@@ -375,6 +376,11 @@ class ChunkScheduler {
   // prefetch off, the chunk in use, without payload, already where that use
   // wants it or never used again, or no such room.
   bool send_ahead(ChunkId id);
+  // The chunks send_ahead moved that were evicted for room before the use
+  // they were sent for, since the last call, in that order: a caller that
+  // sends ahead learns which sends the room did not keep (Note [Sent ahead
+  // and evicted] in python/tidal/engine/overlap.py).
+  std::vector<ChunkId> take_ahead_wasted() { return std::exchange(ahead_wasted_, {}); }
 
   // Moment of the latest access in this step (-1 before the first).
   std::int64_t moment() const { return moment_; }
@@ -533,6 +539,7 @@ class ChunkScheduler {
   std::int64_t prefetch_cursor_ = 0;   // next trace moment prefetch looks at
   std::size_t outstanding_prefetches_ = 0;
   std::size_t outstanding_ahead_ = 0;  // those of them sent by send_ahead
+  std::vector<ChunkId> ahead_wasted_;  // take_ahead_wasted()
   bool prefetch_blocked_ = false;      // the cursor waits for a chunk to become movable
   // Free host blocks kept (Note [Host blocks for a steady step]).
   std::size_t host_keep_blocks_ = 0;

@@ -771,3 +771,48 @@ def test_the_worker_copies_through_onetbb_not_torch(monkeypatch):
     assert opt["chunks_updated_during_backward"] > 0 and opt["undone_chunk_updates"] > 0, opt
     assert opt["chunks_updated_under_next_forward"] > 0, opt
     assert on_worker == []
+
+
+def test_weights_sent_up_and_evicted_before_their_use_are_not_sent_again():
+    """Note [Sent ahead and evicted] (tidal/engine/overlap.py): where the
+    room a chunk's weights take when sent up during backward is needed
+    before their use (a 48 MiB budget for 16 chunks of 1 MiB beside the
+    activations: step_overlap_cost.py's shape), OPT evicts them and they
+    come up again. Every chunk launched during backward (the cost rule off,
+    so the path is the same at every step): sending every chunk as before
+    moves more chunks up per steady step, with sends evicted in each; the
+    engine stops sending those (it still sends the others) and moves fewer;
+    bitwise the same training."""
+    from tidal.engine.store import PARAM16
+
+    torch.manual_seed(0)
+    model = TinyGPT(vocab=8192, d=512, layers=4, heads=4, seq=16)
+    g = torch.Generator().manual_seed(1)
+    batches = [(t, t) for t in (torch.randint(0, 8192, (1, 16), generator=g) for _ in range(10))]
+    cfg = {"optimizer": {"type": "AdamW", "params": {"lr": 1e-4}}, "bf16": {"enabled": True},
+           "gradient_clipping": 0.0,  # (DeepSpeed's 1.0 would fire at every step: nothing speculated)
+           "tidal": {"chunk_size": "1MiB", "device_memory_budget": "48MiB"}}
+    runs = {}
+    for learn in (False, True):
+        engine = tidal.initialize(copy.deepcopy(model), cfg)
+        overlap = engine._overlap
+        overlap._fits_in_backward = lambda chunk: True
+        if not learn:  # (as before the note: every finished update sent up)
+            overlap._send_ahead = lambda chunk, e=engine: e.chunks.send_ahead(chunk, PARAM16)
+        losses, moves, sent, evicted = [], [], [], []
+        for x, y in batches:
+            before = engine.chunks.stats()
+            losses.append(train_tidal(engine, [(x, y)])[0])
+            after = engine.chunks.stats()
+            moves.append(after["moves_host_to_device"] - before["moves_host_to_device"])
+            sent.append(after["prefetches_ahead"] - before["prefetches_ahead"])
+            if not learn:  # (the engine's own sends take them: Note [Sent ahead and evicted])
+                evicted.append(len(engine.chunks.take_ahead_wasted(PARAM16)))
+        within_budget(engine)
+        runs[learn] = losses, moves, sent, evicted, set(overlap._no_ahead)
+        engine.remove_hooks()
+    (old_losses, old_moves, old_sent, old_evicted, _), (losses, moves, sent, _, no_ahead) = runs[False], runs[True]
+    assert losses == old_losses
+    assert all(n > 0 for n in old_evicted[-3:]), (old_evicted, old_moves)  # (the path fires)
+    assert no_ahead and all(0 < n < m for n, m in zip(sent[-3:], old_sent[-3:])), (no_ahead, sent, old_sent)
+    assert sum(moves[-3:]) < sum(old_moves[-3:]), (moves, old_moves)

@@ -359,6 +359,9 @@ class StepOverlap:
         # of a chunk the rule left to the step, held from its landing until
         # the step hands it to the worker (defer) or the update runs elsewhere.
         self._held: dict = {}
+        # Note [Sent ahead and evicted]: chunks whose weights are not sent
+        # up ahead any more (for this layout).
+        self._no_ahead: set[int] = set()
 
     # ------------------------------------------------------------ backward
     def begin(self, last_micro_batch: bool, *, global_steps: int, loss_scale: float, host_short: bool,
@@ -573,7 +576,7 @@ class StepOverlap:
             return  # (landed again since it was queued: the end of backward folds it)
         self._fold_chunk(chunk, recs, HOST)
         self.folded_early.add(chunk)
-        if self._store.chunks.send_ahead(chunk, PARAM16):
+        if self._send_ahead(chunk):
             self.weights_sent_up_early += 1
 
     # Note [Weights up as they are updated]
@@ -628,7 +631,34 @@ class StepOverlap:
         it was."""
         self._job_pins[self._ahead_from].release()
         self._ahead_from += 1
-        return self._store.chunks.send_ahead(chunk, PARAM16)
+        return self._send_ahead(chunk)
+
+    # Note [Sent ahead and evicted]
+    # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+    # A chunk's weights sent up ahead (Note [Weights up as they are updated])
+    # take room that is free when they go, but the rest of backward, the
+    # step and the next forward up to the chunk's use may need it: the
+    # budget then shrinks, and OPT evicts first the chunk used last, which is
+    # the one just sent for the next forward. Its copy up was wasted and it
+    # comes up again: in step_overlap_cost's shape (48 MiB budget, 16
+    # 16-bit chunks of 1 MiB) a steady step sent 15 ahead, 7 were evicted
+    # before their use, and the step moved 23 chunks up against 16 without
+    # sending any (1.4x the bytes each way). So a chunk whose weights
+    # were sent up and evicted for room before the use they were sent for
+    # (the scheduler says which: take_ahead_wasted; not a move an access
+    # made, as an undo's or a state_dict's) is not sent ahead again
+    # for this layout; the prefetch takes it in the forward's order, as
+    # without the path. Whether a send is wasted depends on the trace's
+    # room, not on timing, so the set settles within a step or two; no
+    # access is recorded either way, so the trace does not change.
+    def _send_ahead(self, chunk: int) -> bool:
+        """ChunkScheduler::send_ahead of `chunk`'s 16-bit chunk unless an
+        earlier send of it was wasted (Note [Sent ahead and evicted])."""
+        c = self._store.chunks
+        self._no_ahead.update(c.take_ahead_wasted(PARAM16))
+        if chunk in self._no_ahead:
+            return False
+        return c.send_ahead(chunk, PARAM16)
 
     def _on_host_by_plan(self, chunk: int) -> bool:
         if not self._config.hybrid_adam:
@@ -780,6 +810,7 @@ class StepOverlap:
             self.undo_bytes = 0
             self._spec_seconds = {}
             self._left_after = {}
+            self._no_ahead = set()
 
     # ---------------------------------------------------------------- step
     def finish(self, send_up: bool = False):
