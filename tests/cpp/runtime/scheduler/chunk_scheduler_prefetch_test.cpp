@@ -296,5 +296,59 @@ TEST(ChunkSchedulerPrefetch, SendAheadMovesAFinishedChunkPastTheCursor) {
   EXPECT_EQ(on.prefetch_hits + on.hits + on.misses + on.materializations, on.accesses);
 }
 
+// Note [Sent ahead and evicted] (python/tidal/engine/overlap.py): the chunks
+// send_ahead moved that an eviction for room takes before the use they were
+// sent for are named once by take_ahead_wasted(); those their use finds, and
+// a move an access makes, are not. The shape of SendAheadMovesAFinishedChunk-
+// PastTheCursor: chunks 3 and 2 sent ahead after their updates on the host;
+// in one step the device budget then shrinks to one chunk (the room the next
+// forward's peak leaves), and OPT evicts the chunks used last.
+TEST(ChunkSchedulerPrefetch, TakeAheadWastedNamesTheSendsEvictedBeforeTheirUse) {
+  auto device = make_device(kKiB * kKiB, 20e6);
+  ChunkSchedulerOptions options;
+  options.device_budget_bytes = 8 * kChunk;
+  options.prefetch_depth = 1;
+  ChunkScheduler s(make_store({kFull, kFull, kFull, kFull}, kChunk), device, options);
+  auto id = [&](TensorId t) { return s.store().chunk_of(p16(t)); };
+  // One step; returns the chunks sent ahead.
+  auto step = [&](bool shrink, bool fetch_three_back) {
+    for (TensorId t = 0; t < 4; ++t) {
+      s.access(p16(t), kDev);
+      s.release(p16(t), TensorState::kHoldAfterFwd);
+    }
+    for (TensorId t : {3u, 2u, 1u}) write_pattern(s.access(p16(t), kHost), kFull * 2, 7 * t);
+    std::vector<ChunkId> sent;
+    for (TensorId t : {3u, 2u, 1u}) {
+      s.release(p16(t), TensorState::kHold);
+      if (s.send_ahead(id(t))) sent.push_back(id(t));
+    }
+    if (shrink) {
+      s.set_budget(kDev, kChunk);
+      s.set_budget(kDev, 8 * kChunk);
+    }
+    if (fetch_three_back) {
+      // An access that moves a chunk sent ahead back down: not the room's doing.
+      s.access(p16(3), kHost);
+      s.release(p16(3), TensorState::kHold);
+    }
+    s.end_step();
+    s.validate();
+    return sent;
+  };
+  EXPECT_TRUE(step(false, false).empty());  // (step 0 records the trace: nothing to send to)
+  const std::vector<ChunkId> kept = step(false, false);
+  EXPECT_EQ(kept, (std::vector<ChunkId>{id(3), id(2)}));
+  EXPECT_TRUE(s.take_ahead_wasted().empty());  // (the next forward used the ones kept)
+  const std::vector<ChunkId> sent = step(true, false);
+  EXPECT_EQ(sent, (std::vector<ChunkId>{id(3), id(2)}));
+  std::vector<ChunkId> wasted = s.take_ahead_wasted();
+  std::sort(wasted.begin(), wasted.end());
+  EXPECT_EQ(wasted, (std::vector<ChunkId>{id(2), id(3)}));
+  EXPECT_TRUE(s.take_ahead_wasted().empty());  // (named once)
+  step(false, true);
+  EXPECT_TRUE(s.take_ahead_wasted().empty());
+  EXPECT_GT(s.stats().prefetches_wasted, 0u);
+}
+
 }  // namespace
 }  // namespace tidal
