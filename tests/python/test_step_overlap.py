@@ -806,7 +806,7 @@ def test_weights_sent_up_and_evicted_before_their_use_are_not_sent_again():
             after = engine.chunks.stats()
             moves.append(after["moves_host_to_device"] - before["moves_host_to_device"])
             sent.append(after["prefetches_ahead"] - before["prefetches_ahead"])
-            if not learn:  # (the engine's own sends take them: Note [Sent ahead and evicted])
+            if not learn:  # (the engine takes them itself at each backward: Note [Sent ahead and evicted])
                 evicted.append(len(engine.chunks.take_ahead_wasted(PARAM16)))
         within_budget(engine)
         runs[learn] = losses, moves, sent, evicted, set(overlap._no_ahead)

@@ -188,7 +188,10 @@ chunk is launched as before: with accumulation, leaving them to the step
 (which updates them itself after the end of backward's fold) moved more
 bytes when tried (steady steps up to 1.37x the minimum in
 test_engine_offload_shape.py's accumulation shape at 20 MB/s, where the
-test allows 1.15x), and what moved them was not found. The
+test allows 1.15x); a later check found the steps departing from the trace
+wherever the rule's decisions changed (Note [Left to the step, pinned as
+if launched], not built for accumulation: the step's measure of the sums
+reads every chunk's GRAD32, which a held pin would hold in use). The
 measures come from this machine's own timing, so which chunks speculate
 may change from step to step; either way the weights are the step's bit
 for bit.
@@ -381,6 +384,9 @@ class StepOverlap:
         self.settle_deferred()
         self.release_held()  # (a backward again without a step between)
         self._forget_layout_if_changed()
+        # Note [Sent ahead and evicted]: the sends the room did not keep
+        # since the last backward, once here rather than at every landing.
+        self._no_ahead.update(self._store.chunks.take_ahead_wasted(PARAM16))
         recs = collections.defaultdict(list)
         # Every tensor of each chunk, frozen ones too: whether another is in
         # use where a chunk would move (_send_down, _launch).
@@ -645,8 +651,9 @@ class StepOverlap:
     # before their use, and the step moved 23 chunks up against 16 without
     # sending any (1.4x the bytes each way). So a chunk whose weights
     # were sent up and evicted for room before the use they were sent for
-    # (the scheduler says which: take_ahead_wasted; not a move an access
-    # made, as an undo's or a state_dict's) is not sent ahead again
+    # (the scheduler says which: take_ahead_wasted, read at each backward's
+    # start; not a move an access made, as an undo's or a state_dict's) is
+    # not sent ahead again
     # for this layout; the prefetch takes it in the forward's order, as
     # without the path. Whether a send is wasted depends on the trace's
     # room, not on timing, so the set settles within a step or two; no
@@ -654,11 +661,9 @@ class StepOverlap:
     def _send_ahead(self, chunk: int) -> bool:
         """ChunkScheduler::send_ahead of `chunk`'s 16-bit chunk unless an
         earlier send of it was wasted (Note [Sent ahead and evicted])."""
-        c = self._store.chunks
-        self._no_ahead.update(c.take_ahead_wasted(PARAM16))
         if chunk in self._no_ahead:
             return False
-        return c.send_ahead(chunk, PARAM16)
+        return self._store.chunks.send_ahead(chunk, PARAM16)
 
     def _on_host_by_plan(self, chunk: int) -> bool:
         if not self._config.hybrid_adam:
@@ -993,7 +998,9 @@ class StepOverlap:
         # As step_chunk pins: the 16-bit chunk, then the master and moments
         # (held since its landing where the rule left it to the step: Note
         # [Left to the step, pinned as if launched]).
-        pin = self._held.pop(chunk, None) or self._store.pin(recs[0], _KINDS, HOST, wait=False)
+        pin = self._held.pop(chunk, None)
+        if pin is None:
+            pin = self._store.pin(recs[0], _KINDS, HOST, wait=False)
         try:
             fences = self._store.copy_fences(chunk, _KINDS)
             views = [c.chunk_view(chunk, k) for k in _UNDO_KINDS]

@@ -255,13 +255,13 @@ class ParamStore:
                         disk_skip_clean_writes=config.nvme_skip_clean_writes)
         chunks = _C.chunks.Chunks(
             self.device, chunk_bytes=config.chunk_size,
-            param_dtype=_CHUNK_DTYPES[config.precision],
+            param_dtype=self._list_dtypes()[PARAM16],
             device_budget=self.device_budget - self.margin, host_budget=self.host_budget,
             prefetch=config.prefetch, prefetch_depth=config.prefetch_depth,
             policy=config.eviction_policy, pin_host_memory=config.pin_memory,
             compute_stream=stream, torch_device=str(self.torch_device),
             host_reserve=self.host_reserve,
-            state_dtype="bfloat16" if config.optimizer_state_dtype == "bf16" else "float32", **disk)
+            state_dtype=self._list_dtypes()[MOMENTUM], **disk)
         info = chunks.disk
         if info is not None:
             if info["removed_stale"]:
@@ -649,17 +649,20 @@ class ParamStore:
         c = self.chunks
         return [f for f in (c.copy_fence(chunk, k) for k in kinds) if f is not None]
 
+    def _list_dtypes(self) -> dict:
+        """Each chunk list's dtype name, as _new_chunks makes the lists: the
+        16-bit list's precision, fp32 masters and sums, the moments'
+        tidal.optimizer_state_dtype."""
+        param = _CHUNK_DTYPES[self.config.precision]
+        moments = "bfloat16" if self.config.optimizer_state_dtype == "bf16" else "float32"
+        return {PARAM16: param, PARAM32: "float32", GRAD32: "float32", MOMENTUM: moments, VARIANCE: moments}
+
     def kind_dtypes(self, kinds) -> list:
-        """The torch dtype of the chunks of each of `kinds`, from the config
-        the chunk lists were made with (the 16-bit list's precision, fp32
-        masters and sums, the moments' tidal.optimizer_state_dtype), with no
-        access: an access is an entry in the scheduler's trace (Note [Left to
-        the step, pinned as if launched] in overlap.py)."""
-        param = getattr(torch, _CHUNK_DTYPES[self.config.precision])
-        moments = torch.bfloat16 if self.config.optimizer_state_dtype == "bf16" else torch.float32
-        by_kind = {PARAM16: param, PARAM32: torch.float32, GRAD32: torch.float32,
-                   MOMENTUM: moments, VARIANCE: moments}
-        return [by_kind[k] for k in kinds]
+        """The torch dtype of the chunks of each of `kinds`, with no access:
+        an access is an entry in the scheduler's trace (Note [Left to the
+        step, pinned as if launched] in overlap.py)."""
+        names = self._list_dtypes()
+        return [getattr(torch, names[k]) for k in kinds]
 
     def in_use(self, records, kind) -> bool:
         """Whether the slot of `kind` of any of `records` is in use (COMPUTE)
