@@ -46,17 +46,18 @@ def token_batches(shape: dict, n: int) -> list:
             for _ in range(n)]
 
 
-def gpt_engine(shape: dict, precision: str, clip: float, **tidal_keys):
+def gpt_engine(shape: dict, precision: str, clip: float, accumulation: int = 1, **tidal_keys):
     """A TinyGPT of `shape` (seed 0) under tidal.initialize: AdamW at lr 1e-4,
     gradient_clipping `clip`, `precision` ("fp32", "bf16" or "fp16" at loss
-    scale 2^8 with hysteresis 1), the config's "tidal" block `tidal_keys`."""
+    scale 2^8 with hysteresis 1), `accumulation` micro-batches per step, the
+    config's "tidal" block `tidal_keys`."""
     from tidal.models.gpt import TinyGPT
 
     torch.manual_seed(0)
     model = TinyGPT(vocab=shape["vocab"], d=shape["d"], layers=shape["layers"], heads=shape["heads"],
                     seq=shape["seq"])
     cfg = {"gradient_clipping": clip, "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},
-           "tidal": dict(tidal_keys)}
+           "gradient_accumulation_steps": accumulation, "tidal": dict(tidal_keys)}
     if precision == "fp16":
         cfg["fp16"] = {"enabled": True, "initial_scale_power": 8, "hysteresis": 1}
     elif precision != "fp32":

@@ -4,7 +4,7 @@ python/tidal/engine/overlap.py), against speculating every chunk and
 against no overlap, in the same run. Writes
 benchmarks/results/step_overlap_cost-<machine>.json.
 
-    python benchmarks/step_overlap_cost.py [--rounds 3] [--steps 8] [--quick]
+    python benchmarks/step_overlap_cost.py [--rounds 3] [--steps 8] [--accumulation N] [--quick]
 
 A GPT whose CPU Adam is large beside its backward (speculated, with its
 undo copies and on cores backward shares here, about as long as backward),
@@ -30,6 +30,12 @@ bytes each way; the weights compared bitwise with "off". On
 this machine backward and CPU Adam share 2 cores, so work moved into
 backward slows backward; on a GPU it runs on the device. A result on the
 simulated device checks the schedule, not a GPU's speed.
+
+--accumulation N: N micro-batches per optimizer step (the window's last
+backward speculates; Note [Measured where folded]); a step is then the N
+forwards and backwards and the step, and the file
+step_overlap_cost-accumN-<machine>.json. "speculate_all" is there what
+the engine did with accumulation before that Note (every chunk launched).
 """
 from __future__ import annotations
 
@@ -56,8 +62,8 @@ COUNTS = ("chunks_updated_during_backward", "chunks_left_to_the_step_by_cost",
 SCHEDULER = ("trace_divergences", "prefetch_hits", "misses", "bytes_host_to_device", "bytes_device_to_host")
 
 
-def make_engine(shape, name):
-    e = so.gpt_engine(shape, "bf16", 1.0, chunk_size="1MiB" if shape["d"] >= 256 else "64KiB",
+def make_engine(shape, name, accumulation=1):
+    e = so.gpt_engine(shape, "bf16", 1.0, accumulation, chunk_size="1MiB" if shape["d"] >= 256 else "64KiB",
                       device_memory_budget=shape["budget"], overlap_step=name != "off")
     if name == "speculate_all":
         # Before Note [Speculation while backward lasts]: every chunk whose
@@ -66,36 +72,44 @@ def make_engine(shape, name):
     return e
 
 
-def step(engine, batch, factor):
-    """(whole, forward, backward, engine.step()) seconds, and the CPU Adam
-    and exposed seconds this step added."""
+def step(engine, batches, factor):
+    """One optimizer step over `batches` (its micro-batches): (whole,
+    forward, backward, engine.step()) seconds (the phases summed over the
+    micro-batches), and the CPU Adam and exposed seconds this step added."""
     before = engine.memory_report()["optimizer"]
-    t0 = time.perf_counter()
-    loss = engine(*batch)
-    t1 = time.perf_counter()
-    engine.backward(loss * factor)
-    t2 = time.perf_counter()
-    engine.step()
-    t3 = time.perf_counter()
+    fwd = bwd = opt = 0.0
+    for batch in batches:
+        t0 = time.perf_counter()
+        loss = engine(*batch)
+        t1 = time.perf_counter()
+        engine.backward(loss * factor)
+        t2 = time.perf_counter()
+        engine.step()
+        t3 = time.perf_counter()
+        fwd, bwd, opt = fwd + t1 - t0, bwd + t2 - t1, opt + t3 - t2
     after = engine.memory_report()["optimizer"]
-    return (t3 - t0, t1 - t0, t2 - t1, t3 - t2,
+    return (fwd + bwd + opt, fwd, bwd, opt,
             after["adam_seconds"] - before["adam_seconds"],
             after["exposed_adam_seconds"] - before["exposed_adam_seconds"])
 
 
 def main():
-    args = so.parse_args(__doc__, rounds=3, steps=8)
+    args = so.parse_args(__doc__, rounds=3, steps=8, extra=lambda ap: ap.add_argument(
+        "--accumulation", type=int, default=1, help="micro-batches per optimizer step"))
     shape, rounds, steps = so.start(args, FULL, QUICK, quick_steps=3)
-    data = so.token_batches(shape, 3 + rounds * steps)
-    probe = make_engine(shape, "off")
-    probe.backward(probe(*data[0]))
-    probe.step()
+    accum = args.accumulation
+    if accum < 1:
+        raise SystemExit(f"--accumulation {accum}: expected an int >= 1")
+    flat = so.token_batches(shape, accum * (3 + rounds * steps))
+    data = [flat[i:i + accum] for i in range(0, len(flat), accum)]
+    probe = make_engine(shape, "off", accum)
+    step(probe, data[0], 1.0)
     factor = 0.5 / probe.get_global_grad_norm()
     del probe
-    engines = {name: make_engine(shape, name) for name in ENGINES}
+    engines = {name: make_engine(shape, name, accum) for name in ENGINES}
     for e in engines.values():  # warm-up: the trace, the relayout, the plan, the measures
-        for batch in data[:3]:
-            step(e, batch, factor)
+        for batches in data[:3]:
+            step(e, batches, factor)
     counts0 = {n: {k: e.memory_report()["optimizer"][k] for k in COUNTS} for n, e in engines.items()}
     sched0 = {n: {k: e.chunks.stats()[k] for k in SCHEDULER} for n, e in engines.items()}
     samples = {n: [] for n in engines}
@@ -109,6 +123,7 @@ def main():
     keys = ("step_seconds", "forward_seconds", "backward_seconds", "engine_step_seconds", "adam_seconds",
             "exposed_adam_seconds")
     out = {"quick": args.quick, "shape": shape, "rounds": rounds, "steps_per_round": steps,
+           "gradient_accumulation_steps": accum,
            "gradient_clipping": 1.0, "loss_factor": factor, "precision": "bf16", "hybrid_adam": True,
            "cpu_adam_target": tidal._C.cpu_adam.target(), "simulated_device": True,
            "parameters": sum(r.numel for r in engines["off"].records), "engines": {}}
@@ -146,8 +161,8 @@ def main():
               f"{res['prefetch_hit_rate'] if res['prefetch_hit_rate'] is None else round(res['prefetch_hit_rate'], 2)}; "
               f"bitwise {res['bitwise_equal_to_off']}; "
               f"overruns {res['budget_overruns']}", flush=True)
-    path = common.write_result("step_overlap_cost-quick" if args.quick else "step_overlap_cost", out,
-                               args.output)
+    name = "step_overlap_cost" + (f"-accum{accum}" if accum > 1 else "")
+    path = common.write_result(name + "-quick" if args.quick else name, out, args.output)
     print(f"wrote {path}")
 
 

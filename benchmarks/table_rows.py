@@ -525,8 +525,10 @@ def _step_overlap_cost(r: Dict) -> List[Figure]:
     """Speculation only where backward hides it, against speculating every chunk and no overlap."""
     sh, e = r["shape"], r["engines"]
     ours = e["default"]
+    accum = r.get("gradient_accumulation_steps", 1)
+    window = f" x {accum} micro-batches per step" if accum > 1 else ""
     what = (f"whole training step, CPU Adam large beside backward: {_tiny_gpt(sh)}, seq {sh['seq']}, micro batch "
-            f"{sh['batch']}; {r['parameters'] / 1e6:.1f}M params), bf16, gradient_clipping 1.0 (not firing), "
+            f"{sh['batch']}{window}; {r['parameters'] / 1e6:.1f}M params), bf16, gradient_clipping 1.0 (not firing), "
             f"budget {sh['budget']}, states on the host; a speculative update launched only where it ends "
             f"before backward (default: {ours['chunks_updated_during_backward']} chunk updates during "
             f"backward, {ours['chunks_left_to_the_step_by_cost']} left to the step and by it to the next forward; exposed CPU "
@@ -714,6 +716,7 @@ PERFORMANCE: Dict[str, Rows] = {
     "step_overlap": Rows(_step_overlap, skip_quick=True),
     "step_overlap_clip": Rows(_step_overlap_clip, skip_quick=True),
     "step_overlap_cost": Rows(_step_overlap_cost, skip_quick=True),
+    "step_overlap_cost-accum2": Rows(_step_overlap_cost, skip_quick=True),
     "cpu_adam": Rows(_cpu_adam),
     "device_bandwidth": Rows(_device_bandwidth),
     "chunk_bookkeeping": Rows(_chunk_bookkeeping),

@@ -2,6 +2,7 @@
 
 #include <c10/core/GradMode.h>
 
+#include <algorithm>
 #include <cmath>
 #include <span>
 
@@ -40,21 +41,10 @@ void GradNorms::measure(std::size_t param, const at::Tensor& grad) {
   m.norm = at::linalg_vector_norm(grad, 2, c10::nullopt, false, at::kFloat);
 }
 
-void GradNorms::measure_sum(const at::Tensor& sum) {
-  const std::optional<cpu_adam::DType> dtype = cpu_adam_dtype(sum.scalar_type());
-  if (sum.is_cpu() && sum.is_contiguous() && dtype) {
-    const cpu_adam::GradSpan span{sum.const_data_ptr(), static_cast<std::size_t>(sum.numel())};
-    const cpu_adam::GradStats stats = cpu_adam::grad_stats(*dtype, std::span(&span, 1));
-    host_sums_.sum_squares += stats.sum_squares;
-    host_sums_.finite = host_sums_.finite && stats.finite;
-    return;
-  }
-  device_sums_.push_back(at::linalg_vector_norm(sum, 2, c10::nullopt, false, at::kFloat));
-}
-
 GradNorm GradNorms::take() {
-  GradNorm out = host_sums_;
-  std::vector<at::Tensor> device = device_sums_;
+  GradNorm out;
+  std::vector<at::Tensor> device;
+  std::sort(measured_.begin(), measured_.end());  // (parameter order: the header)
   for (std::size_t i : measured_) {
     const Measure& m = measures_[i];
     if (m.norm.defined()) {
@@ -82,8 +72,6 @@ void GradNorms::clear() {
     m.norm = at::Tensor();
   }
   measured_.clear();
-  host_sums_ = GradNorm{};
-  device_sums_.clear();
 }
 
 }  // namespace tidal::hooks

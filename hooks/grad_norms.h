@@ -14,7 +14,17 @@
 // one read. Both measures agree to the fp32 rounding of the squares' sums
 // (about 1e-6 relative). A parameter whose gradient lands twice before the
 // step (Note [Weights while gradients wait] in hooks/module_hooks.h) is
-// measured again over the sum, replacing its first measure.
+// measured again over the sum, replacing its first measure. With gradient
+// accumulation a parameter's fp32 sum is measured the same way, once its
+// window is complete: by the step, or during the window's last backward where
+// the sum is final early (Note [Measured where folded] in
+// tidal/engine/overlap.py).
+//
+// take() adds the measures in parameter order, not in the order they were
+// made: which parameters were measured during backward and which by the step
+// may change from step to step, and the clip factor of a step must be the same
+// bits whichever it was (the overlapped step is the step without overlap, bit
+// for bit).
 //
 // Thread safety: none; ModuleHooks' thread rules.
 #pragma once
@@ -41,12 +51,11 @@ class GradNorms {
  public:
   // One more parameter: the next index.
   void add_param() { measures_.emplace_back(); }
-  // Parameter `param`'s landed gradient (or the sum of its two landings).
+  // Parameter `param`'s landed gradient (or the sum of its two landings), or
+  // with accumulation its gradient sum; replaces an earlier measure of it.
   void measure(std::size_t param, const at::Tensor& grad);
-  // A gradient sum (accumulation), added to what take() returns.
-  void measure_sum(const at::Tensor& sum);
-  // The gradients measured since the last take or clear. Reads the device
-  // once when device gradients were measured.
+  // The gradients measured since the last take or clear, added in parameter
+  // order. Reads the device once when device gradients were measured.
   GradNorm take();
   void clear();
 
@@ -61,9 +70,6 @@ class GradNorms {
   };
   std::vector<Measure> measures_;      // per parameter index
   std::vector<std::size_t> measured_;  // the parameters measured since the last take
-  // Gradient sums measured: CPU statistics, device norms.
-  GradNorm host_sums_;
-  std::vector<at::Tensor> device_sums_;
 };
 
 }  // namespace tidal::hooks

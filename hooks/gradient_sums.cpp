@@ -77,9 +77,13 @@ void GradientSums::fold(const std::vector<TensorId>& ids, const std::vector<bool
   for (const Held& h : held) scheduler_->release(h.ref, TensorState::kHold);
 }
 
-void GradientSums::measure(const std::vector<TensorId>& ids, GradNorms& norms) {
+void GradientSums::measure(const std::vector<TensorId>& ids, const std::vector<std::size_t>& params,
+                           GradNorms& norms) {
+  TIDAL_INTERNAL_ASSERT(params.size() == ids.size(), "GradientSums::measure: ", params.size(),
+                        " parameter indexes for ", ids.size(), " tensors");
   c10::NoGradGuard no_grad;
-  for (const TensorId id : ids) {
+  for (std::size_t k = 0; k < ids.size(); ++k) {
+    const TensorId id = ids[k];
     const TensorRef ref{ChunkKind::kGradAccum, id};
     const ChunkId chunk = scheduler_->store().chunk_of(ref);
     const MemorySpace space = scheduler_->store().chunk(chunk).space();
@@ -88,7 +92,7 @@ void GradientSums::measure(const std::vector<TensorId>& ids, GradNorms& norms) {
     const std::int64_t n = static_cast<std::int64_t>(scheduler_->store().tensor_numel(id));
     void* data = scheduler_->access(ref, space);
     try {
-      norms.measure_sum(slot_view(data, {n}, at::kFloat, binding_->torch_device(space)));
+      norms.measure(params[k], slot_view(data, {n}, at::kFloat, binding_->torch_device(space)));
     } catch (...) {
       scheduler_->release(ref, TensorState::kHold);
       throw;

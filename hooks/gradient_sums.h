@@ -41,8 +41,10 @@ class GradientSums {
   // error the gradients stay in their slots and new sums hold nothing.
   void fold(const std::vector<TensorId>& ids, const std::vector<bool>& first, MemorySpace space,
             int num_threads, const cpu_adam::BlockRunner* runner);
-  // Measures the sums of `ids` where their chunks are, into `norms`.
-  void measure(const std::vector<TensorId>& ids, GradNorms& norms);
+  // Measures the sums of `ids` (parameters `params`, one each) where their
+  // chunks are, into `norms`.
+  void measure(const std::vector<TensorId>& ids, const std::vector<std::size_t>& params,
+               GradNorms& norms);
   // The sums of `ids` are consumed (the step) or dropped: FREE, so their
   // chunks give their memory back.
   void drop(const std::vector<TensorId>& ids);

@@ -393,12 +393,25 @@ void ModuleHooks::fold_gradients(const std::vector<std::size_t>& params, MemoryS
 }
 
 void ModuleHooks::measure_sums(const std::vector<std::size_t>& params) {
-  gradient_sums_.measure(ids_of(params), grad_norms_);
+  gradient_sums_.measure(ids_of(params), params, grad_norms_);
 }
 
 void ModuleHooks::drop_sums(const std::vector<std::size_t>& params) {
   gradient_sums_.drop(ids_of(params));
   for (std::size_t i : params) params_.at(i).summed = false;
+}
+
+void ModuleHooks::hand_over_sums(const std::vector<std::size_t>& params) {
+  for (std::size_t i : params) check_param(i);
+  for (std::size_t i : params) params_[i].summed = false;
+}
+
+void ModuleHooks::free_sums(const std::vector<std::size_t>& params) {
+  for (std::size_t i : params) {
+    TIDAL_CHECK(!params_.at(i).summed, "free_sums: parameter ", i,
+                " has a sum again (folded since it was handed over)");
+  }
+  gradient_sums_.drop(ids_of(params));
 }
 
 std::vector<std::size_t> ModuleHooks::summed_params() const {

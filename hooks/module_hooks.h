@@ -195,6 +195,13 @@ class ModuleHooks : public std::enable_shared_from_this<ModuleHooks> {
   void measure_sums(const std::vector<std::size_t>& params);
   // The sums of `params` are consumed (the step) or dropped.
   void drop_sums(const std::vector<std::size_t>& params);
+  // The step consumed the sums of `params`, which an update under the next
+  // forward still reads: they no longer count as sums (summed() is false, the
+  // next fold writes them afresh) but their slots keep their memory until
+  // free_sums (Note [Measured where folded] in tidal/engine/overlap.py).
+  void hand_over_sums(const std::vector<std::size_t>& params);
+  // The slots of sums handed over go (FREE), their update done.
+  void free_sums(const std::vector<std::size_t>& params);
   // Whether `param` has a gradient sum (folded since the last drop), and all
   // such parameters in index order.
   bool summed(std::size_t param) const { return params_.at(param).summed; }

@@ -471,6 +471,13 @@ may wait for a chunk copy release the GIL.)doc")
            GIL(), py::arg("params"))
       .def("drop_sums", [](Hooks& h, const std::vector<Index>& params) { h.get().drop_sums(params); },
            py::arg("params"))
+      .def("hand_over_sums", [](Hooks& h, const std::vector<Index>& params) { h.get().hand_over_sums(params); },
+           py::arg("params"),
+           "The step consumed these sums, which an update under the next forward still reads: no "
+           "longer sums, their slots kept until free_sums (Note [Measured where folded] in "
+           "python/tidal/engine/overlap.py).")
+      .def("free_sums", [](Hooks& h, const std::vector<Index>& params) { h.get().free_sums(params); },
+           py::arg("params"))
       .def("summed_params", [](Hooks& h) { return h.get().summed_params(); },
            "The parameters whose gradient sum holds something (folded since the last drop), in "
            "index order.")

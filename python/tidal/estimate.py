@@ -100,12 +100,11 @@ under the next forward]). An update made during backward is a speculation
 whose undo copy makes it cost s plain ones (the speculation factor,
 measured: Note [Speculation while backward lasts]), so backward hides
 backward / s of CPU Adam (the engine speculates only what ends within it)
-and the next forward the rest; with accumulation nothing is left to the
-next forward and every update is speculated:
-    exposed = max(0, CPU Adam - backward / s - forward)   (accumulation 1)
-    exposed = max(0, s x CPU Adam - backward)              (accumulation > 1)
-(all of CPU Adam with overlap_step false; the second line also with
-overlap_next_forward false)
+and the next forward the rest; with accumulation the window's last
+backward and the forward after its step (Note [Measured where folded]):
+    exposed = max(0, CPU Adam - backward / s - forward)
+    exposed = max(0, s x CPU Adam - backward)     (overlap_next_forward false)
+(all of CPU Adam with overlap_step false)
 and step_s_overlapped = accumulation x (forward + backward) + max(exposed,
 disk - (forward + backward)) + device Adam (a lower bound: not yet checked
 on a GPU). The bottleneck is the largest term.
@@ -567,11 +566,14 @@ def estimate(model, config=None, *, precision=None, optimizer_state_dtype=None,
         (f1, b1), (fb, bb) = phases(1.0), phases(beside)
         forward_s = ((accum - 1) * f1 + fb) / accum
         backward_s = ((accum - 1) * b1 + bb) / accum
+        # (The window's last backward, and the forward after its step.)
+        last_backward_s, next_forward_s = bb, fb
     else:
         forward_s = max(per_micro / 3, streamed / value["h2d_bytes_per_s"],
                         again / value["d2h_bytes_per_s"])
         backward_s = max(2 * per_micro / 3, streamed / value["d2h_bytes_per_s"],
                          again / value["h2d_bytes_per_s"])
+        last_backward_s, next_forward_s = backward_s, forward_s
     phases_s = accum * (forward_s + backward_s)
     link_exposed_s = phases_s - (compute_s + hooks_s)
     # Chunks on disk are updated on the host, where they are read to.
@@ -591,15 +593,15 @@ def estimate(model, config=None, *, precision=None, optimizer_state_dtype=None,
     disk_bytes = max(0, min(on_disk, state - kept))
     disk_s = disk_bytes / value["disk_read_bytes_per_s"] + disk_bytes / value["disk_write_bytes_per_s"]
     step_s = phases_s + cpu_adam_s + device_adam_s + disk_s
-    # CPU Adam beside a GPU (the module docstring): backward hides its
-    # speculative share at the speculation factor's cost, the next forward
-    # the rest (not with accumulation, which speculates every update).
+    # CPU Adam beside a GPU (the module docstring): the window's last
+    # backward hides its speculative share at the speculation factor's cost,
+    # the next forward the rest.
     if not cfg.overlap_step:
         adam_exposed = cpu_adam_s
-    elif accum > 1 or not cfg.overlap_next_forward:
-        adam_exposed = max(0.0, spec * cpu_adam_s - backward_s)
+    elif not cfg.overlap_next_forward:
+        adam_exposed = max(0.0, spec * cpu_adam_s - last_backward_s)
     else:
-        adam_exposed = max(0.0, cpu_adam_s - backward_s / spec - forward_s)
+        adam_exposed = max(0.0, cpu_adam_s - last_backward_s / spec - next_forward_s)
     overlapped = phases_s + max(adam_exposed, disk_s - (forward_s + backward_s)) + device_adam_s
     parts = {"compute": compute_s + hooks_s, "link": link_exposed_s, "cpu_adam": cpu_adam_s,
              "device_adam": device_adam_s, "disk": disk_s}

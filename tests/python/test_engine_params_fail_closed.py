@@ -296,6 +296,36 @@ def test_gradients_read_with_accumulation_are_the_window_sum(budget):
     pair.check_budget()
 
 
+def test_gradients_written_after_backward_measured_their_sums_are_measured_again():
+    # Note [Measured where folded] (tidal/engine/overlap.py): with
+    # accumulation, the window's last backward measures each chunk's sums
+    # for the step's norm as it folds them on the host. A script that then
+    # scales the gradients, or drops one, changes what the step must
+    # measure: the norm and the weights are plain PyTorch's on the written
+    # gradients. (Clip 1e6: it never fires, so every step speculates.)
+    pair = Pair(BUDGETS["chunks-move"], accumulation=2, clipping=1e6)
+    measured_early = 0
+    for i in range(8):
+        x, y = pair.data[i % 4]
+        pair.engine.backward(pair.engine(x, y))
+        (pair.ref(x, y) / 2).backward()
+        if i % 2 == 1:
+            measured_early += len(pair.engine._overlap.sums_measured)
+            for m in (pair.model, pair.ref):
+                for p in m.parameters():
+                    p.grad.mul_(0.5)
+                m.layers[i % 6].bias.grad = None
+            want = float(torch.nn.utils.get_total_norm([p.grad for p in pair.ref.parameters()
+                                                        if p.grad is not None]))
+        pair.engine.step()
+        if i % 2 == 1:
+            _ref_step(pair)
+            assert pair.engine.get_global_grad_norm() == pytest.approx(want, rel=1e-5)
+            pair.assert_same()
+    assert measured_early > 0  # (the path fired)
+    pair.check_budget()
+
+
 @budgets
 def test_a_gradient_read_after_a_raw_backward_is_plain_pytorchs(budget):
     pair = Pair(budget)

@@ -74,9 +74,10 @@ def reference(model, batches, factors, clip, accumulation=1):
     return losses, norms
 
 
-def pair(cfg_of, batches, factors=None, model=None):
+def pair(cfg_of, batches, factors=None, model=None, adjust=None):
     """The engine without overlap and the one with it, trained on the same
-    batches from the same weights under the same measured budget."""
+    batches from the same weights under the same measured budget;
+    adjust(engine) on the one with overlap before it trains."""
     model = model or (torch.manual_seed(0), TinyGPT(d=64, seq=8))[1]
     budget = fitted(cfg_of(False), model, batches)["tidal"]["device_memory_budget"]
     engines = {}
@@ -84,6 +85,8 @@ def pair(cfg_of, batches, factors=None, model=None):
         cfg = cfg_of(overlap)
         cfg["tidal"]["device_memory_budget"] = budget
         engines[overlap] = tidal.initialize(copy.deepcopy(model), cfg)
+        if overlap and adjust is not None:
+            adjust(engines[overlap])
         train(engines[overlap], batches, factors)
         moved_within_budget(engines[overlap])
     return engines[False], engines[True]
@@ -197,17 +200,24 @@ def test_after_a_clipped_step_the_next_backward_waits_and_each_step_is_the_plain
         moved_within_budget(e)
 
 
+@pytest.mark.parametrize("left", [False, True], ids=["", "half-left-to-the-step"])
 @pytest.mark.parametrize("hybrid", [False, True])
-def test_accumulation_updates_during_the_last_micro_batch(hybrid):
+def test_accumulation_updates_during_the_last_micro_batch(hybrid, left):
     # The third step clips (with hybrid Adam, the first whose backward
-    # launches: the plan comes from the second step).
-    factors = [1, 1, 1, 1, 1, 1, 10, 10, 10, 1, 1, 1]
+    # launches: the plan comes from the second step). Its norm comes from
+    # sums measured at their fold in backward and by the step (Note
+    # [Measured where folded]); half the chunks left to the step run under
+    # the next forward, reading their sums.
+    factors = [1, 1, 1, 1, 1, 1, 10, 10, 10, 1, 1, 1, 1, 1, 1]
     batches = gpt_batches(len(factors))
     plain, overlapped = pair(lambda o: make_config(o, "bf16", 5.0, hybrid, accumulation=3),
-                             batches, factors)
+                             batches, factors, adjust=_leave_every_other_chunk if left else None)
     assert_bitwise(plain, overlapped)
     opt = optimizer_report(overlapped)
     assert opt["chunks_updated_during_backward"] > 0 and opt["undone_chunk_updates"] > 0, opt
+    if left:
+        assert opt["chunks_left_to_the_step_by_cost"] > 0, opt
+        assert opt["chunks_updated_under_next_forward"] >= opt["chunks_left_to_the_step_by_cost"], opt
 
 
 def test_accumulation_against_adamw_and_clip_grad_norm():
@@ -283,9 +293,10 @@ def test_speculation_stops_where_backward_cannot_hide_it(accumulation, next_forw
     """Note [Speculation while backward lasts]: where a chunk's speculative
     update (undo copy included) would not end before backward does, by the
     last step's measures, it is not launched; the step hands it to the
-    worker to run under the next forward, without an undo. Not with
-    accumulation nor overlap_next_forward false (every chunk launched, as
-    before). Bitwise the engine without overlap either way."""
+    worker to run under the next forward, without an undo; with
+    accumulation too (Note [Measured where folded]), its sums read there.
+    Not with overlap_next_forward false (every chunk launched, as before).
+    Bitwise the engine without overlap either way."""
     torch.manual_seed(0)
     model = _Wide()
     g = torch.Generator().manual_seed(1)
@@ -310,7 +321,7 @@ def test_speculation_stops_where_backward_cannot_hide_it(accumulation, next_forw
     assert_bitwise(plain, overlapped)
     opt = optimizer_report(overlapped)
     assert opt["chunks_updated_during_backward"] > 0, opt  # (measured before the rule may act)
-    if accumulation == 1 and next_forward:
+    if next_forward:
         assert opt["chunks_left_to_the_step_by_cost"] > 0, opt
         assert opt["chunks_updated_under_next_forward"] >= opt["chunks_left_to_the_step_by_cost"], opt
     else:

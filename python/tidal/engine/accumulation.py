@@ -145,12 +145,17 @@ class GradientAccumulation:
         self.drop_landed()
         self.drop_sums()
 
-    def stepped(self, pending: list, owned: list) -> None:
+    def stepped(self, pending: list, owned: list, kept=frozenset()) -> None:
         """After the step over `pending` (of which this rank updated `owned`):
-        the sums, or the landed flags, are cleared."""
+        the sums, or the landed flags, are cleared. kept: chunks whose sums
+        an update left to the next forward still reads: handed over (no
+        longer sums, their memory kept) until it is done (free_sums_of; Note
+        [Measured where folded] in overlap.py)."""
         if self.summing:
             # (Data parallel: only the owners' sums were folded.)
-            self._hooks.drop_sums(self._params.indexes(owned))
+            self._hooks.drop_sums(self._params.indexes([r for r in owned if r.chunk not in kept]))
+            if kept:
+                self._hooks.hand_over_sums(self._params.indexes([r for r in owned if r.chunk in kept]))
         else:
             self._hooks.clear_landed(self._params.indexes(pending))
 
@@ -182,6 +187,18 @@ class GradientAccumulation:
         with torch.no_grad(), uncounted(), _dtr.outside():
             self._hooks.fold_gradients(self._params.indexes(recs), space,
                                        num_threads=cfg.cpu_adam_threads, pool=cfg.cpu_adam_pool)
+
+    def measure_chunk(self, recs: list) -> None:
+        """The sums of `recs` (one chunk's, final: the window's last fold)
+        measured for the step's norm, where they are (Note [Measured where
+        folded] in overlap.py)."""
+        with torch.no_grad(), uncounted(), _dtr.outside():
+            self._hooks.measure_sums(self._params.indexes(recs))
+
+    def free_sums_of(self, recs: list) -> None:
+        """The memory of the sums of `recs` goes: an update the step left to
+        the next forward has read them (stepped()'s `kept`)."""
+        self._hooks.free_sums(self._params.indexes(recs))
 
     def fold_chunks(self, by_chunk: dict, host_short: bool) -> None:
         """The chunks of `by_chunk` (chunk -> its landed records), each where

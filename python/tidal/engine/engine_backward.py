@@ -68,7 +68,9 @@ class EngineBackward:
             self._overlap.begin(self._accumulation.next_backward_ends_window(),
                                 global_steps=self.global_steps, loss_scale=self.scaler.scale,
                                 host_short=self._host_short(),
-                                fold_chunk=_weak_method(self._accumulation.fold_chunk))
+                                fold_chunk=_weak_method(self._accumulation.fold_chunk),
+                                measure_sums=_weak_method(self._accumulation.measure_chunk),
+                                free_sums=_weak_method(self._accumulation.free_sums_of))
         self._wiring.count(True)
         self._wiring.hooks.set_engine_backward(True)
         try:
@@ -111,6 +113,10 @@ class EngineBackward:
             if self._overlap is not None:
                 self._overlap.backward_ended(failed=True)
                 self.settle_overlap()
+                if self._overlap.sums_measured:
+                    # (Measured for a step that will not take them: Note
+                    # [Measured where folded].)
+                    self._wiring.hooks.clear_grad_norm()
                 if self._overlap.folded_early and not sums_before:
                     self._accumulation.drop_sums()
                 elif self._overlap.folded_early:

@@ -189,7 +189,10 @@ class OptimizerStep:
         # Data parallel: the update runs where the masters are; every rank
         # holds the gradients it reduced into the chunks it owns.
         owned = pending if self._dp_step is None else [r for r in pending if self._store.owns(r)]
-        norm, finite = self._grad_norm(owned)
+        # (Those whose sums backward measured already: Note [Measured where
+        # folded] in overlap.py.)
+        early = set() if overlap is None else overlap.sums_measured
+        norm, finite = self._grad_norm([r for r in owned if r.chunk not in early] if early else owned)
         scale = self.scaler.scale
         overflow = not finite
         clip = 1.0
@@ -212,7 +215,7 @@ class OptimizerStep:
             # Note [CPU Adam under the next forward]: the host chunks' updates
             # may run under the next forward.
             defer = overlap is not None and overlap.may_defer(
-                global_steps=self.global_steps, summing=accumulating, data_parallel=dps is not None,
+                global_steps=self.global_steps, data_parallel=dps is not None,
                 host_short=self._host_short())
             if dps is None:
                 self._adam(todo, clip / scale, defer=defer)
@@ -247,7 +250,8 @@ class OptimizerStep:
             # The owners' weights came back from their masters: the others'
             # from the owners.
             self._dp_step.broadcast(self._dp_step.chunks)
-        self._accumulation.stepped(pending, owned)
+        # (The sums an update under the next forward reads go when it is done.)
+        self._accumulation.stepped(pending, owned, kept=() if overlap is None else overlap.deferred_sums())
         self._hooks.clear_grad_norm()
         self.last_grad_norm = norm
         self.global_steps += 1
@@ -382,7 +386,7 @@ class OptimizerStep:
             # Note [CPU Adam under the next forward]: where step_chunk would
             # update it (the host), on the worker, after this step returns.
             try:
-                self._overlap.defer(chunk, recs, grad_scale)
+                self._overlap.defer(chunk, recs, grad_scale, sums=GRAD32 in kinds)
             except BaseException:
                 for r in recs:
                     r.step -= 1

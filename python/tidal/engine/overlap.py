@@ -182,16 +182,14 @@ waited for most of the link time (1 MB/s in test_engine_offload_shape.py:
 two of four steady steps took 1.5 s against 0.87). The others are left
 to the step, which knows the clip factor and needs no undo
 (memory_report()["optimizer"]["chunks_left_to_the_step_by_cost"]) and
-hands them to the worker to run under the next forward. Not with gradient
-accumulation, overlap_next_forward false or data parallel, where every
-chunk is launched as before: with accumulation, leaving them to the step
-(which updates them itself after the end of backward's fold) moved more
-bytes when tried (steady steps up to 1.37x the minimum in
-test_engine_offload_shape.py's accumulation shape at 20 MB/s, where the
-test allows 1.15x); a later check found the steps departing from the trace
-wherever the rule's decisions changed (Note [Left to the step, pinned as
-if launched], not built for accumulation: the step's measure of the sums
-reads every chunk's GRAD32, which a held pin would hold in use). The
+hands them to the worker to run under the next forward; with gradient
+accumulation too, in the window's last backward, the sums measured at the
+fold (Note [Measured where folded]). Not with overlap_next_forward false
+or data parallel, where every chunk is launched as before. (With
+accumulation, an earlier try left the chunks to the step to be folded by
+the end of backward and updated by the step itself: steady steps moved up
+to 1.37x the minimum and departed from the trace wherever the rule's
+decisions changed.) The
 measures come from this machine's own timing, so which chunks speculate
 may change from step to step; either way the weights are the step's bit
 for bit.
@@ -225,9 +223,11 @@ a checkpoint, a read of a parameter outside a forward, remove_hooks) waits
 for every update first: nothing sees a chunk between its step and its
 update. The time the forward waited counts as exposed CPU Adam.
 
+With gradient accumulation each update reads its chunk's fp32 sums, which
+the step hands over (pinned with the chunk; no longer counted as sums) and
+whose memory goes once the update is done.
 Not under data parallel (the step broadcasts each chunk as its update ends),
-nor with gradient accumulation (the sums are dropped at the step), nor with
-DTR, nor while the host is short (Note [One place per chunk]), nor with the
+nor with DTR, nor while the host is short (Note [One place per chunk]), nor with the
 NVMe tier (every host-updated chunk would be pinned on the host at once,
 read from disk, where the step takes them one at a time within a host
 budget that holds a few), nor before a step has been recorded for the
@@ -289,6 +289,8 @@ class StepOverlap:
         self._optimizer = optimizer
         self._data_parallel = data_parallel
         self._fold_chunk = None  # the accumulation's fold, from begin()
+        self._measure_sums = None  # its measure of one chunk's sums, from begin()
+        self._free_sums = None  # its free of handed-over sums, from begin()
         self._threads = worker_threads(config.cpu_adam_threads)  # Note [The worker leaves a core]
         self._pool = concurrent.futures.ThreadPoolExecutor(
             max_workers=1, thread_name_prefix="tidal-adam",
@@ -324,6 +326,9 @@ class StepOverlap:
         self.step_host_chunks: set[int] = set()  # filled by the step
         self._last_invalid = False  # the last step clipped or overflowed
         self.folded_early: set[int] = set()  # chunks whose sums this backward folded
+        # Note [Measured where folded]: chunks whose final sums this backward
+        # measured for the step's norm.
+        self.sums_measured: set[int] = set()
         # Records whose gradient landed twice in one backward (Note [Weights
         # while gradients wait]): their chunks wait for the step.
         self._relanded: set = set()
@@ -368,7 +373,7 @@ class StepOverlap:
 
     # ------------------------------------------------------------ backward
     def begin(self, last_micro_batch: bool, *, global_steps: int, loss_scale: float, host_short: bool,
-              fold_chunk):
+              fold_chunk, measure_sums=None, free_sums=None):
         """Before a backward: each chunk waits for the gradients of its
         trainable tensors, when this backward may launch updates.
 
@@ -380,6 +385,11 @@ class StepOverlap:
                 per chunk]).
             fold_chunk: (chunk, records, space) -> None, the accumulation's
                 fold of one chunk's landed gradients into their sums.
+            measure_sums: (records) -> None, its measure of one chunk's
+                final sums for the step's norm (Note [Measured where folded]).
+            free_sums: (records) -> None, its free of the sums the step
+                handed over to an update under the next forward, once that
+                update has read them.
         """
         self.settle_deferred()
         self.release_held()  # (a backward again without a step between)
@@ -400,6 +410,7 @@ class StepOverlap:
         self._counted = set()
         self._backward_end = None
         self.folded_early = set()
+        self.sums_measured = set()
         # Not in the engine's first backward (the warm-up, which records the
         # trace and finds the parameters whose gradients land twice).
         accumulating = self._config.gradient_accumulation_steps > 1
@@ -445,9 +456,11 @@ class StepOverlap:
         self._grad_scale = 1.0 / loss_scale
         self._use_sums = accumulating
         self._fold_chunk = fold_chunk
+        self._measure_sums = measure_sums
+        self._free_sums = free_sums
         self._landing_times = {}
         self._cost_rule = speculate and not self._data_parallel and self.may_defer(
-            global_steps=global_steps, summing=accumulating, data_parallel=self._data_parallel,
+            global_steps=global_steps, data_parallel=self._data_parallel,
             host_short=host_short)
 
     def landed(self, record):
@@ -712,6 +725,33 @@ class StepOverlap:
         need += sum(self._spec_seconds.get(queued, 0.0) for queued, _ in jobs[self._running_from:])
         return need <= left
 
+    # Note [Measured where folded]
+    # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+    # With gradient accumulation the step's global norm is of the fp32 sums,
+    # which the step used to measure for every chunk (GRAD32 accessed once
+    # per tensor, GradientSums::measure). A chunk launched during the
+    # window's last backward was folded at its last landing, its sums final
+    # then; a chunk the cost rule leaves to the step (Note [Speculation while
+    # backward lasts]) is pinned there as if launched, its sums with it
+    # (Note [Left to the step, pinned as if launched]), and the step's
+    # measure would access a slot the pin holds. So every chunk folded in
+    # that backward has its sums measured right after its fold, whichever
+    # way the rule decides, and the step measures only the others (those the
+    # end of backward folded, on the device or where no fold ran early): the
+    # accesses, and so the trace, are the same however the decisions fall.
+    # The measures are added in parameter order (Note [Gradient norms as
+    # they land] in hooks/grad_norms.h), so the clip factor is the same bits
+    # as the step without overlap's. The chunks left to the step then run
+    # under the next forward (Note [CPU Adam under the next forward]) reading
+    # their sums, which the step hands over: they no longer count as sums
+    # (nothing between the step and the forward sees a gradient waiting), and
+    # their memory goes once each update is done. Before, with accumulation every chunk whose gradients were in
+    # was launched and nothing was left to the next forward: tidal.estimate
+    # put gpt-1.3b at a quarter budget with 4 micro-batches on an H100 at
+    # 2.82 s a step, 2.16 s of it CPU Adam exposed (the speculative updates
+    # at the speculation factor's cost), against 1.35 s and 0.69 s with the
+    # updates backward cannot hide left to the next forward (and 1.45 s
+    # without overlap).
     def _start(self, chunk: int):
         """The launch of `chunk`'s update, from its undo buffers on (the
         checks are _launch's; a fold queued since, rechecked here)."""
@@ -719,13 +759,23 @@ class StepOverlap:
         recs = self._recs[chunk]
         if any(r in self._relanded for r in recs):
             return  # (landed again since it was queued: the step updates it)
-        if self._cost_rule and not self._use_sums and not self._fits_in_backward(chunk):
+        kinds = _KINDS + ((GRAD32,) if self._use_sums else ())
+        if self._use_sums:
+            # Note [Gradient sums in chunks]: the fold the end of backward
+            # would make, for this chunk, on the host where it is updated;
+            # the sums are final, and measured here (Note [Measured where
+            # folded]), whichever way the rule below decides.
+            self._fold_chunk(chunk, recs, HOST)
+            self.folded_early.add(chunk)
+            self._measure_sums(recs)
+            self.sums_measured.add(chunk)
+        if self._cost_rule and not self._fits_in_backward(chunk):
             # Note [Speculation while backward lasts]: the step hands it to
             # the next forward with the clip factor known, no undo needed;
             # pinned now as a launch pins it (Note [Left to the step, pinned
             # as if launched]).
             try:
-                self._held[chunk] = self._store.pin(recs[0], _KINDS, HOST, wait=False)
+                self._held[chunk] = self._store.pin(recs[0], kinds, HOST, wait=False)
             except _C.OutOfMemoryError:
                 pass  # (no host room for it now: the step pins it)
             self.left_to_step += 1
@@ -737,12 +787,6 @@ class StepOverlap:
         undo = self._undo_buffers(chunk, hi - lo)
         if undo is None:
             return  # no host room for the undo buffers: the step updates it
-        if self._use_sums:
-            # Note [Gradient sums in chunks]: the fold the end of backward
-            # would make, for this chunk, on the host where it is updated.
-            self._fold_chunk(chunk, recs, HOST)
-            self.folded_early.add(chunk)
-        kinds = _KINDS + ((GRAD32,) if self._use_sums else ())
         # A record's slots pin its whole chunk of each kind.
         # The pin starts the copy of the gradients down; the worker waits for
         # it, not backward (Note [A pin that does not wait]).
@@ -979,37 +1023,45 @@ class StepOverlap:
         weakref.finalize(owner, _abandon_worker, self._pool, self._jobs, self._deferred_jobs, self._hook_box)
 
     # ------------------------------------------------ under the next forward
-    def may_defer(self, *, global_steps: int, summing: bool, data_parallel: bool, host_short: bool) -> bool:
+    def may_defer(self, *, global_steps: int, data_parallel: bool, host_short: bool) -> bool:
         """Whether this step may leave its host updates to the next forward
         (Note [CPU Adam under the next forward])."""
         # Not with the NVMe tier: the pins would hold every host-updated
         # chunk read from disk at once, where the step reads and writes them
         # one at a time within a host budget that holds a few.
-        return (self._config.overlap_next_forward and global_steps > 0 and not summing
+        return (self._config.overlap_next_forward and global_steps > 0
                 and not data_parallel and not host_short and not _dtr.is_enabled()
                 and self._config.nvme_path is None
                 and self.plan is not None and self._layout is self._store.chunks)
 
-    def defer(self, chunk: int, recs: list, grad_scale: float):
+    def deferred_sums(self) -> set:
+        """The chunks whose gradient sums an update left to the next
+        forward still reads."""
+        return {chunk for chunk, (_f, _p, sums) in self._deferred.items() if sums is not None}
+
+    def defer(self, chunk: int, recs: list, grad_scale: float, sums: bool = False):
         """In the step: the update of `chunk`'s records `recs` (their step
         counts already advanced) at `grad_scale` goes to the worker; the
-        chunk stays pinned on the host until settle_deferred takes it."""
+        chunk stays pinned on the host until settle_deferred takes it.
+        sums: the update reads the records' gradient sums (accumulation),
+        whose memory settle_deferred then frees."""
         c = self._store.chunks
+        kinds = _KINDS + ((GRAD32,) if sums else ())
         # As step_chunk pins: the 16-bit chunk, then the master and moments
-        # (held since its landing where the rule left it to the step: Note
-        # [Left to the step, pinned as if launched]).
+        # (and the sums) (held since its landing where the rule left it to
+        # the step: Note [Left to the step, pinned as if launched]).
         pin = self._held.pop(chunk, None)
         if pin is None:
-            pin = self._store.pin(recs[0], _KINDS, HOST, wait=False)
+            pin = self._store.pin(recs[0], kinds, HOST, wait=False)
         try:
-            fences = self._store.copy_fences(chunk, _KINDS)
+            fences = self._store.copy_fences(chunk, kinds)
             views = [c.chunk_view(chunk, k) for k in _UNDO_KINDS]
-            calls = self._adam_calls(recs, grad_scale, None)
+            calls = self._adam_calls(recs, grad_scale, c.chunk_view(chunk, GRAD32) if sums else None)
             future = self._pool.submit(_run_deferred, views, calls, fences)
         except BaseException:
             pin.release()
             raise
-        self._deferred[chunk] = (future, pin)
+        self._deferred[chunk] = (future, pin, recs if sums else None)
         self._deferred_jobs.append(future)
         self.deferred_chunks += 1
         self._hook_forwards()
@@ -1065,7 +1117,7 @@ class StepOverlap:
 
     def _release_finished(self):
         done = []
-        for chunk, (future, _pin) in self._deferred.items():
+        for chunk, (future, _pin, _sums) in self._deferred.items():
             if not future.done():
                 break  # (the worker runs them in launch order)
             done.append(chunk)
@@ -1082,7 +1134,7 @@ class StepOverlap:
             [ch for ch in dict.fromkeys(chunks) if ch in self._deferred]
         error = None
         for chunk in targets:
-            future, pin = self._deferred.pop(chunk)
+            future, pin, sums = self._deferred.pop(chunk)
             try:
                 if not future.done():
                     t = time.perf_counter()
@@ -1094,6 +1146,12 @@ class StepOverlap:
                 error = error or ex
             finally:
                 pin.release()
+                if sums is not None:
+                    # (The step handed them over: GradientAccumulation.stepped.)
+                    try:
+                        self._free_sums(sums)
+                    except BaseException as ex:  # noqa: BLE001 (re-raised below)
+                        error = error or ex
         if not self._deferred:
             self._deferred_jobs.clear()
             self._unhook_forwards_if_idle()

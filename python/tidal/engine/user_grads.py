@@ -164,6 +164,9 @@ class UserGradients:
         hooks = self._hooks
         if kind == GRAD32:
             hooks.drop_sums([i])
+            # (Measured already where its window's last backward folded it:
+            # Note [Measured where folded] in overlap.py.)
+            hooks.measure_grad(i, torch.zeros(0))
             return
         with torch.no_grad(), uncounted(), _dtr.outside():
             with self._store.slots(record, (PARAM16, PARAM32)) as (weight, master):
@@ -189,6 +192,11 @@ class UserGradients:
                     slot.copy_(value.detach().reshape(-1))
                     if kind == PARAM16:
                         self._hooks.measure_grad(i, slot)
+                if kind == GRAD32:
+                    # A sum measured where the window's last backward folded
+                    # it (Note [Measured where folded] in overlap.py) is
+                    # measured again; the step measures the others anyway.
+                    self._hooks.measure_sums([i])
 
     def drop_all(self) -> None:
         """engine.zero_grad(), remove_hooks(): the copies go with the gradients."""

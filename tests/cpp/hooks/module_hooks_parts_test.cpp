@@ -8,6 +8,7 @@
 
 #include <cmath>
 #include <limits>
+#include <vector>
 
 #include "chunk/chunk_store.h"
 #include "hooks/chunks_in_use.h"
@@ -65,21 +66,40 @@ TEST(GradNorms, SumsTheSquaresOfEachParametersLastMeasure) {
 TEST(GradNorms, SeesANonFiniteGradientAndSumsOfAccumulation) {
   c10::NoGradGuard no_grad;
   GradNorms norms;
-  norms.add_param();
-  norms.add_param();
+  for (int i = 0; i < 3; ++i) norms.add_param();
   norms.measure(0, at::full({2}, std::numeric_limits<float>::infinity()));
-  norms.measure_sum(at::full({2}, 3.0f));
+  norms.measure(1, at::full({2}, 3.0f));
   GradNorm n = norms.take();
   EXPECT_FALSE(n.finite);
   norms.measure(1, at::full({2}, 1.0f));
-  norms.measure_sum(at::full({2}, 3.0f));
-  norms.measure_sum(at::full({2, 2}, 1.0f).t());  // not contiguous: torch's norm, as on a GPU
+  norms.measure(0, at::full({2}, 3.0f));          // an fp32 sum
+  norms.measure(2, at::full({2, 2}, 1.0f).t());  // not contiguous: torch's norm, as on a GPU
   n = norms.take();
   EXPECT_TRUE(n.finite);
   EXPECT_NEAR(n.sum_squares, 2.0 + 18.0 + 4.0, 1e-5);
   norms.measure(0, at::full({2}, 5.0f));
   norms.clear();
   EXPECT_EQ(norms.take().sum_squares, 0.0);
+}
+
+TEST(GradNorms, AddsInParameterOrderWhateverOrderTheMeasuresCameIn) {
+  // Note [Gradient norms as they land]: the clip factor must be the same bits
+  // whichever parameters backward measured and which the step did. Squares
+  // whose double sum depends on the order of the additions: 1 + 3 x 2^-54
+  // is 1 with the 1 first and 1 + 2^-52 with it last.
+  c10::NoGradGuard no_grad;
+  const float small = std::ldexp(1.0f, -27);  // its square 2^-54
+  const std::vector<float> values{1.0f, small, small, small};
+  const std::vector<std::vector<std::size_t>> orders{{0, 1, 2, 3}, {3, 2, 1, 0}, {1, 2, 3, 0}, {2, 0, 3, 1}};
+  std::vector<double> sums;
+  for (const auto& order : orders) {
+    GradNorms norms;
+    for (std::size_t i = 0; i < values.size(); ++i) norms.add_param();
+    for (std::size_t i : order) norms.measure(i, at::full({1}, values[i]));
+    sums.push_back(norms.take().sum_squares);
+  }
+  for (double s : sums) EXPECT_EQ(s, sums[0]);
+  EXPECT_EQ(sums[0], 1.0);  // 1 first, as parameter 0
 }
 
 TEST(WriteTracker, TellsWrittenFromLostAndForgetsWhatWasTaken) {
