@@ -152,9 +152,10 @@ _TIDAL_SCHEMA: dict[str, Any] = {
                                              "by chunk in the order that forward needs them; each "
                                              "module's forward waits for its chunks' updates, so "
                                              "the weights are the step's bit for bit (Note [CPU "
-                                             "Adam under the next forward]). Not under data "
-                                             "parallel, with gradient accumulation, DTR or "
-                                             "the NVMe tier"),
+                                             "Adam under the next forward]; with gradient "
+                                             "accumulation the updates read their sums: Note "
+                                             "[Measured where folded]). Not under data "
+                                             "parallel, with DTR or the NVMe tier"),
         "dtr": (dict, {}, "DTR of activations under the engine (docs/dtr.md): enabled, "
                           "eviction_threshold, evictee_minimum_size, enable_sqrt_sampling, scorer"),
         "recompute": (dict, {}, "tidal.recompute's own keys (tidal.recompute.from_config; "
