@@ -316,7 +316,8 @@ AdamStepResult adam_chunk_step(const AdamHyperParams& hyper, const AdamChunk& ch
 // instead of adding, so sums are never zeroed) and rounds the fp32 master back
 // into the 16-bit slot, which holds the weight again for the next forward.
 // The step reads the sums (AdamChunk::grad), and their chunks give their
-// memory back. So accumulation costs 4 bytes per parameter inside the
+// memory back (an update the step leaves to the next forward reads them there
+// first: Note [Measured where folded] in tidal/engine/overlap.py). So accumulation costs 4 bytes per parameter inside the
 // chunks' budgets while a step is under way, no buffer outside them, and no
 // per-parameter copy: one pass per chunk, where the chunk is.
 

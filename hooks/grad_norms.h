@@ -1,7 +1,9 @@
 // What the step needs of the gradients as they land: the sum of their squares
 // (clipping) and whether every element was finite (fp16 overflow). ModuleHooks
-// measures each landed gradient here; with gradient accumulation the step
-// measures the sums instead (GradientSums::measure).
+// measures each landed gradient here; with gradient accumulation the sums
+// are measured instead (GradientSums::measure), by the step or at their fold
+// in the window's last backward (Note [Measured where folded] in
+// tidal/engine/overlap.py).
 //
 // Note [Gradient norms as they land]
 // ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~

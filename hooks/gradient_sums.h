@@ -29,7 +29,7 @@ class GradientSums {
     binding_ = binding;
   }
 
-  // On: gradients land unmeasured (the step measures the sums).
+  // On: gradients land unmeasured (the sums are measured: measure()).
   void set_accumulating(bool on) { accumulating_ = on; }
   bool accumulating() const { return accumulating_; }
 

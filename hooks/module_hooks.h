@@ -44,7 +44,9 @@
 // Python. With gradient accumulation (Note [Gradient sums in chunks] in
 // cpu_adam/adam.h) a gradient lands the same way, unmeasured; at the end of
 // each backward fold_gradients() adds a chunk's landed gradients into their
-// fp32 sums in one call, and the step measures the sums (measure_sums).
+// fp32 sums in one call, and the sums are measured (measure_sums) by the
+// step, or right after their fold in the window's last backward (Note
+// [Measured where folded] in tidal/engine/overlap.py).
 //
 // Note [External parameters]
 // ~~~~~~~~~~~~~~~~~~~~~~~~~~~

@@ -103,8 +103,10 @@ backward / s of CPU Adam (the engine speculates only what ends within it)
 and the next forward the rest; with accumulation the window's last
 backward and the forward after its step (Note [Measured where folded]):
     exposed = max(0, CPU Adam - backward / s - forward)
-    exposed = max(0, s x CPU Adam - backward)     (overlap_next_forward false)
-(all of CPU Adam with overlap_step false)
+    exposed = max(0, s x CPU Adam - backward)     (overlap_next_forward false,
+                                                   or the NVMe tier)
+(all of CPU Adam with overlap_step false, or a host too small for the
+state, where nothing is launched)
 and step_s_overlapped = accumulation x (forward + backward) + max(exposed,
 disk - (forward + backward)) + device Adam (a lower bound: not yet checked
 on a GPU). The bottleneck is the largest term.
@@ -596,9 +598,12 @@ def estimate(model, config=None, *, precision=None, optimizer_state_dtype=None,
     # CPU Adam beside a GPU (the module docstring): the window's last
     # backward hides its speculative share at the speculation factor's cost,
     # the next forward the rest.
-    if not cfg.overlap_step:
+    if not cfg.overlap_step or spilled:
+        # (A host too small for the state launches nothing: Note [One place
+        # per chunk].)
         adam_exposed = cpu_adam_s
-    elif not cfg.overlap_next_forward:
+    elif not cfg.overlap_next_forward or cfg.nvme_path is not None:
+        # (The step updates what backward left itself: with the NVMe tier too.)
         adam_exposed = max(0.0, spec * cpu_adam_s - last_backward_s)
     else:
         adam_exposed = max(0.0, cpu_adam_s - last_backward_s / spec - next_forward_s)

@@ -349,7 +349,11 @@ def test_with_accumulation_the_next_micro_batch_finds_its_weights_already_up(ahe
     room = s.budget - s.budget // 20 - s.activations
     minimum = 2 * (s.p16 - (room - s.p16) * s.p16 / s.states)
     per_step = [a + b for a, b in zip(moved[0::2], moved[1::2])]
-    assert all(0.85 * minimum <= b <= 1.15 * minimum for b in per_step[-STEADY:]), (per_step, minimum)
+    # (On average over the steady steps: the window's last backward leaves the
+    # updates it cannot hide to the next forward by timing, Note [Measured
+    # where folded], as assert_moves_the_minimum says.)
+    assert min(per_step[-STEADY:]) > 0 and \
+        0.85 * STEADY * minimum <= sum(per_step[-STEADY:]) <= 1.15 * STEADY * minimum, (per_step, minimum)
     if ahead:
         # (the last chunk or two are folded at the end of backward)
         assert all(b >= host_chunks // 2 * CHUNK for b in up_in_backward[-STEADY:]), up_in_backward

@@ -326,6 +326,35 @@ def test_gradients_written_after_backward_measured_their_sums_are_measured_again
     pair.check_budget()
 
 
+def test_a_window_of_raw_backwards_after_one_measured_early_is_measured_whole():
+    # Note [Measured where folded]: a window ended by engine.backward has its
+    # host chunks' sums measured in that backward, the step the rest. The
+    # next window's micro-batches run loss.backward() (no engine.backward, so
+    # nothing is measured early): its step measures every sum, not only
+    # those the last window's backward did not. The norm and the weights are
+    # plain PyTorch's, window after window.
+    pair = Pair(BUDGETS["chunks-move"], accumulation=2, clipping=1e6)
+    measured_early = 0
+    for i in range(8):
+        x, y = pair.data[i % 4]
+        raw = (i // 2) % 2 == 1
+        if raw:
+            (pair.engine(x, y) / 2).backward()
+        else:
+            pair.engine.backward(pair.engine(x, y))
+            measured_early += len(pair.engine._overlap.sums_measured) if i % 2 == 1 else 0
+        (pair.ref(x, y) / 2).backward()
+        if i % 2 == 1:
+            want = float(torch.nn.utils.get_total_norm([p.grad for p in pair.ref.parameters()]))
+        pair.engine.step()
+        if i % 2 == 1:
+            _ref_step(pair)
+            assert pair.engine.get_global_grad_norm() == pytest.approx(want, rel=1e-5), (i, raw)
+            pair.assert_same()
+    assert measured_early > 0  # (the path fired)
+    pair.check_budget()
+
+
 @budgets
 def test_a_gradient_read_after_a_raw_backward_is_plain_pytorchs(budget):
     pair = Pair(budget)

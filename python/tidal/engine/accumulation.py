@@ -148,14 +148,12 @@ class GradientAccumulation:
     def stepped(self, pending: list, owned: list, kept=frozenset()) -> None:
         """After the step over `pending` (of which this rank updated `owned`):
         the sums, or the landed flags, are cleared. kept: chunks whose sums
-        an update left to the next forward still reads: handed over (no
-        longer sums, their memory kept) until it is done (free_sums_of; Note
-        [Measured where folded] in overlap.py)."""
+        an update left to the next forward still reads, which the step
+        handed over to it (no longer sums, their memory kept until it is
+        done: free_sums_of; Note [Measured where folded] in overlap.py)."""
         if self.summing:
             # (Data parallel: only the owners' sums were folded.)
             self._hooks.drop_sums(self._params.indexes([r for r in owned if r.chunk not in kept]))
-            if kept:
-                self._hooks.hand_over_sums(self._params.indexes([r for r in owned if r.chunk in kept]))
         else:
             self._hooks.clear_landed(self._params.indexes(pending))
 

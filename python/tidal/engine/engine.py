@@ -607,6 +607,8 @@ class Engine(EngineBackward, DeepSpeedEngineAPI):
         self._accumulation.reset()
         self._outside.grads.drop_all()
         self._wiring.hooks.clear_grad_norm()
+        if self._overlap is not None:
+            self._overlap.take_sums_measured()  # (their measures just went)
         if self._dp_step is not None:
             self._dp_step.drop_gradient_norm()
         for r in self._params.records:

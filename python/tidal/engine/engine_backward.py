@@ -113,7 +113,7 @@ class EngineBackward:
             if self._overlap is not None:
                 self._overlap.backward_ended(failed=True)
                 self.settle_overlap()
-                if self._overlap.sums_measured:
+                if self._overlap.take_sums_measured() or self._overlap.folded_early:
                     # (Measured for a step that will not take them: Note
                     # [Measured where folded].)
                     self._wiring.hooks.clear_grad_norm()

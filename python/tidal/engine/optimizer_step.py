@@ -191,7 +191,7 @@ class OptimizerStep:
         owned = pending if self._dp_step is None else [r for r in pending if self._store.owns(r)]
         # (Those whose sums backward measured already: Note [Measured where
         # folded] in overlap.py.)
-        early = set() if overlap is None else overlap.sums_measured
+        early = set() if overlap is None else overlap.take_sums_measured()
         norm, finite = self._grad_norm([r for r in owned if r.chunk not in early] if early else owned)
         scale = self.scaler.scale
         overflow = not finite
@@ -321,8 +321,9 @@ class OptimizerStep:
         """Global L2 norm of the unscaled gradients and whether all are finite."""
         scale = self.scaler.scale
         if self._accumulation.summing:
-            # The sums, once, where their chunks are (Note [Gradient sums in
-            # chunks]; landings measured nothing).
+            # The sums where their chunks are (Note [Gradient sums in
+            # chunks]; landings measured nothing), but those the window's last
+            # backward measured at their fold (Note [Measured where folded]).
             with uncounted(), _dtr.outside():
                 self._hooks.measure_sums(self._params.indexes(pending))
         sum_squares, finite = self._hooks.take_grad_norm()
@@ -391,6 +392,10 @@ class OptimizerStep:
                 for r in recs:
                     r.step -= 1
                 raise
+            if GRAD32 in kinds:
+                # Its sums are the update's now (a step failing later must
+                # not update the chunk again: Note [Measured where folded]).
+                self._hooks.hand_over_sums(self._params.indexes(recs))
             self._meters.adam_host_chunks += 1
             self._overlap.step_host_chunks.add(chunk)
             return

@@ -70,7 +70,9 @@ replays it, Note [Weights while gradients wait]) lands twice; its chunk's
 update would race the replay. The engine's first backward launches nothing
 and notes such parameters; from then on their chunks wait for the step. (A
 graph that starts to do so later finds the chunk's master in use and fails,
-naming the tensor.)
+naming the tensor, while the update runs; where its pins were let go
+already, or the chunk was not pinned, the step undoes the update and makes
+it itself.)
 
 Data parallel (Note [Data parallel by chunk] in tidal/data_parallel.py): a
 landing is one rank's gradient, not the chunk's; the sum over the ranks is
@@ -300,6 +302,7 @@ class StepOverlap:
         self._waiting: dict[int, int] = {}  # chunk -> gradients it still waits for
         self._all_landed = self._launch  # what a chunk whose gradients are all in gets (begin())
         self._counted: set[int] = set()  # tensors whose first landing in this backward was counted
+        self._in_backward = False  # between begin() and backward_ended(): an engine.backward
         self._recs: dict[int, list] = {}     # chunk -> its trainable records
         self._chunk_records: dict[int, list] = {}  # chunk -> all its records (begin())
         self._jobs: list[tuple[int, object]] = []  # (chunk, future); cleared, never replaced
@@ -408,6 +411,7 @@ class StepOverlap:
         self._chunk_records = dict(everyone)
         self._recs = dict(recs)
         self._counted = set()
+        self._in_backward = True
         self._backward_end = None
         self.folded_early = set()
         self.sums_measured = set()
@@ -470,12 +474,22 @@ class StepOverlap:
         the others' gradients are in. Once the chunk's update started, a
         second use of the parameter in that backward finds its master chunk
         in use (COMPUTE) and fails there, naming the tensor."""
+        if not self._in_backward:
+            # A backward the script ran itself (loss.backward()): nothing is
+            # launched there, and its landings are not second ones (counting
+            # them so made every parameter "used again" and stopped the
+            # overlap for good after one such backward).
+            return
         if self._ahead and self._speculating:
             self._send_up_finished()
         if record.id in self._counted:
             # Used again after its gradient landed (a reentrant checkpoint
-            # replays it): its chunk is never launched again (below).
+            # replays it): its chunk is never launched again (below), an
+            # update of it already made is undone by the step (validate), and
+            # its sums, which the end of backward folds again, are measured
+            # by the step (Note [Measured where folded]).
             self._relanded.add(record)
+            self.sums_measured.discard(record.chunk)
             return
         self._counted.add(record.id)
         left = self._waiting.get(record.chunk)
@@ -499,6 +513,7 @@ class StepOverlap:
         """After a backward: the folds still queued run now (their updates
         launch), unless the backward failed (its gradients are dropped)."""
         queued, self._fold_queue = self._fold_queue, []
+        self._in_backward = False
         if not failed:
             for chunk in queued:
                 self._drain(chunk)
@@ -737,8 +752,14 @@ class StepOverlap:
     # measure would access a slot the pin holds. So every chunk folded in
     # that backward has its sums measured right after its fold, whichever
     # way the rule decides, and the step measures only the others (those the
-    # end of backward folded, on the device or where no fold ran early): the
-    # accesses, and so the trace, are the same however the decisions fall.
+    # end of backward folded, on the device or where no fold ran early, and
+    # every chunk after a step that clipped, whose backward folds early
+    # without measuring: Note [Gradients down as they land]): the accesses,
+    # and so the trace, are the same however the decisions fall. A chunk
+    # with a gradient landing again after its fold is measured by the step
+    # (its sums fold again at the end of backward); the measures are
+    # forgotten wherever the norms are cleared (the step, zero_grad, a
+    # failed backward).
     # The measures are added in parameter order (Note [Gradient norms as
     # they land] in hooks/grad_norms.h), so the clip factor is the same bits
     # as the step without overlap's. The chunks left to the step then run
@@ -767,8 +788,8 @@ class StepOverlap:
             # folded]), whichever way the rule below decides.
             self._fold_chunk(chunk, recs, HOST)
             self.folded_early.add(chunk)
+            self.sums_measured.add(chunk)  # (first: a measure that fails part-way is cleared)
             self._measure_sums(recs)
-            self.sums_measured.add(chunk)
         if self._cost_rule and not self._fits_in_backward(chunk):
             # Note [Speculation while backward lasts]: the step hands it to
             # the next forward with the clip factor known, no undo needed;
@@ -937,8 +958,12 @@ class StepOverlap:
             self.undo()
         else:
             groups = self._optimizer.param_groups
+            # (Also an update whose chunk had a gradient land again after it
+            # ran: its pins were let go early, Note [Weights up as they are
+            # updated], so the landing did not fail on them.)
             stale = [chunk for chunk, (recs, _lo, _hi, hyper) in self._pending.items()
-                     if hyper != _hyperparameters(groups, recs)]
+                     if hyper != _hyperparameters(groups, recs)
+                     or any(r in self._relanded for r in recs)]
             if stale:
                 self._restore(stale)
         done = set(self._pending)
@@ -969,7 +994,8 @@ class StepOverlap:
     # step whose accesses depart from it loses the prefetch for the rest of
     # that step (Note [Prefetch] in runtime/scheduler/chunk_scheduler.h). A
     # launch during backward pins the chunk's 16-bit, master and moment
-    # chunks on the host, where the step then accesses nothing of it; a
+    # chunks (and with accumulation its sums) on the host, where the step
+    # then accesses nothing of it; a
     # chunk left to the step by Note [Speculation while backward lasts] was
     # pinned in the step instead (defer). Which chunks the rule leaves comes
     # from timing and may change from step to step, and each change moved
@@ -1033,6 +1059,13 @@ class StepOverlap:
                 and not data_parallel and not host_short and not _dtr.is_enabled()
                 and self._config.nvme_path is None
                 and self.plan is not None and self._layout is self._store.chunks)
+
+    def take_sums_measured(self) -> set:
+        """The step: the chunks whose sums this window's last backward
+        measured (Note [Measured where folded]), once; the norms they went
+        into are the step's to take or clear."""
+        taken, self.sums_measured = self.sums_measured, set()
+        return taken
 
     def deferred_sums(self) -> set:
         """The chunks whose gradient sums an update left to the next
