@@ -715,6 +715,7 @@ PERFORMANCE: Dict[str, Rows] = {
     "engine_arbiter": Rows(_engine_arbiter, skip_quick=True),
     "step_overlap": Rows(_step_overlap, skip_quick=True),
     "step_overlap_clip": Rows(_step_overlap_clip, skip_quick=True),
+    "step_overlap_clip-vocab2048": Rows(_step_overlap_clip, skip_quick=True),
     "step_overlap_cost": Rows(_step_overlap_cost, skip_quick=True),
     "step_overlap_cost-accum2": Rows(_step_overlap_cost, skip_quick=True),
     "cpu_adam": Rows(_cpu_adam),
