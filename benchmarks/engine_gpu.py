@@ -6,8 +6,10 @@ starts them, collects what they report and writes the result file.
 
     python benchmarks/engine_gpu.py bench   [--preset gpt-1.3b --steps 8 --batch 8]
         plain PyTorch + torch.optim.AdamW(fused) vs tidal with the whole GPU as
-        budget vs tidal with a quarter of the model states as budget, and the
-        bf16 matmul rate measured in the same run      -> engine-<machine>.json
+        budget vs tidal with a quarter of the model states as budget (and once
+        at that budget with --quarter-accum micro-batches per step, default 4:
+        the accumulation case, Note [Measured where folded]), and the bf16
+        matmul rate measured in the same run           -> engine-<machine>.json
     python benchmarks/engine_gpu.py largest [--shapes gpt-6.7b,gpt-8b,...]
         the largest GPT shape that trains 5 steps with the loss falling, against
         (host + device) / 14 B: starts at the largest tidal.estimate predicts to
@@ -404,7 +406,8 @@ def cmd_bench(args):
         # The same margin as the whole-GPU run, set explicitly: the default (5% of this
         # smaller budget) would leave the chunks the rest of the whole run's margin on top
         # of their quarter (the first H200 run gave them 57% of the states).
-        quarter_args.update(budget=quarter, config=_config_file(quick, device_margin=margin) if margin else None)
+        quarter_args.update(budget=quarter, margin=margin,
+                            config=_config_file(quick, device_margin=margin) if margin else None)
         return quarter_args
 
     def run(kind, key):
@@ -414,16 +417,28 @@ def cmd_bench(args):
             return child(key, peer_argv("tidal", quick, shape, steps, batch), args.timeout,
                          env=tidal_env(quick), log_dir=args.log_dir)
         q = quarter_budget()
-        return child(key, peer_argv("tidal", quick, shape, steps, batch, budget=q["budget"], config=q["config"]),
+        config = q["config"]
+        if kind == "tidal_quarter_accum":
+            # (tokens/s counts every micro-batch: tidal.train's report)
+            keys = {"device_margin": q["margin"]} if q["margin"] else {}
+            config = _config_file(quick, top={"gradient_accumulation_steps": accum}, **keys)
+        return child(key, peer_argv("tidal", quick, shape, steps, batch, budget=q["budget"], config=config),
                      args.timeout, env=tidal_env(quick), log_dir=args.log_dir)
 
     # Each contender after a pause, in alternating order over the rounds (the first
-    # round measures the activations the quarter budget is made from).
+    # round measures the activations the quarter budget is made from); the
+    # accumulation case once, after the first round (device time is short).
+    accum = args.quarter_accum if args.quarter_accum is not None else (2 if quick else 4)
     kinds = ["plain", "tidal_whole", "tidal_quarter"]
     order = []
     for r in range(rounds):
         for kind in (kinds if r % 2 == 0 else kinds[::-1]):
             order.append((kind, kind if r == 0 else f"{kind}_r{r + 1}"))
+        if r == 0 and accum > 1:
+            order.append(("tidal_quarter_accum", "tidal_quarter_accum"))
+    if accum > 1:
+        kinds.append("tidal_quarter_accum")
+        result["quarter_accumulation"] = accum
     for kind, key in order:
         if pause:
             time.sleep(pause)
@@ -459,7 +474,7 @@ def cmd_bench(args):
             row["tflops_over_matmul_rate"] = row["tflops_with_attention"] / result["matmul_bf16_tflops"]
     ratios = {}
     if "plain" in table:
-        for k in ("tidal_whole", "tidal_quarter"):
+        for k in ("tidal_whole", "tidal_quarter", "tidal_quarter_accum"):
             if k in table:
                 ratios[f"{k}_over_plain_tokens_per_s"] = table[k]["tokens_per_s"] / table["plain"]["tokens_per_s"]
         if "tidal_whole" in table:
@@ -744,6 +759,9 @@ def main(argv=None):
     b.add_argument("--rounds", type=int, default=None,
                    help="rounds of plain, whole, quarter in alternating order (default 2; 1 with --quick)")
     b.add_argument("--pause", type=float, default=5.0, help="seconds before each run (not with --quick)")
+    b.add_argument("--quarter-accum", type=int, default=None,
+                   help="micro-batches per step of the one accumulation run at the quarter budget "
+                        "(default 4; 2 with --quick; 0 or 1: none)")
     lg = sub.add_parser("largest", parents=[common_args])
     lg.add_argument("--shapes", default=None, help=f"comma-separated, smallest first (default {LARGEST_FULL})")
     lg.add_argument("--steps", type=int, default=None)

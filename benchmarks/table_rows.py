@@ -600,6 +600,17 @@ def _engine_gpu(r: Dict) -> List[Figure]:
             f"{quarter['moved_over_minimum']:.1f}x the minimum; {quarter['budget_overruns']} budget overruns)",
             f"{quarter['tokens_per_s']:,.0f} tokens/s", peer,
             f"{quarter['tokens_per_s'] / plain['tokens_per_s']:.3f}"))
+    accum = t.get("tidal_quarter_accum")
+    if accum is not None:
+        q = r["quarter_budget"]
+        out.append(Figure(
+            f"training {r['shape']} ({r['params'] / 1e9:.2f}B params), bf16, micro batch {r['micro_batch']} x "
+            f"{r['seq']} x {r['quarter_accumulation']} micro-batches per step, {r['steps']} steps, {gpu}, the "
+            f"same device budget of {q['bytes'] / 1e9:.1f} GB (tokens/s, higher is better; "
+            f"{accum['bytes_host_to_device_per_step'] / 2**30:.1f} GiB moved each way per step; "
+            f"{accum['budget_overruns']} budget overruns)",
+            f"{accum['tokens_per_s']:,.0f} tokens/s", peer,
+            f"{accum['tokens_per_s'] / plain['tokens_per_s']:.3f}"))
     return out
 
 

@@ -36,7 +36,9 @@
 #             exists                                                     ~60 s passing, ~240 s not
 #   bench1b   engine_gpu.py bench: gpt-1.3b bf16, micro batch 8, seq 1024: plain PyTorch
 #             + fused AdamW vs tidal (whole GPU) vs tidal (a quarter of the model states),
-#             and the bf16 matmul rate                                          ~240 s
+#             once more at the quarter budget with 4 micro-batches per step (issue 51
+#             step 2's accumulation; predicted 1.35 s a step: docs/estimate.md), and the
+#             bf16 matmul rate                                                  ~270 s
 #   dp        data parallel's NCCL path (issue 17) with world size 1: torchrun
 #             --nproc_per_node 1 -m tidal.train, tidal.data_parallel forced on with
 #             backend nccl; $OUT/dp.json is the report (world_size, loss, bytes sent) ~60 s
@@ -83,7 +85,7 @@ Q=(); ((QUICK)) && Q=(--quick)
 # Seconds each phase is planned for and its own time limit (the limit is cut to what is
 # left of GPU_RUN_BUDGET_S when the phase starts).
 # Measured on the H200 (2026-11-26): build 53-73 s, cpp 2 s, crash 19 s passing, bench1b 72 s, dp 14 s.
-declare -A EST=([reporter]=5 [build]=75 [cpp]=10 [room]=30 [crash]=30 [bench1b]=120 [dp]=20 [largest]=300 [big]=200 [deepspeed]=400 [dtr]=130)
+declare -A EST=([reporter]=5 [build]=75 [cpp]=10 [room]=30 [crash]=30 [bench1b]=150 [dp]=20 [largest]=300 [big]=200 [deepspeed]=400 [dtr]=130)
 declare -A LIMIT=([reporter]=30 [build]=420 [cpp]=120 [room]=120 [crash]=300 [bench1b]=270 [dp]=120 [largest]=330 [big]=300 [deepspeed]=420 [dtr]=150)
 
 DRY=0
