@@ -15,6 +15,7 @@ import torch
 
 import tidal
 from tidal.engine import overlap as _overlap
+from tidal._C.chunks import TensorState
 from tidal.engine.store import GRAD32
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -201,4 +202,44 @@ def test_with_gradient_accumulation_the_updates_read_their_sums_under_the_next_f
     # (parameters_fp32 waited for them), as the step without overlap freed its.
     for r in overlapped.records:
         assert overlapped.chunks.state(r.id, GRAD32) == plain.chunks.state(r.id, GRAD32), r.name
+    moved_within_budget(overlapped)
+
+
+def test_a_step_failing_after_some_updates_went_to_the_next_forward_leaves_the_engine_usable():
+    """With accumulation, a chunk's sums are handed over as its update is
+    left to the next forward: a step that fails after some were (here the
+    third hand-off raises) raises that error, and zero_grad and the next
+    steps run (before, the sums of the chunks already handed off still
+    counted as sums: the next settle failed inside, 'has a sum again')."""
+    batches = gpt_batches(12)
+    _plain, overlapped = engines(batches=batches, accumulation=2)
+    del _plain
+    overlap = overlapped._overlap
+    defer = overlap.defer
+    calls = [0]
+
+    def failing(*args, **kwargs):
+        calls[0] += 1
+        if calls[0] == 3:
+            raise RuntimeError("a hand-off failed")
+        return defer(*args, **kwargs)
+
+    failed = False
+    for i, (x, y) in enumerate(batches):
+        overlapped.backward(overlapped(x, y))
+        if i == 7:
+            overlap.defer = failing
+            with pytest.raises(RuntimeError, match="a hand-off failed"):
+                overlapped.step()
+            failed = True
+            overlap.defer = defer
+            overlapped.zero_grad()
+            continue
+        overlapped.step()
+    assert failed and calls[0] == 3
+    assert optimizer_report(overlapped)["chunks_updated_under_next_forward"] > 0
+    assert not overlapped._accumulation.has_sums()
+    overlapped.parameters_fp32()  # (waits for the last step's updates)
+    for r in overlapped.records:  # (their sums freed once read, the others at their step)
+        assert overlapped.chunks.state(r.id, GRAD32) == TensorState.FREE, r.name
     moved_within_budget(overlapped)
