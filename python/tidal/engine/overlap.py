@@ -229,8 +229,8 @@ With gradient accumulation each update reads its chunk's fp32 sums, which
 the step hands over (pinned with the chunk; no longer counted as sums) and
 whose memory goes once the update is done.
 Not under data parallel (the step broadcasts each chunk as its update ends),
-nor with DTR, nor while the host is short (Note [One place per chunk]), nor with the
-NVMe tier (every host-updated chunk would be pinned on the host at once,
+nor with DTR, nor while the host is short (Note [One place per chunk]), nor
+with the NVMe tier (every host-updated chunk would be pinned on the host at once,
 read from disk, where the step takes them one at a time within a host
 budget that holds a few), nor before a step has been recorded for the
 layout: there the step updates every chunk itself, as before.
@@ -766,8 +766,9 @@ class StepOverlap:
     # under the next forward (Note [CPU Adam under the next forward]) reading
     # their sums, which the step hands over: they no longer count as sums
     # (nothing between the step and the forward sees a gradient waiting), and
-    # their memory goes once each update is done. Before, with accumulation every chunk whose gradients were in
-    # was launched and nothing was left to the next forward: tidal.estimate
+    # their memory goes once each update is done. Before, with accumulation
+    # every chunk whose gradients were in was launched and nothing was left
+    # to the next forward: tidal.estimate
     # put gpt-1.3b at a quarter budget with 4 micro-batches on an H100 at
     # 2.82 s a step, 2.16 s of it CPU Adam exposed (the speculative updates
     # at the speculation factor's cost), against 1.35 s and 0.69 s with the
