@@ -603,6 +603,10 @@ class Engine(EngineBackward, DeepSpeedEngineAPI):
         """Drops pending gradients (those in 16-bit slots are restored from
         fp32) and the gradient sums of an unfinished accumulation."""
         self._wiring.hooks.take_backward_ended()  # (a loss.backward() whose gradients go now)
+        if self._overlap is not None and self._overlap.raw_backward_refused:
+            # (That backward stopped with parameters attached: StepOverlap.landed.)
+            self._overlap.raw_backward_refused = False
+            self._release_after_error()
         self.settle_overlap()  # (updates made during backward are taken back)
         self._accumulation.reset()
         self._outside.grads.drop_all()

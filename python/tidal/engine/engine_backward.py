@@ -70,7 +70,8 @@ class EngineBackward:
                                 host_short=self._host_short(),
                                 fold_chunk=_weak_method(self._accumulation.fold_chunk),
                                 measure_sums=_weak_method(self._accumulation.measure_chunk),
-                                free_sums=_weak_method(self._accumulation.free_sums_of))
+                                free_sums=_weak_method(self._accumulation.free_sums_of),
+                                break_window=_weak_method(self._accumulation.break_window))
         self._wiring.count(True)
         self._wiring.hooks.set_engine_backward(True)
         try:

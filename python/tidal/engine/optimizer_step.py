@@ -163,6 +163,10 @@ class OptimizerStep:
         return applied
 
     def _run(self):
+        if self._overlap is not None and self._accumulation.broken:
+            # (Before the settles below, which would fold what broke it.)
+            raise UsageError(f"engine.step(): {self._accumulation.broken}; call engine.zero_grad() "
+                             f"and run this step's micro-batches again")
         if self._dp_step is not None:
             self._dp_step.check()
         # Parameters still attached from a backward run without
@@ -181,9 +185,6 @@ class OptimizerStep:
         if overlap is not None:
             # Chunks CPU Adam updated while backward went on (Note [CPU Adam
             # during backward]): waited for here; validated below.
-            if self._accumulation.broken:
-                raise UsageError(f"engine.step(): {self._accumulation.broken}; call engine.zero_grad() "
-                                 f"and run this step's micro-batches again")
             overlap.finish(send_up=True)
         pending = self._accumulation.pending()
         # Data parallel: the update runs where the masters are; every rank

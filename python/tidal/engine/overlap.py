@@ -247,6 +247,7 @@ import torch
 
 from .. import _C
 from .. import dtr as _dtr
+from .errors import UsageError
 from .optimizer_step import by_group
 from .store import DEVICE, GRAD32, HOST, MOMENTUM, PARAM16, PARAM32, VARIANCE, uncounted
 
@@ -293,6 +294,7 @@ class StepOverlap:
         self._fold_chunk = None  # the accumulation's fold, from begin()
         self._measure_sums = None  # its measure of one chunk's sums, from begin()
         self._free_sums = None  # its free of handed-over sums, from begin()
+        self._break_window = None  # its break_window, from begin()
         self._threads = worker_threads(config.cpu_adam_threads)  # Note [The worker leaves a core]
         self._pool = concurrent.futures.ThreadPoolExecutor(
             max_workers=1, thread_name_prefix="tidal-adam",
@@ -303,6 +305,7 @@ class StepOverlap:
         self._all_landed = self._launch  # what a chunk whose gradients are all in gets (begin())
         self._counted: set[int] = set()  # tensors whose first landing in this backward was counted
         self._in_backward = False  # between begin() and backward_ended(): an engine.backward
+        self.raw_backward_refused = False  # landed() stopped a backward the script ran itself
         self._recs: dict[int, list] = {}     # chunk -> its trainable records
         self._chunk_records: dict[int, list] = {}  # chunk -> all its records (begin())
         self._jobs: list[tuple[int, object]] = []  # (chunk, future); cleared, never replaced
@@ -376,7 +379,7 @@ class StepOverlap:
 
     # ------------------------------------------------------------ backward
     def begin(self, last_micro_batch: bool, *, global_steps: int, loss_scale: float, host_short: bool,
-              fold_chunk, measure_sums=None, free_sums=None):
+              fold_chunk, measure_sums=None, free_sums=None, break_window=None):
         """Before a backward: each chunk waits for the gradients of its
         trainable tensors, when this backward may launch updates.
 
@@ -393,6 +396,8 @@ class StepOverlap:
             free_sums: (records) -> None, its free of the sums the step
                 handed over to an update under the next forward, once that
                 update has read them.
+            break_window: (why) -> None, what makes engine.step() refuse
+                until engine.zero_grad() (landed()).
         """
         self.settle_deferred()
         self.release_held()  # (a backward again without a step between)
@@ -462,6 +467,7 @@ class StepOverlap:
         self._fold_chunk = fold_chunk
         self._measure_sums = measure_sums
         self._free_sums = free_sums
+        self._break_window = break_window
         self._landing_times = {}
         self._cost_rule = speculate and not self._data_parallel and self.may_defer(
             global_steps=global_steps, data_parallel=self._data_parallel,
@@ -478,7 +484,26 @@ class StepOverlap:
             # A backward the script ran itself (loss.backward()): nothing is
             # launched there, and its landings are not second ones (counting
             # them so made every parameter "used again" and stopped the
-            # overlap for good after one such backward).
+            # overlap for good after one such backward). But one between an
+            # engine.backward() and its step (a graph kept with retain_graph)
+            # lands on a chunk this object took up: its 16-bit slot may hold
+            # the update's weights, or its sums were measured for the step. No
+            # step can be exact then: it is refused until zero_grad.
+            chunk = record.chunk
+            if chunk in self._pending or chunk in self._held or chunk in self.sums_measured:
+                why = (f"a backward the script ran itself (loss.backward()) between engine.backward() and "
+                       f"engine.step() landed a gradient of '{record.name}', whose chunk CPU Adam had "
+                       f"taken up during engine.backward() (tidal.overlap_step)")
+                if self._break_window is not None:
+                    self._break_window(why)
+                # (The backward stops here with parameters attached for it:
+                # engine.zero_grad() releases them first.)
+                self.raw_backward_refused = True
+                raise UsageError(
+                    f"tidal: {why}, so the step cannot add it exactly. Run engine.step() before another "
+                    f"backward, or engine.backward() for every micro-batch with gradient_accumulation_steps "
+                    f"set to their number, or set \"overlap_step\": false; engine.zero_grad() drops this "
+                    f"step's gradients")
             return
         if self._ahead and self._speculating:
             self._send_up_finished()
