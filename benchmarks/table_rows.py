@@ -580,8 +580,11 @@ def _engine_gpu(r: Dict) -> List[Figure]:
     t = r["table"]
     plain = t["plain"]
     gpu = r["machine"]["gpus"][0]["name"]
-    what = (f"training {r['shape']} ({r['params'] / 1e9:.2f}B params), bf16, micro batch "
-            f"{r['micro_batch']} x {r['seq']}, {r['steps']} steps, {gpu}")
+    def what_of(window=""):
+        return (f"training {r['shape']} ({r['params'] / 1e9:.2f}B params), bf16, micro batch "
+                f"{r['micro_batch']} x {r['seq']}{window}, {r['steps']} steps, {gpu}")
+
+    what = what_of()
     peer = f"{plain['tokens_per_s']:,.0f} tokens/s, plain PyTorch + fused AdamW"
     out = []
     whole = t.get("tidal_whole")
@@ -603,10 +606,10 @@ def _engine_gpu(r: Dict) -> List[Figure]:
     accum = t.get("tidal_quarter_accum")
     if accum is not None:
         q = r["quarter_budget"]
+        window = f" x {r['quarter_accumulation']} micro-batches per step"
         out.append(Figure(
-            f"training {r['shape']} ({r['params'] / 1e9:.2f}B params), bf16, micro batch {r['micro_batch']} x "
-            f"{r['seq']} x {r['quarter_accumulation']} micro-batches per step, {r['steps']} steps, {gpu}, the "
-            f"same device budget of {q['bytes'] / 1e9:.1f} GB (tokens/s, higher is better; "
+            f"{what_of(window)}, the same device budget of "
+            f"{q['bytes'] / 1e9:.1f} GB (tokens/s, higher is better; "
             f"{accum['bytes_host_to_device_per_step'] / 2**30:.1f} GiB moved each way per step; "
             f"{accum['budget_overruns']} budget overruns)",
             f"{accum['tokens_per_s']:,.0f} tokens/s", peer,

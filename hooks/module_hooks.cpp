@@ -397,8 +397,14 @@ void ModuleHooks::measure_sums(const std::vector<std::size_t>& params) {
 }
 
 void ModuleHooks::drop_sums(const std::vector<std::size_t>& params) {
-  gradient_sums_.drop(ids_of(params));
-  for (std::size_t i : params) params_.at(i).summed = false;
+  // (Not those handed over: their slots are an update's until free_sums.)
+  std::vector<std::size_t> summed;
+  summed.reserve(params.size());
+  for (std::size_t i : params) {
+    if (params_.at(i).summed) summed.push_back(i);
+  }
+  gradient_sums_.drop(ids_of(summed));
+  for (std::size_t i : summed) params_[i].summed = false;
 }
 
 void ModuleHooks::hand_over_sums(const std::vector<std::size_t>& params) {

@@ -195,7 +195,8 @@ class ModuleHooks : public std::enable_shared_from_this<ModuleHooks> {
   // Measures the gradient sums of `params` where their chunks are, into what
   // grad_norms().take() returns.
   void measure_sums(const std::vector<std::size_t>& params);
-  // The sums of `params` are consumed (the step) or dropped.
+  // The sums of `params` are consumed (the step) or dropped; a parameter
+  // without one (its sum handed over, below) is left as it is.
   void drop_sums(const std::vector<std::size_t>& params);
   // The step consumed the sums of `params`, which an update under the next
   // forward still reads: they no longer count as sums (summed() is false, the

@@ -296,34 +296,51 @@ def test_gradients_read_with_accumulation_are_the_window_sum(budget):
     pair.check_budget()
 
 
+def _windows_against_plain_pytorch(raw=lambda i: False, edit=None):
+    """Accumulation 2 on a moving budget, clip 1e6 (it never fires, so every
+    window's last backward speculates): 8 micro-batches, engine.backward (or
+    loss.backward() where raw(i)) beside plain PyTorch; edit(module) on both
+    models before each window's step. Each step's norm and weights are
+    plain PyTorch's; returns how many chunks the windows' last backwards
+    measured early (Note [Measured where folded])."""
+    pair = Pair(BUDGETS["chunks-move"], accumulation=2, clipping=1e6)
+    measured_early = 0
+    for i in range(8):
+        x, y = pair.data[i % 4]
+        if raw(i):
+            (pair.engine(x, y) / 2).backward()
+        else:
+            pair.engine.backward(pair.engine(x, y))
+            measured_early += len(pair.engine._overlap.sums_measured) if i % 2 == 1 else 0
+        (pair.ref(x, y) / 2).backward()
+        if i % 2 == 1:
+            if edit is not None:
+                for m in (pair.model, pair.ref):
+                    edit(m, i)
+            want = float(torch.nn.utils.get_total_norm([p.grad for p in pair.ref.parameters()
+                                                        if p.grad is not None]))
+        pair.engine.step()
+        if i % 2 == 1:
+            _ref_step(pair)
+            assert pair.engine.get_global_grad_norm() == pytest.approx(want, rel=1e-5), (i, raw(i))
+            pair.assert_same()
+    pair.check_budget()
+    return measured_early
+
+
 def test_gradients_written_after_backward_measured_their_sums_are_measured_again():
     # Note [Measured where folded] (tidal/engine/overlap.py): with
     # accumulation, the window's last backward measures each chunk's sums
     # for the step's norm as it folds them on the host. A script that then
     # scales the gradients, or drops one, changes what the step must
     # measure: the norm and the weights are plain PyTorch's on the written
-    # gradients. (Clip 1e6: it never fires, so every step speculates.)
-    pair = Pair(BUDGETS["chunks-move"], accumulation=2, clipping=1e6)
-    measured_early = 0
-    for i in range(8):
-        x, y = pair.data[i % 4]
-        pair.engine.backward(pair.engine(x, y))
-        (pair.ref(x, y) / 2).backward()
-        if i % 2 == 1:
-            measured_early += len(pair.engine._overlap.sums_measured)
-            for m in (pair.model, pair.ref):
-                for p in m.parameters():
-                    p.grad.mul_(0.5)
-                m.layers[i % 6].bias.grad = None
-            want = float(torch.nn.utils.get_total_norm([p.grad for p in pair.ref.parameters()
-                                                        if p.grad is not None]))
-        pair.engine.step()
-        if i % 2 == 1:
-            _ref_step(pair)
-            assert pair.engine.get_global_grad_norm() == pytest.approx(want, rel=1e-5)
-            pair.assert_same()
-    assert measured_early > 0  # (the path fired)
-    pair.check_budget()
+    # gradients.
+    def edit(m, i):
+        for p in m.parameters():
+            p.grad.mul_(0.5)
+        m.layers[i % 6].bias.grad = None
+
+    assert _windows_against_plain_pytorch(edit=edit) > 0  # (the path fired)
 
 
 def test_a_window_of_raw_backwards_after_one_measured_early_is_measured_whole():
@@ -333,26 +350,7 @@ def test_a_window_of_raw_backwards_after_one_measured_early_is_measured_whole():
     # nothing is measured early): its step measures every sum, not only
     # those the last window's backward did not. The norm and the weights are
     # plain PyTorch's, window after window.
-    pair = Pair(BUDGETS["chunks-move"], accumulation=2, clipping=1e6)
-    measured_early = 0
-    for i in range(8):
-        x, y = pair.data[i % 4]
-        raw = (i // 2) % 2 == 1
-        if raw:
-            (pair.engine(x, y) / 2).backward()
-        else:
-            pair.engine.backward(pair.engine(x, y))
-            measured_early += len(pair.engine._overlap.sums_measured) if i % 2 == 1 else 0
-        (pair.ref(x, y) / 2).backward()
-        if i % 2 == 1:
-            want = float(torch.nn.utils.get_total_norm([p.grad for p in pair.ref.parameters()]))
-        pair.engine.step()
-        if i % 2 == 1:
-            _ref_step(pair)
-            assert pair.engine.get_global_grad_norm() == pytest.approx(want, rel=1e-5), (i, raw)
-            pair.assert_same()
-    assert measured_early > 0  # (the path fired)
-    pair.check_budget()
+    assert _windows_against_plain_pytorch(raw=lambda i: (i // 2) % 2 == 1) > 0  # (the path fired)
 
 
 @pytest.mark.parametrize("accumulation", [1, 2])

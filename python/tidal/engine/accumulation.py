@@ -145,15 +145,15 @@ class GradientAccumulation:
         self.drop_landed()
         self.drop_sums()
 
-    def stepped(self, pending: list, owned: list, kept=frozenset()) -> None:
+    def stepped(self, pending: list, owned: list) -> None:
         """After the step over `pending` (of which this rank updated `owned`):
-        the sums, or the landed flags, are cleared. kept: chunks whose sums
-        an update left to the next forward still reads, which the step
-        handed over to it (no longer sums, their memory kept until it is
-        done: free_sums_of; Note [Measured where folded] in overlap.py)."""
+        the sums, or the landed flags, are cleared. (Sums the step handed
+        over to an update under the next forward are not sums any more, and
+        stay until it is done: free_sums_of; Note [Measured where folded] in
+        overlap.py.)"""
         if self.summing:
             # (Data parallel: only the owners' sums were folded.)
-            self._hooks.drop_sums(self._params.indexes([r for r in owned if r.chunk not in kept]))
+            self._hooks.drop_sums(self._params.indexes(owned))
         else:
             self._hooks.clear_landed(self._params.indexes(pending))
 
@@ -195,7 +195,7 @@ class GradientAccumulation:
 
     def free_sums_of(self, recs: list) -> None:
         """The memory of the sums of `recs` goes: an update the step left to
-        the next forward has read them (stepped()'s `kept`)."""
+        the next forward has read them (handed over by the step)."""
         self._hooks.free_sums(self._params.indexes(recs))
 
     def fold_chunks(self, by_chunk: dict, host_short: bool) -> None:

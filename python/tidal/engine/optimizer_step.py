@@ -251,8 +251,7 @@ class OptimizerStep:
             # The owners' weights came back from their masters: the others'
             # from the owners.
             self._dp_step.broadcast(self._dp_step.chunks)
-        # (The sums an update under the next forward reads go when it is done.)
-        self._accumulation.stepped(pending, owned, kept=() if overlap is None else overlap.deferred_sums())
+        self._accumulation.stepped(pending, owned)
         self._hooks.clear_grad_norm()
         self.last_grad_norm = norm
         self.global_steps += 1

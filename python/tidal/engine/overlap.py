@@ -1093,11 +1093,6 @@ class StepOverlap:
         taken, self.sums_measured = self.sums_measured, set()
         return taken
 
-    def deferred_sums(self) -> set:
-        """The chunks whose gradient sums an update left to the next
-        forward still reads."""
-        return {chunk for chunk, (_f, _p, sums) in self._deferred.items() if sums is not None}
-
     def defer(self, chunk: int, recs: list, grad_scale: float, sums: bool = False):
         """In the step: the update of `chunk`'s records `recs` (their step
         counts already advanced) at `grad_scale` goes to the worker; the
