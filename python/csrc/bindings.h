@@ -5,6 +5,7 @@
 #include <pybind11/pybind11.h>
 
 #include <exception>
+#include <functional>
 #include <memory>
 
 namespace tidal::hooks {
@@ -14,6 +15,14 @@ class ModuleHooks;
 namespace tidal::python {
 
 namespace py = pybind11;
+
+// A copy into a chunk still running (Chunks.copy_fence, chunk_bindings.cpp):
+// `wait` blocks until it has landed, on any thread, without the GIL; what
+// the update worker's jobs wait on (cpu_adam_bindings.cpp). Valid while the
+// chunk is in use (COMPUTE).
+struct CopyFence {
+  std::function<void()> wait;
+};
 
 void bind_errors(py::module_& m);
 // A tidal.OutOfMemoryError carrying `message`, to hand to Python code (the

@@ -552,6 +552,13 @@ The chunk scheduler and the parameter binding the training engine drives
 Python thread drives a Chunks object.)doc");
   bind_enums(m);  // first: the signatures below name them
   bind_records(m);
+  py::class_<CopyFence>(m, "CopyFence",
+                        "A copy into a chunk still running (Chunks.copy_fence): calling it waits "
+                        "for the copy to land, the GIL released.")
+      .def("__call__", [](const CopyFence& f) {
+        py::gil_scoped_release release;
+        f.wait();
+      });
 
   py::class_<Chunks>(m, "Chunks")
       .def(py::init([](std::shared_ptr<Device> device, std::size_t chunk_bytes, const std::string& param_dtype,
@@ -643,19 +650,15 @@ Python thread drives a Chunks object.)doc");
            "The chunks of `kind` send_ahead moved that were evicted for room before the use they were "
            "sent for, since the last call (of any kind: the others are dropped).")
       .def("copy_fence",
-           [](Chunks& c, std::uint32_t chunk, ChunkKind kind) -> py::object {
+           [](Chunks& c, std::uint32_t chunk, ChunkKind kind) -> std::optional<CopyFence> {
              const Event* fence = c.scheduler().copy_fence(make_chunk_id(kind, chunk));
-             if (fence == nullptr) return py::none();
-             return py::cpp_function(
-                 [fence]() {
-                   py::gil_scoped_release release;
-                   fence->synchronize();
-                 },
-                 "Blocks until the copy into the chunk has landed (any thread; the chunk must stay in use).");
+             if (fence == nullptr) return std::nullopt;
+             return CopyFence{[fence] { fence->synchronize(); }};
            },
            py::arg("chunk"), py::arg("kind"),
-           "Note [A pin that does not wait]: a callable that waits for the copy into the chunk still "
-           "running, or None; valid while the chunk is in use (COMPUTE).")
+           "Note [A pin that does not wait]: a CopyFence, which waits for the copy into the chunk "
+           "still running when called (or in an update worker's job), or None; valid while the chunk "
+           "is in use (COMPUTE).")
       .def("chunk_view",
            [](Chunks& c, std::uint32_t chunk, ChunkKind kind) {
              // The whole payload of a chunk, flat, wherever it is: for the

@@ -15,12 +15,15 @@
 #include <optional>
 #include <variant>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "cpu_adam/adam.h"
+#include "cpu_adam/update_worker.h"
 #include "hooks/torch_threads.h"
 #include "python/csrc/bindings.h"
 #include "runtime/core/error.h"
+#include "runtime/core/uncounted.h"
 
 namespace tidal::python {
 namespace {
@@ -102,6 +105,67 @@ ca::AdamHyperParams hyper(double lr, double beta1, double beta2, double eps, dou
   return h;
 }
 
+using Ranges = std::optional<std::vector<std::pair<std::int64_t, std::int64_t>>>;
+using Steps = std::variant<std::int64_t, std::vector<std::int64_t>>;
+
+// The four flat chunk buffers of adam_chunk_step (and the sums, where given),
+// checked against each other.
+ca::AdamChunk chunk_of(const at::Tensor& param, const at::Tensor& exp_avg, const at::Tensor& exp_avg_sq,
+                       const at::Tensor& half, const std::optional<at::Tensor>& grad) {
+  const Flat p = flat(param, "param");
+  TIDAL_CHECK_TYPE(p.dtype == ca::DType::kFloat32,
+                   "param must be torch.float32 (the fp32 master chunk), got ",
+                   ca::dtype_name(p.dtype));
+  const std::int64_t n = static_cast<std::int64_t>(p.count);
+  const Flat m = flat(exp_avg, "exp_avg");
+  const Flat v = flat(exp_avg_sq, "exp_avg_sq");
+  const Flat h16 = flat(half, "half");
+  TIDAL_CHECK_TYPE(m.dtype == v.dtype, "exp_avg is ", ca::dtype_name(m.dtype),
+                   " but exp_avg_sq is ", ca::dtype_name(v.dtype), "; they must match");
+  for (const auto& [name, f] : {std::pair<const char*, const Flat*>{"exp_avg", &m},
+                                {"exp_avg_sq", &v}, {"half", &h16}}) {
+    TIDAL_CHECK(static_cast<std::int64_t>(f->count) == n, name, " has ", f->count,
+                " elements but param has ", n, "; the four chunk buffers must be equally long");
+  }
+  ca::AdamChunk chunk{static_cast<float*>(p.data), m.data, v.data, h16.data,
+                      p.count, h16.dtype, m.dtype};
+  if (grad) {
+    const Flat g = flat(*grad, "grad");
+    TIDAL_CHECK_TYPE(g.dtype == ca::DType::kFloat32,
+                     "grad must be torch.float32 (the gradient sums), got ",
+                     ca::dtype_name(g.dtype));
+    TIDAL_CHECK(static_cast<std::int64_t>(g.count) == n, "grad has ", g.count,
+                " elements but param has ", n, "; the chunk buffers must be equally long");
+    chunk.grad = static_cast<const float*>(g.data);
+  }
+  return chunk;
+}
+
+// adam_chunk_step's ranges (None: the whole chunk of `numel`) with their steps.
+std::vector<ca::ChunkRange> ranges_of(const Ranges& ranges, const Steps& step, std::size_t numel) {
+  std::vector<ca::ChunkRange> rs;
+  if (ranges) {
+    rs.reserve(ranges->size());
+    for (std::size_t i = 0; i < ranges->size(); ++i) {
+      const auto [off, cnt] = (*ranges)[i];
+      TIDAL_CHECK(off >= 0 && cnt >= 0, "ranges[", i, "] = (", off, ", ", cnt,
+                  "): offset and count must be >= 0");
+      rs.push_back({static_cast<std::size_t>(off), static_cast<std::size_t>(cnt), 1});
+    }
+  } else {
+    rs.push_back({0, numel, 1});
+  }
+  if (const auto* steps = std::get_if<std::vector<std::int64_t>>(&step)) {
+    TIDAL_CHECK(steps->size() == rs.size(), "step has ", steps->size(),
+                " entries but there are ", rs.size(), " ranges; give one step per range "
+                "or one int for all");
+    for (std::size_t i = 0; i < rs.size(); ++i) rs[i].step = (*steps)[i];
+  } else {
+    for (ca::ChunkRange& r : rs) r.step = std::get<std::int64_t>(step);
+  }
+  return rs;
+}
+
 // The buffers of one low-level call, checked against each other.
 struct SpanArgs {
   ca::AdamDTypes dtypes;
@@ -135,6 +199,102 @@ SpanArgs span_args(const at::Tensor& param, const at::Tensor& exp_avg, const at:
     a.span.param_copy = c.data;
   }
   return a;
+}
+
+// One parameter group's update in an UpdateWorker job: (ranges, steps, lr,
+// beta1, beta2, eps, weight_decay).
+using GroupCall = std::tuple<std::vector<std::pair<std::int64_t, std::int64_t>>, std::vector<std::int64_t>,
+                             double, double, double, double, double>;
+
+void bind_update_worker(py::module_& m) {
+  py::class_<ca::UpdateTicket, std::shared_ptr<ca::UpdateTicket>>(
+      m, "UpdateTicket", "A job submitted to an UpdateWorker.")
+      .def("done", &ca::UpdateTicket::done)
+      .def(
+          "wait", [](const ca::UpdateTicket& t) {
+            py::gil_scoped_release no_gil;
+            t.wait();
+          },
+          "Blocks until the job has run, the GIL released.")
+      .def("failed", [](const ca::UpdateTicket& t) { return t.done() && t.error() != nullptr; },
+           "Done, with an error.")
+      .def("undo_failed", &ca::UpdateTicket::undo_failed,
+           "Done, failing before it updated anything (a fence or the undo copy).")
+      .def(
+          "result",
+          [](const ca::UpdateTicket& t) {
+            {
+              py::gil_scoped_release no_gil;
+              t.wait();
+            }
+            if (std::exception_ptr e = t.error()) std::rethrow_exception(e);
+            const ca::UpdateTimes times = t.times();
+            return py::make_tuple(times.fenced_from, times.started, times.ended);
+          },
+          "Waits; (began, fences passed, ended) in time.perf_counter() seconds, or raises the "
+          "job's error.");
+
+  py::class_<ca::UpdateWorker, std::shared_ptr<ca::UpdateWorker>>(m, "UpdateWorker", R"doc(
+A thread of tidal's (not Python's) that runs chunk updates in the order they
+are submitted, without the GIL (Note [The worker without the GIL] in
+cpu_adam/update_worker.h); its host allocations are uncounted (Note [tidal's
+own host allocations]). Dropping it runs the jobs still queued.)doc")
+      .def(py::init([] { return std::make_shared<ca::UpdateWorker>([] { ++g_uncounted_depth; }); }))
+      .def(
+          "submit",
+          [](ca::UpdateWorker& w, const at::Tensor& param, const at::Tensor& exp_avg,
+             const at::Tensor& exp_avg_sq, const at::Tensor& half, const std::vector<GroupCall>& calls,
+             const std::vector<CopyFence>& fences, const std::optional<std::vector<at::Tensor>>& undo,
+             std::int64_t undo_lo, std::int64_t undo_hi, const std::optional<at::Tensor>& grad,
+             bool adamw_mode, bool bias_correction, double loss_scale, int num_threads,
+             const std::string& pool) {
+            ca::UpdateJob job;
+            job.chunk = chunk_of(param, exp_avg, exp_avg_sq, half, grad);
+            for (const auto& [ranges, steps, lr, beta1, beta2, eps, weight_decay] : calls) {
+              ca::ChunkCall call;
+              call.hyper = hyper(lr, beta1, beta2, eps, weight_decay, adamw_mode, bias_correction);
+              call.ranges = ranges_of(ranges, steps, job.chunk.numel);
+              call.options.loss_scale = loss_scale;
+              call.options.check_overflow = false;
+              job.calls.push_back(std::move(call));
+            }
+            if (undo) {
+              const at::Tensor* views[] = {&param, &exp_avg, &exp_avg_sq, &half};
+              TIDAL_CHECK(undo->size() == 4, "undo has ", undo->size(),
+                          " buffers; give one per chunk buffer (param, exp_avg, exp_avg_sq, half)");
+              TIDAL_CHECK(undo_lo >= 0 && undo_lo <= undo_hi &&
+                              static_cast<std::size_t>(undo_hi) <= job.chunk.numel,
+                          "undo range [", undo_lo, ", ", undo_hi, ") is not inside the chunk of ",
+                          job.chunk.numel, " elements");
+              const std::int64_t n = undo_hi - undo_lo;
+              for (std::size_t i = 0; i < 4; ++i) {
+                const std::string name = "undo[" + std::to_string(i) + "]";
+                const Flat d = flat((*undo)[i], name);
+                const Flat src = flat(*views[i], name + "'s chunk buffer", undo_lo, n);
+                TIDAL_CHECK_TYPE(d.dtype == src.dtype, name, " is ", ca::dtype_name(d.dtype),
+                                 " but its chunk buffer is ", ca::dtype_name(src.dtype));
+                TIDAL_CHECK(static_cast<std::int64_t>(d.count) >= n, name, " has ", d.count,
+                            " elements; the undo range needs ", n);
+                job.undo.push_back({d.data, src.data, src.count * ca::dtype_size(src.dtype)});
+              }
+            }
+            for (const CopyFence& f : fences) job.fences.push_back(f.wait);
+            job.exec = ca::ExecOptions{num_threads, ca::CopyStores::kAuto, tidal::hooks::block_runner(pool)};
+            return std::const_pointer_cast<ca::UpdateTicket>(w.submit(std::move(job)));
+          },
+          py::arg("param"), py::arg("exp_avg"), py::arg("exp_avg_sq"), py::arg("half"),
+          py::arg("calls"), py::kw_only(), py::arg("fences") = std::vector<CopyFence>{},
+          py::arg("undo") = py::none(), py::arg("undo_lo") = 0, py::arg("undo_hi") = 0,
+          py::arg("grad") = py::none(), py::arg("adamw_mode") = true,
+          py::arg("bias_correction") = true, py::arg("loss_scale") = 1.0,
+          py::arg("num_threads") = 0, py::arg("pool") = "onetbb",
+          R"doc(Queues one chunk's update and returns its UpdateTicket: the fences waited
+for, then (undo given: four buffers) the chunk buffers' elements [undo_lo,
+undo_hi) copied into undo's, then adam_chunk_step once per call, each call
+(ranges, steps, lr, beta1, beta2, eps, weight_decay) with no overflow check
+and no clipping (the caller's grad scale in loss_scale). The buffers as
+adam_chunk_step takes them; they must stay alive and in place until the
+ticket is done.)doc");
 }
 
 void bind_classes(py::module_& m) {
@@ -307,58 +467,13 @@ For a global norm over many buffers, add the sum_squares of each.)doc");
   m.def(
       "adam_chunk_step",
       [](const at::Tensor& param, const at::Tensor& exp_avg, const at::Tensor& exp_avg_sq,
-         const at::Tensor& half, const std::optional<std::vector<std::pair<std::int64_t, std::int64_t>>>& ranges,
-         const std::variant<std::int64_t, std::vector<std::int64_t>>& step, double lr, double beta1,
+         const at::Tensor& half, const Ranges& ranges, const Steps& step, double lr, double beta1,
          double beta2, double eps, double weight_decay, bool adamw_mode, bool bias_correction,
          double loss_scale, double max_grad_norm, bool check_overflow,
          const std::optional<ca::GradStats>& known_stats, const std::optional<at::Tensor>& grad,
          int num_threads, const std::string& pool) {
-        const Flat p = flat(param, "param");
-        TIDAL_CHECK_TYPE(p.dtype == ca::DType::kFloat32,
-                         "param must be torch.float32 (the fp32 master chunk), got ",
-                         ca::dtype_name(p.dtype));
-        const std::int64_t n = static_cast<std::int64_t>(p.count);
-        const Flat m = flat(exp_avg, "exp_avg");
-        const Flat v = flat(exp_avg_sq, "exp_avg_sq");
-        const Flat h16 = flat(half, "half");
-        TIDAL_CHECK_TYPE(m.dtype == v.dtype, "exp_avg is ", ca::dtype_name(m.dtype),
-                         " but exp_avg_sq is ", ca::dtype_name(v.dtype), "; they must match");
-        for (const auto& [name, f] : {std::pair<const char*, const Flat*>{"exp_avg", &m},
-                                      {"exp_avg_sq", &v}, {"half", &h16}}) {
-          TIDAL_CHECK(static_cast<std::int64_t>(f->count) == n, name, " has ", f->count,
-                      " elements but param has ", n, "; the four chunk buffers must be equally long");
-        }
-        std::vector<ca::ChunkRange> rs;
-        if (ranges) {
-          rs.reserve(ranges->size());
-          for (std::size_t i = 0; i < ranges->size(); ++i) {
-            const auto [off, cnt] = (*ranges)[i];
-            TIDAL_CHECK(off >= 0 && cnt >= 0, "ranges[", i, "] = (", off, ", ", cnt,
-                        "): offset and count must be >= 0");
-            rs.push_back({static_cast<std::size_t>(off), static_cast<std::size_t>(cnt), 1});
-          }
-        } else {
-          rs.push_back({0, static_cast<std::size_t>(n), 1});
-        }
-        if (const auto* steps = std::get_if<std::vector<std::int64_t>>(&step)) {
-          TIDAL_CHECK(steps->size() == rs.size(), "step has ", steps->size(),
-                      " entries but there are ", rs.size(), " ranges; give one step per range "
-                      "or one int for all");
-          for (std::size_t i = 0; i < rs.size(); ++i) rs[i].step = (*steps)[i];
-        } else {
-          for (ca::ChunkRange& r : rs) r.step = std::get<std::int64_t>(step);
-        }
-        ca::AdamChunk chunk{static_cast<float*>(p.data), m.data, v.data, h16.data,
-                            p.count, h16.dtype, m.dtype};
-        if (grad) {
-          const Flat g = flat(*grad, "grad");
-          TIDAL_CHECK_TYPE(g.dtype == ca::DType::kFloat32,
-                           "grad must be torch.float32 (the gradient sums), got ",
-                           ca::dtype_name(g.dtype));
-          TIDAL_CHECK(static_cast<std::int64_t>(g.count) == n, "grad has ", g.count,
-                      " elements but param has ", n, "; the chunk buffers must be equally long");
-          chunk.grad = static_cast<const float*>(g.data);
-        }
+        const ca::AdamChunk chunk = chunk_of(param, exp_avg, exp_avg_sq, half, grad);
+        const std::vector<ca::ChunkRange> rs = ranges_of(ranges, step, chunk.numel);
         const ca::AdamHyperParams h =
             hyper(lr, beta1, beta2, eps, weight_decay, adamw_mode, bias_correction);
         ca::AdamStepOptions opt;
@@ -461,6 +576,8 @@ only receives the updated params.)doc");
 on oneTBB's threads (cpu_adam/adam.h, copy_spans; Note [A second OpenMP team]): for
 copies made on a thread other than the script's, which torch's operators would
 give an OpenMP team of its own.)doc");
+
+  bind_update_worker(m);
 
   m.def("available_targets", &ca::available_kernel_targets,
         "Kernel targets this build and CPU run, best first; 'reference' (plain C++) last.");

@@ -283,6 +283,59 @@ def test_copy_tensors_refuses_what_it_cannot_copy_and_copies_nothing():
         assert torch.equal(a, torch.zeros(8))
 
 
+def _chunk(seed: int, n: int = 5000) -> list:
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randn(n, generator=gen), torch.randn(n, generator=gen) * 0.1,
+            torch.rand(n, generator=gen) * 0.01, torch.randn(n, generator=gen).to(torch.bfloat16)]
+
+
+def test_the_update_worker_updates_as_adam_chunk_step_on_the_callers_thread():
+    """_C.cpu_adam.UpdateWorker (Note [The worker without the GIL] in
+    cpu_adam/update_worker.h), as the engine's step overlap submits: two
+    groups' ranges, a loss scale, the undo copy of a range before the update,
+    bitwise the same calls made here; the times in perf_counter seconds."""
+    calls = [([(0, 1000), (1500, 700)], [3, 1], 1e-2, 0.9, 0.999, 1e-8, 0.1),
+             ([(3000, 1999)], [5], 3e-3, 0.8, 0.99, 1e-6, 0.0)]
+    got, want = _chunk(0), _chunk(0)
+    before = [t.clone() for t in got]
+    undo = [torch.full((2500,), 7, dtype=t.dtype) for t in got]
+    worker = _C.cpu_adam.UpdateWorker()
+    t0 = time.perf_counter()
+    ticket = worker.submit(*got, calls, undo=undo, undo_lo=500, undo_hi=3000, loss_scale=1 / 512,
+                           adamw_mode=False, num_threads=1)
+    for ranges, steps, lr, b1, b2, eps, wd in calls:
+        _C.cpu_adam.adam_chunk_step(*want, ranges, step=steps, lr=lr, beta1=b1, beta2=b2, eps=eps,
+                                    weight_decay=wd, adamw_mode=False, loss_scale=1 / 512,
+                                    max_grad_norm=0.0, check_overflow=False)
+    began, fenced, ended = ticket.result()
+    assert ticket.done() and not ticket.failed()
+    assert t0 <= began <= fenced <= ended <= time.perf_counter()
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    assert not torch.equal(got[0], before[0])
+    assert all(torch.equal(u, b[500:3000]) for u, b in zip(undo, before))
+
+
+def test_the_update_worker_refuses_bad_jobs_by_name_and_reports_a_failed_one():
+    worker = _C.cpu_adam.UpdateWorker()
+    bufs = _chunk(1, 100)
+    one = [([(0, 100)], [1], 1e-3, 0.9, 0.999, 1e-8, 0.0)]
+    cases = [(dict(undo=[torch.zeros(100)] * 3, undo_hi=10), ValueError, "undo has 3 buffers"),
+             (dict(undo=[torch.zeros(10)] * 4, undo_lo=5, undo_hi=200), ValueError, r"undo range \[5, 200\)"),
+             (dict(undo=[torch.zeros(5)] * 4, undo_hi=10), ValueError, "undo\\[0\\] has 5 elements"),
+             (dict(grad=torch.zeros(100, dtype=torch.float16)), TypeError, "grad must be torch.float32")]
+    for kw, error, text in cases:
+        with pytest.raises(error, match=text):
+            worker.submit(*bufs, one, **kw)
+    with pytest.raises(TypeError, match="param must be torch.float32"):
+        worker.submit(bufs[3], *bufs[1:], one)
+    # Past the chunk's end: refused on the worker, raised by result().
+    ticket = worker.submit(*bufs, [([(90, 20)], [1], 1e-3, 0.9, 0.999, 1e-8, 0.0)])
+    with pytest.raises(ValueError, match="90"):
+        ticket.result()
+    assert ticket.failed() and not ticket.undo_failed()
+    assert torch.equal(bufs[0], _chunk(1, 100)[0])
+
+
 def _threads() -> int:
     return len(os.listdir("/proc/self/task"))
 

@@ -7,7 +7,6 @@ module. The weights, the losses and what anything between the step and the
 forward reads are those of the engine without overlap, bit for bit."""
 import copy
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -70,13 +69,15 @@ def test_clip_on_every_step_updates_under_the_next_forward_bit_for_bit(precision
         # A worker slower than the forward: each module waits for its own
         # chunks (on this small model the updates are otherwise done before
         # the forward's first module, which releases them all).
-        run = _overlap._run_deferred
+        # A job of 2^21 elements queued on the worker before each update.
+        submit = _overlap.StepOverlap._submit
+        ballast = [torch.zeros(1 << 21) for _ in range(3)] + [torch.zeros(1 << 21, dtype=torch.bfloat16)]
 
-        def slow_run(views, calls, fences=()):
-            time.sleep(0.02)
-            return run(views, calls, fences)
+        def slow_submit(self, views, recs, grad_scale, grad, fences, *args):
+            self._pool.submit(*ballast, [([(0, 1 << 21)], [1], 1e-3, 0.9, 0.999, 1e-8, 0.0)])
+            return submit(self, views, recs, grad_scale, grad, fences, *args)
 
-        monkeypatch.setattr(_overlap, "_run_deferred", slow_run)
+        monkeypatch.setattr(_overlap.StepOverlap, "_submit", slow_submit)
     batches = gpt_batches(8)
     plain, overlapped = engines(precision, hybrid, batches=batches)
     hooks_before = global_pre_hooks()

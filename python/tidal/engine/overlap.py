@@ -15,9 +15,10 @@ The worker touches no scheduler: at launch, on the thread that landed the
 last gradient, the chunk's 16-bit, master, momentum and variance chunks (and
 with accumulation its fp32 gradient sums) are pinned on the host by the
 store (ParamStore.pin: accessed, COMPUTE, so their payloads cannot move) and
-the worker runs cpu_adam's adam_chunk_step over raw chunk views (the GIL is
-released inside); the step, or whatever else needs the chunks first, waits
-for it and releases the pins. An update done while backward goes on has its
+the worker, a thread of tidal's that never takes the GIL (Note [The worker
+without the GIL] in cpu_adam/update_worker.h), runs cpu_adam's
+adam_chunk_step over raw chunk views; the step, or whatever else needs the
+chunks first, waits for it and releases the pins. An update done while backward goes on has its
 pins released at a later landing, and its new 16-bit weights start up then
 (Note [Weights up as they are updated]).
 None is launched while the host is too small for the state (Note [One place
@@ -238,7 +239,6 @@ layout: there the step updates every chunk itself, as before.
 from __future__ import annotations
 
 import collections
-import concurrent.futures
 import os
 import time
 import weakref
@@ -296,11 +296,10 @@ class StepOverlap:
         self._free_sums = None  # its free of handed-over sums, from begin()
         self._break_window = None  # its break_window, from begin()
         self._threads = worker_threads(config.cpu_adam_threads)  # Note [The worker leaves a core]
-        self._pool = concurrent.futures.ThreadPoolExecutor(
-            max_workers=1, thread_name_prefix="tidal-adam",
-            # Host work: what it allocates is never the simulated device's
-            # (Note [tidal's own host allocations]).
-            initializer=_C.chunks.enter_uncounted)
+        # Its host work is never the simulated device's (Note [tidal's own
+        # host allocations]); it never takes the GIL (Note [The worker
+        # without the GIL] in cpu_adam/update_worker.h).
+        self._pool = _C.cpu_adam.UpdateWorker()
         self._waiting: dict[int, int] = {}  # chunk -> gradients it still waits for
         self._all_landed = self._launch  # what a chunk whose gradients are all in gets (begin())
         self._counted: set[int] = set()  # tensors whose first landing in this backward was counted
@@ -308,7 +307,7 @@ class StepOverlap:
         self.raw_backward_refused = False  # landed() stopped a backward the script ran itself
         self._recs: dict[int, list] = {}     # chunk -> its trainable records
         self._chunk_records: dict[int, list] = {}  # chunk -> all its records (begin())
-        self._jobs: list[tuple[int, object]] = []  # (chunk, future); cleared, never replaced
+        self._jobs: list[tuple[int, _Job]] = []  # (chunk, job); cleared, never replaced
         self._pinned: list = []  # the launched chunks' pins (store.SlotPin), released by finish()
         # Note [Weights up as they are updated]: each job's pin, in _jobs'
         # order; the jobs before _ahead_from have had theirs released.
@@ -349,8 +348,8 @@ class StepOverlap:
         self.worker_seconds = 0.0      # CPU Adam on the worker, undone updates included
         self.overlapped_seconds = 0.0  # of which before backward ended
         self.undo_bytes = 0
-        # Note [CPU Adam under the next forward]: chunk -> (future, pins),
-        # in launch order; the futures also in a list the finalizer waits on;
+        # Note [CPU Adam under the next forward]: chunk -> (job, pins, sums),
+        # in launch order; the jobs also in a list the finalizer waits on;
         # the global forward pre-hook's handle while any is out.
         self._deferred: dict[int, tuple] = {}
         self._deferred_jobs: list = []
@@ -679,7 +678,7 @@ class StepOverlap:
         jobs = self._jobs
         while self._ahead_from < len(jobs):
             chunk, future = jobs[self._ahead_from]
-            if not future.done() or future.exception() is not None:
+            if not future.done() or future.failed():
                 return  # (the worker runs them in launch order; a failure is finish()'s)
             if self._send_up_next(chunk):
                 self.weights_sent_up_early += 1
@@ -845,34 +844,36 @@ class StepOverlap:
         for r in recs:
             r.step += 1
         # grad_scale = clip / scale at clip 1.
-        calls = self._adam_calls(recs, self._grad_scale, grad)
+        job = self._submit(views, recs, self._grad_scale, grad, fences, undo, lo, hi)
         self._pending[chunk] = (recs, lo, hi, _hyperparameters(self._optimizer.param_groups, recs))
-        self._jobs.append((chunk, self._pool.submit(_run, views, calls, undo, lo, hi, fences)))
+        self._jobs.append((chunk, job))
         self._job_pins.append(pin)
         self.launched_chunks += 1
         self._hook_forwards()  # (Note [A forward of the model before the step])
 
-    def _adam_calls(self, recs: list, grad_scale: float, grad) -> list:
-        """cpu_adam.adam_chunk_step's arguments for `recs` (one chunk's, their
-        step counts already advanced), one call per parameter group: the
-        step's own arithmetic (hooks/chunk_step.cpp's simd_step: loss_scale =
-        1 / grad_scale). grad: the fp32 sums' view, or None."""
+    def _submit(self, views: list, recs: list, grad_scale: float, grad, fences: list, undo=None,
+                lo: int = 0, hi: int = 0) -> _Job:
+        """The update of `recs` (one chunk's, their step counts already
+        advanced) on the worker: the copies into the chunk (`fences`) waited
+        for, then (`undo` given) the undo copy of [lo, hi), then one
+        adam_chunk_step per parameter group, the step's own arithmetic
+        (hooks/chunk_step.cpp's simd_step: loss_scale = 1 / grad_scale).
+        views: the chunk's _UNDO_KINDS views; grad: the fp32 sums' view, or None."""
         cfg, c = self._config, self._store.chunks
         calls = []
         for group, members in by_group(self._optimizer.param_groups, recs):
             b1, b2 = group["betas"]
-            calls.append(dict(ranges=[(c.placement(r.id)[1], r.numel) for r in members],
-                              step=[r.step for r in members], lr=group["lr"], beta1=b1, beta2=b2,
-                              eps=group["eps"], weight_decay=group["weight_decay"],
-                              adamw_mode=cfg.adam_w_mode, bias_correction=cfg.bias_correction,
-                              loss_scale=1.0 / grad_scale, max_grad_norm=0.0,
-                              check_overflow=False, grad=grad,
-                              # On the worker thread torch's pool would be an
-                              # OpenMP team of its own, not the threads that ran
-                              # backward (Note [A second OpenMP team] in
-                              # cpu_adam/adam.h): oneTBB's, whatever the config.
-                              num_threads=self._threads, pool="onetbb"))
-        return calls
+            calls.append(([(c.placement(r.id)[1], r.numel) for r in members], [r.step for r in members],
+                          group["lr"], b1, b2, group["eps"], group["weight_decay"]))
+        ticket = self._pool.submit(*views, calls, fences=fences, undo=undo, undo_lo=lo, undo_hi=hi,
+                                   grad=grad, adamw_mode=cfg.adam_w_mode,
+                                   bias_correction=cfg.bias_correction, loss_scale=1.0 / grad_scale,
+                                   # On the worker torch's pool would be an
+                                   # OpenMP team of its own, not the threads that
+                                   # ran backward (Note [A second OpenMP team] in
+                                   # cpu_adam/adam.h): oneTBB's, whatever the config.
+                                   num_threads=self._threads, pool="onetbb")
+        return _Job(ticket, (views, grad, undo))
 
     def _undo_buffers(self, chunk: int, numel: int):
         """The chunk's undo buffers (one per kind of _UNDO_KINDS, at least
@@ -1069,7 +1070,7 @@ class StepOverlap:
     def abandon_with(self, owner) -> None:
         """When `owner` (the engine) goes, the worker is waited for (its
         chunks are still there) and stopped, before the chunks go. The
-        finalizer holds the worker's thread pool and job list, never this
+        finalizer holds the worker and the job lists, never this
         object: what it holds (the store, the records) leads to the model
         and from its hooks to the engine, which would then never go."""
         weakref.finalize(owner, _abandon_worker, self._pool, self._jobs, self._deferred_jobs, self._hook_box)
@@ -1110,8 +1111,8 @@ class StepOverlap:
         try:
             fences = self._store.copy_fences(chunk, kinds)
             views = [c.chunk_view(chunk, k) for k in _UNDO_KINDS]
-            calls = self._adam_calls(recs, grad_scale, c.chunk_view(chunk, GRAD32) if sums else None)
-            future = self._pool.submit(_run_deferred, views, calls, fences)
+            future = self._submit(views, recs, grad_scale, c.chunk_view(chunk, GRAD32) if sums else None,
+                                  fences)
         except BaseException:
             pin.release()
             raise
@@ -1192,9 +1193,9 @@ class StepOverlap:
             try:
                 if not future.done():
                     t = time.perf_counter()
-                    concurrent.futures.wait([future])
+                    future.wait()
                     self.deferred_wait_seconds += time.perf_counter() - t
-                t0, t1 = future.result()
+                _tf, t0, t1 = future.result()
                 self.worker_seconds += t1 - t0
             except BaseException as ex:  # noqa: BLE001 (re-raised below)
                 error = error or ex
@@ -1246,7 +1247,7 @@ def worker_threads(cpu_adam_threads: int) -> int:
 
 def _hyperparameters(param_groups: list, recs: list) -> tuple:
     """What an update of `recs` (one chunk's) reads from its groups
-    (StepOverlap._adam_calls): lr, betas, eps, weight_decay per group."""
+    (StepOverlap._submit): lr, betas, eps, weight_decay per group."""
     return tuple((g["lr"], *g["betas"], g["eps"], g["weight_decay"]) for g, _ in by_group(param_groups, recs))
 
 
@@ -1266,42 +1267,39 @@ def _abandon_worker(pool, jobs: list, deferred_jobs: list, hook_box: list) -> No
             pass
     jobs.clear()
     deferred_jobs.clear()
-    pool.shutdown(wait=False)
-
-
-def _run_deferred(views, calls, fences=()):
-    """On the worker: the copies into the chunk waited for, then cpu_adam
-    over one chunk after its step, one call per parameter group (Note [CPU
-    Adam under the next forward])."""
-    for wait in fences:
-        wait()
-    t0 = time.perf_counter()
-    w, m, v, h = views
-    for kw in calls:
-        _C.cpu_adam.adam_chunk_step(w, m, v, h, **kw)
-    return t0, time.perf_counter()
+    del pool  # (its thread ends where the last reference goes: every job has run)
 
 
 class _UndoCopyFailed(Exception):
     """The worker could not copy a chunk into its undo buffers; it updated nothing."""
 
 
-def _run(views, calls, undo, lo, hi, fences=()):
-    """On the worker: the copies into the chunk waited for, the undo copy,
-    then cpu_adam over one chunk, one call per parameter group; (start,
-    copies landed, end) times."""
-    tf = time.perf_counter()
-    for wait in fences:
-        wait()
-    t0 = time.perf_counter()
-    try:
-        # On oneTBB's threads, not through torch's copy_ (Note [A second
-        # OpenMP team] in cpu_adam/adam.h).
-        _C.cpu_adam.copy_tensors([buf[:hi - lo] for buf in undo], [view[lo:hi] for view in views],
-                                 num_threads=calls[0]["num_threads"] if calls else 0)
-    except BaseException as e:
-        raise _UndoCopyFailed(str(e)) from e
-    w, m, v, h = views
-    for kw in calls:
-        _C.cpu_adam.adam_chunk_step(w, m, v, h, **kw)
-    return tf, t0, time.perf_counter()
+class _Job:
+    """One update on the worker (_C.cpu_adam.UpdateTicket), with what it
+    reads and writes kept alive until it is dropped (after it is done)."""
+
+    __slots__ = ("_ticket", "_buffers")
+
+    def __init__(self, ticket, buffers):
+        self._ticket = ticket
+        self._buffers = buffers
+
+    def done(self) -> bool:
+        return self._ticket.done()
+
+    def failed(self) -> bool:
+        return self._ticket.failed()
+
+    def wait(self) -> None:
+        self._ticket.wait()
+
+    def result(self) -> tuple:
+        """Waits; (began, fences passed, ended) in time.perf_counter()
+        seconds. Raises the job's error: _UndoCopyFailed (its cause the
+        error) where it failed before updating anything."""
+        try:
+            return self._ticket.result()
+        except BaseException as e:
+            if self._ticket.undo_failed():
+                raise _UndoCopyFailed(str(e)) from e
+            raise

@@ -1,0 +1,115 @@
+// A thread that runs chunk updates (CPU Adam) off the caller's thread, one
+// after another in the order they were submitted.
+//
+// Note [The worker without the GIL]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// The engine's updates that run beside compute (Notes [CPU Adam during
+// backward] and [CPU Adam under the next forward] in
+// python/tidal/engine/overlap.py) ran on a Python thread
+// (concurrent.futures): each job needed the GIL to start, between its calls
+// and to finish, while the thread that drives compute (backward's landings,
+// the step's hand-offs, the next forward's hooks; on a GPU every kernel
+// launch) holds it most of the time and lets it go only when it blocks or
+// after the interpreter's switch interval (5 ms). With the clip firing every
+// step (benchmarks/step_overlap_clip.py, clip_all, vocab 2048, 2 cores) the
+// first update the step left to the next forward started about 1.7 ms after
+// the step handed it over, and the forward waited for it: 2-3 ms of the
+// 4.3 ms of CPU Adam exposed per step. Here a job is a plain struct run by a
+// C++ thread that never takes the GIL: the copies into the chunk waited for
+// (`fences`), the undo copy of a speculative update (`undo`), then one
+// adam_chunk_step per parameter group (`calls`). The caller keeps every
+// buffer a job points into alive and in place (the chunks pinned) until the
+// job's ticket is done.
+#pragma once
+
+#include <condition_variable>
+#include <cstddef>
+#include <deque>
+#include <exception>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <thread>
+#include <vector>
+
+#include "cpu_adam/adam.h"
+
+namespace tidal::cpu_adam {
+
+// One adam_chunk_step of a job: one parameter group's ranges of the chunk.
+struct ChunkCall {
+  AdamHyperParams hyper;
+  std::vector<ChunkRange> ranges;
+  AdamStepOptions options;
+};
+
+struct UpdateJob {
+  // Waited for first, in order, on the worker (a copy into the chunk still
+  // running: Note [A pin that does not wait] in runtime/scheduler).
+  std::vector<std::function<void()>> fences;
+  // Then copied (copy_spans): a speculative update's undo copy. A failure
+  // here leaves the chunk untouched (UpdateTicket::undo_failed).
+  std::vector<CopySpan> undo;
+  // Then adam_chunk_step(call.hyper, chunk, call.ranges, call.options, exec)
+  // for each call.
+  AdamChunk chunk;
+  std::vector<ChunkCall> calls;
+  ExecOptions exec;
+};
+
+// Seconds on std::chrono::steady_clock (CLOCK_MONOTONIC on Linux, the clock
+// of Python's time.perf_counter()).
+struct UpdateTimes {
+  double fenced_from = 0.0;  // the job began (its fences' wait)
+  double started = 0.0;      // the fences passed: the undo copy and the update began
+  double ended = 0.0;
+};
+
+// A submitted job's state; any thread may read it.
+class UpdateTicket {
+ public:
+  bool done() const;
+  // Blocks until done().
+  void wait() const;
+  // Valid once done().
+  UpdateTimes times() const;
+  // The exception the job threw (null: it ran to the end); valid once done().
+  std::exception_ptr error() const;
+  // The job failed before updating anything (a fence or the undo copy).
+  bool undo_failed() const;
+
+ private:
+  friend class UpdateWorker;
+  void finish(const UpdateTimes& times, std::exception_ptr error, bool undo_failed);
+
+  mutable std::mutex mu_;
+  mutable std::condition_variable cv_;
+  bool done_ = false;
+  UpdateTimes times_;
+  std::exception_ptr error_;
+  bool undo_failed_ = false;
+};
+
+class UpdateWorker {
+ public:
+  // on_start runs first on the worker's thread (the engine's: Note [tidal's
+  // own host allocations] in runtime/core/uncounted.h).
+  explicit UpdateWorker(std::function<void()> on_start = {});
+  // Runs every job submitted, then joins the thread.
+  ~UpdateWorker();
+  UpdateWorker(const UpdateWorker&) = delete;
+  UpdateWorker& operator=(const UpdateWorker&) = delete;
+
+  std::shared_ptr<const UpdateTicket> submit(UpdateJob job);
+
+ private:
+  void loop(const std::function<void()>& on_start);
+
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<std::pair<UpdateJob, std::shared_ptr<UpdateTicket>>> queue_;
+  bool stopping_ = false;
+  std::thread thread_;
+};
+
+}  // namespace tidal::cpu_adam

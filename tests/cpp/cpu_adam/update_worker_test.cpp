@@ -1,0 +1,226 @@
+// The worker that runs chunk updates off the caller's thread (Note [The
+// worker without the GIL] in cpu_adam/update_worker.h): each job's values
+// are those of the same adam_chunk_step calls made on the caller's thread,
+// the fences hold the copy and the update back, jobs run in submission
+// order, an error stays the job's, and destruction runs what was submitted.
+// Labelled "threaded": ThreadSanitizer runs this executable.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <mutex>
+#include <stdexcept>
+#include <thread>
+#include <vector>
+
+#include "cpu_adam/adam.h"
+#include "cpu_adam/float16.h"
+#include "cpu_adam/update_worker.h"
+
+namespace tidal::cpu_adam {
+namespace {
+
+// The four buffers of one chunk: fp32 master and moments, bf16 gradients in
+// and weights out.
+struct ChunkData {
+  std::vector<float> param, m, v;
+  std::vector<std::uint16_t> half;
+
+  ChunkData(std::size_t n, std::uint32_t seed) : param(n), m(n), v(n), half(n) {
+    std::uint32_t x = seed * 2654435761u + 1;
+    auto next = [&x] {
+      x = x * 1664525u + 1013904223u;
+      return static_cast<float>(x >> 8) / static_cast<float>(1u << 24) - 0.5f;
+    };
+    for (std::size_t i = 0; i < n; ++i) {
+      param[i] = next();
+      m[i] = 0.1f * next();
+      v[i] = 0.01f * (next() + 0.5f);
+      half[i] = f32_to_bf16_rne(next());
+    }
+  }
+
+  AdamChunk chunk() {
+    return AdamChunk{param.data(), m.data(), v.data(), half.data(), param.size(),
+                     DType::kBFloat16, DType::kFloat32};
+  }
+
+  bool operator==(const ChunkData& o) const {
+    auto same = [](const auto& a, const auto& b) {
+      return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(a[0])) == 0;
+    };
+    return same(param, o.param) && same(m, o.m) && same(v, o.v) && same(half, o.half);
+  }
+};
+
+// Two parameter groups over two ranges of the chunk, with their own
+// hyperparameters and steps, and a loss scale.
+std::vector<ChunkCall> two_groups(std::size_t n) {
+  ChunkCall a, b;
+  a.hyper.lr = 1e-2;
+  a.hyper.weight_decay = 0.1;
+  a.ranges = {{0, n / 3, 4}, {n / 3, n / 6, 2}};
+  b.hyper.lr = 3e-3;
+  b.hyper.beta1 = 0.8;
+  b.hyper.adamw_mode = false;
+  b.hyper.weight_decay = 0.01;
+  b.ranges = {{n / 2, n - n / 2 - 5, 7}};
+  for (ChunkCall* c : {&a, &b}) {
+    c->options.loss_scale = 512.0;
+    c->options.check_overflow = false;
+  }
+  return {a, b};
+}
+
+TEST(UpdateWorker, EachJobUpdatesAsTheSameCallsOnTheCallersThread) {
+  constexpr std::size_t kN = 70001;
+  std::vector<ChunkData> got, want;
+  for (std::uint32_t i = 0; i < 3; ++i) got.emplace_back(kN, i);
+  want = got;
+  const ExecOptions exec{2};
+  std::vector<std::shared_ptr<const UpdateTicket>> tickets;
+  {
+    UpdateWorker worker;
+    for (ChunkData& d : got) {
+      UpdateJob job;
+      job.chunk = d.chunk();
+      job.calls = two_groups(kN);
+      job.exec = exec;
+      tickets.push_back(worker.submit(std::move(job)));
+    }
+    for (ChunkData& d : want) {
+      for (const ChunkCall& c : two_groups(kN)) adam_chunk_step(c.hyper, d.chunk(), c.ranges, c.options, exec);
+    }
+    for (const auto& t : tickets) t->wait();
+  }
+  for (std::size_t i = 0; i < got.size(); ++i) {
+    EXPECT_EQ(tickets[i]->error(), nullptr);
+    const UpdateTimes t = tickets[i]->times();
+    EXPECT_LE(t.fenced_from, t.started);
+    EXPECT_LE(t.started, t.ended);
+    EXPECT_TRUE(got[i] == want[i]) << "chunk " << i;
+  }
+}
+
+TEST(UpdateWorker, TheFencesHoldTheUndoCopyAndTheUpdateBack) {
+  constexpr std::size_t kN = 4096;
+  ChunkData d(kN, 7);
+  const ChunkData before = d;
+  std::vector<float> undo(kN, 0.0f);
+  std::atomic<bool> open{false};
+  std::atomic<int> fences_run{0};
+  UpdateWorker worker;
+  UpdateJob job;
+  job.fences = {[&] { fences_run.fetch_add(1); },
+                [&] {
+                  while (!open.load()) std::this_thread::yield();
+                  fences_run.fetch_add(1);
+                }};
+  job.undo = {CopySpan{undo.data(), d.param.data(), kN * sizeof(float)}};
+  job.chunk = d.chunk();
+  job.calls = two_groups(kN);
+  auto ticket = worker.submit(std::move(job));
+  while (fences_run.load() < 1) std::this_thread::yield();
+  std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  EXPECT_FALSE(ticket->done());
+  // (Read while the job waits on its fence: nothing has been written.)
+  EXPECT_TRUE(std::all_of(undo.begin(), undo.end(), [](float x) { return x == 0.0f; }));
+  open.store(true);
+  ticket->wait();
+  EXPECT_EQ(fences_run.load(), 2);
+  EXPECT_EQ(ticket->error(), nullptr);
+  EXPECT_EQ(std::memcmp(undo.data(), before.param.data(), kN * sizeof(float)), 0);
+  EXPECT_FALSE(d == before);
+}
+
+TEST(UpdateWorker, RunsTheJobsInSubmissionOrder) {
+  std::mutex mu;
+  std::vector<int> order;
+  std::vector<std::shared_ptr<const UpdateTicket>> tickets;
+  UpdateWorker worker;
+  for (int i = 0; i < 50; ++i) {
+    UpdateJob job;
+    job.fences = {[&, i] {
+      std::lock_guard<std::mutex> lock(mu);
+      order.push_back(i);
+    }};
+    tickets.push_back(worker.submit(std::move(job)));
+  }
+  // A later ticket done means every earlier one is.
+  tickets.back()->wait();
+  for (const auto& t : tickets) EXPECT_TRUE(t->done());
+  std::lock_guard<std::mutex> lock(mu);
+  ASSERT_EQ(order.size(), 50u);
+  for (int i = 0; i < 50; ++i) EXPECT_EQ(order[i], i);
+}
+
+TEST(UpdateWorker, AnErrorIsItsJobsAndTheNextJobRuns) {
+  constexpr std::size_t kN = 1024;
+  ChunkData bad(kN, 1), fenced(kN, 2), good(kN, 3);
+  const ChunkData fenced_before = fenced;
+  ChunkData want = good;
+  UpdateWorker worker;
+  UpdateJob out_of_chunk;  // a range past the chunk's end: adam_chunk_step refuses it
+  out_of_chunk.chunk = bad.chunk();
+  out_of_chunk.calls = two_groups(kN);
+  out_of_chunk.calls[1].ranges = {{kN - 10, 20, 1}};
+  UpdateJob failed_fence;
+  std::vector<float> undo(kN, 0.0f);
+  failed_fence.fences = {[] { throw std::runtime_error("the copy into the chunk failed"); }};
+  failed_fence.undo = {CopySpan{undo.data(), fenced.param.data(), kN * sizeof(float)}};
+  failed_fence.chunk = fenced.chunk();
+  failed_fence.calls = two_groups(kN);
+  UpdateJob fine;
+  fine.chunk = good.chunk();
+  fine.calls = two_groups(kN);
+  auto t1 = worker.submit(std::move(out_of_chunk));
+  auto t2 = worker.submit(std::move(failed_fence));
+  auto t3 = worker.submit(std::move(fine));
+  t3->wait();
+  ASSERT_NE(t1->error(), nullptr);
+  EXPECT_FALSE(t1->undo_failed());
+  ASSERT_NE(t2->error(), nullptr);
+  EXPECT_TRUE(t2->undo_failed());
+  try {
+    std::rethrow_exception(t2->error());
+  } catch (const std::runtime_error& e) {
+    EXPECT_STREQ(e.what(), "the copy into the chunk failed");
+  }
+  EXPECT_TRUE(fenced == fenced_before);
+  EXPECT_TRUE(std::all_of(undo.begin(), undo.end(), [](float x) { return x == 0.0f; }));
+  EXPECT_EQ(t3->error(), nullptr);
+  for (const ChunkCall& c : two_groups(kN)) adam_chunk_step(c.hyper, want.chunk(), c.ranges, c.options, {});
+  EXPECT_TRUE(good == want);
+}
+
+TEST(UpdateWorker, RunsOnStartFirstAndEveryJobBeforeItIsDestroyed) {
+  std::atomic<int> started{0};
+  std::atomic<int> ran{0};
+  std::vector<std::shared_ptr<const UpdateTicket>> tickets;
+  auto kept = std::make_shared<int>(5);
+  std::weak_ptr<int> watch = kept;
+  {
+    UpdateWorker worker([&] { started.fetch_add(1); });
+    for (int i = 0; i < 20; ++i) {
+      UpdateJob job;
+      job.fences = {[&, kept] {
+        EXPECT_EQ(started.load(), 1);
+        std::this_thread::sleep_for(std::chrono::microseconds(200));
+        ran.fetch_add(1);
+      }};
+      tickets.push_back(worker.submit(std::move(job)));
+    }
+    kept.reset();
+  }
+  EXPECT_EQ(ran.load(), 20);
+  for (const auto& t : tickets) EXPECT_TRUE(t->done());
+  // What the jobs' fences held was let go on the worker.
+  EXPECT_TRUE(watch.expired());
+}
+
+}  // namespace
+}  // namespace tidal::cpu_adam
