@@ -7,6 +7,7 @@ accumulation and with hybrid Adam; and torch.optim.AdamW +
 clip_grad_norm_'s within the engine's tolerance. It is on by default; what it
 does not cover is refused when asked for and off by default, saying why."""
 import copy
+import math
 import os
 import sys
 from pathlib import Path
@@ -440,21 +441,88 @@ class _SharedInsideCheckpoint(torch.nn.Module):
         return torch.nn.functional.mse_loss(self.other(h), y)
 
 
-def test_a_weight_used_again_after_its_gradient_landed_waits_for_the_step():
+@pytest.mark.parametrize("accumulation", [1, 2])
+def test_a_weight_used_again_after_its_gradient_landed_waits_for_the_step(accumulation):
     """A reentrant checkpoint replays a weight whose gradient already landed:
     the first backward (which launches nothing) finds it, its chunk is never
-    updated during backward, and the weights are those without overlap."""
-    data = [(torch.randn(4, 64), torch.randn(4, 64)) for _ in range(4)]
+    updated during backward, and the weights are those without overlap.
+    With accumulation the chunk's sums are folded and measured at its first
+    landing in the window's last backward (Note [Measured where folded]) and
+    the step measures them again after the second; the norm is bitwise
+    that of the step without overlap."""
+    data = [(torch.randn(4, 64), torch.randn(4, 64)) for _ in range(4 * accumulation)]
     runs = {}
     for overlap in (False, True):
         torch.manual_seed(0)
-        engine = tidal.initialize(_SharedInsideCheckpoint(), make_config(overlap, hybrid=False))
+        engine = tidal.initialize(_SharedInsideCheckpoint(),
+                                  make_config(overlap, clip=50.0, hybrid=False, accumulation=accumulation))
         train_tidal(engine, data)
         within_budget(engine)
         runs[overlap] = engine
     shared = runs[True].store.by_param[id(runs[True].module.shared.weight)]
     assert shared in runs[True]._overlap._relanded
     assert optimizer_report(runs[True])["chunks_updated_during_backward"] > 0
+    assert_bitwise(runs[False], runs[True])
+
+
+class _SometimesSharedInsideCheckpoint(_SharedInsideCheckpoint):
+    """_SharedInsideCheckpoint with layers between the two uses of the
+    shared weight (their chunks' landings drain its fold: _FOLD_LAG), whose
+    reentrant checkpoint runs only while `again` is set: the steps before it
+    launch the shared weight's chunks."""
+
+    again = False
+
+    def __init__(self):
+        super().__init__()
+        self.between = torch.nn.ModuleList(torch.nn.Linear(64, 64) for _ in range(3))
+
+    def forward(self, x, y):
+        h = self.shared(x)
+        for layer in self.between:
+            h = torch.tanh(layer(h))
+        if self.again:
+            h = torch.utils.checkpoint.checkpoint(lambda t: self.shared(torch.tanh(t)), h, use_reentrant=True)
+        return torch.nn.functional.mse_loss(self.other(h), y)
+
+
+@pytest.mark.parametrize("accumulation", [1, 2])
+def test_a_gradient_landing_again_on_a_chunk_taken_up_fails_by_name(accumulation):
+    """A weight replayed by a reentrant checkpoint only from some step on:
+    in that backward its gradient lands a second time after its chunk's
+    update started (with accumulation, its sums folded and measured: Note
+    [Measured where folded]). Not silently wrong: the backward fails naming
+    the parameter and what to do (without accumulation the second gradient
+    used to land on the update's weights, and the step went on with the
+    first gradient alone), and after engine.zero_grad() training goes on
+    as the engine without overlap's where that micro-batch never ran and
+    zero_grad dropped its window (a failed backward is no micro-step, as in
+    DeepSpeed), bit for bit."""
+    data = [(torch.randn(4, 64), torch.randn(4, 64)) for _ in range(16)]
+    fail_at = 9  # (the last micro-batch of a window)
+    runs = {}
+    for overlap in (False, True):
+        torch.manual_seed(0)
+        model = _SometimesSharedInsideCheckpoint()
+        engine = tidal.initialize(model, make_config(overlap, clip=50.0, hybrid=False,
+                                                     accumulation=accumulation))
+        for i, (x, y) in enumerate(data):
+            model.again = i == fail_at
+            if i != fail_at:
+                engine.backward(engine(x, y))
+                engine.step()
+                continue
+            if overlap:
+                assert optimizer_report(engine)["chunks_updated_during_backward"] > 0
+                with pytest.raises(RuntimeError) as failed:
+                    engine.backward(engine(x, y))
+                text = "\n".join([str(failed.value), *getattr(failed.value, "__notes__", [])])
+                assert "the gradient of 'shared." in text and "landed a second time" in text, text
+                assert "use_reentrant=False" in text and "engine.zero_grad()" in text, text
+            engine.zero_grad()
+        within_budget(engine)
+        runs[overlap] = engine
+    assert runs[True].global_steps == runs[False].global_steps == 16 // accumulation - 1
     assert_bitwise(runs[False], runs[True])
 
 

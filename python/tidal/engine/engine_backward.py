@@ -112,6 +112,9 @@ class EngineBackward:
             # go where they hold nothing else (the window's first backward),
             # and otherwise the window cannot be stepped on.
             if self._overlap is not None:
+                why = self._overlap.second_landing_on_taken_chunk(e)
+                if why is not None:
+                    e.add_note("tidal: " + why)
                 self._overlap.backward_ended(failed=True)
                 self.settle_overlap()
                 if self._overlap.take_sums_measured() or self._overlap.folded_early:

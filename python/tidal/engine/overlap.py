@@ -508,12 +508,20 @@ class StepOverlap:
             self._send_up_finished()
         if record.id in self._counted:
             # Used again after its gradient landed (a reentrant checkpoint
-            # replays it): its chunk is never launched again (below), an
-            # update of it already made is undone by the step (validate), and
+            # replays it): its chunk is never launched again (below), and
             # its sums, which the end of backward folds again, are measured
             # by the step (Note [Measured where folded]).
             self._relanded.add(record)
             self.sums_measured.discard(record.chunk)
+            if record.chunk in self._pending or record.chunk in self._held:
+                # But this backward started its update (or kept it for the
+                # step): where the update had ended and let its slots go
+                # (Note [Weights up as they are updated]), this gradient was
+                # added to its new weights, and an undo would bring back the
+                # first gradient alone, a wrong step without a word. (Where
+                # the slots were still in use the landing failed before this,
+                # on them: second_landing_on_taken_chunk.)
+                raise UsageError("tidal: " + _second_landing(record.name))
             return
         self._counted.add(record.id)
         left = self._waiting.get(record.chunk)
@@ -524,6 +532,23 @@ class StepOverlap:
         if left == 0:
             del self._waiting[record.chunk]
             self._all_landed(record.chunk)
+
+    def second_landing_on_taken_chunk(self, error: BaseException) -> str | None:
+        """Why `error`, raised by a failed engine.backward, is this object's:
+        a gradient that landed before in this backward landed again (a
+        reentrant checkpoint replaying a weight, where the steps before had
+        not) on a chunk whose update it had started or kept for the step,
+        whose slots are in use then (Note [Weights while gradients wait]);
+        None for any other error."""
+        text = str(error)
+        if "COMPUTE -> COMPUTE" not in text:
+            return None
+        taken = set(self._pending) | set(self._held)
+        for chunk in taken:
+            for r in self._recs.get(chunk, ()):
+                if r.id in self._counted and (f"'{r.name}'" in text or f":{r.name}'" in text):
+                    return _second_landing(r.name)
+        return None
 
     def reduced(self, chunk: int, landed):
         """Data parallel, on the chunk's owner: its reduced gradients are in
@@ -1268,6 +1293,16 @@ def _abandon_worker(pool, jobs: list, deferred_jobs: list, hook_box: list) -> No
     jobs.clear()
     deferred_jobs.clear()
     del pool  # (its thread ends where the last reference goes: every job has run)
+
+
+def _second_landing(name: str) -> str:
+    """The error of a gradient landing a second time in one backward on a
+    chunk whose update that backward had started (StepOverlap.landed)."""
+    return (f"the gradient of '{name}' landed a second time in one backward (a reentrant "
+            f"torch.utils.checkpoint replaying a weight used before it, which the backwards before had not "
+            f"done) after tidal.overlap_step had started its chunk's CPU Adam update; tidal cannot add it "
+            f"exactly. Use torch.utils.checkpoint(use_reentrant=False), or set \"overlap_step\": false for "
+            f"this model; engine.zero_grad() drops this step's gradients")
 
 
 class _UndoCopyFailed(Exception):
