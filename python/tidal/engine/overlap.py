@@ -1277,6 +1277,8 @@ def _hyperparameters(param_groups: list, recs: list) -> tuple:
 
 
 def _abandon_worker(pool, jobs: list, deferred_jobs: list, hook_box: list) -> None:
+    # (`pool`, the worker, is held until here; its thread ends with its last
+    # reference, each job run: UpdateWorker's destructor.)
     if hook_box[0] is not None:
         hook_box[0].remove()
         hook_box[0] = None
@@ -1292,7 +1294,6 @@ def _abandon_worker(pool, jobs: list, deferred_jobs: list, hook_box: list) -> No
             pass
     jobs.clear()
     deferred_jobs.clear()
-    del pool  # (its thread ends where the last reference goes: every job has run)
 
 
 def _second_landing(name: str) -> str:
