@@ -494,10 +494,11 @@ def test_a_gradient_landing_again_on_a_chunk_taken_up_fails_by_name(accumulation
     [Measured where folded]). Not silently wrong: the backward fails naming
     the parameter and what to do (without accumulation the second gradient
     used to land on the update's weights, and the step went on with the
-    first gradient alone), and after engine.zero_grad() training goes on
-    as the engine without overlap's where that micro-batch never ran and
-    zero_grad dropped its window (a failed backward is no micro-step, as in
-    DeepSpeed), bit for bit."""
+    first gradient alone), and after engine.zero_grad() training goes on,
+    the checkpoint in every micro-batch from then on, as the engine without
+    overlap's where that micro-batch never ran and zero_grad dropped its
+    window (a failed backward is no micro-step, as in DeepSpeed), bit for
+    bit: the weight's chunks wait for the step."""
     data = [(torch.randn(4, 64), torch.randn(4, 64)) for _ in range(16)]
     fail_at = 9  # (the last micro-batch of a window)
     runs = {}
@@ -507,7 +508,7 @@ def test_a_gradient_landing_again_on_a_chunk_taken_up_fails_by_name(accumulation
         engine = tidal.initialize(model, make_config(overlap, clip=50.0, hybrid=False,
                                                      accumulation=accumulation))
         for i, (x, y) in enumerate(data):
-            model.again = i == fail_at
+            model.again = i >= fail_at
             if i != fail_at:
                 engine.backward(engine(x, y))
                 engine.step()

@@ -521,6 +521,7 @@ class StepOverlap:
                 # first gradient alone, a wrong step without a word. (Where
                 # the slots were still in use the landing failed before this,
                 # on them: second_landing_on_taken_chunk.)
+                self._mark_module_relanded(record)
                 raise UsageError("tidal: " + _second_landing(record.name))
             return
         self._counted.add(record.id)
@@ -539,7 +540,8 @@ class StepOverlap:
         reentrant checkpoint replaying a weight, where the steps before had
         not) on a chunk whose update it had started or kept for the step,
         whose slots are in use then (Note [Weights while gradients wait]);
-        None for any other error."""
+        None for any other error. The parameter's module then lands twice
+        (_mark_module_relanded), as landed() records it."""
         text = str(error)
         if "COMPUTE -> COMPUTE" not in text:
             return None
@@ -547,8 +549,20 @@ class StepOverlap:
         for chunk in taken:
             for r in self._recs.get(chunk, ()):
                 if r.id in self._counted and (f"'{r.name}'" in text or f":{r.name}'" in text):
+                    self._mark_module_relanded(r)
                     return _second_landing(r.name)
         return None
+
+    def _mark_module_relanded(self, record) -> None:
+        """A backward failed on `record`'s second landing: it and every other
+        record of a module that holds it land twice from now on (their chunks
+        wait for the step). The module's: the backward stopped at the first
+        second landing, and a replay (a reentrant checkpoint) reruns whole
+        modules, whose other parameters would fail the next backward."""
+        self._relanded.add(record)
+        for recs in self._params.module_records.values():
+            if record in recs:
+                self._relanded.update(r for r in recs if r.trainable)
 
     def reduced(self, chunk: int, landed):
         """Data parallel, on the chunk's owner: its reduced gradients are in
