@@ -7,7 +7,6 @@ accumulation and with hybrid Adam; and torch.optim.AdamW +
 clip_grad_norm_'s within the engine's tolerance. It is on by default; what it
 does not cover is refused when asked for and off by default, saying why."""
 import copy
-import math
 import os
 import sys
 from pathlib import Path
