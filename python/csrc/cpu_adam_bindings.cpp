@@ -166,6 +166,17 @@ std::vector<ca::ChunkRange> ranges_of(const Ranges& ranges, const Steps& step, s
   return rs;
 }
 
+// The copy of `src` into `dst` (named `dst_name`, `src_name` in errors): one
+// dtype, one length.
+ca::CopySpan copy_span(const Flat& dst, const Flat& src, const std::string& dst_name,
+                       const std::string& src_name) {
+  TIDAL_CHECK_TYPE(dst.dtype == src.dtype, dst_name, " is ", ca::dtype_name(dst.dtype), " but ", src_name,
+                   " is ", ca::dtype_name(src.dtype), "; the copy copies bytes, not values");
+  TIDAL_CHECK(dst.count == src.count, dst_name, " has ", dst.count, " elements but ", src_name, " has ",
+              src.count);
+  return {dst.data, src.data, dst.count * ca::dtype_size(dst.dtype)};
+}
+
 // The buffers of one low-level call, checked against each other.
 struct SpanArgs {
   ca::AdamDTypes dtypes;
@@ -269,13 +280,12 @@ own host allocations]). Dropping it runs the jobs still queued.)doc")
               const std::int64_t n = undo_hi - undo_lo;
               for (std::size_t i = 0; i < 4; ++i) {
                 const std::string name = "undo[" + std::to_string(i) + "]";
-                const Flat d = flat((*undo)[i], name);
-                const Flat src = flat(*views[i], name + "'s chunk buffer", undo_lo, n);
-                TIDAL_CHECK_TYPE(d.dtype == src.dtype, name, " is ", ca::dtype_name(d.dtype),
-                                 " but its chunk buffer is ", ca::dtype_name(src.dtype));
-                TIDAL_CHECK(static_cast<std::int64_t>(d.count) >= n, name, " has ", d.count,
+                const std::string source = name + "'s chunk buffer";
+                const Flat whole = flat((*undo)[i], name);
+                TIDAL_CHECK(static_cast<std::int64_t>(whole.count) >= n, name, " has ", whole.count,
                             " elements; the undo range needs ", n);
-                job.undo.push_back({d.data, src.data, src.count * ca::dtype_size(src.dtype)});
+                job.undo.push_back(
+                    copy_span(flat((*undo)[i], name, 0, n), flat(*views[i], source, undo_lo, n), name, source));
               }
             }
             for (const CopyFence& f : fences) job.fences.push_back(f.wait);
@@ -561,12 +571,7 @@ only receives the updated params.)doc");
         for (std::size_t i = 0; i < dsts.size(); ++i) {
           const std::string di = "dsts[" + std::to_string(i) + "]";
           const std::string si = "srcs[" + std::to_string(i) + "]";
-          const Flat d = flat(dsts[i], di);
-          const Flat r = flat(srcs[i], si);
-          TIDAL_CHECK_TYPE(d.dtype == r.dtype, di, " is ", ca::dtype_name(d.dtype), " but ", si, " is ",
-                           ca::dtype_name(r.dtype), "; copy_tensors copies bytes, not values");
-          TIDAL_CHECK(d.count == r.count, di, " has ", d.count, " elements but ", si, " has ", r.count);
-          spans.push_back({d.data, r.data, d.count * ca::dtype_size(d.dtype)});
+          spans.push_back(copy_span(flat(dsts[i], di), flat(srcs[i], si), di, si));
         }
         py::gil_scoped_release no_gil;
         ca::copy_spans(spans, ca::ExecOptions{num_threads});

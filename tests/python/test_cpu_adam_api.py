@@ -322,6 +322,8 @@ def test_the_update_worker_refuses_bad_jobs_by_name_and_reports_a_failed_one():
     cases = [(dict(undo=[torch.zeros(100)] * 3, undo_hi=10), ValueError, "undo has 3 buffers"),
              (dict(undo=[torch.zeros(10)] * 4, undo_lo=5, undo_hi=200), ValueError, r"undo range \[5, 200\)"),
              (dict(undo=[torch.zeros(5)] * 4, undo_hi=10), ValueError, "undo\\[0\\] has 5 elements"),
+             (dict(undo=[torch.zeros(10, dtype=torch.float64)] * 4, undo_hi=10), TypeError, "undo\\[0\\]"),
+             (dict(undo=[torch.zeros(10)] * 4, undo_hi=10), TypeError, "undo\\[3\\] is float32 but .*copies bytes"),
              (dict(grad=torch.zeros(100, dtype=torch.float16)), TypeError, "grad must be torch.float32")]
     for kw, error, text in cases:
         with pytest.raises(error, match=text):
