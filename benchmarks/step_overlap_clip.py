@@ -174,6 +174,7 @@ def main():
                          "chunks_updated_during_backward": o["chunks_updated_during_backward"],
                          "chunks_updated_under_next_forward": o["chunks_updated_under_next_forward"],
                          "next_forward_wait_seconds": o["next_forward_wait_seconds"],
+                         "updates_run_by_their_waiter": o["updates_run_by_their_waiter"],
                          "undone_chunk_updates": o["undone_chunk_updates"],
                          "steps_not_speculated": o["steps_not_speculated"],
                          "overlap_undo_bytes": o["overlap_undo_bytes"],

@@ -71,38 +71,71 @@ std::shared_ptr<const UpdateTicket> UpdateWorker::submit(UpdateJob job) {
   return ticket;
 }
 
+bool UpdateWorker::run_or_wait(const UpdateTicket& ticket) {
+  Item item;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = queue_.begin();
+    while (it != queue_.end() && it->second.get() != &ticket) ++it;
+    // (Not in the queue: running or done.)
+    if (it != queue_.end()) {
+      const float* chunk = it->first.chunk.param;
+      bool clear = running_ != chunk;
+      for (auto before = queue_.begin(); clear && before != it; ++before) {
+        clear = before->first.chunk.param != chunk;
+      }
+      if (clear) {
+        item = std::move(*it);
+        queue_.erase(it);
+      }
+    }
+  }
+  if (item.second == nullptr) {
+    ticket.wait();
+    return false;
+  }
+  run(item);
+  return true;
+}
+
+void UpdateWorker::run(Item& item) {
+  UpdateJob& job = item.first;
+  UpdateTimes t;
+  t.fenced_from = now_seconds();
+  std::exception_ptr error;
+  bool before_update = true;
+  try {
+    for (const auto& fence : job.fences) fence();
+    t.started = now_seconds();
+    if (!job.undo.empty()) copy_spans(job.undo, job.exec);
+    before_update = false;
+    for (const ChunkCall& call : job.calls) {
+      adam_chunk_step(call.hyper, job.chunk, call.ranges, call.options, job.exec);
+    }
+  } catch (...) {
+    error = std::current_exception();
+    if (t.started == 0.0) t.started = now_seconds();
+  }
+  t.ended = now_seconds();
+  job = UpdateJob{};  // (its fences' captures go before the ticket says done)
+  const bool undo_failed = error != nullptr && before_update;
+  item.second->finish(t, std::move(error), undo_failed);
+}
+
 void UpdateWorker::loop(const std::function<void()>& on_start) {
   if (on_start) on_start();
   for (;;) {
-    std::pair<UpdateJob, std::shared_ptr<UpdateTicket>> item;
+    Item item;
     {
       std::unique_lock<std::mutex> lock(mu_);
+      running_ = nullptr;
       cv_.wait(lock, [this] { return stopping_ || !queue_.empty(); });
       if (queue_.empty()) return;  // stopping, every job run
       item = std::move(queue_.front());
       queue_.pop_front();
+      running_ = item.first.chunk.param;
     }
-    UpdateJob& job = item.first;
-    UpdateTimes t;
-    t.fenced_from = now_seconds();
-    std::exception_ptr error;
-    bool before_update = true;
-    try {
-      for (const auto& fence : job.fences) fence();
-      t.started = now_seconds();
-      if (!job.undo.empty()) copy_spans(job.undo, job.exec);
-      before_update = false;
-      for (const ChunkCall& call : job.calls) {
-        adam_chunk_step(call.hyper, job.chunk, call.ranges, call.options, job.exec);
-      }
-    } catch (...) {
-      error = std::current_exception();
-      if (t.started == 0.0) t.started = now_seconds();
-    }
-    t.ended = now_seconds();
-    job = UpdateJob{};  // (its fences' captures go before the ticket says done)
-    const bool undo_failed = error != nullptr && before_update;
-    item.second->finish(t, std::move(error), undo_failed);
+    run(item);
   }
 }
 

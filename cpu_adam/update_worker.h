@@ -20,6 +20,21 @@
 // adam_chunk_step per parameter group (`calls`). The caller keeps every
 // buffer a job points into alive and in place (the chunks pinned) until the
 // job's ticket is done.
+//
+// Note [A waiter runs the job itself]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// A thread that must wait for a job (the next forward at its first module,
+// the step for the updates launched during backward) is idle until it is
+// done, and the worker may not have started it: busy with the jobs before
+// it, or not yet woken. On 2 cores with torch's OpenMP thread spinning after
+// backward, the worker woke about 2 ms after the step handed it the first
+// chunk, by which time the next forward had reached that chunk and waited:
+// most of the CPU Adam exposed per step with the clip firing every step
+// (benchmarks/step_overlap_clip.py, clip_all). So run_or_wait takes a job
+// the worker has not started out of the queue and runs it on the waiting
+// thread, beside whatever the worker runs. The update is elementwise: the
+// same bits on any thread. Not where a job before it in the queue, or the
+// one running, updates the same chunk: those run first, in order.
 #pragma once
 
 #include <condition_variable>
@@ -102,12 +117,23 @@ class UpdateWorker {
 
   std::shared_ptr<const UpdateTicket> submit(UpdateJob job);
 
+  // Blocks until `ticket`'s job is done, running it on the calling thread
+  // when the worker has not started it and no job before it in the queue,
+  // nor the one the worker runs, updates the same chunk (Note [A waiter runs
+  // the job itself]). True: it ran here. `ticket` must be one of this
+  // worker's.
+  bool run_or_wait(const UpdateTicket& ticket);
+
  private:
+  using Item = std::pair<UpdateJob, std::shared_ptr<UpdateTicket>>;
+  static void run(Item& item);
   void loop(const std::function<void()>& on_start);
 
   std::mutex mu_;
   std::condition_variable cv_;
-  std::deque<std::pair<UpdateJob, std::shared_ptr<UpdateTicket>>> queue_;
+  std::deque<Item> queue_;
+  // The chunk (its master's address) of the job the worker runs; null: none.
+  const float* running_ = nullptr;
   bool stopping_ = false;
   std::thread thread_;
 };

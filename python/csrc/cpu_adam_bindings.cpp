@@ -304,7 +304,19 @@ undo_hi) copied into undo's, then adam_chunk_step once per call, each call
 (ranges, steps, lr, beta1, beta2, eps, weight_decay) with no overflow check
 and no clipping (the caller's grad scale in loss_scale). The buffers as
 adam_chunk_step takes them; they must stay alive and in place until the
-ticket is done.)doc");
+ticket is done.)doc")
+      .def(
+          "run_or_wait",
+          [](ca::UpdateWorker& w, const ca::UpdateTicket& t) {
+            py::gil_scoped_release no_gil;
+            UncountedScope uncounted;  // (as on the worker's thread)
+            return w.run_or_wait(t);
+          },
+          py::arg("ticket"),
+          R"doc(Blocks until `ticket`'s job (one of this worker's) is done, the GIL
+released, running it on this thread where the worker has not started it and
+no job before it touches the same chunk (Note [A waiter runs the job itself]
+in cpu_adam/update_worker.h). Returns True where it ran here.)doc");
 }
 
 void bind_classes(py::module_& m) {

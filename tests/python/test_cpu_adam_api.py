@@ -338,6 +338,28 @@ def test_the_update_worker_refuses_bad_jobs_by_name_and_reports_a_failed_one():
     assert torch.equal(bufs[0], _chunk(1, 100)[0])
 
 
+def test_a_waiter_runs_a_job_the_update_worker_has_not_started():
+    """Note [A waiter runs the job itself] in cpu_adam/update_worker.h: with
+    the worker busy on a long job, run_or_wait runs a later job on the
+    calling thread, bitwise as adam_chunk_step."""
+    n = 1 << 23
+    ballast = [torch.zeros(n), torch.zeros(n), torch.zeros(n), torch.zeros(n, dtype=torch.bfloat16)]
+    calls = [([(0, 5000)], [2], 1e-2, 0.9, 0.999, 1e-8, 0.1)]
+    got, want = _chunk(3), _chunk(3)
+    worker = _C.cpu_adam.UpdateWorker()
+    long_job = worker.submit(*ballast, [([(0, n)], [1], 1e-3, 0.9, 0.999, 1e-8, 0.0)], num_threads=1)
+    ticket = worker.submit(*got, calls, loss_scale=1 / 8, num_threads=1)
+    assert worker.run_or_wait(ticket)  # (the long job takes tens of ms)
+    assert ticket.done() and not long_job.done()
+    for ranges, steps, lr, b1, b2, eps, wd in calls:
+        _C.cpu_adam.adam_chunk_step(*want, ranges, step=steps, lr=lr, beta1=b1, beta2=b2, eps=eps,
+                                    weight_decay=wd, loss_scale=1 / 8, max_grad_norm=0.0,
+                                    check_overflow=False)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    worker.run_or_wait(long_job)  # (here too where the worker had not woken yet)
+    assert long_job.done() and not long_job.failed()
+
+
 def _threads() -> int:
     return len(os.listdir("/proc/self/task"))
 

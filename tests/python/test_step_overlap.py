@@ -263,6 +263,9 @@ def test_the_worker_leaves_the_caller_a_core(monkeypatch, cores, threads, want):
             seen.append(kwargs["num_threads"])
             return self._worker.submit(*args, **kwargs)
 
+        def run_or_wait(self, ticket):
+            return self._worker.run_or_wait(ticket)
+
     monkeypatch.setattr(tidal._C.cpu_adam, "UpdateWorker", Worker)
 
     def cfg_of(overlap):

@@ -356,6 +356,9 @@ class StepOverlap:
         self._hook_box: list = [None]
         self.deferred_chunks = 0          # chunk updates run under a next forward
         self.deferred_wait_seconds = 0.0  # what those forwards (or others) waited for them
+        # Updates the thread waiting for them ran itself, the worker not having
+        # started them (Note [A waiter runs the job itself] in cpu_adam/update_worker.h).
+        self.run_by_waiter = 0
         # Note [Speculation while backward lasts]: chunk -> the seconds its
         # last speculative update took on the worker (undo copy included),
         # and -> the seconds the last speculating backward went on after the
@@ -912,7 +915,7 @@ class StepOverlap:
                                    # ran backward (Note [A second OpenMP team] in
                                    # cpu_adam/adam.h): oneTBB's, whatever the config.
                                    num_threads=self._threads, pool="onetbb")
-        return _Job(ticket, (views, grad, undo))
+        return _Job(self._pool, ticket, (views, grad, undo))
 
     def _undo_buffers(self, chunk: int, numel: int):
         """The chunk's undo buffers (one per kind of _UNDO_KINDS, at least
@@ -967,6 +970,8 @@ class StepOverlap:
         fenced = updating = 0.0
         for i, (chunk, future) in enumerate(self._jobs):
             try:
+                if not future.done() and future.wait():
+                    self.run_by_waiter += 1
                 tf, t0, t1 = future.result()
             except _UndoCopyFailed as ex:
                 # Nothing was updated: the chunk is as backward left it.
@@ -1213,7 +1218,9 @@ class StepOverlap:
         done = []
         for chunk, (future, _pin, _sums) in self._deferred.items():
             if not future.done():
-                break  # (the worker runs them in launch order)
+                # (The worker runs them in launch order; settle_deferred
+                # takes those a waiter ran out of it.)
+                break
             done.append(chunk)
         if done:
             self.settle_deferred(done)
@@ -1232,7 +1239,8 @@ class StepOverlap:
             try:
                 if not future.done():
                     t = time.perf_counter()
-                    future.wait()
+                    if future.wait():
+                        self.run_by_waiter += 1
                     self.deferred_wait_seconds += time.perf_counter() - t
                 _tf, t0, t1 = future.result()
                 self.worker_seconds += t1 - t0
@@ -1328,9 +1336,10 @@ class _Job:
     """One update on the worker (_C.cpu_adam.UpdateTicket), with what it
     reads and writes kept alive until it is dropped (after it is done)."""
 
-    __slots__ = ("_ticket", "_buffers")
+    __slots__ = ("_worker", "_ticket", "_buffers")
 
-    def __init__(self, ticket, buffers):
+    def __init__(self, worker, ticket, buffers):
+        self._worker = worker
         self._ticket = ticket
         self._buffers = buffers
 
@@ -1340,13 +1349,17 @@ class _Job:
     def failed(self) -> bool:
         return self._ticket.failed()
 
-    def wait(self) -> None:
-        self._ticket.wait()
+    def wait(self) -> bool:
+        """Waits until done, running the update on this thread where the
+        worker has not started it (Note [A waiter runs the job itself] in
+        cpu_adam/update_worker.h); True where it ran here."""
+        return self._worker.run_or_wait(self._ticket)
 
     def result(self) -> tuple:
-        """Waits; (began, fences passed, ended) in time.perf_counter()
-        seconds. Raises the job's error: _UndoCopyFailed (its cause the
-        error) where it failed before updating anything."""
+        """Waits (on the worker); (began, fences passed, ended) in
+        time.perf_counter() seconds. Raises the job's error:
+        _UndoCopyFailed (its cause the error) where it failed before
+        updating anything."""
         try:
             return self._ticket.result()
         except BaseException as e:

@@ -190,6 +190,10 @@ class EngineReports:
                 else overlap.left_to_step,
                 "next_forward_wait_seconds": 0.0 if overlap is None
                 else overlap.deferred_wait_seconds,
+                # Note [A waiter runs the job itself] (cpu_adam/update_worker.h):
+                # updates the thread that needed them ran itself, the worker
+                # not having started them.
+                "updates_run_by_their_waiter": 0 if overlap is None else overlap.run_by_waiter,
                 "overlapped_adam_seconds": 0.0 if overlap is None
                 else overlap.overlapped_seconds,
                 "overlap_step": overlap is not None,

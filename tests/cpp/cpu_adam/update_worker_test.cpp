@@ -2,7 +2,9 @@
 // worker without the GIL] in cpu_adam/update_worker.h): each job's values
 // are those of the same adam_chunk_step calls made on the caller's thread,
 // the fences hold the copy and the update back, jobs run in submission
-// order, an error stays the job's, and destruction runs what was submitted.
+// order, an error stays the job's, destruction runs what was submitted, and
+// a waiter runs a job the worker has not started (Note [A waiter runs the job
+// itself]) unless a job before it updates the same chunk.
 // Labelled "threaded": ThreadSanitizer runs this executable.
 #include <gtest/gtest.h>
 
@@ -220,6 +222,108 @@ TEST(UpdateWorker, RunsOnStartFirstAndEveryJobBeforeItIsDestroyed) {
   for (const auto& t : tickets) EXPECT_TRUE(t->done());
   // What the jobs' fences held was let go on the worker.
   EXPECT_TRUE(watch.expired());
+}
+
+// A job whose fence blocks until `open`, and a counter of fences entered.
+UpdateJob blocked_job(ChunkData& d, std::atomic<bool>& open, std::atomic<int>& entered) {
+  UpdateJob job;
+  job.fences = {[&] {
+    entered.fetch_add(1);
+    while (!open.load()) std::this_thread::yield();
+  }};
+  job.chunk = d.chunk();
+  job.calls = two_groups(d.param.size());
+  return job;
+}
+
+ChunkData updated(const ChunkData& d, int times) {
+  ChunkData out = d;
+  for (int i = 0; i < times; ++i) {
+    for (const ChunkCall& c : two_groups(d.param.size())) {
+      adam_chunk_step(c.hyper, out.chunk(), c.ranges, c.options, {});
+    }
+  }
+  return out;
+}
+
+TEST(UpdateWorker, AWaiterRunsAJobTheWorkerHasNotStarted) {
+  constexpr std::size_t kN = 5003;
+  ChunkData a(kN, 11), b(kN, 12), c(kN, 13);
+  const ChunkData want_a = updated(a, 1), want_b = updated(b, 1);
+  std::atomic<bool> open{false};
+  std::atomic<int> entered{0};
+  UpdateWorker worker;
+  auto ta = worker.submit(blocked_job(a, open, entered));
+  while (entered.load() < 1) std::this_thread::yield();  // the worker runs a's job
+  UpdateJob jb;
+  jb.chunk = b.chunk();
+  jb.calls = two_groups(kN);
+  auto tb = worker.submit(std::move(jb));
+  UpdateJob jc;  // (a range past the chunk's end: refused, on the waiter too)
+  jc.chunk = c.chunk();
+  jc.calls = two_groups(kN);
+  jc.calls[0].ranges = {{kN - 3, 9, 1}};
+  auto tc = worker.submit(std::move(jc));
+  // c's before b's, out of submission order: the worker is held in a's fence.
+  EXPECT_TRUE(worker.run_or_wait(*tc));
+  ASSERT_TRUE(tc->done());
+  EXPECT_NE(tc->error(), nullptr);
+  EXPECT_FALSE(tc->undo_failed());
+  EXPECT_TRUE(worker.run_or_wait(*tb));
+  ASSERT_TRUE(tb->done());
+  EXPECT_FALSE(ta->done());
+  EXPECT_EQ(tb->error(), nullptr);
+  EXPECT_TRUE(b == want_b);
+  const UpdateTimes t = tb->times();
+  EXPECT_LE(t.fenced_from, t.started);
+  EXPECT_LE(t.started, t.ended);
+  open.store(true);
+  EXPECT_FALSE(worker.run_or_wait(*ta));  // running: waited for
+  EXPECT_EQ(ta->error(), nullptr);
+  EXPECT_TRUE(a == want_a);
+}
+
+TEST(UpdateWorker, AWaiterWaitsBehindAJobOfTheSameChunk) {
+  constexpr std::size_t kN = 3001;
+  ChunkData a(kN, 21), b(kN, 22);
+  const ChunkData want_a = updated(a, 2), want_b = updated(b, 2);
+  std::atomic<bool> open{false};
+  std::atomic<int> entered{0};
+  std::mutex mu;
+  std::vector<int> order;
+  auto noted = [&](ChunkData& d, int tag) {
+    UpdateJob job;
+    job.fences = {[&, tag] {
+      std::lock_guard<std::mutex> lock(mu);
+      order.push_back(tag);
+    }};
+    job.chunk = d.chunk();
+    job.calls = two_groups(kN);
+    return job;
+  };
+  UpdateWorker worker;
+  auto t1 = worker.submit(blocked_job(a, open, entered));  // a, running
+  while (entered.load() < 1) std::this_thread::yield();
+  auto t2 = worker.submit(noted(a, 2));  // a again: behind the one running
+  auto t3 = worker.submit(noted(b, 3));
+  auto t4 = worker.submit(noted(b, 4));  // b again: behind t3, queued
+  std::atomic<int> ran_here{0};
+  std::thread w2([&] { ran_here.fetch_add(worker.run_or_wait(*t2) ? 1 : 0); });
+  std::thread w4([&] { ran_here.fetch_add(worker.run_or_wait(*t4) ? 1 : 0); });
+  std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  EXPECT_FALSE(t2->done());
+  EXPECT_FALSE(t4->done());
+  open.store(true);
+  w2.join();
+  w4.join();
+  EXPECT_EQ(ran_here.load(), 0);
+  for (const auto& t : {t1, t2, t3, t4}) EXPECT_EQ(t->error(), nullptr);
+  {
+    std::lock_guard<std::mutex> lock(mu);
+    EXPECT_EQ(order, (std::vector<int>{2, 3, 4}));
+  }
+  EXPECT_TRUE(a == want_a);
+  EXPECT_TRUE(b == want_b);
 }
 
 }  // namespace
