@@ -4,7 +4,7 @@ their undo] in python/tidal/engine/overlap.py) against the step without
 overlap, in the same run. Writes benchmarks/results/step_overlap_clip-<machine>.json.
 
     python benchmarks/step_overlap_clip.py [--rounds 3] [--steps 8] [--quick]
-        [--vocab N] [--cases clip_all,...]
+        [--vocab N] [--cases clip_all,...] [--compute-threads N]
 
 A GPT (TinyGPT vocab 8192, d 256, 8 layers, seq 64, batch 4, 1 MiB chunks)
 with the default config: gradient_clipping 1.0, hybrid Adam on, bf16, at a
@@ -41,6 +41,13 @@ not a GPU's speed.
 next forward's first module, holds 25% of the parameters: the floor of
 clip_all's exposed share; at 2048, 7.7%, gpt-1.3b's 8%); the file is then
 step_overlap_clip-vocabN-<machine>.json. --cases: a comma-separated subset.
+--compute-threads N: torch runs on N threads (the simulated device's
+compute) and CPU Adam on the other cores (tidal.cpu_adam_threads), as a
+GPU's compute and its host's cores are apart (benchmarks/engine_offload.py's
+option); by default both use every core, so torch's threads, spinning after
+backward, take cores from the step's hand-off and the worker, which a GPU's
+host does not pay. The file is then ...-computeN-<machine>.json (no
+"on_worker_all_cores" engine then: the config sets the worker's threads).
 """
 from __future__ import annotations
 
@@ -62,7 +69,12 @@ CASES = {"no_clip": ("bf16", 1.0), "clip_some": ("bf16", 20.0), "fp16_overflow":
          "clip_all": ("bf16", 20.0)}
 
 
+# --compute-threads: CPU Adam's threads beside torch's (empty: tidal's default).
+CPU_ADAM_THREADS = {}
+
+
 def make_engine(shape, precision, overlap, next_forward=True, **tidal_keys):
+    tidal_keys = {**CPU_ADAM_THREADS, **tidal_keys}
     return so.gpt_engine(shape, precision, 1.0, chunk_size="1MiB" if shape["d"] >= 256 else "64KiB",
                          device_memory_budget=shape["budget"], overlap_step=overlap,
                          overlap_next_forward=next_forward, **tidal_keys)
@@ -109,6 +121,9 @@ def main():
     def extra(ap):
         ap.add_argument("--vocab", type=int, default=None, help="the GPT's vocabulary (default 8192)")
         ap.add_argument("--cases", default=",".join(CASES), help="comma-separated: " + ", ".join(CASES))
+        ap.add_argument("--compute-threads", type=int, default=0,
+                        help="torch's threads (the simulated device's compute), the other cores CPU Adam's "
+                             "(0: both use every core)")
 
     args = so.parse_args(__doc__, rounds=3, steps=8, extra=extra)
     shape, rounds, steps = so.start(args, FULL, QUICK, quick_steps=4)
@@ -120,6 +135,13 @@ def main():
         if args.vocab < 2:
             raise SystemExit(f"--vocab {args.vocab}: expected an int >= 2")
         shape = dict(shape, vocab=args.vocab)
+    cores = os.cpu_count() or 1
+    if args.compute_threads:
+        if not 0 < args.compute_threads < cores:
+            raise SystemExit(f"--compute-threads {args.compute_threads}: expected 1 to {cores - 1} on this "
+                             f"machine's {cores} cores (the others run CPU Adam)")
+        torch.set_num_threads(args.compute_threads)
+        CPU_ADAM_THREADS["cpu_adam_threads"] = cores - args.compute_threads
     data = so.token_batches(shape, steps + 3)
     # The factor that puts the first batch's gradient norm at 0.5.
     probe = make_engine(shape, "bf16", False)
@@ -129,7 +151,9 @@ def main():
     del probe
     out = {"quick": args.quick, "shape": shape, "rounds": rounds, "steps_per_round": steps,
            "gradient_clipping": 1.0, "hybrid_adam": True, "loss_factor": base,
-           "cpu_adam_target": tidal._C.cpu_adam.target(), "simulated_device": True, "cases": {}}
+           "cpu_adam_target": tidal._C.cpu_adam.target(), "simulated_device": True,
+           "compute_threads": args.compute_threads or None,
+           "cpu_adam_threads": CPU_ADAM_THREADS.get("cpu_adam_threads"), "cases": {}}
     for case in cases:
         precision, spike = CASES[case]
         if case == "clip_all":
@@ -139,10 +163,10 @@ def main():
         engines = {"off": make_engine(shape, precision, False), "on": make_engine(shape, precision, True)}
         if case == "clip_all":
             engines["on_backward_only"] = make_engine(shape, precision, True, next_forward=False)
-            # The worker's updates on every core, as before Note [The worker
-            # leaves a core] in python/tidal/engine/overlap.py.
-            engines["on_worker_all_cores"] = make_engine(shape, precision, True,
-                                                         cpu_adam_threads=os.cpu_count() or 1)
+            if not args.compute_threads:
+                # The worker's updates on every core, as before Note [The worker
+                # leaves a core] in python/tidal/engine/overlap.py.
+                engines["on_worker_all_cores"] = make_engine(shape, precision, True, cpu_adam_threads=cores)
         # Warm-up: the trace, the relayout, hybrid Adam's plan. For clip_all
         # with the clip firing already, so the timed steps are the steady
         # state of a run whose every step clips, not the step where the clip
@@ -249,7 +273,8 @@ def main():
             t = res["transition"]
             print(f"{case}: the step where the clip starts to fire: exposed {t['exposed_adam_seconds'] * 1e3:.1f} ms "
                   f"of {t['adam_seconds'] * 1e3:.1f} ms, {t['undone_chunk_updates']} updates undone", flush=True)
-    name = "step_overlap_clip" + (f"-vocab{args.vocab}" if args.vocab is not None else "")
+    name = "step_overlap_clip" + (f"-vocab{args.vocab}" if args.vocab is not None else "") + (
+        f"-compute{args.compute_threads}" if args.compute_threads else "")
     path = common.write_result(name + "-quick" if args.quick else name, out, args.output)
     print(f"wrote {path}")
 

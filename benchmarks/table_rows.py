@@ -730,6 +730,8 @@ PERFORMANCE: Dict[str, Rows] = {
     "step_overlap": Rows(_step_overlap, skip_quick=True),
     "step_overlap_clip": Rows(_step_overlap_clip, skip_quick=True),
     "step_overlap_clip-vocab2048": Rows(_step_overlap_clip, skip_quick=True),
+    "step_overlap_clip-compute1": Rows(_step_overlap_clip, skip_quick=True),
+    "step_overlap_clip-vocab2048-compute1": Rows(_step_overlap_clip, skip_quick=True),
     "step_overlap_cost": Rows(_step_overlap_cost, skip_quick=True),
     "step_overlap_cost-accum2": Rows(_step_overlap_cost, skip_quick=True),
     "cpu_adam": Rows(_cpu_adam),
