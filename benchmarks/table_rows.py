@@ -497,6 +497,9 @@ def _step_overlap_clip(r: Dict) -> List[Figure]:
         what = (f"{_tiny_gpt(sh)}; {p['parameters'] / 1e6:.1f}M params), {p['precision']}, gradient_clipping "
                 f"1.0, hybrid Adam, budget {sh['budget']}, case {case} ({on['undone_chunk_updates']} chunk "
                 f"updates undone), simulated device")
+        if r.get("compute_threads"):
+            what += (f", torch on {r['compute_threads']} thread(s) and CPU Adam on {r['cpu_adam_threads']} (the "
+                     f"cores apart, as a GPU's compute and its host's)")
         out.append(_exposed_adam(f"tidal.overlap_step on (default), {what}", on,
                                  off["exposed_adam_seconds_median"], "overlap_step off",
                                  p["exposed_ratio_on_to_off"]))
