@@ -138,6 +138,30 @@ def add_gpt_model_args(ap) -> None:
     ap.add_argument("--output", default=None)
 
 
+def add_compute_threads_arg(ap) -> None:
+    """--compute-threads N (engine_offload.py, step_overlap_clip.py): torch on
+    N threads (the simulated device's compute), CPU Adam on the other cores,
+    as a GPU's compute and its host's cores are apart; 0: both on every core."""
+    ap.add_argument("--compute-threads", type=int, default=0,
+                    help="torch's threads (the simulated device's compute), the other cores CPU Adam's "
+                         "(0: both use every core)")
+
+
+def split_cores(compute_threads: int) -> int:
+    """Applies --compute-threads: torch's threads set, and CPU Adam's count
+    (tidal.cpu_adam_threads) returned; 0 (tidal's default) where not split."""
+    if not compute_threads:
+        return 0
+    import torch
+
+    cores = os.cpu_count() or 1
+    if not 0 < compute_threads < cores:
+        raise SystemExit(f"--compute-threads {compute_threads}: expected 1 to {cores - 1} on this "
+                         f"machine's {cores} cores (the others run CPU Adam)")
+    torch.set_num_threads(compute_threads)
+    return cores - compute_threads
+
+
 def token_batches(vocab: int, seq: int, batch: int, n: int, seed: int = 0) -> list:
     """`n` (input, target) pairs of random token ids, the same for a seed."""
     import torch

@@ -176,18 +176,10 @@ def main():
     ap.add_argument("--steps", type=int, default=4, help="timed optimizer steps per run per round")
     ap.add_argument("--accumulation", type=int, default=1)
     ap.add_argument("--pause", type=float, default=2.0, help="seconds of quiet before each round")
-    ap.add_argument("--compute-threads", type=int, default=0,
-                    help="torch's threads (the simulated device's compute), the other cores CPU Adam's "
-                         "(0: both use every core)")
+    common.add_compute_threads_arg(ap)
     common.add_gpt_model_args(ap)
     args = ap.parse_args()
-    cores = os.cpu_count() or 1
-    if args.compute_threads:
-        if not 0 < args.compute_threads < cores:
-            ap.error(f"--compute-threads {args.compute_threads}: expected 1 to {cores - 1} on this "
-                     f"machine's {cores} cores (the others run CPU Adam)")
-        torch.set_num_threads(args.compute_threads)
-        CPU_ADAM_THREADS[0] = cores - args.compute_threads
+    CPU_ADAM_THREADS[0] = common.split_cores(args.compute_threads)
     args.vocab = 1024 if args.vocab == 2048 else args.vocab
     if args.quick:
         args.rounds, args.steps, args.d, args.layers, args.vocab, args.pause = 1, 2, 64, 4, 256, 0.0

@@ -121,9 +121,7 @@ def main():
     def extra(ap):
         ap.add_argument("--vocab", type=int, default=None, help="the GPT's vocabulary (default 8192)")
         ap.add_argument("--cases", default=",".join(CASES), help="comma-separated: " + ", ".join(CASES))
-        ap.add_argument("--compute-threads", type=int, default=0,
-                        help="torch's threads (the simulated device's compute), the other cores CPU Adam's "
-                             "(0: both use every core)")
+        common.add_compute_threads_arg(ap)
 
     args = so.parse_args(__doc__, rounds=3, steps=8, extra=extra)
     shape, rounds, steps = so.start(args, FULL, QUICK, quick_steps=4)
@@ -135,13 +133,9 @@ def main():
         if args.vocab < 2:
             raise SystemExit(f"--vocab {args.vocab}: expected an int >= 2")
         shape = dict(shape, vocab=args.vocab)
-    cores = os.cpu_count() or 1
-    if args.compute_threads:
-        if not 0 < args.compute_threads < cores:
-            raise SystemExit(f"--compute-threads {args.compute_threads}: expected 1 to {cores - 1} on this "
-                             f"machine's {cores} cores (the others run CPU Adam)")
-        torch.set_num_threads(args.compute_threads)
-        CPU_ADAM_THREADS["cpu_adam_threads"] = cores - args.compute_threads
+    adam_threads = common.split_cores(args.compute_threads)
+    if adam_threads:
+        CPU_ADAM_THREADS["cpu_adam_threads"] = adam_threads
     data = so.token_batches(shape, steps + 3)
     # The factor that puts the first batch's gradient norm at 0.5.
     probe = make_engine(shape, "bf16", False)
@@ -166,7 +160,8 @@ def main():
             if not args.compute_threads:
                 # The worker's updates on every core, as before Note [The worker
                 # leaves a core] in python/tidal/engine/overlap.py.
-                engines["on_worker_all_cores"] = make_engine(shape, precision, True, cpu_adam_threads=cores)
+                engines["on_worker_all_cores"] = make_engine(shape, precision, True,
+                                                             cpu_adam_threads=os.cpu_count() or 1)
         # Warm-up: the trace, the relayout, hybrid Adam's plan. For clip_all
         # with the clip firing already, so the timed steps are the steady
         # state of a run whose every step clips, not the step where the clip
