@@ -81,18 +81,23 @@ def make_engine(shape, precision, overlap, next_forward=True, **tidal_keys):
 
 
 def run(engine, batches, factors):
-    """Timed steps: (whole step seconds, adam, exposed) per step, and the norms."""
-    out, norms = [], []
+    """Timed steps: (whole step seconds, adam, exposed) per step, the norms,
+    and per step the chunk scheduler's waits on the host: (block waits, copy
+    waits) (issue 52's goal: none in a steady step)."""
+    out, norms, waits = [], [], []
     for (x, y), f in zip(batches, factors):
         before = engine.memory_report()["optimizer"]
+        chunks_before = engine.chunks.stats()
         t0 = time.perf_counter()
         engine.backward(engine(x, y) * f)
         engine.step()
         t1 = time.perf_counter()
         after = engine.memory_report()["optimizer"]
+        chunks_after = engine.chunks.stats()
         out.append((t1 - t0, *(after[k] - before[k] for k in ("adam_seconds", "exposed_adam_seconds"))))
         norms.append(engine.get_global_grad_norm())
-    return out, norms
+        waits.append(tuple(chunks_after[k] - chunks_before[k] for k in ("block_waits", "copy_waits")))
+    return out, norms, waits
 
 
 def first_module_share(engine, batch) -> tuple[str, float]:
@@ -171,10 +176,12 @@ def main():
         for e in engines.values():
             run(e, data[:3], warm)
         samples = {mode: [] for mode in engines}
+        waits = {mode: [] for mode in engines}
         norms = {}
         for _, mode in so.alternating(engines, rounds):
-            s, norms[mode] = run(engines[mode], data[3:], factors)
+            s, norms[mode], w = run(engines[mode], data[3:], factors)
             samples[mode].extend(s)
+            waits[mode].extend(w)
         res = {"precision": precision, "factors": factors, "grad_norms_last_round": norms["on"]}
         for mode, s in samples.items():
             r = engines[mode].memory_report()
@@ -201,6 +208,8 @@ def main():
                          "budget_overruns": r["budget_overruns"],
                          "evictions": r["evictions"],
                          "peak_device_bytes": r["peak_device_bytes"],
+                         "block_waits_per_step_mean": statistics.mean(w[0] for w in waits[mode]),
+                         "copy_waits_per_step_mean": statistics.mean(w[1] for w in waits[mode]),
                          "samples": s}
         params = sum(rec.numel for rec in engines["on"].records)
         res["parameters"] = params
@@ -231,7 +240,7 @@ def main():
             # again in the step (Note [Speculative updates and their undo]).
             e = make_engine(shape, precision, True)
             run(e, data[:3], [base] * 3)
-            [(step_s, adam_s, exposed_s)], _ = run(e, data[3:4], [base * spike])
+            [(step_s, adam_s, exposed_s)], _, _ = run(e, data[3:4], [base * spike])
             o = e.memory_report()["optimizer"]
             res["transition"] = {"step_seconds": step_s, "adam_seconds": adam_s,
                                  "exposed_adam_seconds": exposed_s,
@@ -248,7 +257,8 @@ def main():
               f"{on['chunks_updated_during_backward']} during backward, {on['undone_chunk_updates']} undone; "
               f"undo {on['overlap_undo_bytes'] / 2**20:.1f} MiB ({res['undo_bytes_per_parameter']:.1f} B/param); "
               f"{on['chunks_updated_under_next_forward']} under the next forward; "
-              f"bitwise {res['bitwise_equal_weights']}", flush=True)
+              f"block/copy waits per step {on['block_waits_per_step_mean']:.1f}/"
+              f"{on['copy_waits_per_step_mean']:.1f}; bitwise {res['bitwise_equal_weights']}", flush=True)
         if "on_backward_only" in res:
             b = res["on_backward_only"]
             print(f"{case}: with overlap_next_forward false, exposed "

@@ -150,6 +150,14 @@ std::size_t DeviceRoom::evict_chunk() {
   const std::size_t held = scheduler_->stats().held_bytes[device];
   const std::size_t budget = scheduler_->budget(MemorySpace::kDevice);
   if (held == 0) return 0;
+  // A block a lowering left over the budget first (Note [Blocks leaving over
+  // a lowered budget] in runtime/scheduler/chunk_scheduler.h): this room is
+  // what it was left for.
+  if (scheduler_->free_leaving_block(MemorySpace::kDevice)) {
+    const std::size_t now = scheduler_->stats().held_bytes[device];
+    chunks_moved();
+    return held > now ? held - now : 0;
+  }
   try {
     // One byte under what is held: the scheduler frees a cached block or
     // moves one chunk (its choice, by the trace) off the device.

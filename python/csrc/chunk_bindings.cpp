@@ -93,7 +93,9 @@ void bind_records(py::module_& m) {
   TIDAL_FIELD(host_bytes_pinned);
   TIDAL_FIELD(pageable_copies);
   TIDAL_FIELD(block_waits);
+  TIDAL_FIELD(bytes_left_leaving);
   TIDAL_FIELD(prefetch_rewinds);
+  TIDAL_FIELD(prefetches_put_off);
   TIDAL_FIELD(prefetches_ahead);
   TIDAL_FIELD(moves_host_to_device);
   TIDAL_FIELD(moves_device_to_host);

@@ -131,14 +131,11 @@ void BlockPool::give_back(BlockPtr block) {
   cache_[space][block->bytes].push_back(std::move(block));
 }
 
-bool BlockPool::trim_one(MemorySpace space) {
+bool BlockPool::trim_one_ready(MemorySpace space) {
   auto& by_size = cache_[index_of(space)];
-  if (by_size.empty()) return false;
-  // A block whose copies are done goes without a wait; only when every
-  // cached block is still being copied does the caller wait for one. A block
-  // whose fence cannot be queried (a device error) counts as not done: the
-  // wait below, once the block is out of the cache, reports the error, so
-  // every call makes progress (the destructor relies on it).
+  // A block whose fence cannot be queried (a device error) counts as not
+  // done: trim_one's wait, once the block is out of the cache, reports the
+  // error, so every call there makes progress (the destructor relies on it).
   // A pinned block goes after those not pinned (Note [Pinned at the second
   // crossing] in chunk_scheduler.h: pinning it again costs 8x its copy).
   for (const bool take_pinned : {false, true}) {
@@ -156,23 +153,36 @@ bool BlockPool::trim_one(MemorySpace space) {
         BlockPtr block = std::move(blocks[i]);
         blocks.erase(blocks.begin() + static_cast<std::ptrdiff_t>(i));
         if (blocks.empty()) by_size.erase(std::next(bucket).base());
-        cached_[index_of(space)] -= block->bytes;
-        --cached_count_[index_of(space)];
-        held_[index_of(space)] -= block->bytes;
+        forget_cached(*block);
         return true;
       }
     }
   }
+  return false;
+}
+
+bool BlockPool::trim_one(MemorySpace space) {
+  auto& by_size = cache_[index_of(space)];
+  if (by_size.empty()) return false;
+  // A block whose copies are done goes without a wait; only when every
+  // cached block is still being copied does the caller wait for one: the
+  // oldest of the largest size, whose copy was queued first.
+  if (trim_one_ready(space)) return true;
   auto largest = std::prev(by_size.end());
-  BlockPtr block = std::move(largest->second.back());
-  largest->second.pop_back();
+  BlockPtr block = std::move(largest->second.front());
+  largest->second.erase(largest->second.begin());
   if (largest->second.empty()) by_size.erase(largest);
-  cached_[index_of(space)] -= block->bytes;
-  --cached_count_[index_of(space)];
-  held_[index_of(space)] -= block->bytes;
+  forget_cached(*block);
   // See Note [Block fences]: memory is freed only once no work touches it.
   if (block->wait_on_host()) ++trim_waits_;
   return true;
+}
+
+void BlockPool::forget_cached(const Block& block) {
+  const std::size_t s = index_of(block.space);
+  cached_[s] -= block.bytes;
+  --cached_count_[s];
+  held_[s] -= block.bytes;
 }
 
 std::size_t BlockPool::trim_ready(MemorySpace space, std::size_t keep_blocks,
@@ -190,9 +200,7 @@ std::size_t BlockPool::trim_ready(MemorySpace space, std::size_t keep_blocks,
         if (blocks[i]->host.registered() != take_pinned || !blocks[i]->ready()) continue;
         BlockPtr block = std::move(blocks[i]);
         blocks.erase(blocks.begin() + static_cast<std::ptrdiff_t>(i));
-        cached_[s] -= block->bytes;
-        --cached_count_[s];
-        held_[s] -= block->bytes;
+        forget_cached(*block);
         ++freed;
       }
       if (blocks.empty()) {

@@ -125,9 +125,13 @@ class BlockPool {
   // Puts a block no chunk uses any more into the cache.
   void give_back(BlockPtr block);
   // Frees one cached block of `space`: the largest whose fence has
-  // completed, else the largest after waiting for its fence (counted in
-  // trim_waits()). Returns false when the cache of that space is empty.
+  // completed, else the oldest of the largest size after waiting for its
+  // fence (counted in trim_waits()). Returns false when the cache of that
+  // space is empty.
   bool trim_one(MemorySpace space);
+  // The same without the wait: false when no cached block's fence has
+  // completed.
+  bool trim_one_ready(MemorySpace space);
   void trim_all(MemorySpace space);
   // Frees cached blocks of `space` whose fences have completed (largest
   // first) until at most `keep_blocks` stay cached; never waits, so blocks
@@ -159,6 +163,9 @@ class BlockPool {
   void validate() const;
 
  private:
+  // The byte counts of a block just taken out of the cache to be freed.
+  void forget_cached(const Block& block);
+
   std::shared_ptr<Device> device_;
   bool pin_host_;
   std::array<std::map<std::size_t, std::vector<BlockPtr>>, kNumMemorySpaces> cache_;

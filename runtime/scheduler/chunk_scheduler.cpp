@@ -282,7 +282,7 @@ void ChunkScheduler::restore_host_reserve() {
     }
     if (best == kNoChunk) return;
     const std::size_t bytes = store_.chunk(best).capacity_bytes();
-    BlockPtr block = pool_.take_cached(MemorySpace::kDevice, bytes);
+    BlockPtr block = reuse_block(MemorySpace::kDevice, bytes);
     if (!block) {
       for (;;) {
         const std::size_t held = pool_.held_bytes(MemorySpace::kDevice);
@@ -408,11 +408,25 @@ bool ChunkScheduler::make_room(const RoomRequest& request) {
     budget = eviction_host_budget(request.evicting_for);
   }
   for (;;) {
-    if (pool_.has_cached(space, request.bytes)) return true;
+    if (pool_.has_cached(space, request.bytes) && may_reuse(space, request.bytes)) return true;
     const std::size_t held = pool_.held_bytes(space);
     if (held <= budget && request.bytes <= budget - held) return true;
-    if (pool_.trim_one(space)) continue;
-    const ChunkId victim = choose_victim(request);
+    if (pool_.trim_one_ready(space)) continue;
+    // Cached blocks still being copied out of (Note [Blocks leaving over a
+    // lowered budget]): waited for only where freeing them all would make
+    // the room; otherwise a chunk must leave anyway, and its block may serve
+    // this request.
+    const std::size_t resident = held - pool_.cached_bytes(space);
+    const bool cache_makes_room = resident <= budget && request.bytes <= budget - resident;
+    const ChunkId victim = cache_makes_room ? kNoChunk : choose_victim(request);
+    // A prefetch to the device never waits for a block (Note [Prefetch]):
+    // it gives up, and the cursor tries again after the next access.
+    if (victim == kNoChunk && request.prefetch && space == MemorySpace::kDevice &&
+        pool_.cached_blocks(space) > 0) {
+      ++stats_.prefetches_put_off;
+      return false;
+    }
+    if (victim == kNoChunk && pool_.trim_one(space)) continue;
     if (victim == kNoChunk) {
       if (spill_to_device(request)) continue;
       if (write_to_disk_for(request)) continue;
@@ -453,7 +467,7 @@ bool ChunkScheduler::spill_to_device(const RoomRequest& request) {
     return true;
   }
   const std::size_t bytes = store_.chunk(victim).capacity_bytes();
-  BlockPtr block = pool_.take_cached(MemorySpace::kDevice, bytes);
+  BlockPtr block = reuse_block(MemorySpace::kDevice, bytes);
   if (!block) {
     // Free device blocks the pool keeps (of other sizes) are room too.
     const std::size_t budget = device_budget_now();
@@ -473,6 +487,16 @@ bool ChunkScheduler::spill_to_device(const RoomRequest& request) {
   return true;
 }
 
+bool ChunkScheduler::may_reuse(MemorySpace space, std::size_t bytes) const {
+  const std::size_t resident = pool_.held_bytes(space) - pool_.cached_bytes(space);
+  const std::size_t budget = budget_[index_of(space)];
+  return resident <= budget && bytes <= budget - resident;
+}
+
+BlockPtr ChunkScheduler::reuse_block(MemorySpace space, std::size_t bytes, bool pinned) {
+  return may_reuse(space, bytes) ? pool_.take_cached(space, bytes, pinned) : nullptr;
+}
+
 bool ChunkScheduler::crosses_again(ChunkId id) const {
   return counts_crossings() && id != kNoChunk && slots_[id].crossings >= 1;
 }
@@ -484,7 +508,7 @@ BlockPtr ChunkScheduler::acquire_block(const RoomRequest& request) {
                       slots_[request.chunk].block != nullptr && crosses_again(request.chunk);
   for (;;) {
     if (!make_room(request)) return nullptr;
-    if (BlockPtr block = pool_.take_cached(request.space, request.bytes, pinned)) return block;
+    if (BlockPtr block = reuse_block(request.space, request.bytes, pinned)) return block;
     try {
       return pool_.allocate(request.space, request.bytes);
     } catch (const OutOfMemoryError& e) {
@@ -653,14 +677,20 @@ BlockPtr ChunkScheduler::detach(ChunkId id) {
 
 // ---- budgets, errors, stats -------------------------------------------------------
 
-void ChunkScheduler::set_budget(MemorySpace space, std::size_t bytes) {
+void ChunkScheduler::set_budget(MemorySpace space, std::size_t bytes, BlockFrees frees) {
   TIDAL_CHECK(is_placeable(space), "chunk scheduler: set_budget of memory space '",
               to_string(space), "'; expected host or device");
   const std::size_t old = budget_[index_of(space)];
   budget_[index_of(space)] = bytes;
   try {
     while (pool_.held_bytes(space) > bytes) {
-      if (pool_.trim_one(space)) continue;
+      if (frees == BlockFrees::kNow ? pool_.trim_one(space) : pool_.trim_one_ready(space)) continue;
+      // Note [Blocks leaving over a lowered budget]: the blocks cached now
+      // are still being copied out of; they go when their room is needed.
+      if (pool_.held_bytes(space) - pool_.cached_bytes(space) <= bytes) {
+        stats_.bytes_left_leaving += pool_.held_bytes(space) - bytes;
+        break;
+      }
       RoomRequest request;
       request.space = space;
       const ChunkId victim = choose_victim(request);
@@ -675,6 +705,13 @@ void ChunkScheduler::set_budget(MemorySpace space, std::size_t bytes) {
     throw;
   }
   debug_validate();
+}
+
+bool ChunkScheduler::free_leaving_block(MemorySpace space) {
+  if (pool_.held_bytes(space) <= budget_[index_of(space)]) return false;
+  const bool freed = pool_.trim_one(space);
+  debug_validate();
+  return freed;
 }
 
 void ChunkScheduler::throw_no_room(const RoomRequest& request, const char* why) const {

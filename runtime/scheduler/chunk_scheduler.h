@@ -26,7 +26,29 @@
 // chunk]); otherwise a full host budget is an error at once. When no chunk
 // is movable (all pinned by COMPUTE slots), access() throws
 // OutOfMemoryError naming the chunk it needed, the budget, the resident
-// bytes and what is pinned.
+// bytes and what is pinned. A budget lowered with BlockFrees::kWhenNeeded is
+// the one exception to "all": Note [Blocks leaving over a lowered budget].
+//
+// Note [Blocks leaving over a lowered budget]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// The memory tracer lowers the device budget at a trace point for the
+// activations of the interval that starts there (Note [The memory tracer]).
+// The chunks over the new budget leave at once (their copies down start on
+// the copy stream), but their device blocks are busy until those copies
+// land, so freeing the blocks there, as set_budget does, made the hook's
+// thread wait for each copy: a synchronous eviction, the link time of every
+// chunk evicted in a steady step (block_waits; issue 52: 12 of the 16
+// evictions of step_overlap_clip's clip_all step waited). With kWhenNeeded
+// the lowering frees only blocks whose copies are done and leaves the others
+// cached, over the budget, until someone needs their room: an activation
+// that finds no room (the room maker, hooks/device_room.h, frees them first,
+// ready ones first), a chunk that needs device room (make_room trims before
+// it evicts), or the next lowering. By then the copy has had the compute
+// since the point to land. Meanwhile they count as held, so the non-chunk
+// limit the tracer sets (the limit less the chunk bytes held) leaves the
+// device's total within its budget at every moment; only chunks are kept to
+// the lowered budget: a cached block is reused for a chunk only while the
+// resident bytes stay within it (reuse_block).
 //
 // Note [One place per chunk]
 // ~~~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -133,6 +155,13 @@
 // paging would, only earlier (evicting "anything used later" instead would
 // shrink the cache the steady working set lives in, and move more). It stops
 // at the first chunk it cannot place: order is kept, nothing is skipped.
+// Nor does a prefetch to the device wait: where its room is in cached
+// blocks still being copied out of (Note [Blocks leaving over a lowered
+// budget]), it stops there, and the cursor tries again after the next
+// access (a prefetch waiting for them made the hook's thread wait for the
+// copies of the chunks a lowering had just evicted: 20-25 waits a step in
+// step_overlap_clip's clip_all). A prefetch to the host (from disk) still
+// waits, which keeps the disk tier's traffic the same from run to run.
 // The cursor passes chunks already in place; when such a chunk leaves its
 // place before the use the cursor passed (a budget that shrinks at a trace
 // point evicts it, or a demand access does), the cursor goes back to that
@@ -186,6 +215,11 @@ namespace tidal {
 // nothing writes the chunk's bytes until the release, or that mark_written()
 // says so before it.
 enum class AccessMode : std::uint8_t { kRead, kWrite };
+
+// When set_budget frees the cached blocks over a lowered budget: at once,
+// waiting for the copies still running out of them, or as their room is
+// needed (Note [Blocks leaving over a lowered budget]).
+enum class BlockFrees : std::uint8_t { kNow, kWhenNeeded };
 
 struct ChunkSchedulerOptions {
   // See Note [Chunk budgets]. 0 for the device means its capacity().
@@ -271,9 +305,15 @@ struct ChunkSchedulerStats {
   std::uint64_t pageable_copies = 0;
   // Frees of cached blocks that blocked the thread on a running copy.
   std::uint64_t block_waits = 0;
+  // Bytes of cached blocks a lowering left over the budget, their copies out
+  // still running (Note [Blocks leaving over a lowered budget]).
+  std::uint64_t bytes_left_leaving = 0;
   // The prefetch cursor went back to a chunk that left its place after the
   // cursor had passed it (Note [Prefetch]).
   std::uint64_t prefetch_rewinds = 0;
+  // Prefetches that stopped instead of waiting for a cached block's copy
+  // (Note [Prefetch]); the cursor tried again after the next access.
+  std::uint64_t prefetches_put_off = 0;
   // Moves started by send_ahead (also counted in prefetches).
   std::uint64_t prefetches_ahead = 0;
   std::uint64_t moves_host_to_device = 0;
@@ -352,8 +392,14 @@ class ChunkScheduler {
 
   // Changes a budget; shrinking evicts (device) or frees cached blocks until
   // the held bytes fit, and throws OutOfMemoryError, leaving the budget as it
-  // was, when they cannot.
-  void set_budget(MemorySpace space, std::size_t bytes);
+  // was, when they cannot. With BlockFrees::kWhenNeeded, cached blocks whose
+  // copies still run stay over the budget (Note [Blocks leaving over a
+  // lowered budget]); only the resident bytes must fit.
+  void set_budget(MemorySpace space, std::size_t bytes, BlockFrees frees = BlockFrees::kNow);
+  // Frees one cached block of `space` if the held bytes exceed its budget
+  // (blocks a kWhenNeeded lowering left), one whose copy is done first, else
+  // after waiting for the oldest. Returns whether it freed one.
+  bool free_leaving_block(MemorySpace space);
   std::size_t budget(MemorySpace space) const { return budget_[index_of(space)]; }
   // The most chunk bytes the device may hold now beside its other bytes (the
   // engine's memory tracer: the budget less the margin less the non-chunk
@@ -461,6 +507,12 @@ class ChunkScheduler {
   bool place(ChunkId id, MemorySpace space, const RoomRequest& request);
   bool make_room(const RoomRequest& request);
   BlockPtr acquire_block(const RoomRequest& request);
+  // Whether a chunk of `bytes` may take a cached block of `space`: the
+  // resident bytes stay within its budget (Note [Blocks leaving over a
+  // lowered budget]).
+  bool may_reuse(MemorySpace space, std::size_t bytes) const;
+  // pool_.take_cached where may_reuse, else null.
+  BlockPtr reuse_block(MemorySpace space, std::size_t bytes, bool pinned = false);
   ChunkId choose_victim(const RoomRequest& request);
   // Whether chunk `id` may go to the disk tier (there is one, and its list is
   // in disk_kinds).

@@ -60,7 +60,8 @@ std::size_t MemoryTracer::live() { return meter_->read().first; }
 void MemoryTracer::set_chunk_budget(std::size_t bytes) {
   if (bytes == scheduler_->budget(MemorySpace::kDevice)) return;
   try {
-    scheduler_->set_budget(MemorySpace::kDevice, bytes);
+    // Note [Blocks leaving over a lowered budget] in chunk_scheduler.h.
+    scheduler_->set_budget(MemorySpace::kDevice, bytes, BlockFrees::kWhenNeeded);
   } catch (const OutOfMemoryError&) {
     // Chunks in use (COMPUTE) hold more than that; the budget stays, and
     // the next access still cannot exceed it. (Not an overrun by itself:

@@ -8,6 +8,7 @@
 
 #include <string>
 #include <thread>
+#include <vector>
 
 #include "runtime/core/error.h"
 #include "runtime/memory/host_buffer.h"
@@ -463,6 +464,73 @@ TEST(ChunkScheduler, SetBudgetShrinksByEvictingAndRefusesBelowWhatIsPinned) {
     s.release(p16(t), TensorState::kHold);
   }
   EXPECT_THROW(s.set_budget(MemorySpace::kNone, 0), ValueError);
+  s.validate();
+}
+
+TEST(ChunkScheduler, ALoweringThatFreesWhenNeededLeavesTheCopiesRunningAndTheChunksWithinIt) {
+  // Note [Blocks leaving over a lowered budget]. 4 KiB at 20 kB/s: each copy
+  // takes about 200 ms, far longer than a lowering that does not wait.
+  constexpr std::size_t kDevIndex = index_of(kDev);
+  auto fill = [](ChunkScheduler& s) {
+    for (TensorId t = 0; t < 4; ++t) {
+      write_pattern(s.access(p16(t), kDev), kFull * 2, 50 + t);
+      s.release(p16(t), TensorState::kHold);
+    }
+  };
+  auto on_host = [](const ChunkScheduler& s) {
+    std::vector<ChunkId> ids;
+    for (TensorId t = 0; t < 4; ++t) {
+      const ChunkId id = s.store().chunk_of(p16(t));
+      if (s.store().chunk(id).space() == kHost) ids.push_back(id);
+    }
+    return ids;
+  };
+  // Freeing at once (set_budget's default) waits for the copies down.
+  {
+    ChunkScheduler s(make_store(std::vector<std::size_t>(4, kFull), kChunk), make_device(kKiB * kKiB, 2e4),
+                     no_prefetch(4 * kChunk));
+    fill(s);
+    s.set_budget(kDev, 2 * kChunk);
+    EXPECT_EQ(s.stats().evictions, 2u);
+    EXPECT_EQ(s.stats().block_waits, 2u);
+    EXPECT_EQ(s.stats().held_bytes[kDevIndex], 2 * kChunk);
+    s.validate();
+  }
+  ChunkScheduler s(make_store(std::vector<std::size_t>(4, kFull), kChunk), make_device(kKiB * kKiB, 2e4),
+                   no_prefetch(4 * kChunk));
+  fill(s);
+  s.set_budget(kDev, 2 * kChunk, BlockFrees::kWhenNeeded);
+  // The chunks left; their blocks stay, over the budget, while they are copied out of.
+  const std::vector<ChunkId> left = on_host(s);
+  ASSERT_EQ(left.size(), 2u);
+  for (ChunkId id : left) EXPECT_NE(s.copy_fence(id), nullptr) << "chunk " << id << "'s copy down waited for";
+  EXPECT_EQ(s.stats().block_waits, 0u);
+  EXPECT_EQ(s.stats().resident_bytes[kDevIndex], 2 * kChunk);
+  EXPECT_EQ(s.stats().held_bytes[kDevIndex], 4 * kChunk);
+  EXPECT_EQ(s.stats().bytes_left_leaving, 2 * kChunk);
+  s.validate();
+  // A chunk coming up takes a leaving block only in place of a chunk that
+  // leaves: the resident bytes stay within the budget, and nothing waits for
+  // a block (the access waits for its own copy: no compute stream here).
+  const TensorId back = left[0] == s.store().chunk_of(p16(0)) ? 0 : 1;
+  EXPECT_TRUE(has_pattern(s.access(p16(back), kDev), kFull * 2, 50 + back));
+  s.release(p16(back), TensorState::kHold);
+  EXPECT_EQ(s.stats().evictions, 3u);
+  EXPECT_EQ(s.stats().resident_bytes[kDevIndex], 2 * kChunk);
+  EXPECT_EQ(s.stats().held_bytes[kDevIndex], 4 * kChunk);
+  EXPECT_EQ(s.stats().block_waits, 0u);
+  s.validate();
+  // Whoever needs the room frees the leaving blocks, one at a time, until
+  // the held bytes are within the budget.
+  EXPECT_TRUE(s.free_leaving_block(kDev));
+  EXPECT_EQ(s.stats().held_bytes[kDevIndex], 3 * kChunk);
+  EXPECT_TRUE(s.free_leaving_block(kDev));
+  EXPECT_EQ(s.stats().held_bytes[kDevIndex], 2 * kChunk);
+  EXPECT_FALSE(s.free_leaving_block(kDev));
+  for (TensorId t = 0; t < 4; ++t) {
+    EXPECT_TRUE(has_pattern(s.access(p16(t), kHost), kFull * 2, 50 + t));
+    s.release(p16(t), TensorState::kHold);
+  }
   s.validate();
 }
 

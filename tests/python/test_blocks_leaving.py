@@ -1,0 +1,87 @@
+"""Chunks that a trace point's lowered budget evicts in every steady step
+(Note [Blocks leaving over a lowered budget] in
+runtime/scheduler/chunk_scheduler.h): step_overlap_clip's GPT (vocab 8192,
+d 256, 8 layers, 1 MiB chunks, a 48 MiB device budget) on a simulated link
+slow enough (200 MB/s) that every copy down is still running when the
+lowering returns. The lowering no longer waits for those copies: it leaves
+the evicted chunks' blocks cached over the budget until an activation or a
+chunk needs their room, and a prefetch that finds its room only there stops
+instead of waiting (Note [Prefetch]). Before, the lowering freed each block
+at once, waiting on the hook's thread for its copy (issue 52: 12 of the 16
+evictions of a steady step waited, on the default link), and a prefetch
+right after it waited for the same copies.
+
+The reference is the same model trained where everything fits: nothing
+moves there, so the losses and weights must be the same bits.
+"""
+import copy
+
+import pytest
+import torch
+
+import tidal
+from tidal.models.gpt import TinyGPT
+
+from engine_helpers import within_budget
+
+VOCAB, D, LAYERS, SEQ, BATCH = 8192, 256, 8, 64, 4
+STEPS, STEADY = 8, 3
+COUNTERS = ("evictions", "bytes_left_leaving", "prefetches_put_off", "prefetch_hits", "misses",
+            "bytes_host_to_device", "bytes_device_to_host")
+
+
+def config(budget):
+    return {"train_micro_batch_size_per_gpu": BATCH, "gradient_clipping": 1.0, "bf16": {"enabled": True},
+            "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},
+            "tidal": {"chunk_size": "1MiB", "device_memory_budget": budget}}
+
+
+def train(engine, batches):
+    """Losses, and the scheduler's counters after each step."""
+    losses, counters = [], []
+    for x, y in batches:
+        loss = engine(x, y)
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+        s = engine.chunks.stats()
+        counters.append({k: s[k] for k in COUNTERS})
+    return losses, counters
+
+
+@pytest.fixture
+def model_and_batches():
+    torch.manual_seed(0)
+    model = TinyGPT(vocab=VOCAB, d=D, layers=LAYERS, heads=4, seq=SEQ)
+    g = torch.Generator().manual_seed(1)
+    batches = [(torch.randint(0, VOCAB, (BATCH, SEQ), generator=g),
+                torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)) for _ in range(STEPS)]
+    return model, batches
+
+
+def test_chunks_evicted_at_a_trace_point_leave_their_blocks_to_whoever_needs_the_room(model_and_batches):
+    model, batches = model_and_batches
+    tidal.set_device("sim", capacity="8GiB")
+    fits = tidal.initialize(copy.deepcopy(model), config(0))
+    ref_losses, _ = train(fits, batches)
+    ref_weights = fits.parameters_fp32()
+    fits.remove_hooks()
+
+    tidal.set_device("sim", capacity="8GiB", bandwidth="200MB/s")
+    engine = tidal.initialize(copy.deepcopy(model), config("48MiB"))
+    losses, counters = train(engine, batches)
+    assert losses == ref_losses  # bitwise: copies change no bits
+    weights = engine.parameters_fp32()
+    assert all(torch.equal(weights[n], ref_weights[n]) for n in ref_weights)
+    within_budget(engine)
+
+    steady = [{k: b[k] - a[k] for k in COUNTERS} for a, b in zip(counters[-STEADY - 1:], counters[-STEADY:])]
+    for step in steady:
+        # The path fires: every steady step evicts at its trace points, and
+        # the lowerings leave blocks still being copied out of.
+        assert step["evictions"] > 0 and step["bytes_left_leaving"] > 0, step
+        copies = step["prefetch_hits"] + step["misses"]
+        assert copies > 0 and step["prefetch_hits"] >= 0.9 * copies, step
+    # A prefetch found its room only in those blocks, and stopped (with the
+    # link this slow, in every steady step).
+    assert sum(step["prefetches_put_off"] for step in steady) > 0, steady
