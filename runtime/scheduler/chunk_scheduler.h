@@ -155,12 +155,12 @@
 // paging would, only earlier (evicting "anything used later" instead would
 // shrink the cache the steady working set lives in, and move more). It stops
 // at the first chunk it cannot place: order is kept, nothing is skipped.
-// Nor does a prefetch to the device wait: where its room is in cached
-// blocks still being copied out of (Note [Blocks leaving over a lowered
-// budget]), it stops there, and the cursor tries again after the next
-// access (a prefetch waiting for them made the hook's thread wait for the
-// copies of the chunks a lowering had just evicted: 20-25 waits a step in
-// step_overlap_clip's clip_all). A prefetch to the host (from disk) still
+// Nor does a prefetch to the device wait: where the only blocks it could
+// free are cached ones still being copied out of (Note [Blocks leaving over
+// a lowered budget]), it stops there, and the cursor tries again after the
+// next access (a prefetch waiting for them made the hook's thread wait for
+// the copies of the chunks a lowering had just evicted: 20-25 waits a step
+// in step_overlap_clip's clip_all). A prefetch to the host (from disk) still
 // waits, which keeps the disk tier's traffic the same from run to run.
 // The cursor passes chunks already in place; when such a chunk leaves its
 // place before the use the cursor passed (a budget that shrinks at a trace
@@ -311,8 +311,10 @@ struct ChunkSchedulerStats {
   // The prefetch cursor went back to a chunk that left its place after the
   // cursor had passed it (Note [Prefetch]).
   std::uint64_t prefetch_rewinds = 0;
-  // Prefetches that stopped instead of waiting for a cached block's copy
-  // (Note [Prefetch]); the cursor tried again after the next access.
+  // Prefetches to the device that stopped, finding only cached blocks still
+  // being copied out of, instead of waiting for them (Note [Prefetch]; those
+  // blocks would not always have made the room); the cursor tried again
+  // after the next access.
   std::uint64_t prefetches_put_off = 0;
   // Moves started by send_ahead (also counted in prefetches).
   std::uint64_t prefetches_ahead = 0;

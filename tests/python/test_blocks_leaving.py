@@ -5,8 +5,8 @@ d 256, 8 layers, 1 MiB chunks, a 48 MiB device budget) on a simulated link
 slow enough (200 MB/s) that every copy down is still running when the
 lowering returns. The lowering no longer waits for those copies: it leaves
 the evicted chunks' blocks cached over the budget until an activation or a
-chunk needs their room, and a prefetch that finds its room only there stops
-instead of waiting (Note [Prefetch]). Before, the lowering freed each block
+chunk needs their room, and a prefetch that finds only those blocks to free
+stops instead of waiting for them (Note [Prefetch]). Before, the lowering freed each block
 at once, waiting on the hook's thread for its copy (issue 52: 12 of the 16
 evictions of a steady step waited, on the default link), and a prefetch
 right after it waited for the same copies.
@@ -82,6 +82,6 @@ def test_chunks_evicted_at_a_trace_point_leave_their_blocks_to_whoever_needs_the
         assert step["evictions"] > 0 and step["bytes_left_leaving"] > 0, step
         copies = step["prefetch_hits"] + step["misses"]
         assert copies > 0 and step["prefetch_hits"] >= 0.9 * copies, step
-    # A prefetch found its room only in those blocks, and stopped (with the
-    # link this slow, in every steady step).
+    # A prefetch found only those blocks to free, and stopped instead of
+    # waiting for their copies.
     assert sum(step["prefetches_put_off"] for step in steady) > 0, steady
