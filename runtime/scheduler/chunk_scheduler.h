@@ -42,8 +42,9 @@
 // the lowering frees only blocks whose copies are done and leaves the others
 // cached, over the budget, until someone needs their room: an activation
 // that finds no room (the room maker, hooks/device_room.h, frees them first,
-// ready ones first), a chunk that needs device room (make_room trims before
-// it evicts), or the next lowering. By then the copy has had the compute
+// ready ones first), a chunk that needs device room (make_room frees them
+// where that makes the room; otherwise a chunk must leave anyway, and its
+// block may serve), or the next lowering. By then the copy has had the compute
 // since the point to land. Meanwhile they count as held, so the non-chunk
 // limit the tracer sets (the limit less the chunk bytes held) leaves the
 // device's total within its budget at every moment; only chunks are kept to
