@@ -172,7 +172,12 @@ std::size_t DeviceRoom::evict_chunk() {
 }
 
 std::size_t DeviceRoom::dtr_threshold() const {
-  const std::size_t held = scheduler_->stats().held_bytes[index_of(MemorySpace::kDevice)];
+  // Blocks a lowering left over the budget are the activations' room once
+  // freed (Note [Blocks leaving over a lowered budget]): the room maker
+  // frees them when an allocation needs it, so DTR does not evict for them.
+  const ChunkSchedulerStats s = scheduler_->stats();
+  const std::size_t device = index_of(MemorySpace::kDevice);
+  const std::size_t held = std::min(s.held_bytes[device], s.budget_bytes[device]);
   std::size_t limit = dtr_limit_ > held ? dtr_limit_ - held : 0;
   if (dtr_cap_ > 0) limit = std::min(limit, dtr_cap_);
   return std::max<std::size_t>(limit, 1);

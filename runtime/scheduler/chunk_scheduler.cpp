@@ -419,10 +419,11 @@ bool ChunkScheduler::make_room(const RoomRequest& request) {
     const std::size_t resident = held - pool_.cached_bytes(space);
     const bool cache_makes_room = resident <= budget && request.bytes <= budget - resident;
     const ChunkId victim = cache_makes_room ? kNoChunk : choose_victim(request);
-    // A prefetch to the device never waits for a block (Note [Prefetch]):
-    // it gives up, and the cursor tries again after the next access.
+    // A prefetch to the device does not wait for blocks a lowering left
+    // (Note [Prefetch]): it gives up, and the cursor tries again after the
+    // next access.
     if (victim == kNoChunk && request.prefetch && space == MemorySpace::kDevice &&
-        pool_.cached_blocks(space) > 0) {
+        held > budget_[index_of(space)]) {
       ++stats_.prefetches_put_off;
       return false;
     }
@@ -681,6 +682,8 @@ void ChunkScheduler::set_budget(MemorySpace space, std::size_t bytes, BlockFrees
   TIDAL_CHECK(is_placeable(space), "chunk scheduler: set_budget of memory space '",
               to_string(space), "'; expected host or device");
   const std::size_t old = budget_[index_of(space)];
+  // (Blocks an earlier lowering left, still cached over the old budget.)
+  const std::size_t left_before = pool_.held_bytes(space) > old ? pool_.held_bytes(space) - old : 0;
   budget_[index_of(space)] = bytes;
   try {
     while (pool_.held_bytes(space) > bytes) {
@@ -688,7 +691,8 @@ void ChunkScheduler::set_budget(MemorySpace space, std::size_t bytes, BlockFrees
       // Note [Blocks leaving over a lowered budget]: the blocks cached now
       // are still being copied out of; they go when their room is needed.
       if (pool_.held_bytes(space) - pool_.cached_bytes(space) <= bytes) {
-        stats_.bytes_left_leaving += pool_.held_bytes(space) - bytes;
+        const std::size_t left = pool_.held_bytes(space) - bytes;
+        stats_.bytes_left_leaving += left > left_before ? left - left_before : 0;
         break;
       }
       RoomRequest request;

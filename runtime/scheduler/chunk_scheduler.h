@@ -20,8 +20,10 @@
 // A budget bounds all chunk memory the scheduler holds in a space: payloads
 // of resident chunks, blocks still being copied from, and free blocks kept
 // for reuse (Note [Block fences] in block_pool.h). Before it grows, the
-// scheduler frees cached blocks and then evicts chunks (device -> host) in
-// the policy's order; resident bytes never exceed the budget. Host chunks
+// scheduler frees cached blocks whose copies are done, then, where freeing
+// the others would make the room, those (waiting for their copies), and
+// otherwise evicts chunks (device -> host) in the policy's order; resident
+// bytes never exceed the budget. Host chunks
 // go to the device only where it has free room (Note [One place per
 // chunk]); otherwise a full host budget is an error at once. When no chunk
 // is movable (all pinned by COMPUTE slots), access() throws
@@ -31,6 +33,7 @@
 //
 // Note [Blocks leaving over a lowered budget]
 // ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// (Device only; the host frees cached blocks before it evicts, as above.)
 // The memory tracer lowers the device budget at a trace point for the
 // activations of the interval that starts there (Note [The memory tracer]).
 // The chunks over the new budget leave at once (their copies down start on
@@ -156,10 +159,11 @@
 // paging would, only earlier (evicting "anything used later" instead would
 // shrink the cache the steady working set lives in, and move more). It stops
 // at the first chunk it cannot place: order is kept, nothing is skipped.
-// Nor does a prefetch to the device wait: where the only blocks it could
-// free are cached ones still being copied out of (Note [Blocks leaving over
-// a lowered budget]), it stops there, and the cursor tries again after the
-// next access (a prefetch waiting for them made the hook's thread wait for
+// Nor does a prefetch to the device wait for the blocks a lowering left
+// (Note [Blocks leaving over a lowered budget]): where the only blocks it
+// could free are cached ones still being copied out of while some are over
+// the budget, it stops there, and the cursor tries again after the next
+// access (a prefetch waiting for them made the hook's thread wait for
 // the copies of the chunks a lowering had just evicted: 20-25 waits a step
 // in step_overlap_clip's clip_all). A prefetch to the host (from disk) still
 // waits, which keeps the disk tier's traffic the same from run to run.
@@ -467,7 +471,9 @@ class ChunkScheduler {
 
   // Checks the store's invariants and the scheduler's own: every payload is
   // one live block of the chunk's size in the chunk's space, resident lists
-  // match the store, held bytes = resident + cached <= budget in each space,
+  // match the store, held bytes = resident + cached, resident <= budget in
+  // each space and held <= budget on the host (Note [Blocks leaving over a
+  // lowered budget]),
   // the prefetch count matches the flags, the trace bookkeeping is in step.
   // Runs after every operation under TIDAL_DEBUG_FULL.
   void validate() const;

@@ -69,9 +69,13 @@ void ChunkScheduler::validate() const {
                           to_string(space), ": held ", pool_.held_bytes(space), " != resident ",
                           store_.bytes_in(space), " + cached ", pool_.cached_bytes(space),
                           " (a block leaked)");
-    // Note [Blocks leaving over a lowered budget]: cached blocks may be over it.
+    // Note [Blocks leaving over a lowered budget]: on the device, cached
+    // blocks may be over it.
     TIDAL_INTERNAL_ASSERT(store_.bytes_in(space) <= budget_[s], to_string(space), ": resident ",
                           store_.bytes_in(space), " bytes over the budget of ", budget_[s]);
+    TIDAL_INTERNAL_ASSERT(space == MemorySpace::kDevice || pool_.held_bytes(space) <= budget_[s],
+                          to_string(space), ": held ", pool_.held_bytes(space), " bytes over the budget of ",
+                          budget_[s]);
     TIDAL_INTERNAL_ASSERT(stats_.peak_resident_bytes[s] >= store_.bytes_in(space),
                           "peak below resident");
   }

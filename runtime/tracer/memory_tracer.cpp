@@ -165,7 +165,8 @@ void MemoryTracer::grow_warmup_room(std::size_t need) {
   const std::size_t room = limit() > now ? limit() - now : 0;
   const std::size_t budget = std::min(warmup_room_, room);
   if (budget > scheduler_->budget(MemorySpace::kDevice)) {
-    scheduler_->set_budget(MemorySpace::kDevice, budget);
+    // (A raise: blocks a lowering left stay until their room is needed.)
+    scheduler_->set_budget(MemorySpace::kDevice, budget, BlockFrees::kWhenNeeded);
   }
   update_nonchunk_limit();
 }
@@ -173,7 +174,7 @@ void MemoryTracer::grow_warmup_room(std::size_t need) {
 void MemoryTracer::make_room(std::size_t need) {
   need = std::min(need, limit());
   if (need > scheduler_->budget(MemorySpace::kDevice)) {
-    scheduler_->set_budget(MemorySpace::kDevice, need);
+    scheduler_->set_budget(MemorySpace::kDevice, need, BlockFrees::kWhenNeeded);  // (as above)
   }
   update_nonchunk_limit();
 }

@@ -468,8 +468,8 @@ TEST(ChunkScheduler, SetBudgetShrinksByEvictingAndRefusesBelowWhatIsPinned) {
 }
 
 TEST(ChunkScheduler, ALoweringThatFreesWhenNeededLeavesTheCopiesRunningAndTheChunksWithinIt) {
-  // Note [Blocks leaving over a lowered budget]. 4 KiB at 20 kB/s: each copy
-  // takes about 200 ms, far longer than a lowering that does not wait.
+  // Note [Blocks leaving over a lowered budget]. 4 KiB at 10 kB/s: each copy
+  // takes about 400 ms, far longer than a lowering that does not wait.
   constexpr std::size_t kDevIndex = index_of(kDev);
   auto fill = [](ChunkScheduler& s) {
     for (TensorId t = 0; t < 4; ++t) {
@@ -487,7 +487,7 @@ TEST(ChunkScheduler, ALoweringThatFreesWhenNeededLeavesTheCopiesRunningAndTheChu
   };
   // Freeing at once (set_budget's default) waits for the copies down.
   {
-    ChunkScheduler s(make_store(std::vector<std::size_t>(4, kFull), kChunk), make_device(kKiB * kKiB, 2e4),
+    ChunkScheduler s(make_store(std::vector<std::size_t>(4, kFull), kChunk), make_device(kKiB * kKiB, 1e4),
                      no_prefetch(4 * kChunk));
     fill(s);
     s.set_budget(kDev, 2 * kChunk);
@@ -496,7 +496,7 @@ TEST(ChunkScheduler, ALoweringThatFreesWhenNeededLeavesTheCopiesRunningAndTheChu
     EXPECT_EQ(s.stats().held_bytes[kDevIndex], 2 * kChunk);
     s.validate();
   }
-  ChunkScheduler s(make_store(std::vector<std::size_t>(4, kFull), kChunk), make_device(kKiB * kKiB, 2e4),
+  ChunkScheduler s(make_store(std::vector<std::size_t>(4, kFull), kChunk), make_device(kKiB * kKiB, 1e4),
                    no_prefetch(4 * kChunk));
   fill(s);
   s.set_budget(kDev, 2 * kChunk, BlockFrees::kWhenNeeded);
