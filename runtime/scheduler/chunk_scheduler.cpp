@@ -416,7 +416,7 @@ bool ChunkScheduler::make_room(const RoomRequest& request) {
     // lowered budget]): waited for only where freeing them all would make
     // the room; otherwise a chunk must leave anyway, and its block may serve
     // this request.
-    const std::size_t resident = held - pool_.cached_bytes(space);
+    const std::size_t resident = store_.bytes_in(space);
     const bool cache_makes_room = resident <= budget && request.bytes <= budget - resident;
     const ChunkId victim = cache_makes_room ? kNoChunk : choose_victim(request);
     // A prefetch to the device does not wait for blocks a lowering left
@@ -489,7 +489,7 @@ bool ChunkScheduler::spill_to_device(const RoomRequest& request) {
 }
 
 bool ChunkScheduler::may_reuse(MemorySpace space, std::size_t bytes) const {
-  const std::size_t resident = pool_.held_bytes(space) - pool_.cached_bytes(space);
+  const std::size_t resident = store_.bytes_in(space);
   const std::size_t budget = budget_[index_of(space)];
   return resident <= budget && bytes <= budget - resident;
 }
@@ -690,7 +690,7 @@ void ChunkScheduler::set_budget(MemorySpace space, std::size_t bytes, BlockFrees
       if (frees == BlockFrees::kNow ? pool_.trim_one(space) : pool_.trim_one_ready(space)) continue;
       // Note [Blocks leaving over a lowered budget]: the blocks cached now
       // are still being copied out of; they go when their room is needed.
-      if (pool_.held_bytes(space) - pool_.cached_bytes(space) <= bytes) {
+      if (frees == BlockFrees::kWhenNeeded && store_.bytes_in(space) <= bytes) {
         const std::size_t left = pool_.held_bytes(space) - bytes;
         stats_.bytes_left_leaving += left > left_before ? left - left_before : 0;
         break;
