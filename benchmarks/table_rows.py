@@ -721,6 +721,27 @@ def _step_overlap_idle(r: Dict) -> List[Figure]:
     return out
 
 
+def _evict_ahead(r: Dict) -> List[Figure]:
+    """Chunks a lowering evicts leaving at their last use before it, against leaving at the point."""
+    sh = r["shape"]
+    out = []
+    for link, p in r["links"].items():
+        ahead, at = p["ahead"], p["at_points"]
+        what = (f"training step, GPT (vocab {sh['vocab']}, d {sh['d']}, {sh['layers']} layers, 1 MiB chunks, "
+                f"bf16), chunk room a quarter of the 16-bit chunks beside the activations, simulated link "
+                f"{link} each way, the chunks a trace point's lowering evicts leaving at their last use before it "
+                f"(tidal.evict_ahead, default; {ahead['evictions_ahead_per_step']:.0f} of "
+                f"{ahead['evictions_per_step']:.0f} evictions a step; block waits "
+                f"{ahead['block_waits_per_step']:.1f} a step, {ahead['block_wait_seconds_per_step'] * 1e3:.1f} ms, "
+                f"against {at['block_waits_per_step']:.1f}, {at['block_wait_seconds_per_step'] * 1e3:.1f} ms; "
+                f"{ahead['bytes_host_to_device_per_step'] / 2**20:.1f} MiB up a step either way; "
+                f"{p['ahead_over_fits']:.2f}x the step where everything fits)")
+        out.append(Figure(what, spread(ahead["step_s"], "ms", ".0f", 1e3),
+                          f"{at['step_s']['median'] * 1e3:.0f} ms, leaving at the point (evict_ahead off)",
+                          f"{p['step_ahead_over_at_points']:.2f}"))
+    return out
+
+
 # Per result file's "benchmark" field.
 PERFORMANCE: Dict[str, Rows] = {
     "step_overlap_idle": Rows(_step_overlap_idle, skip_quick=True),
@@ -736,6 +757,7 @@ PERFORMANCE: Dict[str, Rows] = {
     "step_overlap_clip-compute1": Rows(_step_overlap_clip, skip_quick=True),
     "step_overlap_clip-vocab2048-compute1": Rows(_step_overlap_clip, skip_quick=True),
     "step_overlap_cost": Rows(_step_overlap_cost, skip_quick=True),
+    "evict_ahead": Rows(_evict_ahead, skip_quick=True),
     "step_overlap_cost-accum2": Rows(_step_overlap_cost, skip_quick=True),
     "cpu_adam": Rows(_cpu_adam),
     "device_bandwidth": Rows(_device_bandwidth),

@@ -27,6 +27,7 @@ struct EngineChunksOptions {
   std::size_t host_budget = 0;          // 0: the scheduler's default
   bool prefetch = true;
   std::size_t prefetch_depth = 4;
+  bool evict_ahead = true;
   std::string policy = "opt";
   bool pin_host_memory = true;
   std::optional<std::uintptr_t> compute_stream;  // torch's stream, to order copies against

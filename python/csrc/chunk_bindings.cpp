@@ -93,8 +93,10 @@ void bind_records(py::module_& m) {
   TIDAL_FIELD(host_bytes_pinned);
   TIDAL_FIELD(pageable_copies);
   TIDAL_FIELD(block_waits);
+  TIDAL_FIELD(block_wait_seconds);
   TIDAL_FIELD(bytes_left_leaving);
   TIDAL_FIELD(prefetch_rewinds);
+  TIDAL_FIELD(evictions_ahead);
   TIDAL_FIELD(prefetches_put_off);
   TIDAL_FIELD(prefetches_ahead);
   TIDAL_FIELD(moves_host_to_device);
@@ -565,7 +567,8 @@ Python thread drives a Chunks object.)doc");
   py::class_<Chunks>(m, "Chunks")
       .def(py::init([](std::shared_ptr<Device> device, std::size_t chunk_bytes, const std::string& param_dtype,
                        std::size_t device_budget, std::size_t host_budget, bool prefetch,
-                       std::size_t prefetch_depth, const std::string& policy, bool pin_host_memory,
+                       std::size_t prefetch_depth, bool evict_ahead, const std::string& policy,
+                       bool pin_host_memory,
                        std::optional<std::uintptr_t> compute_stream, const std::string& torch_device,
                        std::size_t host_reserve, const std::string& state_dtype,
                        const std::string& disk_path, std::size_t disk_budget,
@@ -580,6 +583,7 @@ Python thread drives a Chunks object.)doc");
              o.host_budget = host_budget;
              o.prefetch = prefetch;
              o.prefetch_depth = prefetch_depth;
+             o.evict_ahead = evict_ahead;
              o.policy = policy;
              o.pin_host_memory = pin_host_memory;
              o.compute_stream = compute_stream;
@@ -597,7 +601,7 @@ Python thread drives a Chunks object.)doc");
            }),
            py::arg("device"), py::kw_only(), py::arg("chunk_bytes"), py::arg("param_dtype"),
            py::arg("device_budget"), py::arg("host_budget") = 0, py::arg("prefetch") = true,
-           py::arg("prefetch_depth") = 4, py::arg("policy") = "opt",
+           py::arg("prefetch_depth") = 4, py::arg("evict_ahead") = true, py::arg("policy") = "opt",
            py::arg("pin_host_memory") = true, py::arg("compute_stream") = py::none(),
            py::arg("torch_device") = "cpu", py::arg("host_reserve") = 0,
            py::arg("state_dtype") = "float32", py::arg("disk_path") = "", py::arg("disk_budget") = 0,

@@ -98,6 +98,10 @@ _TIDAL_SCHEMA: dict[str, Any] = {
                                                   "trace is known; in (0, 1]"),
         "prefetch": (bool, True, "prefetch chunks ahead of use along the trace"),
         "prefetch_depth": (int, 4, "prefetched chunks that may wait for their use"),
+        "evict_ahead": (bool, True, "a chunk that a trace point's lowered budget (the activations "
+                                    "growing) will evict leaves at its last use before that point, "
+                                    "so its copy down runs under the compute between (docs/engine.md); "
+                                    "off: it leaves at the point, to measure what this saves"),
         "eviction_policy": (("opt", "lru"), "opt", "OPT over the trace, or LRU"),
         "hybrid_adam": (bool, True, "update on the device the chunks whose states fit the chunk room left at the activation peak (they stay there); the others on the host"),
         "room_on_miss": (bool, True, "an allocation the device's allocator cannot serve within the "
@@ -187,5 +191,5 @@ _REJECTED = {
 }
 
 # A block with more keys than this is not listed whole in an unknown-key error.
-_LISTED_KEYS = 24
+_LISTED_KEYS = 30
 

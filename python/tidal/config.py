@@ -191,6 +191,7 @@ class Config:
     warmup_chunk_share: float = 0.2
     prefetch: bool = True
     prefetch_depth: int = 4
+    evict_ahead: bool = True
     eviction_policy: str = "opt"
     hybrid_adam: bool = True
     simulated_allocator: str = "auto"
@@ -583,6 +584,7 @@ class Config:
         self.prefetch_depth = t["prefetch_depth"]
         _require(problems, self.prefetch_depth >= 1, "tidal.prefetch_depth",
                  f"expected an integer >= 1, got {self.prefetch_depth}")
+        self.evict_ahead = t["evict_ahead"]
         self.eviction_policy = t["eviction_policy"]
         self.hybrid_adam = t["hybrid_adam"]
         self.simulated_allocator = t["simulated_allocator"]

@@ -1,5 +1,6 @@
 #include "runtime/scheduler/block_pool.h"
 
+#include <chrono>
 #include <cstdio>
 #include <exception>
 #include <utility>
@@ -174,7 +175,11 @@ bool BlockPool::trim_one(MemorySpace space) {
   if (largest->second.empty()) by_size.erase(largest);
   forget_cached(*block);
   // See Note [Block fences]: memory is freed only once no work touches it.
-  if (block->wait_on_host()) ++trim_waits_;
+  const auto start = std::chrono::steady_clock::now();
+  if (block->wait_on_host()) {
+    ++trim_waits_;
+    trim_wait_seconds_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  }
   return true;
 }
 

@@ -156,8 +156,10 @@ class BlockPool {
   const std::map<std::size_t, std::uint64_t>& handed_out_by_size(MemorySpace space) const {
     return handed_by_size_[index_of(space)];
   }
-  // trim_one calls that blocked the calling thread on a copy still running.
+  // trim_one calls that blocked the calling thread on a copy still running,
+  // and the seconds they blocked it.
   std::uint64_t trim_waits() const { return trim_waits_; }
+  double trim_wait_seconds() const { return trim_wait_seconds_; }
 
   // InternalError unless the cache's byte counts add up.
   void validate() const;
@@ -177,6 +179,7 @@ class BlockPool {
   std::array<std::uint64_t, kNumMemorySpaces> reuses_{};
   std::array<std::map<std::size_t, std::uint64_t>, kNumMemorySpaces> handed_by_size_;
   std::uint64_t trim_waits_ = 0;
+  double trim_wait_seconds_ = 0;
 };
 
 }  // namespace tidal

@@ -175,6 +175,7 @@ void ChunkScheduler::release(TensorRef ref, TensorState state) {
       slots_[id].block->record_fence(*options_.compute_stream);
     }
     if (options_.drop_free_chunks && chunk.all_free() && chunk.has_payload()) drop_payload(id);
+    if (!leave_after_use_.empty()) leave_after_use(id);  // Note [Chunks leave ahead of a lowering]
   }
   ++stats_.releases;
   // The chunk may have been what held a prefetch back.
@@ -207,10 +208,14 @@ void ChunkScheduler::follow(std::int64_t moment, TraceEntry entry) {
   ++stats_.trace_divergences;
   recording_.assign(trace_.entries().begin(),
                     trace_.entries().begin() + std::min(moment, length));
+  lowerings_.clear();  // (planned from the trace)
+  leave_after_use_.clear();
 }
 
 void ChunkScheduler::end_step() {
   ++stats_.steps;
+  lowerings_.clear();  // (this step's: Note [Chunks leave ahead of a lowering])
+  leave_after_use_.clear();
   if (options_.use_trace && moment_ >= 0) {
     const auto length = static_cast<std::size_t>(moment_ + 1);
     if (following_ && length != trace_.size()) {
@@ -407,8 +412,18 @@ bool ChunkScheduler::make_room(const RoomRequest& request) {
   } else if (space == MemorySpace::kHost && request.evicting_for != kNoChunk) {
     budget = eviction_host_budget(request.evicting_for);
   }
+  // Note [Chunks leave ahead of a lowering]: a prefetch to the device keeps
+  // within the lowest budget planned before the use it serves.
+  std::size_t planned = std::numeric_limits<std::size_t>::max();
+  if (request.prefetch && space == MemorySpace::kDevice && !lowerings_.empty()) {
+    planned = planned_budget_before(request.needed_at);
+    budget = std::min(budget, planned);
+  }
   for (;;) {
-    if (pool_.has_cached(space, request.bytes) && may_reuse(space, request.bytes)) return true;
+    if (pool_.has_cached(space, request.bytes) && may_reuse(space, request.bytes) &&
+        store_.bytes_in(space) <= planned && request.bytes <= planned - store_.bytes_in(space)) {
+      return true;
+    }
     const std::size_t held = pool_.held_bytes(space);
     if (held <= budget && request.bytes <= budget - held) return true;
     if (pool_.trim_one_ready(space)) continue;
@@ -419,11 +434,11 @@ bool ChunkScheduler::make_room(const RoomRequest& request) {
     const std::size_t resident = store_.bytes_in(space);
     const bool cache_makes_room = resident <= budget && request.bytes <= budget - resident;
     const ChunkId victim = cache_makes_room ? kNoChunk : choose_victim(request);
-    // A prefetch to the device does not wait for blocks a lowering left
-    // (Note [Prefetch]): it gives up, and the cursor tries again after the
-    // next access.
+    // A prefetch to the device does not wait for blocks a lowering left, or
+    // ones over the budget planned before its use (Note [Prefetch]): it
+    // gives up, and the cursor tries again after the next access.
     if (victim == kNoChunk && request.prefetch && space == MemorySpace::kDevice &&
-        held > budget_[index_of(space)]) {
+        held > std::min(budget_[index_of(space)], planned)) {
       ++stats_.prefetches_put_off;
       return false;
     }
@@ -788,6 +803,7 @@ ChunkSchedulerStats ChunkScheduler::stats() const {
       pool_.allocated_bytes(MemorySpace::kHost) - pool_base_.host_block_bytes_allocated;
   out.device_block_allocations = pool_.allocations(MemorySpace::kDevice) - pool_base_.device_block_allocations;
   out.block_waits = pool_.trim_waits() - pool_base_.block_waits;
+  out.block_wait_seconds = pool_.trim_wait_seconds() - pool_base_.block_wait_seconds;
   for (MemorySpace space : {MemorySpace::kHost, MemorySpace::kDevice}) {
     const std::size_t s = index_of(space);
     out.resident_bytes[s] = store_.bytes_in(space);
@@ -809,6 +825,7 @@ void ChunkScheduler::reset_stats() {
   pool_base_.host_block_bytes_allocated = pool_.allocated_bytes(MemorySpace::kHost);
   pool_base_.device_block_allocations = pool_.allocations(MemorySpace::kDevice);
   pool_base_.block_waits = pool_.trim_waits();
+  pool_base_.block_wait_seconds = pool_.trim_wait_seconds();
   for (MemorySpace space : {MemorySpace::kHost, MemorySpace::kDevice, MemorySpace::kDisk}) {
     stats_.peak_resident_bytes[index_of(space)] = store_.bytes_in(space);
   }

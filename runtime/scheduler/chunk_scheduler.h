@@ -54,6 +54,44 @@
 // the lowered budget: a cached block is reused for a chunk only while the
 // resident bytes stay within it (reuse_block).
 //
+// Note [Chunks leave ahead of a lowering]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// Leaving a lowering's blocks to whoever needs their room (above) moves the
+// wait but does not shorten it: the interval a lowering makes room for
+// allocates its activations at once, and they need the blocks whose copies
+// down only started at the lowering (issue 52: 13-14 block waits a steady
+// step in step_overlap_clip's GPT on a 1 GB/s link, 14 ms of a 110 ms
+// step). So the memory tracer tells the scheduler, at each trace point, the
+// lowerings still to come in the step (plan_lowerings: from the last step's
+// record, the budget each later point will set and the moment of the access
+// before it), and the chunks they will evict leave at their last use before
+// them, so each copy runs under the compute of every interval between. Which
+// chunks: the scheduler plays the step forward from the trace (the device's
+// resident chunks now; an access brings its chunk in, evicting by the
+// policy as of the moment before it when over the budget in force, or takes
+// it out when it wants the chunk elsewhere; each lowering evicts by the
+// policy as of its moment until the rest fit). A victim of a lowering that
+// no access uses before it leaves now; one still to be used leaves at the
+// release that ends its last use before the lowering (release(): no waiting
+// for the next trace point, which may be the lowering itself). These are
+// the lowering's own choices, so nothing leaves that would not have left
+// (evicting "what is not used before the lowering" instead throws out
+// chunks the next interval needs, and moves more). And until a lowering, a
+// prefetch for a use after it keeps within its budget, as the access it
+// serves will: otherwise the cursor would fill the room again with the
+// chunks the lowering takes (a scratch run evicting one point ahead without
+// that cap moved 8 MiB more a step: chunks went down, up and down again).
+// Only while the step follows the trace with prefetch on (and
+// evict_ahead), and without a disk tier (its host is full: chunks down early
+// took host room the tier's traffic had, 7% more disk bytes a step in
+// test_engine_nvme's bf16 shape); a chunk in use, or one the host has no room for (as an
+// eviction's: Note [Swaps through the host's last chunk]), stays for its
+// lowering. The play stops at the first point where nothing in the room was
+// last used before the next lowering: the plan is made again there. What
+// this cannot hide: a chunk used right before a lowering that must take it
+// (the last block's weights before a GPT's head, whose logits take the
+// room) leaves only then.
+//
 // Note [One place per chunk]
 // ~~~~~~~~~~~~~~~~~~~~~~~~~~~
 // A chunk's payload lives in one memory space at a time, as in PatrickStar:
@@ -226,6 +264,14 @@ enum class AccessMode : std::uint8_t { kRead, kWrite };
 // needed (Note [Blocks leaving over a lowered budget]).
 enum class BlockFrees : std::uint8_t { kNow, kWhenNeeded };
 
+// A lowering of the device budget still to come in this step (Note [Chunks
+// leave ahead of a lowering]): after the access at moment `after`, the
+// budget becomes `bytes`.
+struct PlannedLowering {
+  std::int64_t after = 0;
+  std::size_t bytes = 0;
+};
+
 struct ChunkSchedulerOptions {
   // See Note [Chunk budgets]. 0 for the device means its capacity().
   std::size_t device_budget_bytes = 0;
@@ -236,6 +282,10 @@ struct ChunkSchedulerOptions {
   bool prefetch = true;
   // Prefetched chunks that may wait for their access at a time.
   std::size_t prefetch_depth = 4;
+  // Note [Chunks leave ahead of a lowering]: plan_lowerings moves chunks off
+  // ahead of their lowering and keeps prefetches within it. Needs prefetch.
+  // Off (for comparison): a plan is ignored.
+  bool evict_ahead = true;
   // Pin host payloads through the device (CUDA: cudaHostRegister).
   bool pin_host_memory = true;
   // Give a chunk's payload back when all of its slots become FREE.
@@ -308,14 +358,20 @@ struct ChunkSchedulerStats {
   std::uint64_t host_pins = 0;
   std::uint64_t host_bytes_pinned = 0;
   std::uint64_t pageable_copies = 0;
-  // Frees of cached blocks that blocked the thread on a running copy.
+  // Frees of cached blocks that blocked the thread on a running copy, and
+  // the seconds they blocked it (beside copy_wait_seconds: the link time a
+  // step did not hide).
   std::uint64_t block_waits = 0;
+  double block_wait_seconds = 0;
   // Bytes of cached blocks a lowering left over the budget, their copies out
   // still running (Note [Blocks leaving over a lowered budget]).
   std::uint64_t bytes_left_leaving = 0;
   // The prefetch cursor went back to a chunk that left its place after the
   // cursor had passed it (Note [Prefetch]).
   std::uint64_t prefetch_rewinds = 0;
+  // Chunks moved off the device ahead of the lowering that evicts them
+  // (Note [Chunks leave ahead of a lowering]; also counted in evictions).
+  std::uint64_t evictions_ahead = 0;
   // Prefetches to the device that stopped, finding only cached blocks still
   // being copied out of, instead of waiting for them (Note [Prefetch]; those
   // blocks would not always have made the room); the cursor tried again
@@ -389,7 +445,8 @@ class ChunkScheduler {
   // chunks]). False without a disk tier.
   bool disk_copy_current(ChunkId id) const;
   // Ends the use of a COMPUTE slot; `state` is any legal successor (FREE,
-  // HOLD, HOLD_AFTER_FWD, HOLD_AFTER_BWD).
+  // HOLD, HOLD_AFTER_FWD, HOLD_AFTER_BWD). A chunk the plan has leave after
+  // this use starts down (Note [Chunks leave ahead of a lowering]).
   void release(TensorRef ref, TensorState state);
   // Transitions between states outside COMPUTE (HOLD_AFTER_* -> HOLD,
   // anything -> FREE); access()/release() enter and leave COMPUTE.
@@ -407,6 +464,15 @@ class ChunkScheduler {
   // (blocks a kWhenNeeded lowering left), one whose copy is done first, else
   // after waiting for the oldest. Returns whether it freed one.
   bool free_leaving_block(MemorySpace space);
+  // Note [Chunks leave ahead of a lowering]: the device budget's changes
+  // still to come in this step, in the order of their moments (none before
+  // the current one), replacing the last plan; end_step() and a departure
+  // from the trace drop it. Moves off the device now the chunks those
+  // lowerings will evict that nothing uses before them, and returns how
+  // many; those used before them leave at the release that ends their last
+  // use before. Keeps no plan unless the step follows the trace with
+  // prefetch and evict_ahead on.
+  std::size_t plan_lowerings(std::vector<PlannedLowering> lowerings);
   std::size_t budget(MemorySpace space) const { return budget_[index_of(space)]; }
   // The most chunk bytes the device may hold now beside its other bytes (the
   // engine's memory tracer: the budget less the margin less the non-chunk
@@ -573,6 +639,20 @@ class ChunkScheduler {
   [[noreturn]] void throw_no_room(const RoomRequest& request, const char* why) const;
   // The device budget, or the ceiling when lower.
   std::size_t device_budget_now() const;
+  // The lowest budget the plan sets before the access at `needed_at`
+  // (Note [Chunks leave ahead of a lowering]); the largest size_t without one.
+  std::size_t planned_budget_before(std::int64_t needed_at) const;
+  // Plays the rest of the step with the planned lowerings (Note [Chunks
+  // leave ahead of a lowering]): their victims that no access uses before
+  // them go to leave_now_, the others to leave_after_use_ with the moment of
+  // their latest access before their lowering.
+  void play_lowerings();
+  // Moves chunk `id` off the device ahead of its lowering, as an eviction;
+  // false, with nothing moved, where the host has no room for it.
+  bool leave_ahead(ChunkId id);
+  // release(): chunk `id` leaves if the plan has it leave after a use that
+  // has come.
+  void leave_after_use(ChunkId id);
   void debug_validate() const;
 
   std::shared_ptr<Device> device_;
@@ -602,6 +682,16 @@ class ChunkScheduler {
   std::size_t outstanding_ahead_ = 0;  // those of them sent by send_ahead
   std::vector<ChunkId> ahead_wasted_;  // take_ahead_wasted()
   bool prefetch_blocked_ = false;      // the cursor waits for a chunk to become movable
+  // Note [Chunks leave ahead of a lowering]: the plan, and the chunks that
+  // leave after a use still to come (few: a linear search).
+  struct PlannedLeave {
+    ChunkId chunk = kNoChunk;
+    std::int64_t after = 0;
+  };
+  std::vector<PlannedLowering> lowerings_;
+  std::vector<PlannedLeave> leave_after_use_;
+  std::vector<ChunkId> leave_now_;     // play_lowerings' output
+  std::vector<std::int64_t> playing_;  // play_lowerings' scratch
   // Free host blocks kept (Note [Host blocks for a steady step]).
   std::size_t host_keep_blocks_ = 0;
   // Note [Host blocks for a steady step], by block size: pool_'s host

@@ -88,7 +88,7 @@ void MemoryTracer::install_ceiling() {
   }
   scheduler_->set_device_ceiling([this] {
     const std::size_t live = meter_->read().first;
-    return limit() > live ? limit() - live : 0;
+    return room_at(live);
   });
 }
 
@@ -120,16 +120,46 @@ void MemoryTracer::point(PointKind kind, std::int64_t what) {
   const auto k = static_cast<std::uint32_t>(recording_.size());
   recording_.push_back(peak);  // the interval that ends here
   timeline_recording_.push_back({k, kind, what, held, peak});
+  timeline_recording_.back().nonchunk_now = now;
+  timeline_recording_.back().moment = scheduler_->moment();
   take_moves(timeline_recording_.back(), stats);
-  std::size_t upcoming = now;
-  if (has_trace_) {
-    const std::size_t next = k + 1 < trace_.size() ? trace_[k + 1] : trace_max_;
-    upcoming = std::max(now, next);
-  }
-  const std::size_t room = limit() > upcoming ? limit() - upcoming : 0;
   // Note [The warm-up budget]
-  set_chunk_budget(has_trace_ ? room : std::min(room, warmup_room_));
+  set_chunk_budget(has_trace_ ? room_after(k, now) : std::min(room_at(now), warmup_room_));
+  if (has_trace_) plan_lowerings(k);
   update_nonchunk_limit();
+}
+
+std::size_t MemoryTracer::room_at(std::size_t nonchunk) const {
+  return limit() > nonchunk ? limit() - nonchunk : 0;
+}
+
+std::size_t MemoryTracer::room_after(std::uint32_t k, std::size_t now) const {
+  // The non-chunk bytes live now, or the last step's peak of the interval
+  // that starts here, whichever is larger.
+  const std::size_t next = k + 1 < trace_.size() ? trace_[k + 1] : trace_max_;
+  return room_at(std::max(now, next));
+}
+
+void MemoryTracer::plan_lowerings(std::uint32_t k) {
+  // The budget each later point of the last step would set now, as point()
+  // sets it, from what that step recorded there, after the access it came
+  // after then; only while this step has taken the same path so far.
+  std::vector<PlannedLowering> plan;
+  if (scheduler_->following_trace() && k < timeline_.size() && timeline_[k].moment == scheduler_->moment()) {
+    // (The step's point comes after the scheduler's step ended, at moment
+    // -1: after the step's last access. A record longer than the trace the
+    // scheduler follows, from a step it did not adopt, is planned no further.)
+    const auto last = static_cast<std::int64_t>(scheduler_->trace().size()) - 1;
+    plan.reserve(timeline_.size() - k - 1);
+    for (std::uint32_t j = k + 1; j < timeline_.size(); ++j) {
+      const TracePoint& p = timeline_[j];
+      std::int64_t after = p.kind == PointKind::kStep ? last : p.moment;
+      if (!plan.empty()) after = std::max(after, plan.back().after);
+      if (after > last) break;
+      plan.push_back({after, room_after(j, p.nonchunk_now)});
+    }
+  }
+  scheduler_->plan_lowerings(std::move(plan));
 }
 
 void MemoryTracer::end_step() {
@@ -162,7 +192,7 @@ void MemoryTracer::grow_warmup_room(std::size_t need) {
   if (has_trace_ || need <= warmup_room_) return;
   warmup_room_ = std::min(need, limit());
   const std::size_t now = live();
-  const std::size_t room = limit() > now ? limit() - now : 0;
+  const std::size_t room = room_at(now);
   const std::size_t budget = std::min(warmup_room_, room);
   if (budget > scheduler_->budget(MemorySpace::kDevice)) {
     // (A raise: blocks a lowering left stay until their room is needed.)

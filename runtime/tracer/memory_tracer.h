@@ -124,6 +124,8 @@ struct TracePoint {
   std::int64_t what = -1;          // the engine's module index or tensor id; -1: none
   std::size_t chunk_bytes = 0;     // device chunk bytes held at the point
   std::size_t nonchunk_peak = 0;   // non-chunk peak of the interval ending here
+  std::size_t nonchunk_now = 0;    // non-chunk bytes live at the point
+  std::int64_t moment = -1;        // the scheduler's moment at the point (its latest access)
   std::uint64_t moves_host_to_device = 0;  // scheduler counters at the point
   std::uint64_t moves_device_to_host = 0;
   std::uint64_t evictions = 0;
@@ -210,6 +212,14 @@ class MemoryTracer {
 
  private:
   void set_chunk_budget(std::size_t bytes);
+  // The chunk room beside `nonchunk` bytes (the limit less them, or 0), and
+  // the room point k sets with `now` bytes live (Note [The memory tracer]).
+  std::size_t room_at(std::size_t nonchunk) const;
+  std::size_t room_after(std::uint32_t k, std::size_t now) const;
+  // At point k of a step that repeats the last: tells the scheduler the
+  // budgets the points after it will set (Note [Chunks leave ahead of a
+  // lowering] in runtime/scheduler/chunk_scheduler.h).
+  void plan_lowerings(std::uint32_t k);
   void install_ceiling();
 
   ChunkScheduler* scheduler_;

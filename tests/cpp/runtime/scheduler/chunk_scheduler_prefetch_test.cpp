@@ -350,5 +350,141 @@ TEST(ChunkSchedulerPrefetch, TakeAheadWastedNamesTheSendsEvictedBeforeTheirUse) 
   EXPECT_GT(s.stats().prefetches_wasted, 0u);
 }
 
+
+// Note [Chunks leave ahead of a lowering]. Forward 0..7 then backward 7..0
+// on the device, as a memory tracer drives it: the budget (all 8 chunks)
+// drops to 4 after forward's sixth access (moment 5, the activation peak's
+// interval) and comes back after backward's second (moment 9), each time
+// with BlockFrees::kWhenNeeded, and after the first step the scheduler is
+// told the lowerings still to come: at every access, or (as a tracer whose
+// points are modules apart) only at the step's start and at each lowering.
+// OPT's victims at the lowering are chunks 0-3 (used last in backward); each
+// is last used before it at its forward access, so with the plan each
+// leaves right after that access (at the plan, or at the release that ends
+// the use), and the prefetch cursor does not bring them back before the
+// budget rises. Without the plan they leave at the lowering. The same chunks
+// move either way, and every byte is checked at every access.
+struct LoweringRun {
+  ChunkSchedulerStats steady;
+  // Per steady step, the moment of each chunk's move off the device.
+  std::vector<std::vector<std::int64_t>> left_at;
+};
+
+LoweringRun run_with_a_lowering(bool evict_ahead, bool plan_at_every_access = true) {
+  constexpr int kN = 8;
+  auto device = make_device(kKiB * kKiB, 20e6);
+  ChunkSchedulerOptions options;
+  options.device_budget_bytes = kN * kChunk;
+  options.prefetch_depth = 2;
+  options.evict_ahead = evict_ahead;
+  ChunkScheduler s(make_store(std::vector<std::size_t>(kN, kFull), kChunk), device, options);
+  const std::vector<PlannedLowering> plan{{5, 4 * kChunk}, {9, kN * kChunk}};
+  std::vector<unsigned> version(kN, 0);
+  LoweringRun out;
+  for (int step = 0; step < 4; ++step) {
+    if (step == 1) s.reset_stats();
+    const auto plan_from = [&](std::int64_t moment) {
+      if (step == 0) return;  // (no trace yet: a tracer plans from the last step)
+      const bool at_a_point = moment == -1 || std::any_of(plan.begin(), plan.end(), [&](const PlannedLowering& l) {
+                                return l.after == moment;
+                              });
+      if (!plan_at_every_access && !at_a_point) return;
+      std::vector<PlannedLowering> rest;
+      for (const PlannedLowering& l : plan) {
+        if (l.after > moment) rest.push_back(l);
+      }
+      s.plan_lowerings(rest);
+    };
+    std::vector<std::int64_t> left(kN, -1);
+    const auto note_moves = [&](std::int64_t moment) {
+      for (TensorId t = 0; t < kN; ++t) {
+        const MemorySpace space = s.store().chunk(s.store().chunk_of(p16(t))).space();
+        if (space == kHost && left[t] < 0) left[t] = moment;
+      }
+    };
+    plan_from(-1);
+    std::int64_t moment = -1;
+    const auto use = [&](TensorId t, TensorState after) {
+      void* p = s.access(p16(t), kDev);
+      ++moment;
+      if (version[t] > 0) {
+        EXPECT_TRUE(has_pattern(p, kFull * 2, 1000 * t + version[t])) << "tensor " << t;
+      }
+      write_pattern(p, kFull * 2, 1000 * t + ++version[t]);
+      s.release(p16(t), after);
+      for (const PlannedLowering& l : plan) {
+        if (l.after == moment) s.set_budget(kDev, l.bytes, BlockFrees::kWhenNeeded);
+      }
+      plan_from(moment);
+      note_moves(moment);
+    };
+    for (TensorId t = 0; t < kN; ++t) use(t, TensorState::kHoldAfterFwd);
+    for (TensorId t = kN; t-- > 0;) use(t, TensorState::kHoldAfterBwd);
+    if (step > 0) {
+      EXPECT_TRUE(s.following_trace()) << "step " << step;
+      out.left_at.push_back(left);
+    }
+    s.end_step();
+    s.validate();
+  }
+  out.steady = s.stats();
+  return out;
+}
+
+class ChunksALoweringEvicts : public ::testing::TestWithParam<bool> {};
+
+TEST_P(ChunksALoweringEvicts, LeaveAtTheirLastUseBeforeIt) {
+  const LoweringRun off = run_with_a_lowering(false, GetParam());
+  const LoweringRun on = run_with_a_lowering(true, GetParam());
+  // Each steady step evicts six chunks: the lowering's four, and two that
+  // the prefetch of chunks 3 and 2 for backward evicts within the lowered
+  // budget (7 and 6, done until the next step's forward) after their
+  // backward use.
+  EXPECT_EQ(off.steady.evictions, 3u * 6u);
+  EXPECT_EQ(off.steady.evictions_ahead, 0u);
+  EXPECT_EQ(on.steady.evictions, off.steady.evictions);
+  EXPECT_EQ(on.steady.evictions_ahead, 3u * 4u);
+  ASSERT_EQ(on.left_at.size(), 3u);
+  for (std::size_t step = 0; step < on.left_at.size(); ++step) {
+    for (TensorId t = 0; t < 4; ++t) {
+      EXPECT_EQ(off.left_at[step][t], 5) << "tensor " << t << " (without the plan: at the lowering)";
+      EXPECT_EQ(on.left_at[step][t], static_cast<std::int64_t>(t)) << "tensor " << t << ": at its forward access";
+    }
+    EXPECT_EQ(on.left_at[step][4], -1);
+    EXPECT_EQ(on.left_at[step][5], -1);
+    EXPECT_EQ(on.left_at[step][6], off.left_at[step][6]);
+    EXPECT_EQ(on.left_at[step][7], off.left_at[step][7]);
+  }
+  // Nothing came back up before its use could keep it (the prefetches kept
+  // within the lowered budget), so the same bytes moved, all ahead of use.
+  EXPECT_EQ(on.steady.bytes_device_to_host, off.steady.bytes_device_to_host);
+  EXPECT_EQ(on.steady.bytes_host_to_device, off.steady.bytes_host_to_device);
+  EXPECT_EQ(on.steady.bytes_host_to_device, 3u * 6u * kChunk);
+  EXPECT_EQ(on.steady.misses, 0u);
+  EXPECT_EQ(on.steady.prefetches_wasted, 0u);
+}
+
+INSTANTIATE_TEST_SUITE_P(ChunkSchedulerPrefetch, ChunksALoweringEvicts, ::testing::Bool(),
+                         [](const ::testing::TestParamInfo<bool>& info) {
+                           return info.param ? "PlannedAtEveryAccess" : "PlannedAtPointsOnly";
+                         });
+
+TEST(ChunkSchedulerPrefetch, APlanOfLoweringsOutOfOrderIsAnError) {
+  ChunkScheduler s(make_store({kFull, kFull}, kChunk), make_device(kKiB * kKiB), ChunkSchedulerOptions{});
+  for (int step = 0; step < 2; ++step) {
+    for (TensorId t = 0; t < 2; ++t) {
+      s.access(p16(t), kDev);
+      s.release(p16(t), TensorState::kHold);
+    }
+    s.end_step();
+  }
+  s.access(p16(0), kDev);
+  s.release(p16(0), TensorState::kHold);
+  EXPECT_THROW(s.plan_lowerings({{1, kChunk}, {0, kChunk}}), ValueError);
+  EXPECT_THROW(s.plan_lowerings({{2, kChunk}}), ValueError);  // past the step's last moment
+  EXPECT_EQ(s.plan_lowerings({{1, 2 * kChunk}}), 0u);
+  s.validate();
+}
+
 }  // namespace
 }  // namespace tidal
