@@ -60,7 +60,7 @@
 // wait but does not shorten it: the interval a lowering makes room for
 // allocates its activations at once, and they need the blocks whose copies
 // down only started at the lowering (issue 52: 13-14 block waits a steady
-// step in step_overlap_clip's GPT on a 1 GB/s link, 14 ms of a 110 ms
+// step in step_overlap_clip's GPT on a 1 GB/s link, 14 ms of a 131 ms
 // step). So the memory tracer tells the scheduler, at each trace point, the
 // lowerings still to come in the step (plan_lowerings: from the last step's
 // record, the budget each later point will set and the moment of the access
