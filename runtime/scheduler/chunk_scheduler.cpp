@@ -208,14 +208,12 @@ void ChunkScheduler::follow(std::int64_t moment, TraceEntry entry) {
   ++stats_.trace_divergences;
   recording_.assign(trace_.entries().begin(),
                     trace_.entries().begin() + std::min(moment, length));
-  lowerings_.clear();  // (planned from the trace)
-  leave_after_use_.clear();
+  clear_plan();  // (planned from the trace)
 }
 
 void ChunkScheduler::end_step() {
   ++stats_.steps;
-  lowerings_.clear();  // (this step's: Note [Chunks leave ahead of a lowering])
-  leave_after_use_.clear();
+  clear_plan();  // (this step's: Note [Chunks leave ahead of a lowering])
   if (options_.use_trace && moment_ >= 0) {
     const auto length = static_cast<std::size_t>(moment_ + 1);
     if (following_ && length != trace_.size()) {
@@ -434,6 +432,13 @@ bool ChunkScheduler::make_room(const RoomRequest& request) {
     const std::size_t resident = store_.bytes_in(space);
     const bool cache_makes_room = resident <= budget && request.bytes <= budget - resident;
     const ChunkId victim = cache_makes_room ? kNoChunk : choose_victim(request);
+    // A prefetch to the device that no eviction may make room for gives up:
+    // freeing cached blocks cannot make it, so it waits for none (those left
+    // are all still being copied out of: a put-off).
+    if (victim == kNoChunk && !cache_makes_room && request.prefetch && space == MemorySpace::kDevice) {
+      if (pool_.cached_bytes(space) > 0) ++stats_.prefetches_put_off;
+      return false;
+    }
     // A prefetch to the device does not wait for blocks a lowering left, or
     // ones over the budget planned before its use (Note [Prefetch]): it
     // gives up, and the cursor tries again after the next access.

@@ -70,27 +70,35 @@
 // resident chunks now; an access brings its chunk in, evicting by the
 // policy as of the moment before it when over the budget in force, or takes
 // it out when it wants the chunk elsewhere; each lowering evicts by the
-// policy as of its moment until the rest fit). A victim of a lowering that
-// no access uses before it leaves now; one still to be used leaves at the
-// release that ends its last use before the lowering (release(): no waiting
-// for the next trace point, which may be the lowering itself). These are
-// the lowering's own choices, so nothing leaves that would not have left
-// (evicting "what is not used before the lowering" instead throws out
-// chunks the next interval needs, and moves more). And until a lowering, a
-// prefetch for a use after it keeps within its budget, as the access it
-// serves will: otherwise the cursor would fill the room again with the
-// chunks the lowering takes (a scratch run evicting one point ahead without
-// that cap moved 8 MiB more a step: chunks went down, up and down again).
-// Only while the step follows the trace with prefetch on (and
-// evict_ahead), and without a disk tier (its host is full: chunks down early
-// took host room the tier's traffic had, 7% more disk bytes a step in
-// test_engine_nvme's bf16 shape); a chunk in use, or one the host has no room for (as an
-// eviction's: Note [Swaps through the host's last chunk]), stays for its
+// policy as of its moment, with the recency the play gives, until the rest
+// fit). A victim of a lowering that no access uses before it leaves now (in
+// use now: at its release); one still to be used leaves at the release that
+// ends its last use before the lowering (release(): no waiting for the next
+// trace point, which may be the lowering itself). These are the lowering's
+// own choices as the play sees them (evicting "what is not used before the
+// lowering" instead throws out chunks the next interval needs, and moves
+// more). The play leaves out payload drops, chunks sent ahead, the host's
+// room and the device ceiling; where those change the lowering's choice a
+// chunk may leave that it would have kept, which is why the tests and
+// benchmarks/evict_ahead.py compare the bytes moved with the plan off. And
+// until a lowering, a prefetch for a use after it keeps within its budget,
+// as the access it serves will, and a chunk that left ahead of it does not
+// come back before it (held_down: the cursor waits there, send_ahead
+// declines): otherwise the cursor would fill the room again with the chunks
+// the lowering takes (a scratch run evicting one point ahead without that
+// cap moved 8 MiB more a step: chunks went down, up and down again). At the
+// step's point the tracer plans the next step's points.
+//
+// Only while the step follows the trace with prefetch on (and evict_ahead),
+// and without a disk tier (its host is full: chunks down early took host
+// room the tier's traffic had, 7% more disk bytes a step in
+// test_engine_nvme's bf16 shape). A chunk the host has no room for (as an
+// eviction's: Note [Swaps through the host's last chunk]) stays for its
 // lowering. The play stops at the first point where nothing in the room was
-// last used before the next lowering: the plan is made again there. What
-// this cannot hide: a chunk used right before a lowering that must take it
-// (the last block's weights before a GPT's head, whose logits take the
-// room) leaves only then.
+// last used before the next lowering (the plan is made again there), or
+// after 64 lowerings (kPlayedLowerings). What this cannot hide: a chunk
+// used right before a lowering that must take it (the last block's weights
+// before a GPT's head, whose logits take the room) leaves only then.
 //
 // Note [One place per chunk]
 // ~~~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -545,6 +553,7 @@ class ChunkScheduler {
   void validate() const;
 
  private:
+  static constexpr std::int64_t kNotHeldDown = std::numeric_limits<std::int64_t>::min();
   struct Slot {
     BlockPtr block;          // the payload; null without one
     std::uint32_t resident_pos = 0;  // index in resident_[space]
@@ -557,6 +566,9 @@ class ChunkScheduler {
     // Copies over the link since the first step ended (Note [Pinned at the
     // second crossing]).
     std::uint32_t crossings = 0;
+    // Left ahead of the lowering after this moment (Note [Chunks leave ahead
+    // of a lowering]): not brought back before it; kNotHeldDown: none.
+    std::int64_t down_until = kNotHeldDown;
   };
   // Whether copies over the link are counted yet (not in the first step).
   bool counts_crossings() const { return steps_ended_ >= 1; }
@@ -647,9 +659,18 @@ class ChunkScheduler {
   // them go to leave_now_, the others to leave_after_use_ with the moment of
   // their latest access before their lowering.
   void play_lowerings();
-  // Moves chunk `id` off the device ahead of its lowering, as an eviction;
+  struct PlannedLeave {
+    ChunkId chunk = kNoChunk;
+    std::int64_t after = 0;  // the chunk leaves after the access at this moment
+    std::int64_t until = 0;  // for the lowering after the access at this moment
+  };
+  // Moves the chunk off the device ahead of its lowering, as an eviction;
   // false, with nothing moved, where the host has no room for it.
-  bool leave_ahead(ChunkId id);
+  bool leave_ahead(const PlannedLeave& leave);
+  // Whether chunk `id` left ahead of a lowering still to come.
+  bool held_down(ChunkId id) const;
+  // Drops the plan (a step's end, a departure from the trace).
+  void clear_plan();
   // release(): chunk `id` leaves if the plan has it leave after a use that
   // has come.
   void leave_after_use(ChunkId id);
@@ -682,16 +703,16 @@ class ChunkScheduler {
   std::size_t outstanding_ahead_ = 0;  // those of them sent by send_ahead
   std::vector<ChunkId> ahead_wasted_;  // take_ahead_wasted()
   bool prefetch_blocked_ = false;      // the cursor waits for a chunk to become movable
-  // Note [Chunks leave ahead of a lowering]: the plan, and the chunks that
-  // leave after a use still to come (few: a linear search).
-  struct PlannedLeave {
-    ChunkId chunk = kNoChunk;
-    std::int64_t after = 0;
-  };
+  // Note [Chunks leave ahead of a lowering]: the plan, the chunks that
+  // leave after a use still to come (few: a linear search), and those that
+  // left and are held down until their lowering.
   std::vector<PlannedLowering> lowerings_;
+  static constexpr std::size_t kPlayedLowerings = 64;  // play_lowerings looks this far
   std::vector<PlannedLeave> leave_after_use_;
-  std::vector<ChunkId> leave_now_;     // play_lowerings' output
-  std::vector<std::int64_t> playing_;  // play_lowerings' scratch
+  std::vector<ChunkId> held_down_;
+  std::vector<PlannedLeave> leave_now_;      // play_lowerings' output
+  std::vector<std::int64_t> playing_;        // play_lowerings' scratch
+  std::vector<std::uint64_t> played_use_;    // play_lowerings' recency
   // Free host blocks kept (Note [Host blocks for a steady step]).
   std::size_t host_keep_blocks_ = 0;
   // Note [Host blocks for a steady step], by block size: pool_'s host

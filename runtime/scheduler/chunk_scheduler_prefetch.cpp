@@ -22,9 +22,10 @@ void ChunkScheduler::prefetch() {
       ++prefetch_cursor_;  // in place, or nothing to copy (access materializes it)
       continue;
     }
-    // An earlier use still to come wants the chunk where it is, or it is in
-    // use now: wait, keeping the order.
-    if (trace_.next_use(entry.chunk, moment_) != prefetch_cursor_ || !chunk.movable()) {
+    // An earlier use still to come wants the chunk where it is, it is in
+    // use now, or it left ahead of a lowering still to come (Note [Chunks
+    // leave ahead of a lowering]): wait, keeping the order.
+    if (trace_.next_use(entry.chunk, moment_) != prefetch_cursor_ || !chunk.movable() || held_down(entry.chunk)) {
       prefetch_blocked_ = true;
       return;
     }
@@ -60,7 +61,7 @@ bool ChunkScheduler::send_ahead(ChunkId id) {
   if (!options_.prefetch || !following_ || trace_.empty()) return false;
   if (disk_ && disk_->failed()) return false;  // (as prefetch: Note [Chunks on NVMe: after a failure])
   const Chunk& chunk = store_.chunk(id);
-  if (!chunk.has_payload() || !chunk.movable() || slots_[id].prefetched) return false;
+  if (!chunk.has_payload() || !chunk.movable() || slots_[id].prefetched || held_down(id)) return false;
   if (chunk.space() != MemorySpace::kHost && chunk.space() != MemorySpace::kDevice) return false;
   const std::int64_t use = trace_.next_use(id, moment_);
   if (use == AccessTrace::kNever) return false;

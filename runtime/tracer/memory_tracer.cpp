@@ -143,15 +143,18 @@ std::size_t MemoryTracer::room_after(std::uint32_t k, std::size_t now) const {
 void MemoryTracer::plan_lowerings(std::uint32_t k) {
   // The budget each later point of the last step would set now, as point()
   // sets it, from what that step recorded there, after the access it came
-  // after then; only while this step has taken the same path so far.
+  // after then; only while this step has taken the same path so far. At the
+  // step's point (the scheduler's next step has begun), the next step's
+  // points, all of them.
   std::vector<PlannedLowering> plan;
   if (scheduler_->following_trace() && k < timeline_.size() && timeline_[k].moment == scheduler_->moment()) {
+    const std::uint32_t first = timeline_[k].kind == PointKind::kStep ? 0 : k + 1;
     // (The step's point comes after the scheduler's step ended, at moment
     // -1: after the step's last access. A record longer than the trace the
     // scheduler follows, from a step it did not adopt, is planned no further.)
     const auto last = static_cast<std::int64_t>(scheduler_->trace().size()) - 1;
-    plan.reserve(timeline_.size() - k - 1);
-    for (std::uint32_t j = k + 1; j < timeline_.size(); ++j) {
+    plan.reserve(timeline_.size() - first);
+    for (std::uint32_t j = first; j < timeline_.size(); ++j) {
       const TracePoint& p = timeline_[j];
       std::int64_t after = p.kind == PointKind::kStep ? last : p.moment;
       if (!plan.empty()) after = std::max(after, plan.back().after);

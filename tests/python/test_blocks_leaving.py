@@ -98,7 +98,9 @@ def train_checked(reference, bandwidth, evict_ahead=True):
 
 
 def test_chunks_evicted_at_a_trace_point_leave_their_blocks_to_whoever_needs_the_room(reference):
-    steady = train_checked(reference, "200MB/s")
+    # (With the lowerings planned, the chunks leave ahead of the points:
+    # the test below. Here they leave at the points, as with the plan off.)
+    steady = train_checked(reference, "200MB/s", evict_ahead=False)
     for step in steady:
         # The path fires: every steady step evicts at its trace points, and
         # the lowerings leave blocks still being copied out of.
@@ -132,8 +134,9 @@ def test_the_benchmark_quick_mode_runs_and_writes_its_result(tmp_path):
     result file, with every figure beside the engine with the plan off)."""
     root = Path(__file__).resolve().parents[2]
     out = tmp_path / "result.json"
-    subprocess.run([sys.executable, str(root / "benchmarks" / "evict_ahead.py"), "--quick", "--output", str(out)],
-                   check=True, timeout=600, capture_output=True)
+    p = subprocess.run([sys.executable, str(root / "benchmarks" / "evict_ahead.py"), "--quick", "--output", str(out)],
+                       timeout=600, capture_output=True, text=True)
+    assert p.returncode == 0, p.stderr[-3000:]
     result = json.loads(out.read_text())
     assert result["quick"] and result["git_commit"] and result["machine"]["cpu_cores"]
     (link,) = result["links"].values()
