@@ -34,11 +34,11 @@ import argparse
 import copy
 import statistics
 import sys
-import time
 
 import torch
 
-from common import budget_kept, check_budget, summarize, token_batches, write_result
+from common import budget_kept, check_budget, summarize, timed_engine_steps, token_batches, write_result
+from step_overlap_common import alternating
 
 import tidal
 from tidal._C.chunks import ChunkKind
@@ -61,13 +61,10 @@ def config(budget: int, evict_ahead: bool = True) -> dict:
 def train(engine, batches):
     """Seconds per step, losses, and the scheduler's counters after each step."""
     times, losses, counters = [], [], []
-    for x, y in batches:
-        t0 = time.perf_counter()
-        loss = engine(x, y)
-        engine.backward(loss)
-        engine.step()
-        losses.append(loss.item())
-        times.append(time.perf_counter() - t0)
+    for batch in batches:
+        t, loss = timed_engine_steps(engine, [batch])
+        times += t
+        losses += loss
         s = engine.chunks.stats()
         counters.append({k: s[k] for k in COUNTERS})
     return times, losses, counters
@@ -136,18 +133,18 @@ def main():
 
     fits_steps = []
     runs = {link: {"at_points": [], "ahead": []} for link in links}
-    for r in range(args.rounds):
-        tidal.set_device("sim", capacity="8GiB")
-        engine = tidal.initialize(copy.deepcopy(model), config(0))
-        times, _, _ = train(engine, batches)
-        engine.remove_hooks()
-        fits_steps += times[WARM:]
-        for link in links:
-            order = (False, True) if r % 2 == 0 else (True, False)
-            for ahead in order:
-                name = "ahead" if ahead else "at_points"
-                runs[link][name].append(
-                    run_engine(model, batches, budget, link, ahead, reference, f"{link} {name} round {r}"))
+    contenders = ["fits"] + [(link, name) for link in links for name in ("at_points", "ahead")]
+    for r, contender in alternating(contenders, args.rounds):
+        if contender == "fits":
+            tidal.set_device("sim", capacity="8GiB")
+            engine = tidal.initialize(copy.deepcopy(model), config(0))
+            times, _, _ = train(engine, batches)
+            engine.remove_hooks()
+            fits_steps += times[WARM:]
+            continue
+        link, name = contender
+        runs[link][name].append(
+            run_engine(model, batches, budget, link, name == "ahead", reference, f"{link} {name} round {r}"))
 
     fits_median = statistics.median(fits_steps)
     results = {}

@@ -35,18 +35,15 @@ from tidal.models.gpt import TinyGPT
 
 from engine_helpers import gpt_batches, train_tidal, within_budget
 
-VOCAB, D, LAYERS, SEQ, BATCH = 8192, 256, 8, 64, 4
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from evict_ahead import BATCH, D, LAYERS, SEQ, VOCAB, config  # noqa: E402  (the benchmark's shape)
+
 STEPS, STEADY = 8, 3
 COUNTERS = ("evictions", "evictions_ahead", "bytes_left_leaving", "prefetches_put_off", "prefetch_hits",
             "misses", "bytes_host_to_device", "bytes_device_to_host")
 
 
-def config(budget, evict_ahead=True):
-    t = {"chunk_size": "1MiB", "device_memory_budget": budget, "evict_ahead": evict_ahead}
-    if budget:
-        t["device_margin"] = budget // 20
-    return {"train_micro_batch_size_per_gpu": BATCH, "gradient_clipping": 1.0, "bf16": {"enabled": True},
-            "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}}, "tidal": t}
 
 
 def train(engine, batches):
@@ -132,9 +129,8 @@ def test_chunks_a_lowering_evicts_leave_ahead_of_it_and_move_no_more(reference):
 def test_the_benchmark_quick_mode_runs_and_writes_its_result(tmp_path):
     """benchmarks/evict_ahead.py, the measurement of the test above (its
     result file, with every figure beside the engine with the plan off)."""
-    root = Path(__file__).resolve().parents[2]
     out = tmp_path / "result.json"
-    p = subprocess.run([sys.executable, str(root / "benchmarks" / "evict_ahead.py"), "--quick", "--output", str(out)],
+    p = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "evict_ahead.py"), "--quick", "--output", str(out)],
                        timeout=600, capture_output=True, text=True)
     assert p.returncode == 0, p.stderr[-3000:]
     result = json.loads(out.read_text())
