@@ -27,7 +27,7 @@ import pytest
 import torch
 
 import tidal
-from tidal._C.chunks import ChunkKind
+from tidal._C.chunks import ChunkKind, MemorySpace
 from tidal.models.gpt import TinyGPT
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -65,9 +65,25 @@ def train(engine, batches, accumulation):
         engine.step()
         losses.append(loss.item())
         if (i + 1) % accumulation == 0:
-            s = engine.chunks.stats()
-            counters.append({k: s[k] for k in COUNTERS})
+            counters.append(counted(engine))
     return losses, counters
+
+
+def counted(engine, keys=COUNTERS):
+    """The scheduler's `keys` now, and `weights_owed_up`: the bytes of the
+    16-bit chunks on the host. Every one of them goes up for the next
+    forward (the shape keeps the 16-bit chunks on the device), and when its
+    copy starts, in the backward or step just done (Note [Weights up as
+    they are updated]) or in the forward after (an update left to it: Note
+    [CPU Adam under the next forward]; a step not following the trace),
+    is timing. So a step's bytes up, as the work of that step, are the
+    bytes it moved up and those it leaves owed, less those owed to it."""
+    s = engine.chunks.stats()
+    c = engine.chunks
+    row = {k: s[k] for k in keys}
+    row["weights_owed_up"] = sum(c.chunk_capacity_bytes(i, ChunkKind.PARAM16) for i in range(c.num_chunks)
+                                 if c.chunk_space(i, ChunkKind.PARAM16) == MemorySpace.HOST)
+    return row
 
 
 class Shape:
@@ -103,17 +119,17 @@ def on_link(shape, accumulation, bandwidth, **tidal_keys):
 
 
 def assert_moves_the_minimum(steady, minimum):
-    """Chunks move each way in every steady step (the path fires), and on
-    average over the steady steps no more than the minimum. (Not each step:
-    an update left to the next forward, Note [CPU Adam under the next
-    forward], sends its weights up in the step after its gradients went
-    down; which ones are left is timed, Note [Speculation while backward
-    lasts], and where that changes between steps one step counts a chunk's
-    copy up twice and the next none.)"""
+    """Every steady step moves about the minimum each way: up, the bytes it
+    moved and the change in the weights owed up (counted()). (Counting only
+    the bytes moved, a step in which the weights began to go up during
+    backward, after steps where they went up in the next forward, counted
+    one forward's copies up twice: 1.49x the minimum in a fresh-clone CI
+    run, where the earlier steps of the same test moved 1.02x and 1.08x.)"""
     for way in ("bytes_host_to_device", "bytes_device_to_host"):
-        moved = [step[way] for step in steady]
-        assert min(moved) > 0 and 0.85 * minimum <= sum(moved) / len(moved) <= 1.15 * minimum, \
-            (way, moved, minimum)
+        moved = [step[way] + (step["weights_owed_up"] if way == "bytes_host_to_device" else 0)
+                 for step in steady]
+        assert all(0.85 * minimum <= m <= 1.15 * minimum for m in moved), (way, moved, minimum)
+        assert all(step[way] > 0 for step in steady), (way, steady)  # (the path fires in each)
 
 
 @pytest.mark.parametrize("accumulation", [1, 2])
@@ -133,7 +149,7 @@ def test_a_quarter_budget_moves_the_minimum_and_prefetches_every_steady_copy(acc
     assert losses == ref_losses  # bitwise: the same updates, wherever they ran
     within_budget(engine)
 
-    steady = [{k: b[k] - a[k] for k in COUNTERS} for a, b in zip(counters[-STEADY - 1:], counters[-STEADY:])]
+    steady = [{k: b[k] - a[k] for k in b} for a, b in zip(counters[-STEADY - 1:], counters[-STEADY:])]
     assert_moves_the_minimum(steady, minimum)
     for step in steady:
         copies = step["prefetch_hits"] + step["misses"]
@@ -189,8 +205,7 @@ def test_the_prefetch_holds_whichever_chunks_backward_leaves_to_the_step(accumul
             continue
         step[0] += 1
         left.append(overlap.left_to_step - before)
-        st = engine.chunks.stats()
-        counters.append({k: st[k] for k in COUNTERS + ("trace_divergences",)})
+        counters.append(counted(engine, COUNTERS + ("trace_divergences",)))
     assert losses == s.ref_losses
     within_budget(engine)
     # The pattern acted: about half the chunks were left to the step in every
