@@ -206,6 +206,130 @@ TEST(MemoryTracer, EveryPointRestartsTheMetersPeak) {
   EXPECT_EQ(rig.meter->restarts, before + 2);  // live() does not restart it
 }
 
+// Note [Chunks leave ahead of a lowering] (runtime/scheduler/chunk_scheduler.h),
+// as the tracer drives it. Forward 0..7 then backward 7..0, a point before
+// each access (as a module's hook comes before its parameters' access), and
+// 64 KiB of activations except in the intervals of accesses 6 to 9, which
+// peak at 80 KiB: from the step after the warm-up, point 6 (after moment 5)
+// lowers the budget from 8 chunks to 4, point 10 raises it again, and the
+// step's point lowers it to 4 (the largest peak) until the next step's
+// first. At each point the tracer tells the scheduler the lowerings the
+// rest of the last step's record sets (plan_lowerings). Without the plan,
+// chunks 0-3 leave at the lowering (point 6); with it, the lowering's
+// victims leave at their forward access (0 and 1; in the first steady step
+// 2 and 3 too, where chunks 6 and 7 are still up from the warm-up), and the
+// others (2 and 3 where chunks 6 and 7 start the step on the host) as the
+// prefetch of 6 and 7 makes room within the planned budget, all before
+// point 6; the same bytes move each way and no access misses. `shift`: in
+// the third step only, a point no access follows comes first (a hook the
+// record does not have), so every point's moment differs from the record's
+// and the tracer plans nothing in that step, nor in the next (whose record
+// has the extra point).
+struct TracedRun {
+  ChunkSchedulerStats steady;
+  // Per steady step, when each chunk left: 2i if at point i, 2i + 1 if
+  // at access i (or its release).
+  std::vector<std::vector<int>> left_at;
+  std::vector<std::uint64_t> ahead;                // per steady step, evictions_ahead
+  std::uint64_t steady_overruns = 0;
+};
+
+TracedRun run_traced(bool evict_ahead, bool shift = false) {
+  constexpr int kN = 8;
+  ChunkSchedulerOptions options;
+  options.device_budget_bytes = kN * kChunk;
+  options.prefetch_depth = 2;
+  options.evict_ahead = evict_ahead;
+  ChunkScheduler s(make_store(std::vector<std::size_t>(kN, kFull), kChunk), make_device(kKiB * kKiB, 20e6),
+                   options);
+  auto meter = std::make_shared<ScriptedMeter::State>();
+  MemoryTracer tracer(&s, std::make_unique<ScriptedMeter>(meter),
+                      MemoryTracerLimits{.device_budget = 100 * kKiB, .margin = 4 * kKiB,
+                                         .warmup_room = kN * kChunk});
+  TracedRun out;
+  std::uint64_t overruns_before = 0, ahead_before = 0;
+  for (int step = 0; step < 5; ++step) {
+    if (step == 1) {
+      s.reset_stats();
+      overruns_before = tracer.overruns();
+    }
+    std::vector<int> left(kN, -1);
+    const auto note_moves = [&](int when) {
+      for (TensorId t = 0; t < kN; ++t) {
+        if (s.store().chunk(s.store().chunk_of(p16(t))).space() == MemorySpace::kHost && left[t] < 0) left[t] = when;
+      }
+    };
+    if (shift && step == 2) tracer.point(PointKind::kForward, -1);
+    for (int i = 0; i < 2 * kN; ++i) {
+      const TensorId t = i < kN ? i : 2 * kN - 1 - i;
+      tracer.point(i < kN ? PointKind::kForward : PointKind::kBackward, t);
+      note_moves(2 * i);
+      meter->now = meter->peak = (i >= 6 && i <= 9) ? 80 * kKiB : 64 * kKiB;
+      meter->now = 64 * kKiB;
+      s.access(p16(t), kDev);
+      s.release(p16(t), i < kN ? TensorState::kHoldAfterFwd : TensorState::kHoldAfterBwd);
+      note_moves(2 * i + 1);
+    }
+    s.end_step();
+    tracer.end_step();
+    s.validate();
+    if (step > 0) {
+      EXPECT_TRUE(s.following_trace()) << "step " << step;
+      out.left_at.push_back(left);
+      out.ahead.push_back(s.stats().evictions_ahead - ahead_before);
+      ahead_before = s.stats().evictions_ahead;
+    }
+  }
+  out.steady = s.stats();
+  out.steady_overruns = tracer.overruns() - overruns_before;
+  return out;
+}
+
+TEST(MemoryTracer, ChunksALoweringWillEvictLeaveAtTheirLastUseBeforeIt) {
+  const TracedRun off = run_traced(false);
+  const TracedRun on = run_traced(true);
+  ASSERT_EQ(on.left_at.size(), 4u);
+  for (std::size_t step = 0; step < on.left_at.size(); ++step) {
+    for (TensorId t = 0; t < 4; ++t) {
+      EXPECT_EQ(off.left_at[step][t], 2 * 6) << "tensor " << t << " (without the plan: at point 6)";
+      EXPECT_LT(on.left_at[step][t], 2 * 6) << "tensor " << t << " step " << step << ": before the lowering";
+      EXPECT_GE(on.left_at[step][t], 2 * t + 1) << "tensor " << t << ": not before its use";
+    }
+    EXPECT_EQ(on.left_at[step][0], 1);  // at its own access
+    EXPECT_EQ(on.left_at[step][1], 3);
+    EXPECT_GE(on.ahead[step], 4u) << "step " << step;  // (the lowerings' victims: 2 at moment 5, 2 at the step's point)
+    EXPECT_EQ(off.ahead[step], 0u) << "step " << step;
+  }
+  EXPECT_EQ(on.left_at[0][2], 5);  // (the first steady step: 6 and 7 start it on the device)
+  EXPECT_EQ(on.left_at[0][3], 7);
+  EXPECT_EQ(on.steady.evictions, off.steady.evictions);
+  EXPECT_EQ(on.steady.bytes_device_to_host, off.steady.bytes_device_to_host);
+  EXPECT_EQ(on.steady.bytes_host_to_device, off.steady.bytes_host_to_device);
+  EXPECT_EQ(on.steady.misses, 0u);
+  EXPECT_EQ(on.steady_overruns, 0u);
+  EXPECT_EQ(off.steady_overruns, 0u);
+}
+
+TEST(MemoryTracer, AStepWhosePointsAreNotTheRecordsPlansNoLowering) {
+  const TracedRun on = run_traced(true);
+  const TracedRun shifted = run_traced(true, /*shift=*/true);
+  ASSERT_EQ(shifted.ahead.size(), 4u);
+  EXPECT_EQ(shifted.ahead[0], on.ahead[0]);  // (step 1: the record's points)
+  EXPECT_GT(on.ahead[1], 0u);
+  // Step 2 has the extra point, and step 3 not (its record, step 2's, has
+  // it): neither plans, and their lowerings' victims leave at the
+  // lowering or as the prefetch makes room just before it. Step 4 follows
+  // step 3's record and plans again.
+  for (std::size_t step : {1u, 2u}) {
+    EXPECT_EQ(shifted.ahead[step], 0u) << "step " << step + 1;
+    for (TensorId t = 0; t < 4; ++t) EXPECT_GE(shifted.left_at[step][t], 2 * 4) << "tensor " << t;
+  }
+  EXPECT_GT(shifted.ahead[3], 0u);
+  EXPECT_EQ(shifted.left_at[3][0], 1);
+  EXPECT_EQ(shifted.steady.misses, 0u);
+  EXPECT_EQ(shifted.steady_overruns, 0u);
+}
+
 TEST(MemoryTracer, AMarginThatLeavesNothingIsAnError) {
   auto device = make_device(kKiB * kKiB);
   ChunkScheduler s(make_store({kFull}, kChunk), device, ChunkSchedulerOptions{});
