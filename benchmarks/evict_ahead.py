@@ -47,11 +47,11 @@ from tidal.models.gpt import TinyGPT
 VOCAB, D, LAYERS, SEQ, BATCH, WARM = 8192, 256, 8, 64, 4, 4
 COUNTERS = ("block_waits", "block_wait_seconds", "copy_waits", "copy_wait_seconds", "evictions",
             "evictions_ahead", "bytes_host_to_device", "bytes_device_to_host", "prefetch_hits", "misses",
-            "host_pins")
+            "host_pins", "copies_down_skipped", "bytes_down_skipped")
 
 
-def config(budget: int, evict_ahead: bool = True) -> dict:
-    t = {"chunk_size": "1MiB", "device_memory_budget": budget, "evict_ahead": evict_ahead}
+def config(budget: int, evict_ahead: bool = True, **tidal_keys) -> dict:
+    t = {"chunk_size": "1MiB", "device_memory_budget": budget, "evict_ahead": evict_ahead, **tidal_keys}
     if budget:
         t["device_margin"] = budget // 20
     return {"train_micro_batch_size_per_gpu": BATCH, "gradient_clipping": 1.0, "bf16": {"enabled": True},
@@ -70,9 +70,9 @@ def train(engine, batches):
     return times, losses, counters
 
 
-def run_engine(model, batches, budget, bandwidth, evict_ahead, reference, label):
+def run_engine(model, batches, budget, bandwidth, evict_ahead, reference, label, **tidal_keys):
     tidal.set_device("sim", capacity="8GiB", **({"bandwidth": bandwidth} if bandwidth else {}))
-    engine = tidal.initialize(copy.deepcopy(model), config(budget, evict_ahead))
+    engine = tidal.initialize(copy.deepcopy(model), config(budget, evict_ahead, **tidal_keys))
     times, losses, counters = train(engine, batches)
     report = engine.memory_report()
     check_budget(report, label)
@@ -85,6 +85,34 @@ def run_engine(model, batches, budget, bandwidth, evict_ahead, reference, label)
     steady = [{k: b[k] - a[k] for k in COUNTERS} for a, b in zip(counters[WARM - 1:], counters[WARM:])]
     return {"step_s": times[WARM:], "steady": steady, "budget_kept": budget_kept(report),
             "budget_overruns": report["budget_overruns"], "bitwise": bitwise}
+
+
+def the_shape(steps):
+    """The model, `steps` batches, the run where everything fits (its losses
+    and fp32 weights), the budget from what that run measured, its
+    activation peak and the 16-bit chunk bytes."""
+    torch.manual_seed(0)
+    model = TinyGPT(vocab=VOCAB, d=D, layers=LAYERS, heads=4, seq=SEQ)
+    batches = token_batches(VOCAB, SEQ, BATCH, steps)
+    tidal.set_device("sim", capacity="8GiB")
+    fits = tidal.initialize(copy.deepcopy(model), config(0))
+    _, ref_losses, _ = train(fits, batches)
+    reference = (ref_losses, fits.parameters_fp32())
+    activations = fits.memory_report()["peak_nonchunk_device_bytes"]
+    c = fits.chunks
+    p16 = sum(c.chunk_capacity_bytes(i, ChunkKind.PARAM16) for i in range(c.num_chunks))
+    budget = int((activations + p16 // 4) / 0.95)
+    fits.remove_hooks()
+    return model, batches, reference, budget, activations, p16
+
+
+def fits_step_seconds(model, batches):
+    """Steady step times of the engine where everything fits."""
+    tidal.set_device("sim", capacity="8GiB")
+    engine = tidal.initialize(copy.deepcopy(model), config(0))
+    times, _, _ = train(engine, batches)
+    engine.remove_hooks()
+    return times[WARM:]
 
 
 def per_step(runs, key):
@@ -118,29 +146,14 @@ def main():
         raise SystemExit(f"--steps {args.steps}: expected more than the {WARM} warm-up steps")
     links = [link.strip() for link in args.links.split(",") if link.strip()]
 
-    torch.manual_seed(0)
-    model = TinyGPT(vocab=VOCAB, d=D, layers=LAYERS, heads=4, seq=SEQ)
-    batches = token_batches(VOCAB, SEQ, BATCH, args.steps)
-    tidal.set_device("sim", capacity="8GiB")
-    fits = tidal.initialize(copy.deepcopy(model), config(0))
-    _, ref_losses, _ = train(fits, batches)
-    reference = (ref_losses, fits.parameters_fp32())
-    activations = fits.memory_report()["peak_nonchunk_device_bytes"]
-    c = fits.chunks
-    p16 = sum(c.chunk_capacity_bytes(i, ChunkKind.PARAM16) for i in range(c.num_chunks))
-    budget = int((activations + p16 // 4) / 0.95)
-    fits.remove_hooks()
+    model, batches, reference, budget, activations, p16 = the_shape(args.steps)
 
     fits_steps = []
     runs = {link: {"at_points": [], "ahead": []} for link in links}
     contenders = ["fits"] + [(link, name) for link in links for name in ("at_points", "ahead")]
     for r, contender in alternating(contenders, args.rounds):
         if contender == "fits":
-            tidal.set_device("sim", capacity="8GiB")
-            engine = tidal.initialize(copy.deepcopy(model), config(0))
-            times, _, _ = train(engine, batches)
-            engine.remove_hooks()
-            fits_steps += times[WARM:]
+            fits_steps += fits_step_seconds(model, batches)
             continue
         link, name = contender
         runs[link][name].append(

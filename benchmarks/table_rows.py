@@ -742,6 +742,30 @@ def _evict_ahead(r: Dict) -> List[Figure]:
     return out
 
 
+def _clean_down(r: Dict) -> List[Figure]:
+    """16-bit chunks that forward only read leaving the device without a copy, against copying."""
+    sh = r["shape"]
+    out = []
+    for link, p in r["links"].items():
+        clean, copies = p["clean"], p["copies"]
+        what = (f"training step, GPT (vocab {sh['vocab']}, d {sh['d']}, {sh['layers']} layers, 1 MiB chunks, "
+                f"bf16), chunk room a quarter of the 16-bit chunks beside the activations, simulated link "
+                f"{link} each way, chunks leaving the device unchanged taking back their host blocks without a "
+                f"copy (tidal.skip_clean_copies, default; {clean['copies_down_skipped_per_step']:.0f} copies a step "
+                f"skipped; {clean['bytes_device_to_host_per_step'] / 2**20:.1f} MiB down a step against "
+                f"{copies['bytes_device_to_host_per_step'] / 2**20:.1f}, "
+                f"{clean['bytes_host_to_device_per_step'] / 2**20:.1f} MiB up either way; block waits "
+                f"{clean['block_waits_per_step']:.1f} a step, {clean['block_wait_seconds_per_step'] * 1e3:.1f} ms, "
+                f"against {copies['block_waits_per_step']:.1f}, "
+                f"{copies['block_wait_seconds_per_step'] * 1e3:.1f} ms; "
+                f"{p['clean_over_fits']:.2f}x the step where everything fits)")
+        out.append(Figure(what, spread(clean["step_s"], "ms", ".0f", 1e3),
+                          f"{copies['step_s']['median'] * 1e3:.0f} ms, every move down copying "
+                          f"(skip_clean_copies off)",
+                          f"{p['step_clean_over_copies']:.2f}"))
+    return out
+
+
 # Per result file's "benchmark" field.
 PERFORMANCE: Dict[str, Rows] = {
     "step_overlap_idle": Rows(_step_overlap_idle, skip_quick=True),
@@ -758,6 +782,7 @@ PERFORMANCE: Dict[str, Rows] = {
     "step_overlap_clip-vocab2048-compute1": Rows(_step_overlap_clip, skip_quick=True),
     "step_overlap_cost": Rows(_step_overlap_cost, skip_quick=True),
     "evict_ahead": Rows(_evict_ahead, skip_quick=True),
+    "clean_down": Rows(_clean_down, skip_quick=True),
     "step_overlap_cost-accum2": Rows(_step_overlap_cost, skip_quick=True),
     "cpu_adam": Rows(_cpu_adam),
     "device_bandwidth": Rows(_device_bandwidth),

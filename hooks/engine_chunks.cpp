@@ -31,6 +31,7 @@ EngineChunks::EngineChunks(std::shared_ptr<Device> device, const EngineChunksOpt
   options.prefetch = o.prefetch;
   options.prefetch_depth = o.prefetch_depth;
   options.evict_ahead = o.evict_ahead;
+  options.skip_clean_copies = o.skip_clean_copies;
   options.pin_host_memory = o.pin_host_memory;
   options.host_eviction_reserve_bytes = o.host_reserve;
   options.compute_stream = compute_stream_.get();

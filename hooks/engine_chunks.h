@@ -28,6 +28,7 @@ struct EngineChunksOptions {
   bool prefetch = true;
   std::size_t prefetch_depth = 4;
   bool evict_ahead = true;
+  bool skip_clean_copies = true;        // ChunkSchedulerOptions'
   std::string policy = "opt";
   bool pin_host_memory = true;
   std::optional<std::uintptr_t> compute_stream;  // torch's stream, to order copies against

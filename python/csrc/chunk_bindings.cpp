@@ -109,6 +109,8 @@ void bind_records(py::module_& m) {
   TIDAL_FIELD(bytes_disk_to_host);
   TIDAL_FIELD(disk_writes_skipped);
   TIDAL_FIELD(bytes_disk_writes_skipped);
+  TIDAL_FIELD(copies_down_skipped);
+  TIDAL_FIELD(bytes_down_skipped);
   TIDAL_FIELD(steps);
   TIDAL_FIELD(trace_adoptions);
   TIDAL_FIELD(trace_divergences);
@@ -567,7 +569,8 @@ Python thread drives a Chunks object.)doc");
   py::class_<Chunks>(m, "Chunks")
       .def(py::init([](std::shared_ptr<Device> device, std::size_t chunk_bytes, const std::string& param_dtype,
                        std::size_t device_budget, std::size_t host_budget, bool prefetch,
-                       std::size_t prefetch_depth, bool evict_ahead, const std::string& policy,
+                       std::size_t prefetch_depth, bool evict_ahead, bool skip_clean_copies,
+                       const std::string& policy,
                        bool pin_host_memory,
                        std::optional<std::uintptr_t> compute_stream, const std::string& torch_device,
                        std::size_t host_reserve, const std::string& state_dtype,
@@ -584,6 +587,7 @@ Python thread drives a Chunks object.)doc");
              o.prefetch = prefetch;
              o.prefetch_depth = prefetch_depth;
              o.evict_ahead = evict_ahead;
+             o.skip_clean_copies = skip_clean_copies;
              o.policy = policy;
              o.pin_host_memory = pin_host_memory;
              o.compute_stream = compute_stream;
@@ -601,7 +605,8 @@ Python thread drives a Chunks object.)doc");
            }),
            py::arg("device"), py::kw_only(), py::arg("chunk_bytes"), py::arg("param_dtype"),
            py::arg("device_budget"), py::arg("host_budget") = 0, py::arg("prefetch") = true,
-           py::arg("prefetch_depth") = 4, py::arg("evict_ahead") = true, py::arg("policy") = "opt",
+           py::arg("prefetch_depth") = 4, py::arg("evict_ahead") = true,
+           py::arg("skip_clean_copies") = true, py::arg("policy") = "opt",
            py::arg("pin_host_memory") = true, py::arg("compute_stream") = py::none(),
            py::arg("torch_device") = "cpu", py::arg("host_reserve") = 0,
            py::arg("state_dtype") = "float32", py::arg("disk_path") = "", py::arg("disk_budget") = 0,

@@ -102,6 +102,11 @@ _TIDAL_SCHEMA: dict[str, Any] = {
                                     "growing) will evict leaves at its last use before that point, "
                                     "so its copy down runs under the compute between (docs/engine.md); "
                                     "off: it leaves at the point, to measure what this saves"),
+        "skip_clean_copies": (bool, True, "a chunk leaving the device unchanged since it came up (a "
+                                          "16-bit chunk that forward only read) takes back the host "
+                                          "block it came from, still cached, without a copy "
+                                          "(docs/engine.md); off: every move down copies, to measure "
+                                          "what this saves. Not with the NVMe tier"),
         "eviction_policy": (("opt", "lru"), "opt", "OPT over the trace, or LRU"),
         "hybrid_adam": (bool, True, "update on the device the chunks whose states fit the chunk room left at the activation peak (they stay there); the others on the host"),
         "room_on_miss": (bool, True, "an allocation the device's allocator cannot serve within the "

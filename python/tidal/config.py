@@ -192,6 +192,7 @@ class Config:
     prefetch: bool = True
     prefetch_depth: int = 4
     evict_ahead: bool = True
+    skip_clean_copies: bool = True
     eviction_policy: str = "opt"
     hybrid_adam: bool = True
     simulated_allocator: str = "auto"
@@ -585,6 +586,7 @@ class Config:
         _require(problems, self.prefetch_depth >= 1, "tidal.prefetch_depth",
                  f"expected an integer >= 1, got {self.prefetch_depth}")
         self.evict_ahead = t["evict_ahead"]
+        self.skip_clean_copies = t["skip_clean_copies"]
         self.eviction_policy = t["eviction_policy"]
         self.hybrid_adam = t["hybrid_adam"]
         self.simulated_allocator = t["simulated_allocator"]

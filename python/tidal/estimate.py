@@ -54,7 +54,14 @@ L = device budget - margin, A the activation peak, R = L - A:
   each way:
       bytes = accumulation x (P - H) + max(P - R, 0)
   States never come up to be updated and go down again (the rule before
-  issue 52 did that, and moved 6-7x this on an H100).
+  issue 52 did that, and moved 6-7x this on an H100). Down, the chunks
+  forward evicts for the activations (P > R) were only read since their
+  copy up and take back their host blocks without a copy (Note [A clean
+  chunk goes down without a copy] in runtime/scheduler/chunk_scheduler.h;
+  tidal.skip_clean_copies, not with the NVMe tier), except those updated
+  on the device (H: the step wrote them there): the P - R bytes going down
+  in forward count (P - H) / P of them as skipped, and
+      bytes down = bytes - max(P - R, 0) x (P - H) / P.
 
 Time per step. The copies run on the link's own engines (a copy stream on
 a GPU, the simulated link's threads), ahead of their use (prefetch) and, for
@@ -64,7 +71,7 @@ than the compute they run beside. The streamed 16-bit chunks go up in
 forward and their gradients down in backward; the chunks fetched again
 (P > R) go up in backward and down in forward. Per micro-batch, with
 forward a third of the compute (2 of the 6 FLOPs per parameter and token):
-    forward  = max(compute/3, streamed up, fetched-again down)
+    forward  = max(compute/3, streamed up, fetched-again down less the clean)
     backward = max(2 compute/3, streamed down, fetched-again up)
     compute = FLOPs / device FLOP/s + modules x seconds per module hook,
     a direction's time = its bytes / its rate.
@@ -264,8 +271,19 @@ def _rates(given: dict, measured: dict) -> dict:
 
 # ------------------------------------------------------------------------ the model
 def _traffic(layout: dict, limit: int, activations: int, host_capacity: int,
-             accumulation: int, hybrid: bool = True) -> dict:
-    """Bytes each way per step (Note [The pre-flight estimate])."""
+             accumulation: int, hybrid: bool = True, skip_clean: bool = True) -> dict:
+    """Bytes each way per step (Note [The pre-flight estimate]); down, less
+    the copies of clean chunks skipped (`skip_clean`)."""
+    out = _traffic_each_way(layout, limit, activations, host_capacity, accumulation, hybrid)
+    P = layout["param16_bytes"]  # (frozen ones too: never written)
+    churn = out["refetch_or_churn_bytes"]
+    clean = int(churn * (P - out["hybrid_param16_bytes"]) / P) if skip_clean and P else 0
+    return {**out, "bytes_down_skipped": clean, "bytes_down": out["bytes_each_way"] - clean}
+
+
+def _traffic_each_way(layout: dict, limit: int, activations: int, host_capacity: int,
+                      accumulation: int, hybrid: bool) -> dict:
+    """_traffic's bytes moved each way, clean copies counted."""
     P = layout["param16_trainable_bytes"]
     frozen = layout["param16_bytes"] - P
     S = layout["state_bytes"]
@@ -517,8 +535,8 @@ def estimate(model, config=None, *, precision=None, optimizer_state_dtype=None,
                                     max(0, room) / in_memory if in_memory else float("inf")))
 
     # Traffic and time.
-    traffic = _traffic(layout, limit, activations, host_capacity,
-                       cfg.gradient_accumulation_steps, hybrid=cfg.hybrid_adam)
+    traffic = _traffic(layout, limit, activations, host_capacity, cfg.gradient_accumulation_steps,
+                       hybrid=cfg.hybrid_adam, skip_clean=cfg.skip_clean_copies and not nvme)
     if not fits:
         notes.append("it does not fit: the bytes moved and the step time are what they would be "
                      "with the room")
@@ -533,12 +551,13 @@ def estimate(model, config=None, *, precision=None, optimizer_state_dtype=None,
     compute_s = flops / value["device_flops_per_s"]
     hooks_s = cfg.gradient_accumulation_steps * modules * value["seconds_per_module"]
     link_s = traffic["bytes_each_way"] / value["h2d_bytes_per_s"] + \
-        traffic["bytes_each_way"] / value["d2h_bytes_per_s"]
+        traffic["bytes_down"] / value["d2h_bytes_per_s"]
     # Per micro-batch (the docstring): the streamed bytes up in forward and
     # down in backward, the ones fetched again the other way round.
     accum = cfg.gradient_accumulation_steps
     streamed = max(0, traffic["bytes_each_way"] - traffic["refetch_or_churn_bytes"]) / accum
     again = traffic["refetch_or_churn_bytes"] / accum
+    again_down = (traffic["refetch_or_churn_bytes"] - traffic["bytes_down_skipped"]) / accum
     per_micro = (compute_s + hooks_s) / accum
     # The weights going up as each chunk's update (or fold) is done, beside
     # the gradients going down (the docstring): with the step overlap, when
@@ -572,7 +591,7 @@ def estimate(model, config=None, *, precision=None, optimizer_state_dtype=None,
         last_backward_s, next_forward_s = bb, fb
     else:
         forward_s = max(per_micro / 3, streamed / value["h2d_bytes_per_s"],
-                        again / value["d2h_bytes_per_s"])
+                        again_down / value["d2h_bytes_per_s"])
         backward_s = max(2 * per_micro / 3, streamed / value["d2h_bytes_per_s"],
                          again / value["h2d_bytes_per_s"])
         last_backward_s, next_forward_s = backward_s, forward_s
@@ -642,7 +661,7 @@ def estimate(model, config=None, *, precision=None, optimizer_state_dtype=None,
         "nvme": {"budget": nvme, "lists": list(lists), "bytes_per_param": disk_per_param,
                  "eligible_states": eligible if nvme else 0, "states_on_disk": on_disk},
         "traffic": {**traffic, "bytes_host_to_device": traffic["bytes_each_way"],
-                    "bytes_device_to_host": traffic["bytes_each_way"],
+                    "bytes_device_to_host": traffic["bytes_down"],
                     "bytes_disk_read": disk_bytes, "bytes_disk_write": disk_bytes},
         "rates": r,
         "time": {"flops": flops, "tokens": tokens, "compute_s": compute_s, "hooks_s": hooks_s,

@@ -69,23 +69,45 @@ BlockPtr BlockPool::take_cached(MemorySpace space, std::size_t bytes, bool pinne
       return false;  // (a device error: the copy into it reports it)
     }
   };
+  // Among those whose copies are done, one holding no chunk's image first
+  // (Note [A clean chunk goes down without a copy] in chunk_scheduler.h).
   std::size_t pick = blocks.size();
-  for (std::size_t i = blocks.size(); i-- > 0;) {
-    if (eligible(i) && done(i)) {
-      pick = i;
-      break;
+  for (const bool any_image : {false, true}) {
+    for (std::size_t i = blocks.size(); i-- > 0 && pick == blocks.size();) {
+      if (eligible(i) && (any_image || blocks[i]->image_of < 0) && done(i)) pick = i;
     }
   }
   for (std::size_t i = 0; pick == blocks.size(); ++i) {
     if (eligible(i)) pick = i;
   }
-  BlockPtr block = std::move(blocks[pick]);
-  blocks.erase(blocks.begin() + static_cast<std::ptrdiff_t>(pick));
-  if (it->second.empty()) by_size.erase(it);
+  return take_at(space, it, pick);
+}
+
+BlockPtr BlockPool::take_image(std::size_t bytes, std::int64_t chunk, std::uint64_t version) {
+  auto& by_size = cache_[index_of(MemorySpace::kHost)];
+  auto it = by_size.find(bytes);
+  if (it == by_size.end()) return nullptr;
+  const auto& blocks = it->second;
+  for (std::size_t i = blocks.size(); i-- > 0;) {
+    if (blocks[i]->image_of == chunk && blocks[i]->image_version == version) {
+      return take_at(MemorySpace::kHost, it, i);
+    }
+  }
+  return nullptr;
+}
+
+BlockPtr BlockPool::take_at(MemorySpace space, std::map<std::size_t, std::vector<BlockPtr>>::iterator it,
+                            std::size_t i) {
+  auto& blocks = it->second;
+  const std::size_t bytes = it->first;
+  BlockPtr block = std::move(blocks[i]);
+  blocks.erase(blocks.begin() + static_cast<std::ptrdiff_t>(i));
+  if (blocks.empty()) cache_[index_of(space)].erase(it);
   cached_[index_of(space)] -= bytes;
   --cached_count_[index_of(space)];
   ++reuses_[index_of(space)];
   ++handed_by_size_[index_of(space)][bytes];
+  block->image_of = -1;
   return block;
 }
 

@@ -63,6 +63,11 @@ struct Block {
   // A host block's disk I/O in flight: one more piece of work on the block,
   // waited for on the host before any other (a stream cannot wait for it).
   std::shared_ptr<PendingIo> io;
+  // A cached host block a chunk was copied up from: it still holds that
+  // chunk's bytes as of the chunk's write count `image_version` (Note [A
+  // clean chunk goes down without a copy] in chunk_scheduler.h); -1: none.
+  std::int64_t image_of = -1;
+  std::uint64_t image_version = 0;
 
   // Waits for the disk I/O; keeps it (and rethrows) when it failed.
   bool finish_io() {
@@ -113,7 +118,13 @@ class BlockPool {
   // the second crossing] in chunk_scheduler.h). Among those, the newest whose
   // copies are done, else the oldest (Note [A cached block whose copy is
   // done] in block_pool.cpp).
+  // A block handed out this way holds no chunk's image any more; blocks
+  // that hold none go first.
   BlockPtr take_cached(MemorySpace space, std::size_t bytes, bool pinned = false);
+  // The cached host block of `bytes` that holds chunk `chunk`'s bytes as of
+  // write count `version` (Block::image_of), taken out of the cache; null if
+  // none is cached.
+  BlockPtr take_image(std::size_t bytes, std::int64_t chunk, std::uint64_t version);
   bool has_cached(MemorySpace space, std::size_t bytes) const;
   // A new block. Throws OutOfMemoryError when the space has no memory left.
   // A host block is made pageable (Note [Pinned at the second crossing]).
@@ -165,6 +176,9 @@ class BlockPool {
   void validate() const;
 
  private:
+  // Takes block `i` of the cache bucket `it` of `space` out, for a new user.
+  BlockPtr take_at(MemorySpace space, std::map<std::size_t, std::vector<BlockPtr>>::iterator it,
+                   std::size_t i);
   // The byte counts of a block just taken out of the cache to be freed.
   void forget_cached(const Block& block);
 

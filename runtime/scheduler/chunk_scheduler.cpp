@@ -153,7 +153,10 @@ void* ChunkScheduler::access(TensorRef ref, MemorySpace space, AccessMode mode, 
     block.wait_on_host();  // settles the finished fence (and disk I/O) without waiting
   }
   store_.set_state(ref, TensorState::kCompute);
-  if (writes) slots_[id].disk_current = false;  // Note [Chunks on NVMe: clean chunks]
+  if (writes) {
+    slots_[id].disk_current = false;  // Note [Chunks on NVMe: clean chunks]
+    ++slots_[id].writes;              // Note [A clean chunk goes down without a copy]
+  }
   last_use_[id] = ++tick_;
   ++stats_.accesses;
   if (options_.prefetch && following_) prefetch_unless_disk_failed();
@@ -359,6 +362,10 @@ bool ChunkScheduler::place(ChunkId id, MemorySpace space, const RoomRequest& req
               " is pinned there by COMPUTE tensors ",
               store_.describe_tensors(store_.tensors_in_state(id, TensorState::kCompute)),
               "; release them before using the chunk on ", to_string(space));
+  if (space == MemorySpace::kHost && come_down_clean(id)) {
+    if (!request.prefetch && !staged) ++stats_.misses;
+    return true;
+  }
   BlockPtr block = acquire_block(request);
   if (!block) return false;
   move(id, space, std::move(block));
@@ -604,11 +611,54 @@ bool ChunkScheduler::evict(ChunkId victim, const RoomRequest& request) {
   host.evicting_for = request.chunk;
   host.prefetch = request.prefetch;
   host.needed_at = request.needed_at;
-  BlockPtr block = acquire_block(host);
-  if (!block) return false;
   if (slots_[victim].prefetched && slots_[victim].ahead) ahead_wasted_.push_back(victim);
-  move(victim, MemorySpace::kHost, std::move(block));
+  if (!come_down_clean(victim)) {
+    BlockPtr block = acquire_block(host);
+    if (!block) return false;
+    move(victim, MemorySpace::kHost, std::move(block));
+  }
   ++stats_.evictions;
+  return true;
+}
+
+// Note [A clean chunk goes down without a copy]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// A chunk's host block goes back to the pool when the chunk moves up (Note
+// [One place per chunk]), with its bytes still in it: the copy read it and
+// nothing writes a cached block. The block is tagged with the chunk and its
+// write count (Slot::writes, counted wherever Note [Chunks on NVMe: clean
+// chunks] clears disk_current: a write access, an access of a FREE slot,
+// mark_written, a payload dropped), and the pool hands tagged blocks to
+// other users last (take_cached clears the tag of a block it hands out).
+// When the chunk leaves the device with its write count unchanged and its
+// tagged block still cached, it takes that block back as its payload and
+// nothing is copied: its device block goes to the pool (its fence covers
+// the compute that read it), as after a copy. Forward only reads the 16-bit
+// chunks (the hooks attach them for reading and mark them written where a
+// parameter changed while attached), so where forward evicts them for the
+// activations they leave without crossing the link; ZeRO-3's parameter
+// offload frees a gathered parameter after use the same way, the host
+// keeping its copy. In step_overlap_clip's GPT on the simulated device that
+// is 16 of a steady step's 38 MiB down (benchmarks/clean_down.py). It costs
+// no host memory: only blocks the pool keeps anyway (Note [Host blocks for a
+// steady step]) serve, and one it frees is no longer an image. The tag is
+// trusted exactly as far as the disk tier's clean flag is. Not with a disk
+// tier (whose host room the tier's reads and writes plan for), nor with
+// skip_clean_copies off.
+bool ChunkScheduler::come_down_clean(ChunkId id) {
+  if (!options_.skip_clean_copies || disk_) return false;
+  const Chunk& chunk = store_.chunk(id);
+  if (chunk.space() != MemorySpace::kDevice || !chunk.has_payload()) return false;
+  BlockPtr image = pool_.take_image(chunk.capacity_bytes(), static_cast<std::int64_t>(id), slots_[id].writes);
+  if (!image) return false;
+  BlockPtr device_block = detach(id);
+  attach(id, std::move(image));
+  pool_.give_back(std::move(device_block));
+  rewind_prefetch(id);
+  ++stats_.moves_device_to_host;
+  ++stats_.copies_down_skipped;
+  stats_.bytes_down_skipped += chunk.capacity_bytes();
+  if (slots_[id].prefetched) clear_prefetched(id, /*wasted=*/true);
   return true;
 }
 
@@ -648,6 +698,10 @@ void ChunkScheduler::move(ChunkId id, MemorySpace to, BlockPtr destination) {
   source->record_fence(stream);
   destination->record_fence(stream);
   attach(id, std::move(destination));
+  // Note [A clean chunk goes down without a copy]: the host block keeps the
+  // bytes it was copied up from.
+  source->image_of = h2d && options_.skip_clean_copies && !disk_ ? static_cast<std::int64_t>(id) : -1;
+  source->image_version = slots_[id].writes;
   pool_.give_back(std::move(source));
   if (h2d) trim_host_cache();  // Note [One place per chunk]
   rewind_prefetch(id);
@@ -664,6 +718,7 @@ void ChunkScheduler::move(ChunkId id, MemorySpace to, BlockPtr destination) {
 void ChunkScheduler::drop_payload(ChunkId id) {
   BlockPtr block = detach(id);
   slots_[id].disk_current = false;  // all FREE: the next payload is a fresh one
+  ++slots_[id].writes;
   store_.set_payload(id, nullptr, MemorySpace::kNone);
   const bool host = block->space == MemorySpace::kHost;
   // A chunk on disk keeps its home for when it comes back.

@@ -329,6 +329,11 @@ struct ChunkSchedulerOptions {
   // still holds its bytes goes to disk without a write. Off: every chunk is
   // written (for comparison: benchmarks/nvme_train.py).
   bool disk_skip_clean_writes = true;
+  // Note [A clean chunk goes down without a copy]: a chunk leaving the
+  // device unchanged since its copy up takes back the host block it came
+  // from, when the pool still has it. Off: every move down copies (for
+  // comparison: benchmarks/clean_down.py). Not with a disk tier.
+  bool skip_clean_copies = true;
 
   static constexpr std::uint8_t disk_kind_bits(std::initializer_list<ChunkKind> kinds) {
     std::uint8_t bits = 0;
@@ -399,6 +404,12 @@ struct ChunkSchedulerStats {
   // (Note [Chunks on NVMe: clean chunks] in disk_tier.h); not in the two above.
   std::uint64_t disk_writes_skipped = 0;
   std::uint64_t bytes_disk_writes_skipped = 0;
+  // Chunks that left the device without a copy: the host block they came up
+  // from still held their bytes (Note [A clean chunk goes down without a
+  // copy]); counted in moves_device_to_host (and evictions, where they were
+  // evicted), not in bytes_device_to_host.
+  std::uint64_t copies_down_skipped = 0;
+  std::uint64_t bytes_down_skipped = 0;
   std::uint64_t steps = 0;
   std::uint64_t trace_adoptions = 0;   // end_step() took a new trace (first one included)
   std::uint64_t trace_divergences = 0; // steps that departed from the trace
@@ -563,6 +574,10 @@ class ChunkScheduler {
     // The home on disk holds the payload's bytes: set by a read from disk and
     // a write to it, cleared by any write (Note [Chunks on NVMe: clean chunks]).
     bool disk_current = false;
+    // Everything that may change the payload's bytes counts here (where
+    // disk_current is cleared): a host block tagged with an earlier count no
+    // longer holds them (Note [A clean chunk goes down without a copy]).
+    std::uint64_t writes = 0;
     // Copies over the link since the first step ended (Note [Pinned at the
     // second crossing]).
     std::uint32_t crossings = 0;
@@ -633,6 +648,10 @@ class ChunkScheduler {
   // use if it had passed it (Note [Prefetch]).
   void rewind_prefetch(ChunkId id);
   void move(ChunkId id, MemorySpace to, BlockPtr destination);
+  // Note [A clean chunk goes down without a copy]: moves device chunk `id`
+  // to the host block it came up from, if the pool still holds it with the
+  // chunk's bytes. Whether it did.
+  bool come_down_clean(ChunkId id);
   void drop_payload(ChunkId id);
   void attach(ChunkId id, BlockPtr block);
   BlockPtr detach(ChunkId id);

@@ -124,6 +124,7 @@ void ChunkScheduler::mark_written(TensorRef ref) {
   // A chunk on disk has its bytes only in its home, which nothing but the
   // tier writes; one without payload matches nothing already.
   if (store_.chunk(id).space() != MemorySpace::kDisk) slots_[id].disk_current = false;
+  ++slots_[id].writes;  // Note [A clean chunk goes down without a copy]
 }
 
 bool ChunkScheduler::disk_copy_current(ChunkId id) const {

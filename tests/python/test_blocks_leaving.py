@@ -78,13 +78,15 @@ def reference():
     return model, batches, losses, weights, int((activations + p16 // 4) / 0.95)
 
 
-def train_checked(reference, bandwidth, evict_ahead=True):
-    """Trains on a link of `bandwidth` within the reference's budget; checks
-    the bits against the reference and the budget; returns the counters of
-    each steady step."""
+def train_checked(reference, bandwidth, evict_ahead=True, **tidal_keys):
+    """Trains on a link of `bandwidth` within the reference's budget, with
+    `tidal_keys` added to the config; checks the bits against the reference
+    and the budget; returns the counters of each steady step."""
     model, batches, ref_losses, ref_weights, budget = reference
     tidal.set_device("sim", capacity="8GiB", bandwidth=bandwidth)
-    engine = tidal.initialize(copy.deepcopy(model), config(budget, evict_ahead))
+    cfg = config(budget, evict_ahead)
+    cfg["tidal"].update(tidal_keys)
+    engine = tidal.initialize(copy.deepcopy(model), cfg)
     losses, counters = train(engine, batches)
     assert losses == ref_losses  # bitwise: copies change no bits
     weights = engine.parameters_fp32()
@@ -96,8 +98,11 @@ def train_checked(reference, bandwidth, evict_ahead=True):
 
 def test_chunks_evicted_at_a_trace_point_leave_their_blocks_to_whoever_needs_the_room(reference):
     # (With the lowerings planned, the chunks leave ahead of the points:
-    # the test below. Here they leave at the points, as with the plan off.)
-    steady = train_checked(reference, "200MB/s", evict_ahead=False)
+    # the test below. Here they leave at the points, as with the plan off,
+    # and each with a copy: the 16-bit chunks forward evicts would otherwise
+    # take back their host blocks, Note [A clean chunk goes down without a
+    # copy], and leave no copy running.)
+    steady = train_checked(reference, "200MB/s", evict_ahead=False, skip_clean_copies=False)
     for step in steady:
         # The path fires: every steady step evicts at its trace points, and
         # the lowerings leave blocks still being copied out of.

@@ -128,10 +128,13 @@ def test_chunks_moved_per_step_are_between_opt_and_lru_for_the_budget(depth, sha
     # whose copy up would then land in the step after its copy down. Which
     # updates wait is timed (Note [Speculation while backward lasts]) and may
     # change from step to step; one step's count then moves a chunk's copy
-    # up to the next. Seen once in CI: 6 chunks down, 7 up.)
+    # up to the next. Seen once in CI: 6 chunks down, 7 up. And
+    # skip_clean_copies off: a chunk evicted between the two forward passes
+    # was only read, and would go down without a copy, Note [A clean chunk
+    # goes down without a copy]; tests/python/test_clean_down.py.)
     cfg = {"optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
            "tidal": {"chunk_size": CHUNK, "device_margin": 1024, "hybrid_adam": False,
-                     "overlap_next_forward": False}}
+                     "overlap_next_forward": False, "skip_clean_copies": False}}
     cfg["tidal"]["device_memory_budget"] = measured_budget(model, cfg, batches, chunk_share=share)
     engine = tidal.initialize(model, cfg)
     c = engine.chunks

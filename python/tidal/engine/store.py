@@ -258,6 +258,7 @@ class ParamStore:
             param_dtype=self._list_dtypes()[PARAM16],
             device_budget=self.device_budget - self.margin, host_budget=self.host_budget,
             prefetch=config.prefetch, prefetch_depth=config.prefetch_depth, evict_ahead=config.evict_ahead,
+            skip_clean_copies=config.skip_clean_copies,
             policy=config.eviction_policy, pin_host_memory=config.pin_memory,
             compute_stream=stream, torch_device=str(self.torch_device),
             host_reserve=self.host_reserve,

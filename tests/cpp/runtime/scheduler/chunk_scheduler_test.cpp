@@ -227,6 +227,80 @@ TEST(ChunkScheduler, EvictsToStayWithinTheBudgetAndKeepsTheData) {
   s.validate();
 }
 
+// Note [A clean chunk goes down without a copy]: six chunks written on the
+// host go up three at a time for reading. Each leaves the device (evicted,
+// or wanted on the host) by taking back the host block it came from: no
+// byte crosses, and every byte reads back. A write access, mark_written, or
+// the block going to another chunk makes the next move down copy.
+TEST(ChunkScheduler, AChunkOnlyReadOnTheDeviceGoesDownWithoutACopy) {
+  for (const bool skip : {true, false}) {
+    SCOPED_TRACE(skip ? "skip_clean_copies" : "every move down copies");
+    ChunkSchedulerOptions options = no_prefetch(3 * kChunk);
+    options.skip_clean_copies = skip;
+    ChunkScheduler s(make_store(std::vector<std::size_t>(6, kFull), kChunk), make_device(kKiB * kKiB), options);
+    for (TensorId t = 0; t < 6; ++t) {
+      write_pattern(s.access(p16(t), kHost), kFull * 2, 100 + t);
+      s.release(p16(t), TensorState::kHold);
+    }
+    for (TensorId t = 0; t < 6; ++t) {
+      EXPECT_TRUE(has_pattern(s.access(p16(t), kDev, AccessMode::kRead), kFull * 2, 100 + t)) << t;
+      s.release(p16(t), TensorState::kHold);
+      s.validate();
+    }
+    EXPECT_EQ(s.stats().evictions, 3u);
+    for (TensorId t = 0; t < 6; ++t) {  // (3, 4 and 5 come down for it)
+      EXPECT_TRUE(has_pattern(s.access(p16(t), kHost, AccessMode::kRead), kFull * 2, 100 + t)) << t;
+      s.release(p16(t), TensorState::kHold);
+    }
+    s.validate();
+    const ChunkSchedulerStats st = s.stats();
+    EXPECT_EQ(st.moves_device_to_host, 6u);
+    EXPECT_EQ(st.copies_down_skipped, skip ? 6u : 0u);
+    EXPECT_EQ(st.bytes_down_skipped, skip ? 6 * kChunk : 0u);
+    EXPECT_EQ(st.bytes_device_to_host, skip ? 0u : 6 * kChunk);
+    EXPECT_EQ(st.bytes_host_to_device, 6 * kChunk);
+  }
+}
+
+TEST(ChunkScheduler, AChunkWrittenOnTheDeviceOrWhoseBlockWentElsewhereGoesDownWithACopy) {
+  ChunkScheduler s(make_store(std::vector<std::size_t>(6, kFull), kChunk), make_device(kKiB * kKiB),
+                   no_prefetch(2 * kChunk));
+  for (TensorId t = 0; t < 3; ++t) {
+    write_pattern(s.access(p16(t), kHost), kFull * 2, 100 + t);
+    s.release(p16(t), TensorState::kHold);
+  }
+  // 0: written by a write access on the device; 1: read, then marked written.
+  write_pattern(s.access(p16(0), kDev), kFull * 2, 200);
+  s.release(p16(0), TensorState::kHold);
+  void* p = s.access(p16(1), kDev, AccessMode::kRead);
+  write_pattern(p, kFull * 2, 201);  // (a write its reader learnt of after the access)
+  s.mark_written(p16(1));
+  s.release(p16(1), TensorState::kHold);
+  for (TensorId t : {0, 1}) {
+    EXPECT_TRUE(has_pattern(s.access(p16(t), kHost, AccessMode::kRead), kFull * 2, 200 + t)) << t;
+    s.release(p16(t), TensorState::kHold);
+  }
+  EXPECT_EQ(s.stats().copies_down_skipped, 0u);
+  EXPECT_EQ(s.stats().bytes_device_to_host, 2 * kChunk);
+  // 2 goes up for reading; its host block (the only one cached) then goes
+  // to new chunks 3 and 4, which materialize on the host. 2 must copy.
+  EXPECT_TRUE(has_pattern(s.access(p16(2), kDev, AccessMode::kRead), kFull * 2, 102));
+  s.release(p16(2), TensorState::kHold);
+  for (TensorId t : {3, 4}) {
+    write_pattern(s.access(p16(t), kHost), kFull * 2, 300 + t);
+    s.release(p16(t), TensorState::kHold);
+  }
+  EXPECT_TRUE(has_pattern(s.access(p16(2), kHost, AccessMode::kRead), kFull * 2, 102));
+  s.release(p16(2), TensorState::kHold);
+  EXPECT_EQ(s.stats().copies_down_skipped, 0u);
+  EXPECT_EQ(s.stats().bytes_device_to_host, 3 * kChunk);
+  for (TensorId t : {3, 4}) {
+    EXPECT_TRUE(has_pattern(s.access(p16(t), kHost, AccessMode::kRead), kFull * 2, 300 + t)) << t;
+    s.release(p16(t), TensorState::kHold);
+  }
+  s.validate();
+}
+
 TEST(ChunkScheduler, BudgetTooSmallErrorNamesTheChunkTheBudgetAndWhatIsPinned) {
   auto device = make_device(kKiB * kKiB);
   ChunkStore store({.chunk_bytes = kChunk});
