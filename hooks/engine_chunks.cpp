@@ -32,6 +32,10 @@ EngineChunks::EngineChunks(std::shared_ptr<Device> device, const EngineChunksOpt
   options.prefetch_depth = o.prefetch_depth;
   options.evict_ahead = o.evict_ahead;
   options.skip_clean_copies = o.skip_clean_copies;
+  // Note [A clean chunk goes down without a copy]: the trainable parameters'
+  // pool only (pool 0: _pool in python/tidal/engine/store.py); a frozen
+  // chunk is its tensors' only copy.
+  options.clean_copy_pools = 1u << 0;
   options.pin_host_memory = o.pin_host_memory;
   options.host_eviction_reserve_bytes = o.host_reserve;
   options.compute_stream = compute_stream_.get();

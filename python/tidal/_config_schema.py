@@ -102,9 +102,10 @@ _TIDAL_SCHEMA: dict[str, Any] = {
                                     "growing) will evict leaves at its last use before that point, "
                                     "so its copy down runs under the compute between (docs/engine.md); "
                                     "off: it leaves at the point, to measure what this saves"),
-        "skip_clean_copies": (bool, True, "a chunk leaving the device unchanged since it came up (a "
-                                          "16-bit chunk that forward only read) takes back the host "
-                                          "block it came from, still cached, without a copy "
+        "skip_clean_copies": (bool, True, "a chunk of trainable parameters leaving the device "
+                                          "unchanged since it came up (a 16-bit chunk that forward "
+                                          "only read) takes back the host block it came from, still "
+                                          "cached, without a copy "
                                           "(docs/engine.md); off: every move down copies, to measure "
                                           "what this saves. Not with the NVMe tier"),
         "eviction_policy": (("opt", "lru"), "opt", "OPT over the trace, or LRU"),

@@ -59,9 +59,11 @@ L = device budget - margin, A the activation peak, R = L - A:
   copy up and take back their host blocks without a copy (Note [A clean
   chunk goes down without a copy] in runtime/scheduler/chunk_scheduler.h;
   tidal.skip_clean_copies, not with the NVMe tier), except those updated
-  on the device (H: the step wrote them there): the P - R bytes going down
-  in forward count (P - H) / P of them as skipped, and
-      bytes down = bytes - max(P - R, 0) x (P - H) / P.
+  on the device (H: the step wrote them there) and frozen ones (their only
+  copy, always copied): of the P - R bytes going down in forward, the share
+  of host-updated trainable bytes is skipped, none where the host budget
+  spilled states to the device (its cached blocks go first for room):
+      bytes down = bytes - max(P - R, 0) x (trainable P - H) / P.
 
 Time per step. The copies run on the link's own engines (a copy stream on
 a GPU, the simulated link's threads), ahead of their use (prefetch) and, for
@@ -275,9 +277,14 @@ def _traffic(layout: dict, limit: int, activations: int, host_capacity: int,
     """Bytes each way per step (Note [The pre-flight estimate]); down, less
     the copies of clean chunks skipped (`skip_clean`)."""
     out = _traffic_each_way(layout, limit, activations, host_capacity, accumulation, hybrid)
-    P = layout["param16_bytes"]  # (frozen ones too: never written)
+    # The churned bytes of trainable chunks updated on the host (frozen
+    # chunks always copy: they are their tensors' only copy), and none where
+    # the host holds its budget in live chunks (its cached blocks, the
+    # images, go first when it needs room).
+    P = layout["param16_bytes"]
     churn = out["refetch_or_churn_bytes"]
-    clean = int(churn * (P - out["hybrid_param16_bytes"]) / P) if skip_clean and P else 0
+    host_updated = layout["param16_trainable_bytes"] - out["hybrid_param16_bytes"]
+    clean = int(churn * max(0, host_updated) / P) if skip_clean and P and not out["spilled_bytes"] else 0
     return {**out, "bytes_down_skipped": clean, "bytes_down": out["bytes_each_way"] - clean}
 
 

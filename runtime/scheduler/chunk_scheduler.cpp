@@ -611,12 +611,13 @@ bool ChunkScheduler::evict(ChunkId victim, const RoomRequest& request) {
   host.evicting_for = request.chunk;
   host.prefetch = request.prefetch;
   host.needed_at = request.needed_at;
-  if (slots_[victim].prefetched && slots_[victim].ahead) ahead_wasted_.push_back(victim);
+  const bool sent_ahead = slots_[victim].prefetched && slots_[victim].ahead;
   if (!come_down_clean(victim)) {
     BlockPtr block = acquire_block(host);
     if (!block) return false;
     move(victim, MemorySpace::kHost, std::move(block));
   }
+  if (sent_ahead) ahead_wasted_.push_back(victim);
   ++stats_.evictions;
   return true;
 }
@@ -642,11 +643,22 @@ bool ChunkScheduler::evict(ChunkId victim, const RoomRequest& request) {
 // is 16 of a steady step's 38 MiB down (benchmarks/clean_down.py). It costs
 // no host memory: only blocks the pool keeps anyway (Note [Host blocks for a
 // steady step]) serve, and one it frees is no longer an image. The tag is
-// trusted exactly as far as the disk tier's clean flag is. Not with a disk
-// tier (whose host room the tier's reads and writes plan for), nor with
+// trusted exactly as far as the disk tier's clean flag is: a write that
+// reaches neither (through `p.data` of a parameter inside a forward, a
+// tensor with a version counter of its own) is not seen. So only chunks of
+// the pools in clean_copy_pools skip: the engine names the trainable
+// parameters' pool, whose fp32 master the step makes the next 16-bit copy
+// from (such a write never reached it: docs/parameters.md), not the frozen
+// one, whose chunks are their tensors' only copy. Not with a disk tier
+// (whose host room the tier's reads and writes plan for), nor with
 // skip_clean_copies off.
+bool ChunkScheduler::may_skip_copies(ChunkId id) const {
+  return options_.skip_clean_copies && !disk_ &&
+         ((options_.clean_copy_pools >> store_.layout().extent(index_of_chunk(id)).pool) & 1u) != 0;
+}
+
 bool ChunkScheduler::come_down_clean(ChunkId id) {
-  if (!options_.skip_clean_copies || disk_) return false;
+  if (!may_skip_copies(id)) return false;
   const Chunk& chunk = store_.chunk(id);
   if (chunk.space() != MemorySpace::kDevice || !chunk.has_payload()) return false;
   BlockPtr image = pool_.take_image(chunk.capacity_bytes(), static_cast<std::int64_t>(id), slots_[id].writes);
@@ -700,7 +712,7 @@ void ChunkScheduler::move(ChunkId id, MemorySpace to, BlockPtr destination) {
   attach(id, std::move(destination));
   // Note [A clean chunk goes down without a copy]: the host block keeps the
   // bytes it was copied up from.
-  source->image_of = h2d && options_.skip_clean_copies && !disk_ ? static_cast<std::int64_t>(id) : -1;
+  source->image_of = h2d && may_skip_copies(id) ? static_cast<std::int64_t>(id) : -1;
   source->image_version = slots_[id].writes;
   pool_.give_back(std::move(source));
   if (h2d) trim_host_cache();  // Note [One place per chunk]

@@ -334,6 +334,9 @@ struct ChunkSchedulerOptions {
   // from, when the pool still has it. Off: every move down copies (for
   // comparison: benchmarks/clean_down.py). Not with a disk tier.
   bool skip_clean_copies = true;
+  // The pools (bit i: pool i, ChunkStore::register_tensor) whose chunks may
+  // skip that copy; the engine names the trainable pool only.
+  std::uint8_t clean_copy_pools = 0xff;
 
   static constexpr std::uint8_t disk_kind_bits(std::initializer_list<ChunkKind> kinds) {
     std::uint8_t bits = 0;
@@ -652,6 +655,9 @@ class ChunkScheduler {
   // to the host block it came up from, if the pool still holds it with the
   // chunk's bytes. Whether it did.
   bool come_down_clean(ChunkId id);
+  // Whether chunk `id` may leave the device that way (options, no disk tier,
+  // its pool).
+  bool may_skip_copies(ChunkId id) const;
   void drop_payload(ChunkId id);
   void attach(ChunkId id, BlockPtr block);
   BlockPtr detach(ChunkId id);

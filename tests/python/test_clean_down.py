@@ -9,7 +9,9 @@ down, and the training is the same bits as where everything fits.
 
 A write into a parameter during forward (a forward pre-hook scaling a
 weight in place, which tidal keeps: docs/parameters.md) changes its chunk on
-the device: that chunk must go down with a copy, or the write is lost.
+the device: that chunk must go down with a copy, or the write is lost. And
+a frozen parameter's chunk, its only copy, always goes down with a copy: a
+write through its `.data` inside forward shows in no version counter.
 """
 import copy
 import sys
@@ -118,5 +120,35 @@ def test_the_estimate_counts_the_copies_down_skipped(shape, skip):
     engine.remove_hooks()
     assert predicted["refetch_or_churn_bytes"] > 0  # (the regime where forward evicts 16-bit chunks)
     assert (predicted["bytes_down_skipped"] > 0) == skip
+    assert (r["copies_down_skipped"] > 0) == skip and (r["bytes_down_skipped"] > 0) == skip  # (the report's)
     assert predicted["bytes_device_to_host"] == pytest.approx(r["bytes_device_to_host_last_step"], rel=0.05)
     assert predicted["bytes_host_to_device"] == pytest.approx(r["bytes_host_to_device_last_step"], rel=0.05)
+
+
+class ScaledEmbedding(torch.nn.Embedding):
+    """An embedding whose output a frozen parameter scales, and which
+    updates that parameter through `.data` at every forward, before using
+    it (as an EMA codebook's update does): a write into the attached chunk
+    that no version counter shows."""
+
+    def __init__(self, weight):
+        super().__init__(*weight.shape)
+        self.weight = weight  # (the same Parameter: a tie to the head stays)
+        self.scale = torch.nn.Parameter(torch.ones(weight.shape[1]), requires_grad=False)
+
+    def forward(self, idx):
+        self.scale.data.mul_(1.01)
+        return super().forward(idx) * self.scale
+
+
+def test_a_frozen_chunk_written_through_data_in_forward_always_goes_down_with_its_copy(shape):
+    """A frozen parameter's chunk is its only copy: where forward evicts it,
+    it goes down with a copy even though no write was seen, so the run with
+    chunks moving is the same bits as where everything fits."""
+    model, batches, budget = shape
+    model = copy.deepcopy(model)
+    model.wte = ScaledEmbedding(model.wte.weight)
+    fits = steady_counters(model, batches, 0)
+    moving = steady_counters(model, batches, budget)
+    assert all(s["copies_down_skipped"] > 0 for s in moving[2])  # (the trainable chunks still skip)
+    assert_same_bits(moving[:2], fits[:2])

