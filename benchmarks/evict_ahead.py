@@ -131,8 +131,10 @@ def summary(runs):
     return out
 
 
-def main():
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def parse_args(doc: str):
+    """The command line of this benchmark and of those that run its shape
+    (benchmarks/clean_down.py): the arguments, and the links as a list."""
+    ap = argparse.ArgumentParser(description=doc.split("\n\n")[0])
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--links", default="2GB/s,1GB/s,500MB/s",
@@ -144,32 +146,53 @@ def main():
         args.rounds, args.steps, args.links = 1, WARM + 2, "1GB/s"
     if args.steps <= WARM:
         raise SystemExit(f"--steps {args.steps}: expected more than the {WARM} warm-up steps")
-    links = [link.strip() for link in args.links.split(",") if link.strip()]
+    return args, [link.strip() for link in args.links.split(",") if link.strip()]
 
+
+def measure(args, links, engines: dict):
+    """Trains the shape on each link with each of `engines` (name -> the
+    tidal keys it adds to the config), and the engine where everything
+    fits, in alternating order over args.rounds rounds. Returns each link's
+    summary() per engine, with each engine's step over the fitting one and
+    its runs ("raw"), and what the result file records besides."""
     model, batches, reference, budget, activations, p16 = the_shape(args.steps)
-
     fits_steps = []
-    runs = {link: {"at_points": [], "ahead": []} for link in links}
-    contenders = ["fits"] + [(link, name) for link in links for name in ("at_points", "ahead")]
+    runs = {link: {name: [] for name in engines} for link in links}
+    contenders = ["fits"] + [(link, name) for link in links for name in engines]
     for r, contender in alternating(contenders, args.rounds):
         if contender == "fits":
             fits_steps += fits_step_seconds(model, batches)
             continue
         link, name = contender
-        runs[link][name].append(
-            run_engine(model, batches, budget, link, name == "ahead", reference, f"{link} {name} round {r}"))
-
+        keys = dict(engines[name])
+        runs[link][name].append(run_engine(model, batches, budget, link, keys.pop("evict_ahead", True), reference,
+                                           f"{link} {name} round {r}", **keys))
     fits_median = statistics.median(fits_steps)
     results = {}
     for link in links:
-        at_points, ahead = summary(runs[link]["at_points"]), summary(runs[link]["ahead"])
-        results[link] = {
-            "at_points": at_points, "ahead": ahead,
-            "step_ahead_over_at_points": ahead["step_s"]["median"] / at_points["step_s"]["median"],
-            "ahead_over_fits": ahead["step_s"]["median"] / fits_median,
-            "at_points_over_fits": at_points["step_s"]["median"] / fits_median,
-            "raw": runs[link],
-        }
+        results[link] = {name: summary(runs[link][name]) for name in engines}
+        for name in engines:
+            results[link][f"{name}_over_fits"] = results[link][name]["step_s"]["median"] / fits_median
+        results[link]["raw"] = runs[link]
+    record = {
+        "quick": args.quick,
+        "shape": {"vocab": VOCAB, "d": D, "layers": LAYERS, "seq": SEQ, "batch": BATCH, "chunk_size": "1MiB",
+                  "dtype": "bf16", "gradient_clipping": 1.0, "device_budget": budget,
+                  "activation_peak_bytes": activations, "param16_chunk_bytes": p16},
+        "rounds": args.rounds, "steps": args.steps, "warmup_steps": WARM,
+        "fits_step_s": summarize(fits_steps), "fits_step_s_raw": fits_steps,
+        "links": results,
+    }
+    return results, fits_median, record
+
+
+def main():
+    args, links = parse_args(__doc__)
+    results, fits_median, record = measure(args, links, {"at_points": {"evict_ahead": False}, "ahead": {}})
+    for link in links:
+        p = results[link]
+        at_points, ahead = p["at_points"], p["ahead"]
+        p["step_ahead_over_at_points"] = ahead["step_s"]["median"] / at_points["step_s"]["median"]
         print(f"{link}: step {ahead['step_s']['median'] * 1e3:.0f} ms ahead, "
               f"{at_points['step_s']['median'] * 1e3:.0f} ms at the points ({fits_median * 1e3:.0f} ms where "
               f"everything fits); block waits per step {ahead['block_waits_per_step']:.1f} "
@@ -178,16 +201,7 @@ def main():
               f"evictions {ahead['evictions_per_step']:.1f}, ahead {ahead['evictions_ahead_per_step']:.1f}; "
               f"MB up per step {ahead['bytes_host_to_device_per_step'] / 1e6:.1f} against "
               f"{at_points['bytes_host_to_device_per_step'] / 1e6:.1f}", flush=True)
-    path = write_result("evict_ahead", {
-        "quick": args.quick,
-        "shape": {"vocab": VOCAB, "d": D, "layers": LAYERS, "seq": SEQ, "batch": BATCH, "chunk_size": "1MiB",
-                  "dtype": "bf16", "gradient_clipping": 1.0, "device_budget": budget,
-                  "activation_peak_bytes": activations, "param16_chunk_bytes": p16},
-        "rounds": args.rounds, "steps": args.steps, "warmup_steps": WARM,
-        "fits_step_s": summarize(fits_steps), "fits_step_s_raw": fits_steps,
-        "links": results,
-    }, output=args.output)
-    print(f"wrote {path}")
+    print(f"wrote {write_result('evict_ahead', record, output=args.output)}")
 
 
 if __name__ == "__main__":
