@@ -721,15 +721,20 @@ def _step_overlap_idle(r: Dict) -> List[Figure]:
     return out
 
 
+def _evict_ahead_shape(sh: Dict, link: str) -> str:
+    """The shape benchmarks/evict_ahead.py and clean_down.py train, on one link."""
+    return (f"training step, GPT (vocab {sh['vocab']}, d {sh['d']}, {sh['layers']} layers, 1 MiB chunks, "
+            f"bf16), chunk room a quarter of the 16-bit chunks beside the activations, simulated link "
+            f"{link} each way")
+
+
 def _evict_ahead(r: Dict) -> List[Figure]:
     """Chunks a lowering evicts leaving at their last use before it, against leaving at the point."""
     sh = r["shape"]
     out = []
     for link, p in r["links"].items():
         ahead, at = p["ahead"], p["at_points"]
-        what = (f"training step, GPT (vocab {sh['vocab']}, d {sh['d']}, {sh['layers']} layers, 1 MiB chunks, "
-                f"bf16), chunk room a quarter of the 16-bit chunks beside the activations, simulated link "
-                f"{link} each way, the chunks a trace point's lowering evicts leaving at their last use before it "
+        what = (f"{_evict_ahead_shape(sh, link)}, the chunks a trace point's lowering evicts leaving at their last use before it "
                 f"(tidal.evict_ahead, default; {ahead['evictions_ahead_per_step']:.0f} of "
                 f"{ahead['evictions_per_step']:.0f} evictions a step; block waits "
                 f"{ahead['block_waits_per_step']:.1f} a step, {ahead['block_wait_seconds_per_step'] * 1e3:.1f} ms, "
@@ -748,9 +753,7 @@ def _clean_down(r: Dict) -> List[Figure]:
     out = []
     for link, p in r["links"].items():
         clean, copies = p["clean"], p["copies"]
-        what = (f"training step, GPT (vocab {sh['vocab']}, d {sh['d']}, {sh['layers']} layers, 1 MiB chunks, "
-                f"bf16), chunk room a quarter of the 16-bit chunks beside the activations, simulated link "
-                f"{link} each way, chunks leaving the device unchanged taking back their host blocks without a "
+        what = (f"{_evict_ahead_shape(sh, link)}, chunks leaving the device unchanged taking back their host blocks without a "
                 f"copy (tidal.skip_clean_copies, default; {clean['copies_down_skipped_per_step']:.0f} copies a step "
                 f"skipped; {clean['bytes_device_to_host_per_step'] / 2**20:.1f} MiB down a step against "
                 f"{copies['bytes_device_to_host_per_step'] / 2**20:.1f}, "

@@ -153,10 +153,7 @@ void* ChunkScheduler::access(TensorRef ref, MemorySpace space, AccessMode mode, 
     block.wait_on_host();  // settles the finished fence (and disk I/O) without waiting
   }
   store_.set_state(ref, TensorState::kCompute);
-  if (writes) {
-    slots_[id].disk_current = false;  // Note [Chunks on NVMe: clean chunks]
-    ++slots_[id].writes;              // Note [A clean chunk goes down without a copy]
-  }
+  if (writes) slots_[id].written();  // Note [Chunks on NVMe: clean chunks]
   last_use_[id] = ++tick_;
   ++stats_.accesses;
   if (options_.prefetch && following_) prefetch_unless_disk_failed();
@@ -627,9 +624,9 @@ bool ChunkScheduler::evict(ChunkId victim, const RoomRequest& request) {
 // A chunk's host block goes back to the pool when the chunk moves up (Note
 // [One place per chunk]), with its bytes still in it: the copy read it and
 // nothing writes a cached block. The block is tagged with the chunk and its
-// write count (Slot::writes, counted wherever Note [Chunks on NVMe: clean
-// chunks] clears disk_current: a write access, an access of a FREE slot,
-// mark_written, a payload dropped), and the pool hands tagged blocks to
+// write count (Slot::writes, counted by Slot::written wherever Note [Chunks
+// on NVMe: clean chunks] clears disk_current: a write access, an access of a
+// FREE slot, mark_written, a payload dropped), and the pool hands tagged blocks to
 // other users last (take_cached clears the tag of a block it hands out).
 // When the chunk leaves the device with its write count unchanged and its
 // tagged block still cached, it takes that block back as its payload and
@@ -729,8 +726,7 @@ void ChunkScheduler::move(ChunkId id, MemorySpace to, BlockPtr destination) {
 
 void ChunkScheduler::drop_payload(ChunkId id) {
   BlockPtr block = detach(id);
-  slots_[id].disk_current = false;  // all FREE: the next payload is a fresh one
-  ++slots_[id].writes;
+  slots_[id].written();  // all FREE: the next payload is a fresh one
   store_.set_payload(id, nullptr, MemorySpace::kNone);
   const bool host = block->space == MemorySpace::kHost;
   // A chunk on disk keeps its home for when it comes back.

@@ -577,10 +577,16 @@ class ChunkScheduler {
     // The home on disk holds the payload's bytes: set by a read from disk and
     // a write to it, cleared by any write (Note [Chunks on NVMe: clean chunks]).
     bool disk_current = false;
-    // Everything that may change the payload's bytes counts here (where
-    // disk_current is cleared): a host block tagged with an earlier count no
-    // longer holds them (Note [A clean chunk goes down without a copy]).
+    // Everything that may change the payload's bytes counts here: a host
+    // block tagged with an earlier count no longer holds them (Note [A clean
+    // chunk goes down without a copy]).
     std::uint64_t writes = 0;
+    // The payload's bytes may have changed: neither its home on disk nor a
+    // host block it came up from holds them any more.
+    void written() {
+      disk_current = false;
+      ++writes;
+    }
     // Copies over the link since the first step ended (Note [Pinned at the
     // second crossing]).
     std::uint32_t crossings = 0;

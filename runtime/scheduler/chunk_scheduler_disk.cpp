@@ -123,8 +123,7 @@ void ChunkScheduler::mark_written(TensorRef ref) {
   const ChunkId id = store_.chunk_of(ref);
   // A chunk on disk has its bytes only in its home, which nothing but the
   // tier writes; one without payload matches nothing already.
-  if (store_.chunk(id).space() != MemorySpace::kDisk) slots_[id].disk_current = false;
-  ++slots_[id].writes;  // Note [A clean chunk goes down without a copy]
+  if (store_.chunk(id).space() != MemorySpace::kDisk) slots_[id].written();
 }
 
 bool ChunkScheduler::disk_copy_current(ChunkId id) const {
