@@ -107,6 +107,7 @@ void UpdateWorker::run(Item& item) {
   try {
     for (const auto& fence : job.fences) fence();
     t.started = now_seconds();
+    if (!job.folds.empty()) fold_gradients(job.fold_dtype, job.folds, job.exec);
     if (!job.undo.empty()) copy_spans(job.undo, job.exec);
     before_update = false;
     for (const ChunkCall& call : job.calls) {

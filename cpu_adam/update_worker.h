@@ -62,11 +62,17 @@ struct UpdateJob {
   // Waited for first, in order, on the worker (a copy into the chunk still
   // running: Note [A pin that does not wait] in runtime/scheduler).
   std::vector<std::function<void()>> fences;
+  // Then folded (fold_gradients(fold_dtype, folds, exec)): a micro-batch's
+  // gradients into their sums (Note [Folds on the worker] in
+  // python/tidal/engine/overlap.py); a job may be only this.
+  std::vector<FoldSpan> folds;
+  DType fold_dtype = DType::kBFloat16;
   // Then copied (copy_spans): a speculative update's undo copy. A failure
   // here leaves the chunk untouched (UpdateTicket::undo_failed).
   std::vector<CopySpan> undo;
   // Then adam_chunk_step(call.hyper, chunk, call.ranges, call.options, exec)
-  // for each call.
+  // for each call. chunk.param also names the job's chunk for run_or_wait
+  // (a fold-only job: its first span's master).
   AdamChunk chunk;
   std::vector<ChunkCall> calls;
   ExecOptions exec;

@@ -2,6 +2,7 @@
 
 #include <c10/core/GradMode.h>
 
+#include <algorithm>
 #include <optional>
 
 #include "runtime/core/error.h"
@@ -75,6 +76,68 @@ void GradientSums::fold(const std::vector<TensorId>& ids, const std::vector<bool
     throw;
   }
   for (const Held& h : held) scheduler_->release(h.ref, TensorState::kHold);
+}
+
+StartedFold GradientSums::start_fold(const std::vector<TensorId>& ids, const std::vector<bool>& first) {
+  TIDAL_INTERNAL_ASSERT(first.size() == ids.size(), "GradientSums::start_fold: ", first.size(),
+                        " first flags for ", ids.size(), " tensors");
+  TIDAL_INTERNAL_ASSERT(binding_->torch_device(MemorySpace::kHost).is_cpu(),
+                        "GradientSums::start_fold: the host is not CPU memory");
+  const std::optional<cpu_adam::DType> dtype = cpu_adam_dtype(binding_->dtype(ChunkKind::kParam16));
+  TIDAL_INTERNAL_ASSERT(dtype.has_value(), "a 16-bit chunk list of another dtype");
+  constexpr ChunkKind kKinds[3] = {ChunkKind::kParam16, ChunkKind::kParam32, ChunkKind::kGradAccum};
+  StartedFold fold;
+  fold.dtype = *dtype;
+  fold.refs.reserve(3 * ids.size());
+  fold.before.reserve(3 * ids.size());
+  try {
+    for (std::size_t k = 0; k < ids.size(); ++k) {
+      const std::size_t numel = scheduler_->store().tensor_numel(ids[k]);
+      void* data[3];
+      for (int j = 0; j < 3; ++j) {
+        const TensorRef ref{kKinds[j], ids[k]};
+        const TensorState before = scheduler_->store().state(ref);
+        data[j] = scheduler_->access(ref, MemorySpace::kHost, AccessMode::kWrite,
+                                     /*wait_for_copy=*/false);
+        fold.refs.push_back(ref);
+        fold.before.push_back(before);
+      }
+      fold.spans.push_back({static_cast<float*>(data[2]), data[0], static_cast<const float*>(data[1]),
+                            numel, static_cast<bool>(first[k])});
+    }
+    // Each chunk's fence once (the three chunks of the fold's chunk, in the
+    // usual case of one chunk's tensors).
+    std::vector<ChunkId> fenced;
+    for (const TensorRef& ref : fold.refs) {
+      const ChunkId chunk = scheduler_->store().chunk_of(ref);
+      if (std::find(fenced.begin(), fenced.end(), chunk) != fenced.end()) continue;
+      fenced.push_back(chunk);
+      if (const Event* fence = scheduler_->copy_fence(chunk)) {
+        fold.fences.push_back([fence] { fence->synchronize(); });
+      }
+    }
+  } catch (...) {
+    end_fold(fold, false);
+    throw;
+  }
+  return fold;
+}
+
+void GradientSums::end_fold(StartedFold& fold, bool folded) {
+  TIDAL_INTERNAL_ASSERT(!fold.ended, "GradientSums::end_fold: this fold has ended");
+  fold.ended = true;
+  fold.fences.clear();
+  if (folded) {
+    for (const TensorRef& ref : fold.refs) scheduler_->release(ref, TensorState::kHold);
+    return;
+  }
+  for (std::size_t i = 0; i < fold.refs.size(); ++i) {
+    try {
+      scheduler_->release(fold.refs[i], fold.before[i] == TensorState::kFree ? TensorState::kFree
+                                                                              : TensorState::kHold);
+    } catch (...) {
+    }
+  }
 }
 
 void GradientSums::measure(const std::vector<TensorId>& ids, const std::vector<std::size_t>& params,

@@ -392,6 +392,29 @@ void ModuleHooks::fold_gradients(const std::vector<std::size_t>& params, MemoryS
   }
 }
 
+StartedFold ModuleHooks::start_fold(const std::vector<std::size_t>& params) {
+  std::vector<bool> first;
+  first.reserve(params.size());
+  for (std::size_t i : params) {
+    check_param(i);
+    TIDAL_CHECK(!params_[i].attached, "ModuleHooks.start_fold: parameter ", i,
+                " is attached; fold after its backward");
+    first.push_back(!params_[i].summed);
+  }
+  StartedFold fold = gradient_sums_.start_fold(ids_of(params), first);
+  fold.params = params;
+  return fold;
+}
+
+void ModuleHooks::end_fold(StartedFold& fold, bool folded) {
+  gradient_sums_.end_fold(fold, folded);
+  if (!folded) return;
+  for (std::size_t i : fold.params) {
+    params_[i].landed = false;
+    params_[i].summed = true;
+  }
+}
+
 void ModuleHooks::measure_sums(const std::vector<std::size_t>& params) {
   gradient_sums_.measure(ids_of(params), params, grad_norms_);
 }

@@ -192,6 +192,15 @@ class ModuleHooks : public std::enable_shared_from_this<ModuleHooks> {
   // their slots (still landed) and the sums are as they were.
   void fold_gradients(const std::vector<std::size_t>& params, MemorySpace space, int num_threads = 0,
                       const cpu_adam::BlockRunner* runner = nullptr);
+  // fold_gradients in two, for the pass on another thread (Note [Folds on
+  // the worker] in tidal/engine/overlap.py): start_fold accesses the slots
+  // of `params` (one chunk's, on the host; none attached) without waiting
+  // for the copies into them (GradientSums::start_fold); end_fold, after
+  // the pass ran (`folded`) or did not, releases them, and where folded the
+  // parameters no longer count as landed and have a sum, as fold_gradients
+  // leaves them. Until then they count as landed.
+  StartedFold start_fold(const std::vector<std::size_t>& params);
+  void end_fold(StartedFold& fold, bool folded);
   // Measures the gradient sums of `params` where their chunks are, into what
   // grad_norms().take() returns.
   void measure_sums(const std::vector<std::size_t>& params);

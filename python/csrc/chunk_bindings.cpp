@@ -18,6 +18,7 @@
 #include "python/csrc/hook_callables.h"
 #include "python/csrc/record.h"
 #include "chunk/chunk_store.h"
+#include "cpu_adam/update_worker.h"
 #include "hooks/chunk_step.h"
 #include "hooks/cuda_room.h"
 #include "hooks/engine_chunks.h"
@@ -305,6 +306,9 @@ static void bind_enums(py::module_& m) {
 static void bind_hooks(py::module_& m) {
   using GIL = py::call_guard<py::gil_scoped_release>;
   using Index = std::size_t;
+  py::class_<hooks::StartedFold, std::shared_ptr<hooks::StartedFold>>(
+      m, "StartedFold", "A fold of one chunk's gradients begun by ModuleHooks.start_fold.")
+      .def_property_readonly("ended", [](const hooks::StartedFold& f) { return f.ended; });
   py::class_<Hooks>(m, "ModuleHooks", R"doc(
 The engine's module and gradient hooks, one call each (Note [One call per hook]
 in hooks/module_hooks.h). Parameters and modules are known by index; calls that
@@ -473,6 +477,39 @@ may wait for a chunk copy release the GIL.)doc")
            py::arg("num_threads") = 0, py::arg("pool") = "onetbb",
            "Gradient accumulation: the landed gradients of one chunk's `params` into their "
            "fp32 sums, weights back into the 16-bit slots (Note [Gradient sums in chunks]).")
+      .def("start_fold",
+           [](Hooks& h, const std::vector<Index>& params) {
+             return std::make_shared<hooks::StartedFold>(h.get().start_fold(params));
+           },
+           GIL(), py::arg("params"),
+           "fold_gradients in two (Note [Folds on the worker] in tidal/engine/overlap.py): the "
+           "slots of one chunk's `params` on the host, in use without waiting for the copies into "
+           "them; submit_fold runs the pass on an UpdateWorker, end_fold releases them.")
+      .def("submit_fold",
+           [](Hooks&, cpu_adam::UpdateWorker& worker, const std::shared_ptr<hooks::StartedFold>& fold,
+              int num_threads, const std::string& pool) {
+             TIDAL_CHECK(fold != nullptr, "submit_fold: no fold given (None)");
+             TIDAL_CHECK(!fold->ended, "submit_fold: the fold has ended");
+             TIDAL_CHECK(!fold->spans.empty(), "submit_fold: the fold has no tensors");
+             cpu_adam::UpdateJob job;
+             job.fences = fold->fences;
+             job.folds = fold->spans;
+             job.fold_dtype = fold->dtype;
+             // (Names the job's chunk for run_or_wait.)
+             job.chunk.param = const_cast<float*>(fold->spans.front().master);
+             job.exec = cpu_adam::ExecOptions{num_threads, cpu_adam::CopyStores::kAuto,
+                                              hooks::block_runner(pool)};
+             return std::const_pointer_cast<cpu_adam::UpdateTicket>(worker.submit(std::move(job)));
+           },
+           py::arg("worker"), py::arg("fold"), py::kw_only(), py::arg("num_threads") = 0,
+           py::arg("pool") = "onetbb",
+           "Queues the pass of a started fold on `worker` (its fences waited for first) and "
+           "returns the UpdateTicket; the fold's slots stay in use until end_fold.")
+      .def("end_fold",
+           [](Hooks& h, hooks::StartedFold& fold, bool folded) { h.get().end_fold(fold, folded); },
+           py::arg("fold"), py::arg("folded"),
+           "Releases a started fold's slots: where `folded` (its pass ran) as fold_gradients "
+           "leaves them, otherwise as they were.")
       .def("measure_sums", [](Hooks& h, const std::vector<Index>& params) { h.get().measure_sums(params); },
            GIL(), py::arg("params"))
       .def("drop_sums", [](Hooks& h, const std::vector<Index>& params) { h.get().drop_sums(params); },

@@ -778,9 +778,11 @@ def test_a_failed_first_micro_batch_drops_the_sums_it_folded_and_the_engine_goes
             engine.backward(engine(*batches[4]))
         boom.remove()
         after = optimizer_report(engine)
-        if overlap:  # (the path fired before the failure)
+        if overlap:  # (the path fired before the failure, its folds on the worker)
             assert after["weights_sent_up_during_backward"] > before["weights_sent_up_during_backward"]
+            assert after["folds_on_worker"] > before["folds_on_worker"]
             assert engine._overlap.folded_early
+            assert not engine._overlap._fold_jobs  # (every one ended with the backward)
         train_tidal(engine, batches[4:])  # (the failed micro-batch again, and on)
         within_budget(engine)
         runs[overlap] = engine

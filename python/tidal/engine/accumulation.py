@@ -186,6 +186,24 @@ class GradientAccumulation:
             self._hooks.fold_gradients(self._params.indexes(recs), space,
                                        num_threads=cfg.cpu_adam_threads, pool=cfg.cpu_adam_pool)
 
+    def start_fold(self, recs: list):
+        """fold_chunk's first part on the host, for a pass on the worker
+        (Note [Folds on the worker] in overlap.py): `recs` (one chunk's)
+        have their slots accessed without waiting for the copies into them;
+        the answer goes to submit_fold, then end_fold."""
+        with torch.no_grad(), uncounted(), _dtr.outside():
+            return self._hooks.start_fold(self._params.indexes(recs))
+
+    def submit_fold(self, worker, fold, num_threads: int):
+        """The pass of a started fold on `worker` (an UpdateWorker): its UpdateTicket."""
+        return self._hooks.submit_fold(worker, fold, num_threads=num_threads, pool="onetbb")
+
+    def end_fold(self, fold, folded: bool) -> None:
+        """A started fold's slots released: as fold_chunk leaves them where
+        its pass ran (`folded`), as they were otherwise."""
+        with torch.no_grad(), uncounted(), _dtr.outside():
+            self._hooks.end_fold(fold, folded)
+
     def measure_chunk(self, recs: list) -> None:
         """The sums of `recs` (one chunk's, final: the window's last fold)
         measured for the step's norm, where they are (Note [Measured where

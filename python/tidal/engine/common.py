@@ -24,7 +24,8 @@ _HOLD = _C.chunks.TensorState.HOLD
 
 def _weak_method(bound):
     """`bound` (a method of the engine, or of a part the engine owns, such as
-    its ChunkDataParallel) called through a weak reference.
+    its ChunkDataParallel) called through a weak reference: its answer, or
+    None once the object is gone.
 
     Note [Gradient hooks hold the engine weakly]: a tensor's post-accumulate-
     grad hooks live in its C++ autograd meta, which Python's garbage
@@ -37,8 +38,7 @@ def _weak_method(bound):
 
     def call(*args):
         method = ref()
-        if method is not None:
-            method(*args)
+        return None if method is None else method(*args)
 
     return call
 

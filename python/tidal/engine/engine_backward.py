@@ -71,7 +71,10 @@ class EngineBackward:
                                 fold_chunk=_weak_method(self._accumulation.fold_chunk),
                                 measure_sums=_weak_method(self._accumulation.measure_chunk),
                                 free_sums=_weak_method(self._accumulation.free_sums_of),
-                                break_window=_weak_method(self._accumulation.break_window))
+                                break_window=_weak_method(self._accumulation.break_window),
+                                start_fold=_weak_method(self._accumulation.start_fold),
+                                submit_fold=_weak_method(self._accumulation.submit_fold),
+                                end_fold=_weak_method(self._accumulation.end_fold))
         self._wiring.count(True)
         self._wiring.hooks.set_engine_backward(True)
         try:

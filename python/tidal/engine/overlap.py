@@ -343,6 +343,16 @@ class StepOverlap:
         self.weights_sent_up_early = 0  # Note [Weights up as they are updated]
         self.weights_sent_up_at_step = 0  # the same, while the step waits (finish())
         self._fold_queue: list[int] = []  # launched chunks whose fold waits for their copy
+        # Note [Folds on the worker]: (chunk, job) of the folds on the worker,
+        # in submission order, and their StartedFold, in the same order.
+        self._fold_jobs: list[tuple[int, _Job]] = []
+        self._folds_started: list = []
+        self._start_fold = None   # the accumulation's start_fold, from begin()
+        self._submit_fold = None  # its submit_fold
+        self._end_fold = None     # its end_fold
+        self.folds_on_worker = 0       # folds of backwards that end no window, on the worker
+        self.fold_worker_seconds = 0.0  # their passes' time there
+        self.fold_wait_seconds = 0.0   # the engine's thread's wait for them (backward's end)
         self.undone_chunks = 0
         self.steps_not_speculated = 0
         self.worker_seconds = 0.0      # CPU Adam on the worker, undone updates included
@@ -381,7 +391,8 @@ class StepOverlap:
 
     # ------------------------------------------------------------ backward
     def begin(self, last_micro_batch: bool, *, global_steps: int, loss_scale: float, host_short: bool,
-              fold_chunk, measure_sums=None, free_sums=None, break_window=None):
+              fold_chunk, measure_sums=None, free_sums=None, break_window=None,
+              start_fold=None, submit_fold=None, end_fold=None):
         """Before a backward: each chunk waits for the gradients of its
         trainable tensors, when this backward may launch updates.
 
@@ -400,6 +411,9 @@ class StepOverlap:
                 update has read them.
             break_window: (why) -> None, what makes engine.step() refuse
                 until engine.zero_grad() (landed()).
+            start_fold, submit_fold, end_fold: the accumulation's fold in
+                parts, for a pass on the worker (Note [Folds on the worker]);
+                None: folds run on the engine's thread.
         """
         self.settle_deferred()
         self.release_held()  # (a backward again without a step between)
@@ -470,6 +484,7 @@ class StepOverlap:
         self._measure_sums = measure_sums
         self._free_sums = free_sums
         self._break_window = break_window
+        self._start_fold, self._submit_fold, self._end_fold = start_fold, submit_fold, end_fold
         self._landing_times = {}
         self._cost_rule = speculate and not self._data_parallel and self.may_defer(
             global_steps=global_steps, data_parallel=self._data_parallel,
@@ -509,6 +524,8 @@ class StepOverlap:
             return
         if self._ahead and self._speculating:
             self._send_up_finished()
+        if self._fold_jobs:
+            self._end_finished_folds()
         if record.id in self._counted:
             # Used again after its gradient landed (a reentrant checkpoint
             # replays it): its chunk is never launched again (below), and
@@ -580,11 +597,16 @@ class StepOverlap:
         launch), unless the backward failed (its gradients are dropped)."""
         queued, self._fold_queue = self._fold_queue, []
         self._in_backward = False
-        if not failed:
-            for chunk in queued:
-                self._drain(chunk)
-            if self._ahead and self._speculating:
-                self._send_up_finished()
+        try:
+            if not failed:
+                for chunk in queued:
+                    self._drain(chunk)
+                if self._ahead and self._speculating:
+                    self._send_up_finished()
+        finally:
+            # Note [Folds on the worker]: every fold of this backward ends
+            # here (a failed backward's too: its sums then hold them).
+            self._end_folds(send_up=not failed)
         self._backward_end = time.perf_counter()
         if not failed:
             for chunk, t in self._landing_times.items():
@@ -674,9 +696,91 @@ class StepOverlap:
         recs = self._recs[chunk]
         if any(r in self._relanded for r in recs):
             return  # (landed again since it was queued: the end of backward folds it)
+        if self._start_fold is not None:
+            self._fold_on_worker(chunk, recs)
+            return
         self._fold_chunk(chunk, recs, HOST)
         self.folded_early.add(chunk)
         if self._send_ahead(chunk):
+            self.weights_sent_up_early += 1
+
+    # Note [Folds on the worker]
+    # ~~~~~~~~~~~~~~~~~~~~~~~~~~~
+    # In a backward that ends no window each host-updated chunk's gradients
+    # are folded into their sums on the host _FOLD_LAG launches after their
+    # copy down started (Note [Gradients down as they land]). That fold ran
+    # on the thread of the gradient hook, which on a GPU is the thread that
+    # launches backward's kernels: it first waited for the chunk's copy down,
+    # so for the device to finish the chunk's gradients (the CPU, which
+    # normally runs ahead of the device, fell back to two chunks ahead of
+    # it), then made a pass of 16 bytes per parameter (the 16-bit gradient
+    # and the sum read, the sum written, the master read and rounded into
+    # the 16-bit slot) while the device ran out of queued kernels. At the
+    # H200's gpt-1.3b with a quarter of the states and 4 micro-batches
+    # (engine-nvidia-h200.json) that is 2.6 GB of gradients a micro-batch,
+    # about 42 GB of host memory traffic, and the step took 1.31 s against
+    # plain PyTorch's 0.60 s (0.461x). So the fold is split: on the hook's
+    # thread the chunk's slots are accessed as the fold accesses them, in the
+    # same order (so the scheduler's trace is unchanged), without waiting for
+    # the copy down (Note [A pin that does not wait]); the pass runs on the
+    # worker after the copy's fence; and at each later landing the folds done
+    # in submission order have their slots released, their parameters count
+    # as folded, and their 16-bit slots, which hold the weights again, are
+    # sent up for the next forward (Note [Weights up as they are updated]).
+    # Backward's end waits for the rest (fold_wait_seconds) and sends them up
+    # the same way, before the end-of-backward fold of the chunks not folded
+    # early. The pass is the same elementwise arithmetic on any thread, so
+    # the sums and weights are bitwise those of the fold on the hook's
+    # thread. A pass that fails leaves its slots as they were (its gradients
+    # stay, still landed) and its error fails the backward, as the fold's did.
+    # The window's last backward still folds each launched chunk on the hook's
+    # thread before measuring its sums (Note [Measured where folded]).
+    def _fold_on_worker(self, chunk: int, recs: list) -> None:
+        """`chunk`'s fold begun here and passed to the worker (Note [Folds on the worker])."""
+        fold = self._start_fold(recs)
+        try:
+            job = _Job(self._pool, self._submit_fold(self._pool, fold, self._threads), (fold,))
+        except BaseException:
+            self._end_fold(fold, False)
+            raise
+        self._fold_jobs.append((chunk, job))
+        self._folds_started.append(fold)
+        self.folded_early.add(chunk)
+        self.folds_on_worker += 1
+
+    def _end_finished_folds(self) -> None:
+        """The folds on the worker done so far, in submission order, end and
+        send their weights up; the first failure raises (Note [Folds on the worker])."""
+        while self._fold_jobs and self._fold_jobs[0][1].done():
+            self._end_next_fold(send_up=True)
+
+    def _end_folds(self, send_up: bool) -> None:
+        """Waits for every fold on the worker and ends each (sending its
+        weights up where `send_up`); raises the first error after all ended."""
+        error = None
+        t = time.perf_counter()
+        while self._fold_jobs:
+            try:
+                self._end_next_fold(send_up=send_up and error is None)
+            except BaseException as ex:  # noqa: BLE001 (re-raised below)
+                error = error or ex
+        self.fold_wait_seconds += time.perf_counter() - t
+        if error is not None:
+            raise error
+
+    def _end_next_fold(self, send_up: bool) -> None:
+        chunk, job = self._fold_jobs.pop(0)
+        fold = self._folds_started.pop(0)
+        try:
+            job.wait()
+            _tf, t0, t1 = job.result()
+        except BaseException as ex:
+            self.folded_early.discard(chunk)
+            self._end_fold(fold, False)
+            raise (ex.__cause__ or ex) if isinstance(ex, _UndoCopyFailed) else ex
+        self.fold_worker_seconds += t1 - t0
+        self._end_fold(fold, True)
+        if send_up and self._send_ahead(chunk):
             self.weights_sent_up_early += 1
 
     # Note [Weights up as they are updated]
@@ -1117,7 +1221,8 @@ class StepOverlap:
         finalizer holds the worker and the job lists, never this
         object: what it holds (the store, the records) leads to the model
         and from its hooks to the engine, which would then never go."""
-        weakref.finalize(owner, _abandon_worker, self._pool, self._jobs, self._deferred_jobs, self._hook_box)
+        weakref.finalize(owner, _abandon_worker, self._pool, self._jobs, self._deferred_jobs,
+                         self._hook_box, self._fold_jobs)
 
     # ------------------------------------------------ under the next forward
     def may_defer(self, *, global_steps: int, data_parallel: bool, host_short: bool) -> bool:
@@ -1298,7 +1403,7 @@ def _hyperparameters(param_groups: list, recs: list) -> tuple:
     return tuple((g["lr"], *g["betas"], g["eps"], g["weight_decay"]) for g, _ in by_group(param_groups, recs))
 
 
-def _abandon_worker(pool, jobs: list, deferred_jobs: list, hook_box: list) -> None:
+def _abandon_worker(pool, jobs: list, deferred_jobs: list, hook_box: list, fold_jobs=()) -> None:
     # (`pool`, the worker, is held until here; its thread ends with its last
     # reference, each job run: UpdateWorker's destructor.)
     if hook_box[0] is not None:
@@ -1310,6 +1415,11 @@ def _abandon_worker(pool, jobs: list, deferred_jobs: list, hook_box: list) -> No
         except BaseException:  # noqa: BLE001 (nobody is left to tell)
             pass
     for future in deferred_jobs:
+        try:
+            future.result()
+        except BaseException:  # noqa: BLE001 (nobody is left to tell)
+            pass
+    for _chunk, future in list(fold_jobs):
         try:
             future.result()
         except BaseException:  # noqa: BLE001 (nobody is left to tell)

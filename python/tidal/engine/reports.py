@@ -200,6 +200,12 @@ class EngineReports:
                 "updates_run_by_their_waiter": 0 if overlap is None else overlap.run_by_waiter,
                 "overlapped_adam_seconds": 0.0 if overlap is None
                 else overlap.overlapped_seconds,
+                # Note [Folds on the worker]: the accumulation folds of the
+                # backwards that end no window run there, their passes' time,
+                # and what the end of those backwards waited for them.
+                "folds_on_worker": 0 if overlap is None else overlap.folds_on_worker,
+                "fold_worker_seconds": 0.0 if overlap is None else overlap.fold_worker_seconds,
+                "fold_wait_seconds": 0.0 if overlap is None else overlap.fold_wait_seconds,
                 "overlap_step": overlap is not None,
                 # Why the step is not overlapped (None: it is).
                 "overlap_step_off": self._overlap_step_off,

@@ -139,6 +139,52 @@ TEST(UpdateWorker, TheFencesHoldTheUndoCopyAndTheUpdateBack) {
   EXPECT_FALSE(d == before);
 }
 
+// A fold job (Note [Folds on the worker] in python/tidal/engine/overlap.py):
+// after its fence, each span's sum is (first ? 0 : sum) + the bf16 gradient
+// and the 16-bit slot holds the master rounded to nearest even, element by
+// element as written out here; nothing outside the spans is touched.
+TEST(UpdateWorker, AFoldJobFoldsAfterItsFence) {
+  constexpr std::size_t kN = 50001;
+  std::vector<float> sum(kN), master(kN);
+  std::vector<std::uint16_t> half(kN);
+  for (std::size_t i = 0; i < kN; ++i) {
+    sum[i] = 0.25f * static_cast<float>(i % 97) - 3.0f;
+    master[i] = 0.001f * static_cast<float>(i % 1013) - 0.4f;
+    half[i] = f32_to_bf16_rne(0.01f * static_cast<float>(i % 61) - 0.2f);
+  }
+  const std::vector<float> sum0 = sum;
+  const std::vector<std::uint16_t> half0 = half;
+  std::atomic<bool> open{false};
+  UpdateWorker worker;
+  UpdateJob job;
+  job.fences = {[&] {
+    while (!open.load()) std::this_thread::yield();
+  }};
+  // Two spans, the second a first sum; elements [1000, 1500) in neither.
+  job.folds = {FoldSpan{sum.data(), half.data(), master.data(), 1000, false},
+               FoldSpan{sum.data() + 1500, half.data() + 1500, master.data() + 1500, kN - 1500, true}};
+  job.fold_dtype = DType::kBFloat16;
+  job.chunk.param = master.data();
+  job.exec = ExecOptions{2};
+  auto ticket = worker.submit(std::move(job));
+  std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  EXPECT_FALSE(ticket->done());
+  open.store(true);
+  ticket->wait();
+  ASSERT_EQ(ticket->error(), nullptr);
+  for (std::size_t i = 0; i < kN; ++i) {
+    if (i >= 1000 && i < 1500) {
+      ASSERT_EQ(std::memcmp(&sum[i], &sum0[i], 4), 0) << i;
+      ASSERT_EQ(half[i], half0[i]) << i;
+      continue;
+    }
+    const float g = bf16_to_f32(half0[i]);
+    const float want = i < 1000 ? sum0[i] + g : g;
+    ASSERT_EQ(std::memcmp(&sum[i], &want, 4), 0) << i << ": " << sum[i] << " vs " << want;
+    ASSERT_EQ(half[i], f32_to_bf16_rne(master[i])) << i;
+  }
+}
+
 TEST(UpdateWorker, RunsTheJobsInSubmissionOrder) {
   std::mutex mu;
   std::vector<int> order;
