@@ -242,7 +242,9 @@ def _h100_rows(r: Dict) -> List[List[str]]:
             gib(e["traffic"]["bytes_each_way"]),
             f"{ms(t['step_s_overlapped'])} (in turn: {ms(t['compute_s'] + t['hooks_s'])} compute + "
             f"{ms(t['link_s'])} link + {ms(t['cpu_adam_s'])} CPU Adam + "
-            f"{ms(t['device_adam_s'])} device Adam)" + ("" if e["fits"] else " (if it fit)"),
+            f"{ms(t['device_adam_s'])} device Adam" +
+            (f" + {ms(t['fold_s'])} accumulation folds" if t.get("fold_s") else "") + ")" +
+            ("" if e["fits"] else " (if it fit)"),
             t["bottleneck"],
             (f"{gib(before['bytes_host_to_device_last_step'])} each way, {ms(before['step_s'])}, "
              f"prefetch hit rate {before['prefetch_hit_rate']:.2f} (`{before['file']}`)") if before else "",
@@ -270,7 +272,11 @@ def _h100_caption(r: Dict, name: str) -> str:
             f"H100 (pinned copies; plain PyTorch gpt-1.3b); CPU Adam "
             f"{rates['cpu_adam_params_per_s']['value'] / 1e9:.2f} G params/s measured on "
             f"this 2-core CPU (the H100 host's was never measured: a 16-core host is "
-            f"faster, and CPU Adam is where every row with states on the host is bound); device Adam "
+            f"faster, and CPU Adam is where every row with states on the host is bound)" +
+            (f"; the accumulation's host fold {rates['fold_params_per_s']['value'] / 1e9:.1f} G "
+             f"params/s measured there too (on the update worker beside backward except in the "
+             f"window's last: Note [Folds on the worker])" if "fold_params_per_s" in rates else "") +
+            f"; device Adam "
             f"{rates['device_adam_params_per_s']['value'] / 1e9:.0f} G params/s assumed. "
             f"Commit {r['git_commit'][:7]}; `{name}`.")
 

@@ -98,9 +98,18 @@ it holds are updated during backward; for a share b of the streamed bytes,
 and the forward waits for the rest's (1 - b) up. The micro-batches before a
 window's last fold during backward and need no undo buffers: b = 1 there.
 (The clip firing stops the speculation, and with it this: not modelled.)
-On the simulated device CPU Adam and the device's Adam (both on the host's
-cores, which compute shares) add to that:
-    step = accumulation x (forward + backward) + CPU Adam + device Adam + disk
+With gradient accumulation every micro-batch folds the gradients of the
+host-updated chunks into their fp32 sums on the host (16 bytes of host
+memory traffic per parameter): fold = parameters in host-updated chunks /
+fold rate. Beside a GPU the backwards that end no window fold on the update
+worker while backward runs (Note [Folds on the worker] in
+tidal/engine/overlap.py), backward = max(backward, fold); the window's last
+backward folds on the thread that launches its kernels, backward + fold, as
+does every backward where the step overlap is off, the NVMe tier is on or
+the host is too small for the state.
+On the simulated device CPU Adam, the device's Adam and the folds (all on
+the host's cores, which compute shares) add to that:
+    step = accumulation x (forward + backward + fold) + CPU Adam + device Adam + disk
     CPU Adam = parameters in host-updated chunks / CPU Adam rate (the device
     part likewise at the device Adam rate).
 On a GPU CPU Adam runs beside the device: during the last backward (Note
@@ -154,6 +163,9 @@ DEFAULT_RATES = {
     "cpu_adam_params_per_s": (1.34e9, "tidal's CPU Adam, 2^26 parameters, 2 threads of a 2-core "
                                       "AMD EPYC: benchmarks/results/cpu_adam-cpu-2c.json (a host "
                                       "with more cores and memory channels is faster)"),
+    "fold_params_per_s": (3.3e9, "tidal's fold (16 bytes of host memory traffic per parameter), "
+                                 "2^26 parameters, 2 threads of the 2-core AMD EPYC: measure_rates "
+                                 "there (CPU Adam 1.86e9 in the same run: the fold 1.79x its rate)"),
     "speculation_factor": (2.9, "a speculative CPU Adam update (its undo copy, 14 B/param, then "
                                 "the update) over the update alone: 16.8M parameters on the 2-core "
                                 "AMD EPYC, 29 ms + 15 ms against 15 ms (Note [Speculation while "
@@ -220,6 +232,17 @@ def measure_rates(link: bool = True, adam_params: int = 1 << 24, precision: str 
     rate = sorted(samples[1:])[len(samples[1:]) // 2]
     out["cpu_adam_params_per_s"] = (rate, f"measured: tidal's CPU Adam over {n} parameters, "
                                           f"{torch.get_num_threads()} threads")
+    # Gradient accumulation's fold of one micro-batch's gradients into their
+    # sums, on the host (Note [Gradient sums in chunks] in cpu_adam/adam.h).
+    sums = torch.zeros(n)
+    samples = []
+    for i in range(5):
+        t = time.perf_counter()
+        _C.cpu_adam.fold_gradients(sums, half, w, [(0, n, i == 0)], num_threads=0)
+        samples.append(n / (time.perf_counter() - t))
+    out["fold_params_per_s"] = (sorted(samples[1:])[len(samples[1:]) // 2],
+                                f"measured: tidal's fold over {n} parameters, {torch.get_num_threads()} threads")
+    del sums
     # The undo copy a speculative update makes first (Note [Speculative
     # updates and their undo]): the same views, into buffers of their own.
     views = [w, m, v, half]
@@ -593,17 +616,35 @@ def estimate(model, config=None, *, precision=None, optimizer_state_dtype=None,
         # backward and need no undo buffers: all of theirs go up beside.
         (f1, b1), (fb, bb) = phases(1.0), phases(beside)
         forward_s = ((accum - 1) * f1 + fb) / accum
-        backward_s = ((accum - 1) * b1 + bb) / accum
         # (The window's last backward, and the forward after its step.)
         last_backward_s, next_forward_s = bb, fb
     else:
         forward_s = max(per_micro / 3, streamed / value["h2d_bytes_per_s"],
                         again_down / value["d2h_bytes_per_s"])
-        backward_s = max(2 * per_micro / 3, streamed / value["d2h_bytes_per_s"],
-                         again / value["h2d_bytes_per_s"])
-        last_backward_s, next_forward_s = backward_s, forward_s
+        b1 = bb = max(2 * per_micro / 3, streamed / value["d2h_bytes_per_s"],
+                      again / value["h2d_bytes_per_s"])
+        last_backward_s, next_forward_s = bb, forward_s
+    link_exposed_s = accum * (forward_s + ((accum - 1) * b1 + bb) / accum) - (compute_s + hooks_s)
+    # The folds (the module docstring): with accumulation each micro-batch
+    # folds the host-updated chunks' gradients into their sums on the host.
+    # Beside a GPU the backwards that end no window fold on the update
+    # worker while backward runs (Note [Folds on the worker] in
+    # tidal/engine/overlap.py); the window's last backward folds on the
+    # thread that launches its kernels, and so does the end of every
+    # backward without that path (the step overlap off, the NVMe tier, a
+    # host too small). On the simulated device they take the cores compute
+    # runs on.
+    fold_s = (trainable * (1 - hybrid_share) / value["fold_params_per_s"]) if accum > 1 else 0.0
+    fold_step_s = 0.0
+    if fold_s and backend == "sim":
+        fold_step_s = accum * fold_s
+    elif fold_s:
+        on_worker = cfg.overlap_step and not spilled and cfg.nvme_path is None
+        b1 = max(b1, fold_s) if on_worker else b1 + fold_s
+        bb += fold_s
+        last_backward_s = bb
+    backward_s = ((accum - 1) * b1 + bb) / accum
     phases_s = accum * (forward_s + backward_s)
-    link_exposed_s = phases_s - (compute_s + hooks_s)
     # Chunks on disk are updated on the host, where they are read to.
     host_adam = max(trainable * (1 - hybrid_share),
                     min(trainable, on_disk / disk_per_param if disk_per_param else 0))
@@ -620,7 +661,7 @@ def estimate(model, config=None, *, precision=None, optimizer_state_dtype=None,
         (room if cfg.hybrid_adam else min(room, layout["param16_bytes"]))
     disk_bytes = max(0, min(on_disk, state - kept))
     disk_s = disk_bytes / value["disk_read_bytes_per_s"] + disk_bytes / value["disk_write_bytes_per_s"]
-    step_s = phases_s + cpu_adam_s + device_adam_s + disk_s
+    step_s = phases_s + cpu_adam_s + device_adam_s + disk_s + fold_step_s
     # CPU Adam beside a GPU (the module docstring): the window's last
     # backward hides its speculative share at the speculation factor's cost,
     # the next forward the rest.
@@ -633,9 +674,9 @@ def estimate(model, config=None, *, precision=None, optimizer_state_dtype=None,
         adam_exposed = max(0.0, spec * cpu_adam_s - last_backward_s)
     else:
         adam_exposed = max(0.0, cpu_adam_s - last_backward_s / spec - next_forward_s)
-    overlapped = phases_s + max(adam_exposed, disk_s - (forward_s + backward_s)) + device_adam_s
+    overlapped = phases_s + max(adam_exposed, disk_s - (forward_s + backward_s)) + device_adam_s + fold_step_s
     parts = {"compute": compute_s + hooks_s, "link": link_exposed_s, "cpu_adam": cpu_adam_s,
-             "device_adam": device_adam_s, "disk": disk_s}
+             "device_adam": device_adam_s, "disk": disk_s, "fold": accum * fold_s}
     bottleneck = max(parts, key=parts.get)
 
     return {
@@ -676,7 +717,7 @@ def estimate(model, config=None, *, precision=None, optimizer_state_dtype=None,
                  "forward_s": forward_s,
                  "backward_s": backward_s, "cpu_adam_s": cpu_adam_s,
                  "cpu_adam_exposed_s_overlapped": adam_exposed, "device_adam_s": device_adam_s,
-                 "disk_s": disk_s,
+                 "disk_s": disk_s, "fold_s": accum * fold_s,
                  "step_s": step_s, "step_s_overlapped": overlapped, "bottleneck": bottleneck,
                  # From the model of the backend estimated for: CPU Adam on
                  # the compute's cores (the simulated device) or beside it.
@@ -737,7 +778,8 @@ def format_estimate(e: dict) -> str:
         f"step time (simulated device): {_s(t['step_s'])} = compute {_s(t['compute_s'])} + hooks "
         f"{_s(t['hooks_s'])} + link not hidden {_s(t['link_exposed_s'])} (of {_s(t['link_s'])}) + CPU "
         f"Adam {_s(t['cpu_adam_s'])} + device Adam {_s(t['device_adam_s'])}" +
-        (f" + disk {_s(t['disk_s'])}" if t["disk_s"] else "") + f"; bottleneck: {t['bottleneck']}",
+        (f" + disk {_s(t['disk_s'])}" if t["disk_s"] else "") +
+        (f" + folds {_s(t['fold_s'])}" if t["fold_s"] else "") + f"; bottleneck: {t['bottleneck']}",
         f"  with CPU Adam" + (" and the disk" if t["disk_s"] else "") + " beside the device (a GPU)"
         f": {_s(t['step_s_overlapped'])}; "
         f"{t['tokens_per_s']:,.0f} tokens/s, {t['model_tflops']:.3g} model TFLOPS",
@@ -745,7 +787,7 @@ def format_estimate(e: dict) -> str:
     ]
     units = {"h2d_bytes_per_s": ("GB/s", 1e9), "d2h_bytes_per_s": ("GB/s", 1e9),
              "device_flops_per_s": ("TFLOP/s", 1e12), "cpu_adam_params_per_s": ("G params/s", 1e9),
-             "speculation_factor": ("x the update", 1.0),
+             "speculation_factor": ("x the update", 1.0), "fold_params_per_s": ("G params/s", 1e9),
              "device_adam_params_per_s": ("G params/s", 1e9), "seconds_per_module": ("us", 1e-6),
              "disk_read_bytes_per_s": ("GB/s", 1e9), "disk_write_bytes_per_s": ("GB/s", 1e9)}
     for k, v in e["rates"].items():
@@ -781,6 +823,8 @@ def _parser() -> argparse.ArgumentParser:
                     help="CPU Adam parameters per second")
     ap.add_argument("--device-adam", type=float, default=None, metavar="PARAMS_PER_S",
                     help="device Adam parameters per second")
+    ap.add_argument("--fold", type=float, default=None, metavar="PARAMS_PER_S",
+                    help="gradient accumulation's host fold, parameters per second")
     ap.add_argument("--measure", action=argparse.BooleanOptionalAction, default=None,
                     help="measure the rates not given on this machine (link, CPU Adam; CPU "
                          "FLOP/s on the simulated device); default: when the device is "
@@ -831,6 +875,8 @@ def _main(argv) -> int:
             rates["cpu_adam_params_per_s"] = args.cpu_adam
         if args.device_adam is not None:
             rates["device_adam_params_per_s"] = args.device_adam
+        if args.fold is not None:
+            rates["fold_params_per_s"] = args.fold
         if args.disk_read is not None:
             rates["disk_read_bytes_per_s"] = _bandwidth(args.disk_read, "--disk-read")
         if args.disk_write is not None:

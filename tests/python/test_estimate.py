@@ -290,3 +290,37 @@ def test_initialize_largest_runs_quick(tmp_path):
 def test_a_batch_override_keeps_the_other_figure_of_the_config(given, override, want):
     e = estimate("nano", given, device_memory="1GB", host_memory="4GB", seq=16, **override, **NO_RATES)
     assert (e["micro_batch"], e["gradient_accumulation_steps"]) == want
+
+
+def test_accumulation_folds_cost_the_host_updated_parameters_at_the_fold_rate():
+    """With gradient accumulation each micro-batch folds the gradients of the
+    host-updated chunks into their sums on the host (Note [Folds on the
+    worker] in tidal/engine/overlap.py): the estimate charges those
+    parameters (the 16-bit bytes it streams, halved for bf16) at the fold
+    rate, nothing without accumulation, and beside a GPU the three folds of
+    the backwards that end no window only where they outlast backward."""
+    root = Path(__file__).resolve().parents[2]
+    kw = dict(precision="bf16", micro_batch=8, seq=1024, device_memory="80GB",
+              device_memory_budget="26.8GB", host_memory="128GB", measure=False)
+    cfg = str(root / "configs" / "gpt_gpu.json")
+
+    def run(accumulation, fold_rate):
+        return tidal.estimate("gpt-1.3b", cfg, gradient_accumulation_steps=accumulation,
+                              rates={"fold_params_per_s": fold_rate}, **kw)
+
+    assert run(1, 1e9)["time"]["fold_s"] == 0
+    slow, fast = run(4, 1e9), run(4, 1e15)
+    # (The trainable parameters in the share of the trainable 16-bit chunk
+    # bytes that stream: the chunks' padding counted out.)
+    host_share = slow["traffic"]["host_param16_bytes"] / slow["chunk"]["param16_trainable_bytes"]
+    host_params = slow["model"]["trainable_parameters"] * host_share
+    assert host_share > 0.5  # (most chunks are updated on the host)
+    assert slow["time"]["fold_s"] == pytest.approx(4 * host_params / 1e9, rel=1e-6)
+    assert fast["time"]["fold_s"] < 1e-3
+    # Each fold (about 1 s at 1e9/s) outlasts a micro-batch's backward (about
+    # 0.11 s), so all four add, less the backward the first three run beside.
+    fold = slow["time"]["fold_s"] / 4
+    backward = fast["time"]["backward_s"]
+    added = slow["time"]["step_s_overlapped"] - fast["time"]["step_s_overlapped"]
+    exposed = slow["time"]["cpu_adam_exposed_s_overlapped"] - fast["time"]["cpu_adam_exposed_s_overlapped"]
+    assert added - exposed == pytest.approx(4 * fold - 3 * backward, rel=1e-6)
