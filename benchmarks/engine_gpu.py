@@ -329,7 +329,10 @@ def _derive(run, name, seq, budget=None):
     toks = r["tokens_per_s"]
     out = {"tokens_per_s": toks, "tflops": r["tflops"],
            "tflops_with_attention": (6 * n + attn_flops_per_token(name, seq)) * toks / 1e12,
-           "peak_host_rss_bytes": r.get("peak_host_rss_bytes")}
+           "peak_host_rss_bytes": r.get("peak_host_rss_bytes"),
+           # Note [Where a step's time goes] (tidal/train.py): a steady step's host-side
+           # seconds in its calls.
+           "phase_seconds_steady": r.get("phase_seconds_steady")}
     m = r.get("memory")
     if m:
         room = max(0, m["device_budget"] - m["peak_nonchunk_device_bytes"])
@@ -348,6 +351,11 @@ def _derive(run, name, seq, budget=None):
             "moved_over_minimum": ((moved_up + moved_down) / (2 * minimum)) if minimum else None,
             "prefetch_hit_rate": m["prefetch_hit_rate"], "evictions": m["evictions"],
             "cpu_adam_seconds_per_step": m["cpu_adam_seconds"] / max(1, r["steps"]),
+            "optimizer": {k: m["optimizer"].get(k) for k in (
+                "adam_seconds", "exposed_adam_seconds", "next_forward_wait_seconds",
+                "chunks_updated_under_next_forward", "chunks_updated_during_backward",
+                "steps_not_speculated", "folds_on_worker", "fold_worker_seconds",
+                "fold_wait_seconds")} if m.get("optimizer") else None,
             "adam_chunks_on_device": m["adam_chunks_on_device"], "adam_chunks_on_host": m["adam_chunks_on_host"],
             "loss_falling": r["last_loss"] < r["first_loss"],
             # A budget is a promise (Note [Who owns a device byte]): where the allocator's

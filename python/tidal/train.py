@@ -51,6 +51,7 @@ import difflib
 import json
 import math
 import os
+import statistics
 import sys
 import time
 import warnings
@@ -612,17 +613,43 @@ def run(argv=None) -> dict:
             say("[tidal-train] tqdm is not installed: plain progress lines", flush=True)
     write = bar.write if bar is not None else (lambda line: say(line, flush=True))
     losses, times, applied, evals, saved, disk_steps = [], [], 0, [], [], []
+    # Note [Where a step's time goes]
+    # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+    # Each step's host-side seconds in its forwards, its backwards,
+    # engine.step() and the read of its losses (the report's phase_seconds,
+    # and their medians over the steps from the third on). On a GPU a call
+    # returns once its kernels are launched, so a long call is one whose
+    # thread waited (for a copy, a fold, CPU Adam under the next forward) or
+    # worked on the host, and reading the losses waits for the device to end
+    # the step. The losses are read once the step is launched, not after
+    # each backward: loss.item() there waited for that backward to end on
+    # the device before the next micro-batch's forward could launch. The
+    # same sums, in the same order.
+    phases = {"forward": [], "backward": [], "step": [], "losses_read": []}
     start = time.perf_counter()
     for step in range(first, steps):
         t = time.perf_counter()
         total = 0.0
+        spent = dict.fromkeys(phases, 0.0)
         try:
+            micro_losses = []
             for _ in range(accum):
                 x, y = next(data)
+                t_fwd = time.perf_counter()
                 loss = forward(x, y)
+                t_bwd = time.perf_counter()
                 engine.backward(loss)
+                spent["forward"] += t_bwd - t_fwd
+                spent["backward"] += time.perf_counter() - t_bwd
+                micro_losses.append(loss.detach())
+            t_step = time.perf_counter()
+            stepped = engine.step()
+            t_read = time.perf_counter()
+            for loss in micro_losses:
                 total += loss.item()
-            if engine.step():
+            spent["step"] = t_read - t_step
+            spent["losses_read"] = time.perf_counter() - t_read
+            if stepped:
                 applied += 1
         except tidal.OutOfMemoryError as e:
             if bar is not None:
@@ -641,6 +668,8 @@ def run(argv=None) -> dict:
             _fail(f"step {step + 1}: {' '.join(str(e).split())}; tidal-train stops here, "
                   f"{f'{last} is intact and --resume {last} continues from it' if last is not None else 'the run has no checkpoint'}")
         times.append(time.perf_counter() - t)
+        for k, v in spent.items():
+            phases[k].append(v)
         if engine.dp is not None:  # the global batch's mean loss
             total = engine.dp.all_reduce_sum([total], "average the loss")[0] / world
         losses.append(total / accum)
@@ -698,6 +727,8 @@ def run(argv=None) -> dict:
         "eval": evals, "checkpoints": saved,
         "memory": {k: v for k, v in report.items() if k not in ("scheduler", "host")},
         "host_bytes": report["host"],
+        "phase_seconds": phases,
+        "phase_seconds_steady": {k: statistics.median(v[2:] or v) for k, v in phases.items()},
     }
     if disk_steps:
         # Each step's [bytes read, bytes written] of the NVMe tier; the first
@@ -718,6 +749,10 @@ def run(argv=None) -> dict:
             f"{evals[-1]['loss']:.4f} (step {evals[-1]['step']})")
     say(f"  throughput (steps 3 on): {summary['tokens_per_s']:,.0f} tokens/s, "
           f"{summary['tflops']:.3g} TFLOPS")
+    ph = summary["phase_seconds_steady"]
+    say(f"  a steady step's calls (median, host-side): forward {ph['forward'] * 1e3:.1f} ms, backward "
+        f"{ph['backward'] * 1e3:.1f} ms, step {ph['step'] * 1e3:.1f} ms, reading the losses "
+        f"{ph['losses_read'] * 1e3:.1f} ms")
     say(f"  device budget {_fmt_bytes(m['device_budget'])} (margin {_fmt_bytes(m['device_margin'])}): "
           f"peak chunks {_fmt_bytes(m['peak_chunk_device_bytes'])}, peak non-chunk "
           f"{_fmt_bytes(m['peak_nonchunk_device_bytes'])}, peak together "
