@@ -101,12 +101,14 @@ window's last fold during backward and need no undo buffers: b = 1 there.
 With gradient accumulation every micro-batch folds the gradients of the
 host-updated chunks into their fp32 sums on the host (16 bytes of host
 memory traffic per parameter): fold = parameters in host-updated chunks /
-fold rate. Beside a GPU the backwards that end no window fold on the update
-worker while backward runs (Note [Folds on the worker] in
-tidal/engine/overlap.py), backward = max(backward, fold); the window's last
-backward folds on the thread that launches its kernels, backward + fold, as
-does every backward where the step overlap is off, the NVMe tier is on or
-the host is too small for the state.
+fold rate. Beside a GPU every backward folds on the update worker while it
+runs (Note [Folds on the worker] in tidal/engine/overlap.py), backward =
+max(backward, fold), and in the
+window's last backward CPU Adam's speculative updates have only what the
+folds leave of it (backward - fold, in the formulas below for backward);
+where the step overlap is off, the NVMe tier is on or the host is too
+small for the state, the end of each backward folds on the thread that
+launches the kernels: backward + fold.
 On the simulated device CPU Adam, the device's Adam and the folds (all on
 the host's cores, which compute shares) add to that:
     step = accumulation x (forward + backward + fold) + CPU Adam + device Adam + disk
@@ -627,21 +629,25 @@ def estimate(model, config=None, *, precision=None, optimizer_state_dtype=None,
     link_exposed_s = accum * (forward_s + ((accum - 1) * b1 + bb) / accum) - (compute_s + hooks_s)
     # The folds (the module docstring): with accumulation each micro-batch
     # folds the host-updated chunks' gradients into their sums on the host.
-    # Beside a GPU the backwards that end no window fold on the update
-    # worker while backward runs (Note [Folds on the worker] in
-    # tidal/engine/overlap.py); the window's last backward folds on the
-    # thread that launches its kernels, and so does the end of every
-    # backward without that path (the step overlap off, the NVMe tier, a
-    # host too small). On the simulated device they take the cores compute
-    # runs on.
+    # Beside a GPU every backward folds on the update worker while it runs
+    # (Note [Folds on the worker] in tidal/engine/overlap.py), the window's
+    # last before the worker's speculative updates, which then have the rest
+    # of that backward; without that path (the step overlap off, the NVMe
+    # tier, a host too small) the end of each backward folds on the thread
+    # that launches the kernels. On the simulated device they take the cores
+    # compute runs on.
     fold_s = (trainable * (1 - hybrid_share) / value["fold_params_per_s"]) if accum > 1 else 0.0
     fold_step_s = 0.0
+    hiding_s = last_backward_s  # the window's last backward's time the worker has for CPU Adam
     if fold_s and backend == "sim":
         fold_step_s = accum * fold_s
     elif fold_s:
-        on_worker = cfg.overlap_step and not spilled and cfg.nvme_path is None
-        b1 = max(b1, fold_s) if on_worker else b1 + fold_s
-        bb += fold_s
+        if cfg.overlap_step and not spilled and cfg.nvme_path is None:
+            b1, bb = max(b1, fold_s), max(bb, fold_s)
+            hiding_s = bb - fold_s
+        else:
+            b1, bb = b1 + fold_s, bb + fold_s
+            hiding_s = bb
         last_backward_s = bb
     backward_s = ((accum - 1) * b1 + bb) / accum
     phases_s = accum * (forward_s + backward_s)
@@ -671,9 +677,9 @@ def estimate(model, config=None, *, precision=None, optimizer_state_dtype=None,
         adam_exposed = cpu_adam_s
     elif not cfg.overlap_next_forward or cfg.nvme_path is not None:
         # (The step updates what backward left itself: with the NVMe tier too.)
-        adam_exposed = max(0.0, spec * cpu_adam_s - last_backward_s)
+        adam_exposed = max(0.0, spec * cpu_adam_s - hiding_s)
     else:
-        adam_exposed = max(0.0, cpu_adam_s - last_backward_s / spec - next_forward_s)
+        adam_exposed = max(0.0, cpu_adam_s - hiding_s / spec - next_forward_s)
     overlapped = phases_s + max(adam_exposed, disk_s - (forward_s + backward_s)) + device_adam_s + fold_step_s
     parts = {"compute": compute_s + hooks_s, "link": link_exposed_s, "cpu_adam": cpu_adam_s,
              "device_adam": device_adam_s, "disk": disk_s, "fold": accum * fold_s}

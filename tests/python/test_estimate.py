@@ -297,8 +297,8 @@ def test_accumulation_folds_cost_the_host_updated_parameters_at_the_fold_rate():
     host-updated chunks into their sums on the host (Note [Folds on the
     worker] in tidal/engine/overlap.py): the estimate charges those
     parameters (the 16-bit bytes it streams, halved for bf16) at the fold
-    rate, nothing without accumulation, and beside a GPU the three folds of
-    the backwards that end no window only where they outlast backward."""
+    rate, nothing without accumulation, and beside a GPU the folds, on the
+    update worker, only where they outlast backward."""
     root = Path(__file__).resolve().parents[2]
     kw = dict(precision="bf16", micro_batch=8, seq=1024, device_memory="80GB",
               device_memory_budget="26.8GB", host_memory="128GB", measure=False)
@@ -318,9 +318,13 @@ def test_accumulation_folds_cost_the_host_updated_parameters_at_the_fold_rate():
     assert slow["time"]["fold_s"] == pytest.approx(4 * host_params / 1e9, rel=1e-6)
     assert fast["time"]["fold_s"] < 1e-3
     # Each fold (about 1 s at 1e9/s) outlasts a micro-batch's backward (about
-    # 0.11 s), so all four add, less the backward the first three run beside.
+    # 0.11 s), so each adds what backward does not hide; and in the window's
+    # last backward the worker's folds leave CPU Adam no time: the part of it
+    # that backward hid (at the speculation factor) is exposed instead.
     fold = slow["time"]["fold_s"] / 4
     backward = fast["time"]["backward_s"]
+    spec = fast["rates"]["speculation_factor"]["value"]
     added = slow["time"]["step_s_overlapped"] - fast["time"]["step_s_overlapped"]
     exposed = slow["time"]["cpu_adam_exposed_s_overlapped"] - fast["time"]["cpu_adam_exposed_s_overlapped"]
-    assert added - exposed == pytest.approx(4 * fold - 3 * backward, rel=1e-6)
+    assert exposed == pytest.approx(backward / spec, rel=1e-4)  # (fast: folds of about a microsecond)
+    assert added - exposed == pytest.approx(4 * (fold - backward), rel=1e-4)

@@ -347,6 +347,9 @@ class StepOverlap:
         # in submission order, and their StartedFold, in the same order.
         self._fold_jobs: list[tuple[int, _Job]] = []
         self._folds_started: list = []
+        # The window's last backward: chunks folded on the worker whose
+        # measure and launch wait (_measure_and_start).
+        self._measure_queue: list[int] = []
         self._start_fold = None   # the accumulation's start_fold, from begin()
         self._submit_fold = None  # its submit_fold
         self._end_fold = None     # its end_fold
@@ -524,7 +527,7 @@ class StepOverlap:
             return
         if self._ahead and self._speculating:
             self._send_up_finished()
-        if self._fold_jobs:
+        if self._fold_jobs and not self._speculating:
             self._end_finished_folds()
         if record.id in self._counted:
             # Used again after its gradient landed (a reentrant checkpoint
@@ -596,17 +599,23 @@ class StepOverlap:
         """After a backward: the folds still queued run now (their updates
         launch), unless the backward failed (its gradients are dropped)."""
         queued, self._fold_queue = self._fold_queue, []
+        measure, self._measure_queue = self._measure_queue, []
         self._in_backward = False
         try:
             if not failed:
                 for chunk in queued:
                     self._drain(chunk)
+                measure += self._measure_queue
+                self._measure_queue = []
+                for chunk in measure:
+                    self._measure_and_start(chunk)
                 if self._ahead and self._speculating:
                     self._send_up_finished()
         finally:
             # Note [Folds on the worker]: every fold of this backward ends
-            # here (a failed backward's too: its sums then hold them).
-            self._end_folds(send_up=not failed)
+            # here (a failed backward's too: its sums then hold them; in
+            # the window's last, the updates send the weights up).
+            self._end_folds(send_up=not failed and not self._speculating)
         self._backward_end = time.perf_counter()
         if not failed:
             for chunk, t in self._landing_times.items():
@@ -733,8 +742,15 @@ class StepOverlap:
     # the sums and weights are bitwise those of the fold on the hook's
     # thread. A pass that fails leaves its slots as they were (its gradients
     # stay, still landed) and its error fails the backward, as the fold's did.
-    # The window's last backward still folds each launched chunk on the hook's
-    # thread before measuring its sums (Note [Measured where folded]).
+    # The window's last backward folds each launched chunk on the worker the
+    # same way (_start), and _FOLD_LAG launches later (or at backward's end)
+    # ends the fold, waiting for it only where the worker has not finished
+    # it, measures its sums on the hook's thread (Note [Measured where
+    # folded]: 4 bytes a parameter read there, not the fold's 16) and starts
+    # its update as before (_measure_and_start). A count of launches again,
+    # not the fold's timing, so the accesses keep the trace's order; the
+    # weights go up as the updates end (Note [Weights up as they are
+    # updated]), not as the folds do.
     def _fold_on_worker(self, chunk: int, recs: list) -> None:
         """`chunk`'s fold begun here and passed to the worker (Note [Folds on the worker])."""
         fold = self._start_fold(recs)
@@ -947,7 +963,6 @@ class StepOverlap:
     def _start(self, chunk: int):
         """The launch of `chunk`'s update, from its undo buffers on (the
         checks are _launch's; a fold queued since, rechecked here)."""
-        c = self._store.chunks
         recs = self._recs[chunk]
         if any(r in self._relanded for r in recs):
             return  # (landed again since it was queued: the step updates it)
@@ -955,12 +970,40 @@ class StepOverlap:
         if self._use_sums:
             # Note [Gradient sums in chunks]: the fold the end of backward
             # would make, for this chunk, on the host where it is updated;
-            # the sums are final, and measured here (Note [Measured where
+            # the sums are final, and measured (Note [Measured where
             # folded]), whichever way the rule below decides.
+            if self._start_fold is not None:
+                # Note [Folds on the worker]: on the worker; the measure and
+                # the launch follow _FOLD_LAG launches later.
+                self._fold_on_worker(chunk, recs)
+                self._measure_queue.append(chunk)
+                while len(self._measure_queue) > _FOLD_LAG:
+                    self._measure_and_start(self._measure_queue.pop(0))
+                return
             self._fold_chunk(chunk, recs, HOST)
             self.folded_early.add(chunk)
             self.sums_measured.add(chunk)  # (first: a measure that fails part-way is cleared)
             self._measure_sums(recs)
+        self._start_update(chunk, recs, kinds)
+
+    def _measure_and_start(self, chunk: int) -> None:
+        """The window's last backward, Note [Folds on the worker]: `chunk`'s
+        fold ends (waited for if the worker has not finished it), its sums
+        are measured and its update launched, as _start does after a fold."""
+        recs = self._recs[chunk]
+        while any(queued == chunk for queued, _ in self._fold_jobs):
+            self._end_next_fold(send_up=False)
+        if chunk not in self.folded_early or any(r in self._relanded for r in recs):
+            return  # (its fold failed, or a gradient landed again: the step takes it)
+        self.sums_measured.add(chunk)  # (first: a measure that fails part-way is cleared)
+        self._measure_sums(recs)
+        self._start_update(chunk, recs, _KINDS + (GRAD32,))
+
+    def _start_update(self, chunk: int, recs: list, kinds: tuple) -> None:
+        """_start from the cost rule on: `chunk`'s update left to the step
+        or launched on the worker (its sums, with accumulation, final and
+        measured)."""
+        c = self._store.chunks
         if self._cost_rule and not self._fits_in_backward(chunk):
             # Note [Speculation while backward lasts]: the step hands it to
             # the next forward with the clip factor known, no undo needed;
