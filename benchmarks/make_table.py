@@ -274,8 +274,8 @@ def _h100_caption(r: Dict, name: str) -> str:
             f"this 2-core CPU (the H100 host's was never measured: a 16-core host is "
             f"faster, and CPU Adam is where every row with states on the host is bound)" +
             (f"; the accumulation's host fold {rates['fold_params_per_s']['value'] / 1e9:.1f} G "
-             f"params/s measured there too (on the update worker beside backward except in the "
-             f"window's last: Note [Folds on the worker])" if "fold_params_per_s" in rates else "") +
+             f"params/s measured there too (on the update worker beside backward: Note [Folds on "
+             f"the worker])" if "fold_params_per_s" in rates else "") +
             f"; device Adam "
             f"{rates['device_adam_params_per_s']['value'] / 1e9:.0f} G params/s assumed. "
             f"Commit {r['git_commit'][:7]}; `{name}`.")
