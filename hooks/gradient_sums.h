@@ -78,6 +78,11 @@ class GradientSums {
   void drop(const std::vector<TensorId>& ids);
 
  private:
+  // The accesses of a fold (fold's, waiting for copies into the chunks, and
+  // start_fold's, not waiting: then with the chunks' fences).
+  StartedFold begin_fold(const std::vector<TensorId>& ids, const std::vector<bool>& first,
+                         MemorySpace space, bool wait_for_copies);
+
   ChunkScheduler* scheduler_;
   ParamBinding* binding_;
   bool accumulating_ = false;

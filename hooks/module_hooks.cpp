@@ -375,44 +375,40 @@ std::vector<std::string> ModuleHooks::release_all() noexcept {
 
 // ---- gradient accumulation -------------------------------------------------
 
-void ModuleHooks::fold_gradients(const std::vector<std::size_t>& params, MemorySpace space,
-                                 int num_threads, const cpu_adam::BlockRunner* runner) {
+std::vector<bool> ModuleHooks::first_sums(const std::vector<std::size_t>& params, const char* caller) const {
   std::vector<bool> first;
   first.reserve(params.size());
   for (std::size_t i : params) {
     check_param(i);
-    TIDAL_CHECK(!params_[i].attached, "ModuleHooks.fold_gradients: parameter ", i,
+    TIDAL_CHECK(!params_[i].attached, "ModuleHooks.", caller, ": parameter ", i,
                 " is attached; fold after backward");
     first.push_back(!params_[i].summed);
   }
-  gradient_sums_.fold(ids_of(params), first, space, num_threads, runner);
+  return first;
+}
+
+void ModuleHooks::folded(const std::vector<std::size_t>& params) {
   for (std::size_t i : params) {
     params_[i].landed = false;
     params_[i].summed = true;
   }
 }
 
+void ModuleHooks::fold_gradients(const std::vector<std::size_t>& params, MemorySpace space,
+                                 int num_threads, const cpu_adam::BlockRunner* runner) {
+  gradient_sums_.fold(ids_of(params), first_sums(params, "fold_gradients"), space, num_threads, runner);
+  folded(params);
+}
+
 StartedFold ModuleHooks::start_fold(const std::vector<std::size_t>& params) {
-  std::vector<bool> first;
-  first.reserve(params.size());
-  for (std::size_t i : params) {
-    check_param(i);
-    TIDAL_CHECK(!params_[i].attached, "ModuleHooks.start_fold: parameter ", i,
-                " is attached; fold after its backward");
-    first.push_back(!params_[i].summed);
-  }
-  StartedFold fold = gradient_sums_.start_fold(ids_of(params), first);
+  StartedFold fold = gradient_sums_.start_fold(ids_of(params), first_sums(params, "start_fold"));
   fold.params = params;
   return fold;
 }
 
-void ModuleHooks::end_fold(StartedFold& fold, bool folded) {
-  gradient_sums_.end_fold(fold, folded);
-  if (!folded) return;
-  for (std::size_t i : fold.params) {
-    params_[i].landed = false;
-    params_[i].summed = true;
-  }
+void ModuleHooks::end_fold(StartedFold& fold, bool done) {
+  gradient_sums_.end_fold(fold, done);
+  if (done) folded(fold.params);
 }
 
 void ModuleHooks::measure_sums(const std::vector<std::size_t>& params) {

@@ -200,7 +200,7 @@ class ModuleHooks : public std::enable_shared_from_this<ModuleHooks> {
   // parameters no longer count as landed and have a sum, as fold_gradients
   // leaves them. Until then they count as landed.
   StartedFold start_fold(const std::vector<std::size_t>& params);
-  void end_fold(StartedFold& fold, bool folded);
+  void end_fold(StartedFold& fold, bool done);
   // Measures the gradient sums of `params` where their chunks are, into what
   // grad_norms().take() returns.
   void measure_sums(const std::vector<std::size_t>& params);
@@ -289,6 +289,11 @@ class ModuleHooks : public std::enable_shared_from_this<ModuleHooks> {
   void detach_now(const std::vector<std::size_t>& params, TensorState state);
   std::vector<TensorId> ids_of(const std::vector<std::size_t>& params) const;
   void check_param(std::size_t param) const;
+  // Whether each of `params` (checked, none attached: `caller` names the
+  // call in the error) has no gradient sum yet, so a fold writes it.
+  std::vector<bool> first_sums(const std::vector<std::size_t>& params, const char* caller) const;
+  // `params` were folded: no longer landed, with a sum.
+  void folded(const std::vector<std::size_t>& params);
   void check_module(std::size_t module) const;
 
   ChunkScheduler* scheduler_;
