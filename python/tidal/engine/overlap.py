@@ -435,6 +435,7 @@ class StepOverlap:
         self._chunk_records = dict(everyone)
         self._recs = dict(recs)
         self._counted = set()
+        self._measure_queue = []
         self._in_backward = True
         self._backward_end = None
         self.folded_early = set()
@@ -599,19 +600,17 @@ class StepOverlap:
         """After a backward: the folds still queued run now (their updates
         launch), unless the backward failed (its gradients are dropped)."""
         queued, self._fold_queue = self._fold_queue, []
-        measure, self._measure_queue = self._measure_queue, []
         self._in_backward = False
         try:
             if not failed:
                 for chunk in queued:
                     self._drain(chunk)
-                measure += self._measure_queue
-                self._measure_queue = []
-                for chunk in measure:
-                    self._measure_and_start(chunk)
+                while self._measure_queue:  # (in the order the folds were queued)
+                    self._measure_and_start(self._measure_queue.pop(0))
                 if self._ahead and self._speculating:
                     self._send_up_finished()
         finally:
+            self._measure_queue = []
             # Note [Folds on the worker]: every fold of this backward ends
             # here (a failed backward's too: its sums then hold them; in
             # the window's last, the updates send the weights up).
