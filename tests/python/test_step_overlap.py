@@ -789,6 +789,83 @@ def test_a_failed_first_micro_batch_drops_the_sums_it_folded_and_the_engine_goes
     assert_bitwise(runs[False], runs[True])
 
 
+class _FoldFails:
+    """Makes the result of the next `count` fold jobs on the worker fail
+    (Note [Folds on the worker] in tidal/engine/overlap.py): the pass ran,
+    its ticket says it failed, as a fence's error would. With `until_end`,
+    no fold job looks done before backward ends, so the first that fails
+    is met there, not at a landing."""
+
+    def __init__(self, monkeypatch):
+        from tidal.engine import overlap as module
+        self.count = 0
+        self.until_end = False
+        owner = self
+
+        def is_fold(job):
+            return isinstance(job._buffers[0], tidal._C.chunks.StartedFold)
+
+        class Job(module._Job):
+            def done(self):
+                return False if owner.until_end and is_fold(self) else super().done()
+
+            def result(self):
+                if owner.count and is_fold(self):
+                    self._ticket.wait()
+                    owner.count -= 1
+                    raise RuntimeError("fold failed on the worker (injected)")
+                return super().result()
+
+        ended = module.StepOverlap.backward_ended
+
+        def backward_ended(overlap, failed=False):
+            owner.until_end = False
+            return ended(overlap, failed)
+
+        monkeypatch.setattr(module, "_Job", Job)
+        monkeypatch.setattr(module.StepOverlap, "backward_ended", backward_ended)
+
+
+@pytest.mark.parametrize("window, met", [("first", "when-done"), ("first", "at-backward-end"),
+                                         ("last", "when-done")])
+def test_a_fold_that_fails_on_the_worker_fails_its_backward_and_loses_nothing(monkeypatch, window, met):
+    # A fold on the worker whose pass fails fails its backward, wherever the
+    # engine's thread meets the error (a later landing, or backward's end,
+    # after the hooks' end of backward): in the window's first backward its
+    # sums and gradients go, and the micro-batch can run again, bitwise the
+    # training without the failure; in the window's last the sums hold
+    # earlier micro-batches, so the step refuses until engine.zero_grad(),
+    # and the engine trains on after it.
+    batches = gpt_batches(8)
+    torch.manual_seed(0)
+    clean = tidal.initialize(TinyGPT(d=64, seq=8), make_config(True, hybrid=False, accumulation=2))
+    train_tidal(clean, batches)
+    fails = _FoldFails(monkeypatch)
+    torch.manual_seed(0)
+    engine = tidal.initialize(TinyGPT(d=64, seq=8), make_config(True, hybrid=False, accumulation=2))
+    train_tidal(engine, batches[:4])
+    before = optimizer_report(engine)["folds_on_worker"]
+    if window == "last":
+        engine.backward(engine(*batches[4]))
+    fails.count = 1
+    fails.until_end = met == "at-backward-end"
+    with pytest.raises(RuntimeError, match="injected"):
+        engine.backward(engine(*batches[5 if window == "last" else 4]))
+    assert fails.count == 0
+    assert optimizer_report(engine)["folds_on_worker"] > before  # (the path fired)
+    assert not engine._overlap._fold_jobs  # (every fold of it ended)
+    if window == "first":
+        train_tidal(engine, batches[4:])  # (the failed micro-batch again, and on)
+        assert_bitwise(clean, engine)
+    else:
+        engine.backward(engine(*batches[5]))
+        with pytest.raises(tidal.UsageError, match="accumulation sums.*zero_grad"):
+            engine.step()
+        engine.zero_grad()
+        assert all(torch.isfinite(torch.tensor(train_tidal(engine, batches[6:]))))
+    within_budget(engine)
+
+
 def test_an_engine_dropped_after_backward_waits_for_its_updates_and_goes():
     # The worker reads chunk memory: a collected engine waits for it before
     # its chunks go (weakref.finalize), and nothing of the engine stays.

@@ -118,21 +118,7 @@ class EngineBackward:
                 why = self._overlap.second_landing_on_taken_chunk(e)
                 if why is not None:
                     e.add_note("tidal: " + why)
-                self._overlap.backward_ended(failed=True)
-                self.settle_overlap()
-                if self._overlap.take_sums_measured() or self._overlap.folded_early:
-                    # (Measured for a step that will not take them: Note
-                    # [Measured where folded].)
-                    self._wiring.hooks.clear_grad_norm()
-                if self._overlap.folded_early and not sums_before:
-                    self._accumulation.drop_sums()
-                elif self._overlap.folded_early:
-                    self._accumulation.break_window(
-                        f"the backward that failed had folded the gradients of "
-                        f"{len(self._overlap.folded_early)} chunks into their accumulation sums "
-                        f"(tidal.overlap_step), which now hold part of a failed micro-batch")
-                    e.add_note("tidal: " + self._accumulation.broken + "; call engine.zero_grad() to "
-                               "start the step afresh")
+                self._drop_what_the_overlap_took(e, sums_before)
             self._accumulation.drop_landed()
             if oom is not None:
                 raise oom from e
@@ -149,7 +135,15 @@ class EngineBackward:
                 self._dp_step.mark_broken("ending a backward on this rank failed")
             raise
         if self._overlap is not None:
-            self._overlap.backward_ended()
+            try:
+                self._overlap.backward_ended()
+            except BaseException as e:
+                # A fold on the worker failed (Note [Folds on the worker] in
+                # overlap.py): the backward failed, as where the fold ran in
+                # its gradient hook.
+                self._drop_what_the_overlap_took(e, sums_before)
+                self._accumulation.drop_landed()
+                raise
         if self._dp_step is not None:
             self._dp_step.after_backward(
                 self._accumulation.landed,
@@ -157,6 +151,27 @@ class EngineBackward:
         elif self._accumulation.summing:
             self._accumulation.fold()
         self._accumulation.backward_done()
+
+    def _drop_what_the_overlap_took(self, e: BaseException, sums_before: bool) -> None:
+        """A backward failed (`e`): the overlap's folds and updates of it end
+        and are taken back; sums it folded early go where they hold nothing
+        else (`sums_before` false: the window's first backward), and
+        otherwise the window cannot be stepped on (a note on `e` says so)."""
+        self._overlap.backward_ended(failed=True)
+        self.settle_overlap()
+        if self._overlap.take_sums_measured() or self._overlap.folded_early:
+            # (Measured for a step that will not take them: Note
+            # [Measured where folded].)
+            self._wiring.hooks.clear_grad_norm()
+        if self._overlap.folded_early and not sums_before:
+            self._accumulation.drop_sums()
+        elif self._overlap.folded_early:
+            self._accumulation.break_window(
+                f"the backward that failed had folded the gradients of "
+                f"{len(self._overlap.folded_early)} chunks into their accumulation sums "
+                f"(tidal.overlap_step), which now hold part of a failed micro-batch")
+            e.add_note("tidal: " + self._accumulation.broken + "; call engine.zero_grad() to "
+                       "start the step afresh")
 
     def _out_of_memory(self, e, phase: str):
         """A tidal.OutOfMemoryError saying what the device held when torch's

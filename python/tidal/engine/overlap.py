@@ -353,7 +353,7 @@ class StepOverlap:
         self._start_fold = None   # the accumulation's start_fold, from begin()
         self._submit_fold = None  # its submit_fold
         self._end_fold = None     # its end_fold
-        self.folds_on_worker = 0       # folds of backwards that end no window, on the worker
+        self.folds_on_worker = 0       # folds made during backward on the worker
         self.fold_worker_seconds = 0.0  # their passes' time there
         self.fold_wait_seconds = 0.0   # the engine's thread's wait for them (backward's end)
         self.undone_chunks = 0
@@ -436,6 +436,10 @@ class StepOverlap:
         self._recs = dict(recs)
         self._counted = set()
         self._measure_queue = []
+        if self._fold_jobs:
+            # (A backward whose end failed before backward_ended: Note
+            # [Folds on the worker].)
+            self._end_folds(send_up=False)
         self._in_backward = True
         self._backward_end = None
         self.folded_early = set()
@@ -569,7 +573,7 @@ class StepOverlap:
         text = str(error)
         if "COMPUTE -> COMPUTE" not in text:
             return None
-        taken = set(self._pending) | set(self._held)
+        taken = set(self._pending) | set(self._held) | {chunk for chunk, _ in self._fold_jobs}
         for chunk in taken:
             for r in self._recs.get(chunk, ()):
                 if r.id in self._counted and (f"'{r.name}'" in text or f":{r.name}'" in text):
@@ -612,9 +616,10 @@ class StepOverlap:
         finally:
             self._measure_queue = []
             # Note [Folds on the worker]: every fold of this backward ends
-            # here (a failed backward's too: its sums then hold them; in
-            # the window's last, the updates send the weights up).
-            self._end_folds(send_up=not failed and not self._speculating)
+            # here (a failed backward's too, without raising over its error:
+            # its sums then hold them; in the window's last, the updates
+            # send the weights up).
+            self._end_folds(send_up=not failed and not self._speculating, raise_error=not failed)
         self._backward_end = time.perf_counter()
         if not failed:
             for chunk, t in self._landing_times.items():
@@ -704,6 +709,8 @@ class StepOverlap:
         recs = self._recs[chunk]
         if any(r in self._relanded for r in recs):
             return  # (landed again since it was queued: the end of backward folds it)
+        if self._store.in_use(self._chunk_records.get(chunk, ()), PARAM16):
+            return  # (another tensor of it is in use again, a recomputation: the end of backward folds it)
         if self._start_fold is not None:
             self._fold_on_worker(chunk, recs)
             return
@@ -762,16 +769,19 @@ class StepOverlap:
         self._folds_started.append(fold)
         self.folded_early.add(chunk)
         self.folds_on_worker += 1
+        self._hook_forwards()  # (a module run again in this backward waits for its chunks' folds)
 
     def _end_finished_folds(self) -> None:
         """The folds on the worker done so far, in submission order, end and
         send their weights up; the first failure raises (Note [Folds on the worker])."""
         while self._fold_jobs and self._fold_jobs[0][1].done():
             self._end_next_fold(send_up=True)
+        self._unhook_forwards_if_idle()
 
-    def _end_folds(self, send_up: bool) -> None:
+    def _end_folds(self, send_up: bool, raise_error: bool = True) -> None:
         """Waits for every fold on the worker and ends each (sending its
-        weights up where `send_up`); raises the first error after all ended."""
+        weights up where `send_up`); raises the first error after all ended,
+        where `raise_error`."""
         error = None
         t = time.perf_counter()
         while self._fold_jobs:
@@ -780,8 +790,18 @@ class StepOverlap:
             except BaseException as ex:  # noqa: BLE001 (re-raised below)
                 error = error or ex
         self.fold_wait_seconds += time.perf_counter() - t
-        if error is not None:
+        self._unhook_forwards_if_idle()
+        if error is not None and raise_error:
             raise error
+
+    def _end_folds_of(self, chunks) -> None:
+        """A module of the model runs (a recomputation in backward): the folds
+        of its `chunks` end first, and those queued before them, waited for
+        where the worker has not finished them (its slots are in use until
+        then: Note [Folds on the worker])."""
+        while any(chunk in chunks for chunk, _ in self._fold_jobs):
+            self._end_next_fold(send_up=not self._speculating)
+        self._unhook_forwards_if_idle()
 
     def _end_next_fold(self, send_up: bool) -> None:
         chunk, job = self._fold_jobs.pop(0)
@@ -790,7 +810,15 @@ class StepOverlap:
             job.wait()
             _tf, t0, t1 = job.result()
         except BaseException as ex:
-            self.folded_early.discard(chunk)
+            if not job.done():
+                # (The wait itself was interrupted: the worker may still
+                # write the slots, so the fold stays in flight.)
+                self._fold_jobs.insert(0, (chunk, job))
+                self._folds_started.insert(0, fold)
+                raise
+            # The slots go back as they were; the chunk stays in
+            # folded_early (a pass that failed part-way may have written
+            # some sums), so a failed backward drops or refuses them.
             self._end_fold(fold, False)
             raise (ex.__cause__ or ex) if isinstance(ex, _UndoCopyFailed) else ex
         self.fold_worker_seconds += t1 - t0
@@ -967,6 +995,8 @@ class StepOverlap:
             return  # (landed again since it was queued: the step updates it)
         kinds = _KINDS + ((GRAD32,) if self._use_sums else ())
         if self._use_sums:
+            if self._store.in_use(self._chunk_records.get(chunk, ()), PARAM16):
+                return  # (another tensor of it is in use again: the end of backward folds it, the step updates it)
             # Note [Gradient sums in chunks]: the fold the end of backward
             # would make, for this chunk, on the host where it is updated;
             # the sums are final, and measured (Note [Measured where
@@ -992,8 +1022,8 @@ class StepOverlap:
         recs = self._recs[chunk]
         while any(queued == chunk for queued, _ in self._fold_jobs):
             self._end_next_fold(send_up=False)
-        if chunk not in self.folded_early or any(r in self._relanded for r in recs):
-            return  # (its fold failed, or a gradient landed again: the step takes it)
+        if any(r in self._relanded for r in recs):
+            return  # (a gradient landed again: the end of backward folds it again, the step takes it)
         self.sums_measured.add(chunk)  # (first: a measure that fails part-way is cleared)
         self._measure_sums(recs)
         self._start_update(chunk, recs, _KINDS + (GRAD32,))
@@ -1333,14 +1363,16 @@ class StepOverlap:
 
             def before_forward(module, _args):
                 overlap = ref()
-                if overlap is not None and (overlap._deferred or overlap._pending or overlap._held):
+                if overlap is not None and (overlap._deferred or overlap._pending or overlap._held
+                                            or overlap._fold_jobs):
                     overlap.before_module(module)
 
             self._hook_box[0] = torch.nn.modules.module.register_module_forward_pre_hook(before_forward)
 
     def _unhook_forwards_if_idle(self) -> None:
         """Removes the global forward pre-hook once nothing waits for it."""
-        if self._hook_box[0] is not None and not self._deferred and not self._pending and not self._held:
+        if self._hook_box[0] is not None and not self._deferred and not self._pending and not self._held \
+                and not self._fold_jobs:
             self._hook_box[0].remove()
             self._hook_box[0] = None
 
@@ -1351,6 +1383,8 @@ class StepOverlap:
         deferred updates' pins go (so prefetch moves their chunks up), then
         `module`'s chunks are waited for."""
         recs = self._params.module_records.get(module)
+        if self._fold_jobs and recs:
+            self._end_folds_of({r.chunk for r in recs})
         if (self._pending or self._held) and recs and self._backward_end is not None:
             self.undo(keep_deferred=True)
         if not self._deferred:
@@ -1445,7 +1479,7 @@ def _hyperparameters(param_groups: list, recs: list) -> tuple:
     return tuple((g["lr"], *g["betas"], g["eps"], g["weight_decay"]) for g, _ in by_group(param_groups, recs))
 
 
-def _abandon_worker(pool, jobs: list, deferred_jobs: list, hook_box: list, fold_jobs=()) -> None:
+def _abandon_worker(pool, jobs: list, deferred_jobs: list, hook_box: list, fold_jobs: list) -> None:
     # (`pool`, the worker, is held until here; its thread ends with its last
     # reference, each job run: UpdateWorker's destructor.)
     if hook_box[0] is not None:
@@ -1467,6 +1501,7 @@ def _abandon_worker(pool, jobs: list, deferred_jobs: list, hook_box: list, fold_
         except BaseException:  # noqa: BLE001 (nobody is left to tell)
             pass
     jobs.clear()
+    fold_jobs.clear()
     deferred_jobs.clear()
 
 

@@ -200,9 +200,9 @@ class EngineReports:
                 "updates_run_by_their_waiter": 0 if overlap is None else overlap.run_by_waiter,
                 "overlapped_adam_seconds": 0.0 if overlap is None
                 else overlap.overlapped_seconds,
-                # Note [Folds on the worker]: the accumulation folds of the
-                # backwards that end no window run there, their passes' time,
-                # and what the end of those backwards waited for them.
+                # Note [Folds on the worker]: the accumulation folds made
+                # during backward that ran there, their passes' time, and what
+                # the ends of those backwards waited for them.
                 "folds_on_worker": 0 if overlap is None else overlap.folds_on_worker,
                 "fold_worker_seconds": 0.0 if overlap is None else overlap.fold_worker_seconds,
                 "fold_wait_seconds": 0.0 if overlap is None else overlap.fold_wait_seconds,
