@@ -747,7 +747,14 @@ class StepOverlap:
     # early. The pass is the same elementwise arithmetic on any thread, so
     # the sums and weights are bitwise those of the fold on the hook's
     # thread. A pass that fails leaves its slots as they were (its gradients
-    # stay, still landed) and its error fails the backward, as the fold's did.
+    # stay, still landed; the chunk counts as folded early, since a pass may
+    # fail part-way) and its error fails the backward, as the fold's did,
+    # wherever the engine's thread meets it (a landing, backward's end:
+    # Engine._drop_what_the_overlap_took either way). Until a fold ends its
+    # slots are in use: a module run again in backward (a recomputation)
+    # first ends the folds of its chunks (the global forward pre-hook of
+    # Note [CPU Adam under the next forward]), and a chunk with a tensor in
+    # use when its fold would start is left to the end of backward.
     # The window's last backward folds each launched chunk on the worker the
     # same way (_start), and _FOLD_LAG launches later (or at backward's end)
     # ends the fold, waiting for it only where the worker has not finished
