@@ -730,11 +730,12 @@ class StepOverlap:
     # normally runs ahead of the device, fell back to two chunks ahead of
     # it), then made a pass of 16 bytes per parameter (the 16-bit gradient
     # and the sum read, the sum written, the master read and rounded into
-    # the 16-bit slot) while the device ran out of queued kernels. At the
-    # H200's gpt-1.3b with a quarter of the states and 4 micro-batches
-    # (engine-nvidia-h200.json) that is 2.6 GB of gradients a micro-batch,
-    # about 42 GB of host memory traffic, and the step took 1.31 s against
-    # plain PyTorch's 0.60 s (0.461x). So the fold is split: on the hook's
+    # the 16-bit slot) while the device could run out of queued kernels. At
+    # the H200's gpt-1.3b with a quarter of the states and 4 micro-batches
+    # (engine-nvidia-h200.json) that is 2.7 GB of gradients a micro-batch,
+    # about 20 GB of host memory traffic, and the step took 1.31 s against
+    # plain PyTorch's 0.60 s (0.461x); that run timed no phase, so how much
+    # of the difference this was is not known. So the fold is split: on the hook's
     # thread the chunk's slots are accessed as the fold accesses them, in the
     # same order (so the scheduler's trace is unchanged), without waiting for
     # the copy down (Note [A pin that does not wait]); the pass runs on the
