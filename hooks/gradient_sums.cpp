@@ -102,17 +102,16 @@ void GradientSums::end_fold(StartedFold& fold, bool folded) {
   TIDAL_INTERNAL_ASSERT(!fold.ended, "GradientSums::end_fold: this fold has ended");
   fold.ended = true;
   fold.fences.clear();
+  if (folded) {
+    for (const TensorRef& ref : fold.refs) scheduler_->release(ref, TensorState::kHold);
+    return;
+  }
+  // The pass did not run: the gradient stays in its slot, the master is
+  // unchanged, a sum written for the first time holds nothing.
   for (std::size_t i = 0; i < fold.refs.size(); ++i) {
-    // Where the pass did not run: the gradient stays in its slot, the master
-    // is unchanged, a sum written for the first time holds nothing.
-    const TensorState to =
-        !folded && fold.before[i] == TensorState::kFree ? TensorState::kFree : TensorState::kHold;
-    if (folded) {
-      scheduler_->release(fold.refs[i], to);
-      continue;
-    }
     try {
-      scheduler_->release(fold.refs[i], to);
+      scheduler_->release(fold.refs[i], fold.before[i] == TensorState::kFree ? TensorState::kFree
+                                                                             : TensorState::kHold);
     } catch (...) {
     }
   }

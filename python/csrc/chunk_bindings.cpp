@@ -308,7 +308,26 @@ static void bind_hooks(py::module_& m) {
   using Index = std::size_t;
   py::class_<hooks::StartedFold, std::shared_ptr<hooks::StartedFold>>(
       m, "StartedFold", "A fold of one chunk's gradients begun by ModuleHooks.start_fold.")
-      .def_property_readonly("ended", [](const hooks::StartedFold& f) { return f.ended; });
+      .def_property_readonly("ended", [](const hooks::StartedFold& f) { return f.ended; })
+      .def(
+          "submit",
+          [](const hooks::StartedFold& fold, cpu_adam::UpdateWorker& worker, int num_threads,
+             const std::string& pool) {
+            TIDAL_CHECK(!fold.ended, "StartedFold.submit: the fold has ended");
+            TIDAL_CHECK(!fold.spans.empty(), "StartedFold.submit: the fold has no tensors");
+            cpu_adam::UpdateJob job;
+            job.fences = fold.fences;
+            job.folds = fold.spans;
+            job.fold_dtype = fold.dtype;
+            // (Names the job's chunk for run_or_wait.)
+            job.chunk.param = const_cast<float*>(fold.spans.front().master);
+            job.exec = cpu_adam::ExecOptions{num_threads, cpu_adam::CopyStores::kAuto,
+                                             hooks::block_runner(pool)};
+            return std::const_pointer_cast<cpu_adam::UpdateTicket>(worker.submit(std::move(job)));
+          },
+          py::arg("worker"), py::kw_only(), py::arg("num_threads") = 0, py::arg("pool") = "onetbb",
+          "Queues the fold's pass on `worker` (an UpdateWorker; its fences waited for first) and "
+          "returns the UpdateTicket; the fold's slots stay in use until ModuleHooks.end_fold.");
   py::class_<Hooks>(m, "ModuleHooks", R"doc(
 The engine's module and gradient hooks, one call each (Note [One call per hook]
 in hooks/module_hooks.h). Parameters and modules are known by index; calls that
@@ -484,27 +503,7 @@ may wait for a chunk copy release the GIL.)doc")
            GIL(), py::arg("params"),
            "fold_gradients in two (Note [Folds on the worker] in tidal/engine/overlap.py): the "
            "slots of one chunk's `params` on the host, in use without waiting for the copies into "
-           "them; submit_fold runs the pass on an UpdateWorker, end_fold releases them.")
-      .def("submit_fold",
-           [](Hooks&, cpu_adam::UpdateWorker& worker, const std::shared_ptr<hooks::StartedFold>& fold,
-              int num_threads, const std::string& pool) {
-             TIDAL_CHECK(fold != nullptr, "submit_fold: no fold given (None)");
-             TIDAL_CHECK(!fold->ended, "submit_fold: the fold has ended");
-             TIDAL_CHECK(!fold->spans.empty(), "submit_fold: the fold has no tensors");
-             cpu_adam::UpdateJob job;
-             job.fences = fold->fences;
-             job.folds = fold->spans;
-             job.fold_dtype = fold->dtype;
-             // (Names the job's chunk for run_or_wait.)
-             job.chunk.param = const_cast<float*>(fold->spans.front().master);
-             job.exec = cpu_adam::ExecOptions{num_threads, cpu_adam::CopyStores::kAuto,
-                                              hooks::block_runner(pool)};
-             return std::const_pointer_cast<cpu_adam::UpdateTicket>(worker.submit(std::move(job)));
-           },
-           py::arg("worker"), py::arg("fold"), py::kw_only(), py::arg("num_threads") = 0,
-           py::arg("pool") = "onetbb",
-           "Queues the pass of a started fold on `worker` (its fences waited for first) and "
-           "returns the UpdateTicket; the fold's slots stay in use until end_fold.")
+           "them; StartedFold.submit runs the pass on an UpdateWorker, end_fold releases them.")
       .def("end_fold",
            [](Hooks& h, hooks::StartedFold& fold, bool folded) { h.get().end_fold(fold, folded); },
            py::arg("fold"), py::arg("folded"),

@@ -626,7 +626,7 @@ def estimate(model, config=None, *, precision=None, optimizer_state_dtype=None,
         b1 = bb = max(2 * per_micro / 3, streamed / value["d2h_bytes_per_s"],
                       again / value["h2d_bytes_per_s"])
         last_backward_s, next_forward_s = bb, forward_s
-    link_exposed_s = accum * (forward_s + ((accum - 1) * b1 + bb) / accum) - (compute_s + hooks_s)
+    link_exposed_s = accum * forward_s + (accum - 1) * b1 + bb - (compute_s + hooks_s)
     # The folds (the module docstring): with accumulation each micro-batch
     # folds the host-updated chunks' gradients into their sums on the host.
     # Beside a GPU every backward folds on the update worker while it runs

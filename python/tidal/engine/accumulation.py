@@ -190,13 +190,9 @@ class GradientAccumulation:
         """fold_chunk's first part on the host, for a pass on the worker
         (Note [Folds on the worker] in overlap.py): `recs` (one chunk's)
         have their slots accessed without waiting for the copies into them;
-        the answer goes to submit_fold, then end_fold."""
+        the answer's submit() runs the pass, then end_fold."""
         with torch.no_grad(), uncounted(), _dtr.outside():
             return self._hooks.start_fold(self._params.indexes(recs))
-
-    def submit_fold(self, worker, fold, num_threads: int):
-        """The pass of a started fold on `worker` (an UpdateWorker): its UpdateTicket."""
-        return self._hooks.submit_fold(worker, fold, num_threads=num_threads, pool="onetbb")
 
     def end_fold(self, fold, folded: bool) -> None:
         """A started fold's slots released: as fold_chunk leaves them where

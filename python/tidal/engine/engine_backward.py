@@ -73,7 +73,6 @@ class EngineBackward:
                                 free_sums=_weak_method(self._accumulation.free_sums_of),
                                 break_window=_weak_method(self._accumulation.break_window),
                                 start_fold=_weak_method(self._accumulation.start_fold),
-                                submit_fold=_weak_method(self._accumulation.submit_fold),
                                 end_fold=_weak_method(self._accumulation.end_fold))
         self._wiring.count(True)
         self._wiring.hooks.set_engine_backward(True)

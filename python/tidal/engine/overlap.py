@@ -350,9 +350,8 @@ class StepOverlap:
         # The window's last backward: chunks folded on the worker whose
         # measure and launch wait (_measure_and_start).
         self._measure_queue: list[int] = []
-        self._start_fold = None   # the accumulation's start_fold, from begin()
-        self._submit_fold = None  # its submit_fold
-        self._end_fold = None     # its end_fold
+        self._start_fold = None  # the accumulation's start_fold, from begin()
+        self._end_fold = None    # its end_fold
         self.folds_on_worker = 0       # folds made during backward on the worker
         self.fold_worker_seconds = 0.0  # their passes' time there
         self.fold_wait_seconds = 0.0   # the engine's thread's wait for them (backward's end)
@@ -395,7 +394,7 @@ class StepOverlap:
     # ------------------------------------------------------------ backward
     def begin(self, last_micro_batch: bool, *, global_steps: int, loss_scale: float, host_short: bool,
               fold_chunk, measure_sums=None, free_sums=None, break_window=None,
-              start_fold=None, submit_fold=None, end_fold=None):
+              start_fold=None, end_fold=None):
         """Before a backward: each chunk waits for the gradients of its
         trainable tensors, when this backward may launch updates.
 
@@ -414,8 +413,8 @@ class StepOverlap:
                 update has read them.
             break_window: (why) -> None, what makes engine.step() refuse
                 until engine.zero_grad() (landed()).
-            start_fold, submit_fold, end_fold: the accumulation's fold in
-                parts, for a pass on the worker (Note [Folds on the worker]);
+            start_fold, end_fold: the accumulation's fold in two, for a
+                pass on the worker between them (Note [Folds on the worker]);
                 None: folds run on the engine's thread.
         """
         self.settle_deferred()
@@ -492,7 +491,7 @@ class StepOverlap:
         self._measure_sums = measure_sums
         self._free_sums = free_sums
         self._break_window = break_window
-        self._start_fold, self._submit_fold, self._end_fold = start_fold, submit_fold, end_fold
+        self._start_fold, self._end_fold = start_fold, end_fold
         self._landing_times = {}
         self._cost_rule = speculate and not self._data_parallel and self.may_defer(
             global_steps=global_steps, data_parallel=self._data_parallel,
@@ -769,7 +768,7 @@ class StepOverlap:
         """`chunk`'s fold begun here and passed to the worker (Note [Folds on the worker])."""
         fold = self._start_fold(recs)
         try:
-            job = _Job(self._pool, self._submit_fold(self._pool, fold, self._threads), (fold,))
+            job = _Job(self._pool, fold.submit(self._pool, num_threads=self._threads), (fold,))
         except BaseException:
             self._end_fold(fold, False)
             raise
