@@ -299,6 +299,20 @@ def test_arbiter_evicts_what_costs_less_per_byte(kind, interception, monkeypatch
     that saves recompute end to end depends on when the chunk comes back;
     the per-eviction choice itself is tested in tests/cpp/hooks/dtr.)"""
     monkeypatch.setattr(dtr, "_interception", interception)
+    # One thread: with two suite workers on two cores, an OpenMP barrier in a
+    # 2 MB relu waits for a descheduled teammate, and the "cheap" op measured
+    # 100x its cost (the matmul, too small to split, did not): CI saw relu
+    # cost more per byte than the matmul. A single thread pays the other
+    # process only in time slices, which the fastest round filters out.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        _arbiter_case(kind)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _arbiter_case(kind):
     link = _link_between_the_two()
     make, batch = {"cheap": (_CheapActivations, 2048), "costly": (_CostlyActivations, 128)}[kind]
     torch.manual_seed(1)
