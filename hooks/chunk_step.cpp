@@ -87,16 +87,46 @@ void simd_step(const std::array<const Chunk*, 4>& c, const Chunk* sums, const Ch
   ca::adam_chunk_step(g.hyper, chunk, ranges, opt, ca::ExecOptions{o.num_threads, ca::CopyStores::kAuto, o.runner});
 }
 
+}  // namespace
+
+std::vector<ca::ChunkRange> split_ranges(const std::vector<ca::ChunkRange>& ranges, std::size_t part) {
+  TIDAL_CHECK(part > 0, "split_ranges: a part of 0 elements");
+  std::vector<ca::ChunkRange> out;
+  out.reserve(ranges.size());
+  for (const ca::ChunkRange& r : ranges) {
+    for (std::size_t done = 0; done < r.count; done += part) {
+      out.push_back({r.offset + done, std::min(part, r.count - done), r.step});
+    }
+  }
+  return out;
+}
+
+std::size_t fused_part(const ChunkStore& store) {
+  const ChunkStoreOptions& o = store.options();
+  return std::max<std::size_t>(1, o.chunk_bytes / element_size(o.param_dtype) / 4);
+}
+
+namespace {
+
 // torch's fused Adam/AdamW over the group's tensors on a GPU, in parts of at
-// most a quarter of the chunk (the fp32 copies of 16-bit gradients and of
-// bf16 moments are temporary device memory), then the 16-bit write-back.
+// most `part` elements (the fp32 copies of 16-bit gradients and of bf16
+// moments are temporary device memory), then the 16-bit write-back. A tensor
+// longer than a part is updated a part at a time (the update is elementwise,
+// so the bits are those of one call): a tensor with a dedicated chunk larger
+// than the chunk size (gpt-18b's 5120 x 20480 weights) asked for a 400 MiB
+// fp32 copy of its gradient at once, which no cached chunk block could serve,
+// and ran an H200 out of memory with 3.9 GiB cached
+// (benchmarks/results/engine_largest-nvidia-h200.json). With `part` a
+// quarter of a standard chunk's elements every temporary fits a freed chunk
+// block.
 // torch's fused kernels take fp32 moments only, and always correct the bias
 // by 1 - beta^step: without bias correction each tensor's step is +inf, so
 // both corrections are exactly 1 (beta is in [0, 1), so beta^inf == 0; the
 // config refuses other betas), the step size is lr and the denominator
 // sqrt(v) + eps, as in cpu_adam's kernel.
 void fused_step(const std::array<const Chunk*, 4>& c, const Chunk* sums, const ChunkStepGroup& g,
-                const std::vector<ca::ChunkRange>& ranges, const ChunkStepOptions& o, const at::Device& device) {
+                const std::vector<ca::ChunkRange>& whole, std::size_t part, const ChunkStepOptions& o,
+                const at::Device& device) {
   const ca::AdamHyperParams& hp = g.hyper;
   TIDAL_CHECK(hp.bias_correction || (hp.beta1 >= 0 && hp.beta1 < 1 && hp.beta2 >= 0 && hp.beta2 < 1),
               "step_chunk: without bias correction the betas must be in [0, 1), got (", hp.beta1, ", ",
@@ -107,7 +137,8 @@ void fused_step(const std::array<const Chunk*, 4>& c, const Chunk* sums, const C
   };
   const at::Tensor w = view(c[0]), m = view(c[1]), v = view(c[2]), h = view(c[3]);
   const at::Tensor s = sums != nullptr ? view(sums) : at::Tensor();
-  const std::size_t cap = std::max<std::size_t>(1, static_cast<std::size_t>(w.numel()) / 4);
+  const std::size_t cap = std::max<std::size_t>(1, part);
+  const std::vector<ca::ChunkRange> ranges = split_ranges(whole, cap);
   std::size_t start = 0;
   while (start < ranges.size()) {
     std::size_t end = start, size = 0;
@@ -219,7 +250,7 @@ MemorySpace step_chunk(ChunkScheduler& s, const ParamBinding& binding, std::uint
       if (space == MemorySpace::kHost || o.device_simd) {
         simd_step(c, sums, g, ranges, o);
       } else {
-        fused_step(c, sums, g, ranges, o, binding.torch_device(space));
+        fused_step(c, sums, g, ranges, fused_part(store), o, binding.torch_device(space));
       }
     }
   }

@@ -104,6 +104,15 @@ struct ChunkStepOptions {
 bool update_on_device(const ChunkScheduler& scheduler, std::uint32_t chunk, const std::vector<ChunkKind>& kinds,
                       bool host_short, bool prefer_device);
 
+// `ranges` with every range longer than `part` elements cut into consecutive
+// ranges of at most `part` (the same step), in order.
+std::vector<cpu_adam::ChunkRange> split_ranges(const std::vector<cpu_adam::ChunkRange>& ranges, std::size_t part);
+// The most elements torch's fused kernel updates in one call on a GPU: a
+// quarter of a standard chunk of `store`'s 16-bit list, whatever the size of
+// the chunk updated (a dedicated chunk's included), so every fp32 temporary
+// of a call fits a freed chunk block.
+std::size_t fused_part(const ChunkStore& store);
+
 // Note [The step of a chunk in one call]. Returns the space the update ran
 // in. The caller holds no GIL.
 MemorySpace step_chunk(ChunkScheduler& scheduler, const ParamBinding& binding, std::uint32_t chunk,

@@ -7,6 +7,7 @@ relative L2 error per tensor: elementwise, Adam amplifies last-bit
 differences (tidal's CPU Adam rounds like DeepSpeed's, not like torch) on
 elements whose gradient is near zero.
 """
+import contextlib
 import copy
 import math
 import sys
@@ -172,6 +173,81 @@ def test_device_chunk_steps_in_16_bit_agree_between_the_kernels(precision):
         cfg[precision] = {"enabled": True}
     engines = trained_with_both_device_kernels(edit, 2)
     assert all(e.skipped_steps == 0 for e in engines.values())
+    masters = {k: e.parameters_fp32() for k, e in engines.items()}
+    for name, want in masters["simd"].items():
+        torch.testing.assert_close(masters["fused"][name], want, rtol=1e-5, atol=1e-7)
+
+
+class _Wide(torch.nn.Module):
+    """Two weights of 131072 elements each, four times a 64 KiB chunk of
+    bf16: each gets a dedicated chunk (as gpt-18b's 5120 x 20480 weights do
+    at the default chunk size)."""
+
+    def __init__(self):
+        super().__init__()
+        self.up = torch.nn.Linear(256, 512)
+        self.down = torch.nn.Linear(512, 256)
+
+    def forward(self, x, y):
+        return torch.nn.functional.mse_loss(self.down(torch.relu(self.up(x))), y)
+
+
+def test_the_fused_device_step_of_a_tensor_larger_than_the_chunk_goes_a_quarter_chunk_at_a_time(monkeypatch):
+    # hooks/chunk_step.cpp fused_step: a GPU's chunk step makes fp32 copies
+    # of 16-bit gradients (and of bf16 moments). gpt-18b on an H200 asked for
+    # a 400 MiB copy of one weight's gradient at once and ran out of memory
+    # with 3.9 GiB cached in chunk-sized blocks. Every call now updates at
+    # most a quarter of a standard chunk: here 8192 elements, so the step's
+    # torch allocations (counted on the simulated device) stay within three
+    # 32 KiB copies and a little, far below one 512 KiB fp32 gradient. Both
+    # kernels agree to fp32 rounding (cpu_adam's is tested against a scalar
+    # reference), so the parts are the whole.
+    torch.manual_seed(0)
+    batches = [(torch.randn(4, 256), torch.randn(4, 256)) for _ in range(2)]
+    chunk = 1 << 16
+    part = chunk // 2 // 4
+    engines, peaks = {}, {}
+    # The step's allocations are left out of the engine's count (they are not
+    # the activations'); here they are what is measured.
+    counter = tidal._C.chunks
+
+    seen = []
+
+    @contextlib.contextmanager
+    def counted():
+        was = counter.host_allocation_counting()
+        counter.set_host_allocation_counting(True)
+        counter.reset_host_allocation_peak()
+        base = counter.host_allocation_counts().live_bytes
+        try:
+            yield
+        finally:
+            seen.append(counter.host_allocation_counts().peak_bytes - base)
+            counter.set_host_allocation_counting(was)
+    from tidal.engine import optimizer_step
+    monkeypatch.setattr(optimizer_step, "uncounted", counted)
+    for kernel in ("simd", "fused"):
+        torch.manual_seed(0)
+        model = _Wide()
+        cfg = config(hybrid_adam=True, budget="64MiB", chunk=chunk, optimizer_state_dtype="bf16",
+                     overlap_step=False)  # the whole update inside engine.step()
+        cfg["bf16"] = {"enabled": True}
+        with pytest.warns(UserWarning, match="dedicated chunk"):
+            engine = tidal.initialize(model, cfg)
+        engine._step.device_adam_kernel = kernel
+        peaks[kernel] = []
+        for x, y in batches:
+            engine.backward(engine(x, y))
+            seen.clear()
+            engine.step()
+            peaks[kernel].append(max(seen))
+        report = engine.memory_report()
+        assert report["adam_chunks_on_device"] > 0 and report["adam_chunks_on_host"] == 0, report
+        within_budget(engine)
+        engines[kernel] = engine
+    weight_fp32 = 512 * 256 * 4
+    assert max(peaks["fused"]) <= 3 * part * 4 + (16 << 10), (peaks, part)
+    assert max(peaks["fused"]) < weight_fp32 // 4, peaks
     masters = {k: e.parameters_fp32() for k, e in engines.items()}
     for name, want in masters["simd"].items():
         torch.testing.assert_close(masters["fused"][name], want, rtol=1e-5, atol=1e-7)
