@@ -74,6 +74,7 @@ void bind_device(py::module_& m) {
       .field("ordinal", &DeviceInfo::ordinal)
       .field("total_memory", &DeviceInfo::total_memory_bytes)
       .field("capacity", &DeviceInfo::capacity_bytes)
+      .field("free_memory", &DeviceInfo::free_memory_bytes)
       .field("pinned_memory", &DeviceInfo::pinned_host_memory)
       .field("sim_copy_bandwidth", &DeviceInfo::copy_bandwidth_bytes_per_s)
       .field("sim_copy_latency_s", &DeviceInfo::copy_latency_s)

@@ -89,7 +89,7 @@ _TIDAL_SCHEMA: dict[str, Any] = {
     "tidal": {
         "device": (("auto", "cuda", "sim"), "auto", "device backend"),
         "chunk_size": ("bytes", 64 << 20, "bytes of a 16-bit parameter chunk"),
-        "device_memory_budget": ("bytes", 0, "device bytes tidal may use in all; 0 = device capacity"),
+        "device_memory_budget": ("bytes", 0, "device bytes tidal may use in all; 0 = what the device can give: on a GPU, free memory + torch's cache at start"),
         "host_memory_budget": ("bytes", 0, "host bytes for chunks; 0 = 85% of the host memory "
                                             "available when the engine starts"),
         "device_margin": ("bytes", 0, "device bytes kept free for surprises; 0 = 5% of the budget, at least 1 MiB"),

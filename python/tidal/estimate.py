@@ -484,8 +484,13 @@ def estimate(model, config=None, *, precision=None, optimizer_state_dtype=None,
     from .engine.store import available_memory_bytes, default_host_budget
     if device_memory is None:
         from .device import get_device
+        from .engine.store import usable_device_bytes
         info = get_device().info()
-        device_memory, device_source = info["capacity"], f"detected: {info['name']} ({info['backend']})"
+        torch_device = torch.device(f"cuda:{info['ordinal']}") \
+            if info["backend"] == "cuda" and torch.cuda.is_available() else None
+        device_memory = usable_device_bytes(info, torch_device)
+        device_source = f"detected: {info['name']} ({info['backend']})" + \
+            (", free now" if info["backend"] == "cuda" else "")
         backend = info["backend"]
     else:
         device_memory, device_source = parse_bytes(device_memory), "given"

@@ -823,7 +823,7 @@ def _config_error(e: ValueError, args, config_path) -> str:
     """A ConfigError's message naming where the value came from: --budget, or the file."""
     text = str(e)
     if args.budget is not None and "device_memory_budget" in text:
-        if "is more than the" not in text:
+        if "device has (" not in text:  # (the message names what to give otherwise)
             return f"--budget {args.budget}: {text}"
         capacity = tidal.get_device().info()["capacity"]  # (the device the config chose)
         return (f"--budget {args.budget}: {text}; give at most {_fmt_bytes(capacity)} "

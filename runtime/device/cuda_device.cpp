@@ -6,6 +6,7 @@
 #include <cstdio>
 #include <new>
 #include <string>
+#include <utility>
 
 #include "runtime/core/error.h"
 
@@ -147,12 +148,13 @@ void CudaStream::do_wait(const Event& event) {
   TIDAL_CUDA_CHECK(cudaStreamWaitEvent(stream_, cuda->handle(), 0));
 }
 
-std::size_t total_memory(int ordinal) {
+// {free, total} bytes of device `ordinal` now.
+std::pair<std::size_t, std::size_t> memory_info(int ordinal) {
   DeviceGuard guard(ordinal);
   std::size_t free_bytes = 0;
   std::size_t total_bytes = 0;
   TIDAL_CUDA_CHECK(cudaMemGetInfo(&free_bytes, &total_bytes));
-  return total_bytes;
+  return {free_bytes, total_bytes};
 }
 
 class CudaDevice final : public Device {
@@ -169,6 +171,7 @@ class CudaDevice final : public Device {
     out.ordinal = ordinal_;
     out.total_memory_bytes = physical_bytes();
     out.capacity_bytes = capacity();
+    out.free_memory_bytes = memory_info(ordinal_).first;
     out.pinned_host_memory = true;
     out.copy_bandwidth_bytes_per_s = 0;
     return out;
@@ -260,7 +263,7 @@ std::shared_ptr<Device> make_cuda_device(int ordinal, std::size_t capacity_bytes
   const int count = count_cuda_devices(&why);
   TIDAL_CHECK(ordinal >= 0 && ordinal < count, "CUDA device ", ordinal, " does not exist: ",
               count == 0 ? why : std::to_string(count) + " device(s) present");
-  const std::size_t total = total_memory(ordinal);
+  const std::size_t total = memory_info(ordinal).second;
   return std::make_shared<CudaDevice>(ordinal, total, capacity_bytes == 0 ? total : capacity_bytes);
 }
 

@@ -48,6 +48,10 @@ struct DeviceInfo {
   int ordinal = 0;                      // CUDA device ordinal; 0 for the simulated device
   std::size_t total_memory_bytes = 0;   // physical memory (CUDA) or arena size (simulated)
   std::size_t capacity_bytes = 0;       // what allocate() may hand out in total (the budget)
+  // Free now: CUDA, what cudaMemGetInfo says (the CUDA context, other
+  // processes and every allocation of this one, torch's cache included, are
+  // not free); simulated, the capacity less what tidal holds.
+  std::size_t free_memory_bytes = 0;
   bool pinned_host_memory = false;      // whether register_host() really pins pages
   double copy_bandwidth_bytes_per_s = 0;  // simulated: configured limit, 0 = unlimited; CUDA: 0
   double copy_latency_s = 0;              // simulated: fixed cost per copy; CUDA: 0

@@ -347,6 +347,8 @@ class SimDevice final : public Device {
     out.ordinal = 0;
     out.total_memory_bytes = arena_.size();
     out.capacity_bytes = capacity();
+    const std::size_t held = memory_stats().in_use_bytes;
+    out.free_memory_bytes = out.capacity_bytes > held ? out.capacity_bytes - held : 0;
     out.pinned_host_memory = false;
     out.copy_bandwidth_bytes_per_s = options_.copy_bandwidth_bytes_per_s;
     out.copy_latency_s = options_.copy_latency_s;

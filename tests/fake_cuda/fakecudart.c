@@ -10,6 +10,8 @@
 //   FAKE_CUDA_DEVICE_READABLE=1 maps the handed-out pointer RW instead (needed when torch
 //   computes on the CPU over chunk views). Capacity: FAKE_CUDA_CAPACITY_BYTES (default
 //   8 GiB); cudaMalloc beyond it fails with cudaErrorMemoryAllocation; cudaMemGetInfo reports it.
+//   FAKE_CUDA_OTHERS_BYTES (default 0) of it are in use from the start by someone else (a
+//   CUDA context, another process): cudaMemGetInfo counts them used, cudaMalloc cannot have them.
 // - cudaHostRegister: the range must be mapped RW (else cudaErrorInvalidValue), must not be
 //   device memory (cudaErrorInvalidValue), must not share a page with a live registration
 //   (cudaErrorHostMemoryAlreadyRegistered). Pages are touched (pinning faults them in).
@@ -250,11 +252,17 @@ static size_t capacity(void) {
   const char* e = getenv("FAKE_CUDA_CAPACITY_BYTES");
   return e && *e ? (size_t)strtoull(e, 0, 10) : (size_t)8 << 30;
 }
+// Device memory this process cannot have: a CUDA context's and other processes'.
+static size_t others(void) {
+  const char* e = getenv("FAKE_CUDA_OTHERS_BYTES");
+  size_t n = e && *e ? (size_t)strtoull(e, 0, 10) : 0;
+  return n < capacity() ? n : capacity();
+}
 cudaError_t cudaMemGetInfo(size_t* f, size_t* t) {
   ENTER();
-  size_t cap = capacity();
+  size_t cap = capacity(), used = dev_used + others();
   *t = cap;
-  *f = cap > dev_used ? cap - dev_used : 0;
+  *f = cap > used ? cap - used : 0;
   LEAVE(cudaSuccess);
 }
 static cudaError_t get_props(struct cudaDeviceProp* prop, int d) {
@@ -324,7 +332,8 @@ cudaError_t cudaMalloc(void** p, size_t n) {
   ENTER();
   if (!p) LEAVE(cudaErrorInvalidValue);
   if (n == 0) { *p = NULL; LEAVE(cudaSuccess); }
-  if (n > capacity() - (dev_used < capacity() ? dev_used : capacity())) LEAVE(cudaErrorMemoryAllocation);
+  size_t used = dev_used + others();
+  if (n > capacity() - (used < capacity() ? used : capacity())) LEAVE(cudaErrorMemoryAllocation);
   int readable = getenv("FAKE_CUDA_DEVICE_READABLE") && strcmp(getenv("FAKE_CUDA_DEVICE_READABLE"), "0") != 0;
   int fd = (int)syscall(SYS_memfd_create, "fakecuda-device", 0);
   if (fd < 0) LEAVE(cudaErrorMemoryAllocation);

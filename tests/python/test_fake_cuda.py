@@ -55,13 +55,19 @@ CHILD = textwrap.dedent("""
                   "device_memory_budget": spec["budget"], "device_margin": spec["margin"]},
     }
     torch.manual_seed(0)
-    with tidal.init_context(cfg):
-        model = TinyGPT(vocab=spec["vocab"], d=spec["d"], layers=spec["layers"],
-                        heads=spec["heads"], seq=spec["seq"])
-    engine = tidal.initialize(model, cfg)
+    try:
+        with tidal.init_context(cfg):
+            model = TinyGPT(vocab=spec["vocab"], d=spec["d"], layers=spec["layers"],
+                            heads=spec["heads"], seq=spec["seq"])
+        engine = tidal.initialize(model, cfg)
+    except tidal.ConfigError as e:
+        print("CONFIG_ERROR " + str(e))
+        raise SystemExit(3)
     assert engine.memory_report()["backend"] == "cuda", engine.memory_report()["backend"]
     out = {"losses": [], "h2d": 0, "d2h": 0, "peak_nonchunk": 0, "evictions": 0,
-           "pageable_copies": 0, "host_pins": 0}
+           "pageable_copies": 0, "host_pins": 0,
+           "device_budget": engine.memory_report()["device_budget"],
+           "total_memory": tidal.get_device().info()["total_memory"]}
     for step in range(spec["steps"]):
         x = torch.randint(0, spec["vocab"], (1, spec["seq"]))
         y = torch.randint(0, spec["vocab"], (1, spec["seq"]))
@@ -83,27 +89,33 @@ CHILD = textwrap.dedent("""
 """)
 
 
-def _run(tmp_path, spec: dict, readable: bool) -> tuple[dict, dict]:
-    lib = _fake_lib()
+def _run(tmp_path, spec: dict, readable: bool, others: int = 0) -> tuple[dict, dict]:
+    """others: device bytes someone else holds (FAKE_CUDA_OTHERS_BYTES)."""
+    proc = _child(tmp_path, spec, readable, others)
     report = tmp_path / "fakecuda.txt"
-    env = dict(os.environ)
-    env.update({
-        "LD_PRELOAD": str(lib),
-        "TIDAL_DEVICE": "cuda",
-        "TIDAL_TORCH_DEVICE": "cpu",
-        "FAKE_CUDA_REPORT": str(report),
-        "FAKE_CUDA_DEVICE_READABLE": "1" if readable else "0",
-        "FAKE_CUDA_CAPACITY_BYTES": str(4 << 30),
-        "OMP_NUM_THREADS": "2",
-    })
-    proc = subprocess.run([sys.executable, "-c", CHILD, json.dumps(spec)], env=env,
-                          capture_output=True, text=True, timeout=170)
     assert proc.returncode == 0, f"rc {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
     assert report.exists(), proc.stderr[-3000:]
     counters = dict(line.split("=", 1) for line in report.read_text().split())
     counters = {k: int(v) for k, v in counters.items()}
     result = json.loads(next(l for l in proc.stdout.splitlines() if l.startswith("RESULT "))[7:])
     return counters, result
+
+
+def _child(tmp_path, spec: dict, readable: bool, others: int = 0) -> subprocess.CompletedProcess:
+    lib = _fake_lib()
+    env = dict(os.environ)
+    env.update({
+        "LD_PRELOAD": str(lib),
+        "TIDAL_DEVICE": "cuda",
+        "TIDAL_TORCH_DEVICE": "cpu",
+        "FAKE_CUDA_REPORT": str(tmp_path / "fakecuda.txt"),
+        "FAKE_CUDA_DEVICE_READABLE": "1" if readable else "0",
+        "FAKE_CUDA_CAPACITY_BYTES": str(4 << 30),
+        "FAKE_CUDA_OTHERS_BYTES": str(others),
+        "OMP_NUM_THREADS": "2",
+    })
+    return subprocess.run([sys.executable, "-c", CHILD, json.dumps(spec)], env=env,
+                          capture_output=True, text=True, timeout=170)
 
 
 def _assert_clean(c: dict, result: dict):
@@ -161,3 +173,26 @@ def test_training_moves_chunks_both_ways_under_the_cuda_backend(tmp_path, d, hea
     assert result["h2d"] > 0 and result["d2h"] > 0, result
     assert result["evictions"] > 0, result
     assert counters["mallocs"] > 0 and counters["copies"] > 0, counters
+
+
+def test_the_default_budget_is_what_the_gpu_can_give_and_more_is_refused(tmp_path):
+    # Note [The whole GPU is what is free] (engine/store.py): 1 GiB of the 4 GiB
+    # (fake) device belongs to someone else, as a CUDA context and other processes
+    # do on a GPU. Without a budget the engine takes the 3 GiB the driver can give,
+    # not the device's total; a budget above that is refused at initialize, by name,
+    # before anything runs out of memory.
+    others = 1 << 30
+    counters, result = _run(tmp_path, _spec(1024, 16, 2, steps=1), readable=True, others=others)
+    _assert_clean(counters, result)
+    assert result["total_memory"] == 4 << 30
+    assert result["device_budget"] == (4 << 30) - others, result
+    proc = _child(tmp_path, _spec(1024, 16, 2, steps=1, budget=(3 << 30) + (512 << 20)),
+                  readable=True, others=others)
+    assert proc.returncode == 3, (proc.returncode, proc.stdout[-2000:], proc.stderr[-3000:])
+    message = next(l for l in proc.stdout.splitlines() if l.startswith("CONFIG_ERROR "))
+    assert "'tidal.device_memory_budget': 3758096384 bytes" in message, message
+    assert f"can give this process now ({3 << 30} bytes" in message, message
+    # At most what is free trains.
+    counters, result = _run(tmp_path, _spec(1024, 16, 2, steps=1, budget=3 << 30), readable=True,
+                            others=others)
+    assert result["device_budget"] == 3 << 30 and len(result["losses"]) == 1, result

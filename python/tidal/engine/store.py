@@ -47,6 +47,35 @@ def available_memory_bytes() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
+def usable_device_bytes(info, torch_device=None) -> int:
+    """The device memory an engine can have (Note [The whole GPU is what is
+    free]): on CUDA what the driver says is free plus what torch's caching
+    allocator holds on that device already (its cache and the tensors a
+    model moving into chunks gives back), at most the device's capacity;
+    elsewhere the capacity. `info`: the device's info()."""
+    capacity = info["capacity"]
+    if info["backend"] != "cuda":
+        return capacity
+    held = 0
+    if torch_device is not None and torch_device.type == "cuda":
+        held = torch.cuda.memory_reserved(torch_device)
+    return min(capacity, info["free_memory"] + held)
+
+
+# Note [The whole GPU is what is free]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# Without tidal.device_memory_budget an engine on a GPU took the device's
+# total memory as its budget. Part of that is never the process's: the CUDA
+# context (0.74 GiB on the H200 run) and whatever other processes hold. So
+# torch's cap (Note [torch's cap belongs to the live engines]) sat above what
+# the driver could give, a cache miss asked for room "under the cap" that was
+# not there, and the margin alone stood between the allocator's rounding and
+# an out-of-memory error (gpt-18b on the H200 ran out with 135 GiB allocated,
+# 3.9 GiB cached and a 3 GiB margin:
+# benchmarks/results/engine_largest-nvidia-h200.json). The default budget is
+# now what is free when the engine starts plus what torch holds already, and
+# a budget set above that is refused by name: a budget is a promise the
+# device must be able to keep.
 def default_host_budget(host_memory: int | None = None) -> int:
     """The host budget an engine takes when its config gives none: HOST_BUDGET_SHARE
     of `host_memory` (None: of what the host can give now, available_memory_bytes())."""
@@ -180,11 +209,19 @@ class ParamStore:
                                   "expected 'cpu' (a testing switch) or unset")
             self.torch_device = torch.device("cpu")
         capacity = info["capacity"]
-        budget = config.device_memory_budget or capacity
+        budget = config.device_memory_budget or usable_device_bytes(info, self.torch_device)
         if budget > capacity:
             raise ConfigError(
                 f"config key 'tidal.device_memory_budget': {budget} bytes is more than the "
                 f"{self.backend} device has ({capacity} bytes)")
+        usable = usable_device_bytes(info, self.torch_device)
+        if budget > usable:
+            raise ConfigError(
+                f"config key 'tidal.device_memory_budget': {budget} bytes is more than the "
+                f"{self.backend} device can give this process now ({usable} bytes: "
+                f"{info['free_memory']} free and {usable - info['free_memory']} held by torch "
+                f"already, of {info['total_memory']}; the rest is the CUDA context's and other "
+                f"processes'); give at most {usable} bytes, or leave the key out for all of it")
         self.device_budget = budget
         self.margin = config.device_margin or max(budget // 20, 1 << 20)
         if self.margin >= budget:
