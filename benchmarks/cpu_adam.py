@@ -24,6 +24,11 @@ What one run measures, on the same machine:
   ``fraction_of_triad`` etc. are medians of per-repeat ratios of tidal's
   effective GB/s to the limit's, so both sides of each ratio saw the same
   moment of a shared machine.
+* the fold of gradient accumulation (16 bytes/param: a micro-batch's fp16
+  gradients added into fp32 sums, the fp16 slot rewritten from the fp32
+  master), tidal's kernel against the same two passes as torch operators,
+  timed in turn with the update; ``over_update_rate`` is the estimate's
+  fold rate over its CPU Adam rate (tidal.estimate's fold_params_per_s).
 * peers, timed in turn with tidal's update (through tidal._C) within each
   repeat: torch.optim.AdamW(foreach=True) and (fused=True), which take fp32
   gradients and write no 16-bit copy (so they move 28 bytes/param as well:
@@ -56,6 +61,7 @@ BYTES_STATS = 2    # grad read
 BYTES_STEP = BYTES_UPDATE + BYTES_STATS
 BYTES_TRIAD = 12   # b 4 + c 4 read, a 4 written (fp32)
 BYTES_TORCH_ADAMW = 28  # grad 4 + param 4 + m 4 + v 4 read; param 4 + m 4 + v 4 written
+BYTES_FOLD = 16  # grad 2 + sum 4 + master 4 read; sum 4 + 16-bit weight 2 written
 HYPER = dict(lr=1e-4, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
 
 
@@ -178,8 +184,23 @@ def bench_python_level(n: int, repeats: int, warmup: int, interleave: bool) -> D
                        eps=HYPER["eps"], weight_decay=HYPER["weight_decay"],
                        grad_scale=1.0 / loss_scale)
 
+    # Gradient accumulation's fold (Note [Gradient sums in chunks] in
+    # cpu_adam/adam.h): a micro-batch's 16-bit gradients added into their fp32
+    # sums, then the 16-bit slot given its weight back from the master, on
+    # buffers of its own. The peer is the same two passes as torch operators.
+    fold = {"sums": torch.zeros(n), "half": (torch.randn(n, generator=gen) * 1e-3).half(),
+            "master": bufs["master"].clone()}
+
+    def tidal_fold():
+        ca.fold_gradients(fold["sums"], fold["half"], fold["master"], [(0, n, False)], num_threads=0)
+
+    def torch_fold():
+        fold["sums"].add_(fold["half"])
+        fold["half"].copy_(fold["master"])
+
     peers: Dict[str, Dict] = {}
-    fns: Dict[str, Callable[[], object]] = {"tidal_update": tidal_update}
+    fns: Dict[str, Callable[[], object]] = {"tidal_update": tidal_update, "tidal_fold": tidal_fold,
+                                            "torch_fold_ops": torch_fold}
     for name, flags in (("torch_adamw_foreach", {"foreach": True}), ("torch_adamw_fused", {"fused": True})):
         need = n * 4 * 4 * 1.6  # param, grad, m, v + foreach temporaries
         avail = _available_bytes()
@@ -208,6 +229,14 @@ def bench_python_level(n: int, repeats: int, warmup: int, interleave: bool) -> D
                 samples[name].append(time.perf_counter() - t0)
     out = {"tidal_update": _stats(samples["tidal_update"], n, BYTES_UPDATE)}
     out["tidal_update"]["copy_matches_master"] = bool(torch.equal(bufs["copy16"], bufs["master"].half()))
+    out["tidal_fold"] = _stats(samples["tidal_fold"], n, BYTES_FOLD)
+    out["tidal_fold"]["over_update_rate"] = statistics.median(
+        [tu / tf for tu, tf in zip(samples["tidal_update"], samples["tidal_fold"])])
+    out["torch_fold_ops"] = _stats(samples["torch_fold_ops"], n, BYTES_FOLD)
+    out["torch_fold_ops"]["ops"] = "sums.add_(half); half.copy_(master)"
+    out["torch_fold_ops"]["ratio_to_tidal_paired"] = statistics.median(
+        [tp / tt for tp, tt in zip(samples["torch_fold_ops"], samples["tidal_fold"])])
+    del fold
     for name, peer in peers.items():
         if name not in samples:
             out[name] = peer
@@ -343,6 +372,8 @@ def bench_size(n: int, repeats: int, warmup: int, thread_counts: List[int], args
     interleave = avail is None or need_all < avail
     py = bench_python_level(n, repeats, warmup, interleave)
     out["tidal_python_update"] = py["tidal_update"]
+    out["tidal_fold"] = py["tidal_fold"]
+    out["torch_fold_ops"] = py["torch_fold_ops"]
     if "tidal" not in out:  # no C++ program: the Python-level timing stands in
         out["tidal"] = {"update": py["tidal_update"]}
     for name in ("torch_adamw_foreach", "torch_adamw_fused"):
@@ -403,6 +434,9 @@ def main() -> int:
         def fmt(x):
             return "n/a" if x is None else f"{x:.2f}"
 
+        f = r["tidal_fold"]
+        print(f"[cpu_adam]   tidal fold {f['params_per_s'] / 1e9:.2f} Gparam/s {f['median_GBps']:.1f} GB/s; "
+              f"torch ops/tidal {r['torch_fold_ops']['ratio_to_tidal_paired']:.2f}", file=sys.stderr, flush=True)
         print(f"[cpu_adam]   tidal update {u['params_per_s'] / 1e9:.2f} Gparam/s {u['median_GBps']:.1f} GB/s;"
               f" fraction of triad {fmt(r.get('fraction_of_triad'))}, of streams "
               f"{fmt(r.get('fraction_of_streams'))}; peer/tidal: foreach {fmt(r['ratio_vs_foreach'])}, "
@@ -416,7 +450,7 @@ def main() -> int:
         "cores_used": cores,
         "hyperparameters": {k: list(v) if isinstance(v, tuple) else v for k, v in HYPER.items()},
         "bytes_per_param": {
-            "update": BYTES_UPDATE, "stats_pass": BYTES_STATS, "step": BYTES_STEP,
+            "update": BYTES_UPDATE, "stats_pass": BYTES_STATS, "step": BYTES_STEP, "fold": BYTES_FOLD,
             "triad_per_element": BYTES_TRIAD, "torch_adamw": BYTES_TORCH_ADAMW,
             "counting": "bytes the algorithm must read + write, STREAM-style (no write-allocate "
                         "read of write-only outputs)",

@@ -154,6 +154,16 @@ def _cpu_adam(r: Dict) -> List[Figure]:
                           f"{sz['streams']['median_GBps']:.1f} GB/s, same-shape streaming kernel (limit); triad "
                           f"{sz['triad']['median_GBps']:.1f} GB/s",
                           f"{sz['fraction_of_streams']:.2f}"))
+        f = sz.get("tidal_fold")
+        if f is not None:  # (results from before the fold was measured have none)
+            peer = sz["torch_fold_ops"]
+            out.append(Figure(
+                f"Gradient accumulation's fold, {n} params: fp16 grads into fp32 sums + fp16 weights "
+                f"back from the masters ({r['bytes_per_param']['fold']} B/param; params/s, higher is "
+                f"better; {f['over_update_rate']:.2f}x the CPU Adam rate in the same repeats)",
+                f"{f['params_per_s'] / 1e9:.2f} G params/s, {f['median_GBps']:.1f} GB/s",
+                f"{peer['params_per_s'] / 1e9:.2f} G params/s, torch ops ({peer['ops']})",
+                f"{peer['ratio_to_tidal_paired']:.2f}"))
     return out
 
 

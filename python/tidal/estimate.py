@@ -163,11 +163,15 @@ DEFAULT_RATES = {
                                      "80GB HBM3 (model TFLOPS 6 N T / t): "
                                      "benchmarks/results/engine-nvidia-h100-80gb-hbm3.json"),
     "cpu_adam_params_per_s": (1.34e9, "tidal's CPU Adam, 2^26 parameters, 2 threads of a 2-core "
-                                      "AMD EPYC: benchmarks/results/cpu_adam-cpu-2c.json (a host "
-                                      "with more cores and memory channels is faster)"),
+                                      "AMD EPYC: benchmarks/results/cpu_adam-cpu-2c.json as run at "
+                                      "commit 7a0b380 (later runs there measured 1.9e9-3.6e9 as the "
+                                      "machine's memory bandwidth moved between ~52 and ~100 GB/s; a "
+                                      "host with more cores and memory channels is faster)"),
     "fold_params_per_s": (3.3e9, "tidal's fold (16 bytes of host memory traffic per parameter), "
                                  "2^26 parameters, 2 threads of the 2-core AMD EPYC: measure_rates "
-                                 "there (CPU Adam 1.86e9 in the same run: the fold 1.79x its rate)"),
+                                 "there (CPU Adam 1.86e9 in the same run: the fold 1.79x its rate); "
+                                 "benchmarks/results/cpu_adam-cpu-2c.json has the fold at 1.79x and "
+                                 "2.12x CPU Adam's rate in the same repeats at 2^26 and 2^28"),
     "speculation_factor": (2.9, "a speculative CPU Adam update (its undo copy, 14 B/param, then "
                                 "the update) over the update alone: 16.8M parameters on the 2-core "
                                 "AMD EPYC, 29 ms + 15 ms against 15 ms (Note [Speculation while "
