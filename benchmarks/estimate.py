@@ -1,6 +1,7 @@
 """tidal.estimate against the engine on the simulated device: the predicted
-bytes moved per step and step time beside the measured ones, for three shapes
-of one GPT family with different ratios of model state to device budget.
+bytes moved per step and step time beside the measured ones, for four shapes
+of one GPT family with different ratios of model state to device budget (one
+with gradient accumulation).
 Writes benchmarks/results/estimate-<machine>.json.
 
     python benchmarks/estimate.py [--rounds 3] [--bandwidth 2GB/s] [--quick]
@@ -9,8 +10,9 @@ Writes benchmarks/results/estimate-<machine>.json.
 The rates the prediction needs are measured in the same run, on the same
 simulated device, before and after each round of shapes:
   * link: 64 MiB copies each way on the simulated device at --bandwidth;
-  * CPU Adam: the engine's kernel (cpu_adam.adam_chunk_step) over 2^24
-    parameters;
+  * CPU Adam: the engine's kernel (cpu_adam.adam_chunk_step) over 2^22
+    parameters; gradient accumulation's fold (cpu_adam.fold_gradients) over
+    the same;
   * CPU compute: plain PyTorch forward + backward of a calibration GPT (the
     shapes' width, sequence, batch and precision, 2 layers), FLOPs counted by
     the estimate's own meta-device pass: the FLOP/s this CPU reaches on these
@@ -53,11 +55,17 @@ SHAPES = {
     "host_short": {"layers": 16, "device": 80 << 20, "host": 224 << 20,
                    "what": "states 3x the device budget and more than the host budget: states "
                            "spilled to the device, 16-bit chunks fetched again in backward"},
+    "accumulates": {"layers": 8, "device": 64 << 20, "host": 1 << 30, "accumulation": 2,
+                    "what": "the streaming shape with 2 micro-batches a step: every backward "
+                            "sends the host-updated chunks' gradients down and folds them into "
+                            "their fp32 sums"},
 }
 QUICK = {"d": 64, "heads": 4, "vocab": 256, "seq": 32, "batch": 2, "precision": "bf16",
          "chunk": 64 << 10}
 QUICK_SHAPES = {"fits": {"layers": 2, "device": 64 << 20, "host": 1 << 30, "what": "smoke"},
-                "streams": {"layers": 4, "device": 3 << 20, "host": 1 << 30, "what": "smoke"}}
+                "streams": {"layers": 4, "device": 3 << 20, "host": 1 << 30, "what": "smoke"},
+                "accumulates": {"layers": 4, "device": 3 << 20, "host": 1 << 30, "accumulation": 2,
+                                "what": "smoke"}}
 
 
 def config(family, shape, states="fp32"):
@@ -68,6 +76,8 @@ def config(family, shape, states="fp32"):
                      "host_memory_budget": shape["host"], "optimizer_state_dtype": states}}
     if family["precision"] != "fp32":
         cfg[family["precision"]] = {"enabled": True}
+    if shape.get("accumulation", 1) > 1:
+        cfg["gradient_accumulation_steps"] = shape["accumulation"]
     return cfg
 
 
@@ -171,29 +181,41 @@ def worker(spec: dict) -> dict:
     host, buf = tidal.HostBuffer(size, pin_with=dev), dev.allocate(size)
     stream, done = dev.create_stream("link-probe"), dev.create_event()
     g = torch.Generator().manual_seed(0)
+    sums = torch.zeros(n)
+    accumulation = shape.get("accumulation", 1)
     out = {"seconds": [], "h2d": [], "d2h": [], "adam_seconds": [], "losses": [], "plain_s": [],
-           "adam_probe_params_per_s": [], "link_probe_h2d": [], "link_probe_d2h": [],
-           "others_cpu_seconds": [], "copy_waits": [], "copy_wait_s": [], "misses": []}
+           "adam_probe_params_per_s": [], "fold_probe_params_per_s": [], "link_probe_h2d": [],
+           "link_probe_d2h": [], "others_cpu_seconds": [], "copy_waits": [], "copy_wait_s": [],
+           "misses": []}
     adam = 0.0
     before = engine.chunks.stats()
     for i in range(spec["warmup"] + spec["steps"]):
-        x = torch.randint(0, family["vocab"], (family["batch"], family["seq"]), generator=g)
-        y = torch.roll(x, -1, 1)
+        batches = []
+        for _ in range(accumulation):
+            x = torch.randint(0, family["vocab"], (family["batch"], family["seq"]), generator=g)
+            batches.append((x, torch.roll(x, -1, 1)))
+        x, y = batches[0]
         # The twin runs twice and the second is timed: the first op after the
-        # link probe's idle wait ran 25-30% slower than usual at 2 MB/s.
+        # link probe's idle wait ran 25-30% slower than usual at 2 MB/s. One
+        # micro-batch: it gives the compute rate.
         twin(x, y).backward()
         with Sample() as plain:
             twin(x, y).backward()
         with Sample() as step:
-            loss = engine(x, y)
-            engine.backward(loss)
-            engine.step()
+            for x, y in batches:  # (the engine steps at the last micro-batch)
+                loss = engine(x, y)
+                engine.backward(loss)
+                engine.step()
             dev.synchronize()
         with Sample() as probe:
             _C.cpu_adam.adam_chunk_step(w, m, v, half, [(0, n)], step=[i + 1], lr=1e-3, beta1=0.9,
                                         beta2=0.999, eps=1e-8, weight_decay=0.0, adamw_mode=True,
                                         bias_correction=True, loss_scale=1.0, max_grad_norm=0.0,
                                         check_overflow=False, grad=None, num_threads=0)
+        # Gradient accumulation's fold, as the engine runs it on the host
+        # (cpu_adam.fold_gradients: Note [Gradient sums in chunks]).
+        with Sample() as fold:
+            _C.cpu_adam.fold_gradients(sums, half, w, [(0, n, False)], num_threads=0)
         up, down = _link_probe(dev, host, buf, stream, done)
         r, now = engine.memory_report(), engine.chunks.stats()
         if i >= spec["warmup"]:
@@ -209,6 +231,7 @@ def worker(spec: dict) -> dict:
             out["adam_seconds"].append(r["cpu_adam_seconds"] - adam)
             out["plain_s"].append(plain.seconds)
             out["adam_probe_params_per_s"].append(n / probe.seconds)
+            out["fold_probe_params_per_s"].append(n / fold.seconds)
         adam, before = r["cpu_adam_seconds"], now
         out["losses"].append(loss.item())
     r = engine.memory_report()
@@ -278,6 +301,7 @@ def round_rates(run: dict, hooks: float, flops: int) -> dict:
     return {"h2d_bytes_per_s": statistics.median(run["link_probe_h2d"]),
             "d2h_bytes_per_s": statistics.median(run["link_probe_d2h"]),
             "cpu_adam_params_per_s": cpu_adam, "device_adam_params_per_s": cpu_adam,
+            "fold_params_per_s": statistics.median(run["fold_probe_params_per_s"]),
             "device_flops_per_s": flops / statistics.median(run["plain_s"]),
             "seconds_per_module": hooks}
 

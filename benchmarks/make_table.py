@@ -209,7 +209,10 @@ def _estimate_rows(r: Dict) -> List[List[str]]:
         t = m["step_s"]
         rows.append([
             f"{shape}: {v['shape']['layers']} blocks, device budget "
-            f"{v['shape']['device'] >> 20} MiB, host {v['shape']['host'] >> 20} MiB",
+            f"{v['shape']['device'] >> 20} MiB, host {v['shape']['host'] >> 20} MiB"
+            + (f", {v['shape']['accumulation']} micro-batches a step (the fold "
+               f"{ms(p['time_median_round']['fold_s'])} of the predicted step)"
+               if v["shape"].get("accumulation", 1) > 1 else ""),
             f"{v['state_over_device_budget']:.2f}",
             f"{mib(p['bytes_host_to_device'])} / {mib(m['bytes_host_to_device']['median'])} "
             f"({e['bytes_host_to_device']:+.0%})",
@@ -293,7 +296,7 @@ def _estimate_caption(r: Dict, name: str) -> str:
             f"{res['link']['d2h_bytes_per_s'] / 1e9:.2f} GB/s, hooks "
             f"{res['seconds_per_module'] * 1e6:.0f} us per module, and in each shape's "
             f"process, between its steps, the CPU's FLOP/s on a 2-layer GPT of the same "
-            f"width and the CPU Adam rate). Machine: {machine_of(r)}, load average "
+            f"width, the CPU Adam rate and, where a shape accumulates, the fold's). Machine: {machine_of(r)}, load average "
             f"{res['load_average'][0]:.1f}; commit {r['git_commit'][:7]}; `{name}`.")
 
 
