@@ -101,9 +101,14 @@ std::vector<ca::ChunkRange> split_ranges(const std::vector<ca::ChunkRange>& rang
   return out;
 }
 
-std::size_t fused_part(const ChunkStore& store) {
+std::size_t fused_part(const ChunkStore& store, std::size_t max_temporary_bytes) {
   const ChunkStoreOptions& o = store.options();
-  return std::max<std::size_t>(1, o.chunk_bytes / element_size(o.param_dtype) / 4);
+  std::size_t part = o.chunk_bytes / element_size(o.param_dtype) / 4;
+  // The temporaries of a call: the fp32 copy of 16-bit gradients (or of the
+  // sums, scaled), and the fp32 copies of bf16 moments.
+  constexpr std::size_t kTemporaries = 3;
+  if (max_temporary_bytes > 0) part = std::min(part, max_temporary_bytes / (kTemporaries * sizeof(float)));
+  return std::max<std::size_t>(1, part);
 }
 
 namespace {
@@ -118,7 +123,7 @@ namespace {
 // and ran an H200 out of memory with 3.9 GiB cached
 // (benchmarks/results/engine_largest-nvidia-h200.json). With `part` a
 // quarter of a standard chunk's elements every temporary fits a freed chunk
-// block.
+// block; with a small device margin, fewer (ChunkStepOptions::max_temporary_bytes).
 // torch's fused kernels take fp32 moments only, and always correct the bias
 // by 1 - beta^step: without bias correction each tensor's step is +inf, so
 // both corrections are exactly 1 (beta is in [0, 1), so beta^inf == 0; the
@@ -250,7 +255,8 @@ MemorySpace step_chunk(ChunkScheduler& s, const ParamBinding& binding, std::uint
       if (space == MemorySpace::kHost || o.device_simd) {
         simd_step(c, sums, g, ranges, o);
       } else {
-        fused_step(c, sums, g, ranges, fused_part(store), o, binding.torch_device(space));
+        fused_step(c, sums, g, ranges, fused_part(store, o.max_temporary_bytes), o,
+                   binding.torch_device(space));
       }
     }
   }

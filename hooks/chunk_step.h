@@ -89,6 +89,11 @@ struct ChunkStepOptions {
   // On the device: cpu_adam's SIMD kernels (the simulated device) or torch's
   // fused kernel (a GPU).
   bool device_simd = true;
+  // torch's fused kernel: at most this many bytes of fp32 temporaries at
+  // once (0: no cap beyond fused_part's). The engine gives half its device
+  // margin, so the step keeps within the budget whatever room the
+  // activations leave.
+  std::size_t max_temporary_bytes = 0;
   int num_threads = 0;
   // Whose threads run cpu_adam's blocks (Note [Whose threads run the
   // update] in cpu_adam/adam.h); null: oneTBB's.
@@ -110,8 +115,10 @@ std::vector<cpu_adam::ChunkRange> split_ranges(const std::vector<cpu_adam::Chunk
 // The most elements torch's fused kernel updates in one call on a GPU: a
 // quarter of a standard chunk of `store`'s 16-bit list, whatever the size of
 // the chunk updated (a dedicated chunk's included), so every fp32 temporary
-// of a call fits a freed chunk block.
-std::size_t fused_part(const ChunkStore& store);
+// of a call fits a freed chunk block; fewer where the call's temporaries (at
+// most three fp32 copies of the part) would pass `max_temporary_bytes` (0: no
+// cap), never fewer than one.
+std::size_t fused_part(const ChunkStore& store, std::size_t max_temporary_bytes = 0);
 
 // Note [The step of a chunk in one call]. Returns the space the update ran
 // in. The caller holds no GIL.

@@ -748,7 +748,7 @@ Python thread drives a Chunks object.)doc");
       .def("step_chunk",
            [](Chunks& c, std::uint32_t chunk, const std::vector<py::tuple>& groups, bool adamw_mode,
               bool bias_correction, double grad_scale, bool use_sums, bool prefer_device, bool host_short,
-              bool device_simd, int num_threads, const std::string& pool) {
+              bool device_simd, int num_threads, const std::string& pool, std::size_t max_temporary_bytes) {
              std::vector<hooks::ChunkStepGroup> gs;
              gs.reserve(groups.size());
              for (const py::tuple& t : groups) {
@@ -772,6 +772,7 @@ Python thread drives a Chunks object.)doc");
              o.prefer_device = prefer_device;
              o.host_short = host_short;
              o.device_simd = device_simd;
+             o.max_temporary_bytes = max_temporary_bytes;
              o.num_threads = num_threads;
              o.runner = hooks::block_runner(pool);
              py::gil_scoped_release no_gil;
@@ -780,6 +781,7 @@ Python thread drives a Chunks object.)doc");
            py::arg("chunk"), py::arg("groups"), py::kw_only(), py::arg("adamw_mode"), py::arg("bias_correction"),
            py::arg("grad_scale"), py::arg("use_sums"), py::arg("prefer_device"), py::arg("host_short"),
            py::arg("device_simd"), py::arg("num_threads") = 0, py::arg("pool") = "onetbb",
+           py::arg("max_temporary_bytes") = 0,
            "Note [The step of a chunk in one call] (hooks/chunk_step.h): where the update runs, the pins, "
            "Adam over each group's tensors, the write-back and the releases; returns the space it ran in. "
            "groups: (lr, beta1, beta2, eps, weight_decay, tensor ids, steps) per parameter group.")

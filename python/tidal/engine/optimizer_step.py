@@ -413,7 +413,10 @@ class OptimizerStep:
                              use_sums=GRAD32 in kinds,
                              prefer_device=prefer_device,
                              host_short=host_short, device_simd=self.device_adam_kernel == "simd",
-                             num_threads=cfg.cpu_adam_threads, pool=cfg.cpu_adam_pool)
+                             num_threads=cfg.cpu_adam_threads, pool=cfg.cpu_adam_pool,
+                             # (torch's fused kernel on a GPU: its fp32 temporaries
+                             # within half the margin, whatever the activations leave)
+                             max_temporary_bytes=self._store.margin // 2)
         if space == DEVICE:
             self._meters.adam_device_chunks += 1
         else:
