@@ -142,12 +142,11 @@ void fused_step(const std::array<const Chunk*, 4>& c, const Chunk* sums, const C
   };
   const at::Tensor w = view(c[0]), m = view(c[1]), v = view(c[2]), h = view(c[3]);
   const at::Tensor s = sums != nullptr ? view(sums) : at::Tensor();
-  const std::size_t cap = std::max<std::size_t>(1, part);
-  const std::vector<ca::ChunkRange> ranges = split_ranges(whole, cap);
+  const std::vector<ca::ChunkRange> ranges = split_ranges(whole, part);
   std::size_t start = 0;
   while (start < ranges.size()) {
     std::size_t end = start, size = 0;
-    while (end < ranges.size() && (end == start || size + ranges[end].count <= cap)) {
+    while (end < ranges.size() && size + ranges[end].count <= part) {
       size += ranges[end].count;
       ++end;
     }

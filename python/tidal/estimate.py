@@ -490,9 +490,7 @@ def estimate(model, config=None, *, precision=None, optimizer_state_dtype=None,
         from .device import get_device
         from .engine.store import usable_device_bytes
         info = get_device().info()
-        torch_device = torch.device(f"cuda:{info['ordinal']}") \
-            if info["backend"] == "cuda" and torch.cuda.is_available() else None
-        device_memory = usable_device_bytes(info, torch_device)
+        device_memory = usable_device_bytes(info)
         device_source = f"detected: {info['name']} ({info['backend']})" + \
             (", free now" if info["backend"] == "cuda" else "")
         backend = info["backend"]

@@ -801,13 +801,17 @@ class StepOverlap:
         if error is not None and raise_error:
             raise error
 
-    def _end_folds_of(self, chunks) -> None:
-        """A module of the model runs (a recomputation in backward): the folds
-        of its `chunks` end first, and those queued before them, waited for
-        where the worker has not finished them (its slots are in use until
-        then: Note [Folds on the worker])."""
+    def _end_folds_of(self, chunks, send_up: "bool | None" = None) -> None:
+        """The folds of `chunks` end, and those queued before them, waited
+        for where the worker has not finished them (its slots are in use
+        until then: Note [Folds on the worker]); sending their weights up
+        where `send_up` (None: outside the window's last backward, whose
+        updates send them). For a module of the model that runs (a
+        recomputation in backward), and for a chunk's measure and launch."""
+        if send_up is None:
+            send_up = not self._speculating
         while any(chunk in chunks for chunk, _ in self._fold_jobs):
-            self._end_next_fold(send_up=not self._speculating)
+            self._end_next_fold(send_up=send_up)
         self._unhook_forwards_if_idle()
 
     def _end_next_fold(self, send_up: bool) -> None:
@@ -1027,8 +1031,7 @@ class StepOverlap:
         fold ends (waited for if the worker has not finished it), its sums
         are measured and its update launched, as _start does after a fold."""
         recs = self._recs[chunk]
-        while any(queued == chunk for queued, _ in self._fold_jobs):
-            self._end_next_fold(send_up=False)
+        self._end_folds_of({chunk}, send_up=False)
         if any(r in self._relanded for r in recs):
             return  # (a gradient landed again: the end of backward folds it again, the step takes it)
         self.sums_measured.add(chunk)  # (first: a measure that fails part-way is cleared)

@@ -47,18 +47,17 @@ def available_memory_bytes() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
-def usable_device_bytes(info, torch_device=None) -> int:
+def usable_device_bytes(info) -> int:
     """The device memory an engine can have (Note [The whole GPU is what is
     free]): on CUDA what the driver says is free plus what torch's caching
     allocator holds on that device already (its cache and the tensors a
-    model moving into chunks gives back), at most the device's capacity;
-    elsewhere the capacity. `info`: the device's info()."""
+    model moving into chunks gives back; none with a CPU build of torch),
+    at most the device's capacity; elsewhere the capacity. `info`: the
+    device's info()."""
     capacity = info["capacity"]
     if info["backend"] != "cuda":
         return capacity
-    held = 0
-    if torch_device is not None and torch_device.type == "cuda":
-        held = torch.cuda.memory_reserved(torch_device)
+    held = torch.cuda.memory_reserved(info["ordinal"]) if torch.cuda.is_available() else 0
     return min(capacity, info["free_memory"] + held)
 
 
@@ -209,12 +208,12 @@ class ParamStore:
                                   "expected 'cpu' (a testing switch) or unset")
             self.torch_device = torch.device("cpu")
         capacity = info["capacity"]
-        budget = config.device_memory_budget or usable_device_bytes(info, self.torch_device)
+        usable = usable_device_bytes(info)
+        budget = config.device_memory_budget or usable
         if budget > capacity:
             raise ConfigError(
                 f"config key 'tidal.device_memory_budget': {budget} bytes is more than the "
                 f"{self.backend} device has ({capacity} bytes)")
-        usable = usable_device_bytes(info, self.torch_device)
         if budget > usable:
             raise ConfigError(
                 f"config key 'tidal.device_memory_budget': {budget} bytes is more than the "
