@@ -36,6 +36,8 @@ What one run measures, on the same machine:
   fp16 param copy where its step() still offers one) in its own interpreter
   (``--deepspeed-python``), with tidal imported there too when it can be.
   ``ratio_vs_*`` = median over repeats of peer time / tidal update time.
+  Within a repeat each contender runs after a 50 ms pause, in alternating
+  order from repeat to repeat (_timed_in_turn).
 
 The result goes to benchmarks/results/cpu_adam-<machine>.json (see
 benchmarks/common.py for the header every result carries).
@@ -74,6 +76,24 @@ def _timed(fn: Callable[[], object], repeats: int, warmup: int) -> List[float]:
         fn()
         samples.append(time.perf_counter() - t0)
     return samples
+
+
+PAUSE_S = 0.05  # before each timed call: the last contender's threads stop spinning
+
+
+def _timed_in_turn(fns: Dict[str, Callable[[], object]], samples: Dict[str, List[float]], warmup: int,
+                   repeats: int) -> None:
+    """Each of `fns` once per repeat, after a pause, in the order of `fns` on
+    even repeats and the reverse on odd ones (so no contender always runs
+    right after the same other); the times after `warmup` into `samples`."""
+    names = list(fns)
+    for r in range(warmup + repeats):
+        for name in names if r % 2 == 0 else reversed(names):
+            time.sleep(PAUSE_S)
+            t0 = time.perf_counter()
+            fns[name]()
+            if r >= warmup:
+                samples[name].append(time.perf_counter() - t0)
 
 
 def _stats(samples: List[float], params: int, bytes_per_param: float) -> Dict:
@@ -221,12 +241,7 @@ def bench_python_level(n: int, repeats: int, warmup: int, interleave: bool) -> D
         if not interleave:
             break  # one peer at a time when memory is short: measured below
     samples: Dict[str, List[float]] = {k: [] for k in fns}
-    for r in range(warmup + repeats):
-        for name, fn in fns.items():
-            t0 = time.perf_counter()
-            fn()
-            if r >= warmup:
-                samples[name].append(time.perf_counter() - t0)
+    _timed_in_turn(fns, samples, warmup, repeats)
     out = {"tidal_update": _stats(samples["tidal_update"], n, BYTES_UPDATE)}
     out["tidal_update"]["copy_matches_master"] = bool(torch.equal(bufs["copy16"], bufs["master"].half()))
     out["tidal_fold"] = _stats(samples["tidal_fold"], n, BYTES_FOLD)
@@ -292,12 +307,7 @@ def deepspeed_worker(n: int, repeats: int, warmup: int) -> None:
     except Exception as e:  # noqa: BLE001 -- any import failure: DeepSpeed alone
         tidal_error = f"{type(e).__name__}: {e}"
     samples = {k: [] for k in fns}
-    for r in range(warmup + repeats):
-        for name, fn in fns.items():
-            t1 = time.perf_counter()
-            fn()
-            if r >= warmup:
-                samples[name].append(time.perf_counter() - t1)
+    _timed_in_turn(fns, samples, warmup, repeats)
     print(json.dumps({
         "samples_s": samples["deepspeed"],
         "tidal_update_samples_s": samples.get("tidal_update"),

@@ -170,8 +170,8 @@ DEFAULT_RATES = {
     "fold_params_per_s": (3.3e9, "tidal's fold (16 bytes of host memory traffic per parameter), "
                                  "2^26 parameters, 2 threads of the 2-core AMD EPYC: measure_rates "
                                  "there (CPU Adam 1.86e9 in the same run: the fold 1.79x its rate); "
-                                 "benchmarks/results/cpu_adam-cpu-2c.json has the fold at 1.79x and "
-                                 "2.12x CPU Adam's rate in the same repeats at 2^26 and 2^28"),
+                                 "benchmarks/results/cpu_adam-cpu-2c.json has the fold at 1.50x and "
+                                 "1.95x CPU Adam's rate in the same repeats at 2^26 and 2^28"),
     "speculation_factor": (2.9, "a speculative CPU Adam update (its undo copy, 14 B/param, then "
                                 "the update) over the update alone: 16.8M parameters on the 2-core "
                                 "AMD EPYC, 29 ms + 15 ms against 15 ms (Note [Speculation while "

@@ -80,6 +80,9 @@ CHILD = textwrap.dedent("""
         out["d2h"] += rep["bytes_device_to_host_last_step"]
         out["peak_nonchunk"] = max(out["peak_nonchunk"], rep["peak_nonchunk_device_bytes"])
         out["evictions"] = rep["evictions"]
+        out["budget_overruns"] = rep["budget_overruns"]
+        out["peak_device_bytes"] = rep["peak_device_bytes"]
+        out["device_margin"] = rep["device_margin"]
     stats = engine.chunks.stats()
     out["pageable_copies"] = stats["pageable_copies"]
     out["host_pins"] = stats["host_pins"]
@@ -186,6 +189,8 @@ def test_the_default_budget_is_what_the_gpu_can_give_and_more_is_refused(tmp_pat
     _assert_clean(counters, result)
     assert result["total_memory"] == 4 << 30
     assert result["device_budget"] == (4 << 30) - others, result
+    assert result["budget_overruns"] == 0, result
+    assert result["peak_device_bytes"] <= result["device_budget"] - result["device_margin"], result
     proc = _child(tmp_path, _spec(1024, 16, 2, steps=1, budget=(3 << 30) + (512 << 20)),
                   readable=True, others=others)
     assert proc.returncode == 3, (proc.returncode, proc.stdout[-2000:], proc.stderr[-3000:])
@@ -196,3 +201,5 @@ def test_the_default_budget_is_what_the_gpu_can_give_and_more_is_refused(tmp_pat
     counters, result = _run(tmp_path, _spec(1024, 16, 2, steps=1, budget=3 << 30), readable=True,
                             others=others)
     assert result["device_budget"] == 3 << 30 and len(result["losses"]) == 1, result
+    assert result["budget_overruns"] == 0, result
+    assert result["peak_device_bytes"] <= result["device_budget"] - result["device_margin"], result
