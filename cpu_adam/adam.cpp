@@ -390,16 +390,15 @@ void fold_gradients(DType half_dtype, std::span<const FoldSpan> spans, const Exe
   counts.reserve(spans.size());
   for (std::size_t i = 0; i < spans.size(); ++i) {
     const FoldSpan& s = spans[i];
-    TIDAL_CHECK(s.count == 0 || (s.sum != nullptr && s.half != nullptr && s.master != nullptr),
-                "fold span ", i, ": sum, half and master must be non-null for ", s.count,
-                " elements");
+    TIDAL_CHECK(s.count == 0 || (s.sum != nullptr && s.half != nullptr),
+                "fold span ", i, ": sum and half must be non-null for ", s.count, " elements");
     counts.push_back(s.count);
   }
   const auto& fold = active_table().fold[static_cast<int>(half_dtype)];
   const BlockMap map(counts);
   run_blocks(map, exec, [&](std::size_t b0, std::size_t b1) {
     map.visit(b0, b1, counts, [&](std::size_t s, std::size_t begin, std::size_t count, std::size_t) {
-      fold[spans[s].first ? 1 : 0](spans[s], begin, count);
+      fold[spans[s].first ? 1 : 0][spans[s].master != nullptr ? 1 : 0](spans[s], begin, count);
     });
   });
 }

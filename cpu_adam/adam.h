@@ -325,7 +325,10 @@ AdamStepResult adam_chunk_step(const AdamHyperParams& hyper, const AdamChunk& ch
 struct FoldSpan {
   float* sum = nullptr;           // fp32 gradient sums: sum += grad (sum = grad when first)
   void* half = nullptr;           // the landed gradients in; the master rounded out
-  const float* master = nullptr;  // fp32 master params
+  // fp32 master params; null: the 16-bit buffer keeps the gradient, the
+  // caller gives it its weights back another way (Note [The weights' image
+  // instead of the restore] in hooks/gradient_sums.h)
+  const float* master = nullptr;
   std::size_t count = 0;
   bool first = false;             // the step's first gradient for these elements
 };
@@ -333,8 +336,8 @@ struct FoldSpan {
 // For each element of each span: sum = (first ? 0 : sum) + grad, with grad
 // the `half_dtype` value of `half` widened to fp32 (a first sum is the
 // gradient exactly), then half = master rounded to nearest even (copied when
-// half_dtype is kFloat32). Spans must not overlap each other; within a span,
-// `half` may not overlap `sum` or `master`.
+// half_dtype is kFloat32), unless the span's master is null. Spans must not
+// overlap each other; within a span, `half` may not overlap `sum` or `master`.
 void fold_gradients(DType half_dtype, std::span<const FoldSpan> spans,
                     const ExecOptions& exec = {});
 

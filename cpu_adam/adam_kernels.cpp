@@ -354,25 +354,28 @@ BlockStats StatsBlock(const void* grad, std::size_t begin, std::size_t count) {
 }
 
 // One vector of fold_gradients(): the gradient widened (and added to the
-// sum unless first), then the master rounded into the 16-bit buffer.
-template <int H, bool kFirst>
+// sum unless first), then (kRestore) the master rounded into the 16-bit
+// buffer.
+template <int H, bool kFirst, bool kRestore>
 HWY_INLINE void FoldVector(DF df, float* HWY_RESTRICT sum, Storage<H>* half,
                            const float* HWY_RESTRICT master) {
   VF g = LoadAsF32<H>(df, half);
   if constexpr (!kFirst) g = hn::Add(hn::LoadU(df, sum), g);
   hn::StoreU(g, df, sum);
-  StoreFromF32<H>(df, hn::LoadU(df, master), half);
+  if constexpr (kRestore) StoreFromF32<H>(df, hn::LoadU(df, master), half);
 }
 
-template <int H, bool kFirst>
+template <int H, bool kFirst, bool kRestore>
 void FoldBlock(const FoldSpan& s, std::size_t begin, std::size_t count) {
   const DF df;
   const std::size_t n = hn::Lanes(df);
   float* HWY_RESTRICT sum = s.sum + begin;
   Storage<H>* half = static_cast<Storage<H>*>(s.half) + begin;
-  const float* HWY_RESTRICT master = s.master + begin;
+  const float* HWY_RESTRICT master = kRestore ? s.master + begin : nullptr;
   std::size_t i = 0;
-  for (; i + n <= count; i += n) FoldVector<H, kFirst>(df, sum + i, half + i, master + i);
+  for (; i + n <= count; i += n) {
+    FoldVector<H, kFirst, kRestore>(df, sum + i, half + i, kRestore ? master + i : nullptr);
+  }
   if (i == count) return;
   // The last partial vector through zero-padded buffers.
   constexpr std::size_t kMax = hn::MaxLanes(DF());
@@ -382,8 +385,8 @@ void FoldBlock(const FoldSpan& s, std::size_t begin, std::size_t count) {
   HWY_ALIGN float mb[kMax] = {};
   std::memcpy(sb, sum + i, rem * sizeof(float));
   std::memcpy(hb, half + i, rem * sizeof(Storage<H>));
-  std::memcpy(mb, master + i, rem * sizeof(float));
-  FoldVector<H, kFirst>(df, sb, hb, mb);
+  if constexpr (kRestore) std::memcpy(mb, master + i, rem * sizeof(float));
+  FoldVector<H, kFirst, kRestore>(df, sb, hb, mb);
   std::memcpy(sum + i, sb, rem * sizeof(float));
   std::memcpy(half + i, hb, rem * sizeof(Storage<H>));
 }
@@ -406,8 +409,10 @@ void FillGrad(KernelTable& t) {
   FillCopy<G, kF32>(t);
   FillCopy<G, kBF16>(t);
   t.stats[G] = &StatsBlock<G>;
-  t.fold[G][0] = &FoldBlock<G, false>;
-  t.fold[G][1] = &FoldBlock<G, true>;
+  t.fold[G][0][0] = &FoldBlock<G, false, false>;
+  t.fold[G][0][1] = &FoldBlock<G, false, true>;
+  t.fold[G][1][0] = &FoldBlock<G, true, false>;
+  t.fold[G][1][1] = &FoldBlock<G, true, true>;
 }
 
 KernelTable MakeTable() {

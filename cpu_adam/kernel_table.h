@@ -76,8 +76,8 @@ struct KernelTable {
   // [grad dtype][state: fp32, bf16][copy: none, fp16, bf16][L2 weight decay]
   UpdateFn update[kNumGradTypes][kNumStateTypes][kNumCopyTypes][2];
   StatsFn stats[kNumGradTypes];
-  // [16-bit buffer dtype][first]
-  FoldFn fold[kNumGradTypes][2];
+  // [16-bit buffer dtype][first][master rounded back into the 16-bit buffer]
+  FoldFn fold[kNumGradTypes][2][2];
 };
 
 // The "reference" table (reference.cpp).

@@ -73,12 +73,12 @@ BlockStats stats_block(const void* grad, std::size_t begin, std::size_t count) {
   return out;
 }
 
-template <class H, bool kFirst>
+template <class H, bool kFirst, bool kRestore>
 void fold_block(const FoldSpan& s, std::size_t begin, std::size_t count) {
   for (std::size_t i = begin; i < begin + count; ++i) {
     const float g = H::load(s.half, i);
     s.sum[i] = kFirst ? g : s.sum[i] + g;
-    H::store(s.half, i, s.master[i]);
+    if constexpr (kRestore) H::store(s.half, i, s.master[i]);
   }
 }
 
@@ -100,8 +100,10 @@ void fill_state(detail::KernelTable& t, int gi) {
   fill_copy<G, F32>(t, gi, 0);
   fill_copy<G, BF16>(t, gi, 1);
   t.stats[gi] = &stats_block<G>;
-  t.fold[gi][0] = &fold_block<G, false>;
-  t.fold[gi][1] = &fold_block<G, true>;
+  t.fold[gi][0][0] = &fold_block<G, false, false>;
+  t.fold[gi][0][1] = &fold_block<G, false, true>;
+  t.fold[gi][1][0] = &fold_block<G, true, false>;
+  t.fold[gi][1][1] = &fold_block<G, true, true>;
 }
 
 detail::KernelTable make_reference_table() {

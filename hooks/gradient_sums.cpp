@@ -4,16 +4,24 @@
 
 #include <algorithm>
 #include <optional>
+#include <tuple>
 
 #include "runtime/core/error.h"
 
 namespace tidal::hooks {
 
+namespace {
+
+constexpr std::uint64_t kBroken = ~std::uint64_t{0};
+
+}  // namespace
+
 void GradientSums::fold(const std::vector<TensorId>& ids, const std::vector<bool>& first,
-                        MemorySpace space, int num_threads, const cpu_adam::BlockRunner* runner) {
+                        MemorySpace space, int num_threads, const cpu_adam::BlockRunner* runner,
+                        bool whole_chunk) {
   if (ids.empty()) return;
   c10::NoGradGuard no_grad;
-  StartedFold fold = begin_fold(ids, first, space, /*wait_for_copies=*/true);
+  StartedFold fold = begin_fold(ids, first, space, /*wait_for_copies=*/true, whole_chunk);
   try {
     if (binding_->torch_device(space).is_cpu()) {
       cpu_adam::fold_gradients(fold.dtype, fold.spans,
@@ -47,14 +55,37 @@ void GradientSums::fold(const std::vector<TensorId>& ids, const std::vector<bool
   end_fold(fold, true);
 }
 
-StartedFold GradientSums::start_fold(const std::vector<TensorId>& ids, const std::vector<bool>& first) {
+StartedFold GradientSums::start_fold(const std::vector<TensorId>& ids, const std::vector<bool>& first,
+                                     bool whole_chunk) {
   TIDAL_INTERNAL_ASSERT(binding_->torch_device(MemorySpace::kHost).is_cpu(),
                         "GradientSums::start_fold: the host is not CPU memory");
-  return begin_fold(ids, first, MemorySpace::kHost, /*wait_for_copies=*/false);
+  return begin_fold(ids, first, MemorySpace::kHost, /*wait_for_copies=*/false, whole_chunk);
+}
+
+std::pair<std::int64_t, std::uint64_t> GradientSums::image_for(const std::vector<TensorId>& ids,
+                                                               MemorySpace space,
+                                                               bool whole_chunk) const {
+  constexpr std::pair<std::int64_t, std::uint64_t> kNone{-1, 0};
+  if (!use_images_ || !whole_chunk || ids.empty() || space != MemorySpace::kHost ||
+      !binding_->torch_device(MemorySpace::kHost).is_cpu()) {
+    return kNone;
+  }
+  const ChunkStore& store = scheduler_->store();
+  const ChunkId chunk = store.chunk_of(TensorRef{ChunkKind::kParam16, ids[0]});
+  for (const TensorId id : ids) {
+    if (store.chunk_of(TensorRef{ChunkKind::kParam16, id}) != chunk) return kNone;
+  }
+  const auto it = landings_.find(chunk);
+  if (it == landings_.end() || it->second.made == kBroken) return kNone;
+  const LandingWrites& w = it->second;
+  // Nothing but the landings wrote the chunk since the block was its bytes.
+  if (scheduler_->write_count(chunk) != w.before + w.made) return kNone;
+  if (!scheduler_->image_cached(chunk, w.before)) return kNone;
+  return {static_cast<std::int64_t>(chunk), w.before};
 }
 
 StartedFold GradientSums::begin_fold(const std::vector<TensorId>& ids, const std::vector<bool>& first,
-                                     MemorySpace space, bool wait_for_copies) {
+                                     MemorySpace space, bool wait_for_copies, bool whole_chunk) {
   TIDAL_INTERNAL_ASSERT(first.size() == ids.size(), "GradientSums: ", first.size(),
                         " first flags for ", ids.size(), " tensors to fold");
   const std::optional<cpu_adam::DType> dtype = cpu_adam_dtype(binding_->dtype(ChunkKind::kParam16));
@@ -62,6 +93,8 @@ StartedFold GradientSums::begin_fold(const std::vector<TensorId>& ids, const std
   constexpr ChunkKind kKinds[3] = {ChunkKind::kParam16, ChunkKind::kParam32, ChunkKind::kGradAccum};
   StartedFold fold;
   fold.dtype = *dtype;
+  // (Before the fold's own accesses, which count as writes.)
+  std::tie(fold.image_chunk, fold.image_version) = image_for(ids, space, whole_chunk);
   fold.refs.reserve(3 * ids.size());
   fold.before.reserve(3 * ids.size());
   try {
@@ -75,8 +108,17 @@ StartedFold GradientSums::begin_fold(const std::vector<TensorId>& ids, const std
         fold.refs.push_back(ref);
         fold.before.push_back(before);
       }
-      fold.spans.push_back({static_cast<float*>(data[2]), data[0], static_cast<const float*>(data[1]),
+      const auto* master = static_cast<const float*>(data[1]);
+      fold.masters.push_back(master);
+      fold.spans.push_back({static_cast<float*>(data[2]), data[0], fold.image_chunk >= 0 ? nullptr : master,
                             numel, static_cast<bool>(first[k])});
+    }
+    if (fold.image_chunk >= 0 &&
+        !scheduler_->image_cached(static_cast<ChunkId>(fold.image_chunk), fold.image_version)) {
+      // The accesses took the image (the chunk's copy down, into a block
+      // when no other was free): the pass restores after all.
+      fold.image_chunk = -1;
+      for (std::size_t k = 0; k < fold.spans.size(); ++k) fold.spans[k].master = fold.masters[k];
     }
     if (!wait_for_copies) {
       // Each chunk's fence once (the three chunks of the fold's chunk, in
@@ -102,8 +144,45 @@ void GradientSums::end_fold(StartedFold& fold, bool folded) {
   TIDAL_INTERNAL_ASSERT(!fold.ended, "GradientSums::end_fold: this fold has ended");
   fold.ended = true;
   fold.fences.clear();
+  // The landings counted for these chunks end here, folded or not (the
+  // fold's accesses count as writes).
+  for (const TensorRef& ref : fold.refs) {
+    if (ref.kind == ChunkKind::kParam16) landings_.erase(scheduler_->store().chunk_of(ref));
+  }
   if (folded) {
-    for (const TensorRef& ref : fold.refs) scheduler_->release(ref, TensorState::kHold);
+    // Note [The weights' image instead of the restore].
+    const bool image = fold.image_chunk >= 0;
+    const auto chunk = static_cast<ChunkId>(fold.image_chunk);
+    bool take_back = false;
+    if (image) {
+      std::size_t own = 0;  // the fold's slots of the chunk, all in use
+      for (const TensorRef& ref : fold.refs) own += ref.kind == ChunkKind::kParam16;
+      take_back = scheduler_->image_cached(chunk, fold.image_version) &&
+                  scheduler_->store().chunk(chunk).count(TensorState::kCompute) == own;
+      if (!take_back) {
+        // The restore the pass left out, from the masters.
+        ++late_restores_;
+        c10::NoGradGuard no_grad;
+        const at::ScalarType half_type = binding_->dtype(ChunkKind::kParam16);
+        for (std::size_t k = 0; k < fold.spans.size(); ++k) {
+          const std::int64_t n = static_cast<std::int64_t>(fold.spans[k].count);
+          slot_view(fold.spans[k].half, {n}, half_type, at::kCPU)
+              .copy_(slot_view(const_cast<float*>(fold.masters[k]), {n}, at::kFloat, at::kCPU));
+        }
+      }
+    }
+    // The chunk's last slot released takes the image back, before a
+    // prefetch could send the gradients up as weights.
+    std::size_t param16_left = 0;
+    for (const TensorRef& ref : fold.refs) param16_left += ref.kind == ChunkKind::kParam16;
+    for (const TensorRef& ref : fold.refs) {
+      if (take_back && ref.kind == ChunkKind::kParam16 && --param16_left == 0) {
+        const bool taken = scheduler_->release_taking_image(ref, TensorState::kHold, fold.image_version);
+        TIDAL_INTERNAL_ASSERT(taken, "GradientSums::end_fold: chunk ", chunk, " did not take its image back");
+      } else {
+        scheduler_->release(ref, TensorState::kHold);
+      }
+    }
     return;
   }
   // The pass did not run: the gradient stays in its slot, the master is
@@ -139,6 +218,27 @@ void GradientSums::measure(const std::vector<TensorId>& ids, const std::vector<s
     }
     scheduler_->release(ref, TensorState::kHold);
   }
+}
+
+std::uint64_t GradientSums::landing_began(TensorId id) const {
+  return scheduler_->write_count(scheduler_->store().chunk_of(TensorRef{ChunkKind::kParam16, id}));
+}
+
+void GradientSums::landing_ended(TensorId id, std::uint64_t began, bool ok) {
+  const ChunkId chunk = scheduler_->store().chunk_of(TensorRef{ChunkKind::kParam16, id});
+  const auto [it, fresh] = landings_.try_emplace(chunk, LandingWrites{began, 0});
+  LandingWrites& w = it->second;
+  if (w.made == kBroken) return;
+  const std::uint64_t now = scheduler_->write_count(chunk);
+  if (!ok || now < began) {
+    w.made = kBroken;
+    return;
+  }
+  w.made += now - began;
+}
+
+void GradientSums::forget_landings(const std::vector<TensorId>& ids) {
+  for (const TensorId id : ids) landings_.erase(scheduler_->store().chunk_of(TensorRef{ChunkKind::kParam16, id}));
 }
 
 void GradientSums::drop(const std::vector<TensorId>& ids) {

@@ -221,6 +221,27 @@ void ModuleHooks::backward_pre(std::size_t module) {
 
 void ModuleHooks::land_gradient(std::size_t param, const at::Tensor& grad) {
   check_param(param);
+  if (!gradient_sums_.accumulating()) {
+    land_gradient_now(param, grad);
+    return;
+  }
+  // Note [The weights' image instead of the restore] in gradient_sums.h: the
+  // writes this landing makes to its chunk are counted apart from any other.
+  // A write the forward made to the parameter, still attached to be read,
+  // counts now, before (detach_now would count it in the landing).
+  Param& p = params_[param];
+  if (p.attached && p.read_only && version_of(p.param) != p.read_version) slot_written(p);
+  const std::uint64_t began = gradient_sums_.landing_began(p.id);
+  try {
+    land_gradient_now(param, grad);
+  } catch (...) {
+    gradient_sums_.landing_ended(p.id, began, false);
+    throw;
+  }
+  gradient_sums_.landing_ended(p.id, began, true);
+}
+
+void ModuleHooks::land_gradient_now(std::size_t param, const at::Tensor& grad) {
   room_.enter_hook();
   queue_backward_end();
   tracer_->point(PointKind::kGrad, static_cast<std::int64_t>(param));
@@ -396,12 +417,28 @@ void ModuleHooks::folded(const std::vector<std::size_t>& params) {
 
 void ModuleHooks::fold_gradients(const std::vector<std::size_t>& params, MemorySpace space,
                                  int num_threads, const cpu_adam::BlockRunner* runner) {
-  gradient_sums_.fold(ids_of(params), first_sums(params, "fold_gradients"), space, num_threads, runner);
+  gradient_sums_.fold(ids_of(params), first_sums(params, "fold_gradients"), space, num_threads, runner,
+                      every_landed_of_chunk(params));
   folded(params);
 }
 
+bool ModuleHooks::every_landed_of_chunk(const std::vector<std::size_t>& params) const {
+  if (params.empty()) return false;
+  const ChunkIndex chunk = params_[params[0]].chunk;
+  std::vector<bool> in(params_.size(), false);
+  for (std::size_t i : params) {
+    if (params_[i].chunk != chunk) return false;
+    in[i] = true;
+  }
+  for (std::size_t i = 0; i < params_.size(); ++i) {
+    if (params_[i].chunk == chunk && params_[i].landed && !in[i]) return false;
+  }
+  return true;
+}
+
 StartedFold ModuleHooks::start_fold(const std::vector<std::size_t>& params) {
-  StartedFold fold = gradient_sums_.start_fold(ids_of(params), first_sums(params, "start_fold"));
+  StartedFold fold = gradient_sums_.start_fold(ids_of(params), first_sums(params, "start_fold"),
+                                               every_landed_of_chunk(params));
   fold.params = params;
   return fold;
 }
@@ -460,6 +497,7 @@ std::vector<std::size_t> ModuleHooks::landed_params() const {
 void ModuleHooks::clear_landed(const std::vector<std::size_t>& params) {
   for (std::size_t i : params) check_param(i);
   for (std::size_t i : params) params_[i].landed = false;
+  gradient_sums_.forget_landings(ids_of(params));
 }
 
 std::int64_t ModuleHooks::attached_at(const void* data) const {

@@ -277,6 +277,11 @@ class ModuleHooks : public std::enable_shared_from_this<ModuleHooks> {
   };
 
   void queue_backward_end();
+  // land_gradient without the count of its writes (accumulating).
+  void land_gradient_now(std::size_t param, const at::Tensor& grad);
+  // Whether `params` are in one chunk and hold every gradient landed in it
+  // (Note [The weights' image instead of the restore] in gradient_sums.h).
+  bool every_landed_of_chunk(const std::vector<std::size_t>& params) const;
   void detaching(std::size_t i);
   at::Tensor weight_from_master(const Param& p);
   void end_transient(std::size_t module);

@@ -111,6 +111,8 @@ void bind_records(py::module_& m) {
   TIDAL_FIELD(disk_writes_skipped);
   TIDAL_FIELD(bytes_disk_writes_skipped);
   TIDAL_FIELD(copies_down_skipped);
+  TIDAL_FIELD(images_taken_back);
+  TIDAL_FIELD(bytes_images_taken_back);
   TIDAL_FIELD(bytes_down_skipped);
   TIDAL_FIELD(steps);
   TIDAL_FIELD(trace_adoptions);
@@ -309,6 +311,9 @@ static void bind_hooks(py::module_& m) {
   py::class_<hooks::StartedFold, std::shared_ptr<hooks::StartedFold>>(
       m, "StartedFold", "A fold of one chunk's gradients begun by ModuleHooks.start_fold.")
       .def_property_readonly("ended", [](const hooks::StartedFold& f) { return f.ended; })
+      .def_property_readonly("takes_image", [](const hooks::StartedFold& f) { return f.image_chunk >= 0; },
+                             "Whether its pass leaves the restore out and its end takes back the weights' "
+                             "image (Note [The weights' image instead of the restore]).")
       .def(
           "submit",
           [](const hooks::StartedFold& fold, cpu_adam::UpdateWorker& worker, int num_threads,
@@ -319,8 +324,9 @@ static void bind_hooks(py::module_& m) {
             job.fences = fold.fences;
             job.folds = fold.spans;
             job.fold_dtype = fold.dtype;
-            // (Names the job's chunk for run_or_wait.)
-            job.chunk.param = const_cast<float*>(fold.spans.front().master);
+            // (Names the job's chunk for run_or_wait; a span's master is null
+            // where the fold takes back the weights' image.)
+            job.chunk.param = const_cast<float*>(fold.masters.front());
             job.exec = cpu_adam::ExecOptions{num_threads, cpu_adam::CopyStores::kAuto,
                                              hooks::block_runner(pool)};
             return std::const_pointer_cast<cpu_adam::UpdateTicket>(worker.submit(std::move(job)));
@@ -485,6 +491,14 @@ may wait for a chunk copy release the GIL.)doc")
            "`param`'s gradient measured again, replacing its landing's measure: user code wrote it "
            "between backward and step (Note [Gradients between backward and step] in "
            "python/tidal/engine/user_grads.py).")
+      .def("set_fold_images", [](Hooks& h, bool on) { h.get().gradient_sums().set_use_images(on); },
+           py::arg("on"),
+           "Note [The weights' image instead of the restore] in hooks/gradient_sums.h on (the default) "
+           "or off: every fold rounds the masters back into the 16-bit slots (for comparisons).")
+      .def_property_readonly("fold_late_restores",
+                             [](Hooks& h) { return h.get().gradient_sums().late_restores(); },
+                             "Folds that left the restore out for the weights' image and made it at their "
+                             "end after all (Note [The weights' image instead of the restore]).")
       .def("set_accumulating", [](Hooks& h, bool on) { h.get().gradient_sums().set_accumulating(on); },
            py::arg("on"))
       .def("fold_gradients",
@@ -668,16 +682,19 @@ Python thread drives a Chunks object.)doc");
       // caller waits), as before: the GIL was never the scheduler's lock.
       .def("access",
            [](Chunks& c, TensorId id, ChunkKind kind, MemorySpace space,
-              const std::vector<std::int64_t>& shape, bool wait) {
+              const std::vector<std::int64_t>& shape, bool wait, bool write) {
              // A chunk on disk is read into the host (asking for it "where it is").
              if (space == MemorySpace::kDisk) space = MemorySpace::kHost;
-             return c.binding().access(id, kind, space, shape, AccessMode::kWrite, wait);
+             return c.binding().access(id, kind, space, shape, write ? AccessMode::kWrite : AccessMode::kRead,
+                                       wait);
            },
            py::call_guard<py::gil_scoped_release>(), py::arg("id"), py::arg("kind"), py::arg("space"), py::arg("shape"),
-           py::arg("wait") = true,
+           py::arg("wait") = true, py::arg("write") = true,
            "Access (COMPUTE) one slot and return a view of it; release() ends the use. wait=False: a "
            "host access may return before a copy into the chunk lands (Note [A pin that does not "
-           "wait]); copy_fence() gives what to wait on.")
+           "wait]); copy_fence() gives what to wait on. write=False: the caller does not change the "
+           "slot's bytes (the chunk's write count stays: Note [A clean chunk goes down without a "
+           "copy] in chunk_scheduler.cpp).")
       .def("send_ahead",
            [](Chunks& c, std::uint32_t chunk, ChunkKind kind) {
              return c.scheduler().send_ahead(make_chunk_id(kind, chunk));

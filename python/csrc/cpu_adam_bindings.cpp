@@ -538,12 +538,14 @@ only receives the updated params.)doc");
 
   m.def(
       "fold_gradients",
-      [](const at::Tensor& sum, const at::Tensor& half, const at::Tensor& master,
+      [](const at::Tensor& sum, const at::Tensor& half, const std::optional<at::Tensor>& master,
          const std::vector<std::tuple<std::int64_t, std::int64_t, bool>>& ranges,
          int num_threads) {
         const Flat s = flat(sum, "sum");
         const Flat h16 = flat(half, "half");
-        const Flat w = flat(master, "master");
+        // (None: the half keeps the gradients; Note [The weights' image
+        // instead of the restore] in hooks/gradient_sums.h.)
+        const Flat w = master.has_value() ? flat(*master, "master") : Flat{nullptr, s.count, ca::DType::kFloat32};
         TIDAL_CHECK_TYPE(s.dtype == ca::DType::kFloat32 && w.dtype == ca::DType::kFloat32,
                          "sum and master must be torch.float32, got ", ca::dtype_name(s.dtype),
                          " and ", ca::dtype_name(w.dtype));
@@ -560,7 +562,8 @@ only receives the updated params.)doc");
                       h16.count, " elements");
           spans.push_back({static_cast<float*>(s.data) + off,
                            static_cast<char*>(h16.data) + off * half_size,
-                           static_cast<const float*>(w.data) + off, static_cast<std::size_t>(cnt),
+                           w.data == nullptr ? nullptr : static_cast<const float*>(w.data) + off,
+                           static_cast<std::size_t>(cnt),
                            first});
         }
         py::gil_scoped_release no_gil;
@@ -571,7 +574,9 @@ only receives the updated params.)doc");
       R"doc(Gradient accumulation's fold (cpu_adam/adam.h, fold_gradients): for each
 (offset, count, first) range, sum = (first ? 0 : sum) + float(half), then half
 = master rounded to half's dtype. sum and master are float32 chunks, half the
-16-bit chunk (float32 in fp32 mode) holding the landed gradients.)doc");
+16-bit chunk (float32 in fp32 mode) holding the landed gradients. master None:
+half keeps the gradients (the engine's chunk takes back the block of its
+weights instead: Note [The weights' image instead of the restore]).)doc");
 
   m.def(
       "copy_tensors",

@@ -111,6 +111,16 @@ BlockPtr BlockPool::take_at(MemorySpace space, std::map<std::size_t, std::vector
   return block;
 }
 
+bool BlockPool::has_image(std::size_t bytes, std::int64_t chunk, std::uint64_t version) const {
+  const auto& by_size = cache_[index_of(MemorySpace::kHost)];
+  auto it = by_size.find(bytes);
+  if (it == by_size.end()) return false;
+  for (const BlockPtr& block : it->second) {
+    if (block->image_of == chunk && block->image_version == version) return true;
+  }
+  return false;
+}
+
 bool BlockPool::has_cached(MemorySpace space, std::size_t bytes) const {
   const auto& by_size = cache_[index_of(space)];
   auto it = by_size.find(bytes);

@@ -125,6 +125,8 @@ class BlockPool {
   // write count `version` (Block::image_of), taken out of the cache; null if
   // none is cached.
   BlockPtr take_image(std::size_t bytes, std::int64_t chunk, std::uint64_t version);
+  // Whether take_image(bytes, chunk, version) would find one.
+  bool has_image(std::size_t bytes, std::int64_t chunk, std::uint64_t version) const;
   bool has_cached(MemorySpace space, std::size_t bytes) const;
   // A new block. Throws OutOfMemoryError when the space has no memory left.
   // A host block is made pageable (Note [Pinned at the second crossing]).

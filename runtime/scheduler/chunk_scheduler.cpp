@@ -161,7 +161,13 @@ void* ChunkScheduler::access(TensorRef ref, MemorySpace space, AccessMode mode, 
   return store_.tensor_data(ref);
 }
 
-void ChunkScheduler::release(TensorRef ref, TensorState state) {
+void ChunkScheduler::release(TensorRef ref, TensorState state) { release_with(ref, state, nullptr); }
+
+bool ChunkScheduler::release_taking_image(TensorRef ref, TensorState state, std::uint64_t version) {
+  return release_with(ref, state, &version);
+}
+
+bool ChunkScheduler::release_with(TensorRef ref, TensorState state, const std::uint64_t* image_version) {
   const TensorState from = store_.state(ref);
   TIDAL_CHECK(from == TensorState::kCompute, "chunk scheduler: release of tensor '",
               store_.tensor_name(ref.tensor), "' (", to_string(ref.kind), " slot), which is ",
@@ -169,7 +175,10 @@ void ChunkScheduler::release(TensorRef ref, TensorState state) {
   store_.set_state(ref, state);
   const ChunkId id = store_.chunk_of(ref);
   const Chunk& chunk = store_.chunk(id);
+  bool taken = false;
   if (chunk.movable()) {
+    // (Before anything may move the chunk.)
+    if (image_version != nullptr) taken = take_back_image(id, *image_version);
     if (options_.compute_stream != nullptr && chunk.space() == MemorySpace::kDevice) {
       // A later copy out of this block waits for the compute issued so far.
       slots_[id].block->record_fence(*options_.compute_stream);
@@ -181,6 +190,7 @@ void ChunkScheduler::release(TensorRef ref, TensorState state) {
   // The chunk may have been what held a prefetch back.
   if (prefetch_blocked_ && following_ && chunk.movable()) prefetch_unless_disk_failed();
   debug_validate();
+  return taken;
 }
 
 void ChunkScheduler::set_state(TensorRef ref, TensorState state) {
@@ -855,6 +865,33 @@ bool ChunkScheduler::chunk_ready(ChunkId id) const {
   TIDAL_CHECK_INDEX(id < slots_.size(), "chunk scheduler: chunk id ", id, " out of range");
   const Slot& slot = slots_[id];
   return slot.block == nullptr || slot.block->ready();
+}
+
+std::uint64_t ChunkScheduler::write_count(ChunkId id) const {
+  TIDAL_CHECK_INDEX(id < slots_.size(), "chunk scheduler: chunk id ", id, " out of range");
+  return slots_[id].writes;
+}
+
+bool ChunkScheduler::image_cached(ChunkId id, std::uint64_t version) const {
+  TIDAL_CHECK_INDEX(id < slots_.size(), "chunk scheduler: chunk id ", id, " out of range");
+  return may_skip_copies(id) &&
+         pool_.has_image(store_.chunk(id).capacity_bytes(), static_cast<std::int64_t>(id), version);
+}
+
+bool ChunkScheduler::take_back_image(ChunkId id, std::uint64_t version) {
+  if (!image_cached(id, version)) return false;
+  const Chunk& chunk = store_.chunk(id);
+  if (chunk.space() != MemorySpace::kHost || !chunk.has_payload() || !chunk.movable()) return false;
+  BlockPtr image = pool_.take_image(chunk.capacity_bytes(), static_cast<std::int64_t>(id), version);
+  TIDAL_INTERNAL_ASSERT(image != nullptr, "take_back_image: the cached image went missing");
+  BlockPtr replaced = detach(id);
+  attach(id, std::move(image));
+  pool_.give_back(std::move(replaced));
+  slots_[id].written();
+  ++stats_.images_taken_back;
+  stats_.bytes_images_taken_back += chunk.capacity_bytes();
+  debug_validate();
+  return true;
 }
 
 const Event* ChunkScheduler::copy_fence(ChunkId id) const {

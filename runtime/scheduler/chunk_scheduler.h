@@ -413,6 +413,11 @@ struct ChunkSchedulerStats {
   // evicted), not in bytes_device_to_host.
   std::uint64_t copies_down_skipped = 0;
   std::uint64_t bytes_down_skipped = 0;
+  // Host chunks that took back the block they went up from in place of a
+  // rewrite of their bytes (take_back_image: Note [The weights' image
+  // instead of the restore] in hooks/gradient_sums.h).
+  std::uint64_t images_taken_back = 0;
+  std::uint64_t bytes_images_taken_back = 0;
   std::uint64_t steps = 0;
   std::uint64_t trace_adoptions = 0;   // end_step() took a new trace (first one included)
   std::uint64_t trace_divergences = 0; // steps that departed from the trace
@@ -470,6 +475,10 @@ class ChunkScheduler {
   // HOLD, HOLD_AFTER_FWD, HOLD_AFTER_BWD). A chunk the plan has leave after
   // this use starts down (Note [Chunks leave ahead of a lowering]).
   void release(TensorRef ref, TensorState state);
+  // release(), and where it leaves the chunk with no slot in use, the chunk
+  // takes back its image of write count `version` (take_back_image) before
+  // anything can move it. Whether it did.
+  bool release_taking_image(TensorRef ref, TensorState state, std::uint64_t version);
   // Transitions between states outside COMPUTE (HOLD_AFTER_* -> HOLD,
   // anything -> FREE); access()/release() enter and leave COMPUTE.
   void set_state(TensorRef ref, TensorState state);
@@ -533,6 +542,20 @@ class ChunkScheduler {
   // Note [A pin that does not wait]: valid while the chunk is in use
   // (COMPUTE), and synchronize() may be called on it from any thread.
   const Event* copy_fence(ChunkId id) const;
+
+  // Everything that may have changed chunk `id`'s bytes counts here (Note [A
+  // clean chunk goes down without a copy]): equal counts, equal bytes.
+  std::uint64_t write_count(ChunkId id) const;
+  // Whether the pool caches the host block chunk `id` went up from when its
+  // write count was `version`, holding its bytes as they were then.
+  bool image_cached(ChunkId id, std::uint64_t version) const;
+  // Host chunk `id` (no slot in use) takes that block back as its payload,
+  // its bytes again as of `version`; the block it had goes to the pool. For
+  // a caller that knows the only writes since were to be undone (Note [The
+  // weights' image instead of the restore] in hooks/gradient_sums.h). Counts
+  // as a write. False, with nothing changed, when the chunk is not on the
+  // host, a slot of it is COMPUTE or the block is not cached.
+  bool take_back_image(ChunkId id, std::uint64_t version);
 
   ChunkSchedulerStats stats() const;
   // Zeroes the counters; peaks restart from what is resident now.
@@ -652,6 +675,7 @@ class ChunkScheduler {
   // Reads chunk `id` from the disk tier into `block` (a host block).
   void read_from_disk(ChunkId id, BlockPtr block);
   // Frees host blocks cached beyond host_cache_blocks whose copies are done.
+  bool release_with(TensorRef ref, TensorState state, const std::uint64_t* image_version);
   void trim_host_cache() { pool_.trim_ready(MemorySpace::kHost, host_keep_blocks_, host_keep_by_size_); }
   // A chunk left `from` for `to`: the prefetch cursor goes back to its next
   // use if it had passed it (Note [Prefetch]).

@@ -176,6 +176,137 @@ def test_mixed_precision_accumulation_matches_fp32_sums_of_16_bit_gradients(prec
     moved_within_budget(engine)
 
 
+def _train_images(ref, batches, cfg, images, hooks_wrapper=None):
+    engine = tidal.initialize(copy.deepcopy(ref), cfg)
+    hooks = engine._accumulation._hooks
+    hooks.set_fold_images(images)
+    if hooks_wrapper is not None:
+        engine._accumulation._hooks = hooks_wrapper(engine, hooks)
+    losses = train(engine, batches)
+    return engine, hooks, losses
+
+
+@pytest.mark.parametrize("overlap", [True, False], ids=["folds-on-the-worker", "folds-after-backward"])
+def test_a_fold_that_takes_back_the_weights_image_trains_bit_for_bit_as_the_restore(overlap):
+    # Note [The weights' image instead of the restore] in hooks/gradient_sums.h:
+    # with chunks moving, a fold on the host leaves the masters' rounding out
+    # and the 16-bit chunk takes back the block it went up from. The losses,
+    # masters and 16-bit weights must be those of every fold restoring from
+    # the masters, bit for bit, and the run must match plain PyTorch's
+    # mixed-precision accumulation as the restoring one does.
+    torch.manual_seed(0)
+    ref = TinyGPT(d=64, seq=8)
+    batches = gpt_batches(8)
+    cfg = config(2, precision="bf16", clip=0.05, overlap_step=overlap)
+    cfg["tidal"]["device_memory_budget"] = measured_budget(copy.deepcopy(ref), cfg, batches)
+    runs = {images: _train_images(ref, batches, cfg, images) for images in (True, False)}
+    (image, _, image_losses), (restore, _, restore_losses) = runs[True], runs[False]
+    assert image.chunks.stats()["images_taken_back"] > 0
+    assert restore.chunks.stats()["images_taken_back"] == 0
+    assert image_losses == restore_losses
+    a, b = image.parameters_fp32(), restore.parameters_fp32()
+    assert all(torch.equal(a[k], b[k]) for k in a), [k for k in a if not torch.equal(a[k], b[k])]
+    sa, sb = image.module.state_dict(), restore.module.state_dict()
+    assert all(torch.equal(sa[k], sb[k]) for k in sa)
+    master, ref_losses = reference_mixed(ref, batches, accumulation=2, dtype=torch.bfloat16, clip=0.05)
+    assert image_losses[:2] == ref_losses[:2]
+    for x, y in zip(ref_losses[2:], image_losses[2:]):
+        assert abs(x - y) <= 2e-2 * abs(x), (ref_losses, image_losses)
+    assert max(relative_errors(image, master).values()) <= 2e-3
+    moved_within_budget(image)
+
+
+class _CacheEmptiedBeforeEachFoldEnds:
+    """The engine's hooks, except that the host's cached blocks are freed
+    before a fold on the worker that would take back its chunk's image ends:
+    the image is gone then."""
+
+    def __init__(self, engine, hooks):
+        self._engine, self._hooks = engine, hooks
+
+    def __getattr__(self, name):
+        return getattr(self._hooks, name)
+
+    def end_fold(self, fold, folded):
+        if not fold.takes_image:
+            return self._hooks.end_fold(fold, folded)
+        c = self._engine.chunks
+        s = c.stats()
+        budget = c.budget(MemorySpace.HOST)
+        c.set_budget(MemorySpace.HOST, s["resident_bytes_host"])
+        c.set_budget(MemorySpace.HOST, budget)
+        return self._hooks.end_fold(fold, folded)
+
+
+def test_a_fold_whose_image_is_gone_at_its_end_restores_from_the_masters():
+    # The pass on the worker left the restore out; by its end the image went
+    # (here: the host cache emptied). The fold restores then, and the run is
+    # the restoring one's, bit for bit.
+    torch.manual_seed(0)
+    ref = TinyGPT(d=64, seq=8)
+    batches = gpt_batches(8)
+    cfg = config(2, precision="bf16", clip=0.05)
+    cfg["tidal"]["device_memory_budget"] = measured_budget(copy.deepcopy(ref), cfg, batches)
+    late, late_hooks, late_losses = _train_images(ref, batches, cfg, True, _CacheEmptiedBeforeEachFoldEnds)
+    restore, _, restore_losses = _train_images(ref, batches, cfg, False)
+    # (Folds the end of backward makes in one call still take theirs back.)
+    assert late_hooks.fold_late_restores > 0
+    assert late_losses == restore_losses
+    a, b = late.parameters_fp32(), restore.parameters_fp32()
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    moved_within_budget(late)
+
+
+class _Renormed(torch.nn.Module):
+    """An embedding that renorms the rows it looks up in place during forward
+    (max_norm: a write the forward makes to a parameter), then a Linear."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = torch.nn.Embedding(100, 64, max_norm=1.0)
+        self.out = torch.nn.Linear(64, 64)
+
+    def forward(self, ids, y):
+        return torch.nn.functional.mse_loss(self.out(self.emb(ids)), y)
+
+
+def test_a_write_the_forward_makes_is_kept_where_folds_take_back_images():
+    # The embedding's chunk is written after it goes up (the renorm), so the
+    # block it went up from no longer holds its weights and its folds must
+    # restore from the masters, which hold the write (Note [Writes to a
+    # parameter]); other chunks' folds take their images back. As plain PyTorch accumulating in param.grad, and bit for
+    # bit as with every fold restoring.
+    torch.manual_seed(0)
+    model = _Renormed()
+    with torch.no_grad():
+        model.emb.weight.mul_(3.0)  # rows above max_norm: the forward renorms them
+    g = torch.Generator().manual_seed(4)
+    data = [(torch.randint(0, 100, (4, 8), generator=g), torch.randn(4, 8, 64, generator=g)) for _ in range(8)]
+    cfg = config(2, budget="96KiB", chunk="16KiB")
+    cfg["tidal"].update(device_margin="4KiB", simulated_allocator="exact")
+    runs = {}
+    for images in (True, False):
+        engine = tidal.initialize(copy.deepcopy(model), cfg)
+        engine._accumulation._hooks.set_fold_images(images)
+        for ids, y in data:
+            engine.backward(engine(ids, y))
+            engine.step()
+        runs[images] = engine
+    assert runs[True].chunks.stats()["images_taken_back"] > 0
+    a, b = runs[True].parameters_fp32(), runs[False].parameters_fp32()
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    ref = copy.deepcopy(model)
+    opt = torch.optim.AdamW(ref.parameters(), lr=LR, weight_decay=0.01)
+    for i, (ids, y) in enumerate(data):
+        (ref(ids, y) / 2).backward()
+        if i % 2 == 1:
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+    for k, v in ref.state_dict().items():
+        torch.testing.assert_close(a[k], v, rtol=1e-4, atol=5e-5, msg=lambda m, k=k: f"{k}: {m}")
+    moved_within_budget(runs[True])
+
+
 class Branchy(torch.nn.Module):
     """A parameter that only some micro-batches use (a dynamic graph)."""
 

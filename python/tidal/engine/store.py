@@ -673,7 +673,10 @@ class ParamStore:
         c = self.chunks
         state = c.state(record.id, kind)
         try:
-            c.access(record.id, kind, HOST, [record.numel], wait=False)
+            # (Moving it writes nothing: Note [The weights' image instead of
+            # the restore] in hooks/gradient_sums.h counts the writes since
+            # the chunk came up.)
+            c.access(record.id, kind, HOST, [record.numel], wait=False, write=False)
         except _C.OutOfMemoryError:
             return False
         c.release(record.id, kind, state)

@@ -98,6 +98,33 @@ TEST(FoldGradients, EveryTargetAddsOrWritesTheSumsAndRoundsTheMastersBack) {
   }
 }
 
+TEST(FoldGradients, WithoutAMasterEveryTargetLeavesTheGradientInTheHalfBuffer) {
+  // (Note [The weights' image instead of the restore] in hooks/gradient_sums.h.)
+  TargetGuard guard;
+  const std::size_t numel = 2 * kBlockElements + 777;
+  for (const std::string& target : targets_to_test()) {
+    set_kernel_target(target);
+    for (DType t : {DType::kFloat16, DType::kBFloat16, DType::kFloat32}) {
+      for (const bool first : {false, true}) {
+        FoldData got(t, numel, 4);
+        const FoldData before = got;
+        FoldSpan s = got.span(3, numel - 5, first);
+        s.master = nullptr;
+        fold_gradients(t, {&s, 1});
+        const std::string what = target + ", " + dtype_name(t) + (first ? ", first" : "");
+        for (std::size_t i = 0; i < numel; ++i) {
+          const bool inside = i >= 3 && i < numel - 2;
+          const float g = decode(t, before.half.data(), i);
+          const float want = !inside ? before.sum[i] : first ? g : before.sum[i] + g;
+          ASSERT_EQ(std::memcmp(&got.sum[i], &want, 4), 0) << what << " sum at " << i;
+        }
+        ASSERT_EQ(got.half, before.half) << what << ": the gradients were overwritten";
+        ASSERT_EQ(got.master, before.master) << what;
+      }
+    }
+  }
+}
+
 TEST(FoldGradients, InfAndNaNGradientsReachTheSums) {
   // fp16's overflow check happens at the step, on the sums: a non-finite
   // micro-batch gradient must survive the fold.

@@ -262,6 +262,78 @@ TEST(ChunkScheduler, AChunkOnlyReadOnTheDeviceGoesDownWithoutACopy) {
   }
 }
 
+// Note [The weights' image instead of the restore] in hooks/gradient_sums.h:
+// chunk 0 (two tensors) goes up for reading, its gradients are written on
+// the device and come down by copy into another host block. The block it
+// went up from is still cached with its write count then: the chunk takes it
+// back at its last slot's release, and reads its weights again; the block
+// of the gradients goes to the pool. Not for another write count, not while
+// another slot is in use, not on the device, not with skip_clean_copies off.
+// (A frozen chunk going up first leaves the host block the gradients come
+// down into: not an image, the pool hands it out first.)
+TEST(ChunkScheduler, AChunkWhoseGradientsCameDownTakesBackTheBlockItWentUpFrom) {
+  for (const bool skip : {true, false}) {
+    SCOPED_TRACE(skip ? "skip_clean_copies" : "every move down copies");
+    ChunkSchedulerOptions options = no_prefetch(4 * kChunk);
+    options.skip_clean_copies = skip;
+    options.clean_copy_pools = 1u << 0;
+    ChunkStore store({.chunk_bytes = kChunk});
+    store.register_tensor("w0", kFull / 2, /*pool=*/0);
+    store.register_tensor("w1", kFull / 2, /*pool=*/0);
+    store.register_tensor("frozen", kFull, /*pool=*/1);
+    ChunkScheduler s(std::move(store), make_device(kKiB * kKiB), options);
+    const ChunkId chunk = s.store().chunk_of(p16(0));
+    ASSERT_EQ(s.store().chunk_of(p16(1)), chunk);
+    for (TensorId t = 0; t < 2; ++t) {
+      write_pattern(s.access(p16(t), kHost), kFull, 100 + t);
+      s.release(p16(t), TensorState::kHold);
+    }
+    write_pattern(s.access(p16(2), kHost), kFull * 2, 102);
+    s.release(p16(2), TensorState::kHold);
+    EXPECT_TRUE(has_pattern(s.access(p16(2), kDev, AccessMode::kRead), kFull * 2, 102));
+    s.release(p16(2), TensorState::kHold);
+    const std::uint64_t weights = s.write_count(chunk);
+    for (TensorId t = 0; t < 2; ++t) {
+      EXPECT_TRUE(has_pattern(s.access(p16(t), kDev, AccessMode::kRead), kFull, 100 + t)) << t;
+      s.release(p16(t), TensorState::kHold);
+    }
+    EXPECT_FALSE(s.take_back_image(chunk, weights));  // (on the device)
+    for (TensorId t = 0; t < 2; ++t) {  // the gradients
+      write_pattern(s.access(p16(t), kDev), kFull, 200 + t);
+      s.release(p16(t), TensorState::kHoldAfterBwd);
+    }
+    EXPECT_EQ(s.write_count(chunk), weights + 2);
+    EXPECT_EQ(s.image_cached(chunk, weights), skip);
+    EXPECT_FALSE(s.image_cached(chunk, weights + 2));
+    // Both slots read on the host (a fold): the gradients came down.
+    for (TensorId t = 0; t < 2; ++t) {
+      EXPECT_TRUE(has_pattern(s.access(p16(t), kHost, AccessMode::kRead), kFull, 200 + t)) << t;
+    }
+    EXPECT_EQ(s.stats().bytes_device_to_host, kChunk);
+    // Tensor 0's release leaves tensor 1 in use: nothing taken back.
+    EXPECT_FALSE(s.release_taking_image(p16(0), TensorState::kHold, weights));
+    EXPECT_FALSE(s.take_back_image(chunk, weights + 2));
+    const bool taken = s.release_taking_image(p16(1), TensorState::kHold, weights);
+    EXPECT_EQ(taken, skip);
+    s.validate();
+    for (TensorId t = 0; t < 2; ++t) {
+      const int want = taken ? 100 + static_cast<int>(t) : 200 + static_cast<int>(t);
+      EXPECT_TRUE(has_pattern(s.access(p16(t), kHost, AccessMode::kRead), kFull, want)) << t;
+      s.release(p16(t), TensorState::kHold);
+    }
+    const ChunkSchedulerStats st = s.stats();
+    EXPECT_EQ(st.images_taken_back, skip ? 1u : 0u);
+    EXPECT_EQ(st.bytes_images_taken_back, skip ? kChunk : 0u);
+    EXPECT_EQ(st.bytes_host_to_device, 2 * kChunk);
+    EXPECT_EQ(st.bytes_device_to_host, kChunk);
+    // The chunk's bytes changed: no block holds them as of any count now.
+    EXPECT_FALSE(s.image_cached(chunk, weights));
+    EXPECT_FALSE(s.take_back_image(chunk, weights));
+    EXPECT_FALSE(s.take_back_image(chunk, s.write_count(chunk)));
+    s.validate();
+  }
+}
+
 // Only the pools named in clean_copy_pools skip (the engine names the
 // trainable one: a frozen chunk is its tensors' only copy).
 TEST(ChunkScheduler, OnlyChunksOfTheNamedPoolsGoDownWithoutACopy) {
