@@ -29,6 +29,10 @@ What one run measures, on the same machine:
   master), tidal's kernel against the same two passes as torch operators,
   timed in turn with the update; ``over_update_rate`` is the estimate's
   fold rate over its CPU Adam rate (tidal.estimate's fold_params_per_s).
+  ``tidal_fold_image``: the same fold without the rewrite (10 bytes/param),
+  the engine's where its chunk takes back the block of its weights (Note
+  [The weights' image instead of the restore] in hooks/gradient_sums.h);
+  ``over_fold_rate`` its rate over the fold's, paired.
 * peers, timed in turn with tidal's update (through tidal._C) within each
   repeat: torch.optim.AdamW(foreach=True) and (fused=True), which take fp32
   gradients and write no 16-bit copy (so they move 28 bytes/param as well:
@@ -64,6 +68,7 @@ BYTES_STEP = BYTES_UPDATE + BYTES_STATS
 BYTES_TRIAD = 12   # b 4 + c 4 read, a 4 written (fp32)
 BYTES_TORCH_ADAMW = 28  # grad 4 + param 4 + m 4 + v 4 read; param 4 + m 4 + v 4 written
 BYTES_FOLD = 16  # grad 2 + sum 4 + master 4 read; sum 4 + 16-bit weight 2 written
+BYTES_FOLD_IMAGE = 10  # grad 2 + sum 4 read; sum 4 written (the weights' block taken back)
 HYPER = dict(lr=1e-4, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
 
 
@@ -214,12 +219,16 @@ def bench_python_level(n: int, repeats: int, warmup: int, interleave: bool) -> D
     def tidal_fold():
         ca.fold_gradients(fold["sums"], fold["half"], fold["master"], [(0, n, False)], num_threads=0)
 
+    def tidal_fold_image():
+        ca.fold_gradients(fold["sums"], fold["half"], None, [(0, n, False)], num_threads=0)
+
     def torch_fold():
         fold["sums"].add_(fold["half"])
         fold["half"].copy_(fold["master"])
 
     peers: Dict[str, Dict] = {}
     fns: Dict[str, Callable[[], object]] = {"tidal_update": tidal_update, "tidal_fold": tidal_fold,
+                                            "tidal_fold_image": tidal_fold_image,
                                             "torch_fold_ops": torch_fold}
     for name, flags in (("torch_adamw_foreach", {"foreach": True}), ("torch_adamw_fused", {"fused": True})):
         need = n * 4 * 4 * 1.6  # param, grad, m, v + foreach temporaries
@@ -247,6 +256,9 @@ def bench_python_level(n: int, repeats: int, warmup: int, interleave: bool) -> D
     out["tidal_fold"] = _stats(samples["tidal_fold"], n, BYTES_FOLD)
     out["tidal_fold"]["over_update_rate"] = statistics.median(
         [tu / tf for tu, tf in zip(samples["tidal_update"], samples["tidal_fold"])])
+    out["tidal_fold_image"] = _stats(samples["tidal_fold_image"], n, BYTES_FOLD_IMAGE)
+    out["tidal_fold_image"]["over_fold_rate"] = statistics.median(
+        [tf / ti for tf, ti in zip(samples["tidal_fold"], samples["tidal_fold_image"])])
     out["torch_fold_ops"] = _stats(samples["torch_fold_ops"], n, BYTES_FOLD)
     out["torch_fold_ops"]["ops"] = "sums.add_(half); half.copy_(master)"
     out["torch_fold_ops"]["ratio_to_tidal_paired"] = statistics.median(
@@ -383,6 +395,7 @@ def bench_size(n: int, repeats: int, warmup: int, thread_counts: List[int], args
     py = bench_python_level(n, repeats, warmup, interleave)
     out["tidal_python_update"] = py["tidal_update"]
     out["tidal_fold"] = py["tidal_fold"]
+    out["tidal_fold_image"] = py["tidal_fold_image"]
     out["torch_fold_ops"] = py["torch_fold_ops"]
     if "tidal" not in out:  # no C++ program: the Python-level timing stands in
         out["tidal"] = {"update": py["tidal_update"]}
@@ -446,7 +459,9 @@ def main() -> int:
 
         f = r["tidal_fold"]
         print(f"[cpu_adam]   tidal fold {f['params_per_s'] / 1e9:.2f} Gparam/s {f['median_GBps']:.1f} GB/s; "
-              f"torch ops/tidal {r['torch_fold_ops']['ratio_to_tidal_paired']:.2f}", file=sys.stderr, flush=True)
+              f"torch ops/tidal {r['torch_fold_ops']['ratio_to_tidal_paired']:.2f}; without the rewrite "
+              f"{r['tidal_fold_image']['params_per_s'] / 1e9:.2f} Gparam/s "
+              f"({r['tidal_fold_image']['over_fold_rate']:.2f}x)", file=sys.stderr, flush=True)
         print(f"[cpu_adam]   tidal update {u['params_per_s'] / 1e9:.2f} Gparam/s {u['median_GBps']:.1f} GB/s;"
               f" fraction of triad {fmt(r.get('fraction_of_triad'))}, of streams "
               f"{fmt(r.get('fraction_of_streams'))}; peer/tidal: foreach {fmt(r['ratio_vs_foreach'])}, "
@@ -461,6 +476,7 @@ def main() -> int:
         "hyperparameters": {k: list(v) if isinstance(v, tuple) else v for k, v in HYPER.items()},
         "bytes_per_param": {
             "update": BYTES_UPDATE, "stats_pass": BYTES_STATS, "step": BYTES_STEP, "fold": BYTES_FOLD,
+            "fold_image": BYTES_FOLD_IMAGE,
             "triad_per_element": BYTES_TRIAD, "torch_adamw": BYTES_TORCH_ADAMW,
             "counting": "bytes the algorithm must read + write, STREAM-style (no write-allocate "
                         "read of write-only outputs)",

@@ -32,6 +32,10 @@ pause each:
   * grads_at_fold (with --accumulation > 1): the engine with each
              host-updated chunk's gradients going down when the fold reads
              them, as before Note [Gradients down as they land];
+  * restore_at_fold (with --accumulation > 1): the engine with every fold
+             rounding the masters back into the 16-bit slots, as before Note
+             [The weights' image instead of the restore] (hooks/gradient_sums.h;
+             16 bytes of host memory traffic per parameter instead of 10);
   * weights_at_step: the engine with the weights of the chunks updated
              during backward going up after the step, in the next forward's
              order, as before Note [Weights up as they are updated] (with
@@ -81,7 +85,8 @@ LINK_SHARE = H100_MINIMUM / H100_LINK / H100_PLAIN_STEP  # link time of the mini
 PIN_SHARE = H100_MINIMUM / H100_PIN / H100_PLAIN_STEP  # pinning the minimum / compute: 2.5
 COUNTERS = ("bytes_host_to_device", "bytes_device_to_host", "prefetch_hits", "misses",
             "host_block_allocations", "host_block_bytes_allocated", "host_pins", "host_bytes_pinned",
-            "pageable_copies", "block_waits", "copy_waits", "copy_wait_seconds", "evictions", "prefetches_ahead")
+            "pageable_copies", "block_waits", "copy_waits", "copy_wait_seconds", "evictions", "prefetches_ahead",
+            "images_taken_back", "bytes_images_taken_back")
 
 
 class Plain:
@@ -107,7 +112,7 @@ class Plain:
 
 class Tidal:
     def __init__(self, model, cfg, rule_of_before: bool, grads_at_fold: bool = False,
-                 weights_at_step: bool = False):
+                 weights_at_step: bool = False, fold_images: bool = True):
         t = time.perf_counter()
         self.engine = tidal.initialize(model, cfg)
         self.initialize_s = time.perf_counter() - t
@@ -116,6 +121,7 @@ class Tidal:
         if rule_of_before:
             # Before issue 52: hybrid Adam preferred the device for every chunk.
             self.engine.store.adam_placement.prefer_device = lambda chunk, summing: True
+        self.engine._accumulation._hooks.set_fold_images(fold_images)
         if grads_at_fold:
             # Before Note [Gradients down as they land]: each host-updated
             # chunk's gradients go down when its fold reads them.
@@ -150,7 +156,10 @@ class Tidal:
         r = self.engine.memory_report()
         return {**{k: s[k] for k in COUNTERS},
                 "exposed_adam_seconds": r["optimizer"]["exposed_adam_seconds"],
-                "adam_seconds": r["optimizer"]["adam_seconds"]}
+                "adam_seconds": r["optimizer"]["adam_seconds"],
+                "fold_worker_seconds": r["optimizer"]["fold_worker_seconds"],
+                "fold_wait_seconds": r["optimizer"]["fold_wait_seconds"],
+                "folds_on_worker": r["optimizer"]["folds_on_worker"]}
 
 
 # --compute-threads: the CPU Adam threads beside them (0: tidal's default, every core).
@@ -235,6 +244,8 @@ def main():
         if accum > 1:
             runs["grads_at_fold"] = Tidal(copy.deepcopy(base), config(args.batch, accum, chunk, budget),
                                           False, grads_at_fold=True)
+            runs["restore_at_fold"] = Tidal(copy.deepcopy(base), config(args.batch, accum, chunk, budget),
+                                            False, fold_images=False)
         runs["weights_at_step"] = Tidal(copy.deepcopy(base), config(args.batch, accum, chunk, budget), False,
                                         weights_at_step=True)
         runs["no_overlap"] = Tidal(copy.deepcopy(base), config(args.batch, accum, chunk, budget, overlap=False),
@@ -362,6 +373,10 @@ def main():
             "steady_evictions": med["evictions"],
             "steady_prefetches_ahead": med["prefetches_ahead"],
             "exposed_adam_s": exposed, "adam_s": statistics.median(d["adam_seconds"] for d in st),
+            "steady_images_taken_back": med["images_taken_back"],
+            "steady_folds_on_worker": med["folds_on_worker"],
+            "steady_fold_worker_s": med["fold_worker_seconds"],
+            "steady_fold_wait_s": med["fold_wait_seconds"],
             "budget_overruns": rep["budget_overruns"], "steady_samples": st,
             "phases": phase_medians(name),
         }
@@ -374,7 +389,10 @@ def main():
               f"{r['steady_block_waits']}, copy waits "
               f"{r['steady_copy_waits']:.0f} ({r['steady_copy_wait_s'] * 1e3:.0f} ms); initialize "
               f"{r['initialize_s']:.2f} s (pinned {r['initialize_bytes_pinned']} B), step 1 "
-              f"{r['step1_over_steady']:.1f}x a steady step (pinned {first_pinned[name]} B in steps 1-3)",
+              f"{r['step1_over_steady']:.1f}x a steady step (pinned {first_pinned[name]} B in steps 1-3)"
+              + (f"; folds on the worker {r['steady_folds_on_worker']:.0f} ({r['steady_fold_worker_s'] * 1e3:.1f} ms "
+                 f"there, waited {r['steady_fold_wait_s'] * 1e3:.1f} ms), images taken back "
+                 f"{r['steady_images_taken_back']:.0f}" if accum > 1 else ""),
               flush=True)
         ph, pp = r["phases"], out["plain_phases"]
         print(f"[engine_offload] {name}: forward / backward / optimizer step " + " / ".join(

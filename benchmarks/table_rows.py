@@ -135,6 +135,14 @@ _CPU_ADAM_PEERS = (("torch_adamw_foreach", "torch.optim.AdamW(foreach=True), fp3
                    ("deepspeed_cpu_adam", "DeepSpeedCPUAdam 0.19.8, fp32 grads", "ratio_vs_deepspeed"))
 
 
+def _paired(peer: Dict) -> str:
+    """A peer timed in its own process beside tidal's update there (DeepSpeed
+    in its venv): tidal's rate in those repeats, which the ratio pairs with;
+    the machine's memory bandwidth moves between runs."""
+    t = peer.get("paired_tidal_update")
+    return "" if not t else f" (tidal {t['params_per_s'] / 1e9:.2f} G params/s in the same repeats)"
+
+
 def _cpu_adam(r: Dict) -> List[Figure]:
     out = []
     for sz in r["sizes"]:
@@ -145,7 +153,7 @@ def _cpu_adam(r: Dict) -> List[Figure]:
         out += _versus(
             f"CPU Adam step, {n} params, fp16 grads + fp16 write-back, {sz['tidal']['kernel_target']}, "
             f"{sz['tidal']['threads']} threads (params/s; higher is better)", ours,
-            [(f"{sz[key]['params_per_s'] / 1e9:.2f} G params/s, {label}", f"{sz[ratio]:.2f}")
+            [(f"{sz[key]['params_per_s'] / 1e9:.2f} G params/s, {label}" + _paired(sz[key]), f"{sz[ratio]:.2f}")
              for key, label, ratio in _CPU_ADAM_PEERS
              if isinstance(sz.get(key), dict) and "params_per_s" in sz[key]])
         out.append(Figure(f"CPU Adam step, {n} params, vs the memory-bandwidth limit "
@@ -164,6 +172,16 @@ def _cpu_adam(r: Dict) -> List[Figure]:
                 f"{f['params_per_s'] / 1e9:.2f} G params/s, {f['median_GBps']:.1f} GB/s",
                 f"{peer['params_per_s'] / 1e9:.2f} G params/s, torch ops ({peer['ops']})",
                 f"{peer['ratio_to_tidal_paired']:.2f}"))
+        fi = sz.get("tidal_fold_image")
+        if f is not None and fi is not None:
+            out.append(Figure(
+                f"Gradient accumulation's fold, {n} params, where the chunk takes back the block of its "
+                f"weights (Note [The weights' image instead of the restore]): fp16 grads into fp32 sums "
+                f"only ({r['bytes_per_param']['fold_image']} B/param; params/s, higher is better)",
+                f"{fi['params_per_s'] / 1e9:.2f} G params/s, {fi['median_GBps']:.1f} GB/s",
+                f"{f['params_per_s'] / 1e9:.2f} G params/s, the fold writing the weights back "
+                f"({r['bytes_per_param']['fold']} B/param)",
+                f"{fi['over_fold_rate']:.2f}"))
     return out
 
 
@@ -218,6 +236,17 @@ def _engine_offload(r: Dict) -> List[Figure]:
                spread(tidal["step_s"], "ms", ".0f", 1e3),
                f"{later['step_s']['median'] * 1e3:.0f} ms, the weights going up after the step",
                f"{tidal['step_s']['median'] / later['step_s']['median']:.2f}")]
+    restore = res["runs"].get("restore_at_fold")
+    if restore is not None and "steady_fold_worker_s" in restore:
+        ahead.append(Figure(
+            f"folds' time on the update worker per steady step, {model}, "
+            f"{tidal['steady_images_taken_back']:.0f} chunks a step taking back the block of their weights "
+            f"(Note [The weights' image instead of the restore]; step {tidal['step_s']['median'] * 1e3:.1f} ms "
+            f"against {restore['step_s']['median'] * 1e3:.1f} ms)",
+            f"{tidal['steady_fold_worker_s'] * 1e3:.2f} ms",
+            f"{restore['steady_fold_worker_s'] * 1e3:.2f} ms, every fold writing the weights back from the "
+            f"masters",
+            f"{tidal['steady_fold_worker_s'] / restore['steady_fold_worker_s']:.2f}"))
     return [
         Figure(f"training step, {model} (steady prefetch hit rate {tidal['steady_prefetch_hit_rate']:.2f}, "
                f"{tidal['steady_host_block_allocations']:.0f} host blocks made, "
