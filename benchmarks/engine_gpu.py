@@ -426,9 +426,13 @@ def cmd_bench(args):
                          env=tidal_env(quick), log_dir=args.log_dir)
         q = quarter_budget()
         config = q["config"]
-        if kind == "tidal_quarter_accum":
+        if kind in ("tidal_quarter_accum", "tidal_quarter_accum_restore"):
             # (tokens/s counts every micro-batch: tidal.train's report)
             keys = {"device_margin": q["margin"]} if q["margin"] else {}
+            if kind == "tidal_quarter_accum_restore":
+                # Every fold writes the weights back from the masters, as before
+                # Note [The weights' image instead of the restore].
+                keys["fold_images"] = False
             config = _config_file(quick, top={"gradient_accumulation_steps": accum}, **keys)
         return child(key, peer_argv("tidal", quick, shape, steps, batch, budget=q["budget"], config=config),
                      args.timeout, env=tidal_env(quick), log_dir=args.log_dir)
@@ -444,8 +448,9 @@ def cmd_bench(args):
             order.append((kind, kind if r == 0 else f"{kind}_r{r + 1}"))
         if r == 0 and accum > 1:
             order.append(("tidal_quarter_accum", "tidal_quarter_accum"))
+            order.append(("tidal_quarter_accum_restore", "tidal_quarter_accum_restore"))
     if accum > 1:
-        kinds.append("tidal_quarter_accum")
+        kinds += ["tidal_quarter_accum", "tidal_quarter_accum_restore"]
         result["quarter_accumulation"] = accum
     for kind, key in order:
         if pause:
@@ -482,7 +487,7 @@ def cmd_bench(args):
             row["tflops_over_matmul_rate"] = row["tflops_with_attention"] / result["matmul_bf16_tflops"]
     ratios = {}
     if "plain" in table:
-        for k in ("tidal_whole", "tidal_quarter", "tidal_quarter_accum"):
+        for k in ("tidal_whole", "tidal_quarter", "tidal_quarter_accum", "tidal_quarter_accum_restore"):
             if k in table:
                 ratios[f"{k}_over_plain_tokens_per_s"] = table[k]["tokens_per_s"] / table["plain"]["tokens_per_s"]
         if "tidal_whole" in table:

@@ -33,9 +33,10 @@ pause each:
              host-updated chunk's gradients going down when the fold reads
              them, as before Note [Gradients down as they land];
   * restore_at_fold (with --accumulation > 1): the engine with every fold
-             rounding the masters back into the 16-bit slots, as before Note
-             [The weights' image instead of the restore] (hooks/gradient_sums.h;
-             16 bytes of host memory traffic per parameter instead of 10);
+             rounding the masters back into the 16-bit slots (tidal.fold_images
+             false), as before Note [The weights' image instead of the restore]
+             (hooks/gradient_sums.h; 16 bytes of host memory traffic per
+             parameter instead of 10);
   * weights_at_step: the engine with the weights of the chunks updated
              during backward going up after the step, in the next forward's
              order, as before Note [Weights up as they are updated] (with
@@ -112,7 +113,7 @@ class Plain:
 
 class Tidal:
     def __init__(self, model, cfg, rule_of_before: bool, grads_at_fold: bool = False,
-                 weights_at_step: bool = False, fold_images: bool = True):
+                 weights_at_step: bool = False):
         t = time.perf_counter()
         self.engine = tidal.initialize(model, cfg)
         self.initialize_s = time.perf_counter() - t
@@ -121,7 +122,6 @@ class Tidal:
         if rule_of_before:
             # Before issue 52: hybrid Adam preferred the device for every chunk.
             self.engine.store.adam_placement.prefer_device = lambda chunk, summing: True
-        self.engine._accumulation._hooks.set_fold_images(fold_images)
         if grads_at_fold:
             # Before Note [Gradients down as they land]: each host-updated
             # chunk's gradients go down when its fold reads them.
@@ -244,8 +244,9 @@ def main():
         if accum > 1:
             runs["grads_at_fold"] = Tidal(copy.deepcopy(base), config(args.batch, accum, chunk, budget),
                                           False, grads_at_fold=True)
-            runs["restore_at_fold"] = Tidal(copy.deepcopy(base), config(args.batch, accum, chunk, budget),
-                                            False, fold_images=False)
+            restoring = config(args.batch, accum, chunk, budget)
+            restoring["tidal"]["fold_images"] = False
+            runs["restore_at_fold"] = Tidal(copy.deepcopy(base), restoring, False)
         runs["weights_at_step"] = Tidal(copy.deepcopy(base), config(args.batch, accum, chunk, budget), False,
                                         weights_at_step=True)
         runs["no_overlap"] = Tidal(copy.deepcopy(base), config(args.batch, accum, chunk, budget, overlap=False),

@@ -656,6 +656,14 @@ def _engine_gpu(r: Dict) -> List[Figure]:
             f"{accum['budget_overruns']} budget overruns)",
             f"{accum['tokens_per_s']:,.0f} tokens/s", peer,
             f"{accum['tokens_per_s'] / plain['tokens_per_s']:.3f}"))
+    restore = t.get("tidal_quarter_accum_restore")
+    if accum is not None and restore is not None:
+        out.append(Figure(
+            f"{what_of(window)}, the same device budget, folds taking back the block of the weights "
+            f"(Note [The weights' image instead of the restore]) against every fold writing them back "
+            f"from the masters (tidal.fold_images false; tokens/s, higher is better)",
+            f"{accum['tokens_per_s']:,.0f} tokens/s", f"{restore['tokens_per_s']:,.0f} tokens/s, every fold "
+            f"writing the weights back", f"{accum['tokens_per_s'] / restore['tokens_per_s']:.3f}"))
     return out
 
 

@@ -37,7 +37,9 @@
 #   bench1b   engine_gpu.py bench: gpt-1.3b bf16, micro batch 8, seq 1024: plain PyTorch
 #             + fused AdamW vs tidal (whole GPU) vs tidal (a quarter of the model states),
 #             once more at the quarter budget with 4 micro-batches per step (issue 51
-#             step 2's accumulation; predicted 1.35 s a step: docs/estimate.md), and the
+#             step 2's accumulation; predicted 1.35 s a step: docs/estimate.md), and
+#             that again with tidal.fold_images false (every fold writes the weights
+#             back: Note [The weights' image instead of the restore]; +~30 s), and the
 #             bf16 matmul rate                                                  ~270 s
 #   dp        data parallel's NCCL path (issue 17) with world size 1: torchrun
 #             --nproc_per_node 1 -m tidal.train, tidal.data_parallel forced on with

@@ -108,6 +108,13 @@ _TIDAL_SCHEMA: dict[str, Any] = {
                                           "cached, without a copy "
                                           "(docs/engine.md); off: every move down copies, to measure "
                                           "what this saves. Not with the NVMe tier"),
+        "fold_images": (bool, True, "with gradient accumulation, a fold on the host whose 16-bit chunk "
+                                    "still has, cached, the host block it came up from (the weights) "
+                                    "takes that block back instead of writing the weights again from "
+                                    "the fp32 masters: 10 bytes of host memory traffic per parameter "
+                                    "instead of 16 (docs/engine.md); off: every fold writes them, to "
+                                    "measure what this saves. Needs skip_clean_copies; not with the "
+                                    "NVMe tier"),
         "eviction_policy": (("opt", "lru"), "opt", "OPT over the trace, or LRU"),
         "hybrid_adam": (bool, True, "update on the device the chunks whose states fit the chunk room left at the activation peak (they stay there); the others on the host"),
         "room_on_miss": (bool, True, "an allocation the device's allocator cannot serve within the "

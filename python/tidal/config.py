@@ -193,6 +193,7 @@ class Config:
     prefetch_depth: int = 4
     evict_ahead: bool = True
     skip_clean_copies: bool = True
+    fold_images: bool = True
     eviction_policy: str = "opt"
     hybrid_adam: bool = True
     simulated_allocator: str = "auto"
@@ -587,6 +588,7 @@ class Config:
                  f"expected an integer >= 1, got {self.prefetch_depth}")
         self.evict_ahead = t["evict_ahead"]
         self.skip_clean_copies = t["skip_clean_copies"]
+        self.fold_images = t["fold_images"]
         self.eviction_policy = t["eviction_policy"]
         self.hybrid_adam = t["hybrid_adam"]
         self.simulated_allocator = t["simulated_allocator"]

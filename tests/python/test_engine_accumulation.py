@@ -177,9 +177,10 @@ def test_mixed_precision_accumulation_matches_fp32_sums_of_16_bit_gradients(prec
 
 
 def _train_images(ref, batches, cfg, images, hooks_wrapper=None):
+    cfg = copy.deepcopy(cfg)
+    cfg["tidal"]["fold_images"] = images  # (tidal.fold_images false: every fold restores)
     engine = tidal.initialize(copy.deepcopy(ref), cfg)
     hooks = engine._accumulation._hooks
-    hooks.set_fold_images(images)
     if hooks_wrapper is not None:
         engine._accumulation._hooks = hooks_wrapper(engine, hooks)
     losses = train(engine, batches)
@@ -202,6 +203,7 @@ def test_a_fold_that_takes_back_the_weights_image_trains_bit_for_bit_as_the_rest
     runs = {images: _train_images(ref, batches, cfg, images) for images in (True, False)}
     (image, _, image_losses), (restore, _, restore_losses) = runs[True], runs[False]
     assert image.chunks.stats()["images_taken_back"] > 0
+    assert image.memory_report()["images_taken_back"] == image.chunks.stats()["images_taken_back"]
     assert restore.chunks.stats()["images_taken_back"] == 0
     assert image_losses == restore_losses
     a, b = image.parameters_fp32(), restore.parameters_fp32()
@@ -286,8 +288,8 @@ def test_a_write_the_forward_makes_is_kept_where_folds_take_back_images():
     cfg["tidal"].update(device_margin="4KiB", simulated_allocator="exact")
     runs = {}
     for images in (True, False):
+        cfg["tidal"]["fold_images"] = images
         engine = tidal.initialize(copy.deepcopy(model), cfg)
-        engine._accumulation._hooks.set_fold_images(images)
         for ids, y in data:
             engine.backward(engine(ids, y))
             engine.step()

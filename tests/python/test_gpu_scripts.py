@@ -133,6 +133,14 @@ def test_engine_bench_quick_has_the_three_peers_and_their_ratios(tmp_path):
     assert t["tidal_quarter"]["device_budget"] == q["bytes"]
     # ... with the whole run's margin, so the chunks' room is the quarter itself.
     assert r["runs"]["tidal_quarter"]["report"]["memory"]["device_margin"] == margin
+    # With accumulation, once as configured and once with every fold writing the weights
+    # back (tidal.fold_images false): that run takes no block back.
+    accum, restore = r["runs"]["tidal_quarter_accum"], r["runs"]["tidal_quarter_accum_restore"]
+    assert accum["ok"] and restore["ok"]
+    assert restore["report"]["memory"]["images_taken_back"] == 0
+    assert accum["report"]["gradient_accumulation_steps"] == restore["report"]["gradient_accumulation_steps"] == 2
+    assert ratios["tidal_quarter_accum_restore_over_plain_tokens_per_s"] == pytest.approx(
+        t["tidal_quarter_accum_restore"]["tokens_per_s"] / t["plain"]["tokens_per_s"])
 
 
 def test_engine_largest_quick_starts_at_the_prediction_and_reports_against_the_limit(tmp_path):

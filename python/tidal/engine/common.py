@@ -45,5 +45,5 @@ def _weak_method(bound):
 # tidal keys each rank of a data-parallel run may set for its own machine.
 _PER_MACHINE_KEYS = frozenset({"device_memory_budget", "host_memory_budget", "device_margin",
                                "cpu_adam_threads", "cpu_adam_pool", "prefetch", "prefetch_depth", "evict_ahead",
-                               "skip_clean_copies",
+                               "skip_clean_copies", "fold_images",
                                "eviction_policy", "hybrid_adam", "warmup_chunk_share", "device"})

@@ -246,6 +246,7 @@ class HookWiring:
             hooks.set_cuda_room(index, self._store.device_budget)
         hooks.set_track_first_use(True)
         hooks.set_accumulating(self._config.gradient_accumulation_steps > 1)
+        hooks.set_fold_images(self._config.fold_images)  # Note [The weights' image instead of the restore]
         return hooks
 
     def count(self, on: bool):

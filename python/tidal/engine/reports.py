@@ -170,6 +170,9 @@ class EngineReports:
             # took back the host block instead of copying, over the run.
             "copies_down_skipped": s["copies_down_skipped"],
             "bytes_down_skipped": s["bytes_down_skipped"],
+            # Note [The weights' image instead of the restore]: gradient folds
+            # whose chunk took back the block of its weights, over the run.
+            "images_taken_back": s["images_taken_back"],
             "prefetches": s["prefetches"],
             "prefetch_hit_rate": hits / (hits + misses) if hits + misses else 0.0,
             "budget_overruns": tracer.overruns,
