@@ -49,10 +49,13 @@ namespace tidal::hooks {
 // null: 10 bytes per parameter, 6 for a first) and the chunk takes that
 // block back as its payload (ChunkScheduler::take_back_image); the block
 // that held the gradients goes to the pool, free for the next chunk's
-// gradients. Where the block is gone by the fold's end (taken for another
-// chunk's copy) or the chunk cannot change blocks (another of its slots in
-// use), the fold restores from the masters then, as before. Counted in
-// ChunkSchedulerStats::images_taken_back.
+// gradients. Where the block is gone by the time the fold's accesses are
+// made (taken for a copy, this chunk's own copy down included), the pass
+// restores as before; where it is gone by the fold's end or the chunk
+// cannot change blocks (another of its slots in use), the fold restores
+// from the masters then (late_restores()). Counted in
+// ChunkSchedulerStats::images_taken_back. tidal.fold_images off (or
+// tidal.skip_clean_copies off, or the NVMe tier): every fold restores.
 
 // Writes the gradient landings of one 16-bit chunk made since its last fold
 // (GradientSums::landing_began / landing_ended).
