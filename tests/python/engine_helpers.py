@@ -63,6 +63,19 @@ class Reversed(torch.nn.Module):
         return torch.nn.functional.mse_loss(x, y)
 
 
+class Renormed(torch.nn.Module):
+    """An embedding that renorms the rows it looks up in place during forward
+    (max_norm), then a Linear: a write made by the forward itself."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = torch.nn.Embedding(100, 64, max_norm=1.0)
+        self.out = torch.nn.Linear(64, 64)
+
+    def forward(self, ids, y):
+        return torch.nn.functional.mse_loss(self.out(self.emb(ids)), y)
+
+
 def measured_budget(model, cfg, batches, chunk_share=0.25, slack=1.25):
     """A device budget from what this machine measures, not a constant.
 

@@ -17,7 +17,7 @@ import tidal
 from tidal._C.chunks import ChunkKind, MemorySpace
 
 sys.path.insert(0, str(Path(__file__).parent))
-from engine_helpers import gpt_batches, measured_budget, moved_within_budget, within_budget  # noqa: E402
+from engine_helpers import Renormed, gpt_batches, measured_budget, moved_within_budget, within_budget  # noqa: E402
 # DeepSpeed's loop (step() acts at accumulation boundaries only), and plain
 # PyTorch accumulating in param.grad with torch.optim.AdamW.
 from engine_helpers import train_tidal as train  # noqa: E402
@@ -259,19 +259,6 @@ def test_a_fold_whose_image_is_gone_at_its_end_restores_from_the_masters():
     moved_within_budget(late)
 
 
-class _Renormed(torch.nn.Module):
-    """An embedding that renorms the rows it looks up in place during forward
-    (max_norm: a write the forward makes to a parameter), then a Linear."""
-
-    def __init__(self):
-        super().__init__()
-        self.emb = torch.nn.Embedding(100, 64, max_norm=1.0)
-        self.out = torch.nn.Linear(64, 64)
-
-    def forward(self, ids, y):
-        return torch.nn.functional.mse_loss(self.out(self.emb(ids)), y)
-
-
 def test_a_write_the_forward_makes_is_kept_where_folds_take_back_images():
     # The embedding's chunk is written after it goes up (the renorm), so the
     # block it went up from no longer holds its weights and its folds must
@@ -279,7 +266,7 @@ def test_a_write_the_forward_makes_is_kept_where_folds_take_back_images():
     # parameter]); other chunks' folds take their images back. As plain PyTorch accumulating in param.grad, and bit for
     # bit as with every fold restoring.
     torch.manual_seed(0)
-    model = _Renormed()
+    model = Renormed()
     with torch.no_grad():
         model.emb.weight.mul_(3.0)  # rows above max_norm: the forward renorms them
     g = torch.Generator().manual_seed(4)

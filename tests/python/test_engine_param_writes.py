@@ -10,12 +10,17 @@ parameter, with the weights as if the write had not been made. Every case
 runs at a budget where chunks move and at one where everything fits.
 """
 import copy
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 
 import tidal
 from tidal.models.gpt import TanhChain
+
+sys.path.insert(0, str(Path(__file__).parent))
+from engine_helpers import Renormed  # noqa: E402
 
 LR = 1e-2
 BUDGETS = {"chunks-move": "160KiB", "all-fits": 0}
@@ -243,19 +248,6 @@ def test_num_parameters_counts_the_chunks_and_so_do_the_parameters():
     assert sum(p.numel() for p in pair.model.parameters()) == expected  # (their shapes, nothing moved)
     assert pair.engine.num_parameters() == expected
     assert pair.engine.num_parameters(only_trainable=True) == expected
-
-
-class Renormed(torch.nn.Module):
-    """An embedding that renorms the rows it looks up in place during forward
-    (max_norm), then a Linear: a write made by the forward itself."""
-
-    def __init__(self):
-        super().__init__()
-        self.emb = torch.nn.Embedding(100, 64, max_norm=1.0)
-        self.out = torch.nn.Linear(64, 64)
-
-    def forward(self, ids, y):
-        return torch.nn.functional.mse_loss(self.out(self.emb(ids)), y)
 
 
 def _renormed_pair(budget):
