@@ -66,10 +66,7 @@ std::pair<std::int64_t, std::uint64_t> GradientSums::image_for(const std::vector
                                                                MemorySpace space,
                                                                bool whole_chunk) const {
   constexpr std::pair<std::int64_t, std::uint64_t> kNone{-1, 0};
-  if (!use_images_ || !whole_chunk || ids.empty() || space != MemorySpace::kHost ||
-      !binding_->torch_device(MemorySpace::kHost).is_cpu()) {
-    return kNone;
-  }
+  if (!use_images_ || !whole_chunk || ids.empty() || space != MemorySpace::kHost) return kNone;
   const ChunkStore& store = scheduler_->store();
   const ChunkId chunk = store.chunk_of(TensorRef{ChunkKind::kParam16, ids[0]});
   for (const TensorId id : ids) {
@@ -151,14 +148,13 @@ void GradientSums::end_fold(StartedFold& fold, bool folded) {
   }
   if (folded) {
     // Note [The weights' image instead of the restore].
-    const bool image = fold.image_chunk >= 0;
     const auto chunk = static_cast<ChunkId>(fold.image_chunk);
+    std::size_t param16 = 0;  // the fold's 16-bit slots (all of one chunk's, in use)
+    for (const TensorRef& ref : fold.refs) param16 += ref.kind == ChunkKind::kParam16;
     bool take_back = false;
-    if (image) {
-      std::size_t own = 0;  // the fold's slots of the chunk, all in use
-      for (const TensorRef& ref : fold.refs) own += ref.kind == ChunkKind::kParam16;
+    if (fold.image_chunk >= 0) {
       take_back = scheduler_->image_cached(chunk, fold.image_version) &&
-                  scheduler_->store().chunk(chunk).count(TensorState::kCompute) == own;
+                  scheduler_->store().chunk(chunk).count(TensorState::kCompute) == param16;
       if (!take_back) {
         // The restore the pass left out, from the masters.
         ++late_restores_;
@@ -173,10 +169,8 @@ void GradientSums::end_fold(StartedFold& fold, bool folded) {
     }
     // The chunk's last slot released takes the image back, before a
     // prefetch could send the gradients up as weights.
-    std::size_t param16_left = 0;
-    for (const TensorRef& ref : fold.refs) param16_left += ref.kind == ChunkKind::kParam16;
     for (const TensorRef& ref : fold.refs) {
-      if (take_back && ref.kind == ChunkKind::kParam16 && --param16_left == 0) {
+      if (take_back && ref.kind == ChunkKind::kParam16 && --param16 == 0) {
         const bool taken = scheduler_->release_taking_image(ref, TensorState::kHold, fold.image_version);
         TIDAL_INTERNAL_ASSERT(taken, "GradientSums::end_fold: chunk ", chunk, " did not take its image back");
       } else {

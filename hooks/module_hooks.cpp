@@ -425,13 +425,14 @@ void ModuleHooks::fold_gradients(const std::vector<std::size_t>& params, MemoryS
 bool ModuleHooks::every_landed_of_chunk(const std::vector<std::size_t>& params) const {
   if (params.empty()) return false;
   const ChunkIndex chunk = params_[params[0]].chunk;
-  std::vector<bool> in(params_.size(), false);
   for (std::size_t i : params) {
     if (params_[i].chunk != chunk) return false;
-    in[i] = true;
   }
   for (std::size_t i = 0; i < params_.size(); ++i) {
-    if (params_[i].chunk == chunk && params_[i].landed && !in[i]) return false;
+    if (params_[i].chunk == chunk && params_[i].landed &&
+        std::find(params.begin(), params.end(), i) == params.end()) {
+      return false;
+    }
   }
   return true;
 }

@@ -545,13 +545,14 @@ only receives the updated params.)doc");
         const Flat h16 = flat(half, "half");
         // (None: the half keeps the gradients; Note [The weights' image
         // instead of the restore] in hooks/gradient_sums.h.)
-        const Flat w = master.has_value() ? flat(*master, "master") : Flat{nullptr, s.count, ca::DType::kFloat32};
+        const Flat w = master.has_value() ? flat(*master, "master") : s;
         TIDAL_CHECK_TYPE(s.dtype == ca::DType::kFloat32 && w.dtype == ca::DType::kFloat32,
                          "sum and master must be torch.float32, got ", ca::dtype_name(s.dtype),
                          " and ", ca::dtype_name(w.dtype));
         TIDAL_CHECK(s.count == h16.count && w.count == h16.count, "sum (", s.count, "), half (",
                     h16.count, ") and master (", w.count,
                     ") must have as many elements each; they are one chunk of three lists");
+        const float* masters = master.has_value() ? static_cast<const float*>(w.data) : nullptr;
         std::vector<ca::FoldSpan> spans;
         spans.reserve(ranges.size());
         const std::size_t half_size = ca::dtype_size(h16.dtype);
@@ -562,7 +563,7 @@ only receives the updated params.)doc");
                       h16.count, " elements");
           spans.push_back({static_cast<float*>(s.data) + off,
                            static_cast<char*>(h16.data) + off * half_size,
-                           w.data == nullptr ? nullptr : static_cast<const float*>(w.data) + off,
+                           masters == nullptr ? nullptr : masters + off,
                            static_cast<std::size_t>(cnt),
                            first});
         }

@@ -670,15 +670,19 @@ bool ChunkScheduler::come_down_clean(ChunkId id) {
   if (chunk.space() != MemorySpace::kDevice || !chunk.has_payload()) return false;
   BlockPtr image = pool_.take_image(chunk.capacity_bytes(), static_cast<std::int64_t>(id), slots_[id].writes);
   if (!image) return false;
-  BlockPtr device_block = detach(id);
-  attach(id, std::move(image));
-  pool_.give_back(std::move(device_block));
+  swap_to_image(id, std::move(image));
   rewind_prefetch(id);
   ++stats_.moves_device_to_host;
   ++stats_.copies_down_skipped;
   stats_.bytes_down_skipped += chunk.capacity_bytes();
   if (slots_[id].prefetched) clear_prefetched(id, /*wasted=*/true);
   return true;
+}
+
+void ChunkScheduler::swap_to_image(ChunkId id, BlockPtr image) {
+  BlockPtr replaced = detach(id);
+  attach(id, std::move(image));
+  pool_.give_back(std::move(replaced));
 }
 
 void ChunkScheduler::move(ChunkId id, MemorySpace to, BlockPtr destination) {
@@ -879,14 +883,14 @@ bool ChunkScheduler::image_cached(ChunkId id, std::uint64_t version) const {
 }
 
 bool ChunkScheduler::take_back_image(ChunkId id, std::uint64_t version) {
-  if (!image_cached(id, version)) return false;
+  TIDAL_CHECK_INDEX(id < slots_.size(), "chunk scheduler: chunk id ", id, " out of range");
   const Chunk& chunk = store_.chunk(id);
-  if (chunk.space() != MemorySpace::kHost || !chunk.has_payload() || !chunk.movable()) return false;
+  if (!may_skip_copies(id) || chunk.space() != MemorySpace::kHost || !chunk.has_payload() || !chunk.movable()) {
+    return false;
+  }
   BlockPtr image = pool_.take_image(chunk.capacity_bytes(), static_cast<std::int64_t>(id), version);
-  TIDAL_INTERNAL_ASSERT(image != nullptr, "take_back_image: the cached image went missing");
-  BlockPtr replaced = detach(id);
-  attach(id, std::move(image));
-  pool_.give_back(std::move(replaced));
+  if (!image) return false;
+  swap_to_image(id, std::move(image));
   slots_[id].written();
   ++stats_.images_taken_back;
   stats_.bytes_images_taken_back += chunk.capacity_bytes();

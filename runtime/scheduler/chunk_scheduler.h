@@ -674,8 +674,9 @@ class ChunkScheduler {
   void write_to_disk(ChunkId id);
   // Reads chunk `id` from the disk tier into `block` (a host block).
   void read_from_disk(ChunkId id, BlockPtr block);
-  // Frees host blocks cached beyond host_cache_blocks whose copies are done.
+  // release() and release_taking_image() (image_version null: the first).
   bool release_with(TensorRef ref, TensorState state, const std::uint64_t* image_version);
+  // Frees host blocks cached beyond host_cache_blocks whose copies are done.
   void trim_host_cache() { pool_.trim_ready(MemorySpace::kHost, host_keep_blocks_, host_keep_by_size_); }
   // A chunk left `from` for `to`: the prefetch cursor goes back to its next
   // use if it had passed it (Note [Prefetch]).
@@ -685,6 +686,9 @@ class ChunkScheduler {
   // to the host block it came up from, if the pool still holds it with the
   // chunk's bytes. Whether it did.
   bool come_down_clean(ChunkId id);
+  // Chunk `id` takes `image` (a cached host block of its bytes) as its
+  // payload; the block it had goes to the pool.
+  void swap_to_image(ChunkId id, BlockPtr image);
   // Whether chunk `id` may leave the device that way (options, no disk tier,
   // its pool).
   bool may_skip_copies(ChunkId id) const;
