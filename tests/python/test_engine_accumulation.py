@@ -271,8 +271,9 @@ def test_a_write_the_forward_makes_is_kept_where_folds_take_back_images():
         model.emb.weight.mul_(3.0)  # rows above max_norm: the forward renorms them
     g = torch.Generator().manual_seed(4)
     data = [(torch.randint(0, 100, (4, 8), generator=g), torch.randn(4, 8, 64, generator=g)) for _ in range(8)]
-    cfg = config(2, budget="96KiB", chunk="16KiB")
+    cfg = config(2, chunk="16KiB")
     cfg["tidal"].update(device_margin="4KiB", simulated_allocator="exact")
+    cfg["tidal"]["device_memory_budget"] = measured_budget(copy.deepcopy(model), cfg, data)
     runs = {}
     for images in (True, False):
         cfg["tidal"]["fold_images"] = images
