@@ -384,8 +384,11 @@ GradStats grad_stats(DType grad_dtype, std::span<const GradSpan> spans, double g
   return out;
 }
 
-void fold_gradients(DType half_dtype, std::span<const FoldSpan> spans, const ExecOptions& exec) {
+void fold_gradients(DType half_dtype, std::span<const FoldSpan> spans, const ExecOptions& exec,
+                    std::span<GradStats> stats) {
   check_exec(exec);
+  TIDAL_CHECK(stats.empty() || stats.size() == spans.size(), "fold_gradients: ", stats.size(),
+              " stats for ", spans.size(), " spans; give none or one per span");
   std::vector<std::size_t> counts;
   counts.reserve(spans.size());
   for (std::size_t i = 0; i < spans.size(); ++i) {
@@ -394,13 +397,33 @@ void fold_gradients(DType half_dtype, std::span<const FoldSpan> spans, const Exe
                 "fold span ", i, ": sum and half must be non-null for ", s.count, " elements");
     counts.push_back(s.count);
   }
-  const auto& fold = active_table().fold[static_cast<int>(half_dtype)];
+  const KernelTable& table = active_table();
+  const auto& fold = table.fold[static_cast<int>(half_dtype)];
+  const detail::StatsFn measure = table.stats[static_cast<int>(DType::kFloat32)];
   const BlockMap map(counts);
+  // With stats: one slot per block and its span, reduced in block order
+  // below, as grad_stats reduces a span's blocks (Note [Deterministic blocks]).
+  const std::size_t slots = stats.empty() ? 0 : map.num_blocks();
+  std::vector<double> sums(slots, 0.0);
+  std::vector<unsigned char> finite(slots, 1);
+  std::vector<std::size_t> span_of(slots, 0);
   run_blocks(map, exec, [&](std::size_t b0, std::size_t b1) {
-    map.visit(b0, b1, counts, [&](std::size_t s, std::size_t begin, std::size_t count, std::size_t) {
+    map.visit(b0, b1, counts, [&](std::size_t s, std::size_t begin, std::size_t count, std::size_t b) {
       fold[spans[s].first ? 1 : 0][spans[s].master != nullptr ? 1 : 0](spans[s], begin, count);
+      if (slots == 0) return;
+      const detail::BlockStats st = measure(spans[s].sum, begin, count);
+      sums[b] = st.sum_squares;
+      finite[b] = st.finite ? 1 : 0;
+      span_of[b] = s;
     });
   });
+  if (slots == 0) return;
+  for (GradStats& st : stats) st = GradStats{};
+  for (std::size_t b = 0; b < slots; ++b) {
+    GradStats& st = stats[span_of[b]];
+    st.sum_squares += sums[b];
+    st.finite = st.finite && finite[b] != 0;
+  }
 }
 
 void copy_spans(std::span<const CopySpan> spans, const ExecOptions& exec) {

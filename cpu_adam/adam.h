@@ -338,8 +338,15 @@ struct FoldSpan {
 // gradient exactly), then half = master rounded to nearest even (copied when
 // half_dtype is kFloat32), unless the span's master is null. Spans must not
 // overlap each other; within a span, `half` may not overlap `sum` or `master`.
+//
+// `stats` empty, or one per span: then each span's new sums are also
+// measured as they are written, and stats[i] is bitwise what
+// grad_stats(DType::kFloat32, {sums of span i}) returns after the fold (the
+// same blocks, Note [Deterministic blocks], each measured right after it is
+// folded, while it is in cache): Note [Measured in the fold] in
+// python/tidal/engine/overlap.py.
 void fold_gradients(DType half_dtype, std::span<const FoldSpan> spans,
-                    const ExecOptions& exec = {});
+                    const ExecOptions& exec = {}, std::span<GradStats> stats = {});
 
 // One byte range to copy: `bytes` from `src` to `dst` (which must not overlap).
 struct CopySpan {

@@ -107,7 +107,14 @@ void UpdateWorker::run(Item& item) {
   try {
     for (const auto& fence : job.fences) fence();
     t.started = now_seconds();
-    if (!job.folds.empty()) fold_gradients(job.fold_dtype, job.folds, job.exec);
+    if (!job.folds.empty()) {
+      std::span<GradStats> stats;
+      if (job.fold_stats != nullptr) {
+        job.fold_stats->assign(job.folds.size(), GradStats{});
+        stats = *job.fold_stats;
+      }
+      fold_gradients(job.fold_dtype, job.folds, job.exec, stats);
+    }
     if (!job.undo.empty()) copy_spans(job.undo, job.exec);
     before_update = false;
     for (const ChunkCall& call : job.calls) {

@@ -67,6 +67,9 @@ struct UpdateJob {
   // python/tidal/engine/overlap.py); a job may be only this.
   std::vector<FoldSpan> folds;
   DType fold_dtype = DType::kBFloat16;
+  // Non-null: the fold also measures its new sums, one GradStats per span,
+  // into it (fold_gradients' stats); read it once the ticket is done.
+  std::shared_ptr<std::vector<GradStats>> fold_stats;
   // Then copied (copy_spans): a speculative update's undo copy. A failure
   // here leaves the chunk untouched (UpdateTicket::undo_failed).
   std::vector<CopySpan> undo;

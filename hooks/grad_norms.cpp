@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cmath>
 #include <span>
+#include <utility>
 
 namespace tidal::hooks {
 
@@ -22,23 +23,32 @@ std::optional<cpu_adam::DType> cpu_adam_dtype(at::ScalarType type) {
 }
 
 void GradNorms::measure(std::size_t param, const at::Tensor& grad) {
+  const std::optional<cpu_adam::DType> dtype = cpu_adam_dtype(grad.scalar_type());
+  if (grad.is_cpu() && grad.is_contiguous() && dtype) {
+    const cpu_adam::GradSpan span{grad.const_data_ptr(), static_cast<std::size_t>(grad.numel())};
+    record(param, cpu_adam::grad_stats(*dtype, std::span(&span, 1)));
+    return;
+  }
+  at::Tensor norm = at::linalg_vector_norm(grad, 2, c10::nullopt, false, at::kFloat);
+  Measure& m = measures_.at(param);
+  if (!m.measured) {
+    m.measured = true;
+    measured_.push_back(param);
+  }
+  m.norm = std::move(norm);
+  m.sum_squares = 0.0;
+  m.finite = true;
+}
+
+void GradNorms::record(std::size_t param, const cpu_adam::GradStats& stats) {
   Measure& m = measures_.at(param);
   if (!m.measured) {
     m.measured = true;
     measured_.push_back(param);
   }
   m.norm = at::Tensor();
-  m.sum_squares = 0.0;
-  m.finite = true;
-  const std::optional<cpu_adam::DType> dtype = cpu_adam_dtype(grad.scalar_type());
-  if (grad.is_cpu() && grad.is_contiguous() && dtype) {
-    const cpu_adam::GradSpan span{grad.const_data_ptr(), static_cast<std::size_t>(grad.numel())};
-    const cpu_adam::GradStats stats = cpu_adam::grad_stats(*dtype, std::span(&span, 1));
-    m.sum_squares = stats.sum_squares;
-    m.finite = stats.finite;
-    return;
-  }
-  m.norm = at::linalg_vector_norm(grad, 2, c10::nullopt, false, at::kFloat);
+  m.sum_squares = stats.sum_squares;
+  m.finite = stats.finite;
 }
 
 GradNorm GradNorms::take() {

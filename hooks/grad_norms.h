@@ -56,6 +56,10 @@ class GradNorms {
   // Parameter `param`'s landed gradient (or the sum of its two landings), or
   // with accumulation its gradient sum; replaces an earlier measure of it.
   void measure(std::size_t param, const at::Tensor& grad);
+  // Parameter `param`'s measure made elsewhere: what measure() finds for a
+  // CPU gradient (cpu_adam::grad_stats), here already taken (Note [Measured
+  // in the fold] in tidal/engine/overlap.py).
+  void record(std::size_t param, const cpu_adam::GradStats& stats);
   // The gradients measured since the last take or clear, added in parameter
   // order. Reads the device once when device gradients were measured.
   GradNorm take();

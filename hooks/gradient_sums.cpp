@@ -56,10 +56,12 @@ void GradientSums::fold(const std::vector<TensorId>& ids, const std::vector<bool
 }
 
 StartedFold GradientSums::start_fold(const std::vector<TensorId>& ids, const std::vector<bool>& first,
-                                     bool whole_chunk) {
+                                     bool whole_chunk, bool measure) {
   TIDAL_INTERNAL_ASSERT(binding_->torch_device(MemorySpace::kHost).is_cpu(),
                         "GradientSums::start_fold: the host is not CPU memory");
-  return begin_fold(ids, first, MemorySpace::kHost, /*wait_for_copies=*/false, whole_chunk);
+  StartedFold fold = begin_fold(ids, first, MemorySpace::kHost, /*wait_for_copies=*/false, whole_chunk);
+  if (measure) fold.stats = std::make_shared<std::vector<cpu_adam::GradStats>>();
+  return fold;
 }
 
 std::pair<std::int64_t, std::uint64_t> GradientSums::image_for(const std::vector<TensorId>& ids,
@@ -140,6 +142,7 @@ StartedFold GradientSums::begin_fold(const std::vector<TensorId>& ids, const std
 void GradientSums::end_fold(StartedFold& fold, bool folded) {
   TIDAL_INTERNAL_ASSERT(!fold.ended, "GradientSums::end_fold: this fold has ended");
   fold.ended = true;
+  fold.folded = folded;
   fold.fences.clear();
   // The landings counted for these chunks end here, folded or not (the
   // fold's accesses count as writes).

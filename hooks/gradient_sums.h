@@ -10,6 +10,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <functional>
+#include <memory>
 #include <unordered_map>
 #include <utility>
 #include <vector>
@@ -82,7 +83,12 @@ struct StartedFold {
   std::vector<const float*> masters;
   // Valid while the slots are in use; callable on any thread.
   std::vector<std::function<void()>> fences;
+  // Non-null: the pass also measures the new sums, one per span (the
+  // window's last fold: Note [Measured in the fold] in
+  // python/tidal/engine/overlap.py); the worker's job writes them.
+  std::shared_ptr<std::vector<cpu_adam::GradStats>> stats;
   bool ended = false;
+  bool folded = false;  // ended with its pass run (end_fold's `folded`)
 };
 
 class GradientSums {
@@ -125,8 +131,9 @@ class GradientSums {
   // answer.spans) after calling every fence, then end_fold(answer, true);
   // end_fold(answer, false) where the pass did not run (the slots go back to
   // their states before). On an error nothing stays in use.
+  // measure: the pass also measures the new sums (StartedFold::stats).
   StartedFold start_fold(const std::vector<TensorId>& ids, const std::vector<bool>& first,
-                         bool whole_chunk = false);
+                         bool whole_chunk = false, bool measure = false);
   // The slots of `fold` are released: HOLD where `folded`, as fold() leaves
   // them; otherwise as they were (a new sum FREE again). Once per fold.
   void end_fold(StartedFold& fold, bool folded);

@@ -437,9 +437,9 @@ bool ModuleHooks::every_landed_of_chunk(const std::vector<std::size_t>& params) 
   return true;
 }
 
-StartedFold ModuleHooks::start_fold(const std::vector<std::size_t>& params) {
+StartedFold ModuleHooks::start_fold(const std::vector<std::size_t>& params, bool measure) {
   StartedFold fold = gradient_sums_.start_fold(ids_of(params), first_sums(params, "start_fold"),
-                                               every_landed_of_chunk(params));
+                                               every_landed_of_chunk(params), measure);
   fold.params = params;
   return fold;
 }
@@ -451,6 +451,14 @@ void ModuleHooks::end_fold(StartedFold& fold, bool done) {
 
 void ModuleHooks::measure_sums(const std::vector<std::size_t>& params) {
   gradient_sums_.measure(ids_of(params), params, grad_norms_);
+}
+
+void ModuleHooks::measured_in_fold(const StartedFold& fold) {
+  TIDAL_INTERNAL_ASSERT(fold.ended && fold.folded && fold.stats != nullptr &&
+                            fold.stats->size() == fold.params.size(),
+                        "ModuleHooks::measured_in_fold: a fold that did not measure its ", fold.params.size(),
+                        " sums (ended ", fold.ended, ", folded ", fold.folded, ")");
+  for (std::size_t k = 0; k < fold.params.size(); ++k) grad_norms_.record(fold.params[k], (*fold.stats)[k]);
 }
 
 void ModuleHooks::drop_sums(const std::vector<std::size_t>& params) {

@@ -198,12 +198,17 @@ class ModuleHooks : public std::enable_shared_from_this<ModuleHooks> {
   // for the copies into them (GradientSums::start_fold); end_fold, after
   // the pass ran (`folded`) or did not, releases them, and where folded the
   // parameters no longer count as landed and have a sum, as fold_gradients
-  // leaves them. Until then they count as landed.
-  StartedFold start_fold(const std::vector<std::size_t>& params);
+  // leaves them. Until then they count as landed. `measure`: the pass also
+  // measures the new sums (StartedFold::stats), for measured_in_fold.
+  StartedFold start_fold(const std::vector<std::size_t>& params, bool measure = false);
   void end_fold(StartedFold& fold, bool done);
   // Measures the gradient sums of `params` where their chunks are, into what
   // grad_norms().take() returns.
   void measure_sums(const std::vector<std::size_t>& params);
+  // measure_sums of the fold's parameters from what its pass measured as it
+  // wrote their sums (a fold started with measure, ended done): the same
+  // bits (Note [Measured in the fold] in tidal/engine/overlap.py).
+  void measured_in_fold(const StartedFold& fold);
   // The sums of `params` are consumed (the step) or dropped; a parameter
   // without one (its sum handed over, below) is left as it is.
   void drop_sums(const std::vector<std::size_t>& params);

@@ -311,6 +311,8 @@ static void bind_hooks(py::module_& m) {
   py::class_<hooks::StartedFold, std::shared_ptr<hooks::StartedFold>>(
       m, "StartedFold", "A fold of one chunk's gradients begun by ModuleHooks.start_fold.")
       .def_property_readonly("ended", [](const hooks::StartedFold& f) { return f.ended; })
+      .def_property_readonly("measures", [](const hooks::StartedFold& f) { return f.stats != nullptr; },
+                             "Whether its pass also measures the new sums (start_fold's measure).")
       .def_property_readonly("takes_image", [](const hooks::StartedFold& f) { return f.image_chunk >= 0; },
                              "Whether its pass leaves the restore out and its end takes back the weights' "
                              "image (Note [The weights' image instead of the restore]).")
@@ -324,6 +326,7 @@ static void bind_hooks(py::module_& m) {
             job.fences = fold.fences;
             job.folds = fold.spans;
             job.fold_dtype = fold.dtype;
+            job.fold_stats = fold.stats;
             // (Names the job's chunk for run_or_wait; a span's master is null
             // where the fold takes back the weights' image.)
             job.chunk.param = const_cast<float*>(fold.masters.front());
@@ -511,13 +514,14 @@ may wait for a chunk copy release the GIL.)doc")
            "Gradient accumulation: the landed gradients of one chunk's `params` into their "
            "fp32 sums, weights back into the 16-bit slots (Note [Gradient sums in chunks]).")
       .def("start_fold",
-           [](Hooks& h, const std::vector<Index>& params) {
-             return std::make_shared<hooks::StartedFold>(h.get().start_fold(params));
+           [](Hooks& h, const std::vector<Index>& params, bool measure) {
+             return std::make_shared<hooks::StartedFold>(h.get().start_fold(params, measure));
            },
-           GIL(), py::arg("params"),
+           GIL(), py::arg("params"), py::kw_only(), py::arg("measure") = false,
            "fold_gradients in two (Note [Folds on the worker] in tidal/engine/overlap.py): the "
            "slots of one chunk's `params` on the host, in use without waiting for the copies into "
-           "them; StartedFold.submit runs the pass on an UpdateWorker, end_fold releases them.")
+           "them; StartedFold.submit runs the pass on an UpdateWorker, end_fold releases them. "
+           "`measure`: the pass also measures the new sums, for measured_in_fold.")
       .def("end_fold",
            [](Hooks& h, hooks::StartedFold& fold, bool folded) { h.get().end_fold(fold, folded); },
            py::arg("fold"), py::arg("folded"),
@@ -525,6 +529,10 @@ may wait for a chunk copy release the GIL.)doc")
            "leaves them, otherwise as they were.")
       .def("measure_sums", [](Hooks& h, const std::vector<Index>& params) { h.get().measure_sums(params); },
            GIL(), py::arg("params"))
+      .def("measured_in_fold", [](Hooks& h, const hooks::StartedFold& fold) { h.get().measured_in_fold(fold); },
+           py::arg("fold"),
+           "measure_sums of a fold's parameters from what its pass measured (a fold started with "
+           "measure, ended folded): Note [Measured in the fold] in tidal/engine/overlap.py.")
       .def("drop_sums", [](Hooks& h, const std::vector<Index>& params) { h.get().drop_sums(params); },
            py::arg("params"))
       .def("hand_over_sums", [](Hooks& h, const std::vector<Index>& params) { h.get().hand_over_sums(params); },

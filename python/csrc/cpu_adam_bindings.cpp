@@ -540,7 +540,7 @@ only receives the updated params.)doc");
       "fold_gradients",
       [](const at::Tensor& sum, const at::Tensor& half, const std::optional<at::Tensor>& master,
          const std::vector<std::tuple<std::int64_t, std::int64_t, bool>>& ranges,
-         int num_threads) {
+         int num_threads, bool measure) -> py::object {
         const Flat s = flat(sum, "sum");
         const Flat h16 = flat(half, "half");
         // (None: the half keeps the gradients; Note [The weights' image
@@ -567,17 +567,24 @@ only receives the updated params.)doc");
                            static_cast<std::size_t>(cnt),
                            first});
         }
-        py::gil_scoped_release no_gil;
-        ca::fold_gradients(h16.dtype, spans, ca::ExecOptions{num_threads});
+        std::vector<ca::GradStats> stats(measure ? spans.size() : 0);
+        {
+          py::gil_scoped_release no_gil;
+          ca::fold_gradients(h16.dtype, spans, ca::ExecOptions{num_threads}, stats);
+        }
+        if (!measure) return py::none();
+        return py::cast(stats);
       },
       py::arg("sum"), py::arg("half"), py::arg("master"), py::arg("ranges"), py::kw_only(),
-      py::arg("num_threads") = 0,
+      py::arg("num_threads") = 0, py::arg("measure") = false,
       R"doc(Gradient accumulation's fold (cpu_adam/adam.h, fold_gradients): for each
 (offset, count, first) range, sum = (first ? 0 : sum) + float(half), then half
 = master rounded to half's dtype. sum and master are float32 chunks, half the
 16-bit chunk (float32 in fp32 mode) holding the landed gradients. master None:
 half keeps the gradients (the engine's chunk takes back the block of its
-weights instead: Note [The weights' image instead of the restore]).)doc");
+weights instead: Note [The weights' image instead of the restore]). measure:
+also returns one GradStats per range, of its new sums, bitwise what
+grad_stats of those sums returns (Note [Measured in the fold]); else None.)doc");
 
   m.def(
       "copy_tensors",

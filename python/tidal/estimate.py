@@ -170,11 +170,13 @@ DEFAULT_RATES = {
     "fold_params_per_s": (3.3e9, "tidal's fold (16 bytes of host memory traffic per parameter), "
                                  "2^26 parameters, 2 threads of the 2-core AMD EPYC: measure_rates "
                                  "there (CPU Adam 1.86e9 in the same run: the fold 1.79x its rate); "
-                                 "benchmarks/results/cpu_adam-cpu-2c.json has the fold at 1.68x and "
-                                 "1.67x CPU Adam's rate in the same repeats at 2^26 and 2^28, and "
-                                 "the fold that leaves the weights' rewrite out (10 bytes: Note "
-                                 "[The weights' image instead of the restore]) at 1.70x and 1.67x "
-                                 "the fold's rate, which this estimate does not charge yet"),
+                                 "benchmarks/results/cpu_adam-cpu-2c.json (an AVX2 host at about "
+                                 "21 GB/s) has the fold at 1.88x and 1.79x CPU Adam's rate in the "
+                                 "same repeats at 2^26 and 2^28, and the fold that leaves the "
+                                 "weights' rewrite out (10 bytes: Note [The weights' image instead "
+                                 "of the restore]) at 1.46x and 1.59x the fold's rate (1.70x and "
+                                 "1.67x on the AVX-512 host of the run before), which this "
+                                 "estimate does not charge yet"),
     "speculation_factor": (2.9, "a speculative CPU Adam update (its undo copy, 14 B/param, then "
                                 "the update) over the update alone: 16.8M parameters on the 2-core "
                                 "AMD EPYC, 29 ms + 15 ms against 15 ms (Note [Speculation while "

@@ -308,6 +308,34 @@ def test_gradient_accumulation_folds_and_steps_match_torch_adamw(target, half_dt
         _C.cpu_adam.fold_gradients(sums, half, master, [(0, 100000, True)])
 
 
+@pytest.mark.parametrize("half_dtype", [torch.bfloat16, torch.float16])
+def test_a_measuring_fold_measures_the_sums_it_writes(half_dtype):
+    # Note [Measured in the fold] (tidal/engine/overlap.py): fold_gradients
+    # with measure gives each range the sum of squares of its new sums, the
+    # bits grad_stats finds on them, and torch's float64 sum of squares to
+    # the kernel's fp32 lanes; a range whose sums took an inf says so.
+    bs = _C.cpu_adam.block_elements
+    ranges = [(0, 5, True), (5, bs + 3, False), (bs + 8, 0, False), (bs + 8, 2 * bs - 1, False)]
+    numel = 3 * bs + 7
+    gen = torch.Generator().manual_seed(21)
+    sums = torch.randn(numel, generator=gen) * 10
+    master = torch.randn(numel, generator=gen)
+    half = (torch.randn(numel, generator=gen) * 100).to(half_dtype)
+    half[bs + 8 + 17] = math.inf
+    stats = _C.cpu_adam.fold_gradients(sums, half, None, ranges, measure=True)
+    assert len(stats) == len(ranges)
+    for (o, n, _), st in zip(ranges, stats):
+        again = _C.cpu_adam.grad_stats(sums, offset=o, count=n)
+        assert st.finite == again.finite
+        assert st.sum_squares == again.sum_squares or not st.finite
+        if st.finite:
+            want = sums[o:o + n].double().square().sum().item()
+            assert st.sum_squares == pytest.approx(want, rel=2e-5, abs=0.0)
+    assert [st.finite for st in stats] == [True, True, True, False]
+    assert stats[2].sum_squares == 0.0
+    assert _C.cpu_adam.fold_gradients(sums, half, master, ranges) is None  # (not asked: none)
+
+
 def test_chunk_step_on_overflow_writes_nothing_and_checks_its_arguments():
     n = _C.cpu_adam.block_elements + 50
     gen = torch.Generator().manual_seed(12)

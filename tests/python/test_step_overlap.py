@@ -214,6 +214,9 @@ def test_accumulation_updates_during_the_last_micro_batch(hybrid, left):
     assert_bitwise(plain, overlapped)
     opt = optimizer_report(overlapped)
     assert opt["chunks_updated_during_backward"] > 0 and opt["undone_chunk_updates"] > 0, opt
+    # (Note [Measured in the fold]: the clip factor of the steps that
+    # clipped came from measures the worker's folds made.)
+    assert opt["sums_measured_in_folds"] > 0, opt
     if left:
         assert opt["chunks_left_to_the_step_by_cost"] > 0, opt
         assert opt["chunks_updated_under_next_forward"] >= opt["chunks_left_to_the_step_by_cost"], opt

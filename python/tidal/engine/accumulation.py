@@ -186,13 +186,14 @@ class GradientAccumulation:
             self._hooks.fold_gradients(self._params.indexes(recs), space,
                                        num_threads=cfg.cpu_adam_threads, pool=cfg.cpu_adam_pool)
 
-    def start_fold(self, recs: list):
+    def start_fold(self, recs: list, measure: bool = False):
         """fold_chunk's first part on the host, for a pass on the worker
         (Note [Folds on the worker] in overlap.py): `recs` (one chunk's)
         have their slots accessed without waiting for the copies into them;
-        the answer's submit() runs the pass, then end_fold."""
+        the answer's submit() runs the pass, then end_fold. `measure`: the
+        pass also measures the new sums (Note [Measured in the fold])."""
         with torch.no_grad(), uncounted(), _dtr.outside():
-            return self._hooks.start_fold(self._params.indexes(recs))
+            return self._hooks.start_fold(self._params.indexes(recs), measure=measure)
 
     def end_fold(self, fold, folded: bool) -> None:
         """A started fold's slots released: as fold_chunk leaves them where
@@ -200,10 +201,14 @@ class GradientAccumulation:
         with torch.no_grad(), uncounted(), _dtr.outside():
             self._hooks.end_fold(fold, folded)
 
-    def measure_chunk(self, recs: list) -> None:
+    def measure_chunk(self, recs: list, fold=None) -> None:
         """The sums of `recs` (one chunk's, final: the window's last fold)
         measured for the step's norm, where they are (Note [Measured where
-        folded] in overlap.py)."""
+        folded] in overlap.py); `fold`, that last fold where its pass
+        measured them (Note [Measured in the fold]): taken from it."""
+        if fold is not None:
+            self._hooks.measured_in_fold(fold)
+            return
         with torch.no_grad(), uncounted(), _dtr.outside():
             self._hooks.measure_sums(self._params.indexes(recs))
 

@@ -350,9 +350,13 @@ class StepOverlap:
         # The window's last backward: chunks folded on the worker whose
         # measure and launch wait (_measure_and_start).
         self._measure_queue: list[int] = []
+        # Note [Measured in the fold]: chunk -> its fold of the window's last
+        # backward that ended having measured its sums, until its measure.
+        self._measured_folds: dict = {}
         self._start_fold = None  # the accumulation's start_fold, from begin()
         self._end_fold = None    # its end_fold
         self.folds_on_worker = 0       # folds made during backward on the worker
+        self.sums_measured_in_folds = 0  # chunks whose sums' measure their fold made (Note [Measured in the fold])
         self.fold_worker_seconds = 0.0  # their passes' time there
         self.fold_wait_seconds = 0.0   # the engine's thread's wait for them (backward's end)
         self.undone_chunks = 0
@@ -406,8 +410,9 @@ class StepOverlap:
                 per chunk]).
             fold_chunk: (chunk, records, space) -> None, the accumulation's
                 fold of one chunk's landed gradients into their sums.
-            measure_sums: (records) -> None, its measure of one chunk's
-                final sums for the step's norm (Note [Measured where folded]).
+            measure_sums: (records, fold) -> None, its measure of one chunk's
+                final sums for the step's norm (Note [Measured where folded]),
+                taken from `fold` where not None (Note [Measured in the fold]).
             free_sums: (records) -> None, its free of the sums the step
                 handed over to an update under the next forward, once that
                 update has read them.
@@ -435,6 +440,7 @@ class StepOverlap:
         self._recs = dict(recs)
         self._counted = set()
         self._measure_queue = []
+        self._measured_folds = {}
         if self._fold_jobs:
             # (A backward whose end failed before backward_ended: Note
             # [Folds on the worker].)
@@ -619,6 +625,7 @@ class StepOverlap:
             # its sums then hold them; in the window's last, the updates
             # send the weights up).
             self._end_folds(send_up=not failed and not self._speculating, raise_error=not failed)
+            self._measured_folds = {}
         self._backward_end = time.perf_counter()
         if not failed:
             for chunk, t in self._landing_times.items():
@@ -758,15 +765,17 @@ class StepOverlap:
     # The window's last backward folds each launched chunk on the worker the
     # same way (_start), and _FOLD_LAG launches later (or at backward's end)
     # ends the fold, waiting for it only where the worker has not finished
-    # it, measures its sums on the hook's thread (Note [Measured where
-    # folded]: 4 bytes a parameter read there, not the fold's 16) and starts
-    # its update as before (_measure_and_start). A count of launches again,
+    # it, takes the measure of its sums the pass made (Note [Measured where
+    # folded], Note [Measured in the fold]) and starts its update as before
+    # (_measure_and_start). A count of launches again,
     # not the fold's timing, so the accesses keep the trace's order; the
     # weights go up as the updates end (Note [Weights up as they are
     # updated]), not as the folds do.
-    def _fold_on_worker(self, chunk: int, recs: list) -> None:
-        """`chunk`'s fold begun here and passed to the worker (Note [Folds on the worker])."""
-        fold = self._start_fold(recs)
+    def _fold_on_worker(self, chunk: int, recs: list, measure: bool = False) -> None:
+        """`chunk`'s fold begun here and passed to the worker (Note [Folds on
+        the worker]); `measure`: its pass also measures the sums (Note
+        [Measured in the fold])."""
+        fold = self._start_fold(recs, measure)
         try:
             job = _Job(self._pool, fold.submit(self._pool, num_threads=self._threads), (fold,))
         except BaseException:
@@ -834,6 +843,8 @@ class StepOverlap:
             raise (ex.__cause__ or ex) if isinstance(ex, _UndoCopyFailed) else ex
         self.fold_worker_seconds += t1 - t0
         self._end_fold(fold, True)
+        if fold.measures:
+            self._measured_folds[chunk] = fold
         if send_up and self._send_ahead(chunk):
             self.weights_sent_up_early += 1
 
@@ -998,6 +1009,26 @@ class StepOverlap:
     # at the speculation factor's cost), against 1.35 s and 0.69 s with the
     # updates backward cannot hide left to the next forward (and 1.45 s
     # without overlap).
+    #
+    # Note [Measured in the fold]
+    # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+    # With folds on the worker (Note [Folds on the worker]) that measure was
+    # still a pass of its own on the hook's thread: each chunk's fp32 sums
+    # read again (4 bytes a parameter: 5.2 GB a step at gpt-1.3b) right
+    # after the worker wrote them, on the thread that on a GPU launches
+    # backward's kernels, beside the worker's folds and updates on the same
+    # memory. Now the window's last fold of each chunk on the worker is
+    # started with measure: its pass (cpu_adam::fold_gradients with stats)
+    # measures each block of sums right after folding it, while the block is
+    # in cache, and _measure_and_start takes the measures from the ended
+    # fold (ModuleHooks::measured_in_fold) instead of reading the sums. The
+    # blocks are grad_stats' blocks and their partials are added in the same
+    # order (Note [Deterministic blocks] in cpu_adam/adam.h), so each measure
+    # is the bits GradientSums::measure would find, and the clip factor is
+    # the step without overlap's. The folds made elsewhere (the engine's
+    # thread without a worker, the end of backward) are measured as before.
+    # The trace no longer has the measure's access to the sums' chunk, in
+    # every steady step alike: the fold's own access comes just before it.
     def _start(self, chunk: int):
         """The launch of `chunk`'s update, from its undo buffers on (the
         checks are _launch's; a fold queued since, rechecked here)."""
@@ -1014,8 +1045,9 @@ class StepOverlap:
             # folded]), whichever way the rule below decides.
             if self._start_fold is not None:
                 # Note [Folds on the worker]: on the worker; the measure and
-                # the launch follow _FOLD_LAG launches later.
-                self._fold_on_worker(chunk, recs)
+                # the launch follow _FOLD_LAG launches later (the measure
+                # made by the pass: Note [Measured in the fold]).
+                self._fold_on_worker(chunk, recs, measure=True)
                 self._measure_queue.append(chunk)
                 while len(self._measure_queue) > _FOLD_LAG:
                     self._measure_and_start(self._measure_queue.pop(0))
@@ -1032,10 +1064,13 @@ class StepOverlap:
         are measured and its update launched, as _start does after a fold."""
         recs = self._recs[chunk]
         self._end_folds_of({chunk}, send_up=False)
+        fold = self._measured_folds.pop(chunk, None)
         if any(r in self._relanded for r in recs):
             return  # (a gradient landed again: the end of backward folds it again, the step takes it)
         self.sums_measured.add(chunk)  # (first: a measure that fails part-way is cleared)
-        self._measure_sums(recs)
+        self._measure_sums(recs, fold)
+        if fold is not None:
+            self.sums_measured_in_folds += 1
         self._start_update(chunk, recs, _KINDS + (GRAD32,))
 
     def _start_update(self, chunk: int, recs: list, kinds: tuple) -> None:

@@ -209,6 +209,9 @@ class EngineReports:
                 "folds_on_worker": 0 if overlap is None else overlap.folds_on_worker,
                 "fold_worker_seconds": 0.0 if overlap is None else overlap.fold_worker_seconds,
                 "fold_wait_seconds": 0.0 if overlap is None else overlap.fold_wait_seconds,
+                # Note [Measured in the fold]: chunks of the window's last
+                # backward whose sums' measure (the clip) their fold made.
+                "sums_measured_in_folds": 0 if overlap is None else overlap.sums_measured_in_folds,
                 "overlap_step": overlap is not None,
                 # Why the step is not overlapped (None: it is).
                 "overlap_step_off": self._overlap_step_off,

@@ -13,6 +13,7 @@
 
 #include "cpu_adam/adam.h"
 #include "cpu_adam/float16.h"
+#include "cpu_adam/reference.h"
 #include "runtime/core/error.h"
 #include "tests/cpp/cpu_adam/adam_test_util.h"
 
@@ -147,6 +148,91 @@ TEST(FoldGradients, ResultsDoNotDependOnTheThreadCount) {
   fold_gradients(DType::kBFloat16, {&sb, 1}, ExecOptions{0});
   EXPECT_EQ(a.sum, b.sum);
   EXPECT_EQ(a.half, b.half);
+}
+
+TEST(FoldGradients, AMeasuringFoldGivesEachSpanTheStatsOfItsNewSums) {
+  // Note [Measured in the fold] in python/tidal/engine/overlap.py: the
+  // measure a fold makes is bitwise what grad_stats finds on the sums it
+  // wrote, on every target, whatever the spans' offsets and lengths; and
+  // close to the scalar reference, which sums in element order.
+  TargetGuard guard;
+  const std::size_t numel = 3 * kBlockElements + 999;
+  struct R {
+    std::size_t offset, count;
+    bool first;
+  };
+  const std::vector<R> ranges = {{1, 7, false},
+                                 {9, kBlockElements + 33, true},
+                                 {kBlockElements + 100, 0, true},
+                                 {kBlockElements + 200, 2 * kBlockElements - 300, false},
+                                 {numel - 99, 99, true}};
+  for (const std::string& target : targets_to_test()) {
+    set_kernel_target(target);
+    for (DType t : {DType::kFloat16, DType::kBFloat16, DType::kFloat32}) {
+      for (const bool restore : {true, false}) {
+        FoldData got(t, numel, 11);
+        FoldData plain = got;
+        std::vector<FoldSpan> spans, plain_spans;
+        for (const R& r : ranges) {
+          spans.push_back(got.span(r.offset, r.count, r.first));
+          plain_spans.push_back(plain.span(r.offset, r.count, r.first));
+          if (!restore) spans.back().master = plain_spans.back().master = nullptr;
+        }
+        std::vector<GradStats> stats(spans.size(), GradStats{false, -1.0});
+        fold_gradients(t, spans, ExecOptions{0}, stats);
+        fold_gradients(t, plain_spans);
+        const std::string what = target + ", " + dtype_name(t) + (restore ? "" : ", no master");
+        ASSERT_EQ(got.sum, plain.sum) << what << ": measuring changed the sums";
+        ASSERT_EQ(got.half, plain.half) << what << ": measuring changed the 16-bit buffer";
+        for (std::size_t i = 0; i < ranges.size(); ++i) {
+          const GradSpan g{got.sum.data() + ranges[i].offset, ranges[i].count};
+          const GradStats want = grad_stats(DType::kFloat32, {&g, 1});
+          const double ref =
+              reference::grad_stats(DType::kFloat32, got.sum.data() + ranges[i].offset, ranges[i].count)
+                  .sum_squares;
+          EXPECT_EQ(stats[i].finite, want.finite) << what << ", span " << i;
+          EXPECT_EQ(std::memcmp(&stats[i].sum_squares, &want.sum_squares, sizeof(double)), 0)
+              << what << ", span " << i << ": " << stats[i].sum_squares << " vs grad_stats "
+              << want.sum_squares;
+          EXPECT_NEAR(stats[i].sum_squares, ref, 2e-5 * ref) << what << ", span " << i;
+        }
+        EXPECT_EQ(stats[2].sum_squares, 0.0) << what << ": the empty span";
+        EXPECT_GT(stats[1].sum_squares, 0.0) << what;
+      }
+    }
+  }
+}
+
+TEST(FoldGradients, AMeasureDoesNotDependOnTheThreadCountAndSeesANonFiniteSum) {
+  const std::size_t numel = 5 * kBlockElements + 3;
+  FoldData a(DType::kFloat16, numel, 12);
+  encode(DType::kFloat16, a.half.data(), 4 * kBlockElements + 1, std::numeric_limits<float>::infinity());
+  FoldData b = a;
+  const FoldSpan sa[2] = {a.span(0, 2 * kBlockElements, false), a.span(2 * kBlockElements, numel - 2 * kBlockElements, false)};
+  const FoldSpan sb[2] = {b.span(0, 2 * kBlockElements, false), b.span(2 * kBlockElements, numel - 2 * kBlockElements, false)};
+  std::vector<GradStats> one(2), all(2);
+  fold_gradients(DType::kFloat16, sa, ExecOptions{1}, one);
+  fold_gradients(DType::kFloat16, sb, ExecOptions{0}, all);
+  EXPECT_TRUE(one[0].finite);
+  EXPECT_FALSE(one[1].finite) << "an inf gradient folded into the second span's sums";
+  for (int i = 0; i < 2; ++i) {
+    EXPECT_EQ(one[i].finite, all[i].finite);
+    EXPECT_EQ(std::memcmp(&one[i].sum_squares, &all[i].sum_squares, sizeof(double)), 0) << i;
+  }
+}
+
+TEST(FoldGradients, StatsForAnotherNumberOfSpansIsAValueError) {
+  FoldData d(DType::kBFloat16, 64, 13);
+  const FoldSpan s[2] = {d.span(0, 32, false), d.span(32, 32, false)};
+  std::vector<GradStats> stats(1);
+  const FoldData before = d;
+  try {
+    fold_gradients(DType::kBFloat16, s, ExecOptions{}, stats);
+    FAIL() << "no ValueError";
+  } catch (const ValueError& e) {
+    EXPECT_NE(std::string(e.message()).find("1 stats for 2 spans"), std::string::npos) << e.message();
+  }
+  EXPECT_EQ(d.sum, before.sum) << "a refused fold wrote the sums";
 }
 
 TEST(FoldGradients, ASpanWithoutBuffersIsAValueError) {

@@ -185,6 +185,43 @@ TEST(UpdateWorker, AFoldJobFoldsAfterItsFence) {
   }
 }
 
+// A fold job with fold_stats (Note [Measured in the fold] in
+// python/tidal/engine/overlap.py): one measure per span, of its new sums,
+// as grad_stats finds them once the job is done.
+TEST(UpdateWorker, AMeasuringFoldJobMeasuresEachSpansNewSums) {
+  constexpr std::size_t kN = 3 * kBlockElements + 17;
+  std::vector<float> sum(kN), master(kN);
+  std::vector<std::uint16_t> half(kN);
+  for (std::size_t i = 0; i < kN; ++i) {
+    sum[i] = 0.25f * static_cast<float>(i % 97) - 3.0f;
+    master[i] = 0.001f * static_cast<float>(i % 1013) - 0.4f;
+    half[i] = f32_to_bf16_rne(0.01f * static_cast<float>(i % 61) - 0.2f);
+  }
+  UpdateWorker worker;
+  UpdateJob job;
+  job.folds = {FoldSpan{sum.data(), half.data(), nullptr, kBlockElements + 5, false},
+               FoldSpan{sum.data() + kBlockElements + 5, half.data() + kBlockElements + 5, nullptr,
+                        kN - kBlockElements - 5, true}};
+  job.fold_dtype = DType::kBFloat16;
+  job.fold_stats = std::make_shared<std::vector<GradStats>>();
+  job.chunk.param = master.data();
+  job.exec = ExecOptions{2};
+  const auto stats = job.fold_stats;
+  auto ticket = worker.submit(std::move(job));
+  ticket->wait();
+  ASSERT_EQ(ticket->error(), nullptr);
+  ASSERT_EQ(stats->size(), 2u);
+  const GradSpan spans[2] = {{sum.data(), kBlockElements + 5},
+                             {sum.data() + kBlockElements + 5, kN - kBlockElements - 5}};
+  for (int i = 0; i < 2; ++i) {
+    const GradStats want = grad_stats(DType::kFloat32, {&spans[i], 1});
+    EXPECT_TRUE((*stats)[i].finite);
+    EXPECT_GT(want.sum_squares, 0.0);
+    EXPECT_EQ(std::memcmp(&(*stats)[i].sum_squares, &want.sum_squares, sizeof(double)), 0)
+        << i << ": " << (*stats)[i].sum_squares << " vs " << want.sum_squares;
+  }
+}
+
 TEST(UpdateWorker, RunsTheJobsInSubmissionOrder) {
   std::mutex mu;
   std::vector<int> order;
