@@ -33,6 +33,12 @@ What one run measures, on the same machine:
   the engine's where its chunk takes back the block of its weights (Note
   [The weights' image instead of the restore] in hooks/gradient_sums.h);
   ``over_fold_rate`` its rate over the fold's, paired.
+  ``tidal_fold_image_measured``: that fold measuring the sums it writes
+  (the window's last fold, whose measure the clip needs: Note [Measured in
+  the fold] in tidal/engine/overlap.py), against ``tidal_fold_image_then_measure``,
+  the fold and then grad_stats over the sums (14 bytes/param), as the
+  engine did before; ``over_separate_rate`` is the one pass's rate over the
+  two passes', paired.
 * peers, timed in turn with tidal's update (through tidal._C) within each
   repeat: torch.optim.AdamW(foreach=True) and (fused=True), which take fp32
   gradients and write no 16-bit copy (so they move 28 bytes/param as well:
@@ -69,6 +75,7 @@ BYTES_TRIAD = 12   # b 4 + c 4 read, a 4 written (fp32)
 BYTES_TORCH_ADAMW = 28  # grad 4 + param 4 + m 4 + v 4 read; param 4 + m 4 + v 4 written
 BYTES_FOLD = 16  # grad 2 + sum 4 + master 4 read; sum 4 + 16-bit weight 2 written
 BYTES_FOLD_IMAGE = 10  # grad 2 + sum 4 read; sum 4 written (the weights' block taken back)
+BYTES_STATS_F32 = 4  # the fp32 sums read again (grad_stats after the fold)
 HYPER = dict(lr=1e-4, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
 
 
@@ -222,6 +229,14 @@ def bench_python_level(n: int, repeats: int, warmup: int, interleave: bool) -> D
     def tidal_fold_image():
         ca.fold_gradients(fold["sums"], fold["half"], None, [(0, n, False)], num_threads=0)
 
+    def tidal_fold_image_measured():
+        return ca.fold_gradients(fold["sums"], fold["half"], None, [(0, n, False)], num_threads=0,
+                                 measure=True)
+
+    def tidal_fold_image_then_measure():
+        ca.fold_gradients(fold["sums"], fold["half"], None, [(0, n, False)], num_threads=0)
+        return ca.grad_stats(fold["sums"], num_threads=0)
+
     def torch_fold():
         fold["sums"].add_(fold["half"])
         fold["half"].copy_(fold["master"])
@@ -229,6 +244,8 @@ def bench_python_level(n: int, repeats: int, warmup: int, interleave: bool) -> D
     peers: Dict[str, Dict] = {}
     fns: Dict[str, Callable[[], object]] = {"tidal_update": tidal_update, "tidal_fold": tidal_fold,
                                             "tidal_fold_image": tidal_fold_image,
+                                            "tidal_fold_image_measured": tidal_fold_image_measured,
+                                            "tidal_fold_image_then_measure": tidal_fold_image_then_measure,
                                             "torch_fold_ops": torch_fold}
     for name, flags in (("torch_adamw_foreach", {"foreach": True}), ("torch_adamw_fused", {"fused": True})):
         need = n * 4 * 4 * 1.6  # param, grad, m, v + foreach temporaries
@@ -259,6 +276,12 @@ def bench_python_level(n: int, repeats: int, warmup: int, interleave: bool) -> D
     out["tidal_fold_image"] = _stats(samples["tidal_fold_image"], n, BYTES_FOLD_IMAGE)
     out["tidal_fold_image"]["over_fold_rate"] = statistics.median(
         [tf / ti for tf, ti in zip(samples["tidal_fold"], samples["tidal_fold_image"])])
+    out["tidal_fold_image_measured"] = _stats(samples["tidal_fold_image_measured"], n, BYTES_FOLD_IMAGE)
+    out["tidal_fold_image_measured"]["over_separate_rate"] = statistics.median(
+        [ts / tm for ts, tm in zip(samples["tidal_fold_image_then_measure"],
+                                   samples["tidal_fold_image_measured"])])
+    out["tidal_fold_image_then_measure"] = _stats(samples["tidal_fold_image_then_measure"], n,
+                                                  BYTES_FOLD_IMAGE + BYTES_STATS_F32)
     out["torch_fold_ops"] = _stats(samples["torch_fold_ops"], n, BYTES_FOLD)
     out["torch_fold_ops"]["ops"] = "sums.add_(half); half.copy_(master)"
     out["torch_fold_ops"]["ratio_to_tidal_paired"] = statistics.median(
@@ -396,6 +419,8 @@ def bench_size(n: int, repeats: int, warmup: int, thread_counts: List[int], args
     out["tidal_python_update"] = py["tidal_update"]
     out["tidal_fold"] = py["tidal_fold"]
     out["tidal_fold_image"] = py["tidal_fold_image"]
+    out["tidal_fold_image_measured"] = py["tidal_fold_image_measured"]
+    out["tidal_fold_image_then_measure"] = py["tidal_fold_image_then_measure"]
     out["torch_fold_ops"] = py["torch_fold_ops"]
     if "tidal" not in out:  # no C++ program: the Python-level timing stands in
         out["tidal"] = {"update": py["tidal_update"]}
@@ -461,7 +486,9 @@ def main() -> int:
         print(f"[cpu_adam]   tidal fold {f['params_per_s'] / 1e9:.2f} Gparam/s {f['median_GBps']:.1f} GB/s; "
               f"torch ops/tidal {r['torch_fold_ops']['ratio_to_tidal_paired']:.2f}; without the rewrite "
               f"{r['tidal_fold_image']['params_per_s'] / 1e9:.2f} Gparam/s "
-              f"({r['tidal_fold_image']['over_fold_rate']:.2f}x)", file=sys.stderr, flush=True)
+              f"({r['tidal_fold_image']['over_fold_rate']:.2f}x); measuring in it "
+              f"{r['tidal_fold_image_measured']['over_separate_rate']:.2f}x the fold then grad_stats",
+              file=sys.stderr, flush=True)
         print(f"[cpu_adam]   tidal update {u['params_per_s'] / 1e9:.2f} Gparam/s {u['median_GBps']:.1f} GB/s;"
               f" fraction of triad {fmt(r.get('fraction_of_triad'))}, of streams "
               f"{fmt(r.get('fraction_of_streams'))}; peer/tidal: foreach {fmt(r['ratio_vs_foreach'])}, "
@@ -476,7 +503,7 @@ def main() -> int:
         "hyperparameters": {k: list(v) if isinstance(v, tuple) else v for k, v in HYPER.items()},
         "bytes_per_param": {
             "update": BYTES_UPDATE, "stats_pass": BYTES_STATS, "step": BYTES_STEP, "fold": BYTES_FOLD,
-            "fold_image": BYTES_FOLD_IMAGE,
+            "fold_image": BYTES_FOLD_IMAGE, "fold_image_then_measure": BYTES_FOLD_IMAGE + BYTES_STATS_F32,
             "triad_per_element": BYTES_TRIAD, "torch_adamw": BYTES_TORCH_ADAMW,
             "counting": "bytes the algorithm must read + write, STREAM-style (no write-allocate "
                         "read of write-only outputs)",

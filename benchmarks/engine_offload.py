@@ -159,7 +159,8 @@ class Tidal:
                 "adam_seconds": r["optimizer"]["adam_seconds"],
                 "fold_worker_seconds": r["optimizer"]["fold_worker_seconds"],
                 "fold_wait_seconds": r["optimizer"]["fold_wait_seconds"],
-                "folds_on_worker": r["optimizer"]["folds_on_worker"]}
+                "folds_on_worker": r["optimizer"]["folds_on_worker"],
+                "sums_measured_in_folds": r["optimizer"]["sums_measured_in_folds"]}
 
 
 # --compute-threads: the CPU Adam threads beside them (0: tidal's default, every core).
@@ -376,6 +377,8 @@ def main():
             "exposed_adam_s": exposed, "adam_s": statistics.median(d["adam_seconds"] for d in st),
             "steady_images_taken_back": med["images_taken_back"],
             "steady_folds_on_worker": med["folds_on_worker"],
+            # Note [Measured in the fold]: chunks whose clip measure their fold made.
+            "steady_sums_measured_in_folds": med["sums_measured_in_folds"],
             "steady_fold_worker_s": med["fold_worker_seconds"],
             "steady_fold_wait_s": med["fold_wait_seconds"],
             "budget_overruns": rep["budget_overruns"], "steady_samples": st,
@@ -393,7 +396,8 @@ def main():
               f"{r['step1_over_steady']:.1f}x a steady step (pinned {first_pinned[name]} B in steps 1-3)"
               + (f"; folds on the worker {r['steady_folds_on_worker']:.0f} ({r['steady_fold_worker_s'] * 1e3:.1f} ms "
                  f"there, waited {r['steady_fold_wait_s'] * 1e3:.1f} ms), images taken back "
-                 f"{r['steady_images_taken_back']:.0f}" if accum > 1 else ""),
+                 f"{r['steady_images_taken_back']:.0f}, sums measured in their fold "
+                 f"{r['steady_sums_measured_in_folds']:.0f}" if accum > 1 else ""),
               flush=True)
         ph, pp = r["phases"], out["plain_phases"]
         print(f"[engine_offload] {name}: forward / backward / optimizer step " + " / ".join(

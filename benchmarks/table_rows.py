@@ -182,6 +182,16 @@ def _cpu_adam(r: Dict) -> List[Figure]:
                 f"{f['params_per_s'] / 1e9:.2f} G params/s, the fold writing the weights back "
                 f"({r['bytes_per_param']['fold']} B/param)",
                 f"{fi['over_fold_rate']:.2f}"))
+        fm, fs = sz.get("tidal_fold_image_measured"), sz.get("tidal_fold_image_then_measure")
+        if fm is not None and fs is not None:
+            out.append(Figure(
+                f"The window's last fold, {n} params, measuring the sums it writes for the clip (Note "
+                f"[Measured in the fold]; params/s, higher is better)",
+                f"{fm['params_per_s'] / 1e9:.2f} G params/s, one pass ({r['bytes_per_param']['fold_image']} "
+                f"B/param)",
+                f"{fs['params_per_s'] / 1e9:.2f} G params/s, the fold then grad_stats over the sums "
+                f"({r['bytes_per_param']['fold_image_then_measure']} B/param)",
+                f"{fm['over_separate_rate']:.2f}"))
     return out
 
 
