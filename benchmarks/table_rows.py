@@ -17,7 +17,10 @@ def machine_of(r: Dict) -> str:
     m = r["machine"]
     gpu = f", {m['gpus'][0]['name']}" if m.get("gpus") else ""
     mem = f", {m['memory_bytes'] / 2**30:.0f} GiB" if m.get("memory_bytes") else ""
-    return f"{m['cpu_model']} ({m['cpu_cores']} cores{mem}){gpu}"
+    # (The SIMD target CPU Adam ran on, where the result names it: hosts of
+    # one name have differed, AVX-512 in one session and AVX2 in another.)
+    isa = f", {r['kernel_target']}" if r.get("kernel_target") else ""
+    return f"{m['cpu_model']} ({m['cpu_cores']} cores{mem}{isa}){gpu}"
 
 
 def short_machine_of(r: Dict) -> str:
