@@ -296,14 +296,16 @@ def test_gradients_read_with_accumulation_are_the_window_sum(budget):
     pair.check_budget()
 
 
-def _windows_against_plain_pytorch(raw=lambda i: False, edit=None):
+def _windows_against_plain_pytorch(raw=lambda i: False, edit=None, clipping=1e6):
     """Accumulation 2 on a moving budget, clip 1e6 (it never fires, so every
-    window's last backward speculates): 8 micro-batches, engine.backward (or
-    loss.backward() where raw(i)) beside plain PyTorch; edit(module) on both
-    models before each window's step. Each step's norm and weights are
-    plain PyTorch's; returns how many chunks the windows' last backwards
-    measured early (Note [Measured where folded])."""
-    pair = Pair(BUDGETS["chunks-move"], accumulation=2, clipping=1e6)
+    window's last backward speculates; a clip that fires at every step: none
+    does, and each folds its chunks measuring them, Note [Measured in the
+    fold]): 8 micro-batches, engine.backward (or loss.backward() where
+    raw(i)) beside plain PyTorch (clip_grad_norm_ at the same max norm);
+    edit(module) on both models before each window's step. Each step's norm
+    and weights are plain PyTorch's; returns how many chunks the windows'
+    last backwards measured early (Note [Measured where folded])."""
+    pair = Pair(BUDGETS["chunks-move"], accumulation=2, clipping=clipping)
     measured_early = 0
     for i in range(8):
         x, y = pair.data[i % 4]
@@ -317,8 +319,8 @@ def _windows_against_plain_pytorch(raw=lambda i: False, edit=None):
             if edit is not None:
                 for m in (pair.model, pair.ref):
                     edit(m, i)
-            want = float(torch.nn.utils.get_total_norm([p.grad for p in pair.ref.parameters()
-                                                        if p.grad is not None]))
+            want = float(torch.nn.utils.clip_grad_norm_([p for p in pair.ref.parameters()
+                                                         if p.grad is not None], clipping))
         pair.engine.step()
         if i % 2 == 1:
             _ref_step(pair)
@@ -328,7 +330,11 @@ def _windows_against_plain_pytorch(raw=lambda i: False, edit=None):
     return measured_early
 
 
-def test_gradients_written_after_backward_measured_their_sums_are_measured_again():
+_CLIPS = pytest.mark.parametrize("clipping", [1e6, 1e-4], ids=["speculating", "clip-fires"])
+
+
+@_CLIPS
+def test_gradients_written_after_backward_measured_their_sums_are_measured_again(clipping):
     # Note [Measured where folded] (tidal/engine/overlap.py): with
     # accumulation, the window's last backward measures each chunk's sums
     # for the step's norm as it folds them on the host. A script that then
@@ -340,17 +346,48 @@ def test_gradients_written_after_backward_measured_their_sums_are_measured_again
             p.grad.mul_(0.5)
         m.layers[i % 6].bias.grad = None
 
-    assert _windows_against_plain_pytorch(edit=edit) > 0  # (the path fired)
+    assert _windows_against_plain_pytorch(edit=edit, clipping=clipping) > 0  # (the path fired)
 
 
-def test_a_window_of_raw_backwards_after_one_measured_early_is_measured_whole():
+@_CLIPS
+def test_a_window_of_raw_backwards_after_one_measured_early_is_measured_whole(clipping):
     # Note [Measured where folded]: a window ended by engine.backward has its
     # host chunks' sums measured in that backward, the step the rest. The
     # next window's micro-batches run loss.backward() (no engine.backward, so
     # nothing is measured early): its step measures every sum, not only
     # those the last window's backward did not. The norm and the weights are
     # plain PyTorch's, window after window.
-    assert _windows_against_plain_pytorch(raw=lambda i: (i // 2) % 2 == 1) > 0  # (the path fired)
+    assert _windows_against_plain_pytorch(raw=lambda i: (i // 2) % 2 == 1, clipping=clipping) > 0  # (the path fired)
+
+
+def test_a_raw_backward_after_a_window_measured_in_its_folds_is_what_it_was_without_overlap():
+    # The clip fires at every step, so a window's last engine.backward
+    # launches nothing and its folds measure the sums (Note [Measured in the
+    # fold]); nothing was taken up, so a loss.backward() on the same graph
+    # before the step is not refused, as it was not before those measures
+    # were made there: its landings drop them (the step would measure
+    # again). Whatever the engine then does with such a window, it does the
+    # same with and without tidal.overlap_step, bit for bit.
+    runs = {}
+    for overlap in (False, True):
+        pair = Pair(BUDGETS["chunks-move"], overlap=overlap, accumulation=2, clipping=1e-4)
+        measured, steps = 0, []
+        for i in range(8):
+            x, y = pair.data[i % 4]
+            loss = pair.engine(x, y)
+            pair.engine.backward(loss, retain_graph=True)
+            if i % 2 == 1 and i > 2:
+                if overlap:
+                    measured += len(pair.engine._overlap._measured_after)
+                loss.backward()
+            pair.engine.step()
+            steps.append((pair.engine.global_steps, pair.engine.get_global_grad_norm()))
+        pair.check_budget()
+        runs[overlap] = (steps, pair.engine.parameters_fp32())
+    assert measured > 0  # (the path fired)
+    assert runs[True][0] == runs[False][0]
+    for name, want in runs[False][1].items():
+        assert torch.equal(runs[True][1][name], want), name
 
 
 @pytest.mark.parametrize("accumulation", [1, 2])

@@ -222,6 +222,24 @@ def test_accumulation_updates_during_the_last_micro_batch(hybrid, left):
         assert opt["chunks_updated_under_next_forward"] >= opt["chunks_left_to_the_step_by_cost"], opt
 
 
+def test_accumulation_with_the_clip_firing_every_step_takes_the_norm_from_the_folds():
+    # After a step that clipped the window's last backward launches nothing
+    # and folds each chunk on the worker; its pass measures the sums (Note
+    # [Measured in the fold]) and the step reads none of them again. With
+    # the clip firing at every step, every step goes that way: bitwise the
+    # engine without overlap, whose step measures every sum.
+    factors = [10]
+    batches = gpt_batches(12)
+    plain, overlapped = pair(lambda o: make_config(o, "bf16", 1.0, hybrid=False, accumulation=2),
+                             batches, factors)
+    assert_bitwise(plain, overlapped)
+    assert plain.get_global_grad_norm() > 1.0  # (the clip fired)
+    opt = optimizer_report(overlapped)
+    assert opt["chunks_updated_during_backward"] == 0, opt  # (no step was speculated)
+    assert opt["sums_measured_in_folds"] > 0, opt
+    assert opt["folds_on_worker"] > 0, opt
+
+
 def test_accumulation_against_adamw_and_clip_grad_norm():
     factors = [1, 1, 1, 10, 10, 10, 1, 1, 1]
     torch.manual_seed(0)

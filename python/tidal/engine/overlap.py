@@ -316,6 +316,7 @@ class StepOverlap:
         self._ahead = False  # this backward sends finished chunks up
         self._backward_end = None
         self._speculating = False  # this backward (and its reductions) may launch updates
+        self._window_end = False  # this backward is the last of its accumulation window
         self._host_short = False
         self._grad_scale = 1.0
         self._use_sums = False
@@ -353,6 +354,9 @@ class StepOverlap:
         # Note [Measured in the fold]: chunk -> its fold of the window's last
         # backward that ended having measured its sums, until its measure.
         self._measured_folds: dict = {}
+        # Those of a window's last backward that launched nothing: chunks
+        # measured at its end from their folds (Note [Measured in the fold]).
+        self._measured_after: set = set()
         self._start_fold = None  # the accumulation's start_fold, from begin()
         self._end_fold = None    # its end_fold
         self.folds_on_worker = 0       # folds made during backward on the worker
@@ -441,6 +445,7 @@ class StepOverlap:
         self._counted = set()
         self._measure_queue = []
         self._measured_folds = {}
+        self._measured_after = set()
         if self._fold_jobs:
             # (A backward whose end failed before backward_ended: Note
             # [Folds on the worker].)
@@ -465,6 +470,7 @@ class StepOverlap:
         # overlap off): a replay in backward could read weights already
         # updated, so no chunk is updated during this backward.
         self._speculating = speculate
+        self._window_end = last_micro_batch
         # (Data parallel: a landing is not final; the owner launches a chunk
         # when its reduction lands, reduced().)
         # Note [Gradients down as they land]: a backward that launches nothing
@@ -520,6 +526,12 @@ class StepOverlap:
             # the update's weights, or its sums were measured for the step. No
             # step can be exact then: it is refused until zero_grad.
             chunk = record.chunk
+            if chunk in self._measured_after:
+                # (Measured at the end of a backward that launched nothing,
+                # Note [Measured in the fold]: the step measures it again,
+                # as it did before that measure was made there.)
+                self._measured_after.discard(chunk)
+                self.sums_measured.discard(chunk)
             if chunk in self._pending or chunk in self._held or chunk in self.sums_measured:
                 why = (f"a backward the script ran itself (loss.backward()) between engine.backward() and "
                        f"engine.step() landed a gradient of '{record.name}', whose chunk CPU Adam had "
@@ -610,6 +622,7 @@ class StepOverlap:
         launch), unless the backward failed (its gradients are dropped)."""
         queued, self._fold_queue = self._fold_queue, []
         self._in_backward = False
+        measured = {}
         try:
             if not failed:
                 for chunk in queued:
@@ -624,8 +637,22 @@ class StepOverlap:
             # here (a failed backward's too, without raising over its error:
             # its sums then hold them; in the window's last, the updates
             # send the weights up).
-            self._end_folds(send_up=not failed and not self._speculating, raise_error=not failed)
-            self._measured_folds = {}
+            try:
+                self._end_folds(send_up=not failed and not self._speculating, raise_error=not failed)
+            finally:
+                measured, self._measured_folds = self._measured_folds, {}
+        if not failed and not self._speculating:
+            # Note [Measured in the fold]: the window's last backward that
+            # launched nothing folded its chunks on the worker measuring
+            # their sums; the step measures only the others.
+            for chunk, fold in measured.items():
+                recs = self._recs[chunk]
+                if any(r in self._relanded for r in recs):
+                    continue  # (landed again: folded again at the end of backward, measured by the step)
+                self.sums_measured.add(chunk)  # (first: a measure that fails part-way is cleared)
+                self._measured_after.add(chunk)
+                self._measure_sums(recs, fold)
+                self.sums_measured_in_folds += 1
         self._backward_end = time.perf_counter()
         if not failed:
             for chunk, t in self._landing_times.items():
@@ -718,7 +745,9 @@ class StepOverlap:
         if self._store.in_use(self._chunk_records.get(chunk, ()), PARAM16):
             return  # (another tensor of it is in use again, a recomputation: the end of backward folds it)
         if self._start_fold is not None:
-            self._fold_on_worker(chunk, recs)
+            # (In the window's last backward its pass measures the sums too:
+            # Note [Measured in the fold].)
+            self._fold_on_worker(chunk, recs, measure=self._window_end)
             return
         self._fold_chunk(chunk, recs, HOST)
         self.folded_early.add(chunk)
@@ -987,9 +1016,10 @@ class StepOverlap:
     # measure would access a slot the pin holds. So every chunk folded in
     # that backward has its sums measured right after its fold, whichever
     # way the rule decides, and the step measures only the others (those the
-    # end of backward folded, on the device or where no fold ran early, and
-    # every chunk after a step that clipped, whose backward folds early
-    # without measuring: Note [Gradients down as they land]): the accesses,
+    # end of backward folded, on the device or where no fold ran early; after
+    # a step that clipped the backward folds early without launching, Note
+    # [Gradients down as they land], and those folds on the worker measure
+    # the sums too: Note [Measured in the fold]): the accesses,
     # and so the trace, are the same however the decisions fall. A chunk
     # with a gradient landing again after its fold is measured by the step
     # (its sums fold again at the end of backward); the measures are
@@ -1025,10 +1055,21 @@ class StepOverlap:
     # blocks are grad_stats' blocks and their partials are added in the same
     # order (Note [Deterministic blocks] in cpu_adam/adam.h), so each measure
     # is the bits GradientSums::measure would find, and the clip factor is
-    # the step without overlap's. The folds made elsewhere (the engine's
-    # thread without a worker, the end of backward) are measured as before.
-    # The trace no longer has the measure's access to the sums' chunk, in
-    # every steady step alike: the fold's own access comes just before it.
+    # the step without overlap's. A window's last backward that launches
+    # nothing (after a step that clipped: with the clip firing at every
+    # step, every step) folds on the worker too (_fold_and_send_up), and
+    # those folds measure as well: at backward's end each chunk whose fold
+    # measured and got no gradient again is measured from it and counts in
+    # sums_measured, so the step reads none of those sums again (it measured
+    # every sum there, after backward, with nothing beside it to hide
+    # under). A loss.backward() the script runs before the step that lands
+    # on such a chunk drops that measure (landed(): the step measures it
+    # again), where it would otherwise be refused as a chunk taken up: it
+    # was allowed before these measures were made there. The folds made
+    # elsewhere (the engine's thread without a worker, the end of backward)
+    # are measured as before. The trace no longer has the measure's access
+    # to the sums' chunk, in every steady step of a kind alike: the fold's
+    # own access comes just before it.
     def _start(self, chunk: int):
         """The launch of `chunk`'s update, from its undo buffers on (the
         checks are _launch's; a fold queued since, rechecked here)."""
@@ -1358,6 +1399,7 @@ class StepOverlap:
         measured (Note [Measured where folded]), once; the norms they went
         into are the step's to take or clear."""
         taken, self.sums_measured = self.sums_measured, set()
+        self._measured_after = set()
         return taken
 
     def defer(self, chunk: int, recs: list, grad_scale: float, sums: bool = False):
