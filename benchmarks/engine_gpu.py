@@ -355,7 +355,7 @@ def _derive(run, name, seq, budget=None):
                 "adam_seconds", "exposed_adam_seconds", "next_forward_wait_seconds",
                 "chunks_updated_under_next_forward", "chunks_updated_during_backward",
                 "steps_not_speculated", "folds_on_worker", "fold_worker_seconds",
-                "fold_wait_seconds")} if m.get("optimizer") else None,
+                "fold_wait_seconds", "sums_measured_in_folds")} if m.get("optimizer") else None,
             "adam_chunks_on_device": m["adam_chunks_on_device"], "adam_chunks_on_host": m["adam_chunks_on_host"],
             "loss_falling": r["last_loss"] < r["first_loss"],
             # A budget is a promise (Note [Who owns a device byte]): where the allocator's

@@ -139,19 +139,29 @@ TEST(UpdateWorker, TheFencesHoldTheUndoCopyAndTheUpdateBack) {
   EXPECT_FALSE(d == before);
 }
 
+// A fold job's buffers: sums, masters and bf16 gradients of `n` elements.
+struct FoldBuffers {
+  std::vector<float> sum, master;
+  std::vector<std::uint16_t> half;
+  explicit FoldBuffers(std::size_t n) : sum(n), master(n), half(n) {
+    for (std::size_t i = 0; i < n; ++i) {
+      sum[i] = 0.25f * static_cast<float>(i % 97) - 3.0f;
+      master[i] = 0.001f * static_cast<float>(i % 1013) - 0.4f;
+      half[i] = f32_to_bf16_rne(0.01f * static_cast<float>(i % 61) - 0.2f);
+    }
+  }
+};
+
 // A fold job (Note [Folds on the worker] in python/tidal/engine/overlap.py):
 // after its fence, each span's sum is (first ? 0 : sum) + the bf16 gradient
 // and the 16-bit slot holds the master rounded to nearest even, element by
 // element as written out here; nothing outside the spans is touched.
 TEST(UpdateWorker, AFoldJobFoldsAfterItsFence) {
   constexpr std::size_t kN = 50001;
-  std::vector<float> sum(kN), master(kN);
-  std::vector<std::uint16_t> half(kN);
-  for (std::size_t i = 0; i < kN; ++i) {
-    sum[i] = 0.25f * static_cast<float>(i % 97) - 3.0f;
-    master[i] = 0.001f * static_cast<float>(i % 1013) - 0.4f;
-    half[i] = f32_to_bf16_rne(0.01f * static_cast<float>(i % 61) - 0.2f);
-  }
+  FoldBuffers b(kN);
+  std::vector<float>& sum = b.sum;
+  std::vector<float>& master = b.master;
+  std::vector<std::uint16_t>& half = b.half;
   const std::vector<float> sum0 = sum;
   const std::vector<std::uint16_t> half0 = half;
   std::atomic<bool> open{false};
@@ -190,13 +200,9 @@ TEST(UpdateWorker, AFoldJobFoldsAfterItsFence) {
 // as grad_stats finds them once the job is done.
 TEST(UpdateWorker, AMeasuringFoldJobMeasuresEachSpansNewSums) {
   constexpr std::size_t kN = 3 * kBlockElements + 17;
-  std::vector<float> sum(kN), master(kN);
-  std::vector<std::uint16_t> half(kN);
-  for (std::size_t i = 0; i < kN; ++i) {
-    sum[i] = 0.25f * static_cast<float>(i % 97) - 3.0f;
-    master[i] = 0.001f * static_cast<float>(i % 1013) - 0.4f;
-    half[i] = f32_to_bf16_rne(0.01f * static_cast<float>(i % 61) - 0.2f);
-  }
+  FoldBuffers b(kN);
+  std::vector<float>& sum = b.sum;
+  std::vector<std::uint16_t>& half = b.half;
   UpdateWorker worker;
   UpdateJob job;
   job.folds = {FoldSpan{sum.data(), half.data(), nullptr, kBlockElements + 5, false},
@@ -204,7 +210,7 @@ TEST(UpdateWorker, AMeasuringFoldJobMeasuresEachSpansNewSums) {
                         kN - kBlockElements - 5, true}};
   job.fold_dtype = DType::kBFloat16;
   job.fold_stats = std::make_shared<std::vector<GradStats>>();
-  job.chunk.param = master.data();
+  job.chunk.param = b.master.data();
   job.exec = ExecOptions{2};
   const auto stats = job.fold_stats;
   auto ticket = worker.submit(std::move(job));
