@@ -378,7 +378,7 @@ def test_a_raw_backward_after_a_window_measured_in_its_folds_is_what_it_was_with
             pair.engine.backward(loss, retain_graph=True)
             if i % 2 == 1 and i > 2:
                 if overlap:
-                    measured += len(pair.engine._overlap._measured_after)
+                    measured += len(pair.engine._overlap.sums_measured)
                 loss.backward()
             pair.engine.step()
             steps.append((pair.engine.global_steps, pair.engine.get_global_grad_norm()))

@@ -354,9 +354,6 @@ class StepOverlap:
         # Note [Measured in the fold]: chunk -> its fold of the window's last
         # backward that ended having measured its sums, until its measure.
         self._measured_folds: dict = {}
-        # Those of a window's last backward that launched nothing: chunks
-        # measured at its end from their folds (Note [Measured in the fold]).
-        self._measured_after: set = set()
         self._start_fold = None  # the accumulation's start_fold, from begin()
         self._end_fold = None    # its end_fold
         self.folds_on_worker = 0       # folds made during backward on the worker
@@ -445,7 +442,6 @@ class StepOverlap:
         self._counted = set()
         self._measure_queue = []
         self._measured_folds = {}
-        self._measured_after = set()
         if self._fold_jobs:
             # (A backward whose end failed before backward_ended: Note
             # [Folds on the worker].)
@@ -526,11 +522,11 @@ class StepOverlap:
             # the update's weights, or its sums were measured for the step. No
             # step can be exact then: it is refused until zero_grad.
             chunk = record.chunk
-            if chunk in self._measured_after:
+            if not self._speculating:
                 # (Measured at the end of a backward that launched nothing,
-                # Note [Measured in the fold]: the step measures it again,
-                # as it did before that measure was made there.)
-                self._measured_after.discard(chunk)
+                # Note [Measured in the fold], nothing taken up: the step
+                # measures it again, as it did before that measure was made
+                # there.)
                 self.sums_measured.discard(chunk)
             if chunk in self._pending or chunk in self._held or chunk in self.sums_measured:
                 why = (f"a backward the script ran itself (loss.backward()) between engine.backward() and "
@@ -649,10 +645,7 @@ class StepOverlap:
                 recs = self._recs[chunk]
                 if any(r in self._relanded for r in recs):
                     continue  # (landed again: folded again at the end of backward, measured by the step)
-                self.sums_measured.add(chunk)  # (first: a measure that fails part-way is cleared)
-                self._measured_after.add(chunk)
-                self._measure_sums(recs, fold)
-                self.sums_measured_in_folds += 1
+                self._measure_folded(chunk, recs, fold)
         self._backward_end = time.perf_counter()
         if not failed:
             for chunk, t in self._landing_times.items():
@@ -1108,11 +1101,17 @@ class StepOverlap:
         fold = self._measured_folds.pop(chunk, None)
         if any(r in self._relanded for r in recs):
             return  # (a gradient landed again: the end of backward folds it again, the step takes it)
+        self._measure_folded(chunk, recs, fold)
+        self._start_update(chunk, recs, _KINDS + (GRAD32,))
+
+    def _measure_folded(self, chunk: int, recs: list, fold=None) -> None:
+        """`chunk`'s final sums measured for the step (Note [Measured where
+        folded]): from `fold` where its pass measured them (Note [Measured
+        in the fold]), else read where they are."""
         self.sums_measured.add(chunk)  # (first: a measure that fails part-way is cleared)
         self._measure_sums(recs, fold)
         if fold is not None:
             self.sums_measured_in_folds += 1
-        self._start_update(chunk, recs, _KINDS + (GRAD32,))
 
     def _start_update(self, chunk: int, recs: list, kinds: tuple) -> None:
         """_start from the cost rule on: `chunk`'s update left to the step
@@ -1399,7 +1398,6 @@ class StepOverlap:
         measured (Note [Measured where folded]), once; the norms they went
         into are the step's to take or clear."""
         taken, self.sums_measured = self.sums_measured, set()
-        self._measured_after = set()
         return taken
 
     def defer(self, chunk: int, recs: list, grad_scale: float, sums: bool = False):

@@ -43,6 +43,12 @@ struct FoldData {
   }
 };
 
+// One span of a test's fold, by offset into its FoldData.
+struct FoldRange {
+  std::size_t offset, count;
+  bool first;
+};
+
 // The definition: sum = (first ? 0 : sum) + widen(half); half = round(master).
 void expect_folded(const FoldData& before, const FoldData& after, std::size_t offset,
                    std::size_t count, bool first, const std::string& what) {
@@ -68,11 +74,7 @@ TEST(FoldGradients, EveryTargetAddsOrWritesTheSumsAndRoundsTheMastersBack) {
   TargetGuard guard;
   const std::size_t numel = 2 * kBlockElements + 777;
   // Odd offsets and lengths, one across a block boundary, an empty span.
-  struct R {
-    std::size_t offset, count;
-    bool first;
-  };
-  const std::vector<R> ranges = {{1, 7, false}, {9, 33, true}, {100, kBlockElements + 5, false},
+  const std::vector<FoldRange> ranges = {{1, 7, false}, {9, 33, true}, {100, kBlockElements + 5, false},
                                  {kBlockElements + 200, 0, true}, {numel - 1001, 1001, true}};
   for (const std::string& target : targets_to_test()) {
     set_kernel_target(target);
@@ -80,11 +82,11 @@ TEST(FoldGradients, EveryTargetAddsOrWritesTheSumsAndRoundsTheMastersBack) {
       FoldData got(t, numel, 3);
       const FoldData before = got;
       std::vector<FoldSpan> spans;
-      for (const R& r : ranges) spans.push_back(got.span(r.offset, r.count, r.first));
+      for (const FoldRange& r : ranges) spans.push_back(got.span(r.offset, r.count, r.first));
       fold_gradients(t, spans);
       const std::string what = target + ", " + dtype_name(t);
       std::vector<bool> inside(numel, false);
-      for (const R& r : ranges) {
+      for (const FoldRange& r : ranges) {
         expect_folded(before, got, r.offset, r.count, r.first, what);
         for (std::size_t i = r.offset; i < r.offset + r.count; ++i) inside[i] = true;
       }
@@ -157,11 +159,7 @@ TEST(FoldGradients, AMeasuringFoldGivesEachSpanTheStatsOfItsNewSums) {
   // close to the scalar reference, which sums in element order.
   TargetGuard guard;
   const std::size_t numel = 3 * kBlockElements + 999;
-  struct R {
-    std::size_t offset, count;
-    bool first;
-  };
-  const std::vector<R> ranges = {{1, 7, false},
+  const std::vector<FoldRange> ranges = {{1, 7, false},
                                  {9, kBlockElements + 33, true},
                                  {kBlockElements + 100, 0, true},
                                  {kBlockElements + 200, 2 * kBlockElements - 300, false},
@@ -173,7 +171,7 @@ TEST(FoldGradients, AMeasuringFoldGivesEachSpanTheStatsOfItsNewSums) {
         FoldData got(t, numel, 11);
         FoldData plain = got;
         std::vector<FoldSpan> spans, plain_spans;
-        for (const R& r : ranges) {
+        for (const FoldRange& r : ranges) {
           spans.push_back(got.span(r.offset, r.count, r.first));
           plain_spans.push_back(plain.span(r.offset, r.count, r.first));
           if (!restore) spans.back().master = plain_spans.back().master = nullptr;
