@@ -87,13 +87,14 @@ def run_engine(model, batches, budget, bandwidth, evict_ahead, reference, label,
             "budget_overruns": report["budget_overruns"], "bitwise": bitwise}
 
 
-def the_shape(steps):
+def the_shape(steps, vocab=VOCAB):
     """The model, `steps` batches, the run where everything fits (its losses
     and fp32 weights), the budget from what that run measured, its
-    activation peak and the 16-bit chunk bytes."""
+    activation peak and the 16-bit chunk bytes. (`vocab`: tests/python/
+    test_clean_down.py's smaller output layer.)"""
     torch.manual_seed(0)
-    model = TinyGPT(vocab=VOCAB, d=D, layers=LAYERS, heads=4, seq=SEQ)
-    batches = token_batches(VOCAB, SEQ, BATCH, steps)
+    model = TinyGPT(vocab=vocab, d=D, layers=LAYERS, heads=4, seq=SEQ)
+    batches = token_batches(vocab, SEQ, BATCH, steps)
     tidal.set_device("sim", capacity="8GiB")
     fits = tidal.initialize(copy.deepcopy(model), config(0))
     _, ref_losses, _ = train(fits, batches)
