@@ -383,7 +383,7 @@ def test_with_accumulation_every_backward_folds_on_the_worker(worker):
         assert on_worker == [0] * len(on_worker), on_worker
         # (How many depends on how fast compute runs beside the simulated
         # link. At 2 MB/s: 0-17 a steady backward unloaded, and none at all
-        # with two other busy processes on the 2 cores (a CI failure). At
+        # with two other busy processes on the 2 cores (a full run failed). At
         # 500 KB/s: 27-31 of the 31 in each, with them.)
         assert all(w > 0 for w in waits[steady]), waits
     engine.remove_hooks()
