@@ -45,6 +45,10 @@ from tidal._C.chunks import ChunkKind
 from tidal.models.gpt import TinyGPT
 
 VOCAB, D, LAYERS, SEQ, BATCH, WARM = 8192, 256, 8, 64, 4, 4
+# The vocabulary of the tests that train this shape (tests/python/
+# test_clean_down.py, test_blocks_leaving.py): with VOCAB a step is 1.35x as
+# long where torch's bf16 matmul is slow (a CPU without AVX-512).
+TEST_VOCAB = 2048
 COUNTERS = ("block_waits", "block_wait_seconds", "copy_waits", "copy_wait_seconds", "evictions",
             "evictions_ahead", "bytes_host_to_device", "bytes_device_to_host", "prefetch_hits", "misses",
             "host_pins", "copies_down_skipped", "bytes_down_skipped")
@@ -90,8 +94,8 @@ def run_engine(model, batches, budget, bandwidth, evict_ahead, reference, label,
 def the_shape(steps, vocab=VOCAB):
     """The model, `steps` batches, the run where everything fits (its losses
     and fp32 weights), the budget from what that run measured, its
-    activation peak and the 16-bit chunk bytes. (`vocab`: tests/python/
-    test_clean_down.py's smaller output layer.)"""
+    activation peak and the 16-bit chunk bytes. (`vocab`: the tests'
+    TEST_VOCAB.)"""
     torch.manual_seed(0)
     model = TinyGPT(vocab=vocab, d=D, layers=LAYERS, heads=4, seq=SEQ)
     batches = token_batches(vocab, SEQ, BATCH, steps)

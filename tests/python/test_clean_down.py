@@ -28,9 +28,9 @@ from engine_helpers import within_budget
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 from evict_ahead import D, LAYERS, SEQ, config, the_shape, train  # noqa: E402  (the benchmark's shape)
+from evict_ahead import TEST_VOCAB as VOCAB  # noqa: E402
 
 STEPS, STEADY = 8, 3
-VOCAB = 2048  # (the benchmark's 8192: a step 1.35x as long where bf16 matmul is slow)
 COUNTERS = ("evictions", "copies_down_skipped", "bytes_down_skipped", "bytes_device_to_host",
             "bytes_host_to_device", "moves_device_to_host", "prefetch_hits", "misses")
 
@@ -51,16 +51,11 @@ def shape():
     return model, batches, budget
 
 
-_CLEAN = {}
-
-
-def clean_run(shape):
-    """steady_counters of the shape's model at its budget, the default
-    config: made once for the two tests that need it."""
-    if "run" not in _CLEAN:
-        model, batches, budget = shape
-        _CLEAN["run"] = steady_counters(model, batches, budget)
-    return _CLEAN["run"]
+@pytest.fixture(scope="module")
+def reads(shape):
+    """steady_counters of the shape's model at its budget (forward only
+    reads its weights), the default config."""
+    return steady_counters(*shape)
 
 
 def steady_counters(model, batches, budget, **tidal_keys):
@@ -88,12 +83,12 @@ def assert_same_bits(a, b):
 
 
 @pytest.mark.parametrize("write_in_forward", [False, True], ids=["forward-reads", "forward-writes-a-weight"])
-def test_chunks_forward_only_read_go_down_without_a_copy_and_train_the_same_bits(shape, write_in_forward):
+def test_chunks_forward_only_read_go_down_without_a_copy_and_train_the_same_bits(shape, reads, write_in_forward):
     model, batches, budget = shape
     if write_in_forward:
         model = scale_in_forward(copy.deepcopy(model))
     fits = steady_counters(model, batches, 0)
-    clean = steady_counters(model, batches, budget) if write_in_forward else clean_run(shape)
+    clean = steady_counters(model, batches, budget) if write_in_forward else reads
     copies = steady_counters(model, batches, budget, skip_clean_copies=False)
     assert_same_bits(clean[:2], fits[:2])  # bitwise: no write lost, none made up
     assert_same_bits(copies[:2], fits[:2])
@@ -110,8 +105,7 @@ def test_chunks_forward_only_read_go_down_without_a_copy_and_train_the_same_bits
         # The written chunk went down with a copy: fewer skipped than where
         # forward only reads (the chunk holding blocks.0.fc.weight is among
         # those forward evicts).
-        reads = clean_run(shape)[2]
-        assert sum(s["copies_down_skipped"] for s in clean[2]) < sum(s["copies_down_skipped"] for s in reads)
+        assert sum(s["copies_down_skipped"] for s in clean[2]) < sum(s["copies_down_skipped"] for s in reads[2])
 
 
 @pytest.mark.parametrize("skip", [True, False], ids=["clean-skipped", "every-copy"])
