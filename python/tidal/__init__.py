@@ -9,6 +9,7 @@ import torch  # noqa: F401  -- loads libtorch before tidal._C links against it
 
 from tidal._version import __version__
 from tidal import _C
+from tidal import _testing
 from tidal._C import InternalError, OutOfMemoryError
 from tidal import dtr, optim, recompute
 from tidal.config import Config, ConfigError
@@ -27,6 +28,8 @@ from tidal.device import (
     set_device,
     stats,
 )
+
+_testing.install_from_environment()  # TIDAL_TEST_FP32_GEMM: a testing switch (tidal/_testing.py)
 
 __all__ = [
     "__version__",

@@ -97,7 +97,8 @@ ROOT_VARS = ("PROJECT_SOURCE_DIR", "CMAKE_SOURCE_DIR", "TIDAL_SOURCE_ROOT")
 PY_LAYERS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "_C": (("tidal._C",), ()),
     "base": (("tidal._version", "tidal._schema", "tidal.device", "tidal.data_parallel", "tidal.lr_schedules",
-              "tidal.profile", "tidal.data", "tidal.models", "tidal._deepspeed_keys", "tidal._deepspeed_rules"),
+              "tidal.profile", "tidal.data", "tidal.models", "tidal._deepspeed_keys", "tidal._deepspeed_rules",
+              "tidal._testing"),
              ("_C",)),
     "dtr": (("tidal.dtr",), ("base",)),
     "recompute": (("tidal.recompute",), ("dtr",)),

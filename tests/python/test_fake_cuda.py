@@ -118,7 +118,7 @@ def _child(tmp_path, spec: dict, readable: bool, others: int = 0) -> subprocess.
         "OMP_NUM_THREADS": "2",
     })
     return subprocess.run([sys.executable, "-c", CHILD, json.dumps(spec)], env=env,
-                          capture_output=True, text=True, timeout=170)
+                          capture_output=True, text=True, timeout=600)
 
 
 def _assert_clean(c: dict, result: dict):
