@@ -90,6 +90,11 @@ def machine_info() -> Dict:
         info["torch_cuda"] = torch.version.cuda
     except ImportError:
         info["torch"] = None
+    if os.environ.get("TIDAL_TEST_FP32_GEMM") == "1":
+        # The testing switch (python/tidal/_testing.py) was on: bf16 / fp16 CPU matrix
+        # products ran as fp32 GEMM rounded once, not through torch's own kernel. Every
+        # peer of the run computed the same way; the tables say so (table_rows.machine_of).
+        info["low_precision_gemm"] = "fp32 GEMM, rounded once (TIDAL_TEST_FP32_GEMM=1)"
     return info
 
 

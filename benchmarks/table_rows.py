@@ -20,7 +20,9 @@ def machine_of(r: Dict) -> str:
     # (The SIMD target CPU Adam ran on, where the result names it: hosts of
     # one name have differed, AVX-512 in one session and AVX2 in another.)
     isa = f", {r['kernel_target']}" if r.get("kernel_target") else ""
-    return f"{m['cpu_model']} ({m['cpu_cores']} cores{mem}{isa}){gpu}"
+    # (A run with the suite's GEMM switch on: bf16 products through fp32 GEMM.)
+    gemm = ", bf16 GEMM in fp32" if m.get("low_precision_gemm") else ""
+    return f"{m['cpu_model']} ({m['cpu_cores']} cores{mem}{isa}{gemm}){gpu}"
 
 
 def short_machine_of(r: Dict) -> str:
