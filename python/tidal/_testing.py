@@ -36,6 +36,8 @@ import torch
 
 from tidal import _C
 
+__all__ = ["ENV", "install_from_environment", "route_low_precision_gemm_through_fp32"]
+
 ENV = "TIDAL_TEST_FP32_GEMM"
 _LOW = (torch.bfloat16, torch.float16)
 _library = None
@@ -99,6 +101,7 @@ def route_low_precision_gemm_through_fp32() -> None:
 
 
 def install_from_environment() -> None:
+    """Installs the kernels where TIDAL_TEST_FP32_GEMM=1; refuses any value but 1, 0 or unset."""
     value = os.environ.get(ENV, "")
     if value == "1":
         route_low_precision_gemm_through_fp32()
