@@ -58,36 +58,25 @@ def _in_fp32(op, *tensors, **scalars) -> torch.Tensor:
     return product.to(tensors[0].dtype)
 
 
-def _mm(a, b):
-    if _low(a, b):
-        return _in_fp32(torch.mm, a, b)
-    out = torch.empty((a.size(0), b.size(1)), dtype=a.dtype, device=a.device)
-    return torch.ops.aten.mm.out(a, b, out=out)
+def _kernel(name: str, op):
+    """aten::`name`'s CPU kernel: `op` in fp32 for bf16 / fp16 operands, else torch's
+    own kernel through the out= variant, which resizes an empty tensor to the result's
+    shape, contiguous, as the functional op allocates it."""
+    torch_kernel = getattr(torch.ops.aten, name).out
+
+    def kernel(*tensors, **scalars):
+        if _low(*tensors):
+            return _in_fp32(op, *tensors, **scalars)
+        # (The operands share one dtype, or the kernel refuses them as the op does.)
+        return torch_kernel(*tensors, **scalars, out=tensors[-1].new_empty(0))
+    return kernel
 
 
-def _bmm(a, b):
-    if _low(a, b):
-        return _in_fp32(torch.bmm, a, b)
-    out = torch.empty((a.size(0), a.size(1), b.size(2)), dtype=a.dtype, device=a.device)
-    return torch.ops.aten.bmm.out(a, b, out=out)
-
-
-def _addmm(bias, a, b, *, beta=1, alpha=1):
-    if _low(bias, a, b):
-        return _in_fp32(torch.addmm, bias, a, b, beta=beta, alpha=alpha)
-    out = torch.empty((a.size(0), b.size(1)), dtype=a.dtype, device=a.device)
-    return torch.ops.aten.addmm.out(bias, a, b, beta=beta, alpha=alpha, out=out)
-
-
-def _baddbmm(bias, a, b, *, beta=1, alpha=1):
-    if _low(bias, a, b):
-        return _in_fp32(torch.baddbmm, bias, a, b, beta=beta, alpha=alpha)
-    out = torch.empty((a.size(0), a.size(1), b.size(2)), dtype=a.dtype, device=a.device)
-    return torch.ops.aten.baddbmm.out(bias, a, b, beta=beta, alpha=alpha, out=out)
+_OPS = (("mm", torch.mm), ("bmm", torch.bmm), ("addmm", torch.addmm), ("baddbmm", torch.baddbmm))
 
 
 def route_low_precision_gemm_through_fp32() -> None:
-    """Installs the four CPU kernels above (once per process)."""
+    """Installs the CPU kernels of _OPS (once per process)."""
     global _library
     if _library is not None:
         return
@@ -95,8 +84,8 @@ def route_low_precision_gemm_through_fp32() -> None:
     with warnings.catch_warnings():
         # torch warns that a kernel is overridden: that is the point of the switch.
         warnings.simplefilter("ignore", UserWarning)
-        for name, kernel in (("mm", _mm), ("bmm", _bmm), ("addmm", _addmm), ("baddbmm", _baddbmm)):
-            library.impl(name, kernel, "CPU")
+        for name, op in _OPS:
+            library.impl(name, _kernel(name, op), "CPU")
     _library = library
 
 
