@@ -28,6 +28,13 @@ both interceptions:
     2-2.5 s for the in-place ones, 26 s for this file;
   * every sample: 43 s (C++) and 51 s (Python) for the function variants,
     3-4.5 s for the in-place ones, 104 s for this file.
+  On a later 2-core AVX2 host the first 2 samples took 50-54 s for the C++
+  function variants alone (120 s each beside the other test worker in CI),
+  three quarters of it making the samples (torch's extract_test_fn walking
+  the call stack, torch.manual_seed queueing a stack trace for the lazy
+  accelerators); with _fast_samples, 10.4 s (C++) and 16.1 s (Python) for
+  the function variants, 2.1 and 3.6 s for the in-place ones, 39 s for
+  this file, alone.
 The Python interception compares prod and masked.prod against plain PyTorch
 under a pass-through TorchDispatchMode (MODE_PICKS_ANOTHER_FORMULA).
 What the table found (every sample, before the fixes: 14 function and 2
@@ -61,6 +68,8 @@ import tidal.dtr as dtr
 with warnings.catch_warnings():
     warnings.simplefilter("ignore")
     from torch.testing._internal.common_methods_invocations import op_db
+    from torch.testing._internal import common_utils
+    from torch.testing._internal.opinfo import core as opinfo_core
 
 # Every sample with TIDAL_TEST_OP_DB_FULL=1, or with TIDAL_TEST_FULL=1 (every long sweep).
 FULL = "1" in (os.environ.get("TIDAL_TEST_OP_DB_FULL", ""), os.environ.get("TIDAL_TEST_FULL", ""))
@@ -208,6 +217,33 @@ def _check_entry(op, inplace, interception):
     return "passed" if ran else "not run"
 
 
+def _cpu_rng_seed(seed=None):
+    """common_utils.set_rng_seed for CPU samples: the same generators
+    seeded (torch's CPU one, random, numpy's), without torch.manual_seed's
+    lazy seeding of the accelerators, which on a CPU-only torch queues a
+    formatted stack trace per call (a quarter of this file's time)."""
+    seed = common_utils.SEED if seed is None else seed
+    torch.default_generator.manual_seed(seed)
+    common_utils.random.seed(seed)
+    if common_utils.TEST_NUMPY:
+        common_utils.np.random.seed(seed)
+
+
+@contextlib.contextmanager
+def _fast_samples(monkeypatch):
+    """op.sample_inputs as op_db gives them outside a unittest.TestCase, made
+    faster: extract_test_fn walks the whole call stack (inspect.stack, twice
+    per entry: half of this file's time) to find a TestCase method, and
+    outside one answers None; it answers None at once here, and the seeding
+    takes _cpu_rng_seed. The samples are the same bits
+    (test_the_fast_samples_are_op_dbs_samples)."""
+    with monkeypatch.context() as m:
+        m.setattr(opinfo_core, "extract_test_fn", lambda: None)
+        m.setattr(common_utils, "extract_test_fn", lambda: None)
+        m.setattr(common_utils, "set_rng_seed", _cpu_rng_seed)
+        yield
+
+
 @pytest.fixture(autouse=True)
 def _quiet_and_single_threaded():
     threads = torch.get_num_threads()
@@ -237,11 +273,12 @@ def test_every_op_db_entry_is_bitwise_with_every_result_evicted(variant, interce
     inplace = variant == "inplace"
     t0 = time.perf_counter()
     outcome = {}
-    for op in op_db:
-        name = _name(op)
-        if name in SKIPS or (inplace and (op.inplace_variant is None or name in INPLACE_SKIPS)):
-            continue
-        outcome[name] = _check_entry(op, inplace, interception)
+    with _fast_samples(monkeypatch):
+        for op in op_db:
+            name = _name(op)
+            if name in SKIPS or (inplace and (op.inplace_variant is None or name in INPLACE_SKIPS)):
+                continue
+            outcome[name] = _check_entry(op, inplace, interception)
     failed = {n: o for n, o in outcome.items() if o not in ("passed", "not run")}
     not_run = sorted(n for n, o in outcome.items() if o == "not run")
     passed = sum(o == "passed" for o in outcome.values())
@@ -252,3 +289,33 @@ def test_every_op_db_entry_is_bitwise_with_every_result_evicted(variant, interce
     assert not failed, "\n".join(f"{n}: {o}" for n, o in sorted(failed.items()))
     assert not_run == [], f"no sample of these runs in plain PyTorch; skip them with the reason: {not_run}"
 
+
+def test_the_fast_samples_are_op_dbs_samples(monkeypatch):
+    """_fast_samples changes how op_db's samples are made, not which: for
+    entries drawing random tensors (and one whose samples change with the
+    seed between them), the first samples are the same bits with it and
+    without it, and a different seed gives different ones (the check can
+    fail)."""
+    ops = [op for op in op_db if _name(op) in ("add", "matmul", "nn.functional.dropout", "sort",
+                                               "linalg.solve", "index_put")]
+    assert len(ops) == 6
+
+    def samples(op):
+        torch.manual_seed(0)
+        dtype = _dtype(op)
+        return [tree_flatten((s.input, s.args, s.kwargs))[0]
+                for s in itertools.islice(op.sample_inputs("cpu", dtype), 3)]
+
+    def same(a, b):
+        return len(a) == len(b) and all(len(x) == len(y) and all(map(_same, x, y)) for x, y in zip(a, b))
+
+    for op in ops:
+        plain = samples(op)
+        with _fast_samples(monkeypatch):
+            fast = samples(op)
+        assert same(plain, fast), _name(op)
+    # (The seed matters: another one gives other tensors.)
+    with _fast_samples(monkeypatch), monkeypatch.context() as m:
+        m.setattr(common_utils, "SEED", common_utils.SEED + 1)
+        other = samples(ops[0])
+    assert not same(samples(ops[0]), other)
