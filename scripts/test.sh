@@ -72,7 +72,8 @@ TIDAL_CPU_ADAM_TARGET=baseline .venv/bin/python -m pytest -q tests/python/test_c
 # On TIDAL_TEST_WORKERS processes (pytest-xdist; 0: in this one), each test file
 # whole on one of them (--dist loadfile), so a file's module fixtures and the
 # order of its tests are as when it runs alone. Long sweeps run a part of
-# each; TIDAL_TEST_FULL=1 runs them all (tests/python/engine_helpers.py).
+# each; TIDAL_TEST_FULL=1 runs them all (tests/python/engine_helpers.py). The
+# 30 slowest tests are listed at the end: the suite's time is CI's budget.
 log "Python tests"
 TIDAL_CPP_BUILD="$ROOT/build/cpp" .venv/bin/python -m pytest -q -n "${TIDAL_TEST_WORKERS:-2}" \
-  --dist loadfile tests/python
+  --dist loadfile --durations=30 tests/python
