@@ -99,9 +99,19 @@ and the forward waits for the rest's (1 - b) up. The micro-batches before a
 window's last fold during backward and need no undo buffers: b = 1 there.
 (The clip firing stops the speculation, and with it this: not modelled.)
 With gradient accumulation every micro-batch folds the gradients of the
-host-updated chunks into their fp32 sums on the host (16 bytes of host
-memory traffic per parameter): fold = parameters in host-updated chunks /
-fold rate. Beside a GPU every backward folds on the update worker while it
+host-updated chunks into their fp32 sums on the host: fold = parameters in
+host-updated chunks / fold rate. Where the fold's chunk takes back the block
+of its weights (Note [The weights' image instead of the restore] in
+hooks/gradient_sums.h: tidal.fold_images and tidal.skip_clean_copies on, no
+NVMe tier) that is the rate of the fold without the weights' rewrite (10
+bytes of host memory traffic per parameter), else the fold's (16 bytes).
+Every fold is charged so, though the engine finds the block gone in some
+(37 of 46 a step took it back in estimate-link250mb-cpu-2c.json's
+accumulating shape) and rewrites the weights there; nor is the window's last
+fold's measure of its sums charged (docs/estimate.md). A window's first fold
+writes the sums without reading them, but the stores still bring the lines
+in, so it is charged as the others (0.8-1.2x a later one in a scratch check,
+no result file). Beside a GPU every backward folds on the update worker while it
 runs (Note [Folds on the worker] in tidal/engine/overlap.py), backward =
 max(backward, fold), and in the
 window's last backward CPU Adam's speculative updates have only what the
@@ -175,8 +185,14 @@ DEFAULT_RATES = {
                                  "same repeats at 2^26 and 2^28, and the fold that leaves the "
                                  "weights' rewrite out (10 bytes: Note [The weights' image instead "
                                  "of the restore]) at 1.46x and 1.59x the fold's rate (1.70x and "
-                                 "1.67x on the AVX-512 host of the run before), which this "
-                                 "estimate does not charge yet"),
+                                 "1.67x on the AVX-512 host of the run before): "
+                                 "fold_image_params_per_s"),
+    "fold_image_params_per_s": (4.8e9, "tidal's fold leaving the weights' rewrite out (10 bytes of "
+                                       "host memory traffic per parameter: Note [The weights' image "
+                                       "instead of the restore]): fold_params_per_s x 1.46, the "
+                                       "lower of its ratios to the fold in "
+                                       "benchmarks/results/cpu_adam-cpu-2c.json (1.46x at 2^26, "
+                                       "1.59x at 2^28 parameters, 2 threads of a 2-core AVX2 host)"),
     "speculation_factor": (2.9, "a speculative CPU Adam update (its undo copy, 14 B/param, then "
                                 "the update) over the update alone: 16.8M parameters on the 2-core "
                                 "AMD EPYC, 29 ms + 15 ms against 15 ms (Note [Speculation while "
@@ -197,6 +213,18 @@ _RATE_KEYS = tuple(DEFAULT_RATES)
 
 
 # --------------------------------------------------------------------------- rates
+def _median_rate(n: int, run, repeats: int = 5) -> float:
+    """n / seconds of run(i), i = 0 .. repeats - 1: the median of the calls
+    after the first (a warm-up)."""
+    samples = []
+    for i in range(repeats):
+        t = time.perf_counter()
+        run(i)
+        samples.append(n / (time.perf_counter() - t))
+    rest = sorted(samples[1:])
+    return rest[len(rest) // 2]
+
+
 def measure_rates(link: bool = True, adam_params: int = 1 << 24, precision: str = "bf16",
                   optimizer_state_dtype: str = "fp32", device=None) -> dict:
     """Rates measured on this machine, for estimate(rates=...): the link of
@@ -232,27 +260,24 @@ def measure_rates(link: bool = True, adam_params: int = 1 << 24, precision: str 
     n = adam_params
     w, m, v = torch.zeros(n), torch.zeros(n, dtype=moments), torch.zeros(n, dtype=moments)
     half = torch.full((n,), 1e-3, dtype=dtype)
-    samples = []
-    for step in range(1, 6):
-        t = time.perf_counter()
-        _C.cpu_adam.adam_chunk_step(w, m, v, half, [(0, n)], step=[step], lr=1e-3, beta1=0.9,
-                                    beta2=0.999, eps=1e-8, weight_decay=0.0, adamw_mode=True,
-                                    bias_correction=True, loss_scale=1.0, max_grad_norm=0.0,
-                                    check_overflow=False, grad=None, num_threads=0)
-        samples.append(n / (time.perf_counter() - t))
-    rate = sorted(samples[1:])[len(samples[1:]) // 2]
+    rate = _median_rate(n, lambda i: _C.cpu_adam.adam_chunk_step(
+        w, m, v, half, [(0, n)], step=[i + 1], lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8,
+        weight_decay=0.0, adamw_mode=True, bias_correction=True, loss_scale=1.0, max_grad_norm=0.0,
+        check_overflow=False, grad=None, num_threads=0))
+    threads = torch.get_num_threads()
     out["cpu_adam_params_per_s"] = (rate, f"measured: tidal's CPU Adam over {n} parameters, "
-                                          f"{torch.get_num_threads()} threads")
+                                          f"{threads} threads")
     # Gradient accumulation's fold of one micro-batch's gradients into their
-    # sums, on the host (Note [Gradient sums in chunks] in cpu_adam/adam.h).
+    # sums, on the host (Note [Gradient sums in chunks] in cpu_adam/adam.h);
+    # and the same fold leaving the weights' rewrite out (master None: Note
+    # [The weights' image instead of the restore]).
     sums = torch.zeros(n)
-    samples = []
-    for i in range(5):
-        t = time.perf_counter()
-        _C.cpu_adam.fold_gradients(sums, half, w, [(0, n, i == 0)], num_threads=0)
-        samples.append(n / (time.perf_counter() - t))
-    out["fold_params_per_s"] = (sorted(samples[1:])[len(samples[1:]) // 2],
-                                f"measured: tidal's fold over {n} parameters, {torch.get_num_threads()} threads")
+    out["fold_params_per_s"] = (
+        _median_rate(n, lambda i: _C.cpu_adam.fold_gradients(sums, half, w, [(0, n, i == 0)], num_threads=0)),
+        f"measured: tidal's fold over {n} parameters, {threads} threads")
+    out["fold_image_params_per_s"] = (
+        _median_rate(n, lambda i: _C.cpu_adam.fold_gradients(sums, half, None, [(0, n, False)], num_threads=0)),
+        f"measured: tidal's fold without the weights' rewrite over {n} parameters, {threads} threads")
     del sums
     # The undo copy a speculative update makes first (Note [Speculative
     # updates and their undo]): the same views, into buffers of their own.
@@ -579,8 +604,11 @@ def estimate(model, config=None, *, precision=None, optimizer_state_dtype=None,
                                     max(0, room) / in_memory if in_memory else float("inf")))
 
     # Traffic and time.
+    # (Chunks that leave the device unchanged take back their host block, and
+    # folds the block of their weights: not with the NVMe tier.)
+    skip_clean = cfg.skip_clean_copies and not nvme
     traffic = _traffic(layout, limit, activations, host_capacity, cfg.gradient_accumulation_steps,
-                       hybrid=cfg.hybrid_adam, skip_clean=cfg.skip_clean_copies and not nvme)
+                       hybrid=cfg.hybrid_adam, skip_clean=skip_clean)
     if not fits:
         notes.append("it does not fit: the bytes moved and the step time are what they would be "
                      "with the room")
@@ -648,7 +676,11 @@ def estimate(model, config=None, *, precision=None, optimizer_state_dtype=None,
     # tier, a host too small) the end of each backward folds on the thread
     # that launches the kernels. On the simulated device they take the cores
     # compute runs on.
-    fold_s = (trainable * (1 - hybrid_share) / value["fold_params_per_s"]) if accum > 1 else 0.0
+    # (Each micro-batch's, at the rate of the fold kind the engine runs: the
+    # docstring.)
+    fold_images = accum > 1 and cfg.fold_images and skip_clean
+    fold_rate = value["fold_image_params_per_s" if fold_images else "fold_params_per_s"]
+    fold_s = (trainable * (1 - hybrid_share) / fold_rate) if accum > 1 else 0.0
     fold_step_s = 0.0
     hiding_s = last_backward_s  # the window's last backward's time the worker has for CPU Adam
     if fold_s and backend == "sim":
@@ -735,7 +767,7 @@ def estimate(model, config=None, *, precision=None, optimizer_state_dtype=None,
                  "forward_s": forward_s,
                  "backward_s": backward_s, "cpu_adam_s": cpu_adam_s,
                  "cpu_adam_exposed_s_overlapped": adam_exposed, "device_adam_s": device_adam_s,
-                 "disk_s": disk_s, "fold_s": accum * fold_s,
+                 "disk_s": disk_s, "fold_s": accum * fold_s, "fold_takes_images": fold_images,
                  "step_s": step_s, "step_s_overlapped": overlapped, "bottleneck": bottleneck,
                  # From the model of the backend estimated for: CPU Adam on
                  # the compute's cores (the simulated device) or beside it.
@@ -806,6 +838,7 @@ def format_estimate(e: dict) -> str:
     units = {"h2d_bytes_per_s": ("GB/s", 1e9), "d2h_bytes_per_s": ("GB/s", 1e9),
              "device_flops_per_s": ("TFLOP/s", 1e12), "cpu_adam_params_per_s": ("G params/s", 1e9),
              "speculation_factor": ("x the update", 1.0), "fold_params_per_s": ("G params/s", 1e9),
+             "fold_image_params_per_s": ("G params/s", 1e9),
              "device_adam_params_per_s": ("G params/s", 1e9), "seconds_per_module": ("us", 1e-6),
              "disk_read_bytes_per_s": ("GB/s", 1e9), "disk_write_bytes_per_s": ("GB/s", 1e9)}
     for k, v in e["rates"].items():
@@ -843,6 +876,9 @@ def _parser() -> argparse.ArgumentParser:
                     help="device Adam parameters per second")
     ap.add_argument("--fold", type=float, default=None, metavar="PARAMS_PER_S",
                     help="gradient accumulation's host fold, parameters per second")
+    ap.add_argument("--fold-image", type=float, default=None, metavar="PARAMS_PER_S",
+                    help="the same fold leaving the weights' rewrite out (tidal.fold_images), "
+                         "parameters per second")
     ap.add_argument("--measure", action=argparse.BooleanOptionalAction, default=None,
                     help="measure the rates not given on this machine (link, CPU Adam; CPU "
                          "FLOP/s on the simulated device); default: when the device is "
@@ -895,6 +931,8 @@ def _main(argv) -> int:
             rates["device_adam_params_per_s"] = args.device_adam
         if args.fold is not None:
             rates["fold_params_per_s"] = args.fold
+        if args.fold_image is not None:
+            rates["fold_image_params_per_s"] = args.fold_image
         if args.disk_read is not None:
             rates["disk_read_bytes_per_s"] = _bandwidth(args.disk_read, "--disk-read")
         if args.disk_write is not None:

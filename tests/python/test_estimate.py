@@ -296,20 +296,31 @@ def test_accumulation_folds_cost_the_host_updated_parameters_at_the_fold_rate():
     """With gradient accumulation each micro-batch folds the gradients of the
     host-updated chunks into their sums on the host (Note [Folds on the
     worker] in tidal/engine/overlap.py): the estimate charges those
-    parameters (the 16-bit bytes it streams, halved for bf16) at the fold
-    rate, nothing without accumulation, and beside a GPU the folds, on the
-    update worker, only where they outlast backward."""
+    parameters (the 16-bit bytes it streams, halved for bf16) at the rate of
+    the fold the engine runs (Note [The weights' image instead of the
+    restore]: the fold without the weights' rewrite where tidal.fold_images
+    is on, the default; the fold's where it is off), nothing without
+    accumulation, and beside a GPU the folds, on the update worker, only
+    where they outlast backward."""
     root = Path(__file__).resolve().parents[2]
     kw = dict(precision="bf16", micro_batch=8, seq=1024, device_memory="80GB",
               device_memory_budget="26.8GB", host_memory="128GB", measure=False)
-    cfg = str(root / "configs" / "gpt_gpu.json")
+    cfg = json.loads((root / "configs" / "gpt_gpu.json").read_text())
 
-    def run(accumulation, fold_rate):
-        return tidal.estimate("gpt-1.3b", cfg, gradient_accumulation_steps=accumulation,
-                              rates={"fold_params_per_s": fold_rate}, **kw)
+    def run(accumulation, fold_rate, images=True):
+        c = {**cfg, "tidal": {**cfg["tidal"], "fold_images": images}}
+        # (The other kind's rate would give a fold a millionth as long.)
+        other = fold_rate * 1e6
+        rates = ({"fold_image_params_per_s": fold_rate, "fold_params_per_s": other} if images else
+                 {"fold_params_per_s": fold_rate, "fold_image_params_per_s": other})
+        return tidal.estimate("gpt-1.3b", c, gradient_accumulation_steps=accumulation,
+                              rates=rates, **kw)
 
     assert run(1, 1e9)["time"]["fold_s"] == 0
+    restoring = run(4, 1e9, images=False)
+    assert (restoring["time"]["fold_takes_images"], run(4, 1e9)["time"]["fold_takes_images"]) == (False, True)
     slow, fast = run(4, 1e9), run(4, 1e15)
+    assert restoring["time"]["fold_s"] == pytest.approx(slow["time"]["fold_s"], rel=1e-6)
     # (The trainable parameters in the share of the trainable 16-bit chunk
     # bytes that stream: the chunks' padding counted out.)
     host_share = slow["traffic"]["host_param16_bytes"] / slow["chunk"]["param16_trainable_bytes"]
