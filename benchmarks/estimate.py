@@ -12,7 +12,8 @@ simulated device, before and after each round of shapes:
   * link: 64 MiB copies each way on the simulated device at --bandwidth;
   * CPU Adam: the engine's kernel (cpu_adam.adam_chunk_step) over 2^22
     parameters; gradient accumulation's fold (cpu_adam.fold_gradients) over
-    the same;
+    the same, with the weights' rewrite and without it (Note [The weights'
+    image instead of the restore]);
   * CPU compute: plain PyTorch forward + backward of a calibration GPT (the
     shapes' width, sequence, batch and precision, 2 layers), FLOPs counted by
     the estimate's own meta-device pass: the FLOP/s this CPU reaches on these
@@ -184,11 +185,12 @@ def worker(spec: dict) -> dict:
     sums = torch.zeros(n)
     accumulation = shape.get("accumulation", 1)
     out = {"seconds": [], "h2d": [], "d2h": [], "adam_seconds": [], "losses": [], "plain_s": [],
-           "adam_probe_params_per_s": [], "fold_probe_params_per_s": [], "link_probe_h2d": [],
+           "adam_probe_params_per_s": [], "fold_probe_params_per_s": [],
+           "fold_image_probe_params_per_s": [], "link_probe_h2d": [],
            "link_probe_d2h": [], "others_cpu_seconds": [], "copy_waits": [], "copy_wait_s": [],
-           "misses": []}
+           "misses": [], "folds": [], "images_taken_back": [], "fold_worker_s": []}
     adam = 0.0
-    before = engine.chunks.stats()
+    before, opt = engine.chunks.stats(), engine.memory_report()["optimizer"]
     for i in range(spec["warmup"] + spec["steps"]):
         batches = []
         for _ in range(accumulation):
@@ -216,9 +218,17 @@ def worker(spec: dict) -> dict:
         # (cpu_adam.fold_gradients: Note [Gradient sums in chunks]).
         with Sample() as fold:
             _C.cpu_adam.fold_gradients(sums, half, w, [(0, n, False)], num_threads=0)
+        with Sample() as fold_image:  # (master None: the 16-bit slots keep the gradients)
+            _C.cpu_adam.fold_gradients(sums, half, None, [(0, n, False)], num_threads=0)
         up, down = _link_probe(dev, host, buf, stream, done)
         r, now = engine.memory_report(), engine.chunks.stats()
         if i >= spec["warmup"]:
+            # The folds the engine made on its update worker (every one
+            # beside the simulated device), those that took back the block
+            # of their weights, and the worker's time in their passes.
+            out["folds"].append(r["optimizer"]["folds_on_worker"] - opt["folds_on_worker"])
+            out["images_taken_back"].append(now["images_taken_back"] - before["images_taken_back"])
+            out["fold_worker_s"].append(r["optimizer"]["fold_worker_seconds"] - opt["fold_worker_seconds"])
             out["copy_waits"].append(now["copy_waits"] - before["copy_waits"])
             out["copy_wait_s"].append(now["copy_wait_seconds"] - before["copy_wait_seconds"])
             out["misses"].append(now["misses"] - before["misses"])
@@ -232,7 +242,8 @@ def worker(spec: dict) -> dict:
             out["plain_s"].append(plain.seconds)
             out["adam_probe_params_per_s"].append(n / probe.seconds)
             out["fold_probe_params_per_s"].append(n / fold.seconds)
-        adam, before = r["cpu_adam_seconds"], now
+            out["fold_image_probe_params_per_s"].append(n / fold_image.seconds)
+        adam, before, opt = r["cpu_adam_seconds"], now, r["optimizer"]
         out["losses"].append(loss.item())
     r = engine.memory_report()
     common.check_budget(r, "estimate worker")
@@ -302,6 +313,7 @@ def round_rates(run: dict, hooks: float, flops: int) -> dict:
             "d2h_bytes_per_s": statistics.median(run["link_probe_d2h"]),
             "cpu_adam_params_per_s": cpu_adam, "device_adam_params_per_s": cpu_adam,
             "fold_params_per_s": statistics.median(run["fold_probe_params_per_s"]),
+            "fold_image_params_per_s": statistics.median(run["fold_image_probe_params_per_s"]),
             "device_flops_per_s": flops / statistics.median(run["plain_s"]),
             "seconds_per_module": hooks}
 
@@ -459,10 +471,19 @@ def main():
              "samples": {"step_s": seconds, "h2d": h2d, "d2h": d2h, "adam_s": adam,
                          "others_cpu_s": [s for r in runs[name] for s in r["others_cpu_seconds"]],
                          **{k: [s for r in runs[name] for s in r[k]]
-                            for k in ("copy_waits", "copy_wait_s", "misses")}},
+                            for k in ("copy_waits", "copy_wait_s", "misses", "folds",
+                                      "images_taken_back", "fold_worker_s")}},
              **{k: v for k, v in last.items() if not isinstance(v, list)}}
         predicted_step = statistics.median(r["predicted_step_s"] for r in rounds)
+        folds = sum(m["samples"]["folds"])
+        # Note [The weights' image instead of the restore]: the share of the
+        # folds whose chunk took back the block of its weights (the estimate
+        # charges every fold so where tidal.fold_images is on).
+        m["fold_image_share"] = sum(m["samples"]["images_taken_back"]) / folds if folds else None
+        m["fold_worker_s"] = statistics.median(m["samples"]["fold_worker_s"])
         p = {"bytes_host_to_device": est["traffic"]["bytes_host_to_device"],
+             "fold_s": statistics.median(r["time"]["fold_s"] for r in rounds),
+             "fold_takes_images": est["time"]["fold_takes_images"],
              "bytes_device_to_host": est["traffic"]["bytes_device_to_host"],
              "step_s": predicted_step, "traffic": est["traffic"], "time_median_round": est["time"],
              "state_bytes": est["state_bytes"], "chunks": est["chunk"]["chunks"],
@@ -474,6 +495,9 @@ def main():
              "step_s_per_round": [_err(r["predicted_step_s"], r["measured_step_s"]) for r in rounds],
              "activations": _err(p["activations"], m["peak_nonchunk_device_bytes"]),
              "state_bytes": _err(p["state_bytes"], m["resident_state_bytes"]),
+             # (With accumulation: the folds' time a step against the update
+             # worker's passes: the median prediction against the median step.)
+             "fold_s": _err(p["fold_s"], m["fold_worker_s"]) if shape.get("accumulation", 1) > 1 else None,
              "chunks": _err(p["chunks"], m["chunks"])}
         worst["bytes"] = max(worst["bytes"], abs(e["bytes_host_to_device"]), abs(e["bytes_device_to_host"]))
         worst["time"] = max(worst["time"], abs(e["step_s"]))
@@ -485,7 +509,11 @@ def main():
               f"({e['bytes_host_to_device']:+.0%}); step {predicted_step * 1e3:.1f} ms vs "
               f"{m['step_s']['median'] * 1e3:.1f} ms ({e['step_s']:+.0%}; per round "
               f"{', '.join(f'{x:+.0%}' for x in e['step_s_per_round'])}); bottleneck "
-              f"{est['time']['bottleneck']}", flush=True)
+              f"{est['time']['bottleneck']}" +
+              (f"; folds {p['fold_s'] * 1e3:.1f} ms predicted vs {m['fold_worker_s'] * 1e3:.1f} "
+               f"ms on the worker ({e['fold_s']:+.0%}), {m['fold_image_share']:.0%} of them taking back "
+               f"their weights' block" if e["fold_s"] is not None and m["fold_image_share"] is not None else ""),
+              flush=True)
     out["worst_relative_error"] = worst
     out["within_25_percent"] = worst["bytes"] <= 0.25 and worst["time"] <= 0.25
     out["load_average"] = os.getloadavg()

@@ -279,6 +279,10 @@ def _h100_caption(r: Dict, name: str) -> str:
             (f"; the accumulation's host fold {rates['fold_params_per_s']['value'] / 1e9:.1f} G "
              f"params/s measured there too (on the update worker beside backward: Note [Folds on "
              f"the worker])" if "fold_params_per_s" in rates else "") +
+            (f", {rates['fold_image_params_per_s']['value'] / 1e9:.1f} G params/s where the chunk "
+             f"takes back the block of its weights instead of rewriting them (1.46x the fold in "
+             f"`cpu_adam-cpu-2c.json`; the default, tidal.fold_images: charged so)"
+             if "fold_image_params_per_s" in rates else "") +
             f"; device Adam "
             f"{rates['device_adam_params_per_s']['value'] / 1e9:.0f} G params/s assumed. "
             f"Commit {r['git_commit'][:7]}; `{name}`.")
