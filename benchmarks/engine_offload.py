@@ -154,7 +154,7 @@ class Tidal:
     def counters(self):
         s = self.engine.chunks.stats()
         r = self.engine.memory_report()
-        return {**{k: s[k] for k in COUNTERS},
+        return {**{k: s[k] for k in COUNTERS}, "blocks_for_images": s["blocks_for_images"],
                 "exposed_adam_seconds": r["optimizer"]["exposed_adam_seconds"],
                 "adam_seconds": r["optimizer"]["adam_seconds"],
                 "fold_worker_seconds": r["optimizer"]["fold_worker_seconds"],

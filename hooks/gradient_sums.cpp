@@ -147,7 +147,7 @@ void GradientSums::end_fold(StartedFold& fold, bool folded) {
   // The landings counted for these chunks end here, folded or not (the
   // fold's accesses count as writes).
   for (const TensorRef& ref : fold.refs) {
-    if (ref.kind == ChunkKind::kParam16) landings_.erase(scheduler_->store().chunk_of(ref));
+    if (ref.kind == ChunkKind::kParam16) forget_landings_of(scheduler_->store().chunk_of(ref));
   }
   if (folded) {
     // Note [The weights' image instead of the restore].
@@ -217,25 +217,37 @@ void GradientSums::measure(const std::vector<TensorId>& ids, const std::vector<s
   }
 }
 
-std::uint64_t GradientSums::landing_began(TensorId id) const {
-  return scheduler_->write_count(scheduler_->store().chunk_of(TensorRef{ChunkKind::kParam16, id}));
+std::uint64_t GradientSums::landing_began(TensorId id) {
+  const ChunkId chunk = scheduler_->store().chunk_of(TensorRef{ChunkKind::kParam16, id});
+  const std::uint64_t now = scheduler_->write_count(chunk);
+  // The chunk's first landing since its last fold: that fold will want the
+  // image of this count (Note [Images someone still wants] in
+  // chunk_scheduler.cpp), from now on, since the chunk may go down with the
+  // gradient before landing_ended.
+  if (use_images_ && landings_.find(chunk) == landings_.end()) scheduler_->expect_image(chunk, now);
+  return now;
 }
 
 void GradientSums::landing_ended(TensorId id, std::uint64_t began, bool ok) {
   const ChunkId chunk = scheduler_->store().chunk_of(TensorRef{ChunkKind::kParam16, id});
-  const auto [it, fresh] = landings_.try_emplace(chunk, LandingWrites{began, 0});
+  const auto it = landings_.try_emplace(chunk, LandingWrites{began, 0}).first;
   LandingWrites& w = it->second;
   if (w.made == kBroken) return;
   const std::uint64_t now = scheduler_->write_count(chunk);
   if (!ok || now < began) {
     w.made = kBroken;
+    scheduler_->forget_expected_image(chunk);
     return;
   }
   w.made += now - began;
 }
 
 void GradientSums::forget_landings(const std::vector<TensorId>& ids) {
-  for (const TensorId id : ids) landings_.erase(scheduler_->store().chunk_of(TensorRef{ChunkKind::kParam16, id}));
+  for (const TensorId id : ids) forget_landings_of(scheduler_->store().chunk_of(TensorRef{ChunkKind::kParam16, id}));
+}
+
+void GradientSums::forget_landings_of(ChunkId chunk) {
+  if (landings_.erase(chunk) > 0) scheduler_->forget_expected_image(chunk);
 }
 
 void GradientSums::drop(const std::vector<TensorId>& ids) {

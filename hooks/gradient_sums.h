@@ -50,7 +50,10 @@ namespace tidal::hooks {
 // null: 10 bytes per parameter, 6 for a first) and the chunk takes that
 // block back as its payload (ChunkScheduler::take_back_image); the block
 // that held the gradients goes to the pool, free for the next chunk's
-// gradients. Where the block is gone by the time the fold's accesses are
+// gradients. From the chunk's first landing on, the scheduler expects the
+// image (ChunkScheduler::expect_image), and its pool hands out and frees
+// every other block first (Note [Images someone still wants] in
+// runtime/scheduler/chunk_scheduler.cpp). Where the block is gone by the time the fold's accesses are
 // made (taken for a copy, this chunk's own copy down included), the pass
 // restores as before; where it is gone by the fold's end or the chunk
 // cannot change blocks (another of its slots in use), the fold restores
@@ -147,9 +150,10 @@ class GradientSums {
 
   // Note [The weights' image instead of the restore]: a gradient of tensor
   // `id` is about to land in its 16-bit slot (the chunk's write count now,
-  // for landing_ended), and has landed; a landing that failed part-way
+  // for landing_ended; the chunk's first since its fold makes the scheduler
+  // expect its image of that count), and has landed; a landing that failed part-way
   // passes ok false, and its chunk's fold restores from the masters.
-  std::uint64_t landing_began(TensorId id) const;
+  std::uint64_t landing_began(TensorId id);
   void landing_ended(TensorId id, std::uint64_t began, bool ok);
   // The landings of `ids`' chunks are forgotten (their gradients dropped).
   void forget_landings(const std::vector<TensorId>& ids);
@@ -163,6 +167,9 @@ class GradientSums {
   // instead of the restore, and the image's write count; -1 if none.
   std::pair<std::int64_t, std::uint64_t> image_for(const std::vector<TensorId>& ids,
                                                    MemorySpace space, bool whole_chunk) const;
+  // The landings counted for 16-bit chunk `chunk` end (and the scheduler
+  // expects no image for them any more).
+  void forget_landings_of(ChunkId chunk);
 
   ChunkScheduler* scheduler_;
   ParamBinding* binding_;

@@ -113,6 +113,7 @@ void bind_records(py::module_& m) {
   TIDAL_FIELD(copies_down_skipped);
   TIDAL_FIELD(images_taken_back);
   TIDAL_FIELD(bytes_images_taken_back);
+  TIDAL_FIELD(blocks_for_images);
   TIDAL_FIELD(bytes_down_skipped);
   TIDAL_FIELD(steps);
   TIDAL_FIELD(trace_adoptions);

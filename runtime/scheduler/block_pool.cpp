@@ -14,6 +14,9 @@ BlockPool::BlockPool(std::shared_ptr<Device> device, bool pin_host)
 
 // See Note [Destructors after a device error].
 BlockPool::~BlockPool() {
+  // (Its owner, whose state the predicate reads, is being destroyed: every
+  // block goes anyway.)
+  image_wanted_ = nullptr;
   bool reported = false;
   for (MemorySpace space : {MemorySpace::kHost, MemorySpace::kDevice}) {
     // trim_one takes the block out of the cache before it waits, so each
@@ -69,12 +72,16 @@ BlockPtr BlockPool::take_cached(MemorySpace space, std::size_t bytes, bool pinne
       return false;  // (a device error: the copy into it reports it)
     }
   };
-  // Among those whose copies are done, one holding no chunk's image first
-  // (Note [A clean chunk goes down without a copy] in chunk_scheduler.h).
+  // Among those whose copies are done, one holding no image someone still
+  // wants first (Note [A clean chunk goes down without a copy] and Note
+  // [Images someone still wants] in chunk_scheduler.cpp), pinned as asked
+  // or not: a block pinned here once serves every step after, a wanted
+  // image taken costs its fold's restore once.
   std::size_t pick = blocks.size();
-  for (const bool any_image : {false, true}) {
+  for (int tier = 0; tier < 3 && pick == blocks.size(); ++tier) {
     for (std::size_t i = blocks.size(); i-- > 0 && pick == blocks.size();) {
-      if (eligible(i) && (any_image || blocks[i]->image_of < 0) && done(i)) pick = i;
+      const bool fits = tier == 2 ? eligible(i) : !holds_wanted_image(*blocks[i]) && (tier == 1 || eligible(i));
+      if (fits && done(i)) pick = i;
     }
   }
   for (std::size_t i = 0; pick == blocks.size(); ++i) {
@@ -117,6 +124,16 @@ bool BlockPool::has_image(std::size_t bytes, std::int64_t chunk, std::uint64_t v
   if (it == by_size.end()) return false;
   for (const BlockPtr& block : it->second) {
     if (block->image_of == chunk && block->image_version == version) return true;
+  }
+  return false;
+}
+
+bool BlockPool::has_cached_without_wanted_image(MemorySpace space, std::size_t bytes) const {
+  const auto& by_size = cache_[index_of(space)];
+  auto it = by_size.find(bytes);
+  if (it == by_size.end()) return false;
+  for (const BlockPtr& block : it->second) {
+    if (!holds_wanted_image(*block)) return true;
   }
   return false;
 }
@@ -171,11 +188,14 @@ bool BlockPool::trim_one_ready(MemorySpace space) {
   // error, so every call there makes progress (the destructor relies on it).
   // A pinned block goes after those not pinned (Note [Pinned at the second
   // crossing] in chunk_scheduler.h: pinning it again costs 8x its copy).
-  for (const bool take_pinned : {false, true}) {
+  // Among those, one holding no wanted image first.
+  for (const int pass : {0, 1, 2, 3}) {
+    const bool take_pinned = pass >= 2;
+    const bool take_wanted = pass % 2 == 1;
     for (auto bucket = by_size.rbegin(); bucket != by_size.rend(); ++bucket) {
       auto& blocks = bucket->second;
       for (std::size_t i = blocks.size(); i-- > 0;) {
-        if (blocks[i]->host.registered() != take_pinned) continue;
+        if (blocks[i]->host.registered() != take_pinned || holds_wanted_image(*blocks[i]) != take_wanted) continue;
         bool done = false;
         try {
           done = blocks[i]->ready();
@@ -227,14 +247,20 @@ std::size_t BlockPool::trim_ready(MemorySpace space, std::size_t keep_blocks,
   const std::size_t s = index_of(space);
   std::size_t freed = 0;
   auto& by_size = cache_[s];
-  // Blocks not pinned go first (as in trim_one).
-  for (const bool take_pinned : {false, true}) {
+  // Blocks not pinned go first, and of each, those holding no wanted image
+  // (as in trim_one).
+  for (const int pass : {0, 1, 2, 3}) {
+    const bool take_pinned = pass >= 2;
+    const bool take_wanted = pass % 2 == 1;
     for (auto bucket = by_size.rbegin(); bucket != by_size.rend() && cached_count_[s] > keep_blocks;) {
       auto& blocks = bucket->second;
       const auto kept = keep_by_size.find(bucket->first);
       const std::size_t keep_here = kept == keep_by_size.end() ? 0 : kept->second;
       for (std::size_t i = blocks.size(); i-- > 0 && cached_count_[s] > keep_blocks && blocks.size() > keep_here;) {
-        if (blocks[i]->host.registered() != take_pinned || !blocks[i]->ready()) continue;
+        if (blocks[i]->host.registered() != take_pinned || holds_wanted_image(*blocks[i]) != take_wanted ||
+            !blocks[i]->ready()) {
+          continue;
+        }
         BlockPtr block = std::move(blocks[i]);
         blocks.erase(blocks.begin() + static_cast<std::ptrdiff_t>(i));
         forget_cached(*block);

@@ -29,6 +29,8 @@
 
 #include <array>
 #include <cstddef>
+#include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <vector>
@@ -112,15 +114,21 @@ class BlockPool {
   BlockPool(const BlockPool&) = delete;
   BlockPool& operator=(const BlockPool&) = delete;
 
-  // A cached block of exactly `bytes` in `space`, or null. On the host, a
-  // pinned one first when `pinned`, else one not pinned first, so the pinned
-  // blocks stay with the chunks that cross again and again (Note [Pinned at
-  // the second crossing] in chunk_scheduler.h). Among those, the newest whose
+  // A cached block of exactly `bytes` in `space`, or null: the newest whose
   // copies are done, else the oldest (Note [A cached block whose copy is
-  // done] in block_pool.cpp).
-  // A block handed out this way holds no chunk's image any more; blocks
-  // that hold none go first.
+  // done] in block_pool.cpp). On the host, of those, one holding no wanted
+  // image (set_image_wanted) first; then a pinned one first when `pinned`,
+  // else one not pinned first, so the pinned blocks stay with the chunks
+  // that cross again and again (Note [Pinned at the second crossing] in
+  // chunk_scheduler.h). A block handed out holds no chunk's image any more.
   BlockPtr take_cached(MemorySpace space, std::size_t bytes, bool pinned = false);
+  // Which images someone may still take back (take_image): an image of
+  // chunk `chunk` as of write count `version` for which this returns false
+  // is handed out and freed as a block holding none. Unset: every image is
+  // wanted. See Note [Images someone still wants] in chunk_scheduler.cpp.
+  void set_image_wanted(std::function<bool(std::int64_t chunk, std::uint64_t version)> wanted) {
+    image_wanted_ = std::move(wanted);
+  }
   // The cached host block of `bytes` that holds chunk `chunk`'s bytes as of
   // write count `version` (Block::image_of), taken out of the cache; null if
   // none is cached.
@@ -128,6 +136,8 @@ class BlockPool {
   // Whether take_image(bytes, chunk, version) would find one.
   bool has_image(std::size_t bytes, std::int64_t chunk, std::uint64_t version) const;
   bool has_cached(MemorySpace space, std::size_t bytes) const;
+  // Whether a cached block of `bytes` in `space` holds no wanted image.
+  bool has_cached_without_wanted_image(MemorySpace space, std::size_t bytes) const;
   // A new block. Throws OutOfMemoryError when the space has no memory left.
   // A host block is made pageable (Note [Pinned at the second crossing]).
   BlockPtr allocate(MemorySpace space, std::size_t bytes);
@@ -138,7 +148,7 @@ class BlockPool {
   // Puts a block no chunk uses any more into the cache.
   void give_back(BlockPtr block);
   // Frees one cached block of `space`: the largest whose fence has
-  // completed, else the oldest of the largest size after waiting for its
+  // completed (one holding no wanted image first), else the oldest of the largest size after waiting for its
   // fence (counted in trim_waits()). Returns false when the cache of that
   // space is empty.
   bool trim_one(MemorySpace space);
@@ -148,7 +158,8 @@ class BlockPool {
   void trim_all(MemorySpace space);
   // Frees cached blocks of `space` whose fences have completed (largest
   // first) until at most `keep_blocks` stay cached; never waits, so blocks
-  // still being copied from stay for a later call. Returns the number freed.
+  // still being copied from stay for a later call; blocks holding a wanted
+  // image go after the others. Returns the number freed.
   // Only blocks beyond what `keep_by_size` keeps of their size go (a size it
   // does not name keeps none).
   std::size_t trim_ready(MemorySpace space, std::size_t keep_blocks,
@@ -181,11 +192,16 @@ class BlockPool {
   // Takes block `i` of the cache bucket `it` of `space` out, for a new user.
   BlockPtr take_at(MemorySpace space, std::map<std::size_t, std::vector<BlockPtr>>::iterator it,
                    std::size_t i);
+  // Whether `block` holds an image someone may still take back.
+  bool holds_wanted_image(const Block& block) const {
+    return block.image_of >= 0 && (!image_wanted_ || image_wanted_(block.image_of, block.image_version));
+  }
   // The byte counts of a block just taken out of the cache to be freed.
   void forget_cached(const Block& block);
 
   std::shared_ptr<Device> device_;
   bool pin_host_;
+  std::function<bool(std::int64_t, std::uint64_t)> image_wanted_;
   std::array<std::map<std::size_t, std::vector<BlockPtr>>, kNumMemorySpaces> cache_;
   std::array<std::size_t, kNumMemorySpaces> held_{};
   std::array<std::size_t, kNumMemorySpaces> cached_{};

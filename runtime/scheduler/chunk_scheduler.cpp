@@ -50,6 +50,7 @@ ChunkScheduler::ChunkScheduler(ChunkStore store, std::shared_ptr<Device> device,
     disk_ = std::make_unique<DiskTier>(d);
     budget_[index_of(MemorySpace::kDisk)] = disk_->budget_bytes();
   }
+  pool_.set_image_wanted([this](std::int64_t chunk, std::uint64_t version) { return image_wanted(chunk, version); });
   budget_[index_of(MemorySpace::kHost)] = options_.host_budget_bytes;
   budget_[index_of(MemorySpace::kDevice)] =
       options_.device_budget_bytes > 0 ? options_.device_budget_bytes : device_->capacity();
@@ -413,7 +414,7 @@ std::size_t ChunkScheduler::device_budget_now() const {
   return ceiling_ ? std::min(budget, ceiling_()) : budget;
 }
 
-bool ChunkScheduler::make_room(const RoomRequest& request) {
+std::size_t ChunkScheduler::budget_for(const RoomRequest& request) const {
   const MemorySpace space = request.space;
   std::size_t budget = space == MemorySpace::kDevice ? device_budget_now() : budget_[index_of(space)];
   if (space == MemorySpace::kHost && request.chunk != kNoChunk &&
@@ -424,6 +425,12 @@ bool ChunkScheduler::make_room(const RoomRequest& request) {
   } else if (space == MemorySpace::kHost && request.evicting_for != kNoChunk) {
     budget = eviction_host_budget(request.evicting_for);
   }
+  return budget;
+}
+
+bool ChunkScheduler::make_room(const RoomRequest& request) {
+  const MemorySpace space = request.space;
+  std::size_t budget = budget_for(request);
   // Note [Chunks leave ahead of a lowering]: a prefetch to the device keeps
   // within the lowest budget planned before the use it serves.
   std::size_t planned = std::numeric_limits<std::size_t>::max();
@@ -543,6 +550,23 @@ BlockPtr ChunkScheduler::acquire_block(const RoomRequest& request) {
                       slots_[request.chunk].block != nullptr && crosses_again(request.chunk);
   for (;;) {
     if (!make_room(request)) return nullptr;
+    if (request.space == MemorySpace::kHost && pool_.has_cached(request.space, request.bytes) &&
+        !pool_.has_cached_without_wanted_image(request.space, request.bytes)) {
+      // Note [Images someone still wants]: every cached block of the size
+      // is an image someone will take back; a new one where the budget has
+      // the room without freeing any (the steady step's count keeps it).
+      const std::size_t held = pool_.held_bytes(request.space);
+      const std::size_t budget = budget_for(request);
+      if (held <= budget && request.bytes <= budget - held) {
+        try {
+          BlockPtr block = pool_.allocate(request.space, request.bytes);
+          ++stats_.blocks_for_images;
+          return block;
+        } catch (const OutOfMemoryError&) {
+          // (Taken from the cache after all.)
+        }
+      }
+    }
     if (BlockPtr block = reuse_block(request.space, request.bytes, pinned)) return block;
     try {
       return pool_.allocate(request.space, request.bytes);
@@ -880,6 +904,48 @@ bool ChunkScheduler::image_cached(ChunkId id, std::uint64_t version) const {
   TIDAL_CHECK_INDEX(id < slots_.size(), "chunk scheduler: chunk id ", id, " out of range");
   return may_skip_copies(id) &&
          pool_.has_image(store_.chunk(id).capacity_bytes(), static_cast<std::int64_t>(id), version);
+}
+
+// Note [Images someone still wants]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// A cached host block tagged as a chunk's image (Note [A clean chunk goes
+// down without a copy]) is worth keeping only while someone may take it
+// back: the chunk coming down clean (it is on the device and its write
+// count is the image's), or a fold of its gradients that leaves the
+// weights' rewrite out (Note [The weights' image instead of the restore]
+// in hooks/gradient_sums.h), which wants the count before the landings
+// (expect_image; the landings raised the chunk's count since). Any other
+// image is stale: its chunk was written or came down another way since, and
+// its count can only grow. So the pool hands out, and frees, blocks holding
+// no wanted image before those holding one. Before, it told only tagged
+// from untagged, and a chunk coming down with its gradients in a step
+// with no untagged block free took the newest image, often the one its own
+// fold would take back a moment later (issue 52's accumulating shape: 23
+// of 32 folds a steady step took their image, while the images of chunks
+// updated on the device and of the wte chunk, written since, stayed cached).
+// And where every cached block of the size holds a wanted image, a chunk
+// coming down takes a new block if the host budget has the room without
+// freeing one (ChunkSchedulerStats::blocks_for_images): the step that took
+// it counts it (Note [Host blocks for a steady step]), so the next steps
+// find it cached and pin nothing; a host without the room takes the image
+// (its fold restores from the masters, as before).
+bool ChunkScheduler::image_wanted(std::int64_t chunk, std::uint64_t version) const {
+  if (chunk < 0 || static_cast<std::size_t>(chunk) >= slots_.size()) return false;
+  const auto id = static_cast<ChunkId>(chunk);
+  const Slot& slot = slots_[id];
+  if (slot.image_expected && slot.expected_image_version == version) return true;
+  return slot.writes == version && slot.block != nullptr && slot.block->space == MemorySpace::kDevice;
+}
+
+void ChunkScheduler::expect_image(ChunkId id, std::uint64_t version) {
+  TIDAL_CHECK_INDEX(id < slots_.size(), "chunk scheduler: chunk id ", id, " out of range");
+  slots_[id].image_expected = true;
+  slots_[id].expected_image_version = version;
+}
+
+void ChunkScheduler::forget_expected_image(ChunkId id) {
+  TIDAL_CHECK_INDEX(id < slots_.size(), "chunk scheduler: chunk id ", id, " out of range");
+  slots_[id].image_expected = false;
 }
 
 bool ChunkScheduler::take_back_image(ChunkId id, std::uint64_t version) {

@@ -418,6 +418,10 @@ struct ChunkSchedulerStats {
   // instead of the restore] in hooks/gradient_sums.h).
   std::uint64_t images_taken_back = 0;
   std::uint64_t bytes_images_taken_back = 0;
+  // Host blocks allocated because every cached one of the size held an
+  // image someone would take back (Note [Images someone still wants] in
+  // chunk_scheduler.cpp).
+  std::uint64_t blocks_for_images = 0;
   std::uint64_t steps = 0;
   std::uint64_t trace_adoptions = 0;   // end_step() took a new trace (first one included)
   std::uint64_t trace_divergences = 0; // steps that departed from the trace
@@ -556,6 +560,12 @@ class ChunkScheduler {
   // as a write. False, with nothing changed, when the chunk is not on the
   // host, a slot of it is COMPUTE or the block is not cached.
   bool take_back_image(ChunkId id, std::uint64_t version);
+  // A later take_back_image(id, version) is expected (a fold of chunk `id`'s
+  // gradients whose landings began at write count `version`), or no longer
+  // is: the pool hands out and frees images nobody expects first (Note
+  // [Images someone still wants] in chunk_scheduler.cpp). One per chunk.
+  void expect_image(ChunkId id, std::uint64_t version);
+  void forget_expected_image(ChunkId id);
 
   ChunkSchedulerStats stats() const;
   // Zeroes the counters; peaks restart from what is resident now.
@@ -604,6 +614,9 @@ class ChunkScheduler {
     // block tagged with an earlier count no longer holds them (Note [A clean
     // chunk goes down without a copy]).
     std::uint64_t writes = 0;
+    // expect_image: a take_back_image of this write count will come.
+    bool image_expected = false;
+    std::uint64_t expected_image_version = 0;
     // The payload's bytes may have changed: neither its home on disk nor a
     // host block it came up from holds them any more.
     void written() {
@@ -674,6 +687,12 @@ class ChunkScheduler {
   void write_to_disk(ChunkId id);
   // Reads chunk `id` from the disk tier into `block` (a host block).
   void read_from_disk(ChunkId id, BlockPtr block);
+  // Whether the pool's image of chunk `chunk` as of write count `version`
+  // may still be taken back (Note [Images someone still wants]).
+  bool image_wanted(std::int64_t chunk, std::uint64_t version) const;
+  // The budget make_room keeps `request` within (before a device prefetch's
+  // planned lowering).
+  std::size_t budget_for(const RoomRequest& request) const;
   // release() and release_taking_image() (image_version null: the first).
   bool release_with(TensorRef ref, TensorState state, const std::uint64_t* image_version);
   // Frees host blocks cached beyond host_cache_blocks whose copies are done.

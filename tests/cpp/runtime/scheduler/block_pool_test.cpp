@@ -2,7 +2,9 @@
 // steady step] in runtime/scheduler/chunk_scheduler.h).
 #include <gtest/gtest.h>
 
+#include <cstdint>
 #include <map>
+#include <vector>
 
 #include "runtime/scheduler/block_pool.h"
 #include "scheduler_test_util.h"
@@ -154,6 +156,69 @@ TEST(BlockPool, ACachedBlockWhoseCopyIsDoneGoesFirstElseTheOldest) {
   EXPECT_EQ(pool.take_cached(kDevice, kSmall)->data, order[1]);
   stream->synchronize();
   pool.validate();
+}
+
+// Note [Images someone still wants] in chunk_scheduler.cpp: of cached host
+// blocks tagged as chunks' images, those whose image nobody wants are handed
+// out and freed before those whose image is wanted, whatever their age; with
+// no predicate set every image is wanted (blocks holding none go first).
+TEST(BlockPool, ABlockWhoseImageNobodyWantsGoesBeforeOneWhoseImageIsWanted) {
+  const auto tagged = [](BlockPool& pool) {
+    std::vector<const void*> data;
+    for (std::int64_t chunk = 0; chunk < 3; ++chunk) {
+      BlockPtr block = pool.allocate(kHost, kSmall);
+      block->image_of = chunk;
+      block->image_version = 7;
+      data.push_back(block->data);
+      pool.give_back(std::move(block));
+    }
+    return data;  // chunk 2's is the newest
+  };
+  const auto wanted = [](std::int64_t chunk, std::uint64_t version) { return chunk != 1 && version == 7; };
+  BlockPool pool(make_device(kKiB * kKiB), /*pin_host=*/false);
+  const auto data = tagged(pool);
+  EXPECT_FALSE(pool.has_cached_without_wanted_image(kHost, kSmall));  // (none set: every image is wanted)
+  pool.set_image_wanted(wanted);
+  EXPECT_TRUE(pool.has_cached_without_wanted_image(kHost, kSmall));
+  BlockPtr stale = pool.take_cached(kHost, kSmall);
+  EXPECT_EQ(stale->data, data[1]);
+  EXPECT_EQ(stale->image_of, -1);  // handed out: no image any more
+  EXPECT_FALSE(pool.has_cached_without_wanted_image(kHost, kSmall));
+  EXPECT_TRUE(pool.has_image(kSmall, 0, 7) && pool.has_image(kSmall, 2, 7));
+  // Only wanted ones left: the newest of them rather than none.
+  EXPECT_EQ(pool.take_cached(kHost, kSmall)->data, data[2]);
+  pool.give_back(std::move(stale));
+  EXPECT_TRUE(pool.has_cached_without_wanted_image(kHost, kSmall));  // (a block holding none)
+  pool.validate();
+
+  // A trim frees the unwanted image first, then the wanted ones; trim_one alike.
+  BlockPool trimmed(make_device(kKiB * kKiB), /*pin_host=*/false);
+  const auto kept = tagged(trimmed);
+  trimmed.set_image_wanted(wanted);
+  EXPECT_EQ(trimmed.trim_ready(kHost, 2), 1u);
+  EXPECT_FALSE(trimmed.has_image(kSmall, 1, 7));
+  EXPECT_TRUE(trimmed.has_image(kSmall, 0, 7) && trimmed.has_image(kSmall, 2, 7));
+  trimmed.set_image_wanted([](std::int64_t chunk, std::uint64_t) { return chunk == 0; });
+  EXPECT_TRUE(trimmed.trim_one(kHost));
+  EXPECT_TRUE(trimmed.has_image(kSmall, 0, 7));
+  EXPECT_FALSE(trimmed.has_image(kSmall, 2, 7));
+  EXPECT_EQ(kept.size(), 3u);
+  trimmed.validate();
+
+  // Blocks holding no wanted image go before one pinned as asked.
+  BlockPool pinning(make_device(kKiB * kKiB), /*pin_host=*/true);
+  BlockPtr image = pinning.allocate(kHost, kSmall);
+  pinning.prepare_crossing(*image, /*pin=*/true);
+  image->image_of = 0;
+  image->image_version = 7;
+  pinning.give_back(std::move(image));
+  pinning.give_back(pinning.allocate(kHost, kSmall));
+  pinning.set_image_wanted(wanted);
+  BlockPtr plain = pinning.take_cached(kHost, kSmall, /*pinned=*/true);
+  EXPECT_FALSE(plain->host.registered());
+  EXPECT_TRUE(pinning.has_image(kSmall, 0, 7));
+  pinning.give_back(std::move(plain));
+  pinning.validate();
 }
 
 TEST(BlockPool, HandedOutBySizeCountsNewBlocksAndReusesAlike) {

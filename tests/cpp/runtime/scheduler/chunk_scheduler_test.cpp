@@ -270,7 +270,9 @@ TEST(ChunkScheduler, AChunkOnlyReadOnTheDeviceGoesDownWithoutACopy) {
 // of the gradients goes to the pool. Not for another write count, not while
 // another slot is in use, not on the device, not with skip_clean_copies off.
 // (A frozen chunk going up first leaves the host block the gradients come
-// down into: not an image, the pool hands it out first.)
+// down into: not an image, the pool hands it out first. The fold's caller
+// expects the image before the gradients land, as GradientSums does: Note
+// [Images someone still wants] in chunk_scheduler.cpp.)
 TEST(ChunkScheduler, AChunkWhoseGradientsCameDownTakesBackTheBlockItWentUpFrom) {
   for (const bool skip : {true, false}) {
     SCOPED_TRACE(skip ? "skip_clean_copies" : "every move down copies");
@@ -298,6 +300,7 @@ TEST(ChunkScheduler, AChunkWhoseGradientsCameDownTakesBackTheBlockItWentUpFrom) 
       s.release(p16(t), TensorState::kHold);
     }
     EXPECT_FALSE(s.take_back_image(chunk, weights));  // (on the device)
+    s.expect_image(chunk, weights);
     for (TensorId t = 0; t < 2; ++t) {  // the gradients
       write_pattern(s.access(p16(t), kDev), kFull, 200 + t);
       s.release(p16(t), TensorState::kHoldAfterBwd);
@@ -334,6 +337,60 @@ TEST(ChunkScheduler, AChunkWhoseGradientsCameDownTakesBackTheBlockItWentUpFrom) 
   }
 }
 
+// Note [Images someone still wants] in chunk_scheduler.cpp: chunks 0 and 1
+// go up for reading, leaving their host blocks cached as their images; 0 is
+// then written on the device (its image stale), 1 gets its gradients after
+// a fold expects its image. 0 coming down takes its own stale image's block,
+// though 1's image is the newest cached block (what the pool handed out
+// before); 1 coming down, every cached block being an image someone wants,
+// takes a new one; the fold takes 1's image back. Once no one expects it,
+// an image is handed out as any block.
+TEST(ChunkScheduler, AChunkComingDownTakesAStaleImageOrANewBlockBeforeAnImageAFoldWants) {
+  ChunkScheduler s(make_store({kFull, kFull, kFull}, kChunk), make_device(kKiB * kKiB),
+                   no_prefetch(2 * kChunk));
+  for (TensorId t = 0; t < 2; ++t) {
+    write_pattern(s.access(p16(t), kHost), kFull * 2, 100 + t);
+    s.release(p16(t), TensorState::kHold);
+  }
+  for (TensorId t = 0; t < 2; ++t) {
+    EXPECT_TRUE(has_pattern(s.access(p16(t), kDev, AccessMode::kRead), kFull * 2, 100 + t));
+    s.release(p16(t), TensorState::kHold);
+  }
+  const ChunkId c0 = s.store().chunk_of(p16(0)), c1 = s.store().chunk_of(p16(1));
+  const std::uint64_t w0 = s.write_count(c0), w1 = s.write_count(c1);
+  EXPECT_TRUE(s.image_cached(c0, w0) && s.image_cached(c1, w1));
+  write_pattern(s.access(p16(0), kDev), kFull * 2, 200);
+  s.release(p16(0), TensorState::kHold);
+  s.expect_image(c1, w1);
+  write_pattern(s.access(p16(1), kDev), kFull * 2, 201);  // the gradients
+  s.release(p16(1), TensorState::kHoldAfterBwd);
+  EXPECT_TRUE(has_pattern(s.access(p16(0), kHost, AccessMode::kRead), kFull * 2, 200));
+  s.release(p16(0), TensorState::kHold);
+  EXPECT_TRUE(s.image_cached(c1, w1));
+  EXPECT_EQ(s.stats().host_block_allocations, 2u);  // (the two made at first)
+  EXPECT_TRUE(has_pattern(s.access(p16(1), kHost, AccessMode::kRead), kFull * 2, 201));
+  EXPECT_EQ(s.stats().blocks_for_images, 1u);
+  EXPECT_EQ(s.stats().host_block_allocations, 3u);
+  EXPECT_TRUE(s.release_taking_image(p16(1), TensorState::kHold, w1));
+  s.forget_expected_image(c1);
+  EXPECT_TRUE(has_pattern(s.access(p16(1), kHost, AccessMode::kRead), kFull * 2, 101));
+  s.release(p16(1), TensorState::kHold);
+  EXPECT_EQ(s.stats().bytes_device_to_host, 2 * kChunk);
+  // 1 goes up again (its image cached, wanted while 1 is on the device and
+  // unwritten) and is written: the image is stale, and no fold expects it.
+  // Chunk 2, materializing on the host, takes a cached block, not a new one.
+  EXPECT_TRUE(has_pattern(s.access(p16(1), kDev, AccessMode::kRead), kFull * 2, 101));
+  s.release(p16(1), TensorState::kHold);
+  write_pattern(s.access(p16(1), kDev), kFull * 2, 301);
+  s.release(p16(1), TensorState::kHold);
+  const std::uint64_t allocations = s.stats().host_block_allocations;
+  write_pattern(s.access(p16(2), kHost), kFull * 2, 102);
+  s.release(p16(2), TensorState::kHold);
+  EXPECT_EQ(s.stats().host_block_allocations, allocations);
+  EXPECT_EQ(s.stats().blocks_for_images, 1u);
+  s.validate();
+}
+
 // Only the pools named in clean_copy_pools skip (the engine names the
 // trainable one: a frozen chunk is its tensors' only copy).
 TEST(ChunkScheduler, OnlyChunksOfTheNamedPoolsGoDownWithoutACopy) {
@@ -356,9 +413,15 @@ TEST(ChunkScheduler, OnlyChunksOfTheNamedPoolsGoDownWithoutACopy) {
   s.validate();
 }
 
+// (The host has room for four chunks' blocks: chunk 2's image is the only
+// cached block when chunks 3 and 4 materialize; 3 takes a new block beside
+// it, Note [Images someone still wants], and 4, finding no room for one,
+// the image.)
 TEST(ChunkScheduler, AChunkWrittenOnTheDeviceOrWhoseBlockWentElsewhereGoesDownWithACopy) {
+  ChunkSchedulerOptions options = no_prefetch(2 * kChunk);
+  options.host_budget_bytes = 4 * kChunk;
   ChunkScheduler s(make_store(std::vector<std::size_t>(6, kFull), kChunk), make_device(kKiB * kKiB),
-                   no_prefetch(2 * kChunk));
+                   options);
   for (TensorId t = 0; t < 3; ++t) {
     write_pattern(s.access(p16(t), kHost), kFull * 2, 100 + t);
     s.release(p16(t), TensorState::kHold);
@@ -377,7 +440,7 @@ TEST(ChunkScheduler, AChunkWrittenOnTheDeviceOrWhoseBlockWentElsewhereGoesDownWi
   EXPECT_EQ(s.stats().copies_down_skipped, 0u);
   EXPECT_EQ(s.stats().bytes_device_to_host, 2 * kChunk);
   // 2 goes up for reading; its host block (the only one cached) then goes
-  // to new chunks 3 and 4, which materialize on the host. 2 must copy.
+  // to new chunk 4, which materializes on the host after 3. 2 must copy.
   EXPECT_TRUE(has_pattern(s.access(p16(2), kDev, AccessMode::kRead), kFull * 2, 102));
   s.release(p16(2), TensorState::kHold);
   for (TensorId t : {3, 4}) {
@@ -388,6 +451,7 @@ TEST(ChunkScheduler, AChunkWrittenOnTheDeviceOrWhoseBlockWentElsewhereGoesDownWi
   s.release(p16(2), TensorState::kHold);
   EXPECT_EQ(s.stats().copies_down_skipped, 0u);
   EXPECT_EQ(s.stats().bytes_device_to_host, 3 * kChunk);
+  EXPECT_EQ(s.stats().blocks_for_images, 1u);
   for (TensorId t : {3, 4}) {
     EXPECT_TRUE(has_pattern(s.access(p16(t), kHost, AccessMode::kRead), kFull * 2, 300 + t)) << t;
     s.release(p16(t), TensorState::kHold);
