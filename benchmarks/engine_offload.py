@@ -376,6 +376,10 @@ def main():
             "steady_prefetches_ahead": med["prefetches_ahead"],
             "exposed_adam_s": exposed, "adam_s": statistics.median(d["adam_seconds"] for d in st),
             "steady_images_taken_back": med["images_taken_back"],
+            # Note [Images someone still wants]: host blocks made because every
+            # cached one of the size was an image a fold would take back.
+            "steady_blocks_for_images": med["blocks_for_images"],
+            "blocks_for_images": engine.chunks.stats()["blocks_for_images"],
             "steady_folds_on_worker": med["folds_on_worker"],
             # Note [Measured in the fold]: chunks whose clip measure their fold made.
             "steady_sums_measured_in_folds": med["sums_measured_in_folds"],
@@ -396,7 +400,8 @@ def main():
               f"{r['step1_over_steady']:.1f}x a steady step (pinned {first_pinned[name]} B in steps 1-3)"
               + (f"; folds on the worker {r['steady_folds_on_worker']:.0f} ({r['steady_fold_worker_s'] * 1e3:.1f} ms "
                  f"there, waited {r['steady_fold_wait_s'] * 1e3:.1f} ms), images taken back "
-                 f"{r['steady_images_taken_back']:.0f}, sums measured in their fold "
+                 f"{r['steady_images_taken_back']:.0f} (host blocks made for images {r['blocks_for_images']}, "
+                 f"{r['steady_blocks_for_images']:.0f} in a steady step), sums measured in their fold "
                  f"{r['steady_sums_measured_in_folds']:.0f}" if accum > 1 else ""),
               flush=True)
         ph, pp = r["phases"], out["plain_phases"]
