@@ -105,10 +105,12 @@ of its weights (Note [The weights' image instead of the restore] in
 hooks/gradient_sums.h: tidal.fold_images and tidal.skip_clean_copies on, no
 NVMe tier) that is the rate of the fold without the weights' rewrite (10
 bytes of host memory traffic per parameter), else the fold's (16 bytes).
-Every fold is charged so, though the engine finds the block gone in some
-(37 of 46 a step took it back in estimate-link250mb-cpu-2c.json's
-accumulating shape) and rewrites the weights there; nor is the window's last
-fold's measure of its sums charged (docs/estimate.md). A window's first fold
+Every fold is charged so: the engine's host pool keeps the blocks folds
+will take back (Note [Images someone still wants] in
+runtime/scheduler/chunk_scheduler.cpp; all 46 folds a step took theirs in
+estimate-link1gb-cpu-2c.json's accumulating shape, 37 before it), a host
+without room for them rewrites the weights. The window's last fold's
+measure of its sums is not charged (docs/estimate.md). A window's first fold
 writes the sums without reading them, but the stores still bring the lines
 in, so it is charged as the others (0.8-1.2x a later one in a scratch check,
 no result file). Beside a GPU every backward folds on the update worker while it
