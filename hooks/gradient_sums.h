@@ -53,11 +53,11 @@ namespace tidal::hooks {
 // gradients. From the chunk's first landing on, the scheduler expects the
 // image (ChunkScheduler::expect_image), and its pool hands out and frees
 // every other block first (Note [Images someone still wants] in
-// runtime/scheduler/chunk_scheduler.cpp). Where the block is gone by the time the fold's accesses are
-// made (taken for a copy, this chunk's own copy down included), the pass
-// restores as before; where it is gone by the fold's end or the chunk
-// cannot change blocks (another of its slots in use), the fold restores
-// from the masters then (late_restores()). Counted in
+// runtime/scheduler/chunk_scheduler.cpp). Where the block is gone by the
+// time the fold's accesses are made (taken for a copy, this chunk's own
+// copy down included), the pass restores as before; where it is gone by
+// the fold's end or the chunk cannot change blocks (another of its slots in
+// use), the fold restores from the masters then (late_restores()). Counted in
 // ChunkSchedulerStats::images_taken_back. tidal.fold_images off (or
 // tidal.skip_clean_copies off, or the NVMe tier): every fold restores.
 
@@ -151,8 +151,8 @@ class GradientSums {
   // Note [The weights' image instead of the restore]: a gradient of tensor
   // `id` is about to land in its 16-bit slot (the chunk's write count now,
   // for landing_ended; the chunk's first since its fold makes the scheduler
-  // expect its image of that count), and has landed; a landing that failed part-way
-  // passes ok false, and its chunk's fold restores from the masters.
+  // expect its image of that count), and has landed; a landing that failed
+  // part-way passes ok false, and its chunk's fold restores from the masters.
   std::uint64_t landing_began(TensorId id);
   void landing_ended(TensorId id, std::uint64_t began, bool ok);
   // The landings of `ids`' chunks are forgotten (their gradients dropped).

@@ -148,9 +148,9 @@ class BlockPool {
   // Puts a block no chunk uses any more into the cache.
   void give_back(BlockPtr block);
   // Frees one cached block of `space`: the largest whose fence has
-  // completed (one holding no wanted image first), else the oldest of the largest size after waiting for its
-  // fence (counted in trim_waits()). Returns false when the cache of that
-  // space is empty.
+  // completed (one holding no wanted image first), else the oldest of the
+  // largest size after waiting for its fence (counted in trim_waits()).
+  // Returns false when the cache of that space is empty.
   bool trim_one(MemorySpace space);
   // The same without the wait: false when no cached block's fence has
   // completed.
