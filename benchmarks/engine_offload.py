@@ -87,7 +87,7 @@ PIN_SHARE = H100_MINIMUM / H100_PIN / H100_PLAIN_STEP  # pinning the minimum / c
 COUNTERS = ("bytes_host_to_device", "bytes_device_to_host", "prefetch_hits", "misses",
             "host_block_allocations", "host_block_bytes_allocated", "host_pins", "host_bytes_pinned",
             "pageable_copies", "block_waits", "copy_waits", "copy_wait_seconds", "evictions", "prefetches_ahead",
-            "images_taken_back", "bytes_images_taken_back")
+            "images_taken_back", "bytes_images_taken_back", "blocks_for_images")
 
 
 class Plain:
@@ -154,7 +154,7 @@ class Tidal:
     def counters(self):
         s = self.engine.chunks.stats()
         r = self.engine.memory_report()
-        return {**{k: s[k] for k in COUNTERS}, "blocks_for_images": s["blocks_for_images"],
+        return {**{k: s[k] for k in COUNTERS},
                 "exposed_adam_seconds": r["optimizer"]["exposed_adam_seconds"],
                 "adam_seconds": r["optimizer"]["adam_seconds"],
                 "fold_worker_seconds": r["optimizer"]["fold_worker_seconds"],
