@@ -219,7 +219,11 @@ def _estimate_rows(r: Dict) -> List[List[str]]:
             f"{mib(p['bytes_device_to_host'])} / {mib(m['bytes_device_to_host']['median'])} "
             f"({e['bytes_device_to_host']:+.0%})",
             f"{ms(p['step_s'])} / {ms(t['median'])} ({ms(t['min'])}-{ms(t['max'])}) "
-            f"({e['step_s']:+.0%})",
+            f"({e['step_s']:+.0%})"
+            # (Note [A step of the loop] in benchmarks/estimate.py: the
+            # measure before it beside, in the files that have both.)
+            + (f"; until its copies landed {ms(m['step_with_copies_landed_s']['median'])} "
+               f"({e['step_with_copies_landed_s']:+.0%})" if "step_with_copies_landed_s" in m else ""),
             p["time_median_round"]["bottleneck"],
         ])
     return rows
@@ -294,7 +298,11 @@ def _estimate_caption(r: Dict, name: str) -> str:
     return (f"**tidal.estimate against the engine** (simulated device, link "
             f"{res['bandwidth']} each way, GPT width {f['d']}, sequence {f['seq']}, micro "
             f"batch {f['batch']}, {f['precision']}, chunks of {f['chunk'] >> 10} KiB; "
-            f"steady steps after the warm-up, {len(res['link_samples'])} rounds in fresh "
+            + ("each timed step run right after a lead step and timed until it returns, as a "
+               "training loop runs it (Note [A step of the loop] in benchmarks/estimate.py), "
+               if "step_with_copies_landed_s" in next(iter(res["shapes"].values()))["measured"] else
+               "each step timed until its copies landed, ")
+            + f"steady steps after the warm-up, {len(res['link_samples'])} rounds in fresh "
             f"processes; rates measured in the same run: link "
             f"{res['link']['h2d_bytes_per_s'] / 1e9:.2f} / "
             f"{res['link']['d2h_bytes_per_s'] / 1e9:.2f} GB/s, hooks "

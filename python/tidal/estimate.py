@@ -95,7 +95,15 @@ chunks whose undo buffers (14 bytes per parameter at fp32 moments: Note
 [Speculative updates and their undo]) fit the host budget beside the chunks
 it holds are updated during backward; for a share b of the streamed bytes,
     link = b max(up, down) + (1 - b)(up + down) + one 16-bit chunk up,
-and the forward waits for the rest's (1 - b) up. The micro-batches before a
+and the forward waits for the rest's (1 - b) up. Those are the chunks the
+forward needs first (after the ones updated on the device): it computes on
+each as its copy lands, and runs the share updated during backward (up
+already) only after the last of them, so
+    forward  = max(compute/3, one 16-bit chunk up,
+                   (1 - b) up + b x host-updated share of compute/3)
+(the compute split by parameters; where the link is well under compute the
+first term holds, where the link takes about as long it is the third:
+benchmarks/results/estimate-link250mb-cpu-2c.json). The micro-batches before a
 window's last fold during backward and need no undo buffers: b = 1 there.
 (The clip firing stops the speculation, and with it this: not modelled.)
 With gradient accumulation every micro-batch folds the gradients of the
@@ -654,7 +662,12 @@ def estimate(model, config=None, *, precision=None, optimizer_state_dtype=None,
 
         def phases(b):
             link_micro = b * max(up, down) + (1 - b) * (up + down) + tail
-            f = max(per_micro / 3, tail, (1 - b) * up)
+            # (The forward needs the chunks updated after backward first:
+            # it computes past the last of them only once its copy has
+            # landed, then runs the rest, the share b of the host-updated
+            # chunks' compute, which went up during backward.)
+            host_compute = b * (1 - hybrid_share) * per_micro / 3
+            f = max(per_micro / 3, tail, (1 - b) * up + host_compute)
             return f, max(2 * per_micro / 3, link_micro - f)
         # The micro-batches before the window's last fold each chunk during
         # backward and need no undo buffers: all of theirs go up beside.

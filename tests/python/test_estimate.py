@@ -339,3 +339,47 @@ def test_accumulation_folds_cost_the_host_updated_parameters_at_the_fold_rate():
     exposed = slow["time"]["cpu_adam_exposed_s_overlapped"] - fast["time"]["cpu_adam_exposed_s_overlapped"]
     assert exposed == pytest.approx(backward / spec, rel=1e-4)  # (fast: folds of about a microsecond)
     assert added - exposed == pytest.approx(4 * (fold - backward), rel=1e-4)
+
+
+def test_the_forward_waits_for_the_chunks_updated_after_backward_where_the_link_is_slow():
+    """Where the undo buffers of only a share b of the host-updated chunks fit
+    the host budget, only those are updated during backward and go up then;
+    the rest are updated at the step and go up under the next forward, which
+    needs them first (they are the first host-updated chunks in first-use
+    order). The forward computes on each as its copy lands and runs the share
+    updated during backward only after the last of them, so where the link
+    takes about as long as compute the forward takes (1 - b) x up + b x the
+    host-updated share of its compute, not max(compute / 3, (1 - b) x up):
+    the benchmark's host_short shape at 250 MB/s waited 22 ms a step in
+    copies there (benchmarks/results/estimate-link250mb-cpu-2c.json)."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import estimate as bench
+    shape = bench.SHAPES["host_short"]
+    with torch.device("meta"):
+        model = bench.build(bench.FAMILY, shape["layers"], meta=True)
+    cfg = bench.config(bench.FAMILY, shape)
+
+    def run(link):
+        rates = {"h2d_bytes_per_s": link, "d2h_bytes_per_s": link, "device_flops_per_s": 1e11,
+                 "seconds_per_module": 1e-4, "cpu_adam_params_per_s": 2e9,
+                 "device_adam_params_per_s": 2e9}
+        return estimate(model, cfg, device_memory="2GiB", host_memory="64GiB", rates=rates,
+                        measure=False)
+
+    fast = run(1e12)
+    t = fast["time"]
+    forward = (t["compute_s"] + t["hooks_s"]) / 3
+    b = t["link_both_ways_at_once_share"]
+    assert 0.2 < b < 0.8  # (some chunks, not all, are updated during backward)
+    assert t["forward_s"] == pytest.approx(forward, rel=1e-9)
+    traffic = fast["traffic"]
+    host_share = 1 - traffic["hybrid_param16_bytes"] / fast["chunk"]["param16_trainable_bytes"]
+    # A link whose (1 - b) share of the bytes up takes 0.9 of the forward's
+    # compute: alone it would hide under that compute.
+    link = (1 - b) * traffic["bytes_host_to_device"] / (0.9 * forward)
+    slow = run(link)
+    assert slow["time"]["link_both_ways_at_once_share"] == pytest.approx(b)
+    waited = 0.9 * forward + b * host_share * forward
+    assert waited > 1.1 * forward
+    assert slow["time"]["forward_s"] == pytest.approx(waited, rel=1e-6)
+    assert slow["time"]["step_s"] >= fast["time"]["step_s"] + (waited - forward) * 0.999
