@@ -332,7 +332,10 @@ def _derive(run, name, seq, budget=None):
            "peak_host_rss_bytes": r.get("peak_host_rss_bytes"),
            # Note [Where a step's time goes] (tidal/train.py): a steady step's host-side
            # seconds in its calls.
-           "phase_seconds_steady": r.get("phase_seconds_steady")}
+           "phase_seconds_steady": r.get("phase_seconds_steady"),
+           # Note [What a steady step costs] (tidal/train.py): a steady step's
+           # prefetch hits and misses, waits, host pins and evictions.
+           "scheduler_steady": r.get("scheduler_steady")}
     m = r.get("memory")
     if m:
         room = max(0, m["device_budget"] - m["peak_nonchunk_device_bytes"])

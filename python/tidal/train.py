@@ -279,6 +279,35 @@ def _build_seconds(in_context: float, initialize: float, store_seconds: dict) ->
             **store_seconds, "initialize": initialize}
 
 
+# Note [What a steady step costs]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# Run totals hide what a steady step does: the warm-up's misses and pins
+# (the trace, the relayout) swamp them. So the run records each step's
+# scheduler counters (engine.chunks.stats() before and after it: the
+# report's scheduler_per_step) and their mean over the steps from the third
+# on (scheduler_steady, with the prefetch hit rate of those steps): the
+# copies a steady step needed that were prefetched, its waits on copies
+# and host blocks, its host pins (each a cudaHostRegister on a GPU), its
+# evictions, the folds that took back their weights' block. The figures a
+# GPU run is judged by (issue 52: hit rate >= 0.9, no waits, no pinning).
+STEP_COUNTERS = ("bytes_host_to_device", "bytes_device_to_host", "prefetch_hits", "misses",
+                 "copy_waits", "copy_wait_seconds", "block_waits", "block_wait_seconds",
+                 "host_pins", "host_bytes_pinned", "host_block_allocations", "evictions",
+                 "images_taken_back", "blocks_for_images")
+
+
+def steady_counters(per_step: list) -> dict:
+    """The mean of STEP_COUNTERS over the steps from the third on (all of
+    them in a shorter run), with those steps' prefetch hit rate (0 where
+    nothing was needed)."""
+    steady = per_step[2:] or per_step
+    out = {k: sum(s[k] for s in steady) / len(steady) if steady else 0.0 for k in STEP_COUNTERS}
+    needed = out["prefetch_hits"] + out["misses"]
+    out["prefetch_hit_rate"] = out["prefetch_hits"] / needed if needed else 0.0
+    out["steps"] = len(steady)
+    return out
+
+
 def _fmt_bytes(n: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if abs(n) < 1024 or unit == "TiB":
@@ -626,8 +655,11 @@ def run(argv=None) -> dict:
     # the device before the next micro-batch's forward could launch. The
     # same sums, in the same order.
     phases = {"forward": [], "backward": [], "step": [], "losses_read": []}
+    # Each step's scheduler counters (Note [What a steady step costs]).
+    moved = []
     start = time.perf_counter()
     for step in range(first, steps):
+        counted = engine.chunks.stats()
         t = time.perf_counter()
         total = 0.0
         spent = dict.fromkeys(phases, 0.0)
@@ -670,6 +702,8 @@ def run(argv=None) -> dict:
         times.append(time.perf_counter() - t)
         for k, v in spent.items():
             phases[k].append(v)
+        now = engine.chunks.stats()
+        moved.append({k: now[k] - counted[k] for k in STEP_COUNTERS})
         if engine.dp is not None:  # the global batch's mean loss
             total = engine.dp.all_reduce_sum([total], "average the loss")[0] / world
         losses.append(total / accum)
@@ -729,6 +763,8 @@ def run(argv=None) -> dict:
         "host_bytes": report["host"],
         "phase_seconds": phases,
         "phase_seconds_steady": {k: statistics.median(v[2:] or v) for k, v in phases.items()},
+        "scheduler_per_step": moved,
+        "scheduler_steady": steady_counters(moved),
     }
     if disk_steps:
         # Each step's [bytes read, bytes written] of the NVMe tier; the first
@@ -753,6 +789,12 @@ def run(argv=None) -> dict:
     say(f"  a steady step's calls (median, host-side): forward {ph['forward'] * 1e3:.1f} ms, backward "
         f"{ph['backward'] * 1e3:.1f} ms, step {ph['step'] * 1e3:.1f} ms, reading the losses "
         f"{ph['losses_read'] * 1e3:.1f} ms")
+    c = summary["scheduler_steady"]
+    say(f"  a steady step's moves (mean, steps 3 on): prefetch hits {c['prefetch_hits']:.3g}, misses "
+        f"{c['misses']:.3g} (hit rate {c['prefetch_hit_rate']:.0%}); waits on copies {c['copy_waits']:.3g} "
+        f"({c['copy_wait_seconds'] * 1e3:.1f} ms), on host blocks {c['block_waits']:.3g} "
+        f"({c['block_wait_seconds'] * 1e3:.1f} ms); host pins {c['host_pins']:.3g} "
+        f"({_fmt_bytes(c['host_bytes_pinned'])}); evictions {c['evictions']:.3g}")
     say(f"  device budget {_fmt_bytes(m['device_budget'])} (margin {_fmt_bytes(m['device_margin'])}): "
           f"peak chunks {_fmt_bytes(m['peak_chunk_device_bytes'])}, peak non-chunk "
           f"{_fmt_bytes(m['peak_nonchunk_device_bytes'])}, peak together "

@@ -66,6 +66,24 @@ def test_quick_run_trains_and_the_loss_falls(tmp_path):
     assert mem["bytes_device_to_host_last_step"] > 0 and mem["bytes_host_to_device_last_step"] > 0  # chunks moved
     assert mem["peak_chunk_device_bytes"] <= mem["device_budget"] - mem["device_margin"]
     assert report["tokens_per_s"] > 0 and report["tflops"] > 0
+    # Note [What a steady step costs]: each step's scheduler counters; the
+    # last one's bytes are the report's own count of the last step, the hit
+    # rate of them all is the run's, and the steady figures are the mean of
+    # the steps from the third on.
+    per_step = report["scheduler_per_step"]
+    assert len(per_step) == 40
+    assert (per_step[-1]["bytes_host_to_device"], per_step[-1]["bytes_device_to_host"]) == \
+        (mem["bytes_host_to_device_last_step"], mem["bytes_device_to_host_last_step"])
+    hits, misses = sum(s["prefetch_hits"] for s in per_step), sum(s["misses"] for s in per_step)
+    assert hits / (hits + misses) == pytest.approx(mem["prefetch_hit_rate"])
+    steady = report["scheduler_steady"]
+    assert steady["steps"] == 38
+    for k in ("prefetch_hits", "misses", "copy_wait_seconds", "host_pins", "evictions"):
+        assert steady[k] == pytest.approx(sum(s[k] for s in per_step[2:]) / 38), k
+    assert steady["prefetch_hits"] > 0  # (chunks move in every step of this shape)
+    assert steady["prefetch_hit_rate"] == pytest.approx(
+        steady["prefetch_hits"] / (steady["prefetch_hits"] + steady["misses"]))
+    assert "a steady step's moves (mean, steps 3 on): prefetch hits" in proc.stdout
     # Where building into chunks went (the model's own init is the rest of the
     # context's time, so it is the parts that are checked): each part was
     # timed, none is more than the whole, and the printed total is the file's.
