@@ -50,7 +50,7 @@ def test_dry_run_prints_the_plan_and_every_command_and_runs_nothing(tmp_path):
     assert rc == 0, out
     for p in ALL:
         assert f"[gpu_run]   {p:<10s} ~" in out, p  # the time plan
-    assert "[gpu_run]   total" in out and "call 1 = reporter build cpp crash bench1b largest" in out
+    assert "[gpu_run]   total" in out and "call 1 = reporter build cpp bench1b big" in out
     for cmd in ("-DCMAKE_CUDA_ARCHITECTURES=90", "--target _C tidal_runtime_tests", "--gtest_output=json:",
                 "engine_gpu.py crash", "engine_gpu.py bench", "engine_gpu.py largest", "deepspeed_gpu.py",
                 "benchmarks/dtr.py --device cuda", "segv_backtrace.c",
