@@ -77,6 +77,7 @@ import common  # noqa: E402
 import tidal  # noqa: E402
 from tidal._C.chunks import ChunkKind  # noqa: E402
 from tidal.models.gpt import TinyGPT  # noqa: E402
+from tidal.train import STEP_COUNTERS  # noqa: E402
 
 H100_LINK = 54.5e9  # bytes/s, pinned 64 MiB copies (device_bandwidth-nvidia-h100-80gb-hbm3.json)
 H100_PLAIN_STEP = 0.1612  # s, plain PyTorch's steady step, gpt-1.3b (engine-nvidia-h100-80gb-hbm3.json)
@@ -84,10 +85,9 @@ H100_MINIMUM = 2.45e9  # bytes each way per step at the quarter budget (issue 52
 H100_PIN = 6e9  # bytes/s cudaHostRegister on that host (issue 52)
 LINK_SHARE = H100_MINIMUM / H100_LINK / H100_PLAIN_STEP  # link time of the minimum / compute: 0.28
 PIN_SHARE = H100_MINIMUM / H100_PIN / H100_PLAIN_STEP  # pinning the minimum / compute: 2.5
-COUNTERS = ("bytes_host_to_device", "bytes_device_to_host", "prefetch_hits", "misses",
-            "host_block_allocations", "host_block_bytes_allocated", "host_pins", "host_bytes_pinned",
-            "pageable_copies", "block_waits", "copy_waits", "copy_wait_seconds", "evictions", "prefetches_ahead",
-            "images_taken_back", "bytes_images_taken_back", "blocks_for_images")
+# A step's scheduler counters, as tidal-train records them (Note [What a
+# steady step costs] in tidal/train.py).
+COUNTERS = STEP_COUNTERS
 
 
 class Plain:

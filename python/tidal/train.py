@@ -290,10 +290,12 @@ def _build_seconds(in_context: float, initialize: float, store_seconds: dict) ->
 # and host blocks, its host pins (each a cudaHostRegister on a GPU), its
 # evictions, the folds that took back their weights' block. The figures a
 # GPU run is judged by (issue 52: hit rate >= 0.9, no waits, no pinning).
+# (benchmarks/engine_offload.py records the same.)
 STEP_COUNTERS = ("bytes_host_to_device", "bytes_device_to_host", "prefetch_hits", "misses",
                  "copy_waits", "copy_wait_seconds", "block_waits", "block_wait_seconds",
-                 "host_pins", "host_bytes_pinned", "host_block_allocations", "evictions",
-                 "images_taken_back", "blocks_for_images")
+                 "host_pins", "host_bytes_pinned", "host_block_allocations", "host_block_bytes_allocated",
+                 "pageable_copies", "evictions", "prefetches_ahead", "images_taken_back",
+                 "bytes_images_taken_back", "blocks_for_images")
 
 
 def steady_counters(per_step: list) -> dict:

@@ -189,13 +189,11 @@ bool BlockPool::trim_one_ready(MemorySpace space) {
   // A pinned block goes after those not pinned (Note [Pinned at the second
   // crossing] in chunk_scheduler.h: pinning it again costs 8x its copy).
   // Among those, one holding no wanted image first.
-  for (const int pass : {0, 1, 2, 3}) {
-    const bool take_pinned = pass >= 2;
-    const bool take_wanted = pass % 2 == 1;
+  for (int pass = 0; pass < kTrimPasses; ++pass) {
     for (auto bucket = by_size.rbegin(); bucket != by_size.rend(); ++bucket) {
       auto& blocks = bucket->second;
       for (std::size_t i = blocks.size(); i-- > 0;) {
-        if (blocks[i]->host.registered() != take_pinned || holds_wanted_image(*blocks[i]) != take_wanted) continue;
+        if (!trimmed_in_pass(*blocks[i], pass)) continue;
         bool done = false;
         try {
           done = blocks[i]->ready();
@@ -249,18 +247,13 @@ std::size_t BlockPool::trim_ready(MemorySpace space, std::size_t keep_blocks,
   auto& by_size = cache_[s];
   // Blocks not pinned go first, and of each, those holding no wanted image
   // (as in trim_one).
-  for (const int pass : {0, 1, 2, 3}) {
-    const bool take_pinned = pass >= 2;
-    const bool take_wanted = pass % 2 == 1;
+  for (int pass = 0; pass < kTrimPasses; ++pass) {
     for (auto bucket = by_size.rbegin(); bucket != by_size.rend() && cached_count_[s] > keep_blocks;) {
       auto& blocks = bucket->second;
       const auto kept = keep_by_size.find(bucket->first);
       const std::size_t keep_here = kept == keep_by_size.end() ? 0 : kept->second;
       for (std::size_t i = blocks.size(); i-- > 0 && cached_count_[s] > keep_blocks && blocks.size() > keep_here;) {
-        if (blocks[i]->host.registered() != take_pinned || holds_wanted_image(*blocks[i]) != take_wanted ||
-            !blocks[i]->ready()) {
-          continue;
-        }
+        if (!trimmed_in_pass(*blocks[i], pass) || !blocks[i]->ready()) continue;
         BlockPtr block = std::move(blocks[i]);
         blocks.erase(blocks.begin() + static_cast<std::ptrdiff_t>(i));
         forget_cached(*block);

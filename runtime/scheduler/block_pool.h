@@ -196,6 +196,13 @@ class BlockPool {
   bool holds_wanted_image(const Block& block) const {
     return block.image_of >= 0 && (!image_wanted_ || image_wanted_(block.image_of, block.image_version));
   }
+  // The order trim_one_ready and trim_ready free blocks in, kTrimPasses
+  // passes: not pinned before pinned (Note [Pinned at the second crossing]
+  // in chunk_scheduler.h), and of each, those holding no wanted image first.
+  static constexpr int kTrimPasses = 4;
+  bool trimmed_in_pass(const Block& block, int pass) const {
+    return block.host.registered() == (pass >= 2) && holds_wanted_image(block) == (pass % 2 == 1);
+  }
   // The byte counts of a block just taken out of the cache to be freed.
   void forget_cached(const Block& block);
 

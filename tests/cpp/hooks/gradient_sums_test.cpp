@@ -129,6 +129,15 @@ struct Rig {
 
   std::uint64_t images() const { return scheduler.stats().images_taken_back; }
 
+  // Folds `ts` and checks the result (expect_folded) and how it was made:
+  // the images taken back, the restores made at the fold's end.
+  void fold_expecting(const std::vector<TensorId>& ts, std::uint64_t images_taken, std::uint64_t late) {
+    fold(ts);
+    EXPECT_EQ(images(), images_taken);
+    EXPECT_EQ(sums.late_restores(), late);
+    expect_folded(ts);
+  }
+
   ChunkScheduler scheduler;
   ParamBinding binding;
   GradientSums sums;
@@ -139,10 +148,7 @@ TEST(GradientSums, AFoldOfAChunkOnlyItsLandingsWroteTakesBackItsImage) {
   r.up({0, 1});
   r.land(1);
   r.land(0);
-  r.fold({0, 1});
-  EXPECT_EQ(r.images(), 1u);
-  EXPECT_EQ(r.sums.late_restores(), 0u);
-  r.expect_folded({0, 1});
+  r.fold_expecting({0, 1}, /*images_taken=*/1, /*late=*/0);
   r.scheduler.validate();
 }
 
@@ -152,9 +158,7 @@ TEST(GradientSums, TheSameFoldWithImagesOffRestoresFromTheMasters) {
   r.up({0, 1});
   r.land(1);
   r.land(0);
-  r.fold({0, 1});
-  EXPECT_EQ(r.images(), 0u);
-  r.expect_folded({0, 1});
+  r.fold_expecting({0, 1}, /*images_taken=*/0, /*late=*/0);
 }
 
 // A write to the chunk between its landings (one that reached the master,
@@ -167,10 +171,7 @@ TEST(GradientSums, AWriteBetweenTheLandingsMakesTheFoldRestore) {
   r.set_master(1, 5.0f);
   r.scheduler.mark_written(p16(1));
   r.land(0);
-  r.fold({0, 1});
-  EXPECT_EQ(r.images(), 0u);
-  EXPECT_EQ(r.sums.late_restores(), 0u);
-  r.expect_folded({0, 1});
+  r.fold_expecting({0, 1}, /*images_taken=*/0, /*late=*/0);
 }
 
 // A write before the first landing (the forward's own, or a user's between
@@ -183,9 +184,7 @@ TEST(GradientSums, AWriteBeforeTheLandingsMakesTheFoldRestore) {
   r.scheduler.mark_written(p16(0));
   r.land(1);
   r.land(0);
-  r.fold({0, 1});
-  EXPECT_EQ(r.images(), 0u);
-  r.expect_folded({0, 1});
+  r.fold_expecting({0, 1}, /*images_taken=*/0, /*late=*/0);
 }
 
 // A landing that failed part-way: its chunk's fold restores from the
@@ -195,10 +194,7 @@ TEST(GradientSums, AFailedLandingMakesItsChunksFoldRestore) {
   r.up({0, 1});
   r.land(1, /*ok=*/false);
   r.land(0);
-  r.fold({0, 1});
-  EXPECT_EQ(r.images(), 0u);
-  EXPECT_EQ(r.sums.late_restores(), 0u);
-  r.expect_folded({0, 1});
+  r.fold_expecting({0, 1}, /*images_taken=*/0, /*late=*/0);
 }
 
 // Another tensor of the chunk in use while the fold ends (its slot is read
@@ -229,10 +225,7 @@ TEST(GradientSums, AFoldOverTwoChunksTakesNoImage) {
   r.up({0, 1});
   r.land(1);
   r.land(0);
-  r.fold({0, 1}, /*whole_chunk=*/true);
-  EXPECT_EQ(r.images(), 0u);
-  EXPECT_EQ(r.sums.late_restores(), 0u);
-  r.expect_folded({0, 1});
+  r.fold_expecting({0, 1}, /*images_taken=*/0, /*late=*/0);
 }
 
 // A host budget with room for the master chunk and the image but not also
@@ -246,10 +239,7 @@ TEST(GradientSums, AnImageTheFoldsAccessesTookIsRestoredInThePass) {
   r.up({0, 1});
   r.land(1);
   r.land(0);
-  r.fold({0, 1});
-  EXPECT_EQ(r.images(), 0u);
-  EXPECT_EQ(r.sums.late_restores(), 0u);
-  r.expect_folded({0, 1});
+  r.fold_expecting({0, 1}, /*images_taken=*/0, /*late=*/0);
 }
 
 }  // namespace
